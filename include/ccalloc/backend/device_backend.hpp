@@ -1,0 +1,133 @@
+// ccalloc/backend/device_backend.hpp: the contract between the allocator and a
+// device.
+//
+// The device caching allocator talks to a device only through this interface.
+// Two implementations ship: ccalloc::cuda_backend (real GPUs, CUDA runtime and
+// driver entry points) and ccalloc::sim_backend (a simulated device in host
+// memory with a virtual clock; the default for replay and for every test).
+//
+// Error convention (one for every function): a function that can run out of
+// device memory says so in its return value (segment_malloc returns nullptr);
+// every other failure throws ccalloc::backend_error with the failing call and
+// its reason. Functions marked "optional" have a default implementation that
+// throws backend_error("... not supported by <name>"); capabilities() tells
+// which are implemented.
+//
+// Thread safety: every function may be called from any thread concurrently;
+// implementations synchronize internally. Devices are indices in
+// [0, device_count()). Stream and event handles are the backend's; a handle
+// is bound to the device it was created on.
+#pragma once
+
+#include <ccalloc/base/types.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ccalloc {
+
+/// Free and total bytes of one device, as cudaMemGetInfo reports them.
+struct memory_info {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+};
+
+/// What a backend implements beyond the required functions.
+struct backend_capabilities {
+  bool virtual_memory = false;  ///< vm_* functions (expandable segments, SPEC B7)
+  bool peer_access = false;     ///< enable_peer_access / can_access_peer
+  bool ipc = false;             ///< IPC export/import
+};
+
+/// An opaque physical-memory handle from vm_create (CUmemGenericAllocationHandle).
+using physical_handle_t = std::uint64_t;
+
+class device_backend {
+ public:
+  virtual ~device_backend() = default;
+
+  /// Short name for messages ("cuda", "sim").
+  [[nodiscard]] virtual std::string name() const = 0;
+  [[nodiscard]] virtual backend_capabilities capabilities() const { return {}; }
+
+  // --- devices -------------------------------------------------------------
+
+  /// Number of devices this backend drives (>= 1 for a usable backend).
+  [[nodiscard]] virtual int device_count() const = 0;
+  /// The calling thread's current device (cudaGetDevice).
+  [[nodiscard]] virtual int current_device() const = 0;
+  /// Sets the calling thread's current device (cudaSetDevice). Throws
+  /// backend_error for an index outside [0, device_count()).
+  virtual void set_device(int device) = 0;
+  /// Free and total bytes of `device` (cudaMemGetInfo).
+  [[nodiscard]] virtual memory_info mem_get_info(int device) const = 0;
+
+  // --- segments --------------------------------------------------------------
+
+  /// Obtains `size_bytes` (> 0) of device memory on `device` (cudaMalloc).
+  /// The result is aligned to at least 512 bytes. Returns nullptr when the
+  /// device is out of memory; throws backend_error on any other failure. The
+  /// memory is not zeroed. Ownership passes to the caller, who returns it with
+  /// segment_free on the same device.
+  [[nodiscard]] virtual void* segment_malloc(int device, std::size_t size_bytes) = 0;
+  /// Returns memory from segment_malloc (cudaFree). Implicitly synchronizes the
+  /// device, as cudaFree does. `ptr` must be a pointer segment_malloc returned
+  /// on `device` and not yet freed.
+  virtual void segment_free(int device, void* ptr) = 0;
+
+  // --- streams and events ------------------------------------------------------
+
+  /// Creates a stream on `device` (cudaStreamCreateWithFlags, non-blocking).
+  [[nodiscard]] virtual stream_t create_stream(int device) = 0;
+  virtual void destroy_stream(int device, stream_t stream) = 0;
+  /// Creates an event on `device` with timing disabled (cudaEventDisableTiming).
+  [[nodiscard]] virtual event_t create_event(int device) = 0;
+  virtual void destroy_event(int device, event_t event) = 0;
+  /// Records `event` on `stream`: it completes when the work queued on
+  /// `stream` before this call has completed (cudaEventRecord).
+  virtual void record_event(int device, event_t event, stream_t stream) = 0;
+  /// True when `event` has completed (cudaEventQuery), never blocks.
+  [[nodiscard]] virtual bool query_event(int device, event_t event) = 0;
+  /// Blocks until `event` has completed (cudaEventSynchronize).
+  virtual void synchronize_event(int device, event_t event) = 0;
+  /// Blocks until all work on `stream` has completed (cudaStreamSynchronize).
+  virtual void synchronize_stream(int device, stream_t stream) = 0;
+  /// Blocks until all work on `device` has completed (cudaDeviceSynchronize).
+  virtual void synchronize_device(int device) = 0;
+
+  // --- virtual memory (optional; expandable segments, SPEC B7) ---------------
+
+  /// Page size for physical mappings on `device` (cuMemGetAllocationGranularity),
+  /// in bytes; 2 MiB on current NVIDIA GPUs.
+  [[nodiscard]] virtual std::size_t vm_granularity(int device) const;
+  /// Reserves `size_bytes` (a multiple of vm_granularity) of address space
+  /// without backing (cuMemAddressReserve). Returns nullptr if the address
+  /// space is exhausted.
+  [[nodiscard]] virtual void* vm_reserve(int device, std::size_t size_bytes);
+  /// Releases a reservation from vm_reserve; all of it must be unmapped.
+  virtual void vm_release(int device, void* base, std::size_t size_bytes);
+  /// Creates `size_bytes` (a multiple of vm_granularity) of physical memory
+  /// (cuMemCreate). Returns false when the device is out of memory.
+  [[nodiscard]] virtual bool vm_create(int device, std::size_t size_bytes, physical_handle_t* handle);
+  /// Releases physical memory from vm_create (cuMemRelease); it must be unmapped.
+  virtual void vm_release_handle(int device, physical_handle_t handle);
+  /// Maps `handle` at `addr` (inside a reservation, granularity-aligned) and
+  /// grants `device` read/write access (cuMemMap + cuMemSetAccess).
+  virtual void vm_map(int device, void* addr, std::size_t size_bytes, physical_handle_t handle);
+  /// Unmaps a range mapped with vm_map (cuMemUnmap).
+  virtual void vm_unmap(int device, void* addr, std::size_t size_bytes);
+  /// Grants `peer` access to a mapped range of `device` (cuMemSetAccess).
+  virtual void vm_set_access(int device, void* addr, std::size_t size_bytes, int peer);
+
+  // --- peers (optional) -----------------------------------------------------
+
+  [[nodiscard]] virtual bool can_access_peer(int device, int peer) const;
+  virtual void enable_peer_access(int device, int peer);
+
+ protected:
+  [[noreturn]] void throw_not_supported(const char* what) const;
+};
+
+}  // namespace ccalloc

@@ -1,0 +1,31 @@
+// ccalloc/base/types.hpp: the handles and constants every layer shares.
+//
+// Streams and events are opaque integer handles owned by a device backend
+// (for the CUDA backend they hold a cudaStream_t / cudaEvent_t value). They are
+// plain integers so that the core never depends on CUDA headers and so that a
+// trace's stream column maps onto them without conversion.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ccalloc {
+
+/// A stream handle. 0 is the legacy default stream (CUDA's `cudaStreamLegacy`
+/// semantics on the CUDA backend). Valid for the backend that created it.
+using stream_t = std::uintptr_t;
+
+/// An event handle created by a device backend; 0 is never a valid event.
+using event_t = std::uintptr_t;
+
+inline constexpr stream_t default_stream = 0;
+
+inline constexpr std::size_t kib = std::size_t{1} << 10;
+inline constexpr std::size_t mib = std::size_t{1} << 20;
+inline constexpr std::size_t gib = std::size_t{1} << 30;
+
+/// Requests of this many bytes or more fail with out_of_memory_error at once
+/// (SPEC F2): no device has an exbibyte.
+inline constexpr std::size_t max_request_bytes = std::size_t{1} << 60;
+
+}  // namespace ccalloc

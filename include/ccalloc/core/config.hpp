@@ -1,0 +1,100 @@
+// ccalloc/core/config.hpp: the allocator's settings and their parser.
+//
+// The configuration string has PyTorch's syntax and keys
+// (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF): comma-separated `key:value`
+// pairs, e.g. "max_split_size_mb:128,garbage_collection_threshold:0.6,
+// roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:True".
+// ccalloc reads it from the environment variable CCALLOC_CONF, or it is set at
+// run time (caching_allocator::set_config). One table of settings
+// (config_keys()) feeds the parser, the CLI's help and the documentation.
+//
+// Errors: an unknown key, a malformed value, or a value out of range throws
+// config_error naming the key, the value and what is accepted. A setting that
+// parses but would have no effect (SPEC X6) is kept and a warning is added to
+// allocator_config::warnings.
+#pragma once
+
+#include <ccalloc/base/types.hpp>
+
+#include <array>
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ccalloc {
+
+/// Number of power-of-two size intervals for roundup_power2_divisions: one per
+/// power of two from 1 MiB (index 0, also every smaller size) to 32 GiB and
+/// above (index 15), as in PyTorch.
+inline constexpr std::size_t roundup_intervals = 16;
+
+struct allocator_config {
+  /// Blocks of this size or more are "oversize": never split, and only
+  /// served to requests of this size or more (max_split_size_mb). Default:
+  /// unlimited (SIZE_MAX).
+  std::size_t max_split_size_bytes = std::numeric_limits<std::size_t>::max();
+  /// An oversize block may serve a request up to this many bytes smaller
+  /// (max_non_split_rounding_mb). Default 20 MiB.
+  std::size_t max_non_split_rounding_bytes = 20 * mib;
+  /// Segment size for large-pool requests under 10 MiB
+  /// (large_segment_size_mb). Default 20 MiB.
+  std::size_t large_segment_size_bytes = 20 * mib;
+  /// Fraction of the allowed memory above which old cached blocks are
+  /// released before growing (garbage_collection_threshold), in (0, 1);
+  /// 0 = off.
+  double garbage_collection_threshold = 0.0;
+  /// Divisions per power-of-two interval when rounding request sizes
+  /// (roundup_power2_divisions); 0 = plain 512-byte rounding.
+  std::array<std::size_t, roundup_intervals> roundup_power2_divisions{};
+  /// Use expandable segments (CUDA virtual memory) for the large pool.
+  bool expandable_segments = false;
+  /// Release the allocator's lock while the device malloc runs.
+  bool release_lock_on_cudamalloc = false;
+  /// Cap on reserved bytes as a fraction of device total memory,
+  /// (per_process_memory_fraction), in [0, 1]; 1 = no cap beyond the device.
+  double per_process_memory_fraction = 1.0;
+  /// Whether per_process_memory_fraction was given explicitly.
+  bool memory_fraction_set = false;
+
+  // Accepted for compatibility with PyTorch's config strings; they configure
+  // PyTorch's pinned host allocator or its backend choice and have no effect
+  // on device memory (each adds a warning when set).
+  std::string backend = "native";
+  bool pinned_use_cuda_host_register = false;
+  std::size_t pinned_num_register_threads = 1;
+  bool pinned_use_background_threads = false;
+  bool graph_capture_record_stream_reuse = false;
+
+  /// Warnings about settings that parsed but have no effect (SPEC X6).
+  std::vector<std::string> warnings;
+
+  /// Parses a configuration string on top of the defaults. Empty or
+  /// whitespace-only gives the defaults. Throws config_error.
+  [[nodiscard]] static allocator_config parse(std::string_view text);
+  /// Applies `text` on top of this configuration (keys not mentioned keep
+  /// their values). Throws config_error and leaves *this unchanged on error.
+  void apply(std::string_view text);
+  /// The configuration from the environment variable CCALLOC_CONF (defaults
+  /// when unset). Throws config_error naming the variable on a bad value.
+  [[nodiscard]] static allocator_config from_environment();
+  /// Canonical string of every key, parseable by parse().
+  [[nodiscard]] std::string to_string() const;
+
+  /// Divisions that apply to a request of `size_bytes` (PyTorch's
+  /// roundup_power2_divisions(size)).
+  [[nodiscard]] std::size_t divisions_for(std::size_t size_bytes) const noexcept;
+};
+
+/// One row of the settings table.
+struct config_key_info {
+  std::string_view key;
+  std::string_view accepted;  ///< what values are accepted, for messages and help
+  std::string_view meaning;
+};
+
+/// Every key the parser accepts, in documentation order.
+[[nodiscard]] const std::vector<config_key_info>& config_keys();
+
+}  // namespace ccalloc

@@ -1,0 +1,146 @@
+// ccalloc/core/device_caching_allocator.hpp: the caching allocator of one
+// device (PyTorch's DeviceCachingAllocator).
+//
+// What it does: serves requests for device memory from a cache of blocks
+// carved out of segments that it obtained from a device_backend, so that the
+// device's synchronous malloc and free are called rarely. Blocks are bound to
+// the stream they were allocated on; reuse on that stream is safe at once
+// because work on one stream is ordered. A block also used on other streams
+// (record_stream) returns to the cache only when events recorded on those
+// streams at free time have completed (SPEC B4).
+//
+// Policies (SPEC B1-B6), following PyTorch's allocator unless noted:
+//  - sizes round up to 512 bytes, or to power-of-two divisions (B1);
+//  - requests <= 1 MiB use the small pool (2 MiB segments); larger ones the
+//    large pool (20 MiB segments under 10 MiB, else rounded to 2 MiB) (B2);
+//  - best fit by (stream, size, address); split when the remainder is worth
+//    keeping; merge free neighbours on free; oversize rules (B3);
+//  - garbage collection of old cached blocks above a threshold (B5);
+//  - out of memory: free oversize cached blocks, then all cached blocks after
+//    synchronizing pending events, retry, then throw (B6).
+//
+// Cost: malloc and free are O(log n) in the number of cached blocks of the
+// stream's pool; the device is called only on the slow path.
+//
+// Thread safety: every public function may be called concurrently. A block
+// handle (detail::block*) stays valid from malloc until free.
+#pragma once
+
+#include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/base/types.hpp>
+#include <ccalloc/core/config.hpp>
+#include <ccalloc/core/stats.hpp>
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ccalloc {
+
+namespace detail {
+struct block;
+class device_state;
+}  // namespace detail
+
+/// What malloc returns: the pointer and the block that owns it (needed to free).
+struct allocation {
+  void* ptr = nullptr;
+  detail::block* block = nullptr;
+};
+
+/// Called on each out-of-memory error, outside the allocator's locks, with
+/// (device, bytes asked, bytes allowed (the fraction cap, else device total),
+/// device free bytes). SPEC F17.
+using oom_observer = std::function<void(int device, std::size_t requested_bytes,
+                                        std::size_t allowed_bytes, std::size_t free_bytes)>;
+
+/// The state of a block in a snapshot (PyTorch's names).
+enum class block_state { active_allocated, active_pending_free, inactive };
+
+struct block_info {
+  std::uintptr_t address = 0;
+  std::size_t size_bytes = 0;
+  std::size_t requested_bytes = 0;  ///< 0 when inactive
+  block_state state = block_state::inactive;
+};
+
+struct segment_info {
+  std::uintptr_t address = 0;
+  std::size_t total_bytes = 0;
+  std::size_t allocated_bytes = 0;
+  std::size_t active_bytes = 0;
+  std::size_t requested_bytes = 0;
+  stream_t stream = 0;
+  bool is_small_pool = false;
+  std::vector<block_info> blocks;  ///< in address order; sizes sum to total_bytes
+};
+
+class device_caching_allocator {
+ public:
+  /// `backend` must outlive the allocator. Throws config_error if `config`
+  /// asks for something `backend` cannot do.
+  device_caching_allocator(int device, device_backend& backend, allocator_config config);
+  /// Returns every segment to the device. Live blocks leak their memory back
+  /// to the device too (the caller's pointers become invalid).
+  ~device_caching_allocator();
+  device_caching_allocator(const device_caching_allocator&) = delete;
+  device_caching_allocator& operator=(const device_caching_allocator&) = delete;
+
+  [[nodiscard]] int device() const noexcept { return device_; }
+
+  /// Allocates `size_bytes` (> 0, < max_request_bytes) usable on `stream`
+  /// without synchronization. Throws out_of_memory_error (after trying to
+  /// free the cache; SPEC B6) and backend_error.
+  [[nodiscard]] allocation malloc(std::size_t size_bytes, stream_t stream);
+  /// Frees a block from malloc. If the block was used on other streams
+  /// (record_stream), it returns to the cache when their events complete.
+  void free(detail::block* block);
+  /// Marks `block` as used on `stream` (PyTorch: recordStream). A use on the
+  /// block's own stream is ignored.
+  void record_stream(detail::block* block, stream_t stream);
+  /// Returns cached segments that hold no live block to the device, after
+  /// waiting for pending events (PyTorch: emptyCache). Live blocks are untouched.
+  void empty_cache();
+  /// Size in bytes of the largest cached free block (PyTorch: cacheInfo).
+  [[nodiscard]] std::size_t largest_free_block() const;
+  /// Base address and size in bytes of the segment holding `block`
+  /// (PyTorch: getBaseAllocation).
+  [[nodiscard]] std::pair<void*, std::size_t> base_allocation(detail::block* block) const;
+  /// Size in bytes and stream of a live block (rounded size).
+  [[nodiscard]] std::size_t block_size(const detail::block* block) const noexcept;
+
+  /// Caps reserved bytes at fraction x device total (PyTorch:
+  /// setMemoryFraction). Throws invalid_argument_error outside [0, 1].
+  void set_memory_fraction(double fraction);
+  [[nodiscard]] double memory_fraction() const;
+  /// Replaces the configuration (keys that act on new requests apply at once).
+  void set_config(const allocator_config& config);
+  [[nodiscard]] allocator_config config() const;
+  /// In no-caching mode every block goes straight to the device and back
+  /// (SPEC F6). Switching on releases the cache.
+  void set_caching_enabled(bool enabled);
+  [[nodiscard]] bool caching_enabled() const;
+
+  [[nodiscard]] device_stats stats() const;
+  void reset_accumulated_stats();
+  void reset_peak_stats();
+
+  void attach_oom_observer(oom_observer observer);
+
+  /// Segments and their blocks, sorted by address.
+  [[nodiscard]] std::vector<segment_info> segments() const;
+  /// Full structural check (SPEC R2): blocks tile their segments, neighbours
+  /// link both ways, no two free neighbours are unmerged, every free block is
+  /// in exactly its pool, stats equal a recount. Throws std::logic_error
+  /// naming the first violated invariant. O(blocks); for tests.
+  void check_invariants() const;
+
+ private:
+  int device_;
+  std::unique_ptr<detail::device_state> state_;
+};
+
+}  // namespace ccalloc

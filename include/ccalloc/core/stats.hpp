@@ -1,0 +1,80 @@
+// ccalloc/core/stats.hpp: allocator statistics with PyTorch's names.
+//
+// Each counter is a `stat` kept for three groups (stat_group): all blocks,
+// the small pool and the large pool, like torch.cuda.memory_stats(). to_map()
+// flattens them to PyTorch's key names, e.g. "allocated_bytes.all.peak",
+// "reserved_bytes.large_pool.current", "num_alloc_retries".
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace ccalloc {
+
+/// One counter: current value, its peak since the last reset_peak(), and the
+/// accumulated increases (allocated) and decreases (freed). Invariant:
+/// current = allocated - freed (until reset_accumulated()).
+struct stat {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+  std::int64_t allocated = 0;
+  std::int64_t freed = 0;
+
+  void increase(std::int64_t amount) noexcept {
+    current += amount;
+    allocated += amount;
+    if (current > peak) peak = current;
+  }
+  void decrease(std::int64_t amount) noexcept {
+    current -= amount;
+    freed += amount;
+  }
+  void reset_accumulated() noexcept { allocated = freed = 0; }
+  void reset_peak() noexcept { peak = current; }
+};
+
+enum class stat_group : std::uint8_t { all = 0, small_pool = 1, large_pool = 2 };
+inline constexpr std::size_t stat_group_count = 3;
+using stat_array = std::array<stat, stat_group_count>;
+
+/// Statistics of one device (PyTorch's DeviceStats). Units: *_bytes in bytes,
+/// the others are counts.
+struct device_stats {
+  stat_array allocation;            ///< blocks handed to callers
+  stat_array segment;               ///< segments obtained from the device
+  stat_array active;                ///< allocated blocks + blocks waiting on events
+  stat_array inactive_split;        ///< free blocks inside split segments
+  stat_array allocated_bytes;       ///< rounded sizes of allocated blocks
+  stat_array reserved_bytes;        ///< sizes of segments
+  stat_array active_bytes;
+  stat_array inactive_split_bytes;
+  stat_array requested_bytes;       ///< unrounded sizes callers asked for, until the free completes
+
+  std::int64_t num_alloc_retries = 0;   ///< device mallocs retried after freeing the cache
+  std::int64_t num_ooms = 0;            ///< out-of-memory errors thrown
+  std::int64_t num_sync_all_streams = 0;///< times all pending events were synchronized
+  std::int64_t num_device_alloc = 0;    ///< segment mallocs
+  std::int64_t num_device_free = 0;     ///< segment frees
+  stat oversize_allocations;            ///< allocations of blocks >= max_split_size
+  stat oversize_segments;               ///< segments >= max_split_size
+  std::int64_t max_split_size = -1;     ///< bytes; -1 when unlimited (as PyTorch reports it)
+
+  /// Adds `amount` to `stat_array[all]` and `[group]`.
+  static void increase(stat_array& s, stat_group group, std::int64_t amount) noexcept {
+    s[0].increase(amount);
+    s[static_cast<std::size_t>(group)].increase(amount);
+  }
+  static void decrease(stat_array& s, stat_group group, std::int64_t amount) noexcept {
+    s[0].decrease(amount);
+    s[static_cast<std::size_t>(group)].decrease(amount);
+  }
+
+  void reset_accumulated() noexcept;
+  void reset_peak() noexcept;
+  /// Flat map with torch.cuda.memory_stats() key names.
+  [[nodiscard]] std::map<std::string, std::int64_t> to_map() const;
+};
+
+}  // namespace ccalloc

@@ -1,0 +1,165 @@
+// ccalloc/frontend/caching_allocator.hpp: the multi-device caching allocator
+// (PyTorch's NativeCachingAllocator).
+//
+// What it is: the object callers use. It owns one device_caching_allocator
+// per device, maps each pointer it handed out to its block, and keeps the
+// calling thread's current stream. Use one instance per process and backend
+// (ccalloc's C API and Python package hold one); tests make their own.
+//
+// Names: functions are snake_case; each doc comment gives PyTorch's camelCase
+// name where it differs (recordStream -> record_stream).
+//
+// Guarantees: a pointer from malloc is aligned to 512 bytes and safe to use on
+// the stream it was allocated on at once; it stays valid until free. After an
+// exception the allocator is unchanged and usable. Pointer lookup is sharded
+// (no lock shared by all threads on free), per-device state is per device.
+//
+// Thread safety: every function may be called from any thread concurrently,
+// except init(), which must not race with other calls.
+#pragma once
+
+#include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/base/types.hpp>
+#include <ccalloc/core/config.hpp>
+#include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/stats.hpp>
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace ccalloc {
+
+class caching_allocator;
+
+/// Deleter of the owning handle returned by allocate(): frees through the
+/// allocator that made it (which must outlive the handle).
+struct data_ptr_deleter {
+  caching_allocator* owner = nullptr;
+  void operator()(void* ptr) const;
+};
+/// Owning handle to device memory (PyTorch's DataPtr, without the device).
+using data_ptr = std::unique_ptr<void, data_ptr_deleter>;
+/// Signature of raw_deleter(): frees a pointer of the global allocator.
+using raw_deleter_fn = void (*)(void*);
+
+class caching_allocator {
+ public:
+  /// `backend` is shared with whoever created it. `config` defaults to
+  /// CCALLOC_CONF from the environment; CCALLOC_NO_CACHING=1 starts in
+  /// no-caching mode (SPEC F6). Throws config_error for a bad CCALLOC_CONF.
+  explicit caching_allocator(std::shared_ptr<device_backend> backend);
+  caching_allocator(std::shared_ptr<device_backend> backend, allocator_config config);
+  ~caching_allocator();
+  caching_allocator(const caching_allocator&) = delete;
+  caching_allocator& operator=(const caching_allocator&) = delete;
+
+  /// Creates the per-device allocators for devices [0, device_count) (F1).
+  /// Throws invalid_argument_error if device_count < 1 or exceeds the
+  /// backend's device count. Calling it again with the same count is a no-op;
+  /// a larger count adds devices.
+  void init(int device_count);
+  [[nodiscard]] bool initialized() const noexcept;
+  /// "ccalloc" (PyTorch: name(), F29).
+  [[nodiscard]] std::string name() const { return "ccalloc"; }
+  [[nodiscard]] device_backend& backend() const noexcept { return *backend_; }
+
+  /// Allocates `size_bytes` on `device` for use on `stream` (F2). Size 0
+  /// returns nullptr. Throws invalid_argument_error for an uninitialized
+  /// allocator or a device out of range, out_of_memory_error when the device
+  /// cannot provide the memory (at once for sizes >= 1 EiB).
+  [[nodiscard]] void* malloc(int device, std::size_t size_bytes, stream_t stream);
+  /// Frees a pointer from this allocator (F3). nullptr is a no-op. Throws
+  /// invalid_argument_error naming the pointer if it is unknown (never
+  /// allocated here, freed already, or interior); nothing changes then.
+  void free(void* ptr);
+
+  /// Allocates on the current device and the calling thread's current stream
+  /// and returns an owning handle (F4). Size 0 gives an empty handle.
+  [[nodiscard]] data_ptr allocate(std::size_t size_bytes);
+  /// A plain function that frees pointers of the process-wide allocator
+  /// (ccalloc::global_allocator()), for C-style owners (PyTorch: raw_deleter).
+  [[nodiscard]] static raw_deleter_fn raw_deleter() noexcept;
+  /// malloc on the current device and the thread's current stream (F5).
+  [[nodiscard]] void* raw_alloc(std::size_t size_bytes);
+  /// malloc on the current device and `stream` (PyTorch: raw_alloc_with_stream).
+  [[nodiscard]] void* raw_alloc_with_stream(std::size_t size_bytes, stream_t stream);
+  /// free (PyTorch: raw_delete).
+  void raw_delete(void* ptr);
+
+  /// The calling thread's current stream for allocate/raw_alloc (default 0).
+  static void set_current_stream(stream_t stream) noexcept;
+  [[nodiscard]] static stream_t current_stream() noexcept;
+
+  /// Turns caching on or off for every device (F6). Off = no-caching mode:
+  /// each allocation goes straight to the device and back; turning it off
+  /// releases the cache. (PyTorch: enable / isEnabled.)
+  void enable(bool enabled);
+  [[nodiscard]] bool is_enabled() const noexcept;
+
+  /// Caps `device`'s reserved bytes at fraction x total (F7; PyTorch:
+  /// setMemoryFraction). Throws invalid_argument_error for a fraction outside
+  /// [0, 1] or a bad device.
+  void set_memory_fraction(double fraction, int device);
+  [[nodiscard]] double get_memory_fraction(int device) const;
+
+  /// Returns every unused cached segment of every device to the device (F8;
+  /// PyTorch: emptyCache).
+  void empty_cache();
+  /// Largest cached free block of `device`, in bytes (F9; PyTorch: cacheInfo).
+  [[nodiscard]] std::size_t cache_info(int device) const;
+  /// Base address and size (bytes) of the segment holding `ptr`, which must be
+  /// a pointer this allocator returned (F10; PyTorch: getBaseAllocation).
+  /// Throws invalid_argument_error naming the pointer otherwise.
+  [[nodiscard]] std::pair<void*, std::size_t> get_base_allocation(void* ptr) const;
+  /// The block holding `ptr` will not be reused until the work queued on
+  /// `stream` before its free has completed (F11; PyTorch: recordStream). A
+  /// pointer this allocator did not hand out is ignored.
+  void record_stream(void* ptr, stream_t stream);
+
+  /// Statistics of `device` (F12; PyTorch: getDeviceStats).
+  [[nodiscard]] device_stats get_device_stats(int device) const;
+  void reset_accumulated_stats(int device);
+  void reset_peak_stats(int device);
+
+  /// Registers a callback for out-of-memory errors on every device (F17).
+  void attach_out_of_memory_observer(oom_observer observer);
+
+  /// Replaces the configuration of every device with `text` applied on top of
+  /// the current one (F30). Throws config_error; nothing changes then.
+  void set_config(std::string_view text);
+  [[nodiscard]] allocator_config config() const;
+
+  /// The device allocator of `device` (for snapshots and tests). Throws
+  /// invalid_argument_error for a bad device.
+  [[nodiscard]] device_caching_allocator& device_allocator(int device) const;
+
+ private:
+  struct pointer_shard {
+    std::mutex mutex;
+    std::unordered_map<void*, std::pair<int, detail::block*>> blocks;
+  };
+  static constexpr std::size_t pointer_shard_count = 64;
+  pointer_shard& shard_for(void* ptr) const noexcept;
+  void check_device(int device, const char* what) const;
+
+  std::shared_ptr<device_backend> backend_;
+  mutable std::mutex config_mutex_;
+  allocator_config config_;
+  bool caching_enabled_ = true;
+  std::vector<std::unique_ptr<device_caching_allocator>> devices_;
+  std::vector<oom_observer> observers_;
+  mutable std::array<pointer_shard, pointer_shard_count> shards_;
+};
+
+/// The process-wide allocator used by raw_deleter() and the C API. Created on
+/// first use with the default backend (CUDA when built with it and a GPU is
+/// present, else the simulated device). Never destroyed.
+[[nodiscard]] caching_allocator& global_allocator();
+
+}  // namespace ccalloc
