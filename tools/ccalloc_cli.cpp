@@ -1,1 +1,606 @@
-int main(){}
+// ccalloc_cli.cpp: the `ccalloc` command line tool (SPEC X8).
+//
+//   ccalloc replay  [TRACE] [--config STR] [--device-memory BYTES] [--json]
+//   ccalloc compare [TRACE] --config A [--config B ...] [--device-memory BYTES] [--json]
+//   ccalloc config-keys
+//
+// Without TRACE, replay and compare use the trace embedded in the binary
+// (include/ccalloc/replay/embedded.hpp). When PyTorch's own figures for the
+// trace are known (built in for the embedded trace; for a file, an entry
+// named after it in a native_peaks.json in the same folder), the output
+// compares ccalloc's peaks with them.
+//
+// Exit status: 0 success; 1 a ccalloc error (bad trace, bad configuration,
+// unreadable file), printed as "ccalloc: <message>" on stderr; 2 a usage
+// error (unknown option, missing subcommand, bad --device-memory value).
+// With --json, stdout holds exactly one JSON document; warnings go to stderr.
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/config.hpp>
+#include <ccalloc/replay/embedded.hpp>
+#include <ccalloc/replay/replay.hpp>
+#include <ccalloc/replay/trace.hpp>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+namespace detail {
+
+using json = nlohmann::ordered_json;
+
+/// A command-line value that parses but is not acceptable (exit status 2).
+class usage_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+constexpr double bytes_per_gib = 1024.0 * 1024.0 * 1024.0;
+
+// ---- formatting helpers ------------------------------------------------------
+
+/// printf into a std::string.
+template <typename... Args>
+std::string format(const char* fmt, Args... args) {
+  const int n = std::snprintf(nullptr, 0, fmt, args...);
+  if (n <= 0) return {};
+  std::string out(static_cast<std::size_t>(n) + 1, '\0');
+  std::snprintf(out.data(), out.size(), fmt, args...);
+  out.resize(static_cast<std::size_t>(n));
+  return out;
+}
+
+/// 13594206920 -> "13,594,206,920".
+std::string with_commas(std::uint64_t value) {
+  std::string digits = std::to_string(value);
+  std::string out;
+  out.reserve(digits.size() + digits.size() / 3);
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i != 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+/// Bytes as GiB with 3 decimals: "12.661 GiB".
+std::string gib(std::uint64_t bytes) { return format("%.3f GiB", double(bytes) / bytes_per_gib); }
+
+/// Pads `s` on the left (right-aligns it) to `width` characters.
+std::string right(const std::string& s, std::size_t width) {
+  return s.size() >= width ? s : std::string(width - s.size(), ' ') + s;
+}
+/// Pads `s` on the right (left-aligns it) to `width` characters.
+std::string left(const std::string& s, std::size_t width) {
+  return s.size() >= width ? s : s + std::string(width - s.size(), ' ');
+}
+
+/// "" and "default" both mean the default configuration; shown as "default".
+std::string config_label(const std::string& config) {
+  return config.empty() || config == "default" ? "default" : config;
+}
+std::string config_string(const std::string& config) { return config == "default" ? "" : config; }
+
+// ---- --device-memory -----------------------------------------------------------
+
+/// Parses a byte count: a non-negative number (integer, decimal or exponent
+/// form: 80000000000, 1.5e9) with an optional unit, case-insensitive: B;
+/// K/KB, M/MB, G/GB, T/TB (powers of 1000); KiB, MiB, GiB, TiB (powers of
+/// 1024). Fractional bytes are rounded down. Throws usage_error when the text
+/// is not of that form, the result is 0, or it does not fit in 64 bits.
+std::uint64_t parse_byte_count(const std::string& text, std::string_view option) {
+  const auto bad = [&](const std::string& why) {
+    return usage_error("bad " + std::string(option) + " '" + text + "': " + why +
+                       " (examples: 80000000000, 80GB, 80GiB, 512MiB, 1.5e9)");
+  };
+  // The number is the longest prefix of number characters; no unit starts
+  // with one of them (e, E included), so "1.5e9" and "1.5GiB" split cleanly.
+  const std::size_t i = std::min(text.find_first_not_of("0123456789.eE+-"), text.size());
+  const std::string_view number(text.data(), i);
+  std::string unit = text.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
+  for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (number.empty()) throw bad("expected a number of bytes");
+  if (number.front() == '-') throw bad("must be positive");
+
+  std::uint64_t multiplier = 0;
+  struct unit_info {
+    std::string_view name;
+    std::uint64_t bytes;
+  };
+  constexpr std::uint64_t k = 1000, ki = 1024;
+  constexpr unit_info units[] = {
+      {"", 1},           {"b", 1},
+      {"k", k},          {"kb", k},           {"kib", ki},
+      {"m", k * k},      {"mb", k * k},       {"mib", ki * ki},
+      {"g", k * k * k},  {"gb", k * k * k},   {"gib", ki * ki * ki},
+      {"t", k * k * k * k}, {"tb", k * k * k * k}, {"tib", ki * ki * ki * ki},
+  };
+  for (const auto& u : units) {
+    if (unit == u.name) multiplier = u.bytes;
+  }
+  if (multiplier == 0) throw bad("unknown unit '" + text.substr(i) + "'");
+
+  // Integers are exact (no detour through double).
+  std::uint64_t whole = 0;
+  const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), whole);
+  std::uint64_t bytes = 0;
+  if (ec == std::errc{} && end == number.data() + number.size()) {
+    if (whole > std::numeric_limits<std::uint64_t>::max() / multiplier) throw bad("too large");
+    bytes = whole * multiplier;
+  } else {
+    double value = 0;
+    const auto [dend, dec] = std::from_chars(number.data(), number.data() + number.size(), value);
+    if (dec != std::errc{} || dend != number.data() + number.size() || !std::isfinite(value)) {
+      throw bad(dec == std::errc::result_out_of_range ? "too large" : "not a number");
+    }
+    const double total = value * double(multiplier);
+    if (total >= 18446744073709551616.0) throw bad("too large");
+    bytes = static_cast<std::uint64_t>(total);
+  }
+  if (bytes == 0) throw bad("must be at least 1 byte");
+  if (bytes > std::numeric_limits<std::size_t>::max()) throw bad("too large");
+  return bytes;
+}
+
+// ---- the trace and PyTorch's figures for it ------------------------------------
+
+/// PyTorch's native allocator's figures for a trace (native_peaks.json);
+/// 0 = not given.
+struct native_figures {
+  std::string origin;  ///< where they came from, for the report
+  json raw;            ///< the entry as written
+  std::uint64_t requested_peak = 0;
+  std::uint64_t reserved_peak = 0;
+  std::uint64_t expandable_reserved_peak = 0;
+  std::uint64_t allocated_peak = 0;
+  std::uint64_t device_allocs = 0;
+};
+
+std::uint64_t json_u64(const json& object, const char* key) {
+  const auto it = object.find(key);
+  return it != object.end() && it->is_number_unsigned() ? it->get<std::uint64_t>() : 0;
+}
+
+native_figures figures_from(const json& entry, std::string origin) {
+  native_figures f;
+  f.origin = std::move(origin);
+  f.raw = entry;
+  f.requested_peak = json_u64(entry, "requested_peak");
+  f.reserved_peak = json_u64(entry, "native_reserved_peak");
+  f.expandable_reserved_peak = json_u64(entry, "native_expandable_reserved_peak");
+  f.allocated_peak = json_u64(entry, "native_allocated_peak");
+  f.device_allocs = json_u64(entry, "native_device_allocs");
+  return f;
+}
+
+/// "gpt2_train" for ".../gpt2_train.trace.gz" or ".../gpt2_train.trace";
+/// otherwise the file name.
+std::string trace_base_name(const std::filesystem::path& path) {
+  std::string name = path.filename().string();
+  for (const std::string_view suffix : {std::string_view(".trace.gz"), std::string_view(".trace")}) {
+    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      return name.substr(0, name.size() - suffix.size());
+    }
+  }
+  return name;
+}
+
+/// The figures for trace file `trace_path` from a native_peaks.json in its
+/// folder, if there is one with an entry for it. An unreadable or malformed
+/// native_peaks.json gives a warning on stderr, not an error: the replay
+/// itself does not depend on it.
+std::optional<native_figures> native_figures_beside(const std::string& trace_path) {
+  namespace fs = std::filesystem;
+  const fs::path trace_file(trace_path);
+  const fs::path folder = trace_file.has_parent_path() ? trace_file.parent_path() : fs::path(".");
+  const fs::path peaks_path = folder / "native_peaks.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(peaks_path, ec)) return std::nullopt;
+  std::ifstream in(peaks_path);
+  json all = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (all.is_discarded() || !all.is_object()) {
+    std::cerr << "ccalloc: warning: ignoring " << peaks_path.string() << ": not a JSON object\n";
+    return std::nullopt;
+  }
+  const std::string name = trace_base_name(trace_file);
+  const auto it = all.find(name);
+  if (it == all.end() || !it->is_object()) return std::nullopt;
+  return figures_from(*it, peaks_path.string() + ", entry " + name);
+}
+
+/// The trace to replay and what is known about it.
+struct loaded_trace {
+  ccalloc::trace trace;
+  std::optional<native_figures> native;
+  double read_seconds = 0.0;
+};
+
+/// Reads `path`, or the embedded default trace when `path` is empty.
+loaded_trace load_trace(const std::string& path) {
+  const auto start = std::chrono::steady_clock::now();
+  loaded_trace out;
+  if (path.empty()) {
+    const std::string source = "<embedded:" + std::string(ccalloc::embedded::default_trace_name()) + ">";
+    out.trace = ccalloc::parse_trace_text(
+        ccalloc::maybe_gunzip(ccalloc::embedded::default_trace_gz(), source), source);
+    const std::string_view peaks = ccalloc::embedded::default_trace_native_peaks_json();
+    json entry = json::parse(peaks.begin(), peaks.end(), nullptr, /*allow_exceptions=*/false);
+    if (entry.is_object()) {
+      out.native = figures_from(entry, "built-in figures for " +
+                                           std::string(ccalloc::embedded::default_trace_name()));
+    }
+  } else {
+    out.trace = ccalloc::read_trace_file(path);
+    out.native = native_figures_beside(path);
+  }
+  out.read_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return out;
+}
+
+/// Parses `config` up front so a bad one fails before any replay starts, and
+/// prints the parser's warnings (settings with no effect) to stderr.
+void check_config(const std::string& config) {
+  const ccalloc::allocator_config parsed = ccalloc::allocator_config::parse(config);
+  for (const std::string& warning : parsed.warnings) {
+    std::cerr << "ccalloc: warning: " << warning << "\n";  // the warning names the setting
+  }
+}
+
+double ratio(std::uint64_t a, std::uint64_t b) { return b ? double(a) / double(b) : 0.0; }
+
+// ---- JSON output ----------------------------------------------------------------
+
+json native_json(const native_figures& native, const ccalloc::replay_result& r) {
+  json out = native.raw;
+  out["origin"] = native.origin;
+  if (native.requested_peak) {
+    if (native.reserved_peak) {
+      out["native_fragmentation"] = ratio(native.reserved_peak, native.requested_peak);
+    }
+    if (native.expandable_reserved_peak) {
+      out["native_expandable_fragmentation"] =
+          ratio(native.expandable_reserved_peak, native.requested_peak);
+    }
+  }
+  if (native.reserved_peak) {
+    out["reserved_vs_native"] = ratio(r.peak_reserved_bytes, native.reserved_peak);
+  }
+  if (native.expandable_reserved_peak) {
+    out["reserved_vs_native_expandable"] =
+        ratio(r.peak_reserved_bytes, native.expandable_reserved_peak);
+  }
+  return out;
+}
+
+json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
+                 const std::string& config, std::uint64_t device_memory_bytes) {
+  json out;
+  out["trace"] = input.trace.source;
+  out["config"] = config;
+  out["device_memory_bytes"] = device_memory_bytes;
+  out["events"] = r.events;
+  out["peak_requested_bytes"] = r.peak_requested_bytes;
+  out["peak_allocated_bytes"] = r.peak_allocated_bytes;
+  out["peak_reserved_bytes"] = r.peak_reserved_bytes;
+  out["fragmentation"] = r.fragmentation();
+  out["device_mallocs"] = r.device_mallocs;
+  out["device_frees"] = r.device_frees;
+  out["ooms"] = r.ooms;
+  out["alloc_retries"] = r.alloc_retries;
+  out["wall_seconds"] = r.wall_seconds;
+  out["read_seconds"] = input.read_seconds;
+  if (input.native) out["native"] = native_json(*input.native, r);
+  return out;
+}
+
+// ---- human output -----------------------------------------------------------
+
+/// One "label  value" line of the replay report.
+void print_row(std::string_view label, const std::string& value) {
+  std::printf("%-16s %s\n", std::string(label).c_str(), value.c_str());
+}
+
+/// "13,594,206,920 B  (12.661 GiB)" with the byte count right-aligned to `width`.
+std::string bytes_cell(std::uint64_t bytes, std::size_t width) {
+  return right(with_commas(bytes), width) + " B  (" + gib(bytes) + ")";
+}
+
+std::string or_dash(std::uint64_t value, const std::string& text) { return value ? text : "-"; }
+
+/// The side-by-side table of ccalloc's and PyTorch's figures.
+void print_native_comparison(const ccalloc::replay_result& r, const native_figures& n) {
+  constexpr std::size_t label_w = 20, col_w = 17;
+  std::printf("\nCompared with PyTorch's native allocator (%s):\n", n.origin.c_str());
+  const auto line = [&](std::string_view label, const std::string& ours, const std::string& native,
+                        const std::string& expandable) {
+    std::printf("  %s%s%s%s\n", left(std::string(label), label_w).c_str(),
+                right(ours, col_w).c_str(), right(native, col_w).c_str(),
+                right(expandable, col_w + 3).c_str());
+  };
+  line("", "ccalloc", "PyTorch native", "PyTorch expandable");
+  line("peak requested", gib(r.peak_requested_bytes), or_dash(n.requested_peak, gib(n.requested_peak)),
+       "");
+  line("peak allocated", gib(r.peak_allocated_bytes), or_dash(n.allocated_peak, gib(n.allocated_peak)),
+       "");
+  line("peak reserved", gib(r.peak_reserved_bytes), or_dash(n.reserved_peak, gib(n.reserved_peak)),
+       or_dash(n.expandable_reserved_peak, gib(n.expandable_reserved_peak)));
+  line("  ccalloc / PyTorch", "",
+       or_dash(n.reserved_peak, format("%.3fx", ratio(r.peak_reserved_bytes, n.reserved_peak))),
+       or_dash(n.expandable_reserved_peak,
+               format("%.3fx", ratio(r.peak_reserved_bytes, n.expandable_reserved_peak))));
+  line("fragmentation", format("%.3f", r.fragmentation()),
+       or_dash(n.requested_peak && n.reserved_peak,
+               format("%.3f", ratio(n.reserved_peak, n.requested_peak))),
+       or_dash(n.requested_peak && n.expandable_reserved_peak,
+               format("%.3f", ratio(n.expandable_reserved_peak, n.requested_peak))));
+  line("device mallocs", with_commas(r.device_mallocs),
+       or_dash(n.device_allocs, with_commas(n.device_allocs)), "");
+  if (n.requested_peak && n.requested_peak != r.peak_requested_bytes) {
+    std::printf("  note: the peak requested differs from the recording's (%s vs %s bytes)\n",
+                with_commas(r.peak_requested_bytes).c_str(), with_commas(n.requested_peak).c_str());
+  }
+}
+
+void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& input,
+                         const std::string& config, std::uint64_t device_memory_bytes) {
+  // Byte counts right-aligned on the widest, so their digits line up.
+  std::size_t w = 0;
+  for (const std::uint64_t b : {std::uint64_t{device_memory_bytes}, r.peak_requested_bytes,
+                                r.peak_allocated_bytes, r.peak_reserved_bytes}) {
+    w = std::max(w, with_commas(b).size());
+  }
+  print_row("trace", input.trace.source);
+  print_row("config", config_label(config));
+  print_row("device memory", bytes_cell(device_memory_bytes, w));
+  print_row("events", with_commas(r.events));
+  print_row("peak requested", bytes_cell(r.peak_requested_bytes, w));
+  print_row("peak allocated", bytes_cell(r.peak_allocated_bytes, w));
+  print_row("peak reserved", bytes_cell(r.peak_reserved_bytes, w));
+  print_row("fragmentation", format("%.3f  (peak reserved / peak requested)", r.fragmentation()));
+  print_row("device mallocs", with_commas(r.device_mallocs));
+  print_row("device frees", with_commas(r.device_frees));
+  print_row("OOMs", with_commas(r.ooms) +
+                        (r.ooms ? "  (allocations that failed: the device memory is too small)" : ""));
+  print_row("alloc retries", with_commas(r.alloc_retries));
+  print_row("wall time", format("%.3f s  (replay; reading the trace: %.3f s)", r.wall_seconds,
+                                input.read_seconds));
+  if (input.native) print_native_comparison(r, *input.native);
+}
+
+void print_compare_table(const std::vector<ccalloc::replay_result>& results,
+                         const std::vector<std::string>& configs, const loaded_trace& input) {
+  struct row {
+    std::vector<std::string> cells;
+  };
+  const std::vector<std::string> head = {"config",  "peak reserved", "fragmentation", "device mallocs",
+                                         "device frees", "OOMs", "retries", "seconds"};
+  std::vector<row> rows;
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    rows.push_back({{config_label(configs[i]), gib(r.peak_reserved_bytes),
+                     format("%.3f", r.fragmentation()), with_commas(r.device_mallocs),
+                     with_commas(r.device_frees), with_commas(r.ooms), with_commas(r.alloc_retries),
+                     format("%.3f", r.wall_seconds)}});
+  }
+  if (input.native) {
+    const native_figures& n = *input.native;
+    if (n.reserved_peak) {
+      rows.push_back({{"PyTorch native", gib(n.reserved_peak),
+                       or_dash(n.requested_peak, format("%.3f", ratio(n.reserved_peak, n.requested_peak))),
+                       or_dash(n.device_allocs, with_commas(n.device_allocs)), "-", "-", "-", "-"}});
+    }
+    if (n.expandable_reserved_peak) {
+      rows.push_back({{"PyTorch native expandable", gib(n.expandable_reserved_peak),
+                       or_dash(n.requested_peak,
+                               format("%.3f", ratio(n.expandable_reserved_peak, n.requested_peak))),
+                       "-", "-", "-", "-", "-"}});
+    }
+  }
+  std::vector<std::size_t> width(head.size());
+  for (std::size_t c = 0; c < head.size(); ++c) {
+    width[c] = head[c].size();
+    for (const row& r : rows) width[c] = std::max(width[c], r.cells[c].size());
+  }
+  const auto print_cells = [&](const std::vector<std::string>& cells) {
+    std::string text = left(cells[0], width[0]);  // config names read left-aligned
+    for (std::size_t c = 1; c < cells.size(); ++c) text += "  " + right(cells[c], width[c]);
+    std::printf("%s\n", text.c_str());
+  };
+  std::printf("trace: %s (%s events)\n\n", input.trace.source.c_str(),
+              with_commas(input.trace.events.size()).c_str());
+  print_cells(head);
+  std::size_t total = 0;
+  for (const std::size_t w : width) total += w + 2;
+  std::printf("%s\n", std::string(total - 2, '-').c_str());
+  for (const row& r : rows) print_cells(r.cells);
+  if (input.native) std::printf("\nPyTorch figures: %s\n", input.native->origin.c_str());
+}
+
+// ---- subcommands -------------------------------------------------------------
+
+struct common_options {
+  std::string trace_path;  ///< empty: the embedded trace
+  std::string device_memory_text;
+  bool json_output = false;
+
+  [[nodiscard]] ccalloc::replay_options replay_options_for(const std::string& config) const {
+    ccalloc::replay_options options;
+    options.config = config_string(config);
+    if (!device_memory_text.empty()) {
+      options.device_memory_bytes =
+          static_cast<std::size_t>(parse_byte_count(device_memory_text, "--device-memory"));
+    }
+    return options;
+  }
+};
+
+int run_replay(const common_options& common, const std::string& config) {
+  const ccalloc::replay_options options = common.replay_options_for(config);
+  check_config(options.config);
+  const loaded_trace input = load_trace(common.trace_path);
+  const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
+  if (common.json_output) {
+    std::printf("%s\n", result_json(result, input, options.config, options.device_memory_bytes)
+                            .dump(2)
+                            .c_str());
+  } else {
+    print_replay_report(result, input, options.config, options.device_memory_bytes);
+  }
+  return 0;
+}
+
+int run_compare(const common_options& common, const std::vector<std::string>& configs) {
+  std::vector<ccalloc::replay_options> options;
+  for (const std::string& config : configs) {
+    options.push_back(common.replay_options_for(config));
+    check_config(options.back().config);  // every config checked before the first replay
+  }
+  const loaded_trace input = load_trace(common.trace_path);
+  std::vector<ccalloc::replay_result> results;
+  for (const auto& o : options) results.push_back(ccalloc::replay_trace(input.trace, o));
+  if (common.json_output) {
+    json out = json::array();
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      out.push_back(
+          result_json(results[i], input, options[i].config, options[i].device_memory_bytes));
+    }
+    std::printf("%s\n", out.dump(2).c_str());
+  } else {
+    print_compare_table(results, configs, input);
+  }
+  return 0;
+}
+
+/// Splits `text` into lines of at most `width` characters at spaces (a word
+/// longer than `width` gets a line of its own).
+std::vector<std::string> wrap(std::string_view text, std::size_t width) {
+  std::vector<std::string> lines;
+  std::string current;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    const std::size_t space = std::min(text.find(' ', pos), text.size());
+    const std::string_view word = text.substr(pos, space - pos);
+    pos = space + 1;
+    if (word.empty()) continue;
+    if (!current.empty() && current.size() + 1 + word.size() > width) {
+      lines.push_back(std::move(current));
+      current.clear();
+    }
+    if (!current.empty()) current += ' ';
+    current += word;
+  }
+  if (!current.empty()) lines.push_back(std::move(current));
+  return lines;
+}
+
+/// The settings table (ccalloc::config_keys()): each key, then its meaning
+/// and accepted values wrapped beside it.
+int run_config_keys() {
+  const auto& keys = ccalloc::config_keys();
+  std::size_t key_w = 3;
+  for (const auto& k : keys) key_w = std::max(key_w, k.key.size());
+  constexpr std::size_t text_w = 72;
+  const std::string indent(key_w + 2, ' ');
+  std::printf("Configuration keys (CCALLOC_CONF or --config; PYTORCH_CUDA_ALLOC_CONF syntax:\n"
+              "comma-separated key:value pairs, e.g. "
+              "\"max_split_size_mb:128,expandable_segments:True\")\n\n");
+  for (const auto& k : keys) {
+    std::vector<std::string> lines = wrap(k.meaning, text_w);
+    for (std::string& l : wrap("accepted: " + std::string(k.accepted), text_w)) {
+      lines.push_back(std::move(l));
+    }
+    for (std::size_t i = 0; i < lines.size(); ++i) {
+      std::printf("%s%s\n", i == 0 ? left(std::string(k.key) + "  ", key_w + 2).c_str() : indent.c_str(),
+                  lines[i].c_str());
+    }
+  }
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"ccalloc: replay PyTorch allocation traces through ccalloc's caching allocator "
+               "on a simulated device and compare configurations.",
+               "ccalloc"};
+  app.require_subcommand(1);
+
+  common_options common;
+  std::string replay_config;
+  std::vector<std::string> compare_configs;
+
+  const auto add_common = [&](CLI::App* sub) {
+    sub->add_option("trace", common.trace_path,
+                    "Trace file (plain or gzip; format in ../shared/traces/README.md). "
+                    "Default: the GPT-2 training trace built into the binary.");
+    sub->add_option("--device-memory", common.device_memory_text,
+                    "Simulated device capacity: bytes, optionally with a unit "
+                    "(80GB, 80GiB, 512MiB, 1.5e9). Default: 141GB (an H200).");
+    sub->add_flag("--json", common.json_output, "Print the results as JSON.");
+  };
+
+  CLI::App* replay = app.add_subcommand("replay", "Replay a trace and report peaks and device calls.");
+  add_common(replay);
+  replay->add_option("--config", replay_config,
+                     "Configuration string, PyTorch syntax (see `ccalloc config-keys`). "
+                     "Default: defaults.");
+
+  CLI::App* compare =
+      app.add_subcommand("compare", "Replay one trace under several configurations side by side.");
+  add_common(compare);
+  compare
+      ->add_option("--config", compare_configs,
+                   "A configuration to run (repeat for more; \"default\" or \"\" = defaults).")
+      ->required()
+      ->allow_extra_args(false);  // one value per --config, so TRACE may follow
+
+  CLI::App* keys = app.add_subcommand("config-keys", "List the configuration keys.");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);  // prints help, or the error and a hint
+    return rc == 0 ? 0 : 2;
+  }
+
+  if (replay->parsed()) return run_replay(common, replay_config);
+  if (compare->parsed()) return run_compare(common, compare_configs);
+  if (keys->parsed()) return run_config_keys();
+  return 2;  // unreachable: require_subcommand(1)
+}
+
+}  // namespace detail
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return detail::run(argc, argv);
+  } catch (const detail::usage_error& e) {
+    std::fprintf(stderr, "ccalloc: %s\n", e.what());
+    return 2;
+  } catch (const ccalloc::error& e) {
+    std::fprintf(stderr, "ccalloc: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ccalloc: %s\n", e.what());
+    return 1;
+  }
+}

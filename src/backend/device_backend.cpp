@@ -1,1 +1,23 @@
-// placeholder: being written
+// Default implementations of the optional device_backend functions: each
+// throws backend_error naming the function and the backend.
+#include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+
+namespace ccalloc {
+
+void device_backend::throw_not_supported(const char* what) const {
+  throw backend_error(std::string(what) + " is not supported by the '" + name() + "' backend");
+}
+
+std::size_t device_backend::vm_granularity(int) const { throw_not_supported("vm_granularity"); }
+void* device_backend::vm_reserve(int, std::size_t) { throw_not_supported("vm_reserve"); }
+void device_backend::vm_release(int, void*, std::size_t) { throw_not_supported("vm_release"); }
+bool device_backend::vm_create(int, std::size_t, physical_handle_t*) { throw_not_supported("vm_create"); }
+void device_backend::vm_release_handle(int, physical_handle_t) { throw_not_supported("vm_release_handle"); }
+void device_backend::vm_map(int, void*, std::size_t, physical_handle_t) { throw_not_supported("vm_map"); }
+void device_backend::vm_unmap(int, void*, std::size_t) { throw_not_supported("vm_unmap"); }
+void device_backend::vm_set_access(int, void*, std::size_t, int) { throw_not_supported("vm_set_access"); }
+bool device_backend::can_access_peer(int, int) const { return false; }
+void device_backend::enable_peer_access(int, int) { throw_not_supported("enable_peer_access"); }
+
+}  // namespace ccalloc

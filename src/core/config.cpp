@@ -1,1 +1,621 @@
-// placeholder: being written
+// ccalloc/core/config.cpp: the settings table, the config-string parser and
+// its canonical printer.
+//
+// One table (detail::key_table) holds, per key, its documentation row, its
+// value parser and its printer; parse(), to_string(), the error messages and
+// config_keys() all read it, so a key added there is parsed, printed,
+// documented and listed in "unknown key" messages at once.
+//
+// Grammar (PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax):
+//   config := item (',' item)*         commas inside [...] do not split items
+//   item   := ws* key ws* ':' ws* value ws*  |  ws*   (empty items are skipped)
+//   value  := token | '[' entry (',' entry)* ']'
+//   entry  := ws* (mib | '>') ws* ':' ws* token ws*
+// A key given twice: the last one wins. Cross-key rules (checked after every
+// item, so order does not matter): max_split_size_mb and
+// max_non_split_rounding_mb >= large_segment_size_mb.
+#include <ccalloc/core/config.hpp>
+
+#include <ccalloc/base/errors.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <utility>
+
+namespace ccalloc {
+namespace detail {
+namespace {
+
+constexpr std::string_view default_prefix = "ccalloc config";
+constexpr std::string_view environment_prefix = "ccalloc config (CCALLOC_CONF)";
+
+/// Largest MiB count whose byte value fits in std::size_t (2^44 - 1 on 64-bit
+/// targets). Larger MiB values are clamped to it, as PyTorch does.
+constexpr std::uint64_t max_mib = std::numeric_limits<std::size_t>::max() / mib;
+
+/// A value that a key's parser rejected. The driver turns it into a
+/// config_error that also names the key, the value and what is accepted.
+struct bad_value {
+  enum class kind : std::uint8_t { malformed, out_of_range };
+  kind what;
+  std::string detail;  ///< optional precision, e.g. "interval 300 is not a power of two"
+};
+
+[[noreturn]] void throw_malformed(std::string detail = {}) {
+  throw bad_value{bad_value::kind::malformed, std::move(detail)};
+}
+[[noreturn]] void throw_out_of_range(std::string detail = {}) {
+  throw bad_value{bad_value::kind::out_of_range, std::move(detail)};
+}
+
+std::string_view trim(std::string_view text) noexcept {
+  constexpr std::string_view spaces = " \t\n\r\f\v";
+  const auto first = text.find_first_not_of(spaces);
+  if (first == std::string_view::npos) return {};
+  const auto last = text.find_last_not_of(spaces);
+  return text.substr(first, last - first + 1);
+}
+
+std::string concat(std::initializer_list<std::string_view> parts) {
+  std::string out;
+  for (auto part : parts) out += part;
+  return out;
+}
+
+/// Parses a non-negative decimal integer made of digits only (no sign, no
+/// spaces, no suffix). `what` names the token inside a list ("" at top level)
+/// for the detail text. Throws bad_value (malformed, or out_of_range when it
+/// does not fit in 64 bits).
+std::uint64_t parse_unsigned(std::string_view text, std::string_view what = {}) {
+  std::uint64_t value = 0;
+  const auto* const end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (text.empty() || ec == std::errc::invalid_argument || ptr != end) {
+    if (what.empty()) throw_malformed();
+    throw_malformed(concat({what, " '", text, "' is not a non-negative integer"}));
+  }
+  if (ec == std::errc::result_out_of_range) {
+    if (what.empty()) throw_out_of_range();
+    throw_out_of_range(concat({what, " '", text, "' is too large"}));
+  }
+  return value;
+}
+
+/// Parses a finite decimal number ("0.5", "5e-1"). Throws bad_value.
+double parse_double(std::string_view text) {
+  double value = 0.0;
+  const auto* const end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec == std::errc::result_out_of_range) throw_out_of_range();
+  if (ec != std::errc{} || ptr != end || !std::isfinite(value)) throw_malformed();
+  return value;
+}
+
+/// True/False as PyTorch spells them; also true/false and 1/0.
+bool parse_bool(std::string_view text) {
+  if (text == "True" || text == "true" || text == "1") return true;
+  if (text == "False" || text == "false" || text == "0") return false;
+  throw_malformed();
+}
+
+/// MiB count to bytes, clamped to max_mib MiB.
+std::size_t mib_to_bytes(std::uint64_t count_mib) noexcept {
+  return static_cast<std::size_t>(std::min(count_mib, max_mib)) * mib;
+}
+
+std::string format_unsigned(std::uint64_t value) { return std::to_string(value); }
+
+/// Shortest text that parses back to exactly `value`.
+std::string format_double(double value) {
+  char buffer[64];
+  const auto [ptr, ec] = std::to_chars(buffer, buffer + sizeof buffer, value);
+  return ec == std::errc{} ? std::string(buffer, ptr) : std::to_string(value);
+}
+
+std::string format_bool(bool value) { return value ? "True" : "False"; }
+
+// ---- roundup_power2_divisions ----------------------------------------------
+
+void check_divisions(std::uint64_t divisions) {
+  if (divisions != 0 && !std::has_single_bit(divisions)) {
+    throw_out_of_range(concat({"divisions ", format_unsigned(divisions),
+                               " is not 0 or a power of two"}));
+  }
+}
+
+/// Interval index of a list key of `size_mib` MiB: log2(size_mib), clamped to
+/// the last interval (PyTorch's rule).
+std::size_t interval_index(std::uint64_t size_mib) noexcept {
+  const auto log2 = static_cast<std::size_t>(std::bit_width(size_mib) - 1);
+  return std::min(log2, roundup_intervals - 1);
+}
+
+/// Parses a single value ("4": every interval) or a list
+/// "[256:1,512:2,>:4]". List semantics are PyTorch's
+/// (AcceleratorAllocatorConfig::parseRoundUpPower2Divisions):
+///   - a key K (MiB, a power of two) sets interval log2(K) (clamped to 15);
+///   - the first key also sets every interval below it;
+///   - '>' sets every interval after the last key (all of them if it is the
+///     only entry);
+///   - intervals no entry sets are 0 (plain 512-byte rounding).
+/// ccalloc also requires keys in increasing order with '>' last (PyTorch
+/// accepts other orders with order-dependent results).
+std::array<std::size_t, roundup_intervals> parse_roundup(std::string_view text) {
+  std::array<std::size_t, roundup_intervals> result{};
+  if (text.front() != '[') {
+    const auto divisions = parse_unsigned(text);
+    check_divisions(divisions);
+    result.fill(static_cast<std::size_t>(divisions));
+    return result;
+  }
+  if (text.back() != ']') throw_malformed("missing the closing ']'");
+  const auto inner = trim(text.substr(1, text.size() - 2));
+  if (inner.find_first_of("[]") != std::string_view::npos) {
+    throw_malformed("nested or stray brackets");
+  }
+  if (inner.empty()) return result;  // "[]": every interval 0
+
+  bool have_key = false;
+  bool have_rest = false;
+  std::size_t last_index = 0;
+  std::size_t start = 0;
+  while (start <= inner.size()) {
+    auto comma = inner.find(',', start);
+    if (comma == std::string_view::npos) comma = inner.size();
+    const auto entry = trim(inner.substr(start, comma - start));
+    start = comma + 1;
+
+    if (entry.empty()) throw_malformed("empty list entry");
+    if (have_rest) throw_malformed("'>' must be the last entry");
+    const auto colon = entry.find(':');
+    if (colon == std::string_view::npos) {
+      throw_malformed(concat({"expected <MiB>:<divisions> or >:<divisions>, got '", entry, "'"}));
+    }
+    const auto key = trim(entry.substr(0, colon));
+    const auto divisions = parse_unsigned(trim(entry.substr(colon + 1)), "divisions");
+    check_divisions(divisions);
+    const auto value = static_cast<std::size_t>(divisions);
+
+    if (key == ">") {
+      const std::size_t first = have_key ? last_index + 1 : 0;
+      std::fill(result.begin() + static_cast<std::ptrdiff_t>(first), result.end(), value);
+      have_rest = true;
+      continue;
+    }
+    const auto size_mib = parse_unsigned(key, "interval");
+    if (!std::has_single_bit(size_mib)) {
+      throw_out_of_range(concat({"interval ", format_unsigned(size_mib),
+                                 " is not a power of two (MiB)"}));
+    }
+    const auto index = interval_index(size_mib);
+    if (have_key && index <= last_index) {
+      throw_out_of_range(concat({"interval ", format_unsigned(size_mib),
+                                 " does not follow the previous one (keys must increase; "
+                                 "32768 and above share the last interval)"}));
+    }
+    if (!have_key) {
+      std::fill(result.begin(), result.begin() + static_cast<std::ptrdiff_t>(index), value);
+    }
+    result[index] = value;
+    last_index = index;
+    have_key = true;
+  }
+  return result;
+}
+
+/// Canonical text of `divisions`: one number when all 16 are equal, else the
+/// shortest list of the form "[<leading run key>:v, <one entry per interval>,
+/// >:v]" that parse_roundup maps back to the same array.
+std::string format_roundup(const std::array<std::size_t, roundup_intervals>& divisions) {
+  const auto equal_to = [&](std::size_t value) {
+    return [value](std::size_t other) { return other == value; };
+  };
+  // [0, lead_end): the leading run; [tail_begin, 16): the trailing run.
+  const auto lead_end = static_cast<std::size_t>(
+      std::find_if_not(divisions.begin(), divisions.end(), equal_to(divisions.front())) -
+      divisions.begin());
+  if (lead_end == roundup_intervals) return format_unsigned(divisions.front());
+  const auto tail_begin = static_cast<std::size_t>(
+      divisions.rend() -
+      std::find_if_not(divisions.rbegin(), divisions.rend(), equal_to(divisions.back())));
+
+  const auto key_of = [](std::size_t index) { return format_unsigned(std::uint64_t{1} << index); };
+  std::string out = "[";
+  out += key_of(lead_end - 1) + ":" + format_unsigned(divisions.front());
+  for (std::size_t i = lead_end; i < tail_begin; ++i) {
+    out += "," + key_of(i) + ":" + format_unsigned(divisions[i]);
+  }
+  out += ",>:" + format_unsigned(divisions.back()) + "]";
+  return out;
+}
+
+// ---- the settings table ------------------------------------------------------
+
+/// One key: its documentation row, how to parse its (trimmed, non-empty)
+/// value into a configuration (throws bad_value), and how to print it
+/// (nullopt: the field is at a "not set" state that has no spelling).
+struct key_spec {
+  config_key_info info;
+  void (*parse)(allocator_config& config, std::string_view value);
+  std::optional<std::string> (*print)(const allocator_config& config);
+};
+
+constexpr std::string_view boolean_values = "True or False (also true/false, 1/0)";
+
+// Parsers and printers that several keys share.
+template <bool allocator_config::*Field>
+void parse_bool_field(allocator_config& config, std::string_view value) {
+  config.*Field = parse_bool(value);
+}
+template <bool allocator_config::*Field>
+std::optional<std::string> print_bool_field(const allocator_config& config) {
+  return format_bool(config.*Field);
+}
+/// A MiB count whose lower bound is checked after all items (cross-key).
+template <std::size_t allocator_config::*Field>
+void parse_mib_field(allocator_config& config, std::string_view value) {
+  config.*Field = mib_to_bytes(parse_unsigned(value));
+}
+template <std::size_t allocator_config::*Field>
+std::optional<std::string> print_mib_field(const allocator_config& config) {
+  return format_unsigned(config.*Field / mib);
+}
+
+// Row order is documentation order and to_string() order.
+const std::array<key_spec, 15>& key_table() {
+  static const std::array<key_spec, 15> table{{
+      {{"max_split_size_mb",
+        "an integer number of MiB, at least large_segment_size_mb (20 by default)",
+        "Blocks this large or larger are never split and serve only requests "
+        "at least this large (default: unlimited)."},
+       &parse_mib_field<&allocator_config::max_split_size_bytes>,
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (c.max_split_size_bytes == std::numeric_limits<std::size_t>::max()) return std::nullopt;
+         return format_unsigned(c.max_split_size_bytes / mib);
+       }},
+      {{"max_non_split_rounding_mb",
+        "an integer number of MiB, at least large_segment_size_mb (20 by default)",
+        "An oversize block may serve a request up to this much smaller "
+        "(default: large_segment_size_mb)."},
+       &parse_mib_field<&allocator_config::max_non_split_rounding_bytes>,
+       &print_mib_field<&allocator_config::max_non_split_rounding_bytes>},
+      {{"large_segment_size_mb", "an even integer number of MiB greater than 10",
+        "Segment size for large-pool requests under 10 MiB (default 20)."},
+       [](allocator_config& c, std::string_view value) {
+         const auto count_mib = parse_unsigned(value);
+         if (count_mib <= 10 || count_mib % 2 != 0) throw_out_of_range();
+         // Clamp, keeping it even (max_mib is odd).
+         c.large_segment_size_bytes = mib_to_bytes(std::min(count_mib, max_mib - 1));
+       },
+       &print_mib_field<&allocator_config::large_segment_size_bytes>},
+      {{"garbage_collection_threshold", "a number strictly between 0 and 1, i.e. in (0, 1)",
+        "Above this fraction of the allowed memory, release old cached blocks "
+        "before growing (default: off)."},
+       [](allocator_config& c, std::string_view value) {
+         const double threshold = parse_double(value);
+         if (!(threshold > 0.0 && threshold < 1.0)) throw_out_of_range();
+         c.garbage_collection_threshold = threshold;
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (c.garbage_collection_threshold == 0.0) return std::nullopt;
+         return format_double(c.garbage_collection_threshold);
+       }},
+      {{"roundup_power2_divisions",
+        "0 or a power of two, or a list [<MiB>:<d>,...,>:<d>] of increasing power-of-two "
+        "sizes in MiB, optionally ending with >, each mapped to d = 0 or a power of two",
+        "Round requests up to one of this many steps per power-of-two interval "
+        "(default: 0, plain 512-byte rounding)."},
+       [](allocator_config& c, std::string_view value) {
+         c.roundup_power2_divisions = parse_roundup(value);
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         return format_roundup(c.roundup_power2_divisions);
+       }},
+      {{"expandable_segments", boolean_values,
+        "Grow large-pool segments by mapping pages (CUDA virtual memory)."},
+       &parse_bool_field<&allocator_config::expandable_segments>,
+       &print_bool_field<&allocator_config::expandable_segments>},
+      {{"release_lock_on_cudamalloc", boolean_values,
+        "Release the allocator lock while the device malloc runs."},
+       &parse_bool_field<&allocator_config::release_lock_on_cudamalloc>,
+       &print_bool_field<&allocator_config::release_lock_on_cudamalloc>},
+      {{"per_process_memory_fraction", "a number in [0, 1]",
+        "Cap reserved memory at this fraction of the device's total memory."},
+       [](allocator_config& c, std::string_view value) {
+         const double fraction = parse_double(value);
+         if (!(fraction >= 0.0 && fraction <= 1.0)) throw_out_of_range();
+         c.per_process_memory_fraction = fraction;
+         c.memory_fraction_set = true;
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (!c.memory_fraction_set) return std::nullopt;
+         return format_double(c.per_process_memory_fraction);
+       }},
+      {{"trim_on_new_peak", boolean_values,
+        "ccalloc's own key: before reserved memory would pass its highest value so far, "
+        "return cached segments that hold no live block to the device (default True; "
+        "False reproduces PyTorch's reservations)."},
+       &parse_bool_field<&allocator_config::trim_on_new_peak>,
+       &print_bool_field<&allocator_config::trim_on_new_peak>},
+      {{"backend", "native or cudaMallocAsync",
+        "PyTorch's allocator choice; ccalloc is always the native-style allocator."},
+       [](allocator_config& c, std::string_view value) {
+         if (value != "native" && value != "cudaMallocAsync") throw_malformed();
+         c.backend = std::string(value);
+       },
+       [](const allocator_config& c) -> std::optional<std::string> { return c.backend; }},
+      {{"pinned_use_cuda_host_register", boolean_values,
+        "PyTorch pinned host allocator setting; no effect on device memory."},
+       &parse_bool_field<&allocator_config::pinned_use_cuda_host_register>,
+       &print_bool_field<&allocator_config::pinned_use_cuda_host_register>},
+      {{"pinned_num_register_threads", "a power of two in [1, 128]",
+        "PyTorch pinned host allocator setting; no effect on device memory."},
+       [](allocator_config& c, std::string_view value) {
+         const auto threads = parse_unsigned(value);
+         if (!std::has_single_bit(threads) || threads > 128) throw_out_of_range();
+         c.pinned_num_register_threads = static_cast<std::size_t>(threads);
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         return format_unsigned(c.pinned_num_register_threads);
+       }},
+      {{"pinned_use_background_threads", boolean_values,
+        "PyTorch pinned host allocator setting; no effect on device memory."},
+       &parse_bool_field<&allocator_config::pinned_use_background_threads>,
+       &print_bool_field<&allocator_config::pinned_use_background_threads>},
+      {{"pinned_reserve_segment_size_mb", "an integer number of MiB greater than 0",
+        "PyTorch pinned host allocator setting; no effect on device memory."},
+       [](allocator_config& c, std::string_view value) {
+         const auto count_mib = parse_unsigned(value);
+         if (count_mib == 0) throw_out_of_range();
+         c.pinned_reserve_segment_size_bytes = mib_to_bytes(count_mib);
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (c.pinned_reserve_segment_size_bytes == 0) return std::nullopt;
+         return format_unsigned(c.pinned_reserve_segment_size_bytes / mib);
+       }},
+      {{"graph_capture_record_stream_reuse", boolean_values,
+        "PyTorch CUDA-graph capture setting; ccalloc does not capture graphs."},
+       &parse_bool_field<&allocator_config::graph_capture_record_stream_reuse>,
+       &print_bool_field<&allocator_config::graph_capture_record_stream_reuse>},
+  }};
+  return table;
+}
+
+const key_spec& spec_of(std::string_view key) {
+  for (const auto& spec : key_table()) {
+    if (spec.info.key == key) return spec;
+  }
+  std::abort();  // only called with keys from the table
+}
+
+std::string accepted_keys_list() {
+  std::string out;
+  for (const auto& spec : key_table()) {
+    if (!out.empty()) out += ", ";
+    out += spec.info.key;
+  }
+  return out;
+}
+
+/// Levenshtein distance, for "did you mean" on unknown keys.
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+[[noreturn]] void throw_unknown_key(std::string_view prefix, std::string_view key) {
+  std::string message = concat({prefix, ": unknown key '", key, "'"});
+  const key_spec* nearest = nullptr;
+  std::size_t best = 4;  // suggest only close matches (distance <= 3)
+  for (const auto& spec : key_table()) {
+    const auto distance = edit_distance(key, spec.info.key);
+    if (distance < best) {
+      best = distance;
+      nearest = &spec;
+    }
+  }
+  if (nearest != nullptr) message += concat({"; did you mean '", nearest->info.key, "'?"});
+  message += concat({" (accepted keys: ", accepted_keys_list(), ")"});
+  throw config_error(message);
+}
+
+/// "<prefix>: <key>:<value> is <problem>[: <detail>] (accepted: <accepted>)".
+[[noreturn]] void throw_bad_value(std::string_view prefix, const key_spec& spec,
+                                  std::string_view value, const bad_value& problem) {
+  std::string message = concat({prefix, ": ", spec.info.key, ":", value,
+                                problem.what == bad_value::kind::out_of_range
+                                    ? " is out of range"
+                                    : " is not a valid value"});
+  if (!problem.detail.empty()) message += concat({": ", problem.detail});
+  message += concat({" (accepted: ", spec.info.accepted, ")"});
+  throw config_error(message);
+}
+
+/// Splits at commas outside brackets. Unbalanced brackets are left for the
+/// value parser to report.
+std::vector<std::string_view> split_items(std::string_view text) {
+  std::vector<std::string_view> items;
+  int depth = 0;
+  std::size_t start = 0;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '[') ++depth;
+    if (text[i] == ']' && depth > 0) --depth;
+    if (text[i] == ',' && depth == 0) {
+      items.push_back(text.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  items.push_back(text.substr(start));
+  return items;
+}
+
+/// The warnings (SPEC X6) that `config` deserves: a function of its fields.
+std::vector<std::string> warnings_for(const allocator_config& config) {
+  std::vector<std::string> warnings;
+  const auto setting = [&](std::string_view key) {
+    return concat({default_prefix, ": ", key, ":", *spec_of(key).print(config)});
+  };
+  if (config.garbage_collection_threshold > 0.0 && !config.memory_fraction_set) {
+    warnings.push_back(
+        setting("garbage_collection_threshold") +
+        " is set without per_process_memory_fraction: PyTorch ignores the threshold then; "
+        "ccalloc applies it to the device's total memory (set per_process_memory_fraction "
+        "to choose the limit)");
+  }
+  if (config.max_split_size_bytes == std::numeric_limits<std::size_t>::max() &&
+      config.max_non_split_rounding_bytes != config.large_segment_size_bytes) {
+    warnings.push_back(setting("max_non_split_rounding_mb") +
+                       " has no effect without max_split_size_mb: no block is oversize, "
+                       "so none is rounded");
+  }
+  if (config.backend != "native") {
+    warnings.push_back(setting("backend") +
+                       " has no effect: ccalloc is a native-style caching allocator; "
+                       "the setting is ignored");
+  }
+  const allocator_config defaults;
+  const auto pinned_warning = [&](std::string_view key) {
+    warnings.push_back(setting(key) +
+                       " has no effect: pinned_* settings configure PyTorch's pinned host "
+                       "memory allocator, not device memory");
+  };
+  if (config.pinned_use_cuda_host_register != defaults.pinned_use_cuda_host_register) {
+    pinned_warning("pinned_use_cuda_host_register");
+  }
+  if (config.pinned_num_register_threads != defaults.pinned_num_register_threads) {
+    pinned_warning("pinned_num_register_threads");
+  }
+  if (config.pinned_use_background_threads != defaults.pinned_use_background_threads) {
+    pinned_warning("pinned_use_background_threads");
+  }
+  if (config.pinned_reserve_segment_size_bytes != defaults.pinned_reserve_segment_size_bytes) {
+    pinned_warning("pinned_reserve_segment_size_mb");
+  }
+  if (config.graph_capture_record_stream_reuse != defaults.graph_capture_record_stream_reuse) {
+    warnings.push_back(setting("graph_capture_record_stream_reuse") +
+                       " has no effect: it configures PyTorch's CUDA-graph capture, which "
+                       "ccalloc does not implement");
+  }
+  return warnings;
+}
+
+/// Applies `text` to `config` (a copy: the caller assigns it on success).
+/// Messages start with `prefix`.
+allocator_config parse_onto(allocator_config config, std::string_view text,
+                            std::string_view prefix) {
+  bool saw_large_segment = false;
+  bool saw_non_split_rounding = false;
+  for (const auto raw_item : split_items(text)) {
+    const auto item = trim(raw_item);
+    if (item.empty()) continue;
+    const auto colon = item.find(':');
+    const auto key = trim(item.substr(0, colon));
+    if (colon == std::string_view::npos || key.empty()) {
+      throw config_error(concat({prefix, ": expected key:value, got '", item, "'"}));
+    }
+    const auto value = trim(item.substr(colon + 1));
+    const auto spec = std::find_if(key_table().begin(), key_table().end(),
+                                   [&](const key_spec& s) { return s.info.key == key; });
+    if (spec == key_table().end()) throw_unknown_key(prefix, key);
+    if (value.empty()) {
+      throw config_error(
+          concat({prefix, ": ", key, " has no value (accepted: ", spec->info.accepted, ")"}));
+    }
+    try {
+      spec->parse(config, value);
+    } catch (const bad_value& problem) {
+      throw_bad_value(prefix, *spec, value, problem);
+    }
+    saw_large_segment = saw_large_segment || key == "large_segment_size_mb";
+    saw_non_split_rounding = saw_non_split_rounding || key == "max_non_split_rounding_mb";
+  }
+
+  // PyTorch: max_non_split_rounding defaults to the large segment size.
+  if (saw_large_segment && !saw_non_split_rounding) {
+    config.max_non_split_rounding_bytes = config.large_segment_size_bytes;
+  }
+  // Cross-key lower bounds (PyTorch: "too small, must be >= large segment size").
+  const auto below_segment = [&](std::string_view key) {
+    const auto& spec = spec_of(key);
+    throw_bad_value(prefix, spec, *spec.print(config),
+                    bad_value{bad_value::kind::out_of_range,
+                              concat({"it is below large_segment_size_mb (",
+                                      format_unsigned(config.large_segment_size_bytes / mib),
+                                      ")"})});
+  };
+  if (config.max_split_size_bytes != std::numeric_limits<std::size_t>::max() &&
+      config.max_split_size_bytes < config.large_segment_size_bytes) {
+    below_segment("max_split_size_mb");
+  }
+  if (config.max_non_split_rounding_bytes < config.large_segment_size_bytes) {
+    below_segment("max_non_split_rounding_mb");
+  }
+  config.warnings = warnings_for(config);
+  return config;
+}
+
+}  // namespace
+}  // namespace detail
+
+allocator_config allocator_config::parse(std::string_view text) {
+  return detail::parse_onto(allocator_config{}, text, detail::default_prefix);
+}
+
+void allocator_config::apply(std::string_view text) {
+  *this = detail::parse_onto(*this, text, detail::default_prefix);
+}
+
+allocator_config allocator_config::from_environment() {
+  const char* const text = std::getenv("CCALLOC_CONF");
+  if (text == nullptr) return allocator_config{};
+  return detail::parse_onto(allocator_config{}, text, detail::environment_prefix);
+}
+
+std::string allocator_config::to_string() const {
+  std::string out;
+  for (const auto& spec : detail::key_table()) {
+    const auto value = spec.print(*this);
+    if (!value) continue;
+    if (!out.empty()) out += ',';
+    out += spec.info.key;
+    out += ':';
+    out += *value;
+  }
+  return out;
+}
+
+std::size_t allocator_config::divisions_for(std::size_t size_bytes) const noexcept {
+  // Interval 0 starts at 1 MiB = 2^20 bytes; smaller sizes share it.
+  constexpr std::size_t first_log2 = 20;
+  const auto log2 = size_bytes == 0 ? 0 : static_cast<std::size_t>(std::bit_width(size_bytes) - 1);
+  const auto index = std::min(log2 > first_log2 ? log2 - first_log2 : 0, roundup_intervals - 1);
+  return roundup_power2_divisions[index];
+}
+
+const std::vector<config_key_info>& config_keys() {
+  static const std::vector<config_key_info> keys = [] {
+    std::vector<config_key_info> out;
+    for (const auto& spec : detail::key_table()) out.push_back(spec.info);
+    return out;
+  }();
+  return keys;
+}
+
+}  // namespace ccalloc

@@ -1,1 +1,778 @@
-// placeholder: being written
+// The caching allocator of one device. Policies follow PyTorch's
+// DeviceCachingAllocator (c10/cuda/CUDACachingAllocator.cpp) unless a comment
+// says otherwise; the code is ccalloc's own.
+//
+// Allocation call tree (malloc):
+//
+//   device_caching_allocator::malloc
+//     device_state::allocate                      lock held from here
+//       process_events                            return blocks whose events completed
+//       round_size, pool_for, allocation_size     B1, B2
+//       get_free_block            -- rung 1: best fit in (stream, pool)       [likely]
+//       garbage_collect_cached_blocks -- rung 2: above the GC threshold
+//       alloc_segment             -- rung 3: a new segment from the device
+//       release_available_cached_blocks + alloc_segment
+//                                 -- rung 4: free oversize cached blocks, retry
+//       release_cached_blocks + alloc_segment
+//                                 -- rung 5: sync events, free every cached segment, retry
+//       throw_out_of_memory       -- rung 6: B6 (observers called unlocked)
+//       take_found_block          split if worth it, update stats
+//
+// Free call tree: free -> (block used on other streams? insert_events : free_block)
+//   free_block -> try_merge with both neighbours -> back into the pool.
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cinttypes>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+namespace ccalloc {
+namespace detail {
+
+namespace {
+
+std::string format_bytes(std::size_t bytes) {
+  char buf[64];
+  const double b = static_cast<double>(bytes);
+  if (bytes >= gib) std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(gib));
+  else if (bytes >= mib) std::snprintf(buf, sizeof buf, "%.2f MiB", b / double(mib));
+  else if (bytes >= kib) std::snprintf(buf, sizeof buf, "%.2f KiB", b / double(kib));
+  else std::snprintf(buf, sizeof buf, "%zu bytes", bytes);
+  return buf;
+}
+
+}  // namespace
+
+device_state::device_state(int device, device_backend& backend, allocator_config config)
+    : device_(device), backend_(backend), config_(std::move(config)) {
+  device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
+  allowed_bytes_ = device_total_bytes_;
+  stats_.max_split_size = config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
+                              ? -1
+                              : static_cast<std::int64_t>(config_.max_split_size_bytes);
+  if (config_.memory_fraction_set) set_memory_fraction(config_.per_process_memory_fraction);
+}
+
+stream_pools& device_state::pools_for(stream_t stream) {
+  if (last_pools_ != nullptr && last_stream_ == stream) [[likely]]
+    return *last_pools_;
+  auto& slot = pools_[stream];
+  if (!slot) slot = std::make_unique<stream_pools>();
+  last_stream_ = stream;
+  last_pools_ = slot.get();
+  return *slot;
+}
+
+block_pool& device_state::pool_for(std::size_t size, stream_t stream) {
+  stream_pools& p = pools_for(stream);
+  return size <= small_request_bytes ? p.small : p.large;
+}
+
+// B1: 512-byte multiples, or the next of `divisions` equal steps between two
+// powers of two (roundup_power2_divisions).
+std::size_t device_state::round_size(std::size_t size) const noexcept {
+  if (size < min_block_bytes) return min_block_bytes;
+  const std::size_t divisions = config_.divisions_for(size);
+  if (divisions > 1 && size > min_block_bytes * divisions) {
+    if (std::has_single_bit(size)) return size;
+    const std::size_t floor = std::bit_floor(size);
+    const std::size_t step = floor / divisions;
+    const std::size_t rounded = size & ~(step - 1);
+    return rounded == size ? size : rounded + step;
+  }
+  return (size + min_block_bytes - 1) / min_block_bytes * min_block_bytes;
+}
+
+// B2: segment size for a new segment serving a block of `size` bytes.
+std::size_t device_state::allocation_size(std::size_t size) const noexcept {
+  if (size <= small_request_bytes) return small_segment_bytes;
+  if (size < min_large_alloc_bytes) return config_.large_segment_size_bytes;
+  return (size + large_round_bytes - 1) / large_round_bytes * large_round_bytes;
+}
+
+block* device_state::allocate(std::size_t requested_bytes, stream_t stream,
+                              std::unique_lock<std::mutex>& lock) {
+  process_events();
+
+  alloc_params p;
+  p.requested_bytes = requested_bytes;
+  p.stream = stream;
+  p.size = round_size(requested_bytes);
+  p.pool = &pool_for(p.size, stream);
+
+  if (!caching_) [[unlikely]] {
+    // No-caching mode (F6): one segment per allocation, exactly the block size.
+    p.alloc_size = p.size;
+    if (!alloc_segment(p, false, lock) && !(release_cached_blocks() && alloc_segment(p, true, lock)))
+      throw_out_of_memory(p, lock);
+    return take_found_block(p);
+  }
+
+  p.alloc_size = allocation_size(p.size);
+  // Rung 1: a cached block of this stream and pool.
+  if (get_free_block(p)) [[likely]]
+    return take_found_block(p);
+  // Rung 2: above the garbage-collection threshold, release old cached blocks.
+  if (config_.garbage_collection_threshold > 0.0) garbage_collect_cached_blocks();
+  // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
+  // memory above its high-water mark, so return cached whole segments (none
+  // fits it) to the device first: the peak grows by less.
+  if (config_.trim_on_new_peak &&
+      static_cast<std::size_t>(stats_.reserved_bytes[0].current) + p.alloc_size > reserved_high_water_bytes_)
+    release_unused_segments();
+  // Rung 3: a new segment. Rung 4: free oversize cached blocks and retry.
+  // Rung 5: wait for pending events, free every cached segment, retry.
+  if (alloc_segment(p, false, lock) ||
+      (release_available_cached_blocks(p) && alloc_segment(p, false, lock)) ||
+      (release_cached_blocks() && alloc_segment(p, true, lock)))
+    return take_found_block(p);
+  // Rung 6: out of memory.
+  throw_out_of_memory(p, lock);
+}
+
+// B3: best fit by (size, address) in the request's (stream, pool), with the
+// oversize rules: a small request never takes an oversize block, and an
+// oversize request takes one at most max_non_split_rounding bytes larger.
+bool device_state::get_free_block(alloc_params& p) {
+  block_pool& pool = *p.pool;
+  if (config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
+  block key;
+  key.size = p.size;
+  auto it = pool.blocks.lower_bound(&key);
+  if (it == pool.blocks.end()) return false;
+  block* b = *it;
+  const std::size_t max_split = config_.max_split_size_bytes;
+  if (p.size < max_split && b->size >= max_split) return false;
+  if (p.size >= max_split && b->size >= p.size + config_.max_non_split_rounding_bytes) return false;
+  pool.blocks.erase(it);
+  p.found = b;
+  return true;
+}
+
+bool device_state::alloc_segment(alloc_params& p, bool is_retry, std::unique_lock<std::mutex>& lock) {
+  if (is_retry) ++stats_.num_alloc_retries;
+  const std::size_t size = p.alloc_size;
+  const std::size_t reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
+  if (set_fraction_ && reserved + size > allowed_bytes_) return false;
+  void* ptr = nullptr;
+  if (config_.release_lock_on_cudamalloc) {
+    // B8: other threads may allocate from the cache while the device mallocs.
+    lock.unlock();
+    try {
+      ptr = backend_.segment_malloc(device_, size);
+    } catch (...) {
+      lock.lock();
+      throw;
+    }
+    lock.lock();
+    // The cap may have been reached meanwhile by another thread.
+    if (ptr != nullptr && set_fraction_ &&
+        static_cast<std::size_t>(stats_.reserved_bytes[0].current) + size > allowed_bytes_) {
+      backend_.segment_free(device_, ptr);
+      return false;
+    }
+  } else {
+    ptr = backend_.segment_malloc(device_, size);
+  }
+  if (ptr == nullptr) return false;
+
+  auto seg = std::make_unique<segment>();
+  auto* b = new block;
+  b->ptr = reinterpret_cast<std::uintptr_t>(ptr);
+  b->size = size;
+  b->stream = p.stream;
+  b->pool = p.pool;
+  b->seg = seg.get();
+  seg->base = b->ptr;
+  seg->size = size;
+  seg->head = b;
+  segments_.emplace(seg->base, std::move(seg));
+
+  const stat_group g = group_of(p.pool);
+  device_stats::increase(stats_.segment, g, 1);
+  device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
+  if (size >= config_.max_split_size_bytes) stats_.oversize_segments.increase(1);
+  ++stats_.num_device_alloc;
+  reserved_high_water_bytes_ =
+      std::max(reserved_high_water_bytes_, static_cast<std::size_t>(stats_.reserved_bytes[0].current));
+  p.found = b;
+  return true;
+}
+
+// Rung 4 (only with max_split_size set): free the smallest cached oversize
+// block that covers the request, else the largest ones until enough is freed.
+bool device_state::release_available_cached_blocks(const alloc_params& p) {
+  const std::size_t max_split = config_.max_split_size_bytes;
+  if (max_split == std::numeric_limits<std::size_t>::max()) return false;
+  block_pool& pool = *p.pool;
+  block key;
+  key.size = std::max(p.size, max_split);
+  auto it = pool.blocks.lower_bound(&key);
+  if (it != pool.blocks.end()) {
+    if ((*it)->is_split()) return false;
+    release_block(*it);
+    return true;
+  }
+  std::size_t released = 0;
+  std::vector<block*> victims;
+  for (auto r = pool.blocks.rbegin(); r != pool.blocks.rend() && released < key.size; ++r) {
+    if ((*r)->size < max_split) break;
+    if ((*r)->is_split()) continue;
+    victims.push_back(*r);
+    released += (*r)->size;
+  }
+  if (released < key.size) return false;
+  for (block* b : victims) release_block(b);
+  return true;
+}
+
+// Rung 5 and emptyCache: wait for every pending event, then return every
+// cached block that is a whole segment.
+bool device_state::release_cached_blocks() {
+  synchronize_and_free_events();
+  release_unused_segments();
+  return true;
+}
+
+void device_state::release_unused_segments() {
+  for (auto& [stream, pools] : pools_) {
+    release_blocks(pools->large);
+    release_blocks(pools->small);
+  }
+}
+
+void device_state::release_blocks(block_pool& pool) {
+  for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
+    block* b = *it++;
+    if (!b->is_split()) release_block(b);
+  }
+}
+
+// Returns a cached whole-segment block to the device.
+void device_state::release_block(block* b) {
+  backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  const stat_group g = group_of(b->pool);
+  device_stats::decrease(stats_.segment, g, 1);
+  device_stats::decrease(stats_.reserved_bytes, g, static_cast<std::int64_t>(b->size));
+  if (b->size >= config_.max_split_size_bytes) stats_.oversize_segments.decrease(1);
+  ++stats_.num_device_free;
+  b->pool->blocks.erase(b);
+  segments_.erase(b->seg->base);
+  delete b;
+}
+
+// Rung 2 (B5): while reserved bytes exceed threshold x allowed, release whole
+// cached large-pool segments older than the average age. ccalloc applies the
+// threshold to the device total when no memory fraction is set (PyTorch
+// ignores it then; SPEC X6).
+void device_state::garbage_collect_cached_blocks() {
+  const auto threshold =
+      static_cast<std::size_t>(config_.garbage_collection_threshold * static_cast<double>(allowed_bytes_));
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
+  if (reserved <= threshold) return;
+  const std::size_t target = reserved - threshold;
+
+  std::vector<std::pair<block*, std::uint64_t>> candidates;  // block, age
+  std::uint64_t total_age = 0;
+  for (auto& [stream, pools] : pools_)
+    for (block* b : pools->large.blocks)
+      if (!b->is_split()) {
+        const std::uint64_t age = pools->large.age(b);
+        candidates.emplace_back(b, age);
+        total_age += age;
+      }
+  std::size_t reclaimed = 0;
+  bool freed = true;
+  while (reclaimed < target && freed && !candidates.empty()) {
+    const double age_threshold = double(total_age) / double(candidates.size());
+    freed = false;
+    for (auto it = candidates.begin(); it != candidates.end();) {
+      if (double(it->second) >= age_threshold) {
+        freed = true;
+        reclaimed += it->first->size;
+        total_age -= it->second;
+        release_block(it->first);
+        it = candidates.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+bool device_state::should_split(const block* b, std::size_t size) const noexcept {
+  const std::size_t remaining = b->size - size;
+  if (b->pool->is_small) return remaining >= min_block_bytes;
+  return size < config_.max_split_size_bytes && remaining > small_request_bytes;
+}
+
+// Hands out p.found: split off the remainder if worth keeping, update stats.
+block* device_state::take_found_block(alloc_params& p) {
+  block* b = p.found;
+  const stat_group g = group_of(p.pool);
+  const bool already_split = b->is_split();
+  if (should_split(b, p.size)) {
+    // The caller gets the front; the remainder stays cached.
+    block* remaining = b;
+    b = new block;
+    b->ptr = remaining->ptr;
+    b->size = p.size;
+    b->stream = remaining->stream;
+    b->pool = remaining->pool;
+    b->seg = remaining->seg;
+    b->prev = remaining->prev;
+    if (b->prev != nullptr) b->prev->next = b;
+    else b->seg->head = b;
+    b->next = remaining;
+    remaining->prev = b;
+    remaining->ptr += p.size;
+    remaining->size -= p.size;
+    remaining->gc_count_base = remaining->pool->get_free_blocks_call_count;
+    remaining->pool->blocks.insert(remaining);
+    if (already_split) {
+      device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
+    } else {
+      device_stats::increase(stats_.inactive_split, g, 1);
+      device_stats::increase(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
+    }
+  } else if (already_split) {
+    device_stats::decrease(stats_.inactive_split, g, 1);
+    device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+  }
+  b->allocated = true;
+  b->requested_size = p.requested_bytes;
+  const auto size = static_cast<std::int64_t>(b->size);
+  device_stats::increase(stats_.allocation, g, 1);
+  device_stats::increase(stats_.allocated_bytes, g, size);
+  device_stats::increase(stats_.active, g, 1);
+  device_stats::increase(stats_.active_bytes, g, size);
+  device_stats::increase(stats_.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
+  if (b->size >= config_.max_split_size_bytes) stats_.oversize_allocations.increase(1);
+  return b;
+}
+
+void device_state::free(block* b) {
+  const stat_group g = group_of(b->pool);
+  if (!b->stream_uses.empty()) insert_events(b);  // may throw: nothing changed yet
+  b->allocated = false;
+  device_stats::decrease(stats_.allocation, g, 1);
+  device_stats::decrease(stats_.allocated_bytes, g, static_cast<std::int64_t>(b->size));
+  if (b->size >= config_.max_split_size_bytes) stats_.oversize_allocations.decrease(1);
+  if (b->event_count == 0) free_block(b);
+}
+
+// A block becomes free (its events, if any, completed): merge with free
+// neighbours and return it to its pool.
+void device_state::free_block(block* b) {
+  const stat_group g = group_of(b->pool);
+  const auto original_size = static_cast<std::int64_t>(b->size);
+  std::int64_t net_split_blocks = 0;
+  std::int64_t net_split_bytes = 0;
+  for (block* neighbour : {b->prev, b->next}) {
+    const std::size_t subsumed = try_merge(b, neighbour);
+    if (subsumed > 0) {
+      net_split_blocks -= 1;
+      net_split_bytes -= static_cast<std::int64_t>(subsumed);
+    }
+  }
+  b->gc_count_base = b->pool->get_free_blocks_call_count;
+  b->pool->blocks.insert(b);
+  if (b->is_split()) {
+    net_split_blocks += 1;
+    net_split_bytes += static_cast<std::int64_t>(b->size);
+  }
+  if (net_split_blocks > 0) device_stats::increase(stats_.inactive_split, g, net_split_blocks);
+  else if (net_split_blocks < 0) device_stats::decrease(stats_.inactive_split, g, -net_split_blocks);
+  if (net_split_bytes > 0) device_stats::increase(stats_.inactive_split_bytes, g, net_split_bytes);
+  else if (net_split_bytes < 0) device_stats::decrease(stats_.inactive_split_bytes, g, -net_split_bytes);
+  device_stats::decrease(stats_.active, g, 1);
+  device_stats::decrease(stats_.active_bytes, g, original_size);
+  device_stats::decrease(stats_.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+  b->requested_size = 0;
+  if (!caching_ && !b->is_split()) release_block(b);  // no-caching mode: straight back
+}
+
+// Merges free `src` into `dst` (its neighbour); returns the bytes subsumed.
+std::size_t device_state::try_merge(block* dst, block* src) {
+  if (src == nullptr || src->allocated || src->event_count > 0 || !src->stream_uses.empty()) return 0;
+  if (dst->prev == src) {
+    dst->ptr = src->ptr;
+    dst->prev = src->prev;
+    if (dst->prev != nullptr) dst->prev->next = dst;
+    else dst->seg->head = dst;
+  } else {
+    dst->next = src->next;
+    if (dst->next != nullptr) dst->next->prev = dst;
+  }
+  const std::size_t subsumed = src->size;
+  dst->size += subsumed;
+  src->pool->blocks.erase(src);
+  delete src;
+  return subsumed;
+}
+
+event_t device_state::get_event() {
+  if (!free_events_.empty()) {
+    const event_t e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+  return backend_.create_event(device_);
+}
+
+// B4: one event per stream that used the block; the block returns to the
+// pool when all of them completed.
+void device_state::insert_events(block* b) {
+  std::vector<event_t> recorded;
+  try {
+    for (stream_t s : b->stream_uses) {
+      const event_t e = get_event();
+      recorded.push_back(e);
+      backend_.record_event(device_, e, s);
+    }
+  } catch (...) {
+    for (event_t e : recorded) free_events_.push_back(e);
+    throw;
+  }
+  for (std::size_t i = 0; i < recorded.size(); ++i) {
+    pending_events_[b->stream_uses[i]].emplace_back(recorded[i], b);
+    ++b->event_count;
+  }
+  b->stream_uses.clear();
+}
+
+// Returns blocks whose events completed, without blocking: per stream, events
+// complete in order, so each queue is scanned up to its first pending event.
+void device_state::process_events() {
+  if (pending_events_.empty()) [[likely]]
+    return;
+  for (auto it = pending_events_.begin(); it != pending_events_.end();) {
+    auto& queue = it->second;
+    while (!queue.empty()) {
+      auto [e, b] = queue.front();
+      if (!backend_.query_event(device_, e)) break;
+      queue.pop_front();
+      free_events_.push_back(e);
+      if (--b->event_count == 0) free_block(b);
+    }
+    it = queue.empty() ? pending_events_.erase(it) : std::next(it);
+  }
+}
+
+void device_state::synchronize_and_free_events() {
+  ++stats_.num_sync_all_streams;
+  for (auto& [stream, queue] : pending_events_) {
+    while (!queue.empty()) {
+      auto [e, b] = queue.front();
+      backend_.synchronize_event(device_, e);
+      queue.pop_front();
+      free_events_.push_back(e);
+      if (--b->event_count == 0) free_block(b);
+    }
+  }
+  pending_events_.clear();
+}
+
+void device_state::throw_out_of_memory(const alloc_params& p, std::unique_lock<std::mutex>& lock) {
+  const memory_info info = backend_.mem_get_info(device_);
+  ++stats_.num_ooms;
+  const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[0].current);
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
+  std::size_t largest_free = 0;
+  for (auto& [stream, pools] : pools_)
+    for (block_pool* pool : {&pools->small, &pools->large})
+      if (!pool->blocks.empty()) largest_free = std::max(largest_free, (*pool->blocks.rbegin())->size);
+
+  std::string msg = "ccalloc: out of memory on device " + std::to_string(device_) + ". Tried to allocate " +
+                    format_bytes(p.requested_bytes) + " (" + std::to_string(p.requested_bytes) +
+                    " bytes; needed a new segment of " + format_bytes(p.alloc_size) + "). Device " +
+                    std::to_string(device_) + " has a total capacity of " + format_bytes(info.total_bytes) +
+                    " of which " + format_bytes(info.free_bytes) + " is free.";
+  if (set_fraction_)
+    msg += " The per-process memory fraction " + std::to_string(fraction_) + " allows " +
+           format_bytes(allowed_bytes_) + ".";
+  msg += " Of the memory held by ccalloc, " + format_bytes(allocated) + " is allocated and " +
+         format_bytes(reserved - std::min(reserved, allocated)) +
+         " is reserved but unallocated; the largest cached free block is " + format_bytes(largest_free) + ".";
+  if (reserved > allocated && reserved - allocated > reserved / 10)
+    msg += " Reserved but unallocated memory is large (fragmentation): try "
+           "CCALLOC_CONF=expandable_segments:True, or max_split_size_mb to limit splitting.";
+  else
+    msg += " Reduce the memory the program holds at its peak (batch size, sequence length), or raise the "
+           "memory fraction.";
+
+  out_of_memory_error::figures f;
+  f.device = device_;
+  f.requested_bytes = p.requested_bytes;
+  f.device_total_bytes = set_fraction_ ? allowed_bytes_ : info.total_bytes;
+  f.device_free_bytes = info.free_bytes;
+  f.allocated_bytes = allocated;
+  f.reserved_bytes = reserved;
+  // Observers run outside the lock (SPEC F17): they may call back into ccalloc.
+  auto observers = observers_;
+  lock.unlock();
+  for (auto& o : observers) o(device_, p.requested_bytes, f.device_total_bytes, f.device_free_bytes);
+  throw out_of_memory_error(std::move(msg), f);
+}
+
+void device_state::set_memory_fraction(double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0))
+    throw invalid_argument_error("ccalloc: memory fraction " + std::to_string(fraction) +
+                                 " for device " + std::to_string(device_) + " is outside [0, 1]");
+  fraction_ = fraction;
+  set_fraction_ = true;
+  allowed_bytes_ = static_cast<std::size_t>(fraction * static_cast<double>(device_total_bytes_));
+  // Keep reserved <= the new cap where cached memory allows it.
+  if (static_cast<std::size_t>(stats_.reserved_bytes[0].current) > allowed_bytes_) release_cached_blocks();
+}
+
+}  // namespace detail
+
+// ---- public wrapper -----------------------------------------------------------
+
+using detail::block;
+
+device_caching_allocator::device_caching_allocator(int device, device_backend& backend, allocator_config config)
+    : device_(device) {
+  if (device < 0 || device >= backend.device_count())
+    throw invalid_argument_error("ccalloc: device " + std::to_string(device) + " is out of range [0, " +
+                                 std::to_string(backend.device_count()) + ")");
+  state_ = std::make_unique<detail::device_state>(device, backend, std::move(config));
+}
+
+device_caching_allocator::~device_caching_allocator() {
+  auto& s = *state_;
+  std::lock_guard lock(s.mutex_);
+  for (auto& [stream, queue] : s.pending_events_)
+    for (auto& [e, b] : queue) s.free_events_.push_back(e);
+  for (event_t e : s.free_events_) {
+    try {
+      s.backend_.destroy_event(s.device_, e);
+    } catch (...) {
+    }
+  }
+  for (auto& [base, seg] : s.segments_) {
+    for (block* b = seg->head; b != nullptr;) {
+      block* next = b->next;
+      delete b;
+      b = next;
+    }
+    try {
+      s.backend_.segment_free(s.device_, reinterpret_cast<void*>(base));
+    } catch (...) {
+    }
+  }
+}
+
+allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
+  auto& s = *state_;
+  std::unique_lock lock(s.mutex_);
+  if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]] {
+    if (size_bytes == 0)
+      throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
+    detail::alloc_params p;
+    p.requested_bytes = size_bytes;
+    p.size = size_bytes;
+    p.alloc_size = size_bytes;
+    s.throw_out_of_memory(p, lock);  // SPEC F2: at once, nothing else tried
+  }
+  block* b = s.allocate(size_bytes, stream, lock);
+  return {reinterpret_cast<void*>(b->ptr), b};
+}
+
+void device_caching_allocator::free(block* b) {
+  auto& s = *state_;
+  std::lock_guard lock(s.mutex_);
+  s.free(b);
+}
+
+void device_caching_allocator::record_stream(block* b, stream_t stream) {
+  auto& s = *state_;
+  std::lock_guard lock(s.mutex_);
+  if (stream == b->stream) return;
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+    b->stream_uses.push_back(stream);
+}
+
+void device_caching_allocator::empty_cache() {
+  auto& s = *state_;
+  std::lock_guard lock(s.mutex_);
+  s.release_cached_blocks();
+}
+
+std::size_t device_caching_allocator::largest_free_block() const {
+  auto& s = *state_;
+  std::lock_guard lock(s.mutex_);
+  std::size_t largest = 0;
+  for (auto& [stream, pools] : s.pools_)
+    for (auto* pool : {&pools->small, &pools->large})
+      if (!pool->blocks.empty()) largest = std::max(largest, (*pool->blocks.rbegin())->size);
+  return largest;
+}
+
+std::pair<void*, std::size_t> device_caching_allocator::base_allocation(block* b) const {
+  std::lock_guard lock(state_->mutex_);
+  return {reinterpret_cast<void*>(b->seg->base), b->seg->size};
+}
+
+std::size_t device_caching_allocator::block_size(const block* b) const noexcept { return b->size; }
+
+void device_caching_allocator::set_memory_fraction(double fraction) {
+  std::lock_guard lock(state_->mutex_);
+  state_->set_memory_fraction(fraction);
+}
+
+double device_caching_allocator::memory_fraction() const {
+  std::lock_guard lock(state_->mutex_);
+  return state_->set_fraction_ ? state_->fraction_ : 1.0;
+}
+
+void device_caching_allocator::set_config(const allocator_config& config) {
+  auto& s = *state_;
+  std::lock_guard lock(s.mutex_);
+  s.config_ = config;
+  s.stats_.max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
+                                ? -1
+                                : static_cast<std::int64_t>(config.max_split_size_bytes);
+  if (config.memory_fraction_set) s.set_memory_fraction(config.per_process_memory_fraction);
+}
+
+allocator_config device_caching_allocator::config() const {
+  std::lock_guard lock(state_->mutex_);
+  return state_->config_;
+}
+
+void device_caching_allocator::set_caching_enabled(bool enabled) {
+  auto& s = *state_;
+  std::lock_guard lock(s.mutex_);
+  s.caching_ = enabled;
+  if (!enabled) s.release_cached_blocks();
+}
+
+bool device_caching_allocator::caching_enabled() const {
+  std::lock_guard lock(state_->mutex_);
+  return state_->caching_;
+}
+
+device_stats device_caching_allocator::stats() const {
+  std::lock_guard lock(state_->mutex_);
+  return state_->stats_;
+}
+
+void device_caching_allocator::reset_accumulated_stats() {
+  std::lock_guard lock(state_->mutex_);
+  state_->stats_.reset_accumulated();
+}
+
+void device_caching_allocator::reset_peak_stats() {
+  std::lock_guard lock(state_->mutex_);
+  state_->stats_.reset_peak();
+}
+
+void device_caching_allocator::attach_oom_observer(oom_observer observer) {
+  std::lock_guard lock(state_->mutex_);
+  state_->observers_.push_back(std::move(observer));
+}
+
+std::vector<segment_info> device_caching_allocator::segments() const {
+  auto& s = *state_;
+  std::lock_guard lock(s.mutex_);
+  std::vector<segment_info> out;
+  out.reserve(s.segments_.size());
+  for (auto& [base, seg] : s.segments_) {
+    segment_info si;
+    si.address = base;
+    si.total_bytes = seg->size;
+    si.stream = seg->head->stream;
+    si.is_small_pool = seg->head->pool->is_small;
+    for (const block* b = seg->head; b != nullptr; b = b->next) {
+      block_info bi;
+      bi.address = b->ptr;
+      bi.size_bytes = b->size;
+      bi.requested_bytes = b->requested_size;
+      bi.state = b->allocated ? block_state::active_allocated
+                 : b->event_count > 0 ? block_state::active_pending_free
+                                      : block_state::inactive;
+      if (b->allocated) si.allocated_bytes += b->size;
+      if (bi.state != block_state::inactive) {
+        si.active_bytes += b->size;
+        si.requested_bytes += b->requested_size;
+      }
+      si.blocks.push_back(bi);
+    }
+    out.push_back(std::move(si));
+  }
+  return out;
+}
+
+void device_caching_allocator::check_invariants() const {
+  auto& s = *state_;
+  std::lock_guard lock(s.mutex_);
+  auto fail = [](const std::string& what) { throw std::logic_error("ccalloc invariant violated: " + what); };
+  device_stats recount;
+  std::size_t pooled = 0;
+  for (auto& [base, seg] : s.segments_) {
+    if (seg->head == nullptr || seg->head->ptr != base || seg->head->prev != nullptr)
+      fail("segment head is not the block at the segment base");
+    const stat_group g = s.group_of(seg->head->pool);
+    device_stats::increase(recount.segment, g, 1);
+    device_stats::increase(recount.reserved_bytes, g, static_cast<std::int64_t>(seg->size));
+    std::uintptr_t expect = base;
+    std::size_t sum = 0;
+    for (const block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->ptr != expect) fail("blocks do not tile segment " + std::to_string(base));
+      if (b->seg != seg.get()) fail("block points to the wrong segment");
+      if (b->next != nullptr && b->next->prev != b) fail("next->prev link broken");
+      if (b->pool != seg->head->pool) fail("blocks of one segment in different pools");
+      if (b->size == 0 || b->size % detail::min_block_bytes != 0) fail("block size not a positive multiple of 512");
+      const bool in_pool = b->pool->blocks.count(const_cast<block*>(b)) != 0;
+      const bool free_now = !b->allocated && b->event_count == 0;
+      if (in_pool != free_now) fail("pool membership does not match block state");
+      if (free_now) {
+        ++pooled;
+        if (b->next != nullptr && !b->next->allocated && b->next->event_count == 0)
+          fail("two free neighbours are not merged");
+        if (b->is_split()) {
+          device_stats::increase(recount.inactive_split, g, 1);
+          device_stats::increase(recount.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+        }
+      } else {
+        device_stats::increase(recount.active, g, 1);
+        device_stats::increase(recount.active_bytes, g, static_cast<std::int64_t>(b->size));
+        device_stats::increase(recount.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+        if (b->allocated) {
+          device_stats::increase(recount.allocation, g, 1);
+          device_stats::increase(recount.allocated_bytes, g, static_cast<std::int64_t>(b->size));
+        }
+      }
+      expect += b->size;
+      sum += b->size;
+    }
+    if (sum != seg->size) fail("block sizes do not sum to the segment size");
+  }
+  std::size_t in_pools = 0;
+  for (auto& [stream, pools] : s.pools_) in_pools += pools->small.blocks.size() + pools->large.blocks.size();
+  if (in_pools != pooled) fail("pools hold blocks that are not free blocks of live segments");
+  auto same = [&](const stat_array& a, const stat_array& b, const char* name) {
+    for (std::size_t i = 0; i < stat_group_count; ++i)
+      if (a[i].current != b[i].current)
+        fail(std::string(name) + "[" + std::to_string(i) + "].current is " + std::to_string(a[i].current) +
+             " but a recount gives " + std::to_string(b[i].current));
+  };
+  same(s.stats_.segment, recount.segment, "segment");
+  same(s.stats_.reserved_bytes, recount.reserved_bytes, "reserved_bytes");
+  same(s.stats_.allocation, recount.allocation, "allocation");
+  same(s.stats_.allocated_bytes, recount.allocated_bytes, "allocated_bytes");
+  same(s.stats_.active, recount.active, "active");
+  same(s.stats_.active_bytes, recount.active_bytes, "active_bytes");
+  same(s.stats_.requested_bytes, recount.requested_bytes, "requested_bytes");
+  same(s.stats_.inactive_split, recount.inactive_split, "inactive_split");
+  same(s.stats_.inactive_split_bytes, recount.inactive_split_bytes, "inactive_split_bytes");
+}
+
+}  // namespace ccalloc

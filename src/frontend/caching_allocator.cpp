@@ -1,1 +1,236 @@
-// placeholder: being written
+// The multi-device front end: device allocators, the sharded pointer map,
+// the thread's current stream.
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <ccalloc/backend/sim_backend.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace ccalloc {
+
+namespace {
+
+thread_local stream_t tls_current_stream = default_stream;
+
+std::string pointer_name(const void* ptr) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", ptr);
+  return buf;
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && (std::strcmp(v, "1") == 0 || std::strcmp(v, "true") == 0 || std::strcmp(v, "True") == 0);
+}
+
+}  // namespace
+
+void data_ptr_deleter::operator()(void* ptr) const {
+  if (owner != nullptr) owner->free(ptr);
+}
+
+caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend)
+    : caching_allocator(std::move(backend), allocator_config::from_environment()) {}
+
+caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend, allocator_config config)
+    : backend_(std::move(backend)), config_(std::move(config)) {
+  if (!backend_) throw invalid_argument_error("ccalloc: caching_allocator needs a backend, got null");
+  caching_enabled_ = !env_flag("CCALLOC_NO_CACHING");
+}
+
+caching_allocator::~caching_allocator() = default;
+
+void caching_allocator::init(int device_count) {
+  if (device_count < 1 || device_count > backend_->device_count())
+    throw invalid_argument_error("ccalloc: init(" + std::to_string(device_count) + "): the '" +
+                                 backend_->name() + "' backend has " +
+                                 std::to_string(backend_->device_count()) + " device(s)");
+  std::lock_guard lock(config_mutex_);
+  for (int d = static_cast<int>(devices_.size()); d < device_count; ++d) {
+    auto dev = std::make_unique<device_caching_allocator>(d, *backend_, config_);
+    if (!caching_enabled_) dev->set_caching_enabled(false);
+    for (auto& o : observers_) dev->attach_oom_observer(o);
+    devices_.push_back(std::move(dev));
+  }
+}
+
+bool caching_allocator::initialized() const noexcept { return !devices_.empty(); }
+
+void caching_allocator::check_device(int device, const char* what) const {
+  if (devices_.empty())
+    throw invalid_argument_error(std::string("ccalloc: ") + what + " before init(): call init(device_count) first");
+  if (device < 0 || device >= static_cast<int>(devices_.size()))
+    throw invalid_argument_error(std::string("ccalloc: ") + what + ": device " + std::to_string(device) +
+                                 " is not initialized (devices 0.." + std::to_string(devices_.size() - 1) + ")");
+}
+
+device_caching_allocator& caching_allocator::device_allocator(int device) const {
+  check_device(device, "device_allocator");
+  return *devices_[static_cast<std::size_t>(device)];
+}
+
+caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr) const noexcept {
+  // Blocks are 512-byte aligned: drop those bits, then mix (Fibonacci hashing).
+  const auto key = (reinterpret_cast<std::uintptr_t>(ptr) >> 9) * 0x9E3779B97F4A7C15ull;
+  return shards_[key >> (64 - 6)];
+}
+static_assert(std::size_t{1} << 6 == 64, "shard_for takes the top 6 bits");
+
+void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t stream) {
+  check_device(device, "malloc");
+  if (size_bytes == 0) return nullptr;
+  allocation a = devices_[static_cast<std::size_t>(device)]->malloc(size_bytes, stream);
+  auto& shard = shard_for(a.ptr);
+  {
+    std::lock_guard lock(shard.mutex);
+    shard.blocks.emplace(a.ptr, std::make_pair(device, a.block));
+  }
+  return a.ptr;
+}
+
+void caching_allocator::free(void* ptr) {
+  if (ptr == nullptr) return;
+  auto& shard = shard_for(ptr);
+  std::pair<int, detail::block*> entry;
+  {
+    std::lock_guard lock(shard.mutex);
+    auto it = shard.blocks.find(ptr);
+    if (it == shard.blocks.end())
+      throw invalid_argument_error("ccalloc: free(" + pointer_name(ptr) +
+                                   "): not a live allocation of this allocator (never allocated here, "
+                                   "already freed, or not the start of an allocation)");
+    entry = it->second;
+    shard.blocks.erase(it);
+  }
+  try {
+    devices_[static_cast<std::size_t>(entry.first)]->free(entry.second);
+  } catch (...) {
+    std::lock_guard lock(shard.mutex);  // the free did not happen: keep the pointer live
+    shard.blocks.emplace(ptr, entry);
+    throw;
+  }
+}
+
+data_ptr caching_allocator::allocate(std::size_t size_bytes) {
+  return data_ptr(raw_alloc(size_bytes), data_ptr_deleter{this});
+}
+
+raw_deleter_fn caching_allocator::raw_deleter() noexcept {
+  return [](void* ptr) { global_allocator().free(ptr); };
+}
+
+void* caching_allocator::raw_alloc(std::size_t size_bytes) {
+  return malloc(backend_->current_device(), size_bytes, tls_current_stream);
+}
+
+void* caching_allocator::raw_alloc_with_stream(std::size_t size_bytes, stream_t stream) {
+  return malloc(backend_->current_device(), size_bytes, stream);
+}
+
+void caching_allocator::raw_delete(void* ptr) { free(ptr); }
+
+void caching_allocator::set_current_stream(stream_t stream) noexcept { tls_current_stream = stream; }
+stream_t caching_allocator::current_stream() noexcept { return tls_current_stream; }
+
+void caching_allocator::enable(bool enabled) {
+  std::lock_guard lock(config_mutex_);
+  caching_enabled_ = enabled;
+  for (auto& d : devices_) d->set_caching_enabled(enabled);
+}
+
+bool caching_allocator::is_enabled() const noexcept { return caching_enabled_; }
+
+void caching_allocator::set_memory_fraction(double fraction, int device) {
+  check_device(device, "set_memory_fraction");
+  devices_[static_cast<std::size_t>(device)]->set_memory_fraction(fraction);
+}
+
+double caching_allocator::get_memory_fraction(int device) const {
+  check_device(device, "get_memory_fraction");
+  return devices_[static_cast<std::size_t>(device)]->memory_fraction();
+}
+
+void caching_allocator::empty_cache() {
+  for (auto& d : devices_) d->empty_cache();
+}
+
+std::size_t caching_allocator::cache_info(int device) const {
+  check_device(device, "cache_info");
+  return devices_[static_cast<std::size_t>(device)]->largest_free_block();
+}
+
+std::pair<void*, std::size_t> caching_allocator::get_base_allocation(void* ptr) const {
+  auto& shard = shard_for(ptr);
+  std::pair<int, detail::block*> entry;
+  {
+    std::lock_guard lock(shard.mutex);
+    auto it = shard.blocks.find(ptr);
+    if (it == shard.blocks.end())
+      throw invalid_argument_error("ccalloc: get_base_allocation(" + pointer_name(ptr) +
+                                   "): not a live allocation of this allocator");
+    entry = it->second;
+  }
+  return devices_[static_cast<std::size_t>(entry.first)]->base_allocation(entry.second);
+}
+
+void caching_allocator::record_stream(void* ptr, stream_t stream) {
+  if (ptr == nullptr) return;
+  auto& shard = shard_for(ptr);
+  std::pair<int, detail::block*> entry;
+  {
+    std::lock_guard lock(shard.mutex);
+    auto it = shard.blocks.find(ptr);
+    if (it == shard.blocks.end()) return;  // not ours: ignored (F11)
+    entry = it->second;
+  }
+  devices_[static_cast<std::size_t>(entry.first)]->record_stream(entry.second, stream);
+}
+
+device_stats caching_allocator::get_device_stats(int device) const {
+  check_device(device, "get_device_stats");
+  return devices_[static_cast<std::size_t>(device)]->stats();
+}
+
+void caching_allocator::reset_accumulated_stats(int device) {
+  check_device(device, "reset_accumulated_stats");
+  devices_[static_cast<std::size_t>(device)]->reset_accumulated_stats();
+}
+
+void caching_allocator::reset_peak_stats(int device) {
+  check_device(device, "reset_peak_stats");
+  devices_[static_cast<std::size_t>(device)]->reset_peak_stats();
+}
+
+void caching_allocator::attach_out_of_memory_observer(oom_observer observer) {
+  std::lock_guard lock(config_mutex_);
+  observers_.push_back(observer);
+  for (auto& d : devices_) d->attach_oom_observer(observer);
+}
+
+void caching_allocator::set_config(std::string_view text) {
+  std::lock_guard lock(config_mutex_);
+  allocator_config next = config_;
+  next.apply(text);  // throws config_error; nothing changed then
+  config_ = next;
+  for (auto& d : devices_) d->set_config(config_);
+}
+
+allocator_config caching_allocator::config() const {
+  std::lock_guard lock(config_mutex_);
+  return config_;
+}
+
+caching_allocator& global_allocator() {
+  // Leaked on purpose: pointers may be freed during static destruction.
+  static caching_allocator* instance = [] {
+    auto* a = new caching_allocator(std::make_shared<sim_backend>());
+    a->init(a->backend().device_count());
+    return a;
+  }();
+  return *instance;
+}
+
+}  // namespace ccalloc

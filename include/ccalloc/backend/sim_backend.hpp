@@ -12,7 +12,10 @@
 // stream runs until `until`. An event recorded on a stream completes when the
 // clock reaches the stream's busy-until time at the moment of recording.
 // synchronize_* advance the clock to when the awaited work completes (the host
-// waited that long).
+// waited that long). segment_free does not advance the clock, although
+// cudaFree synchronizes the device: the caching allocator frees only segments
+// with no pending work, so the wait would change no event's outcome, and a
+// replay would otherwise skip ahead of the program it replays.
 //
 // Capacity: every segment_malloc of n bytes uses n rounded up to the
 // granularity; it returns nullptr when that would pass the capacity.

@@ -48,16 +48,24 @@ class backend_error : public error {
 /// cache (SPEC B6). Carries the figures the message states.
 class out_of_memory_error : public error {
  public:
-  out_of_memory_error(std::string message, int device, std::size_t requested_bytes,
-                      std::size_t device_total_bytes, std::size_t device_free_bytes,
-                      std::size_t allocated_bytes, std::size_t reserved_bytes)
+  /// Fields, in order: device, requested_bytes, device_total_bytes,
+  /// device_free_bytes, allocated_bytes, reserved_bytes.
+  struct figures {
+    int device = 0;
+    std::size_t requested_bytes = 0;
+    std::size_t device_total_bytes = 0;
+    std::size_t device_free_bytes = 0;
+    std::size_t allocated_bytes = 0;
+    std::size_t reserved_bytes = 0;
+  };
+  out_of_memory_error(std::string message, const figures& f)
       : error(std::move(message)),
-        device(device),
-        requested_bytes(requested_bytes),
-        device_total_bytes(device_total_bytes),
-        device_free_bytes(device_free_bytes),
-        allocated_bytes(allocated_bytes),
-        reserved_bytes(reserved_bytes) {}
+        device(f.device),
+        requested_bytes(f.requested_bytes),
+        device_total_bytes(f.device_total_bytes),
+        device_free_bytes(f.device_free_bytes),
+        allocated_bytes(f.allocated_bytes),
+        reserved_bytes(f.reserved_bytes) {}
 
   int device;                      ///< device index
   std::size_t requested_bytes;     ///< what the caller asked for (unrounded)

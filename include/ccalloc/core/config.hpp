@@ -33,20 +33,26 @@ inline constexpr std::size_t roundup_intervals = 16;
 struct allocator_config {
   /// Blocks of this size or more are "oversize": never split, and only
   /// served to requests of this size or more (max_split_size_mb). Default:
-  /// unlimited (SIZE_MAX).
+  /// unlimited (SIZE_MAX). When limited: max_split_size_bytes >=
+  /// large_segment_size_bytes (parse() enforces it, as PyTorch does).
   std::size_t max_split_size_bytes = std::numeric_limits<std::size_t>::max();
   /// An oversize block may serve a request up to this many bytes smaller
-  /// (max_non_split_rounding_mb). Default 20 MiB.
+  /// (max_non_split_rounding_mb). Default 20 MiB (= large_segment_size_bytes;
+  /// a string that sets large_segment_size_mb but not this key moves it to
+  /// the new segment size, as PyTorch does). Always >= large_segment_size_bytes.
   std::size_t max_non_split_rounding_bytes = 20 * mib;
   /// Segment size for large-pool requests under 10 MiB
-  /// (large_segment_size_mb). Default 20 MiB.
+  /// (large_segment_size_mb). Default 20 MiB; always an even number of MiB
+  /// above 10 MiB.
   std::size_t large_segment_size_bytes = 20 * mib;
   /// Fraction of the allowed memory above which old cached blocks are
   /// released before growing (garbage_collection_threshold), in (0, 1);
   /// 0 = off.
   double garbage_collection_threshold = 0.0;
   /// Divisions per power-of-two interval when rounding request sizes
-  /// (roundup_power2_divisions); 0 = plain 512-byte rounding.
+  /// (roundup_power2_divisions), each 0 or a power of two; 0 = plain
+  /// 512-byte rounding. Index i covers request sizes in [2^i MiB, 2^(i+1) MiB)
+  /// (index 0 also everything below 1 MiB, index 15 everything from 32 GiB).
   std::array<std::size_t, roundup_intervals> roundup_power2_divisions{};
   /// Use expandable segments (CUDA virtual memory) for the large pool.
   bool expandable_segments = false;
@@ -55,35 +61,60 @@ struct allocator_config {
   /// Cap on reserved bytes as a fraction of device total memory,
   /// (per_process_memory_fraction), in [0, 1]; 1 = no cap beyond the device.
   double per_process_memory_fraction = 1.0;
-  /// Whether per_process_memory_fraction was given explicitly.
+  /// Whether per_process_memory_fraction was given explicitly. Invariant kept
+  /// by the parser: !memory_fraction_set implies per_process_memory_fraction
+  /// == 1 (to_string() writes the fraction only when it was set).
   bool memory_fraction_set = false;
+  /// ccalloc's own key (trim_on_new_peak, default True): when a request would
+  /// raise reserved memory above its highest value so far, first return the
+  /// cached segments that hold no live block to the device, so the peak grows
+  /// by less. Costs extra device frees only while the program sets new peaks.
+  /// False reproduces PyTorch's allocator's reservations exactly.
+  bool trim_on_new_peak = true;
 
   // Accepted for compatibility with PyTorch's config strings; they configure
-  // PyTorch's pinned host allocator or its backend choice and have no effect
-  // on device memory (each adds a warning when set).
-  std::string backend = "native";
+  // PyTorch's pinned host allocator, its backend choice or its CUDA-graph
+  // capture and have no effect on ccalloc's device memory (each adds a
+  // warning when it differs from its default).
+  std::string backend = "native";  ///< "native" or "cudaMallocAsync"
   bool pinned_use_cuda_host_register = false;
-  std::size_t pinned_num_register_threads = 1;
+  std::size_t pinned_num_register_threads = 1;  ///< a power of two in [1, 128]
   bool pinned_use_background_threads = false;
+  /// pinned_reserve_segment_size_mb in bytes; 0 = not set (PyTorch >= 2.9).
+  std::size_t pinned_reserve_segment_size_bytes = 0;
   bool graph_capture_record_stream_reuse = false;
 
-  /// Warnings about settings that parsed but have no effect (SPEC X6).
+  /// Warnings about settings that parsed but have no effect (SPEC X6). A
+  /// function of the fields above: parse() and apply() recompute it from the
+  /// resulting configuration (so earlier warnings that no longer hold go).
   std::vector<std::string> warnings;
 
+  /// Field-by-field equality (warnings included).
+  friend bool operator==(const allocator_config&, const allocator_config&) = default;
+
   /// Parses a configuration string on top of the defaults. Empty or
-  /// whitespace-only gives the defaults. Throws config_error.
+  /// whitespace-only gives the defaults. A key given twice: the last wins.
+  /// Throws config_error. Thread safety: pure function.
   [[nodiscard]] static allocator_config parse(std::string_view text);
   /// Applies `text` on top of this configuration (keys not mentioned keep
-  /// their values). Throws config_error and leaves *this unchanged on error.
+  /// their values; a roundup_power2_divisions value replaces all 16
+  /// intervals). Throws config_error and leaves *this unchanged on error.
   void apply(std::string_view text);
   /// The configuration from the environment variable CCALLOC_CONF (defaults
-  /// when unset). Throws config_error naming the variable on a bad value.
+  /// when unset). Throws config_error whose message starts with
+  /// "ccalloc config (CCALLOC_CONF): " on a bad value.
   [[nodiscard]] static allocator_config from_environment();
-  /// Canonical string of every key, parseable by parse().
+  /// Canonical string, parseable by parse(), with parse(to_string()) == *this
+  /// for every configuration parse() can produce. Lists every key in
+  /// config_keys() order except those at a "not set" state that has no
+  /// spelling: max_split_size_mb when unlimited, garbage_collection_threshold
+  /// when 0, per_process_memory_fraction when !memory_fraction_set,
+  /// pinned_reserve_segment_size_mb when 0.
   [[nodiscard]] std::string to_string() const;
 
   /// Divisions that apply to a request of `size_bytes` (PyTorch's
-  /// roundup_power2_divisions(size)).
+  /// roundup_power2_divisions(size)): roundup_power2_divisions[i] with
+  /// i = floor(log2(size_bytes)) - 20 clamped to [0, 15] (size 0: index 0).
   [[nodiscard]] std::size_t divisions_for(std::size_t size_bytes) const noexcept;
 };
 
@@ -94,7 +125,9 @@ struct config_key_info {
   std::string_view meaning;
 };
 
-/// Every key the parser accepts, in documentation order.
+/// Every key the parser accepts, in documentation order (the order
+/// to_string() writes them). The same table drives parse(), its error
+/// messages and the CLI's help. Thread safety: built once, then read-only.
 [[nodiscard]] const std::vector<config_key_info>& config_keys();
 
 }  // namespace ccalloc

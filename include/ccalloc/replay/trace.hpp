@@ -25,8 +25,10 @@ namespace ccalloc {
 /// A malformed trace. what() is "FILE:LINE: reason".
 class trace_error : public error {
  public:
-  trace_error(const std::string& file, std::size_t line, const std::string& reason)
-      : error(file + ":" + std::to_string(line) + ": " + reason), file(file), line(line) {}
+  trace_error(const std::string& source_file, std::size_t source_line, const std::string& reason)
+      : error(source_file + ":" + std::to_string(source_line) + ": " + reason),
+        file(source_file),
+        line(source_line) {}
   std::string file;
   std::size_t line;  ///< 1-based; 0 when the error is not tied to a line
 };

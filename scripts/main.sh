@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# README command 1: build, then replay the bundled real trace (GPT-2 training,
+# recorded with PyTorch 2.11 on an H200) on the simulated device and compare
+# with what PyTorch's allocator reserved. Extra arguments go to `ccalloc replay`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/deps.sh
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build --target ccalloc_cli >/dev/null
+exec build/ccalloc replay "$@"

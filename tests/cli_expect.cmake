@@ -1,0 +1,31 @@
+# cli_expect.cmake: runs a command and checks its exit status and output, for
+# the CLI tests in tests/CMakeLists.txt.
+#
+#   cmake -DEXE=path -DARGS="a|b|c" [-DEXPECT_RC=N] [-DEXPECT_STDOUT=regex]
+#         [-DEXPECT_STDERR=regex] [-DWRITE_FILE=path -DWRITE_LINES="l1|l2"]
+#         -P cli_expect.cmake
+#
+# ARGS and WRITE_LINES are '|'-separated (a ';' would be split by add_test).
+# WRITE_FILE, when given, is written first with WRITE_LINES, one per line;
+# "@FILE@" in ARGS is replaced by its path. EXPECT_RC defaults to 0.
+if(NOT DEFINED EXPECT_RC)
+  set(EXPECT_RC 0)
+endif()
+string(REPLACE "|" ";" _args "${ARGS}")
+if(DEFINED WRITE_FILE)
+  string(REPLACE "|" "\n" _text "${WRITE_LINES}")
+  file(WRITE "${WRITE_FILE}" "${_text}\n")
+  string(REPLACE "@FILE@" "${WRITE_FILE}" _args "${_args}")
+endif()
+execute_process(COMMAND "${EXE}" ${_args}
+  RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+set(_shown "command: ${EXE} ${_args}\nexit status: ${_rc}\nstdout:\n${_out}\nstderr:\n${_err}")
+if(NOT _rc STREQUAL "${EXPECT_RC}")
+  message(FATAL_ERROR "expected exit status ${EXPECT_RC}\n${_shown}")
+endif()
+if(DEFINED EXPECT_STDOUT AND NOT _out MATCHES "${EXPECT_STDOUT}")
+  message(FATAL_ERROR "stdout does not match '${EXPECT_STDOUT}'\n${_shown}")
+endif()
+if(DEFINED EXPECT_STDERR AND NOT _err MATCHES "${EXPECT_STDERR}")
+  message(FATAL_ERROR "stderr does not match '${EXPECT_STDERR}'\n${_shown}")
+endif()
