@@ -10,8 +10,8 @@
 // checking path (parse_line_checked: split on blanks, std::from_chars), which
 // is the reference and produces every error message.
 // Cost: about one pass over the decompressed text plus one over the gzip data;
-// the 850k-line llama_generate trace (4 MB gzip, ~55 MB text) reads in well
-// under a second. Every error names the source and the 1-based line.
+// the 850k-line llama_generate trace (4.1 MB gzip, 44 MB text) reads in about
+// 0.25 s (0.1 s inflate, 0.1 s parse) at -O2. Every error names the source and the 1-based line.
 #include <ccalloc/replay/trace.hpp>
 
 #include <zlib.h>
