@@ -228,11 +228,17 @@ std::string format_roundup(const std::array<std::size_t, roundup_intervals>& div
 
   const auto key_of = [](std::size_t index) { return format_unsigned(std::uint64_t{1} << index); };
   std::string out = "[";
-  out += key_of(lead_end - 1) + ":" + format_unsigned(divisions.front());
+  const auto append_pair = [&out](const std::string& key, std::size_t value) {
+    out.append(key).append(":").append(format_unsigned(value));
+  };
+  append_pair(key_of(lead_end - 1), divisions.front());
   for (std::size_t i = lead_end; i < tail_begin; ++i) {
-    out += "," + key_of(i) + ":" + format_unsigned(divisions[i]);
+    out.append(",");
+    append_pair(key_of(i), divisions[i]);
   }
-  out += ",>:" + format_unsigned(divisions.back()) + "]";
+  out.append(",");
+  append_pair(">", divisions.back());
+  out.append("]");
   return out;
 }
 

@@ -48,6 +48,21 @@ std::string format_bytes(std::size_t bytes) {
 
 }  // namespace
 
+void block_index::insert(block* b) {
+  const std::size_t i = lower_bound(b->size, b->ptr);
+  entries_.insert(entries_.begin() + static_cast<std::ptrdiff_t>(i), entry{b->size, b->ptr, b});
+}
+
+void block_index::erase(const block* b) {
+  const std::size_t i = lower_bound(b->size, b->ptr);
+  if (i < entries_.size() && entries_[i].b == b) erase_at(i);
+}
+
+bool block_index::contains(const block* b) const noexcept {
+  const std::size_t i = lower_bound(b->size, b->ptr);
+  return i < entries_.size() && entries_[i].b == b;
+}
+
 device_state::device_state(int device, device_backend& backend, allocator_config config)
     : device_(device), backend_(backend), config_(std::move(config)) {
   device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
@@ -96,7 +111,7 @@ std::size_t device_state::allocation_size(std::size_t size) const noexcept {
 }
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream,
-                              std::unique_lock<std::mutex>& lock) {
+                              std::unique_lock<spin_mutex>& lock) {
   process_events();
 
   alloc_params p;
@@ -141,20 +156,18 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream,
 bool device_state::get_free_block(alloc_params& p) {
   block_pool& pool = *p.pool;
   if (config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
-  block key;
-  key.size = p.size;
-  auto it = pool.blocks.lower_bound(&key);
-  if (it == pool.blocks.end()) return false;
-  block* b = *it;
+  const std::size_t i = pool.blocks.lower_bound(p.size);
+  if (i == pool.blocks.size()) return false;
+  block* b = pool.blocks.at(i);
   const std::size_t max_split = config_.max_split_size_bytes;
   if (p.size < max_split && b->size >= max_split) return false;
   if (p.size >= max_split && b->size >= p.size + config_.max_non_split_rounding_bytes) return false;
-  pool.blocks.erase(it);
+  pool.blocks.erase_at(i);
   p.found = b;
   return true;
 }
 
-bool device_state::alloc_segment(alloc_params& p, bool is_retry, std::unique_lock<std::mutex>& lock) {
+bool device_state::alloc_segment(alloc_params& p, bool is_retry, std::unique_lock<spin_mutex>& lock) {
   if (is_retry) ++stats_.num_alloc_retries;
   const std::size_t size = p.alloc_size;
   const std::size_t reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
@@ -182,7 +195,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, std::unique_loc
   if (ptr == nullptr) return false;
 
   auto seg = std::make_unique<segment>();
-  auto* b = new block;
+  block* b = new_block();
   b->ptr = reinterpret_cast<std::uintptr_t>(ptr);
   b->size = size;
   b->stream = p.stream;
@@ -210,23 +223,23 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
   const std::size_t max_split = config_.max_split_size_bytes;
   if (max_split == std::numeric_limits<std::size_t>::max()) return false;
   block_pool& pool = *p.pool;
-  block key;
-  key.size = std::max(p.size, max_split);
-  auto it = pool.blocks.lower_bound(&key);
-  if (it != pool.blocks.end()) {
-    if ((*it)->is_split()) return false;
-    release_block(*it);
+  const std::size_t wanted = std::max(p.size, max_split);
+  const std::size_t i = pool.blocks.lower_bound(wanted);
+  if (i != pool.blocks.size()) {
+    if (pool.blocks.at(i)->is_split()) return false;
+    release_block(pool.blocks.at(i));
     return true;
   }
   std::size_t released = 0;
   std::vector<block*> victims;
-  for (auto r = pool.blocks.rbegin(); r != pool.blocks.rend() && released < key.size; ++r) {
-    if ((*r)->size < max_split) break;
-    if ((*r)->is_split()) continue;
-    victims.push_back(*r);
-    released += (*r)->size;
+  for (std::size_t r = pool.blocks.size(); r-- > 0 && released < wanted;) {
+    block* b = pool.blocks.at(r);
+    if (b->size < max_split) break;
+    if (b->is_split()) continue;
+    victims.push_back(b);
+    released += b->size;
   }
-  if (released < key.size) return false;
+  if (released < wanted) return false;
   for (block* b : victims) release_block(b);
   return true;
 }
@@ -247,10 +260,10 @@ void device_state::release_unused_segments() {
 }
 
 void device_state::release_blocks(block_pool& pool) {
-  for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
-    block* b = *it++;
-    if (!b->is_split()) release_block(b);
-  }
+  std::vector<block*> victims;
+  for (std::size_t i = 0; i < pool.blocks.size(); ++i)
+    if (!pool.blocks.at(i)->is_split()) victims.push_back(pool.blocks.at(i));
+  for (block* b : victims) release_block(b);
 }
 
 // Returns a cached whole-segment block to the device.
@@ -263,7 +276,7 @@ void device_state::release_block(block* b) {
   ++stats_.num_device_free;
   b->pool->blocks.erase(b);
   segments_.erase(b->seg->base);
-  delete b;
+  delete_block(b);
 }
 
 // Rung 2 (B5): while reserved bytes exceed threshold x allowed, release whole
@@ -280,8 +293,8 @@ void device_state::garbage_collect_cached_blocks() {
   std::vector<std::pair<block*, std::uint64_t>> candidates;  // block, age
   std::uint64_t total_age = 0;
   for (auto& [stream, pools] : pools_)
-    for (block* b : pools->large.blocks)
-      if (!b->is_split()) {
+    for (std::size_t i = 0; i < pools->large.blocks.size(); ++i)
+      if (block* b = pools->large.blocks.at(i); !b->is_split()) {
         const std::uint64_t age = pools->large.age(b);
         candidates.emplace_back(b, age);
         total_age += age;
@@ -319,7 +332,7 @@ block* device_state::take_found_block(alloc_params& p) {
   if (should_split(b, p.size)) {
     // The caller gets the front; the remainder stays cached.
     block* remaining = b;
-    b = new block;
+    b = new_block();
     b->ptr = remaining->ptr;
     b->size = p.size;
     b->stream = remaining->stream;
@@ -412,7 +425,7 @@ std::size_t device_state::try_merge(block* dst, block* src) {
   const std::size_t subsumed = src->size;
   dst->size += subsumed;
   src->pool->blocks.erase(src);
-  delete src;
+  delete_block(src);
   return subsumed;
 }
 
@@ -478,7 +491,7 @@ void device_state::synchronize_and_free_events() {
   pending_events_.clear();
 }
 
-void device_state::throw_out_of_memory(const alloc_params& p, std::unique_lock<std::mutex>& lock) {
+void device_state::throw_out_of_memory(const alloc_params& p, std::unique_lock<spin_mutex>& lock) {
   const memory_info info = backend_.mem_get_info(device_);
   ++stats_.num_ooms;
   const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[0].current);
@@ -486,7 +499,7 @@ void device_state::throw_out_of_memory(const alloc_params& p, std::unique_lock<s
   std::size_t largest_free = 0;
   for (auto& [stream, pools] : pools_)
     for (block_pool* pool : {&pools->small, &pools->large})
-      if (!pool->blocks.empty()) largest_free = std::max(largest_free, (*pool->blocks.rbegin())->size);
+      if (!pool->blocks.empty()) largest_free = std::max(largest_free, pool->blocks.largest()->size);
 
   std::string msg = "ccalloc: out of memory on device " + std::to_string(device_) + ". Tried to allocate " +
                     format_bytes(p.requested_bytes) + " (" + std::to_string(p.requested_bytes) +
@@ -559,7 +572,7 @@ device_caching_allocator::~device_caching_allocator() {
   for (auto& [base, seg] : s.segments_) {
     for (block* b = seg->head; b != nullptr;) {
       block* next = b->next;
-      delete b;
+      delete b;  // the spare list is freed by ~device_state
       b = next;
     }
     try {
@@ -611,7 +624,7 @@ std::size_t device_caching_allocator::largest_free_block() const {
   std::size_t largest = 0;
   for (auto& [stream, pools] : s.pools_)
     for (auto* pool : {&pools->small, &pools->large})
-      if (!pool->blocks.empty()) largest = std::max(largest, (*pool->blocks.rbegin())->size);
+      if (!pool->blocks.empty()) largest = std::max(largest, pool->blocks.largest()->size);
   return largest;
 }
 
@@ -730,7 +743,7 @@ void device_caching_allocator::check_invariants() const {
       if (b->next != nullptr && b->next->prev != b) fail("next->prev link broken");
       if (b->pool != seg->head->pool) fail("blocks of one segment in different pools");
       if (b->size == 0 || b->size % detail::min_block_bytes != 0) fail("block size not a positive multiple of 512");
-      const bool in_pool = b->pool->blocks.count(const_cast<block*>(b)) != 0;
+      const bool in_pool = b->pool->blocks.contains(b);
       const bool free_now = !b->allocated && b->event_count == 0;
       if (in_pool != free_now) fail("pool membership does not match block state");
       if (free_now) {

@@ -2,7 +2,7 @@
 // the thread's current stream.
 #include <ccalloc/frontend/caching_allocator.hpp>
 
-#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/backend/default_backend.hpp>
 
 #include <cstdint>
 #include <cstdio>
@@ -73,11 +73,11 @@ device_caching_allocator& caching_allocator::device_allocator(int device) const 
 }
 
 caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr) const noexcept {
-  // Blocks are 512-byte aligned: drop those bits, then mix (Fibonacci hashing).
-  const auto key = (reinterpret_cast<std::uintptr_t>(ptr) >> 9) * 0x9E3779B97F4A7C15ull;
-  return shards_[key >> (64 - 6)];
+  // Blocks are 512-byte aligned: the next bits vary fastest. (The map inside
+  // a shard hashes all bits, so its slots do not depend on the shard.)
+  const auto a = reinterpret_cast<std::uintptr_t>(ptr) >> 9;
+  return shards_[(a ^ (a >> 6) ^ (a >> 12)) & (pointer_shard_count - 1)];
 }
-static_assert(std::size_t{1} << 6 == 64, "shard_for takes the top 6 bits");
 
 void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t stream) {
   check_device(device, "malloc");
@@ -86,7 +86,7 @@ void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t str
   auto& shard = shard_for(a.ptr);
   {
     std::lock_guard lock(shard.mutex);
-    shard.blocks.emplace(a.ptr, std::make_pair(device, a.block));
+    shard.blocks.insert(reinterpret_cast<std::uintptr_t>(a.ptr), pointer_entry{device, a.block});
   }
   return a.ptr;
 }
@@ -94,22 +94,22 @@ void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t str
 void caching_allocator::free(void* ptr) {
   if (ptr == nullptr) return;
   auto& shard = shard_for(ptr);
-  std::pair<int, detail::block*> entry;
+  const auto key = reinterpret_cast<std::uintptr_t>(ptr);
+  pointer_entry entry;
+  bool found = false;
   {
     std::lock_guard lock(shard.mutex);
-    auto it = shard.blocks.find(ptr);
-    if (it == shard.blocks.end())
-      throw invalid_argument_error("ccalloc: free(" + pointer_name(ptr) +
-                                   "): not a live allocation of this allocator (never allocated here, "
-                                   "already freed, or not the start of an allocation)");
-    entry = it->second;
-    shard.blocks.erase(it);
+    found = shard.blocks.erase(key, &entry);
   }
+  if (!found) [[unlikely]]
+    throw invalid_argument_error("ccalloc: free(" + pointer_name(ptr) +
+                                 "): not a live allocation of this allocator (never allocated here, "
+                                 "already freed, or not the start of an allocation)");
   try {
-    devices_[static_cast<std::size_t>(entry.first)]->free(entry.second);
+    devices_[static_cast<std::size_t>(entry.device)]->free(entry.block);
   } catch (...) {
     std::lock_guard lock(shard.mutex);  // the free did not happen: keep the pointer live
-    shard.blocks.emplace(ptr, entry);
+    shard.blocks.insert(key, entry);
     throw;
   }
 }
@@ -164,29 +164,29 @@ std::size_t caching_allocator::cache_info(int device) const {
 
 std::pair<void*, std::size_t> caching_allocator::get_base_allocation(void* ptr) const {
   auto& shard = shard_for(ptr);
-  std::pair<int, detail::block*> entry;
+  pointer_entry entry;
   {
     std::lock_guard lock(shard.mutex);
-    auto it = shard.blocks.find(ptr);
-    if (it == shard.blocks.end())
+    const pointer_entry* e = shard.blocks.find(reinterpret_cast<std::uintptr_t>(ptr));
+    if (e == nullptr)
       throw invalid_argument_error("ccalloc: get_base_allocation(" + pointer_name(ptr) +
                                    "): not a live allocation of this allocator");
-    entry = it->second;
+    entry = *e;
   }
-  return devices_[static_cast<std::size_t>(entry.first)]->base_allocation(entry.second);
+  return devices_[static_cast<std::size_t>(entry.device)]->base_allocation(entry.block);
 }
 
 void caching_allocator::record_stream(void* ptr, stream_t stream) {
   if (ptr == nullptr) return;
   auto& shard = shard_for(ptr);
-  std::pair<int, detail::block*> entry;
+  pointer_entry entry;
   {
     std::lock_guard lock(shard.mutex);
-    auto it = shard.blocks.find(ptr);
-    if (it == shard.blocks.end()) return;  // not ours: ignored (F11)
-    entry = it->second;
+    const pointer_entry* e = shard.blocks.find(reinterpret_cast<std::uintptr_t>(ptr));
+    if (e == nullptr) return;  // not ours: ignored (F11)
+    entry = *e;
   }
-  devices_[static_cast<std::size_t>(entry.first)]->record_stream(entry.second, stream);
+  devices_[static_cast<std::size_t>(entry.device)]->record_stream(entry.block, stream);
 }
 
 device_stats caching_allocator::get_device_stats(int device) const {
@@ -226,7 +226,7 @@ allocator_config caching_allocator::config() const {
 caching_allocator& global_allocator() {
   // Leaked on purpose: pointers may be freed during static destruction.
   static caching_allocator* instance = [] {
-    auto* a = new caching_allocator(std::make_shared<sim_backend>());
+    auto* a = new caching_allocator(make_default_backend());
     a->init(a->backend().device_count());
     return a;
   }();

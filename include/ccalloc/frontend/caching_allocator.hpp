@@ -19,6 +19,8 @@
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/base/detail/pointer_map.hpp>
+#include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/base/types.hpp>
 #include <ccalloc/core/config.hpp>
@@ -30,7 +32,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace ccalloc {
@@ -140,11 +141,15 @@ class caching_allocator {
   [[nodiscard]] device_caching_allocator& device_allocator(int device) const;
 
  private:
-  struct pointer_shard {
-    std::mutex mutex;
-    std::unordered_map<void*, std::pair<int, detail::block*>> blocks;
+  struct pointer_entry {
+    int device = 0;
+    detail::block* block = nullptr;
   };
-  static constexpr std::size_t pointer_shard_count = 64;
+  struct alignas(64) pointer_shard {  // one cache line each: no false sharing of the locks
+    detail::spin_mutex mutex;
+    detail::pointer_map<pointer_entry> blocks;
+  };
+  static constexpr std::size_t pointer_shard_count = 64;  // a power of two
   pointer_shard& shard_for(void* ptr) const noexcept;
   void check_device(int device, const char* what) const;
 

@@ -1,0 +1,175 @@
+// bench/bench_sim.cpp: the SPEC P cases on the simulated device, so the
+// allocator's CPU cost (its hot path) can be tracked on any machine.
+//
+// What is measured: the host time of ccalloc::caching_allocator::malloc + free
+// over sim_backend. The simulated device does no work per cached allocation,
+// so these figures are ccalloc's own cost; on a GPU the CUDA backend adds
+// nothing to a cache hit either (bench/gpu/bench_gpu.cpp measures it there).
+//
+//   BM_pair/size:N        alloc+free of N bytes on one stream, warm cache;
+//                         Time = ns per pair (SPEC P1).
+//   BM_mixed              64 live blocks, random sizes 512 B - 64 MiB; each
+//                         iteration frees a random slot and allocates a new
+//                         random size there (bench/common/cases.hpp);
+//                         Time = ns per pair (SPEC P2).
+//   BM_threads/threads:T  1 MiB pairs, T threads, each on its own stream;
+//                         items_per_second = pairs/s of all threads (SPEC P3).
+//   BM_replay/NAME        replay of a real trace on a fresh simulated device;
+//                         items_per_second = trace events/s (SPEC P5).
+//
+// Traces: data/traces/gpt2_train.trace.gz and ../shared/traces/
+// llama_generate.trace.gz when present; CCALLOC_BENCH_TRACES (paths separated
+// by ':') replaces that list.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+#ifdef CCALLOC_BENCH_HAVE_REPLAY
+#include <ccalloc/replay/replay.hpp>
+#include <ccalloc/replay/trace.hpp>
+#endif
+
+#include "common/cases.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace cb = ccalloc::bench;
+
+/// One allocator over one simulated device, shared by every benchmark (as a
+/// process holds one allocator), with a stream per thread made up front.
+struct sim_env {
+  std::shared_ptr<ccalloc::sim_backend> backend = std::make_shared<ccalloc::sim_backend>();
+  ccalloc::caching_allocator allocator{backend};
+  std::vector<ccalloc::stream_t> streams;
+
+  sim_env() {
+    allocator.init(1);
+    for (int i = 0; i < cb::max_threads; ++i) streams.push_back(backend->create_stream(0));
+  }
+};
+
+sim_env& env() {
+  static sim_env e;
+  return e;
+}
+
+void BM_pair(benchmark::State& state) {
+  auto& e = env();
+  const auto size_bytes = static_cast<std::size_t>(state.range(0));
+  const ccalloc::stream_t stream = e.streams[0];
+  e.allocator.free(e.allocator.malloc(0, size_bytes, stream));  // warm the cache
+  for (auto _ : state) {
+    void* ptr = e.allocator.malloc(0, size_bytes, stream);
+    benchmark::DoNotOptimize(ptr);
+    e.allocator.free(ptr);
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_pair)->ArgName("size")->Arg(512)->Arg(4 << 10)->Arg(1 << 20)->Arg(16 << 20)->Arg(256 << 20);
+
+void BM_mixed(benchmark::State& state) {
+  static const cb::mixed_plan plan = cb::make_mixed_plan();
+  auto& e = env();
+  const ccalloc::stream_t stream = e.streams[0];
+  std::vector<void*> ring(cb::mixed_slots);
+  for (std::size_t i = 0; i < cb::mixed_slots; ++i)
+    ring[i] = e.allocator.malloc(0, plan.initial_sizes_bytes[i], stream);
+  // Warm-up: one pass of the sequence, so the cache holds what the run needs.
+  for (const auto& step : plan.steps) {
+    e.allocator.free(ring[step.slot]);
+    ring[step.slot] = e.allocator.malloc(0, step.size_bytes, stream);
+  }
+  std::size_t pos = 0;
+  for (auto _ : state) {
+    const auto& step = plan.steps[pos];
+    pos = pos + 1 == plan.steps.size() ? 0 : pos + 1;
+    e.allocator.free(ring[step.slot]);
+    ring[step.slot] = e.allocator.malloc(0, step.size_bytes, stream);
+    benchmark::DoNotOptimize(ring[step.slot]);
+  }
+  state.SetItemsProcessed(state.iterations());
+  for (void* ptr : ring) e.allocator.free(ptr);
+}
+BENCHMARK(BM_mixed);
+
+void BM_threads(benchmark::State& state) {
+  auto& e = env();
+  const ccalloc::stream_t stream = e.streams[static_cast<std::size_t>(state.thread_index())];
+  e.allocator.free(e.allocator.malloc(0, cb::threads_pair_bytes, stream));  // warm this stream
+  for (auto _ : state) {
+    void* ptr = e.allocator.malloc(0, cb::threads_pair_bytes, stream);
+    benchmark::DoNotOptimize(ptr);
+    e.allocator.free(ptr);
+  }
+  state.SetItemsProcessed(state.iterations());  // summed over threads: total pairs/s
+}
+BENCHMARK(BM_threads)->Threads(1)->Threads(2)->Threads(4)->Threads(8)->Threads(16)->UseRealTime();
+
+#ifdef CCALLOC_BENCH_HAVE_REPLAY
+void BM_replay(benchmark::State& state, const std::string& path) {
+  // Read once, outside the timing (the trace reader is not what P5 measures).
+  static std::vector<std::pair<std::string, ccalloc::trace>> cache;
+  const ccalloc::trace* t = nullptr;
+  for (const auto& [p, tr] : cache)
+    if (p == path) t = &tr;
+  if (t == nullptr) t = &cache.emplace_back(path, ccalloc::read_trace_file(path)).second;
+  std::uint64_t events = 0;
+  for (auto _ : state) {
+    const ccalloc::replay_result r = ccalloc::replay_trace(*t, ccalloc::replay_options{});
+    events = r.events;
+    benchmark::DoNotOptimize(r.peak_reserved_bytes);
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(events) * state.iterations());
+  state.counters["events"] = static_cast<double>(events);
+}
+
+std::vector<std::string> trace_paths() {
+  std::vector<std::string> paths;
+  if (const char* env_list = std::getenv("CCALLOC_BENCH_TRACES")) {
+    std::string s = env_list;
+    std::size_t start = 0;
+    while (start <= s.size()) {
+      const std::size_t end = s.find(':', start);
+      const std::string item = s.substr(start, end == std::string::npos ? std::string::npos : end - start);
+      if (!item.empty()) paths.push_back(item);
+      if (end == std::string::npos) break;
+      start = end + 1;
+    }
+    return paths;
+  }
+  for (const char* p : {CCALLOC_SOURCE_DIR "/data/traces/gpt2_train.trace.gz",
+                        CCALLOC_SOURCE_DIR "/../shared/traces/llama_generate.trace.gz"})
+    if (std::filesystem::exists(p)) paths.emplace_back(p);
+  return paths;
+}
+
+void register_replay_benchmarks() {
+  for (const auto& path : trace_paths()) {
+    std::string name = std::filesystem::path(path).filename().string();
+    for (const char* suffix : {".gz", ".trace"})
+      if (name.ends_with(suffix)) name.resize(name.size() - std::string(suffix).size());
+    benchmark::RegisterBenchmark(("BM_replay/" + name).c_str(), BM_replay, path)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  }
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+#ifdef CCALLOC_BENCH_HAVE_REPLAY
+  register_replay_benchmarks();
+#endif
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

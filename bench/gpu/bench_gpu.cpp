@@ -1,0 +1,130 @@
+// bench/gpu/bench_gpu.cpp: SPEC P on a real GPU, in one process and one run:
+// ccalloc against the allocators CUDA itself offers.
+//
+//   ccalloc          caching_allocator over cuda_backend: malloc(0, size, stream) / free
+//   cudaMallocAsync  the device's default memory pool with its release
+//                    threshold at UINT64_MAX (the pool keeps what it got),
+//                    cudaMallocAsync / cudaFreeAsync on the same stream
+//   cub              cub::CachingDeviceAllocator(bin_growth 2, min_bin 9 (512 B),
+//                    max_bin 28 (256 MiB), no cap on cached bytes), so every
+//                    size of the cases is cached (its defaults cache only
+//                    <= 2 MiB and 6 MB in all); DeviceAllocate / DeviceFree
+//                    with the stream
+//   cudaMalloc       cudaMalloc / cudaFree (pair case only)
+//
+// PyTorch's native allocator runs the same cases in bench_torch.cpp (a
+// separate program, built against the installed torch); harness.hpp holds
+// the cases and the output format, summarize.py merges the outputs.
+//
+// Usage: bench_gpu [--quick] [--only=ccalloc,cub,...] [--reps=N] [--thread-seconds=S]
+// Exit status 0 when every case ran, 1 when any printed ERROR.
+#include "gpu/harness.hpp"
+
+#include <ccalloc/backend/cuda_backend.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <cub/util_allocator.cuh>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <memory>
+
+namespace {
+
+namespace cb = ccalloc::bench;
+using cb::cuda_check;
+
+struct ccalloc_adapter {
+  static constexpr const char* name = "ccalloc";
+  ccalloc::caching_allocator allocator{std::make_shared<ccalloc::cuda_backend>()};
+
+  ccalloc_adapter() { allocator.init(1); }
+  void* alloc(std::size_t size_bytes, cudaStream_t stream) {
+    return allocator.malloc(0, size_bytes, ccalloc::from_native_stream(stream));
+  }
+  void free(void* ptr, std::size_t /*size_bytes*/, cudaStream_t /*stream*/) { allocator.free(ptr); }
+  void release() { allocator.empty_cache(); }
+};
+
+struct malloc_async_adapter {
+  static constexpr const char* name = "cudaMallocAsync";
+  cudaMemPool_t pool = nullptr;
+
+  malloc_async_adapter() {
+    cuda_check(cudaDeviceGetDefaultMemPool(&pool, 0), "cudaDeviceGetDefaultMemPool");
+    std::uint64_t threshold = UINT64_MAX;
+    cuda_check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+               "cudaMemPoolSetAttribute(ReleaseThreshold)");
+  }
+  void* alloc(std::size_t size_bytes, cudaStream_t stream) {
+    void* p = nullptr;
+    cuda_check(cudaMallocAsync(&p, size_bytes, stream), "cudaMallocAsync");
+    return p;
+  }
+  void free(void* ptr, std::size_t /*size_bytes*/, cudaStream_t stream) {
+    cuda_check(cudaFreeAsync(ptr, stream), "cudaFreeAsync");
+  }
+  void release() {
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cuda_check(cudaMemPoolTrimTo(pool, 0), "cudaMemPoolTrimTo");
+  }
+};
+
+struct cub_adapter {
+  static constexpr const char* name = "cub";
+  cub::CachingDeviceAllocator allocator{2u, 9u, 28u, cub::CachingDeviceAllocator::INVALID_SIZE, false};
+
+  void* alloc(std::size_t size_bytes, cudaStream_t stream) {
+    void* p = nullptr;
+    cuda_check(allocator.DeviceAllocate(0, &p, size_bytes, stream), "cub::CachingDeviceAllocator::DeviceAllocate");
+    return p;
+  }
+  void free(void* ptr, std::size_t /*size_bytes*/, cudaStream_t /*stream*/) {
+    cuda_check(allocator.DeviceFree(0, ptr), "cub::CachingDeviceAllocator::DeviceFree");
+  }
+  void release() { cuda_check(allocator.FreeAllCached(), "cub::CachingDeviceAllocator::FreeAllCached"); }
+};
+
+struct cuda_malloc_adapter {
+  static constexpr const char* name = "cudaMalloc";
+  void* alloc(std::size_t size_bytes, cudaStream_t /*stream*/) {
+    void* p = nullptr;
+    cuda_check(cudaMalloc(&p, size_bytes), "cudaMalloc");
+    return p;
+  }
+  void free(void* ptr, std::size_t /*size_bytes*/, cudaStream_t /*stream*/) { cuda_check(cudaFree(ptr), "cudaFree"); }
+  void release() {}
+};
+
+template <class Adapter>
+void run(const cb::stream_set& streams, const cb::settings& s, cb::case_set cases = {}) {
+  if (!s.wants(Adapter::name)) return;
+  try {
+    Adapter a;
+    cb::run_all(a, streams, s, cases);
+  } catch (const std::exception& e) {
+    cb::print_error(Adapter::name, "case=setup", e.what());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const cb::settings s = cb::settings::from_args(argc, argv);
+  try {
+    cuda_check(cudaSetDevice(0), "cudaSetDevice");
+    cuda_check(cudaFree(nullptr), "cudaFree(nullptr)");  // create the context before any timing
+    cb::print_device_info("bench_gpu");
+    const cb::stream_set streams;
+    run<ccalloc_adapter>(streams, s);
+    run<malloc_async_adapter>(streams, s);
+    run<cub_adapter>(streams, s);
+    run<cuda_malloc_adapter>(streams, s, cb::case_set{true, false, false});
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gpu: %s\n", e.what());
+    return 1;
+  }
+  return cb::errors_printed() ? 1 : 0;
+}

@@ -1,0 +1,349 @@
+// bench/gpu/harness.hpp: the SPEC P cases on a real GPU, for any allocator.
+//
+// Used by bench_gpu.cpp (ccalloc, cudaMallocAsync, CUB, cudaMalloc) and by
+// bench_torch.cpp (PyTorch's native allocator, built outside CMake), so that
+// every allocator runs the same code on the same sizes. Only the standard
+// library and the CUDA runtime API.
+//
+// An allocator adapter is a class with
+//   static constexpr const char* name;       // "ccalloc", "torch", ...
+//   void* alloc(std::size_t size_bytes, cudaStream_t stream);
+//   void  free(void* ptr, std::size_t size_bytes, cudaStream_t stream);
+//   void  release();                          // give cached memory back (after its cases)
+// that throws std::exception on failure.
+//
+// Timing: host wall clock (steady_clock) around N pairs, then a
+// cudaStreamSynchronize of the stream inside the timed region (so the
+// stream-ordered allocators pay for any work they queued). Each case warms up
+// first, runs `reps` repetitions and reports the median ns per pair, with the
+// minimum and maximum. Output, one line per result, for bench/gpu/summarize.py:
+//
+//   RESULT allocator=ccalloc case=pair size=512 ns_per_pair=41.2 min_ns=40.9 max_ns=43.0 reps=7 pairs_per_rep=100000
+//   RESULT allocator=ccalloc case=mixed live=64 ns_per_pair=98.1 ...
+//   RESULT allocator=ccalloc case=threads threads=8 pairs_per_s=1.2e+07 pairs=... seconds=0.50
+//   ERROR allocator=cub case=pair size=268435456 message="..."
+#pragma once
+
+#include "common/cases.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ccalloc::bench {
+
+inline void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorName(e) + " (" +
+                             cudaGetErrorString(e) + ")");
+}
+
+/// Run settings; --quick shrinks every budget (smoke test).
+struct settings {
+  int reps = 7;                       ///< timed repetitions per case
+  double rep_seconds = 0.02;          ///< target time of one repetition (pair case)
+  std::size_t max_pairs_per_rep = 1u << 20;
+  std::size_t mixed_steps_per_rep = 16384;
+  double thread_seconds = 0.5;        ///< measuring window per thread count
+  bool quick = false;
+  std::string only;                   ///< comma-separated allocator names; empty = all
+
+  static settings from_args(int argc, char** argv) {
+    settings s;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--quick") {
+        s.quick = true;
+        s.reps = 3;
+        s.rep_seconds = 0.002;
+        s.mixed_steps_per_rep = 2048;
+        s.thread_seconds = 0.05;
+      } else if (a.rfind("--only=", 0) == 0) {
+        s.only = a.substr(7);
+      } else if (a.rfind("--thread-seconds=", 0) == 0) {
+        s.thread_seconds = std::atof(a.c_str() + 17);
+      } else if (a.rfind("--reps=", 0) == 0) {
+        s.reps = std::max(1, std::atoi(a.c_str() + 7));
+      } else {
+        std::fprintf(stderr,
+                     "usage: %s [--quick] [--only=NAME,NAME] [--reps=N] [--thread-seconds=S]\n",
+                     argv[0]);
+        std::exit(2);
+      }
+    }
+    return s;
+  }
+  [[nodiscard]] bool wants(const char* name) const {
+    if (only.empty()) return true;
+    std::size_t start = 0;
+    for (;;) {
+      const std::size_t end = only.find(',', start);
+      if (only.substr(start, end == std::string::npos ? std::string::npos : end - start) == name) return true;
+      if (end == std::string::npos) return false;
+      start = end + 1;
+    }
+  }
+};
+
+/// Streams made up front: [0] for the single-stream cases, [i] for thread i.
+struct stream_set {
+  std::vector<cudaStream_t> streams;
+  stream_set() {
+    for (int i = 0; i < max_threads; ++i) {
+      cudaStream_t s = nullptr;
+      cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      streams.push_back(s);
+    }
+  }
+  ~stream_set() {
+    for (cudaStream_t s : streams) (void)cudaStreamDestroy(s);
+  }
+  stream_set(const stream_set&) = delete;
+  stream_set& operator=(const stream_set&) = delete;
+};
+
+using bench_clock = std::chrono::steady_clock;
+
+inline double seconds_since(bench_clock::time_point t0) {
+  return std::chrono::duration<double>(bench_clock::now() - t0).count();
+}
+
+struct rep_stats {
+  double median_ns = 0, min_ns = 0, max_ns = 0;
+};
+
+inline rep_stats summarize_reps(std::vector<double> ns) {
+  std::sort(ns.begin(), ns.end());
+  rep_stats r;
+  const std::size_t n = ns.size();
+  r.median_ns = n % 2 ? ns[n / 2] : 0.5 * (ns[n / 2 - 1] + ns[n / 2]);
+  r.min_ns = ns.front();
+  r.max_ns = ns.back();
+  return r;
+}
+
+/// Number of ERROR lines printed so far (a program exits 1 when it is not 0).
+inline std::atomic<int> error_count{0};
+[[nodiscard]] inline bool errors_printed() noexcept { return error_count.load() != 0; }
+
+inline void print_error(const char* allocator, const std::string& case_text, const std::string& message) {
+  error_count.fetch_add(1);
+  std::string m = message;
+  std::replace(m.begin(), m.end(), '"', '\'');
+  std::replace(m.begin(), m.end(), '\n', ' ');
+  std::printf("ERROR allocator=%s %s message=\"%s\"\n", allocator, case_text.c_str(), m.c_str());
+  std::fflush(stdout);
+}
+
+/// `n` alloc+free pairs of `size_bytes` on `stream`, then a stream sync;
+/// returns seconds.
+template <class Alloc>
+double time_pairs(Alloc& a, std::size_t size_bytes, cudaStream_t stream, std::size_t n) {
+  const auto t0 = bench_clock::now();
+  for (std::size_t i = 0; i < n; ++i) {
+    void* p = a.alloc(size_bytes, stream);
+    a.free(p, size_bytes, stream);
+  }
+  cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return seconds_since(t0);
+}
+
+/// Pair case: warm-up, calibration to settings::rep_seconds, `reps` reps.
+template <class Alloc>
+void run_pair(Alloc& a, std::size_t size_bytes, cudaStream_t stream, const settings& s) {
+  constexpr std::size_t calib_pairs = 32;
+  (void)time_pairs(a, size_bytes, stream, calib_pairs);  // warm-up: fills the cache
+  const double per_pair = std::max(1e-9, time_pairs(a, size_bytes, stream, calib_pairs) / calib_pairs);
+  // Slow cases (cudaMalloc/cudaFree of large sizes, ~150 us a pair) get a
+  // quarter of the time: a few hundred pairs in all.
+  const double target_s = per_pair > 10e-6 ? s.rep_seconds / 4 : s.rep_seconds;
+  const auto n = static_cast<std::size_t>(
+      std::clamp(target_s / per_pair, 16.0, static_cast<double>(s.max_pairs_per_rep)));
+  std::vector<double> ns;
+  for (int r = 0; r < s.reps; ++r)
+    ns.push_back(time_pairs(a, size_bytes, stream, n) * 1e9 / static_cast<double>(n));
+  const rep_stats st = summarize_reps(ns);
+  std::printf("RESULT allocator=%s case=pair size=%zu ns_per_pair=%.1f min_ns=%.1f max_ns=%.1f reps=%d pairs_per_rep=%zu\n",
+              Alloc::name, size_bytes, st.median_ns, st.min_ns, st.max_ns, s.reps, n);
+  std::fflush(stdout);
+}
+
+/// Mixed case: ring of mixed_slots live blocks; the same plan for everyone.
+template <class Alloc>
+void run_mixed(Alloc& a, cudaStream_t stream, const settings& s) {
+  static const mixed_plan plan = make_mixed_plan();
+  struct slot {
+    void* ptr = nullptr;
+    std::size_t size_bytes = 0;
+  };
+  std::vector<slot> ring(mixed_slots);
+  std::size_t pos = 0;
+  auto steps = [&](std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const mixed_step& st = plan.steps[pos];
+      pos = pos + 1 == plan.steps.size() ? 0 : pos + 1;
+      slot& sl = ring[st.slot];
+      a.free(sl.ptr, sl.size_bytes, stream);
+      sl.ptr = nullptr;
+      sl.ptr = a.alloc(st.size_bytes, stream);
+      sl.size_bytes = st.size_bytes;
+    }
+  };
+  try {
+    for (std::size_t i = 0; i < mixed_slots; ++i) {
+      ring[i].ptr = a.alloc(plan.initial_sizes_bytes[i], stream);
+      ring[i].size_bytes = plan.initial_sizes_bytes[i];
+    }
+    steps(s.quick ? s.mixed_steps_per_rep : plan.steps.size());  // warm-up: one pass
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    std::vector<double> ns;
+    for (int r = 0; r < s.reps; ++r) {
+      const auto t0 = bench_clock::now();
+      steps(s.mixed_steps_per_rep);
+      cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      ns.push_back(seconds_since(t0) * 1e9 / static_cast<double>(s.mixed_steps_per_rep));
+    }
+    const rep_stats st = summarize_reps(ns);
+    std::printf("RESULT allocator=%s case=mixed live=%zu ns_per_pair=%.1f min_ns=%.1f max_ns=%.1f reps=%d pairs_per_rep=%zu\n",
+                Alloc::name, mixed_slots, st.median_ns, st.min_ns, st.max_ns, s.reps, s.mixed_steps_per_rep);
+    std::fflush(stdout);
+  } catch (...) {
+    for (slot& sl : ring)
+      if (sl.ptr) try { a.free(sl.ptr, sl.size_bytes, stream); } catch (...) {}
+    throw;
+  }
+  for (slot& sl : ring) a.free(sl.ptr, sl.size_bytes, stream);
+  cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+/// Threads case: `nthreads` threads, thread i on streams[i], 1 MiB pairs for
+/// settings::thread_seconds; reports the pairs/s of all threads together.
+template <class Alloc>
+void run_threads(Alloc& a, int nthreads, const stream_set& ss, const settings& s) {
+  struct alignas(64) counter {
+    std::uint64_t pairs = 0;
+  };
+  std::vector<counter> counts(static_cast<std::size_t>(nthreads));
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false}, stop{false};
+  std::mutex error_mutex;
+  std::string error;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < nthreads; ++t) {
+    threads.emplace_back([&, t] {
+      const cudaStream_t stream = ss.streams[static_cast<std::size_t>(t)];
+      try {
+        cuda_check(cudaSetDevice(0), "cudaSetDevice");
+        (void)time_pairs(a, threads_pair_bytes, stream, 64);  // warm this stream's cache
+      } catch (const std::exception& e) {
+        std::lock_guard lock(error_mutex);
+        error = e.what();
+        stop = true;
+      }
+      ready.fetch_add(1);
+      while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
+      std::uint64_t done = 0;
+      try {
+        while (!stop.load(std::memory_order_relaxed)) {
+          for (int i = 0; i < 64; ++i) {
+            void* p = a.alloc(threads_pair_bytes, stream);
+            a.free(p, threads_pair_bytes, stream);
+          }
+          done += 64;
+        }
+      } catch (const std::exception& e) {
+        std::lock_guard lock(error_mutex);
+        error = e.what();
+        stop = true;
+      }
+      counts[static_cast<std::size_t>(t)].pairs = done;
+    });
+  }
+  while (ready.load() < nthreads) std::this_thread::yield();
+  const auto t0 = bench_clock::now();
+  go.store(true, std::memory_order_release);
+  std::this_thread::sleep_for(std::chrono::duration<double>(s.thread_seconds));
+  stop = true;
+  for (auto& th : threads) th.join();
+  const double secs = seconds_since(t0);
+  for (int t = 0; t < nthreads; ++t) (void)cudaStreamSynchronize(ss.streams[static_cast<std::size_t>(t)]);
+  if (!error.empty()) throw std::runtime_error(error);
+  std::uint64_t total = 0;
+  for (const auto& c : counts) total += c.pairs;
+  std::printf("RESULT allocator=%s case=threads threads=%d pairs_per_s=%.4g pairs=%llu seconds=%.3f\n",
+              Alloc::name, nthreads, static_cast<double>(total) / secs,
+              static_cast<unsigned long long>(total), secs);
+  std::fflush(stdout);
+}
+
+/// Which cases an allocator runs.
+struct case_set {
+  bool pairs = true;
+  bool mixed = true;
+  bool threads = true;
+};
+
+/// Runs `cases` for allocator `a`; a failing case prints ERROR and the rest go on.
+template <class Alloc>
+void run_all(Alloc& a, const stream_set& ss, const settings& s, case_set cases = {}) {
+  const cudaStream_t stream = ss.streams[0];
+  if (cases.pairs)
+    for (std::size_t size : pair_sizes_bytes) {
+      try {
+        run_pair(a, size, stream, s);
+      } catch (const std::exception& e) {
+        print_error(Alloc::name, "case=pair size=" + std::to_string(size), e.what());
+      }
+    }
+  if (cases.mixed) {
+    try {
+      run_mixed(a, stream, s);
+    } catch (const std::exception& e) {
+      print_error(Alloc::name, "case=mixed live=" + std::to_string(mixed_slots), e.what());
+    }
+  }
+  if (cases.threads)
+    for (int n : thread_counts) {
+      try {
+        run_threads(a, n, ss, s);
+      } catch (const std::exception& e) {
+        print_error(Alloc::name, "case=threads threads=" + std::to_string(n), e.what());
+      }
+    }
+  try {
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    a.release();
+  } catch (const std::exception& e) {
+    print_error(Alloc::name, "case=release", e.what());
+  }
+}
+
+/// One INFO line about the device and the runtime.
+inline void print_device_info(const char* program) {
+  cudaDeviceProp prop{};
+  int runtime = 0, driver = 0;
+  (void)cudaRuntimeGetVersion(&runtime);
+  (void)cudaDriverGetVersion(&driver);
+  cuda_check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  std::printf("INFO program=%s device=\"%s\" cc=%d.%d memory_bytes=%zu cuda_runtime=%d cuda_driver=%d hw_threads=%u\n",
+              program, prop.name, prop.major, prop.minor, prop.totalGlobalMem, runtime, driver,
+              std::thread::hardware_concurrency());
+  for (const char* var : {"CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"})
+    if (const char* v = std::getenv(var)) std::printf("INFO env %s=\"%s\"\n", var, v);
+  std::fflush(stdout);
+}
+
+}  // namespace ccalloc::bench

@@ -1,0 +1,513 @@
+// The CUDA device backend: the CUDA runtime for memory, streams and events,
+// the driver's cuMem* functions (looked up through the runtime, so libcuda is
+// never linked) for virtual memory. See include/ccalloc/backend/cuda_backend.hpp.
+#include <ccalloc/backend/cuda_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+
+// Types and enums only: no driver function is called by name.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace ccalloc {
+
+namespace {
+
+// The CUDA version whose ABI of each driver symbol we ask for. 12.0 is the
+// oldest driver API generation this backend supports; the cuMem* functions
+// have had one ABI since 10.2, which the PFN_*_v10020 types below describe.
+constexpr unsigned int driver_abi_version = 12000;
+
+std::string describe_error(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
+}
+
+std::string pointer_text(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+
+// Throws backend_error for a failed runtime call. `call` is built only on
+// failure (it is a callable returning the call's text with its arguments).
+[[noreturn]] void throw_cuda(const std::string& call, cudaError_t e) {
+  // Clear the thread's last error so that a non-sticky failure does not
+  // resurface from an unrelated later call (sticky errors stay regardless).
+  (void)cudaGetLastError();
+  throw backend_error("cuda: " + call + " failed: " + describe_error(e));
+}
+
+template <class Describe>
+void check(cudaError_t e, Describe&& describe) {
+  if (e != cudaSuccess) [[unlikely]]
+    throw_cuda(describe(), e);
+}
+
+std::string dev_text(int device) { return "device " + std::to_string(device); }
+
+// Makes `device` the calling thread's current device for a scope and restores
+// the previous one afterwards. With `activate`, cudaSetDevice is called even if
+// the device is already current, which makes its primary context current (and
+// creates it if needed: CUDA >= 12), as the driver's cuMem* functions expect.
+class device_guard {
+ public:
+  explicit device_guard(int device, bool activate = false) : device_(device) {
+    check(cudaGetDevice(&previous_), [] { return std::string("cudaGetDevice()"); });
+    if (previous_ != device_ || activate)
+      check(cudaSetDevice(device_), [&] { return "cudaSetDevice(" + std::to_string(device_) + ")"; });
+  }
+  ~device_guard() {
+    if (previous_ != device_) (void)cudaSetDevice(previous_);
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+
+ private:
+  int device_;
+  int previous_ = 0;
+};
+
+cudaStream_t to_cuda(stream_t s) noexcept { return reinterpret_cast<cudaStream_t>(s); }
+cudaEvent_t to_cuda_event(event_t e) noexcept { return reinterpret_cast<cudaEvent_t>(e); }
+CUdeviceptr to_cu(const void* p) noexcept { return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)); }
+
+// The driver functions this backend calls, looked up once.
+struct driver_api {
+  PFN_cuInit_v2000 init = nullptr;
+  PFN_cuGetErrorName_v6000 get_error_name = nullptr;
+  PFN_cuGetErrorString_v6000 get_error_string = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 mem_get_allocation_granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 mem_address_reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 mem_address_free = nullptr;
+  PFN_cuMemCreate_v10020 mem_create = nullptr;
+  PFN_cuMemRelease_v10020 mem_release = nullptr;
+  PFN_cuMemMap_v10020 mem_map = nullptr;
+  PFN_cuMemUnmap_v10020 mem_unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
+
+  // Looks `symbol` up; leaves `fn` null when the driver lacks it.
+  template <class Fn>
+  static bool resolve(const char* symbol, Fn& fn) noexcept {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &p, driver_abi_version, cudaEnableDefault, &status);
+    if (e != cudaSuccess || status != cudaDriverEntryPointSuccess || p == nullptr) {
+      (void)cudaGetLastError();
+      fn = nullptr;
+      return false;
+    }
+    fn = reinterpret_cast<Fn>(p);
+    return true;
+  }
+
+  // True when every function virtual memory needs was found.
+  bool load() noexcept {
+    bool ok = true;
+    ok &= resolve("cuInit", init);
+    // The error texts are optional: messages fall back to the number.
+    resolve("cuGetErrorName", get_error_name);
+    resolve("cuGetErrorString", get_error_string);
+    ok &= resolve("cuDeviceGet", device_get);
+    ok &= resolve("cuDeviceGetAttribute", device_get_attribute);
+    ok &= resolve("cuMemGetAllocationGranularity", mem_get_allocation_granularity);
+    ok &= resolve("cuMemAddressReserve", mem_address_reserve);
+    ok &= resolve("cuMemAddressFree", mem_address_free);
+    ok &= resolve("cuMemCreate", mem_create);
+    ok &= resolve("cuMemRelease", mem_release);
+    ok &= resolve("cuMemMap", mem_map);
+    ok &= resolve("cuMemUnmap", mem_unmap);
+    ok &= resolve("cuMemSetAccess", mem_set_access);
+    return ok;
+  }
+
+  std::string describe(CUresult r) const {
+    const char* name = nullptr;
+    const char* text = nullptr;
+    if (get_error_name != nullptr && get_error_name(r, &name) != CUDA_SUCCESS) name = nullptr;
+    if (get_error_string != nullptr && get_error_string(r, &text) != CUDA_SUCCESS) text = nullptr;
+    std::string s = name != nullptr ? std::string(name) : "CUresult " + std::to_string(static_cast<int>(r));
+    if (text != nullptr) s += std::string(" (") + text + ")";
+    return s;
+  }
+
+  template <class Describe>
+  void check(CUresult r, Describe&& call) const {
+    if (r != CUDA_SUCCESS) [[unlikely]]
+      throw backend_error("cuda: " + call() + " failed: " + describe(r));
+  }
+};
+
+CUmemAllocationProp pinned_device_prop(int device) noexcept {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  return prop;
+}
+
+CUmemAccessDesc read_write_access(int device) noexcept {
+  CUmemAccessDesc desc{};
+  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  desc.location.id = device;
+  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return desc;
+}
+
+// Release paths ignore a runtime or driver that is already shutting down.
+bool unloading(cudaError_t e) noexcept {
+  if (e == cudaErrorCudartUnloading) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return false;
+}
+bool unloading(CUresult r) noexcept { return r == CUDA_ERROR_DEINITIALIZED; }
+
+}  // namespace
+
+struct cuda_backend::impl {
+  int device_count = 0;
+  driver_api driver;
+  bool virtual_memory = false;
+  mutable std::mutex mutex;                      // guards granularity
+  mutable std::vector<std::size_t> granularity;  // per device; 0 = not asked yet
+
+  void check_device(int device, const char* what) const {
+    if (device < 0 || device >= device_count) [[unlikely]]
+      throw backend_error(std::string("cuda: ") + what + ": device " + std::to_string(device) +
+                          " is out of range [0, " + std::to_string(device_count) + ")");
+  }
+};
+
+int cuda_backend::available_device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+cuda_backend::cuda_backend() : impl_(std::make_unique<impl>()) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw backend_error("cuda: no usable CUDA device: cudaGetDeviceCount() failed: " + describe_error(e));
+  }
+  if (n < 1) throw backend_error("cuda: no usable CUDA device: cudaGetDeviceCount() reports 0 devices");
+  impl_->device_count = n;
+  impl_->granularity.assign(static_cast<std::size_t>(n), 0);
+
+  // Virtual memory: every entry point resolves and every device supports it.
+  driver_api& d = impl_->driver;
+  bool vm = d.load() && d.init(0) == CUDA_SUCCESS;
+  for (int i = 0; vm && i < n; ++i) {
+    CUdevice dev = 0;
+    int supported = 0;
+    vm = d.device_get(&dev, i) == CUDA_SUCCESS &&
+         d.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) ==
+             CUDA_SUCCESS &&
+         supported != 0;
+  }
+  impl_->virtual_memory = vm;
+}
+
+cuda_backend::~cuda_backend() = default;
+
+backend_capabilities cuda_backend::capabilities() const {
+  backend_capabilities c;
+  c.virtual_memory = impl_->virtual_memory;
+  c.peer_access = true;
+  c.ipc = false;
+  return c;
+}
+
+// --- devices -------------------------------------------------------------------------
+
+int cuda_backend::device_count() const { return impl_->device_count; }
+
+int cuda_backend::current_device() const {
+  int device = 0;
+  check(cudaGetDevice(&device), [] { return std::string("cudaGetDevice()"); });
+  return device;
+}
+
+void cuda_backend::set_device(int device) {
+  impl_->check_device(device, "set_device");
+  check(cudaSetDevice(device), [&] { return "cudaSetDevice(" + std::to_string(device) + ")"; });
+}
+
+memory_info cuda_backend::mem_get_info(int device) const {
+  impl_->check_device(device, "mem_get_info");
+  device_guard guard(device);
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  check(cudaMemGetInfo(&free_bytes, &total_bytes), [&] { return "cudaMemGetInfo(" + dev_text(device) + ")"; });
+  return {free_bytes, total_bytes};
+}
+
+// --- segments --------------------------------------------------------------------------
+
+void* cuda_backend::segment_malloc(int device, std::size_t size_bytes) {
+  impl_->check_device(device, "segment_malloc");
+  if (size_bytes == 0) throw backend_error("cuda: segment_malloc of 0 bytes on " + dev_text(device));
+  device_guard guard(device);
+  void* ptr = nullptr;
+  const cudaError_t e = cudaMalloc(&ptr, size_bytes);
+  if (e == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // out of memory is an answer, not an error
+    return nullptr;
+  }
+  check(e, [&] { return "cudaMalloc(" + dev_text(device) + ", " + std::to_string(size_bytes) + " bytes)"; });
+  return ptr;
+}
+
+void cuda_backend::segment_free(int device, void* ptr) {
+  impl_->check_device(device, "segment_free");
+  device_guard guard(device);
+  const cudaError_t e = cudaFree(ptr);
+  if (unloading(e)) return;
+  check(e, [&] { return "cudaFree(" + dev_text(device) + ", " + pointer_text(ptr) + ")"; });
+}
+
+// --- streams and events --------------------------------------------------------------------
+
+stream_t cuda_backend::create_stream(int device) {
+  impl_->check_device(device, "create_stream");
+  device_guard guard(device);
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+        [&] { return "cudaStreamCreateWithFlags(" + dev_text(device) + ", cudaStreamNonBlocking)"; });
+  return reinterpret_cast<stream_t>(s);
+}
+
+void cuda_backend::destroy_stream(int device, stream_t stream) {
+  impl_->check_device(device, "destroy_stream");
+  if (stream == default_stream)
+    throw backend_error("cuda: destroy_stream: stream 0 is the default stream of " + dev_text(device) +
+                        " and cannot be destroyed");
+  device_guard guard(device);
+  const cudaError_t e = cudaStreamDestroy(to_cuda(stream));
+  if (unloading(e)) return;
+  check(e, [&] { return "cudaStreamDestroy(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ")"; });
+}
+
+event_t cuda_backend::create_event(int device) {
+  impl_->check_device(device, "create_event");
+  device_guard guard(device);
+  cudaEvent_t ev = nullptr;
+  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
+        [&] { return "cudaEventCreateWithFlags(" + dev_text(device) + ", cudaEventDisableTiming)"; });
+  return reinterpret_cast<event_t>(ev);
+}
+
+void cuda_backend::destroy_event(int device, event_t event) {
+  impl_->check_device(device, "destroy_event");
+  if (event == 0) throw backend_error("cuda: destroy_event: event 0 is not an event");
+  device_guard guard(device);
+  const cudaError_t e = cudaEventDestroy(to_cuda_event(event));
+  if (unloading(e)) return;
+  check(e,
+        [&] { return "cudaEventDestroy(" + dev_text(device) + ", event " + pointer_text(to_cuda_event(event)) + ")"; });
+}
+
+void cuda_backend::record_event(int device, event_t event, stream_t stream) {
+  impl_->check_device(device, "record_event");
+  if (event == 0) throw backend_error("cuda: record_event: event 0 is not an event");
+  auto describe = [&] {
+    return "cudaEventRecord(" + dev_text(device) + ", event " + pointer_text(to_cuda_event(event)) + ", stream " +
+           pointer_text(to_cuda(stream)) + ")";
+  };
+  // On `device`: (cudaStream_t)0 means the legacy default stream of the
+  // current device, and the event's device must be current (as PyTorch does).
+  device_guard guard(device);
+  check(cudaEventRecord(to_cuda_event(event), to_cuda(stream)), describe);
+}
+
+bool cuda_backend::query_event(int device, event_t event) {
+  impl_->check_device(device, "query_event");
+  if (event == 0) throw backend_error("cuda: query_event: event 0 is not an event");
+  const cudaError_t e = cudaEventQuery(to_cuda_event(event));
+  if (e == cudaSuccess) return true;
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // "not ready" is an answer, not an error
+    return false;
+  }
+  throw_cuda("cudaEventQuery(" + dev_text(device) + ", event " + pointer_text(to_cuda_event(event)) + ")", e);
+}
+
+void cuda_backend::synchronize_event(int device, event_t event) {
+  impl_->check_device(device, "synchronize_event");
+  if (event == 0) throw backend_error("cuda: synchronize_event: event 0 is not an event");
+  check(cudaEventSynchronize(to_cuda_event(event)), [&] {
+    return "cudaEventSynchronize(" + dev_text(device) + ", event " + pointer_text(to_cuda_event(event)) + ")";
+  });
+}
+
+void cuda_backend::synchronize_stream(int device, stream_t stream) {
+  impl_->check_device(device, "synchronize_stream");
+  auto describe = [&] {
+    return "cudaStreamSynchronize(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ")";
+  };
+  if (stream == default_stream) {
+    device_guard guard(device);
+    check(cudaStreamSynchronize(nullptr), describe);
+  } else {
+    check(cudaStreamSynchronize(to_cuda(stream)), describe);
+  }
+}
+
+void cuda_backend::synchronize_device(int device) {
+  impl_->check_device(device, "synchronize_device");
+  device_guard guard(device);
+  check(cudaDeviceSynchronize(), [&] { return "cudaDeviceSynchronize(" + dev_text(device) + ")"; });
+}
+
+// --- virtual memory --------------------------------------------------------------------------
+
+std::size_t cuda_backend::vm_granularity(int device) const {
+  impl_->check_device(device, "vm_granularity");
+  if (!impl_->virtual_memory) throw_not_supported("vm_granularity");
+  {
+    std::lock_guard lock(impl_->mutex);
+    const std::size_t cached = impl_->granularity[static_cast<std::size_t>(device)];
+    if (cached != 0) return cached;
+  }
+  device_guard guard(device, /*activate=*/true);
+  const CUmemAllocationProp prop = pinned_device_prop(device);
+  std::size_t g = 0;
+  impl_->driver.check(impl_->driver.mem_get_allocation_granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                      [&] { return "cuMemGetAllocationGranularity(" + dev_text(device) + ")"; });
+  if (g == 0) throw backend_error("cuda: cuMemGetAllocationGranularity(" + dev_text(device) + ") returned 0");
+  std::lock_guard lock(impl_->mutex);
+  impl_->granularity[static_cast<std::size_t>(device)] = g;
+  return g;
+}
+
+void* cuda_backend::vm_reserve(int device, std::size_t size_bytes) {
+  impl_->check_device(device, "vm_reserve");
+  if (!impl_->virtual_memory) throw_not_supported("vm_reserve");
+  device_guard guard(device, /*activate=*/true);
+  CUdeviceptr ptr = 0;
+  const CUresult r = impl_->driver.mem_address_reserve(&ptr, size_bytes, 0, 0, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) return nullptr;
+  impl_->driver.check(
+      r, [&] { return "cuMemAddressReserve(" + dev_text(device) + ", " + std::to_string(size_bytes) + " bytes)"; });
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr));
+}
+
+void cuda_backend::vm_release(int device, void* base, std::size_t size_bytes) {
+  impl_->check_device(device, "vm_release");
+  if (!impl_->virtual_memory) throw_not_supported("vm_release");
+  device_guard guard(device, /*activate=*/true);
+  const CUresult r = impl_->driver.mem_address_free(to_cu(base), size_bytes);
+  if (unloading(r)) return;
+  impl_->driver.check(r, [&] {
+    return "cuMemAddressFree(" + dev_text(device) + ", " + pointer_text(base) + ", " + std::to_string(size_bytes) +
+           " bytes)";
+  });
+}
+
+bool cuda_backend::vm_create(int device, std::size_t size_bytes, physical_handle_t* handle) {
+  impl_->check_device(device, "vm_create");
+  if (!impl_->virtual_memory) throw_not_supported("vm_create");
+  if (handle == nullptr) throw backend_error("cuda: vm_create: handle is null");
+  device_guard guard(device, /*activate=*/true);
+  const CUmemAllocationProp prop = pinned_device_prop(device);
+  CUmemGenericAllocationHandle h = 0;
+  const CUresult r = impl_->driver.mem_create(&h, size_bytes, &prop, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+  impl_->driver.check(
+      r, [&] { return "cuMemCreate(" + dev_text(device) + ", " + std::to_string(size_bytes) + " bytes)"; });
+  *handle = static_cast<physical_handle_t>(h);
+  return true;
+}
+
+void cuda_backend::vm_release_handle(int device, physical_handle_t handle) {
+  impl_->check_device(device, "vm_release_handle");
+  if (!impl_->virtual_memory) throw_not_supported("vm_release_handle");
+  device_guard guard(device, /*activate=*/true);
+  const CUresult r = impl_->driver.mem_release(static_cast<CUmemGenericAllocationHandle>(handle));
+  if (unloading(r)) return;
+  impl_->driver.check(r,
+                      [&] { return "cuMemRelease(" + dev_text(device) + ", handle " + std::to_string(handle) + ")"; });
+}
+
+void cuda_backend::vm_map(int device, void* addr, std::size_t size_bytes, physical_handle_t handle) {
+  impl_->check_device(device, "vm_map");
+  if (!impl_->virtual_memory) throw_not_supported("vm_map");
+  device_guard guard(device, /*activate=*/true);
+  const driver_api& d = impl_->driver;
+  d.check(d.mem_map(to_cu(addr), size_bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0), [&] {
+    return "cuMemMap(" + dev_text(device) + ", " + pointer_text(addr) + ", " + std::to_string(size_bytes) +
+           " bytes, handle " + std::to_string(handle) + ")";
+  });
+  const CUmemAccessDesc desc = read_write_access(device);
+  const CUresult r = d.mem_set_access(to_cu(addr), size_bytes, &desc, 1);
+  if (r != CUDA_SUCCESS) {
+    (void)d.mem_unmap(to_cu(addr), size_bytes);  // leave the range as it was
+    d.check(r, [&] {
+      return "cuMemSetAccess(" + dev_text(device) + ", " + pointer_text(addr) + ", " + std::to_string(size_bytes) +
+             " bytes, read/write for " + dev_text(device) + ")";
+    });
+  }
+}
+
+void cuda_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
+  impl_->check_device(device, "vm_unmap");
+  if (!impl_->virtual_memory) throw_not_supported("vm_unmap");
+  device_guard guard(device, /*activate=*/true);
+  const CUresult r = impl_->driver.mem_unmap(to_cu(addr), size_bytes);
+  if (unloading(r)) return;
+  impl_->driver.check(r, [&] {
+    return "cuMemUnmap(" + dev_text(device) + ", " + pointer_text(addr) + ", " + std::to_string(size_bytes) + " bytes)";
+  });
+}
+
+void cuda_backend::vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) {
+  impl_->check_device(device, "vm_set_access");
+  impl_->check_device(peer, "vm_set_access (peer)");
+  if (!impl_->virtual_memory) throw_not_supported("vm_set_access");
+  device_guard guard(device, /*activate=*/true);
+  const CUmemAccessDesc desc = read_write_access(peer);
+  impl_->driver.check(impl_->driver.mem_set_access(to_cu(addr), size_bytes, &desc, 1), [&] {
+    return "cuMemSetAccess(" + dev_text(device) + ", " + pointer_text(addr) + ", " + std::to_string(size_bytes) +
+           " bytes, read/write for " + dev_text(peer) + ")";
+  });
+}
+
+// --- peers -----------------------------------------------------------------------------------
+
+bool cuda_backend::can_access_peer(int device, int peer) const {
+  impl_->check_device(device, "can_access_peer");
+  impl_->check_device(peer, "can_access_peer (peer)");
+  if (device == peer) return false;
+  int can = 0;
+  check(cudaDeviceCanAccessPeer(&can, device, peer),
+        [&] { return "cudaDeviceCanAccessPeer(" + dev_text(device) + ", peer " + std::to_string(peer) + ")"; });
+  return can != 0;
+}
+
+void cuda_backend::enable_peer_access(int device, int peer) {
+  impl_->check_device(device, "enable_peer_access");
+  impl_->check_device(peer, "enable_peer_access (peer)");
+  device_guard guard(device);
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();
+    return;
+  }
+  check(e, [&] { return "cudaDeviceEnablePeerAccess(" + dev_text(device) + ", peer " + std::to_string(peer) + ")"; });
+}
+
+}  // namespace ccalloc
