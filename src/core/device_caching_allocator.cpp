@@ -63,29 +63,156 @@ bool block_index::contains(const block* b) const noexcept {
   return i < entries_.size() && entries_[i].b == b;
 }
 
+namespace {
+std::atomic<std::uint64_t> next_state_id{1};
+
+// One cached (device state, stream) -> stream_state per thread: the fast path
+// finds its stream without the registry lock.
+struct stream_cache_entry {
+  std::uint64_t owner_id = 0;
+  stream_t stream = 0;
+  stream_state* state = nullptr;
+};
+thread_local stream_cache_entry tls_stream_cache;
+thread_local char tls_thread_tag;  // its address identifies the thread
+}  // namespace
+
 device_state::device_state(int device, device_backend& backend, allocator_config config)
-    : device_(device), backend_(backend), config_(std::move(config)) {
+    : device_(device), backend_(backend), id_(next_state_id.fetch_add(1)), config_(std::move(config)) {
   device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
   allowed_bytes_ = device_total_bytes_;
   stats_.max_split_size = config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                               ? -1
                               : static_cast<std::int64_t>(config_.max_split_size_bytes);
-  if (config_.memory_fraction_set) set_memory_fraction(config_.per_process_memory_fraction);
+  if (config_.memory_fraction_set) {
+    world_lock w(*this);
+    set_memory_fraction(config_.per_process_memory_fraction, w);
+  }
 }
 
-stream_pools& device_state::pools_for(stream_t stream) {
-  if (last_pools_ != nullptr && last_stream_ == stream) [[likely]]
-    return *last_pools_;
-  auto& slot = pools_[stream];
-  if (!slot) slot = std::make_unique<stream_pools>();
-  last_stream_ = stream;
-  last_pools_ = slot.get();
+device_state::~device_state() {
+  for (auto& [stream, queue] : pending_events_)
+    for (auto& [e, b] : queue) free_events_.push_back(e);
+  for (event_t e : free_events_) {
+    try {
+      backend_.destroy_event(device_, e);
+    } catch (...) {
+    }
+  }
+  for (auto& [base, seg] : segments_) {
+    for (block* b = seg->head; b != nullptr;) {
+      block* next = b->next;
+      delete b;
+      b = next;
+    }
+    try {
+      backend_.segment_free(device_, reinterpret_cast<void*>(base));
+    } catch (...) {
+    }
+  }
+}
+
+// ---- locks and statistics ------------------------------------------------------
+
+world_lock::world_lock(device_state& d) : d_(d) { lock(); }
+world_lock::~world_lock() {
+  if (locked_) unlock();
+}
+
+void world_lock::lock() {
+  d_.registry_mutex_.lock();
+  streams_.clear();
+  streams_.reserve(d_.streams_.size());
+  for (auto& [stream, ss] : d_.streams_) streams_.push_back(ss.get());
+  std::sort(streams_.begin(), streams_.end());
+  for (stream_state* ss : streams_) ss->mutex.lock();
+  d_.device_mutex_.lock();
+  d_.stats_mutex_.lock();
+  locked_ = true;
+}
+
+void world_lock::unlock() {
+  locked_ = false;
+  d_.stats_mutex_.unlock();
+  d_.device_mutex_.unlock();
+  for (auto it = streams_.rbegin(); it != streams_.rend(); ++it) (*it)->mutex.unlock();
+  d_.registry_mutex_.unlock();
+}
+
+stats_sink::stats_sink(device_state& d, stream_state& s) noexcept : d_(d), s_(s) {
+  if (s_.stats_backoff > 0) {
+    --s_.stats_backoff;
+    return;
+  }
+  if (!d_.stats_mutex_.try_lock()) {
+    s_.stats_backoff = 64;
+    return;
+  }
+  locked_ = true;
+  if (s_.has_pending_stats) {
+    merge_pending_stats(d_.stats_, s_.pending_stats);
+    s_.has_pending_stats = false;
+  }
+  // Another thread published last: threads are sharing this device, so
+  // publish only every 64th operation from now on (see the class comment).
+  if (d_.last_stats_thread_ != &tls_thread_tag) {
+    if (d_.last_stats_thread_ != nullptr) s_.stats_backoff = 64;
+    d_.last_stats_thread_ = &tls_thread_tag;
+  }
+}
+
+stats_sink::~stats_sink() {
+  if (locked_) d_.stats_mutex_.unlock();
+}
+
+device_stats& stats_sink::get() noexcept {
+  if (locked_) return d_.stats_;
+  s_.has_pending_stats = true;
+  return s_.pending_stats;
+}
+
+void merge_pending_stats(device_stats& into, device_stats& pending) noexcept {
+  auto merge = [](stat& to, stat& from) {
+    const std::int64_t before = to.current;
+    to.current += from.current;
+    to.allocated += from.allocated;
+    to.freed += from.freed;
+    to.peak = std::max({to.peak, before + from.peak, to.current});
+    from = stat{};
+  };
+  auto merge_array = [&](stat_array& to, stat_array& from) {
+    for (std::size_t i = 0; i < stat_group_count; ++i) merge(to[i], from[i]);
+  };
+  merge_array(into.allocation, pending.allocation);
+  merge_array(into.segment, pending.segment);
+  merge_array(into.active, pending.active);
+  merge_array(into.inactive_split, pending.inactive_split);
+  merge_array(into.allocated_bytes, pending.allocated_bytes);
+  merge_array(into.reserved_bytes, pending.reserved_bytes);
+  merge_array(into.active_bytes, pending.active_bytes);
+  merge_array(into.inactive_split_bytes, pending.inactive_split_bytes);
+  merge_array(into.requested_bytes, pending.requested_bytes);
+  merge(into.oversize_allocations, pending.oversize_allocations);
+  merge(into.oversize_segments, pending.oversize_segments);
+}
+
+void device_state::publish_all_pending_stats(const world_lock& w) {
+  for (stream_state* ss : w.streams())
+    if (ss->has_pending_stats) {
+      merge_pending_stats(stats_, ss->pending_stats);
+      ss->has_pending_stats = false;
+    }
+}
+
+stream_state& device_state::stream_for(stream_t stream) {
+  stream_cache_entry& c = tls_stream_cache;
+  if (c.owner_id == id_ && c.stream == stream) [[likely]]
+    return *c.state;
+  std::lock_guard lock(registry_mutex_);
+  auto& slot = streams_[stream];
+  if (!slot) slot = std::make_unique<stream_state>(stream);
+  c = {id_, stream, slot.get()};
   return *slot;
-}
-
-block_pool& device_state::pool_for(std::size_t size, stream_t stream) {
-  stream_pools& p = pools_for(stream);
-  return size <= small_request_bytes ? p.small : p.large;
 }
 
 // B1: 512-byte multiples, or the next of `divisions` equal steps between two
@@ -105,49 +232,64 @@ std::size_t device_state::round_size(std::size_t size) const noexcept {
 
 // B2: segment size for a new segment serving a block of `size` bytes.
 std::size_t device_state::allocation_size(std::size_t size) const noexcept {
+  if (!caching_) return size;  // no-caching mode (F6): exactly the block
   if (size <= small_request_bytes) return small_segment_bytes;
   if (size < min_large_alloc_bytes) return config_.large_segment_size_bytes;
   return (size + large_round_bytes - 1) / large_round_bytes * large_round_bytes;
 }
 
-block* device_state::allocate(std::size_t requested_bytes, stream_t stream,
-                              std::unique_lock<spin_mutex>& lock) {
-  process_events();
-
-  alloc_params p;
+void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
   p.requested_bytes = requested_bytes;
-  p.stream = stream;
+  p.stream = ss.stream;
+  p.owner = &ss;
   p.size = round_size(requested_bytes);
-  p.pool = &pool_for(p.size, stream);
-
-  if (!caching_) [[unlikely]] {
-    // No-caching mode (F6): one segment per allocation, exactly the block size.
-    p.alloc_size = p.size;
-    if (!alloc_segment(p, false, lock) && !(release_cached_blocks() && alloc_segment(p, true, lock)))
-      throw_out_of_memory(p, lock);
-    return take_found_block(p);
-  }
-
+  p.pool = p.size <= small_request_bytes ? &ss.pools.small : &ss.pools.large;
   p.alloc_size = allocation_size(p.size);
-  // Rung 1: a cached block of this stream and pool.
-  if (get_free_block(p)) [[likely]]
-    return take_found_block(p);
-  // Rung 2: above the garbage-collection threshold, release old cached blocks.
-  if (config_.garbage_collection_threshold > 0.0) garbage_collect_cached_blocks();
-  // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
-  // memory above its high-water mark, so return cached whole segments (none
-  // fits it) to the device first: the peak grows by less.
-  if (config_.trim_on_new_peak &&
-      static_cast<std::size_t>(stats_.reserved_bytes[0].current) + p.alloc_size > reserved_high_water_bytes_)
-    release_unused_segments();
+  p.found = nullptr;
+}
+
+block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
+  if (pending_event_count_.load(std::memory_order_relaxed) != 0) [[unlikely]]
+    process_events();
+  stream_state& ss = stream_for(stream);
+  alloc_params p;
+  {
+    std::lock_guard lock(ss.mutex);
+    prepare(p, requested_bytes, ss);
+    // Rung 1: a cached block of this stream and pool.
+    if (caching_ && get_free_block(p)) [[likely]] {
+      stats_sink sink(*this, ss);
+      return take_found_block(p, sink.get());
+    }
+  }
+  world_lock w(*this);
+  prepare(p, requested_bytes, ss);  // the configuration may have changed meanwhile
+  return allocate_slow(p, w);
+}
+
+// The slow path, with the whole device locked.
+block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
+  publish_all_pending_stats(w);
+  process_events_locked();
+  if (caching_) {
+    // Rung 1 again: another thread may have freed a block meanwhile.
+    if (get_free_block(p)) return take_found_block(p, stats_);
+    // Rung 2: above the garbage-collection threshold, release old cached blocks.
+    if (config_.garbage_collection_threshold > 0.0) garbage_collect_cached_blocks(w);
+    // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
+    // memory above its high-water mark, so return cached whole segments (none
+    // fits it) to the device first: the peak grows by less.
+    if (config_.trim_on_new_peak && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_)
+      release_unused_segments(w);
+  }
   // Rung 3: a new segment. Rung 4: free oversize cached blocks and retry.
   // Rung 5: wait for pending events, free every cached segment, retry.
-  if (alloc_segment(p, false, lock) ||
-      (release_available_cached_blocks(p) && alloc_segment(p, false, lock)) ||
-      (release_cached_blocks() && alloc_segment(p, true, lock)))
-    return take_found_block(p);
+  if (alloc_segment(p, false, w) ||
+      (caching_ && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
+      (release_cached_blocks(w) && alloc_segment(p, true, w)))
+    return take_found_block(p, stats_);
   // Rung 6: out of memory.
-  throw_out_of_memory(p, lock);
+  throw_out_of_memory(p, w);
 }
 
 // B3: best fit by (size, address) in the request's (stream, pool), with the
@@ -167,25 +309,24 @@ bool device_state::get_free_block(alloc_params& p) {
   return true;
 }
 
-bool device_state::alloc_segment(alloc_params& p, bool is_retry, std::unique_lock<spin_mutex>& lock) {
+bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) {
   if (is_retry) ++stats_.num_alloc_retries;
   const std::size_t size = p.alloc_size;
-  const std::size_t reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
-  if (set_fraction_ && reserved + size > allowed_bytes_) return false;
+  if (set_fraction_ && reserved_bytes_ + size > allowed_bytes_) return false;
   void* ptr = nullptr;
   if (config_.release_lock_on_cudamalloc) {
-    // B8: other threads may allocate from the cache while the device mallocs.
-    lock.unlock();
+    // B8: other threads may use the cache while the device mallocs.
+    w.unlock();
     try {
       ptr = backend_.segment_malloc(device_, size);
     } catch (...) {
-      lock.lock();
+      w.lock();
       throw;
     }
-    lock.lock();
+    w.lock();
+    publish_all_pending_stats(w);
     // The cap may have been reached meanwhile by another thread.
-    if (ptr != nullptr && set_fraction_ &&
-        static_cast<std::size_t>(stats_.reserved_bytes[0].current) + size > allowed_bytes_) {
+    if (ptr != nullptr && set_fraction_ && reserved_bytes_ + size > allowed_bytes_) {
       backend_.segment_free(device_, ptr);
       return false;
     }
@@ -195,7 +336,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, std::unique_loc
   if (ptr == nullptr) return false;
 
   auto seg = std::make_unique<segment>();
-  block* b = new_block();
+  block* b = p.owner->new_block();
   b->ptr = reinterpret_cast<std::uintptr_t>(ptr);
   b->size = size;
   b->stream = p.stream;
@@ -204,15 +345,16 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, std::unique_loc
   seg->base = b->ptr;
   seg->size = size;
   seg->head = b;
+  seg->oversize = size >= config_.max_split_size_bytes;
   segments_.emplace(seg->base, std::move(seg));
 
   const stat_group g = group_of(p.pool);
   device_stats::increase(stats_.segment, g, 1);
   device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
-  if (size >= config_.max_split_size_bytes) stats_.oversize_segments.increase(1);
+  if (b->seg->oversize) stats_.oversize_segments.increase(1);
   ++stats_.num_device_alloc;
-  reserved_high_water_bytes_ =
-      std::max(reserved_high_water_bytes_, static_cast<std::size_t>(stats_.reserved_bytes[0].current));
+  reserved_bytes_ += size;
+  reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
   p.found = b;
   return true;
 }
@@ -227,7 +369,7 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
   const std::size_t i = pool.blocks.lower_bound(wanted);
   if (i != pool.blocks.size()) {
     if (pool.blocks.at(i)->is_split()) return false;
-    release_block(pool.blocks.at(i));
+    release_block(pool.blocks.at(i), stats_);
     return true;
   }
   std::size_t released = 0;
@@ -240,22 +382,22 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
     released += b->size;
   }
   if (released < wanted) return false;
-  for (block* b : victims) release_block(b);
+  for (block* b : victims) release_block(b, stats_);
   return true;
 }
 
 // Rung 5 and emptyCache: wait for every pending event, then return every
 // cached block that is a whole segment.
-bool device_state::release_cached_blocks() {
+bool device_state::release_cached_blocks(const world_lock& w) {
   synchronize_and_free_events();
-  release_unused_segments();
+  release_unused_segments(w);
   return true;
 }
 
-void device_state::release_unused_segments() {
-  for (auto& [stream, pools] : pools_) {
-    release_blocks(pools->large);
-    release_blocks(pools->small);
+void device_state::release_unused_segments(const world_lock& w) {
+  for (stream_state* ss : w.streams()) {
+    release_blocks(ss->pools.large);
+    release_blocks(ss->pools.small);
   }
 }
 
@@ -263,42 +405,44 @@ void device_state::release_blocks(block_pool& pool) {
   std::vector<block*> victims;
   for (std::size_t i = 0; i < pool.blocks.size(); ++i)
     if (!pool.blocks.at(i)->is_split()) victims.push_back(pool.blocks.at(i));
-  for (block* b : victims) release_block(b);
+  for (block* b : victims) release_block(b, stats_);
 }
 
 // Returns a cached whole-segment block to the device.
-void device_state::release_block(block* b) {
+void device_state::release_block(block* b, device_stats& st) {
   backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
   const stat_group g = group_of(b->pool);
-  device_stats::decrease(stats_.segment, g, 1);
-  device_stats::decrease(stats_.reserved_bytes, g, static_cast<std::int64_t>(b->size));
-  if (b->size >= config_.max_split_size_bytes) stats_.oversize_segments.decrease(1);
-  ++stats_.num_device_free;
+  device_stats::decrease(st.segment, g, 1);
+  device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
+  if (b->seg->oversize) st.oversize_segments.decrease(1);
+  ++st.num_device_free;
+  reserved_bytes_ -= b->size;
   b->pool->blocks.erase(b);
   segments_.erase(b->seg->base);
-  delete_block(b);
+  b->pool->owner->delete_block(b);
 }
 
 // Rung 2 (B5): while reserved bytes exceed threshold x allowed, release whole
 // cached large-pool segments older than the average age. ccalloc applies the
 // threshold to the device total when no memory fraction is set (PyTorch
 // ignores it then; SPEC X6).
-void device_state::garbage_collect_cached_blocks() {
+void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   const auto threshold =
       static_cast<std::size_t>(config_.garbage_collection_threshold * static_cast<double>(allowed_bytes_));
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
-  if (reserved <= threshold) return;
-  const std::size_t target = reserved - threshold;
+  if (reserved_bytes_ <= threshold) return;
+  const std::size_t target = reserved_bytes_ - threshold;
 
   std::vector<std::pair<block*, std::uint64_t>> candidates;  // block, age
   std::uint64_t total_age = 0;
-  for (auto& [stream, pools] : pools_)
-    for (std::size_t i = 0; i < pools->large.blocks.size(); ++i)
-      if (block* b = pools->large.blocks.at(i); !b->is_split()) {
-        const std::uint64_t age = pools->large.age(b);
+  for (stream_state* ss : w.streams()) {
+    block_pool& large = ss->pools.large;
+    for (std::size_t i = 0; i < large.blocks.size(); ++i)
+      if (block* b = large.blocks.at(i); !b->is_split()) {
+        const std::uint64_t age = large.age(b);
         candidates.emplace_back(b, age);
         total_age += age;
       }
+  }
   std::size_t reclaimed = 0;
   bool freed = true;
   while (reclaimed < target && freed && !candidates.empty()) {
@@ -309,7 +453,7 @@ void device_state::garbage_collect_cached_blocks() {
         freed = true;
         reclaimed += it->first->size;
         total_age -= it->second;
-        release_block(it->first);
+        release_block(it->first, stats_);
         it = candidates.erase(it);
       } else {
         ++it;
@@ -325,14 +469,14 @@ bool device_state::should_split(const block* b, std::size_t size) const noexcept
 }
 
 // Hands out p.found: split off the remainder if worth keeping, update stats.
-block* device_state::take_found_block(alloc_params& p) {
+block* device_state::take_found_block(alloc_params& p, device_stats& st) {
   block* b = p.found;
   const stat_group g = group_of(p.pool);
   const bool already_split = b->is_split();
   if (should_split(b, p.size)) {
     // The caller gets the front; the remainder stays cached.
     block* remaining = b;
-    b = new_block();
+    b = p.owner->new_block();
     b->ptr = remaining->ptr;
     b->size = p.size;
     b->stream = remaining->stream;
@@ -348,40 +492,53 @@ block* device_state::take_found_block(alloc_params& p) {
     remaining->gc_count_base = remaining->pool->get_free_blocks_call_count;
     remaining->pool->blocks.insert(remaining);
     if (already_split) {
-      device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
+      device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
     } else {
-      device_stats::increase(stats_.inactive_split, g, 1);
-      device_stats::increase(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
+      device_stats::increase(st.inactive_split, g, 1);
+      device_stats::increase(st.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
     }
   } else if (already_split) {
-    device_stats::decrease(stats_.inactive_split, g, 1);
-    device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+    device_stats::decrease(st.inactive_split, g, 1);
+    device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
   }
   b->allocated = true;
   b->requested_size = p.requested_bytes;
   const auto size = static_cast<std::int64_t>(b->size);
-  device_stats::increase(stats_.allocation, g, 1);
-  device_stats::increase(stats_.allocated_bytes, g, size);
-  device_stats::increase(stats_.active, g, 1);
-  device_stats::increase(stats_.active_bytes, g, size);
-  device_stats::increase(stats_.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
-  if (b->size >= config_.max_split_size_bytes) stats_.oversize_allocations.increase(1);
+  device_stats::increase(st.allocation, g, 1);
+  device_stats::increase(st.allocated_bytes, g, size);
+  device_stats::increase(st.active, g, 1);
+  device_stats::increase(st.active_bytes, g, size);
+  device_stats::increase(st.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
+  b->counted_oversize = b->size >= config_.max_split_size_bytes;
+  if (b->counted_oversize) st.oversize_allocations.increase(1);
   return b;
 }
 
 void device_state::free(block* b) {
-  const stat_group g = group_of(b->pool);
+  stream_state& ss = *b->pool->owner;
+  std::lock_guard lock(ss.mutex);
   if (!b->stream_uses.empty()) insert_events(b);  // may throw: nothing changed yet
+  stats_sink sink(*this, ss);
+  device_stats& st = sink.get();
+  const stat_group g = group_of(b->pool);
   b->allocated = false;
-  device_stats::decrease(stats_.allocation, g, 1);
-  device_stats::decrease(stats_.allocated_bytes, g, static_cast<std::int64_t>(b->size));
-  if (b->size >= config_.max_split_size_bytes) stats_.oversize_allocations.decrease(1);
-  if (b->event_count == 0) free_block(b);
+  device_stats::decrease(st.allocation, g, 1);
+  device_stats::decrease(st.allocated_bytes, g, static_cast<std::int64_t>(b->size));
+  if (b->counted_oversize) st.oversize_allocations.decrease(1);
+  b->counted_oversize = false;
+  if (b->event_count == 0) free_block(b, st, false);
+}
+
+void device_state::record_stream(block* b, stream_t stream) {
+  std::lock_guard lock(b->pool->owner->mutex);
+  if (stream == b->stream) return;
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+    b->stream_uses.push_back(stream);
 }
 
 // A block becomes free (its events, if any, completed): merge with free
 // neighbours and return it to its pool.
-void device_state::free_block(block* b) {
+void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   const stat_group g = group_of(b->pool);
   const auto original_size = static_cast<std::int64_t>(b->size);
   std::int64_t net_split_blocks = 0;
@@ -399,15 +556,22 @@ void device_state::free_block(block* b) {
     net_split_blocks += 1;
     net_split_bytes += static_cast<std::int64_t>(b->size);
   }
-  if (net_split_blocks > 0) device_stats::increase(stats_.inactive_split, g, net_split_blocks);
-  else if (net_split_blocks < 0) device_stats::decrease(stats_.inactive_split, g, -net_split_blocks);
-  if (net_split_bytes > 0) device_stats::increase(stats_.inactive_split_bytes, g, net_split_bytes);
-  else if (net_split_bytes < 0) device_stats::decrease(stats_.inactive_split_bytes, g, -net_split_bytes);
-  device_stats::decrease(stats_.active, g, 1);
-  device_stats::decrease(stats_.active_bytes, g, original_size);
-  device_stats::decrease(stats_.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+  if (net_split_blocks > 0) device_stats::increase(st.inactive_split, g, net_split_blocks);
+  else if (net_split_blocks < 0) device_stats::decrease(st.inactive_split, g, -net_split_blocks);
+  if (net_split_bytes > 0) device_stats::increase(st.inactive_split_bytes, g, net_split_bytes);
+  else if (net_split_bytes < 0) device_stats::decrease(st.inactive_split_bytes, g, -net_split_bytes);
+  device_stats::decrease(st.active, g, 1);
+  device_stats::decrease(st.active_bytes, g, original_size);
+  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
   b->requested_size = 0;
-  if (!caching_ && !b->is_split()) release_block(b);  // no-caching mode: straight back
+  if (!caching_ && !b->is_split()) {  // no-caching mode: straight back to the device
+    if (device_locked) {
+      release_block(b, st);
+    } else {
+      std::lock_guard device_lock(device_mutex_);
+      release_block(b, st);
+    }
+  }
 }
 
 // Merges free `src` into `dst` (its neighbour); returns the bytes subsumed.
@@ -425,7 +589,7 @@ std::size_t device_state::try_merge(block* dst, block* src) {
   const std::size_t subsumed = src->size;
   dst->size += subsumed;
   src->pool->blocks.erase(src);
-  delete_block(src);
+  src->pool->owner->delete_block(src);
   return subsumed;
 }
 
@@ -441,6 +605,7 @@ event_t device_state::get_event() {
 // B4: one event per stream that used the block; the block returns to the
 // pool when all of them completed.
 void device_state::insert_events(block* b) {
+  std::lock_guard device_lock(device_mutex_);
   std::vector<event_t> recorded;
   try {
     for (stream_t s : b->stream_uses) {
@@ -456,14 +621,43 @@ void device_state::insert_events(block* b) {
     pending_events_[b->stream_uses[i]].emplace_back(recorded[i], b);
     ++b->event_count;
   }
+  pending_event_count_.fetch_add(recorded.size(), std::memory_order_relaxed);
   b->stream_uses.clear();
 }
 
 // Returns blocks whose events completed, without blocking: per stream, events
 // complete in order, so each queue is scanned up to its first pending event.
+// The completed events are taken under the device lock; each block is then
+// updated under its own stream's lock (never both: see the lock order).
 void device_state::process_events() {
-  if (pending_events_.empty()) [[likely]]
-    return;
+  std::vector<block*> completed;
+  {
+    std::lock_guard device_lock(device_mutex_);
+    for (auto it = pending_events_.begin(); it != pending_events_.end();) {
+      auto& queue = it->second;
+      while (!queue.empty()) {
+        auto [e, b] = queue.front();
+        if (!backend_.query_event(device_, e)) break;
+        queue.pop_front();
+        free_events_.push_back(e);
+        completed.push_back(b);
+      }
+      it = queue.empty() ? pending_events_.erase(it) : std::next(it);
+    }
+    pending_event_count_.fetch_sub(completed.size(), std::memory_order_relaxed);
+  }
+  for (block* b : completed) {
+    stream_state& ss = *b->pool->owner;
+    std::lock_guard lock(ss.mutex);
+    if (--b->event_count == 0) {
+      stats_sink sink(*this, ss);
+      free_block(b, sink.get(), false);
+    }
+  }
+}
+
+void device_state::process_events_locked() {
+  std::size_t done = 0;
   for (auto it = pending_events_.begin(); it != pending_events_.end();) {
     auto& queue = it->second;
     while (!queue.empty()) {
@@ -471,34 +665,39 @@ void device_state::process_events() {
       if (!backend_.query_event(device_, e)) break;
       queue.pop_front();
       free_events_.push_back(e);
-      if (--b->event_count == 0) free_block(b);
+      ++done;
+      if (--b->event_count == 0) free_block(b, stats_, true);
     }
     it = queue.empty() ? pending_events_.erase(it) : std::next(it);
   }
+  pending_event_count_.fetch_sub(done, std::memory_order_relaxed);
 }
 
 void device_state::synchronize_and_free_events() {
   ++stats_.num_sync_all_streams;
+  std::size_t done = 0;
   for (auto& [stream, queue] : pending_events_) {
     while (!queue.empty()) {
       auto [e, b] = queue.front();
       backend_.synchronize_event(device_, e);
       queue.pop_front();
       free_events_.push_back(e);
-      if (--b->event_count == 0) free_block(b);
+      ++done;
+      if (--b->event_count == 0) free_block(b, stats_, true);
     }
   }
   pending_events_.clear();
+  pending_event_count_.fetch_sub(done, std::memory_order_relaxed);
 }
 
-void device_state::throw_out_of_memory(const alloc_params& p, std::unique_lock<spin_mutex>& lock) {
+void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   const memory_info info = backend_.mem_get_info(device_);
   ++stats_.num_ooms;
   const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[0].current);
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
+  const std::size_t reserved = reserved_bytes_;
   std::size_t largest_free = 0;
-  for (auto& [stream, pools] : pools_)
-    for (block_pool* pool : {&pools->small, &pools->large})
+  for (stream_state* ss : w.streams())
+    for (block_pool* pool : {&ss->pools.small, &ss->pools.large})
       if (!pool->blocks.empty()) largest_free = std::max(largest_free, pool->blocks.largest()->size);
 
   std::string msg = "ccalloc: out of memory on device " + std::to_string(device_) + ". Tried to allocate " +
@@ -526,14 +725,14 @@ void device_state::throw_out_of_memory(const alloc_params& p, std::unique_lock<s
   f.device_free_bytes = info.free_bytes;
   f.allocated_bytes = allocated;
   f.reserved_bytes = reserved;
-  // Observers run outside the lock (SPEC F17): they may call back into ccalloc.
+  // Observers run outside the locks (SPEC F17): they may call back into ccalloc.
   auto observers = observers_;
-  lock.unlock();
+  w.unlock();
   for (auto& o : observers) o(device_, p.requested_bytes, f.device_total_bytes, f.device_free_bytes);
   throw out_of_memory_error(std::move(msg), f);
 }
 
-void device_state::set_memory_fraction(double fraction) {
+void device_state::set_memory_fraction(double fraction, const world_lock& w) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
     throw invalid_argument_error("ccalloc: memory fraction " + std::to_string(fraction) +
                                  " for device " + std::to_string(device_) + " is outside [0, 1]");
@@ -541,7 +740,7 @@ void device_state::set_memory_fraction(double fraction) {
   set_fraction_ = true;
   allowed_bytes_ = static_cast<std::size_t>(fraction * static_cast<double>(device_total_bytes_));
   // Keep reserved <= the new cap where cached memory allows it.
-  if (static_cast<std::size_t>(stats_.reserved_bytes[0].current) > allowed_bytes_) release_cached_blocks();
+  if (reserved_bytes_ > allowed_bytes_) release_cached_blocks(w);
 }
 
 }  // namespace detail
@@ -549,6 +748,7 @@ void device_state::set_memory_fraction(double fraction) {
 // ---- public wrapper -----------------------------------------------------------
 
 using detail::block;
+using detail::world_lock;
 
 device_caching_allocator::device_caching_allocator(int device, device_backend& backend, allocator_config config)
     : device_(device) {
@@ -558,143 +758,121 @@ device_caching_allocator::device_caching_allocator(int device, device_backend& b
   state_ = std::make_unique<detail::device_state>(device, backend, std::move(config));
 }
 
-device_caching_allocator::~device_caching_allocator() {
-  auto& s = *state_;
-  std::lock_guard lock(s.mutex_);
-  for (auto& [stream, queue] : s.pending_events_)
-    for (auto& [e, b] : queue) s.free_events_.push_back(e);
-  for (event_t e : s.free_events_) {
-    try {
-      s.backend_.destroy_event(s.device_, e);
-    } catch (...) {
-    }
-  }
-  for (auto& [base, seg] : s.segments_) {
-    for (block* b = seg->head; b != nullptr;) {
-      block* next = b->next;
-      delete b;  // the spare list is freed by ~device_state
-      b = next;
-    }
-    try {
-      s.backend_.segment_free(s.device_, reinterpret_cast<void*>(base));
-    } catch (...) {
-    }
-  }
-}
+device_caching_allocator::~device_caching_allocator() = default;
 
 allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
   auto& s = *state_;
-  std::unique_lock lock(s.mutex_);
   if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]] {
     if (size_bytes == 0)
       throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
+    world_lock w(s);
     detail::alloc_params p;
     p.requested_bytes = size_bytes;
     p.size = size_bytes;
     p.alloc_size = size_bytes;
-    s.throw_out_of_memory(p, lock);  // SPEC F2: at once, nothing else tried
+    s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
   }
-  block* b = s.allocate(size_bytes, stream, lock);
+  block* b = s.allocate(size_bytes, stream);
   return {reinterpret_cast<void*>(b->ptr), b};
 }
 
-void device_caching_allocator::free(block* b) {
-  auto& s = *state_;
-  std::lock_guard lock(s.mutex_);
-  s.free(b);
-}
+void device_caching_allocator::free(block* b) { state_->free(b); }
 
-void device_caching_allocator::record_stream(block* b, stream_t stream) {
-  auto& s = *state_;
-  std::lock_guard lock(s.mutex_);
-  if (stream == b->stream) return;
-  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
-    b->stream_uses.push_back(stream);
-}
+void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
 
 void device_caching_allocator::empty_cache() {
-  auto& s = *state_;
-  std::lock_guard lock(s.mutex_);
-  s.release_cached_blocks();
+  world_lock w(*state_);
+  state_->publish_all_pending_stats(w);
+  state_->release_cached_blocks(w);
 }
 
 std::size_t device_caching_allocator::largest_free_block() const {
-  auto& s = *state_;
-  std::lock_guard lock(s.mutex_);
+  world_lock w(*state_);
   std::size_t largest = 0;
-  for (auto& [stream, pools] : s.pools_)
-    for (auto* pool : {&pools->small, &pools->large})
+  for (detail::stream_state* ss : w.streams())
+    for (auto* pool : {&ss->pools.small, &ss->pools.large})
       if (!pool->blocks.empty()) largest = std::max(largest, pool->blocks.largest()->size);
   return largest;
 }
 
+// A live block's segment neither moves nor changes size: no lock needed.
 std::pair<void*, std::size_t> device_caching_allocator::base_allocation(block* b) const {
-  std::lock_guard lock(state_->mutex_);
   return {reinterpret_cast<void*>(b->seg->base), b->seg->size};
 }
 
 std::size_t device_caching_allocator::block_size(const block* b) const noexcept { return b->size; }
 
 void device_caching_allocator::set_memory_fraction(double fraction) {
-  std::lock_guard lock(state_->mutex_);
-  state_->set_memory_fraction(fraction);
+  world_lock w(*state_);
+  state_->publish_all_pending_stats(w);
+  state_->set_memory_fraction(fraction, w);
 }
 
 double device_caching_allocator::memory_fraction() const {
-  std::lock_guard lock(state_->mutex_);
+  std::lock_guard lock(state_->device_mutex_);
   return state_->set_fraction_ ? state_->fraction_ : 1.0;
 }
 
 void device_caching_allocator::set_config(const allocator_config& config) {
   auto& s = *state_;
-  std::lock_guard lock(s.mutex_);
+  world_lock w(s);
+  s.publish_all_pending_stats(w);
+  // A fraction set at run time (set_memory_fraction) stays unless the new
+  // configuration changes per_process_memory_fraction itself.
+  const bool fraction_changed =
+      config.memory_fraction_set && (!s.config_.memory_fraction_set ||
+                                     config.per_process_memory_fraction != s.config_.per_process_memory_fraction);
   s.config_ = config;
   s.stats_.max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                                 ? -1
                                 : static_cast<std::int64_t>(config.max_split_size_bytes);
-  if (config.memory_fraction_set) s.set_memory_fraction(config.per_process_memory_fraction);
+  if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
 }
 
 allocator_config device_caching_allocator::config() const {
-  std::lock_guard lock(state_->mutex_);
+  world_lock w(*state_);
   return state_->config_;
 }
 
 void device_caching_allocator::set_caching_enabled(bool enabled) {
   auto& s = *state_;
-  std::lock_guard lock(s.mutex_);
+  world_lock w(s);
+  s.publish_all_pending_stats(w);
   s.caching_ = enabled;
-  if (!enabled) s.release_cached_blocks();
+  if (!enabled) s.release_cached_blocks(w);
 }
 
 bool device_caching_allocator::caching_enabled() const {
-  std::lock_guard lock(state_->mutex_);
+  world_lock w(*state_);
   return state_->caching_;
 }
 
 device_stats device_caching_allocator::stats() const {
-  std::lock_guard lock(state_->mutex_);
+  world_lock w(*state_);
+  state_->publish_all_pending_stats(w);
   return state_->stats_;
 }
 
 void device_caching_allocator::reset_accumulated_stats() {
-  std::lock_guard lock(state_->mutex_);
+  world_lock w(*state_);
+  state_->publish_all_pending_stats(w);
   state_->stats_.reset_accumulated();
 }
 
 void device_caching_allocator::reset_peak_stats() {
-  std::lock_guard lock(state_->mutex_);
+  world_lock w(*state_);
+  state_->publish_all_pending_stats(w);
   state_->stats_.reset_peak();
 }
 
 void device_caching_allocator::attach_oom_observer(oom_observer observer) {
-  std::lock_guard lock(state_->mutex_);
+  std::lock_guard lock(state_->device_mutex_);
   state_->observers_.push_back(std::move(observer));
 }
 
 std::vector<segment_info> device_caching_allocator::segments() const {
   auto& s = *state_;
-  std::lock_guard lock(s.mutex_);
+  world_lock w(s);
   std::vector<segment_info> out;
   out.reserve(s.segments_.size());
   for (auto& [base, seg] : s.segments_) {
@@ -725,7 +903,8 @@ std::vector<segment_info> device_caching_allocator::segments() const {
 
 void device_caching_allocator::check_invariants() const {
   auto& s = *state_;
-  std::lock_guard lock(s.mutex_);
+  world_lock w(s);
+  s.publish_all_pending_stats(w);
   auto fail = [](const std::string& what) { throw std::logic_error("ccalloc invariant violated: " + what); };
   device_stats recount;
   std::size_t pooled = 0;
@@ -769,8 +948,13 @@ void device_caching_allocator::check_invariants() const {
     if (sum != seg->size) fail("block sizes do not sum to the segment size");
   }
   std::size_t in_pools = 0;
-  for (auto& [stream, pools] : s.pools_) in_pools += pools->small.blocks.size() + pools->large.blocks.size();
+  for (detail::stream_state* ss : w.streams()) in_pools += ss->pools.small.blocks.size() + ss->pools.large.blocks.size();
   if (in_pools != pooled) fail("pools hold blocks that are not free blocks of live segments");
+  if (static_cast<std::int64_t>(s.reserved_bytes_) != recount.reserved_bytes[0].current)
+    fail("the reservation counter differs from the sum of segment sizes");
+  std::size_t queued = 0;
+  for (auto& [stream, queue] : s.pending_events_) queued += queue.size();
+  if (queued != s.pending_event_count_.load()) fail("pending_event_count_ differs from the queued events");
   auto same = [&](const stat_array& a, const stat_array& b, const char* name) {
     for (std::size_t i = 0; i < stat_group_count; ++i)
       if (a[i].current != b[i].current)

@@ -14,6 +14,17 @@
 //   stats.reserved_bytes.all.current  = sum of segment sizes
 //   stats.allocated_bytes.all.current = sum of sizes of allocated blocks
 //   stats.active_bytes.all.current    = allocated + sizes of blocks waiting on events
+//
+// Locking (SPEC X1): each stream has its own state and lock (stream_state);
+// the fast path (a cached block of the request's stream, and the free of a
+// block) takes only that lock. Device-wide state (segments, events, the
+// reservation) has device_mutex_; statistics have stats_mutex_. The slow path
+// (a new segment, garbage collection, the OOM ladder, emptyCache) locks the
+// whole device: the registry, every stream in address order, the device,
+// the statistics. Lock order, never reversed:
+//     registry_mutex_ -> stream_state::mutex (by address) -> device_mutex_ -> stats_mutex_
+// A block belongs to its segment's stream: its fields change only under that
+// stream's lock (event_count included).
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
@@ -24,6 +35,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <atomic>
 #include <deque>
 #include <map>
 #include <memory>
@@ -54,6 +66,7 @@ struct block {
   block* prev = nullptr;            // neighbour at lower address in the segment
   block* next = nullptr;            // neighbour at higher address
   bool allocated = false;
+  bool counted_oversize = false;    // counted in oversize_allocations (max_split_size may change)
   int event_count = 0;              // events still to complete before reuse
   std::uint64_t gc_count_base = 0;  // pool's get-free-block count when cached
   std::vector<stream_t> stream_uses;  // other streams that used it (record_stream)
@@ -65,6 +78,7 @@ struct segment {
   std::uintptr_t base = 0;
   std::size_t size = 0;
   block* head = nullptr;  // block at `base`
+  bool oversize = false;  // counted in oversize_segments when it was obtained
 };
 
 // The free blocks of one (stream, pool), sorted by (size, address): a flat
@@ -106,10 +120,13 @@ class block_index {
   std::vector<entry> entries_;
 };
 
+struct stream_state;
+
 struct block_pool {
   explicit block_pool(bool small) : is_small(small) {}
   block_index blocks;
   bool is_small;
+  stream_state* owner = nullptr;  // the stream whose pool this is
   std::uint64_t get_free_blocks_call_count = 0;  // age clock for garbage collection
 
   [[nodiscard]] std::uint64_t age(const block* b) const noexcept {
@@ -119,8 +136,39 @@ struct block_pool {
 
 // The two pools of one stream.
 struct stream_pools {
+  explicit stream_pools(stream_state* o) {
+    small.owner = o;
+    large.owner = o;
+  }
   block_pool small{true};
   block_pool large{false};
+};
+
+// Everything of one stream: its pools, its lock, and the statistics it could
+// not publish because stats_mutex_ was busy (merged on the next publish).
+struct stream_state {
+  explicit stream_state(stream_t s) : stream(s), pools(this) {}
+  spin_mutex mutex;
+  stream_t stream;
+  stream_pools pools;
+  device_stats pending_stats;  // deltas: current may be negative; peak = max prefix
+  bool has_pending_stats = false;
+  std::uint32_t stats_backoff = 0;  // operations left before trying stats_mutex_ again
+  std::vector<block*> spare_blocks;  // recycled block objects: no heap call per split
+
+  block* new_block() {
+    if (spare_blocks.empty()) return new block;
+    block* b = spare_blocks.back();
+    spare_blocks.pop_back();
+    return b;
+  }
+  void delete_block(block* b) {
+    *b = block{};
+    spare_blocks.push_back(b);
+  }
+  ~stream_state() {
+    for (block* b : spare_blocks) delete b;
+  }
 };
 
 // A request in flight through the fallback ladder.
@@ -129,82 +177,130 @@ struct alloc_params {
   std::size_t size = 0;             // rounded block size
   std::size_t alloc_size = 0;       // segment size if a new segment is needed
   stream_t stream = 0;
+  stream_state* owner = nullptr;
   block_pool* pool = nullptr;
   block* found = nullptr;
+};
+
+class device_state;
+
+// Where one operation's statistics go: straight into the device's statistics
+// when stats_mutex_ is free (always, in a single thread: exact peaks), else
+// into the stream's pending deltas. After a failed try, or when another
+// thread published last, the stream stops trying for a while so that threads
+// on different streams do not share a cache line per operation.
+class stats_sink {
+ public:
+  stats_sink(device_state& d, stream_state& s) noexcept;
+  ~stats_sink();
+  stats_sink(const stats_sink&) = delete;
+  stats_sink& operator=(const stats_sink&) = delete;
+  [[nodiscard]] device_stats& get() noexcept;
+
+ private:
+  device_state& d_;
+  stream_state& s_;
+  bool locked_ = false;
+};
+
+// Merges `pending` (deltas since the last publish) into `into`, then clears it.
+void merge_pending_stats(device_stats& into, device_stats& pending) noexcept;
+
+// All of a device's locks, in order (the slow path). unlock()/lock() let the
+// device malloc run unlocked (release_lock_on_cudamalloc) and observers run
+// outside the locks.
+class world_lock {
+ public:
+  explicit world_lock(device_state& d);
+  ~world_lock();
+  world_lock(const world_lock&) = delete;
+  world_lock& operator=(const world_lock&) = delete;
+  void unlock();
+  void lock();
+  [[nodiscard]] bool owns_lock() const noexcept { return locked_; }
+  /// Every stream state of the device when the lock was taken (all locked).
+  [[nodiscard]] const std::vector<stream_state*>& streams() const noexcept { return streams_; }
+
+ private:
+  device_state& d_;
+  std::vector<stream_state*> streams_;
+  bool locked_ = false;
 };
 
 class device_state {
  public:
   device_state(int device, device_backend& backend, allocator_config config);
+  ~device_state();
+  device_state(const device_state&) = delete;
+  device_state& operator=(const device_state&) = delete;
 
-  // --- the allocation ladder (mutex_ held) -----------------------------------
-  block* allocate(std::size_t requested_bytes, stream_t stream, std::unique_lock<spin_mutex>& lock);
+  // --- hot path (no lock held on entry) -------------------------------------
+  block* allocate(std::size_t requested_bytes, stream_t stream);
   void free(block* b);
-  stream_pools& pools_for(stream_t stream);
-  block_pool& pool_for(std::size_t size, stream_t stream);
-  [[nodiscard]] std::size_t round_size(std::size_t size) const noexcept;
-  [[nodiscard]] std::size_t allocation_size(std::size_t size) const noexcept;
-  bool get_free_block(alloc_params& p);
-  bool alloc_segment(alloc_params& p, bool is_retry, std::unique_lock<spin_mutex>& lock);
-  bool release_available_cached_blocks(const alloc_params& p);
-  bool release_cached_blocks();
-  void release_blocks(block_pool& pool);
-  void release_unused_segments();
-  void release_block(block* b);
-  void garbage_collect_cached_blocks();
-  block* take_found_block(alloc_params& p);
+  void record_stream(block* b, stream_t stream);
+  stream_state& stream_for(stream_t stream);
+  void process_events();  // returns blocks whose events completed
+
+  // --- helpers; the lock each needs is in brackets ---------------------------
+  [[nodiscard]] std::size_t round_size(std::size_t size) const noexcept;       // [stream]
+  [[nodiscard]] std::size_t allocation_size(std::size_t size) const noexcept;  // [stream]
+  void prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;  // [stream]
+  bool get_free_block(alloc_params& p);                                        // [stream]
+  block* take_found_block(alloc_params& p, device_stats& st);                  // [stream]
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;
-  void free_block(block* b);
-  std::size_t try_merge(block* dst, block* src);
-  void insert_events(block* b);
-  void process_events();
-  void synchronize_and_free_events();
-  event_t get_event();
-  [[noreturn]] void throw_out_of_memory(const alloc_params& p, std::unique_lock<spin_mutex>& lock);
-  void set_memory_fraction(double fraction);
+  void free_block(block* b, device_stats& st, bool device_locked);            // [stream (+device)]
+  std::size_t try_merge(block* dst, block* src);                               // [stream]
+  void insert_events(block* b);                                                // [stream, device]
+  block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
+  bool alloc_segment(alloc_params& p, bool is_retry, world_lock& w);          // [world]
+  bool release_available_cached_blocks(const alloc_params& p);                // [world]
+  bool release_cached_blocks(const world_lock& w);                            // [world]
+  void release_unused_segments(const world_lock& w);                          // [world]
+  void release_blocks(block_pool& pool);                                      // [world]
+  void release_block(block* b, device_stats& st);                             // [stream, device]
+  void garbage_collect_cached_blocks(const world_lock& w);                    // [world]
+  void process_events_locked();                                               // [world]
+  void synchronize_and_free_events();                                         // [world]
+  event_t get_event();                                                        // [device]
+  [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);// [world]
+  void set_memory_fraction(double fraction, const world_lock& w);             // [world]
+  void publish_all_pending_stats(const world_lock& w);                        // [world]
   [[nodiscard]] stat_group group_of(const block_pool* pool) const noexcept {
     return pool->is_small ? stat_group::small_pool : stat_group::large_pool;
   }
 
-  spin_mutex mutex_;
-  int device_;
+  const int device_;
   device_backend& backend_;
+  const std::uint64_t id_;  // unique per instance: keys the thread-local stream cache
+
+  // [registry_mutex_]
+  spin_mutex registry_mutex_;
+  std::unordered_map<stream_t, std::unique_ptr<stream_state>> streams_;
+
+  // Read on the fast path under a stream lock; written under the world lock.
   allocator_config config_;
   bool caching_ = true;
+
+  // [device_mutex_]
+  spin_mutex device_mutex_;
   bool set_fraction_ = false;
   double fraction_ = 1.0;
   std::size_t allowed_bytes_ = 0;  // fraction x total when set_fraction_, else device total
   std::size_t device_total_bytes_ = 0;
-  // Highest reserved bytes ever (unlike stats_ peaks, reset_peak_stats keeps it).
+  std::size_t reserved_bytes_ = 0;  // sum of segment sizes
+  // Highest reserved bytes ever (unlike the stats' peaks, reset_peak_stats keeps it).
   std::size_t reserved_high_water_bytes_ = 0;
-
-  std::unordered_map<stream_t, std::unique_ptr<stream_pools>> pools_;
-  stream_t last_stream_ = 0;
-  stream_pools* last_pools_ = nullptr;
-
   std::map<std::uintptr_t, std::unique_ptr<segment>> segments_;  // by base address
   // Events recorded at free time, per stream that used the block, in order.
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
+  std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
   std::vector<event_t> free_events_;  // event pool: created and reusable
-  device_stats stats_;
   std::vector<oom_observer> observers_;
-  std::vector<block*> spare_blocks_;  // recycled block objects (no heap call per split)
 
-  block* new_block() {
-    if (spare_blocks_.empty()) return new block;
-    block* b = spare_blocks_.back();
-    spare_blocks_.pop_back();
-    return b;
-  }
-  void delete_block(block* b) {
-    *b = block{};
-    spare_blocks_.push_back(b);
-  }
-  ~device_state() {
-    for (block* b : spare_blocks_) delete b;
-  }
-  device_state(const device_state&) = delete;
-  device_state& operator=(const device_state&) = delete;
+  // [stats_mutex_]
+  spin_mutex stats_mutex_;
+  device_stats stats_;
+  const void* last_stats_thread_ = nullptr;  // the thread that published last
 };
 
 }  // namespace ccalloc::detail

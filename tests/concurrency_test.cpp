@@ -1,0 +1,128 @@
+// Concurrency: threads on their own streams (SPEC X1), frees of blocks from
+// other threads, record_stream across streams, and slow-path operations
+// (empty_cache, memory fraction, stats) racing with the fast path.
+// Invariants are checked at the quiescent point after the threads join.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using ccalloc::mib;
+
+TEST(ConcurrencyTest, ThreadsOnOwnStreamsWithCrossThreadFreesAndSlowPathRaces) {
+  auto sim = std::make_shared<ccalloc::sim_backend>(ccalloc::sim_options{1, std::size_t{2} << 30, 2 * mib});
+  ccalloc::caching_allocator alloc(sim, ccalloc::allocator_config{});
+  alloc.init(1);
+  constexpr int threads = 6;
+  constexpr int ops = 20000;
+  std::vector<ccalloc::stream_t> streams;
+  for (int t = 0; t < threads; ++t) streams.push_back(sim->create_stream(0));
+
+  // Pointers handed between threads: a thread frees what another allocated.
+  std::mutex handoff_mutex;
+  std::vector<void*> handoff;
+  std::atomic<bool> stop{false};
+  std::atomic<long> ooms{0};
+
+  auto worker = [&](int t) {
+    std::mt19937_64 rng(1234 + t);
+    std::vector<void*> mine;
+    for (int i = 0; i < ops; ++i) {
+      const int op = static_cast<int>(rng() % 10);
+      if (op < 5 || mine.empty()) {
+        const std::size_t size = std::size_t{512} << (rng() % 16);  // 512 B .. 16 MiB
+        try {
+          void* p = alloc.malloc(0, size + rng() % 512, streams[static_cast<std::size_t>(t)]);
+          if (rng() % 4 == 0) alloc.record_stream(p, streams[(static_cast<std::size_t>(t) + 1) % threads]);
+          mine.push_back(p);
+        } catch (const ccalloc::out_of_memory_error&) {
+          ++ooms;
+        }
+      } else if (op < 8) {
+        const std::size_t k = rng() % mine.size();
+        alloc.free(mine[k]);
+        mine[k] = mine.back();
+        mine.pop_back();
+      } else {
+        const std::size_t k = rng() % mine.size();
+        std::lock_guard lock(handoff_mutex);
+        handoff.push_back(mine[k]);
+        mine[k] = mine.back();
+        mine.pop_back();
+        if (handoff.size() > 8) {
+          void* p = handoff.front();
+          handoff.erase(handoff.begin());
+          alloc.free(p);  // allocated by some other thread, maybe on another stream
+        }
+      }
+    }
+    for (void* p : mine) alloc.free(p);
+  };
+  auto disturber = [&] {
+    std::mt19937_64 rng(99);
+    while (!stop.load()) {
+      switch (rng() % 4) {
+        case 0: alloc.empty_cache(); break;
+        case 1: alloc.set_memory_fraction(0.5 + 0.5 * double(rng() % 100) / 100.0, 0); break;
+        case 2: (void)alloc.get_device_stats(0); break;
+        default: sim->advance_to(sim->now() + 1); break;
+      }
+      std::this_thread::yield();
+    }
+  };
+
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(worker, t);
+  std::thread d(disturber);
+  for (auto& th : pool) th.join();
+  stop = true;
+  d.join();
+  for (void* p : handoff) alloc.free(p);
+
+  auto& dev = alloc.device_allocator(0);
+  dev.check_invariants();
+  const auto st = alloc.get_device_stats(0);
+  EXPECT_EQ(st.allocation[0].current, 0);
+  EXPECT_EQ(st.allocated_bytes[0].current, 0);
+  // Blocks still waiting on recorded streams are active and keep their requested bytes.
+  EXPECT_EQ(st.requested_bytes[0].current == 0, st.active_bytes[0].current == 0);
+  // Everything comes back once the recorded streams' work is done.
+  for (auto s : streams) sim->synchronize_stream(0, s);
+  alloc.empty_cache();
+  const auto after = alloc.get_device_stats(0);
+  EXPECT_EQ(after.active_bytes[0].current, 0);
+  EXPECT_EQ(after.requested_bytes[0].current, 0);
+  EXPECT_EQ(after.reserved_bytes[0].current, 0);
+  EXPECT_EQ(sim->counters().used_bytes, 0u);
+  dev.check_invariants();
+}
+
+// With one thread, statistics are exact even when it switches streams: the
+// peak of allocated bytes is the peak of the sum over streams.
+TEST(ConcurrencyTest, SingleThreadPeaksAreExactAcrossStreams) {
+  auto sim = std::make_shared<ccalloc::sim_backend>();
+  ccalloc::caching_allocator alloc(sim, ccalloc::allocator_config{});
+  alloc.init(1);
+  const auto s1 = sim->create_stream(0);
+  const auto s2 = sim->create_stream(0);
+  void* a = alloc.malloc(0, 4 * mib, s1);  // s1: 4 MiB
+  void* b = alloc.malloc(0, 6 * mib, s2);  // s1 + s2 = 10 MiB: the peak
+  alloc.free(a);                           // 6 MiB
+  void* c = alloc.malloc(0, 2 * mib, s1);  // 8 MiB
+  const auto st = alloc.get_device_stats(0);
+  EXPECT_EQ(st.allocated_bytes[0].peak, static_cast<std::int64_t>(10 * mib));
+  EXPECT_EQ(st.allocated_bytes[0].current, static_cast<std::int64_t>(8 * mib));
+  EXPECT_EQ(st.requested_bytes[0].peak, static_cast<std::int64_t>(10 * mib));
+  alloc.free(b);
+  alloc.free(c);
+}
+
+}  // namespace
