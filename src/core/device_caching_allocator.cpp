@@ -25,6 +25,7 @@
 #include "detail/device_state.hpp"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cinttypes>
 #include <cstdio>
@@ -65,6 +66,7 @@ bool block_index::contains(const block* b) const noexcept {
 
 namespace {
 std::atomic<std::uint64_t> next_state_id{1};
+constexpr std::array<std::size_t, roundup_intervals> no_divisions{};
 
 // One cached (device state, stream) -> stream_state per thread: the fast path
 // finds its stream without the registry lock.
@@ -219,7 +221,7 @@ stream_state& device_state::stream_for(stream_t stream) {
 // powers of two (roundup_power2_divisions).
 std::size_t device_state::round_size(std::size_t size) const noexcept {
   if (size < min_block_bytes) return min_block_bytes;
-  const std::size_t divisions = config_.divisions_for(size);
+  const std::size_t divisions = config_.roundup_power2_divisions == no_divisions ? 0 : config_.divisions_for(size);
   if (divisions > 1 && size > min_block_bytes * divisions) {
     if (std::has_single_bit(size)) return size;
     const std::size_t floor = std::bit_floor(size);

@@ -163,7 +163,14 @@ struct stream_state {
     return b;
   }
   void delete_block(block* b) {
-    *b = block{};
+    // Reset what new_block's callers do not set (stream_uses keeps its capacity).
+    b->requested_size = 0;
+    b->prev = b->next = nullptr;
+    b->allocated = false;
+    b->counted_oversize = false;
+    b->event_count = 0;
+    b->gc_count_base = 0;
+    b->stream_uses.clear();
     spare_blocks.push_back(b);
   }
   ~stream_state() {

@@ -1,0 +1,527 @@
+// property_test.cpp (SPEC R2): seeded random operation sequences against the
+// caching allocator on a small simulated device, checked after every step
+// against the allocator's own structural check and an independent model.
+//
+// Operations: malloc (sizes log-uniform in [1 B, 64 MiB], some exact
+// repeats, on two allocation streams), free, record_stream on side streams
+// with work queued on them, clock advances, empty_cache, memory fraction
+// changes, invalid frees, 1 EiB requests, and out-of-memory errors (the device
+// has 512 MiB, so they happen).
+//
+// The model keeps every live allocation [ptr, ptr + requested) and every
+// "pending" block: freed, but used on a side stream whose work (as of the
+// free) completes at time T. After every step:
+//   - device_caching_allocator::check_invariants() (tiling, merging, pool
+//     membership, stats recount);
+//   - no two live allocations overlap, and no new allocation overlaps a
+//     pending block while the clock is before its T;
+//   - requested_bytes.all.current = requested sizes of live + pending blocks;
+//     allocation.all.current = live count; active.all.current = live + pending;
+//   - reserved <= device capacity, reserved <= the fraction cap (or, right
+//     after lowering the cap below what live blocks hold, never grows);
+//     in caching mode the device's used bytes equal reserved bytes;
+//   - an out-of-memory error is justified: the segment the policy needed did
+//     not fit under the cap or in the device's free memory, and no pending
+//     block or cached whole segment was left that could have been released.
+// At the end everything is freed, the clock passes all work, empty_cache
+// returns every segment: reserved 0 and the device's used bytes 0.
+//
+// Reproducing a failure: the model's choices depend only on the seed (never on
+// addresses); the allocator's tie-breaks depend on the order of the addresses
+// the simulated device maps, which is the same from run to run in a fresh
+// process. So run the failing case alone, e.g.
+//   ccalloc_tests --gtest_filter='Property/PropertyTest.*/gc_fraction'
+// (ctest runs each case in its own process already).
+//
+// A pending block leaves the allocator's books exactly when the allocator
+// looks at its events: at the start of each malloc (those complete by then),
+// or when it synchronizes all events (empty_cache, a memory fraction below
+// reserved, the out-of-memory retry), which num_sync_all_streams counts.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/base/types.hpp>
+#include <ccalloc/core/config.hpp>
+#include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/stats.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <ostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace ccalloc;  // NOLINT: test file
+
+constexpr std::size_t device_capacity = 512 * mib;
+
+struct prop_case {
+  const char* name;
+  const char* conf;
+  bool no_caching;      // enable(false) before the first operation
+  bool toggle_caching;  // enable(false) / enable(true) now and then
+  std::uint64_t seed;
+  std::size_t ops;
+};
+
+[[maybe_unused]] std::ostream& operator<<(std::ostream& os, const prop_case& c) {
+  return os << c.name << " (\"" << c.conf << "\", seed " << c.seed << ", " << c.ops << " ops)";
+}
+
+// ---- the size policies (SPEC B1, B2), restated for the OOM check ---------------
+
+std::size_t policy_round(const allocator_config& c, std::size_t size) {
+  if (size < 512) return 512;
+  const std::size_t divisions = c.divisions_for(size);
+  if (divisions > 1 && size > 512 * divisions) {
+    if (std::has_single_bit(size)) return size;
+    const std::size_t step = std::bit_floor(size) / divisions;
+    return (size + step - 1) / step * step;
+  }
+  return (size + 511) / 512 * 512;
+}
+
+std::size_t policy_segment(const allocator_config& c, std::size_t rounded, bool caching) {
+  if (!caching) return rounded;
+  if (rounded <= mib) return 2 * mib;
+  if (rounded < 10 * mib) return c.large_segment_size_bytes;
+  return (rounded + 2 * mib - 1) / (2 * mib) * (2 * mib);
+}
+
+std::size_t granule(std::size_t bytes) { return (bytes + 2 * mib - 1) / (2 * mib) * (2 * mib); }
+
+// ---- the model -------------------------------------------------------------------
+
+struct live_alloc {
+  std::size_t size = 0;
+  stream_t stream = 0;
+  std::vector<stream_t> recorded;  // side streams it was used on
+  std::size_t order = 0;           // index in model_runner::live_order_
+};
+
+struct pending_block {
+  std::uintptr_t ptr = 0;
+  std::size_t size = 0;
+  std::uint64_t done_at = 0;  // the clock time its last side-stream event completes
+};
+
+struct run_totals {
+  std::size_t mallocs = 0, ooms = 0, frees = 0, pending_frees = 0, records = 0, bad_frees = 0;
+  std::size_t fraction_changes = 0, empty_caches = 0, reuse_checks = 0, toggles = 0;
+};
+
+class model_runner {
+ public:
+  explicit model_runner(const prop_case& c) : case_(c), rng_(c.seed) {
+    sim_options o;
+    o.capacity_bytes = device_capacity;
+    sim_ = std::make_shared<sim_backend>(o);
+    config_ = allocator_config::parse(c.conf);
+    alloc_ = std::make_unique<caching_allocator>(sim_, config_);
+    alloc_->init(1);
+    if (c.no_caching) alloc_->enable(false);
+    caching_ = !c.no_caching;
+    ever_uncached_ = c.no_caching;
+    dev_ = &alloc_->device_allocator(0);
+    fraction_set_ = config_.memory_fraction_set;
+    allowed_ = fraction_set_ ? static_cast<std::size_t>(config_.per_process_memory_fraction *
+                                                        static_cast<double>(device_capacity))
+                             : device_capacity;
+    bound_ = allowed_;
+    alloc_streams_ = {default_stream, sim_->create_stream(0)};
+    for (int i = 0; i < 3; ++i) side_streams_.push_back(sim_->create_stream(0));
+  }
+
+  const run_totals& totals() const { return totals_; }
+
+  /// One random operation. Returns "" or what went wrong.
+  std::string step(std::size_t index) {
+    step_ = index;
+    const std::size_t w_malloc = 100;
+    const std::size_t w_free = 2 * live_.size();
+    const std::size_t w_record = live_.empty() ? 0 : 14;
+    const std::size_t w_other = 22;
+    const std::size_t roll = rng_() % (w_malloc + w_free + w_record + w_other);
+    if (roll < w_malloc) return do_malloc(pick_size());
+    if (roll < w_malloc + w_free) return do_free(rng_() % live_.size());
+    if (roll < w_malloc + w_free + w_record) return do_record();
+    const std::size_t r = rng_() % 1000;
+    if (r < 450) {
+      sim_->advance_to(sim_->now() + 1 + rng_() % 25);
+      return {};
+    }
+    if (r < 700) {
+      const stream_t s = side_streams_[rng_() % side_streams_.size()];
+      sim_->enqueue_work(0, s, sim_->now() + rng_() % 60);
+      return {};
+    }
+    if (r < 715) return do_empty_cache();
+    if (r < 735) return do_set_fraction();
+    if (r < 935) return do_bad_free();
+    if (r < 990 || !case_.toggle_caching) return do_huge_malloc();
+    return do_toggle_caching();
+  }
+
+  /// The per-step model checks (and check_invariants when `structural`).
+  std::string check(bool structural) {
+    if (structural) {
+      try {
+        dev_->check_invariants();
+      } catch (const std::exception& e) {
+        return std::string("check_invariants: ") + e.what();
+      }
+    }
+    const device_stats s = dev_->stats();
+    const auto reserved = static_cast<std::size_t>(s.reserved_bytes[0].current);
+    const std::size_t used = sim_->counters().used_bytes;
+    std::ostringstream err;
+    if (reserved > device_capacity) err << "reserved " << reserved << " > capacity; ";
+    if (reserved > bound_) err << "reserved " << reserved << " > cap " << bound_ << " (allowed " << allowed_ << "); ";
+    bound_ = std::max(allowed_, reserved);
+    if (!ever_uncached_ && used != reserved)
+      err << "device used " << used << " != reserved " << reserved << " (segments are 2 MiB multiples); ";
+    if (used < reserved) err << "device used " << used << " < reserved " << reserved << "; ";
+    if (s.requested_bytes[0].current != static_cast<std::int64_t>(live_requested_ + pending_requested_))
+      err << "requested_bytes.all.current " << s.requested_bytes[0].current << " != live " << live_requested_
+          << " + pending " << pending_requested_ << "; ";
+    if (s.allocation[0].current != static_cast<std::int64_t>(live_.size()))
+      err << "allocation.all.current " << s.allocation[0].current << " != live " << live_.size() << "; ";
+    if (s.active[0].current != static_cast<std::int64_t>(live_.size() + pending_.size()))
+      err << "active.all.current " << s.active[0].current << " != live " << live_.size() << " + pending "
+          << pending_.size() << "; ";
+    if (s.allocated_bytes[0].current < static_cast<std::int64_t>(live_requested_))
+      err << "allocated_bytes " << s.allocated_bytes[0].current << " < live requested " << live_requested_ << "; ";
+    if (static_cast<std::size_t>(s.allocated_bytes[0].current) > reserved)
+      err << "allocated_bytes " << s.allocated_bytes[0].current << " > reserved " << reserved << "; ";
+    return err.str();
+  }
+
+  /// Frees everything, lets all work finish, empties the cache. Returns "" or
+  /// what is left over.
+  std::string finish() {
+    while (!live_.empty()) {
+      const std::string e = do_free(live_.size() - 1);
+      if (!e.empty()) return "final free: " + e;
+    }
+    std::uint64_t end = sim_->now();
+    for (stream_t s : side_streams_) end = std::max(end, sim_->busy_until(0, s));
+    sim_->advance_to(end);
+    alloc_->empty_cache();
+    pending_.clear();
+    pending_requested_ = 0;
+    std::string e = check(true);
+    if (!e.empty()) return "after empty_cache: " + e;
+    const device_stats s = dev_->stats();
+    std::ostringstream err;
+    if (s.reserved_bytes[0].current != 0) err << "reserved " << s.reserved_bytes[0].current << " != 0; ";
+    if (s.active_bytes[0].current != 0) err << "active_bytes " << s.active_bytes[0].current << " != 0; ";
+    if (s.inactive_split[0].current != 0) err << "inactive_split " << s.inactive_split[0].current << " != 0; ";
+    if (s.segment[0].current != 0) err << "segment " << s.segment[0].current << " != 0; ";
+    if (sim_->counters().used_bytes != 0) err << "device used " << sim_->counters().used_bytes << " != 0; ";
+    if (!dev_->segments().empty()) err << dev_->segments().size() << " segments left; ";
+    return err.str();
+  }
+
+ private:
+  std::string where() const {
+    std::ostringstream os;
+    os << "step " << step_ << " (clock " << sim_->now() << "): ";
+    return os.str();
+  }
+
+  std::size_t pick_size() {
+    if (!recent_sizes_.empty() && rng_() % 4 == 0) return recent_sizes_[rng_() % recent_sizes_.size()];
+    const double lg = std::uniform_real_distribution<double>(0.0, std::log(64.0 * double(mib)))(rng_);
+    const auto size = std::max<std::size_t>(1, static_cast<std::size_t>(std::exp(lg)));
+    if (recent_sizes_.size() < 16) recent_sizes_.push_back(size);
+    else recent_sizes_[rng_() % 16] = size;
+    return size;
+  }
+
+  /// Drops pending blocks the allocator has just processed: all of them if
+  /// it synchronized every event, else those complete at `now`.
+  void settle_pending(std::int64_t syncs_before, std::uint64_t now, bool processed_events) {
+    const std::int64_t syncs = dev_->stats().num_sync_all_streams;
+    const bool all = syncs != syncs_before;
+    if (!all && !processed_events) return;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (all || it->done_at <= now) {
+        pending_requested_ -= it->size;
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  std::string do_malloc(std::size_t size) {
+    ++totals_.mallocs;
+    const stream_t stream = rng_() % 5 == 0 ? alloc_streams_[1] : alloc_streams_[0];
+    const std::int64_t syncs = dev_->stats().num_sync_all_streams;
+    const std::uint64_t now = sim_->now();
+    void* p = nullptr;
+    try {
+      p = alloc_->malloc(0, size, stream);
+    } catch (const out_of_memory_error& e) {
+      ++totals_.ooms;
+      settle_pending(syncs, now, true);
+      if (e.requested_bytes != size) return where() + "OOM figures name another size";
+      // Justified only if the segment the policy needs did not fit.
+      const std::size_t need = policy_segment(config_, policy_round(config_, size), caching_);
+      const bool over_cap = fraction_set_ && e.reserved_bytes + need > allowed_;
+      const bool device_full = e.device_free_bytes < granule(need);
+      if (!over_cap && !device_full) {
+        std::ostringstream os;
+        os << where() << "unjustified OOM for " << size << " bytes (segment " << need << "): reserved "
+           << e.reserved_bytes << ", allowed " << allowed_ << ", device free " << e.device_free_bytes;
+        return os.str();
+      }
+      // Before giving up the allocator waited for every event and returned
+      // every cached whole segment (B6): none is left.
+      for (const auto& seg : dev_->segments()) {
+        for (const auto& b : seg.blocks)
+          if (b.state == block_state::active_pending_free) return where() + "OOM with a block still pending";
+        if (seg.blocks.size() == 1 && seg.blocks[0].state == block_state::inactive)
+          return where() + "OOM although a whole cached segment of " + std::to_string(seg.total_bytes) +
+                 " bytes was kept";
+      }
+      return {};
+    } catch (const std::exception& e) {
+      return where() + "malloc(" + std::to_string(size) + ") threw " + e.what();
+    }
+    settle_pending(syncs, now, true);
+    if (p == nullptr) return where() + "malloc returned null";
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    if (a % 512 != 0) return where() + "pointer not 512-aligned";
+    // No overlap with a live allocation.
+    auto next = live_.upper_bound(a);
+    if (next != live_.end() && next->first < a + size) return where() + "new allocation overlaps a live one (next)";
+    if (next != live_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second.size > a) return where() + "new allocation overlaps a live one (prev)";
+    }
+    // No reuse of a pending block before its side-stream work completed.
+    const std::uint64_t t = sim_->now();
+    for (const auto& pb : pending_) {
+      ++totals_.reuse_checks;
+      if (t < pb.done_at && a < pb.ptr + pb.size && pb.ptr < a + size) {
+        std::ostringstream os;
+        os << where() << "allocation [" << a << ", +" << size << ") reuses pending block [" << pb.ptr << ", +"
+           << pb.size << ") before its stream work completes at " << pb.done_at;
+        return os.str();
+      }
+    }
+    live_.emplace(a, live_alloc{size, stream, {}, live_order_.size()});
+    live_order_.push_back(a);
+    live_requested_ += size;
+    return {};
+  }
+
+  /// The index-th live allocation in the model's own order (independent of
+  /// addresses, so that a seed replays the same operations).
+  std::map<std::uintptr_t, live_alloc>::iterator live_at(std::size_t index) {
+    return live_.find(live_order_[index]);
+  }
+
+  std::string do_free(std::size_t index) {
+    ++totals_.frees;
+    auto it = live_at(index);
+    const std::uintptr_t ptr = it->first;
+    const live_alloc la = it->second;
+    std::uint64_t done = 0;
+    for (stream_t s : la.recorded) done = std::max(done, sim_->busy_until(0, s));
+    try {
+      alloc_->free(reinterpret_cast<void*>(ptr));
+    } catch (const std::exception& e) {
+      return where() + "free threw " + e.what();
+    }
+    live_order_[la.order] = live_order_.back();
+    live_.at(live_order_[la.order]).order = la.order;
+    live_order_.pop_back();
+    live_.erase(it);
+    live_requested_ -= la.size;
+    if (!la.recorded.empty()) {
+      ++totals_.pending_frees;
+      pending_.push_back({ptr, la.size, done});
+      pending_requested_ += la.size;
+    }
+    return {};
+  }
+
+  std::string do_record() {
+    ++totals_.records;
+    auto it = live_at(rng_() % live_.size());
+    if (rng_() % 10 == 0) {  // a use on its own stream: ignored
+      alloc_->record_stream(reinterpret_cast<void*>(it->first), it->second.stream);
+      return {};
+    }
+    const std::size_t uses = 1 + rng_() % 3;
+    for (std::size_t i = 0; i < uses; ++i) {
+      const stream_t s = side_streams_[rng_() % side_streams_.size()];
+      sim_->enqueue_work(0, s, sim_->now() + rng_() % 40);
+      alloc_->record_stream(reinterpret_cast<void*>(it->first), s);
+      auto& rec = it->second.recorded;
+      if (std::find(rec.begin(), rec.end(), s) == rec.end()) rec.push_back(s);
+    }
+    return {};
+  }
+
+  std::string do_empty_cache() {
+    ++totals_.empty_caches;
+    alloc_->empty_cache();
+    pending_.clear();
+    pending_requested_ = 0;
+    return {};
+  }
+
+  std::string do_set_fraction() {
+    ++totals_.fraction_changes;
+    static constexpr std::array<double, 5> fractions{0.25, 0.5, 0.75, 0.9, 1.0};
+    const double f = fractions[rng_() % fractions.size()];
+    const std::int64_t syncs = dev_->stats().num_sync_all_streams;
+    try {
+      alloc_->set_memory_fraction(f, 0);
+    } catch (const std::exception& e) {
+      return where() + "set_memory_fraction threw " + e.what();
+    }
+    settle_pending(syncs, sim_->now(), false);
+    fraction_set_ = true;
+    allowed_ = static_cast<std::size_t>(f * static_cast<double>(device_capacity));
+    bound_ = std::max(allowed_, static_cast<std::size_t>(dev_->stats().reserved_bytes[0].current));
+    return {};
+  }
+
+  std::string do_toggle_caching() {
+    ++totals_.toggles;
+    const std::int64_t syncs = dev_->stats().num_sync_all_streams;
+    caching_ = !caching_;
+    alloc_->enable(caching_);  // turning it off releases the cache (after syncing)
+    ever_uncached_ = ever_uncached_ || !caching_;
+    settle_pending(syncs, sim_->now(), false);
+    if (alloc_->is_enabled() != caching_ || dev_->caching_enabled() != caching_)
+      return where() + "enable() did not reach the device allocator";
+    return {};
+  }
+
+  std::string do_bad_free() {
+    ++totals_.bad_frees;
+    void* bad = nullptr;
+    if (!pending_.empty() && rng_() % 2 == 0) {
+      bad = reinterpret_cast<void*>(pending_[rng_() % pending_.size()].ptr);  // freed already
+    } else if (!live_.empty()) {
+      bad = reinterpret_cast<void*>(live_order_[rng_() % live_.size()] + 1);  // interior: never a block start
+    } else {
+      return {};
+    }
+    const auto before = dev_->stats();
+    try {
+      alloc_->free(bad);
+      return where() + "free of an invalid pointer did not throw";
+    } catch (const invalid_argument_error&) {
+    } catch (const std::exception& e) {
+      return where() + "free of an invalid pointer threw the wrong type: " + e.what();
+    }
+    const auto after = dev_->stats();
+    if (after.allocation[0].current != before.allocation[0].current ||
+        after.requested_bytes[0].current != before.requested_bytes[0].current ||
+        after.reserved_bytes[0].current != before.reserved_bytes[0].current ||
+        after.allocation[0].freed != before.allocation[0].freed)
+      return where() + "a rejected free changed the stats";
+    return {};
+  }
+
+  std::string do_huge_malloc() {
+    const std::size_t size = max_request_bytes + rng_() % 4096;
+    const std::int64_t ooms = dev_->stats().num_ooms;
+    try {
+      (void)alloc_->malloc(0, size, alloc_streams_[0]);
+      return where() + "a 1 EiB request succeeded";
+    } catch (const out_of_memory_error&) {
+    } catch (const std::exception& e) {
+      return where() + "a 1 EiB request threw the wrong type: " + e.what();
+    }
+    if (dev_->stats().num_ooms != ooms + 1) return where() + "a 1 EiB request was not counted in num_ooms";
+    return {};
+  }
+
+  prop_case case_;
+  std::mt19937_64 rng_;
+  std::shared_ptr<sim_backend> sim_;
+  allocator_config config_;
+  std::unique_ptr<caching_allocator> alloc_;
+  device_caching_allocator* dev_ = nullptr;
+  std::vector<stream_t> alloc_streams_;
+  std::vector<stream_t> side_streams_;
+
+  std::map<std::uintptr_t, live_alloc> live_;  // by address, for the overlap checks
+  std::vector<std::uintptr_t> live_order_;      // the same pointers, in the model's order
+  std::vector<pending_block> pending_;
+  std::size_t live_requested_ = 0;
+  std::size_t pending_requested_ = 0;
+  std::vector<std::size_t> recent_sizes_;
+
+  bool caching_ = true;
+  bool ever_uncached_ = false;  // no-caching segments are not 2 MiB multiples
+  bool fraction_set_ = false;
+  std::size_t allowed_ = 0;
+  std::size_t bound_ = 0;  // reserved may not pass max(allowed, reserved when the cap was lowered)
+  std::size_t step_ = 0;
+  run_totals totals_;
+};
+
+class PropertyTest : public ::testing::TestWithParam<prop_case> {};
+
+TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
+  const prop_case& c = GetParam();
+  SCOPED_TRACE(::testing::Message() << "config \"" << c.conf << "\"" << (c.no_caching ? " + enable(false)" : "")
+                                    << ", seed " << c.seed);
+  model_runner run(c);
+  for (std::size_t i = 0; i < c.ops; ++i) {
+    std::string err = run.step(i);
+    ASSERT_TRUE(err.empty()) << err;
+    err = run.check(true);  // check_invariants() after every step too
+    ASSERT_TRUE(err.empty()) << "after step " << i << ": " << err;
+  }
+  const std::string err = run.finish();
+  ASSERT_TRUE(err.empty()) << err;
+
+  const run_totals& t = run.totals();
+  std::printf("[ property ] %s: %zu ops, %zu mallocs (%zu OOM), %zu frees (%zu pending), %zu records, "
+              "%zu empty_cache, %zu fraction changes, %zu invalid frees, %zu caching toggles\n",
+              c.name, c.ops, t.mallocs, t.ooms, t.frees, t.pending_frees, t.records, t.empty_caches,
+              t.fraction_changes, t.bad_frees, t.toggles);
+  // The scenario must exercise what it claims to.
+  EXPECT_GT(t.ooms, 0u) << "no out-of-memory error happened";
+  EXPECT_GT(t.pending_frees, 0u);
+  EXPECT_GT(t.fraction_changes, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Property, PropertyTest,
+    ::testing::Values(
+        prop_case{"default", "", false, false, 0x5eed0001, 400'000},
+        prop_case{"oversize_rounding", "max_split_size_mb:64,roundup_power2_divisions:4", false, false, 0x5eed0002,
+                  400'000},
+        prop_case{"gc_fraction", "garbage_collection_threshold:0.6,per_process_memory_fraction:0.5", false, false,
+                  0x5eed0003, 300'000},
+        prop_case{"no_caching", "", true, false, 0x5eed0004, 150'000},
+        prop_case{"pytorch_exact", "trim_on_new_peak:False", false, false, 0x5eed0005, 150'000},
+        prop_case{"caching_toggled", "max_split_size_mb:40,trim_on_new_peak:False", false, true, 0x5eed0006,
+                  150'000},
+        prop_case{"release_lock", "release_lock_on_cudamalloc:True,per_process_memory_fraction:0.75,"
+                  "roundup_power2_divisions:[1:2,>:8]", false, false, 0x5eed0007, 100'000}),
+    [](const ::testing::TestParamInfo<prop_case>& param_info) { return std::string(param_info.param.name); });
+
+}  // namespace
