@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check: build the CUDA backend, the GPU tests and the GPU benchmarks
 # with nothing but the standard library and CUDA (CCALLOC_MINIMAL), run the
-# GPU tests, run them again under compute-sanitizer memcheck, then the
-# benchmarks (scripts/gpu-bench.sh), and print a summary table.
+# GPU tests, replay the bundled traces on the GPU and on the simulated device
+# and compare them (ccalloc_replay_cuda_check: `ccalloc replay --device cuda`
+# vs `--device sim`; the CLI itself needs CLI11 and nlohmann-json, which the
+# GPU machine lacks), run the GPU tests again under compute-sanitizer
+# memcheck, then the benchmarks (scripts/gpu-bench.sh), and print a summary
+# table.
 #
 # Usage: scripts/gpu-check.sh [OUT_DIR]
 #   OUT_DIR defaults to $OUT (the device tool's output folder), else
 #   out/gpu-check. Runs from the repository root whatever the cwd.
 # Writes to OUT_DIR: build.log (environment, configure, build), gpu-tests.log,
-#   sanitizer.log, and whatever scripts/gpu-bench.sh writes there (bench_*.log,
-#   bench-table.md) -- at most 8 files, the device tool's limit.
+#   replay-cuda.log, sanitizer.log, and whatever scripts/gpu-bench.sh writes
+#   there (bench_*.log, bench-table.md) -- at most 8 files, the device tool's limit.
 # Needs: an NVIDIA GPU, the CUDA toolkit (nvcc; /usr/local/cuda or on PATH),
 #   cmake >= 3.22, ninja, g++. compute-sanitizer for the sanitizer step.
 # Time: bounded to about 7 minutes in all (each step has a cap and the
@@ -26,10 +30,13 @@ BUILD=build-gpu
 BUILD_LOG=$OUT_DIR/build.log
 TEST_LOG=$OUT_DIR/gpu-tests.log
 SAN_LOG=$OUT_DIR/sanitizer.log
+REPLAY_LOG=$OUT_DIR/replay-cuda.log
 TEST_BIN=$BUILD/tests/gpu/ccalloc_gpu_tests
+REPLAY_BIN=$BUILD/ccalloc_replay_cuda_check
 : >"$BUILD_LOG"
 : >"$TEST_LOG"
 : >"$SAN_LOG"
+: >"$REPLAY_LOG"
 
 START=$(date +%s)
 BUDGET_S=${GPU_CHECK_BUDGET_S:-420}
@@ -144,6 +151,23 @@ else
   echo "$TEST_BIN was not built; see build.log" >>"$TEST_LOG"
 fi
 
+# ---- replay on the GPU vs the simulated device ---------------------------------------
+# gpt2_train and bert_copystream_infer (record_stream gaps), each replayed with
+# --device sim and --device cuda: one JSON line per replay, then MATCH or
+# MISMATCH per trace (peak requested, allocated, reserved bytes and OOMs).
+if [ -x "$REPLAY_BIN" ]; then
+  say "replaying the bundled traces on the GPU and on the simulated device ($REPLAY_BIN)"
+  t0=$(date +%s)
+  echo "== $REPLAY_BIN" >>"$REPLAY_LOG"
+  timeout "$(left 120)" "$REPLAY_BIN" 2>&1 | tee -a "$REPLAY_LOG"
+  rc=${PIPESTATUS[0]}
+  record "replay --device cuda vs sim" "$rc" $(($(date +%s) - t0)) replay-cuda.log \
+    "$(grep -Eo '[0-9]+ of [0-9]+ trace\(s\) matched' "$REPLAY_LOG" | tail -n 1)"
+else
+  echo "$REPLAY_BIN was not built; see build.log" >>"$REPLAY_LOG"
+  record "replay --device cuda vs sim" 1 0 replay-cuda.log "$REPLAY_BIN was not built"
+fi
+
 # ---- the same under compute-sanitizer memcheck -------------------------------------
 SAN_DETAIL=""
 if [ ! -x "$TEST_BIN" ]; then
@@ -212,10 +236,10 @@ for s in "${STEPS[@]}"; do
   IFS='|' read -r name result secs log detail <<<"$s"
   printf '| %-38s | %-14s | %7s | %-28s | %s\n' "$name" "$result" "$secs" "$log" "$detail"
 done
-fails=$(grep -hE '\[FAIL\]|FAILED:' "$TEST_LOG" "$SAN_LOG" 2>/dev/null | sort -u | head -n 40)
+fails=$(grep -hE '\[FAIL\]|FAILED:|: MISMATCH|: ERROR' "$TEST_LOG" "$SAN_LOG" "$REPLAY_LOG" 2>/dev/null | sort -u | head -n 40)
 if [ -n "$fails" ]; then
   echo
-  echo "failed checks (gpu-tests.log, sanitizer.log):"
+  echo "failed checks (gpu-tests.log, sanitizer.log, replay-cuda.log):"
   echo "$fails"
 fi
 if [ "$FAILED" -ne 0 ]; then

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 
 namespace {
 
@@ -155,6 +156,129 @@ TEST(ReplayTest, AllocOverLiveAddressNamesBothLines) {
     EXPECT_NE(std::string(e.what()).find("dup.trace:2:"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("line 1"), std::string::npos) << e.what();
   }
+}
+
+// ---- the gate driver (replay --device cuda) on the simulated device --------------------
+
+void expect_same_figures(const ccalloc::replay_result& a, const ccalloc::replay_result& b) {
+  EXPECT_EQ(a.events, b.events);
+  EXPECT_EQ(a.peak_requested_bytes, b.peak_requested_bytes);
+  EXPECT_EQ(a.peak_allocated_bytes, b.peak_allocated_bytes);
+  EXPECT_EQ(a.peak_reserved_bytes, b.peak_reserved_bytes);
+  EXPECT_EQ(a.device_mallocs, b.device_mallocs);
+  EXPECT_EQ(a.device_frees, b.device_frees);
+  EXPECT_EQ(a.ooms, b.ooms);
+  EXPECT_EQ(a.alloc_retries, b.alloc_retries);
+}
+
+// Replays `t` on the simulated device twice: with the virtual clock (the
+// default) and with gates through the driver replay --device cuda uses.
+std::pair<ccalloc::replay_result, ccalloc::replay_result> clock_and_gates(const ccalloc::trace& t,
+                                                                          ccalloc::replay_options o) {
+  o.use_gates_on_sim = false;
+  auto clock = ccalloc::replay_trace(t, o);
+  o.use_gates_on_sim = true;
+  auto gates = ccalloc::replay_trace(t, o);
+  return {clock, gates};
+}
+
+TEST(ReplayTest, GateDriverOnSimMatchesTheClockReplayOnBundledTraces) {
+  // bert_copystream_infer has 90 record_stream gaps (3 never completed);
+  // gpt2_train has none.
+  for (const char* name : {"bert_copystream_infer", "gpt2_train"}) {
+    const auto t = ccalloc::read_trace_file((bundled_dir / (std::string(name) + ".trace.gz")).string());
+    for (const char* config : {"", "trim_on_new_peak:False", "expandable_segments:True"}) {
+      SCOPED_TRACE(std::string(name) + " config '" + config + "'");
+      ccalloc::replay_options o;
+      o.config = config;
+      const auto [clock, gates] = clock_and_gates(t, o);
+      expect_same_figures(clock, gates);
+      EXPECT_EQ(gates.device, ccalloc::replay_device::sim);
+      EXPECT_EQ(gates.device_memory_bytes, o.device_memory_bytes);
+    }
+  }
+}
+
+TEST(ReplayTest, GateDriverOnSimMatchesTheClockReplayOnASmallDevice) {
+  // Out of memory: the allocator's retries wait for pending events.
+  const auto t = ccalloc::read_trace_file((bundled_dir / "bert_copystream_infer.trace.gz").string());
+  ccalloc::replay_options o;
+  o.device_memory_bytes = std::size_t{256} << 20;
+  const auto [clock, gates] = clock_and_gates(t, o);
+  EXPECT_GT(clock.ooms, 0u);
+  expect_same_figures(clock, gates);
+}
+
+TEST(ReplayTest, GateDriverDefersSegmentFreesWhileAGapIsOpen) {
+  // X (line 1) is in use on another stream until line 9. C (line 6) would set
+  // a new reserved peak, so trim_on_new_peak first returns B's cached segment
+  // to the device while X's gap is open: the gate driver defers that
+  // segment_free (cudaFree would wait for the gated stream); the figures do
+  // not change.
+  const std::string text =
+      "1 alloc 1000000000 10485760 0\n"
+      "2 free_requested 1000000000 10485760 0\n"
+      "3 alloc 2000000000 52428800 0\n"
+      "4 free_requested 2000000000 52428800 0\n"
+      "5 free_completed 2000000000 52428800 0\n"
+      "6 alloc 3000000000 83886080 0\n"
+      "7 free_requested 3000000000 83886080 0\n"
+      "8 free_completed 3000000000 83886080 0\n"
+      "9 free_completed 1000000000 10485760 0\n";
+  const auto [clock, gates] = clock_and_gates(ccalloc::parse_trace_text(text, "defer"), {});
+  expect_same_figures(clock, gates);
+  EXPECT_EQ(gates.device_frees, 1u);
+  EXPECT_EQ(gates.peak_reserved_bytes, std::uint64_t{90} << 20);  // X's 10 MiB + C's 80 MiB
+}
+
+TEST(ReplayTest, GateDriverEndsTheGapWhenTheAllocatorWaitsForItsEvent) {
+  // On a 100 MiB device Y (line 3) fits only once X's segment is returned,
+  // and X is in use on another stream until line 5: the allocator waits for
+  // X's event (synchronize_event). The simulated clock jumps to line 5; the
+  // gate driver ends X's gap first (else a real device would wait forever).
+  const std::string text =
+      "1 alloc 1000000000 62914560 0\n"
+      "2 free_requested 1000000000 62914560 0\n"
+      "3 alloc 2000000000 62914560 0\n"
+      "4 free_requested 2000000000 62914560 0\n"
+      "5 free_completed 1000000000 62914560 0\n"
+      "6 alloc 3000000000 62914560 0\n"
+      "7 free_completed 2000000000 62914560 0\n";
+  ccalloc::replay_options o;
+  o.device_memory_bytes = std::size_t{100} << 20;
+  const auto [clock, gates] = clock_and_gates(ccalloc::parse_trace_text(text, "wait"), o);
+  expect_same_figures(clock, gates);
+  EXPECT_EQ(gates.ooms, 0u);
+  EXPECT_GE(gates.alloc_retries, 1u);
+}
+
+TEST(ReplayTest, CudaDeviceReplaysOrFailsWithAClearError) {
+  // Without a GPU (or without the CUDA backend) replay_device::cuda throws
+  // ccalloc::error saying why; with one it must match the simulated replay.
+  const std::string text =
+      "1 alloc 4096 1000 0\n"
+      "2 alloc 8192 3000000 7\n"
+      "3 free_requested 4096 1000 0\n"
+      "4 alloc 12288 1000 0\n"
+      "5 free_completed 4096 1000 0\n"
+      "6 free_requested 8192 3000000 7\n"
+      "7 free_completed 8192 3000000 7\n";
+  const auto t = ccalloc::parse_trace_text(text, "tiny");
+  ccalloc::replay_options o;
+  o.device = ccalloc::replay_device::cuda;
+  try {
+    const auto cuda = ccalloc::replay_trace(t, o);
+    const auto sim = ccalloc::replay_trace(t, {});
+    EXPECT_EQ(cuda.device, ccalloc::replay_device::cuda);
+    expect_same_figures(sim, cuda);
+  } catch (const ccalloc::error& e) {
+    EXPECT_NE(std::string(e.what()).find("replay on cuda: "), std::string::npos) << e.what();
+  }
+}
+
+TEST(ReplayTest, DeviceNames) {
+  EXPECT_STREQ(ccalloc::to_string(ccalloc::replay_device::sim), "sim");
+  EXPECT_STREQ(ccalloc::to_string(ccalloc::replay_device::cuda), "cuda");
 }
 
 TEST(ReplayTest, BadConfigIsRejectedBeforeReplaying) {

@@ -1,1 +1,560 @@
-// placeholder: being written
+// sim_backend_test.cpp: the simulated device (include/ccalloc/backend/sim_backend.hpp):
+// capacity and granularity charging, exhaustion, mem_get_info, streams and
+// events on the virtual clock, fault injection, errors for unknown handles and
+// devices, counters, and that its "device memory" is real, writable memory.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/base/types.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using ccalloc::backend_error;
+using ccalloc::gib;
+using ccalloc::mib;
+using ccalloc::sim_backend;
+using ccalloc::sim_options;
+
+sim_options small_device(std::size_t capacity = 10 * mib, int devices = 1) {
+  sim_options o;
+  o.device_count = devices;
+  o.capacity_bytes = capacity;
+  o.granularity_bytes = 2 * mib;
+  return o;
+}
+
+// ---- construction and devices ----------------------------------------------------
+
+TEST(SimBackend, DefaultsAreOneH200SizedDevice) {
+  sim_backend sim;
+  EXPECT_EQ(sim.name(), "sim");
+  EXPECT_EQ(sim.device_count(), 1);
+  const auto info = sim.mem_get_info(0);
+  EXPECT_EQ(info.total_bytes, std::size_t{141} * 1000 * 1000 * 1000);
+  EXPECT_EQ(info.free_bytes, info.total_bytes);
+  EXPECT_EQ(sim.now(), 0u);
+  const auto c = sim.counters();
+  EXPECT_EQ(c.segment_mallocs, 0u);
+  EXPECT_EQ(c.segment_frees, 0u);
+  EXPECT_EQ(c.failed_mallocs, 0u);
+  EXPECT_EQ(c.used_bytes, 0u);
+  EXPECT_EQ(c.live_events, 0u);
+  EXPECT_EQ(c.live_streams, 0u);
+}
+
+TEST(SimBackend, RejectsBadOptions) {
+  sim_options o;
+  o.device_count = 0;
+  EXPECT_THROW(sim_backend{o}, backend_error);
+  o.device_count = 1;
+  o.granularity_bytes = 3 * mib;  // not a power of two
+  EXPECT_THROW(sim_backend{o}, backend_error);
+  o.granularity_bytes = 0;
+  EXPECT_THROW(sim_backend{o}, backend_error);
+}
+
+TEST(SimBackend, CurrentDeviceIsPerThreadAndChecked) {
+  sim_backend sim(small_device(10 * mib, 3));
+  EXPECT_EQ(sim.device_count(), 3);
+  EXPECT_EQ(sim.current_device(), 0);
+  sim.set_device(2);
+  EXPECT_EQ(sim.current_device(), 2);
+  int other_thread_device = -1;
+  std::thread([&] { other_thread_device = sim.current_device(); }).join();
+  EXPECT_EQ(other_thread_device, 0) << "the current device is a per-thread setting";
+  EXPECT_THROW(sim.set_device(3), backend_error);
+  EXPECT_THROW(sim.set_device(-1), backend_error);
+  EXPECT_EQ(sim.current_device(), 2) << "a failed set_device changes nothing";
+  sim.set_device(0);  // leave this thread as we found it
+}
+
+TEST(SimBackend, UnknownDeviceThrowsEverywhere) {
+  sim_backend sim(small_device(10 * mib, 2));
+  EXPECT_THROW((void)sim.mem_get_info(2), backend_error);
+  EXPECT_THROW((void)sim.mem_get_info(-1), backend_error);
+  EXPECT_THROW((void)sim.segment_malloc(2, mib), backend_error);
+  EXPECT_THROW((void)sim.create_stream(2), backend_error);
+  EXPECT_THROW((void)sim.create_event(-1), backend_error);
+  EXPECT_THROW(sim.synchronize_device(2), backend_error);
+  EXPECT_THROW(sim.enqueue_work(5, 0, 10), backend_error);
+  EXPECT_THROW(sim.set_capacity(2, gib), backend_error);
+  EXPECT_THROW((void)sim.busy_until(2, 0), backend_error);
+  EXPECT_EQ(sim.counters().failed_mallocs, 0u) << "a bad device is an error, not out of memory";
+}
+
+// ---- capacity and granularity --------------------------------------------------
+
+TEST(SimBackend, ChargesSegmentsRoundedUpToTheGranularity) {
+  sim_backend sim(small_device(10 * mib));
+  void* a = sim.segment_malloc(0, 1);  // charged 2 MiB
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 8 * mib);
+  EXPECT_EQ(sim.counters().used_bytes, 2 * mib);
+  void* b = sim.segment_malloc(0, 3 * mib);  // charged 4 MiB
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 4 * mib);
+  void* c = sim.segment_malloc(0, 2 * mib);  // exactly one granule
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 2 * mib);
+  EXPECT_EQ(sim.mem_get_info(0).total_bytes, 10 * mib);
+  EXPECT_EQ(sim.counters().used_bytes, 8 * mib);
+  EXPECT_EQ(sim.counters().segment_mallocs, 3u);
+  sim.segment_free(0, b);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 6 * mib) << "a free returns the charged (rounded) bytes";
+  sim.segment_free(0, a);
+  sim.segment_free(0, c);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 10 * mib);
+  EXPECT_EQ(sim.counters().used_bytes, 0u);
+  EXPECT_EQ(sim.counters().segment_frees, 3u);
+}
+
+TEST(SimBackend, ReturnsNullWhenCapacityWouldBeExceeded) {
+  sim_backend sim(small_device(10 * mib));
+  void* a = sim.segment_malloc(0, 6 * mib);
+  ASSERT_NE(a, nullptr);
+  // 4 MiB left: 4 MiB + 1 byte is charged 6 MiB and does not fit.
+  EXPECT_EQ(sim.segment_malloc(0, 4 * mib + 1), nullptr);
+  EXPECT_EQ(sim.counters().failed_mallocs, 1u);
+  EXPECT_EQ(sim.counters().segment_mallocs, 1u);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 4 * mib) << "a failed malloc charges nothing";
+  void* b = sim.segment_malloc(0, 4 * mib);  // exactly the rest
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 0u);
+  EXPECT_EQ(sim.segment_malloc(0, 1), nullptr);
+  EXPECT_EQ(sim.counters().failed_mallocs, 2u);
+  // Sizes whose rounding would overflow are out of memory, not UB.
+  EXPECT_EQ(sim.segment_malloc(0, std::numeric_limits<std::size_t>::max()), nullptr);
+  EXPECT_EQ(sim.counters().failed_mallocs, 3u);
+  sim.segment_free(0, a);
+  void* c = sim.segment_malloc(0, 5 * mib);  // charged 6 MiB, fits again
+  EXPECT_NE(c, nullptr);
+  sim.segment_free(0, b);
+  sim.segment_free(0, c);
+}
+
+TEST(SimBackend, ZeroByteMallocIsAnError) {
+  sim_backend sim(small_device());
+  EXPECT_THROW((void)sim.segment_malloc(0, 0), backend_error);
+  EXPECT_EQ(sim.counters().failed_mallocs, 0u);
+}
+
+TEST(SimBackend, CustomGranularity) {
+  sim_options o = small_device(1 * mib);
+  o.granularity_bytes = 64 * 1024;
+  sim_backend sim(o);
+  void* a = sim.segment_malloc(0, 1);
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(sim.counters().used_bytes, 64u * 1024);
+  void* b = sim.segment_malloc(0, 64 * 1024 + 1);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(sim.counters().used_bytes, 3u * 64 * 1024);
+  sim.segment_free(0, a);
+  sim.segment_free(0, b);
+}
+
+TEST(SimBackend, SegmentsAreAlignedWritableAndDistinct) {
+  sim_backend sim(small_device(64 * mib));
+  std::vector<void*> segs;
+  for (std::size_t size : {std::size_t{512}, 1 * mib, 3 * mib + 17, 8 * mib}) {
+    void* p = sim.segment_malloc(0, size);
+    ASSERT_NE(p, nullptr);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 512, 0u) << "segments are at least 512-byte aligned";
+    // Write every byte asked for, with a pattern unique to the segment.
+    auto* bytes = static_cast<unsigned char*>(p);
+    const auto pattern = static_cast<unsigned char>(segs.size() + 1);
+    std::memset(bytes, pattern, size);
+    EXPECT_EQ(bytes[0], pattern);
+    EXPECT_EQ(bytes[size - 1], pattern);
+    segs.push_back(p);
+  }
+  // No two segments overlap: each still holds its own pattern.
+  for (std::size_t i = 0; i < segs.size(); ++i)
+    EXPECT_EQ(static_cast<unsigned char*>(segs[i])[0], static_cast<unsigned char>(i + 1));
+  for (void* p : segs) sim.segment_free(0, p);
+  EXPECT_EQ(sim.counters().used_bytes, 0u);
+}
+
+TEST(SimBackend, CapacityIsPerDevice) {
+  sim_backend sim(small_device(4 * mib, 2));
+  void* a = sim.segment_malloc(0, 4 * mib);
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(sim.segment_malloc(0, 1), nullptr);
+  void* b = sim.segment_malloc(1, 4 * mib);  // device 1 is untouched
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 0u);
+  EXPECT_EQ(sim.mem_get_info(1).free_bytes, 0u);
+  EXPECT_EQ(sim.counters().used_bytes, 8 * mib) << "used_bytes counts all devices";
+  // A segment belongs to its device.
+  EXPECT_THROW(sim.segment_free(1, a), backend_error);
+  sim.segment_free(0, a);
+  sim.segment_free(1, b);
+}
+
+TEST(SimBackend, UnknownOrFreedSegmentThrows) {
+  sim_backend sim(small_device());
+  int host = 0;
+  EXPECT_THROW(sim.segment_free(0, &host), backend_error);
+  EXPECT_THROW(sim.segment_free(0, nullptr), backend_error);
+  void* p = sim.segment_malloc(0, mib);
+  ASSERT_NE(p, nullptr);
+  EXPECT_THROW(sim.segment_free(0, static_cast<char*>(p) + 512), backend_error) << "interior pointer";
+  sim.segment_free(0, p);
+  EXPECT_THROW(sim.segment_free(0, p), backend_error) << "double free";
+  EXPECT_EQ(sim.counters().segment_frees, 1u);
+  EXPECT_EQ(sim.counters().used_bytes, 0u);
+}
+
+TEST(SimBackend, SetCapacityKeepsLiveSegments) {
+  sim_backend sim(small_device(10 * mib));
+  void* a = sim.segment_malloc(0, 6 * mib);
+  ASSERT_NE(a, nullptr);
+  sim.set_capacity(0, 4 * mib);  // below what is in use
+  EXPECT_EQ(sim.mem_get_info(0).total_bytes, 4 * mib);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 0u) << "free is clamped at 0, never wraps";
+  EXPECT_EQ(sim.segment_malloc(0, 1), nullptr);
+  sim.set_capacity(0, 12 * mib);
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, 6 * mib);
+  void* b = sim.segment_malloc(0, 6 * mib);
+  EXPECT_NE(b, nullptr);
+  sim.segment_free(0, a);
+  sim.segment_free(0, b);
+}
+
+// ---- clock, streams and events ---------------------------------------------------
+
+TEST(SimBackend, ClockNeverMovesBack) {
+  sim_backend sim;
+  sim.advance_to(10);
+  EXPECT_EQ(sim.now(), 10u);
+  sim.advance_to(5);
+  EXPECT_EQ(sim.now(), 10u);
+  sim.advance_to(10);
+  EXPECT_EQ(sim.now(), 10u);
+  sim.advance_to(11);
+  EXPECT_EQ(sim.now(), 11u);
+}
+
+TEST(SimBackend, EventOnIdleStreamIsCompleteAtOnce) {
+  sim_backend sim;
+  const auto s = sim.create_stream(0);
+  const auto e = sim.create_event(0);
+  EXPECT_NE(e, ccalloc::event_t{0}) << "0 is never a valid event";
+  sim.record_event(0, e, s);
+  EXPECT_TRUE(sim.query_event(0, e));
+  EXPECT_EQ(sim.now(), 0u) << "query never advances the clock";
+  sim.destroy_event(0, e);
+  sim.destroy_stream(0, s);
+}
+
+TEST(SimBackend, EventOnBusyStreamCompletesWhenClockReachesBusyUntil) {
+  sim_backend sim;
+  const auto s = sim.create_stream(0);
+  EXPECT_EQ(sim.busy_until(0, s), 0u);
+  sim.enqueue_work(0, s, 100);
+  EXPECT_EQ(sim.busy_until(0, s), 100u);
+  const auto e = sim.create_event(0);
+  sim.record_event(0, e, s);
+  EXPECT_FALSE(sim.query_event(0, e));
+  sim.advance_to(99);
+  EXPECT_FALSE(sim.query_event(0, e));
+  sim.advance_to(100);
+  EXPECT_TRUE(sim.query_event(0, e));
+  EXPECT_EQ(sim.now(), 100u);
+  sim.destroy_event(0, e);
+  sim.destroy_stream(0, s);
+}
+
+TEST(SimBackend, EventCapturesOnlyWorkQueuedBeforeRecording) {
+  sim_backend sim;
+  const auto s = sim.create_stream(0);
+  sim.enqueue_work(0, s, 50);
+  const auto early = sim.create_event(0);
+  sim.record_event(0, early, s);  // completes at 50
+  sim.enqueue_work(0, s, 200);    // later work
+  const auto late = sim.create_event(0);
+  sim.record_event(0, late, s);  // completes at 200
+  sim.advance_to(50);
+  EXPECT_TRUE(sim.query_event(0, early));
+  EXPECT_FALSE(sim.query_event(0, late));
+  sim.advance_to(200);
+  EXPECT_TRUE(sim.query_event(0, late));
+  // Re-recording an event moves it to the stream's current work.
+  sim.enqueue_work(0, s, 300);
+  sim.record_event(0, early, s);
+  EXPECT_FALSE(sim.query_event(0, early));
+  sim.advance_to(300);
+  EXPECT_TRUE(sim.query_event(0, early));
+}
+
+TEST(SimBackend, EnqueueWorkNeverShortensAStream) {
+  sim_backend sim;
+  const auto s = sim.create_stream(0);
+  sim.enqueue_work(0, s, 100);
+  sim.enqueue_work(0, s, 40);
+  EXPECT_EQ(sim.busy_until(0, s), 100u);
+  // Work that ended in the past: busy_until reports the clock.
+  sim.advance_to(150);
+  EXPECT_EQ(sim.busy_until(0, s), 150u);
+  const auto e = sim.create_event(0);
+  sim.record_event(0, e, s);
+  EXPECT_TRUE(sim.query_event(0, e));
+}
+
+TEST(SimBackend, StreamsAreIndependent) {
+  sim_backend sim;
+  const auto a = sim.create_stream(0);
+  const auto b = sim.create_stream(0);
+  EXPECT_NE(a, b);
+  EXPECT_NE(a, ccalloc::default_stream);
+  sim.enqueue_work(0, a, 100);
+  const auto ea = sim.create_event(0);
+  const auto eb = sim.create_event(0);
+  EXPECT_NE(ea, eb);
+  sim.record_event(0, ea, a);
+  sim.record_event(0, eb, b);
+  EXPECT_FALSE(sim.query_event(0, ea));
+  EXPECT_TRUE(sim.query_event(0, eb));
+}
+
+TEST(SimBackend, UncreatedStreamHandlesAreCreatedLazily) {
+  sim_backend sim;
+  // The default stream and a trace's stream id work without create_stream.
+  sim.enqueue_work(0, ccalloc::default_stream, 20);
+  sim.enqueue_work(0, 0xdeadbeef, 30);
+  EXPECT_EQ(sim.busy_until(0, ccalloc::default_stream), 20u);
+  EXPECT_EQ(sim.busy_until(0, 0xdeadbeef), 30u);
+  EXPECT_EQ(sim.busy_until(0, 0x12345), 0u) << "a stream with no work is idle";
+  const auto e = sim.create_event(0);
+  sim.record_event(0, e, 0xdeadbeef);
+  EXPECT_FALSE(sim.query_event(0, e));
+  sim.record_event(0, e, 0x12345);  // unknown and idle: complete at once
+  EXPECT_TRUE(sim.query_event(0, e));
+}
+
+TEST(SimBackend, SynchronizeEventAdvancesTheClockToItsCompletion) {
+  sim_backend sim;
+  const auto s = sim.create_stream(0);
+  sim.enqueue_work(0, s, 70);
+  const auto e = sim.create_event(0);
+  sim.record_event(0, e, s);
+  sim.synchronize_event(0, e);
+  EXPECT_EQ(sim.now(), 70u);
+  EXPECT_TRUE(sim.query_event(0, e));
+  sim.synchronize_event(0, e);  // already complete: no change
+  EXPECT_EQ(sim.now(), 70u);
+}
+
+TEST(SimBackend, SynchronizeStreamAndDevice) {
+  sim_backend sim(small_device(10 * mib, 2));
+  const auto a = sim.create_stream(0);
+  const auto b = sim.create_stream(0);
+  const auto other = sim.create_stream(1);
+  sim.enqueue_work(0, a, 40);
+  sim.enqueue_work(0, b, 90);
+  sim.enqueue_work(1, other, 500);
+  sim.synchronize_stream(0, a);
+  EXPECT_EQ(sim.now(), 40u);
+  sim.synchronize_stream(0, 0x777);  // a stream with no work: no wait
+  EXPECT_EQ(sim.now(), 40u);
+  sim.synchronize_device(0);
+  EXPECT_EQ(sim.now(), 90u) << "device 0 waits for its own streams only";
+  sim.synchronize_device(1);
+  EXPECT_EQ(sim.now(), 500u);
+}
+
+TEST(SimBackend, SegmentFreeDoesNotAdvanceTheClock) {
+  sim_backend sim(small_device());
+  const auto s = sim.create_stream(0);
+  sim.enqueue_work(0, s, 1000);
+  void* p = sim.segment_malloc(0, mib);
+  ASSERT_NE(p, nullptr);
+  sim.segment_free(0, p);
+  EXPECT_EQ(sim.now(), 0u);
+}
+
+TEST(SimBackend, UnknownEventsThrow) {
+  sim_backend sim;
+  EXPECT_THROW((void)sim.query_event(0, 12345), backend_error);
+  EXPECT_THROW(sim.synchronize_event(0, 12345), backend_error);
+  EXPECT_THROW(sim.record_event(0, 12345, 0), backend_error);
+  const auto e = sim.create_event(0);
+  sim.destroy_event(0, e);
+  EXPECT_THROW((void)sim.query_event(0, e), backend_error) << "a destroyed event is unknown";
+}
+
+TEST(SimBackend, CountsLiveStreamsAndEvents) {
+  sim_backend sim;
+  const auto s1 = sim.create_stream(0);
+  const auto s2 = sim.create_stream(0);
+  const auto e1 = sim.create_event(0);
+  EXPECT_EQ(sim.counters().live_streams, 2u);
+  EXPECT_EQ(sim.counters().live_events, 1u);
+  sim.destroy_stream(0, s1);
+  sim.destroy_event(0, e1);
+  EXPECT_EQ(sim.counters().live_streams, 1u);
+  EXPECT_EQ(sim.counters().live_events, 0u);
+  sim.destroy_stream(0, s2);
+  EXPECT_EQ(sim.counters().live_streams, 0u);
+}
+
+// ---- fault injection ---------------------------------------------------------------
+
+TEST(SimBackend, FailSegmentMallocAfterN) {
+  sim_backend sim(small_device(64 * mib));
+  sim.fail_segment_malloc_after(2);
+  void* a = sim.segment_malloc(0, mib);
+  EXPECT_NE(a, nullptr) << "the 1st malloc from now succeeds";
+  EXPECT_EQ(sim.segment_malloc(0, mib), nullptr) << "the 2nd fails although memory is free";
+  EXPECT_EQ(sim.counters().failed_mallocs, 1u);
+  void* b = sim.segment_malloc(0, mib);
+  EXPECT_NE(b, nullptr) << "the fault fires once";
+  EXPECT_EQ(sim.counters().used_bytes, 4 * mib) << "the failed call charged nothing";
+
+  sim.fail_segment_malloc_after(1);
+  EXPECT_EQ(sim.segment_malloc(0, mib), nullptr);
+  sim.fail_segment_malloc_after(1);
+  sim.fail_segment_malloc_after(0);  // disarm
+  void* c = sim.segment_malloc(0, mib);
+  EXPECT_NE(c, nullptr);
+  EXPECT_EQ(sim.counters().failed_mallocs, 2u);
+  EXPECT_EQ(sim.counters().segment_mallocs, 3u);
+  for (void* p : {a, b, c}) sim.segment_free(0, p);
+}
+
+TEST(SimBackend, FailEventQueryAfterN) {
+  sim_backend sim;
+  const auto e = sim.create_event(0);
+  sim.record_event(0, e, 0);
+  sim.fail_event_query_after(2);
+  EXPECT_TRUE(sim.query_event(0, e));
+  EXPECT_THROW((void)sim.query_event(0, e), backend_error);
+  EXPECT_TRUE(sim.query_event(0, e)) << "the fault fires once";
+  sim.fail_event_query_after(1);
+  sim.fail_event_query_after(0);  // disarm
+  EXPECT_TRUE(sim.query_event(0, e));
+}
+
+// ---- concurrency ---------------------------------------------------------------------
+
+TEST(SimBackend, ConcurrentMallocFreeKeepsCountersExact) {
+  sim_backend sim(small_device(gib));
+  constexpr int threads = 4;
+  constexpr int rounds = 500;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (int i = 0; i < rounds; ++i) {
+        void* p = sim.segment_malloc(0, mib);
+        ASSERT_NE(p, nullptr);
+        static_cast<char*>(p)[0] = 1;
+        sim.segment_free(0, p);
+      }
+    });
+  for (auto& th : pool) th.join();
+  const auto c = sim.counters();
+  EXPECT_EQ(c.segment_mallocs, std::uint64_t{threads} * rounds);
+  EXPECT_EQ(c.segment_frees, std::uint64_t{threads} * rounds);
+  EXPECT_EQ(c.used_bytes, 0u);
+}
+
+// ---- optional functions --------------------------------------------------------------
+
+TEST(SimBackend, OptionalCapabilitiesAreReportedAndThrow) {
+  sim_backend sim;
+  const auto caps = sim.capabilities();
+  if (!caps.virtual_memory) {
+    EXPECT_THROW((void)sim.vm_reserve(0, 2 * mib), backend_error);
+    EXPECT_THROW((void)sim.vm_granularity(0), backend_error);
+  }
+  if (!caps.peer_access) {
+    EXPECT_FALSE(sim.can_access_peer(0, 0));
+  }
+}
+
+}  // namespace
+
+// ---- gates (device_backend::create_gate; replay --device cuda's driver on the CPU) ----
+
+TEST(SimBackend, GatesHoldStreamWorkUntilOpened) {
+  using ccalloc::backend_error;
+  ccalloc::sim_options two;
+  two.device_count = 2;
+  ccalloc::sim_backend sim(two);
+  EXPECT_TRUE(sim.capabilities().gates);
+  const ccalloc::stream_t s = sim.create_stream(0);
+  const ccalloc::stream_t other = sim.create_stream(0);
+  sim.enqueue_work(0, s, 5);
+  const ccalloc::gate_t g = sim.create_gate(0);
+  EXPECT_NE(g, 0u);
+  sim.wait_gate(0, s, g);
+  EXPECT_EQ(sim.busy_until(0, s), std::numeric_limits<std::uint64_t>::max());
+  EXPECT_EQ(sim.busy_until(0, other), 0u);
+  const ccalloc::event_t e = sim.create_event(0);
+  sim.record_event(0, e, s);
+  sim.advance_to(100);
+  EXPECT_FALSE(sim.query_event(0, e));  // however late: it is behind a closed gate
+  // Waits a real device would never finish throw instead of deadlocking.
+  EXPECT_THROW(sim.synchronize_event(0, e), backend_error);
+  EXPECT_THROW(sim.synchronize_stream(0, s), backend_error);
+  EXPECT_THROW(sim.synchronize_device(0), backend_error);
+  EXPECT_THROW(sim.destroy_gate(0, g), backend_error);  // still closed
+  sim.synchronize_stream(0, other);                     // not waiting: fine
+  sim.synchronize_device(1);                            // another device: fine
+  EXPECT_EQ(sim.now(), 100u);
+
+  sim.open_gate(0, g);  // at 100: the stream's work and the event complete now
+  sim.open_gate(0, g);  // opening twice does nothing
+  EXPECT_TRUE(sim.query_event(0, e));
+  EXPECT_EQ(sim.busy_until(0, s), 100u);
+  sim.synchronize_event(0, e);
+  sim.synchronize_stream(0, s);
+  EXPECT_EQ(sim.now(), 100u);
+
+  // An open gate holds nothing.
+  const ccalloc::gate_t g2 = sim.create_gate(0);
+  sim.open_gate(0, g2);
+  sim.wait_gate(0, s, g2);
+  EXPECT_EQ(sim.busy_until(0, s), 100u);
+
+  // Work queued before the gate still runs its course after the opening.
+  const ccalloc::gate_t g3 = sim.create_gate(0);
+  sim.enqueue_work(0, s, 150);
+  sim.wait_gate(0, s, g3);
+  sim.record_event(0, e, s);
+  sim.open_gate(0, g3);
+  EXPECT_FALSE(sim.query_event(0, e));
+  sim.advance_to(150);
+  EXPECT_TRUE(sim.query_event(0, e));
+
+  // Re-recording an event forgets the gate it waited on.
+  const ccalloc::gate_t g4 = sim.create_gate(0);
+  sim.wait_gate(0, s, g4);
+  sim.record_event(0, e, s);
+  EXPECT_FALSE(sim.query_event(0, e));
+  sim.record_event(0, e, other);
+  EXPECT_TRUE(sim.query_event(0, e));
+  // A destroyed stream no longer waits; opening the gate later is fine.
+  sim.destroy_stream(0, s);
+  sim.open_gate(0, g4);
+
+  // Handles: bound to their device, unknown once destroyed.
+  const ccalloc::gate_t g5 = sim.create_gate(1);
+  EXPECT_THROW(sim.wait_gate(0, other, g5), backend_error);
+  EXPECT_THROW(sim.open_gate(0, g5), backend_error);
+  sim.open_gate(1, g5);
+  EXPECT_EQ(sim.counters().live_gates, 5u);
+  for (const ccalloc::gate_t gate : {g, g2, g3, g4}) sim.destroy_gate(0, gate);
+  sim.destroy_gate(1, g5);
+  EXPECT_EQ(sim.counters().live_gates, 0u);
+  EXPECT_THROW(sim.open_gate(0, g), backend_error);
+  EXPECT_THROW(sim.wait_gate(0, other, 12345), backend_error);
+  EXPECT_THROW(sim.destroy_gate(0, g), backend_error);
+  sim.destroy_event(0, e);
+}

@@ -1,8 +1,14 @@
 // ccalloc_cli.cpp: the `ccalloc` command line tool (SPEC X8).
 //
-//   ccalloc replay  [TRACE] [--config STR] [--device-memory BYTES] [--json]
-//   ccalloc compare [TRACE] --config A [--config B ...] [--device-memory BYTES] [--json]
+//   ccalloc replay  [TRACE] [--config STR] [--device sim|cuda[:N]] [--device-memory BYTES] [--json]
+//   ccalloc compare [TRACE] --config A [--config B ...] [--device sim|cuda[:N]] [--device-memory BYTES] [--json]
 //   ccalloc config-keys
+//
+// --device: where the replay runs (include/ccalloc/replay/replay.hpp):
+// "sim" (default), the simulated device of --device-memory bytes; "cuda" or
+// "cuda:N", the real GPU N (default 0) through the CUDA backend, with the
+// GPU's own memory (--device-memory is then a usage error). The report and
+// the JSON ("device": "sim" | "cuda") say which.
 //
 // Without TRACE, replay and compare use the trace embedded in the binary
 // (include/ccalloc/replay/embedded.hpp). When PyTorch's own figures for the
@@ -12,7 +18,8 @@
 //
 // Exit status: 0 success; 1 a ccalloc error (bad trace, bad configuration,
 // unreadable file), printed as "ccalloc: <message>" on stderr; 2 a usage
-// error (unknown option, missing subcommand, bad --device-memory value).
+// error (unknown option, missing subcommand, bad --device or --device-memory
+// value, --device-memory with --device cuda).
 // With --json, stdout holds exactly one JSON document; warnings go to stderr.
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
@@ -293,11 +300,13 @@ json native_json(const native_figures& native, const ccalloc::replay_result& r) 
 }
 
 json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
-                 const std::string& config, std::uint64_t device_memory_bytes) {
+                 const std::string& config, int cuda_device) {
   json out;
   out["trace"] = input.trace.source;
   out["config"] = config;
-  out["device_memory_bytes"] = device_memory_bytes;
+  out["device"] = ccalloc::to_string(r.device);
+  if (r.device == ccalloc::replay_device::cuda) out["cuda_device"] = cuda_device;
+  out["device_memory_bytes"] = r.device_memory_bytes;
   out["events"] = r.events;
   out["peak_requested_bytes"] = r.peak_requested_bytes;
   out["peak_allocated_bytes"] = r.peak_allocated_bytes;
@@ -361,8 +370,15 @@ void print_native_comparison(const ccalloc::replay_result& r, const native_figur
   }
 }
 
+/// "sim (simulated device)" or "cuda:0 (GPU, CUDA backend)".
+std::string device_label(const ccalloc::replay_result& r, int cuda_device) {
+  if (r.device == ccalloc::replay_device::cuda) return format("cuda:%d (GPU, CUDA backend)", cuda_device);
+  return "sim (simulated device)";
+}
+
 void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& input,
-                         const std::string& config, std::uint64_t device_memory_bytes) {
+                         const std::string& config, int cuda_device) {
+  const std::uint64_t device_memory_bytes = r.device_memory_bytes;
   // Byte counts right-aligned on the widest, so their digits line up.
   std::size_t w = 0;
   for (const std::uint64_t b : {std::uint64_t{device_memory_bytes}, r.peak_requested_bytes,
@@ -371,6 +387,7 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
   }
   print_row("trace", input.trace.source);
   print_row("config", config_label(config));
+  print_row("device", device_label(r, cuda_device));
   print_row("device memory", bytes_cell(device_memory_bytes, w));
   print_row("events", with_commas(r.events));
   print_row("peak requested", bytes_cell(r.peak_requested_bytes, w));
@@ -388,7 +405,8 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
 }
 
 void print_compare_table(const std::vector<ccalloc::replay_result>& results,
-                         const std::vector<std::string>& configs, const loaded_trace& input) {
+                         const std::vector<std::string>& configs, const loaded_trace& input,
+                         const std::string& device) {
   struct row {
     std::vector<std::string> cells;
   };
@@ -426,8 +444,8 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
     for (std::size_t c = 1; c < cells.size(); ++c) text += "  " + right(cells[c], width[c]);
     std::printf("%s\n", text.c_str());
   };
-  std::printf("trace: %s (%s events)\n\n", input.trace.source.c_str(),
-              with_commas(input.trace.events.size()).c_str());
+  std::printf("trace: %s (%s events)\ndevice: %s\n\n", input.trace.source.c_str(),
+              with_commas(input.trace.events.size()).c_str(), device.c_str());
   print_cells(head);
   std::size_t total = 0;
   for (const std::size_t w : width) total += w + 2;
@@ -438,14 +456,44 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
 
 // ---- subcommands -------------------------------------------------------------
 
+/// Parses --device: "sim", "cuda" or "cuda:N" (N a device ordinal).
+void parse_device(const std::string& text, ccalloc::replay_options& options) {
+  if (text == "sim") {
+    options.device = ccalloc::replay_device::sim;
+    return;
+  }
+  const std::string_view prefix = "cuda";
+  if (text.compare(0, prefix.size(), prefix) == 0) {
+    const std::string rest = text.substr(prefix.size());
+    int ordinal = 0;
+    bool ok = rest.empty();
+    if (!ok && rest[0] == ':' && rest.size() > 1) {
+      const auto [end, ec] = std::from_chars(rest.data() + 1, rest.data() + rest.size(), ordinal);
+      ok = ec == std::errc{} && end == rest.data() + rest.size() && ordinal >= 0;
+    }
+    if (ok) {
+      options.device = ccalloc::replay_device::cuda;
+      options.cuda_device = ordinal;
+      return;
+    }
+  }
+  throw usage_error("bad --device '" + text + "': expected sim, cuda or cuda:N (N = CUDA device ordinal)");
+}
+
 struct common_options {
   std::string trace_path;  ///< empty: the embedded trace
+  std::string device_text = "sim";
   std::string device_memory_text;
   bool json_output = false;
 
   [[nodiscard]] ccalloc::replay_options replay_options_for(const std::string& config) const {
     ccalloc::replay_options options;
     options.config = config_string(config);
+    parse_device(device_text, options);
+    if (!device_memory_text.empty() && options.device != ccalloc::replay_device::sim) {
+      throw usage_error("--device-memory applies to the simulated device only: with --device " + device_text +
+                        " the replay uses the GPU's own memory");
+    }
     if (!device_memory_text.empty()) {
       options.device_memory_bytes =
           static_cast<std::size_t>(parse_byte_count(device_memory_text, "--device-memory"));
@@ -460,11 +508,9 @@ int run_replay(const common_options& common, const std::string& config) {
   const loaded_trace input = load_trace(common.trace_path);
   const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
   if (common.json_output) {
-    std::printf("%s\n", result_json(result, input, options.config, options.device_memory_bytes)
-                            .dump(2)
-                            .c_str());
+    std::printf("%s\n", result_json(result, input, options.config, options.cuda_device).dump(2).c_str());
   } else {
-    print_replay_report(result, input, options.config, options.device_memory_bytes);
+    print_replay_report(result, input, options.config, options.cuda_device);
   }
   return 0;
 }
@@ -482,11 +528,14 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
     json out = json::array();
     for (std::size_t i = 0; i < results.size(); ++i) {
       out.push_back(
-          result_json(results[i], input, options[i].config, options[i].device_memory_bytes));
+          result_json(results[i], input, options[i].config, options[i].cuda_device));
     }
     std::printf("%s\n", out.dump(2).c_str());
   } else {
-    print_compare_table(results, configs, input);
+    const ccalloc::replay_result& first = results.front();
+    print_compare_table(results, configs, input,
+                        device_label(first, options.front().cuda_device) + ", " +
+                            with_commas(first.device_memory_bytes) + " B (" + gib(first.device_memory_bytes) + ")");
   }
   return 0;
 }
@@ -539,7 +588,7 @@ int run_config_keys() {
 
 int run(int argc, char** argv) {
   CLI::App app{"ccalloc: replay PyTorch allocation traces through ccalloc's caching allocator "
-               "on a simulated device and compare configurations.",
+               "on a simulated device or a GPU and compare configurations.",
                "ccalloc"};
   app.require_subcommand(1);
 
@@ -551,9 +600,12 @@ int run(int argc, char** argv) {
     sub->add_option("trace", common.trace_path,
                     "Trace file (plain or gzip; format in ../shared/traces/README.md). "
                     "Default: the GPT-2 training trace built into the binary.");
+    sub->add_option("--device", common.device_text,
+                    "Where to replay: sim (the simulated device, default) or cuda / cuda:N "
+                    "(a real GPU through the CUDA backend; needs a build with CUDA).");
     sub->add_option("--device-memory", common.device_memory_text,
                     "Simulated device capacity: bytes, optionally with a unit "
-                    "(80GB, 80GiB, 512MiB, 1.5e9). Default: 141GB (an H200).");
+                    "(80GB, 80GiB, 512MiB, 1.5e9). Default: 141GB (an H200). Not with --device cuda.");
     sub->add_flag("--json", common.json_output, "Print the results as JSON.");
   };
 

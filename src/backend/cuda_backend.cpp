@@ -9,10 +9,12 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace ccalloc {
@@ -92,6 +94,9 @@ struct driver_api {
   PFN_cuMemMap_v10020 mem_map = nullptr;
   PFN_cuMemUnmap_v10020 mem_unmap = nullptr;
   PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
+  // Gates (resolved on their own: not part of virtual memory). The v2 ABI
+  // (CUDA 11.7), which driver_abi_version 12000 selects.
+  PFN_cuStreamWaitValue32_v11070 stream_wait_value32 = nullptr;
 
   // Looks `symbol` up; leaves `fn` null when the driver lacks it.
   template <class Fn>
@@ -178,8 +183,38 @@ struct cuda_backend::impl {
   int device_count = 0;
   driver_api driver;
   bool virtual_memory = false;
+  bool gates = false;
   mutable std::mutex mutex;                      // guards granularity
   mutable std::vector<std::size_t> granularity;  // per device; 0 = not asked yet
+
+  // Gates: 32-bit words in blocks of pinned, mapped host memory.
+  static constexpr std::size_t gate_block_bytes = 4096;
+  struct gate_slot {
+    int device = 0;
+    CUdeviceptr device_address = 0;
+    bool live = false;  // handed out by create_gate and not destroyed
+  };
+  std::mutex gate_mutex;                                // guards the three below
+  std::unordered_map<gate_t, gate_slot> gate_slots;     // every word of every block
+  std::vector<std::vector<gate_t>> free_gates;          // per device
+  std::vector<void*> gate_blocks;                       // cudaHostAlloc'd, freed in ~cuda_backend
+
+  // The live gate `gate` of `device` (gate_mutex held).
+  gate_slot& live_gate(gate_t gate, int device, const char* what) {
+    auto it = gate_slots.find(gate);
+    if (it == gate_slots.end() || !it->second.live)
+      throw backend_error(std::string("cuda: ") + what + ": " + pointer_text(reinterpret_cast<void*>(gate)) +
+                          " is not a live gate");
+    if (it->second.device != device)
+      throw backend_error(std::string("cuda: ") + what + ": gate " + pointer_text(reinterpret_cast<void*>(gate)) +
+                          " belongs to " + dev_text(it->second.device) + ", not " + dev_text(device));
+    return it->second;
+  }
+  // The gate's word (the handle is its host address).
+  static std::atomic_ref<std::uint32_t> word(gate_t gate) noexcept {
+    auto* w = reinterpret_cast<std::uint32_t*>(gate);  // NOLINT(performance-no-int-to-ptr)
+    return std::atomic_ref<std::uint32_t>(*w);
+  }
 
   void check_device(int device, const char* what) const {
     if (device < 0 || device >= device_count) [[unlikely]]
@@ -220,15 +255,35 @@ cuda_backend::cuda_backend() : impl_(std::make_unique<impl>()) {
          supported != 0;
   }
   impl_->virtual_memory = vm;
+
+  // Gates: cuStreamWaitValue32 (v2 memory operations: on by default since
+  // CUDA 11.7, no attribute to ask) and host memory mapped into every device.
+  bool gates = driver_api::resolve("cuStreamWaitValue32", d.stream_wait_value32);
+  for (int i = 0; gates && i < n; ++i) {
+    int can_map = 0;
+    if (cudaDeviceGetAttribute(&can_map, cudaDevAttrCanMapHostMemory, i) != cudaSuccess) {
+      (void)cudaGetLastError();
+      can_map = 0;
+    }
+    gates = can_map != 0;
+  }
+  impl_->gates = gates;
+  impl_->free_gates.resize(static_cast<std::size_t>(n));
 }
 
-cuda_backend::~cuda_backend() = default;
+cuda_backend::~cuda_backend() {
+  // Gate blocks: errors (the runtime unloading at exit, a reset device) are
+  // ignored, the driver reclaims the memory with the process anyway.
+  for (void* block : impl_->gate_blocks)
+    if (cudaFreeHost(block) != cudaSuccess) (void)cudaGetLastError();
+}
 
 backend_capabilities cuda_backend::capabilities() const {
   backend_capabilities c;
   c.virtual_memory = impl_->virtual_memory;
   c.peer_access = true;
   c.ipc = false;
+  c.gates = impl_->gates;
   return c;
 }
 
@@ -508,6 +563,90 @@ void cuda_backend::enable_peer_access(int device, int peer) {
     return;
   }
   check(e, [&] { return "cudaDeviceEnablePeerAccess(" + dev_text(device) + ", peer " + std::to_string(peer) + ")"; });
+}
+
+// --- gates -----------------------------------------------------------------------------------
+
+gate_t cuda_backend::create_gate(int device) {
+  impl_->check_device(device, "create_gate");
+  if (!impl_->gates) throw_not_supported("create_gate");
+  std::unique_lock lock(impl_->gate_mutex);
+  auto& free_list = impl_->free_gates[static_cast<std::size_t>(device)];
+  if (free_list.empty()) {
+    // A new block, allocated unlocked: cudaHostAlloc may wait for the device,
+    // and open_gate (which takes the lock) must stay callable meanwhile.
+    lock.unlock();
+    void* block = nullptr;
+    void* device_address = nullptr;
+    {
+      device_guard guard(device);
+      check(cudaHostAlloc(&block, impl::gate_block_bytes, cudaHostAllocMapped | cudaHostAllocPortable), [&] {
+        return "cudaHostAlloc(" + dev_text(device) + ", " + std::to_string(impl::gate_block_bytes) +
+               " bytes, cudaHostAllocMapped | cudaHostAllocPortable)";
+      });
+      const cudaError_t e = cudaHostGetDevicePointer(&device_address, block, 0);
+      if (e != cudaSuccess) {
+        (void)cudaFreeHost(block);
+        throw_cuda("cudaHostGetDevicePointer(" + dev_text(device) + ", " + pointer_text(block) + ")", e);
+      }
+    }
+    lock.lock();
+    impl_->gate_blocks.push_back(block);
+    constexpr std::size_t words = impl::gate_block_bytes / sizeof(std::uint32_t);
+    // Handed out from the front of the block: the free list is a stack.
+    for (std::size_t i = words; i-- > 0;) {
+      const auto gate = reinterpret_cast<gate_t>(static_cast<std::uint32_t*>(block) + i);
+      impl::word(gate).store(1, std::memory_order_relaxed);
+      impl_->gate_slots[gate] = impl::gate_slot{
+          device, to_cu(device_address) + static_cast<CUdeviceptr>(i * sizeof(std::uint32_t)), false};
+      free_list.push_back(gate);
+    }
+  }
+  const gate_t gate = free_list.back();
+  free_list.pop_back();
+  impl_->gate_slots.at(gate).live = true;
+  // Closed. Ordered before any wait on it: wait_gate enqueues after this
+  // store, through a driver call that synchronizes with the GPU's reads.
+  impl::word(gate).store(0, std::memory_order_release);
+  return gate;
+}
+
+void cuda_backend::wait_gate(int device, stream_t stream, gate_t gate) {
+  impl_->check_device(device, "wait_gate");
+  if (!impl_->gates) throw_not_supported("wait_gate");
+  CUdeviceptr address = 0;
+  {
+    std::lock_guard lock(impl_->gate_mutex);
+    address = impl_->live_gate(gate, device, "wait_gate").device_address;
+  }
+  // On `device`: stream 0 is the legacy default stream of the current context.
+  device_guard guard(device, /*activate=*/true);
+  impl_->driver.check(
+      impl_->driver.stream_wait_value32(reinterpret_cast<CUstream>(stream), address, 1, CU_STREAM_WAIT_VALUE_GEQ),
+      [&] {
+        return "cuStreamWaitValue32(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ", gate " +
+               pointer_text(reinterpret_cast<void*>(gate)) + ", 1, CU_STREAM_WAIT_VALUE_GEQ)";
+      });
+}
+
+void cuda_backend::open_gate(int device, gate_t gate) {
+  impl_->check_device(device, "open_gate");
+  if (!impl_->gates) throw_not_supported("open_gate");
+  std::lock_guard lock(impl_->gate_mutex);
+  (void)impl_->live_gate(gate, device, "open_gate");
+  impl::word(gate).store(1, std::memory_order_release);
+}
+
+void cuda_backend::destroy_gate(int device, gate_t gate) {
+  impl_->check_device(device, "destroy_gate");
+  if (!impl_->gates) throw_not_supported("destroy_gate");
+  std::lock_guard lock(impl_->gate_mutex);
+  impl::gate_slot& slot = impl_->live_gate(gate, device, "destroy_gate");
+  if (impl::word(gate).load(std::memory_order_acquire) != 1)
+    throw backend_error("cuda: destroy_gate(" + dev_text(device) + ", gate " +
+                        pointer_text(reinterpret_cast<void*>(gate)) + "): the gate is still closed (open it first)");
+  slot.live = false;
+  impl_->free_gates[static_cast<std::size_t>(device)].push_back(gate);
 }
 
 }  // namespace ccalloc

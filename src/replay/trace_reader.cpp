@@ -12,9 +12,18 @@
 // Cost: about one pass over the decompressed text plus one over the gzip data;
 // the 850k-line llama_generate trace (4.1 MB gzip, 44 MB text) reads in about
 // 0.25 s (0.1 s inflate, 0.1 s parse) at -O2. Every error names the source and the 1-based line.
+//
+// zlib is optional (CCALLOC_HAVE_ZLIB, set by CMake: a CCALLOC_MINIMAL build
+// for the GPU checks has it only if the machine does): without it,
+// maybe_gunzip refuses gzip data with a trace_error saying so.
 #include <ccalloc/replay/trace.hpp>
 
+#ifndef CCALLOC_HAVE_ZLIB
+#define CCALLOC_HAVE_ZLIB 1
+#endif
+#if CCALLOC_HAVE_ZLIB
 #include <zlib.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -213,6 +222,7 @@ bool parse_line_checked(std::string_view line, const std::string& source, std::s
   return true;
 }
 
+#if CCALLOC_HAVE_ZLIB
 /// Initial output buffer size for decompressing `data`: the ISIZE field of
 /// the last gzip member (uncompressed size mod 2^32) when it is plausible for
 /// a text trace (1x to 32x the compressed size), else 8x the compressed size.
@@ -304,6 +314,7 @@ class inflater {
   const std::string& source_;
   z_stream stream_{};
 };
+#endif  // CCALLOC_HAVE_ZLIB
 
 /// Closes a FILE* on scope exit.
 struct file_closer {
@@ -322,8 +333,13 @@ std::string maybe_gunzip(std::string_view data, const std::string& source) {
   const bool is_gzip = data.size() >= 2 && static_cast<unsigned char>(data[0]) == 0x1f &&
                        static_cast<unsigned char>(data[1]) == 0x8b;
   if (!is_gzip) return std::string(data);
+#if CCALLOC_HAVE_ZLIB
   detail::inflater inflater(source);
   return inflater.run(data);
+#else
+  throw trace_error(source, 0,
+                    "gzip-compressed, but this build of ccalloc has no zlib: decompress it first (gunzip -k)");
+#endif
 }
 
 trace parse_trace_text(std::string_view text, const std::string& source) {

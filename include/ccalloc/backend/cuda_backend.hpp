@@ -71,7 +71,11 @@ class cuda_backend final : public device_backend {
   [[nodiscard]] std::string name() const override { return "cuda"; }
   /// virtual_memory: the driver entry points resolved and every device
   /// reports CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
-  /// peer_access: true; ipc: false.
+  /// peer_access: true; ipc: false; gates: the driver's cuStreamWaitValue32
+  /// resolved (the "v2" stream memory operations, on by default on every
+  /// device since CUDA 11.7: no attribute to ask; the NOR attribute concerns
+  /// only a wait flag gates do not use) and every device can map host memory
+  /// (cudaDevAttrCanMapHostMemory).
   [[nodiscard]] backend_capabilities capabilities() const override;
 
   // --- devices -----------------------------------------------------------------
@@ -172,6 +176,32 @@ class cuda_backend final : public device_backend {
   /// access `peer`'s cudaMalloc memory. Enabling it twice is not an error
   /// (cudaErrorPeerAccessAlreadyEnabled is cleared). Throws backend_error.
   void enable_peer_access(int device, int peer) override;
+
+  // --- gates (capabilities().gates; see device_backend) -----------------------------
+  //
+  // A gate is a 32-bit word in pinned, device-mapped host memory
+  // (cudaHostAlloc with cudaHostAllocMapped | cudaHostAllocPortable), 0 while
+  // closed, 1 once open; the handle is the word's host address. Words come
+  // from 4 KiB blocks of 1024 allocated on demand per device and are reused
+  // through a free list; the blocks are freed (cudaFreeHost) when the backend
+  // is destroyed. Each throws backend_error("... not supported ...") when
+  // capabilities().gates is false, and backend_error for an unknown gate or
+  // one of another device.
+
+  /// A closed gate (its word set to 0) from the free list of `device`, or
+  /// from a new block (cudaHostAlloc + cudaHostGetDevicePointer on `device`).
+  /// Allocate gates before closing any: allocating pinned memory may wait for
+  /// the device.
+  [[nodiscard]] gate_t create_gate(int device) override;
+  /// cuStreamWaitValue32(stream, word, 1, CU_STREAM_WAIT_VALUE_GEQ) on
+  /// `device` (stream 0: its legacy default stream).
+  void wait_gate(int device, stream_t stream, gate_t gate) override;
+  /// Stores 1 into the gate's word (atomic, release order). Never blocks, no
+  /// CUDA call: safe from any thread, also while another is blocked on the gate.
+  void open_gate(int device, gate_t gate) override;
+  /// Returns the gate to the free list. Throws backend_error if it is still
+  /// closed (its word is not 1).
+  void destroy_gate(int device, gate_t gate) override;
 
  private:
   struct impl;

@@ -39,10 +39,14 @@ struct backend_capabilities {
   bool virtual_memory = false;  ///< vm_* functions (expandable segments, SPEC B7)
   bool peer_access = false;     ///< enable_peer_access / can_access_peer
   bool ipc = false;             ///< IPC export/import
+  bool gates = false;           ///< create_gate / wait_gate / open_gate / destroy_gate
 };
 
 /// An opaque physical-memory handle from vm_create (CUmemGenericAllocationHandle).
 using physical_handle_t = std::uint64_t;
+
+/// An opaque host-controlled gate from create_gate; never 0.
+using gate_t = std::uintptr_t;
 
 class device_backend {
  public:
@@ -125,6 +129,33 @@ class device_backend {
 
   [[nodiscard]] virtual bool can_access_peer(int device, int peer) const;
   virtual void enable_peer_access(int device, int peer);
+
+  // --- gates (optional; replay on a real device, SPEC X8) ---------------------
+  //
+  // A gate is a one-shot flag that the host opens: stream work queued behind
+  // wait_gate does not start until the host calls open_gate. `ccalloc replay
+  // --device cuda` holds a block in use on a side stream with one during a
+  // trace's free_requested .. free_completed gap. Deadlock warning: while a
+  // gate is closed, a host call that waits for work behind it (synchronizing
+  // the waiting stream, an event recorded on it after the wait, or the whole
+  // device; on CUDA also cudaFree, which waits for the whole device) returns
+  // only once another thread opens the gate.
+
+  /// Creates a closed gate for streams of `device`. Never returns 0. A handle
+  /// may be returned again after destroy_gate.
+  [[nodiscard]] virtual gate_t create_gate(int device);
+  /// Work queued on `stream` (of `device`) after this call does not start
+  /// until `gate` (of `device`) is opened; nothing waits if it is open already.
+  /// Never blocks the host.
+  virtual void wait_gate(int device, stream_t stream, gate_t gate);
+  /// Opens `gate`: the streams waiting on it proceed. Opening an open gate does
+  /// nothing. Never blocks; may be called from any thread, also while another
+  /// thread is blocked in a call that waits for the gate.
+  virtual void open_gate(int device, gate_t gate);
+  /// Releases a gate from create_gate. The gate must be open and no stream may
+  /// still be waiting on it (synchronize the streams that waited on it first:
+  /// the handle may come back from a later create_gate, closed again).
+  virtual void destroy_gate(int device, gate_t gate);
 
  protected:
   [[noreturn]] void throw_not_supported(const char* what) const;

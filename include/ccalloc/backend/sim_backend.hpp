@@ -17,6 +17,17 @@
 // with no pending work, so the wait would change no event's outcome, and a
 // replay would otherwise skip ahead of the program it replays.
 //
+// Gates (capabilities().gates): a gate is an id. wait_gate on a closed gate
+// makes the stream's work wait until the gate opens: its busy-until time is
+// "never" (busy_until returns UINT64_MAX) and events recorded on it
+// meanwhile do not complete. open_gate releases the waiting streams at the
+// current time (busy-until becomes max(busy-until, now)) and lets those
+// events complete at max(their time, now). The simulated device cannot block,
+// so a wait that a real device would never finish (synchronize_event on such
+// an event, synchronize_stream on a waiting stream, synchronize_device while
+// one of its streams waits) throws backend_error naming the gate instead of
+// deadlocking. destroy_gate of a closed gate throws backend_error.
+//
 // Capacity: every segment_malloc of n bytes uses n rounded up to the
 // granularity; it returns nullptr when that would pass the capacity.
 //
@@ -52,6 +63,7 @@ struct sim_counters {
   std::size_t used_bytes = 0;         ///< charged bytes of live segments, all devices
   std::uint64_t live_events = 0;      ///< created and not destroyed
   std::uint64_t live_streams = 0;
+  std::uint64_t live_gates = 0;       ///< created and not destroyed
 };
 
 class sim_backend final : public device_backend {
@@ -62,6 +74,8 @@ class sim_backend final : public device_backend {
   sim_backend& operator=(const sim_backend&) = delete;
 
   [[nodiscard]] std::string name() const override { return "sim"; }
+  /// gates: true; virtual_memory, peer_access, ipc: false.
+  [[nodiscard]] backend_capabilities capabilities() const override;
   [[nodiscard]] int device_count() const override;
   [[nodiscard]] int current_device() const override;
   void set_device(int device) override;
@@ -80,6 +94,13 @@ class sim_backend final : public device_backend {
   void synchronize_stream(int device, stream_t stream) override;
   void synchronize_device(int device) override;
 
+  // --- gates (see the header comment) ------------------------------------------
+
+  [[nodiscard]] gate_t create_gate(int device) override;
+  void wait_gate(int device, stream_t stream, gate_t gate) override;
+  void open_gate(int device, gate_t gate) override;
+  void destroy_gate(int device, gate_t gate) override;
+
   // --- simulation controls ----------------------------------------------------
 
   /// Current virtual time.
@@ -91,7 +112,8 @@ class sim_backend final : public device_backend {
   /// handle the backend did not create are accepted: they are created lazily,
   /// so a trace's stream ids can be used directly.
   void enqueue_work(int device, stream_t stream, std::uint64_t until);
-  /// Virtual time at which the work queued on `stream` so far completes.
+  /// Virtual time at which the work queued on `stream` so far completes;
+  /// UINT64_MAX while the stream waits on a closed gate.
   [[nodiscard]] std::uint64_t busy_until(int device, stream_t stream) const;
   /// Changes a device's capacity (bytes); live segments stay.
   void set_capacity(int device, std::size_t capacity_bytes);

@@ -4,6 +4,19 @@
 // the small pool and the large pool, like torch.cuda.memory_stats(). to_map()
 // flattens them to PyTorch's key names, e.g. "allocated_bytes.all.peak",
 // "reserved_bytes.large_pool.current", "num_alloc_retries".
+//
+// Exactness: every value is exact whenever allocations do not run
+// concurrently (one thread, any number of streams): each operation publishes
+// its changes at once, so peaks are the peaks of the device-wide sums, as in
+// PyTorch. When threads allocate concurrently on different streams, a stream
+// whose thread finds the statistics busy keeps its changes and publishes them
+// with a later operation (at most 64 operations later, or at the next read);
+// current, allocated and freed values are still exact at every read, while a
+// peak then adds a stream's highest point since its last publication to the
+// device's value at that publication: an estimate of the peak of the sum,
+// which concurrent operations do not define exactly anyway. This is what
+// lets threads on different streams avoid sharing a lock (SPEC X1); PyTorch
+// serializes all of them on one mutex instead.
 #pragma once
 
 #include <array>

@@ -9,6 +9,35 @@
 // block on a side stream whose work lasts until the free_completed event, so
 // the allocator cannot reuse it earlier. Segment events of the recording
 // allocator are ignored: the replayed allocator reserves on its own.
+//
+// Devices (replay_options::device):
+// - sim (default): a fresh simulated device (ccalloc::sim_backend) of
+//   device_memory_bytes; a gap is work on a side stream lasting until the
+//   free_completed event's index on the virtual clock (enqueue_work).
+// - cuda: the real GPU cuda_device through ccalloc::cuda_backend (builds with
+//   the CUDA backend only). Trace stream 0 is the device's legacy default
+//   stream, every other trace stream a stream made with create_stream. A gap
+//   is a host-controlled gate (device_backend::create_gate): the side stream
+//   waits on it, then the block is recorded on the side stream and freed;
+//   when the replay reaches the free_completed event it opens the gate and
+//   synchronizes the side stream, so the block's event has completed before
+//   the next trace event, as in the trace. The replay is deterministic and
+//   follows the simulated one event by event: the figures match it except
+//   where the device's own choices leak in (segment addresses break ties
+//   between equally sized free blocks; a real cudaMalloc can fail).
+//   Two rules keep a closed gate from deadlocking the host. A segment the
+//   allocator frees while a gap is open (cudaFree waits for the whole
+//   device) goes back to the device once no gap is open: the figures, which
+//   are the allocator's, do not change, but until then the device holds more
+//   than the reserved bytes (with a gap never completed in the trace: until
+//   the end). When the allocator waits for a block's event
+//   (synchronize_event: only after a segment allocation failed), the gaps up
+//   to that event's end are ended first, as the simulated clock jumps ahead
+//   there. A watchdog opens every gate if one CUDA call blocks for more than
+//   10 s while a gate is closed; the replay then fails with an error naming
+//   the call.
+// At the end everything the replay still holds is freed, and streams, gates
+// and the device's cached memory are released.
 #pragma once
 
 #include <ccalloc/core/config.hpp>
@@ -20,15 +49,36 @@
 
 namespace ccalloc {
 
+/// Where a trace is replayed.
+enum class replay_device {
+  sim,   ///< the simulated device (sim_backend)
+  cuda,  ///< a real GPU (cuda_backend)
+};
+
+/// "sim" or "cuda".
+[[nodiscard]] const char* to_string(replay_device device) noexcept;
+
 struct replay_options {
   std::string config;  ///< configuration string (PyTorch syntax); "" = defaults
-  /// Simulated device capacity in bytes; default 141 GB (an H200).
+  /// Simulated device capacity in bytes; default 141 GB (an H200). Ignored
+  /// with replay_device::cuda: the real device's memory is used.
   std::size_t device_memory_bytes = std::size_t{141} * 1000 * 1000 * 1000;
+  replay_device device = replay_device::sim;
+  /// CUDA device ordinal for replay_device::cuda.
+  int cuda_device = 0;
+  /// For tests: with replay_device::sim, model the gaps with the simulated
+  /// device's gates, through the same driver as replay_device::cuda, instead
+  /// of work on the virtual clock. The figures must not change.
+  bool use_gates_on_sim = false;
 };
 
 struct replay_result {
   std::string source;
   std::string config;
+  replay_device device = replay_device::sim;
+  /// Capacity of the device replayed on: device_memory_bytes for sim, the
+  /// GPU's total memory (cudaMemGetInfo) for cuda.
+  std::uint64_t device_memory_bytes = 0;
   std::uint64_t events = 0;                ///< trace events replayed
   std::uint64_t peak_requested_bytes = 0;  ///< requested_bytes.all.peak
   std::uint64_t peak_allocated_bytes = 0;  ///< allocated_bytes.all.peak
@@ -44,10 +94,13 @@ struct replay_result {
   }
 };
 
-/// Replays `t` on a fresh simulated device. Throws config_error for a bad
-/// configuration and trace_error for an event that contradicts the trace's
-/// own history (a free of an address with no live allocation), naming the
-/// event's line.
+/// Replays `t` on a fresh simulated device, or on a GPU (options.device).
+/// Throws config_error for a bad configuration and trace_error for an event
+/// that contradicts the trace's own history (a free of an address with no
+/// live allocation), naming the event's line. With replay_device::cuda,
+/// throws ccalloc::error when this build has no CUDA backend, no GPU is
+/// usable, cuda_device is out of range or the driver lacks gates, and
+/// backend_error for a failing CUDA call.
 [[nodiscard]] replay_result replay_trace(const trace& t, const replay_options& options);
 
 }  // namespace ccalloc
