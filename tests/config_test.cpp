@@ -468,11 +468,18 @@ std::vector<std::string> warnings_of(const std::string& text) {
   return allocator_config::parse(text).warnings;
 }
 
+TEST(ConfigTest, ExpandableSegmentsWarnsUntilImplemented) {
+  const auto w = warnings_of("expandable_segments:True");
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_NE(w[0].find("expandable_segments:True"), std::string::npos) << w[0];
+  EXPECT_NE(w[0].find("not implemented"), std::string::npos) << w[0];
+}
+
 TEST(ConfigTest, NoWarningsForEffectiveSettings) {
   EXPECT_TRUE(warnings_of("").empty());
   EXPECT_TRUE(warnings_of("max_split_size_mb:128,max_non_split_rounding_mb:64,"
                           "garbage_collection_threshold:0.6,per_process_memory_fraction:0.8,"
-                          "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:True,"
+                          "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:False,"
                           "release_lock_on_cudamalloc:True,large_segment_size_mb:24,"
                           "trim_on_new_peak:False")
                   .empty());

@@ -512,6 +512,11 @@ int run_replay(const common_options& common, const std::string& config) {
   } else {
     print_replay_report(result, input, options.config, options.cuda_device);
   }
+  if (result.ooms > 0)
+    std::fprintf(stderr,
+                 "ccalloc: warning: %llu allocation(s) failed with out of memory and were skipped; the peaks "
+                 "describe a different program than the one recorded\n",
+                 static_cast<unsigned long long>(result.ooms));
   return 0;
 }
 
@@ -572,7 +577,7 @@ int run_config_keys() {
   const std::string indent(key_w + 2, ' ');
   std::printf("Configuration keys (CCALLOC_CONF or --config; PYTORCH_CUDA_ALLOC_CONF syntax:\n"
               "comma-separated key:value pairs, e.g. "
-              "\"max_split_size_mb:128,expandable_segments:True\")\n\n");
+              "\"max_split_size_mb:128,garbage_collection_threshold:0.6\")\n\n");
   for (const auto& k : keys) {
     std::vector<std::string> lines = wrap(k.meaning, text_w);
     for (std::string& l : wrap("accepted: " + std::string(k.accepted), text_w)) {
@@ -590,6 +595,10 @@ int run(int argc, char** argv) {
   CLI::App app{"ccalloc: replay PyTorch allocation traces through ccalloc's caching allocator "
                "on a simulated device or a GPU and compare configurations.",
                "ccalloc"};
+  app.set_version_flag("--version", std::string("ccalloc ") + CCALLOC_VERSION);
+  app.footer(
+      "The CLI reads its configuration from --config only: CCALLOC_CONF and CCALLOC_NO_CACHING are for "
+      "programs that use the library.");
   app.require_subcommand(1);
 
   common_options common;
@@ -598,7 +607,7 @@ int run(int argc, char** argv) {
 
   const auto add_common = [&](CLI::App* sub) {
     sub->add_option("trace", common.trace_path,
-                    "Trace file (plain or gzip; format in ../shared/traces/README.md). "
+                    "Trace file (plain or gzip; format in docs/trace-format.md). "
                     "Default: the GPT-2 training trace built into the binary.");
     sub->add_option("--device", common.device_text,
                     "Where to replay: sim (the simulated device, default) or cuda / cuda:N "
@@ -649,7 +658,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ccalloc: %s\n", e.what());
     return 2;
   } catch (const ccalloc::error& e) {
-    std::fprintf(stderr, "ccalloc: %s\n", e.what());
+    // The library's messages mostly start with "ccalloc": do not say it twice.
+    const std::string_view what = e.what();
+    std::fprintf(stderr, "%s%s\n", what.starts_with("ccalloc") ? "" : "ccalloc: ", e.what());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ccalloc: %s\n", e.what());

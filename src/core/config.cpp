@@ -491,6 +491,11 @@ std::vector<std::string> warnings_for(const allocator_config& config) {
                        " has no effect without max_split_size_mb: no block is oversize, "
                        "so none is rounded");
   }
+  if (config.expandable_segments) {
+    warnings.push_back(setting("expandable_segments") +
+                       " has no effect yet: expandable segments are not implemented in this "
+                       "version of ccalloc; segments are allocated as with False");
+  }
   if (config.backend != "native") {
     warnings.push_back(setting("backend") +
                        " has no effect: ccalloc is a native-style caching allocator; "

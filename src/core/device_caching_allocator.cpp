@@ -25,6 +25,7 @@
 #include "detail/device_state.hpp"
 
 #include <algorithm>
+#include <exception>
 #include <array>
 #include <bit>
 #include <cinttypes>
@@ -36,6 +37,12 @@ namespace ccalloc {
 namespace detail {
 
 namespace {
+
+std::string format_fraction(double f) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", f);
+  return buf;
+}
 
 std::string format_bytes(std::size_t bytes) {
   char buf[64];
@@ -142,6 +149,8 @@ void world_lock::unlock() {
 }
 
 stats_sink::stats_sink(device_state& d, stream_state& s) noexcept : d_(d), s_(s) {
+  if (d_.single_stream_.load(std::memory_order_relaxed)) [[likely]]
+    return;  // the only stream: pending deltas are exact (see single_stream_)
   if (s_.stats_backoff > 0) {
     --s_.stats_backoff;
     return;
@@ -196,6 +205,11 @@ void merge_pending_stats(device_stats& into, device_stats& pending) noexcept {
   merge_array(into.requested_bytes, pending.requested_bytes);
   merge(into.oversize_allocations, pending.oversize_allocations);
   merge(into.oversize_segments, pending.oversize_segments);
+  for (auto field : {&device_stats::num_alloc_retries, &device_stats::num_ooms, &device_stats::num_sync_all_streams,
+                     &device_stats::num_device_alloc, &device_stats::num_device_free}) {
+    into.*field += pending.*field;
+    pending.*field = 0;
+  }
 }
 
 void device_state::publish_all_pending_stats(const world_lock& w) {
@@ -212,7 +226,23 @@ stream_state& device_state::stream_for(stream_t stream) {
     return *c.state;
   std::lock_guard lock(registry_mutex_);
   auto& slot = streams_[stream];
-  if (!slot) slot = std::make_unique<stream_state>(stream);
+  if (!slot) {
+    slot = std::make_unique<stream_state>(stream);
+    if (streams_.size() == 2) {
+      // The first stream kept its statistics pending without a lock; publish
+      // them before two streams can publish independently.
+      for (auto& [other_stream, other] : streams_) {
+        if (other.get() == slot.get()) continue;
+        std::lock_guard other_lock(other->mutex);
+        std::lock_guard stats_lock(stats_mutex_);
+        if (other->has_pending_stats) {
+          merge_pending_stats(stats_, other->pending_stats);
+          other->has_pending_stats = false;
+        }
+        single_stream_.store(false, std::memory_order_relaxed);
+      }
+    }
+  }
   c = {id_, stream, slot.get()};
   return *slot;
 }
@@ -222,7 +252,8 @@ stream_state& device_state::stream_for(stream_t stream) {
 std::size_t device_state::round_size(std::size_t size) const noexcept {
   if (size < min_block_bytes) return min_block_bytes;
   const std::size_t divisions = config_.roundup_power2_divisions == no_divisions ? 0 : config_.divisions_for(size);
-  if (divisions > 1 && size > min_block_bytes * divisions) {
+  // size / 512 > divisions, written so that no product can overflow.
+  if (divisions > 1 && size / min_block_bytes > divisions) {
     if (std::has_single_bit(size)) return size;
     const std::size_t floor = std::bit_floor(size);
     const std::size_t step = floor / divisions;
@@ -305,7 +336,8 @@ bool device_state::get_free_block(alloc_params& p) {
   block* b = pool.blocks.at(i);
   const std::size_t max_split = config_.max_split_size_bytes;
   if (p.size < max_split && b->size >= max_split) return false;
-  if (p.size >= max_split && b->size >= p.size + config_.max_non_split_rounding_bytes) return false;
+  // b->size >= p.size (lower_bound); the difference cannot overflow.
+  if (p.size >= max_split && b->size - p.size >= config_.max_non_split_rounding_bytes) return false;
   pool.blocks.erase_at(i);
   p.found = b;
   return true;
@@ -633,18 +665,23 @@ void device_state::insert_events(block* b) {
 // updated under its own stream's lock (never both: see the lock order).
 void device_state::process_events() {
   std::vector<block*> completed;
+  std::exception_ptr failure;  // a failed query: blocks already taken are still returned
   {
     std::lock_guard device_lock(device_mutex_);
-    for (auto it = pending_events_.begin(); it != pending_events_.end();) {
-      auto& queue = it->second;
-      while (!queue.empty()) {
-        auto [e, b] = queue.front();
-        if (!backend_.query_event(device_, e)) break;
-        queue.pop_front();
-        free_events_.push_back(e);
-        completed.push_back(b);
+    try {
+      for (auto it = pending_events_.begin(); it != pending_events_.end();) {
+        auto& queue = it->second;
+        while (!queue.empty()) {
+          auto [e, b] = queue.front();
+          if (!backend_.query_event(device_, e)) break;
+          queue.pop_front();
+          free_events_.push_back(e);
+          completed.push_back(b);
+        }
+        it = queue.empty() ? pending_events_.erase(it) : std::next(it);
       }
-      it = queue.empty() ? pending_events_.erase(it) : std::next(it);
+    } catch (...) {
+      failure = std::current_exception();
     }
     pending_event_count_.fetch_sub(completed.size(), std::memory_order_relaxed);
   }
@@ -656,10 +693,17 @@ void device_state::process_events() {
       free_block(b, sink.get(), false);
     }
   }
+  if (failure) std::rethrow_exception(failure);
 }
 
 void device_state::process_events_locked() {
   std::size_t done = 0;
+  // Keep the count right if a query throws halfway.
+  struct count_guard {
+    std::atomic<std::size_t>& count;
+    std::size_t& done;
+    ~count_guard() { count.fetch_sub(done, std::memory_order_relaxed); }
+  } guard{pending_event_count_, done};
   for (auto it = pending_events_.begin(); it != pending_events_.end();) {
     auto& queue = it->second;
     while (!queue.empty()) {
@@ -672,12 +716,16 @@ void device_state::process_events_locked() {
     }
     it = queue.empty() ? pending_events_.erase(it) : std::next(it);
   }
-  pending_event_count_.fetch_sub(done, std::memory_order_relaxed);
 }
 
 void device_state::synchronize_and_free_events() {
   ++stats_.num_sync_all_streams;
   std::size_t done = 0;
+  struct count_guard {
+    std::atomic<std::size_t>& count;
+    std::size_t& done;
+    ~count_guard() { count.fetch_sub(done, std::memory_order_relaxed); }
+  } guard{pending_event_count_, done};
   for (auto& [stream, queue] : pending_events_) {
     while (!queue.empty()) {
       auto [e, b] = queue.front();
@@ -689,7 +737,6 @@ void device_state::synchronize_and_free_events() {
     }
   }
   pending_events_.clear();
-  pending_event_count_.fetch_sub(done, std::memory_order_relaxed);
 }
 
 void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
@@ -708,14 +755,19 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
                     std::to_string(device_) + " has a total capacity of " + format_bytes(info.total_bytes) +
                     " of which " + format_bytes(info.free_bytes) + " is free.";
   if (set_fraction_)
-    msg += " The per-process memory fraction " + std::to_string(fraction_) + " allows " +
+    msg += " The per-process memory fraction " + format_fraction(fraction_) + " allows " +
            format_bytes(allowed_bytes_) + ".";
   msg += " Of the memory held by ccalloc, " + format_bytes(allocated) + " is allocated and " +
          format_bytes(reserved - std::min(reserved, allocated)) +
          " is reserved but unallocated; the largest cached free block is " + format_bytes(largest_free) + ".";
-  if (reserved > allocated && reserved - allocated > reserved / 10)
-    msg += " Reserved but unallocated memory is large (fragmentation): try "
-           "CCALLOC_CONF=expandable_segments:True, or max_split_size_mb to limit splitting.";
+  const std::size_t limit = set_fraction_ ? allowed_bytes_ : info.total_bytes;
+  if (p.alloc_size > limit)
+    msg += " The request alone is larger than the " +
+           std::string(set_fraction_ ? "memory the fraction allows" : "device's memory") + ".";
+  else if (reserved > allocated && reserved - allocated > reserved / 10)
+    msg += " Reserved but unallocated memory is large (fragmentation): try CCALLOC_CONF="
+           "max_split_size_mb:<MiB> so that large cached blocks are not split for small requests, or "
+           "garbage_collection_threshold to return old cached blocks sooner.";
   else
     msg += " Reduce the memory the program holds at its peak (batch size, sequence length), or raise the "
            "memory fraction.";
@@ -736,9 +788,9 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
 
 void device_state::set_memory_fraction(double fraction, const world_lock& w) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
-    throw invalid_argument_error("ccalloc: memory fraction " + std::to_string(fraction) +
+    throw invalid_argument_error("ccalloc: memory fraction " + format_fraction(fraction) +
                                  " for device " + std::to_string(device_) + " is outside [0, 1]");
-  fraction_ = fraction;
+  fraction_ = fraction == 0.0 ? 0.0 : fraction;  // -0.0 becomes 0
   set_fraction_ = true;
   allowed_bytes_ = static_cast<std::size_t>(fraction * static_cast<double>(device_total_bytes_));
   // Keep reserved <= the new cap where cached memory allows it.
@@ -781,6 +833,25 @@ allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t str
 void device_caching_allocator::free(block* b) { state_->free(b); }
 
 void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
+
+bool device_caching_allocator::record_stream_containing(std::uintptr_t address, stream_t stream) {
+  auto& s = *state_;
+  world_lock w(s);
+  auto it = s.segments_.upper_bound(address);
+  if (it == s.segments_.begin()) return false;
+  --it;
+  const detail::segment& seg = *it->second;
+  if (address >= seg.base + seg.size) return false;
+  for (block* b = seg.head; b != nullptr; b = b->next) {
+    if (address < b->ptr || address >= b->ptr + b->size) continue;
+    if (!b->allocated) return false;
+    if (stream != b->stream &&
+        std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+      b->stream_uses.push_back(stream);
+    return true;
+  }
+  return false;
+}
 
 void device_caching_allocator::empty_cache() {
   world_lock w(*state_);

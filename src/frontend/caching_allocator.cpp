@@ -33,12 +33,18 @@ void data_ptr_deleter::operator()(void* ptr) const {
 }
 
 caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend)
-    : caching_allocator(std::move(backend), allocator_config::from_environment()) {}
+    : caching_allocator(std::move(backend), allocator_config::from_environment()) {
+  caching_enabled_ = !env_flag("CCALLOC_NO_CACHING");
+  print_warnings(config_);
+}
 
 caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend, allocator_config config)
     : backend_(std::move(backend)), config_(std::move(config)) {
   if (!backend_) throw invalid_argument_error("ccalloc: caching_allocator needs a backend, got null");
-  caching_enabled_ = !env_flag("CCALLOC_NO_CACHING");
+}
+
+void caching_allocator::print_warnings(const allocator_config& config) {
+  for (const std::string& w : config.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
 }
 
 caching_allocator::~caching_allocator() = default;
@@ -73,10 +79,12 @@ device_caching_allocator& caching_allocator::device_allocator(int device) const 
 }
 
 caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr) const noexcept {
-  // Blocks are 512-byte aligned: the next bits vary fastest. (The map inside
-  // a shard hashes all bits, so its slots do not depend on the shard.)
+  // Blocks are 512-byte aligned: drop those bits, then take the top bits of a
+  // multiplicative hash whose multiplier differs from the one the map inside
+  // the shard uses, so a shard's keys still spread over its map's slots.
   const auto a = reinterpret_cast<std::uintptr_t>(ptr) >> 9;
-  return shards_[(a ^ (a >> 6) ^ (a >> 12)) & (pointer_shard_count - 1)];
+  static_assert(pointer_shard_count == 256, "the shift below takes 8 bits");
+  return shards_[(a * 0xD6E8FEB86659FD93ull) >> 56];
 }
 
 void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t stream) {
@@ -141,7 +149,7 @@ void caching_allocator::enable(bool enabled) {
   for (auto& d : devices_) d->set_caching_enabled(enabled);
 }
 
-bool caching_allocator::is_enabled() const noexcept { return caching_enabled_; }
+bool caching_allocator::is_enabled() const noexcept { return caching_enabled_.load(std::memory_order_relaxed); }
 
 void caching_allocator::set_memory_fraction(double fraction, int device) {
   check_device(device, "set_memory_fraction");
@@ -183,8 +191,14 @@ void caching_allocator::record_stream(void* ptr, stream_t stream) {
   {
     std::lock_guard lock(shard.mutex);
     const pointer_entry* e = shard.blocks.find(reinterpret_cast<std::uintptr_t>(ptr));
-    if (e == nullptr) return;  // not ours: ignored (F11)
-    entry = *e;
+    if (e != nullptr) entry = *e;
+  }
+  if (entry.block == nullptr) {
+    // Not the start of a block: maybe a view inside one (SPEC X4); else not
+    // ours, and ignored (F11).
+    for (auto& d : devices_)
+      if (d->record_stream_containing(reinterpret_cast<std::uintptr_t>(ptr), stream)) return;
+    return;
   }
   devices_[static_cast<std::size_t>(entry.device)]->record_stream(entry.block, stream);
 }
@@ -214,6 +228,7 @@ void caching_allocator::set_config(std::string_view text) {
   std::lock_guard lock(config_mutex_);
   allocator_config next = config_;
   next.apply(text);  // throws config_error; nothing changed then
+  print_warnings(next);
   config_ = next;
   for (auto& d : devices_) d->set_config(config_);
 }

@@ -35,6 +35,7 @@
 #include <thread>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -117,16 +118,23 @@ class gap_model {
 // is reused once its gap is over.
 class side_stream_pool {
  public:
-  explicit side_stream_pool(gap_model& gaps) : gaps_(gaps) {}
+  /// `trace_streams`: stream ids the trace itself uses; a side stream must
+  /// differ from all of them (on the simulated device the trace's ids are used
+  /// as they are, and a created stream could carry the same number).
+  side_stream_pool(gap_model& gaps, std::unordered_set<stream_t> trace_streams)
+      : gaps_(gaps), trace_streams_(std::move(trace_streams)) {}
   stream_t acquire(std::uint64_t index) {
     for (stream_t s : streams_)
       if (gaps_.idle(s, index)) return s;
-    streams_.push_back(gaps_.create_side_stream());
-    return streams_.back();
+    stream_t s = gaps_.create_side_stream();
+    while (trace_streams_.count(s) != 0) s = gaps_.create_side_stream();  // skip a clashing id
+    streams_.push_back(s);
+    return s;
   }
 
  private:
   gap_model& gaps_;
+  std::unordered_set<stream_t> trace_streams_;
   std::vector<stream_t> streams_;
 };
 
@@ -540,7 +548,9 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   };
   std::unordered_map<std::uint64_t, live_alloc> live;  // trace address -> our allocation
   live.reserve(4096);
-  side_stream_pool side_streams(gaps);
+  std::unordered_set<stream_t> trace_streams;
+  for (const trace_event& e : t.events) trace_streams.insert(static_cast<stream_t>(e.stream));
+  side_stream_pool side_streams(gaps, std::move(trace_streams));
 
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < t.events.size(); ++i) {

@@ -101,6 +101,11 @@ class device_caching_allocator {
   /// Marks `block` as used on `stream` (PyTorch: recordStream). A use on the
   /// block's own stream is ignored.
   void record_stream(detail::block* block, stream_t stream);
+  /// record_stream for an address inside a live block (a view at an offset,
+  /// SPEC X4; PyTorch ignores such pointers). Returns false, changing nothing,
+  /// if no live block of this device contains `address`. Slow path: locks the
+  /// whole device.
+  bool record_stream_containing(std::uintptr_t address, stream_t stream);
   /// Returns cached segments that hold no live block to the device, after
   /// waiting for pending events (PyTorch: emptyCache). Live blocks are untouched.
   void empty_cache();

@@ -28,6 +28,7 @@
 #include <ccalloc/core/stats.hpp>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -51,10 +52,13 @@ using raw_deleter_fn = void (*)(void*);
 
 class caching_allocator {
  public:
-  /// `backend` is shared with whoever created it. `config` defaults to
-  /// CCALLOC_CONF from the environment; CCALLOC_NO_CACHING=1 starts in
-  /// no-caching mode (SPEC F6). Throws config_error for a bad CCALLOC_CONF.
+  /// `backend` is shared with whoever created it. The configuration comes
+  /// from the environment: CCALLOC_CONF (SPEC F30), and CCALLOC_NO_CACHING=1
+  /// starts in no-caching mode (SPEC F6). Warnings about settings without
+  /// effect (SPEC X6) go to stderr. Throws config_error for a bad CCALLOC_CONF.
   explicit caching_allocator(std::shared_ptr<device_backend> backend);
+  /// Uses `config` as given and reads no environment variable (for tools and
+  /// tests that must not depend on the caller's environment, e.g. replay).
   caching_allocator(std::shared_ptr<device_backend> backend, allocator_config config);
   ~caching_allocator();
   caching_allocator(const caching_allocator&) = delete;
@@ -119,8 +123,10 @@ class caching_allocator {
   /// Throws invalid_argument_error naming the pointer otherwise.
   [[nodiscard]] std::pair<void*, std::size_t> get_base_allocation(void* ptr) const;
   /// The block holding `ptr` will not be reused until the work queued on
-  /// `stream` before its free has completed (F11; PyTorch: recordStream). A
-  /// pointer this allocator did not hand out is ignored.
+  /// `stream` before its free has completed (F11; PyTorch: recordStream).
+  /// `ptr` may point inside a live block (a view at an offset): the owning
+  /// block is found (SPEC X4; PyTorch ignores such pointers). A pointer inside
+  /// no live block of this allocator is ignored.
   void record_stream(void* ptr, stream_t stream);
 
   /// Statistics of `device` (F12; PyTorch: getDeviceStats).
@@ -133,6 +139,7 @@ class caching_allocator {
 
   /// Replaces the configuration of every device with `text` applied on top of
   /// the current one (F30). Throws config_error; nothing changes then.
+  /// Warnings about settings without effect go to stderr.
   void set_config(std::string_view text);
   [[nodiscard]] allocator_config config() const;
 
@@ -149,14 +156,15 @@ class caching_allocator {
     detail::spin_mutex mutex;
     detail::pointer_map<pointer_entry> blocks;
   };
-  static constexpr std::size_t pointer_shard_count = 64;  // a power of two
+  static constexpr std::size_t pointer_shard_count = 256;  // a power of two
   pointer_shard& shard_for(void* ptr) const noexcept;
+  static void print_warnings(const allocator_config& config);
   void check_device(int device, const char* what) const;
 
   std::shared_ptr<device_backend> backend_;
   mutable std::mutex config_mutex_;
   allocator_config config_;
-  bool caching_enabled_ = true;
+  std::atomic<bool> caching_enabled_{true};
   std::vector<std::unique_ptr<device_caching_allocator>> devices_;
   std::vector<oom_observer> observers_;
   mutable std::array<pointer_shard, pointer_shard_count> shards_;

@@ -304,6 +304,12 @@ class device_state {
   std::vector<event_t> free_events_;  // event pool: created and reusable
   std::vector<oom_observer> observers_;
 
+  // True while the device has at most one stream state: its statistics then
+  // stay in its pending deltas without any lock and are published by readers
+  // (exact: nothing else changes the device's values meanwhile). Cleared,
+  // after publishing, when a second stream appears. Read under a stream lock.
+  std::atomic<bool> single_stream_{true};
+
   // [stats_mutex_]
   spin_mutex stats_mutex_;
   device_stats stats_;

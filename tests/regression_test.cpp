@@ -1,0 +1,139 @@
+// Regression tests for problems found by adversarial testing (each test names
+// the problem it guards against).
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+#include <ccalloc/replay/replay.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+namespace {
+
+using ccalloc::allocator_config;
+using ccalloc::caching_allocator;
+using ccalloc::mib;
+using ccalloc::sim_backend;
+
+std::unique_ptr<caching_allocator> make(const std::shared_ptr<sim_backend>& sim, const std::string& config) {
+  auto a = std::make_unique<caching_allocator>(sim, allocator_config::parse(config));
+  a->init(1);
+  return a;
+}
+
+// roundup_power2_divisions of 2^55 made 512 * divisions overflow: every
+// allocation got size 0 and the same pointer.
+TEST(RegressionTest, HugeRoundupDivisionsDoNotOverflow) {
+  auto sim = std::make_shared<sim_backend>();
+  auto a = make(sim, "roundup_power2_divisions:36028797018963968");
+  void* p = a->malloc(0, 1000, 0);
+  void* q = a->malloc(0, 1000, 0);
+  EXPECT_NE(p, q);
+  EXPECT_EQ(a->get_device_stats(0).allocated_bytes[0].current, 2 * 1024);
+  a->device_allocator(0).check_invariants();
+  a->free(p);
+  a->free(q);
+}
+
+// A huge max_non_split_rounding_mb made size + rounding wrap around, so no
+// cached oversize block was ever reused.
+TEST(RegressionTest, HugeNonSplitRoundingStillReusesOversizeBlocks) {
+  auto sim = std::make_shared<sim_backend>();
+  auto a = make(sim, "max_split_size_mb:20,max_non_split_rounding_mb:17592186044415,trim_on_new_peak:False");
+  for (int i = 0; i < 5; ++i) a->free(a->malloc(0, 30 * mib, 0));
+  EXPECT_EQ(a->get_device_stats(0).num_device_alloc, 1);
+}
+
+// An event query that failed inside malloc dropped the blocks whose events had
+// already been taken: they stayed pending forever and their memory leaked.
+TEST(RegressionTest, FailedEventQueryLosesNoBlock) {
+  auto sim = std::make_shared<sim_backend>();
+  auto a = make(sim, "");
+  const auto s0 = sim->create_stream(0);
+  const auto s1 = sim->create_stream(0);
+  const auto s2 = sim->create_stream(0);
+  void* p = a->malloc(0, 1000, s0);
+  void* q = a->malloc(0, 1000, s0);
+  sim->enqueue_work(0, s1, 10);
+  sim->enqueue_work(0, s2, 20);
+  a->record_stream(p, s1);
+  a->record_stream(q, s2);
+  a->free(p);
+  a->free(q);
+  sim->advance_to(30);
+  sim->fail_event_query_after(2);  // the first query succeeds, the second throws
+  EXPECT_THROW((void)a->malloc(0, 1000, s0), ccalloc::backend_error);
+  a->device_allocator(0).check_invariants();
+  void* r = a->malloc(0, 1000, s0);  // the failed query is simply asked again
+  a->free(r);
+  a->empty_cache();
+  const auto st = a->get_device_stats(0);
+  EXPECT_EQ(st.active_bytes[0].current, 0);
+  EXPECT_EQ(st.reserved_bytes[0].current, 0);
+  a->device_allocator(0).check_invariants();
+}
+
+// SPEC X4: record_stream on a view inside a block protects the whole block.
+TEST(RegressionTest, RecordStreamOnAnInteriorPointerProtectsTheBlock) {
+  auto sim = std::make_shared<sim_backend>();
+  auto a = make(sim, "");
+  const auto s0 = sim->create_stream(0);
+  const auto s1 = sim->create_stream(0);
+  void* p = a->malloc(0, 4096, s0);
+  sim->enqueue_work(0, s1, 1000);
+  a->record_stream(static_cast<char*>(p) + 1024, s1);
+  a->free(p);
+  void* q = a->malloc(0, 4096, s0);
+  EXPECT_NE(q, p) << "reused while s1 still works on it";
+  sim->advance_to(1000);
+  void* r = a->malloc(0, 4096, s0);
+  EXPECT_EQ(r, p);
+  a->free(q);
+  a->free(r);
+  // Inside no live block (past the end of every segment): ignored.
+  a->record_stream(reinterpret_cast<void*>(0x10), s1);
+  a->device_allocator(0).check_invariants();
+}
+
+// Replay: a created side stream must not carry the id of a trace stream
+// (the simulated device numbers its streams from 0x1000).
+TEST(RegressionTest, ReplaySideStreamsNeverClashWithTraceStreams) {
+  auto text = [](int stream) {
+    const std::string s = std::to_string(stream);
+    return "1 alloc 4096 15728640 " + s + "\n2 free_requested 4096 15728640 " + s + "\n3 alloc 8192 15728640 " +
+           s + "\n4 free_completed 4096 15728640 " + s + "\n";
+  };
+  const auto clash = ccalloc::replay_trace(ccalloc::parse_trace_text(text(4096), "t4096"), {});
+  const auto plain = ccalloc::replay_trace(ccalloc::parse_trace_text(text(4097), "t4097"), {});
+  EXPECT_EQ(clash.peak_reserved_bytes, plain.peak_reserved_bytes);
+  EXPECT_EQ(clash.device_mallocs, 2u);  // the second alloc cannot reuse the first block
+}
+
+TEST(RegressionTest, FractionErrorsShowTheValueGiven) {
+  auto sim = std::make_shared<sim_backend>();
+  auto a = make(sim, "");
+  try {
+    a->set_memory_fraction(1.0000001, 0);
+    FAIL();
+  } catch (const ccalloc::invalid_argument_error& e) {
+    EXPECT_NE(std::string(e.what()).find("1.0000001"), std::string::npos) << e.what();
+  }
+  a->set_memory_fraction(-0.0, 0);
+  EXPECT_FALSE(std::signbit(a->get_memory_fraction(0)));
+}
+
+TEST(RegressionTest, OomOfARequestLargerThanTheDeviceSaysSo) {
+  auto sim = std::make_shared<sim_backend>(ccalloc::sim_options{1, 64 * mib, 2 * mib});
+  auto a = make(sim, "");
+  void* small = a->malloc(0, 1000, 0);
+  try {
+    (void)a->malloc(0, 100 * mib, 0);
+    FAIL();
+  } catch (const ccalloc::out_of_memory_error& e) {
+    EXPECT_NE(std::string(e.what()).find("larger than the device's memory"), std::string::npos) << e.what();
+  }
+  a->free(small);
+}
+
+}  // namespace
