@@ -6,5 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build --target ccalloc_cli >/dev/null
+# Progress lines hidden; compiler errors shown, and a failed build stops here.
+cmake --build build --target ccalloc_cli 2>&1 | { grep -v '^\[' || true; }
 exec build/ccalloc replay "$@"
