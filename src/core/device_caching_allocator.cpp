@@ -659,46 +659,12 @@ void device_state::insert_events(block* b) {
   b->stream_uses.clear();
 }
 
-// Returns blocks whose events completed, without blocking: per stream, events
-// complete in order, so each queue is scanned up to its first pending event.
-// The completed events are taken under the device lock; each block is then
-// updated under its own stream's lock (never both: see the lock order).
-void device_state::process_events() {
-  std::vector<block*> completed;
-  std::exception_ptr failure;  // a failed query: blocks already taken are still returned
-  {
-    std::lock_guard device_lock(device_mutex_);
-    try {
-      for (auto it = pending_events_.begin(); it != pending_events_.end();) {
-        auto& queue = it->second;
-        while (!queue.empty()) {
-          auto [e, b] = queue.front();
-          if (!backend_.query_event(device_, e)) break;
-          queue.pop_front();
-          free_events_.push_back(e);
-          completed.push_back(b);
-        }
-        it = queue.empty() ? pending_events_.erase(it) : std::next(it);
-      }
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    pending_event_count_.fetch_sub(completed.size(), std::memory_order_relaxed);
-  }
-  for (block* b : completed) {
-    stream_state& ss = *b->pool->owner;
-    std::lock_guard lock(ss.mutex);
-    if (--b->event_count == 0) {
-      stats_sink sink(*this, ss);
-      free_block(b, sink.get(), false);
-    }
-  }
-  if (failure) std::rethrow_exception(failure);
-}
-
-void device_state::process_events_locked() {
+// Pops every completed event, in order per stream (each queue is scanned up
+// to its first pending event), and calls on_completed(block) for each.
+// [device]. pending_event_count_ stays right if a query throws halfway.
+template <class OnCompleted>
+void device_state::take_completed_events(OnCompleted on_completed) {
   std::size_t done = 0;
-  // Keep the count right if a query throws halfway.
   struct count_guard {
     std::atomic<std::size_t>& count;
     std::size_t& done;
@@ -712,10 +678,41 @@ void device_state::process_events_locked() {
       queue.pop_front();
       free_events_.push_back(e);
       ++done;
-      if (--b->event_count == 0) free_block(b, stats_, true);
+      on_completed(b);
     }
     it = queue.empty() ? pending_events_.erase(it) : std::next(it);
   }
+}
+
+// Returns blocks whose events completed, without blocking. The completed
+// events are taken under the device lock; each block is then updated under
+// its own stream's lock (never both: see the lock order).
+void device_state::process_events() {
+  std::vector<block*> completed;
+  std::exception_ptr failure;  // a failed query: blocks already taken are still returned
+  {
+    std::lock_guard device_lock(device_mutex_);
+    try {
+      take_completed_events([&](block* b) { completed.push_back(b); });
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  for (block* b : completed) {
+    stream_state& ss = *b->pool->owner;
+    std::lock_guard lock(ss.mutex);
+    if (--b->event_count == 0) {
+      stats_sink sink(*this, ss);
+      free_block(b, sink.get(), false);
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+void device_state::process_events_locked() {
+  take_completed_events([&](block* b) {
+    if (--b->event_count == 0) free_block(b, stats_, true);
+  });
 }
 
 void device_state::synchronize_and_free_events() {

@@ -267,6 +267,8 @@ class device_state {
   void release_block(block* b, device_stats& st);                             // [stream, device]
   void garbage_collect_cached_blocks(const world_lock& w);                    // [world]
   void process_events_locked();                                               // [world]
+  template <class OnCompleted>
+  void take_completed_events(OnCompleted on_completed);                      // [device]
   void synchronize_and_free_events();                                         // [world]
   event_t get_event();                                                        // [device]
   [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);// [world]
