@@ -136,4 +136,16 @@ TEST(RegressionTest, OomOfARequestLargerThanTheDeviceSaysSo) {
   a->free(small);
 }
 
+// An observer that threw replaced the out_of_memory_error and kept the
+// observers after it from running.
+TEST(RegressionTest, ThrowingObserverDoesNotHideTheOutOfMemoryError) {
+  auto sim = std::make_shared<sim_backend>(ccalloc::sim_options{1, 64 * mib, 2 * mib});
+  auto a = make(sim, "");
+  int second_calls = 0;
+  a->attach_out_of_memory_observer([](int, std::size_t, std::size_t, std::size_t) { throw std::runtime_error("x"); });
+  a->attach_out_of_memory_observer([&](int, std::size_t, std::size_t, std::size_t) { ++second_calls; });
+  EXPECT_THROW((void)a->malloc(0, 100 * mib, 0), ccalloc::out_of_memory_error);
+  EXPECT_EQ(second_calls, 1);
+}
+
 }  // namespace

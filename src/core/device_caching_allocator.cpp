@@ -779,7 +779,14 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   // Observers run outside the locks (SPEC F17): they may call back into ccalloc.
   auto observers = observers_;
   w.unlock();
-  for (auto& o : observers) o(device_, p.requested_bytes, f.device_total_bytes, f.device_free_bytes);
+  // Every observer runs, and the caller still gets the out-of-memory error:
+  // an exception from an observer is dropped (observers are notifications).
+  for (auto& o : observers) {
+    try {
+      o(device_, p.requested_bytes, f.device_total_bytes, f.device_free_bytes);
+    } catch (...) {
+    }
+  }
   throw out_of_memory_error(std::move(msg), f);
 }
 

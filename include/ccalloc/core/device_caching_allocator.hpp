@@ -53,7 +53,10 @@ struct allocation {
 
 /// Called on each out-of-memory error, outside the allocator's locks, with
 /// (device, bytes asked, bytes allowed (the fraction cap, else device total),
-/// device free bytes). SPEC F17.
+/// device free bytes). SPEC F17. It may call back into the allocator (an
+/// allocation that fails again calls the observers again). An exception it
+/// throws is dropped: the other observers still run and the caller still gets
+/// the out_of_memory_error.
 using oom_observer = std::function<void(int device, std::size_t requested_bytes,
                                         std::size_t allowed_bytes, std::size_t free_bytes)>;
 
