@@ -148,4 +148,15 @@ TEST(RegressionTest, ThrowingObserverDoesNotHideTheOutOfMemoryError) {
   EXPECT_EQ(second_calls, 1);
 }
 
+TEST(RegressionTest, NoCachingEnvironmentVariableAcceptsCommonBooleans) {
+  auto sim = std::make_shared<sim_backend>();
+  ::setenv("CCALLOC_NO_CACHING", "yes", 1);
+  EXPECT_FALSE(caching_allocator(sim).is_enabled());
+  ::setenv("CCALLOC_NO_CACHING", "OFF", 1);
+  EXPECT_TRUE(caching_allocator(sim).is_enabled());
+  ::setenv("CCALLOC_NO_CACHING", "maybe", 1);
+  EXPECT_THROW(caching_allocator{sim}, ccalloc::config_error);
+  ::unsetenv("CCALLOC_NO_CACHING");
+}
+
 }  // namespace

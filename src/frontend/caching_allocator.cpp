@@ -4,6 +4,7 @@
 
 #include <ccalloc/backend/default_backend.hpp>
 
+#include <cctype>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -21,9 +22,17 @@ std::string pointer_name(const void* ptr) {
   return buf;
 }
 
+// A boolean environment variable: 1/true/yes/on and 0/false/no/off (any
+// case); unset or empty is false. Anything else is a config_error naming it.
 bool env_flag(const char* name) {
   const char* v = std::getenv(name);
-  return v != nullptr && (std::strcmp(v, "1") == 0 || std::strcmp(v, "true") == 0 || std::strcmp(v, "True") == 0);
+  if (v == nullptr || *v == '\0') return false;
+  std::string value(v);
+  for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
+  if (value == "0" || value == "false" || value == "no" || value == "off") return false;
+  throw config_error(std::string("ccalloc: ") + name + "=" + v +
+                     " is not a boolean (accepted: 1, true, yes, on, 0, false, no, off)");
 }
 
 }  // namespace
