@@ -287,4 +287,30 @@ TEST(ReplayTest, BadConfigIsRejectedBeforeReplaying) {
   EXPECT_THROW((void)ccalloc::replay_trace(ccalloc::parse_trace_text("", "empty"), o), ccalloc::config_error);
 }
 
+TEST(ReplayTest, MinDeviceMemoryIsTheSmallestThatFits) {
+  // Two 15 MiB blocks live at once: two 16 MiB segments (B2: >= 10 MiB rounds
+  // to 2 MiB). The 12 MiB request after a free splits a cached 16 MiB block.
+  const std::string text =
+      "1 alloc 4096 15728640 0\n"
+      "2 alloc 8192 15728640 0\n"
+      "3 free_requested 4096 15728640 0\n"
+      "4 free_completed 4096 15728640 0\n"
+      "5 alloc 12288 12582912 0\n";
+  const auto t = ccalloc::parse_trace_text(text, "two");
+  EXPECT_EQ(ccalloc::find_min_device_memory(t, {}), std::size_t{32} << 20);
+  ccalloc::replay_options tight;
+  tight.device_memory_bytes = std::size_t{30} << 20;
+  EXPECT_GT(ccalloc::replay_trace(t, tight).ooms, 0u);
+  tight.device_memory_bytes = std::size_t{32} << 20;
+  EXPECT_EQ(ccalloc::replay_trace(t, tight).ooms, 0u);
+}
+
+TEST(ReplayTest, MinDeviceMemoryRejectsATraceThatNeverFits) {
+  ccalloc::replay_options small;
+  small.device_memory_bytes = std::size_t{8} << 20;
+  const auto t = ccalloc::parse_trace_text("1 alloc 4096 15728640 0\n", "big");
+  EXPECT_THROW((void)ccalloc::find_min_device_memory(t, small), ccalloc::error);
+}
+
 }  // namespace
+

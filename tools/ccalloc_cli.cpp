@@ -502,15 +502,61 @@ struct common_options {
   }
 };
 
-int run_replay(const common_options& common, const std::string& config) {
+/// SPEC P7: the smallest device memory on which the trace replays without
+/// an OOM, next to PyTorch's figures when they are known.
+struct min_memory_result {
+  std::uint64_t ccalloc_bytes = 0;
+  std::uint64_t native_bytes = 0;             ///< 0: unknown
+  std::uint64_t native_expandable_bytes = 0;  ///< 0: unknown
+};
+
+min_memory_result find_min_memory(const loaded_trace& input, const ccalloc::replay_options& options) {
+  min_memory_result m;
+  m.ccalloc_bytes = ccalloc::find_min_device_memory(input.trace, options);
+  if (input.native) {
+    m.native_bytes = json_u64(input.native->raw, "native_min_capacity_bytes");
+    m.native_expandable_bytes = json_u64(input.native->raw, "native_expandable_min_capacity_bytes");
+  }
+  return m;
+}
+
+void print_min_memory(const min_memory_result& m) {
+  const auto gib_text = [](std::uint64_t b) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.3f GiB", double(b) / double(1ull << 30));
+    return std::string(buf);
+  };
+  std::printf("\nSmallest device memory without out of memory (bisection to 2 MiB):\n");
+  std::printf("  ccalloc              %s  (%llu B)\n", gib_text(m.ccalloc_bytes).c_str(),
+              static_cast<unsigned long long>(m.ccalloc_bytes));
+  if (m.native_bytes)
+    std::printf("  PyTorch native       %s  (ccalloc / PyTorch %.3fx)\n", gib_text(m.native_bytes).c_str(),
+                double(m.ccalloc_bytes) / double(m.native_bytes));
+  if (m.native_expandable_bytes)
+    std::printf("  PyTorch expandable   %s  (ccalloc / PyTorch %.3fx)\n", gib_text(m.native_expandable_bytes).c_str(),
+                double(m.ccalloc_bytes) / double(m.native_expandable_bytes));
+}
+
+int run_replay(const common_options& common, const std::string& config, bool min_memory) {
   const ccalloc::replay_options options = common.replay_options_for(config);
   check_config(options.config);
+  if (min_memory && options.device != ccalloc::replay_device::sim)
+    throw usage_error("--min-memory works on the simulated device only (--device sim)");
   const loaded_trace input = load_trace(common.trace_path);
   const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
+  std::optional<min_memory_result> min;
+  if (min_memory) min = find_min_memory(input, options);
   if (common.json_output) {
-    std::printf("%s\n", result_json(result, input, options.config, options.cuda_device).dump(2).c_str());
+    json out = result_json(result, input, options.config, options.cuda_device);
+    if (min) {
+      out["min_device_memory_bytes"] = min->ccalloc_bytes;
+      if (min->native_bytes) out["native_min_capacity_bytes"] = min->native_bytes;
+      if (min->native_expandable_bytes) out["native_expandable_min_capacity_bytes"] = min->native_expandable_bytes;
+    }
+    std::printf("%s\n", out.dump(2).c_str());
   } else {
     print_replay_report(result, input, options.config, options.cuda_device);
+    if (min) print_min_memory(*min);
   }
   if (result.ooms > 0)
     std::fprintf(stderr,
@@ -623,6 +669,10 @@ int run(int argc, char** argv) {
   replay->add_option("--config", replay_config,
                      "Configuration string, PyTorch syntax (see `ccalloc config-keys`). "
                      "Default: defaults.");
+  bool min_memory = false;
+  replay->add_flag("--min-memory", min_memory,
+                   "Also find the smallest simulated device memory on which the trace replays without "
+                   "out of memory (bisection to 2 MiB; SPEC P7).");
 
   CLI::App* compare =
       app.add_subcommand("compare", "Replay one trace under several configurations side by side.");
@@ -642,7 +692,7 @@ int run(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
 
-  if (replay->parsed()) return run_replay(common, replay_config);
+  if (replay->parsed()) return run_replay(common, replay_config, min_memory);
   if (compare->parsed()) return run_compare(common, compare_configs);
   if (keys->parsed()) return run_config_keys();
   return 2;  // unreachable: require_subcommand(1)

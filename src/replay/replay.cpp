@@ -678,4 +678,27 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
 #endif
 }
 
+std::size_t find_min_device_memory(const trace& t, const replay_options& options, std::size_t precision_bytes) {
+  if (options.device != replay_device::sim)
+    throw error("find_min_device_memory: only the simulated device can change its memory size");
+  if (precision_bytes == 0) throw error("find_min_device_memory: precision_bytes must be > 0");
+  const replay_result full = replay_trace(t, options);
+  if (full.ooms != 0)
+    throw error("find_min_device_memory: " + t.source + " does not fit even in " +
+                std::to_string(options.device_memory_bytes) + " bytes (" + std::to_string(full.ooms) +
+                " allocations failed)");
+  const auto round_up = [&](std::size_t v) { return (v + precision_bytes - 1) / precision_bytes * precision_bytes; };
+  std::size_t fits = round_up(full.peak_reserved_bytes);  // a replay that never reserved more fits here
+  std::size_t fails = full.peak_requested_bytes / precision_bytes * precision_bytes;  // below the lower bound
+  if (fails >= fits) fails = fits - std::min(fits, precision_bytes);
+  replay_options probe = options;
+  while (fits - fails > precision_bytes) {
+    const std::size_t mid = fails + (fits - fails) / 2 / precision_bytes * precision_bytes;
+    probe.device_memory_bytes = mid;
+    if (replay_trace(t, probe).ooms == 0) fits = mid;
+    else fails = mid;
+  }
+  return fits;
+}
+
 }  // namespace ccalloc

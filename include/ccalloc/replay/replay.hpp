@@ -103,4 +103,15 @@ struct replay_result {
 /// backend_error for a failing CUDA call.
 [[nodiscard]] replay_result replay_trace(const trace& t, const replay_options& options);
 
+/// SPEC P7: the smallest simulated device memory (bytes, a multiple of
+/// `precision_bytes`) on which `t` replays without an out-of-memory error,
+/// found by bisection between the trace's peak requested bytes (nothing
+/// smaller can work) and the peak reserved of a replay on
+/// options.device_memory_bytes (which works). Like PyTorch's own figures
+/// (native_min_capacity_bytes), it assumes that more memory never hurts.
+/// options.device must be sim. Cost: about log2(range / precision) replays.
+/// Throws ccalloc::error if the trace does not fit options.device_memory_bytes.
+[[nodiscard]] std::size_t find_min_device_memory(const trace& t, const replay_options& options,
+                                                 std::size_t precision_bytes = 2 * mib);
+
 }  // namespace ccalloc
