@@ -73,6 +73,14 @@ bool block_index::contains(const block* b) const noexcept {
 
 namespace {
 std::atomic<std::uint64_t> next_state_id{1};
+
+// Counts events taken off the queues and subtracts them from
+// pending_event_count_ on scope exit, also when a backend call throws.
+struct retired_events {
+  std::atomic<std::size_t>& pending;
+  std::size_t count = 0;
+  ~retired_events() { pending.fetch_sub(count, std::memory_order_relaxed); }
+};
 constexpr std::array<std::size_t, roundup_intervals> no_divisions{};
 
 // One cached (device state, stream) -> stream_state per thread: the fast path
@@ -664,12 +672,7 @@ void device_state::insert_events(block* b) {
 // [device]. pending_event_count_ stays right if a query throws halfway.
 template <class OnCompleted>
 void device_state::take_completed_events(OnCompleted on_completed) {
-  std::size_t done = 0;
-  struct count_guard {
-    std::atomic<std::size_t>& count;
-    std::size_t& done;
-    ~count_guard() { count.fetch_sub(done, std::memory_order_relaxed); }
-  } guard{pending_event_count_, done};
+  retired_events retired{pending_event_count_};
   for (auto it = pending_events_.begin(); it != pending_events_.end();) {
     auto& queue = it->second;
     while (!queue.empty()) {
@@ -677,7 +680,7 @@ void device_state::take_completed_events(OnCompleted on_completed) {
       if (!backend_.query_event(device_, e)) break;
       queue.pop_front();
       free_events_.push_back(e);
-      ++done;
+      ++retired.count;
       on_completed(b);
     }
     it = queue.empty() ? pending_events_.erase(it) : std::next(it);
@@ -717,19 +720,14 @@ void device_state::process_events_locked() {
 
 void device_state::synchronize_and_free_events() {
   ++stats_.num_sync_all_streams;
-  std::size_t done = 0;
-  struct count_guard {
-    std::atomic<std::size_t>& count;
-    std::size_t& done;
-    ~count_guard() { count.fetch_sub(done, std::memory_order_relaxed); }
-  } guard{pending_event_count_, done};
+  retired_events retired{pending_event_count_};
   for (auto& [stream, queue] : pending_events_) {
     while (!queue.empty()) {
       auto [e, b] = queue.front();
       backend_.synchronize_event(device_, e);
       queue.pop_front();
       free_events_.push_back(e);
-      ++done;
+      ++retired.count;
       if (--b->event_count == 0) free_block(b, stats_, true);
     }
   }
