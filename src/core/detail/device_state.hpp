@@ -146,7 +146,10 @@ struct stream_pools {
 
 // Everything of one stream: its pools, its lock, and the statistics it could
 // not publish because stats_mutex_ was busy (merged on the next publish).
-struct stream_state {
+// Cache-line aligned: each stream's hot fields (its lock, its spare-block
+// list) are written by that stream's thread only; alignment keeps them off
+// the lines of the stream states allocated next to it (no false sharing).
+struct alignas(64) stream_state {
   explicit stream_state(stream_t s) : stream(s), pools(this) {}
   spin_mutex mutex;
   stream_t stream;
