@@ -5,20 +5,25 @@
 // Allocation call tree (malloc):
 //
 //   device_caching_allocator::malloc
-//     device_state::allocate                      lock held from here
-//       process_events                            return blocks whose events completed
-//       round_size, pool_for, allocation_size     B1, B2
+//     device_state::allocate
+//       process_events            only if events are pending (device lock, then stream locks)
+//       stream_for                the stream's state (thread-local cache, else registry)
+//       prepare                   round_size, pool, allocation_size: B1, B2   [stream lock]
 //       get_free_block            -- rung 1: best fit in (stream, pool)       [likely]
+//       take_found_block          split if worth it, stats via stats_sink
+//     allocate_slow                                                      [world lock]
+//       get_free_block            -- rung 1 again (another thread may have freed)
 //       garbage_collect_cached_blocks -- rung 2: above the GC threshold
+//       release_unused_segments   -- rung 3a: trim_on_new_peak
 //       alloc_segment             -- rung 3: a new segment from the device
 //       release_available_cached_blocks + alloc_segment
 //                                 -- rung 4: free oversize cached blocks, retry
 //       release_cached_blocks + alloc_segment
 //                                 -- rung 5: sync events, free every cached segment, retry
 //       throw_out_of_memory       -- rung 6: B6 (observers called unlocked)
-//       take_found_block          split if worth it, update stats
 //
-// Free call tree: free -> (block used on other streams? insert_events : free_block)
+// Free call tree [stream lock]: free -> (block used on other streams?
+//   insert_events [+ device lock] : free_block)
 //   free_block -> try_merge with both neighbours -> back into the pool.
 #include <ccalloc/core/device_caching_allocator.hpp>
 

@@ -74,17 +74,25 @@ void caching_allocator::init(int device_count) {
 
 bool caching_allocator::initialized() const noexcept { return !devices_.empty(); }
 
-void caching_allocator::check_device(int device, const char* what) const {
+device_caching_allocator& caching_allocator::checked_device(int device, const char* what) const {
   if (devices_.empty())
     throw invalid_argument_error(std::string("ccalloc: ") + what + " before init(): call init(device_count) first");
   if (device < 0 || device >= static_cast<int>(devices_.size()))
     throw invalid_argument_error(std::string("ccalloc: ") + what + ": device " + std::to_string(device) +
                                  " is not initialized (devices 0.." + std::to_string(devices_.size() - 1) + ")");
+  return *devices_[static_cast<std::size_t>(device)];
 }
 
 device_caching_allocator& caching_allocator::device_allocator(int device) const {
-  check_device(device, "device_allocator");
-  return *devices_[static_cast<std::size_t>(device)];
+  return checked_device(device, "device_allocator");
+}
+
+std::optional<caching_allocator::pointer_entry> caching_allocator::find_entry(void* ptr) const {
+  auto& shard = shard_for(ptr);
+  std::lock_guard lock(shard.mutex);
+  const pointer_entry* e = shard.blocks.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (e == nullptr) return std::nullopt;
+  return *e;
 }
 
 caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr) const noexcept {
@@ -97,9 +105,9 @@ caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr) const 
 }
 
 void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t stream) {
-  check_device(device, "malloc");
+  device_caching_allocator& dev = checked_device(device, "malloc");
   if (size_bytes == 0) return nullptr;
-  allocation a = devices_[static_cast<std::size_t>(device)]->malloc(size_bytes, stream);
+  allocation a = dev.malloc(size_bytes, stream);
   auto& shard = shard_for(a.ptr);
   {
     std::lock_guard lock(shard.mutex);
@@ -161,13 +169,11 @@ void caching_allocator::enable(bool enabled) {
 bool caching_allocator::is_enabled() const noexcept { return caching_enabled_.load(std::memory_order_relaxed); }
 
 void caching_allocator::set_memory_fraction(double fraction, int device) {
-  check_device(device, "set_memory_fraction");
-  devices_[static_cast<std::size_t>(device)]->set_memory_fraction(fraction);
+  checked_device(device, "set_memory_fraction").set_memory_fraction(fraction);
 }
 
 double caching_allocator::get_memory_fraction(int device) const {
-  check_device(device, "get_memory_fraction");
-  return devices_[static_cast<std::size_t>(device)]->memory_fraction();
+  return checked_device(device, "get_memory_fraction").memory_fraction();
 }
 
 void caching_allocator::empty_cache() {
@@ -175,56 +181,39 @@ void caching_allocator::empty_cache() {
 }
 
 std::size_t caching_allocator::cache_info(int device) const {
-  check_device(device, "cache_info");
-  return devices_[static_cast<std::size_t>(device)]->largest_free_block();
+  return checked_device(device, "cache_info").largest_free_block();
 }
 
 std::pair<void*, std::size_t> caching_allocator::get_base_allocation(void* ptr) const {
-  auto& shard = shard_for(ptr);
-  pointer_entry entry;
-  {
-    std::lock_guard lock(shard.mutex);
-    const pointer_entry* e = shard.blocks.find(reinterpret_cast<std::uintptr_t>(ptr));
-    if (e == nullptr)
-      throw invalid_argument_error("ccalloc: get_base_allocation(" + pointer_name(ptr) +
-                                   "): not a live allocation of this allocator");
-    entry = *e;
-  }
-  return devices_[static_cast<std::size_t>(entry.device)]->base_allocation(entry.block);
+  const auto entry = find_entry(ptr);
+  if (!entry)
+    throw invalid_argument_error("ccalloc: get_base_allocation(" + pointer_name(ptr) +
+                                 "): not a live allocation of this allocator");
+  return devices_[static_cast<std::size_t>(entry->device)]->base_allocation(entry->block);
 }
 
 void caching_allocator::record_stream(void* ptr, stream_t stream) {
   if (ptr == nullptr) return;
-  auto& shard = shard_for(ptr);
-  pointer_entry entry;
-  {
-    std::lock_guard lock(shard.mutex);
-    const pointer_entry* e = shard.blocks.find(reinterpret_cast<std::uintptr_t>(ptr));
-    if (e != nullptr) entry = *e;
-  }
-  if (entry.block == nullptr) {
-    // Not the start of a block: maybe a view inside one (SPEC X4); else not
-    // ours, and ignored (F11).
-    for (auto& d : devices_)
-      if (d->record_stream_containing(reinterpret_cast<std::uintptr_t>(ptr), stream)) return;
+  if (const auto entry = find_entry(ptr)) {
+    devices_[static_cast<std::size_t>(entry->device)]->record_stream(entry->block, stream);
     return;
   }
-  devices_[static_cast<std::size_t>(entry.device)]->record_stream(entry.block, stream);
+  // Not the start of a block: maybe a view inside one (SPEC X4); else not
+  // ours, and ignored (F11).
+  for (auto& d : devices_)
+    if (d->record_stream_containing(reinterpret_cast<std::uintptr_t>(ptr), stream)) return;
 }
 
 device_stats caching_allocator::get_device_stats(int device) const {
-  check_device(device, "get_device_stats");
-  return devices_[static_cast<std::size_t>(device)]->stats();
+  return checked_device(device, "get_device_stats").stats();
 }
 
 void caching_allocator::reset_accumulated_stats(int device) {
-  check_device(device, "reset_accumulated_stats");
-  devices_[static_cast<std::size_t>(device)]->reset_accumulated_stats();
+  checked_device(device, "reset_accumulated_stats").reset_accumulated_stats();
 }
 
 void caching_allocator::reset_peak_stats(int device) {
-  check_device(device, "reset_peak_stats");
-  devices_[static_cast<std::size_t>(device)]->reset_peak_stats();
+  checked_device(device, "reset_peak_stats").reset_peak_stats();
 }
 
 void caching_allocator::attach_out_of_memory_observer(oom_observer observer) {

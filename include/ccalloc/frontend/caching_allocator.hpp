@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -160,7 +161,11 @@ class caching_allocator {
   static constexpr std::size_t pointer_shard_count = 256;  // a power of two
   pointer_shard& shard_for(void* ptr) const noexcept;
   static void print_warnings(const allocator_config& config);
-  void check_device(int device, const char* what) const;
+  /// The allocator of `device`; throws invalid_argument_error naming `what`
+  /// before init() or for a device out of range.
+  device_caching_allocator& checked_device(int device, const char* what) const;
+  /// The entry of a pointer this allocator handed out, or nullopt.
+  std::optional<pointer_entry> find_entry(void* ptr) const;
 
   std::shared_ptr<device_backend> backend_;
   mutable std::mutex config_mutex_;

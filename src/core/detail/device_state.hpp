@@ -227,7 +227,6 @@ class world_lock {
   world_lock& operator=(const world_lock&) = delete;
   void unlock();
   void lock();
-  [[nodiscard]] bool owns_lock() const noexcept { return locked_; }
   /// Every stream state of the device when the lock was taken (all locked).
   [[nodiscard]] const std::vector<stream_state*>& streams() const noexcept { return streams_; }
 
