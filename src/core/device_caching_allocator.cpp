@@ -173,10 +173,7 @@ stats_sink::stats_sink(device_state& d, stream_state& s) noexcept : d_(d), s_(s)
     return;
   }
   locked_ = true;
-  if (s_.has_pending_stats) {
-    merge_pending_stats(d_.stats_, s_.pending_stats);
-    s_.has_pending_stats = false;
-  }
+  publish_pending_stats(d_.stats_, s_);
   // Another thread published last: threads are sharing this device, so
   // publish only every 64th operation from now on (see the class comment).
   if (d_.last_stats_thread_ != &tls_thread_tag) {
@@ -195,7 +192,10 @@ device_stats& stats_sink::get() noexcept {
   return s_.pending_stats;
 }
 
-void merge_pending_stats(device_stats& into, device_stats& pending) noexcept {
+void publish_pending_stats(device_stats& into, stream_state& s) noexcept {
+  if (!s.has_pending_stats) return;
+  s.has_pending_stats = false;
+  device_stats& pending = s.pending_stats;
   auto merge = [](stat& to, stat& from) {
     const std::int64_t before = to.current;
     to.current += from.current;
@@ -226,11 +226,7 @@ void merge_pending_stats(device_stats& into, device_stats& pending) noexcept {
 }
 
 void device_state::publish_all_pending_stats(const world_lock& w) {
-  for (stream_state* ss : w.streams())
-    if (ss->has_pending_stats) {
-      merge_pending_stats(stats_, ss->pending_stats);
-      ss->has_pending_stats = false;
-    }
+  for (stream_state* ss : w.streams()) publish_pending_stats(stats_, *ss);
 }
 
 stream_state& device_state::stream_for(stream_t stream) {
@@ -248,10 +244,7 @@ stream_state& device_state::stream_for(stream_t stream) {
         if (other.get() == slot.get()) continue;
         std::lock_guard other_lock(other->mutex);
         std::lock_guard stats_lock(stats_mutex_);
-        if (other->has_pending_stats) {
-          merge_pending_stats(stats_, other->pending_stats);
-          other->has_pending_stats = false;
-        }
+        publish_pending_stats(stats_, *other);
         single_stream_.store(false, std::memory_order_relaxed);
       }
     }

@@ -213,8 +213,9 @@ class stats_sink {
   bool locked_ = false;
 };
 
-// Merges `pending` (deltas since the last publish) into `into`, then clears it.
-void merge_pending_stats(device_stats& into, device_stats& pending) noexcept;
+// Merges the stream's pending deltas (since its last publication) into
+// `into` and clears them; nothing when it has none. [stream + stats, or world]
+void publish_pending_stats(device_stats& into, stream_state& s) noexcept;
 
 // All of a device's locks, in order (the slow path). unlock()/lock() let the
 // device malloc run unlocked (release_lock_on_cudamalloc) and observers run
