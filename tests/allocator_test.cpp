@@ -90,8 +90,15 @@ class AllocatorTest : public ::testing::Test {
     o.device_count = devices;
     o.capacity_bytes = capacity;
     sim = std::make_shared<sim_backend>(o);
-    alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(conf));
+    alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(plain_unless_asked(conf)));
     alloc->init(devices);
+  }
+  // This suite checks the plain-segment policies (PyTorch's), segment by
+  // segment: expandable segments (the default) only where a test asks for
+  // them (tests/expandable_test.cpp covers them).
+  static std::string plain_unless_asked(std::string_view conf) {
+    if (conf.find("expandable_segments") != std::string_view::npos) return std::string(conf);
+    return conf.empty() ? "expandable_segments:False" : "expandable_segments:False," + std::string(conf);
   }
 
   device_caching_allocator& dev(int d = 0) { return alloc->device_allocator(d); }
@@ -1177,7 +1184,8 @@ TEST_F(AllocatorTest, BestFitBreaksTiesByLowestAddress) {
 }
 
 TEST_F(AllocatorTest, CachedBlocksAreBoundToTheirStream) {
-  make(gib, "trim_on_new_peak:False");  // keep the cache while growing
+  // keep the cache while growing; PyTorch's stream binding
+  make(gib, "trim_on_new_peak:False,reuse_across_streams:False");
   const stream_t other = sim->create_stream(0);
   void* p = m(30 * MiB, default_stream);
   alloc->free(p);
@@ -1300,6 +1308,7 @@ TEST_F(AllocatorTest, OversizeStatsSurviveAMaxSplitSizeChange) {
 // =============================================================================
 
 TEST_F(AllocatorTest, TrimOnNewPeakReturnsUnusedSegmentsBeforeGrowing) {
+  make(gib, "reuse_across_streams:False");  // blocks stay with their stream here (X2 has its own tests)
   EXPECT_TRUE(alloc->config().trim_on_new_peak);
   const stream_t other = sim->create_stream(0);
   void* x = m(40 * MiB);

@@ -88,7 +88,7 @@ TEST(ConfigTest, EmptyAndBlankStringsGiveDefaults) {
 TEST(ConfigTest, DefaultsPrintCanonically) {
   EXPECT_EQ(allocator_config{}.to_string(),
             "max_non_split_rounding_mb:20,large_segment_size_mb:20,roundup_power2_divisions:0,"
-            "expandable_segments:False,release_lock_on_cudamalloc:False,trim_on_new_peak:True,"
+            "release_lock_on_cudamalloc:False,trim_on_new_peak:True,reuse_across_streams:True,"
             "backend:native,pinned_use_cuda_host_register:False,pinned_num_register_threads:1,"
             "pinned_use_background_threads:False,graph_capture_record_stream_reuse:False");
 }
@@ -157,13 +157,25 @@ TEST(ConfigTest, EveryKeyParses) {
   EXPECT_EQ(parse_key("garbage_collection_threshold", "5e-1").garbage_collection_threshold, 0.5);
   EXPECT_EQ(parse_key("roundup_power2_divisions", "4").roundup_power2_divisions,
             (divisions_array{4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4}));
-  for (const char* key : {"expandable_segments", "release_lock_on_cudamalloc",
+  {
+    // The default is True (where the device has virtual memory); given, it is kept and printed.
+    EXPECT_TRUE(allocator_config{}.expandable_segments);
+    EXPECT_FALSE(allocator_config{}.expandable_segments_set);
+    const auto on = parse_key("expandable_segments", "True");
+    EXPECT_TRUE(on.expandable_segments && on.expandable_segments_set);
+    const auto off = parse_key("expandable_segments", "False");
+    EXPECT_TRUE(!off.expandable_segments && off.expandable_segments_set);
+    EXPECT_NE(off.to_string().find("expandable_segments:False"), std::string::npos);
+    EXPECT_EQ(allocator_config{}.to_string().find("expandable_segments"), std::string::npos);
+    EXPECT_FALSE(parse_key("reuse_across_streams", "False").reuse_across_streams);
+    EXPECT_EQ(parse_key("reuse_across_streams", "True"), allocator_config{});  // the default
+  }
+  for (const char* key : {"release_lock_on_cudamalloc",
                           "pinned_use_cuda_host_register", "pinned_use_background_threads",
                           "graph_capture_record_stream_reuse"}) {
     for (const char* truthy : {"True", "true", "1"}) {
       const auto c = parse_key(key, truthy);
-      const bool value = std::string(key) == "expandable_segments" ? c.expandable_segments
-                         : std::string(key) == "release_lock_on_cudamalloc"
+      const bool value = std::string(key) == "release_lock_on_cudamalloc"
                              ? c.release_lock_on_cudamalloc
                          : std::string(key) == "pinned_use_cuda_host_register"
                              ? c.pinned_use_cuda_host_register
@@ -211,7 +223,7 @@ TEST(ConfigTest, HugeMibValuesClampLikePyTorch) {
 
 TEST(ConfigTest, ConfigKeysTable) {
   const auto& keys = config_keys();
-  ASSERT_EQ(keys.size(), 15u);
+  ASSERT_EQ(keys.size(), 16u);
   std::set<std::string_view> unique;
   for (const auto& info : keys) {
     EXPECT_FALSE(info.accepted.empty()) << info.key;
@@ -468,11 +480,10 @@ std::vector<std::string> warnings_of(const std::string& text) {
   return allocator_config::parse(text).warnings;
 }
 
-TEST(ConfigTest, ExpandableSegmentsWarnsUntilImplemented) {
-  const auto w = warnings_of("expandable_segments:True");
-  ASSERT_EQ(w.size(), 1u);
-  EXPECT_NE(w[0].find("expandable_segments:True"), std::string::npos) << w[0];
-  EXPECT_NE(w[0].find("not implemented"), std::string::npos) << w[0];
+TEST(ConfigTest, ExpandableSegmentsAndOwnKeysGiveNoWarning) {
+  EXPECT_TRUE(warnings_of("expandable_segments:True").empty());
+  EXPECT_TRUE(warnings_of("expandable_segments:False,reuse_across_streams:False").empty());
+  EXPECT_TRUE(warnings_of(ccalloc::pytorch_policies).empty());
 }
 
 TEST(ConfigTest, NoWarningsForEffectiveSettings) {
@@ -604,8 +615,8 @@ TEST(ConfigTest, ToStringCanonicalForms) {
   EXPECT_EQ(full,
             "max_split_size_mb:256,max_non_split_rounding_mb:20,large_segment_size_mb:20,"
             "garbage_collection_threshold:0.6,roundup_power2_divisions:0,"
-            "expandable_segments:False,release_lock_on_cudamalloc:False,"
-            "per_process_memory_fraction:0.8,trim_on_new_peak:True,backend:native,"
+            "release_lock_on_cudamalloc:False,"
+            "per_process_memory_fraction:0.8,trim_on_new_peak:True,reuse_across_streams:True,backend:native,"
             "pinned_use_cuda_host_register:False,pinned_num_register_threads:1,"
             "pinned_use_background_threads:False,pinned_reserve_segment_size_mb:16,"
             "graph_capture_record_stream_reuse:False");

@@ -279,7 +279,11 @@ class model_runner {
       settle_pending(syncs, now, true);
       if (e.requested_bytes != size) return where() + "OOM figures name another size";
       // Justified only if the segment the policy needs did not fit.
-      const std::size_t need = policy_segment(config_, policy_round(config_, size), caching_);
+      // Expandable segments map whole pages: at most the rounded size in
+      // pages plus one page shared with a neighbour.
+      const std::size_t need = config_.expandable_segments && caching_
+                                   ? granule(policy_round(config_, size))
+                                   : policy_segment(config_, policy_round(config_, size), caching_);
       const bool over_cap = fraction_set_ && e.reserved_bytes + need > allowed_;
       const bool device_full = e.device_free_bytes < granule(need);
       if (!over_cap && !device_full) {
@@ -293,9 +297,13 @@ class model_runner {
       for (const auto& seg : dev_->segments()) {
         for (const auto& b : seg.blocks)
           if (b.state == block_state::active_pending_free) return where() + "OOM with a block still pending";
-        if (seg.blocks.size() == 1 && seg.blocks[0].state == block_state::inactive)
+        if (!seg.is_expandable && seg.blocks.size() == 1 && seg.blocks[0].state == block_state::inactive)
           return where() + "OOM although a whole cached segment of " + std::to_string(seg.total_bytes) +
                  " bytes was kept";
+        if (seg.is_expandable)
+          for (const auto& b : seg.blocks)
+            if (b.mapped && b.state == block_state::inactive && granule(b.address + 1) + 2 * mib <= b.address + b.size_bytes)
+              return where() + "OOM although a free whole page stayed mapped at " + std::to_string(b.address);
       }
       return {};
     } catch (const std::exception& e) {
@@ -517,11 +525,16 @@ INSTANTIATE_TEST_SUITE_P(
         prop_case{"gc_fraction", "garbage_collection_threshold:0.6,per_process_memory_fraction:0.5", false, false,
                   0x5eed0003, 300'000},
         prop_case{"no_caching", "", true, false, 0x5eed0004, 150'000},
-        prop_case{"pytorch_exact", "trim_on_new_peak:False", false, false, 0x5eed0005, 150'000},
+        prop_case{"pytorch_exact", "trim_on_new_peak:False,reuse_across_streams:False", false, false, 0x5eed0005, 150'000},
         prop_case{"caching_toggled", "max_split_size_mb:40,trim_on_new_peak:False", false, true, 0x5eed0006,
                   150'000},
         prop_case{"release_lock", "release_lock_on_cudamalloc:True,per_process_memory_fraction:0.75,"
-                  "roundup_power2_divisions:[1:2,>:8]", false, false, 0x5eed0007, 100'000}),
+                  "roundup_power2_divisions:[1:2,>:8]", false, false, 0x5eed0007, 100'000},
+        prop_case{"expandable", "expandable_segments:True", false, false, 0x5eed0008, 300'000},
+        prop_case{"expandable_pytorch", "expandable_segments:True,trim_on_new_peak:False,reuse_across_streams:False",
+                  false, false, 0x5eed0009, 150'000},
+        prop_case{"expandable_toggled", "expandable_segments:True,max_split_size_mb:40,"
+                  "roundup_power2_divisions:4", false, true, 0x5eed000a, 150'000}),
     [](const ::testing::TestParamInfo<prop_case>& param_info) { return std::string(param_info.param.name); });
 
 }  // namespace

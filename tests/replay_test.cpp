@@ -67,7 +67,7 @@ void check_fidelity(const std::vector<trace_case>& cases) {
   ASSERT_FALSE(cases.empty());
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
-    const auto r = replay(c.file, "trim_on_new_peak:False");
+    const auto r = replay(c.file, ccalloc::pytorch_policies);
     EXPECT_EQ(r.peak_reserved_bytes, c.native["native_reserved_peak"].get<std::uint64_t>());
     EXPECT_EQ(r.device_mallocs, c.native["native_device_allocs"].get<std::uint64_t>());
     EXPECT_EQ(r.peak_requested_bytes, c.native["requested_peak"].get<std::uint64_t>());
@@ -89,8 +89,8 @@ TEST(ReplayTest, AllSharedTracesMatchPyTorchExactlyWithItsPolicies) {
 }
 
 TEST(ReplayTest, TrimOnNewPeakLowersTheReservationOfTrainingTraces) {
-  const auto trimmed = replay(bundled_dir / "gpt2_train.trace.gz");
-  const auto pytorch = replay(bundled_dir / "gpt2_train.trace.gz", "trim_on_new_peak:False");
+  const auto trimmed = replay(bundled_dir / "gpt2_train.trace.gz", "expandable_segments:False");
+  const auto pytorch = replay(bundled_dir / "gpt2_train.trace.gz", ccalloc::pytorch_policies);
   EXPECT_LT(trimmed.peak_reserved_bytes, pytorch.peak_reserved_bytes);
   EXPECT_GT(trimmed.device_frees, pytorch.device_frees);  // the price: returned segments
 }
@@ -187,7 +187,8 @@ TEST(ReplayTest, GateDriverOnSimMatchesTheClockReplayOnBundledTraces) {
   // gpt2_train has none.
   for (const char* name : {"bert_copystream_infer", "gpt2_train"}) {
     const auto t = ccalloc::read_trace_file((bundled_dir / (std::string(name) + ".trace.gz")).string());
-    for (const char* config : {"", "trim_on_new_peak:False", "expandable_segments:True"}) {
+    for (const char* config : {"", ccalloc::pytorch_policies, "expandable_segments:False",
+                               ccalloc::pytorch_expandable_policies}) {
       SCOPED_TRACE(std::string(name) + " config '" + config + "'");
       ccalloc::replay_options o;
       o.config = config;
@@ -225,7 +226,9 @@ TEST(ReplayTest, GateDriverDefersSegmentFreesWhileAGapIsOpen) {
       "7 free_requested 3000000000 83886080 0\n"
       "8 free_completed 3000000000 83886080 0\n"
       "9 free_completed 1000000000 10485760 0\n";
-  const auto [clock, gates] = clock_and_gates(ccalloc::parse_trace_text(text, "defer"), {});
+  ccalloc::replay_options o;
+  o.config = "expandable_segments:False";  // plain segments: cudaFree is what waits
+  const auto [clock, gates] = clock_and_gates(ccalloc::parse_trace_text(text, "defer"), o);
   expect_same_figures(clock, gates);
   EXPECT_EQ(gates.device_frees, 1u);
   EXPECT_EQ(gates.peak_reserved_bytes, std::uint64_t{90} << 20);  // X's 10 MiB + C's 80 MiB
@@ -297,12 +300,22 @@ TEST(ReplayTest, MinDeviceMemoryIsTheSmallestThatFits) {
       "4 free_completed 4096 15728640 0\n"
       "5 alloc 12288 12582912 0\n";
   const auto t = ccalloc::parse_trace_text(text, "two");
-  EXPECT_EQ(ccalloc::find_min_device_memory(t, {}), std::size_t{32} << 20);
-  ccalloc::replay_options tight;
+  ccalloc::replay_options plain;
+  plain.config = "expandable_segments:False";
+  EXPECT_EQ(ccalloc::find_min_device_memory(t, plain), std::size_t{32} << 20);
+  ccalloc::replay_options tight = plain;
   tight.device_memory_bytes = std::size_t{30} << 20;
   EXPECT_GT(ccalloc::replay_trace(t, tight).ooms, 0u);
   tight.device_memory_bytes = std::size_t{32} << 20;
   EXPECT_EQ(ccalloc::replay_trace(t, tight).ooms, 0u);
+  // Expandable segments (the default) pack the two 15 MiB blocks into 15
+  // pages of 2 MiB: 30 MiB suffice; the 12 MiB block fits in the first's place.
+  EXPECT_EQ(ccalloc::find_min_device_memory(t, {}), std::size_t{30} << 20);
+  ccalloc::replay_options expandable;
+  expandable.device_memory_bytes = std::size_t{30} << 20;
+  EXPECT_EQ(ccalloc::replay_trace(t, expandable).ooms, 0u);
+  expandable.device_memory_bytes = std::size_t{28} << 20;
+  EXPECT_GT(ccalloc::replay_trace(t, expandable).ooms, 0u);
 }
 
 TEST(ReplayTest, MinDeviceMemoryRejectsATraceThatNeverFits) {

@@ -275,8 +275,8 @@ std::optional<std::string> print_mib_field(const allocator_config& config) {
 }
 
 // Row order is documentation order and to_string() order.
-const std::array<key_spec, 15>& key_table() {
-  static const std::array<key_spec, 15> table{{
+const std::array<key_spec, 16>& key_table() {
+  static const std::array<key_spec, 16> table{{
       {{"max_split_size_mb",
         "an integer number of MiB, at least large_segment_size_mb (20 by default)",
         "Blocks this large or larger are never split and serve only requests "
@@ -325,9 +325,17 @@ const std::array<key_spec, 15>& key_table() {
          return format_roundup(c.roundup_power2_divisions);
        }},
       {{"expandable_segments", boolean_values,
-        "Grow large-pool segments by mapping pages (CUDA virtual memory)."},
-       &parse_bool_field<&allocator_config::expandable_segments>,
-       &print_bool_field<&allocator_config::expandable_segments>},
+        "Grow one segment per stream and pool by mapping 2 MiB pages (CUDA virtual memory) "
+        "instead of allocating new segments; free whole pages are unmapped and recycled."},
+       [](allocator_config& c, std::string_view value) {
+         parse_bool_field<&allocator_config::expandable_segments>(c, value);
+         c.expandable_segments_set = true;
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         // Only when given: the default depends on the device (see config.hpp).
+         if (!c.expandable_segments_set) return std::nullopt;
+         return print_bool_field<&allocator_config::expandable_segments>(c);
+       }},
       {{"release_lock_on_cudamalloc", boolean_values,
         "Release the allocator lock while the device malloc runs."},
        &parse_bool_field<&allocator_config::release_lock_on_cudamalloc>,
@@ -350,6 +358,12 @@ const std::array<key_spec, 15>& key_table() {
         "False reproduces PyTorch's reservations)."},
        &parse_bool_field<&allocator_config::trim_on_new_peak>,
        &print_bool_field<&allocator_config::trim_on_new_peak>},
+      {{"reuse_across_streams", boolean_values,
+        "ccalloc's own key: before a new segment is allocated, a cached whole segment of "
+        "another stream whose work has completed moves to the requesting stream (default "
+        "True; False keeps blocks bound to their stream, as PyTorch does)."},
+       &parse_bool_field<&allocator_config::reuse_across_streams>,
+       &print_bool_field<&allocator_config::reuse_across_streams>},
       {{"backend", "native or cudaMallocAsync",
         "PyTorch's allocator choice; ccalloc is always the native-style allocator."},
        [](allocator_config& c, std::string_view value) {
@@ -490,11 +504,6 @@ std::vector<std::string> warnings_for(const allocator_config& config) {
     warnings.push_back(setting("max_non_split_rounding_mb") +
                        " has no effect without max_split_size_mb: no block is oversize, "
                        "so none is rounded");
-  }
-  if (config.expandable_segments) {
-    warnings.push_back(setting("expandable_segments") +
-                       " has no effect yet: expandable segments are not implemented in this "
-                       "version of ccalloc; segments are allocated as with False");
   }
   if (config.backend != "native") {
     warnings.push_back(setting("backend") +

@@ -37,6 +37,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace ccalloc {
 namespace detail {
@@ -103,6 +104,8 @@ device_state::device_state(int device, device_backend& backend, allocator_config
     : device_(device), backend_(backend), id_(next_state_id.fetch_add(1)), config_(std::move(config)) {
   device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
   allowed_bytes_ = device_total_bytes_;
+  if (backend_.capabilities().virtual_memory) page_bytes_ = backend_.vm_granularity(device_);
+  check_expandable_supported(config_);
   stats_.max_split_size = config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                               ? -1
                               : static_cast<std::int64_t>(config_.max_split_size_bytes);
@@ -110,6 +113,16 @@ device_state::device_state(int device, device_backend& backend, allocator_config
     world_lock w(*this);
     set_memory_fraction(config_.per_process_memory_fraction, w);
   }
+}
+
+// Expandable segments need the backend's virtual memory: an explicit
+// expandable_segments:True without it is an error; the default falls back to
+// plain segments (expandable_segments_ says which one is in force).
+void device_state::check_expandable_supported(const allocator_config& config) const {
+  if (config.expandable_segments && page_bytes_ == 0 && config.expandable_segments_set)
+    throw config_error("ccalloc config: expandable_segments:True needs virtual memory (cuMemMap), which the '" +
+                       backend_.name() + "' backend of device " + std::to_string(device_) +
+                       " does not offer (accepted here: expandable_segments:False)");
 }
 
 device_state::~device_state() {
@@ -128,7 +141,16 @@ device_state::~device_state() {
       b = next;
     }
     try {
-      backend_.segment_free(device_, reinterpret_cast<void*>(base));
+      if (seg->expandable) {
+        for (std::size_t i = 0; i < seg->pages.size(); ++i) {
+          if (seg->pages[i] == 0) continue;
+          backend_.vm_unmap(device_, reinterpret_cast<void*>(base + i * seg->page_bytes), seg->page_bytes);
+          backend_.vm_release_handle(device_, seg->pages[i]);
+        }
+        backend_.vm_release(device_, reinterpret_cast<void*>(base), seg->size);
+      } else {
+        backend_.segment_free(device_, reinterpret_cast<void*>(base));
+      }
     } catch (...) {
     }
   }
@@ -318,17 +340,56 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
     // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
     // memory above its high-water mark, so return cached whole segments (none
     // fits it) to the device first: the peak grows by less.
+    if (config_.expandable_segments && page_bytes_ != 0) {
+      // Rung 3 (B7, X3): place the request in the stream's expandable
+      // segment, mapping pages (recycled from free whole pages when the
+      // peak or the cap would grow). Rung 5: wait for events, unmap every
+      // free page, retry.
+      for (int attempt = 0; attempt < 2; ++attempt) {
+        if (attempt == 1 && get_free_block(p)) return take_found_block(p, stats_);
+        if (alloc_expandable(p, false, w) || (release_cached_blocks(w) && alloc_expandable(p, true, w)))
+          return take_found_block(p, stats_);
+        if (!wait_for_completions_in_flight(w)) break;  // X7
+      }
+      // The retry kept the pages of the chosen run mapped: give them back too.
+      unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
+      release_empty_expandable_segments();
+      throw_out_of_memory(p, w);
+    }
+    // Rung 3b (ccalloc, X2): a cached whole segment of another stream whose
+    // work has completed.
+    if (config_.reuse_across_streams && adopt_idle_segment(p, w)) return take_found_block(p, stats_);
+    // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
+    // memory above its high-water mark, so return cached whole segments (none
+    // fits it) to the device first: the peak grows by less.
     if (config_.trim_on_new_peak && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_)
       release_unused_segments(w);
   }
   // Rung 3: a new segment. Rung 4: free oversize cached blocks and retry.
   // Rung 5: wait for pending events, free every cached segment, retry.
-  if (alloc_segment(p, false, w) ||
-      (caching_ && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
-      (release_cached_blocks(w) && alloc_segment(p, true, w)))
-    return take_found_block(p, stats_);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1 && caching_ && get_free_block(p)) return take_found_block(p, stats_);
+    if (alloc_segment(p, false, w) ||
+        (caching_ && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
+        (release_cached_blocks(w) && alloc_segment(p, true, w)))
+      return take_found_block(p, stats_);
+    // X7: blocks another thread is returning may be what is missing.
+    if (!wait_for_completions_in_flight(w)) break;
+  }
   // Rung 6: out of memory.
   throw_out_of_memory(p, w);
+}
+
+// X7: process_events returns blocks after dropping the device lock; an OOM
+// decided meanwhile would miss them. Waits (world lock released) until they
+// are back; returns false when there were none (nothing new to try).
+bool device_state::wait_for_completions_in_flight(world_lock& w) {
+  if (completions_in_flight_.load(std::memory_order_acquire) == 0) return false;
+  w.unlock();
+  while (completions_in_flight_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  w.lock();
+  publish_all_pending_stats(w);
+  return true;
 }
 
 // B3: best fit by (size, address) in the request's (stream, pool), with the
@@ -431,6 +492,8 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
 bool device_state::release_cached_blocks(const world_lock& w) {
   synchronize_and_free_events();
   release_unused_segments(w);
+  unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
+  release_empty_expandable_segments();
   return true;
 }
 
@@ -502,9 +565,401 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   }
 }
 
+// ---- expandable segments (B7, X3) ------------------------------------------------
+//
+// An expandable segment is one address-space reservation per (stream, pool),
+// as large as the device. A request that no cached block serves is placed in
+// the best free run of the stream's reservation (fewest pages to map, then
+// the shortest run, then the lowest address), and the run's missing pages are
+// mapped. When mapping would raise reserved memory past its high-water mark
+// (trim_on_new_peak) or past the memory-fraction cap, free whole pages of any
+// stream are unmapped first and their physical handles mapped where they are
+// needed (X3), so the reservation does not grow while free pages exist.
+// Unmapping waits for the page's stream: cuMemUnmap does not wait for queued
+// work that may still touch the range.
+
+void device_state::pool_insert_counted(block* b) {
+  b->gc_count_base = b->pool->get_free_blocks_call_count;
+  b->pool->blocks.insert(b);
+  const stat_group g = group_of(b->pool);
+  device_stats::increase(stats_.inactive_split, g, 1);
+  device_stats::increase(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+}
+
+void device_state::pool_erase_counted(block* b) {
+  b->pool->blocks.erase(b);
+  const stat_group g = group_of(b->pool);
+  device_stats::decrease(stats_.inactive_split, g, 1);
+  device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+}
+
+// Splits free block `b` (outside its pool) at address `at`; returns the upper
+// part, which inherits b's stream, pool, segment and mapping state.
+block* device_state::split_free_block(block* b, std::uintptr_t at) {
+  block* hi = b->pool->owner->new_block();
+  hi->ptr = at;
+  hi->size = b->ptr + b->size - at;
+  b->size -= hi->size;
+  hi->stream = b->stream;
+  hi->pool = b->pool;
+  hi->seg = b->seg;
+  hi->mapped = b->mapped;
+  hi->next = b->next;
+  if (hi->next != nullptr) hi->next->prev = hi;
+  hi->prev = b;
+  b->next = hi;
+  return hi;
+}
+
+// Marks the page-aligned range [lo, hi) of `seg` mapped or unmapped. Every
+// block overlapping it is free and in the other state. Splits blocks at lo
+// and hi, merges free neighbours of equal state, and keeps pool membership
+// and the inactive-split statistics right.
+void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped) {
+  if (lo >= hi) return;
+  block* b = seg.head;
+  while (b->ptr + b->size <= lo) b = b->next;
+  block* first = b->prev != nullptr ? b->prev : b;
+  block* last = b;
+  while (last->ptr + last->size < hi) last = last->next;
+  block* stop = last->next != nullptr ? last->next : last;
+  for (block* x = first;; x = x->next) {
+    if (x->mapped && x->is_free()) pool_erase_counted(x);
+    if (x == stop) break;
+  }
+  if (b->ptr < lo) {
+    b = split_free_block(b, lo);
+    if (stop == b->prev) stop = b;  // the split block was the window's end
+  }
+  for (block* x = b; x != nullptr && x->ptr < hi; x = x->next) {
+    if (x->ptr + x->size > hi) {
+      block* upper = split_free_block(x, hi);
+      if (stop == x) stop = upper;
+    }
+    x->mapped = mapped;
+  }
+  for (block* x = first;;) {
+    block* nx = x->next;
+    if (x != stop && nx != nullptr && x->is_free() && nx->is_free() && x->mapped == nx->mapped) {
+      x->size += nx->size;
+      x->next = nx->next;
+      if (x->next != nullptr) x->next->prev = x;
+      if (nx == stop) stop = x;
+      nx->pool->owner->delete_block(nx);
+      continue;
+    }
+    if (x->mapped && x->is_free()) pool_insert_counted(x);
+    if (x == stop) break;
+    x = nx;
+  }
+}
+
+segment* device_state::new_expandable_segment(const alloc_params& p) {
+  const std::size_t page = page_bytes_;
+  const std::size_t want = std::max(device_total_bytes_, p.size);
+  const std::size_t size = (want + page - 1) / page * page;
+  void* base = backend_.vm_reserve(device_, size);
+  if (base == nullptr) return nullptr;
+  auto seg = std::make_unique<segment>();
+  block* b = p.owner->new_block();
+  b->ptr = reinterpret_cast<std::uintptr_t>(base);
+  b->size = size;
+  b->stream = p.stream;
+  b->pool = p.pool;
+  b->seg = seg.get();
+  b->mapped = false;
+  seg->base = b->ptr;
+  seg->size = size;
+  seg->head = b;
+  seg->expandable = true;
+  seg->page_bytes = page;
+  seg->pages.assign(size / page, 0);
+  device_stats::increase(stats_.segment, group_of(p.pool), 1);
+  segment* raw = seg.get();
+  segments_.emplace(raw->base, std::move(seg));
+  return raw;
+}
+
+bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& w) {
+  if (is_retry) ++stats_.num_alloc_retries;
+  const std::size_t page = page_bytes_;
+  // 1. Placement: the free run of this (stream, pool) that needs the fewest
+  // new pages, then the shortest, then the lowest.
+  segment* best_seg = nullptr;
+  std::uintptr_t best_start = 0;
+  std::size_t best_pages = std::numeric_limits<std::size_t>::max();
+  std::size_t best_run = std::numeric_limits<std::size_t>::max();
+  auto pages_to_map = [&](block* from, std::uintptr_t end) {
+    std::size_t n = 0;
+    for (block* x = from; x != nullptr && x->ptr < end; x = x->next)
+      if (!x->mapped) n += (std::min(end, x->ptr + x->size) - x->ptr + page - 1) / page;
+    return n;
+  };
+  for (auto& [base, up] : segments_) {
+    segment& seg = *up;
+    if (!seg.expandable || seg.head->pool != p.pool) continue;
+    for (block* x = seg.head; x != nullptr;) {
+      if (!x->is_free()) {
+        x = x->next;
+        continue;
+      }
+      block* run_first = x;
+      std::size_t run = 0;
+      for (; x != nullptr && x->is_free(); x = x->next) run += x->size;
+      if (run < p.size) continue;
+      const std::size_t n = pages_to_map(run_first, run_first->ptr + p.size);
+      if (n < best_pages || (n == best_pages && run < best_run)) {
+        best_seg = &seg;
+        best_start = run_first->ptr;
+        best_pages = n;
+        best_run = run;
+      }
+    }
+  }
+  if (best_seg == nullptr) {
+    best_seg = new_expandable_segment(p);
+    if (best_seg == nullptr) return false;
+    best_start = best_seg->base;
+    best_pages = (p.size + page - 1) / page;
+  }
+  const std::uintptr_t end = best_start + p.size;
+
+  // 2. Physical pages: recycle free whole pages rather than raise the peak
+  // (trim_on_new_peak) or pass the cap.
+  const std::size_t need = best_pages * page;
+  std::vector<physical_handle_t> recycled;
+  // Handles in `recycled` are unmapped and no longer counted as reserved.
+  auto drop_recycled = [&] {
+    for (physical_handle_t h : recycled) {
+      ++stats_.num_device_free;
+      backend_.vm_release_handle(device_, h);
+    }
+    recycled.clear();
+  };
+  if (need > 0) {
+    auto excess = [&] {
+      std::size_t target = 0;
+      if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) target = reserved_bytes_ + need - allowed_bytes_;
+      if (config_.trim_on_new_peak && reserved_bytes_ + need > reserved_high_water_bytes_)
+        target = std::max(target, std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_));
+      return target;
+    };
+    if (excess() > 0) {
+      release_unused_segments(w);  // plain cached segments (no-caching leftovers, earlier configs)
+      if (const std::size_t target = excess(); target > 0)
+        unmap_free_pages(target, best_seg, best_start, end, &recycled);
+    }
+    if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) {
+      drop_recycled();
+      return false;
+    }
+  }
+
+  // 3. Map the missing pages, run by run of unmapped pages.
+  segment& seg = *best_seg;
+  const std::size_t first_page = (best_start - seg.base) / page;
+  const std::size_t end_page = (end - seg.base + page - 1) / page;
+  const stat_group g = group_of(p.pool);
+  for (std::size_t i = first_page; i < end_page;) {
+    if (seg.pages[i] != 0) {
+      ++i;
+      continue;
+    }
+    const std::size_t run_first = i;
+    bool out_of_memory = false;
+    try {
+      for (; i < end_page && seg.pages[i] == 0; ++i) {
+        physical_handle_t h = 0;
+        bool fresh = false;
+        if (!recycled.empty()) {
+          h = recycled.back();
+          recycled.pop_back();
+        } else if (backend_.vm_create(device_, page, &h)) {
+          fresh = true;
+        } else {
+          out_of_memory = true;
+          break;
+        }
+        void* addr = reinterpret_cast<void*>(seg.base + i * page);
+        try {
+          backend_.vm_map(device_, addr, page, h);
+          for (int peer : peers_) backend_.vm_set_access(device_, addr, page, peer);
+        } catch (...) {
+          if (fresh) {
+            backend_.vm_release_handle(device_, h);
+          } else {
+            recycled.push_back(h);
+          }
+          throw;
+        }
+        seg.pages[i] = h;
+        seg.mapped_bytes += page;
+        if (fresh) ++stats_.num_device_alloc;
+        reserved_bytes_ += page;
+        device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+      }
+    } catch (...) {
+      set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);
+      reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
+      drop_recycled();
+      throw;
+    }
+    set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);
+    if (out_of_memory) {
+      reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
+      drop_recycled();
+      return false;
+    }
+  }
+  drop_recycled();  // more pages were freed than mapped (the cap counted plain segments)
+  reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
+
+  // 4. The run now starts with a free mapped block of at least p.size bytes.
+  block* b = seg.head;
+  while (b->ptr + b->size <= best_start) b = b->next;
+  if (b->ptr != best_start || !b->mapped || !b->is_free() || b->size < p.size)
+    throw std::logic_error("ccalloc: internal error: mapped run does not start with a free block");
+  b->pool->blocks.erase(b);  // as get_free_block: take_found_block does the statistics
+  p.found = b;
+  return true;
+}
+
+// Unmaps the whole pages of free block `b` (free, mapped, in an expandable
+// segment), except those overlapping [keep_lo, keep_hi), at most `max_bytes`.
+// Handles go to `recycled` (then no longer counted as reserved) or back to
+// the device.
+std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
+                                             std::vector<physical_handle_t>* recycled, std::size_t max_bytes) {
+  segment& seg = *b->seg;
+  const std::size_t page = seg.page_bytes;
+  const std::uintptr_t lo = (b->ptr - seg.base + page - 1) / page * page + seg.base;
+  const std::uintptr_t hi = (b->ptr + b->size - seg.base) / page * page + seg.base;
+  if (lo >= hi) return 0;
+  // The pieces of [lo, hi) outside the kept range (its pages rounded outward).
+  std::pair<std::uintptr_t, std::uintptr_t> pieces[2] = {{lo, hi}, {0, 0}};
+  if (keep_lo < keep_hi && keep_lo < hi && keep_hi > lo) {
+    const std::uintptr_t klo = (keep_lo - seg.base) / page * page + seg.base;
+    const std::uintptr_t khi = (keep_hi - seg.base + page - 1) / page * page + seg.base;
+    pieces[0] = {lo, std::max(lo, std::min(hi, klo))};
+    pieces[1] = {std::min(hi, std::max(lo, khi)), hi};
+  }
+  const stat_group g = group_of(b->pool);
+  std::size_t done_total = 0;
+  for (auto [from, to] : pieces) {
+    if (done_total >= max_bytes) break;
+    if (to - from > max_bytes - done_total) to = from + (max_bytes - done_total + page - 1) / page * page;
+    std::uintptr_t addr = from;
+    std::vector<physical_handle_t> to_release;
+    auto finish = [&] {
+      const std::size_t bytes = addr - from;
+      seg.mapped_bytes -= bytes;
+      reserved_bytes_ -= bytes;
+      device_stats::decrease(stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
+      set_page_state(seg, from, addr, false);
+      done_total += bytes;
+      stats_.num_device_free += to_release.size();
+      for (physical_handle_t h : to_release) backend_.vm_release_handle(device_, h);  // may throw: state is consistent
+    };
+    try {
+      for (; addr < to; addr += page) {
+        const std::size_t i = (addr - seg.base) / page;
+        backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
+        (recycled != nullptr ? *recycled : to_release).push_back(seg.pages[i]);
+        seg.pages[i] = 0;
+      }
+    } catch (...) {
+      finish();
+      throw;
+    }
+    finish();
+  }
+  return done_total;
+}
+
+// Unmaps free whole pages of every expandable segment until `target_bytes`
+// are freed, waiting first for each stream whose pages it unmaps.
+std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
+                                           std::uintptr_t keep_lo, std::uintptr_t keep_hi,
+                                           std::vector<physical_handle_t>* recycled) {
+  std::vector<block*> candidates;
+  for (auto& [base, up] : segments_) {
+    if (!up->expandable || up->mapped_bytes == 0) continue;
+    for (block* b = up->head; b != nullptr; b = b->next)
+      if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.push_back(b);
+  }
+  std::size_t got = 0;
+  std::vector<stream_t> synchronized;
+  for (block* b : candidates) {
+    if (got >= target_bytes) break;
+    if (std::find(synchronized.begin(), synchronized.end(), b->stream) == synchronized.end()) {
+      backend_.synchronize_stream(device_, b->stream);
+      synchronized.push_back(b->stream);
+    }
+    const bool keep = b->seg == keep_seg;
+    got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
+  }
+  return got;
+}
+
+// Releases the reservations of expandable segments that have no mapped page.
+void device_state::release_empty_expandable_segments() {
+  for (auto it = segments_.begin(); it != segments_.end();) {
+    segment& seg = *it->second;
+    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr) {
+      ++it;
+      continue;
+    }
+    backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
+    device_stats::decrease(stats_.segment, group_of(seg.head->pool), 1);
+    seg.head->pool->owner->delete_block(seg.head);
+    it = segments_.erase(it);
+  }
+}
+
+// ---- cross-stream reuse (X2) ------------------------------------------------------
+
+// Moves to the requesting stream the best-fitting cached whole segment of
+// another stream, if that stream has no work left that could use it: an
+// event recorded on it now has already completed.
+bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
+  const std::size_t max_split = config_.max_split_size_bytes;
+  block* best = nullptr;
+  for (stream_state* ss : w.streams()) {
+    if (ss == p.owner) continue;
+    block_pool& pool = p.pool->is_small ? ss->pools.small : ss->pools.large;
+    for (std::size_t i = pool.blocks.lower_bound(p.size); i < pool.blocks.size(); ++i) {
+      block* b = pool.blocks.at(i);
+      if (b->is_split()) continue;
+      if (p.size < max_split && b->size >= max_split) break;
+      if (p.size >= max_split && b->size - p.size >= config_.max_non_split_rounding_bytes) break;
+      if (best == nullptr || b->size < best->size) best = b;
+      break;  // the smallest whole segment of this pool that fits
+    }
+  }
+  if (best == nullptr) return false;
+  const event_t e = get_event();
+  bool idle = false;
+  try {
+    backend_.record_event(device_, e, best->stream);
+    idle = backend_.query_event(device_, e);
+  } catch (...) {
+    free_events_.push_back(e);
+    throw;
+  }
+  free_events_.push_back(e);
+  if (!idle) return false;
+  best->pool->blocks.erase(best);
+  best->pool = p.pool;
+  best->stream = p.stream;
+  p.found = best;
+  return true;
+}
+
 bool device_state::should_split(const block* b, std::size_t size) const noexcept {
   const std::size_t remaining = b->size - size;
-  if (b->pool->is_small) return remaining >= min_block_bytes;
+  // Expandable segments: always carve exactly (the remainder shares pages
+  // with the block; unneeded whole pages are unmapped, not kept as slack).
+  if (b->pool->is_small || b->seg->expandable) return remaining >= min_block_bytes;
   return size < config_.max_split_size_bytes && remaining > small_request_bytes;
 }
 
@@ -616,7 +1071,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
 
 // Merges free `src` into `dst` (its neighbour); returns the bytes subsumed.
 std::size_t device_state::try_merge(block* dst, block* src) {
-  if (src == nullptr || src->allocated || src->event_count > 0 || !src->stream_uses.empty()) return 0;
+  if (src == nullptr || !src->is_free() || !src->stream_uses.empty() || src->mapped != dst->mapped) return 0;
   if (dst->prev == src) {
     dst->ptr = src->ptr;
     dst->prev = src->prev;
@@ -698,14 +1153,18 @@ void device_state::process_events() {
     } catch (...) {
       failure = std::current_exception();
     }
+    completions_in_flight_.fetch_add(completed.size(), std::memory_order_relaxed);
   }
   for (block* b : completed) {
     stream_state& ss = *b->pool->owner;
-    std::lock_guard lock(ss.mutex);
-    if (--b->event_count == 0) {
-      stats_sink sink(*this, ss);
-      free_block(b, sink.get(), false);
+    {
+      std::lock_guard lock(ss.mutex);
+      if (--b->event_count == 0) {
+        stats_sink sink(*this, ss);
+        free_block(b, sink.get(), false);
+      }
     }
+    completions_in_flight_.fetch_sub(1, std::memory_order_release);
   }
   if (failure) std::rethrow_exception(failure);
 }
@@ -888,6 +1347,7 @@ double device_caching_allocator::memory_fraction() const {
 
 void device_caching_allocator::set_config(const allocator_config& config) {
   auto& s = *state_;
+  s.check_expandable_supported(config);
   world_lock w(s);
   s.publish_all_pending_stats(w);
   // A fraction set at run time (set_memory_fraction) stays unless the new
@@ -943,6 +1403,45 @@ void device_caching_allocator::attach_oom_observer(oom_observer observer) {
   state_->observers_.push_back(std::move(observer));
 }
 
+std::vector<expandable_segment_info> device_caching_allocator::expandable_segments() const {
+  auto& s = *state_;
+  world_lock w(s);
+  std::vector<expandable_segment_info> out;
+  for (auto& [base, seg] : s.segments_) {
+    if (!seg->expandable) continue;
+    expandable_segment_info e;
+    e.stream = seg->head->stream;
+    e.is_small_pool = seg->head->pool->is_small;
+    e.address = base;
+    e.reserved_address_bytes = seg->size;
+    e.mapped_bytes = seg->mapped_bytes;
+    out.push_back(e);
+  }
+  return out;
+}
+
+void device_caching_allocator::enable_peer_access(int peer) {
+  auto& s = *state_;
+  if (peer < 0 || peer >= s.backend_.device_count() || peer == device_)
+    throw invalid_argument_error("ccalloc: enable_peer_access: peer device " + std::to_string(peer) +
+                                 " is not another device of the backend (device " + std::to_string(device_) +
+                                 ", devices [0, " + std::to_string(s.backend_.device_count()) + "))");
+  world_lock w(s);
+  if (std::find(s.peers_.begin(), s.peers_.end(), peer) != s.peers_.end()) return;
+  for (auto& [base, seg] : s.segments_) {
+    if (!seg->expandable) continue;
+    for (std::size_t i = 0; i < seg->pages.size(); ++i)
+      if (seg->pages[i] != 0)
+        s.backend_.vm_set_access(device_, reinterpret_cast<void*>(base + i * seg->page_bytes), seg->page_bytes, peer);
+  }
+  s.peers_.push_back(peer);
+}
+
+std::vector<int> device_caching_allocator::peers() const {
+  world_lock w(*state_);
+  return state_->peers_;
+}
+
 std::vector<segment_info> device_caching_allocator::segments() const {
   auto& s = *state_;
   world_lock w(s);
@@ -954,11 +1453,14 @@ std::vector<segment_info> device_caching_allocator::segments() const {
     si.total_bytes = seg->size;
     si.stream = seg->head->stream;
     si.is_small_pool = seg->head->pool->is_small;
+    si.is_expandable = seg->expandable;
+    si.mapped_bytes = seg->expandable ? seg->mapped_bytes : seg->size;
     for (const block* b = seg->head; b != nullptr; b = b->next) {
       block_info bi;
       bi.address = b->ptr;
       bi.size_bytes = b->size;
       bi.requested_bytes = b->requested_size;
+      bi.mapped = b->mapped;
       bi.state = b->allocated ? block_state::active_allocated
                  : b->event_count > 0 ? block_state::active_pending_free
                                       : block_state::inactive;
@@ -986,7 +1488,15 @@ void device_caching_allocator::check_invariants() const {
       fail("segment head is not the block at the segment base");
     const stat_group g = s.group_of(seg->head->pool);
     device_stats::increase(recount.segment, g, 1);
-    device_stats::increase(recount.reserved_bytes, g, static_cast<std::int64_t>(seg->size));
+    device_stats::increase(recount.reserved_bytes, g,
+                           static_cast<std::int64_t>(seg->expandable ? seg->mapped_bytes : seg->size));
+    const std::size_t page = seg->page_bytes;
+    if (seg->expandable) {
+      std::size_t mapped_pages = 0;
+      for (physical_handle_t h : seg->pages) mapped_pages += h != 0 ? 1 : 0;
+      if (mapped_pages * page != seg->mapped_bytes) fail("expandable segment's mapped_bytes differs from its pages");
+      if (seg->pages.size() * page != seg->size) fail("expandable segment's page table does not cover it");
+    }
     std::uintptr_t expect = base;
     std::size_t sum = 0;
     for (const block* b = seg->head; b != nullptr; b = b->next) {
@@ -996,11 +1506,29 @@ void device_caching_allocator::check_invariants() const {
       if (b->pool != seg->head->pool) fail("blocks of one segment in different pools");
       if (b->size == 0 || b->size % detail::min_block_bytes != 0) fail("block size not a positive multiple of 512");
       const bool in_pool = b->pool->blocks.contains(b);
-      const bool free_now = !b->allocated && b->event_count == 0;
+      if (seg->expandable) {
+        const std::size_t first = (b->ptr - base) / page;
+        const std::size_t last = (b->ptr + b->size - base + page - 1) / page;
+        for (std::size_t i = first; i < last; ++i)
+          if ((seg->pages[i] != 0) != b->mapped)
+            fail(b->mapped ? "a mapped block touches an unmapped page" : "an unmapped block covers a mapped page");
+      } else if (!b->mapped) {
+        fail("unmapped block in a plain segment");
+      }
+      if (!b->mapped) {
+        if (!b->is_free()) fail("an unmapped block is in use");
+        if ((b->ptr - base) % page != 0 || b->size % page != 0) fail("an unmapped block is not page-aligned");
+        if (in_pool) fail("an unmapped block is in a pool");
+        if (b->next != nullptr && !b->next->mapped) fail("two unmapped neighbours are not merged");
+        expect += b->size;
+        sum += b->size;
+        continue;
+      }
+      const bool free_now = b->is_free();
       if (in_pool != free_now) fail("pool membership does not match block state");
       if (free_now) {
         ++pooled;
-        if (b->next != nullptr && !b->next->allocated && b->next->event_count == 0)
+        if (b->next != nullptr && b->next->is_free() && b->next->mapped)
           fail("two free neighbours are not merged");
         if (b->is_split()) {
           device_stats::increase(recount.inactive_split, g, 1);

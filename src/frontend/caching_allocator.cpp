@@ -180,6 +180,24 @@ void caching_allocator::empty_cache() {
   for (auto& d : devices_) d->empty_cache();
 }
 
+void caching_allocator::enable_peer_access(int device, int peer) {
+  (void)checked_device(device, "enable_peer_access");
+  device_caching_allocator& owner = checked_device(peer, "enable_peer_access (peer)");
+  if (device == peer)
+    throw invalid_argument_error("ccalloc: enable_peer_access: device " + std::to_string(device) +
+                                 " and its peer are the same device");
+  if (!backend_->can_access_peer(device, peer))
+    throw backend_error("ccalloc: enable_peer_access: device " + std::to_string(device) +
+                        " cannot access device " + std::to_string(peer) + " on the '" + backend_->name() +
+                        "' backend (no peer-to-peer path)");
+  backend_->enable_peer_access(device, peer);
+  owner.enable_peer_access(device);
+}
+
+std::vector<expandable_segment_info> caching_allocator::expandable_segment_sizes(int device) const {
+  return checked_device(device, "expandable_segment_sizes").expandable_segments();
+}
+
 std::size_t caching_allocator::cache_info(int device) const {
   return checked_device(device, "cache_info").largest_free_block();
 }

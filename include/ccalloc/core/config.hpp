@@ -30,6 +30,17 @@ namespace ccalloc {
 /// above (index 15), as in PyTorch.
 inline constexpr std::size_t roundup_intervals = 16;
 
+/// The configuration string under which ccalloc follows the policies of
+/// PyTorch's allocator in its default configuration, to the byte: plain
+/// segments, no trim before a new peak, blocks bound to their stream
+/// (tests/replay_test.cpp checks this on real traces).
+inline constexpr const char* pytorch_policies =
+    "expandable_segments:False,trim_on_new_peak:False,reuse_across_streams:False";
+/// The same for PyTorch's allocator with expandable_segments:True (its
+/// policies; not byte-exact, as PyTorch maps 20 MiB at a time).
+inline constexpr const char* pytorch_expandable_policies =
+    "expandable_segments:True,trim_on_new_peak:False,reuse_across_streams:False";
+
 struct allocator_config {
   /// Blocks of this size or more are "oversize": never split, and only
   /// served to requests of this size or more (max_split_size_mb). Default:
@@ -54,8 +65,15 @@ struct allocator_config {
   /// 512-byte rounding. Index i covers request sizes in [2^i MiB, 2^(i+1) MiB)
   /// (index 0 also everything below 1 MiB, index 15 everything from 32 GiB).
   std::array<std::size_t, roundup_intervals> roundup_power2_divisions{};
-  /// Use expandable segments (CUDA virtual memory) for the large pool.
-  bool expandable_segments = false;
+  /// Use expandable segments (CUDA virtual memory, SPEC B7) for both pools:
+  /// one address-space reservation per (stream, pool) that grows by mapping
+  /// pages of the device's granularity (2 MiB) instead of new segments.
+  /// Default True (PyTorch: False), chosen from the replays in docs/perf.md:
+  /// on a device without virtual memory the default falls back to plain
+  /// segments, while an explicit True there is a config_error.
+  bool expandable_segments = true;
+  /// Whether expandable_segments was given explicitly (see above).
+  bool expandable_segments_set = false;
   /// Release the allocator's lock while the device malloc runs.
   bool release_lock_on_cudamalloc = false;
   /// Cap on reserved bytes as a fraction of device total memory,
@@ -71,6 +89,12 @@ struct allocator_config {
   /// by less. Costs extra device frees only while the program sets new peaks.
   /// False reproduces PyTorch's allocator's reservations exactly.
   bool trim_on_new_peak = true;
+  /// ccalloc's own key (reuse_across_streams, default True; SPEC X2): before
+  /// the device is asked for a new segment, a cached whole segment of another
+  /// stream whose work has completed (an event recorded on that stream has
+  /// completed) moves to the requesting stream. False keeps PyTorch's rule:
+  /// a block serves only the stream it was allocated on.
+  bool reuse_across_streams = true;
 
   // Accepted for compatibility with PyTorch's config strings; they configure
   // PyTorch's pinned host allocator, its backend choice or its CUDA-graph

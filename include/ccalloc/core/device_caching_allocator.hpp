@@ -68,6 +68,7 @@ struct block_info {
   std::size_t size_bytes = 0;
   std::size_t requested_bytes = 0;  ///< 0 when inactive
   block_state state = block_state::inactive;
+  bool mapped = true;  ///< false: an unmapped range of an expandable segment (always inactive)
 };
 
 struct segment_info {
@@ -78,7 +79,20 @@ struct segment_info {
   std::size_t requested_bytes = 0;
   stream_t stream = 0;
   bool is_small_pool = false;
+  /// An expandable segment (SPEC B7): total_bytes is its address-space
+  /// reservation, mapped_bytes the part backed by device memory.
+  bool is_expandable = false;
+  std::size_t mapped_bytes = 0;  ///< bytes backed by device memory (total_bytes for a plain segment)
   std::vector<block_info> blocks;  ///< in address order; sizes sum to total_bytes
+};
+
+/// One expandable segment's sizes (SPEC F19).
+struct expandable_segment_info {
+  stream_t stream = 0;
+  bool is_small_pool = false;
+  std::uintptr_t address = 0;        ///< start of the reservation
+  std::size_t reserved_address_bytes = 0;  ///< size of the address-space reservation
+  std::size_t mapped_bytes = 0;      ///< bytes mapped to device memory now
 };
 
 class device_caching_allocator {
@@ -137,6 +151,21 @@ class device_caching_allocator {
   void reset_peak_stats();
 
   void attach_oom_observer(oom_observer observer);
+
+  /// The expandable segments of this device, by address: per stream and pool,
+  /// the bytes mapped now (PyTorch: getExpandableSegmentSizes, SPEC F19).
+  /// Locks the whole device.
+  [[nodiscard]] std::vector<expandable_segment_info> expandable_segments() const;
+  /// Grants device `peer` read/write access to every page mapped in this
+  /// device's expandable segments now and to every page mapped later (SPEC
+  /// F26; cuMemSetAccess). Plain segments need the backend's peer access
+  /// (device_backend::enable_peer_access), which the front end enables.
+  /// Granting a peer twice does nothing. Throws invalid_argument_error for
+  /// `peer` outside the backend's devices or equal to this device, and
+  /// backend_error from the backend (peers granted before stay granted).
+  void enable_peer_access(int peer);
+  /// Devices granted access by enable_peer_access, in the order granted.
+  [[nodiscard]] std::vector<int> peers() const;
 
   /// Segments and their blocks, sorted by address.
   [[nodiscard]] std::vector<segment_info> segments() const;

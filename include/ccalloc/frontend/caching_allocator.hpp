@@ -131,6 +131,20 @@ class caching_allocator {
   /// no live block of this allocator is ignored.
   void record_stream(void* ptr, stream_t stream);
 
+  /// Lets `device` access the memory of `peer` (F26; PyTorch:
+  /// enablePeerAccess(dev, dev_to_access)): enables the backend's peer access
+  /// from `device` to `peer` (cudaDeviceEnablePeerAccess; plain segments) and
+  /// grants `device` access to every page of `peer`'s expandable segments,
+  /// mapped now or later (cuMemSetAccess). Calling it again does nothing.
+  /// Throws invalid_argument_error for an uninitialized or equal device and
+  /// backend_error when the backend cannot give the access
+  /// (device_backend::can_access_peer is false).
+  void enable_peer_access(int device, int peer);
+  /// The expandable segments of `device`: per stream and pool, the bytes
+  /// mapped now and the reservation (F19; PyTorch: getExpandableSegmentSizes).
+  /// Throws invalid_argument_error for a bad device.
+  [[nodiscard]] std::vector<expandable_segment_info> expandable_segment_sizes(int device) const;
+
   /// Statistics of `device` (F12; PyTorch: getDeviceStats).
   [[nodiscard]] device_stats get_device_stats(int device) const;
   void reset_accumulated_stats(int device);

@@ -11,7 +11,8 @@
 //   block.next->ptr = block.ptr + block.size; block.next->prev = block
 //   a block is in its pool  <=>  !allocated && event_count == 0
 //   two neighbouring blocks are never both in a pool (free neighbours merge)
-//   stats.reserved_bytes.all.current  = sum of segment sizes
+//   stats.reserved_bytes.all.current  = sum of plain segment sizes + mapped bytes
+//                                       of expandable segments
 //   stats.allocated_bytes.all.current = sum of sizes of allocated blocks
 //   stats.active_bytes.all.current    = allocated + sizes of blocks waiting on events
 //
@@ -25,6 +26,20 @@
 //     registry_mutex_ -> stream_state::mutex (by address) -> device_mutex_ -> stats_mutex_
 // A block belongs to its segment's stream: its fields change only under that
 // stream's lock (event_count included).
+//
+// Expandable segments (SPEC B7): an address-space reservation whose pages
+// (the device's granularity, 2 MiB) are mapped on demand:
+//
+//   reservation                      [======================================]
+//   pages                            |m |m |m |m |  |  |m |  |  |  |  |  |  |
+//   blocks                           [alloc][ free ][unmapped][a][unmapped  ]
+//
+// Extra invariants: a block is mapped or not as a whole; an unmapped block is
+// free, page-aligned, outside every pool, and all its pages are unmapped;
+// every page a mapped block touches is mapped; free neighbours merge only
+// when both are mapped or both unmapped; segment.mapped_bytes = mapped pages
+// x page size. Every free mapped block of an expandable segment counts as an
+// inactive split block (is_split() is true there).
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
@@ -66,20 +81,30 @@ struct block {
   block* prev = nullptr;            // neighbour at lower address in the segment
   block* next = nullptr;            // neighbour at higher address
   bool allocated = false;
+  bool mapped = true;               // false: an unmapped free range of an expandable segment
   bool counted_oversize = false;    // counted in oversize_allocations (max_split_size may change)
   int event_count = 0;              // events still to complete before reuse
   std::uint64_t gc_count_base = 0;  // pool's get-free-block count when cached
   std::vector<stream_t> stream_uses;  // other streams that used it (record_stream)
 
-  [[nodiscard]] bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
+  [[nodiscard]] inline bool is_split() const noexcept;
+  // Free and not waiting for events (unmapped blocks are always free).
+  [[nodiscard]] bool is_free() const noexcept { return !allocated && event_count == 0; }
 };
 
 struct segment {
   std::uintptr_t base = 0;
-  std::size_t size = 0;
+  std::size_t size = 0;   // bytes: the allocation, or the whole reservation when expandable
   block* head = nullptr;  // block at `base`
   bool oversize = false;  // counted in oversize_segments when it was obtained
+  // --- expandable segments only ---
+  bool expandable = false;
+  std::size_t page_bytes = 0;            // mapping unit (the device's granularity)
+  std::size_t mapped_bytes = 0;          // mapped pages x page_bytes
+  std::vector<physical_handle_t> pages;  // per page: its physical handle, 0 = unmapped
 };
+
+bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }
 
 // The free blocks of one (stream, pool), sorted by (size, address): a flat
 // sorted array of {size, ptr, block} entries. Best fit is a binary search
@@ -170,6 +195,7 @@ struct alignas(64) stream_state {
     b->requested_size = 0;
     b->prev = b->next = nullptr;
     b->allocated = false;
+    b->mapped = true;
     b->counted_oversize = false;
     b->event_count = 0;
     b->gc_count_base = 0;
@@ -270,6 +296,22 @@ class device_state {
   void release_block(block* b, device_stats& st);                             // [stream, device]
   void garbage_collect_cached_blocks(const world_lock& w);                    // [world]
   void process_events_locked();                                               // [world]
+  // Expandable segments (B7, X3) [world]
+  bool alloc_expandable(alloc_params& p, bool is_retry, world_lock& w);
+  segment* new_expandable_segment(const alloc_params& p);
+  block* split_free_block(block* b, std::uintptr_t at);
+  void pool_insert_counted(block* b);
+  void pool_erase_counted(block* b);
+  void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped);
+  std::size_t unmap_free_pages(std::size_t target_bytes, const segment* keep_seg, std::uintptr_t keep_lo,
+                               std::uintptr_t keep_hi, std::vector<physical_handle_t>* recycled);
+  std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
+                                std::vector<physical_handle_t>* recycled, std::size_t max_bytes);
+  void release_empty_expandable_segments();
+  void check_expandable_supported(const allocator_config& config) const;
+  // Cross-stream reuse (X2) [world]
+  bool adopt_idle_segment(alloc_params& p, const world_lock& w);
+  bool wait_for_completions_in_flight(world_lock& w);                          // [world]
   template <class OnCompleted>
   void take_completed_events(OnCompleted on_completed);                      // [device]
   void synchronize_and_free_events();                                         // [world]
@@ -308,6 +350,12 @@ class device_state {
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
   std::vector<event_t> free_events_;  // event pool: created and reusable
   std::vector<oom_observer> observers_;
+  std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
+  std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
+  // Blocks whose completed events process_events took but has not yet
+  // returned to their pools (it drops the device lock in between). The OOM
+  // path waits for them (X7).
+  std::atomic<std::size_t> completions_in_flight_{0};
 
   // True while the device has at most one stream state: its statistics then
   // stay in its pending deltas without any lock and are published by readers

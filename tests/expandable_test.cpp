@@ -1,0 +1,314 @@
+// Expandable segments (SPEC B7, F19, F26, X3), cross-stream reuse (X2) and
+// the OOM path's wait for pending events (X7), on the simulated device, whose
+// reservations and page mappings are real host mappings.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/config.hpp>
+#include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace ccalloc;  // NOLINT: test file
+
+constexpr std::size_t MiB = mib;
+constexpr std::size_t page = 2 * MiB;
+constexpr std::int64_t I(std::size_t v) { return static_cast<std::int64_t>(v); }
+std::uintptr_t U(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+class ExpandableTest : public ::testing::Test {
+ protected:
+  void make(std::size_t capacity = 256 * MiB, const std::string& conf = "", int devices = 1) {
+    alloc.reset();
+    sim_options o;
+    o.capacity_bytes = capacity;
+    o.device_count = devices;
+    sim = std::make_shared<sim_backend>(o);
+    alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(conf));
+    alloc->init(devices);
+  }
+  void SetUp() override { make(); }
+  void TearDown() override {
+    if (alloc)
+      for (int d = 0; d < sim->device_count(); ++d) alloc->device_allocator(d).check_invariants();
+  }
+  device_caching_allocator& dev(int d = 0) { return alloc->device_allocator(d); }
+  device_stats st(int d = 0) { return alloc->get_device_stats(d); }
+  std::int64_t reserved(int d = 0) { return st(d).reserved_bytes[0].current; }
+  void* m(std::size_t bytes, stream_t s = 0, int d = 0) { return alloc->malloc(d, bytes, s); }
+
+  std::shared_ptr<sim_backend> sim;
+  std::unique_ptr<caching_allocator> alloc;
+};
+
+TEST_F(ExpandableTest, IsTheDefaultAndGrowsByMappingPages) {
+  EXPECT_TRUE(alloc->config().expandable_segments);
+  void* a = m(5 * MiB);
+  EXPECT_EQ(reserved(), I(6 * MiB)) << "5 MiB needs 3 pages";
+  EXPECT_EQ(sim->counters().mapped_bytes, 6 * MiB);
+  void* b = m(5 * MiB);
+  EXPECT_EQ(U(b), U(a) + 5 * MiB) << "packed right after the first block";
+  EXPECT_EQ(reserved(), I(10 * MiB)) << "the shared page is not mapped twice";
+  const auto segs = alloc->expandable_segment_sizes(0);
+  ASSERT_EQ(segs.size(), 1u);
+  EXPECT_EQ(segs[0].mapped_bytes, 10 * MiB);
+  EXPECT_FALSE(segs[0].is_small_pool);
+  EXPECT_GE(segs[0].reserved_address_bytes, 256 * MiB) << "the reservation spans the device";
+  EXPECT_EQ(st().segment[0].current, 1);
+  EXPECT_EQ(st().num_device_alloc, 5) << "one physical page each";
+  // The memory is real: write both blocks through and read them back.
+  std::memset(a, 0xab, 5 * MiB);
+  std::memset(b, 0xcd, 5 * MiB);
+  EXPECT_EQ(static_cast<unsigned char*>(a)[5 * MiB - 1], 0xab);
+  EXPECT_EQ(static_cast<unsigned char*>(b)[0], 0xcd);
+  const auto [base, size] = alloc->get_base_allocation(b);
+  EXPECT_EQ(U(base), segs[0].address);
+  EXPECT_EQ(size, segs[0].reserved_address_bytes);
+  alloc->free(a);
+  alloc->free(b);
+}
+
+TEST_F(ExpandableTest, SmallPoolPacksIntoPagesToo) {
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(m(512 * 1024));
+  EXPECT_EQ(reserved(), I(4 * MiB));
+  const auto segs = alloc->expandable_segment_sizes(0);
+  ASSERT_EQ(segs.size(), 1u);
+  EXPECT_TRUE(segs[0].is_small_pool);
+  for (void* p : blocks) alloc->free(p);
+}
+
+TEST_F(ExpandableTest, EmptyCacheUnmapsEveryFreePageAndReleasesTheReservation) {
+  void* a = m(9 * MiB);
+  void* b = m(1536 * 1024);
+  alloc->free(a);
+  alloc->free(b);
+  EXPECT_EQ(reserved(), I(10 * MiB) + I(2 * MiB)) << "cached, still mapped";
+  const std::size_t free_before = sim->mem_get_info(0).free_bytes;
+  alloc->empty_cache();
+  EXPECT_EQ(reserved(), 0);
+  EXPECT_EQ(sim->mem_get_info(0).free_bytes, free_before + 12 * MiB) << "the device got its memory back";
+  const auto c = sim->counters();
+  EXPECT_EQ(c.mapped_bytes, 0u);
+  EXPECT_EQ(c.live_handles, 0u);
+  EXPECT_EQ(c.live_reservations, 0u);
+  EXPECT_TRUE(alloc->expandable_segment_sizes(0).empty());
+  EXPECT_EQ(st().segment[0].current, 0);
+  EXPECT_EQ(st().num_device_free, 6);
+}
+
+TEST_F(ExpandableTest, EmptyCacheNeverTouchesLiveBlocks) {
+  void* a = m(3 * MiB);
+  void* b = m(8 * MiB);
+  void* c = m(3 * MiB);
+  std::memset(a, 1, 3 * MiB);
+  std::memset(c, 3, 3 * MiB);
+  alloc->free(b);  // a hole with 3 whole pages inside it (3..11 MiB -> pages 4..10 MiB)
+  alloc->empty_cache();
+  EXPECT_EQ(reserved(), I(14 * MiB - 3 * page)) << "only the hole's whole pages go";
+  EXPECT_EQ(static_cast<unsigned char*>(a)[3 * MiB - 1], 1);
+  EXPECT_EQ(static_cast<unsigned char*>(c)[0], 3);
+  void* d = m(8 * MiB);  // the hole is remapped and reused
+  EXPECT_EQ(d, b);
+  EXPECT_EQ(reserved(), I(14 * MiB));
+  for (void* p : {a, c, d}) alloc->free(p);
+}
+
+TEST_F(ExpandableTest, FreePagesOfAnotherStreamAreRecycledInsteadOfGrowing) {
+  const stream_t other = sim->create_stream(0);
+  void* a = m(20 * MiB);
+  alloc->free(a);  // cached on stream 0; high-water 20 MiB
+  const auto creates = sim->counters().vm_creates;
+  void* b = m(20 * MiB, other);
+  EXPECT_EQ(reserved(), I(20 * MiB)) << "X3: the free pages move to the other stream's segment";
+  EXPECT_EQ(st().reserved_bytes[0].peak, I(20 * MiB));
+  EXPECT_EQ(sim->counters().vm_creates, creates) << "no new physical memory";
+  EXPECT_EQ(alloc->expandable_segment_sizes(0).size(), 2u) << "one reservation per stream";
+  std::memset(b, 7, 20 * MiB);
+  alloc->free(b);
+}
+
+TEST_F(ExpandableTest, WithoutTrimTheReservationGrowsLikePyTorch) {
+  make(256 * MiB, pytorch_expandable_policies);
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  void* b = m(20 * MiB, other);
+  EXPECT_EQ(reserved(), I(40 * MiB));
+  alloc->free(b);
+}
+
+TEST_F(ExpandableTest, TheCapIsKeptByRecyclingPages) {
+  make(256 * MiB, "per_process_memory_fraction:0.125");  // 32 MiB
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(24 * MiB));
+  void* b = m(24 * MiB, other);
+  EXPECT_LE(reserved(), I(32 * MiB));
+  EXPECT_THROW((void)m(10 * MiB, other), out_of_memory_error);
+  alloc->free(b);
+}
+
+TEST_F(ExpandableTest, OutOfMemoryUnmapsFreePagesAndTheAllocatorGoesOn) {
+  make(64 * MiB);
+  void* a = m(30 * MiB);
+  void* b = m(10 * MiB);
+  alloc->free(b);
+  try {
+    (void)m(40 * MiB);
+    FAIL() << "expected an out_of_memory_error";
+  } catch (const out_of_memory_error& e) {
+    EXPECT_EQ(e.requested_bytes, 40 * MiB);
+    EXPECT_NE(std::string(e.what()).find("Tried to allocate 40.00 MiB"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(reserved(), I(30 * MiB)) << "the free pages went back to the device";
+  EXPECT_EQ(st().num_ooms, 1);
+  void* c = m(30 * MiB);  // fits now
+  EXPECT_EQ(reserved(), I(60 * MiB));
+  alloc->free(a);
+  alloc->free(c);
+}
+
+TEST_F(ExpandableTest, BlocksWaitingForEventsAreNotUnmapped) {
+  const stream_t side = sim->create_stream(0);
+  void* a = m(8 * MiB);
+  alloc->record_stream(a, side);
+  sim->enqueue_work(0, side, 100);  // the side stream uses `a` until t=100
+  alloc->free(a);                   // pending
+  alloc->empty_cache();             // waits for the event (B6) and only then unmaps
+  EXPECT_GE(sim->now(), 100u);
+  EXPECT_EQ(reserved(), 0);
+  EXPECT_EQ(st().num_sync_all_streams, 1);
+}
+
+TEST_F(ExpandableTest, OutOfMemoryPathWaitsForPendingEventsX7) {
+  make(32 * MiB);
+  const stream_t side = sim->create_stream(0);
+  void* a = m(24 * MiB);
+  alloc->record_stream(a, side);
+  sim->enqueue_work(0, side, 50);
+  alloc->free(a);  // pending until t=50
+  void* b = m(24 * MiB);  // only fits in a's pages: the OOM path waits for the event
+  EXPECT_EQ(st().num_ooms, 0);
+  EXPECT_EQ(st().num_sync_all_streams, 1);
+  EXPECT_GE(sim->now(), 50u);
+  alloc->free(b);
+}
+
+TEST_F(ExpandableTest, PeerAccessCoversExistingAndFutureMappings) {
+  make(256 * MiB, "", 2);
+  void* before = m(4 * MiB, 0, 1);
+  alloc->enable_peer_access(0, 1);  // device 0 may access device 1's memory
+  EXPECT_TRUE(sim->peer_access_enabled(0, 1));
+  EXPECT_TRUE(sim->peer_can_access(1, before, 0));
+  void* after = m(6 * MiB, 0, 1);
+  EXPECT_TRUE(sim->peer_can_access(1, after, 0));
+  EXPECT_TRUE(sim->peer_can_access(1, static_cast<char*>(after) + 5 * MiB, 0));
+  EXPECT_EQ(dev(1).peers(), std::vector<int>{0});
+  alloc->enable_peer_access(0, 1);  // again: nothing changes
+  EXPECT_EQ(dev(1).peers(), std::vector<int>{0});
+  EXPECT_THROW(alloc->enable_peer_access(1, 1), invalid_argument_error);
+  EXPECT_THROW(alloc->enable_peer_access(0, 2), invalid_argument_error);
+  alloc->free(before);
+  alloc->free(after);
+}
+
+TEST_F(ExpandableTest, FailedPageCreationIsRetriedAfterFreeingTheCache) {
+  sim->fail_vm_create_after(2);  // the second page cannot be created (once)
+  void* a = m(5 * MiB);          // B6: release the cache, retry
+  EXPECT_EQ(st().num_alloc_retries, 1);
+  EXPECT_EQ(st().num_ooms, 0);
+  EXPECT_EQ(reserved(), I(6 * MiB));
+  EXPECT_EQ(sim->counters().live_handles, 3u) << "the page mapped before the failure is still used, none leaked";
+  alloc->free(a);
+}
+
+TEST_F(ExpandableTest, PageCreationFailingOnAFullDeviceIsAnOutOfMemory) {
+  make(16 * MiB);
+  void* a = m(10 * MiB);
+  EXPECT_THROW((void)m(8 * MiB), out_of_memory_error);  // 10 + 8 > 16
+  dev().check_invariants();
+  EXPECT_EQ(reserved(), I(10 * MiB)) << "pages mapped for the failed request were returned";
+  EXPECT_EQ(sim->counters().live_handles, 5u);
+  void* b = m(6 * MiB);
+  EXPECT_EQ(reserved(), I(16 * MiB));
+  alloc->free(a);
+  alloc->free(b);
+}
+
+TEST_F(ExpandableTest, FailedMapThrowsTheBackendErrorAndKeepsTheStateConsistent) {
+  void* a = m(3 * MiB);
+  sim->fail_vm_map_after(1);
+  try {
+    (void)m(6 * MiB);
+    FAIL() << "expected a backend_error";
+  } catch (const backend_error& e) {
+    EXPECT_NE(std::string(e.what()).find("vm_map"), std::string::npos) << e.what();
+  }
+  dev().check_invariants();
+  EXPECT_EQ(sim->counters().live_handles * page, static_cast<std::size_t>(reserved()))
+      << "no physical page leaked";
+  void* b = m(6 * MiB);
+  alloc->free(a);
+  alloc->free(b);
+  alloc->empty_cache();
+  EXPECT_EQ(sim->counters().live_handles, 0u);
+}
+
+TEST_F(ExpandableTest, PlainAndExpandableSegmentsCoexistAcrossSetConfig) {
+  make(256 * MiB, "expandable_segments:False");
+  void* plain = m(12 * MiB);
+  alloc->set_config("expandable_segments:True");
+  void* exp = m(12 * MiB);
+  const auto segs = dev().segments();
+  ASSERT_EQ(segs.size(), 2u);
+  EXPECT_NE(segs[0].is_expandable, segs[1].is_expandable);
+  alloc->free(plain);
+  alloc->free(exp);
+  alloc->empty_cache();
+  EXPECT_EQ(reserved(), 0);
+}
+
+// ---- X2: cross-stream reuse of plain segments ----------------------------------
+
+TEST_F(ExpandableTest, IdleStreamsCachedWholeSegmentServesAnotherStream) {
+  make(256 * MiB, "expandable_segments:False");
+  const stream_t other = sim->create_stream(0);
+  void* a = m(30 * MiB);
+  alloc->free(a);
+  void* b = m(30 * MiB, other);
+  EXPECT_EQ(b, a) << "stream 0 has no work left: its cached segment moves";
+  EXPECT_EQ(st().num_device_alloc, 1);
+  alloc->free(b);
+  EXPECT_EQ(m(30 * MiB, other), a) << "now cached on the other stream";
+  alloc->free(a);
+}
+
+TEST_F(ExpandableTest, BusyStreamKeepsItsCachedSegment) {
+  make(256 * MiB, "expandable_segments:False,trim_on_new_peak:False");
+  const stream_t other = sim->create_stream(0);
+  void* a = m(30 * MiB);
+  sim->enqueue_work(0, 0, 1000);  // stream 0 still runs work that may use `a`
+  alloc->free(a);
+  void* b = m(30 * MiB, other);
+  EXPECT_NE(b, a);
+  EXPECT_EQ(st().num_device_alloc, 2);
+  alloc->free(b);
+}
+
+TEST_F(ExpandableTest, ReuseAcrossStreamsFalseKeepsPyTorchsBinding) {
+  make(256 * MiB, pytorch_policies);
+  const stream_t other = sim->create_stream(0);
+  void* a = m(30 * MiB);
+  alloc->free(a);
+  void* b = m(30 * MiB, other);
+  EXPECT_NE(b, a);
+  alloc->free(b);
+}
+
+}  // namespace
