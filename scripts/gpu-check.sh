@@ -64,14 +64,8 @@ record() {  # name rc seconds log [detail]
 }
 
 # ---- environment ---------------------------------------------------------------
-if ! command -v nvcc >/dev/null 2>&1; then
-  for d in "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-13 /usr/local/cuda-13.0; do
-    if [ -n "$d" ] && [ -x "$d/bin/nvcc" ]; then export PATH="$d/bin:$PATH"; break; fi
-  done
-fi
-NVCC=$(command -v nvcc || true)
-CUDA_ROOT=${CUDA_HOME:-}
-[ -z "$CUDA_ROOT" ] && [ -n "$NVCC" ] && CUDA_ROOT=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
+# shellcheck source=scripts/cuda-env.sh
+. scripts/cuda-env.sh  # NVCC, CUDA_ROOT
 SANITIZER=$(command -v compute-sanitizer || true)
 if [ -z "$SANITIZER" ]; then
   for c in "$CUDA_ROOT/bin/compute-sanitizer" "$CUDA_ROOT/compute-sanitizer/compute-sanitizer" \

@@ -1,0 +1,345 @@
+/* ccalloc/ccalloc.h: ccalloc's C API (plain C99, usable from C and C++).
+ *
+ * What it is: the caching allocator of <ccalloc/frontend/caching_allocator.hpp>
+ * behind C functions, for C programs, for other languages (Python's ctypes,
+ * see python/ccalloc), and for PyTorch's torch.cuda.memory.CUDAPluggableAllocator,
+ * which loads ccalloc_alloc / ccalloc_free (or the ccalloc_torch_* hooks) from
+ * libccalloc.so. The shared library needs only libstdc++ and, when built with
+ * the CUDA backend, libcudart.
+ *
+ * Allocators: every function that acts on an allocator takes a
+ * `ccalloc_allocator_t*` as its first argument. NULL means the process-wide
+ * allocator (ccalloc::global_allocator()): created on first use on the default
+ * backend (CUDA when built with it and a GPU is present, else one simulated
+ * H200-sized device), initialized for all of the backend's devices, configured
+ * from the environment (CCALLOC_CONF, CCALLOC_NO_CACHING), never destroyed.
+ * ccalloc_create() makes further allocators with their own backend (for
+ * example a simulated device of a chosen size) that ccalloc_destroy() ends.
+ *
+ * Argument order, fixed: allocator, device, then the subject (size, pointer,
+ * fraction, text), then the stream, then output pointers last. (The
+ * ccalloc_alloc/ccalloc_free and ccalloc_torch_* entry points have PyTorch's
+ * signatures instead.)
+ *
+ * Errors: no function here throws or aborts (except the ccalloc_torch_* hooks,
+ * see their section). Each returns a ccalloc_status_t; on anything but
+ * CCALLOC_OK it leaves its outputs unchanged and stores a message naming what
+ * was wrong in a thread-local buffer that ccalloc_last_error() returns. The
+ * allocator's state is then as before the call (SPEC R5), except after
+ * CCALLOC_ERROR_OUT_OF_MEMORY, when cached memory may have been returned to
+ * the device while trying. A NULL output pointer is CCALLOC_ERROR_INVALID_ARGUMENT.
+ *
+ * Pointers: a pointer from ccalloc_malloc is device memory aligned to 512
+ * bytes, safe to use on the stream it was allocated on at once, valid until
+ * ccalloc_delete (or the allocator's ccalloc_destroy). It belongs to the
+ * allocator that made it: free it there.
+ *
+ * Streams: ccalloc_stream_t is CUDA's cudaStream_t (the same type: a pointer
+ * to struct CUstream_st), so a cudaStream_t is passed as is; NULL is the
+ * legacy default stream. On the simulated device a stream is the integer
+ * handle from ccalloc_stream_create (NULL: the default stream).
+ *
+ * Thread safety: every function may be called from any thread concurrently,
+ * except ccalloc_init and ccalloc_destroy, which must not race with other
+ * calls on the same allocator.
+ *
+ * Cost: malloc and delete are the front end's (a pointer-map lookup and the
+ * device allocator's O(log n) pool search); the C layer adds a try/catch.
+ *
+ * Planned (not in this version): private pools (SPEC F20-F24, issue 6) will
+ * add functions taking (allocator, device, ccalloc_pool_id_t, ...) with an
+ * optional per-pool segment allocator (a malloc/free pair with a user-data
+ * pointer, e.g. over ncclMemAlloc for SPEC E5); history and snapshots (SPEC
+ * F13-F16, issue 5) will add functions returning JSON text that the caller
+ * frees with ccalloc_string_free. The conventions above hold for them.
+ */
+#ifndef CCALLOC_CCALLOC_H
+#define CCALLOC_CCALLOC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Exported from libccalloc.so, whose other symbols are hidden. */
+#if defined(__GNUC__)
+#define CCALLOC_API __attribute__((visibility("default")))
+#else
+#define CCALLOC_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- types ------------------------------------------------------------------ */
+
+/** An allocator made by ccalloc_create (opaque). NULL: the process-wide one. */
+typedef struct ccalloc_allocator ccalloc_allocator_t;
+
+/** A stream: CUDA's cudaStream_t (NULL = the legacy default stream). */
+typedef struct CUstream_st* ccalloc_stream_t;
+
+/** What a function returned. Messages: ccalloc_last_error(). */
+typedef enum ccalloc_status {
+  CCALLOC_OK = 0,
+  /** Bad argument: unknown or freed pointer, device out of range, fraction
+   * outside [0, 1], NULL output pointer, allocator not initialized. */
+  CCALLOC_ERROR_INVALID_ARGUMENT = 1,
+  /** The device could not provide the memory even after the cache was freed
+   * (SPEC B6); the message gives the figures. */
+  CCALLOC_ERROR_OUT_OF_MEMORY = 2,
+  /** A configuration string (or CCALLOC_CONF) has a bad key or value; the
+   * message names the key, the value and what is accepted. */
+  CCALLOC_ERROR_CONFIG = 3,
+  /** The device backend failed (a CUDA error, an unsupported operation). */
+  CCALLOC_ERROR_BACKEND = 4,
+  /** Anything else (for example host memory exhausted inside the library). */
+  CCALLOC_ERROR_INTERNAL = 5
+} ccalloc_status_t;
+
+/** Which device backend ccalloc_create uses. */
+typedef enum ccalloc_backend_kind {
+  /** CUDA when built with it and a GPU is present, else the simulated device. */
+  CCALLOC_BACKEND_DEFAULT = 0,
+  /** The simulated device (host address space, a virtual clock). */
+  CCALLOC_BACKEND_SIM = 1,
+  /** CUDA; CCALLOC_ERROR_BACKEND when not built with it or no GPU is seen. */
+  CCALLOC_BACKEND_CUDA = 2
+} ccalloc_backend_kind_t;
+
+/** Options of ccalloc_create. Fill with ccalloc_options_init first: fields
+ * may be added at the end in later versions, and struct_size tells the
+ * library which ones the caller knows. */
+typedef struct ccalloc_options {
+  size_t struct_size;             /**< sizeof(ccalloc_options_t), set by ccalloc_options_init */
+  ccalloc_backend_kind_t backend; /**< default CCALLOC_BACKEND_DEFAULT */
+  int sim_device_count;           /**< simulated devices, default 1 (>= 1) */
+  size_t sim_capacity_bytes;      /**< bytes per simulated device; 0 = 141 GB (an H200's) */
+  /** NULL (default): configuration from the environment, as the process-wide
+   * allocator (CCALLOC_CONF, CCALLOC_NO_CACHING). Otherwise this string in
+   * PyTorch's syntax ("" = the defaults), and no environment is read. */
+  const char* config;
+} ccalloc_options_t;
+
+/** Called on each out-of-memory error (SPEC F17), outside the allocator's
+ * locks, with the user_data given at attach time, the device, the bytes
+ * asked, the bytes allowed (memory-fraction cap, else device total) and the
+ * device's free bytes. It may call back into the allocator. */
+typedef void (*ccalloc_oom_observer_fn)(void* user_data, int device, size_t requested_bytes,
+                                        size_t allowed_bytes, size_t free_bytes);
+
+/* ---- errors and identity ------------------------------------------------------ */
+
+/** The message of the last failed call on this thread ("" if none failed
+ * yet). Owned by the library; valid until the next failing call on this
+ * thread. Successful calls leave it unchanged. */
+CCALLOC_API const char* ccalloc_last_error(void);
+/** A status as text, e.g. "CCALLOC_ERROR_OUT_OF_MEMORY"; static storage. */
+CCALLOC_API const char* ccalloc_status_name(ccalloc_status_t status);
+/** "ccalloc" (PyTorch: name(), SPEC F29); static storage. */
+CCALLOC_API const char* ccalloc_name(void);
+/** The library's version, e.g. "0.1.0"; static storage. */
+CCALLOC_API const char* ccalloc_version(void);
+/** 1 when the library includes the CUDA backend, else 0. */
+CCALLOC_API int ccalloc_built_with_cuda(void);
+
+/* ---- allocators ----------------------------------------------------------------- */
+
+/** Sets `options` to the defaults (struct_size = sizeof(ccalloc_options_t)). */
+CCALLOC_API void ccalloc_options_init(ccalloc_options_t* options);
+/** Creates an allocator with its own backend, not yet initialized (call
+ * ccalloc_init). `options` may be NULL (the defaults). Errors: INVALID_ARGUMENT
+ * (bad option), CONFIG (bad configuration string), BACKEND (CUDA asked but
+ * unavailable). Configuration warnings (settings without effect, SPEC X6) go
+ * to stderr. */
+CCALLOC_API ccalloc_status_t ccalloc_create(const ccalloc_options_t* options, ccalloc_allocator_t** out);
+/** Destroys an allocator from ccalloc_create: every segment goes back to the
+ * device, and its live pointers become invalid. NULL is a no-op (the
+ * process-wide allocator is never destroyed). */
+CCALLOC_API void ccalloc_destroy(ccalloc_allocator_t* alloc);
+/** Creates the per-device allocators for devices [0, device_count) (SPEC F1).
+ * Again with the same count: no-op; a larger count adds devices. Errors:
+ * INVALID_ARGUMENT when device_count < 1 or above the backend's count. */
+CCALLOC_API ccalloc_status_t ccalloc_init(ccalloc_allocator_t* alloc, int device_count);
+/** *out = 1 after ccalloc_init, else 0 (PyTorch: initialized). */
+CCALLOC_API ccalloc_status_t ccalloc_initialized(ccalloc_allocator_t* alloc, int* out);
+/** Number of devices the allocator's backend drives. */
+CCALLOC_API ccalloc_status_t ccalloc_device_count(ccalloc_allocator_t* alloc, int* out);
+/** The backend's name, "cuda" or "sim"; valid as long as the allocator. */
+CCALLOC_API ccalloc_status_t ccalloc_backend_name(ccalloc_allocator_t* alloc, const char** out);
+/** The calling thread's current device on the backend (cudaGetDevice). */
+CCALLOC_API ccalloc_status_t ccalloc_current_device(ccalloc_allocator_t* alloc, int* out);
+/** Free and total bytes of `device` (cudaMemGetInfo; the simulated device's
+ * capacity minus its segments). */
+CCALLOC_API ccalloc_status_t ccalloc_mem_get_info(ccalloc_allocator_t* alloc, int device, size_t* free_bytes,
+                                                  size_t* total_bytes);
+
+/* ---- allocation (SPEC F2-F5) ------------------------------------------------------ */
+
+/** Allocates `size_bytes` on `device` for use on `stream` (front end malloc,
+ * SPEC F2). Size 0 gives *out = NULL and CCALLOC_OK. Errors: INVALID_ARGUMENT
+ * (uninitialized, bad device), OUT_OF_MEMORY (also at once for >= 1 EiB),
+ * BACKEND. */
+CCALLOC_API ccalloc_status_t ccalloc_malloc(ccalloc_allocator_t* alloc, int device, size_t size_bytes,
+                                            ccalloc_stream_t stream, void** out);
+/** Frees a pointer from this allocator (SPEC F3; PyTorch: raw_delete / free).
+ * NULL is a no-op. Errors: INVALID_ARGUMENT naming the pointer when it is not
+ * a live allocation of this allocator (never allocated here, freed already,
+ * or interior); nothing changes then. Stream ordering: the block is reused at
+ * once on its allocation stream, and on streams recorded with
+ * ccalloc_record_stream only after their work queued before this call. */
+CCALLOC_API ccalloc_status_t ccalloc_delete(ccalloc_allocator_t* alloc, void* ptr);
+/** malloc on the current device and the thread's current stream
+ * (ccalloc_set_current_stream) (PyTorch: raw_alloc, SPEC F5). */
+CCALLOC_API ccalloc_status_t ccalloc_raw_alloc(ccalloc_allocator_t* alloc, size_t size_bytes, void** out);
+/** malloc on the current device and `stream` (PyTorch: raw_alloc_with_stream). */
+CCALLOC_API ccalloc_status_t ccalloc_raw_alloc_with_stream(ccalloc_allocator_t* alloc, size_t size_bytes,
+                                                           ccalloc_stream_t stream, void** out);
+/** The calling thread's current stream for ccalloc_raw_alloc, shared by all
+ * allocators of the process (default NULL). Never fails. */
+CCALLOC_API void ccalloc_set_current_stream(ccalloc_stream_t stream);
+CCALLOC_API ccalloc_stream_t ccalloc_current_stream(void);
+
+/** The block holding `ptr` is not reused until the work queued on `stream`
+ * before its free has completed (PyTorch: recordStream, SPEC F11). `ptr` may
+ * point inside a live block (SPEC X4). A pointer of no live block of this
+ * allocator, and NULL, are ignored (CCALLOC_OK). Errors: BACKEND. */
+CCALLOC_API ccalloc_status_t ccalloc_record_stream(ccalloc_allocator_t* alloc, void* ptr, ccalloc_stream_t stream);
+/** Base address and size in bytes of the segment holding `ptr`, a pointer this
+ * allocator returned (PyTorch: getBaseAllocation, SPEC F10). Errors:
+ * INVALID_ARGUMENT naming the pointer otherwise. */
+CCALLOC_API ccalloc_status_t ccalloc_get_base_allocation(ccalloc_allocator_t* alloc, void* ptr, void** base,
+                                                         size_t* size_bytes);
+
+/* ---- cache and limits (SPEC F6-F9) --------------------------------------------------- */
+
+/** Returns every unused cached segment of every device to the device, after
+ * the events it must wait for; live blocks are untouched (PyTorch:
+ * emptyCache, SPEC F8). Errors: BACKEND. */
+CCALLOC_API ccalloc_status_t ccalloc_empty_cache(ccalloc_allocator_t* alloc);
+/** *out = size in bytes of `device`'s largest cached free block (PyTorch:
+ * cacheInfo, SPEC F9). */
+CCALLOC_API ccalloc_status_t ccalloc_cache_info(ccalloc_allocator_t* alloc, int device, size_t* largest_block_bytes);
+/** Caps `device`'s reserved bytes at fraction x device total (PyTorch:
+ * setMemoryFraction, SPEC F7). Errors: INVALID_ARGUMENT for a fraction
+ * outside [0, 1] (or NaN) or a bad device. */
+CCALLOC_API ccalloc_status_t ccalloc_set_memory_fraction(ccalloc_allocator_t* alloc, int device, double fraction);
+/** *out = `device`'s memory fraction (1 when none was set). */
+CCALLOC_API ccalloc_status_t ccalloc_get_memory_fraction(ccalloc_allocator_t* alloc, int device, double* out);
+/** Turns caching on (1) or off (0) on every device (PyTorch: enable, SPEC
+ * F6). Off: each allocation goes straight to the device and back, and the
+ * cache is released. */
+CCALLOC_API ccalloc_status_t ccalloc_enable(ccalloc_allocator_t* alloc, int enabled);
+/** *out = 1 when caching is on (PyTorch: isEnabled). */
+CCALLOC_API ccalloc_status_t ccalloc_is_enabled(ccalloc_allocator_t* alloc, int* out);
+
+/* ---- statistics (SPEC F12, B9) ----------------------------------------------------------- */
+
+/** Number of statistics, the same for every device and allocator. */
+CCALLOC_API size_t ccalloc_stat_count(void);
+/** Name of statistic `index` (< ccalloc_stat_count()), with the flat key names
+ * of torch.cuda.memory_stats(), in sorted order: "active.all.allocated", ...,
+ * "allocated_bytes.all.peak", ..., "reserved_bytes.large_pool.current", ...;
+ * static storage. NULL for an index out of range. */
+CCALLOC_API const char* ccalloc_stat_name(size_t index);
+/** Writes `device`'s statistics to values[0 .. ccalloc_stat_count()), in
+ * ccalloc_stat_name order (bytes for *_bytes keys and max_split_size (-1:
+ * unlimited), counts otherwise). `capacity` is the length of `values`.
+ * Errors: INVALID_ARGUMENT when capacity < ccalloc_stat_count() or for a bad
+ * device. */
+CCALLOC_API ccalloc_status_t ccalloc_get_device_stats(ccalloc_allocator_t* alloc, int device, int64_t* values,
+                                                      size_t capacity);
+/** One statistic by name, e.g. "reserved_bytes.all.peak". Errors:
+ * INVALID_ARGUMENT for an unknown name or a bad device. */
+CCALLOC_API ccalloc_status_t ccalloc_get_device_stat(ccalloc_allocator_t* alloc, int device, const char* name,
+                                                     int64_t* out);
+/** Zeroes the "allocated"/"freed" fields and the event counters (num_ooms,
+ * num_alloc_retries, ...) of `device` (PyTorch: resetAccumulatedStats). */
+CCALLOC_API ccalloc_status_t ccalloc_reset_accumulated_stats(ccalloc_allocator_t* alloc, int device);
+/** Sets every peak of `device` to its current value (PyTorch: resetPeakStats). */
+CCALLOC_API ccalloc_status_t ccalloc_reset_peak_stats(ccalloc_allocator_t* alloc, int device);
+
+/* ---- configuration (SPEC F30) --------------------------------------------------------------- */
+
+/** Applies a configuration string in PyTorch's syntax on top of the current
+ * configuration of every device, e.g. "max_split_size_mb:128,
+ * garbage_collection_threshold:0.6". Errors: CONFIG naming the key, the
+ * value and what is accepted; nothing changes then. Warnings about settings
+ * without effect (SPEC X6) go to stderr. */
+CCALLOC_API ccalloc_status_t ccalloc_set_config(ccalloc_allocator_t* alloc, const char* text);
+/** The configuration in force as a canonical string that ccalloc_set_config
+ * accepts, snprintf-style: writes at most capacity - 1 characters and a NUL
+ * to `buffer` (which may be NULL when capacity is 0) and sets *length to the
+ * full length without the NUL; a call with capacity <= *length truncated. */
+CCALLOC_API ccalloc_status_t ccalloc_get_config(ccalloc_allocator_t* alloc, char* buffer, size_t capacity,
+                                                size_t* length);
+
+/* ---- observers (SPEC F17) ------------------------------------------------------------------- */
+
+/** Registers `fn` for out-of-memory errors on every device, current and
+ * future (see ccalloc_oom_observer_fn). `user_data` is passed back as is and
+ * must stay valid as long as the allocator. Observers cannot be detached. */
+CCALLOC_API ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* alloc,
+                                                                   ccalloc_oom_observer_fn fn, void* user_data);
+
+/* ---- streams of the allocator's backend ----------------------------------------------------- */
+
+/** Creates a stream on `device` of the allocator's backend (CUDA:
+ * cudaStreamCreateWithFlags(cudaStreamNonBlocking)); for programs that
+ * have no CUDA runtime code of their own and for the simulated device.
+ * Destroy it with ccalloc_stream_destroy. */
+CCALLOC_API ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, int device, ccalloc_stream_t* out);
+CCALLOC_API ccalloc_status_t ccalloc_stream_destroy(ccalloc_allocator_t* alloc, int device, ccalloc_stream_t stream);
+/** Blocks until the work queued on `stream` has completed (cudaStreamSynchronize). */
+CCALLOC_API ccalloc_status_t ccalloc_stream_synchronize(ccalloc_allocator_t* alloc, int device,
+                                                        ccalloc_stream_t stream);
+
+/* ---- PyTorch's CUDAPluggableAllocator signatures (process-wide allocator) --------------------- */
+
+/** PyTorch's alloc_fn signature, `void*(size_t, int, cudaStream_t)`, on the
+ * process-wide allocator: ccalloc_malloc(NULL, device, size, stream). Returns
+ * NULL for size 0 and on failure (message: ccalloc_last_error()); never
+ * throws. Note that PyTorch does not check the result: python/ccalloc
+ * installs ccalloc_torch_alloc instead, which raises. */
+CCALLOC_API void* ccalloc_alloc(size_t size, int device, ccalloc_stream_t stream);
+/** PyTorch's free_fn signature, `void(void*, size_t, int, cudaStream_t)`:
+ * ccalloc_delete(NULL, ptr); `size`, `device` and `stream` are not needed
+ * (ccalloc knows them) and ignored. An error is printed to stderr (a free has
+ * no way to report it) and kept for ccalloc_last_error(). Never throws. */
+CCALLOC_API void ccalloc_free(void* ptr, size_t size, int device, ccalloc_stream_t stream);
+
+/* ---- hooks for PyTorch (C++ callers only) -----------------------------------------------------
+ *
+ * What python/ccalloc (ccalloc.torch.install) hands to
+ * torch.cuda.memory.CUDAPluggableAllocator and its set_*_fn setters, on the
+ * process-wide allocator. Unlike every other function here, those that can
+ * fail THROW a C++ exception derived from std::runtime_error
+ * (ccalloc::out_of_memory_error, ::invalid_argument_error, ...) because
+ * PyTorch ignores return values: PyTorch turns the exception into a Python
+ * RuntimeError carrying ccalloc's message (for out of memory, the same text
+ * as ccalloc's OOM error; it is not torch.OutOfMemoryError). Do not call them
+ * from C. */
+
+/** alloc_fn: as ccalloc_alloc, but throws instead of returning NULL. */
+CCALLOC_API void* ccalloc_torch_alloc(size_t size, int device, ccalloc_stream_t stream);
+/** free_fn: as ccalloc_free (never throws: PyTorch frees in destructors). */
+CCALLOC_API void ccalloc_torch_free(void* ptr, size_t size, int device, ccalloc_stream_t stream);
+/** init_fn, `void(int device_count)`: creates the process-wide allocator (and
+ * its backend) when CUDA initializes, so its start-up cost is not charged to
+ * the first allocation. Throws backend_error. */
+CCALLOC_API void ccalloc_torch_init(int device_count);
+/** reset_fn, `void()`, called by torch.cuda.empty_cache(): ccalloc_empty_cache. */
+CCALLOC_API void ccalloc_torch_empty_cache(void);
+/** memory_fraction_fn, `void(double, int)`, called by
+ * torch.cuda.set_per_process_memory_fraction(fraction, device). */
+CCALLOC_API void ccalloc_torch_set_memory_fraction(double fraction, int device);
+/** base_alloc_fn, `void*(void*, size_t*)`: the segment base of `ptr`, its
+ * size in *size_bytes (PyTorch: getBaseAllocation; used for CUDA IPC). */
+CCALLOC_API void* ccalloc_torch_base_alloc(void* ptr, size_t* size_bytes);
+/** record_stream_fn, `void(void*, cudaStream_t)`, called by Tensor.record_stream. */
+CCALLOC_API void ccalloc_torch_record_stream(void* ptr, ccalloc_stream_t stream);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif /* CCALLOC_CCALLOC_H */

@@ -1,0 +1,467 @@
+"""ccalloc: a stream-ordered caching allocator for CUDA device memory.
+
+This package is pure Python over libccalloc.so's C API (ctypes); see
+python/README.md. Three ways to use it:
+
+- ``ccalloc.torch.install()`` before CUDA is initialized makes ccalloc
+  PyTorch's CUDA allocator; ``ccalloc.torch.memory_stats()`` and friends
+  then report it (``torch.cuda.memory_stats()`` does not work with a
+  pluggable allocator).
+- ``ccalloc.cupy.install()`` makes ccalloc CuPy's allocator.
+- ``ccalloc.Allocator`` is an allocator object of its own (for example on a
+  simulated device of a chosen size); the module-level functions below act
+  on the process-wide allocator, the one PyTorch and CuPy use.
+
+Units: bytes everywhere; devices are indices; streams are ints (a
+cudaStream_t's value, 0 = the legacy default stream) or objects with a
+``cuda_stream`` (torch) or ``ptr`` (CuPy) attribute.
+
+Errors: every failure raises a subclass of ``CcallocError`` carrying the
+library's message (``.status`` has the C status code).
+
+History and snapshots (SPEC F13-F16, E4) live in ``ccalloc.snapshot``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import sys
+from typing import Callable, Optional
+
+from . import _lib
+
+__all__ = [
+    "Allocator",
+    "BackendError",
+    "CcallocError",
+    "ConfigError",
+    "InvalidArgumentError",
+    "OutOfMemoryError",
+    "built_with_cuda",
+    "empty_cache",
+    "get_config",
+    "get_memory_fraction",
+    "library_path",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_stats",
+    "process_allocator",
+    "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats",
+    "set_config",
+    "set_memory_fraction",
+    "stats",
+    "version",
+]
+
+
+class CcallocError(RuntimeError):
+    """A ccalloc call failed; ``status`` is the C status code."""
+
+    status = _lib.ERROR_INTERNAL
+
+
+class InvalidArgumentError(CcallocError, ValueError):
+    """Bad argument: unknown pointer, device out of range, fraction outside [0, 1]."""
+
+    status = _lib.ERROR_INVALID_ARGUMENT
+
+
+class OutOfMemoryError(CcallocError, MemoryError):
+    """The device could not provide the memory even after the cache was freed."""
+
+    status = _lib.ERROR_OUT_OF_MEMORY
+
+
+class ConfigError(CcallocError, ValueError):
+    """A configuration string has a bad key or value (the message names them)."""
+
+    status = _lib.ERROR_CONFIG
+
+
+class BackendError(CcallocError):
+    """The device backend failed (a CUDA error, an unsupported operation)."""
+
+    status = _lib.ERROR_BACKEND
+
+
+_ERRORS = {cls.status: cls for cls in (InvalidArgumentError, OutOfMemoryError, ConfigError, BackendError)}
+
+
+def _check(status: int) -> None:
+    if status != _lib.OK:
+        message = _lib.lib().ccalloc_last_error().decode(errors="replace")
+        raise _ERRORS.get(status, CcallocError)(message)
+
+
+def _stream(stream) -> Optional[int]:
+    """A stream argument as the C API takes it (None = the default stream)."""
+    if stream is None:
+        return None
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        if hasattr(stream, attr):
+            stream = getattr(stream, attr)
+            break
+    stream = int(stream)
+    return stream or None
+
+
+_stat_names: Optional[list] = None
+
+
+def _names() -> list:
+    global _stat_names
+    if _stat_names is None:
+        lib = _lib.lib()
+        _stat_names = [lib.ccalloc_stat_name(i).decode() for i in range(lib.ccalloc_stat_count())]
+    return _stat_names
+
+
+class Allocator:
+    """A ccalloc allocator: the process-wide one (``Allocator.process_wide()``)
+    or one with its own backend (the constructor).
+
+    ``Allocator(backend="sim", devices=1, capacity_bytes=None, config=None)``
+    creates and initializes an allocator on a simulated device (``"sim"``),
+    CUDA (``"cuda"``) or whichever is there (``"default"``). ``config`` is a
+    configuration string in PyTorch's syntax; None reads ``CCALLOC_CONF`` and
+    ``CCALLOC_NO_CACHING`` as the process-wide allocator does. Close it with
+    ``close()`` (or use it as a context manager): its memory goes back to the
+    device and its pointers become invalid.
+
+    Thread safety: the methods may be called from any thread, except
+    ``close``.
+    """
+
+    _KINDS = {"default": _lib.BACKEND_DEFAULT, "sim": _lib.BACKEND_SIM, "cuda": _lib.BACKEND_CUDA}
+
+    def __init__(self, backend: str = "sim", devices: int = 1, capacity_bytes: Optional[int] = None,
+                 config: Optional[str] = None, *, _handle: Optional[int] = None, _owned: bool = True):
+        self._observers: list = []
+        self._handle: Optional[int] = None
+        self._owned = False
+        if not _owned:
+            self._handle = _handle
+            self._owned = False
+            return
+        if backend not in self._KINDS:
+            raise InvalidArgumentError(f"ccalloc: unknown backend {backend!r} (accepted: default, sim, cuda)")
+        lib = _lib.lib()
+        options = _lib.ccalloc_options_t()
+        lib.ccalloc_options_init(ctypes.byref(options))
+        options.backend = self._KINDS[backend]
+        options.sim_device_count = int(devices)
+        options.sim_capacity_bytes = int(capacity_bytes or 0)
+        options.config = None if config is None else config.encode()
+        handle = ctypes.c_void_p()
+        _check(lib.ccalloc_create(ctypes.byref(options), ctypes.byref(handle)))
+        self._handle = handle.value
+        self._owned = True
+        try:
+            count = devices if backend == "sim" else self.device_count
+            self.init(count)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def process_wide(cls) -> "Allocator":
+        """The process-wide allocator (the one PyTorch and CuPy use once
+        installed): default backend, configured from the environment, never
+        closed."""
+        return cls(_handle=None, _owned=False)
+
+    def close(self) -> None:
+        """Destroys an allocator made by the constructor (no-op for the
+        process-wide one and when closed already)."""
+        if self._owned and self._handle is not None:
+            _lib.lib().ccalloc_destroy(self._handle)
+            self._handle = None
+            self._owned = False
+
+    def __enter__(self) -> "Allocator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+    # ---- identity and devices ----------------------------------------------------------
+
+    def init(self, device_count: int) -> None:
+        """Initializes devices [0, device_count) (PyTorch: init)."""
+        _check(_lib.lib().ccalloc_init(self._handle, int(device_count)))
+
+    def _int(self, fn, *args) -> int:
+        out = ctypes.c_int()
+        _check(fn(self._handle, *args, ctypes.byref(out)))
+        return out.value
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self._int(_lib.lib().ccalloc_initialized))
+
+    @property
+    def device_count(self) -> int:
+        return self._int(_lib.lib().ccalloc_device_count)
+
+    @property
+    def current_device(self) -> int:
+        """The calling thread's current device on this allocator's backend."""
+        return self._int(_lib.lib().ccalloc_current_device)
+
+    @property
+    def backend_name(self) -> str:
+        """"cuda" or "sim"."""
+        out = ctypes.c_char_p()
+        _check(_lib.lib().ccalloc_backend_name(self._handle, ctypes.byref(out)))
+        return out.value.decode()
+
+    def mem_get_info(self, device: int = 0) -> tuple:
+        """(free bytes, total bytes) of ``device`` (cudaMemGetInfo)."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        _check(_lib.lib().ccalloc_mem_get_info(self._handle, int(device), ctypes.byref(free), ctypes.byref(total)))
+        return free.value, total.value
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def malloc(self, size_bytes: int, device: int = 0, stream=None) -> int:
+        """Allocates ``size_bytes`` on ``device`` for ``stream``; returns the
+        address (0 for size 0). Raises OutOfMemoryError, InvalidArgumentError."""
+        out = ctypes.c_void_p()
+        _check(_lib.lib().ccalloc_malloc(self._handle, int(device), int(size_bytes), _stream(stream),
+                                         ctypes.byref(out)))
+        return out.value or 0
+
+    def free(self, ptr: int) -> None:
+        """Frees an address from malloc (0 is a no-op). Raises
+        InvalidArgumentError naming the pointer if it is not live here."""
+        _check(_lib.lib().ccalloc_delete(self._handle, ptr or None))
+
+    def raw_alloc(self, size_bytes: int, stream=None) -> int:
+        """malloc on the current device; on ``stream``, else the thread's
+        current stream (PyTorch: raw_alloc / raw_alloc_with_stream)."""
+        out = ctypes.c_void_p()
+        if stream is None:
+            _check(_lib.lib().ccalloc_raw_alloc(self._handle, int(size_bytes), ctypes.byref(out)))
+        else:
+            _check(_lib.lib().ccalloc_raw_alloc_with_stream(self._handle, int(size_bytes), _stream(stream),
+                                                            ctypes.byref(out)))
+        return out.value or 0
+
+    def record_stream(self, ptr: int, stream) -> None:
+        """The block holding ``ptr`` is not reused before the work queued on
+        ``stream`` up to its free has completed (PyTorch: recordStream)."""
+        _check(_lib.lib().ccalloc_record_stream(self._handle, ptr or None, _stream(stream)))
+
+    def get_base_allocation(self, ptr: int) -> tuple:
+        """(base address, size in bytes) of the segment holding ``ptr``."""
+        base, size = ctypes.c_void_p(), ctypes.c_size_t()
+        _check(_lib.lib().ccalloc_get_base_allocation(self._handle, ptr or None, ctypes.byref(base),
+                                                      ctypes.byref(size)))
+        return base.value or 0, size.value
+
+    # ---- cache and limits -------------------------------------------------------------------
+
+    def empty_cache(self) -> None:
+        """Returns every unused cached segment to the device (PyTorch: emptyCache)."""
+        _check(_lib.lib().ccalloc_empty_cache(self._handle))
+
+    def cache_info(self, device: int = 0) -> int:
+        """Size in bytes of ``device``'s largest cached free block."""
+        out = ctypes.c_size_t()
+        _check(_lib.lib().ccalloc_cache_info(self._handle, int(device), ctypes.byref(out)))
+        return out.value
+
+    def set_memory_fraction(self, fraction: float, device: int = 0) -> None:
+        """Caps ``device``'s reserved bytes at fraction x total (PyTorch:
+        set_per_process_memory_fraction); InvalidArgumentError outside [0, 1]."""
+        _check(_lib.lib().ccalloc_set_memory_fraction(self._handle, int(device), float(fraction)))
+
+    def get_memory_fraction(self, device: int = 0) -> float:
+        out = ctypes.c_double()
+        _check(_lib.lib().ccalloc_get_memory_fraction(self._handle, int(device), ctypes.byref(out)))
+        return out.value
+
+    def enable(self, enabled: bool = True) -> None:
+        """Caching on or off (off: every allocation goes to the device and back)."""
+        _check(_lib.lib().ccalloc_enable(self._handle, 1 if enabled else 0))
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self._int(_lib.lib().ccalloc_is_enabled))
+
+    # ---- statistics ---------------------------------------------------------------------------
+
+    def memory_stats(self, device: int = 0) -> "collections.OrderedDict[str, int]":
+        """``device``'s statistics with the flat keys of
+        ``torch.cuda.memory_stats()`` (sorted), e.g.
+        ``"reserved_bytes.all.peak"``, ``"allocation.all.current"``,
+        ``"num_device_alloc"``. Bytes for *_bytes keys, counts otherwise."""
+        names = _names()
+        values = (ctypes.c_int64 * len(names))()
+        _check(_lib.lib().ccalloc_get_device_stats(self._handle, int(device), values, len(names)))
+        return collections.OrderedDict(zip(names, values))
+
+    def stat(self, name: str, device: int = 0) -> int:
+        """One statistic by its torch.cuda.memory_stats() name."""
+        out = ctypes.c_int64()
+        _check(_lib.lib().ccalloc_get_device_stat(self._handle, int(device), name.encode(), ctypes.byref(out)))
+        return out.value
+
+    def reset_peak_stats(self, device: int = 0) -> None:
+        _check(_lib.lib().ccalloc_reset_peak_stats(self._handle, int(device)))
+
+    def reset_accumulated_stats(self, device: int = 0) -> None:
+        _check(_lib.lib().ccalloc_reset_accumulated_stats(self._handle, int(device)))
+
+    # ---- configuration and observers -------------------------------------------------------------
+
+    def set_config(self, text: str) -> None:
+        """Applies a configuration string in PyTorch's syntax on top of the
+        current one; ConfigError names a bad key or value (nothing changes)."""
+        _check(_lib.lib().ccalloc_set_config(self._handle, text.encode()))
+
+    def get_config(self) -> str:
+        """The configuration in force, as a string set_config accepts."""
+        length = ctypes.c_size_t()
+        lib = _lib.lib()
+        _check(lib.ccalloc_get_config(self._handle, None, 0, ctypes.byref(length)))
+        buffer = ctypes.create_string_buffer(length.value + 1)
+        _check(lib.ccalloc_get_config(self._handle, buffer, len(buffer), ctypes.byref(length)))
+        return buffer.value.decode()
+
+    def attach_out_of_memory_observer(self, observer: Callable[[int, int, int, int], None]) -> None:
+        """Calls ``observer(device, requested_bytes, allowed_bytes,
+        free_bytes)`` on each out-of-memory error (SPEC F17). An exception it
+        raises is printed and dropped. Observers stay attached for the
+        allocator's life."""
+
+        def trampoline(_user, device, requested, allowed, free):
+            try:
+                observer(device, requested, allowed, free)
+            except BaseException:  # must not cross into C; the caller still gets its OOM
+                import traceback
+
+                print("ccalloc: an out-of-memory observer raised (ignored):", file=sys.stderr)
+                traceback.print_exc()
+
+        callback = _lib.OOM_OBSERVER(trampoline)
+        _check(_lib.lib().ccalloc_attach_out_of_memory_observer(self._handle, callback, None))
+        self._observers.append(callback)  # the C side keeps only the pointer
+        if not self._owned:
+            _process_observers.append(callback)
+
+    # ---- streams of the backend ------------------------------------------------------------------
+
+    def stream_create(self, device: int = 0) -> int:
+        """A new stream of the backend (CUDA: non-blocking); destroy it with stream_destroy."""
+        out = ctypes.c_void_p()
+        _check(_lib.lib().ccalloc_stream_create(self._handle, int(device), ctypes.byref(out)))
+        return out.value or 0
+
+    def stream_destroy(self, stream, device: int = 0) -> None:
+        _check(_lib.lib().ccalloc_stream_destroy(self._handle, int(device), _stream(stream)))
+
+    def stream_synchronize(self, stream, device: int = 0) -> None:
+        _check(_lib.lib().ccalloc_stream_synchronize(self._handle, int(device), _stream(stream)))
+
+
+# Observers of the process-wide allocator outlive every Allocator wrapper.
+_process_observers: list = []
+_process: Optional[Allocator] = None
+# How the module-level functions choose a device when none is given;
+# ccalloc.torch.install() makes it torch.cuda.current_device.
+_default_device: Callable[[], int] = lambda: process_allocator().current_device
+
+
+def process_allocator() -> Allocator:
+    """The process-wide allocator (what PyTorch and CuPy use once installed)."""
+    global _process
+    if _process is None:
+        _process = Allocator.process_wide()
+    return _process
+
+
+def _device(device) -> int:
+    if device is None:
+        return _default_device()
+    if hasattr(device, "index"):  # torch.device
+        return 0 if device.index is None else device.index
+    return int(device)
+
+
+def library_path() -> str:
+    """The path of the loaded libccalloc.so."""
+    return _lib.path()
+
+
+def version() -> str:
+    return _lib.lib().ccalloc_version().decode()
+
+
+def built_with_cuda() -> bool:
+    return bool(_lib.lib().ccalloc_built_with_cuda())
+
+
+def memory_stats(device=None) -> "collections.OrderedDict[str, int]":
+    """The process-wide allocator's statistics for ``device`` (default: the
+    current device) with torch.cuda.memory_stats()'s flat keys."""
+    return process_allocator().memory_stats(_device(device))
+
+
+stats = memory_stats
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes allocated now (torch.cuda.memory_allocated)."""
+    return process_allocator().stat("allocated_bytes.all.current", _device(device))
+
+
+def max_memory_allocated(device=None) -> int:
+    return process_allocator().stat("allocated_bytes.all.peak", _device(device))
+
+
+def memory_reserved(device=None) -> int:
+    """Bytes in segments now (torch.cuda.memory_reserved)."""
+    return process_allocator().stat("reserved_bytes.all.current", _device(device))
+
+
+def max_memory_reserved(device=None) -> int:
+    return process_allocator().stat("reserved_bytes.all.peak", _device(device))
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    process_allocator().reset_peak_stats(_device(device))
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    process_allocator().reset_accumulated_stats(_device(device))
+
+
+def empty_cache() -> None:
+    process_allocator().empty_cache()
+
+
+def set_memory_fraction(fraction: float, device=None) -> None:
+    process_allocator().set_memory_fraction(fraction, _device(device))
+
+
+def get_memory_fraction(device=None) -> float:
+    return process_allocator().get_memory_fraction(_device(device))
+
+
+def set_config(text: str) -> None:
+    process_allocator().set_config(text)
+
+
+def get_config() -> str:
+    return process_allocator().get_config()

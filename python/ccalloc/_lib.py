@@ -1,0 +1,185 @@
+"""Loading libccalloc.so and declaring its C functions (include/ccalloc/ccalloc.h).
+
+The library is looked for, in order:
+
+1. the path in the environment variable ``CCALLOC_LIBRARY``;
+2. ``libccalloc.so`` next to this package (``ccalloc/libccalloc.so``);
+3. the dynamic linker's search path (``ctypes.util.find_library("ccalloc")``,
+   e.g. after ``cmake --install`` into a prefix the linker knows).
+
+It is loaded once, on first use, so ``import ccalloc`` never fails for a
+missing library; the first call that needs it raises ``OSError`` saying where
+it looked. PyTorch's ``CUDAPluggableAllocator`` is given the same path, so the
+process holds one copy of the library and one process-wide allocator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from pathlib import Path
+
+# ccalloc_status_t values.
+OK = 0
+ERROR_INVALID_ARGUMENT = 1
+ERROR_OUT_OF_MEMORY = 2
+ERROR_CONFIG = 3
+ERROR_BACKEND = 4
+ERROR_INTERNAL = 5
+
+# ccalloc_backend_kind_t values.
+BACKEND_DEFAULT = 0
+BACKEND_SIM = 1
+BACKEND_CUDA = 2
+
+
+class ccalloc_options_t(ctypes.Structure):
+    """include/ccalloc/ccalloc.h: ccalloc_options_t (fill with ccalloc_options_init)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("backend", ctypes.c_int),
+        ("sim_device_count", ctypes.c_int),
+        ("sim_capacity_bytes", ctypes.c_size_t),
+        ("config", ctypes.c_char_p),
+    ]
+
+
+OOM_OBSERVER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t,
+                                ctypes.c_size_t)
+
+_S = ctypes.c_int  # ccalloc_status_t
+_A = ctypes.c_void_p  # ccalloc_allocator_t*
+_P = ctypes.c_void_p  # void* and ccalloc_stream_t
+_Z = ctypes.c_size_t
+
+# name: (restype, argtypes); the declarations of include/ccalloc/ccalloc.h.
+_PROTOTYPES = {
+    "ccalloc_last_error": (ctypes.c_char_p, []),
+    "ccalloc_status_name": (ctypes.c_char_p, [_S]),
+    "ccalloc_name": (ctypes.c_char_p, []),
+    "ccalloc_version": (ctypes.c_char_p, []),
+    "ccalloc_built_with_cuda": (ctypes.c_int, []),
+    "ccalloc_options_init": (None, [ctypes.POINTER(ccalloc_options_t)]),
+    "ccalloc_create": (_S, [ctypes.POINTER(ccalloc_options_t), ctypes.POINTER(_A)]),
+    "ccalloc_destroy": (None, [_A]),
+    "ccalloc_init": (_S, [_A, ctypes.c_int]),
+    "ccalloc_initialized": (_S, [_A, ctypes.POINTER(ctypes.c_int)]),
+    "ccalloc_device_count": (_S, [_A, ctypes.POINTER(ctypes.c_int)]),
+    "ccalloc_backend_name": (_S, [_A, ctypes.POINTER(ctypes.c_char_p)]),
+    "ccalloc_current_device": (_S, [_A, ctypes.POINTER(ctypes.c_int)]),
+    "ccalloc_mem_get_info": (_S, [_A, ctypes.c_int, ctypes.POINTER(_Z), ctypes.POINTER(_Z)]),
+    "ccalloc_malloc": (_S, [_A, ctypes.c_int, _Z, _P, ctypes.POINTER(_P)]),
+    "ccalloc_delete": (_S, [_A, _P]),
+    "ccalloc_raw_alloc": (_S, [_A, _Z, ctypes.POINTER(_P)]),
+    "ccalloc_raw_alloc_with_stream": (_S, [_A, _Z, _P, ctypes.POINTER(_P)]),
+    "ccalloc_set_current_stream": (None, [_P]),
+    "ccalloc_current_stream": (_P, []),
+    "ccalloc_record_stream": (_S, [_A, _P, _P]),
+    "ccalloc_get_base_allocation": (_S, [_A, _P, ctypes.POINTER(_P), ctypes.POINTER(_Z)]),
+    "ccalloc_empty_cache": (_S, [_A]),
+    "ccalloc_cache_info": (_S, [_A, ctypes.c_int, ctypes.POINTER(_Z)]),
+    "ccalloc_set_memory_fraction": (_S, [_A, ctypes.c_int, ctypes.c_double]),
+    "ccalloc_get_memory_fraction": (_S, [_A, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]),
+    "ccalloc_enable": (_S, [_A, ctypes.c_int]),
+    "ccalloc_is_enabled": (_S, [_A, ctypes.POINTER(ctypes.c_int)]),
+    "ccalloc_stat_count": (_Z, []),
+    "ccalloc_stat_name": (ctypes.c_char_p, [_Z]),
+    "ccalloc_get_device_stats": (_S, [_A, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), _Z]),
+    "ccalloc_get_device_stat": (_S, [_A, ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64)]),
+    "ccalloc_reset_accumulated_stats": (_S, [_A, ctypes.c_int]),
+    "ccalloc_reset_peak_stats": (_S, [_A, ctypes.c_int]),
+    "ccalloc_set_config": (_S, [_A, ctypes.c_char_p]),
+    "ccalloc_get_config": (_S, [_A, ctypes.c_char_p, _Z, ctypes.POINTER(_Z)]),
+    "ccalloc_attach_out_of_memory_observer": (_S, [_A, OOM_OBSERVER, ctypes.c_void_p]),
+    "ccalloc_stream_create": (_S, [_A, ctypes.c_int, ctypes.POINTER(_P)]),
+    "ccalloc_stream_destroy": (_S, [_A, ctypes.c_int, _P]),
+    "ccalloc_stream_synchronize": (_S, [_A, ctypes.c_int, _P]),
+    "ccalloc_alloc": (_P, [_Z, ctypes.c_int, _P]),
+    "ccalloc_free": (None, [_P, _Z, ctypes.c_int, _P]),
+}
+
+# The hooks python/ccalloc hands to torch.cuda.memory.CUDAPluggableAllocator
+# (their addresses only; Python never calls them: they throw C++ exceptions).
+TORCH_ALLOC = "ccalloc_torch_alloc"
+TORCH_FREE = "ccalloc_torch_free"
+TORCH_HOOKS = {
+    # CUDAPluggableAllocator setter: exported function
+    "set_init_fn": "ccalloc_torch_init",
+    "set_reset_fn": "ccalloc_torch_empty_cache",
+    "set_memory_fraction_fn": "ccalloc_torch_set_memory_fraction",
+    "set_base_alloc_fn": "ccalloc_torch_base_alloc",
+    "set_record_stream_fn": "ccalloc_torch_record_stream",
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_path: str | None = None
+
+
+def _candidates() -> list[str]:
+    env = os.environ.get("CCALLOC_LIBRARY")
+    if env:
+        return [env]
+    out = [str(Path(__file__).resolve().parent / "libccalloc.so")]
+    found = ctypes.util.find_library("ccalloc")
+    if found:
+        out.append(found)
+    return out
+
+
+def _load() -> None:
+    global _lib, _path
+    env = os.environ.get("CCALLOC_LIBRARY")
+    if env and not Path(env).is_file():
+        raise OSError(f"ccalloc: CCALLOC_LIBRARY={env} is not a file (build it with `cmake --build BUILD "
+                      f"--target ccalloc_shared`: BUILD/libccalloc.so)")
+    errors = []
+    for candidate in _candidates():
+        if os.sep in candidate and not Path(candidate).is_file():
+            errors.append(f"{candidate}: no such file")
+            continue
+        try:
+            lib = ctypes.CDLL(candidate)
+        except OSError as e:
+            errors.append(f"{candidate}: {e}")
+            continue
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        # The path PyTorch must load: the file itself, resolved, so that
+        # dlopen hands back this same copy.
+        _path = str(Path(candidate).resolve()) if os.sep in candidate else candidate
+        _lib = lib
+        return
+    raise OSError("ccalloc: cannot load libccalloc.so; set CCALLOC_LIBRARY=/path/to/libccalloc.so "
+                  "(CMake target ccalloc_shared) or put it next to ccalloc/__init__.py. Tried: " +
+                  "; ".join(errors))
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library with its prototypes declared (loads it on first call)."""
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                _load()
+    assert _lib is not None
+    return _lib
+
+
+def path() -> str:
+    """The path libccalloc.so was loaded from (loads it on first call)."""
+    lib()
+    assert _path is not None
+    return _path
+
+
+def function_address(name: str) -> int:
+    """Address of an exported function, as PyTorch's set_*_fn setters take it."""
+    addr = ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
+    if not addr:
+        raise OSError(f"ccalloc: {path()} has no function {name}")
+    return addr

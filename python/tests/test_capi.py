@@ -1,0 +1,280 @@
+"""The Python package over the C API on the simulated device (no torch, no
+CuPy, no GPU needed). Expected figures follow ccalloc's rules (= PyTorch's):
+sizes round up to 512 bytes; requests up to 1 MiB use 2 MiB segments,
+requests of 1-10 MiB a 20 MiB segment."""
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import ccalloc
+
+MiB = 1 << 20
+
+# torch.cuda.memory_stats()'s flat keys for the statistics of SPEC B9.
+POOLED = ["allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+          "active_bytes", "inactive_split_bytes", "requested_bytes"]
+FIELDS = ["current", "peak", "allocated", "freed"]
+TORCH_KEYS = sorted(
+    [f"{n}.{g}.{f}" for n in POOLED for g in ("all", "small_pool", "large_pool") for f in FIELDS]
+    + [f"{n}.{f}" for n in ("oversize_allocations", "oversize_segments") for f in FIELDS]
+    + ["num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+       "max_split_size"])
+
+
+@pytest.fixture
+def sim():
+    with ccalloc.Allocator("sim", capacity_bytes=1 << 30, config="") as a:
+        yield a
+
+
+def test_library_identity():
+    assert os.path.isfile(ccalloc.library_path())
+    assert ccalloc.version().count(".") == 2
+    assert isinstance(ccalloc.built_with_cuda(), bool)
+
+
+def test_allocator_describes_itself(sim):
+    assert sim.initialized
+    assert sim.device_count == 1
+    assert sim.backend_name == "sim"
+    assert sim.mem_get_info(0) == (1 << 30, 1 << 30)
+    assert sim.is_enabled
+    with pytest.raises(ccalloc.InvalidArgumentError, match="device 1 is out of range"):
+        sim.mem_get_info(1)
+
+
+def test_stats_have_pytorchs_keys_and_values(sim):
+    stats = sim.memory_stats()
+    assert list(stats) == TORCH_KEYS
+    assert all(v == 0 for k, v in stats.items() if k != "max_split_size")
+    assert stats["max_split_size"] == -1
+    p = sim.malloc(MiB + 1)
+    assert p % 512 == 0
+    stats = sim.memory_stats(0)
+    assert stats["allocated_bytes.all.current"] == MiB + 512
+    assert stats["allocated_bytes.large_pool.current"] == MiB + 512
+    assert stats["requested_bytes.all.current"] == MiB + 1
+    assert stats["reserved_bytes.all.current"] == 20 * MiB
+    assert stats["segment.all.current"] == 1
+    assert stats["allocation.all.current"] == 1
+    assert stats["num_device_alloc"] == 1
+    assert sim.stat("reserved_bytes.all.peak") == 20 * MiB
+    sim.free(p)
+    assert sim.stat("allocated_bytes.all.current") == 0
+    assert sim.stat("reserved_bytes.all.current") == 20 * MiB  # cached
+    assert sim.cache_info(0) == 20 * MiB
+    sim.empty_cache()
+    assert sim.stat("reserved_bytes.all.current") == 0
+    assert sim.stat("num_device_free") == 1
+    assert sim.cache_info(0) == 0
+    with pytest.raises(ccalloc.InvalidArgumentError, match="unknown statistic 'reserved_bytes.all.top'"):
+        sim.stat("reserved_bytes.all.top")
+
+
+def test_reset_peak_and_accumulated(sim):
+    p = sim.malloc(3 * MiB)
+    q = sim.malloc(5 * MiB)
+    sim.free(q)
+    assert sim.stat("allocated_bytes.all.peak") == 8 * MiB
+    sim.reset_peak_stats()
+    assert sim.stat("allocated_bytes.all.peak") == 3 * MiB
+    assert sim.stat("allocation.all.allocated") == 2
+    sim.reset_accumulated_stats()
+    assert sim.stat("allocation.all.allocated") == 0
+    assert sim.stat("allocation.all.current") == 1
+    sim.free(p)
+
+
+def test_errors_name_the_problem(sim):
+    p = sim.malloc(4096)
+    sim.free(p)
+    with pytest.raises(ccalloc.InvalidArgumentError, match=hex(p)):
+        sim.free(p)
+    assert sim.stat("allocation.all.freed") == 1  # unchanged by the bad free
+    with pytest.raises(ccalloc.InvalidArgumentError, match="not a live allocation"):
+        sim.get_base_allocation(p)
+    with pytest.raises(ccalloc.InvalidArgumentError, match="device 3 is not initialized"):
+        sim.malloc(512, device=3)
+    with pytest.raises(ccalloc.InvalidArgumentError, match="unknown backend 'tpu'"):
+        ccalloc.Allocator("tpu")
+    with pytest.raises(ccalloc.ConfigError, match="max_split_size_mb"):
+        ccalloc.Allocator("sim", config="max_split_size_mb:huge")
+    assert issubclass(ccalloc.ConfigError, ValueError)
+    assert issubclass(ccalloc.OutOfMemoryError, MemoryError)
+    assert sim.malloc(0) == 0
+    sim.free(0)
+
+
+def test_out_of_memory_and_observer():
+    seen = []
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        a.attach_out_of_memory_observer(lambda *args: seen.append(args))
+        with pytest.raises(ccalloc.OutOfMemoryError, match="out of memory on device 0") as e:
+            a.malloc(100 * MiB)
+        assert e.value.status == 2
+        assert seen == [(0, 100 * MiB, 64 * MiB, 64 * MiB)]
+        assert a.stat("num_ooms") == 1
+        p = a.malloc(40 * MiB)  # still works after an OOM
+        a.free(p)
+
+
+def test_memory_fraction(sim):
+    assert sim.get_memory_fraction() == 1.0
+    sim.set_memory_fraction(0.25)
+    assert sim.get_memory_fraction(0) == 0.25
+    with pytest.raises(ccalloc.InvalidArgumentError, match=r"outside \[0, 1\]"):
+        sim.set_memory_fraction(1.5)
+    assert sim.get_memory_fraction() == 0.25
+    with pytest.raises(ccalloc.OutOfMemoryError, match="fraction 0.25"):
+        sim.malloc(300 * MiB)  # the device has 1 GiB, the fraction allows 256 MiB
+    sim.free(sim.malloc(200 * MiB))
+
+
+def test_config_set_and_get(sim):
+    sim.set_config("max_split_size_mb:40,garbage_collection_threshold:0.5")
+    text = sim.get_config()
+    assert "max_split_size_mb:40" in text
+    assert "garbage_collection_threshold:0.5" in text
+    assert sim.stat("max_split_size") == 40 * MiB
+    with pytest.raises(ccalloc.ConfigError, match="no_such_key"):
+        sim.set_config("no_such_key:1")
+    assert sim.get_config() == text
+
+
+def test_no_caching_mode(sim):
+    sim.enable(False)
+    assert not sim.is_enabled
+    p = sim.malloc(3 * MiB)
+    assert sim.stat("reserved_bytes.all.current") == 3 * MiB
+    sim.free(p)
+    assert sim.stat("reserved_bytes.all.current") == 0
+    sim.enable(True)
+    assert sim.is_enabled
+
+
+def test_streams_record_stream_base_allocation():
+    with ccalloc.Allocator("sim", config="trim_on_new_peak:False") as a:
+        s = a.stream_create()
+        assert s != 0
+        p = a.malloc(2 * MiB, stream=s)
+        q = a.malloc(2 * MiB, stream=s)
+        assert a.get_base_allocation(q) == (p, 20 * MiB)
+        a.record_stream(p, 0)
+        a.record_stream(q + 4096, 0)  # a view inside q (SPEC X4)
+        a.record_stream(0x1000, 0)  # not ours: ignored
+        a.free(p)
+        a.free(q)
+        a.stream_synchronize(s)
+        assert a.malloc(2 * MiB, stream=s) == p  # back in s's pool
+        other = a.malloc(2 * MiB, stream=0)
+        assert other != q  # blocks are bound to their stream
+        a.stream_destroy(s)
+
+        class TorchLikeStream:  # objects with .cuda_stream (torch) or .ptr (CuPy) are accepted
+            cuda_stream = 0
+
+        assert a.raw_alloc(512, stream=TorchLikeStream()) != 0
+
+
+def test_multiple_simulated_devices():
+    with ccalloc.Allocator("sim", devices=2, config="") as a:
+        assert a.device_count == 2
+        p = a.malloc(4096, device=1)
+        assert a.stat("allocation.all.current", 1) == 1
+        assert a.stat("allocation.all.current", 0) == 0
+        a.free(p)
+
+
+def test_observer_exception_is_dropped(capfd):
+    with ccalloc.Allocator("sim", capacity_bytes=8 * MiB, config="") as a:
+        def bad(*_):
+            raise ValueError("observer failed")
+        a.attach_out_of_memory_observer(bad)
+        with pytest.raises(ccalloc.OutOfMemoryError):
+            a.malloc(16 * MiB)
+    assert "observer failed" in capfd.readouterr().err
+
+
+def test_allocations_from_threads(sim):
+    errors = []
+
+    def work():
+        try:
+            for _ in range(200):
+                sim.free(sim.malloc(8192))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sim.stat("allocation.all.allocated") == 800
+    assert sim.stat("allocation.all.current") == 0
+
+
+def test_closed_allocator_frees_its_memory():
+    a = ccalloc.Allocator("sim", config="")
+    a.malloc(MiB)
+    a.close()
+    a.close()  # twice: no-op
+    b = ccalloc.Allocator("sim", config="")
+    del b
+    gc.collect()
+
+
+# ---- the process-wide allocator (the one PyTorch and CuPy use) -----------------------------
+
+def test_process_wide_functions():
+    a = ccalloc.process_allocator()
+    assert a.initialized
+    assert a.backend_name in ("sim", "cuda")
+    device = a.current_device
+    before = ccalloc.memory_stats()
+    p = ccalloc._lib.lib().ccalloc_alloc(MiB + 1, device, None)  # PyTorch's alloc_fn signature
+    assert p
+    assert ccalloc.memory_allocated() == before["allocated_bytes.all.current"] + MiB + 512
+    assert ccalloc.max_memory_allocated(device) >= MiB + 512
+    assert ccalloc.memory_reserved() >= 20 * MiB
+    assert ccalloc.max_memory_reserved() >= ccalloc.memory_reserved()
+    ccalloc._lib.lib().ccalloc_free(p, MiB + 1, device, None)
+    assert ccalloc.memory_allocated() == before["allocated_bytes.all.current"]
+    ccalloc.reset_peak_memory_stats()
+    assert ccalloc.max_memory_allocated() == ccalloc.memory_allocated()
+    ccalloc.reset_accumulated_memory_stats()
+    assert ccalloc.stats()["allocation.all.allocated"] == 0
+    ccalloc.set_memory_fraction(0.5)
+    assert ccalloc.get_memory_fraction() == 0.5
+    ccalloc.set_memory_fraction(1.0)
+    ccalloc.empty_cache()
+    assert ccalloc.memory_reserved() == ccalloc.memory_allocated() or a.backend_name == "cuda"
+    config = ccalloc.get_config()
+    ccalloc.set_config("garbage_collection_threshold:0.7")
+    assert "garbage_collection_threshold:0.7" in ccalloc.get_config()
+    ccalloc.set_config(config or "garbage_collection_threshold:0.7")
+
+
+def test_missing_library_is_a_clear_error(tmp_path):
+    code = "import ccalloc\ntry:\n    ccalloc.version()\nexcept OSError as e:\n    print(e)\n"
+    env = dict(os.environ, CCALLOC_LIBRARY=str(tmp_path / "nope.so"),
+               PYTHONPATH=str(ccalloc.__path__[0].rsplit(os.sep, 1)[0]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "CCALLOC_LIBRARY=" in out.stdout and "nope.so is not a file" in out.stdout
+
+
+def test_environment_configures_the_process_wide_allocator():
+    code = ("import ccalloc\nprint(ccalloc.get_config())\n"
+            "print(ccalloc.process_allocator().is_enabled)\n")
+    env = dict(os.environ, CCALLOC_CONF="max_split_size_mb:64", CCALLOC_NO_CACHING="1",
+               PYTHONPATH=str(ccalloc.__path__[0].rsplit(os.sep, 1)[0]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    lines = out.stdout.split()
+    assert "max_split_size_mb:64" in lines[0]
+    assert lines[1] == "False"

@@ -1,0 +1,212 @@
+"""ccalloc.torch and ccalloc.cupy against stand-ins for torch and cupy that
+record what the integration asks of them, on the simulated device. The real
+libraries are exercised by test_gpu.py on a GPU machine.
+
+The torch stand-in then calls the C entry points exactly as PyTorch's
+CUDAPluggableAllocator does: through the raw function addresses it was given,
+with PyTorch's signatures."""
+
+import ctypes
+import sys
+import types
+
+import pytest
+
+import ccalloc
+import ccalloc.cupy
+import ccalloc.torch
+
+MiB = 1 << 20
+
+
+class FakeNativeAllocator:
+    """torch._C._CUDAPluggableAllocator: records the hook addresses set."""
+
+    def __init__(self):
+        self.hooks = {}
+
+    def __getattr__(self, name):
+        if name.startswith("set_"):
+            return lambda address: self.hooks.__setitem__(name, address)
+        raise AttributeError(name)
+
+
+def make_fake_torch(initialized=False, refuse_swap=False):
+    torch = types.ModuleType("torch")
+    cuda = types.SimpleNamespace()
+    memory = types.SimpleNamespace()
+    record = {"swapped": None, "created": None}
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path, alloc_fn_name, free_fn_name):
+            lib = ctypes.CDLL(path)  # as PyTorch does
+            self.alloc_address = ctypes.cast(getattr(lib, alloc_fn_name), ctypes.c_void_p).value
+            self.free_address = ctypes.cast(getattr(lib, free_fn_name), ctypes.c_void_p).value
+            self.args = (path, alloc_fn_name, free_fn_name)
+            self._native = FakeNativeAllocator()
+            record["created"] = self
+
+        def allocator(self):
+            return self._native
+
+    def change_current_allocator(allocator):
+        if refuse_swap:
+            raise RuntimeError("Can't swap an already initialized allocator")
+        record["swapped"] = allocator
+
+    memory.CUDAPluggableAllocator = CUDAPluggableAllocator
+    memory.change_current_allocator = change_current_allocator
+    cuda.memory = memory
+    cuda.is_initialized = lambda: initialized
+    cuda.current_device = lambda: 0
+    torch.cuda = cuda
+    torch.record = record
+    return torch
+
+
+@pytest.fixture
+def fresh_torch_state(monkeypatch):
+    monkeypatch.setattr(ccalloc.torch, "_installed", None)
+    monkeypatch.setattr(ccalloc, "_default_device", ccalloc._default_device)
+
+
+def test_torch_install_wires_every_hook(monkeypatch, fresh_torch_state):
+    torch = make_fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    ccalloc.torch.install()
+    assert ccalloc.torch.is_installed()
+    created = torch.record["created"]
+    assert torch.record["swapped"] is created
+    path, alloc_name, free_name = created.args
+    assert path == ccalloc.library_path()
+    assert (alloc_name, free_name) == ("ccalloc_torch_alloc", "ccalloc_torch_free")
+    lib = ctypes.CDLL(path)
+    expected = {setter: ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value
+                for setter, fn in ccalloc._lib.TORCH_HOOKS.items()}
+    assert created.allocator().hooks == expected
+    assert set(expected) == {"set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_base_alloc_fn",
+                             "set_record_stream_fn"}
+    ccalloc.torch.install()  # again: no-op
+    assert torch.record["created"] is created
+
+    # Call the entry points as PyTorch does, through the addresses.
+    alloc_fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
+        created.alloc_address)
+    free_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
+        created.free_address)
+    hooks = created.allocator().hooks
+    init_fn = ctypes.CFUNCTYPE(None, ctypes.c_int)(hooks["set_init_fn"])
+    reset_fn = ctypes.CFUNCTYPE(None)(hooks["set_reset_fn"])
+    fraction_fn = ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int)(hooks["set_memory_fraction_fn"])
+    base_fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))(
+        hooks["set_base_alloc_fn"])
+    record_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(hooks["set_record_stream_fn"])
+
+    init_fn(1)
+    before = ccalloc.torch.memory_stats()
+    p = alloc_fn(MiB + 1, 0, None)
+    assert p
+    stats = ccalloc.torch.memory_stats(0)
+    assert stats["allocation.all.current"] == before["allocation.all.current"] + 1
+    assert ccalloc.torch.memory_allocated() == before["allocated_bytes.all.current"] + MiB + 512
+    size = ctypes.c_size_t()
+    assert base_fn(p, ctypes.byref(size)) == p
+    assert size.value == 20 * MiB
+    record_fn(p, None)
+    free_fn(p, MiB + 1, 0, None)
+    assert ccalloc.torch.memory_allocated() == before["allocated_bytes.all.current"]
+    fraction_fn(0.5, 0)
+    assert ccalloc.torch.get_per_process_memory_fraction() == 0.5
+    ccalloc.torch.set_per_process_memory_fraction(1.0)
+    assert ccalloc.get_memory_fraction(0) == 1.0
+    assert ccalloc.torch.memory_reserved() >= 20 * MiB
+    reset_fn()  # torch.cuda.empty_cache()
+    assert ccalloc.torch.memory_reserved() == ccalloc.torch.memory_allocated()
+    ccalloc.torch.reset_peak_memory_stats()
+    assert ccalloc.torch.max_memory_reserved() == ccalloc.torch.memory_reserved()
+    assert ccalloc.torch.max_memory_allocated() == ccalloc.torch.memory_allocated()
+    ccalloc.torch.reset_accumulated_memory_stats()
+    assert ccalloc.torch.memory_stats()["num_device_alloc"] == 0
+    ccalloc.torch.empty_cache()
+
+
+def test_torch_install_after_cuda_init_is_refused(monkeypatch, fresh_torch_state):
+    torch = make_fake_torch(initialized=True)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    with pytest.raises(RuntimeError, match="must run before CUDA is initialized"):
+        ccalloc.torch.install()
+    assert torch.record["created"] is None
+    assert not ccalloc.torch.is_installed()
+
+
+def test_torch_refusing_the_swap_is_explained(monkeypatch, fresh_torch_state):
+    monkeypatch.setitem(sys.modules, "torch", make_fake_torch(refuse_swap=True))
+    with pytest.raises(RuntimeError, match="refused to swap its CUDA allocator .Can't swap"):
+        ccalloc.torch.install()
+    assert not ccalloc.torch.is_installed()
+
+
+def test_torch_install_rejects_a_bad_config_before_swapping(monkeypatch, fresh_torch_state):
+    torch = make_fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    with pytest.raises(ccalloc.ConfigError, match="no_such_key"):
+        ccalloc.torch.install(config="no_such_key:1")
+    assert torch.record["swapped"] is None
+
+
+def test_torch_missing_is_an_import_error(monkeypatch, fresh_torch_state):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ImportError, match="ccalloc.torch needs PyTorch"):
+        ccalloc.torch.install()
+
+
+# ---- CuPy -----------------------------------------------------------------------------------------
+
+def make_fake_cupy():
+    cupy = types.ModuleType("cupy")
+    state = {"allocator": "cupy-default"}
+
+    class UnownedMemory:
+        def __init__(self, ptr, size, owner, device_id=-1):
+            self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+    class MemoryPointer:
+        def __init__(self, mem, offset):
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+    cuda = types.SimpleNamespace(
+        UnownedMemory=UnownedMemory,
+        MemoryPointer=MemoryPointer,
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+        get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+        set_allocator=lambda fn: state.__setitem__("allocator", fn),
+        get_allocator=lambda: state["allocator"],
+    )
+    cupy.cuda = cuda
+    cupy.state = state
+    return cupy
+
+
+def test_cupy_install_allocates_and_frees_through_ccalloc(monkeypatch):
+    cupy = make_fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(ccalloc.cupy, "_installed", False)
+    ccalloc.cupy.install()
+    assert ccalloc.cupy.is_installed()
+    malloc = cupy.state["allocator"]
+    assert malloc is ccalloc.cupy.malloc
+    before = ccalloc.memory_stats(0)
+    mp = malloc(3 * MiB)
+    assert mp.ptr % 512 == 0 and mp.mem.size == 3 * MiB and mp.mem.device_id == 0
+    after = ccalloc.memory_stats(0)
+    assert after["allocation.all.current"] == before["allocation.all.current"] + 1
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"] + 3 * MiB
+    del mp  # CuPy drops the memory: ccalloc frees it
+    assert ccalloc.memory_stats(0)["allocation.all.current"] == before["allocation.all.current"]
+    with pytest.raises(ccalloc.OutOfMemoryError):
+        malloc(1 << 62)
+    zero = malloc(0)
+    assert zero.ptr == 0
+    ccalloc.cupy.uninstall()
+    assert cupy.state["allocator"] == "cupy-default"
+    assert not ccalloc.cupy.is_installed()

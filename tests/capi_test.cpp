@@ -1,0 +1,517 @@
+// capi_test.cpp: the C API (include/ccalloc/ccalloc.h) on the simulated
+// device: every function, its status codes and messages, and the PyTorch
+// entry points on the process-wide allocator (which is the simulated device on
+// a machine without a GPU, and the GPU otherwise; the checks below hold on
+// both). The policies behind the calls are tested in allocator_test.cpp; here
+// the expected figures come from the same rules (sizes round to 512 bytes,
+// requests of 1-10 MiB get a 20 MiB segment).
+#include <ccalloc/ccalloc.h>
+
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/stats.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+std::string pointer_text(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+
+/// A simulated-device allocator made through the C API, initialized,
+/// destroyed at scope exit.
+struct sim_allocator {
+  ccalloc_allocator_t* handle = nullptr;
+  explicit sim_allocator(std::size_t capacity_bytes = 0, const char* config = "", int devices = 1) {
+    ccalloc_options_t o;
+    ccalloc_options_init(&o);
+    o.backend = CCALLOC_BACKEND_SIM;
+    o.sim_capacity_bytes = capacity_bytes;
+    o.sim_device_count = devices;
+    o.config = config;
+    EXPECT_EQ(ccalloc_create(&o, &handle), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(ccalloc_init(handle, devices), CCALLOC_OK) << ccalloc_last_error();
+  }
+  ~sim_allocator() { ccalloc_destroy(handle); }
+  sim_allocator(const sim_allocator&) = delete;
+  sim_allocator& operator=(const sim_allocator&) = delete;
+  operator ccalloc_allocator_t*() const { return handle; }  // NOLINT: test helper
+};
+
+std::int64_t stat(ccalloc_allocator_t* a, const char* name, int device = 0) {
+  std::int64_t v = -12345;
+  EXPECT_EQ(ccalloc_get_device_stat(a, device, name, &v), CCALLOC_OK) << ccalloc_last_error();
+  return v;
+}
+
+void* must_malloc(ccalloc_allocator_t* a, std::size_t bytes, ccalloc_stream_t stream = nullptr, int device = 0) {
+  void* p = nullptr;
+  EXPECT_EQ(ccalloc_malloc(a, device, bytes, stream, &p), CCALLOC_OK) << ccalloc_last_error();
+  return p;
+}
+
+TEST(CApi, IdentityAndStatusNames) {
+  EXPECT_STREQ(ccalloc_name(), "ccalloc");
+  EXPECT_FALSE(std::string(ccalloc_version()).empty());
+  EXPECT_NE(std::string(ccalloc_version()), "unknown");
+  EXPECT_STREQ(ccalloc_status_name(CCALLOC_OK), "CCALLOC_OK");
+  EXPECT_STREQ(ccalloc_status_name(CCALLOC_ERROR_OUT_OF_MEMORY), "CCALLOC_ERROR_OUT_OF_MEMORY");
+  EXPECT_STREQ(ccalloc_status_name(CCALLOC_ERROR_CONFIG), "CCALLOC_ERROR_CONFIG");
+  EXPECT_STREQ(ccalloc_status_name(static_cast<ccalloc_status_t>(99)), "CCALLOC_STATUS_UNKNOWN");
+  EXPECT_TRUE(ccalloc_built_with_cuda() == 0 || ccalloc_built_with_cuda() == 1);
+}
+
+TEST(CApi, CreateInitAndDescribe) {
+  ccalloc_options_t o;
+  ccalloc_options_init(&o);
+  EXPECT_EQ(o.struct_size, sizeof(ccalloc_options_t));
+  EXPECT_EQ(o.backend, CCALLOC_BACKEND_DEFAULT);
+  EXPECT_EQ(o.sim_device_count, 1);
+  EXPECT_EQ(o.config, nullptr);
+  o.backend = CCALLOC_BACKEND_SIM;
+  o.sim_device_count = 2;
+  o.sim_capacity_bytes = 256 * MiB;
+  o.config = "";
+  ccalloc_allocator_t* a = nullptr;
+  ASSERT_EQ(ccalloc_create(&o, &a), CCALLOC_OK) << ccalloc_last_error();
+  int flag = -1;
+  EXPECT_EQ(ccalloc_initialized(a, &flag), CCALLOC_OK);
+  EXPECT_EQ(flag, 0);
+  int count = 0;
+  EXPECT_EQ(ccalloc_device_count(a, &count), CCALLOC_OK);
+  EXPECT_EQ(count, 2);
+  const char* name = nullptr;
+  EXPECT_EQ(ccalloc_backend_name(a, &name), CCALLOC_OK);
+  EXPECT_STREQ(name, "sim");
+  std::size_t free_bytes = 0, total_bytes = 0;
+  EXPECT_EQ(ccalloc_mem_get_info(a, 1, &free_bytes, &total_bytes), CCALLOC_OK);
+  EXPECT_EQ(total_bytes, 256 * MiB);
+  EXPECT_EQ(free_bytes, 256 * MiB);
+  EXPECT_EQ(ccalloc_mem_get_info(a, 2, &free_bytes, &total_bytes), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("device 2 is out of range"), std::string::npos);
+
+  // Before init: a clear error.
+  void* p = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(ccalloc_malloc(a, 0, 512, nullptr, &p), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(p, reinterpret_cast<void*>(0x1)) << "outputs are unchanged on error";
+  EXPECT_NE(std::string(ccalloc_last_error()).find("before init()"), std::string::npos) << ccalloc_last_error();
+
+  EXPECT_EQ(ccalloc_init(a, 3), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("init(3)"), std::string::npos) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_init(a, 0), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_init(a, 2), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_initialized(a, &flag), CCALLOC_OK);
+  EXPECT_EQ(flag, 1);
+  p = must_malloc(a, 4096, nullptr, 1);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(stat(a, "allocated_bytes.all.current", 1), 4096);
+  EXPECT_EQ(stat(a, "allocated_bytes.all.current", 0), 0);
+  EXPECT_EQ(ccalloc_mem_get_info(a, 1, &free_bytes, &total_bytes), CCALLOC_OK);
+  EXPECT_EQ(free_bytes, 254 * MiB) << "one 2 MiB small-pool segment";
+  ccalloc_destroy(a);  // with a live pointer: its memory goes back with the backend
+  ccalloc_destroy(nullptr);  // no-op
+}
+
+TEST(CApi, CreateRejectsBadOptions) {
+  ccalloc_allocator_t* a = reinterpret_cast<ccalloc_allocator_t*>(0x1);
+  ccalloc_options_t o;
+  ccalloc_options_init(&o);
+  o.backend = CCALLOC_BACKEND_SIM;
+  o.sim_device_count = 0;
+  EXPECT_EQ(ccalloc_create(&o, &a), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("sim_device_count is 0"), std::string::npos);
+  o.sim_device_count = 1;
+  o.backend = static_cast<ccalloc_backend_kind_t>(7);
+  EXPECT_EQ(ccalloc_create(&o, &a), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("unknown backend kind 7"), std::string::npos);
+  o.backend = CCALLOC_BACKEND_SIM;
+  o.config = "max_split_size_mb:lots";
+  EXPECT_EQ(ccalloc_create(&o, &a), CCALLOC_ERROR_CONFIG);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("max_split_size_mb"), std::string::npos) << ccalloc_last_error();
+  o.config = nullptr;
+  o.struct_size = 3;
+  EXPECT_EQ(ccalloc_create(&o, &a), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("ccalloc_options_init"), std::string::npos);
+  EXPECT_EQ(a, reinterpret_cast<ccalloc_allocator_t*>(0x1)) << "no handle on failure";
+  EXPECT_EQ(ccalloc_create(nullptr, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("out is NULL"), std::string::npos);
+  if (ccalloc_built_with_cuda() == 0) {
+    o.struct_size = sizeof o;
+    o.backend = CCALLOC_BACKEND_CUDA;
+    EXPECT_EQ(ccalloc_create(&o, &a), CCALLOC_ERROR_BACKEND);
+    EXPECT_NE(std::string(ccalloc_last_error()).find("without the CUDA backend"), std::string::npos);
+  }
+}
+
+TEST(CApi, MallocDeleteAndStatisticsByPyTorchNames) {
+  sim_allocator a;
+  // 1 MiB + 1 byte: rounds to 1 MiB + 512, large pool, one 20 MiB segment.
+  void* p = must_malloc(a, MiB + 1);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 512, 0u);
+  EXPECT_EQ(stat(a, "allocated_bytes.all.current"), static_cast<std::int64_t>(MiB + 512));
+  EXPECT_EQ(stat(a, "allocated_bytes.large_pool.current"), static_cast<std::int64_t>(MiB + 512));
+  EXPECT_EQ(stat(a, "requested_bytes.all.current"), static_cast<std::int64_t>(MiB + 1));
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(20 * MiB));
+  EXPECT_EQ(stat(a, "segment.large_pool.current"), 1);
+  EXPECT_EQ(stat(a, "allocation.all.current"), 1);
+  EXPECT_EQ(stat(a, "num_device_alloc"), 1);
+  EXPECT_EQ(stat(a, "max_split_size"), -1);
+
+  // All statistics at once, in ccalloc_stat_name order.
+  const std::size_t n = ccalloc_stat_count();
+  EXPECT_EQ(n, ccalloc::device_stats{}.to_map().size());
+  std::vector<std::int64_t> values(n, -1);
+  ASSERT_EQ(ccalloc_get_device_stats(a, 0, values.data(), values.size()), CCALLOC_OK) << ccalloc_last_error();
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < n; ++i) names.emplace_back(ccalloc_stat_name(i));
+  EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
+  const auto at = [&](const std::string& key) {
+    const auto it = std::find(names.begin(), names.end(), key);
+    EXPECT_NE(it, names.end()) << key;
+    return it == names.end() ? -1 : values[static_cast<std::size_t>(it - names.begin())];
+  };
+  EXPECT_EQ(at("reserved_bytes.all.peak"), static_cast<std::int64_t>(20 * MiB));
+  EXPECT_EQ(at("allocated_bytes.all.allocated"), static_cast<std::int64_t>(MiB + 512));
+  EXPECT_EQ(at("num_ooms"), 0);
+  EXPECT_EQ(ccalloc_stat_name(n), nullptr);
+  EXPECT_EQ(ccalloc_get_device_stats(a, 0, values.data(), n - 1), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("less than ccalloc_stat_count()"), std::string::npos);
+  std::int64_t v = 7;
+  EXPECT_EQ(ccalloc_get_device_stat(a, 0, "reserved_bytes.all.highest", &v), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("'reserved_bytes.all.highest'"), std::string::npos);
+  EXPECT_EQ(v, 7);
+  EXPECT_EQ(ccalloc_get_device_stat(a, 1, "num_ooms", &v), CCALLOC_ERROR_INVALID_ARGUMENT);
+
+  // Free: the block is cached, the segment stays reserved until empty_cache.
+  ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(stat(a, "allocated_bytes.all.current"), 0);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(20 * MiB));
+  std::size_t largest = 0;
+  EXPECT_EQ(ccalloc_cache_info(a, 0, &largest), CCALLOC_OK);
+  EXPECT_EQ(largest, 20 * MiB);
+  EXPECT_EQ(ccalloc_empty_cache(a), CCALLOC_OK);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), 0);
+  EXPECT_EQ(stat(a, "num_device_free"), 1);
+  EXPECT_EQ(ccalloc_cache_info(a, 0, &largest), CCALLOC_OK);
+  EXPECT_EQ(largest, 0u);
+
+  // Size 0: NULL and OK. Deleting NULL: OK.
+  void* z = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(ccalloc_malloc(a, 0, 0, nullptr, &z), CCALLOC_OK);
+  EXPECT_EQ(z, nullptr);
+  EXPECT_EQ(ccalloc_delete(a, nullptr), CCALLOC_OK);
+}
+
+TEST(CApi, BadPointersAreNamedAndChangeNothing) {
+  sim_allocator a;
+  void* p = must_malloc(a, 4096);
+  ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  const std::int64_t freed = stat(a, "allocation.all.freed");
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find(pointer_text(p)), std::string::npos) << ccalloc_last_error();
+  EXPECT_EQ(stat(a, "allocation.all.freed"), freed);
+
+  // A pointer of another allocator is unknown here.
+  sim_allocator b;
+  void* q = must_malloc(b, 4096);
+  EXPECT_EQ(ccalloc_delete(a, q), CCALLOC_ERROR_INVALID_ARGUMENT);
+  void* base = nullptr;
+  std::size_t size = 0;
+  EXPECT_EQ(ccalloc_get_base_allocation(a, q, &base, &size), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find(pointer_text(q)), std::string::npos);
+  EXPECT_EQ(ccalloc_delete(b, q), CCALLOC_OK) << ccalloc_last_error();
+
+  // NULL outputs are named.
+  EXPECT_EQ(ccalloc_malloc(a, 0, 512, nullptr, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc: ccalloc_malloc: out is NULL");
+  EXPECT_EQ(ccalloc_cache_info(a, 0, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc: ccalloc_cache_info: largest_block_bytes is NULL");
+  EXPECT_EQ(ccalloc_malloc(a, 1, 512, nullptr, &p), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("device 1 is not initialized"), std::string::npos);
+}
+
+TEST(CApi, LastErrorIsPerThread) {
+  sim_allocator a;
+  EXPECT_EQ(ccalloc_set_config(a, "no_such_key:1"), CCALLOC_ERROR_CONFIG);
+  const std::string mine = ccalloc_last_error();
+  EXPECT_NE(mine.find("no_such_key"), std::string::npos) << mine;
+  std::string theirs_before, theirs_after;
+  std::thread t([&] {
+    theirs_before = ccalloc_last_error();
+    EXPECT_EQ(ccalloc_set_memory_fraction(a, 0, -1.0), CCALLOC_ERROR_INVALID_ARGUMENT);
+    theirs_after = ccalloc_last_error();
+  });
+  t.join();
+  EXPECT_EQ(theirs_before, "");
+  EXPECT_NE(theirs_after.find("outside [0, 1]"), std::string::npos) << theirs_after;
+  EXPECT_EQ(std::string(ccalloc_last_error()), mine);
+  // A successful call leaves the message as it was.
+  EXPECT_EQ(ccalloc_empty_cache(a), CCALLOC_OK);
+  EXPECT_EQ(std::string(ccalloc_last_error()), mine);
+}
+
+TEST(CApi, OutOfMemoryReportsAndCallsObservers) {
+  sim_allocator a(64 * MiB);
+  struct seen_t {
+    int calls = 0;
+    int device = -1;
+    std::size_t requested = 0, allowed = 0, free_bytes = 0;
+  } seen;
+  const auto observer = [](void* user, int device, std::size_t requested, std::size_t allowed,
+                           std::size_t free_bytes) {
+    auto* s = static_cast<seen_t*>(user);
+    ++s->calls;
+    s->device = device;
+    s->requested = requested;
+    s->allowed = allowed;
+    s->free_bytes = free_bytes;
+  };
+  EXPECT_EQ(ccalloc_attach_out_of_memory_observer(a, nullptr, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(ccalloc_attach_out_of_memory_observer(a, observer, &seen), CCALLOC_OK);
+  void* p = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(ccalloc_malloc(a, 0, 100 * MiB, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(p, reinterpret_cast<void*>(0x1));
+  EXPECT_NE(std::string(ccalloc_last_error()).find("out of memory"), std::string::npos) << ccalloc_last_error();
+  EXPECT_EQ(seen.calls, 1);
+  EXPECT_EQ(seen.device, 0);
+  EXPECT_EQ(seen.requested, 100 * MiB);
+  EXPECT_EQ(seen.allowed, 64 * MiB);
+  EXPECT_EQ(seen.free_bytes, 64 * MiB);
+  EXPECT_EQ(stat(a, "num_ooms"), 1);
+  // 1 EiB fails at once, also an OOM.
+  EXPECT_EQ(ccalloc_malloc(a, 0, std::size_t{1} << 60, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(stat(a, "num_ooms"), 2);
+  // The allocator keeps working.
+  p = must_malloc(a, 40 * MiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  // reset_accumulated_stats zeroes the event counters.
+  EXPECT_EQ(ccalloc_reset_accumulated_stats(a, 0), CCALLOC_OK);
+  EXPECT_EQ(stat(a, "num_ooms"), 0);
+  EXPECT_EQ(stat(a, "allocation.all.allocated"), 0);
+}
+
+TEST(CApi, MemoryFractionCapsReservedBytes) {
+  sim_allocator a(64 * MiB);
+  double f = -1;
+  EXPECT_EQ(ccalloc_get_memory_fraction(a, 0, &f), CCALLOC_OK);
+  EXPECT_EQ(f, 1.0);
+  EXPECT_EQ(ccalloc_set_memory_fraction(a, 0, 0.5), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_get_memory_fraction(a, 0, &f), CCALLOC_OK);
+  EXPECT_EQ(f, 0.5);
+  EXPECT_EQ(ccalloc_set_memory_fraction(a, 0, 1.5), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("outside [0, 1]"), std::string::npos);
+  EXPECT_EQ(ccalloc_get_memory_fraction(a, 0, &f), CCALLOC_OK);
+  EXPECT_EQ(f, 0.5) << "unchanged after the rejected value";
+  EXPECT_EQ(ccalloc_set_memory_fraction(a, 3, 0.5), CCALLOC_ERROR_INVALID_ARGUMENT);
+  // 40 MiB fits the device (64 MiB) but not the cap (32 MiB).
+  void* p = nullptr;
+  EXPECT_EQ(ccalloc_malloc(a, 0, 40 * MiB, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  p = must_malloc(a, 30 * MiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+}
+
+TEST(CApi, ResetPeakStats) {
+  sim_allocator a;
+  void* p = must_malloc(a, 3 * MiB);
+  void* q = must_malloc(a, 5 * MiB);
+  ASSERT_EQ(ccalloc_delete(a, q), CCALLOC_OK);
+  EXPECT_EQ(stat(a, "allocated_bytes.all.peak"), static_cast<std::int64_t>(8 * MiB));
+  EXPECT_EQ(stat(a, "allocated_bytes.all.current"), static_cast<std::int64_t>(3 * MiB));
+  EXPECT_EQ(ccalloc_reset_peak_stats(a, 0), CCALLOC_OK);
+  EXPECT_EQ(stat(a, "allocated_bytes.all.peak"), static_cast<std::int64_t>(3 * MiB));
+  EXPECT_EQ(ccalloc_reset_peak_stats(a, 1), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+}
+
+TEST(CApi, ConfigurationSetGetAndErrors) {
+  sim_allocator a(0, "max_split_size_mb:40");
+  std::size_t length = 0;
+  ASSERT_EQ(ccalloc_get_config(a, nullptr, 0, &length), CCALLOC_OK);
+  std::string text(length, '?');
+  ASSERT_EQ(ccalloc_get_config(a, text.data(), length + 1, &length), CCALLOC_OK);
+  EXPECT_EQ(text.size(), length);
+  EXPECT_NE(text.find("max_split_size_mb:40"), std::string::npos) << text;
+  EXPECT_EQ(stat(a, "max_split_size"), static_cast<std::int64_t>(40 * MiB));
+
+  ASSERT_EQ(ccalloc_set_config(a, "garbage_collection_threshold:0.5,per_process_memory_fraction:0.5"), CCALLOC_OK)
+      << ccalloc_last_error();
+  char small[8];
+  std::memset(small, 'x', sizeof small);
+  ASSERT_EQ(ccalloc_get_config(a, small, sizeof small, &length), CCALLOC_OK);
+  EXPECT_GT(length, sizeof small) << "full length reported";
+  EXPECT_EQ(std::strlen(small), sizeof small - 1) << "truncated and terminated";
+  std::string full(length, '?');
+  ASSERT_EQ(ccalloc_get_config(a, full.data(), length + 1, &length), CCALLOC_OK);
+  EXPECT_EQ(std::string(small), full.substr(0, sizeof small - 1));
+  EXPECT_NE(full.find("garbage_collection_threshold:0.5"), std::string::npos) << full;
+  EXPECT_NE(full.find("max_split_size_mb:40"), std::string::npos) << "earlier keys kept: " << full;
+  double f = 0;
+  EXPECT_EQ(ccalloc_get_memory_fraction(a, 0, &f), CCALLOC_OK);
+  EXPECT_EQ(f, 0.5);
+
+  EXPECT_EQ(ccalloc_set_config(a, "roundup_power2_divisions:3"), CCALLOC_ERROR_CONFIG);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("roundup_power2_divisions"), std::string::npos);
+  std::string after(length, '?');
+  ASSERT_EQ(ccalloc_get_config(a, after.data(), length + 1, &length), CCALLOC_OK);
+  EXPECT_EQ(after, full) << "unchanged after a bad string";
+  EXPECT_EQ(ccalloc_set_config(a, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_get_config(a, nullptr, 4, &length), CCALLOC_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(CApi, NoCachingMode) {
+  sim_allocator a;
+  int on = -1;
+  EXPECT_EQ(ccalloc_is_enabled(a, &on), CCALLOC_OK);
+  EXPECT_EQ(on, 1);
+  ASSERT_EQ(ccalloc_enable(a, 0), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_is_enabled(a, &on), CCALLOC_OK);
+  EXPECT_EQ(on, 0);
+  void* p = must_malloc(a, 3 * MiB);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(3 * MiB)) << "a segment of the request's size";
+  ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), 0) << "straight back to the device";
+  EXPECT_EQ(ccalloc_enable(a, 1), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_is_enabled(a, &on), CCALLOC_OK);
+  EXPECT_EQ(on, 1);
+}
+
+TEST(CApi, StreamsRecordStreamAndBaseAllocation) {
+  sim_allocator a;
+  ccalloc_stream_t s = nullptr;
+  ASSERT_EQ(ccalloc_stream_create(a, 0, &s), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_NE(s, nullptr);
+  void* p = must_malloc(a, 2 * MiB, s);
+  void* q = must_malloc(a, 2 * MiB, s);
+  void* base = nullptr;
+  std::size_t size = 0;
+  ASSERT_EQ(ccalloc_get_base_allocation(a, q, &base, &size), CCALLOC_OK);
+  EXPECT_EQ(base, p) << "both in one 20 MiB segment, p first";
+  EXPECT_EQ(size, 20 * MiB);
+  // Used on the default stream too; the simulated stream has no work queued,
+  // so the event completes at once and the block is reusable after the free.
+  EXPECT_EQ(ccalloc_record_stream(a, p, nullptr), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_record_stream(a, static_cast<char*>(q) + 4096, nullptr), CCALLOC_OK) << "a view (SPEC X4)";
+  EXPECT_EQ(ccalloc_record_stream(a, reinterpret_cast<void*>(0x1000), nullptr), CCALLOC_OK) << "not ours: ignored";
+  EXPECT_EQ(ccalloc_record_stream(a, nullptr, nullptr), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_delete(a, q), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_stream_synchronize(a, 0, s), CCALLOC_OK);
+  void* again = must_malloc(a, 2 * MiB, s);
+  EXPECT_EQ(again, p) << "reused on its stream once the events completed";
+  EXPECT_EQ(stat(a, "active.all.current"), 1);
+  EXPECT_EQ(ccalloc_delete(a, again), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_stream_destroy(a, 0, s), CCALLOC_OK);
+}
+
+TEST(CApi, RawAllocUsesTheCurrentStream) {
+  // trim_on_new_peak off: p's cached segment stays, so addresses tell streams apart.
+  sim_allocator a(0, "trim_on_new_peak:False");
+  const ccalloc_stream_t before = ccalloc_current_stream();
+  ccalloc_stream_t s = nullptr;
+  ASSERT_EQ(ccalloc_stream_create(a, 0, &s), CCALLOC_OK);
+  ccalloc_set_current_stream(s);
+  EXPECT_EQ(ccalloc_current_stream(), s);
+  void* p = nullptr;
+  ASSERT_EQ(ccalloc_raw_alloc(a, 4096, &p), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  // Blocks are bound to their stream: a request on the default stream gets
+  // another block, one on `s` gets p back.
+  void* on_default = nullptr;
+  ASSERT_EQ(ccalloc_raw_alloc_with_stream(a, 4096, nullptr, &on_default), CCALLOC_OK);
+  EXPECT_NE(on_default, p);
+  void* on_s = nullptr;
+  ASSERT_EQ(ccalloc_raw_alloc(a, 4096, &on_s), CCALLOC_OK);
+  EXPECT_EQ(on_s, p);
+  EXPECT_EQ(ccalloc_delete(a, on_s), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_delete(a, on_default), CCALLOC_OK);
+  ccalloc_set_current_stream(before);
+  EXPECT_EQ(ccalloc_stream_destroy(a, 0, s), CCALLOC_OK);
+}
+
+// ---- the process-wide allocator and PyTorch's entry points ----------------------------
+
+TEST(CApiPyTorch, AllocAndFreeOnTheProcessWideAllocator) {
+  int count = 0;
+  ASSERT_EQ(ccalloc_device_count(nullptr, &count), CCALLOC_OK);
+  EXPECT_GE(count, 1);
+  int flag = 0;
+  EXPECT_EQ(ccalloc_initialized(nullptr, &flag), CCALLOC_OK);
+  EXPECT_EQ(flag, 1) << "initialized for every device on first use";
+  const char* name = nullptr;
+  EXPECT_EQ(ccalloc_backend_name(nullptr, &name), CCALLOC_OK);
+  EXPECT_TRUE(std::string(name) == "sim" || std::string(name) == "cuda") << name;
+
+  const std::int64_t before = stat(nullptr, "allocation.all.current");
+  void* p = ccalloc_alloc(3000, 0, nullptr);
+  ASSERT_NE(p, nullptr) << ccalloc_last_error();
+  EXPECT_EQ(stat(nullptr, "allocation.all.current"), before + 1);
+  void* base = nullptr;
+  std::size_t size = 0;
+  EXPECT_EQ(ccalloc_get_base_allocation(nullptr, p, &base, &size), CCALLOC_OK);
+  std::size_t torch_size = 0;
+  EXPECT_EQ(ccalloc_torch_base_alloc(p, &torch_size), base);
+  EXPECT_EQ(torch_size, size);
+  EXPECT_EQ(size, 2 * MiB) << "a small-pool segment";
+  ccalloc_torch_record_stream(p, nullptr);
+  ccalloc_free(p, 3000, 0, nullptr);
+  EXPECT_EQ(stat(nullptr, "allocation.all.current"), before);
+
+  EXPECT_EQ(ccalloc_alloc(0, 0, nullptr), nullptr);
+  EXPECT_EQ(ccalloc_alloc(std::size_t{1} << 62, 0, nullptr), nullptr);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("out of memory"), std::string::npos) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_alloc(512, 99, nullptr), nullptr);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("device 99"), std::string::npos) << ccalloc_last_error();
+
+  // A bad free is reported on stderr and kept, never thrown.
+  testing::internal::CaptureStderr();
+  ccalloc_free(p, 3000, 0, nullptr);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(pointer_text(p)), std::string::npos) << err;
+  EXPECT_NE(std::string(ccalloc_last_error()).find(pointer_text(p)), std::string::npos);
+}
+
+TEST(CApiPyTorch, HooksThrowWhatPyTorchTurnsIntoRuntimeError) {
+  ccalloc_torch_init(1);
+  EXPECT_THROW((void)ccalloc_torch_alloc(std::size_t{1} << 62, 0, nullptr), ccalloc::out_of_memory_error);
+  try {
+    (void)ccalloc_torch_alloc(512, 99, nullptr);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::runtime_error& e) {  // what PyTorch catches (as std::exception)
+    EXPECT_NE(std::string(e.what()).find("device 99"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ccalloc_torch_set_memory_fraction(1.5, 0), ccalloc::invalid_argument_error);
+  EXPECT_THROW((void)ccalloc_torch_base_alloc(reinterpret_cast<void*>(0x1000), nullptr), ccalloc::invalid_argument_error);
+
+  void* p = ccalloc_torch_alloc(MiB + 1, 0, nullptr);  // large pool: a 20 MiB segment
+  ASSERT_NE(p, nullptr);
+  ccalloc_torch_free(p, MiB + 1, 0, nullptr);
+  double f = 0;
+  ccalloc_torch_set_memory_fraction(0.75, 0);
+  EXPECT_EQ(ccalloc_get_memory_fraction(nullptr, 0, &f), CCALLOC_OK);
+  EXPECT_EQ(f, 0.75);
+  ccalloc_torch_set_memory_fraction(1.0, 0);
+  // p's 20 MiB segment is cached now; empty_cache returns it.
+  std::size_t largest = 0;
+  EXPECT_EQ(ccalloc_cache_info(nullptr, 0, &largest), CCALLOC_OK);
+  EXPECT_GE(largest, 20 * MiB);
+  const std::int64_t frees = stat(nullptr, "num_device_free");
+  ccalloc_torch_empty_cache();
+  EXPECT_GT(stat(nullptr, "num_device_free"), frees);
+}
+
+}  // namespace
