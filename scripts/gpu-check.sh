@@ -152,11 +152,15 @@ fi
 if [ -x "$REPLAY_BIN" ]; then
   say "replaying the bundled traces on the GPU and on the simulated device ($REPLAY_BIN)"
   t0=$(date +%s)
-  echo "== $REPLAY_BIN" >>"$REPLAY_LOG"
-  timeout "$(left 120)" "$REPLAY_BIN" 2>&1 | tee -a "$REPLAY_LOG"
-  rc=${PIPESTATUS[0]}
-  record "replay --device cuda vs sim" "$rc" $(($(date +%s) - t0)) replay-cuda.log \
-    "$(grep -Eo '[0-9]+ of [0-9]+ trace\(s\) matched' "$REPLAY_LOG" | tail -n 1)"
+  # The default configuration (expandable segments), then PyTorch's policies (plain segments).
+  for conf in "" "expandable_segments:False,trim_on_new_peak:False,reuse_across_streams:False"; do
+    echo "== $REPLAY_BIN --config '$conf'" >>"$REPLAY_LOG"
+    timeout "$(left 150)" "$REPLAY_BIN" --config "$conf" 2>&1 | tee -a "$REPLAY_LOG"
+    rc=${PIPESTATUS[0]}
+    record "replay --device cuda vs sim (config '${conf:-default}')" "$rc" $(($(date +%s) - t0)) replay-cuda.log \
+      "$(grep -Eo '[0-9]+ of [0-9]+ trace\(s\) matched' "$REPLAY_LOG" | tail -n 1)"
+    t0=$(date +%s)
+  done
 else
   echo "$REPLAY_BIN was not built; see build.log" >>"$REPLAY_LOG"
   record "replay --device cuda vs sim" 1 0 replay-cuda.log "$REPLAY_BIN was not built"

@@ -203,11 +203,13 @@ std::size_t device_free_bytes() {
 
 /// A caching allocator over the CUDA backend with the default configuration
 /// (not CCALLOC_CONF from the environment), initialized for device 0.
-std::unique_ptr<caching_allocator> make_allocator() {
-  auto a = std::make_unique<caching_allocator>(g_backend, allocator_config{});
-  a->init(1);
+std::unique_ptr<caching_allocator> make_allocator(const char* conf = "", int devices = 1) {
+  auto a = std::make_unique<caching_allocator>(g_backend, allocator_config::parse(conf));
+  a->init(devices);
   return a;
 }
+
+bool has_virtual_memory() { return g_backend->capabilities().virtual_memory; }
 
 // ---- backend -----------------------------------------------------------------------------
 
@@ -744,11 +746,11 @@ void test_stream_safety_multi_stream() {
 }
 
 // Blocks are bound to their stream: a block freed on s0 is not served to s1.
-// trim_on_new_peak is off: with it, s1's new segment would first return A's
+// PyTorch's policies (plain segments, no trim, no cross-stream reuse): with trim, s1's new segment would first return A's
 // cached segment to the device, and cudaMalloc may then give the same address
 // back (safe, as cudaFree synchronizes, but not what this test looks at).
 void test_per_stream_pools() {
-  auto alloc = std::make_unique<caching_allocator>(g_backend, allocator_config::parse("trim_on_new_peak:False"));
+  auto alloc = std::make_unique<caching_allocator>(g_backend, allocator_config::parse(ccalloc::pytorch_policies));
   alloc->init(1);
   scoped_stream s0;
   scoped_stream s1;
@@ -959,6 +961,128 @@ void test_replay_cuda_matches_sim() {
 #endif
 }
 
+// ---- expandable segments (B7, X3, F19, F26) -------------------------------------------------
+
+void test_expandable_growth() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  auto alloc = make_allocator();
+  REQUIRE(alloc->config().expandable_segments);
+  const std::size_t base_free = device_free_bytes();
+  // Three blocks packed back to back across page boundaries: 5 + 7 + 9 = 21 MiB -> 11 pages.
+  void* a = alloc->malloc(0, 5 * mib, default_stream);
+  void* b = alloc->malloc(0, 7 * mib, default_stream);
+  void* c = alloc->malloc(0, 9 * mib, default_stream);
+  CHECK(reinterpret_cast<std::uintptr_t>(b) == reinterpret_cast<std::uintptr_t>(a) + 5 * mib);
+  CHECK(reinterpret_cast<std::uintptr_t>(c) == reinterpret_cast<std::uintptr_t>(b) + 7 * mib);
+  const auto segs = alloc->expandable_segment_sizes(0);
+  REQUIRE(segs.size() == 1);
+  const std::size_t page = g_backend->vm_granularity(0);
+  const std::size_t expect = (21 * mib + page - 1) / page * page;
+  CHECK_MSG(segs[0].mapped_bytes == expect, mib_text(static_cast<long double>(segs[0].mapped_bytes)));
+  CHECK(alloc->get_device_stats(0).reserved_bytes[0].current == static_cast<std::int64_t>(expect));
+  const long double held = static_cast<long double>(base_free) - static_cast<long double>(device_free_bytes());
+  CHECK_MSG(held >= static_cast<long double>(expect) - 4.0L * mib, "device free fell by " + mib_text(held));
+  // Kernels write every block (spanning the page boundaries) and read them back.
+  CUDA_OK(gk::launch_fill(a, 5 * mib, 21, nullptr));
+  CUDA_OK(gk::launch_fill(b, 7 * mib, 22, nullptr));
+  CUDA_OK(gk::launch_fill(c, 9 * mib, 23, nullptr));
+  CHECK(mismatches(a, 5 * mib, 21, nullptr) == 0);
+  CHECK(mismatches(b, 7 * mib, 22, nullptr) == 0);
+  CHECK(mismatches(c, 9 * mib, 23, nullptr) == 0);
+  note("expandable: 5+7+9 MiB mapped " + mib_text(static_cast<long double>(segs[0].mapped_bytes)) + " in a " +
+       mib_text(static_cast<long double>(segs[0].reserved_address_bytes)) + " reservation; device free fell by " +
+       mib_text(held));
+  for (void* p : {a, b, c}) alloc->free(p);
+}
+
+void test_expandable_empty_cache_unmaps() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  auto alloc = make_allocator();
+  const long double tolerance = g_sanitizer ? 1024.0L * mib : 64.0L * mib;
+  const std::size_t base_free = device_free_bytes();
+  void* live = alloc->malloc(0, 3 * mib, default_stream);
+  CUDA_OK(gk::launch_fill(live, 3 * mib, 31, nullptr));
+  void* hole = alloc->malloc(0, 700 * mib, default_stream);
+  void* tail = alloc->malloc(0, 5 * mib, default_stream);
+  CUDA_OK(gk::launch_fill(tail, 5 * mib, 32, nullptr));
+  alloc->free(hole);  // a 700 MiB hole between two live blocks
+  const long double before = static_cast<long double>(base_free) - static_cast<long double>(device_free_bytes());
+  alloc->empty_cache();
+  const long double after = static_cast<long double>(base_free) - static_cast<long double>(device_free_bytes());
+  CHECK_MSG(before - after >= 690.0L * mib, "empty_cache gave back only " + mib_text(before - after));
+  CHECK_MSG(after <= 8.0L * mib + tolerance, "still held " + mib_text(after));
+  CHECK(mismatches(live, 3 * mib, 31, nullptr) == 0);  // live blocks untouched
+  CHECK(mismatches(tail, 5 * mib, 32, nullptr) == 0);
+  void* again = alloc->malloc(0, 700 * mib, default_stream);  // remapped in place
+  CHECK(again == hole);
+  CUDA_OK(gk::launch_fill(again, 700 * mib, 33, nullptr));
+  CHECK(mismatches(again, 700 * mib, 33, nullptr) == 0);
+  CHECK(mismatches(tail, 5 * mib, 32, nullptr) == 0);
+  for (void* p : {live, again, tail}) alloc->free(p);
+  alloc->empty_cache();
+  const long double end = static_cast<long double>(base_free) - static_cast<long double>(device_free_bytes());
+  CHECK_MSG(end <= tolerance, "after the last empty_cache the device still misses " + mib_text(end));
+  CHECK(alloc->expandable_segment_sizes(0).empty());
+  note("expandable empty_cache: held " + mib_text(before) + " with a 700 MiB hole, " + mib_text(after) +
+       " after; " + mib_text(end) + " at the end");
+}
+
+void test_expandable_recycles_pages_across_streams() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  auto alloc = make_allocator();
+  scoped_stream s1;
+  scoped_stream s2;
+  void* a = alloc->malloc(0, 64 * mib, s1.get());
+  // A long kernel on s1 writes `a`; the free is stream-ordered after it.
+  CUDA_OK(gk::launch_spin_fill(a, 64 * mib, 41, 20'000'000, cs(s1.get())));
+  alloc->free(a);
+  const auto reserved_before = alloc->get_device_stats(0).reserved_bytes[0].current;
+  // s2 needs 64 MiB: the pages move from s1's segment (after waiting for s1).
+  void* b = alloc->malloc(0, 64 * mib, s2.get());
+  CHECK(alloc->get_device_stats(0).reserved_bytes[0].current == reserved_before);
+  CHECK(alloc->expandable_segment_sizes(0).size() == 2);
+  CUDA_OK(gk::launch_fill(b, 64 * mib, 42, cs(s2.get())));
+  CHECK(mismatches(b, 64 * mib, 42, cs(s2.get())) == 0);
+  alloc->free(b);
+}
+
+void test_expandable_peer_mapping() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  if (g_backend->device_count() < 2) throw test_skip{"needs 2 devices"};
+  if (!g_backend->can_access_peer(1, 0)) throw test_skip{"device 1 cannot access device 0"};
+  auto alloc = make_allocator("", 2);
+  void* before = alloc->malloc(0, 6 * mib, default_stream);  // on device 0, mapped before the grant
+  alloc->enable_peer_access(1, 0);                             // device 1 may access device 0's memory
+  void* after = alloc->malloc(0, 10 * mib, default_stream);   // mapped after the grant
+  CHECK(alloc->device_allocator(0).peers() == std::vector<int>{1});
+  // Kernels on device 1 write device 0's memory; device 0 reads it back.
+  CUDA_OK(cudaSetDevice(1));
+  const cudaError_t e1 = gk::launch_fill(before, 6 * mib, 51, nullptr);
+  const cudaError_t e2 = gk::launch_fill(after, 10 * mib, 52, nullptr);
+  const cudaError_t sync = cudaDeviceSynchronize();
+  CUDA_OK(cudaSetDevice(0));
+  CUDA_OK(e1);
+  CUDA_OK(e2);
+  CUDA_OK(sync);
+  CHECK(mismatches(before, 6 * mib, 51, nullptr) == 0);
+  CHECK(mismatches(after, 10 * mib, 52, nullptr) == 0);
+  alloc->free(before);
+  alloc->free(after);
+}
+
+void test_plain_segments_empty_cache() {
+  auto alloc = make_allocator("expandable_segments:False");
+  const std::size_t base_free = device_free_bytes();
+  void* p = alloc->malloc(0, 300 * mib, default_stream);
+  CUDA_OK(gk::launch_fill(p, 300 * mib, 61, nullptr));
+  CHECK(mismatches(p, 300 * mib, 61, nullptr) == 0);
+  alloc->free(p);
+  CHECK(alloc->expandable_segment_sizes(0).empty());
+  alloc->empty_cache();
+  const long double still = static_cast<long double>(base_free) - static_cast<long double>(device_free_bytes());
+  CHECK_MSG(still <= (g_sanitizer ? 1024.0L : 64.0L) * mib, "still held " + mib_text(still));
+}
+
 // ---- runner ------------------------------------------------------------------------------------
 
 struct test_case {
@@ -989,6 +1113,11 @@ const test_case all_tests[] = {
     {"per_stream_pools", test_per_stream_pools},
     {"threads_streams", test_threads_streams},
     {"gates", test_gates},
+    {"expandable_growth", test_expandable_growth},
+    {"expandable_empty_cache_unmaps", test_expandable_empty_cache_unmaps},
+    {"expandable_recycles_pages_across_streams", test_expandable_recycles_pages_across_streams},
+    {"expandable_peer_mapping", test_expandable_peer_mapping},
+    {"plain_segments_empty_cache", test_plain_segments_empty_cache},
     {"replay_cuda_matches_sim", test_replay_cuda_matches_sim},
 };
 
