@@ -10,10 +10,11 @@
 //   has no zlib).
 // Output: per trace, one JSON object per line for each device, with the keys
 // of `ccalloc replay --json` ("device": "sim" | "cuda"), then a line
-// "trace NAME: MATCH" or "trace NAME: MISMATCH (...)". Peak requested,
-// allocated and reserved bytes and the OOM count must be equal; differing
-// device malloc/free counts are reported as a note (segment addresses, which
-// differ between the devices, can break ties between equal free blocks).
+// "trace NAME: MATCH" or "trace NAME: MISMATCH (...)". Peak requested and
+// reserved bytes and the OOM count must be equal; differing peak allocated
+// bytes and device malloc/free counts are reported as a note (plain segment
+// addresses, which differ between the devices, can break ties between equal
+// free blocks).
 // Exit status: 0 when every trace matched; 1 on a mismatch or an error (no
 // GPU, a bad trace); 2 on a usage error.
 #include <ccalloc/base/errors.hpp>
@@ -123,10 +124,14 @@ int main(int argc, char** argv) {
       print_json(cuda);
       std::string diffs;
       compare(diffs, "peak_requested_bytes", sim.peak_requested_bytes, cuda.peak_requested_bytes);
-      compare(diffs, "peak_allocated_bytes", sim.peak_allocated_bytes, cuda.peak_allocated_bytes);
       compare(diffs, "peak_reserved_bytes", sim.peak_reserved_bytes, cuda.peak_reserved_bytes);
       compare(diffs, "ooms", sim.ooms, cuda.ooms);
       std::string notes;
+      // Best fit breaks size ties by address (as PyTorch does), and plain
+      // segments get their addresses from the device: cudaMalloc and the
+      // simulated device order them differently, so the blocks chosen (and
+      // the rounded bytes allocated) may differ while the reservation agrees.
+      compare(notes, "peak_allocated_bytes", sim.peak_allocated_bytes, cuda.peak_allocated_bytes);
       compare(notes, "device_mallocs", sim.device_mallocs, cuda.device_mallocs);
       compare(notes, "device_frees", sim.device_frees, cuda.device_frees);
       if (diffs.empty()) {

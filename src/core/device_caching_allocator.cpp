@@ -672,6 +672,7 @@ segment* device_state::new_expandable_segment(const alloc_params& p) {
   seg->size = size;
   seg->head = b;
   seg->expandable = true;
+  seg->seq = next_segment_seq_++;
   seg->page_bytes = page;
   seg->pages.assign(size / page, 0);
   device_stats::increase(stats_.segment, group_of(p.pool), 1);
@@ -684,7 +685,8 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   if (is_retry) ++stats_.num_alloc_retries;
   const std::size_t page = page_bytes_;
   // 1. Placement: the free run of this (stream, pool) that needs the fewest
-  // new pages, then the shortest, then the lowest.
+  // new pages, then the shortest, then the oldest segment and lowest offset
+  // (never raw addresses: a replay must decide alike on every device).
   segment* best_seg = nullptr;
   std::uintptr_t best_start = 0;
   std::size_t best_pages = std::numeric_limits<std::size_t>::max();
@@ -708,7 +710,12 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       for (; x != nullptr && x->is_free(); x = x->next) run += x->size;
       if (run < p.size) continue;
       const std::size_t n = pages_to_map(run_first, run_first->ptr + p.size);
-      if (n < best_pages || (n == best_pages && run < best_run)) {
+      const bool better =
+          n != best_pages ? n < best_pages
+          : run != best_run ? run < best_run
+          : best_seg != nullptr && (seg.seq != best_seg->seq ? seg.seq < best_seg->seq
+                                                             : run_first->ptr - seg.base < best_start - best_seg->base);
+      if (best_seg == nullptr || better) {
         best_seg = &seg;
         best_start = run_first->ptr;
         best_pages = n;
@@ -887,6 +894,10 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
     for (block* b = up->head; b != nullptr; b = b->next)
       if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.push_back(b);
   }
+  // Oldest segment first, then by offset: the same order on every device.
+  std::sort(candidates.begin(), candidates.end(), [](const block* x, const block* y) {
+    return x->seg->seq != y->seg->seq ? x->seg->seq < y->seg->seq : x->ptr < y->ptr;
+  });
   std::size_t got = 0;
   std::vector<stream_t> synchronized;
   for (block* b : candidates) {

@@ -479,7 +479,7 @@ void test_allocator_kernel_write_read() {
 }
 
 void test_allocator_stats_match_device() {
-  auto alloc = make_allocator();
+  auto alloc = make_allocator("expandable_segments:False");  // one cudaMalloc per segment
   // In a sanitizer run the tool may hold device memory of its own meanwhile.
   const long double tolerance = g_sanitizer ? 1024.0L * mib : 128.0L * mib;
   const std::size_t base_free = device_free_bytes();
@@ -926,7 +926,7 @@ void test_replay_cuda_matches_sim() {
   if (!g_backend->capabilities().gates) throw test_skip{"the driver lacks cuStreamWaitValue32"};
   const trace t = read_trace_file(dir + "/bert_copystream_infer" + CCALLOC_GPU_REPLAY_TRACE_SUFFIX);
   constexpr std::uint64_t native_requested_peak = 483135152;  // data/traces/native_peaks.json
-  for (const char* config : {"", "trim_on_new_peak:False"}) {
+  for (const char* config : {"", ccalloc::pytorch_policies, "expandable_segments:False"}) {
     replay_options o;
     o.config = config;
     const replay_result sim = replay_trace(t, o);

@@ -99,6 +99,7 @@ struct segment {
   bool oversize = false;  // counted in oversize_segments when it was obtained
   // --- expandable segments only ---
   bool expandable = false;
+  std::uint64_t seq = 0;  // creation order: choices among segments never depend on addresses
   std::size_t page_bytes = 0;            // mapping unit (the device's granularity)
   std::size_t mapped_bytes = 0;          // mapped pages x page_bytes
   std::vector<physical_handle_t> pages;  // per page: its physical handle, 0 = unmapped
@@ -352,6 +353,7 @@ class device_state {
   std::vector<oom_observer> observers_;
   std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
   std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
+  std::uint64_t next_segment_seq_ = 0;
   // Blocks whose completed events process_events took but has not yet
   // returned to their pools (it drops the device lock in between). The OOM
   // path waits for them (X7).
