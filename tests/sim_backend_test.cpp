@@ -466,16 +466,17 @@ TEST(SimBackend, ConcurrentMallocFreeKeepsCountersExact) {
 
 // ---- optional functions --------------------------------------------------------------
 
-TEST(SimBackend, OptionalCapabilitiesAreReportedAndThrow) {
+// The virtual-memory and peer functions in detail: sim_vm_test.cpp.
+TEST(SimBackend, OptionalCapabilitiesAreReported) {
   sim_backend sim;
   const auto caps = sim.capabilities();
-  if (!caps.virtual_memory) {
-    EXPECT_THROW((void)sim.vm_reserve(0, 2 * mib), backend_error);
-    EXPECT_THROW((void)sim.vm_granularity(0), backend_error);
-  }
-  if (!caps.peer_access) {
-    EXPECT_FALSE(sim.can_access_peer(0, 0));
-  }
+  EXPECT_TRUE(caps.virtual_memory);
+  EXPECT_TRUE(caps.peer_access);
+  EXPECT_TRUE(caps.gates);
+  EXPECT_FALSE(caps.ipc);
+  EXPECT_EQ(sim.vm_granularity(0), 2 * mib);
+  EXPECT_FALSE(sim.can_access_peer(0, 0));  // a device is not its own peer
+  EXPECT_THROW((void)sim.can_access_peer(0, 1), backend_error);  // one device only
 }
 
 }  // namespace

@@ -3,11 +3,16 @@
 #include <ccalloc/backend/sim_backend.hpp>
 #include <ccalloc/base/errors.hpp>
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <limits>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -17,7 +22,35 @@ namespace ccalloc {
 
 namespace {
 thread_local int tls_current_device = 0;
+
+std::string pointer_text(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
 }
+std::string pointer_text(std::uintptr_t a) { return pointer_text(reinterpret_cast<const void*>(a)); }
+
+// "sim: vm_map(device 0, 0x7f.., 2097152 bytes" (the caller closes it).
+std::string call_text(const char* what, int device, const void* addr, std::size_t size_bytes) {
+  return std::string("sim: ") + what + "(device " + std::to_string(device) + ", " + pointer_text(addr) + ", " +
+         std::to_string(size_bytes) + " bytes";
+}
+
+// The errno text of a failed system call. `maps`: the call adds a mapping,
+// so ENOMEM most likely means the per-process mapping limit.
+std::string errno_text(const char* syscall, int err, bool maps = false) {
+  std::string text = std::string(syscall) + " failed: " + std::strerror(err);
+  if (maps && err == ENOMEM)
+    text += " (the process may have reached vm.max_map_count mappings, see /proc/sys/vm/max_map_count)";
+  return text;
+}
+
+// Replaces [addr, addr + size) with an inaccessible reservation placeholder.
+bool map_placeholder(std::uintptr_t addr, std::size_t size_bytes) {
+  return ::mmap(reinterpret_cast<void*>(addr), size_bytes, PROT_NONE,
+                MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0) != MAP_FAILED;
+}
+}  // namespace
 
 struct sim_backend::impl {
   struct device {
@@ -26,6 +59,30 @@ struct sim_backend::impl {
     std::unordered_map<void*, std::size_t> segments;       // ptr -> mapped bytes
     std::unordered_map<stream_t, std::uint64_t> busy_until;  // stream -> time
     std::unordered_map<stream_t, std::vector<gate_t>> gated;  // stream -> closed gates it waits on
+    // Physical memory: one sparse memory file (created on first vm_create).
+    // Invariant: file_bytes = sum of live handles' sizes + sum of free_ranges.
+    int memfd = -1;
+    std::size_t file_bytes = 0;
+    std::map<std::size_t, std::size_t> free_ranges;  // offset -> bytes, punched, coalesced
+    std::vector<bool> peers_enabled;                 // enable_peer_access(this, peer)
+  };
+  // Virtual memory. Each mapping lies inside one reservation of its device;
+  // per handle, map_count = number of mappings of it.
+  struct reservation {
+    int device = 0;
+    std::size_t size_bytes = 0;
+  };
+  struct mapping {
+    int device = 0;
+    std::size_t size_bytes = 0;
+    physical_handle_t handle = 0;
+    std::vector<int> peers;  // granted by vm_set_access, besides `device`
+  };
+  struct handle_state {
+    int device = 0;
+    std::size_t size_bytes = 0;
+    std::size_t offset = 0;  // in the device's memory file
+    std::uint64_t map_count = 0;
   };
   struct event {
     int device = 0;
@@ -40,7 +97,12 @@ struct sim_backend::impl {
   };
 
   explicit impl(sim_options o) : options(o), devices(static_cast<std::size_t>(o.device_count)) {
-    for (auto& d : devices) d.capacity_bytes = o.capacity_bytes;
+    for (auto& d : devices) {
+      d.capacity_bytes = o.capacity_bytes;
+      d.peers_enabled.assign(devices.size(), false);
+    }
+    const long page = ::sysconf(_SC_PAGESIZE);
+    vm_supported = page > 0 && o.granularity_bytes % static_cast<std::size_t>(page) == 0;
   }
 
   device& dev(int index) {
@@ -76,6 +138,74 @@ struct sim_backend::impl {
     throw backend_error("sim: " + what + " would never return: it waits for closed gate " + std::to_string(g) +
                         " (open the gate first; a real device would deadlock)");
   }
+  // Size and alignment rules shared by the vm_* functions (`call` is the
+  // call's text, e.g. from call_text; addr 0 for calls without an address).
+  void check_granular(const std::string& call, std::uintptr_t addr, std::size_t size_bytes) const {
+    const std::size_t g = options.granularity_bytes;
+    if (size_bytes == 0) throw backend_error(call + "): size must be > 0");
+    if (size_bytes % g != 0)
+      throw backend_error(call + "): size is not a multiple of the granularity (" + std::to_string(g) + " bytes)");
+    if (addr % g != 0)
+      throw backend_error(call + "): address is not aligned to the granularity (" + std::to_string(g) + " bytes)");
+    if (addr > std::numeric_limits<std::uintptr_t>::max() - size_bytes)
+      throw backend_error(call + "): range wraps around the address space");
+  }
+  // The entry of `ranges` (reservations or mappings: start -> {size_bytes})
+  // whose range contains `addr`, or ranges.end().
+  template <class Ranges>
+  static auto containing(Ranges& ranges, std::uintptr_t addr) {
+    auto it = ranges.upper_bound(addr);
+    if (it == ranges.begin()) return ranges.end();
+    --it;
+    return addr < it->first + it->second.size_bytes ? it : ranges.end();
+  }
+  // The mappings that exactly tile [addr, addr + size_bytes) on device
+  // `on_device`, in address order; throws naming the first address that
+  // breaks the rule.
+  std::vector<std::map<std::uintptr_t, mapping>::iterator> whole_mappings(const std::string& call, int on_device,
+                                                                            std::uintptr_t addr,
+                                                                            std::size_t size_bytes) {
+    check_granular(call, addr, size_bytes);
+    std::vector<std::map<std::uintptr_t, mapping>::iterator> found;
+    const std::uintptr_t end = addr + size_bytes;
+    for (std::uintptr_t at = addr; at < end;) {
+      auto it = mappings.find(at);
+      if (it == mappings.end()) {
+        auto inside = containing(mappings, at);
+        if (inside != mappings.end())
+          throw backend_error(call + "): " + pointer_text(at) + " is inside the mapping at " +
+                              pointer_text(inside->first) + " (" + std::to_string(inside->second.size_bytes) +
+                              " bytes), not at its start (ranges must consist of whole mappings)");
+        throw backend_error(call + "): nothing is mapped at " + pointer_text(at));
+      }
+      if (it->second.device != on_device)
+        throw backend_error(call + "): the mapping at " + pointer_text(at) + " belongs to device " +
+                            std::to_string(it->second.device));
+      if (it->second.size_bytes > end - at)
+        throw backend_error(call + "): the range ends inside the mapping at " + pointer_text(at) + " (" +
+                            std::to_string(it->second.size_bytes) + " bytes; ranges must consist of whole mappings)");
+      found.push_back(it);
+      at += it->second.size_bytes;
+    }
+    return found;
+  }
+  // Returns a handle's file range to the device's free ranges, merging with
+  // its neighbours.
+  static void free_range(device& d, std::size_t offset, std::size_t size_bytes) {
+    auto next = d.free_ranges.lower_bound(offset);
+    if (next != d.free_ranges.end() && offset + size_bytes == next->first) {
+      size_bytes += next->second;
+      next = d.free_ranges.erase(next);
+    }
+    if (next != d.free_ranges.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == offset) {
+        prev->second += size_bytes;
+        return;
+      }
+    }
+    d.free_ranges.emplace(offset, size_bytes);
+  }
   std::size_t charged(std::size_t size_bytes) const {
     const std::size_t g = options.granularity_bytes;
     return (size_bytes + g - 1) / g * g;
@@ -92,6 +222,13 @@ struct sim_backend::impl {
   std::uint64_t now = 0;
   std::uint64_t fail_malloc_countdown = 0;
   std::uint64_t fail_query_countdown = 0;
+  std::uint64_t fail_vm_create_countdown = 0;
+  std::uint64_t fail_vm_map_countdown = 0;
+  bool vm_supported = false;  // granularity is a multiple of the host page size
+  std::map<std::uintptr_t, reservation> reservations;  // base -> reservation
+  std::map<std::uintptr_t, mapping> mappings;          // address -> mapping
+  std::unordered_map<physical_handle_t, handle_state> handles;
+  physical_handle_t next_handle = 1;
   sim_counters counters;
 };
 
@@ -103,8 +240,12 @@ sim_backend::sim_backend(sim_options options) {
 }
 
 sim_backend::~sim_backend() {
-  for (auto& d : impl_->devices)
+  // Mappings lie inside reservations: unmapping the reservations removes them.
+  for (auto& [base, r] : impl_->reservations) ::munmap(reinterpret_cast<void*>(base), r.size_bytes);
+  for (auto& d : impl_->devices) {
     for (auto& [ptr, bytes] : d.segments) ::munmap(ptr, bytes);
+    if (d.memfd >= 0) ::close(d.memfd);  // frees the handles' memory
+  }
 }
 
 int sim_backend::device_count() const { return impl_->options.device_count; }
@@ -245,8 +386,272 @@ void sim_backend::synchronize_device(int device) {
 
 backend_capabilities sim_backend::capabilities() const {
   backend_capabilities c;
+  c.virtual_memory = impl_->vm_supported;
+  c.peer_access = impl_->options.peer_access;
   c.gates = true;
   return c;
+}
+
+// --- virtual memory ---------------------------------------------------------------
+
+std::size_t sim_backend::vm_granularity(int device) const {
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_granularity");
+  return impl_->options.granularity_bytes;
+}
+
+void* sim_backend::vm_reserve(int device, std::size_t size_bytes) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_reserve");
+  const std::string call = "sim: vm_reserve(device " + std::to_string(device) + ", " + std::to_string(size_bytes) +
+                           " bytes";
+  impl_->check_granular(call, 0, size_bytes);
+  const std::size_t g = impl_->options.granularity_bytes;
+  if (size_bytes > std::numeric_limits<std::size_t>::max() - g) return nullptr;  // no address space that large
+  // Over-reserve by one granule, then trim both ends to an aligned range.
+  void* raw = ::mmap(nullptr, size_bytes + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) {
+    const int err = errno;
+    if (err == ENOMEM) return nullptr;
+    throw backend_error(call + "): " + errno_text("mmap", err));
+  }
+  const auto start = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t base = (start + g - 1) & ~std::uintptr_t{g - 1};
+  if (base > start) ::munmap(raw, base - start);
+  if (const std::size_t tail = start + g - base; tail > 0) ::munmap(reinterpret_cast<void*>(base + size_bytes), tail);
+  impl_->reservations.emplace(base, impl::reservation{device, size_bytes});
+  ++impl_->counters.live_reservations;
+  impl_->counters.reserved_address_bytes += size_bytes;
+  return reinterpret_cast<void*>(base);
+}
+
+void sim_backend::vm_release(int device, void* base, std::size_t size_bytes) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_release");
+  const std::string call = call_text("vm_release", device, base, size_bytes);
+  const auto addr = reinterpret_cast<std::uintptr_t>(base);
+  auto it = impl_->reservations.find(addr);
+  if (it == impl_->reservations.end()) {
+    auto inside = impl::containing(impl_->reservations, addr);
+    if (inside != impl_->reservations.end())
+      throw backend_error(call + "): address is inside the reservation at " + pointer_text(inside->first) + " (" +
+                          std::to_string(inside->second.size_bytes) + " bytes), not at its base");
+    throw backend_error(call + "): address is not a live reservation");
+  }
+  const impl::reservation& r = it->second;
+  if (r.device != device)
+    throw backend_error(call + "): the reservation belongs to device " + std::to_string(r.device));
+  if (size_bytes != r.size_bytes)
+    throw backend_error(call + "): size differs from the reservation's " + std::to_string(r.size_bytes) +
+                        " bytes (release whole reservations)");
+  auto first = impl_->mappings.lower_bound(addr);
+  if (first != impl_->mappings.end() && first->first < addr + r.size_bytes) {
+    std::size_t inside = 0;
+    for (auto m = first; m != impl_->mappings.end() && m->first < addr + r.size_bytes; ++m) ++inside;
+    throw backend_error(call + "): " + std::to_string(inside) + " mapping(s) still inside, the first at " +
+                        pointer_text(first->first) + " (vm_unmap them first)");
+  }
+  if (::munmap(base, size_bytes) != 0) throw backend_error(call + "): " + errno_text("munmap", errno));
+  impl_->reservations.erase(it);
+  --impl_->counters.live_reservations;
+  impl_->counters.reserved_address_bytes -= size_bytes;
+}
+
+bool sim_backend::vm_create(int device, std::size_t size_bytes, physical_handle_t* handle) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_create");
+  const std::string call = "sim: vm_create(device " + std::to_string(device) + ", " + std::to_string(size_bytes) +
+                           " bytes";
+  if (handle == nullptr) throw backend_error(call + "): handle is null");
+  impl_->check_granular(call, 0, size_bytes);
+  if ((impl_->fail_vm_create_countdown && --impl_->fail_vm_create_countdown == 0) ||  // injected fault
+      size_bytes > d.capacity_bytes || d.used_bytes > d.capacity_bytes - size_bytes) {
+    ++impl_->counters.failed_vm_creates;
+    return false;
+  }
+  if (d.memfd < 0) {
+    const std::string file = "ccalloc-sim-device-" + std::to_string(device);
+    d.memfd = ::memfd_create(file.c_str(), MFD_CLOEXEC);
+    if (d.memfd < 0) throw backend_error(call + "): " + errno_text("memfd_create", errno));
+  }
+  // First fit among the freed file ranges, else grow the (sparse) file.
+  std::size_t offset = d.file_bytes;
+  auto fit = std::find_if(d.free_ranges.begin(), d.free_ranges.end(),
+                          [&](const auto& range) { return range.second >= size_bytes; });
+  if (fit != d.free_ranges.end()) {
+    offset = fit->first;
+    const std::size_t rest = fit->second - size_bytes;
+    d.free_ranges.erase(fit);
+    if (rest > 0) d.free_ranges.emplace(offset + size_bytes, rest);
+  } else {
+    const std::size_t grown = d.file_bytes + size_bytes;
+    if (grown < d.file_bytes || grown > static_cast<std::size_t>(std::numeric_limits<off_t>::max()))
+      throw backend_error(call + "): the device's memory file would pass the largest file size");
+    if (::ftruncate(d.memfd, static_cast<off_t>(grown)) != 0)
+      throw backend_error(call + "): " + errno_text("ftruncate of the device's memory file", errno));
+    d.file_bytes = grown;
+  }
+  const physical_handle_t id = impl_->next_handle++;
+  impl_->handles.emplace(id, impl::handle_state{device, size_bytes, offset, 0});
+  d.used_bytes += size_bytes;
+  impl_->counters.used_bytes += size_bytes;
+  impl_->counters.handle_bytes += size_bytes;
+  ++impl_->counters.vm_creates;
+  ++impl_->counters.live_handles;
+  *handle = id;
+  return true;
+}
+
+void sim_backend::vm_release_handle(int device, physical_handle_t handle) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_release_handle");
+  const std::string call =
+      "sim: vm_release_handle(device " + std::to_string(device) + ", handle " + std::to_string(handle);
+  auto it = impl_->handles.find(handle);
+  if (it == impl_->handles.end())
+    throw backend_error(call + "): unknown handle (never created or already released)");
+  const impl::handle_state& h = it->second;
+  if (h.device != device) throw backend_error(call + "): the handle belongs to device " + std::to_string(h.device));
+  if (h.map_count > 0) {
+    auto m = std::find_if(impl_->mappings.begin(), impl_->mappings.end(),
+                          [&](const auto& entry) { return entry.second.handle == handle; });
+    throw backend_error(call + "): the handle is still mapped " + std::to_string(h.map_count) +
+                        " time(s), the first at " + pointer_text(m->first) + " (vm_unmap it first)");
+  }
+  // Give the pages back now; the range stays in the file for reuse.
+  if (::fallocate(d.memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(h.offset),
+                  static_cast<off_t>(h.size_bytes)) != 0)
+    throw backend_error(call + "): " + errno_text("fallocate(FALLOC_FL_PUNCH_HOLE)", errno));
+  impl::free_range(d, h.offset, h.size_bytes);
+  d.used_bytes -= h.size_bytes;
+  impl_->counters.used_bytes -= h.size_bytes;
+  impl_->counters.handle_bytes -= h.size_bytes;
+  ++impl_->counters.vm_release_handles;
+  --impl_->counters.live_handles;
+  impl_->handles.erase(it);
+}
+
+void sim_backend::vm_map(int device, void* addr, std::size_t size_bytes, physical_handle_t handle) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_map");
+  const std::string call = call_text("vm_map", device, addr, size_bytes) + ", handle " + std::to_string(handle);
+  const auto a = reinterpret_cast<std::uintptr_t>(addr);
+  impl_->check_granular(call, a, size_bytes);
+  auto h = impl_->handles.find(handle);
+  if (h == impl_->handles.end()) throw backend_error(call + "): unknown handle (never created or already released)");
+  if (h->second.device != device)
+    throw backend_error(call + "): the handle belongs to device " + std::to_string(h->second.device));
+  if (size_bytes != h->second.size_bytes)
+    throw backend_error(call + "): size differs from the handle's " + std::to_string(h->second.size_bytes) +
+                        " bytes (vm_map maps whole handles)");
+  auto in = impl::containing(impl_->reservations, a);
+  if (in == impl_->reservations.end()) throw backend_error(call + "): address is not inside a reservation");
+  const auto& [base, r] = *in;
+  if (r.device != device)
+    throw backend_error(call + "): address is inside a reservation of device " + std::to_string(r.device));
+  if (size_bytes > base + r.size_bytes - a)
+    throw backend_error(call + "): range passes the end of the reservation at " + pointer_text(base) + " (" +
+                        std::to_string(r.size_bytes) + " bytes)");
+  auto after = impl_->mappings.lower_bound(a + size_bytes);
+  if (after != impl_->mappings.begin()) {
+    const auto& [at, m] = *std::prev(after);
+    if (at + m.size_bytes > a)
+      throw backend_error(call + "): range overlaps the mapping at " + pointer_text(at) + " (" +
+                          std::to_string(m.size_bytes) + " bytes)");
+  }
+  if (impl_->fail_vm_map_countdown && --impl_->fail_vm_map_countdown == 0)
+    throw backend_error(call + "): injected failure");
+  if (::mmap(addr, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, d.memfd,
+             static_cast<off_t>(h->second.offset)) == MAP_FAILED) {
+    const int err = errno;
+    // A failed MAP_FIXED mmap may have removed the placeholder: put it back.
+    const bool restored = map_placeholder(a, size_bytes);
+    throw backend_error(call + "): " + errno_text("mmap", err, /*maps=*/true) +
+                        (restored ? "" : "; the range could not be reserved again"));
+  }
+  impl_->mappings.emplace(a, impl::mapping{device, size_bytes, handle, {}});
+  ++h->second.map_count;
+  ++impl_->counters.vm_maps;
+  impl_->counters.mapped_bytes += size_bytes;
+}
+
+void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_unmap");
+  const std::string call = call_text("vm_unmap", device, addr, size_bytes);
+  const auto a = reinterpret_cast<std::uintptr_t>(addr);
+  const auto found = impl_->whole_mappings(call, device, a, size_bytes);
+  // One MAP_FIXED mmap swaps the pages for the placeholder: the range is
+  // never free for another mapping in between.
+  if (!map_placeholder(a, size_bytes))
+    throw backend_error(call + "): " + errno_text("mmap of the reservation placeholder", errno, /*maps=*/true));
+  for (auto it : found) {
+    --impl_->handles.at(it->second.handle).map_count;
+    impl_->counters.mapped_bytes -= it->second.size_bytes;
+    ++impl_->counters.vm_unmaps;
+    impl_->mappings.erase(it);
+  }
+}
+
+void sim_backend::vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_set_access");
+  const std::string call = call_text("vm_set_access", device, addr, size_bytes) + ", peer " + std::to_string(peer);
+  if (peer < 0 || peer >= static_cast<int>(impl_->devices.size()))
+    throw backend_error(call + "): peer out of range [0, " + std::to_string(impl_->devices.size()) + ")");
+  if (peer != device && !impl_->options.peer_access)
+    throw backend_error(call + "): peer access is off (sim_options::peer_access)");
+  const auto found = impl_->whole_mappings(call, device, reinterpret_cast<std::uintptr_t>(addr), size_bytes);
+  if (peer == device) return;  // vm_map granted it already
+  for (auto it : found) {
+    auto& peers = it->second.peers;
+    if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);
+  }
+}
+
+// --- peers ----------------------------------------------------------------------------
+
+bool sim_backend::can_access_peer(int device, int peer) const {
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  impl_->dev(peer);
+  return device != peer && impl_->options.peer_access;
+}
+
+void sim_backend::enable_peer_access(int device, int peer) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  impl_->dev(peer);
+  if (!impl_->options.peer_access) throw_not_supported("enable_peer_access");
+  if (device == peer)
+    throw backend_error("sim: enable_peer_access(device " + std::to_string(device) + ", peer " +
+                        std::to_string(peer) + "): a device cannot enable peer access to itself");
+  d.peers_enabled[static_cast<std::size_t>(peer)] = true;
+}
+
+bool sim_backend::peer_access_enabled(int device, int peer) const {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  impl_->dev(peer);
+  return d.peers_enabled[static_cast<std::size_t>(peer)];
+}
+
+bool sim_backend::peer_can_access(int device, const void* addr, int peer) const {
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  impl_->dev(peer);
+  auto it = impl::containing(impl_->mappings, reinterpret_cast<std::uintptr_t>(addr));
+  if (it == impl_->mappings.end() || it->second.device != device) return false;
+  const auto& peers = it->second.peers;
+  return peer == device || std::find(peers.begin(), peers.end(), peer) != peers.end();
 }
 
 gate_t sim_backend::create_gate(int device) {
@@ -342,6 +747,16 @@ void sim_backend::fail_segment_malloc_after(std::uint64_t n) {
 void sim_backend::fail_event_query_after(std::uint64_t n) {
   std::lock_guard lock(impl_->mutex);
   impl_->fail_query_countdown = n;
+}
+
+void sim_backend::fail_vm_create_after(std::uint64_t n) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->fail_vm_create_countdown = n;
+}
+
+void sim_backend::fail_vm_map_after(std::uint64_t n) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->fail_vm_map_countdown = n;
 }
 
 sim_counters sim_backend::counters() const {

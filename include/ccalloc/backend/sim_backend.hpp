@@ -4,7 +4,8 @@
 // (anonymous mappings made with MAP_NORESERVE, so untouched pages cost no RAM),
 // with a capacity per device, CUDA's 2 MiB allocation granularity, and streams
 // and events driven by a virtual clock that the caller advances. It is the
-// embedded default for `ccalloc replay` and what every CI test runs on.
+// embedded default for `ccalloc replay` and what every CI test runs on. All
+// sizes are in bytes.
 //
 // Time model: the clock is an unsigned counter of virtual time units (the
 // replay uses one unit per trace event; tests pick their own). Each stream has
@@ -28,15 +29,73 @@
 // one of its streams waits) throws backend_error naming the gate instead of
 // deadlocking. destroy_gate of a closed gate throws backend_error.
 //
+// Virtual memory (capabilities().virtual_memory; expandable segments, SPEC
+// B7): real address-space reservations and real page mappings, following
+// CUDA's driver API (cuMemAddressReserve, cuMemCreate, cuMemMap,
+// cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree):
+// - vm_reserve is an mmap(PROT_NONE, MAP_NORESERVE) aligned to the
+//   granularity: it costs address space, no capacity and no RAM.
+// - Physical memory is a range of one sparse anonymous memory file per device
+//   (memfd_create); vm_create charges the device's capacity exactly like
+//   segment_malloc (one `used_bytes` for both, so mem_get_info's free bytes
+//   reflect segments and handles), and vm_release_handle punches the range
+//   out of the file, so its RAM goes back at once.
+// - vm_map maps the handle's range of the file MAP_SHARED|MAP_FIXED over the
+//   reservation: every byte written through the mapping is in the handle, so
+//   a handle unmapped and mapped again elsewhere keeps its contents, and a
+//   handle mapped at two addresses at once (CUDA allows it) shows the same
+//   bytes at both. vm_unmap puts the PROT_NONE reservation back in one
+//   MAP_FIXED mmap (the range is never free for another mmap meanwhile).
+// - New handles read as zeros (CUDA does not promise that; do not rely on it).
+// The rules the simulated device checks (each violation throws backend_error
+// and leaves the state unchanged), stricter than CUDA where CUDA's behaviour
+// would hide an allocator bug:
+// - every address and size is a multiple of vm_granularity(device), sizes > 0;
+// - vm_map maps one whole handle (offset 0, size_bytes == the handle's size;
+//   CUDA could map a subrange with an offset), of the same device, inside one
+//   live reservation of that device, over no existing mapping;
+// - vm_unmap and vm_set_access take a range that is exactly a union of whole,
+//   adjacent mappings of `device` without gaps: one mapping or several
+//   (cuMemUnmap cannot unmap part of a mapping; cuMemSetAccess wants a fully
+//   mapped range);
+// - vm_release_handle of a handle that is still mapped throws (CUDA would
+//   defer the release until the last unmap);
+// - vm_release takes a whole reservation (its base and size) with no mapping
+//   left inside.
+// Linux limits a process to vm.max_map_count mappings (65530 by default):
+// each mapped range is one, and so is each unmapped stretch of a reservation
+// between mappings (the kernel merges neighbours only when their file ranges
+// are adjacent too), so a reservation with n separate mapped ranges uses up
+// to 2n + 1. A failed mmap in vm_map or vm_unmap throws backend_error with
+// errno's text (for ENOMEM also naming vm.max_map_count); a reservation mmap
+// failing with ENOMEM makes vm_reserve return nullptr, as cuMemAddressReserve
+// reports out of memory.
+// The virtual-memory functions need granularity_bytes to be a multiple of the
+// host page size (4 KiB); with a smaller granularity capabilities() reports
+// virtual_memory = false and they throw "not supported".
+//
+// Peers (capabilities().peer_access when sim_options::peer_access): any two
+// distinct devices can access each other; one address space serves all
+// devices, so enable_peer_access and vm_set_access only record the grant
+// (peer_access_enabled and peer_can_access read it back).
+//
 // Capacity: every segment_malloc of n bytes uses n rounded up to the
-// granularity; it returns nullptr when that would pass the capacity.
+// granularity; it returns nullptr when that would pass the capacity. vm_create
+// uses its size (a multiple of the granularity) and returns false instead.
+// Invariant, per device: used_bytes = sum of live segments' charged bytes +
+// sum of live handles' sizes <= capacity (unless set_capacity lowered it).
 //
 // Fault injection: fail_segment_malloc_after(n) makes the n-th segment_malloc
 // from now (1 = the next one) return nullptr as if out of memory;
-// fail_event_query_after(n) makes the n-th query_event throw backend_error.
+// fail_event_query_after(n) makes the n-th query_event throw backend_error;
+// fail_vm_create_after(n) makes the n-th vm_create return false as if out of
+// memory; fail_vm_map_after(n) makes the n-th vm_map throw backend_error
+// (nothing mapped). Calls rejected for bad arguments do not count.
 //
-// Thread safety: all functions may be called concurrently (one internal mutex;
-// the simulated device is not a hot path).
+// Thread safety: all functions may be called concurrently (one internal mutex,
+// also held across the mmap calls; the simulated device is not a hot path).
+// Cost: reservations and mappings live in ordered maps (O(log n) lookups);
+// vm_create's search of freed file ranges is first fit, O(freed ranges).
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
@@ -53,6 +112,9 @@ struct sim_options {
   /// Allocation granularity (bytes, a power of two): segment sizes are
   /// charged rounded up to it.
   std::size_t granularity_bytes = 2 * mib;
+  /// Whether distinct devices can access each other (can_access_peer,
+  /// enable_peer_access, vm_set_access for another device). Default: true.
+  bool peer_access = true;
 };
 
 /// Counters the simulated device keeps (for tests and the replay report).
@@ -60,10 +122,24 @@ struct sim_counters {
   std::uint64_t segment_mallocs = 0;  ///< successful segment_malloc calls
   std::uint64_t segment_frees = 0;
   std::uint64_t failed_mallocs = 0;   ///< segment_malloc calls that returned nullptr
-  std::size_t used_bytes = 0;         ///< charged bytes of live segments, all devices
+  /// Charged bytes of live segments plus bytes of live physical handles, all
+  /// devices (the capacity both draw on).
+  std::size_t used_bytes = 0;
   std::uint64_t live_events = 0;      ///< created and not destroyed
   std::uint64_t live_streams = 0;
   std::uint64_t live_gates = 0;       ///< created and not destroyed
+  // Virtual memory, all devices. Invariants: live_handles = vm_creates -
+  // vm_release_handles; mapped_bytes = sum of the sizes of live mappings.
+  std::uint64_t vm_creates = 0;          ///< successful vm_create calls
+  std::uint64_t failed_vm_creates = 0;   ///< vm_create calls that returned false
+  std::uint64_t vm_release_handles = 0;  ///< successful vm_release_handle calls
+  std::uint64_t vm_maps = 0;             ///< successful vm_map calls (one mapping each)
+  std::uint64_t vm_unmaps = 0;           ///< mappings removed by vm_unmap (one call may remove several)
+  std::uint64_t live_handles = 0;        ///< created and not released
+  std::size_t handle_bytes = 0;          ///< bytes of live handles (part of used_bytes)
+  std::size_t mapped_bytes = 0;          ///< bytes of live mappings
+  std::uint64_t live_reservations = 0;   ///< reserved and not released
+  std::size_t reserved_address_bytes = 0;  ///< bytes of live reservations
 };
 
 class sim_backend final : public device_backend {
@@ -74,7 +150,10 @@ class sim_backend final : public device_backend {
   sim_backend& operator=(const sim_backend&) = delete;
 
   [[nodiscard]] std::string name() const override { return "sim"; }
-  /// gates: true; virtual_memory, peer_access, ipc: false.
+  /// gates: true; virtual_memory: true when granularity_bytes is a multiple
+  /// of the host page size; peer_access: sim_options::peer_access (also with
+  /// one device: the functions work, can_access_peer just says false); ipc:
+  /// false.
   [[nodiscard]] backend_capabilities capabilities() const override;
   [[nodiscard]] int device_count() const override;
   [[nodiscard]] int current_device() const override;
@@ -93,6 +172,54 @@ class sim_backend final : public device_backend {
   void synchronize_event(int device, event_t event) override;
   void synchronize_stream(int device, stream_t stream) override;
   void synchronize_device(int device) override;
+
+  // --- virtual memory (see the header comment for the rules checked) ----------
+  //
+  // Each throws backend_error("sim: <function>(device D, <address>, N bytes):
+  // <what is wrong>") on misuse, with the state unchanged, and
+  // backend_error("<function> is not supported by the 'sim' backend") when
+  // capabilities().virtual_memory is false. Addresses and sizes in bytes.
+
+  /// sim_options::granularity_bytes.
+  [[nodiscard]] std::size_t vm_granularity(int device) const override;
+  /// Reserves `size_bytes` (> 0, a multiple of the granularity) of address
+  /// space aligned to the granularity; no capacity is charged. Returns
+  /// nullptr when the host address space is exhausted (mmap ENOMEM).
+  [[nodiscard]] void* vm_reserve(int device, std::size_t size_bytes) override;
+  /// Releases a whole reservation: `base` and `size_bytes` exactly as
+  /// vm_reserve gave them, on the same device, with no mapping inside.
+  void vm_release(int device, void* base, std::size_t size_bytes) override;
+  /// Creates a handle of `size_bytes` (> 0, a multiple of the granularity) of
+  /// `device`'s capacity; writes a nonzero id to *handle (non-null). Returns
+  /// false (and leaves *handle) when the capacity would be passed or an
+  /// injected fault fires. Ids are not reused.
+  [[nodiscard]] bool vm_create(int device, std::size_t size_bytes, physical_handle_t* handle) override;
+  /// Releases an unmapped handle of `device`; its capacity and RAM go back.
+  void vm_release_handle(int device, physical_handle_t handle) override;
+  /// Maps the whole handle (`size_bytes` == its size) of `device` at `addr`
+  /// (granularity-aligned, inside one reservation of `device`, over no
+  /// mapping) read/write for `device`.
+  void vm_map(int device, void* addr, std::size_t size_bytes, physical_handle_t handle) override;
+  /// Unmaps [addr, addr + size_bytes), a union of whole adjacent mappings of
+  /// `device`; the range stays reserved. The handles keep their contents.
+  void vm_unmap(int device, void* addr, std::size_t size_bytes) override;
+  /// Records that `peer` may access [addr, addr + size_bytes) (a union of
+  /// whole adjacent mappings of `device`). Granting it again, or to `device`
+  /// itself, does nothing. Throws when peer access is off and peer != device.
+  /// The grant ends with the mapping (a new mapping grants `device` only).
+  void vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) override;
+
+  // --- peers --------------------------------------------------------------------
+
+  /// True for two distinct valid devices when sim_options::peer_access; false
+  /// when device == peer (as cudaDeviceCanAccessPeer). Throws backend_error
+  /// for an index out of range.
+  [[nodiscard]] bool can_access_peer(int device, int peer) const override;
+  /// Records that `device` may access `peer`'s segments. Enabling it again is
+  /// not an error (cuda_backend also clears cudaErrorPeerAccessAlreadyEnabled).
+  /// Throws backend_error for device == peer, an index out of range, or when
+  /// sim_options::peer_access is false.
+  void enable_peer_access(int device, int peer) override;
 
   // --- gates (see the header comment) ------------------------------------------
 
@@ -121,6 +248,19 @@ class sim_backend final : public device_backend {
   void fail_segment_malloc_after(std::uint64_t n);
   /// The n-th query_event from now (n >= 1) throws backend_error; 0 disarms.
   void fail_event_query_after(std::uint64_t n);
+  /// The n-th vm_create from now (n >= 1) returns false; 0 disarms.
+  void fail_vm_create_after(std::uint64_t n);
+  /// The n-th vm_map from now (n >= 1) throws backend_error and maps
+  /// nothing; 0 disarms.
+  void fail_vm_map_after(std::uint64_t n);
+  /// Whether `peer` may access the mapped address `addr` of `device`: true
+  /// for `device` itself and for peers granted with vm_set_access on that
+  /// mapping; false when `addr` is not inside a mapping of `device`. Throws
+  /// backend_error for a device index out of range.
+  [[nodiscard]] bool peer_can_access(int device, const void* addr, int peer) const;
+  /// Whether enable_peer_access(device, peer) was called. Throws
+  /// backend_error for an index out of range.
+  [[nodiscard]] bool peer_access_enabled(int device, int peer) const;
   [[nodiscard]] sim_counters counters() const;
 
  private:
