@@ -289,14 +289,28 @@ TEST_F(ExpandableTest, IdleStreamsCachedWholeSegmentServesAnotherStream) {
   alloc->free(a);
 }
 
-TEST_F(ExpandableTest, BusyStreamKeepsItsCachedSegment) {
-  make(256 * MiB, "expandable_segments:False,trim_on_new_peak:False");
+TEST_F(ExpandableTest, AnotherStreamsSegmentMovesOnlyAfterItsWorkCompleted) {
+  make(256 * MiB, "expandable_segments:False");
   const stream_t other = sim->create_stream(0);
   void* a = m(30 * MiB);
   sim->enqueue_work(0, 0, 1000);  // stream 0 still runs work that may use `a`
   alloc->free(a);
-  void* b = m(30 * MiB, other);
+  void* b = m(30 * MiB, other);  // a new peak: the segment moves, after the device synchronized
+  EXPECT_EQ(b, a);
+  EXPECT_GE(sim->now(), 1000u) << "the host waited for stream 0's work";
+  EXPECT_EQ(st().num_device_alloc, 1);
+  alloc->free(b);
+}
+
+TEST_F(ExpandableTest, WithoutTrimNoSegmentMovesAndNothingWaits) {
+  make(256 * MiB, "expandable_segments:False,trim_on_new_peak:False");
+  const stream_t other = sim->create_stream(0);
+  void* a = m(30 * MiB);
+  sim->enqueue_work(0, 0, 1000);
+  alloc->free(a);
+  void* b = m(30 * MiB, other);  // PyTorch's path: a new segment, no synchronization
   EXPECT_NE(b, a);
+  EXPECT_EQ(sim->now(), 0u);
   EXPECT_EQ(st().num_device_alloc, 2);
   alloc->free(b);
 }

@@ -356,14 +356,14 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
       release_empty_expandable_segments();
       throw_out_of_memory(p, w);
     }
-    // Rung 3b (ccalloc, X2): a cached whole segment of another stream whose
-    // work has completed.
-    if (config_.reuse_across_streams && adopt_idle_segment(p, w)) return take_found_block(p, stats_);
     // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
-    // memory above its high-water mark, so return cached whole segments (none
-    // fits it) to the device first: the peak grows by less.
-    if (config_.trim_on_new_peak && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_)
+    // memory above its high-water mark. First (X2) a cached whole segment of
+    // another stream that fits moves to this stream; else cached whole
+    // segments (none fits) go back to the device: the peak grows by less.
+    if (config_.trim_on_new_peak && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_) {
+      if (config_.reuse_across_streams && adopt_idle_segment(p, w)) return take_found_block(p, stats_);
       release_unused_segments(w);
+    }
   }
   // Rung 3: a new segment. Rung 4: free oversize cached blocks and retry.
   // Rung 5: wait for pending events, free every cached segment, retry.
@@ -566,6 +566,11 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
 }
 
 // ---- expandable segments (B7, X3) ------------------------------------------------
+
+namespace {
+// Growth by at least this much first asks the device how much is free.
+constexpr std::size_t large_growth_check_bytes = 256 * mib;
+}  // namespace
 //
 // An expandable segment is one address-space reservation per (stream, pool),
 // as large as the device. A request that no cached block serves is placed in
@@ -575,8 +580,8 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
 // (trim_on_new_peak) or past the memory-fraction cap, free whole pages of any
 // stream are unmapped first and their physical handles mapped where they are
 // needed (X3), so the reservation does not grow while free pages exist.
-// Unmapping waits for the page's stream: cuMemUnmap does not wait for queued
-// work that may still touch the range.
+// Unmapping first synchronizes the device: cuMemUnmap does not wait for
+// queued work that may still touch the range.
 
 void device_state::pool_insert_counted(block* b) {
   b->gc_count_base = b->pool->get_free_blocks_call_count;
@@ -734,6 +739,16 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   // 2. Physical pages: recycle free whole pages rather than raise the peak
   // (trim_on_new_peak) or pass the cap.
   const std::size_t need = best_pages * page;
+  // Fail at once what cannot fit (rather than create pages until the device
+  // refuses): more than the device or the cap, or, for a large request,
+  // more than the device has free plus what this allocator could give back.
+  if (need > allowed_bytes_) return false;
+  if (need >= large_growth_check_bytes) {
+    std::size_t free_pages_bytes = 0;
+    for (auto& [base, up] : segments_)
+      if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
+    if (need > backend_.mem_get_info(device_).free_bytes + free_pages_bytes) return false;
+  }
   std::vector<physical_handle_t> recycled;
   // Handles in `recycled` are unmapped and no longer counted as reserved.
   auto drop_recycled = [&] {
@@ -899,12 +914,16 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
     return x->seg->seq != y->seg->seq ? x->seg->seq < y->seg->seq : x->ptr < y->ptr;
   });
   std::size_t got = 0;
-  std::vector<stream_t> synchronized;
+  bool synchronized = false;
   for (block* b : candidates) {
     if (got >= target_bytes) break;
-    if (std::find(synchronized.begin(), synchronized.end(), b->stream) == synchronized.end()) {
-      backend_.synchronize_stream(device_, b->stream);
-      synchronized.push_back(b->stream);
+    if (!synchronized) {
+      // Work queued before the free may still use the pages, and cuMemUnmap
+      // does not wait for it. The whole device, as cudaFree does: the
+      // block's stream may have been destroyed since (no stream handle is
+      // used after a free).
+      backend_.synchronize_device(device_);
+      synchronized = true;
     }
     const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
@@ -930,8 +949,11 @@ void device_state::release_empty_expandable_segments() {
 // ---- cross-stream reuse (X2) ------------------------------------------------------
 
 // Moves to the requesting stream the best-fitting cached whole segment of
-// another stream, if that stream has no work left that could use it: an
-// event recorded on it now has already completed.
+// another stream, after synchronizing the device (the work queued before the
+// free may still use it; the other stream may have been destroyed since, so
+// its handle is not used). Called only where the alternative, returning
+// cached segments before a new peak, would synchronize the device anyway
+// (cudaFree).
 bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   const std::size_t max_split = config_.max_split_size_bytes;
   block* best = nullptr;
@@ -948,17 +970,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
     }
   }
   if (best == nullptr) return false;
-  const event_t e = get_event();
-  bool idle = false;
-  try {
-    backend_.record_event(device_, e, best->stream);
-    idle = backend_.query_event(device_, e);
-  } catch (...) {
-    free_events_.push_back(e);
-    throw;
-  }
-  free_events_.push_back(e);
-  if (!idle) return false;
+  backend_.synchronize_device(device_);
   best->pool->blocks.erase(best);
   best->pool = p.pool;
   best->stream = p.stream;

@@ -993,6 +993,19 @@ void test_expandable_growth() {
        mib_text(static_cast<long double>(segs[0].reserved_address_bytes)) + " reservation; device free fell by " +
        mib_text(held));
   for (void* p : {a, b, c}) alloc->free(p);
+  // The price of growth: mapping 1 GiB page by page against one cudaMalloc.
+  for (const char* conf : {"", "expandable_segments:False"}) {
+    auto fresh = make_allocator(conf);
+    const auto t0 = std::chrono::steady_clock::now();
+    void* big = fresh->malloc(0, gib, default_stream);
+    const auto t1 = std::chrono::steady_clock::now();
+    fresh->free(big);
+    fresh->empty_cache();
+    const auto t2 = std::chrono::steady_clock::now();
+    note(std::string("first 1 GiB malloc, ") + (*conf ? conf : "expandable (default)") + ": " +
+         std::to_string(std::chrono::duration<double, std::milli>(t1 - t0).count()) + " ms; free + empty_cache " +
+         std::to_string(std::chrono::duration<double, std::milli>(t2 - t1).count()) + " ms");
+  }
 }
 
 void test_expandable_empty_cache_unmaps() {
