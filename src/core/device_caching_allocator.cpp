@@ -396,6 +396,11 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   reserved_bytes_ += size;
   reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
   p.found = b;
+  if (history_.active()) [[unlikely]] {
+    const context_ptr& context = history_recorder::current_context(context_kind::malloc);
+    history_.record(trace_entry_action::segment_alloc, b->ptr, size, p.stream, context);
+    history_.remember_segment(b->ptr, context);
+  }
   return true;
 }
 
@@ -451,6 +456,10 @@ void device_state::release_blocks(block_pool& pool) {
 // Returns a cached whole-segment block to the device.
 void device_state::release_block(block* b, device_stats& st) {
   backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  if (history_.active()) [[unlikely]] {
+    history_.record(trace_entry_action::segment_free, b->ptr, b->size, b->stream, nullptr);
+    history_.forget_segment(b->ptr);
+  }
   const stat_group g = group_of(b->pool);
   device_stats::decrease(st.segment, g, 1);
   device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
@@ -579,6 +588,13 @@ void device_state::record_stream(block* b, stream_t stream) {
 // A block becomes free (its events, if any, completed): merge with free
 // neighbours and return it to its pool.
 void device_state::free_block(block* b, device_stats& st, bool device_locked) {
+  if (history_.active()) [[unlikely]] {
+    // Before merging moves b->ptr. The free's context if inside a free, else the malloc's.
+    context_ptr allocated_with = history_.forget_block(b->ptr);
+    const context_ptr& freed_with = history_recorder::current_context(context_kind::free);
+    history_.record(trace_entry_action::free_completed, b->ptr, b->requested_size, b->stream,
+                    freed_with ? freed_with : allocated_with);
+  }
   const stat_group g = group_of(b->pool);
   const auto original_size = static_cast<std::int64_t>(b->size);
   std::int64_t net_split_blocks = 0;
@@ -772,6 +788,9 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   f.device_free_bytes = info.free_bytes;
   f.allocated_bytes = allocated;
   f.reserved_bytes = reserved;
+  if (history_.active()) [[unlikely]]  // PyTorch's oom entry: addr = device free bytes
+    history_.record(trace_entry_action::oom, info.free_bytes, p.requested_bytes, p.stream,
+                    history_recorder::current_context(context_kind::malloc));
   // Observers run outside the locks (SPEC F17): they may call back into ccalloc.
   auto observers = observers_;
   w.unlock();
@@ -814,8 +833,9 @@ device_caching_allocator::device_caching_allocator(int device, device_backend& b
 
 device_caching_allocator::~device_caching_allocator() = default;
 
-allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
-  auto& s = *state_;
+namespace {
+
+allocation malloc_unrecorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
   if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]] {
     if (size_bytes == 0)
       throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
@@ -824,13 +844,54 @@ allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t str
     p.requested_bytes = size_bytes;
     p.size = size_bytes;
     p.alloc_size = size_bytes;
+    p.stream = stream;
     s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
   }
   block* b = s.allocate(size_bytes, stream);
   return {reinterpret_cast<void*>(b->ptr), b};
 }
 
-void device_caching_allocator::free(block* b) { state_->free(b); }
+// malloc with history on: the caller's context is gathered outside the
+// locks, entries recorded inside (segment_alloc, oom) take it, and the
+// trackers run once the locks are released.
+[[gnu::noinline]] allocation malloc_recorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
+  detail::tracker_delivery deliver;
+  detail::history_recorder& h = s.history_;
+  context_ptr context = h.gather(record_context::state);
+  detail::context_scope scope(detail::context_kind::malloc, context);
+  const allocation a = malloc_unrecorded(s, size_bytes, stream);
+  h.remember_block(a.block->ptr, context);
+  h.record(trace_entry_action::alloc, a.block->ptr, size_bytes, stream, context);
+  return a;
+}
+
+[[gnu::noinline]] void free_recorded(detail::device_state& s, block* b) {
+  detail::tracker_delivery deliver;
+  detail::history_recorder& h = s.history_;
+  context_ptr context = h.gather(record_context::all);
+  detail::context_scope scope(detail::context_kind::free, context);
+  // The caller owns the live block: its fields do not change meanwhile.
+  h.record(trace_entry_action::free_requested, b->ptr, b->requested_size, b->stream, context);
+  s.free(b);
+}
+
+}  // namespace
+
+allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
+  auto& s = *state_;
+  if (!s.history_.active()) [[likely]]
+    return malloc_unrecorded(s, size_bytes, stream);
+  return malloc_recorded(s, size_bytes, stream);
+}
+
+void device_caching_allocator::free(block* b) {
+  auto& s = *state_;
+  if (!s.history_.active()) [[likely]] {
+    s.free(b);
+    return;
+  }
+  free_recorded(s, b);
+}
 
 void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
 
@@ -854,8 +915,11 @@ bool device_caching_allocator::record_stream_containing(std::uintptr_t address, 
 }
 
 void device_caching_allocator::empty_cache() {
+  detail::tracker_delivery deliver;  // segment_free entries reach trackers after the locks
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
+  if (state_->history_.active()) [[unlikely]]
+    state_->history_.record(trace_entry_action::empty_cache, 0, state_->reserved_bytes_, 0, nullptr);
   state_->release_cached_blocks(w);
 }
 
@@ -876,6 +940,7 @@ std::pair<void*, std::size_t> device_caching_allocator::base_allocation(block* b
 std::size_t device_caching_allocator::block_size(const block* b) const noexcept { return b->size; }
 
 void device_caching_allocator::set_memory_fraction(double fraction) {
+  detail::tracker_delivery deliver;  // it may release segments
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
   state_->set_memory_fraction(fraction, w);
@@ -887,6 +952,7 @@ double device_caching_allocator::memory_fraction() const {
 }
 
 void device_caching_allocator::set_config(const allocator_config& config) {
+  detail::tracker_delivery deliver;  // a new fraction may release segments
   auto& s = *state_;
   world_lock w(s);
   s.publish_all_pending_stats(w);
@@ -908,6 +974,7 @@ allocator_config device_caching_allocator::config() const {
 }
 
 void device_caching_allocator::set_caching_enabled(bool enabled) {
+  detail::tracker_delivery deliver;  // turning caching off releases segments
   auto& s = *state_;
   world_lock w(s);
   s.publish_all_pending_stats(w);
@@ -950,10 +1017,12 @@ std::vector<segment_info> device_caching_allocator::segments() const {
   out.reserve(s.segments_.size());
   for (auto& [base, seg] : s.segments_) {
     segment_info si;
+    si.device = device_;
     si.address = base;
     si.total_bytes = seg->size;
     si.stream = seg->head->stream;
     si.is_small_pool = seg->head->pool->is_small;
+    if (s.history_.enabled()) si.context = s.history_.segment_context(base);
     for (const block* b = seg->head; b != nullptr; b = b->next) {
       block_info bi;
       bi.address = b->ptr;
@@ -966,12 +1035,69 @@ std::vector<segment_info> device_caching_allocator::segments() const {
       if (bi.state != block_state::inactive) {
         si.active_bytes += b->size;
         si.requested_bytes += b->requested_size;
+        if (s.history_.enabled()) bi.context = s.history_.block_context(b->ptr);
       }
       si.blocks.push_back(bi);
     }
     out.push_back(std::move(si));
   }
   return out;
+}
+
+std::string_view to_string(block_state state) noexcept {
+  switch (state) {
+    case block_state::active_allocated: return "active_allocated";
+    case block_state::active_pending_free: return "active_pending_free";
+    case block_state::inactive: break;
+  }
+  return "inactive";
+}
+
+void device_caching_allocator::record_history(const history_options& options) {
+  state_->history_.configure(options);
+}
+
+bool device_caching_allocator::is_history_enabled() const noexcept { return state_->history_.enabled(); }
+
+void device_caching_allocator::record_annotation(std::vector<std::pair<std::string, std::string>> metadata) {
+  state_->history_.record_annotation(std::move(metadata));
+}
+
+void device_caching_allocator::push_compile_context(std::string context) {
+  state_->history_.push_compile_context(std::move(context));
+}
+
+void device_caching_allocator::pop_compile_context() { state_->history_.pop_compile_context(); }
+
+void device_caching_allocator::set_user_metadata(std::string metadata) {
+  state_->history_.set_user_metadata(std::move(metadata));
+}
+
+std::string device_caching_allocator::user_metadata() const { return state_->history_.user_metadata(); }
+
+void device_caching_allocator::attach_trace_tracker(trace_tracker tracker) {
+  state_->history_.attach_tracker(std::move(tracker));
+}
+
+std::vector<trace_entry> device_caching_allocator::trace_entries() const { return state_->history_.entries(); }
+
+std::vector<annotation_entry> device_caching_allocator::annotations() const {
+  return state_->history_.annotations();
+}
+
+std::vector<segment_info> device_caching_allocator::snapshot_segments() {
+  auto& s = *state_;
+  if (s.history_.active()) {
+    detail::tracker_delivery deliver;
+    std::size_t active_bytes = 0;
+    {
+      world_lock w(s);
+      s.publish_all_pending_stats(w);
+      active_bytes = static_cast<std::size_t>(s.stats_.active_bytes[0].current);
+      s.history_.record(trace_entry_action::snapshot, 0, active_bytes, 0, nullptr);
+    }
+  }
+  return segments();
 }
 
 void device_caching_allocator::check_invariants() const {

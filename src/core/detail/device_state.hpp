@@ -33,6 +33,8 @@
 #include <ccalloc/core/device_caching_allocator.hpp>
 #include <ccalloc/core/stats.hpp>
 
+#include "history_recorder.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <atomic>
@@ -308,6 +310,10 @@ class device_state {
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
   std::vector<event_t> free_events_;  // event pool: created and reusable
   std::vector<oom_observer> observers_;
+
+  // Memory history (SPEC F14-F18): its own lock, innermost. The allocator
+  // records only when history_.active() (one relaxed load).
+  history_recorder history_{device_};
 
   // True while the device has at most one stream state: its statistics then
   // stay in its pending deltas without any lock and are published by readers
