@@ -396,11 +396,8 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   reserved_bytes_ += size;
   reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
   p.found = b;
-  if (history_.active()) [[unlikely]] {
-    const context_ptr& context = history_recorder::current_context(context_kind::malloc);
-    history_.record(trace_entry_action::segment_alloc, b->ptr, size, p.stream, context);
-    history_.remember_segment(b->ptr, context);
-  }
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_alloc(b->ptr, size, p.stream);
   return true;
 }
 
@@ -456,10 +453,8 @@ void device_state::release_blocks(block_pool& pool) {
 // Returns a cached whole-segment block to the device.
 void device_state::release_block(block* b, device_stats& st) {
   backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
-  if (history_.active()) [[unlikely]] {
-    history_.record(trace_entry_action::segment_free, b->ptr, b->size, b->stream, nullptr);
-    history_.forget_segment(b->ptr);
-  }
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_free(b->ptr, b->size, b->stream);
   const stat_group g = group_of(b->pool);
   device_stats::decrease(st.segment, g, 1);
   device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
@@ -588,13 +583,6 @@ void device_state::record_stream(block* b, stream_t stream) {
 // A block becomes free (its events, if any, completed): merge with free
 // neighbours and return it to its pool.
 void device_state::free_block(block* b, device_stats& st, bool device_locked) {
-  if (history_.active()) [[unlikely]] {
-    // Before merging moves b->ptr. The free's context if inside a free, else the malloc's.
-    context_ptr allocated_with = history_.forget_block(b->ptr);
-    const context_ptr& freed_with = history_recorder::current_context(context_kind::free);
-    history_.record(trace_entry_action::free_completed, b->ptr, b->requested_size, b->stream,
-                    freed_with ? freed_with : allocated_with);
-  }
   const stat_group g = group_of(b->pool);
   const auto original_size = static_cast<std::int64_t>(b->size);
   std::int64_t net_split_blocks = 0;
@@ -719,6 +707,8 @@ void device_state::process_events() {
     stream_state& ss = *b->pool->owner;
     std::lock_guard lock(ss.mutex);
     if (--b->event_count == 0) {
+      if (history_.active()) [[unlikely]]
+        history_.record_free_completed(b->ptr, b->requested_size, b->stream);
       stats_sink sink(*this, ss);
       free_block(b, sink.get(), false);
     }
@@ -728,7 +718,10 @@ void device_state::process_events() {
 
 void device_state::process_events_locked() {
   take_completed_events([&](block* b) {
-    if (--b->event_count == 0) free_block(b, stats_, true);
+    if (--b->event_count != 0) return;
+    if (history_.active()) [[unlikely]]
+      history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+    free_block(b, stats_, true);
   });
 }
 
@@ -742,7 +735,10 @@ void device_state::synchronize_and_free_events() {
       queue.pop_front();
       free_events_.push_back(e);
       ++retired.count;
-      if (--b->event_count == 0) free_block(b, stats_, true);
+      if (--b->event_count != 0) continue;
+      if (history_.active()) [[unlikely]]
+        history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+      free_block(b, stats_, true);
     }
   }
   pending_events_.clear();
@@ -788,9 +784,8 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   f.device_free_bytes = info.free_bytes;
   f.allocated_bytes = allocated;
   f.reserved_bytes = reserved;
-  if (history_.active()) [[unlikely]]  // PyTorch's oom entry: addr = device free bytes
-    history_.record(trace_entry_action::oom, info.free_bytes, p.requested_bytes, p.stream,
-                    history_recorder::current_context(context_kind::malloc));
+  if (history_.active()) [[unlikely]]
+    history_.record_oom(info.free_bytes, p.requested_bytes, p.stream);
   // Observers run outside the locks (SPEC F17): they may call back into ccalloc.
   auto observers = observers_;
   w.unlock();
@@ -835,7 +830,9 @@ device_caching_allocator::~device_caching_allocator() = default;
 
 namespace {
 
-allocation malloc_unrecorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
+// malloc without history: inlined into device_caching_allocator::malloc.
+[[gnu::always_inline]] inline allocation malloc_impl(detail::device_state& s, std::size_t size_bytes,
+                                                     stream_t stream) {
   if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]] {
     if (size_bytes == 0)
       throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
@@ -851,37 +848,17 @@ allocation malloc_unrecorded(detail::device_state& s, std::size_t size_bytes, st
   return {reinterpret_cast<void*>(b->ptr), b};
 }
 
-// malloc with history on: the caller's context is gathered outside the
-// locks, entries recorded inside (segment_alloc, oom) take it, and the
-// trackers run once the locks are released.
-[[gnu::noinline]] allocation malloc_recorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
-  detail::tracker_delivery deliver;
-  detail::history_recorder& h = s.history_;
-  context_ptr context = h.gather(record_context::state);
-  detail::context_scope scope(detail::context_kind::malloc, context);
-  const allocation a = malloc_unrecorded(s, size_bytes, stream);
-  h.remember_block(a.block->ptr, context);
-  h.record(trace_entry_action::alloc, a.block->ptr, size_bytes, stream, context);
-  return a;
-}
-
-[[gnu::noinline]] void free_recorded(detail::device_state& s, block* b) {
-  detail::tracker_delivery deliver;
-  detail::history_recorder& h = s.history_;
-  context_ptr context = h.gather(record_context::all);
-  detail::context_scope scope(detail::context_kind::free, context);
-  // The caller owns the live block: its fields do not change meanwhile.
-  h.record(trace_entry_action::free_requested, b->ptr, b->requested_size, b->stream, context);
-  s.free(b);
-}
-
 }  // namespace
+
+allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
+  return malloc_impl(s, size_bytes, stream);
+}
 
 allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
   auto& s = *state_;
-  if (!s.history_.active()) [[likely]]
-    return malloc_unrecorded(s, size_bytes, stream);
-  return malloc_recorded(s, size_bytes, stream);
+  if (s.history_.active()) [[unlikely]]
+    return detail::malloc_recorded(s, size_bytes, stream);
+  return malloc_impl(s, size_bytes, stream);
 }
 
 void device_caching_allocator::free(block* b) {
@@ -890,7 +867,7 @@ void device_caching_allocator::free(block* b) {
     s.free(b);
     return;
   }
-  free_recorded(s, b);
+  detail::free_recorded(s, b);
 }
 
 void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
@@ -1042,62 +1019,6 @@ std::vector<segment_info> device_caching_allocator::segments() const {
     out.push_back(std::move(si));
   }
   return out;
-}
-
-std::string_view to_string(block_state state) noexcept {
-  switch (state) {
-    case block_state::active_allocated: return "active_allocated";
-    case block_state::active_pending_free: return "active_pending_free";
-    case block_state::inactive: break;
-  }
-  return "inactive";
-}
-
-void device_caching_allocator::record_history(const history_options& options) {
-  state_->history_.configure(options);
-}
-
-bool device_caching_allocator::is_history_enabled() const noexcept { return state_->history_.enabled(); }
-
-void device_caching_allocator::record_annotation(std::vector<std::pair<std::string, std::string>> metadata) {
-  state_->history_.record_annotation(std::move(metadata));
-}
-
-void device_caching_allocator::push_compile_context(std::string context) {
-  state_->history_.push_compile_context(std::move(context));
-}
-
-void device_caching_allocator::pop_compile_context() { state_->history_.pop_compile_context(); }
-
-void device_caching_allocator::set_user_metadata(std::string metadata) {
-  state_->history_.set_user_metadata(std::move(metadata));
-}
-
-std::string device_caching_allocator::user_metadata() const { return state_->history_.user_metadata(); }
-
-void device_caching_allocator::attach_trace_tracker(trace_tracker tracker) {
-  state_->history_.attach_tracker(std::move(tracker));
-}
-
-std::vector<trace_entry> device_caching_allocator::trace_entries() const { return state_->history_.entries(); }
-
-std::vector<annotation_entry> device_caching_allocator::annotations() const {
-  return state_->history_.annotations();
-}
-
-std::vector<segment_info> device_caching_allocator::snapshot_segments() {
-  auto& s = *state_;
-  if (s.history_.active()) {
-    detail::tracker_delivery deliver;
-    std::size_t active_bytes = 0;
-    {
-      world_lock w(s);
-      s.publish_all_pending_stats(w);
-      active_bytes = static_cast<std::size_t>(s.stats_.active_bytes[0].current);
-      s.history_.record(trace_entry_action::snapshot, 0, active_bytes, 0, nullptr);
-    }
-  }
-  return segments();
 }
 
 void device_caching_allocator::check_invariants() const {

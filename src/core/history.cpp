@@ -123,6 +123,27 @@ void history_recorder::record(trace_entry_action action, std::uintptr_t addr, st
   if (trackers && !trackers->empty()) tls_pending.push_back({std::move(trackers), std::move(e)});
 }
 
+void history_recorder::record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream) {
+  const context_ptr allocated_with = forget_block(addr);
+  const context_ptr& freed_with = current_context(context_kind::free);
+  record(trace_entry_action::free_completed, addr, requested_bytes, stream, freed_with ? freed_with : allocated_with);
+}
+
+void history_recorder::record_segment_alloc(std::uintptr_t addr, std::size_t size, stream_t stream) {
+  const context_ptr& context = current_context(context_kind::malloc);
+  record(trace_entry_action::segment_alloc, addr, size, stream, context);
+  remember_segment(addr, context);
+}
+
+void history_recorder::record_segment_free(std::uintptr_t addr, std::size_t size, stream_t stream) {
+  record(trace_entry_action::segment_free, addr, size, stream, nullptr);
+  forget_segment(addr);
+}
+
+void history_recorder::record_oom(std::size_t device_free_bytes, std::size_t requested_bytes, stream_t stream) {
+  record(trace_entry_action::oom, device_free_bytes, requested_bytes, stream, current_context(context_kind::malloc));
+}
+
 void history_recorder::remember(std::unordered_map<std::uintptr_t, context_ptr>& map, std::uintptr_t addr,
                                 context_ptr context) {
   if (!context) return;

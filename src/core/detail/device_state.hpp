@@ -327,4 +327,11 @@ class device_state {
   const void* last_stats_thread_ = nullptr;  // the thread that published last
 };
 
+// malloc and free behind device_caching_allocator's public ones: without
+// history (device_caching_allocator.cpp) and with it (device_history.cpp:
+// contexts gathered outside the locks, entries recorded, trackers run after).
+allocation malloc_unrecorded(device_state& s, std::size_t size_bytes, stream_t stream);
+[[gnu::noinline]] allocation malloc_recorded(device_state& s, std::size_t size_bytes, stream_t stream);
+[[gnu::noinline]] void free_recorded(device_state& s, block* b);
+
 }  // namespace ccalloc::detail

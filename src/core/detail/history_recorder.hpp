@@ -103,6 +103,18 @@ class history_recorder {
   void record(trace_entry_action action, std::uintptr_t addr, std::size_t size, stream_t stream,
               const context_ptr& context);
 
+  // The core's hooks, one out-of-line call each so that the hot functions
+  // that contain them stay small (only called when active()).
+  /// A block becomes free (free_block): forgets its context; the entry
+  /// carries the free's context if inside a free, else the block's own.
+  /// Called before free_block merges it (b->ptr still the block's).
+  [[gnu::cold]] void record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream);
+  /// A segment came from the device (inside a malloc: its context).
+  [[gnu::cold]] void record_segment_alloc(std::uintptr_t addr, std::size_t size, stream_t stream);
+  [[gnu::cold]] void record_segment_free(std::uintptr_t addr, std::size_t size, stream_t stream);
+  /// PyTorch's oom entry: addr = the device's free bytes.
+  [[gnu::cold]] void record_oom(std::size_t device_free_bytes, std::size_t requested_bytes, stream_t stream);
+
   // Contexts kept for snapshots (record_context::state or more).
   void remember_block(std::uintptr_t addr, context_ptr context);
   /// Forgets the block at `addr` and returns its context.
