@@ -79,6 +79,7 @@ std::string html(std::string_view s) {
 }
 
 std::string seconds_text(double s) {
+  if (s == 0) return "0 s";
   if (s < 1e-3) return fmt("%.0f µs", s * 1e6);
   if (s < 1) return fmt("%.1f ms", s * 1e3);
   if (s < 120) return fmt("%.2f s", s);
@@ -584,11 +585,11 @@ std::string peaks_table(const report_summary& sum, const native_reference* nativ
                   "<th>device mallocs</th><th class=\"l\">peak reserved, requested shaded</th>"
                   "<th class=\"l\">source</th></tr>\n";
   for (const row& r : rows) {
-    const double w = 240.0 * double(r.reserved) / double(widest), rw = 240.0 * req / double(widest);
+    const double w = 180.0 * double(r.reserved) / double(widest), rw = 180.0 * req / double(widest);
     o += "<tr><td class=\"l\">" + html(r.who) + "</td><td>" + human_bytes(double(r.reserved)) + "</td><td>" +
          (req > 0 ? fmt("%.3f", double(r.reserved) / req) : std::string("-")) + "</td><td>" + r.mallocs +
          "</td><td class=\"l\">" +
-         fmt("<svg width=\"244\" height=\"14\"><rect x=\"0\" y=\"2\" width=\"%.1f\" height=\"10\" fill=\"%s\"/>"
+         fmt("<svg width=\"184\" height=\"14\"><rect x=\"0\" y=\"2\" width=\"%.1f\" height=\"10\" fill=\"%s\"/>"
              "<rect x=\"0\" y=\"2\" width=\"%.1f\" height=\"10\" fill=\"%s\" fill-opacity=\"0.9\"/></svg>",
              w, r.color, std::min(rw, w), color_requested) +
          "</td><td class=\"l src\">" + html(r.source) + "</td></tr>\n";
