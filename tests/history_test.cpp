@@ -325,6 +325,31 @@ TEST(History, PendingFreeKeepsItsContextUntilCompleted) {
   f.alloc.free(q);
 }
 
+TEST(History, FreeCompletedOnEveryPath) {
+  // No-caching mode: the free returns the segment at once, after its free_completed.
+  fixture f;
+  f.alloc.enable(false);
+  f.alloc.record_history(on());
+  f.alloc.free(f.alloc.malloc(0, 4096, 0));
+  EXPECT_EQ(actions(f.alloc.device_allocator(0).trace_entries()),
+            (std::vector<A>{A::segment_alloc, A::alloc, A::free_requested, A::free_completed, A::segment_free}));
+  // A block waiting on another stream completes when empty_cache synchronizes its event.
+  fixture g;
+  g.alloc.record_history(on());
+  const stream_t side = g.sim->create_stream(0);
+  void* p = g.alloc.malloc(0, 4096, 0);
+  g.sim->enqueue_work(0, side, 1000);
+  g.alloc.record_stream(p, side);
+  g.alloc.free(p);
+  g.alloc.empty_cache();
+  const auto e = g.alloc.device_allocator(0).trace_entries();
+  EXPECT_EQ(actions(e), (std::vector<A>{A::segment_alloc, A::alloc, A::free_requested, A::empty_cache,
+                                        A::free_completed, A::segment_free}));
+  EXPECT_EQ(e[4].addr, addr(p));
+  EXPECT_EQ(e[4].size, 4096u);
+  g.alloc.device_allocator(0).check_invariants();
+}
+
 TEST(History, OutOfMemoryEntry) {
   sim_options so;
   so.capacity_bytes = 64 * mib;

@@ -140,6 +140,14 @@ void history_recorder::record_segment_free(std::uintptr_t addr, std::size_t size
   forget_segment(addr);
 }
 
+void history_recorder::record_segment_map(std::uintptr_t addr, std::size_t size, stream_t stream) {
+  record(trace_entry_action::segment_map, addr, size, stream, current_context(context_kind::malloc));
+}
+
+void history_recorder::record_segment_unmap(std::uintptr_t addr, std::size_t size, stream_t stream) {
+  record(trace_entry_action::segment_unmap, addr, size, stream, nullptr);
+}
+
 void history_recorder::record_oom(std::size_t device_free_bytes, std::size_t requested_bytes, stream_t stream) {
   record(trace_entry_action::oom, device_free_bytes, requested_bytes, stream, current_context(context_kind::malloc));
 }

@@ -692,7 +692,10 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
   if (options.device != replay_device::sim)
     throw error("find_min_device_memory: only the simulated device can change its memory size");
   if (precision_bytes == 0) throw error("find_min_device_memory: precision_bytes must be > 0");
-  const replay_result full = replay_trace(t, options);
+  replay_options probe = options;  // the caller's hook and history are for its own replay only
+  probe.after_event = nullptr;
+  probe.history.reset();
+  const replay_result full = replay_trace(t, probe);
   if (full.ooms != 0)
     throw error("find_min_device_memory: " + t.source + " does not fit even in " +
                 std::to_string(options.device_memory_bytes) + " bytes (" + std::to_string(full.ooms) +
@@ -701,9 +704,6 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
   std::size_t fits = round_up(full.peak_reserved_bytes);  // a replay that never reserved more fits here
   std::size_t fails = full.peak_requested_bytes / precision_bytes * precision_bytes;  // below the lower bound
   if (fails >= fits) fails = fits - std::min(fits, precision_bytes);
-  replay_options probe = options;
-  probe.after_event = nullptr;
-  probe.history.reset();
   while (fits - fails > precision_bytes) {
     const std::size_t mid = fails + (fits - fails) / 2 / precision_bytes * precision_bytes;
     probe.device_memory_bytes = mid;

@@ -112,6 +112,10 @@ class history_recorder {
   /// A segment came from the device (inside a malloc: its context).
   [[gnu::cold]] void record_segment_alloc(std::uintptr_t addr, std::size_t size, stream_t stream);
   [[gnu::cold]] void record_segment_free(std::uintptr_t addr, std::size_t size, stream_t stream);
+  /// Pages of an expandable segment mapped (inside a malloc: its context) /
+  /// unmapped; for the expandable-segment code (SPEC B7).
+  [[gnu::cold]] void record_segment_map(std::uintptr_t addr, std::size_t size, stream_t stream);
+  [[gnu::cold]] void record_segment_unmap(std::uintptr_t addr, std::size_t size, stream_t stream);
   /// PyTorch's oom entry: addr = the device's free bytes.
   [[gnu::cold]] void record_oom(std::size_t device_free_bytes, std::size_t requested_bytes, stream_t stream);
 
