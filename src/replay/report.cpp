@@ -523,7 +523,7 @@ table{border-collapse:collapse;width:100%;font-size:13px}
 th,td{padding:5px 7px;border-bottom:1px solid #edf0f3;text-align:right;white-space:nowrap}
 th{color:#52606d;font-weight:600;background:#f7f9fb}
 td.l,th.l{text-align:left}
-td.src{white-space:normal;color:#52606d;font-size:12px;max-width:260px}
+td.src{white-space:normal;overflow-wrap:anywhere;color:#52606d;font-size:12px;max-width:220px}
 .legend{display:flex;flex-wrap:wrap;gap:16px;font-size:13px;margin:8px 0 0}
 .legend span{display:inline-flex;align-items:center;gap:6px}
 .sw{display:inline-block;width:18px;height:10px;border-radius:2px}
