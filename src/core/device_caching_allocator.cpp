@@ -457,6 +457,8 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   reserved_bytes_ += size;
   reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
   p.found = b;
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_alloc(b->ptr, size, p.stream);
   return true;
 }
 
@@ -514,6 +516,8 @@ void device_state::release_blocks(block_pool& pool) {
 // Returns a cached whole-segment block to the device.
 void device_state::release_block(block* b, device_stats& st) {
   backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_free(b->ptr, b->size, b->stream);
   const stat_group g = group_of(b->pool);
   device_stats::decrease(st.segment, g, 1);
   device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
@@ -827,6 +831,8 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       throw;
     }
     set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);
+    if (history_.active() && i > run_first) [[unlikely]]
+      history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
       reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
       drop_recycled();
@@ -878,6 +884,8 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
       reserved_bytes_ -= bytes;
       device_stats::decrease(stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
       set_page_state(seg, from, addr, false);
+      if (history_.active() && bytes > 0) [[unlikely]]
+        history_.record_segment_unmap(from, bytes, seg.head->stream);
       done_total += bytes;
       stats_.num_device_free += to_release.size();
       for (physical_handle_t h : to_release) backend_.vm_release_handle(device_, h);  // may throw: state is consistent
@@ -1183,6 +1191,8 @@ void device_state::process_events() {
     {
       std::lock_guard lock(ss.mutex);
       if (--b->event_count == 0) {
+        if (history_.active()) [[unlikely]]
+          history_.record_free_completed(b->ptr, b->requested_size, b->stream);
         stats_sink sink(*this, ss);
         free_block(b, sink.get(), false);
       }
@@ -1194,7 +1204,10 @@ void device_state::process_events() {
 
 void device_state::process_events_locked() {
   take_completed_events([&](block* b) {
-    if (--b->event_count == 0) free_block(b, stats_, true);
+    if (--b->event_count != 0) return;
+    if (history_.active()) [[unlikely]]
+      history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+    free_block(b, stats_, true);
   });
 }
 
@@ -1208,7 +1221,10 @@ void device_state::synchronize_and_free_events() {
       queue.pop_front();
       free_events_.push_back(e);
       ++retired.count;
-      if (--b->event_count == 0) free_block(b, stats_, true);
+      if (--b->event_count != 0) continue;
+      if (history_.active()) [[unlikely]]
+        history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+      free_block(b, stats_, true);
     }
   }
   pending_events_.clear();
@@ -1254,6 +1270,8 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   f.device_free_bytes = info.free_bytes;
   f.allocated_bytes = allocated;
   f.reserved_bytes = reserved;
+  if (history_.active()) [[unlikely]]
+    history_.record_oom(info.free_bytes, p.requested_bytes, p.stream);
   // Observers run outside the locks (SPEC F17): they may call back into ccalloc.
   auto observers = observers_;
   w.unlock();
@@ -1296,8 +1314,11 @@ device_caching_allocator::device_caching_allocator(int device, device_backend& b
 
 device_caching_allocator::~device_caching_allocator() = default;
 
-allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
-  auto& s = *state_;
+namespace {
+
+// malloc without history: inlined into device_caching_allocator::malloc.
+[[gnu::always_inline]] inline allocation malloc_impl(detail::device_state& s, std::size_t size_bytes,
+                                                     stream_t stream) {
   if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]] {
     if (size_bytes == 0)
       throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
@@ -1306,13 +1327,34 @@ allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t str
     p.requested_bytes = size_bytes;
     p.size = size_bytes;
     p.alloc_size = size_bytes;
+    p.stream = stream;
     s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
   }
   block* b = s.allocate(size_bytes, stream);
   return {reinterpret_cast<void*>(b->ptr), b};
 }
 
-void device_caching_allocator::free(block* b) { state_->free(b); }
+}  // namespace
+
+allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
+  return malloc_impl(s, size_bytes, stream);
+}
+
+allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
+  auto& s = *state_;
+  if (s.history_.active()) [[unlikely]]
+    return detail::malloc_recorded(s, size_bytes, stream);
+  return malloc_impl(s, size_bytes, stream);
+}
+
+void device_caching_allocator::free(block* b) {
+  auto& s = *state_;
+  if (!s.history_.active()) [[likely]] {
+    s.free(b);
+    return;
+  }
+  detail::free_recorded(s, b);
+}
 
 void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
 
@@ -1336,8 +1378,11 @@ bool device_caching_allocator::record_stream_containing(std::uintptr_t address, 
 }
 
 void device_caching_allocator::empty_cache() {
+  detail::tracker_delivery deliver;  // segment_free entries reach trackers after the locks
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
+  if (state_->history_.active()) [[unlikely]]
+    state_->history_.record(trace_entry_action::empty_cache, 0, state_->reserved_bytes_, 0, nullptr);
   state_->release_cached_blocks(w);
 }
 
@@ -1358,6 +1403,7 @@ std::pair<void*, std::size_t> device_caching_allocator::base_allocation(block* b
 std::size_t device_caching_allocator::block_size(const block* b) const noexcept { return b->size; }
 
 void device_caching_allocator::set_memory_fraction(double fraction) {
+  detail::tracker_delivery deliver;  // it may release segments
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
   state_->set_memory_fraction(fraction, w);
@@ -1369,6 +1415,7 @@ double device_caching_allocator::memory_fraction() const {
 }
 
 void device_caching_allocator::set_config(const allocator_config& config) {
+  detail::tracker_delivery deliver;  // a new fraction may release segments
   auto& s = *state_;
   s.check_expandable_supported(config);
   world_lock w(s);
@@ -1391,6 +1438,7 @@ allocator_config device_caching_allocator::config() const {
 }
 
 void device_caching_allocator::set_caching_enabled(bool enabled) {
+  detail::tracker_delivery deliver;  // turning caching off releases segments
   auto& s = *state_;
   world_lock w(s);
   s.publish_all_pending_stats(w);
@@ -1472,12 +1520,14 @@ std::vector<segment_info> device_caching_allocator::segments() const {
   out.reserve(s.segments_.size());
   for (auto& [base, seg] : s.segments_) {
     segment_info si;
+    si.device = device_;
     si.address = base;
     si.total_bytes = seg->size;
     si.stream = seg->head->stream;
     si.is_small_pool = seg->head->pool->is_small;
     si.is_expandable = seg->expandable;
     si.mapped_bytes = seg->expandable ? seg->mapped_bytes : seg->size;
+    if (s.history_.enabled()) si.context = s.history_.segment_context(base);
     for (const block* b = seg->head; b != nullptr; b = b->next) {
       block_info bi;
       bi.address = b->ptr;
@@ -1491,6 +1541,7 @@ std::vector<segment_info> device_caching_allocator::segments() const {
       if (bi.state != block_state::inactive) {
         si.active_bytes += b->size;
         si.requested_bytes += b->requested_size;
+        if (s.history_.enabled()) bi.context = s.history_.block_context(b->ptr);
       }
       si.blocks.push_back(bi);
     }

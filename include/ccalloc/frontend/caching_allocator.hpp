@@ -25,6 +25,8 @@
 #include <ccalloc/base/types.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/history.hpp>
+#include <ccalloc/core/snapshot.hpp>
 #include <ccalloc/core/stats.hpp>
 
 #include <array>
@@ -153,6 +155,44 @@ class caching_allocator {
   /// Registers a callback for out-of-memory errors on every device (F17).
   void attach_out_of_memory_observer(oom_observer observer);
 
+  // ---- memory history and snapshots (F13-F16, F18; ccalloc/core/history.hpp) --
+
+  /// Starts, changes or stops recording the history of every device, also of
+  /// devices init() adds later (F14; PyTorch: recordHistory, and
+  /// torch.cuda.memory._record_memory_history). options.max_entries is per
+  /// device. Disabling drops what was recorded. Throws
+  /// invalid_argument_error for max_entries == 0 (nothing changes then).
+  void record_history(const history_options& options);
+  /// Whether history is being recorded (PyTorch: isHistoryEnabled).
+  [[nodiscard]] bool is_history_enabled() const;
+  /// Records key/value pairs with the current time on the current device
+  /// (F15; PyTorch: recordAnnotation), kept while history is recorded;
+  /// nothing otherwise. They appear in snapshots as external_annotations.
+  void record_annotation(std::vector<std::pair<std::string, std::string>> metadata);
+  /// Trace entries recorded until the matching pop carry `context` as their
+  /// compile_context (F16; PyTorch: pushCompileContext). Only while history
+  /// is recorded, as in PyTorch. Every device.
+  void push_compile_context(std::string context);
+  /// Pops the last pushed compile context; nothing if none (PyTorch: popCompileContext).
+  void pop_compile_context();
+  /// Trace entries recorded from now on carry `metadata` as user_metadata
+  /// (F16; PyTorch: setUserMetadata). Every device; "" by default.
+  void set_user_metadata(const std::string& metadata);
+  /// The current user metadata (PyTorch: getUserMetadata).
+  [[nodiscard]] std::string get_user_metadata() const;
+  /// Calls `tracker` with every trace entry of every device from now on,
+  /// whether history is recorded or not (F18; PyTorch:
+  /// attachAllocatorTraceTracker). See trace_tracker for when it runs and what
+  /// its exceptions do. Throws invalid_argument_error for an empty tracker.
+  void attach_allocator_trace_tracker(trace_tracker tracker);
+  /// Segments with their blocks, each device's trace (when include_traces
+  /// and history is recorded; PyTorch records a `snapshot` entry first),
+  /// the annotations and the settings in force (F13; PyTorch: snapshot).
+  /// Each device is walked under its own locks: with concurrent allocations
+  /// the devices are not captured at one instant. Before init(): empty.
+  /// to_json() writes it for python/ccalloc/snapshot.py.
+  [[nodiscard]] memory_snapshot snapshot(bool include_traces = true) const;
+
   /// Replaces the configuration of every device with `text` applied on top of
   /// the current one (F30). Throws config_error; nothing changes then.
   /// Warnings about settings without effect go to stderr.
@@ -175,6 +215,11 @@ class caching_allocator {
   static constexpr std::size_t pointer_shard_count = 256;  // a power of two
   pointer_shard& shard_for(void* ptr) const noexcept;
   static void print_warnings(const allocator_config& config);
+  static history_options disabled_history() {
+    history_options o;
+    o.enabled = false;
+    return o;
+  }
   /// The allocator of `device`; throws invalid_argument_error naming `what`
   /// before init() or for a device out of range.
   device_caching_allocator& checked_device(int device, const char* what) const;
@@ -187,6 +232,9 @@ class caching_allocator {
   std::atomic<bool> caching_enabled_{true};
   std::vector<std::unique_ptr<device_caching_allocator>> devices_;
   std::vector<oom_observer> observers_;
+  history_options history_options_ = disabled_history();  // applied to devices init() adds
+  std::vector<trace_tracker> trackers_;                 // likewise
+  std::string user_metadata_;                           // likewise
   mutable std::array<pointer_shard, pointer_shard_count> shards_;
 };
 
