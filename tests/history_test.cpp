@@ -37,7 +37,10 @@ using namespace ccalloc;  // NOLINT: test file
 using A = trace_entry_action;
 
 struct fixture {
-  explicit fixture(sim_options o = {}) : sim(std::make_shared<sim_backend>(o)), alloc(sim, allocator_config{}) {
+  // Plain segments: these tests follow segment_alloc / segment_free; the
+  // expandable default (segment_map / segment_unmap) has its own tests below.
+  explicit fixture(sim_options o = {}, const char* conf = "expandable_segments:False")
+      : sim(std::make_shared<sim_backend>(o)), alloc(sim, allocator_config::parse(conf)) {
     alloc.init(sim->device_count());
   }
   std::shared_ptr<sim_backend> sim;
@@ -441,7 +444,7 @@ TEST(History, DevicesAddedLaterRecordToo) {
   sim_options so;
   so.device_count = 2;
   auto sim = std::make_shared<sim_backend>(so);
-  caching_allocator a(sim, allocator_config{});
+  caching_allocator a(sim, allocator_config::parse("expandable_segments:False"));
   a.init(1);
   a.record_history(on());
   a.set_user_metadata("m");
@@ -643,6 +646,58 @@ TEST(History, ConcurrentThreadsLoseNoEntry) {
     last = std::max(last, x.time_us);
   }
   f.alloc.device_allocator(0).check_invariants();
+}
+
+}  // namespace
+
+namespace {
+
+// Expandable segments (the default): pages mapped and unmapped are
+// segment_map / segment_unmap entries, and a snapshot shows each run of
+// mapped pages as a segment of its own, as torch.cuda.memory._snapshot() does.
+TEST(History, ExpandableSegmentsRecordMapAndUnmap) {
+  fixture f({}, "");
+  f.alloc.record_history(on());
+  void* a = f.alloc.malloc(0, 5 * mib, 0);  // 3 pages mapped
+  f.alloc.free(a);
+  f.alloc.empty_cache();  // 3 pages unmapped
+  const auto e = f.alloc.device_allocator(0).trace_entries();
+  ASSERT_EQ(actions(e), (std::vector<A>{A::segment_map, A::alloc, A::free_requested, A::free_completed,
+                                        A::empty_cache, A::segment_unmap}));
+  EXPECT_EQ(e[0].size, 6 * mib);
+  EXPECT_EQ(e[0].addr, reinterpret_cast<std::uintptr_t>(a));
+  EXPECT_EQ(e[5].size, 6 * mib);
+}
+
+TEST(Snapshot, ExpandableSegmentsShowTheirMappedRuns) {
+  fixture f({}, "");
+  void* a = f.alloc.malloc(0, 3 * mib, 0);
+  void* hole = f.alloc.malloc(0, 8 * mib, 0);
+  void* c = f.alloc.malloc(0, 3 * mib, 0);
+  f.alloc.free(hole);
+  f.alloc.empty_cache();  // unmaps the hole's 3 whole pages: two mapped runs remain
+  const memory_snapshot s = f.alloc.snapshot();
+  ASSERT_EQ(s.segments.size(), 2u);
+  std::size_t mapped = 0;
+  for (const auto& seg : s.segments) {
+    EXPECT_TRUE(seg.is_expandable);
+    std::size_t sum = 0;
+    for (const auto& b : seg.blocks) {
+      EXPECT_TRUE(b.mapped);
+      sum += b.size_bytes;
+    }
+    EXPECT_EQ(sum, seg.total_bytes);
+    EXPECT_EQ(seg.total_bytes % (2 * mib), 0u);
+    mapped += seg.total_bytes;
+  }
+  EXPECT_EQ(s.segments[0].address, reinterpret_cast<std::uintptr_t>(a));
+  EXPECT_EQ(static_cast<std::int64_t>(mapped), f.alloc.get_device_stats(0).reserved_bytes[0].current);
+  EXPECT_EQ(s.segments[0].allocated_bytes, 3 * mib);
+  const auto j = nlohmann::json::parse(to_json(s));
+  EXPECT_EQ(j["segments"].size(), 2u);
+  EXPECT_TRUE(j["segments"][0]["is_expandable"].get<bool>());
+  f.alloc.free(a);
+  f.alloc.free(c);
 }
 
 }  // namespace

@@ -98,7 +98,46 @@ std::vector<segment_info> device_caching_allocator::snapshot_segments() {
       s.history_.record(trace_entry_action::snapshot, 0, active_bytes, 0, nullptr);
     }
   }
-  return segments();
+  // PyTorch's layout for expandable segments: each run of mapped pages is a
+  // segment of its own (total_size = the run's bytes), unmapped ranges are
+  // left out (torch.cuda.memory._snapshot() does the same).
+  std::vector<segment_info> out;
+  for (segment_info& seg : segments()) {
+    if (!seg.is_expandable) {
+      out.push_back(std::move(seg));
+      continue;
+    }
+    segment_info run;
+    auto flush = [&] {
+      if (!run.blocks.empty()) out.push_back(std::move(run));
+      run = segment_info{};
+    };
+    for (block_info& b : seg.blocks) {
+      if (!b.mapped) {
+        flush();
+        continue;
+      }
+      if (run.blocks.empty()) {
+        run.device = seg.device;
+        run.address = b.address;
+        run.stream = seg.stream;
+        run.is_small_pool = seg.is_small_pool;
+        run.is_expandable = true;
+        run.pool_id = seg.pool_id;
+        run.context = seg.context;
+      }
+      run.total_bytes += b.size_bytes;
+      run.mapped_bytes += b.size_bytes;
+      if (b.state == block_state::active_allocated) run.allocated_bytes += b.size_bytes;
+      if (b.state != block_state::inactive) {
+        run.active_bytes += b.size_bytes;
+        run.requested_bytes += b.requested_bytes;
+      }
+      run.blocks.push_back(std::move(b));
+    }
+    flush();
+  }
+  return out;
 }
 
 }  // namespace ccalloc

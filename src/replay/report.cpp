@@ -643,7 +643,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
   ro.after_event = [&](std::size_t i, caching_allocator& a) {
     if (options.progress && (i + 1) % progress_every == 0) options.progress(2, i + 1, peak_index + 1);
     if (i < peak_index) return true;
-    at_peak = a.device_allocator(0).segments();
+    at_peak = a.device_allocator(0).snapshot_segments();  // mapped runs, as PyTorch shows them
     return false;
   };
   (void)replay_trace(t, ro);
