@@ -42,7 +42,7 @@ for name in "${TARGETS[@]}"; do
   echo "fuzz.sh: fuzz_$name for $SECONDS_EACH s (seeds fuzz/corpus/$name, new inputs $work)"
   log="$BUILD/fuzz_$name.log"
   if "$BUILD/fuzz/fuzz_$name" "${args[@]}" "$work" "fuzz/corpus/$name" >"$log" 2>&1; then
-    grep -E '^#[0-9]+ +DONE|^Done [0-9]+ runs|^stat::' "$log" || tail -n 5 "$log"
+    grep -E '^#[0-9]+[[:space:]]+(INITED|DONE)|^Done [0-9]+ runs|^stat::' "$log" || tail -n 5 "$log"
   else
     echo "fuzz.sh: fuzz_$name FAILED (log $log); last lines:"
     tail -n 40 "$log"

@@ -7,10 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -52,16 +52,21 @@ struct throw_site {
   std::vector<std::string> literals;  // the string literals of the thrown expression
 };
 
-// Every `throw <expression>;` in `src` with its string literals.
+bool is_identifier_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_'; }
+
+// Every `throw <expression>;` in `raw` with its string literals. (A hand-made
+// scan: <regex> trips a false -Wmaybe-uninitialized of GCC 12 under the
+// sanitizers.)
 std::vector<throw_site> throw_sites(const std::string& file, const std::string& raw) {
   const std::string src = strip_comments(raw);
   std::vector<throw_site> sites;
-  const std::regex keyword(R"((^|[^A-Za-z0-9_])throw([^A-Za-z0-9_;]))");
-  for (auto it = std::sregex_iterator(src.begin(), src.end(), keyword); it != std::sregex_iterator(); ++it) {
-    std::size_t i = static_cast<std::size_t>(it->position(0) + it->length(0)) - 1;
-    throw_site site{file, static_cast<std::size_t>(std::count(src.begin(), src.begin() + it->position(0), '\n')) + 1, {}};
+  for (std::size_t at = src.find("throw"); at != std::string::npos; at = src.find("throw", at + 5)) {
+    const std::size_t after = at + 5;
+    if ((at > 0 && is_identifier_char(src[at - 1])) || after >= src.size() || is_identifier_char(src[after]))
+      continue;  // part of a longer name (throw_out_of_memory)
+    throw_site site{file, static_cast<std::size_t>(std::count(src.begin(), src.begin() + static_cast<std::ptrdiff_t>(at), '\n')) + 1, {}};
     int depth = 0;
-    for (; i < src.size(); ++i) {
+    for (std::size_t i = after; i < src.size(); ++i) {
       const char c = src[i];
       if (c == '"') {
         std::string literal;
@@ -86,19 +91,40 @@ std::vector<throw_site> throw_sites(const std::string& file, const std::string& 
   return sites;
 }
 
+// Names of the classes in `text` declared as "class NAME [final] : public
+// [ccalloc::]SOMETHING_error" (or ": public error").
+std::vector<std::string> exception_classes(const std::string& text) {
+  std::vector<std::string> names;
+  for (std::size_t at = text.find("class "); at != std::string::npos; at = text.find("class ", at + 6)) {
+    if (at > 0 && is_identifier_char(text[at - 1])) continue;
+    std::size_t i = at + 6;
+    const std::size_t name_begin = i;
+    while (i < text.size() && is_identifier_char(text[i])) ++i;
+    const std::string name = text.substr(name_begin, i - name_begin);
+    const std::size_t colon = text.find_first_of(":;{", i);
+    if (colon == std::string::npos || text[colon] != ':') continue;  // a declaration or no base
+    std::size_t base_begin = text.find_first_not_of(" \t\n", colon + 1);
+    if (text.compare(base_begin, 7, "public ") != 0) continue;
+    base_begin = text.find_first_not_of(" \t\n", base_begin + 7);
+    std::size_t base_end = base_begin;
+    while (base_end < text.size() && (is_identifier_char(text[base_end]) || text[base_end] == ':')) ++base_end;
+    const std::string base = text.substr(base_begin, base_end - base_begin);
+    if (base.size() >= 5 && base.compare(base.size() - 5, 5, "error") == 0 && base.find("std::") != 0)
+      names.push_back(name);
+  }
+  return names;
+}
+
 const fs::path source_dir{CCALLOC_SOURCE_DIR};
 
 TEST(ErrorsDoc, DescribesEveryExceptionClass) {
   const std::string doc = read_file(source_dir / "docs" / "errors.md");
   ASSERT_FALSE(doc.empty()) << "docs/errors.md is missing";
-  const std::regex derived(R"(class\s+(\w+)\s*(?:final\s*)?:\s*public\s+(?:ccalloc::)?(\w*error)\b)");
   std::size_t classes = 0;
   for (const auto& entry : fs::recursive_directory_iterator(source_dir / "include")) {
     if (entry.path().extension() != ".hpp") continue;
-    const std::string text = strip_comments(read_file(entry.path()));
-    for (auto it = std::sregex_iterator(text.begin(), text.end(), derived); it != std::sregex_iterator(); ++it) {
+    for (const std::string& name : exception_classes(strip_comments(read_file(entry.path())))) {
       ++classes;
-      const std::string name = (*it)[1];
       EXPECT_NE(doc.find("`" + name + "`"), std::string::npos)
           << entry.path().string() << " declares " << name << ", which docs/errors.md does not describe";
     }
