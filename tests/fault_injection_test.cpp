@@ -23,10 +23,12 @@
 // oversize blocks and garbage collection, the lock released around the
 // device malloc, no-caching mode.
 //
-// Adding a fault kind (e.g. "the k-th vm_map fails" once expandable segments
-// map pages): count the call in counting_backend (call::vm_map and its
-// override), add a row to fault_kinds() with its arm function and expected
-// error, and add a configuration with expandable_segments:True to configs().
+// Expandable segments (issue 4): vm_create, vm_map and vm_unmap are counted
+// and have "throws" rows, and configs() has expandable_segments:True; the rows
+// are skipped while the workload makes no such call. Adding a fault kind
+// (e.g. the simulated device's own "k-th map fails"): a row in fault_kinds()
+// with the call it counts, its arm function and the error the caller must
+// see; a new call to count goes in `call` and counting_backend.
 #include <ccalloc/backend/sim_backend.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
@@ -56,10 +58,14 @@ enum class call : std::size_t {
   record_event,
   query_event,
   synchronize_event,
+  vm_create,  // expandable segments (SPEC B7)
+  vm_map,
+  vm_unmap,
   count_
 };
 constexpr std::array<const char*, static_cast<std::size_t>(call::count_)> call_names = {
-    "segment_malloc", "segment_free", "create_event", "record_event", "query_event", "synchronize_event"};
+    "segment_malloc", "segment_free", "create_event", "record_event", "query_event", "synchronize_event",
+    "vm_create",      "vm_map",       "vm_unmap"};
 
 /// Forwards to a sim_backend; counts the calls above and, when armed, makes
 /// the k-th call of one of them throw backend_error("injected failure of NAME")
@@ -124,6 +130,33 @@ class counting_backend final : public device_backend {
   }
   void synchronize_stream(int device, stream_t stream) override { sim_->synchronize_stream(device, stream); }
   void synchronize_device(int device) override { sim_->synchronize_device(device); }
+
+  // Virtual memory, peers and gates: forwarded (counted where a fault kind uses them).
+  std::size_t vm_granularity(int device) const override { return sim_->vm_granularity(device); }
+  void* vm_reserve(int device, std::size_t size_bytes) override { return sim_->vm_reserve(device, size_bytes); }
+  void vm_release(int device, void* base, std::size_t size_bytes) override { sim_->vm_release(device, base, size_bytes); }
+  bool vm_create(int device, std::size_t size_bytes, physical_handle_t* handle) override {
+    count(call::vm_create);
+    return sim_->vm_create(device, size_bytes, handle);
+  }
+  void vm_release_handle(int device, physical_handle_t handle) override { sim_->vm_release_handle(device, handle); }
+  void vm_map(int device, void* addr, std::size_t size_bytes, physical_handle_t handle) override {
+    count(call::vm_map);
+    sim_->vm_map(device, addr, size_bytes, handle);
+  }
+  void vm_unmap(int device, void* addr, std::size_t size_bytes) override {
+    count(call::vm_unmap);
+    sim_->vm_unmap(device, addr, size_bytes);
+  }
+  void vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) override {
+    sim_->vm_set_access(device, addr, size_bytes, peer);
+  }
+  bool can_access_peer(int device, int peer) const override { return sim_->can_access_peer(device, peer); }
+  void enable_peer_access(int device, int peer) override { sim_->enable_peer_access(device, peer); }
+  gate_t create_gate(int device) override { return sim_->create_gate(device); }
+  void wait_gate(int device, stream_t stream, gate_t gate) override { sim_->wait_gate(device, stream, gate); }
+  void open_gate(int device, gate_t gate) override { sim_->open_gate(device, gate); }
+  void destroy_gate(int device, gate_t gate) override { sim_->destroy_gate(device, gate); }
 
  private:
   // Counts a call of `c`; throws if it is the armed one.
@@ -385,6 +418,14 @@ const std::vector<fault_kind>& fault_kinds() {
        [](workload_run& w, std::uint64_t k) { w.sim().fail_event_query_after(k); },
        fault_kind::expect::backend_once, "sim: injected failure of query_event("},
       throwing(call::synchronize_event),
+      // Expandable segments: these run once the allocator maps pages (the
+      // "expandable" configuration); until then the workload makes no such
+      // call and they are skipped. The simulated device's own "k-th map
+      // fails" (SPEC: fault injection of a map) becomes one more row like
+      // segment_malloc_null_once.
+      throwing(call::vm_create),
+      throwing(call::vm_map),
+      throwing(call::vm_unmap),
   };
   return kinds;
 }
@@ -397,6 +438,7 @@ const std::vector<config_case>& configs() {
        true},
       {"release_lock", "release_lock_on_cudamalloc:True,roundup_power2_divisions:4", true},
       {"no_caching", "", false},
+      {"expandable", "expandable_segments:True", true},
   };
   return cases;
 }
@@ -560,10 +602,22 @@ TEST(FaultRegression, DisablingCachingIsAllOrNothingAcrossDevices) {
   EXPECT_EQ(sim->counters().used_bytes, 0u);
 }
 
+// Every (fault kind, configuration), except that the virtual-memory calls
+// are tried only where expandable segments are on.
+std::vector<std::tuple<std::size_t, std::size_t>> fault_cases() {
+  std::vector<std::tuple<std::size_t, std::size_t>> out;
+  for (std::size_t k = 0; k < fault_kinds().size(); ++k) {
+    const call c = fault_kinds()[k].counted;
+    const bool virtual_memory = c == call::vm_create || c == call::vm_map || c == call::vm_unmap;
+    for (std::size_t i = 0; i < configs().size(); ++i)
+      if (!virtual_memory || std::string(configs()[i].conf).find("expandable_segments:True") != std::string::npos)
+        out.emplace_back(k, i);
+  }
+  return out;
+}
+
 INSTANTIATE_TEST_SUITE_P(
-    Faults, FaultInjectionTest,
-    ::testing::Combine(::testing::Range<std::size_t>(0, fault_kinds().size()),
-                       ::testing::Range<std::size_t>(0, configs().size())),
+    Faults, FaultInjectionTest, ::testing::ValuesIn(fault_cases()),
     [](const ::testing::TestParamInfo<std::tuple<std::size_t, std::size_t>>& param_info) {
       return fault_kinds()[std::get<0>(param_info.param)].name + "__" +
              configs()[std::get<1>(param_info.param)].name;
