@@ -513,11 +513,17 @@ void device_state::release_blocks(block_pool& pool) {
   for (block* b : victims) release_block(b, stats_);
 }
 
-// Returns a cached whole-segment block to the device.
+// Returns a cached whole-segment block to the device. If the device refuses
+// (segment_free throws), nothing has changed.
 void device_state::release_block(block* b, device_stats& st) {
   backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
   if (history_.active()) [[unlikely]]
     history_.record_segment_free(b->ptr, b->size, b->stream);
+  forget_segment(b, st);
+}
+
+// The books of a segment the device has taken back; `b` is its only block.
+void device_state::forget_segment(block* b, device_stats& st) noexcept {
   const stat_group g = group_of(b->pool);
   device_stats::decrease(st.segment, g, 1);
   device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
@@ -1043,7 +1049,12 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);
-  if (!b->stream_uses.empty()) insert_events(b);  // may throw: nothing changed yet
+  if (!b->stream_uses.empty()) {
+    insert_events(b);  // may throw: nothing changed yet
+  } else if (!caching_ && !b->is_split()) [[unlikely]] {
+    free_uncached(b, ss);  // may throw: nothing changed then
+    return;
+  }
   stats_sink sink(*this, ss);
   device_stats& st = sink.get();
   const stat_group g = group_of(b->pool);
@@ -1053,6 +1064,26 @@ void device_state::free(block* b) {
   if (b->counted_oversize) st.oversize_allocations.decrease(1);
   b->counted_oversize = false;
   if (b->event_count == 0) free_block(b, st, false);
+}
+
+// No-caching mode (F6), a block that is a whole segment and waits on no
+// event: the segment goes back to the device before anything else changes,
+// so a failing device free leaves the block allocated and the caller's
+// pointer live (the caller gets the backend_error).
+void device_state::free_uncached(block* b, stream_state& ss) {
+  std::lock_guard device_lock(device_mutex_);
+  backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  stats_sink sink(*this, ss);
+  device_stats& st = sink.get();
+  const stat_group g = group_of(b->pool);
+  const auto size = static_cast<std::int64_t>(b->size);
+  device_stats::decrease(st.allocation, g, 1);
+  device_stats::decrease(st.allocated_bytes, g, size);
+  if (b->counted_oversize) st.oversize_allocations.decrease(1);
+  device_stats::decrease(st.active, g, 1);
+  device_stats::decrease(st.active_bytes, g, size);
+  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+  forget_segment(b, st);
 }
 
 void device_state::record_stream(block* b, stream_t stream) {
@@ -1091,11 +1122,20 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
   b->requested_size = 0;
   if (!caching_ && !b->is_split()) {  // no-caching mode: straight back to the device
-    if (device_locked) {
-      release_block(b, st);
-    } else {
-      std::lock_guard device_lock(device_mutex_);
-      release_block(b, st);
+    // This free completes inside another operation (a malloc that found the
+    // block's events done, empty_cache, a neighbour's free): if the device
+    // refuses the segment, the block stays cached, consistent, and the next
+    // empty_cache returns it (and reports the error if it persists). The
+    // operation in progress is not failed for a release it did not ask for,
+    // and the other blocks it is completing are not lost.
+    try {
+      if (device_locked) {
+        release_block(b, st);
+      } else {
+        std::lock_guard device_lock(device_mutex_);
+        release_block(b, st);
+      }
+    } catch (const backend_error&) {
     }
   }
 }
@@ -1290,11 +1330,13 @@ void device_state::set_memory_fraction(double fraction, const world_lock& w) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
     throw invalid_argument_error("ccalloc: memory fraction " + format_fraction(fraction) +
                                  " for device " + std::to_string(device_) + " is outside [0, 1]");
+  const auto allowed = static_cast<std::size_t>(fraction * static_cast<double>(device_total_bytes_));
+  // Keep reserved <= the new cap where cached memory allows it. Before the
+  // cap changes: if the device fails meanwhile, the old cap stays in force.
+  if (reserved_bytes_ > allowed) release_cached_blocks(w);
   fraction_ = fraction == 0.0 ? 0.0 : fraction;  // -0.0 becomes 0
   set_fraction_ = true;
-  allowed_bytes_ = static_cast<std::size_t>(fraction * static_cast<double>(device_total_bytes_));
-  // Keep reserved <= the new cap where cached memory allows it.
-  if (reserved_bytes_ > allowed_bytes_) release_cached_blocks(w);
+  allowed_bytes_ = allowed;
 }
 
 }  // namespace detail
@@ -1425,11 +1467,12 @@ void device_caching_allocator::set_config(const allocator_config& config) {
   const bool fraction_changed =
       config.memory_fraction_set && (!s.config_.memory_fraction_set ||
                                      config.per_process_memory_fraction != s.config_.per_process_memory_fraction);
+  // The fraction first: if returning cached memory fails, nothing changes.
+  if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
   s.config_ = config;
   s.stats_.max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                                 ? -1
                                 : static_cast<std::int64_t>(config.max_split_size_bytes);
-  if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
 }
 
 allocator_config device_caching_allocator::config() const {
@@ -1442,8 +1485,9 @@ void device_caching_allocator::set_caching_enabled(bool enabled) {
   auto& s = *state_;
   world_lock w(s);
   s.publish_all_pending_stats(w);
-  s.caching_ = enabled;
+  // The cache first: if returning it fails, the mode does not change.
   if (!enabled) s.release_cached_blocks(w);
+  s.caching_ = enabled;
 }
 
 bool device_caching_allocator::caching_enabled() const {

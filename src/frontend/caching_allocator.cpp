@@ -166,8 +166,17 @@ stream_t caching_allocator::current_stream() noexcept { return tls_current_strea
 
 void caching_allocator::enable(bool enabled) {
   std::lock_guard lock(config_mutex_);
+  for (std::size_t i = 0; i < devices_.size(); ++i) {
+    try {
+      devices_[i]->set_caching_enabled(enabled);
+    } catch (...) {
+      // Only turning caching off can fail (returning a device's cache); turn
+      // it back on for the devices already switched: all or nothing.
+      for (std::size_t j = 0; j < i; ++j) devices_[j]->set_caching_enabled(!enabled);
+      throw;
+    }
+  }
   caching_enabled_ = enabled;
-  for (auto& d : devices_) d->set_caching_enabled(enabled);
 }
 
 bool caching_allocator::is_enabled() const noexcept { return caching_enabled_.load(std::memory_order_relaxed); }

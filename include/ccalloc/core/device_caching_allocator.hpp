@@ -127,6 +127,10 @@ class device_caching_allocator {
   [[nodiscard]] allocation malloc(std::size_t size_bytes, stream_t stream);
   /// Frees a block from malloc. If the block was used on other streams
   /// (record_stream), it returns to the cache when their events complete.
+  /// Throws backend_error if recording those events fails, or in no-caching
+  /// mode if the device refuses the segment; the block stays allocated then.
+  /// (In no-caching mode, a segment freed later, when its events complete,
+  /// that the device refuses stays cached until empty_cache.)
   void free(detail::block* block);
   /// Marks `block` as used on `stream` (PyTorch: recordStream). A use on the
   /// block's own stream is ignored.
@@ -137,7 +141,9 @@ class device_caching_allocator {
   /// whole device.
   bool record_stream_containing(std::uintptr_t address, stream_t stream);
   /// Returns cached segments that hold no live block to the device, after
-  /// waiting for pending events (PyTorch: emptyCache). Live blocks are untouched.
+  /// waiting for pending events (PyTorch: emptyCache). Live blocks are
+  /// untouched. Throws backend_error from the device (synchronizing an event,
+  /// freeing a segment); what was returned before the failure stays returned.
   void empty_cache();
   /// Size in bytes of the largest cached free block (PyTorch: cacheInfo).
   [[nodiscard]] std::size_t largest_free_block() const;
@@ -148,14 +154,19 @@ class device_caching_allocator {
   [[nodiscard]] std::size_t block_size(const detail::block* block) const noexcept;
 
   /// Caps reserved bytes at fraction x device total (PyTorch:
-  /// setMemoryFraction). Throws invalid_argument_error outside [0, 1].
+  /// setMemoryFraction); a cap below the reserved bytes returns the cache
+  /// first. Throws invalid_argument_error outside [0, 1], backend_error if
+  /// returning the cache fails (the old cap stays).
   void set_memory_fraction(double fraction);
   [[nodiscard]] double memory_fraction() const;
   /// Replaces the configuration (keys that act on new requests apply at once).
+  /// A new per_process_memory_fraction applies as set_memory_fraction does;
+  /// if that throws, the configuration is unchanged.
   void set_config(const allocator_config& config);
   [[nodiscard]] allocator_config config() const;
   /// In no-caching mode every block goes straight to the device and back
-  /// (SPEC F6). Switching on releases the cache.
+  /// (SPEC F6). Turning caching off releases the cache first; if that throws
+  /// backend_error, the mode is unchanged.
   void set_caching_enabled(bool enabled);
   [[nodiscard]] bool caching_enabled() const;
 

@@ -85,7 +85,10 @@ class caching_allocator {
   [[nodiscard]] void* malloc(int device, std::size_t size_bytes, stream_t stream);
   /// Frees a pointer from this allocator (F3). nullptr is a no-op. Throws
   /// invalid_argument_error naming the pointer if it is unknown (never
-  /// allocated here, freed already, or interior); nothing changes then.
+  /// allocated here, freed already, or interior), and backend_error when the
+  /// device fails (recording the events of a block used on other streams, or
+  /// returning the segment in no-caching mode); nothing changes then and the
+  /// pointer stays live (docs/errors.md).
   void free(void* ptr);
 
   /// Allocates on the current device and the calling thread's current stream
@@ -107,13 +110,16 @@ class caching_allocator {
 
   /// Turns caching on or off for every device (F6). Off = no-caching mode:
   /// each allocation goes straight to the device and back; turning it off
-  /// releases the cache. (PyTorch: enable / isEnabled.)
+  /// releases the cache. (PyTorch: enable / isEnabled.) Throws backend_error
+  /// if a device fails to take its cache back; then no device changes mode.
   void enable(bool enabled);
   [[nodiscard]] bool is_enabled() const noexcept;
 
   /// Caps `device`'s reserved bytes at fraction x total (F7; PyTorch:
-  /// setMemoryFraction). Throws invalid_argument_error for a fraction outside
-  /// [0, 1] or a bad device.
+  /// setMemoryFraction). A cap below the reserved bytes returns the cache
+  /// first. Throws invalid_argument_error for a fraction outside [0, 1] or a
+  /// bad device, and backend_error if returning the cache fails; the old
+  /// fraction stays then.
   void set_memory_fraction(double fraction, int device);
   [[nodiscard]] double get_memory_fraction(int device) const;
 

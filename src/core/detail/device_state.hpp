@@ -297,6 +297,8 @@ class device_state {
   void release_unused_segments(const world_lock& w);                          // [world]
   void release_blocks(block_pool& pool);                                      // [world]
   void release_block(block* b, device_stats& st);                             // [stream, device]
+  void forget_segment(block* b, device_stats& st) noexcept;                   // [stream, device]
+  void free_uncached(block* b, stream_state& ss);                             // [stream]
   void garbage_collect_cached_blocks(const world_lock& w);                    // [world]
   void process_events_locked();                                               // [world]
   // Expandable segments (B7, X3) [world]
