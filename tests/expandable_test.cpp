@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -323,6 +324,53 @@ TEST_F(ExpandableTest, ReuseAcrossStreamsFalseKeepsPyTorchsBinding) {
   void* b = m(30 * MiB, other);
   EXPECT_NE(b, a);
   alloc->free(b);
+}
+
+
+// ---- regressions from adversarial testing --------------------------------------
+
+// Each (stream, pool) reserves address space the size of the device: when
+// the host (or GPU) address space runs out, requests get plain segments
+// instead of an out-of-memory error with the device mostly free.
+TEST_F(ExpandableTest, AddressSpaceExhaustionFallsBackToPlainSegments) {
+  make(std::size_t{48} << 40);  // 48 TiB "device": two or three reservations fill a 47-bit address space
+  std::vector<std::pair<void*, stream_t>> live;
+  for (int i = 0; i < 6; ++i) {
+    const stream_t s = sim->create_stream(0);
+    void* p = nullptr;
+    ASSERT_NO_THROW(p = m(4 * MiB, s)) << "stream " << i;
+    live.emplace_back(p, s);
+  }
+  std::size_t expandable = 0, plain = 0;
+  for (const auto& seg : dev().segments()) (seg.is_expandable ? expandable : plain) += 1;
+  EXPECT_GE(expandable, 1u);
+  EXPECT_EQ(expandable + plain, 6u);
+  for (auto& [p, s] : live) alloc->free(p);
+}
+
+TEST_F(ExpandableTest, DeviceSizeNearTheLimitDoesNotOverflow) {
+  make(std::numeric_limits<std::size_t>::max());
+  void* p = nullptr;
+  ASSERT_NO_THROW(p = m(512));  // no reservation that large: a plain segment
+  alloc->free(p);
+}
+
+TEST_F(ExpandableTest, PeerAccessThatTheBackendCannotGiveIsRefusedAndNotRecorded) {
+  sim_options o;
+  o.device_count = 2;
+  o.capacity_bytes = 64 * MiB;
+  o.peer_access = false;
+  sim = std::make_shared<sim_backend>(o);
+  alloc = std::make_unique<caching_allocator>(sim, allocator_config{});
+  alloc->init(2);
+  EXPECT_THROW(dev(0).enable_peer_access(1), backend_error);
+  EXPECT_TRUE(dev(0).peers().empty());
+  void* a = m(4 * MiB);  // maps fine: no peer to grant
+  void* b = m(4 * MiB);
+  alloc->free(a);
+  alloc->free(b);
+  alloc->empty_cache();
+  EXPECT_EQ(sim->counters().mapped_bytes, 0u);
 }
 
 }  // namespace

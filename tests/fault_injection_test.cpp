@@ -587,7 +587,7 @@ TEST(FaultRegression, MemoryFractionIsUnchangedWhenReturningTheCacheFails) {
 TEST(FaultRegression, DisablingCachingIsAllOrNothingAcrossDevices) {
   auto sim = std::make_shared<sim_backend>(sim_options{2, device_bytes, 2 * mib});
   auto backend = std::make_shared<counting_backend>(sim);
-  caching_allocator alloc(backend, allocator_config{});
+  caching_allocator alloc(backend, allocator_config::parse("expandable_segments:False"));  // cudaFree'd segments
   alloc.init(2);
   alloc.free(alloc.malloc(0, 3 * mib, 0));  // a cached segment on each device
   alloc.free(alloc.malloc(1, 3 * mib, 0));

@@ -345,16 +345,20 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
       // segment, mapping pages (recycled from free whole pages when the
       // peak or the cap would grow). Rung 5: wait for events, unmap every
       // free page, retry.
+      no_address_space_ = false;
       for (int attempt = 0; attempt < 2; ++attempt) {
         if (attempt == 1 && get_free_block(p)) return take_found_block(p, stats_);
         if (alloc_expandable(p, false, w) || (release_cached_blocks(w) && alloc_expandable(p, true, w)))
           return take_found_block(p, stats_);
+        if (no_address_space_) break;
         if (!wait_for_completions_in_flight(w)) break;  // X7
       }
       // The retry kept the pages of the chosen run mapped: give them back too.
       unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
       release_empty_expandable_segments();
-      throw_out_of_memory(p, w);
+      // Out of address space (a new reservation was refused, e.g. with very
+      // many streams): this request gets a plain segment instead.
+      if (!no_address_space_) throw_out_of_memory(p, w);
     }
     // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
     // memory above its high-water mark. First (X2) a cached whole segment of
@@ -672,6 +676,7 @@ void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_
 segment* device_state::new_expandable_segment(const alloc_params& p) {
   const std::size_t page = page_bytes_;
   const std::size_t want = std::max(device_total_bytes_, p.size);
+  if (want > std::numeric_limits<std::size_t>::max() - page) return nullptr;  // no such address range
   const std::size_t size = (want + page - 1) / page * page;
   void* base = backend_.vm_reserve(device_, size);
   if (base == nullptr) return nullptr;
@@ -740,7 +745,10 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   }
   if (best_seg == nullptr) {
     best_seg = new_expandable_segment(p);
-    if (best_seg == nullptr) return false;
+    if (best_seg == nullptr) {
+      no_address_space_ = true;
+      return false;
+    }
     best_start = best_seg->base;
     best_pages = (p.size + page - 1) / page;
   }
@@ -778,8 +786,14 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     };
     if (excess() > 0) {
       release_unused_segments(w);  // plain cached segments (no-caching leftovers, earlier configs)
-      if (const std::size_t target = excess(); target > 0)
-        unmap_free_pages(target, best_seg, best_start, end, &recycled);
+      if (const std::size_t target = excess(); target > 0) {
+        try {
+          unmap_free_pages(target, best_seg, best_start, end, &recycled);
+        } catch (...) {
+          drop_recycled();  // the pages unmapped before the failure go back to the device
+          throw;
+        }
+      }
     }
     if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) {
       drop_recycled();
@@ -813,10 +827,25 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
           break;
         }
         void* addr = reinterpret_cast<void*>(seg.base + i * page);
+        bool mapped = false;
         try {
           backend_.vm_map(device_, addr, page, h);
+          mapped = true;
           for (int peer : peers_) backend_.vm_set_access(device_, addr, page, peer);
         } catch (...) {
+          if (mapped) {
+            try {
+              backend_.vm_unmap(device_, addr, page);  // the page must not stay mapped unknown to us
+            } catch (...) {
+              seg.pages[i] = h;  // still mapped: keep it on the books (a free mapped page)
+              seg.mapped_bytes += page;
+              reserved_bytes_ += page;
+              device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+              if (fresh) ++stats_.num_device_alloc;
+              ++i;
+              throw;
+            }
+          }
           if (fresh) {
             backend_.vm_release_handle(device_, h);
           } else {
@@ -1073,6 +1102,8 @@ void device_state::free(block* b) {
 void device_state::free_uncached(block* b, stream_state& ss) {
   std::lock_guard device_lock(device_mutex_);
   backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_free(b->ptr, b->size, b->stream);
   stats_sink sink(*this, ss);
   device_stats& st = sink.get();
   const stat_group g = group_of(b->pool);
@@ -1541,6 +1572,9 @@ void device_caching_allocator::enable_peer_access(int peer) {
     throw invalid_argument_error("ccalloc: enable_peer_access: peer device " + std::to_string(peer) +
                                  " is not another device of the backend (device " + std::to_string(device_) +
                                  ", devices [0, " + std::to_string(s.backend_.device_count()) + "))");
+  if (!s.backend_.can_access_peer(peer, device_))
+    throw backend_error("ccalloc: enable_peer_access: device " + std::to_string(peer) + " cannot access device " +
+                        std::to_string(device_) + " on the '" + s.backend_.name() + "' backend (no peer-to-peer path)");
   world_lock w(s);
   if (std::find(s.peers_.begin(), s.peers_.end(), peer) != s.peers_.end()) return;
   for (auto& [base, seg] : s.segments_) {

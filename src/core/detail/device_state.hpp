@@ -358,6 +358,7 @@ class device_state {
   std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
   std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
   std::uint64_t next_segment_seq_ = 0;
+  bool no_address_space_ = false;   // the last expandable attempt found no address space [world]
   // Blocks whose completed events process_events took but has not yet
   // returned to their pools (it drops the device lock in between). The OOM
   // path waits for them (X7).
