@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -81,8 +82,9 @@ struct sim_backend::impl {
   struct handle_state {
     int device = 0;
     std::size_t size_bytes = 0;
-    std::size_t offset = 0;  // in the device's memory file
+    std::size_t offset = 0;  // in the device's memory file, or in `fd`'s file when imported
     std::uint64_t map_count = 0;
+    int fd = -1;  // imported (vm_import_handle): this process's own descriptor of the exporter's file
   };
   struct event {
     int device = 0;
@@ -242,6 +244,8 @@ sim_backend::sim_backend(sim_options options) {
 sim_backend::~sim_backend() {
   // Mappings lie inside reservations: unmapping the reservations removes them.
   for (auto& [base, r] : impl_->reservations) ::munmap(reinterpret_cast<void*>(base), r.size_bytes);
+  for (auto& [id, h] : impl_->handles)
+    if (h.fd >= 0) ::close(h.fd);
   for (auto& d : impl_->devices) {
     for (auto& [ptr, bytes] : d.segments) ::munmap(ptr, bytes);
     if (d.memfd >= 0) ::close(d.memfd);  // frees the handles' memory
@@ -389,6 +393,7 @@ backend_capabilities sim_backend::capabilities() const {
   c.virtual_memory = impl_->vm_supported;
   c.peer_access = impl_->options.peer_access;
   c.gates = true;
+  c.ipc_vm = impl_->vm_supported;
   return c;
 }
 
@@ -523,6 +528,13 @@ void sim_backend::vm_release_handle(int device, physical_handle_t handle) {
     throw backend_error(call + "): the handle is still mapped " + std::to_string(h.map_count) +
                         " time(s), the first at " + pointer_text(m->first) + " (vm_unmap it first)");
   }
+  if (h.fd >= 0) {  // imported: the memory is the exporter's; only our descriptor goes
+    ::close(h.fd);
+    --impl_->counters.live_handles;
+    ++impl_->counters.vm_release_handles;
+    impl_->handles.erase(it);
+    return;
+  }
   // Give the pages back now; the range stays in the file for reuse.
   if (::fallocate(d.memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(h.offset),
                   static_cast<off_t>(h.size_bytes)) != 0)
@@ -567,7 +579,8 @@ void sim_backend::vm_map(int device, void* addr, std::size_t size_bytes, physica
   }
   if (impl_->fail_vm_map_countdown && --impl_->fail_vm_map_countdown == 0)
     throw backend_error(call + "): injected failure");
-  if (::mmap(addr, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, d.memfd,
+  const int file = h->second.fd >= 0 ? h->second.fd : d.memfd;
+  if (::mmap(addr, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, file,
              static_cast<off_t>(h->second.offset)) == MAP_FAILED) {
     const int err = errno;
     // A failed MAP_FIXED mmap may have removed the placeholder: put it back.
@@ -615,6 +628,83 @@ void sim_backend::vm_set_access(int device, void* addr, std::size_t size_bytes, 
     auto& peers = it->second.peers;
     if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);
   }
+}
+
+// --- inter-process sharing --------------------------------------------------------------
+
+shareable_handle sim_backend::vm_export_handle(int device, physical_handle_t handle) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_export_handle");
+  const std::string call =
+      "sim: vm_export_handle(device " + std::to_string(device) + ", handle " + std::to_string(handle);
+  auto it = impl_->handles.find(handle);
+  if (it == impl_->handles.end())
+    throw backend_error(call + "): unknown handle (never created or already released)");
+  const impl::handle_state& h = it->second;
+  if (h.device != device) throw backend_error(call + "): the handle belongs to device " + std::to_string(h.device));
+  const int fd = ::fcntl(h.fd >= 0 ? h.fd : d.memfd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) throw backend_error(call + "): " + errno_text("fcntl(F_DUPFD_CLOEXEC)", errno));
+  ++impl_->counters.vm_exports;
+  return shareable_handle{fd, h.offset, h.size_bytes};
+}
+
+physical_handle_t sim_backend::vm_import_handle(int device, const shareable_handle& shared) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_import_handle");
+  const std::string call = "sim: vm_import_handle(device " + std::to_string(device) + ", fd " +
+                           std::to_string(shared.fd) + ", offset " + std::to_string(shared.offset_bytes) + ", " +
+                           std::to_string(shared.size_bytes) + " bytes";
+  impl_->check_granular(call, 0, shared.size_bytes);
+  if (shared.offset_bytes % impl_->options.granularity_bytes != 0)
+    throw backend_error(call + "): offset is not a multiple of the granularity");
+  struct stat st {};
+  if (shared.fd < 0 || ::fstat(shared.fd, &st) != 0)
+    throw backend_error(call + "): not an open file descriptor");
+  if (!S_ISREG(st.st_mode)) throw backend_error(call + "): the descriptor is not a memory file");
+  const auto file_bytes = static_cast<std::uint64_t>(st.st_size);
+  if (shared.offset_bytes > file_bytes || shared.size_bytes > file_bytes - shared.offset_bytes)
+    throw backend_error(call + "): the range passes the end of the file (" + std::to_string(file_bytes) +
+                        " bytes; was the memory released?)");
+  const int fd = ::fcntl(shared.fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) throw backend_error(call + "): " + errno_text("fcntl(F_DUPFD_CLOEXEC)", errno));
+  const physical_handle_t id = impl_->next_handle++;
+  impl_->handles.emplace(id, impl::handle_state{device, shared.size_bytes, shared.offset_bytes, 0, fd});
+  ++impl_->counters.vm_imports;
+  ++impl_->counters.live_handles;
+  return id;
+}
+
+// --- copies ------------------------------------------------------------------------------
+
+void sim_backend::memcpy_async(int device, void* dst, const void* src, std::size_t size_bytes, stream_t) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->dev(device);
+    ++impl_->counters.memcpy_async_calls;
+  }
+  if (size_bytes > 0) std::memmove(dst, src, size_bytes);
+}
+
+void sim_backend::memcpy_peer_async(void* dst, int dst_device, const void* src, int src_device,
+                                    std::size_t size_bytes, stream_t) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->dev(dst_device);
+    impl_->dev(src_device);
+    ++impl_->counters.memcpy_peer_async_calls;
+  }
+  if (size_bytes > 0) std::memmove(dst, src, size_bytes);
+}
+
+void sim_backend::copy_data(int device, void* dst, const void* src, std::size_t size_bytes) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->dev(device);
+    ++impl_->counters.copy_data_calls;
+  }
+  if (size_bytes > 0) std::memmove(dst, src, size_bytes);
 }
 
 // --- peers ----------------------------------------------------------------------------
