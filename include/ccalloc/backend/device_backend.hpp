@@ -104,19 +104,19 @@ class device_backend {
 
   /// Creates a stream on `device` (cudaStreamCreateWithFlags, non-blocking).
   [[nodiscard]] virtual stream_t create_stream(int device) = 0;
-  virtual void destroy_stream(int device, stream_t stream);
+  virtual void destroy_stream(int device, stream_t stream) = 0;
   /// Creates an event on `device` with timing disabled (cudaEventDisableTiming).
   [[nodiscard]] virtual event_t create_event(int device) = 0;
   virtual void destroy_event(int device, event_t event) = 0;
   /// Records `event` on `stream`: it completes when the work queued on
   /// `stream` before this call has completed (cudaEventRecord).
-  virtual void record_event(int device, event_t event, stream_t stream);
+  virtual void record_event(int device, event_t event, stream_t stream) = 0;
   /// True when `event` has completed (cudaEventQuery), never blocks.
   [[nodiscard]] virtual bool query_event(int device, event_t event) = 0;
   /// Blocks until `event` has completed (cudaEventSynchronize).
   virtual void synchronize_event(int device, event_t event) = 0;
   /// Blocks until all work on `stream` has completed (cudaStreamSynchronize).
-  virtual void synchronize_stream(int device, stream_t stream);
+  virtual void synchronize_stream(int device, stream_t stream) = 0;
   /// Blocks until all work on `device` has completed (cudaDeviceSynchronize).
   virtual void synchronize_device(int device) = 0;
 
