@@ -8,6 +8,7 @@
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/frontend/ipc_handle.hpp>
+#include <ccalloc/frontend/ipc_socket.hpp>
 
 #include <gtest/gtest.h>
 
@@ -306,57 +307,19 @@ TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
   alloc->free(p);
 }
 
-// Sends `bytes` and `fds` over a Unix socket (SCM_RIGHTS).
-bool send_handle(int sock, const std::string& bytes, const std::vector<int>& fds) {
-  const std::uint32_t n = static_cast<std::uint32_t>(bytes.size());
-  std::string msg(reinterpret_cast<const char*>(&n), sizeof n);
-  msg += bytes;
-  iovec iov{msg.data(), msg.size()};
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  m.msg_control = control.data();
-  m.msg_controllen = control.size();
-  cmsghdr* c = CMSG_FIRSTHDR(&m);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-  std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-  return ::sendmsg(sock, &m, 0) == static_cast<ssize_t>(msg.size());
-}
-
-bool receive_handle(int sock, std::string* bytes, std::vector<int>* fds) {
-  std::vector<char> buf(4096);
-  iovec iov{buf.data(), buf.size()};
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * 64));
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  m.msg_control = control.data();
-  m.msg_controllen = control.size();
-  const ssize_t got = ::recvmsg(sock, &m, 0);
-  if (got < 4) return false;
-  std::uint32_t n = 0;
-  std::memcpy(&n, buf.data(), sizeof n);
-  if (static_cast<std::size_t>(got) != 4 + n) return false;
-  bytes->assign(buf.data() + 4, n);
-  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    fds->resize(count);
-    std::memcpy(fds->data(), CMSG_DATA(c), count * sizeof(int));
-  }
-  return true;
-}
-
 // The child: its own device and allocator; receives the handle, opens it
 // twice (one mapping), checks the parent's bytes, writes its answer, closes.
 // Returns the exit code: 0 when every check passed.
 int consumer(int sock) {
   std::string bytes;
   std::vector<int> fds;
-  if (!receive_handle(sock, &bytes, &fds)) return 10;
+  try {
+    ipc_export got = receive_ipc_handle(sock);
+    bytes = std::move(got.handle);
+    fds = std::move(got.fds);
+  } catch (const std::exception&) {
+    return 10;
+  }
   auto sim = std::make_shared<sim_backend>();
   caching_allocator alloc(sim, allocator_config::parse(""));
   alloc.init(1);
@@ -389,7 +352,7 @@ TEST_F(IpcTest, SecondProcessReadsTheBytesThroughDescriptorsFromASocket) {
   // Exported after the fork: the child can see the descriptors only through the socket.
   ipc_export ex = alloc->share_ipc_handle(p);
   EXPECT_EQ(ex.fds.size(), 4u);
-  EXPECT_TRUE(send_handle(sv[0], ex.handle, ex.fds));
+  send_ipc_handle(sv[0], ex);
   close_all(ex.fds);
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
@@ -398,6 +361,22 @@ TEST_F(IpcTest, SecondProcessReadsTheBytesThroughDescriptorsFromASocket) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "consumer exit codes: 10 receive, 11 cache, 12 bytes, 13 close";
   EXPECT_EQ(bytes[0], 0xc7) << "the child's write is in the parent's block";
   alloc->free(p);
+}
+
+TEST(IpcSocket, ReportsAClosedPeerAndOversizedHandles) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv), 0);
+  ::close(sv[1]);
+  try {
+    (void)receive_ipc_handle(sv[0]);
+    ADD_FAILURE() << "received from a closed peer";
+  } catch (const backend_error& e) {
+    EXPECT_STREQ(e.what(), "ccalloc: receive_ipc_handle: the peer closed the socket");
+  }
+  ipc_export big;
+  big.handle.assign(65 * 1024, 'x');
+  EXPECT_THROW(send_ipc_handle(sv[0], big), invalid_argument_error);
+  ::close(sv[0]);
 }
 
 // --- copies and several devices ----------------------------------------------------------
