@@ -7,8 +7,11 @@ if(CCALLOC_BUILD_FUZZERS)
   if(COMMAND ccalloc_add_fuzzer)
     ccalloc_add_fuzzer(ipc_handle LIBS ccalloc_ipc_handle)
   else()
-    add_executable(fuzz_ipc_handle ${CMAKE_CURRENT_LIST_DIR}/fuzz_ipc_handle.cpp)
-    target_link_libraries(fuzz_ipc_handle PRIVATE ccalloc_ipc_handle ccalloc_warnings)
+    # The parser's source is compiled into the target, so that it too is
+    # instrumented for coverage (the library ccalloc_ipc_handle is not).
+    add_executable(fuzz_ipc_handle ${CMAKE_CURRENT_LIST_DIR}/fuzz_ipc_handle.cpp
+                   ${PROJECT_SOURCE_DIR}/src/frontend/ipc_handle.cpp)
+    target_link_libraries(fuzz_ipc_handle PRIVATE ccalloc_base ccalloc_warnings)
     target_compile_options(fuzz_ipc_handle PRIVATE -fsanitize=fuzzer,address,undefined)
     target_link_options(fuzz_ipc_handle PRIVATE -fsanitize=fuzzer,address,undefined)
     add_test(NAME fuzz_ipc_handle_corpus

@@ -190,7 +190,15 @@ class caching_allocator {
   /// (the parser's message), a device not initialized here, or a wrong number
   /// of descriptors; backend_error when the backend refuses (bad descriptor,
   /// a freed segment where the backend notices). Nothing stays open after an
-  /// exception. Thread-safe.
+  /// exception. Thread-safe. Peers granted on the handle's device with
+  /// enable_peer_access before the open may access an expandable mapping
+  /// (cuMemSetAccess); later grants do not reach mappings already open, and
+  /// plain mappings rely on cudaIpcMemLazyEnablePeerAccess. The cache key is
+  /// the producer's process id, device, segment and (expandable) page range
+  /// and file offsets: close a handle before its producer frees the block,
+  /// else a later handle of new memory at the same place (same key) would
+  /// get the stale cached mapping (PyTorch's cache, keyed by the handle,
+  /// has the same rule).
   [[nodiscard]] void* open_ipc_handle(std::string_view handle, std::span<const int> fds = {});
   /// Drops one reference to an opened handle; `ptr` is a pointer that
   /// open_ipc_handle returned. The mapping closes (cudaIpcCloseMemHandle, or
