@@ -136,7 +136,7 @@ TEST(IpcHandle, SeedCorpusParsesAsExpected) {
 TEST(SimIpc, ExportImportSharesBytesAndChecksTheDescriptor) {
   sim_backend sim;
   EXPECT_TRUE(sim.capabilities().ipc_vm);
-  EXPECT_FALSE(sim.capabilities().ipc);
+  EXPECT_TRUE(sim.capabilities().ipc);
   physical_handle_t h = 0;
   ASSERT_TRUE(sim.vm_create(0, page, &h));
   void* a = sim.vm_reserve(0, page);
@@ -254,21 +254,29 @@ TEST_F(IpcTest, ExpandableBlockRoundTripsAndIsCached) {
   alloc->device_allocator(0).check_invariants();
 }
 
-TEST_F(IpcTest, PlainSegmentsAreNotSharedOnTheSimulatedDevice) {
+TEST_F(IpcTest, PlainSegmentIsSharedInPlaceAndNotOpenedByItsOwnProcess) {
   make("expandable_segments:False");
-  void* p = alloc->malloc(0, MiB, 0);
+  auto* p = static_cast<unsigned char*>(alloc->malloc(0, MiB, 0));
+  p[12345] = 0x9d;
+  ipc_export ex = alloc->share_ipc_handle(p);
+  EXPECT_TRUE(ex.fds.empty());
+  const ipc_handle h = parse_ipc_handle(ex.handle);
+  EXPECT_EQ(h.kind, ipc_kind::plain);
+  EXPECT_EQ(h.segment_bytes, 2 * MiB) << "the small pool's 2 MiB segment";
+  EXPECT_EQ(h.offset_bytes, 0u);
+  EXPECT_EQ(h.size_bytes, MiB);
+  EXPECT_EQ(p[12345], 0x9d) << "moved into a memory file with its bytes";
+  p[1] = 0x01;
+  EXPECT_EQ(alloc->share_ipc_handle(p).handle, ex.handle) << "exported once";
   try {
-    (void)alloc->share_ipc_handle(p);
-    ADD_FAILURE() << "shared a plain segment on the sim";
+    (void)alloc->open_ipc_handle(ex.handle);
+    ADD_FAILURE() << "opened its own export";
   } catch (const backend_error& e) {
-    EXPECT_NE(std::string(e.what()).find("plain segment"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("expandable_segments:True"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("comes from this process"), std::string::npos) << e.what();
   }
-  // A plain handle is rejected by the backend when opened, and nothing stays open.
-  EXPECT_THROW((void)alloc->open_ipc_handle(encode_ipc_handle(plain_handle()).replace(12, 4, 4, '\0')),
-               backend_error);
   EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
   alloc->free(p);
+  alloc->device_allocator(0).check_invariants();
 }
 
 TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
@@ -308,7 +316,10 @@ TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
 }
 
 // The child: its own device and allocator; receives the handle, opens it
-// twice (one mapping), checks the parent's bytes, writes its answer, closes.
+// twice (one mapping), checks the parent's bytes, writes its answer, closes
+// (plain segments: the simulated cudaIpcMemHandle_t names the parent's
+// memory file, opened through /proc; expandable: the descriptors came over
+// the socket).
 // Returns the exit code: 0 when every check passed.
 int consumer(int sock) {
   std::string bytes;
@@ -336,7 +347,10 @@ int consumer(int sock) {
   return 0;
 }
 
-TEST_F(IpcTest, SecondProcessReadsTheBytesThroughDescriptorsFromASocket) {
+class IpcForkTest : public IpcTest, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(IpcForkTest, SecondProcessReadsTheBytesAndAnswers) {
+  make(GetParam());
   void* p = alloc->malloc(0, 7 * MiB, 0);
   auto* bytes = static_cast<unsigned char*>(p);
   for (std::size_t i = 0; i < 7 * MiB; i += 4096) bytes[i] = static_cast<unsigned char>(i / 4096);
@@ -351,7 +365,9 @@ TEST_F(IpcTest, SecondProcessReadsTheBytesThroughDescriptorsFromASocket) {
   ::close(sv[1]);
   // Exported after the fork: the child can see the descriptors only through the socket.
   ipc_export ex = alloc->share_ipc_handle(p);
-  EXPECT_EQ(ex.fds.size(), 4u);
+  const bool expandable = parse_ipc_handle(ex.handle).kind == ipc_kind::expandable;
+  EXPECT_EQ(expandable, alloc->config().expandable_segments);
+  EXPECT_EQ(ex.fds.size(), expandable ? 4u : 0u);
   send_ipc_handle(sv[0], ex);
   close_all(ex.fds);
   int status = 0;
@@ -362,6 +378,9 @@ TEST_F(IpcTest, SecondProcessReadsTheBytesThroughDescriptorsFromASocket) {
   EXPECT_EQ(bytes[0], 0xc7) << "the child's write is in the parent's block";
   alloc->free(p);
 }
+
+INSTANTIATE_TEST_SUITE_P(BothKinds, IpcForkTest,
+                         ::testing::Values("expandable_segments:True", "expandable_segments:False"));
 
 TEST(IpcSocket, ReportsAClosedPeerAndOversizedHandles) {
   int sv[2];

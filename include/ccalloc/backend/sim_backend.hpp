@@ -159,9 +159,7 @@ class sim_backend final : public device_backend {
   /// gates: true; virtual_memory: true when granularity_bytes is a multiple
   /// of the host page size; peer_access: sim_options::peer_access (also with
   /// one device: the functions work, can_access_peer just says false); ipc:
-  /// false (plain segments are private anonymous mappings, which another
-  /// process cannot map: share expandable segments); ipc_vm: as
-  /// virtual_memory.
+  /// true; ipc_vm: as virtual_memory.
   [[nodiscard]] backend_capabilities capabilities() const override;
   [[nodiscard]] int device_count() const override;
   [[nodiscard]] int current_device() const override;
@@ -217,9 +215,17 @@ class sim_backend final : public device_backend {
   /// The grant ends with the mapping (a new mapping grants `device` only).
   void vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) override;
 
-  // --- inter-process sharing (expandable segments only; see capabilities) -----
+  // --- inter-process sharing ---------------------------------------------------
   //
-  // A handle is a range of the device's memory file, so an export is a
+  // Plain segments: ipc_export_segment moves the segment into a memory file
+  // in place (same address, same bytes; it then costs RAM for all its bytes)
+  // and returns a handle naming this process and the file's descriptor;
+  // ipc_open_segment in another process opens /proc/<pid>/fd/<fd> (the
+  // producer must still run and hold the segment; same user) and maps it.
+  // Like CUDA, a process cannot open its own export. Freeing the segment
+  // closes the producer's descriptor; openers keep their mapping.
+  //
+  // Expandable pages: a handle is a range of the device's memory file, so an export is a
   // duplicate of that file's descriptor plus the range's offset; another
   // process (fork, or one that received the fd over a Unix socket) imports
   // it and maps it MAP_SHARED: both see the same bytes. Differences from
@@ -227,6 +233,10 @@ class sim_backend final : public device_backend {
   // the exporter punches the range out, the importer then reads zeros, and a
   // later vm_create may reuse the range); imported handles draw on no
   // capacity. vm_release_handle of an imported handle closes its descriptor.
+
+  [[nodiscard]] ipc_mem_handle ipc_export_segment(int device, void* base) override;
+  [[nodiscard]] void* ipc_open_segment(int device, const ipc_mem_handle& handle) override;
+  void ipc_close_segment(int device, void* ptr) override;
 
   /// A new descriptor (close-on-exec; the caller owns it) of `device`'s
   /// memory file and the handle's range in it.
