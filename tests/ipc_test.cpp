@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -381,6 +382,30 @@ TEST_P(IpcForkTest, SecondProcessReadsTheBytesAndAnswers) {
 
 INSTANTIATE_TEST_SUITE_P(BothKinds, IpcForkTest,
                          ::testing::Values("expandable_segments:True", "expandable_segments:False"));
+
+TEST(IpcSocket, CarriesMoreDescriptorsThanOneMessageHolds) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv), 0);
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  ipc_export ex;
+  ex.handle = std::string("abc\0def", 7);
+  ex.fds.assign(300, pipefd[1]);  // 300 > 253: two messages
+  std::thread sender([&] { send_ipc_handle(sv[0], ex); });
+  ipc_export got = receive_ipc_handle(sv[1]);
+  sender.join();
+  EXPECT_EQ(got.handle, ex.handle);
+  ASSERT_EQ(got.fds.size(), 300u);
+  ASSERT_EQ(::write(got.fds[299], "x", 1), 1) << "a working copy of the pipe's write end";
+  char c = 0;
+  EXPECT_EQ(::read(pipefd[0], &c, 1), 1);
+  EXPECT_EQ(c, 'x');
+  for (int fd : got.fds) ::close(fd);
+  ::close(pipefd[0]);
+  ::close(pipefd[1]);
+  ::close(sv[0]);
+  ::close(sv[1]);
+}
 
 TEST(IpcSocket, ReportsAClosedPeerAndOversizedHandles) {
   int sv[2];

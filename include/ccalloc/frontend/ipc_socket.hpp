@@ -2,13 +2,15 @@
 // descriptors to another process over a Unix socket (SPEC F25).
 //
 // What it is: the transport share_ipc_handle's result needs, since file
-// descriptors cannot travel as bytes: one message carries the handle's bytes
-// and, as SCM_RIGHTS ancillary data, the descriptors (the kernel installs
-// copies in the receiver). Use a connected AF_UNIX socket of type
-// SOCK_SEQPACKET (or SOCK_STREAM with nothing else in flight); one handle per
-// message. Handles up to 64 KiB and 253 descriptors (SCM_MAX_FD) per
-// message: an expandable handle of more pages than that must be split by the
-// caller (not needed for blocks below 506 MiB with 2 MiB pages).
+// descriptors cannot travel as bytes: the handle's bytes and, as SCM_RIGHTS
+// ancillary data, the descriptors (the kernel installs copies in the
+// receiver). One message carries at most 253 descriptors (SCM_MAX_FD), so an
+// expandable handle of more pages (a block over ~506 MiB with 2 MiB pages)
+// goes as one message plus continuation messages; the first message says how
+// many descriptors follow. Use a connected AF_UNIX socket of type
+// SOCK_SEQPACKET (message boundaries kept), one handle at a time per socket.
+// Handles up to 64 KiB. Each received descriptor counts against the
+// receiver's RLIMIT_NOFILE until closed.
 //
 // Thread safety: the functions touch only the socket; concurrent calls on
 // one socket interleave messages.
@@ -20,8 +22,8 @@ namespace ccalloc {
 
 /// Sends `ex` (handle bytes and descriptors) as one message on `socket`.
 /// The descriptors stay the caller's (close them after sending). Throws
-/// invalid_argument_error for a handle over 64 KiB or more than 253
-/// descriptors, backend_error naming errno's text when sendmsg fails.
+/// invalid_argument_error for a handle over 64 KiB, backend_error naming
+/// errno's text when sendmsg fails.
 void send_ipc_handle(int socket, const ipc_export& ex);
 
 /// Receives one message sent by send_ipc_handle on `socket` (blocks until it
