@@ -380,6 +380,33 @@ TEST_P(IpcForkTest, SecondProcessReadsTheBytesAndAnswers) {
   alloc->free(p);
 }
 
+TEST_F(IpcTest, HandleOfAFreedPlainSegmentIsRejected) {
+  make("expandable_segments:False");
+  void* p = alloc->malloc(0, MiB, 0);
+  const ipc_export ex = alloc->share_ipc_handle(p);
+  alloc->free(p);
+  alloc->empty_cache();  // the segment goes back to the device: its memory file closes
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto sim2 = std::make_shared<sim_backend>();
+    caching_allocator other(sim2, allocator_config::parse(""));
+    other.init(1);
+    try {
+      (void)other.open_ipc_handle(ex.handle);
+    } catch (const backend_error& e) {
+      ::_exit(std::string(e.what()).find("freed the segment") != std::string::npos ? 0 : 2);
+    } catch (...) {
+      ::_exit(3);
+    }
+    ::_exit(1);  // opened
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: opened a freed segment, 2: another message, 3: another exception";
+}
+
 INSTANTIATE_TEST_SUITE_P(BothKinds, IpcForkTest,
                          ::testing::Values("expandable_segments:True", "expandable_segments:False"));
 
