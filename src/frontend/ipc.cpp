@@ -50,7 +50,10 @@ void ipc_cache::close(const entry& e, bool quiet) {
       return;
     }
     void* base = reinterpret_cast<void*>(e.base);
-    if (!e.imported.empty()) backend.vm_unmap(e.device, base, e.imported.size() * e.page_bytes);
+    // Page by page, as mapped (cuMemUnmap of a range spanning several
+    // mappings is not promised by every driver).
+    for (std::size_t i = 0; i < e.imported.size(); ++i)
+      backend.vm_unmap(e.device, reinterpret_cast<void*>(e.base + i * e.page_bytes), e.page_bytes);
     for (physical_handle_t h : e.imported) backend.vm_release_handle(e.device, h);
     backend.vm_release(e.device, base, e.bytes);
   } catch (...) {
@@ -154,7 +157,8 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
         }
         // Peers granted on this device see the mapping too (F26).
         for (int peer : devices_[static_cast<std::size_t>(h.device)]->peers())
-          backend_->vm_set_access(h.device, base, e.bytes, peer);
+          for (std::size_t i = 0; i < e.imported.size(); ++i)
+            backend_->vm_set_access(h.device, reinterpret_cast<void*>(e.base + i * h.page_bytes), h.page_bytes, peer);
       } catch (...) {
         // Unmap page by page: the mapped prefix may be empty.
         for (std::size_t i = 0; i < e.imported.size(); ++i) {
