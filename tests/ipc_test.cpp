@@ -280,6 +280,19 @@ TEST_F(IpcTest, PlainSegmentIsSharedInPlaceAndNotOpenedByItsOwnProcess) {
   alloc->device_allocator(0).check_invariants();
 }
 
+TEST_F(IpcTest, OpenedExpandableMappingGrantsThePeersOfItsDevice) {
+  make("", 2);
+  alloc->enable_peer_access(1, 0);  // device 1 may access device 0's memory
+  void* p = alloc->malloc(0, 3 * MiB, 0);
+  ipc_export ex = alloc->share_ipc_handle(p);
+  void* q = alloc->open_ipc_handle(ex.handle, ex.fds);
+  close_all(ex.fds);
+  EXPECT_TRUE(sim->peer_can_access(0, q, 1));
+  EXPECT_TRUE(sim->peer_can_access(0, static_cast<char*>(q) + 2 * MiB, 1)) << "every page";
+  alloc->close_ipc_handle(q);
+  alloc->free(p);
+}
+
 TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
   void* p = alloc->malloc(0, 5 * MiB, 0);
   EXPECT_THROW((void)alloc->share_ipc_handle(static_cast<char*>(p) + 512), invalid_argument_error);
