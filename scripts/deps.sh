@@ -3,7 +3,11 @@
 # missing. The core library itself needs only the C++ standard library (and
 # CUDA for the CUDA backend).
 set -euo pipefail
-pkgs=(cmake ninja-build g++ zlib1g-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev python3 python3-pytest pkgconf)
+# chromium: the report test renders the HTML report headless (tests/report_render_test.py).
+# clang and libclang-rt-dev (the libFuzzer runtime, libclang_rt.fuzzer) build
+# the fuzzers; gcc's sanitizer runtimes come with g++.
+pkgs=(cmake ninja-build g++ zlib1g-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev python3
+      python3-pytest pkgconf chromium clang libclang-rt-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

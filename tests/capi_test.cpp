@@ -2,12 +2,17 @@
 // device: every function, its status codes and messages, and the PyTorch
 // entry points on the process-wide allocator (which is the simulated device on
 // a machine without a GPU, and the GPU otherwise; the checks below hold on
-// both). The policies behind the calls are tested in allocator_test.cpp; here
-// the expected figures come from the same rules (sizes round to 512 bytes,
-// requests of 1-10 MiB get a 20 MiB segment).
+// both). The policies behind the calls are tested in allocator_test.cpp and
+// expandable_test.cpp; here the expected figures come from the same rules:
+// sizes round to 512 bytes; in the default configuration (expandable
+// segments) each (stream, pool) has one address-space reservation as large as
+// the device, and reserved bytes are the 2 MiB pages mapped in it; with plain
+// segments (ccalloc::pytorch_policies, as PyTorch) requests of at most 1 MiB
+// get a 2 MiB segment and requests of 1-10 MiB a 20 MiB one.
 #include <ccalloc/ccalloc.h>
 
 #include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/config.hpp>
 #include <ccalloc/core/stats.hpp>
 
 #include <gtest/gtest.h>
@@ -23,6 +28,9 @@
 namespace {
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
+/// The page size of expandable segments: the simulated device's granularity
+/// (CUDA's on the GPUs ccalloc targets, the H200 among them).
+constexpr std::size_t page_bytes = 2 * MiB;
 
 std::string pointer_text(const void* p) {
   char buf[32];
@@ -60,6 +68,25 @@ void* must_malloc(ccalloc_allocator_t* a, std::size_t bytes, ccalloc_stream_t st
   void* p = nullptr;
   EXPECT_EQ(ccalloc_malloc(a, device, bytes, stream, &p), CCALLOC_OK) << ccalloc_last_error();
   return p;
+}
+
+/// Size in bytes of an expandable segment's reservation on `device`: the
+/// device's total memory rounded up to whole pages.
+std::size_t reservation_bytes(ccalloc_allocator_t* a, int device = 0) {
+  std::size_t free_bytes = 0, total_bytes = 0;
+  EXPECT_EQ(ccalloc_mem_get_info(a, device, &free_bytes, &total_bytes), CCALLOC_OK) << ccalloc_last_error();
+  return (total_bytes + page_bytes - 1) / page_bytes * page_bytes;
+}
+
+/// Whether the process-wide allocator uses expandable segments: the default
+/// (the simulated device has virtual memory, and so do the GPUs ccalloc
+/// targets) unless CCALLOC_CONF sets expandable_segments:False.
+bool process_wide_expandable() {
+  std::size_t length = 0;
+  EXPECT_EQ(ccalloc_get_config(nullptr, nullptr, 0, &length), CCALLOC_OK) << ccalloc_last_error();
+  std::string text(length, '?');
+  EXPECT_EQ(ccalloc_get_config(nullptr, text.data(), length + 1, &length), CCALLOC_OK) << ccalloc_last_error();
+  return text.find("expandable_segments:False") == std::string::npos;
 }
 
 TEST(CApi, IdentityAndStatusNames) {
@@ -119,7 +146,7 @@ TEST(CApi, CreateInitAndDescribe) {
   EXPECT_EQ(stat(a, "allocated_bytes.all.current", 1), 4096);
   EXPECT_EQ(stat(a, "allocated_bytes.all.current", 0), 0);
   EXPECT_EQ(ccalloc_mem_get_info(a, 1, &free_bytes, &total_bytes), CCALLOC_OK);
-  EXPECT_EQ(free_bytes, 254 * MiB) << "one 2 MiB small-pool segment";
+  EXPECT_EQ(free_bytes, 254 * MiB) << "one 2 MiB page of the small pool's reservation";
   ccalloc_destroy(a);  // with a live pointer: its memory goes back with the backend
   ccalloc_destroy(nullptr);  // no-op
 }
@@ -156,18 +183,21 @@ TEST(CApi, CreateRejectsBadOptions) {
 }
 
 TEST(CApi, MallocDeleteAndStatisticsByPyTorchNames) {
-  sim_allocator a;
-  // 1 MiB + 1 byte: rounds to 1 MiB + 512, large pool, one 20 MiB segment.
+  sim_allocator a;  // the default configuration: expandable segments
+  // 1 MiB + 1 byte: rounds to 1 MiB + 512, large pool. The large pool's
+  // reservation for the default stream is made, and one 2 MiB page of it is
+  // mapped: that page is all that is reserved.
   void* p = must_malloc(a, MiB + 1);
   ASSERT_NE(p, nullptr);
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 512, 0u);
   EXPECT_EQ(stat(a, "allocated_bytes.all.current"), static_cast<std::int64_t>(MiB + 512));
   EXPECT_EQ(stat(a, "allocated_bytes.large_pool.current"), static_cast<std::int64_t>(MiB + 512));
   EXPECT_EQ(stat(a, "requested_bytes.all.current"), static_cast<std::int64_t>(MiB + 1));
-  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(20 * MiB));
-  EXPECT_EQ(stat(a, "segment.large_pool.current"), 1);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(page_bytes)) << "one page mapped";
+  EXPECT_EQ(stat(a, "segment.large_pool.current"), 1) << "one reservation";
+  EXPECT_EQ(stat(a, "segment.small_pool.current"), 0);
   EXPECT_EQ(stat(a, "allocation.all.current"), 1);
-  EXPECT_EQ(stat(a, "num_device_alloc"), 1);
+  EXPECT_EQ(stat(a, "num_device_alloc"), 1) << "one physical page";
   EXPECT_EQ(stat(a, "max_split_size"), -1);
 
   // All statistics at once, in ccalloc_stat_name order.
@@ -183,7 +213,7 @@ TEST(CApi, MallocDeleteAndStatisticsByPyTorchNames) {
     EXPECT_NE(it, names.end()) << key;
     return it == names.end() ? -1 : values[static_cast<std::size_t>(it - names.begin())];
   };
-  EXPECT_EQ(at("reserved_bytes.all.peak"), static_cast<std::int64_t>(20 * MiB));
+  EXPECT_EQ(at("reserved_bytes.all.peak"), static_cast<std::int64_t>(page_bytes));
   EXPECT_EQ(at("allocated_bytes.all.allocated"), static_cast<std::int64_t>(MiB + 512));
   EXPECT_EQ(at("num_ooms"), 0);
   EXPECT_EQ(ccalloc_stat_name(n), nullptr);
@@ -195,16 +225,31 @@ TEST(CApi, MallocDeleteAndStatisticsByPyTorchNames) {
   EXPECT_EQ(v, 7);
   EXPECT_EQ(ccalloc_get_device_stat(a, 1, "num_ooms", &v), CCALLOC_ERROR_INVALID_ARGUMENT);
 
-  // Free: the block is cached, the segment stays reserved until empty_cache.
+  // Free: the block is cached, its page stays mapped until empty_cache.
   ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK) << ccalloc_last_error();
   EXPECT_EQ(stat(a, "allocated_bytes.all.current"), 0);
-  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(20 * MiB));
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(page_bytes));
   std::size_t largest = 0;
   EXPECT_EQ(ccalloc_cache_info(a, 0, &largest), CCALLOC_OK);
-  EXPECT_EQ(largest, 20 * MiB);
+  EXPECT_EQ(largest, page_bytes) << "the whole mapped page is free";
+
+  // 12 MiB grows the same reservation: the cached page plus 5 new ones, so
+  // 12 MiB reserved (plain segments would keep the whole 20 MiB segment).
+  void* q = must_malloc(a, 12 * MiB);
+  EXPECT_EQ(q, p) << "from the reservation's start, where the mapped page is";
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(12 * MiB));
+  EXPECT_EQ(stat(a, "num_device_alloc"), 6);
+  EXPECT_EQ(stat(a, "segment.large_pool.current"), 1) << "still one reservation";
+  EXPECT_EQ(ccalloc_cache_info(a, 0, &largest), CCALLOC_OK);
+  EXPECT_EQ(largest, 0u) << "every mapped byte is in use";
+  ASSERT_EQ(ccalloc_delete(a, q), CCALLOC_OK) << ccalloc_last_error();
+
+  // empty_cache unmaps the 6 pages and releases the reservation left empty.
   EXPECT_EQ(ccalloc_empty_cache(a), CCALLOC_OK);
   EXPECT_EQ(stat(a, "reserved_bytes.all.current"), 0);
-  EXPECT_EQ(stat(a, "num_device_free"), 1);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.peak"), static_cast<std::int64_t>(12 * MiB));
+  EXPECT_EQ(stat(a, "num_device_free"), 6);
+  EXPECT_EQ(stat(a, "segment.large_pool.current"), 0);
   EXPECT_EQ(ccalloc_cache_info(a, 0, &largest), CCALLOC_OK);
   EXPECT_EQ(largest, 0u);
 
@@ -213,6 +258,44 @@ TEST(CApi, MallocDeleteAndStatisticsByPyTorchNames) {
   EXPECT_EQ(ccalloc_malloc(a, 0, 0, nullptr, &z), CCALLOC_OK);
   EXPECT_EQ(z, nullptr);
   EXPECT_EQ(ccalloc_delete(a, nullptr), CCALLOC_OK);
+}
+
+TEST(CApi, PyTorchPoliciesGivePlainSegments) {
+  // ccalloc::pytorch_policies pins expandable_segments:False (among others):
+  // this test is about plain segments and their sizes, which follow PyTorch's
+  // allocator in its default configuration.
+  sim_allocator a(0, ccalloc::pytorch_policies);
+  // 1 MiB + 1 byte: large pool, one 20 MiB segment, one device malloc.
+  void* p = must_malloc(a, MiB + 1);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(20 * MiB));
+  EXPECT_EQ(stat(a, "segment.large_pool.current"), 1);
+  EXPECT_EQ(stat(a, "num_device_alloc"), 1);
+  // 2 MiB: split from the same segment; get_base_allocation gives the segment.
+  void* q = must_malloc(a, 2 * MiB);
+  void* base = nullptr;
+  std::size_t size = 0;
+  ASSERT_EQ(ccalloc_get_base_allocation(a, q, &base, &size), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(base, p) << "both in one 20 MiB segment, p first";
+  EXPECT_EQ(size, 20 * MiB);
+  EXPECT_EQ(stat(a, "num_device_alloc"), 1);
+  // 3000 bytes: small pool, its own 2 MiB segment.
+  void* r = must_malloc(a, 3000);
+  ASSERT_EQ(ccalloc_get_base_allocation(a, r, &base, &size), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(base, r);
+  EXPECT_EQ(size, 2 * MiB);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(22 * MiB));
+  EXPECT_EQ(stat(a, "segment.all.current"), 2);
+  EXPECT_EQ(stat(a, "num_device_alloc"), 2);
+  for (void* x : {p, q, r}) ASSERT_EQ(ccalloc_delete(a, x), CCALLOC_OK) << ccalloc_last_error();
+  // Cached whole: the largest free block is the 20 MiB segment.
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(22 * MiB));
+  std::size_t largest = 0;
+  EXPECT_EQ(ccalloc_cache_info(a, 0, &largest), CCALLOC_OK);
+  EXPECT_EQ(largest, 20 * MiB);
+  EXPECT_EQ(ccalloc_empty_cache(a), CCALLOC_OK);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), 0);
+  EXPECT_EQ(stat(a, "num_device_free"), 2);
+  EXPECT_EQ(stat(a, "segment.all.current"), 0);
 }
 
 TEST(CApi, BadPointersAreNamedAndChangeNothing) {
@@ -397,11 +480,15 @@ TEST(CApi, StreamsRecordStreamAndBaseAllocation) {
   EXPECT_NE(s, nullptr);
   void* p = must_malloc(a, 2 * MiB, s);
   void* q = must_malloc(a, 2 * MiB, s);
+  EXPECT_EQ(q, static_cast<char*>(p) + 2 * MiB) << "the next page of s's large-pool reservation";
+  // The base allocation of an expandable segment is its whole reservation
+  // (the simulated device's 141 GB rounded up to 2 MiB pages), p first.
   void* base = nullptr;
   std::size_t size = 0;
   ASSERT_EQ(ccalloc_get_base_allocation(a, q, &base, &size), CCALLOC_OK);
-  EXPECT_EQ(base, p) << "both in one 20 MiB segment, p first";
-  EXPECT_EQ(size, 20 * MiB);
+  EXPECT_EQ(base, p);
+  EXPECT_EQ(size, reservation_bytes(a));
+  EXPECT_EQ(size, std::size_t{67235} * page_bytes);
   // Used on the default stream too; the simulated stream has no work queued,
   // so the event completes at once and the block is reusable after the free.
   EXPECT_EQ(ccalloc_record_stream(a, p, nullptr), CCALLOC_OK);
@@ -414,6 +501,21 @@ TEST(CApi, StreamsRecordStreamAndBaseAllocation) {
   void* again = must_malloc(a, 2 * MiB, s);
   EXPECT_EQ(again, p) << "reused on its stream once the events completed";
   EXPECT_EQ(stat(a, "active.all.current"), 1);
+  // The default stream has a reservation of its own (one per stream and pool).
+  void* other = must_malloc(a, 2 * MiB);
+  ASSERT_EQ(ccalloc_get_base_allocation(a, other, &base, &size), CCALLOC_OK);
+  EXPECT_EQ(base, other);
+  EXPECT_NE(base, p);
+  EXPECT_EQ(size, reservation_bytes(a));
+  EXPECT_EQ(stat(a, "segment.large_pool.current"), 2);
+  // A new page would set a new peak of reserved bytes, so the free page of
+  // s's reservation (where q was) is unmapped there and mapped here instead
+  // (trim_on_new_peak, default True): no new physical page, none freed.
+  EXPECT_EQ(stat(a, "num_device_alloc"), 2);
+  EXPECT_EQ(stat(a, "num_device_free"), 0);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(4 * MiB));
+  EXPECT_EQ(stat(a, "reserved_bytes.all.peak"), static_cast<std::int64_t>(4 * MiB));
+  EXPECT_EQ(ccalloc_delete(a, other), CCALLOC_OK);
   EXPECT_EQ(ccalloc_delete(a, again), CCALLOC_OK);
   EXPECT_EQ(ccalloc_stream_destroy(a, 0, s), CCALLOC_OK);
 }
@@ -466,7 +568,12 @@ TEST(CApiPyTorch, AllocAndFreeOnTheProcessWideAllocator) {
   std::size_t torch_size = 0;
   EXPECT_EQ(ccalloc_torch_base_alloc(p, &torch_size), base);
   EXPECT_EQ(torch_size, size);
-  EXPECT_EQ(size, 2 * MiB) << "a small-pool segment";
+  EXPECT_LE(base, p);
+  EXPECT_LT(p, static_cast<char*>(base) + size);
+  if (process_wide_expandable())
+    EXPECT_EQ(size, reservation_bytes(nullptr)) << "the small pool's reservation";
+  else
+    EXPECT_EQ(size, 2 * MiB) << "a small-pool segment";
   ccalloc_torch_record_stream(p, nullptr);
   ccalloc_free(p, 3000, 0, nullptr);
   EXPECT_EQ(stat(nullptr, "allocation.all.current"), before);
@@ -497,7 +604,10 @@ TEST(CApiPyTorch, HooksThrowWhatPyTorchTurnsIntoRuntimeError) {
   EXPECT_THROW(ccalloc_torch_set_memory_fraction(1.5, 0), ccalloc::invalid_argument_error);
   EXPECT_THROW((void)ccalloc_torch_base_alloc(reinterpret_cast<void*>(0x1000), nullptr), ccalloc::invalid_argument_error);
 
-  void* p = ccalloc_torch_alloc(MiB + 1, 0, nullptr);  // large pool: a 20 MiB segment
+  // Large pool: one 2 MiB page of the large pool's reservation (expandable
+  // segments, the default), or a 20 MiB segment (plain segments).
+  const std::size_t cached = process_wide_expandable() ? page_bytes : 20 * MiB;
+  void* p = ccalloc_torch_alloc(MiB + 1, 0, nullptr);
   ASSERT_NE(p, nullptr);
   ccalloc_torch_free(p, MiB + 1, 0, nullptr);
   double f = 0;
@@ -505,13 +615,15 @@ TEST(CApiPyTorch, HooksThrowWhatPyTorchTurnsIntoRuntimeError) {
   EXPECT_EQ(ccalloc_get_memory_fraction(nullptr, 0, &f), CCALLOC_OK);
   EXPECT_EQ(f, 0.75);
   ccalloc_torch_set_memory_fraction(1.0, 0);
-  // p's 20 MiB segment is cached now; empty_cache returns it.
+  // p's page (or segment) is cached now; empty_cache returns it.
   std::size_t largest = 0;
   EXPECT_EQ(ccalloc_cache_info(nullptr, 0, &largest), CCALLOC_OK);
-  EXPECT_GE(largest, 20 * MiB);
+  EXPECT_GE(largest, cached);
   const std::int64_t frees = stat(nullptr, "num_device_free");
+  const std::int64_t reserved = stat(nullptr, "reserved_bytes.all.current");
   ccalloc_torch_empty_cache();
   EXPECT_GT(stat(nullptr, "num_device_free"), frees);
+  EXPECT_LE(stat(nullptr, "reserved_bytes.all.current"), reserved - static_cast<std::int64_t>(cached));
 }
 
 }  // namespace

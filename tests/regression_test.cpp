@@ -163,3 +163,28 @@ TEST(RegressionTest, NoCachingEnvironmentVariableAcceptsCommonBooleans) {
 }
 
 }  // namespace
+
+// Fuzzing (fuzz_config): an unknown key or a bad value was echoed in full in
+// the message, and an unknown key was compared with every known key by a
+// quadratic edit distance, so a megabyte key took seconds and made a
+// megabyte message. Both now stay small; the suggestion is unchanged.
+TEST(RegressionTest, HugeConfigKeysAndValuesGiveShortMessages) {
+  const std::string huge(1'000'000, 'x');
+  for (const std::string& text : {huge + ":1", "max_split_size_mb:" + huge, huge,
+                                  "roundup_power2_divisions:[" + huge + ":1]"}) {
+    try {
+      (void)allocator_config::parse(text);
+      FAIL() << "accepted " << text.size() << " bytes";
+    } catch (const ccalloc::config_error& e) {
+      const std::string what = e.what();
+      EXPECT_LT(what.size(), 1500u) << what.substr(0, 300);
+      EXPECT_NE(what.find("xxxxxxxxxx... (1000000 bytes)"), std::string::npos) << what.substr(0, 300);
+    }
+  }
+  try {
+    (void)allocator_config::parse("max_spilt_size_mb:128");
+    FAIL();
+  } catch (const ccalloc::config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("did you mean 'max_split_size_mb'?"), std::string::npos) << e.what();
+  }
+}

@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include "temp_file.hpp"
+
 #include <array>
 #include <cstdint>
 #include <filesystem>
@@ -39,26 +41,7 @@ std::string read_bytes(const std::string& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-/// A file in the temporary directory, removed when the object goes away.
-class temp_file {
- public:
-  temp_file(std::string_view name, std::string_view contents)
-      : path_(fs::temp_directory_path() /
-              ("ccalloc_trace_test_" + std::to_string(::getpid()) + "_" + std::string(name))) {
-    std::ofstream out(path_, std::ios::binary);
-    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
-  }
-  ~temp_file() {
-    std::error_code ec;
-    fs::remove(path_, ec);
-  }
-  temp_file(const temp_file&) = delete;
-  temp_file& operator=(const temp_file&) = delete;
-  [[nodiscard]] std::string path() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
+using ccalloc::testing::temp_file;
 
 /// What reading `contents` from a file named `name` throws.
 struct read_failure {

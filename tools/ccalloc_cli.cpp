@@ -2,7 +2,15 @@
 //
 //   ccalloc replay  [TRACE] [--config STR] [--device sim|cuda[:N]] [--device-memory BYTES] [--json]
 //   ccalloc compare [TRACE] --config A [--config B ...] [--device sim|cuda[:N]] [--device-memory BYTES] [--json]
+//   ccalloc report  [TRACE] [-o OUT.html] [--config STR] [--device-memory BYTES] [--points N] [--title T]
 //   ccalloc config-keys
+//
+// TRACE is ccalloc's trace format, an RMM logging_resource_adaptor CSV, or a
+// PyTorch snapshot pickle (converted with python3), told apart by content
+// (include/ccalloc/replay/trace.hpp). `replay --snapshot FILE.json` records
+// history during the replay and writes a snapshot after the last event, in
+// PyTorch's layout (python/ccalloc/snapshot.py turns it into a pickle).
+// On a terminal, replays that take a while show a progress bar on stderr.
 //
 // --device: where the replay runs (include/ccalloc/replay/replay.hpp):
 // "sim" (default), the simulated device of --device-memory bytes; "cuda" or
@@ -23,9 +31,14 @@
 // With --json, stdout holds exactly one JSON document; warnings go to stderr.
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
+#include <ccalloc/core/snapshot.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/replay/embedded.hpp>
 #include <ccalloc/replay/replay.hpp>
+#include <ccalloc/replay/report.hpp>
 #include <ccalloc/replay/trace.hpp>
+
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -168,6 +181,46 @@ std::uint64_t parse_byte_count(const std::string& text, std::string_view option)
   return bytes;
 }
 
+// ---- progress on stderr ----------------------------------------------------------
+
+/// A progress bar on stderr, drawn only when stderr is a terminal and the
+/// work has run for half a second (short replays print nothing). Redrawn at
+/// most every 1/10 s; erased by done() or the destructor.
+class progress_bar {
+ public:
+  explicit progress_bar(std::string label) : label_(std::move(label)), enabled_(::isatty(STDERR_FILENO) == 1) {}
+  ~progress_bar() { done(); }
+  progress_bar(const progress_bar&) = delete;
+  progress_bar& operator=(const progress_bar&) = delete;
+
+  void update(std::size_t done_count, std::size_t total, const std::string& stage = {}) {
+    if (!enabled_ || total == 0) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - start_ < std::chrono::milliseconds(500) || now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
+    constexpr int width = 30;
+    const double f = std::min(1.0, double(done_count) / double(total));
+    const int filled = static_cast<int>(f * width);
+    std::string bar = std::string(static_cast<std::size_t>(filled), '#') + std::string(width - filled, '.');
+    std::fprintf(stderr, "\r%s%s [%s] %3.0f%%  %s / %s events\x1b[K", label_.c_str(),
+                 stage.empty() ? "" : (" " + stage).c_str(), bar.c_str(), f * 100, with_commas(done_count).c_str(),
+                 with_commas(total).c_str());
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  void done() {
+    if (shown_) std::fprintf(stderr, "\r\x1b[K");
+    shown_ = false;
+  }
+
+ private:
+  std::string label_;
+  bool enabled_;
+  bool shown_ = false;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_{};
+};
+
 // ---- the trace and PyTorch's figures for it ------------------------------------
 
 /// PyTorch's native allocator's figures for a trace (native_peaks.json);
@@ -258,6 +311,7 @@ loaded_trace load_trace(const std::string& path) {
   } else {
     out.trace = ccalloc::read_trace_file(path);
     out.native = native_figures_beside(path);
+    for (const std::string& note : out.trace.notes) std::cerr << "ccalloc: note: " << path << ": " << note << "\n";
   }
   out.read_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -537,13 +591,32 @@ void print_min_memory(const min_memory_result& m) {
                 double(m.ccalloc_bytes) / double(m.native_expandable_bytes));
 }
 
-int run_replay(const common_options& common, const std::string& config, bool min_memory) {
-  const ccalloc::replay_options options = common.replay_options_for(config);
+int run_replay(const common_options& common, const std::string& config, bool min_memory,
+               const std::string& snapshot_path) {
+  ccalloc::replay_options options = common.replay_options_for(config);
   check_config(options.config);
   if (min_memory && options.device != ccalloc::replay_device::sim)
     throw usage_error("--min-memory works on the simulated device only (--device sim)");
   const loaded_trace input = load_trace(common.trace_path);
+  progress_bar progress("replaying");
+  const std::size_t total = input.trace.events.size();
+  std::string snapshot_json;
+  if (!snapshot_path.empty()) options.history.emplace();  // everything, no context
+  options.after_event = [&](std::size_t i, ccalloc::caching_allocator& allocator) {
+    if ((i & 4095) == 0) progress.update(i, total);
+    if (!snapshot_path.empty() && i + 1 == total) snapshot_json = ccalloc::to_json(allocator.snapshot());
+    return true;
+  };
   const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
+  progress.done();
+  if (!snapshot_path.empty()) {
+    std::ofstream out(snapshot_path, std::ios::binary);
+    out << snapshot_json;
+    if (!out.flush()) throw ccalloc::error("cannot write the snapshot to " + snapshot_path);
+    std::fprintf(stderr, "ccalloc: wrote the snapshot after the last event to %s (%s bytes of JSON; "
+                 "python3 python/ccalloc/snapshot.py %s -o SNAPSHOT.pickle makes PyTorch's pickle)\n",
+                 snapshot_path.c_str(), with_commas(snapshot_json.size()).c_str(), snapshot_path.c_str());
+  }
   std::optional<min_memory_result> min;
   if (min_memory) min = find_min_memory(input, options);
   if (common.json_output) {
@@ -563,6 +636,50 @@ int run_replay(const common_options& common, const std::string& config, bool min
                  "ccalloc: warning: %llu allocation(s) failed with out of memory and were skipped; the peaks "
                  "describe a different program than the one recorded\n",
                  static_cast<unsigned long long>(result.ooms));
+  return 0;
+}
+
+/// `ccalloc report`: the HTML page (include/ccalloc/replay/report.hpp).
+int run_report(const common_options& common, const std::string& config, const std::string& output_path,
+               std::size_t points, const std::string& title) {
+  const ccalloc::replay_options replay = common.replay_options_for(config);
+  if (replay.device != ccalloc::replay_device::sim)
+    throw usage_error("report replays on the simulated device only (--device sim)");
+  check_config(replay.config);
+  if (points < 2) throw usage_error("--points must be at least 2");
+  const auto start = std::chrono::steady_clock::now();
+  const loaded_trace input = load_trace(common.trace_path);
+  ccalloc::report_options options;
+  options.config = replay.config;
+  options.device_memory_bytes = replay.device_memory_bytes;
+  options.plot_points = points;
+  options.title = title;
+  progress_bar progress("report");
+  options.progress = [&](int pass, std::size_t done_count, std::size_t total) {
+    progress.update(done_count, total, "replay " + std::to_string(pass) + "/2");
+  };
+  std::optional<ccalloc::native_reference> native;
+  if (input.native) {
+    const native_figures& n = *input.native;
+    native = ccalloc::native_reference{n.origin, n.requested_peak, n.reserved_peak, n.expandable_reserved_peak,
+                                       n.allocated_peak, n.device_allocs};
+  }
+  ccalloc::report_summary summary;
+  const std::string page = ccalloc::render_report_html(input.trace, options, native ? &*native : nullptr, &summary);
+  progress.done();
+  std::ofstream out(output_path, std::ios::binary);
+  out << page;
+  if (!out.flush()) throw ccalloc::error("cannot write the report to " + output_path);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("wrote %s (%s bytes) in %.2f s: %s events, peak reserved %s (ccalloc) vs %s (recording allocator), "
+              "segment map after event %s (%zu segments, %zu blocks)\n",
+              output_path.c_str(), with_commas(page.size()).c_str(), seconds,
+              with_commas(summary.replay.events).c_str(), gib(summary.replay.peak_reserved_bytes).c_str(),
+              summary.recorded_reserved_peak ? gib(summary.recorded_reserved_peak).c_str() : "-",
+              with_commas(summary.peak_event_index + 1).c_str(), summary.segments_at_peak, summary.blocks_at_peak);
+  if (summary.replay.ooms > 0)
+    std::fprintf(stderr, "ccalloc: warning: %llu allocation(s) failed with out of memory and were skipped\n",
+                 static_cast<unsigned long long>(summary.replay.ooms));
   return 0;
 }
 
@@ -653,8 +770,9 @@ int run(int argc, char** argv) {
 
   const auto add_common = [&](CLI::App* sub) {
     sub->add_option("trace", common.trace_path,
-                    "Trace file (plain or gzip; format in docs/trace-format.md). "
-                    "Default: the GPT-2 training trace built into the binary.");
+                    "Trace file, plain or gzip: ccalloc's format (docs/trace-format.md), an RMM "
+                    "logging_resource_adaptor CSV, or a PyTorch snapshot pickle (converted with python3), told "
+                    "apart by content. Default: the GPT-2 training trace built into the binary.");
     sub->add_option("--device", common.device_text,
                     "Where to replay: sim (the simulated device, default) or cuda / cuda:N "
                     "(a real GPU through the CUDA backend; needs a build with CUDA).");
@@ -683,6 +801,22 @@ int run(int argc, char** argv) {
       ->required()
       ->allow_extra_args(false);  // one value per --config, so TRACE may follow
 
+  std::string snapshot_path;
+  replay->add_option("--snapshot", snapshot_path,
+                     "Record history during the replay and write a snapshot after the last event to this file "
+                     "(JSON in PyTorch's snapshot layout; python/ccalloc/snapshot.py turns it into a pickle).");
+
+  CLI::App* report = app.add_subcommand(
+      "report", "Replay a trace and write one self-contained HTML page with plots (bytes over time, the segment "
+                "map at the peak, fragmentation by pool and stream, the largest allocations).");
+  add_common(report);
+  std::string report_config, report_output = "report.html", report_title;
+  std::size_t report_points = 1200;
+  report->add_option("--config", report_config, "Configuration string, PyTorch syntax. Default: defaults.");
+  report->add_option("-o,--output", report_output, "The HTML file to write. Default: report.html.");
+  report->add_option("--points", report_points, "Time slices per curve (downsampling). Default: 1200.");
+  report->add_option("--title", report_title, "Page title. Default: the trace's file name.");
+
   CLI::App* keys = app.add_subcommand("config-keys", "List the configuration keys.");
 
   try {
@@ -692,7 +826,8 @@ int run(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
 
-  if (replay->parsed()) return run_replay(common, replay_config, min_memory);
+  if (replay->parsed()) return run_replay(common, replay_config, min_memory, snapshot_path);
+  if (report->parsed()) return run_report(common, report_config, report_output, report_points, report_title);
   if (compare->parsed()) return run_compare(common, compare_configs);
   if (keys->parsed()) return run_config_keys();
   return 2;  // unreachable: require_subcommand(1)

@@ -1,6 +1,9 @@
 """The Python package over the C API on the simulated device (no torch, no
-CuPy, no GPU needed). Expected figures follow ccalloc's rules (= PyTorch's):
-sizes round up to 512 bytes; requests up to 1 MiB use 2 MiB segments,
+CuPy, no GPU needed). Expected figures follow ccalloc's rules: sizes round up
+to 512 bytes; in the default configuration (expandable segments) each
+(stream, pool) has one address-space reservation as large as the device, and
+reserved bytes are the 2 MiB pages mapped in it; with plain segments
+(PYTORCH_POLICIES, as PyTorch) requests up to 1 MiB use 2 MiB segments,
 requests of 1-10 MiB a 20 MiB segment."""
 
 import gc
@@ -14,6 +17,11 @@ import pytest
 import ccalloc
 
 MiB = 1 << 20
+PAGE = 2 * MiB  # of an expandable segment
+
+# ccalloc::pytorch_policies (include/ccalloc/core/config.hpp): PyTorch's
+# allocator's policies in its default configuration, plain segments included.
+PYTORCH_POLICIES = "expandable_segments:False,trim_on_new_peak:False,reuse_across_streams:False"
 
 # torch.cuda.memory_stats()'s flat keys for the statistics of SPEC B9.
 POOLED = ["allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
@@ -53,27 +61,61 @@ def test_stats_have_pytorchs_keys_and_values(sim):
     assert list(stats) == TORCH_KEYS
     assert all(v == 0 for k, v in stats.items() if k != "max_split_size")
     assert stats["max_split_size"] == -1
+    # The default configuration: the large pool's reservation for the default
+    # stream is made and one 2 MiB page of it mapped, all that is reserved.
     p = sim.malloc(MiB + 1)
     assert p % 512 == 0
     stats = sim.memory_stats(0)
     assert stats["allocated_bytes.all.current"] == MiB + 512
     assert stats["allocated_bytes.large_pool.current"] == MiB + 512
     assert stats["requested_bytes.all.current"] == MiB + 1
-    assert stats["reserved_bytes.all.current"] == 20 * MiB
-    assert stats["segment.all.current"] == 1
+    assert stats["reserved_bytes.all.current"] == PAGE
+    assert stats["segment.all.current"] == 1  # one reservation
     assert stats["allocation.all.current"] == 1
-    assert stats["num_device_alloc"] == 1
-    assert sim.stat("reserved_bytes.all.peak") == 20 * MiB
+    assert stats["num_device_alloc"] == 1  # one physical page
+    assert sim.stat("reserved_bytes.all.peak") == PAGE
     sim.free(p)
     assert sim.stat("allocated_bytes.all.current") == 0
-    assert sim.stat("reserved_bytes.all.current") == 20 * MiB  # cached
-    assert sim.cache_info(0) == 20 * MiB
-    sim.empty_cache()
+    assert sim.stat("reserved_bytes.all.current") == PAGE  # cached, still mapped
+    assert sim.cache_info(0) == PAGE
+    # 12 MiB grows the same reservation by 5 pages: 12 MiB reserved.
+    q = sim.malloc(12 * MiB)
+    assert q == p
+    assert sim.stat("reserved_bytes.all.current") == 12 * MiB
+    assert sim.stat("num_device_alloc") == 6
+    assert sim.stat("segment.all.current") == 1
+    assert sim.cache_info(0) == 0
+    sim.free(q)
+    sim.empty_cache()  # unmaps the 6 pages, releases the reservation
     assert sim.stat("reserved_bytes.all.current") == 0
-    assert sim.stat("num_device_free") == 1
+    assert sim.stat("reserved_bytes.all.peak") == 12 * MiB
+    assert sim.stat("num_device_free") == 6
+    assert sim.stat("segment.all.current") == 0
     assert sim.cache_info(0) == 0
     with pytest.raises(ccalloc.InvalidArgumentError, match="unknown statistic 'reserved_bytes.all.top'"):
         sim.stat("reserved_bytes.all.top")
+
+
+def test_pytorch_policies_give_plain_segments():
+    # About plain segments and their sizes (PyTorch's), so expandable segments
+    # are off (PYTORCH_POLICIES pins expandable_segments:False).
+    with ccalloc.Allocator("sim", capacity_bytes=1 << 30, config=PYTORCH_POLICIES) as a:
+        p = a.malloc(MiB + 1)
+        assert a.stat("reserved_bytes.all.current") == 20 * MiB  # a 20 MiB large-pool segment
+        q = a.malloc(2 * MiB)  # split from the same segment
+        assert a.get_base_allocation(q) == (p, 20 * MiB)
+        r = a.malloc(3000)
+        assert a.get_base_allocation(r) == (r, 2 * MiB)  # a small-pool segment
+        assert a.stat("reserved_bytes.all.current") == 22 * MiB
+        assert a.stat("segment.all.current") == 2
+        assert a.stat("num_device_alloc") == 2
+        for x in (p, q, r):
+            a.free(x)
+        assert a.stat("reserved_bytes.all.current") == 22 * MiB
+        assert a.cache_info(0) == 20 * MiB
+        a.empty_cache()
+        assert a.stat("reserved_bytes.all.current") == 0
+        assert a.stat("num_device_free") == 2
 
 
 def test_reset_peak_and_accumulated(sim):
@@ -157,13 +199,19 @@ def test_no_caching_mode(sim):
     assert sim.is_enabled
 
 
-def test_streams_record_stream_base_allocation():
+def test_streams_record_stream_base_allocation(reservation_bytes):
+    # trim_on_new_peak off: q's free page stays mapped in s's reservation
+    # rather than move to the default stream's.
     with ccalloc.Allocator("sim", config="trim_on_new_peak:False") as a:
         s = a.stream_create()
         assert s != 0
         p = a.malloc(2 * MiB, stream=s)
         q = a.malloc(2 * MiB, stream=s)
-        assert a.get_base_allocation(q) == (p, 20 * MiB)
+        assert q == p + 2 * MiB  # the next page of s's large-pool reservation
+        # An expandable segment's base allocation is its whole reservation:
+        # the simulated device's 141 GB rounded up to 2 MiB pages.
+        assert a.get_base_allocation(q) == (p, reservation_bytes(a))
+        assert reservation_bytes(a) == 67235 * PAGE
         a.record_stream(p, 0)
         a.record_stream(q + 4096, 0)  # a view inside q (SPEC X4)
         a.record_stream(0x1000, 0)  # not ours: ignored
@@ -173,6 +221,10 @@ def test_streams_record_stream_base_allocation():
         assert a.malloc(2 * MiB, stream=s) == p  # back in s's pool
         other = a.malloc(2 * MiB, stream=0)
         assert other != q  # blocks are bound to their stream
+        # The default stream has a reservation of its own, with a new page.
+        assert a.get_base_allocation(other) == (other, reservation_bytes(a))
+        assert a.stat("segment.large_pool.current") == 2
+        assert a.stat("reserved_bytes.all.current") == 3 * PAGE
         a.stream_destroy(s)
 
         class TorchLikeStream:  # objects with .cuda_stream (torch) or .ptr (CuPy) are accepted
@@ -232,7 +284,7 @@ def test_closed_allocator_frees_its_memory():
 
 # ---- the process-wide allocator (the one PyTorch and CuPy use) -----------------------------
 
-def test_process_wide_functions():
+def test_process_wide_functions(process_wide_expandable):
     a = ccalloc.process_allocator()
     assert a.initialized
     assert a.backend_name in ("sim", "cuda")
@@ -242,7 +294,8 @@ def test_process_wide_functions():
     assert p
     assert ccalloc.memory_allocated() == before["allocated_bytes.all.current"] + MiB + 512
     assert ccalloc.max_memory_allocated(device) >= MiB + 512
-    assert ccalloc.memory_reserved() >= 20 * MiB
+    # At least p's 2 MiB page (expandable segments) or 20 MiB segment (plain).
+    assert ccalloc.memory_reserved() >= (PAGE if process_wide_expandable else 20 * MiB)
     assert ccalloc.max_memory_reserved() >= ccalloc.memory_reserved()
     ccalloc._lib.lib().ccalloc_free(p, MiB + 1, device, None)
     assert ccalloc.memory_allocated() == before["allocated_bytes.all.current"]

@@ -69,6 +69,14 @@ std::string concat(std::initializer_list<std::string_view> parts) {
   return out;
 }
 
+/// Input text as error messages quote it: at most 100 characters, then
+/// "... (N bytes)", so that a huge value does not make a huge message.
+std::string shown(std::string_view text) {
+  constexpr std::size_t max_shown = 100;
+  if (text.size() <= max_shown) return std::string(text);
+  return concat({text.substr(0, max_shown), "... (", std::to_string(text.size()), " bytes)"});
+}
+
 /// Parses a non-negative decimal integer made of digits only (no sign, no
 /// spaces, no suffix). `what` names the token inside a list ("" at top level)
 /// for the detail text. Throws bad_value (malformed, or out_of_range when it
@@ -79,11 +87,11 @@ std::uint64_t parse_unsigned(std::string_view text, std::string_view what = {}) 
   const auto [ptr, ec] = std::from_chars(text.data(), end, value);
   if (text.empty() || ec == std::errc::invalid_argument || ptr != end) {
     if (what.empty()) throw_malformed();
-    throw_malformed(concat({what, " '", text, "' is not a non-negative integer"}));
+    throw_malformed(concat({what, " '", shown(text), "' is not a non-negative integer"}));
   }
   if (ec == std::errc::result_out_of_range) {
     if (what.empty()) throw_out_of_range();
-    throw_out_of_range(concat({what, " '", text, "' is too large"}));
+    throw_out_of_range(concat({what, " '", shown(text), "' is too large"}));
   }
   return value;
 }
@@ -176,7 +184,7 @@ std::array<std::size_t, roundup_intervals> parse_roundup(std::string_view text) 
     if (have_rest) throw_malformed("'>' must be the last entry");
     const auto colon = entry.find(':');
     if (colon == std::string_view::npos) {
-      throw_malformed(concat({"expected <MiB>:<divisions> or >:<divisions>, got '", entry, "'"}));
+      throw_malformed(concat({"expected <MiB>:<divisions> or >:<divisions>, got '", shown(entry), "'"}));
     }
     const auto key = trim(entry.substr(0, colon));
     const auto divisions = parse_unsigned(trim(entry.substr(colon + 1)), "divisions");
@@ -441,10 +449,16 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
 }
 
 [[noreturn]] void throw_unknown_key(std::string_view prefix, std::string_view key) {
-  std::string message = concat({prefix, ": unknown key '", key, "'"});
+  std::string message = concat({prefix, ": unknown key '", shown(key), "'"});
   const key_spec* nearest = nullptr;
   std::size_t best = 4;  // suggest only close matches (distance <= 3)
   for (const auto& spec : key_table()) {
+    // The distance is at least the difference in length: skip the quadratic
+    // computation when that alone rules the key out (a long unknown key
+    // costs O(its length), not O(length x key length x keys)).
+    const std::size_t length_gap = key.size() > spec.info.key.size() ? key.size() - spec.info.key.size()
+                                                                       : spec.info.key.size() - key.size();
+    if (length_gap >= best) continue;
     const auto distance = edit_distance(key, spec.info.key);
     if (distance < best) {
       best = distance;
@@ -459,7 +473,7 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
 /// "<prefix>: <key>:<value> is <problem>[: <detail>] (accepted: <accepted>)".
 [[noreturn]] void throw_bad_value(std::string_view prefix, const key_spec& spec,
                                   std::string_view value, const bad_value& problem) {
-  std::string message = concat({prefix, ": ", spec.info.key, ":", value,
+  std::string message = concat({prefix, ": ", spec.info.key, ":", shown(value),
                                 problem.what == bad_value::kind::out_of_range
                                     ? " is out of range"
                                     : " is not a valid value"});
@@ -548,7 +562,7 @@ allocator_config parse_onto(allocator_config config, std::string_view text,
     const auto colon = item.find(':');
     const auto key = trim(item.substr(0, colon));
     if (colon == std::string_view::npos || key.empty()) {
-      throw config_error(concat({prefix, ": expected key:value, got '", item, "'"}));
+      throw config_error(concat({prefix, ": expected key:value, got '", shown(item), "'"}));
     }
     const auto value = trim(item.substr(colon + 1));
     const auto spec = std::find_if(key_table().begin(), key_table().end(),

@@ -457,6 +457,8 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   reserved_bytes_ += size;
   reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
   p.found = b;
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_alloc(b->ptr, size, p.stream);
   return true;
 }
 
@@ -511,9 +513,17 @@ void device_state::release_blocks(block_pool& pool) {
   for (block* b : victims) release_block(b, stats_);
 }
 
-// Returns a cached whole-segment block to the device.
+// Returns a cached whole-segment block to the device. If the device refuses
+// (segment_free throws), nothing has changed.
 void device_state::release_block(block* b, device_stats& st) {
   backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_free(b->ptr, b->size, b->stream);
+  forget_segment(b, st);
+}
+
+// The books of a segment the device has taken back; `b` is its only block.
+void device_state::forget_segment(block* b, device_stats& st) noexcept {
   const stat_group g = group_of(b->pool);
   device_stats::decrease(st.segment, g, 1);
   device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
@@ -827,6 +837,8 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       throw;
     }
     set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);
+    if (history_.active() && i > run_first) [[unlikely]]
+      history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
       reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
       drop_recycled();
@@ -878,6 +890,8 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
       reserved_bytes_ -= bytes;
       device_stats::decrease(stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
       set_page_state(seg, from, addr, false);
+      if (history_.active() && bytes > 0) [[unlikely]]
+        history_.record_segment_unmap(from, bytes, seg.head->stream);
       done_total += bytes;
       stats_.num_device_free += to_release.size();
       for (physical_handle_t h : to_release) backend_.vm_release_handle(device_, h);  // may throw: state is consistent
@@ -1035,7 +1049,12 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);
-  if (!b->stream_uses.empty()) insert_events(b);  // may throw: nothing changed yet
+  if (!b->stream_uses.empty()) {
+    insert_events(b);  // may throw: nothing changed yet
+  } else if (!caching_ && !b->is_split()) [[unlikely]] {
+    free_uncached(b, ss);  // may throw: nothing changed then
+    return;
+  }
   stats_sink sink(*this, ss);
   device_stats& st = sink.get();
   const stat_group g = group_of(b->pool);
@@ -1045,6 +1064,26 @@ void device_state::free(block* b) {
   if (b->counted_oversize) st.oversize_allocations.decrease(1);
   b->counted_oversize = false;
   if (b->event_count == 0) free_block(b, st, false);
+}
+
+// No-caching mode (F6), a block that is a whole segment and waits on no
+// event: the segment goes back to the device before anything else changes,
+// so a failing device free leaves the block allocated and the caller's
+// pointer live (the caller gets the backend_error).
+void device_state::free_uncached(block* b, stream_state& ss) {
+  std::lock_guard device_lock(device_mutex_);
+  backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  stats_sink sink(*this, ss);
+  device_stats& st = sink.get();
+  const stat_group g = group_of(b->pool);
+  const auto size = static_cast<std::int64_t>(b->size);
+  device_stats::decrease(st.allocation, g, 1);
+  device_stats::decrease(st.allocated_bytes, g, size);
+  if (b->counted_oversize) st.oversize_allocations.decrease(1);
+  device_stats::decrease(st.active, g, 1);
+  device_stats::decrease(st.active_bytes, g, size);
+  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+  forget_segment(b, st);
 }
 
 void device_state::record_stream(block* b, stream_t stream) {
@@ -1083,11 +1122,20 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
   b->requested_size = 0;
   if (!caching_ && !b->is_split()) {  // no-caching mode: straight back to the device
-    if (device_locked) {
-      release_block(b, st);
-    } else {
-      std::lock_guard device_lock(device_mutex_);
-      release_block(b, st);
+    // This free completes inside another operation (a malloc that found the
+    // block's events done, empty_cache, a neighbour's free): if the device
+    // refuses the segment, the block stays cached, consistent, and the next
+    // empty_cache returns it (and reports the error if it persists). The
+    // operation in progress is not failed for a release it did not ask for,
+    // and the other blocks it is completing are not lost.
+    try {
+      if (device_locked) {
+        release_block(b, st);
+      } else {
+        std::lock_guard device_lock(device_mutex_);
+        release_block(b, st);
+      }
+    } catch (const backend_error&) {
     }
   }
 }
@@ -1183,6 +1231,8 @@ void device_state::process_events() {
     {
       std::lock_guard lock(ss.mutex);
       if (--b->event_count == 0) {
+        if (history_.active()) [[unlikely]]
+          history_.record_free_completed(b->ptr, b->requested_size, b->stream);
         stats_sink sink(*this, ss);
         free_block(b, sink.get(), false);
       }
@@ -1194,7 +1244,10 @@ void device_state::process_events() {
 
 void device_state::process_events_locked() {
   take_completed_events([&](block* b) {
-    if (--b->event_count == 0) free_block(b, stats_, true);
+    if (--b->event_count != 0) return;
+    if (history_.active()) [[unlikely]]
+      history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+    free_block(b, stats_, true);
   });
 }
 
@@ -1208,7 +1261,10 @@ void device_state::synchronize_and_free_events() {
       queue.pop_front();
       free_events_.push_back(e);
       ++retired.count;
-      if (--b->event_count == 0) free_block(b, stats_, true);
+      if (--b->event_count != 0) continue;
+      if (history_.active()) [[unlikely]]
+        history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+      free_block(b, stats_, true);
     }
   }
   pending_events_.clear();
@@ -1254,6 +1310,8 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   f.device_free_bytes = info.free_bytes;
   f.allocated_bytes = allocated;
   f.reserved_bytes = reserved;
+  if (history_.active()) [[unlikely]]
+    history_.record_oom(info.free_bytes, p.requested_bytes, p.stream);
   // Observers run outside the locks (SPEC F17): they may call back into ccalloc.
   auto observers = observers_;
   w.unlock();
@@ -1272,11 +1330,13 @@ void device_state::set_memory_fraction(double fraction, const world_lock& w) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
     throw invalid_argument_error("ccalloc: memory fraction " + format_fraction(fraction) +
                                  " for device " + std::to_string(device_) + " is outside [0, 1]");
+  const auto allowed = static_cast<std::size_t>(fraction * static_cast<double>(device_total_bytes_));
+  // Keep reserved <= the new cap where cached memory allows it. Before the
+  // cap changes: if the device fails meanwhile, the old cap stays in force.
+  if (reserved_bytes_ > allowed) release_cached_blocks(w);
   fraction_ = fraction == 0.0 ? 0.0 : fraction;  // -0.0 becomes 0
   set_fraction_ = true;
-  allowed_bytes_ = static_cast<std::size_t>(fraction * static_cast<double>(device_total_bytes_));
-  // Keep reserved <= the new cap where cached memory allows it.
-  if (reserved_bytes_ > allowed_bytes_) release_cached_blocks(w);
+  allowed_bytes_ = allowed;
 }
 
 }  // namespace detail
@@ -1296,8 +1356,11 @@ device_caching_allocator::device_caching_allocator(int device, device_backend& b
 
 device_caching_allocator::~device_caching_allocator() = default;
 
-allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
-  auto& s = *state_;
+namespace {
+
+// malloc without history: inlined into device_caching_allocator::malloc.
+[[gnu::always_inline]] inline allocation malloc_impl(detail::device_state& s, std::size_t size_bytes,
+                                                     stream_t stream) {
   if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]] {
     if (size_bytes == 0)
       throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
@@ -1306,13 +1369,34 @@ allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t str
     p.requested_bytes = size_bytes;
     p.size = size_bytes;
     p.alloc_size = size_bytes;
+    p.stream = stream;
     s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
   }
   block* b = s.allocate(size_bytes, stream);
   return {reinterpret_cast<void*>(b->ptr), b};
 }
 
-void device_caching_allocator::free(block* b) { state_->free(b); }
+}  // namespace
+
+allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
+  return malloc_impl(s, size_bytes, stream);
+}
+
+allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
+  auto& s = *state_;
+  if (s.history_.active()) [[unlikely]]
+    return detail::malloc_recorded(s, size_bytes, stream);
+  return malloc_impl(s, size_bytes, stream);
+}
+
+void device_caching_allocator::free(block* b) {
+  auto& s = *state_;
+  if (!s.history_.active()) [[likely]] {
+    s.free(b);
+    return;
+  }
+  detail::free_recorded(s, b);
+}
 
 void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
 
@@ -1336,8 +1420,11 @@ bool device_caching_allocator::record_stream_containing(std::uintptr_t address, 
 }
 
 void device_caching_allocator::empty_cache() {
+  detail::tracker_delivery deliver;  // segment_free entries reach trackers after the locks
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
+  if (state_->history_.active()) [[unlikely]]
+    state_->history_.record(trace_entry_action::empty_cache, 0, state_->reserved_bytes_, 0, nullptr);
   state_->release_cached_blocks(w);
 }
 
@@ -1375,6 +1462,7 @@ block_segment device_caching_allocator::segment_of(const block* b) const {
 }
 
 void device_caching_allocator::set_memory_fraction(double fraction) {
+  detail::tracker_delivery deliver;  // it may release segments
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
   state_->set_memory_fraction(fraction, w);
@@ -1386,6 +1474,7 @@ double device_caching_allocator::memory_fraction() const {
 }
 
 void device_caching_allocator::set_config(const allocator_config& config) {
+  detail::tracker_delivery deliver;  // a new fraction may release segments
   auto& s = *state_;
   s.check_expandable_supported(config);
   world_lock w(s);
@@ -1395,11 +1484,12 @@ void device_caching_allocator::set_config(const allocator_config& config) {
   const bool fraction_changed =
       config.memory_fraction_set && (!s.config_.memory_fraction_set ||
                                      config.per_process_memory_fraction != s.config_.per_process_memory_fraction);
+  // The fraction first: if returning cached memory fails, nothing changes.
+  if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
   s.config_ = config;
   s.stats_.max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                                 ? -1
                                 : static_cast<std::int64_t>(config.max_split_size_bytes);
-  if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
 }
 
 allocator_config device_caching_allocator::config() const {
@@ -1408,11 +1498,13 @@ allocator_config device_caching_allocator::config() const {
 }
 
 void device_caching_allocator::set_caching_enabled(bool enabled) {
+  detail::tracker_delivery deliver;  // turning caching off releases segments
   auto& s = *state_;
   world_lock w(s);
   s.publish_all_pending_stats(w);
-  s.caching_ = enabled;
+  // The cache first: if returning it fails, the mode does not change.
   if (!enabled) s.release_cached_blocks(w);
+  s.caching_ = enabled;
 }
 
 bool device_caching_allocator::caching_enabled() const {
@@ -1489,12 +1581,14 @@ std::vector<segment_info> device_caching_allocator::segments() const {
   out.reserve(s.segments_.size());
   for (auto& [base, seg] : s.segments_) {
     segment_info si;
+    si.device = device_;
     si.address = base;
     si.total_bytes = seg->size;
     si.stream = seg->head->stream;
     si.is_small_pool = seg->head->pool->is_small;
     si.is_expandable = seg->expandable;
     si.mapped_bytes = seg->expandable ? seg->mapped_bytes : seg->size;
+    if (s.history_.enabled()) si.context = s.history_.segment_context(base);
     for (const block* b = seg->head; b != nullptr; b = b->next) {
       block_info bi;
       bi.address = b->ptr;
@@ -1508,6 +1602,7 @@ std::vector<segment_info> device_caching_allocator::segments() const {
       if (bi.state != block_state::inactive) {
         si.active_bytes += b->size;
         si.requested_bytes += b->requested_size;
+        if (s.history_.enabled()) bi.context = s.history_.block_context(b->ptr);
       }
       si.blocks.push_back(bi);
     }

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 namespace ccalloc {
 
@@ -71,6 +72,9 @@ void caching_allocator::init(int device_count) {
     auto dev = std::make_unique<device_caching_allocator>(d, *backend_, config_);
     if (!caching_enabled_) dev->set_caching_enabled(false);
     for (auto& o : observers_) dev->attach_oom_observer(o);
+    if (history_options_.enabled) dev->record_history(history_options_);
+    for (auto& t : trackers_) dev->attach_trace_tracker(t);
+    if (!user_metadata_.empty()) dev->set_user_metadata(user_metadata_);
     devices_.push_back(std::move(dev));
   }
 }
@@ -165,8 +169,17 @@ stream_t caching_allocator::current_stream() noexcept { return tls_current_strea
 
 void caching_allocator::enable(bool enabled) {
   std::lock_guard lock(config_mutex_);
+  for (std::size_t i = 0; i < devices_.size(); ++i) {
+    try {
+      devices_[i]->set_caching_enabled(enabled);
+    } catch (...) {
+      // Only turning caching off can fail (returning a device's cache); turn
+      // it back on for the devices already switched: all or nothing.
+      for (std::size_t j = 0; j < i; ++j) devices_[j]->set_caching_enabled(!enabled);
+      throw;
+    }
+  }
   caching_enabled_ = enabled;
-  for (auto& d : devices_) d->set_caching_enabled(enabled);
 }
 
 bool caching_allocator::is_enabled() const noexcept { return caching_enabled_.load(std::memory_order_relaxed); }
@@ -241,6 +254,65 @@ void caching_allocator::attach_out_of_memory_observer(oom_observer observer) {
   std::lock_guard lock(config_mutex_);
   observers_.push_back(observer);
   for (auto& d : devices_) d->attach_oom_observer(observer);
+}
+
+void caching_allocator::record_history(const history_options& options) {
+  if (options.max_entries == 0)
+    throw invalid_argument_error("ccalloc: record_history: max_entries must be at least 1, got 0");
+  std::lock_guard lock(config_mutex_);
+  history_options_ = options;
+  history_options_.clear = false;  // devices added later start empty anyway
+  for (auto& d : devices_) d->record_history(options);
+}
+
+bool caching_allocator::is_history_enabled() const {
+  std::lock_guard lock(config_mutex_);
+  return history_options_.enabled;
+}
+
+void caching_allocator::record_annotation(std::vector<std::pair<std::string, std::string>> metadata) {
+  checked_device(backend_->current_device(), "record_annotation").record_annotation(std::move(metadata));
+}
+
+void caching_allocator::push_compile_context(std::string context) {
+  for (auto& d : devices_) d->push_compile_context(context);
+}
+
+void caching_allocator::pop_compile_context() {
+  for (auto& d : devices_) d->pop_compile_context();
+}
+
+void caching_allocator::set_user_metadata(const std::string& metadata) {
+  std::lock_guard lock(config_mutex_);
+  user_metadata_ = metadata;
+  for (auto& d : devices_) d->set_user_metadata(metadata);
+}
+
+std::string caching_allocator::get_user_metadata() const {
+  std::lock_guard lock(config_mutex_);
+  return user_metadata_;
+}
+
+void caching_allocator::attach_allocator_trace_tracker(trace_tracker tracker) {
+  if (!tracker) throw invalid_argument_error("ccalloc: attach_allocator_trace_tracker: the tracker is empty");
+  std::lock_guard lock(config_mutex_);
+  trackers_.push_back(tracker);
+  for (auto& d : devices_) d->attach_trace_tracker(tracker);
+}
+
+memory_snapshot caching_allocator::snapshot(bool include_traces) const {
+  memory_snapshot out;
+  out.config = config();
+  for (auto& d : devices_) {
+    std::vector<segment_info> segments = d->snapshot_segments();
+    out.segments.insert(out.segments.end(), std::make_move_iterator(segments.begin()),
+                        std::make_move_iterator(segments.end()));
+    out.device_traces.push_back(include_traces ? d->trace_entries() : std::vector<trace_entry>{});
+    std::vector<annotation_entry> annotations = d->annotations();
+    out.external_annotations.insert(out.external_annotations.end(), std::make_move_iterator(annotations.begin()),
+                                    std::make_move_iterator(annotations.end()));
+  }
+  return out;
 }
 
 void caching_allocator::set_config(std::string_view text) {

@@ -524,7 +524,8 @@ stream_map make_streams(const trace& t, gate_gaps& gates) {
 
 void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
                    std::shared_ptr<device_backend> backend, const allocator_config& config, gap_model& gaps,
-                   const stream_map& streams, replay_result& r) {
+                   const stream_map& streams, const replay_event_hook& after_event,
+                   const std::optional<history_options>& history, replay_result& r) {
   // On every exit, gaps end before the allocator returns its memory to the
   // device, and side streams go only once the allocator is gone.
   struct cleanup {
@@ -541,6 +542,7 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   } c{gaps, std::make_unique<caching_allocator>(std::move(backend), config)};
   caching_allocator& allocator = *c.allocator;
   allocator.init(1);
+  if (history) allocator.record_history(*history);
 
   struct live_alloc {
     void* ptr = nullptr;  // nullptr: the allocation failed (OOM) in this replay
@@ -553,6 +555,7 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   side_stream_pool side_streams(gaps, std::move(trace_streams));
 
   const auto start = std::chrono::steady_clock::now();
+  std::size_t replayed = t.events.size();
   for (std::size_t i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
     gaps.advance_to(i);
@@ -593,9 +596,13 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
         break;  // free_completed is the side stream's work ending; segment events are the recorder's
     }
     gaps.check();
+    if (after_event && !after_event(i, allocator)) {
+      replayed = i + 1;
+      break;
+    }
   }
   r.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  r.events = t.events.size();
+  r.events = replayed;
   const device_stats s = allocator.get_device_stats(0);
   r.peak_requested_bytes = static_cast<std::uint64_t>(s.requested_bytes[0].peak);
   r.peak_allocated_bytes = static_cast<std::uint64_t>(s.allocated_bytes[0].peak);
@@ -616,10 +623,11 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
 // The replay through gates on `backend`'s device `device`.
 void replay_with_gates(const trace& t, const std::vector<std::uint64_t>& completion,
                        const std::shared_ptr<device_backend>& backend, int device, bool own_streams,
-                       bool watchdog, const allocator_config& config, replay_result& r) {
+                       bool watchdog, const allocator_config& config, const replay_event_hook& after_event,
+                       const std::optional<history_options>& history, replay_result& r) {
   auto gates = std::make_shared<gate_gaps>(backend, device, max_open_gaps(t, completion), watchdog);
   const stream_map streams = own_streams ? make_streams(t, *gates) : stream_map{};
-  replay_events(t, completion, gates, config, *gates, streams, r);
+  replay_events(t, completion, gates, config, *gates, streams, after_event, history, r);
 }
 
 #if CCALLOC_HAVE_CUDA_BACKEND
@@ -659,17 +667,19 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
     auto sim = std::make_shared<sim_backend>(so);
     r.device_memory_bytes = options.device_memory_bytes;
     if (options.use_gates_on_sim) {
-      replay_with_gates(t, completion, sim, 0, /*own_streams=*/false, /*watchdog=*/false, config, r);
+      replay_with_gates(t, completion, sim, 0, /*own_streams=*/false, /*watchdog=*/false, config,
+                        options.after_event, options.history, r);
     } else {
       clock_gaps gaps(*sim);
-      replay_events(t, completion, sim, config, gaps, stream_map{}, r);
+      replay_events(t, completion, sim, config, gaps, stream_map{}, options.after_event, options.history, r);
     }
     return r;
   }
 #if CCALLOC_HAVE_CUDA_BACKEND
   const std::shared_ptr<device_backend> cuda = open_cuda(options.cuda_device);
   r.device_memory_bytes = cuda->mem_get_info(options.cuda_device).total_bytes;
-  replay_with_gates(t, completion, cuda, options.cuda_device, /*own_streams=*/true, /*watchdog=*/true, config, r);
+  replay_with_gates(t, completion, cuda, options.cuda_device, /*own_streams=*/true, /*watchdog=*/true, config,
+                    options.after_event, options.history, r);
   return r;
 #else
   throw error(
@@ -682,7 +692,10 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
   if (options.device != replay_device::sim)
     throw error("find_min_device_memory: only the simulated device can change its memory size");
   if (precision_bytes == 0) throw error("find_min_device_memory: precision_bytes must be > 0");
-  const replay_result full = replay_trace(t, options);
+  replay_options probe = options;  // the caller's hook and history are for its own replay only
+  probe.after_event = nullptr;
+  probe.history.reset();
+  const replay_result full = replay_trace(t, probe);
   if (full.ooms != 0)
     throw error("find_min_device_memory: " + t.source + " does not fit even in " +
                 std::to_string(options.device_memory_bytes) + " bytes (" + std::to_string(full.ooms) +
@@ -691,7 +704,6 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
   std::size_t fits = round_up(full.peak_reserved_bytes);  // a replay that never reserved more fits here
   std::size_t fails = full.peak_requested_bytes / precision_bytes * precision_bytes;  // below the lower bound
   if (fails >= fits) fails = fits - std::min(fits, precision_bytes);
-  replay_options probe = options;
   while (fits - fails > precision_bytes) {
     const std::size_t mid = fails + (fits - fails) / 2 / precision_bytes * precision_bytes;
     probe.device_memory_bytes = mid;

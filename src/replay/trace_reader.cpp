@@ -1,7 +1,9 @@
 // trace_reader.cpp: reading allocation traces (include/ccalloc/replay/trace.hpp).
 //
 // Pipeline: read_trace_file = read the whole file -> maybe_gunzip (zlib, when
-// the bytes start with the gzip magic 1f 8b) -> parse_trace_text.
+// the bytes start with the gzip magic 1f 8b) -> sniff_trace_format ->
+// parse_trace_text (this file), parse_rmm_log (rmm_reader.cpp) or
+// convert_pytorch_snapshot (snapshot_reader.cpp).
 //
 // The parser is one pass over the text with no per-line allocation. Each
 // line first goes through a fast path (parse_line_fast: fused scanning and
@@ -396,6 +398,11 @@ trace read_trace_file(const std::string& path) {
     }
   }
   const std::string text = maybe_gunzip(data, path);
+  switch (sniff_trace_format(text)) {
+    case trace_format::rmm_log: return parse_rmm_log(text, path);
+    case trace_format::pytorch_snapshot: return convert_pytorch_snapshot(path);
+    case trace_format::ccalloc: break;
+  }
   return parse_trace_text(text, path);
 }
 

@@ -30,12 +30,15 @@
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/base/types.hpp>
 #include <ccalloc/core/config.hpp>
+#include <ccalloc/core/history.hpp>
 #include <ccalloc/core/stats.hpp>
 
 #include <cstddef>
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 namespace ccalloc {
@@ -62,6 +65,8 @@ using oom_observer = std::function<void(int device, std::size_t requested_bytes,
 
 /// The state of a block in a snapshot (PyTorch's names).
 enum class block_state { active_allocated, active_pending_free, inactive };
+/// "active_allocated", "active_pending_free" or "inactive".
+[[nodiscard]] std::string_view to_string(block_state state) noexcept;
 
 struct block_info {
   std::uintptr_t address = 0;
@@ -69,9 +74,15 @@ struct block_info {
   std::size_t requested_bytes = 0;  ///< 0 when inactive
   block_state state = block_state::inactive;
   bool mapped = true;  ///< false: an unmapped range of an expandable segment (always inactive)
+  context_ptr context;  ///< the recorder's context at malloc (history with record_context::state or more)
 };
 
+/// A segment and its blocks. Invariants: blocks tile [address, address +
+/// total_bytes) in address order (sizes sum to total_bytes); allocated_bytes
+/// = sum of active_allocated sizes; active_bytes = allocated_bytes + sizes of
+/// active_pending_free blocks; requested_bytes = sum over active blocks.
 struct segment_info {
+  int device = 0;
   std::uintptr_t address = 0;
   std::size_t total_bytes = 0;
   std::size_t allocated_bytes = 0;
@@ -83,6 +94,8 @@ struct segment_info {
   /// reservation, mapped_bytes the part backed by device memory.
   bool is_expandable = false;
   std::size_t mapped_bytes = 0;  ///< bytes backed by device memory (total_bytes for a plain segment)
+  std::pair<std::uint64_t, std::uint64_t> pool_id{0, 0};  ///< private pool (SPEC F20); (0, 0) = default pools
+  context_ptr context;  ///< context of the malloc that created it, when history recorded one
   std::vector<block_info> blocks;  ///< in address order; sizes sum to total_bytes
 };
 
@@ -126,6 +139,10 @@ class device_caching_allocator {
   [[nodiscard]] allocation malloc(std::size_t size_bytes, stream_t stream);
   /// Frees a block from malloc. If the block was used on other streams
   /// (record_stream), it returns to the cache when their events complete.
+  /// Throws backend_error if recording those events fails, or in no-caching
+  /// mode if the device refuses the segment; the block stays allocated then.
+  /// (In no-caching mode, a segment freed later, when its events complete,
+  /// that the device refuses stays cached until empty_cache.)
   void free(detail::block* block);
   /// Marks `block` as used on `stream` (PyTorch: recordStream). A use on the
   /// block's own stream is ignored.
@@ -136,7 +153,9 @@ class device_caching_allocator {
   /// whole device.
   bool record_stream_containing(std::uintptr_t address, stream_t stream);
   /// Returns cached segments that hold no live block to the device, after
-  /// waiting for pending events (PyTorch: emptyCache). Live blocks are untouched.
+  /// waiting for pending events (PyTorch: emptyCache). Live blocks are
+  /// untouched. Throws backend_error from the device (synchronizing an event,
+  /// freeing a segment); what was returned before the failure stays returned.
   void empty_cache();
   /// Size in bytes of the largest cached free block (PyTorch: cacheInfo).
   [[nodiscard]] std::size_t largest_free_block() const;
@@ -151,14 +170,19 @@ class device_caching_allocator {
   [[nodiscard]] std::size_t block_size(const detail::block* block) const noexcept;
 
   /// Caps reserved bytes at fraction x device total (PyTorch:
-  /// setMemoryFraction). Throws invalid_argument_error outside [0, 1].
+  /// setMemoryFraction); a cap below the reserved bytes returns the cache
+  /// first. Throws invalid_argument_error outside [0, 1], backend_error if
+  /// returning the cache fails (the old cap stays).
   void set_memory_fraction(double fraction);
   [[nodiscard]] double memory_fraction() const;
   /// Replaces the configuration (keys that act on new requests apply at once).
+  /// A new per_process_memory_fraction applies as set_memory_fraction does;
+  /// if that throws, the configuration is unchanged.
   void set_config(const allocator_config& config);
   [[nodiscard]] allocator_config config() const;
   /// In no-caching mode every block goes straight to the device and back
-  /// (SPEC F6). Switching on releases the cache.
+  /// (SPEC F6). Turning caching off releases the cache first; if that throws
+  /// backend_error, the mode is unchanged.
   void set_caching_enabled(bool enabled);
   [[nodiscard]] bool caching_enabled() const;
 
@@ -183,7 +207,36 @@ class device_caching_allocator {
   /// Devices granted access by enable_peer_access, in the order granted.
   [[nodiscard]] std::vector<int> peers() const;
 
-  /// Segments and their blocks, sorted by address.
+
+  // ---- history (SPEC F14-F16, F18; ccalloc/core/history.hpp) ----------------
+  /// Starts, changes or stops recording this device's history (PyTorch:
+  /// recordHistory). Throws invalid_argument_error for max_entries == 0.
+  void record_history(const history_options& options);
+  [[nodiscard]] bool is_history_enabled() const noexcept;
+  /// Records an annotation with the current time, if history is enabled
+  /// (PyTorch: recordAnnotation).
+  void record_annotation(std::vector<std::pair<std::string, std::string>> metadata);
+  /// Entries recorded meanwhile carry `context` as compile_context (PyTorch:
+  /// pushCompileContext; only while history is enabled, as PyTorch).
+  void push_compile_context(std::string context);
+  /// Pops the last pushed compile context; nothing if none (PyTorch: popCompileContext).
+  void pop_compile_context();
+  /// Entries recorded from now on carry `metadata` (PyTorch: setUserMetadata).
+  void set_user_metadata(std::string metadata);
+  [[nodiscard]] std::string user_metadata() const;
+  /// Calls `tracker` with every trace entry from now on (PyTorch:
+  /// attachAllocatorTraceTracker). See trace_tracker.
+  void attach_trace_tracker(trace_tracker tracker);
+  /// The recorded trace entries, oldest first.
+  [[nodiscard]] std::vector<trace_entry> trace_entries() const;
+  /// The recorded annotations, oldest first.
+  [[nodiscard]] std::vector<annotation_entry> annotations() const;
+  /// Records a `snapshot` entry (size = active bytes) if history is enabled,
+  /// then returns segments(); what caching_allocator::snapshot calls.
+  [[nodiscard]] std::vector<segment_info> snapshot_segments();
+
+  /// Segments and their blocks, sorted by address, with the contexts that
+  /// history recorded. Locks the whole device while it walks: O(blocks).
   [[nodiscard]] std::vector<segment_info> segments() const;
   /// Full structural check (SPEC R2): blocks tile their segments, neighbours
   /// link both ways, no two free neighbours are unmerged, every free block is

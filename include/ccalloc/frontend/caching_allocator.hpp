@@ -25,6 +25,8 @@
 #include <ccalloc/base/types.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/history.hpp>
+#include <ccalloc/core/snapshot.hpp>
 #include <ccalloc/core/stats.hpp>
 
 #include <array>
@@ -100,7 +102,10 @@ class caching_allocator {
   [[nodiscard]] void* malloc(int device, std::size_t size_bytes, stream_t stream);
   /// Frees a pointer from this allocator (F3). nullptr is a no-op. Throws
   /// invalid_argument_error naming the pointer if it is unknown (never
-  /// allocated here, freed already, or interior); nothing changes then.
+  /// allocated here, freed already, or interior), and backend_error when the
+  /// device fails (recording the events of a block used on other streams, or
+  /// returning the segment in no-caching mode); nothing changes then and the
+  /// pointer stays live (docs/errors.md).
   void free(void* ptr);
 
   /// Allocates on the current device and the calling thread's current stream
@@ -122,13 +127,16 @@ class caching_allocator {
 
   /// Turns caching on or off for every device (F6). Off = no-caching mode:
   /// each allocation goes straight to the device and back; turning it off
-  /// releases the cache. (PyTorch: enable / isEnabled.)
+  /// releases the cache. (PyTorch: enable / isEnabled.) Throws backend_error
+  /// if a device fails to take its cache back; then no device changes mode.
   void enable(bool enabled);
   [[nodiscard]] bool is_enabled() const noexcept;
 
   /// Caps `device`'s reserved bytes at fraction x total (F7; PyTorch:
-  /// setMemoryFraction). Throws invalid_argument_error for a fraction outside
-  /// [0, 1] or a bad device.
+  /// setMemoryFraction). A cap below the reserved bytes returns the cache
+  /// first. Throws invalid_argument_error for a fraction outside [0, 1] or a
+  /// bad device, and backend_error if returning the cache fails; the old
+  /// fraction stays then.
   void set_memory_fraction(double fraction, int device);
   [[nodiscard]] double get_memory_fraction(int device) const;
 
@@ -233,6 +241,44 @@ class caching_allocator {
   /// Registers a callback for out-of-memory errors on every device (F17).
   void attach_out_of_memory_observer(oom_observer observer);
 
+  // ---- memory history and snapshots (F13-F16, F18; ccalloc/core/history.hpp) --
+
+  /// Starts, changes or stops recording the history of every device, also of
+  /// devices init() adds later (F14; PyTorch: recordHistory, and
+  /// torch.cuda.memory._record_memory_history). options.max_entries is per
+  /// device. Disabling drops what was recorded. Throws
+  /// invalid_argument_error for max_entries == 0 (nothing changes then).
+  void record_history(const history_options& options);
+  /// Whether history is being recorded (PyTorch: isHistoryEnabled).
+  [[nodiscard]] bool is_history_enabled() const;
+  /// Records key/value pairs with the current time on the current device
+  /// (F15; PyTorch: recordAnnotation), kept while history is recorded;
+  /// nothing otherwise. They appear in snapshots as external_annotations.
+  void record_annotation(std::vector<std::pair<std::string, std::string>> metadata);
+  /// Trace entries recorded until the matching pop carry `context` as their
+  /// compile_context (F16; PyTorch: pushCompileContext). Only while history
+  /// is recorded, as in PyTorch. Every device.
+  void push_compile_context(std::string context);
+  /// Pops the last pushed compile context; nothing if none (PyTorch: popCompileContext).
+  void pop_compile_context();
+  /// Trace entries recorded from now on carry `metadata` as user_metadata
+  /// (F16; PyTorch: setUserMetadata). Every device; "" by default.
+  void set_user_metadata(const std::string& metadata);
+  /// The current user metadata (PyTorch: getUserMetadata).
+  [[nodiscard]] std::string get_user_metadata() const;
+  /// Calls `tracker` with every trace entry of every device from now on,
+  /// whether history is recorded or not (F18; PyTorch:
+  /// attachAllocatorTraceTracker). See trace_tracker for when it runs and what
+  /// its exceptions do. Throws invalid_argument_error for an empty tracker.
+  void attach_allocator_trace_tracker(trace_tracker tracker);
+  /// Segments with their blocks, each device's trace (when include_traces
+  /// and history is recorded; PyTorch records a `snapshot` entry first),
+  /// the annotations and the settings in force (F13; PyTorch: snapshot).
+  /// Each device is walked under its own locks: with concurrent allocations
+  /// the devices are not captured at one instant. Before init(): empty.
+  /// to_json() writes it for python/ccalloc/snapshot.py.
+  [[nodiscard]] memory_snapshot snapshot(bool include_traces = true) const;
+
   /// Replaces the configuration of every device with `text` applied on top of
   /// the current one (F30). Throws config_error; nothing changes then.
   /// Warnings about settings without effect go to stderr.
@@ -255,6 +301,11 @@ class caching_allocator {
   static constexpr std::size_t pointer_shard_count = 256;  // a power of two
   pointer_shard& shard_for(void* ptr) const noexcept;
   static void print_warnings(const allocator_config& config);
+  static history_options disabled_history() {
+    history_options o;
+    o.enabled = false;
+    return o;
+  }
   /// The allocator of `device`; throws invalid_argument_error naming `what`
   /// before init() or for a device out of range.
   device_caching_allocator& checked_device(int device, const char* what) const;
@@ -267,6 +318,9 @@ class caching_allocator {
   std::atomic<bool> caching_enabled_{true};
   std::vector<std::unique_ptr<device_caching_allocator>> devices_;
   std::vector<oom_observer> observers_;
+  history_options history_options_ = disabled_history();  // applied to devices init() adds
+  std::vector<trace_tracker> trackers_;                 // likewise
+  std::string user_metadata_;                           // likewise
   mutable std::array<pointer_shard, pointer_shard_count> shards_;
   std::unique_ptr<detail::ipc_cache> ipc_;  // opened IPC handles (src/frontend/ipc.cpp)
 };

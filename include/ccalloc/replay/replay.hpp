@@ -41,10 +41,13 @@
 #pragma once
 
 #include <ccalloc/core/config.hpp>
+#include <ccalloc/core/history.hpp>
 #include <ccalloc/replay/trace.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 
 namespace ccalloc {
@@ -58,6 +61,14 @@ enum class replay_device {
 /// "sim" or "cuda".
 [[nodiscard]] const char* to_string(replay_device device) noexcept;
 
+class caching_allocator;
+
+/// Called after trace event `index` was replayed, with the allocator that
+/// replays it (for reports and progress; it may read stats and segments).
+/// Returning false ends the replay there (the result then covers events
+/// [0, index]).
+using replay_event_hook = std::function<bool(std::size_t index, caching_allocator& allocator)>;
+
 struct replay_options {
   std::string config;  ///< configuration string (PyTorch syntax); "" = defaults
   /// Simulated device capacity in bytes; default 141 GB (an H200). Ignored
@@ -70,6 +81,11 @@ struct replay_options {
   /// device's gates, through the same driver as replay_device::cuda, instead
   /// of work on the virtual clock. The figures must not change.
   bool use_gates_on_sim = false;
+  /// Optional; see replay_event_hook. Costs one call per event when set.
+  replay_event_hook after_event;
+  /// When set, the replayed allocator records history from the first event
+  /// (for a snapshot taken in after_event, e.g. `ccalloc replay --snapshot`).
+  std::optional<history_options> history;
 };
 
 struct replay_result {

@@ -10,6 +10,13 @@
 // Files may be gzip-compressed (detected by content, not by name). Lines
 // starting with '#' and blank lines are skipped. Errors throw trace_error
 // with "FILE:LINE: reason".
+//
+// read_trace_file also reads, told apart by content (sniff_trace_format):
+// - RMM's logging_resource_adaptor CSV (`Thread,Time,Action,Pointer,Size,
+//   Stream`; parse_rmm_log);
+// - PyTorch memory snapshot pickles (torch.cuda.memory._dump_snapshot),
+//   converted by the bundled tools/snapshot_to_trace.py run with python3
+//   (convert_pytorch_snapshot).
 #pragma once
 
 #include <ccalloc/base/errors.hpp>
@@ -60,10 +67,49 @@ struct trace_event {
 struct trace {
   std::string source;  ///< file name, or "<embedded:NAME>"
   std::vector<trace_event> events;
+  /// What a conversion added or dropped, for the user (e.g. "3 frees of
+  /// pointers never allocated in the log were skipped"); empty for ccalloc's format.
+  std::vector<std::string> notes;
 };
 
-/// Reads a trace file (plain or gzip). Throws trace_error for a missing or
-/// unreadable file ("FILE:0: cannot open: <reason>") or a malformed line.
+/// The inputs read_trace_file understands.
+enum class trace_format {
+  ccalloc,           ///< this file's format (docs/trace-format.md)
+  rmm_log,           ///< RMM logging_resource_adaptor CSV
+  pytorch_snapshot,  ///< a pickle from torch.cuda.memory._dump_snapshot
+};
+/// "ccalloc trace", "RMM log" or "PyTorch snapshot".
+[[nodiscard]] std::string_view to_string(trace_format format) noexcept;
+/// Tells the format of decompressed file contents: a pickle starts with the
+/// protocol opcode 0x80 and a version in 2..5; an RMM log's first non-blank
+/// line starts with "Thread,"; anything else is read as ccalloc's format.
+[[nodiscard]] trace_format sniff_trace_format(std::string_view data) noexcept;
+
+/// Parses an RMM logging_resource_adaptor log (decompressed): a header line
+/// naming the columns Thread, Time, Action, Pointer, Size, Stream (in any
+/// order, others ignored), then one row per call. Action `allocate` becomes
+/// alloc; `free` (also spelled `deallocate`) becomes free_requested and
+/// free_completed at once (RMM frees are stream-ordered, nothing waits);
+/// `allocate failure` becomes oom. Time is RMM's time of day `HH:MM:SS.ffffff`
+/// (a day is added when it wraps past midnight) or seconds since the epoch
+/// (`1634567890.123456`); a time that steps back (threads) is held at the
+/// previous one. Pointer and Stream are hex (`0x7f..`, or bare hex digits;
+/// `(nil)` is 0). A free of a pointer the log never allocated is skipped and
+/// counted in notes (a log started mid-run). Throws trace_error
+/// "SOURCE:LINE: reason" for a malformed row or an allocate at a live pointer.
+[[nodiscard]] trace parse_rmm_log(std::string_view text, const std::string& source);
+
+/// Converts the PyTorch snapshot pickle at `path` (plain or gzip) by running
+/// the converter built into ccalloc (tools/snapshot_to_trace.py) with
+/// `python3` (found on PATH; the environment variable CCALLOC_PYTHON
+/// overrides it), and parses its output. Throws trace_error(path, 0, ...)
+/// with the converter's message, or saying how to convert by hand when
+/// python3 cannot be run.
+[[nodiscard]] trace convert_pytorch_snapshot(const std::string& path);
+
+/// Reads a trace file (plain or gzip) in any of the trace_format formats,
+/// by content. Throws trace_error for a missing or unreadable file
+/// ("FILE:0: cannot open: <reason>") or a malformed line.
 [[nodiscard]] trace read_trace_file(const std::string& path);
 /// Parses trace text (already decompressed); `source` names it in errors.
 [[nodiscard]] trace parse_trace_text(std::string_view text, const std::string& source);

@@ -48,6 +48,8 @@
 #include <ccalloc/core/device_caching_allocator.hpp>
 #include <ccalloc/core/stats.hpp>
 
+#include "history_recorder.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <atomic>
@@ -295,6 +297,8 @@ class device_state {
   void release_unused_segments(const world_lock& w);                          // [world]
   void release_blocks(block_pool& pool);                                      // [world]
   void release_block(block* b, device_stats& st);                             // [stream, device]
+  void forget_segment(block* b, device_stats& st) noexcept;                   // [stream, device]
+  void free_uncached(block* b, stream_state& ss);                             // [stream]
   void garbage_collect_cached_blocks(const world_lock& w);                    // [world]
   void process_events_locked();                                               // [world]
   // Expandable segments (B7, X3) [world]
@@ -359,6 +363,10 @@ class device_state {
   // path waits for them (X7).
   std::atomic<std::size_t> completions_in_flight_{0};
 
+  // Memory history (SPEC F14-F18): its own lock, innermost. The allocator
+  // records only when history_.active() (one relaxed load).
+  history_recorder history_{device_};
+
   // True while the device has at most one stream state: its statistics then
   // stay in its pending deltas without any lock and are published by readers
   // (exact: nothing else changes the device's values meanwhile). Cleared,
@@ -370,5 +378,12 @@ class device_state {
   device_stats stats_;
   const void* last_stats_thread_ = nullptr;  // the thread that published last
 };
+
+// malloc and free behind device_caching_allocator's public ones: without
+// history (device_caching_allocator.cpp) and with it (device_history.cpp:
+// contexts gathered outside the locks, entries recorded, trackers run after).
+allocation malloc_unrecorded(device_state& s, std::size_t size_bytes, stream_t stream);
+[[gnu::noinline]] allocation malloc_recorded(device_state& s, std::size_t size_bytes, stream_t stream);
+[[gnu::noinline]] void free_recorded(device_state& s, block* b);
 
 }  // namespace ccalloc::detail

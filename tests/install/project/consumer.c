@@ -24,7 +24,7 @@ int main(void) {
   ccalloc_options_init(&options);
   options.backend = CCALLOC_BACKEND_SIM;
   options.sim_capacity_bytes = (size_t)1 << 30;
-  options.config = "max_split_size_mb:64";
+  options.config = "max_split_size_mb:64,expandable_segments:False"; /* plain: one 20 MiB segment */
   CHECK(ccalloc_create(&options, &alloc) == CCALLOC_OK);
   CHECK(ccalloc_init(alloc, 1) == CCALLOC_OK);
   CHECK(ccalloc_malloc(alloc, 0, ((size_t)1 << 20) + 1, NULL, &p) == CCALLOC_OK && p != NULL);
@@ -35,6 +35,7 @@ int main(void) {
   CHECK(strstr(ccalloc_last_error(), "not a live allocation") != NULL);
   CHECK(ccalloc_get_config(alloc, config, sizeof config, &length) == CCALLOC_OK);
   CHECK(strstr(config, "max_split_size_mb:64") != NULL);
+  CHECK(strstr(config, "expandable_segments:False") != NULL);
   ccalloc_destroy(alloc);
 
   p = ccalloc_alloc(4096, 0, NULL); /* PyTorch's entry points, process-wide allocator */

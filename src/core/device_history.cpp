@@ -1,0 +1,143 @@
+// The device allocator's history API (include/ccalloc/core/device_caching_allocator.hpp,
+// SPEC F13-F16, F18) and its malloc/free when history is on. Kept out of
+// device_caching_allocator.cpp so that the hot path's translation unit, and
+// with it the compiler's inlining there, does not change with history.
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ccalloc {
+
+using detail::block;
+using detail::world_lock;
+
+// malloc with history on: the caller's context is gathered outside the
+// locks, entries recorded inside (segment_alloc, oom) take it, and the
+// trackers run once the locks are released.
+allocation detail::malloc_recorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
+  detail::tracker_delivery deliver;
+  detail::history_recorder& h = s.history_;
+  context_ptr context = h.gather(record_context::state);
+  detail::context_scope scope(detail::context_kind::malloc, context);
+  const allocation a = detail::malloc_unrecorded(s, size_bytes, stream);
+  h.remember_block(a.block->ptr, context);
+  h.record(trace_entry_action::alloc, a.block->ptr, size_bytes, stream, context);
+  return a;
+}
+
+void detail::free_recorded(detail::device_state& s, block* b) {
+  detail::tracker_delivery deliver;
+  detail::history_recorder& h = s.history_;
+  context_ptr context = h.gather(record_context::all);
+  detail::context_scope scope(detail::context_kind::free, context);
+  // The caller owns the live block: its fields do not change meanwhile.
+  h.record(trace_entry_action::free_requested, b->ptr, b->requested_size, b->stream, context);
+  // A block used on no other stream is free at once (free_block). Its
+  // free_completed is recorded here, before any segment_free that freeing it
+  // causes (no-caching mode); one that waits for events is recorded where
+  // its events complete (device_state::process_events and friends).
+  if (b->stream_uses.empty() && b->event_count == 0)
+    h.record_free_completed(b->ptr, b->requested_size, b->stream);
+  s.free(b);
+}
+
+std::string_view to_string(block_state state) noexcept {
+  switch (state) {
+    case block_state::active_allocated: return "active_allocated";
+    case block_state::active_pending_free: return "active_pending_free";
+    case block_state::inactive: break;
+  }
+  return "inactive";
+}
+
+void device_caching_allocator::record_history(const history_options& options) {
+  state_->history_.configure(options);
+}
+
+bool device_caching_allocator::is_history_enabled() const noexcept { return state_->history_.enabled(); }
+
+void device_caching_allocator::record_annotation(std::vector<std::pair<std::string, std::string>> metadata) {
+  state_->history_.record_annotation(std::move(metadata));
+}
+
+void device_caching_allocator::push_compile_context(std::string context) {
+  state_->history_.push_compile_context(std::move(context));
+}
+
+void device_caching_allocator::pop_compile_context() { state_->history_.pop_compile_context(); }
+
+void device_caching_allocator::set_user_metadata(std::string metadata) {
+  state_->history_.set_user_metadata(std::move(metadata));
+}
+
+std::string device_caching_allocator::user_metadata() const { return state_->history_.user_metadata(); }
+
+void device_caching_allocator::attach_trace_tracker(trace_tracker tracker) {
+  state_->history_.attach_tracker(std::move(tracker));
+}
+
+std::vector<trace_entry> device_caching_allocator::trace_entries() const { return state_->history_.entries(); }
+
+std::vector<annotation_entry> device_caching_allocator::annotations() const {
+  return state_->history_.annotations();
+}
+
+std::vector<segment_info> device_caching_allocator::snapshot_segments() {
+  auto& s = *state_;
+  if (s.history_.active()) {
+    detail::tracker_delivery deliver;
+    std::size_t active_bytes = 0;
+    {
+      world_lock w(s);
+      s.publish_all_pending_stats(w);
+      active_bytes = static_cast<std::size_t>(s.stats_.active_bytes[0].current);
+      s.history_.record(trace_entry_action::snapshot, 0, active_bytes, 0, nullptr);
+    }
+  }
+  // PyTorch's layout for expandable segments: each run of mapped pages is a
+  // segment of its own (total_size = the run's bytes), unmapped ranges are
+  // left out (torch.cuda.memory._snapshot() does the same).
+  std::vector<segment_info> out;
+  for (segment_info& seg : segments()) {
+    if (!seg.is_expandable) {
+      out.push_back(std::move(seg));
+      continue;
+    }
+    segment_info run;
+    auto flush = [&] {
+      if (!run.blocks.empty()) out.push_back(std::move(run));
+      run = segment_info{};
+    };
+    for (block_info& b : seg.blocks) {
+      if (!b.mapped) {
+        flush();
+        continue;
+      }
+      if (run.blocks.empty()) {
+        run.device = seg.device;
+        run.address = b.address;
+        run.stream = seg.stream;
+        run.is_small_pool = seg.is_small_pool;
+        run.is_expandable = true;
+        run.pool_id = seg.pool_id;
+        run.context = seg.context;
+      }
+      run.total_bytes += b.size_bytes;
+      run.mapped_bytes += b.size_bytes;
+      if (b.state == block_state::active_allocated) run.allocated_bytes += b.size_bytes;
+      if (b.state != block_state::inactive) {
+        run.active_bytes += b.size_bytes;
+        run.requested_bytes += b.requested_bytes;
+      }
+      run.blocks.push_back(std::move(b));
+    }
+    flush();
+  }
+  return out;
+}
+
+}  // namespace ccalloc

@@ -1,0 +1,265 @@
+// Memory history of one device (src/core/detail/history_recorder.hpp) and
+// the names of trace-entry actions (include/ccalloc/core/history.hpp).
+#include "detail/history_recorder.hpp"
+
+#include <ccalloc/base/errors.hpp>
+
+#include <array>
+#include <chrono>
+
+namespace ccalloc {
+
+namespace {
+constexpr std::array<std::string_view, trace_entry_action_count> action_names = {
+    "alloc",         "free_requested", "free_completed", "segment_alloc", "segment_free",
+    "segment_map",   "segment_unmap",  "snapshot",       "oom",           "empty_cache",
+};
+}  // namespace
+
+std::string_view to_string(trace_entry_action action) noexcept {
+  const auto i = static_cast<std::size_t>(action);
+  return i < action_names.size() ? action_names[i] : "unknown";
+}
+
+std::optional<trace_entry_action> parse_trace_entry_action(std::string_view name) noexcept {
+  for (std::size_t i = 0; i < action_names.size(); ++i)
+    if (action_names[i] == name) return static_cast<trace_entry_action>(i);
+  return std::nullopt;
+}
+
+namespace detail {
+
+namespace {
+
+std::uint64_t now_us() noexcept {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
+}
+
+struct pending_entry {
+  std::shared_ptr<const std::vector<trace_tracker>> trackers;
+  trace_entry entry;
+};
+thread_local std::vector<pending_entry> tls_pending;
+thread_local std::array<context_ptr, 2> tls_context;  // [context_kind]
+
+}  // namespace
+
+history_recorder::~history_recorder() = default;
+
+void history_recorder::update_active() noexcept {
+  const bool has_trackers = trackers_ && !trackers_->empty();
+  active_.store(enabled_.load(std::memory_order_relaxed) || has_trackers, std::memory_order_relaxed);
+}
+
+void history_recorder::configure(const history_options& options) {
+  if (options.max_entries == 0)
+    throw invalid_argument_error("ccalloc: record_history: max_entries must be at least 1, got 0");
+  std::uint32_t mask = 0;
+  for (trace_entry_action a : options.skip_actions) mask |= 1u << static_cast<unsigned>(a);
+  std::lock_guard lock(mutex_);
+  const bool enabled = options.enabled;
+  recorder_ = enabled ? options.recorder : context_recorder{};
+  when_.store(enabled ? options.when : record_context::never, std::memory_order_relaxed);
+  skip_mask_ = mask;
+  entries_.set_capacity(options.max_entries);
+  annotations_.set_capacity(options.max_entries);
+  if (!enabled || options.clear) {
+    entries_.clear();
+    annotations_.clear();
+  }
+  if (!enabled) {
+    // Contexts of live blocks would go stale: their frees are not seen.
+    block_contexts_.clear();
+    segment_contexts_.clear();
+    compile_contexts_.clear();
+  }
+  enabled_.store(enabled, std::memory_order_relaxed);
+  update_active();
+}
+
+void history_recorder::attach_tracker(trace_tracker tracker) {
+  if (!tracker) throw invalid_argument_error("ccalloc: attach_allocator_trace_tracker: the tracker is empty");
+  std::lock_guard lock(mutex_);
+  auto next = trackers_ ? std::make_shared<std::vector<trace_tracker>>(*trackers_)
+                        : std::make_shared<std::vector<trace_tracker>>();
+  next->push_back(std::move(tracker));
+  trackers_ = std::move(next);
+  update_active();
+}
+
+context_ptr history_recorder::gather(record_context level) const {
+  if (!enabled() || when() < level) return nullptr;
+  context_recorder recorder;
+  {
+    std::lock_guard lock(mutex_);
+    recorder = recorder_;
+  }
+  return recorder ? recorder() : nullptr;
+}
+
+void history_recorder::record(trace_entry_action action, std::uintptr_t addr, std::size_t size, stream_t stream,
+                              const context_ptr& context) {
+  trace_entry e;
+  e.action = action;
+  e.device = device_;
+  e.addr = addr;
+  e.size = size;
+  e.stream = stream;
+  e.time_us = now_us();
+  std::shared_ptr<const std::vector<trace_tracker>> trackers;
+  {
+    std::lock_guard lock(mutex_);
+    if (when() >= record_context::alloc) e.context = context;
+    if (!compile_contexts_.empty()) e.compile_context = compile_contexts_.back();
+    e.user_metadata = user_metadata_;
+    trackers = trackers_;
+    if (enabled() && (skip_mask_ & (1u << static_cast<unsigned>(action))) == 0) {
+      if (trackers && !trackers->empty()) entries_.push(e);
+      else entries_.push(std::move(e));
+    }
+  }
+  if (trackers && !trackers->empty()) tls_pending.push_back({std::move(trackers), std::move(e)});
+}
+
+void history_recorder::record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream) {
+  const context_ptr allocated_with = forget_block(addr);
+  const context_ptr& freed_with = current_context(context_kind::free);
+  record(trace_entry_action::free_completed, addr, requested_bytes, stream, freed_with ? freed_with : allocated_with);
+}
+
+void history_recorder::record_segment_alloc(std::uintptr_t addr, std::size_t size, stream_t stream) {
+  const context_ptr& context = current_context(context_kind::malloc);
+  record(trace_entry_action::segment_alloc, addr, size, stream, context);
+  remember_segment(addr, context);
+}
+
+void history_recorder::record_segment_free(std::uintptr_t addr, std::size_t size, stream_t stream) {
+  record(trace_entry_action::segment_free, addr, size, stream, nullptr);
+  forget_segment(addr);
+}
+
+void history_recorder::record_segment_map(std::uintptr_t addr, std::size_t size, stream_t stream) {
+  record(trace_entry_action::segment_map, addr, size, stream, current_context(context_kind::malloc));
+}
+
+void history_recorder::record_segment_unmap(std::uintptr_t addr, std::size_t size, stream_t stream) {
+  record(trace_entry_action::segment_unmap, addr, size, stream, nullptr);
+}
+
+void history_recorder::record_oom(std::size_t device_free_bytes, std::size_t requested_bytes, stream_t stream) {
+  record(trace_entry_action::oom, device_free_bytes, requested_bytes, stream, current_context(context_kind::malloc));
+}
+
+void history_recorder::remember(std::unordered_map<std::uintptr_t, context_ptr>& map, std::uintptr_t addr,
+                                context_ptr context) {
+  if (!context) return;
+  std::lock_guard lock(mutex_);
+  map[addr] = std::move(context);
+}
+
+context_ptr history_recorder::find(const std::unordered_map<std::uintptr_t, context_ptr>& map,
+                                   std::uintptr_t addr) const {
+  std::lock_guard lock(mutex_);
+  auto it = map.find(addr);
+  return it == map.end() ? nullptr : it->second;
+}
+
+void history_recorder::remember_block(std::uintptr_t addr, context_ptr context) {
+  remember(block_contexts_, addr, std::move(context));
+}
+
+context_ptr history_recorder::forget_block(std::uintptr_t addr) {
+  std::lock_guard lock(mutex_);
+  auto it = block_contexts_.find(addr);
+  if (it == block_contexts_.end()) return nullptr;
+  context_ptr c = std::move(it->second);
+  block_contexts_.erase(it);
+  return c;
+}
+
+void history_recorder::remember_segment(std::uintptr_t addr, context_ptr context) {
+  remember(segment_contexts_, addr, std::move(context));
+}
+
+void history_recorder::forget_segment(std::uintptr_t addr) {
+  std::lock_guard lock(mutex_);
+  segment_contexts_.erase(addr);
+}
+
+context_ptr history_recorder::block_context(std::uintptr_t addr) const { return find(block_contexts_, addr); }
+
+context_ptr history_recorder::segment_context(std::uintptr_t addr) const { return find(segment_contexts_, addr); }
+
+void history_recorder::record_annotation(std::vector<std::pair<std::string, std::string>> metadata) {
+  if (!enabled()) return;
+  annotation_entry a;
+  a.device = device_;
+  a.time_us = now_us();
+  a.metadata = std::move(metadata);
+  std::lock_guard lock(mutex_);
+  if (enabled()) annotations_.push(std::move(a));
+}
+
+void history_recorder::push_compile_context(std::string context) {
+  std::lock_guard lock(mutex_);
+  if (enabled()) compile_contexts_.push_back(std::move(context));
+}
+
+void history_recorder::pop_compile_context() {
+  std::lock_guard lock(mutex_);
+  if (enabled() && !compile_contexts_.empty()) compile_contexts_.pop_back();
+}
+
+void history_recorder::set_user_metadata(std::string metadata) {
+  std::lock_guard lock(mutex_);
+  user_metadata_ = std::move(metadata);
+}
+
+std::string history_recorder::user_metadata() const {
+  std::lock_guard lock(mutex_);
+  return user_metadata_;
+}
+
+std::vector<trace_entry> history_recorder::entries() const {
+  std::lock_guard lock(mutex_);
+  return entries_.items();
+}
+
+std::vector<annotation_entry> history_recorder::annotations() const {
+  std::lock_guard lock(mutex_);
+  return annotations_.items();
+}
+
+void history_recorder::deliver_pending() noexcept {
+  // A tracker may call back into the allocator, which queues and delivers
+  // its own entries: take the queue first.
+  while (!tls_pending.empty()) {
+    std::vector<pending_entry> batch;
+    batch.swap(tls_pending);
+    for (const pending_entry& p : batch)
+      for (const trace_tracker& t : *p.trackers) {
+        try {
+          t(p.entry);
+        } catch (...) {
+          // Trackers are notifications: an exception must not reach the
+          // allocator's caller nor stop the other trackers (trace_tracker).
+        }
+      }
+  }
+}
+
+const context_ptr& history_recorder::current_context(context_kind kind) noexcept {
+  return tls_context[static_cast<std::size_t>(kind)];
+}
+
+context_scope::context_scope(context_kind kind, context_ptr context) noexcept
+    : kind_(kind), previous_(std::move(tls_context[static_cast<std::size_t>(kind)])) {
+  tls_context[static_cast<std::size_t>(kind)] = std::move(context);
+}
+
+context_scope::~context_scope() { tls_context[static_cast<std::size_t>(kind_)] = std::move(previous_); }
+
+}  // namespace detail
+}  // namespace ccalloc

@@ -1,0 +1,240 @@
+// to_json(memory_snapshot): PyTorch's snapshot dictionary as JSON
+// (include/ccalloc/core/snapshot.hpp). Written by hand: the core depends on
+// the standard library only, and the C API calls this.
+#include <ccalloc/core/snapshot.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ccalloc {
+
+namespace {
+
+/// Appends JSON text to a string: objects and arrays with commas placed by a
+/// "first item" flag per nesting level.
+class json_writer {
+ public:
+  explicit json_writer(std::string& out) : out_(out) {}
+
+  void begin_object() { open('{'); }
+  void end_object() { close('}'); }
+  void begin_array() { open('['); }
+  void end_array() { close(']'); }
+  /// The key of the next value in the current object.
+  void key(std::string_view k) {
+    separate();
+    string_literal(k);
+    out_ += ':';
+    after_key_ = true;
+  }
+  void value(std::string_view v) {
+    separate();
+    string_literal(v);
+  }
+  void value(const char* v) { value(std::string_view(v)); }
+  void value(bool v) {
+    separate();
+    out_ += v ? "true" : "false";
+  }
+  void value(std::uint64_t v) {
+    separate();
+    out_ += std::to_string(v);
+  }
+  void value(std::int64_t v) {
+    separate();
+    out_ += std::to_string(v);
+  }
+  void value(int v) { value(static_cast<std::int64_t>(v)); }
+  /// A finite double with enough digits to read back exactly.
+  void value(double v) {
+    separate();
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    out_ += buf;
+    // JSON has no bare integers for floats in Python's reading: keep a '.'
+    // so that json.loads gives a float, as PyTorch's pickle holds.
+    const std::string_view written(buf);
+    if (written.find_first_of(".eEn") == std::string_view::npos) out_ += ".0";
+  }
+  template <class K, class V>
+  void member(K k, V v) {
+    key(k);
+    value(v);
+  }
+
+ private:
+  void open(char c) {
+    separate();
+    out_ += c;
+    first_.push_back(true);
+  }
+  void close(char c) {
+    out_ += c;
+    first_.pop_back();
+  }
+  void separate() {
+    if (after_key_) {
+      after_key_ = false;
+      return;
+    }
+    if (first_.empty()) return;
+    if (!first_.back()) out_ += ',';
+    first_.back() = false;
+  }
+  void string_literal(std::string_view s) {
+    out_ += '"';
+    for (const char ch : s) {
+      const auto c = static_cast<unsigned char>(ch);
+      switch (c) {
+        case '"': out_ += "\\\""; break;
+        case '\\': out_ += "\\\\"; break;
+        case '\n': out_ += "\\n"; break;
+        case '\r': out_ += "\\r"; break;
+        case '\t': out_ += "\\t"; break;
+        case '\b': out_ += "\\b"; break;
+        case '\f': out_ += "\\f"; break;
+        default:
+          if (c < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof buf, "\\u%04x", c);
+            out_ += buf;
+          } else {
+            out_ += ch;  // UTF-8 passes through
+          }
+      }
+    }
+    out_ += '"';
+  }
+
+  std::string& out_;
+  std::vector<bool> first_;
+  bool after_key_ = false;
+};
+
+void write_frames(json_writer& w, const context_ptr& context) {
+  w.key("frames");
+  w.begin_array();
+  if (context) {
+    for (const stack_frame& f : context->frames) {
+      w.begin_object();
+      w.member("name", std::string_view(f.name));
+      w.member("filename", std::string_view(f.filename));
+      w.member("line", f.line);
+      w.end_object();
+    }
+  }
+  w.end_array();
+}
+
+void write_segment(json_writer& w, const segment_info& s) {
+  w.begin_object();
+  w.member("device", s.device);
+  w.member("address", std::uint64_t{s.address});
+  w.member("total_size", std::uint64_t{s.total_bytes});
+  w.member("allocated_size", std::uint64_t{s.allocated_bytes});
+  w.member("active_size", std::uint64_t{s.active_bytes});
+  w.member("requested_size", std::uint64_t{s.requested_bytes});
+  w.member("stream", std::uint64_t{s.stream});
+  w.member("segment_type", s.is_small_pool ? "small" : "large");
+  w.key("segment_pool_id");
+  w.begin_array();
+  w.value(std::uint64_t{s.pool_id.first});
+  w.value(std::uint64_t{s.pool_id.second});
+  w.end_array();
+  w.member("is_expandable", s.is_expandable);
+  write_frames(w, s.context);
+  w.key("blocks");
+  w.begin_array();
+  for (const block_info& b : s.blocks) {
+    w.begin_object();
+    w.member("address", std::uint64_t{b.address});
+    w.member("size", std::uint64_t{b.size_bytes});
+    w.member("requested_size", std::uint64_t{b.requested_bytes});
+    w.member("state", to_string(b.state));
+    write_frames(w, b.context);
+    w.end_object();
+  }
+  w.end_array();
+  w.end_object();
+}
+
+void write_entry(json_writer& w, const trace_entry& e) {
+  w.begin_object();
+  w.member("action", to_string(e.action));
+  w.member(e.action == trace_entry_action::oom ? "device_free" : "addr", std::uint64_t{e.addr});
+  w.member("size", std::uint64_t{e.size});
+  w.member("stream", std::uint64_t{e.stream});
+  w.member("time_us", e.time_us);
+  write_frames(w, e.context);
+  w.member("compile_context", std::string_view(e.compile_context));
+  w.member("user_metadata", std::string_view(e.user_metadata));
+  w.end_object();
+}
+
+void write_settings(json_writer& w, const allocator_config& c) {
+  constexpr std::size_t unlimited = std::numeric_limits<std::size_t>::max();
+  w.begin_object();
+  // PyTorch's keys, in its order (PyTorch 2.11's snapshot).
+  w.member("PYTORCH_CUDA_ALLOC_CONF", std::string_view(c.to_string()));
+  w.member("max_split_size", c.max_split_size_bytes == unlimited
+                                 ? std::int64_t{-1}
+                                 : static_cast<std::int64_t>(c.max_split_size_bytes));
+  w.member("garbage_collection_threshold", c.garbage_collection_threshold);
+  w.member("expandable_segments", c.expandable_segments);
+  w.member("pinned_num_register_threads", std::uint64_t{c.pinned_num_register_threads});
+  w.member("release_lock_on_cudamalloc", c.release_lock_on_cudamalloc);
+  w.member("pinned_use_cuda_host_register", c.pinned_use_cuda_host_register);
+  w.member("graph_capture_record_stream_reuse", c.graph_capture_record_stream_reuse);
+  w.key("roundup_power2_divisions");
+  w.begin_object();
+  for (std::size_t i = 0; i < c.roundup_power2_divisions.size(); ++i)
+    w.member(std::to_string(std::uint64_t{1} << i), std::uint64_t{c.roundup_power2_divisions[i]});
+  w.end_object();
+  // ccalloc's own settings in force.
+  w.member("large_segment_size", std::uint64_t{c.large_segment_size_bytes});
+  w.member("max_non_split_rounding_size", std::uint64_t{c.max_non_split_rounding_bytes});
+  w.member("per_process_memory_fraction", c.per_process_memory_fraction);
+  w.member("trim_on_new_peak", c.trim_on_new_peak);
+  w.end_object();
+}
+
+}  // namespace
+
+std::string to_json(const memory_snapshot& snapshot) {
+  std::string out;
+  out.reserve(256 + snapshot.segments.size() * 512);
+  json_writer w(out);
+  w.begin_object();
+  w.key("segments");
+  w.begin_array();
+  for (const segment_info& s : snapshot.segments) write_segment(w, s);
+  w.end_array();
+  w.key("device_traces");
+  w.begin_array();
+  for (const auto& trace : snapshot.device_traces) {
+    w.begin_array();
+    for (const trace_entry& e : trace) write_entry(w, e);
+    w.end_array();
+  }
+  w.end_array();
+  w.key("allocator_settings");
+  write_settings(w, snapshot.config);
+  w.key("external_annotations");
+  w.begin_array();
+  for (const annotation_entry& a : snapshot.external_annotations) {
+    w.begin_object();
+    w.member("device", a.device);
+    w.member("time_us", a.time_us);
+    for (const auto& [k, v] : a.metadata) w.member(std::string_view(k), std::string_view(v));
+    w.end_object();
+  }
+  w.end_array();
+  w.end_object();
+  return out;
+}
+
+}  // namespace ccalloc

@@ -1,0 +1,778 @@
+// report.cpp: the HTML report of a trace (include/ccalloc/replay/report.hpp).
+//
+// Pipeline: curves_from_trace (the recording allocator, from the trace's own
+// events) -> pass 1, replay_trace with an after_event hook that reads
+// ccalloc's statistics after every event into time slices and finds the
+// peak -> pass 2, replay_trace again up to the peak and take the segments
+// there -> the page: summary, time chart, segment map, fragmentation table,
+// largest allocations. Everything is drawn here as SVG; nothing is loaded.
+#include <ccalloc/replay/report.hpp>
+
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <map>
+#include <queue>
+#include <set>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace ccalloc {
+
+namespace {
+
+// ---- text helpers -------------------------------------------------------------
+
+[[gnu::format(printf, 1, 2)]] std::string fmt(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  va_list again;
+  va_copy(again, args);
+  const int n = std::vsnprintf(nullptr, 0, format, args);
+  va_end(args);
+  std::string out(n > 0 ? static_cast<std::size_t>(n) : 0, '\0');
+  if (n > 0) std::vsnprintf(out.data(), out.size() + 1, format, again);
+  va_end(again);
+  return out;
+}
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (std::fabs(bytes) >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt("%.0f B", bytes) : fmt(bytes >= 100 ? "%.1f %s" : "%.2f %s", bytes, units[u]);
+}
+
+std::string with_commas(std::uint64_t value) {
+  std::string digits = std::to_string(value), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i != 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string html(std::string_view s) {
+  std::string out;
+  for (const char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+std::string seconds_text(double s) {
+  if (s == 0) return "0 s";
+  if (s < 1e-3) return fmt("%.0f µs", s * 1e6);
+  if (s < 1) return fmt("%.1f ms", s * 1e3);
+  if (s < 120) return fmt("%.2f s", s);
+  return fmt("%.1f min", s / 60);
+}
+
+/// About `target` round tick values covering [0, max]: steps of 1, 2 or 5 x 10^k.
+std::vector<double> ticks(double max, int target = 5) {
+  if (!(max > 0)) return {0};
+  const double raw = max / target;
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  double step = mag;
+  for (const double m : {1.0, 2.0, 5.0, 10.0})
+    if (raw <= m * mag) {
+      step = m * mag;
+      break;
+    }
+  std::vector<double> out;
+  for (double v = 0; v <= max * 1.0001; v += step) out.push_back(v);
+  return out;
+}
+
+/// Tick labels for bytes: the unit is chosen from the largest value.
+struct byte_axis {
+  double unit = 1;
+  const char* name = "B";
+  explicit byte_axis(double max) {
+    const std::pair<double, const char*> units[] = {
+        {double(std::uint64_t{1} << 40), "TiB"}, {double(gib), "GiB"}, {double(mib), "MiB"}, {double(kib), "KiB"}};
+    for (const auto& [u, n] : units)
+      if (max >= u) {
+        unit = u;
+        name = n;
+        break;
+      }
+  }
+};
+
+// ---- time slices ----------------------------------------------------------------
+
+/// The highest value of a step function in each of `n` slices of the x range;
+/// a slice without events holds the value the previous one ended with.
+class sliced_series {
+ public:
+  explicit sliced_series(std::size_t n) : max_(n, -1), last_(n, -1) {}
+  void add(std::size_t slice, std::int64_t value) {
+    max_[slice] = std::max(max_[slice], value);
+    last_[slice] = value;
+  }
+  /// The per-slice maxima, gaps filled.
+  [[nodiscard]] std::vector<std::int64_t> finish() const {
+    std::vector<std::int64_t> out(max_.size());
+    std::int64_t carry = 0;
+    for (std::size_t i = 0; i < max_.size(); ++i) {
+      out[i] = max_[i] < 0 ? carry : std::max(max_[i], carry);
+      if (last_[i] >= 0) carry = last_[i];
+    }
+    return out;
+  }
+
+ private:
+  std::vector<std::int64_t> max_;
+  std::vector<std::int64_t> last_;
+};
+
+/// Maps an event to its slice: by recorded time when the trace has a time
+/// span, else by event index.
+struct slicer {
+  std::size_t n = 0;
+  bool by_time = true;
+  std::uint64_t t0 = 0;
+  double span = 1;  // seconds (by time) or events
+  slicer(const trace& t, std::size_t slices) : n(slices) {
+    t0 = t.events.front().time_us;
+    const std::uint64_t t1 = t.events.back().time_us;
+    by_time = t1 > t0;
+    span = by_time ? double(t1 - t0) / 1e6 : double(std::max<std::size_t>(t.events.size() - 1, 1));
+  }
+  [[nodiscard]] double x(const trace& t, std::size_t i) const {
+    return by_time ? double(t.events[i].time_us - t0) / 1e6 : double(i);
+  }
+  [[nodiscard]] std::size_t slice(const trace& t, std::size_t i) const {
+    const auto s = static_cast<std::size_t>(x(t, i) / span * double(n));
+    return std::min(s, n - 1);
+  }
+};
+
+/// The recording allocator's curves, from the trace's own events.
+struct recorded_curves {
+  std::vector<std::int64_t> requested;
+  std::vector<std::int64_t> reserved;  // empty when the trace has no segment events
+  std::uint64_t requested_peak = 0;
+  std::uint64_t reserved_peak = 0;
+  std::uint64_t segment_allocs = 0;
+};
+
+recorded_curves curves_from_trace(const trace& t, const slicer& sl) {
+  sliced_series requested(sl.n), reserved(sl.n);
+  std::unordered_map<std::uint64_t, std::uint64_t> live;  // addr -> requested bytes (until free_completed)
+  std::int64_t req = 0, res = 0;
+  bool has_segments = false;
+  recorded_curves out;
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    const trace_event& e = t.events[i];
+    switch (e.action) {
+      case trace_action::alloc:
+        live[e.addr] = e.size;
+        req += static_cast<std::int64_t>(e.size);
+        break;
+      case trace_action::free_completed:
+        if (auto it = live.find(e.addr); it != live.end()) {
+          req -= static_cast<std::int64_t>(it->second);
+          live.erase(it);
+        }
+        break;
+      case trace_action::segment_alloc:
+      case trace_action::segment_map:
+        has_segments = true;
+        res += static_cast<std::int64_t>(e.size);
+        out.segment_allocs += e.action == trace_action::segment_alloc;
+        break;
+      case trace_action::segment_free:
+      case trace_action::segment_unmap:
+        has_segments = true;
+        res = std::max<std::int64_t>(0, res - static_cast<std::int64_t>(e.size));
+        break;
+      default:
+        break;
+    }
+    const std::size_t s = sl.slice(t, i);
+    requested.add(s, req);
+    reserved.add(s, res);
+    out.requested_peak = std::max(out.requested_peak, static_cast<std::uint64_t>(req));
+    out.reserved_peak = std::max(out.reserved_peak, static_cast<std::uint64_t>(res));
+  }
+  out.requested = requested.finish();
+  if (has_segments) out.reserved = reserved.finish();
+  else out.reserved_peak = 0;
+  return out;
+}
+
+/// One of the largest allocations of the trace.
+struct big_allocation {
+  std::uint64_t size = 0;
+  std::uint64_t stream = 0;
+  double alloc_x = 0;
+  double free_x = -1;  // -1: live at the end
+  std::uint64_t line = 0;
+};
+
+std::vector<big_allocation> largest_allocations(const trace& t, const slicer& sl, std::size_t n) {
+  struct open_alloc {
+    std::size_t index;
+  };
+  std::unordered_map<std::uint64_t, std::size_t> live;  // addr -> alloc index
+  auto smaller = [](const big_allocation& a, const big_allocation& b) {
+    return std::tie(a.size, b.line) > std::tie(b.size, a.line);  // min-heap by size, later lines first out
+  };
+  std::priority_queue<big_allocation, std::vector<big_allocation>, decltype(smaller)> top(smaller);
+  auto offer = [&](std::size_t alloc_index, double free_x) {
+    const trace_event& a = t.events[alloc_index];
+    if (top.size() == n && a.size <= top.top().size) return;
+    top.push({a.size, a.stream, sl.x(t, alloc_index), free_x, a.line});
+    if (top.size() > n) top.pop();
+  };
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    const trace_event& e = t.events[i];
+    if (e.action == trace_action::alloc) {
+      live[e.addr] = i;
+    } else if (e.action == trace_action::free_requested) {
+      if (auto it = live.find(e.addr); it != live.end()) {
+        offer(it->second, sl.x(t, i));
+        live.erase(it);
+      }
+    }
+  }
+  for (const auto& [addr, index] : live) offer(index, -1);
+  std::vector<big_allocation> out;
+  while (!top.empty()) {
+    out.push_back(top.top());
+    top.pop();
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+// ---- the pieces of the page -----------------------------------------------------
+
+constexpr const char* color_requested = "#bac8d6";
+constexpr const char* color_allocated = "#59a14f";
+constexpr const char* color_reserved = "#2f6db5";
+constexpr const char* color_recorded = "#e8772e";
+constexpr const char* color_block = "#4e79a7";
+constexpr const char* color_rounding = "#a0cbe8";
+constexpr const char* color_pending = "#f28e2c";
+constexpr const char* color_free = "#eef1f5";
+
+struct chart_data {
+  std::vector<double> x;  // slice start, seconds or events
+  std::vector<std::int64_t> requested, allocated, reserved, recorded_reserved;
+  bool by_time = true;
+  double span = 1;
+  double peak_x = 0;
+};
+
+std::string polyline_points(const std::vector<std::int64_t>& v, const std::vector<double>& xs, double x_scale,
+                            double y_scale, double left, double bottom, bool close_to_base) {
+  std::string out;
+  out.reserve(v.size() * 16);
+  if (close_to_base) out += fmt("%.1f,%.1f ", left + xs.front() * x_scale, bottom);
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const double y = bottom - double(v[i]) * y_scale;
+    // A step: the slice's value holds from its start to the next slice's start.
+    out += fmt("%.1f,%.1f ", left + xs[i] * x_scale, y);
+    const double next_x = i + 1 < xs.size() ? xs[i + 1] : xs[i] + (xs.size() > 1 ? xs[1] - xs[0] : 1);
+    out += fmt("%.1f,%.1f ", left + next_x * x_scale, y);
+  }
+  if (close_to_base) {
+    const double end_x = xs.back() + (xs.size() > 1 ? xs[1] - xs[0] : 1);
+    out += fmt("%.1f,%.1f", left + end_x * x_scale, bottom);
+  }
+  return out;
+}
+
+std::string time_chart_svg(const chart_data& c) {
+  constexpr double W = 1040, H = 360, L = 72, R = 16, T = 16, B = 44;
+  const double plot_w = W - L - R, plot_h = H - T - B;
+  std::int64_t max_v = 1;
+  for (const auto* s : {&c.requested, &c.allocated, &c.reserved, &c.recorded_reserved})
+    for (const std::int64_t v : *s) max_v = std::max(max_v, v);
+  const byte_axis unit{static_cast<double>(max_v)};
+  // Headroom above the highest curve, so that it does not run along the frame.
+  std::vector<double> yt = ticks(double(max_v) * 1.1 / unit.unit);
+  const double y_max = std::max(yt.back(), double(max_v) * 1.1 / unit.unit) * unit.unit;
+  const double x_end = c.span;
+  const double xs = plot_w / x_end, ys = plot_h / y_max, bottom = T + plot_h;
+  std::string o;
+  o += fmt("<svg id=\"timechart\" viewBox=\"0 0 %.0f %.0f\" width=\"%.0f\" height=\"%.0f\" role=\"img\" "
+           "aria-label=\"bytes over time\">\n", W, H, W, H);
+  o += fmt("<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" fill=\"#fbfcfd\" stroke=\"#d5dbe2\"/>\n", L, T,
+           plot_w, plot_h);
+  for (const double v : yt) {
+    const double y = bottom - v * unit.unit * ys;
+    o += fmt("<line x1=\"%.0f\" x2=\"%.0f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"#e3e7ec\"/>", L, L + plot_w, y, y);
+    o += fmt("<text x=\"%.0f\" y=\"%.1f\" class=\"tick\" text-anchor=\"end\">%g %s</text>\n", L - 6, y + 4, v,
+             unit.name);
+  }
+  for (const double v : ticks(x_end, 8)) {
+    const double x = L + v * xs;
+    o += fmt("<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.0f\" y2=\"%.0f\" stroke=\"#eef1f4\"/>", x, x, T, bottom);
+    o += fmt("<text x=\"%.1f\" y=\"%.0f\" class=\"tick\" text-anchor=\"middle\">%s</text>\n", x, bottom + 16,
+             c.by_time ? seconds_text(v).c_str() : with_commas(static_cast<std::uint64_t>(v)).c_str());
+  }
+  o += fmt("<text x=\"%.0f\" y=\"%.0f\" class=\"axis\" text-anchor=\"middle\">%s</text>\n", L + plot_w / 2, H - 6,
+           c.by_time ? "time since the first event (recorded clock)" : "event");
+  o += fmt("<polygon points=\"%s\" fill=\"%s\" fill-opacity=\"0.75\"/>\n",
+           polyline_points(c.requested, c.x, xs, ys, L, bottom, true).c_str(), color_requested);
+  if (!c.recorded_reserved.empty())
+    o += fmt("<polyline class=\"curve\" points=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"2\" "
+             "stroke-dasharray=\"6 4\"/>\n",
+             polyline_points(c.recorded_reserved, c.x, xs, ys, L, bottom, false).c_str(), color_recorded);
+  o += fmt("<polyline class=\"curve\" points=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\"/>\n",
+           polyline_points(c.allocated, c.x, xs, ys, L, bottom, false).c_str(), color_allocated);
+  o += fmt("<polyline class=\"curve\" points=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"2.2\"/>\n",
+           polyline_points(c.reserved, c.x, xs, ys, L, bottom, false).c_str(), color_reserved);
+  const double px = L + c.peak_x * xs;
+  o += fmt("<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.0f\" y2=\"%.0f\" stroke=\"#c0392b\" stroke-dasharray=\"3 3\"/>"
+           "<text x=\"%.1f\" y=\"%.0f\" class=\"tick\" fill=\"#c0392b\" text-anchor=\"%s\">segment map</text>\n",
+           px, px, T, bottom, px + (px > L + plot_w - 90 ? -4 : 4), T + 12, px > L + plot_w - 90 ? "end" : "start");
+  o += fmt("<line id=\"cursor\" x1=\"0\" x2=\"0\" y1=\"%.0f\" y2=\"%.0f\" stroke=\"#555\" visibility=\"hidden\"/>\n", T,
+           bottom);
+  o += fmt("<rect id=\"hit\" x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" fill=\"transparent\" "
+           "data-left=\"%.0f\" data-width=\"%.0f\"/>\n", L, T, plot_w, plot_h, L, plot_w);
+  o += "</svg>\n";
+  return o;
+}
+
+std::string chart_json(const chart_data& c) {
+  auto arr = [](const std::vector<std::int64_t>& v) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + fmt("%.2f", double(v[i]) / double(mib));
+    return s + "]";
+  };
+  std::string s = "{\"by_time\":" + std::string(c.by_time ? "true" : "false") + fmt(",\"span\":%.6g", c.span) +
+                  ",\"requested\":" + arr(c.requested) + ",\"allocated\":" + arr(c.allocated) +
+                  ",\"reserved\":" + arr(c.reserved) + ",\"recorded\":" + arr(c.recorded_reserved) + "}";
+  return s;
+}
+
+/// Segments packed into rows (largest first), blocks drawn inside.
+std::string segment_map_svg(std::vector<segment_info> segments, std::size_t& drawn_rects) {
+  constexpr double W = 1040, pad = 8, row_h = 18, gap = 6;
+  std::sort(segments.begin(), segments.end(), [](const segment_info& a, const segment_info& b) {
+    return std::tie(b.total_bytes, a.address) < std::tie(a.total_bytes, b.address);
+  });
+  std::uint64_t total = 0, largest = 1;
+  for (const auto& s : segments) {
+    total += s.total_bytes;
+    largest = std::max<std::uint64_t>(largest, s.total_bytes);
+  }
+  const double capacity = std::max(double(largest), double(total) / 24.0);
+  const double scale = (W - 2 * pad) / capacity;
+  const double seg_gap_bytes = 3 / scale;
+  struct placed {
+    const segment_info* s;
+    double x;
+    int row;
+  };
+  std::vector<placed> layout;
+  int row = 0;
+  double used = 0;
+  for (const auto& s : segments) {
+    if (used > 0 && used + double(s.total_bytes) > capacity) {
+      ++row;
+      used = 0;
+    }
+    layout.push_back({&s, used, row});
+    used += double(s.total_bytes) + seg_gap_bytes;
+  }
+  const double H = pad * 2 + (row + 1) * (row_h + gap);
+  std::string o = fmt("<svg id=\"segmap\" viewBox=\"0 0 %.0f %.0f\" width=\"%.0f\" height=\"%.0f\" role=\"img\" "
+                      "aria-label=\"segment map\">\n", W, H, W, H);
+  drawn_rects = 0;
+  for (const placed& p : layout) {
+    const segment_info& s = *p.s;
+    const double x0 = pad + p.x * scale, y = pad + p.row * (row_h + gap);
+    const double w = std::max(1.0, double(s.total_bytes) * scale);
+    o += fmt("<g><title>segment 0x%llx: %s, %s pool, stream %llu; %s allocated, %s requested</title>"
+             "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\" stroke=\"#8795a5\" "
+             "stroke-width=\"0.6\"/>",
+             static_cast<unsigned long long>(s.address), human_bytes(double(s.total_bytes)).c_str(),
+             s.is_small_pool ? "small" : "large", static_cast<unsigned long long>(s.stream),
+             human_bytes(double(s.allocated_bytes)).c_str(), human_bytes(double(s.requested_bytes)).c_str(), x0, y, w,
+             row_h, color_free);
+    ++drawn_rects;
+    // Blocks: runs of tiny blocks of one kind are merged into one rectangle.
+    double run_x = -1, run_end = 0;
+    const char* run_color = nullptr;
+    auto flush = [&] {
+      if (run_color != nullptr && run_end > run_x) {
+        o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"/>", run_x, y + 1,
+                 std::max(0.3, run_end - run_x), row_h - 2, run_color);
+        ++drawn_rects;
+      }
+      run_color = nullptr;
+    };
+    for (const block_info& b : s.blocks) {
+      if (b.state == block_state::inactive) {
+        flush();
+        continue;
+      }
+      const double bx = pad + (p.x + double(b.address - s.address)) * scale;
+      const double bw = double(b.size_bytes) * scale;
+      const char* color = b.state == block_state::active_pending_free ? color_pending : color_block;
+      if (bw >= 3) {
+        flush();
+        const double rw = b.state == block_state::active_allocated ? double(b.requested_bytes) * scale : bw;
+        o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"><title>block %s (%s "
+                 "requested), %s</title></rect>",
+                 bx, y + 1, std::max(0.3, rw), row_h - 2, color, human_bytes(double(b.size_bytes)).c_str(),
+                 human_bytes(double(b.requested_bytes)).c_str(), std::string(to_string(b.state)).c_str());
+        ++drawn_rects;
+        if (bw - rw >= 0.5) {
+          o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"/>", bx + rw, y + 1,
+                   bw - rw, row_h - 2, color_rounding);
+          ++drawn_rects;
+        }
+        continue;
+      }
+      if (run_color != color || std::fabs(bx - run_end) > 0.05 || run_end - run_x >= 3) {
+        flush();
+        run_x = bx;
+        run_color = color;
+      }
+      run_end = bx + bw;
+    }
+    flush();
+    o += "</g>\n";
+  }
+  o += "</svg>\n";
+  return o;
+}
+
+struct pool_row {
+  std::uint64_t stream = 0;
+  bool small = false;
+  std::size_t segments = 0;
+  std::uint64_t reserved = 0, allocated = 0, requested = 0, pending = 0, largest_free = 0;
+};
+
+std::vector<pool_row> fragmentation_rows(const std::vector<segment_info>& segments) {
+  std::map<std::pair<std::uint64_t, bool>, pool_row> rows;
+  for (const auto& s : segments) {
+    pool_row& r = rows[{s.stream, s.is_small_pool}];
+    r.stream = s.stream;
+    r.small = s.is_small_pool;
+    ++r.segments;
+    r.reserved += s.total_bytes;
+    r.allocated += s.allocated_bytes;
+    r.requested += s.requested_bytes;
+    r.pending += s.active_bytes - s.allocated_bytes;
+    for (const auto& b : s.blocks)
+      if (b.state == block_state::inactive) r.largest_free = std::max<std::uint64_t>(r.largest_free, b.size_bytes);
+  }
+  std::vector<pool_row> out;
+  for (auto& [k, r] : rows) out.push_back(r);
+  return out;
+}
+
+std::string pool_bar(const pool_row& r, std::uint64_t widest) {
+  // requested | rounding (allocated - requested of allocated blocks) | pending | free
+  constexpr double W = 170;
+  const double s = W / double(std::max<std::uint64_t>(widest, 1));
+  const double req = double(std::min(r.requested, r.allocated + r.pending));
+  const double rounding = double(r.allocated) - std::min(double(r.allocated), req);
+  const double pending = double(r.pending);
+  const double free = double(r.reserved) - double(r.allocated) - pending;
+  std::string o = fmt("<svg width=\"%.0f\" height=\"14\" class=\"bar\">", W);
+  double x = 0;
+  for (const auto& [v, color] : {std::pair{req, color_block}, std::pair{rounding, color_rounding},
+                                 std::pair{pending, color_pending}, std::pair{std::max(0.0, free), "#d9dee5"}}) {
+    if (v * s >= 0.2) o += fmt("<rect x=\"%.1f\" y=\"1\" width=\"%.1f\" height=\"12\" fill=\"%s\"/>", x, v * s, color);
+    x += v * s;
+  }
+  return o + "</svg>";
+}
+
+const char* page_style = R"css(
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif;margin:0;background:#f3f5f8;color:#1f2933}
+main{max-width:1080px;margin:0 auto;padding:24px 20px 48px}
+h1{font-size:24px;margin:4px 0 2px}
+h2{font-size:18px;margin:0 0 4px}
+.sub{color:#52606d;font-size:13px;margin:0 0 16px}
+.card{background:#fff;border:1px solid #dde3ea;border-radius:8px;padding:16px 18px;margin:16px 0;box-shadow:0 1px 2px rgba(0,0,0,.04)}
+.note{color:#52606d;font-size:13px;margin:2px 0 10px}
+.kpis{display:grid;grid-template-columns:repeat(4,1fr);gap:12px;margin:12px 0 4px}
+.kpi{background:#f7f9fb;border:1px solid #e4e9ef;border-radius:6px;padding:10px 12px}
+.kpi .v{font-size:20px;font-weight:600}
+.kpi .l{font-size:12px;color:#52606d}
+table{border-collapse:collapse;width:100%;font-size:13px}
+th,td{padding:5px 7px;border-bottom:1px solid #edf0f3;text-align:right;white-space:nowrap}
+th{color:#52606d;font-weight:600;background:#f7f9fb}
+td.l,th.l{text-align:left}
+td.src{white-space:normal;overflow-wrap:anywhere;color:#52606d;font-size:12px;max-width:220px}
+.legend{display:flex;flex-wrap:wrap;gap:16px;font-size:13px;margin:8px 0 0}
+.legend span{display:inline-flex;align-items:center;gap:6px}
+.sw{display:inline-block;width:18px;height:10px;border-radius:2px}
+.swl{display:inline-block;width:22px;height:0;border-top:3px solid}
+svg text.tick{font-size:11px;fill:#52606d}
+svg text.axis{font-size:12px;fill:#3e4c59}
+#readout{font:12px ui-monospace,SFMono-Regular,Menlo,monospace;color:#3e4c59;min-height:16px;margin-top:4px}
+.track{position:relative;width:220px;height:10px;background:#edf0f3;border-radius:2px}
+.track i{position:absolute;top:0;height:10px;background:#4e79a7;border-radius:2px}
+)css";
+
+const char* page_script = R"js(
+(function(){
+  var d=JSON.parse(document.getElementById('chartdata').textContent);
+  var svg=document.getElementById('timechart'),hit=document.getElementById('hit'),cur=document.getElementById('cursor');
+  var out=document.getElementById('readout');if(!svg||!hit)return;
+  var left=+hit.getAttribute('data-left'),width=+hit.getAttribute('data-width'),n=d.reserved.length;
+  function mib(v){return v>=1024?(v/1024).toFixed(2)+' GiB':v.toFixed(1)+' MiB';}
+  function when(f){var s=f*d.span;if(!d.by_time)return 'event '+Math.round(s);return s<1?(s*1000).toFixed(1)+' ms':s.toFixed(2)+' s';}
+  hit.addEventListener('mousemove',function(ev){
+    var p=svg.createSVGPoint();p.x=ev.clientX;p.y=ev.clientY;var q=p.matrixTransform(svg.getScreenCTM().inverse());
+    var f=Math.min(Math.max((q.x-left)/width,0),0.999999),i=Math.floor(f*n);
+    cur.setAttribute('x1',q.x);cur.setAttribute('x2',q.x);cur.setAttribute('visibility','visible');
+    out.textContent=when(f)+'  requested '+mib(d.requested[i])+'  allocated '+mib(d.allocated[i])+
+      '  reserved '+mib(d.reserved[i])+(d.recorded.length?'  recording allocator reserved '+mib(d.recorded[i]):'');
+  });
+  hit.addEventListener('mouseleave',function(){cur.setAttribute('visibility','hidden');});
+})();
+)js";
+
+std::string kpi(const std::string& value, const std::string& label) {
+  return "<div class=\"kpi\"><div class=\"v\">" + html(value) + "</div><div class=\"l\">" + html(label) +
+         "</div></div>";
+}
+
+std::string peaks_table(const report_summary& sum, const native_reference* native, bool has_recorded_segments) {
+  struct row {
+    std::string who;
+    std::uint64_t reserved = 0;
+    std::string mallocs, source;
+    const char* color;
+  };
+  std::vector<row> rows;
+  rows.push_back({"ccalloc (this replay)", sum.replay.peak_reserved_bytes, with_commas(sum.replay.device_mallocs),
+                  "replay", color_reserved});
+  if (has_recorded_segments)
+    rows.push_back({"recording allocator", sum.recorded_reserved_peak, "-", "the trace's segment events",
+                    color_recorded});
+  if (native != nullptr && native->reserved_peak)
+    rows.push_back({"PyTorch native", native->reserved_peak,
+                    native->device_allocs ? with_commas(native->device_allocs) : "-", native->origin, color_recorded});
+  if (native != nullptr && native->expandable_reserved_peak)
+    rows.push_back({"PyTorch expandable_segments", native->expandable_reserved_peak, "-", native->origin,
+                    color_recorded});
+  const double req = double(sum.replay.peak_requested_bytes);
+  std::uint64_t widest = 1;
+  for (const row& r : rows) widest = std::max(widest, r.reserved);
+  std::string o = "<table><tr><th class=\"l\">allocator</th><th>peak reserved</th><th>reserved / requested</th>"
+                  "<th>device mallocs</th><th class=\"l\">peak reserved, requested shaded</th>"
+                  "<th class=\"l\">source</th></tr>\n";
+  for (const row& r : rows) {
+    const double w = 180.0 * double(r.reserved) / double(widest), rw = 180.0 * req / double(widest);
+    o += "<tr><td class=\"l\">" + html(r.who) + "</td><td>" + human_bytes(double(r.reserved)) + "</td><td>" +
+         (req > 0 ? fmt("%.3f", double(r.reserved) / req) : std::string("-")) + "</td><td>" + r.mallocs +
+         "</td><td class=\"l\">" +
+         fmt("<svg width=\"184\" height=\"14\"><rect x=\"0\" y=\"2\" width=\"%.1f\" height=\"10\" fill=\"%s\"/>"
+             "<rect x=\"0\" y=\"2\" width=\"%.1f\" height=\"10\" fill=\"%s\" fill-opacity=\"0.9\"/></svg>",
+             w, r.color, std::min(rw, w), color_requested) +
+         "</td><td class=\"l src\">" + html(r.source) + "</td></tr>\n";
+  }
+  return o + "</table>\n";
+}
+
+}  // namespace
+
+std::string render_report_html(const trace& t, const report_options& options, const native_reference* native,
+                               report_summary* summary_out) {
+  if (t.events.empty()) throw invalid_argument_error("ccalloc report: " + t.source + " has no events");
+  if (options.plot_points < 2)
+    throw invalid_argument_error("ccalloc report: plot_points must be at least 2, got " +
+                                 std::to_string(options.plot_points));
+  const std::size_t n = t.events.size();
+  const slicer sl(t, std::min(options.plot_points, n));
+  const recorded_curves recorded = curves_from_trace(t, sl);
+
+  // Pass 1: the full replay, ccalloc's curves, and the peak.
+  sliced_series requested(sl.n), allocated(sl.n), reserved(sl.n);
+  std::pair<std::int64_t, std::int64_t> peak{-1, -1};
+  std::size_t peak_index = 0;
+  const std::size_t progress_every = std::max<std::size_t>(1, n / 200);
+  replay_options ro;
+  ro.config = options.config;
+  ro.device_memory_bytes = options.device_memory_bytes;
+  ro.after_event = [&](std::size_t i, caching_allocator& a) {
+    const device_stats s = a.get_device_stats(0);
+    const std::int64_t res = s.reserved_bytes[0].current, al = s.allocated_bytes[0].current;
+    const std::size_t slice = sl.slice(t, i);
+    requested.add(slice, s.requested_bytes[0].current);
+    allocated.add(slice, al);
+    reserved.add(slice, res);
+    if (std::pair{res, al} > peak) {
+      peak = {res, al};
+      peak_index = i;
+    }
+    if (options.progress && (i + 1) % progress_every == 0) options.progress(1, i + 1, n);
+    return true;
+  };
+  report_summary sum;
+  sum.replay = replay_trace(t, ro);
+  if (options.progress) options.progress(1, n, n);
+  sum.peak_event_index = peak_index;
+  sum.recorded_reserved_peak = recorded.reserved_peak;
+  sum.recorded_requested_peak = recorded.requested_peak;
+
+  // Pass 2: up to the peak, for its segments.
+  std::vector<segment_info> at_peak;
+  ro.after_event = [&](std::size_t i, caching_allocator& a) {
+    if (options.progress && (i + 1) % progress_every == 0) options.progress(2, i + 1, peak_index + 1);
+    if (i < peak_index) return true;
+    at_peak = a.device_allocator(0).snapshot_segments();  // mapped runs, as PyTorch shows them
+    return false;
+  };
+  (void)replay_trace(t, ro);
+  if (options.progress) options.progress(2, peak_index + 1, peak_index + 1);
+  sum.segments_at_peak = at_peak.size();
+  for (const auto& s : at_peak) sum.blocks_at_peak += s.blocks.size();
+
+  chart_data c;
+  c.by_time = sl.by_time;
+  c.span = sl.span;
+  c.requested = requested.finish();
+  c.allocated = allocated.finish();
+  c.reserved = reserved.finish();
+  c.recorded_reserved = recorded.reserved;
+  for (std::size_t i = 0; i < sl.n; ++i) c.x.push_back(sl.span * double(i) / double(sl.n));
+  c.peak_x = sl.x(t, peak_index);
+  sum.plot_points = sl.n;
+
+  // ---- the page ----
+  const std::string title = options.title.empty() ? t.source : options.title;
+  std::set<std::uint64_t> streams;
+  for (const auto& e : t.events) streams.insert(e.stream);
+  const double duration = sl.by_time ? sl.span : 0;
+  std::string o;
+  o.reserve(1 << 20);
+  o += "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>ccalloc report: " + html(title) +
+       "</title>\n<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<style>" + page_style +
+       "</style></head>\n<body><main>\n";
+  o += "<h1>ccalloc memory report</h1>\n<p class=\"sub\">" + html(title) + " &middot; " + with_commas(n) +
+       " events &middot; " + std::to_string(streams.size()) + (streams.size() == 1 ? " stream" : " streams") +
+       (duration > 0 ? " &middot; " + html(seconds_text(duration)) + " recorded" : std::string()) +
+       " &middot; replayed with " + html(options.config.empty() ? "the default configuration" : options.config) +
+       " on a simulated device of " + html(human_bytes(double(options.device_memory_bytes))) + "</p>\n";
+  for (const std::string& note : t.notes) o += "<p class=\"note\">Input: " + html(note) + "</p>\n";
+
+  // Summary.
+  o += "<section class=\"card\"><h2>Summary</h2>\n<div class=\"kpis\">";
+  o += kpi(human_bytes(double(sum.replay.peak_requested_bytes)), "peak requested (what the program asked for)");
+  o += kpi(human_bytes(double(sum.replay.peak_allocated_bytes)), "ccalloc peak allocated (rounded blocks)");
+  o += kpi(human_bytes(double(sum.replay.peak_reserved_bytes)), "ccalloc peak reserved (device memory)");
+  o += kpi(fmt("%.3f", sum.replay.fragmentation()), "ccalloc reserved / requested at the peaks");
+  o += "</div>\n";
+  if (sum.replay.ooms > 0)
+    o += "<p class=\"note\"><b>" + with_commas(sum.replay.ooms) +
+         " allocations failed with out of memory</b> on the simulated device and were skipped.</p>\n";
+  o += peaks_table(sum, native, !recorded.reserved.empty());
+  o += "<p class=\"note\">The recording allocator's figures come from the trace itself (its segment_alloc / "
+       "segment_free events); PyTorch's from native_peaks.json when the trace has an entry there.</p></section>\n";
+
+  // Time chart.
+  o += "<section class=\"card\"><h2>Memory over time</h2>\n<p class=\"note\">Each point is the highest value in its "
+       "slice of time (" + with_commas(sl.n) + " slices), so no peak is lost. Hover for values.</p>\n";
+  o += time_chart_svg(c);
+  o += "<div class=\"legend\"><span><i class=\"sw\" style=\"background:" + std::string(color_requested) +
+       "\"></i>requested</span><span><i class=\"swl\" style=\"border-color:" + color_allocated +
+       "\"></i>ccalloc allocated</span><span><i class=\"swl\" style=\"border-color:" + color_reserved +
+       "\"></i>ccalloc reserved</span>";
+  if (!recorded.reserved.empty())
+    o += "<span><i class=\"swl\" style=\"border-color:" + std::string(color_recorded) +
+         ";border-top-style:dashed\"></i>recording allocator reserved</span>";
+  o += "</div><div id=\"readout\"></div>\n<script type=\"application/json\" id=\"chartdata\">" + chart_json(c) +
+       "</script></section>\n";
+
+  // Segment map.
+  std::size_t rects = 0;
+  const std::string map = segment_map_svg(at_peak, rects);
+  std::uint64_t peak_reserved = 0, peak_alloc = 0;
+  for (const auto& s : at_peak) {
+    peak_reserved += s.total_bytes;
+    peak_alloc += s.allocated_bytes;
+  }
+  o += "<section class=\"card\"><h2>Segment map at the peak</h2>\n<p class=\"note\">After event " +
+       with_commas(peak_index + 1) + " of " + with_commas(n) + " (line " + std::to_string(t.events[peak_index].line) +
+       "), where ccalloc's reserved bytes are highest: " + std::to_string(at_peak.size()) + " segments, " +
+       html(human_bytes(double(peak_reserved))) + " reserved, " + html(human_bytes(double(peak_alloc))) +
+       " allocated. Segments are packed into rows, largest first; hover a segment for its figures.</p>\n" + map;
+  o += "<div class=\"legend\"><span><i class=\"sw\" style=\"background:" + std::string(color_block) +
+       "\"></i>allocated (requested bytes)</span><span><i class=\"sw\" style=\"background:" + color_rounding +
+       "\"></i>rounding</span><span><i class=\"sw\" style=\"background:" + color_pending +
+       "\"></i>freed, waiting for other streams</span><span><i class=\"sw\" style=\"background:" + color_free +
+       ";border:1px solid #8795a5\"></i>free (cached)</span></div></section>\n";
+
+  // Fragmentation by pool and stream.
+  const std::vector<pool_row> rows = fragmentation_rows(at_peak);
+  std::uint64_t widest = 1;
+  for (const auto& r : rows) widest = std::max(widest, r.reserved);
+  o += "<section class=\"card\"><h2>Fragmentation by pool and stream, at the peak</h2>\n"
+       "<table><tr><th class=\"l\">stream</th><th class=\"l\">pool</th><th>segments</th><th>reserved</th>"
+       "<th>allocated</th><th>requested</th><th>waiting</th><th>free</th><th>largest free block</th>"
+       "<th>unused</th><th class=\"l\">composition</th></tr>\n";
+  for (const auto& r : rows) {
+    const std::uint64_t free = r.reserved - r.allocated - r.pending;
+    o += "<tr><td class=\"l\">" + std::to_string(r.stream) + "</td><td class=\"l\">" + (r.small ? "small" : "large") +
+         "</td><td>" + std::to_string(r.segments) + "</td><td>" + human_bytes(double(r.reserved)) + "</td><td>" +
+         human_bytes(double(r.allocated)) + "</td><td>" + human_bytes(double(r.requested)) + "</td><td>" +
+         human_bytes(double(r.pending)) + "</td><td>" + human_bytes(double(free)) + "</td><td>" +
+         human_bytes(double(r.largest_free)) + "</td><td>" +
+         fmt("%.1f%%", r.reserved ? 100.0 * double(r.reserved - std::min(r.reserved, r.requested)) / double(r.reserved)
+                                  : 0.0) +
+         "</td><td class=\"l\">" + pool_bar(r, widest) + "</td></tr>\n";
+  }
+  o += "</table>\n<p class=\"note\">unused = (reserved &minus; requested) / reserved: memory the device gave that "
+       "no live request is using. Composition bars (one scale for all rows): requested, rounding, waiting for other "
+       "streams, free (cached), in the segment map's colours.</p></section>\n";
+
+  // Largest allocations.
+  const std::vector<big_allocation> big = largest_allocations(t, sl, options.largest_allocations);
+  const double end_x = sl.by_time ? sl.span : double(n - 1);
+  o += "<section class=\"card\"><h2>Largest allocations</h2>\n<table><tr><th>#</th><th>size</th><th class=\"l\">"
+       "stream</th><th>allocated at</th><th>freed at</th><th>lifetime</th><th class=\"l\">when, over the whole "
+       "trace</th><th>line</th></tr>\n";
+  for (std::size_t i = 0; i < big.size(); ++i) {
+    const big_allocation& b = big[i];
+    const double f = b.free_x < 0 ? end_x : b.free_x;
+    auto when = [&](double x) { return sl.by_time ? seconds_text(x) : "event " + with_commas(std::uint64_t(x)); };
+    const double l = end_x > 0 ? 100.0 * b.alloc_x / end_x : 0, w = end_x > 0 ? 100.0 * (f - b.alloc_x) / end_x : 100;
+    o += "<tr><td>" + std::to_string(i + 1) + "</td><td>" + human_bytes(double(b.size)) + "</td><td class=\"l\">" +
+         std::to_string(b.stream) + "</td><td>" + html(when(b.alloc_x)) + "</td><td>" +
+         (b.free_x < 0 ? std::string("live at the end") : html(when(b.free_x))) + "</td><td>" +
+         (sl.by_time ? html(seconds_text(f - b.alloc_x)) : with_commas(std::uint64_t(f - b.alloc_x)) + " events") +
+         "</td><td class=\"l\"><div class=\"track\"><i style=\"left:" + fmt("%.2f%%;width:%.2f%%", l, std::max(w, 0.6)) +
+         "\"></i></div></td><td>" + std::to_string(b.line) + "</td></tr>\n";
+  }
+  o += "</table></section>\n";
+  o += "<p class=\"note\">Written by ccalloc report. The replay runs on ccalloc's simulated device; see "
+       "docs/trace-format.md for the inputs.</p>\n";
+  o += std::string("</main><script>") + page_script + "</script></body></html>\n";
+  if (summary_out != nullptr) *summary_out = sum;
+  return o;
+}
+
+}  // namespace ccalloc

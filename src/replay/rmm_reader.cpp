@@ -1,0 +1,233 @@
+// rmm_reader.cpp: RMM logging_resource_adaptor CSV logs as traces
+// (parse_rmm_log in include/ccalloc/replay/trace.hpp).
+//
+// RMM writes one row per call, after a header line:
+//
+//     Thread,Time,Action,Pointer,Size,Stream
+//     140573312345856,14:03:21.123456,allocate,0x7f8a40000000,1024,0x5581c0a0
+//     140573312345856,14:03:21.223456,free,0x7f8a40000000,1024,0x5581c0a0
+//
+// (the thread id, the time of day, "allocate" / "free" / "allocate failure",
+// the pointer as %p, the size in bytes, the stream as a hex pointer).
+#include <ccalloc/replay/trace.hpp>
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace ccalloc {
+
+namespace {
+
+constexpr std::uint64_t us_per_second = 1000000;
+constexpr std::uint64_t us_per_day = 86400 * us_per_second;
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\r')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) s.remove_suffix(1);
+  return s;
+}
+
+std::vector<std::string_view> split_commas(std::string_view line) {
+  std::vector<std::string_view> out;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = line.find(',', start);
+    out.push_back(trim(line.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start)));
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::string quoted(std::string_view field) {
+  return "'" + std::string(field.substr(0, 40)) + (field.size() > 40 ? "...'" : "'");
+}
+
+/// Parses the whole of `field` as an unsigned number in `base`; false if not.
+bool parse_number(std::string_view field, int base, std::uint64_t& value) {
+  if (field.empty()) return false;
+  const auto [ptr, ec] = std::from_chars(field.data(), field.data() + field.size(), value, base);
+  return ec == std::errc{} && ptr == field.data() + field.size();
+}
+
+/// A pointer or stream as RMM prints it: 0x-prefixed hex, bare hex, "(nil)" or "0".
+bool parse_hex(std::string_view field, std::uint64_t& value) {
+  if (field == "(nil)" || field == "nullptr") {
+    value = 0;
+    return true;
+  }
+  if (field.size() > 2 && field[0] == '0' && (field[1] == 'x' || field[1] == 'X')) field.remove_prefix(2);
+  return parse_number(field, 16, value);
+}
+
+/// Microseconds from "HH:MM:SS[.ffffff]" (time of day) or "SECONDS[.ffffff]"
+/// (since the epoch). False if neither.
+bool parse_time(std::string_view field, std::uint64_t& time_us) {
+  std::string_view whole = field, fraction;
+  if (const std::size_t dot = field.find('.'); dot != std::string_view::npos) {
+    whole = field.substr(0, dot);
+    fraction = field.substr(dot + 1);
+  }
+  std::uint64_t frac_us = 0;
+  if (!fraction.empty()) {
+    std::uint64_t digits = 0;
+    if (!parse_number(fraction, 10, digits)) return false;
+    // Scale any number of fraction digits to microseconds.
+    std::size_t n = fraction.size();
+    frac_us = digits;
+    for (; n < 6; ++n) frac_us *= 10;
+    for (; n > 6; --n) frac_us /= 10;
+  }
+  std::uint64_t seconds = 0;
+  if (whole.find(':') == std::string_view::npos) {
+    if (!parse_number(whole, 10, seconds) || seconds > UINT64_MAX / us_per_second - 1) return false;
+  } else {
+    std::array<std::uint64_t, 3> hms{};
+    std::size_t part = 0, start = 0;
+    while (true) {
+      const std::size_t colon = whole.find(':', start);
+      const std::string_view piece = whole.substr(start, colon == std::string_view::npos ? colon : colon - start);
+      if (part == 3 || !parse_number(piece, 10, hms[part])) return false;
+      ++part;
+      if (colon == std::string_view::npos) break;
+      start = colon + 1;
+    }
+    if (part != 3 || hms[0] > 23 || hms[1] > 59 || hms[2] > 60) return false;
+    seconds = (hms[0] * 60 + hms[1]) * 60 + hms[2];
+  }
+  time_us = seconds * us_per_second + frac_us;
+  return true;
+}
+
+enum class rmm_action { allocate, free, allocate_failure };
+
+}  // namespace
+
+trace parse_rmm_log(std::string_view text, const std::string& source) {
+  trace t;
+  t.source = source;
+  constexpr std::array<std::string_view, 6> columns = {"Thread", "Time", "Action", "Pointer", "Size", "Stream"};
+  std::array<std::size_t, 6> index{};  // column position of each of `columns`
+  std::size_t header_fields = 0;
+  bool have_header = false;
+
+  std::unordered_map<std::uint64_t, std::size_t> live;  // pointer -> line of its allocate
+  std::uint64_t skipped_frees = 0;
+  std::uint64_t last_time_us = 0;
+  std::uint64_t day_offset_us = 0;
+  std::uint64_t previous_raw_us = 0;
+  bool time_of_day = false;
+
+  std::size_t line_number = 0;
+  std::size_t pos = 0;
+  if (text.substr(0, 3) == "\xEF\xBB\xBF") pos = 3;  // a UTF-8 byte-order mark
+  while (pos < text.size()) {
+    const std::size_t nl = text.find('\n', pos);
+    const std::string_view line = trim(text.substr(pos, nl == std::string_view::npos ? nl : nl - pos));
+    pos = nl == std::string_view::npos ? text.size() : nl + 1;
+    ++line_number;
+    if (line.empty()) continue;
+    const std::vector<std::string_view> f = split_commas(line);
+    if (!have_header) {
+      for (std::size_t c = 0; c < columns.size(); ++c) {
+        std::size_t at = 0;
+        while (at < f.size() && f[at] != columns[c]) ++at;
+        if (at == f.size())
+          throw trace_error(source, line_number,
+                            "RMM log header lacks the column '" + std::string(columns[c]) +
+                                "' (expected Thread,Time,Action,Pointer,Size,Stream)");
+        index[c] = at;
+      }
+      header_fields = f.size();
+      have_header = true;
+      continue;
+    }
+    if (f.size() != header_fields)
+      throw trace_error(source, line_number,
+                        "expected " + std::to_string(header_fields) + " comma-separated fields as in the header, got " +
+                            std::to_string(f.size()));
+    const std::string_view time_f = f[index[1]], action_f = f[index[2]], pointer_f = f[index[3]],
+                           size_f = f[index[4]], stream_f = f[index[5]];
+    rmm_action action;
+    if (action_f == "allocate") action = rmm_action::allocate;
+    else if (action_f == "free" || action_f == "deallocate") action = rmm_action::free;
+    else if (action_f == "allocate failure") action = rmm_action::allocate_failure;
+    else
+      throw trace_error(source, line_number,
+                        "unknown Action " + quoted(action_f) + " (accepted: allocate, free, allocate failure)");
+    std::uint64_t raw_us = 0, pointer = 0, size = 0, stream = 0;
+    if (!parse_time(time_f, raw_us))
+      throw trace_error(source, line_number,
+                        "bad Time " + quoted(time_f) + " (expected HH:MM:SS.ffffff or seconds since the epoch)");
+    if (!parse_hex(pointer_f, pointer))
+      throw trace_error(source, line_number, "bad Pointer " + quoted(pointer_f) + " (expected hex, e.g. 0x7f8a40000000)");
+    if (!parse_number(size_f, 10, size))
+      throw trace_error(source, line_number, "bad Size " + quoted(size_f) + " (expected a decimal byte count)");
+    if (!parse_hex(stream_f, stream))
+      throw trace_error(source, line_number, "bad Stream " + quoted(stream_f) + " (expected hex, e.g. 0x5581c0a0)");
+
+    // Time: a time of day that jumps back by more than 12 hours crossed
+    // midnight; a smaller step back is threads logging out of order.
+    if (t.events.empty() && live.empty()) time_of_day = time_f.find(':') != std::string_view::npos;
+    if (time_of_day && raw_us + us_per_day / 2 < previous_raw_us) day_offset_us += us_per_day;
+    previous_raw_us = raw_us;
+    const std::uint64_t time_us = std::max(last_time_us, raw_us + day_offset_us);
+    last_time_us = time_us;
+
+    trace_event e;
+    e.time_us = time_us;
+    e.addr = pointer;
+    e.size = size;
+    e.stream = stream;
+    e.line = line_number;
+    switch (action) {
+      case rmm_action::allocate: {
+        if (pointer == 0 || size == 0) {
+          // RMM returns nullptr for 0 bytes: nothing was allocated.
+          if (size == 0) continue;
+          throw trace_error(source, line_number, "allocate of " + std::to_string(size) + " bytes returned a null Pointer");
+        }
+        const auto [it, fresh] = live.try_emplace(pointer, line_number);
+        if (!fresh)
+          throw trace_error(source, line_number,
+                            "allocate at Pointer " + std::string(pointer_f) + ", which is still live (allocated at line " +
+                                std::to_string(it->second) + ")");
+        e.action = trace_action::alloc;
+        t.events.push_back(e);
+        break;
+      }
+      case rmm_action::free: {
+        const auto it = live.find(pointer);
+        if (it == live.end()) {
+          if (pointer != 0) ++skipped_frees;
+          continue;
+        }
+        live.erase(it);
+        e.action = trace_action::free_requested;
+        t.events.push_back(e);
+        e.action = trace_action::free_completed;
+        t.events.push_back(e);
+        break;
+      }
+      case rmm_action::allocate_failure:
+        e.action = trace_action::oom;
+        e.addr = 0;
+        t.events.push_back(e);
+        break;
+    }
+  }
+  if (!have_header) throw trace_error(source, 0, "empty RMM log: no header line");
+  if (skipped_frees > 0)
+    t.notes.push_back(std::to_string(skipped_frees) +
+                      " free(s) of pointers the log never allocated were skipped (the log started after them)");
+  return t;
+}
+
+}  // namespace ccalloc

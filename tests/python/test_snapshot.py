@@ -1,0 +1,256 @@
+"""Snapshots in PyTorch's layout (SPEC E4) and the snapshot converters.
+
+- python/ccalloc/snapshot.py: ccalloc's JSON snapshot (written by
+  `ccalloc replay --snapshot`) becomes a pickle with the same keys, nesting
+  and value types as a real PyTorch 2.11 snapshot (tests/data/); malformed
+  JSON fails naming where.
+- tools/snapshot_to_trace.py: real and malformed pickles.
+- When torch is installed: torch.cuda._memory_viz reads our pickle.
+
+Run: CCALLOC_BIN=build/ccalloc python3 -m unittest discover -s tests/python
+"""
+
+import gzip
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "python", "ccalloc"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import snapshot  # noqa: E402  (python/ccalloc/snapshot.py, imported without the package)
+import snapshot_to_trace  # noqa: E402
+
+TORCH_SNAPSHOT = os.path.join(ROOT, "tests", "data", "torch_snapshot_resnet18.pickle.gz")
+BIN = os.environ.get("CCALLOC_BIN", os.path.join(ROOT, "build", "ccalloc"))
+
+
+def load_torch_snapshot():
+    with gzip.open(TORCH_SNAPSHOT, "rb") as f:
+        return pickle.load(f)
+
+
+def shape(value):
+    """The keys and value types of a snapshot, recursively (lists by their first item)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    if isinstance(value, tuple):
+        return ("tuple", tuple(type(v).__name__ for v in value))
+    return type(value).__name__
+
+
+class CcallocSnapshotAsPyTorchPickle(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        if not os.access(BIN, os.X_OK):
+            raise unittest.SkipTest(f"no ccalloc binary at {BIN} (set CCALLOC_BIN)")
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.json_path = os.path.join(cls.tmp.name, "snap.json")
+        # The bundled PyTorch snapshot, replayed by ccalloc with history on.
+        subprocess.run([BIN, "replay", TORCH_SNAPSHOT, "--snapshot", cls.json_path], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cls.pickle_path = os.path.join(cls.tmp.name, "snap.pickle")
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "python", "ccalloc", "snapshot.py"),
+                              cls.json_path, "-o", cls.pickle_path], check=True, capture_output=True, text=True)
+        cls.cli_output = out.stdout
+        with open(cls.pickle_path, "rb") as f:
+            cls.ours = pickle.load(f)
+        cls.torch = load_torch_snapshot()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_top_level_keys_match_pytorch(self):
+        self.assertEqual(list(self.ours), list(self.torch))
+        self.assertEqual(list(self.ours), ["segments", "device_traces", "allocator_settings", "external_annotations"])
+        self.assertIn("wrote", self.cli_output)
+
+    def test_segment_and_block_layout_match_pytorch(self):
+        self.assertTrue(self.ours["segments"], "the replay ends with live blocks in segments")
+        ours, theirs = shape(self.ours["segments"][0]), shape(self.torch["segments"][0])
+        self.assertEqual(set(ours), set(theirs))
+        for key in theirs:
+            if key not in ("blocks", "frames"):
+                self.assertEqual(ours[key], theirs[key], key)
+        self.assertEqual(ours["segment_pool_id"], ("tuple", ("int", "int")))
+        self.assertEqual(set(ours["blocks"][0]), set(theirs["blocks"][0]))
+        for key in ("address", "size", "requested_size", "state"):
+            self.assertEqual(ours["blocks"][0][key], theirs["blocks"][0][key], key)
+
+    def test_every_segment_is_tiled_by_its_blocks(self):
+        for seg in self.ours["segments"]:
+            addr = seg["address"]
+            for b in seg["blocks"]:
+                self.assertEqual(b["address"], addr)
+                self.assertIn(b["state"], ("active_allocated", "active_pending_free", "inactive"))
+                addr += b["size"]
+            self.assertEqual(addr - seg["address"], seg["total_size"])
+            self.assertEqual(sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated"),
+                             seg["allocated_size"])
+
+    def test_trace_entries_match_pytorch(self):
+        trace = self.ours["device_traces"][0]
+        self.assertEqual(len(self.ours["device_traces"]), 1)
+        theirs = shape(self.torch["device_traces"][0][0])
+        for e in trace[:50] + trace[-50:]:
+            s = shape(e)
+            self.assertEqual(set(s), set(theirs), e)
+            for key in ("action", "addr", "size", "stream", "time_us", "compile_context", "user_metadata"):
+                self.assertEqual(s[key], theirs[key], key)
+        actions = {e["action"] for e in trace}
+        self.assertTrue({"alloc", "free_requested", "free_completed"} <= actions, actions)
+        # Plain segments are segment_alloc'd, expandable ones (the default) segment_map'ped.
+        self.assertTrue({"segment_alloc", "segment_map"} & actions, actions)
+        # The replay reproduces the recorded program: as many allocs as the recording (657).
+        self.assertEqual(sum(e["action"] == "alloc" for e in trace), 657)
+        self.assertEqual(trace[-1]["action"], "snapshot")
+        times = [e["time_us"] for e in trace]
+        self.assertEqual(times, sorted(times))
+
+    def test_settings_have_pytorchs_keys_and_types(self):
+        theirs = self.torch["allocator_settings"]
+        for key, value in theirs.items():
+            self.assertIn(key, self.ours["allocator_settings"])
+            self.assertEqual(type(self.ours["allocator_settings"][key]), type(value), key)
+        self.assertEqual(self.ours["allocator_settings"]["roundup_power2_divisions"].keys(),
+                         theirs["roundup_power2_divisions"].keys())
+
+    def test_pytorch_viewers_read_it(self):
+        try:
+            from torch.cuda import _memory_viz  # noqa: F401
+        except Exception:  # torch absent here; scripts/gpu-snapshots.sh runs this on the GPU machine
+            self.skipTest("torch is not installed")
+        from torch.cuda import _memory_viz
+        self.assertIn("<html", _memory_viz.trace_plot(self.ours).lower())
+        self.assertIn("<html", _memory_viz.segment_plot(self.ours).lower())
+        self.assertIn("total_reserved", _memory_viz.segsum(self.ours))
+
+
+class SnapshotJsonErrors(unittest.TestCase):
+    def minimal(self):
+        return {"segments": [{"device": 0, "address": 4096, "total_size": 1024, "allocated_size": 512,
+                              "active_size": 512, "requested_size": 500, "stream": 0, "segment_type": "small",
+                              "segment_pool_id": [0, 0], "is_expandable": False, "frames": [],
+                              "blocks": [{"address": 4096, "size": 512, "requested_size": 500,
+                                          "state": "active_allocated",
+                                          "frames": [{"name": "f", "filename": "a.py", "line": 3}]},
+                                         {"address": 4608, "size": 512, "requested_size": 0, "state": "inactive",
+                                          "frames": []}]}],
+                "device_traces": [[{"action": "oom", "device_free": 7, "size": 9, "stream": 0, "time_us": 1,
+                                    "frames": [], "compile_context": "N/A", "user_metadata": ""}]],
+                "allocator_settings": {}, "external_annotations": [{"device": 0, "time_us": 2, "stage": "START"}]}
+
+    def test_minimal_snapshot_converts(self):
+        s = snapshot.from_json(json.dumps(self.minimal()))
+        self.assertEqual(s["segments"][0]["segment_pool_id"], (0, 0))
+        self.assertEqual(s["device_traces"][0][0]["device_free"], 7)
+        buf = io.BytesIO()
+        snapshot.write_pickle(s, buf)
+        self.assertEqual(pickle.loads(buf.getvalue()), s)
+
+    def test_errors_name_the_place(self):
+        cases = []
+        d = self.minimal(); del d["segments"][0]["blocks"][1]["state"]
+        cases.append((d, "segments[0].blocks[1]: missing key 'state'"))
+        d = self.minimal(); d["segments"][0]["blocks"][1]["address"] = 5000
+        cases.append((d, "segments[0].blocks[1].address: 5000 but the blocks before end at 4608"))
+        d = self.minimal(); d["segments"][0]["blocks"][0]["state"] = "allocated"
+        cases.append((d, "segments[0].blocks[0].state: 'allocated' is not one of"))
+        d = self.minimal(); d["segments"][0]["total_size"] = 2048
+        cases.append((d, "segments[0]: blocks sum to 1024 bytes, total_size is 2048"))
+        d = self.minimal(); d["device_traces"][0][0]["size"] = "9"
+        cases.append((d, "device_traces[0][0].size: expected int"))
+        d = self.minimal(); d["segments"][0]["segment_pool_id"] = [0]
+        cases.append((d, "segments[0].segment_pool_id: expected two integers"))
+        d = self.minimal(); d["segments"][0]["blocks"][0]["frames"][0]["line"] = "3"
+        cases.append((d, "segments[0].blocks[0].frames[0].line: expected int"))
+        for data, message in cases:
+            with self.assertRaises(snapshot.SnapshotError) as ctx:
+                snapshot.from_json(data)
+            self.assertTrue(str(ctx.exception).startswith(message), (str(ctx.exception), message))
+        with self.assertRaisesRegex(snapshot.SnapshotError, "^not JSON"):
+            snapshot.from_json("{nope")
+
+    def test_cli_reports_errors_with_file_name(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            bad = os.path.join(tmp, "bad.json")
+            with open(bad, "w") as f:
+                f.write('{"segments": []}')
+            out = subprocess.run([sys.executable, os.path.join(ROOT, "python", "ccalloc", "snapshot.py"), bad,
+                                  "-o", os.path.join(tmp, "x.pickle")], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 1)
+            self.assertIn(f"snapshot.py: {bad}: snapshot: missing key 'device_traces'", out.stderr)
+
+
+class SnapshotToTrace(unittest.TestCase):
+    def test_real_snapshot(self):
+        lines, notes = snapshot_to_trace.convert(load_torch_snapshot())
+        self.assertEqual(len(lines), 1791)
+        self.assertEqual(lines[0].split()[1], "segment_alloc")
+        self.assertIn("0 alloc and 0 segment events added", notes[1])
+
+    def test_trace_started_late_gets_its_earlier_blocks(self):
+        s = load_torch_snapshot()
+        full = snapshot_to_trace.convert(s)[0]
+        s["device_traces"][0] = s["device_traces"][0][700:]
+        lines, notes = snapshot_to_trace.convert(s)
+        head = [l.split() for l in lines[: len(lines) - 1091]]
+        self.assertTrue(all(h[1] in ("alloc", "segment_alloc") for h in head), head[:3])
+        # Replaying: every free has an alloc before it, and no address is allocated twice while live.
+        live = set()
+        for line in lines:
+            _, action, addr, _, _ = line.split()
+            if action == "alloc":
+                self.assertNotIn(addr, live)
+                live.add(addr)
+            elif action == "free_requested":
+                self.assertIn(addr, live)
+                live.discard(addr)
+        self.assertRegex(notes[1], r"^\d+ alloc and \d+ segment events added at the start")
+        self.assertLess(len(lines), len(full) + 400)
+
+    def test_missing_free_requested_is_added(self):
+        s = {"segments": [], "device_traces": [[
+            {"action": "alloc", "addr": 10, "size": 5, "stream": 0, "time_us": 3},
+            {"action": "free_completed", "addr": 10, "size": 5, "stream": 0, "time_us": 2},  # clock stepped back
+            {"action": "user_defined", "addr": 0, "size": 0, "stream": 0, "time_us": 4}]]}
+        lines, notes = snapshot_to_trace.convert(s)
+        self.assertEqual(lines, ["3 alloc 10 5 0", "3 free_requested 10 5 0", "3 free_completed 10 5 0"])
+        self.assertIn("1 missing frees added", notes)
+        self.assertIn("dropped actions ccalloc's trace format has not: user_defined x1", notes)
+
+    def run_cli(self, data, *args):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "in.pickle")
+            with open(path, "wb") as f:
+                f.write(data)
+            out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "snapshot_to_trace.py"), path, *args],
+                                 capture_output=True, text=True)
+            return out, path
+
+    def test_malformed_inputs(self):
+        out, path = self.run_cli(b"# time_us action addr size stream\n")
+        self.assertEqual(out.returncode, 1)
+        self.assertIn(f"snapshot_to_trace: {path}: not a pickle", out.stderr)
+        out, path = self.run_cli(b"\x1f\x8b\x08\x00garbage")
+        self.assertIn("corrupt gzip data", out.stderr)
+        out, path = self.run_cli(pickle.dumps({"segments": []}))
+        self.assertIn("not a PyTorch memory snapshot (no 'device_traces'", out.stderr)
+        out, path = self.run_cli(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": -1}]]}))
+        self.assertIn("device_traces[0][0]: missing 'time_us'", out.stderr)
+        out, path = self.run_cli(pickle.dumps(io.BytesIO))
+        self.assertIn("not a plain-data snapshot: it refers to _io.BytesIO", out.stderr)
+        out, path = self.run_cli(pickle.dumps({"device_traces": [[]]}), "--device", "3")
+        self.assertIn("--device 3: the snapshot has 1 device trace(s)", out.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,290 @@
+// trace_formats_test.cpp: the inputs read_trace_file understands besides
+// ccalloc's own format (include/ccalloc/replay/trace.hpp): RMM
+// logging_resource_adaptor CSV logs and PyTorch snapshot pickles (through the
+// bundled converter and python3), told apart by content; real and malformed
+// input, every error with FILE:LINE. And the HTML report
+// (include/ccalloc/replay/report.hpp) of the bundled trace.
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/replay/embedded.hpp>
+#include <ccalloc/replay/replay.hpp>
+#include <ccalloc/replay/report.hpp>
+#include <ccalloc/replay/trace.hpp>
+
+#include <gtest/gtest.h>
+
+#include "temp_file.hpp"
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <string_view>
+#include <unistd.h>
+
+#ifndef CCALLOC_SOURCE_DIR
+#error "CCALLOC_SOURCE_DIR must name the source tree (tests/CMakeLists.txt sets it)"
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+using ccalloc::trace_action;
+using ccalloc::trace_error;
+
+const std::string snapshot_path = std::string(CCALLOC_SOURCE_DIR) + "/tests/data/torch_snapshot_resnet18.pickle.gz";
+
+using ccalloc::testing::temp_file;
+
+/// The message of the trace_error `f` throws, or "" if none.
+template <class F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const trace_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool have_python3() { return std::system("python3 -c 'import pickle, gzip' >/dev/null 2>&1") == 0; }
+
+// ---- sniffing ------------------------------------------------------------------------
+
+TEST(TraceFormats, SniffedByContentNotName) {
+  using ccalloc::trace_format;
+  EXPECT_EQ(ccalloc::sniff_trace_format("# time_us action addr size stream\n1 alloc 1 1 0\n"), trace_format::ccalloc);
+  EXPECT_EQ(ccalloc::sniff_trace_format("Thread,Time,Action,Pointer,Size,Stream\n"), trace_format::rmm_log);
+  EXPECT_EQ(ccalloc::sniff_trace_format("\xEF\xBB\xBF\n  Thread,Time,Action,Pointer,Size,Stream\n"),
+            trace_format::rmm_log);
+  EXPECT_EQ(ccalloc::sniff_trace_format(std::string("\x80\x04\x95", 3)), trace_format::pytorch_snapshot);
+  EXPECT_EQ(ccalloc::sniff_trace_format(std::string("\x80\x09", 2)), trace_format::ccalloc) << "not a pickle protocol";
+  EXPECT_EQ(ccalloc::sniff_trace_format(""), trace_format::ccalloc);
+  // A file named .csv in ccalloc's format is read as ccalloc's format.
+  temp_file f("looks_like.csv", "1 alloc 4096 512 0\n2 free_requested 4096 512 0\n3 free_completed 4096 512 0\n");
+  EXPECT_EQ(ccalloc::read_trace_file(f.path()).events.size(), 3u);
+}
+
+// ---- RMM logs ------------------------------------------------------------------------
+
+// The format RMM's logging_resource_adaptor writes: the header, then
+// "%t,%H:%M:%S.%f,<action>,%p,%zu,<stream as hex pointer>".
+constexpr std::string_view rmm_log =
+    "Thread,Time,Action,Pointer,Size,Stream\n"
+    "139951,23:59:59.999000,allocate,0x7f1a40000000,1024,0x5581c0a0\n"
+    "139951,23:59:59.999500,allocate,0x7f1a40000400,4096,0x0\n"
+    "139952,23:59:59.999400,free,0x7f1a40000000,1024,0x5581c0a0\n"  // a thread logged late
+    "139951,00:00:00.000100,allocate failure,(nil),1099511627776,0x5581c0a0\n"
+    "139951,00:00:00.000200,free,0x7f1a40009000,64,0x0\n"  // never allocated in the log
+    "139951,00:00:00.000300,free,0x7f1a40000400,4096,0x0\n";
+
+TEST(RmmLog, RealFormatBecomesTraceEvents) {
+  temp_file f("rmm.csv", rmm_log);
+  const ccalloc::trace t = ccalloc::read_trace_file(f.path());
+  ASSERT_EQ(t.events.size(), 7u);
+  const std::vector<trace_action> want = {trace_action::alloc,          trace_action::alloc,
+                                          trace_action::free_requested, trace_action::free_completed,
+                                          trace_action::oom,            trace_action::free_requested,
+                                          trace_action::free_completed};
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(t.events[i].action, want[i]) << i;
+  EXPECT_EQ(t.events[0].addr, 0x7f1a40000000u);
+  EXPECT_EQ(t.events[0].size, 1024u);
+  EXPECT_EQ(t.events[0].stream, 0x5581c0a0u);
+  EXPECT_EQ(t.events[0].line, 2u);
+  EXPECT_EQ(t.events[0].time_us, ((23u * 60 + 59) * 60 + 59) * 1000000ull + 999000);
+  EXPECT_EQ(t.events[1].stream, 0u);
+  // 23:59:59.999400 came after .999500: held at the previous time.
+  EXPECT_EQ(t.events[2].time_us, t.events[1].time_us);
+  EXPECT_EQ(t.events[3].time_us, t.events[2].time_us);
+  // Past midnight: a day later, not 24 hours back.
+  EXPECT_EQ(t.events[4].time_us, 86400ull * 1000000 + 100);
+  EXPECT_EQ(t.events[4].size, 1099511627776u);
+  EXPECT_EQ(t.events[5].addr, 0x7f1a40000400u);
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_NE(t.notes[0].find("1 free(s) of pointers the log never allocated were skipped"), std::string::npos);
+  // And it replays: the 1 TiB request fails nothing (it was a failure in the log, not replayed).
+  const ccalloc::replay_result r = ccalloc::replay_trace(t, {});
+  EXPECT_EQ(r.peak_requested_bytes, 1024u + 4096u);
+  EXPECT_EQ(r.ooms, 0u);
+}
+
+TEST(RmmLog, EpochSecondsAndColumnOrder) {
+  const std::string text =
+      "Stream,Size,Pointer,Action,Time,Thread,Extra\n"
+      "0x0,512,7f0000000000,allocate,1634567890.123456,1,x\n"
+      "0x0,512,0x7f0000000000,deallocate,1634567890.2,1,y\n";
+  const ccalloc::trace t = ccalloc::parse_rmm_log(text, "log");
+  ASSERT_EQ(t.events.size(), 3u);
+  EXPECT_EQ(t.events[0].time_us, 1634567890123456ull);
+  EXPECT_EQ(t.events[0].addr, 0x7f0000000000u);
+  EXPECT_EQ(t.events[1].time_us, 1634567890200000ull);
+  EXPECT_TRUE(t.notes.empty());
+}
+
+TEST(RmmLog, MalformedInputNamesFileAndLine) {
+  const std::string head = "Thread,Time,Action,Pointer,Size,Stream\n";
+  const std::map<std::string, std::string> cases = {
+      {"Thread,Time,Action,Pointer,Size\n", "log:1: RMM log header lacks the column 'Stream'"},
+      {head + "1,10:00:00.000001,alloc,0x10,8,0x0\n",
+       "log:2: unknown Action 'alloc' (accepted: allocate, free, allocate failure)"},
+      {head + "1,10:00:00.000001,allocate,0xZZ,8,0x0\n", "log:2: bad Pointer '0xZZ'"},
+      {head + "1,10:00:00.000001,allocate,0x10,-8,0x0\n", "log:2: bad Size '-8'"},
+      {head + "1,10:00:00.000001,allocate,0x10,8,stream0\n", "log:2: bad Stream 'stream0'"},
+      {head + "1,25:00:00.000001,allocate,0x10,8,0x0\n", "log:2: bad Time '25:00:00.000001'"},
+      {head + "1,10:00:00.000001,allocate,0x10,8\n", "log:2: expected 6 comma-separated fields as in the header, got 5"},
+      {head + "1,1.0,allocate,0x10,8,0x0\n\n1,2.0,allocate,0x10,8,0x0\n",
+       "log:4: allocate at Pointer 0x10, which is still live (allocated at line 2)"},
+      {head + "1,1.0,allocate,(nil),8,0x0\n", "log:2: allocate of 8 bytes returned a null Pointer"},
+      {"\n\n", "log:0: empty RMM log: no header line"},
+  };
+  for (const auto& [text, want] : cases) {
+    const std::string got = error_of([&] { (void)ccalloc::parse_rmm_log(text, "log"); });
+    EXPECT_EQ(got.substr(0, want.size()), want) << text;
+  }
+  // Through read_trace_file, errors name the file.
+  temp_file f("bad_rmm.csv", head + "1,10:00:00.000001,allocat,0x10,8,0x0\n");
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(f.path()); }).rfind(f.path() + ":2: unknown Action", 0), 0u);
+}
+
+// ---- PyTorch snapshots -----------------------------------------------------------------
+
+TEST(PyTorchSnapshot, RealSnapshotConvertsAndReplays) {
+  if (!have_python3()) GTEST_SKIP() << "python3 is not available";
+  const ccalloc::trace t = ccalloc::read_trace_file(snapshot_path);
+  EXPECT_EQ(t.source, snapshot_path);
+  // 1791 entries: alloc 657, free_requested 532, free_completed 532, segment_alloc 39, segment_free 31.
+  std::map<trace_action, std::size_t> count;
+  for (const auto& e : t.events) ++count[e.action];
+  EXPECT_EQ(t.events.size(), 1791u);
+  EXPECT_EQ(count[trace_action::alloc], 657u);
+  EXPECT_EQ(count[trace_action::free_completed], 532u);
+  EXPECT_EQ(count[trace_action::segment_alloc], 39u);
+  EXPECT_EQ(count[trace_action::segment_free], 31u);
+  for (std::size_t i = 1; i < t.events.size(); ++i) ASSERT_GE(t.events[i].time_us, t.events[i - 1].time_us);
+  const ccalloc::replay_result r = ccalloc::replay_trace(t, {});
+  EXPECT_EQ(r.ooms, 0u);
+  EXPECT_GT(r.peak_requested_bytes, 400u * 1000 * 1000);
+  EXPECT_GE(r.peak_reserved_bytes, r.peak_requested_bytes);
+}
+
+TEST(PyTorchSnapshot, MalformedPicklesGiveClearErrors) {
+  if (!have_python3()) GTEST_SKIP() << "python3 is not available";
+  // Truncated: a pickle header and nothing else.
+  temp_file truncated("truncated.pickle", std::string("\x80\x04\x95\x10\x00\x00", 6));
+  std::string e = error_of([&] { (void)ccalloc::read_trace_file(truncated.path()); });
+  EXPECT_EQ(e.rfind(truncated.path() + ":0: a PyTorch snapshot that could not be converted: corrupt pickle", 0), 0u) << e;
+  // A pickle of something else (a list of ints: protocol 2).
+  temp_file list("list.pickle", std::string("\x80\x02]q\x00(K\x01K\x02e.", 13));
+  e = error_of([&] { (void)ccalloc::read_trace_file(list.path()); });
+  EXPECT_NE(e.find("not a PyTorch memory snapshot (no 'device_traces'"), std::string::npos) << e;
+  // A pickle that names a class: refused, nothing runs.
+  temp_file cls("class.pickle", std::string("\x80\x02") + "cos\nsystem\nq\x00.");
+  e = error_of([&] { (void)ccalloc::read_trace_file(cls.path()); });
+  EXPECT_NE(e.find("not a plain-data snapshot: it refers to os.system"), std::string::npos) << e;
+}
+
+TEST(PyTorchSnapshot, WithoutPythonSaysHowToConvert) {
+  ::setenv("CCALLOC_PYTHON", "/nonexistent/python3", 1);
+  const std::string e = error_of([&] { (void)ccalloc::read_trace_file(snapshot_path); });
+  ::unsetenv("CCALLOC_PYTHON");
+  EXPECT_EQ(e.rfind(snapshot_path + ":0: a PyTorch snapshot: converting it needs /nonexistent/python3, which was "
+                                    "not found",
+                    0),
+            0u)
+      << e;
+  EXPECT_NE(e.find("python3 tools/snapshot_to_trace.py"), std::string::npos) << e;
+}
+
+// ---- the HTML report -------------------------------------------------------------------
+
+ccalloc::trace embedded_trace() {
+  const std::string source = "<embedded:gpt2_train>";
+  return ccalloc::parse_trace_text(ccalloc::maybe_gunzip(ccalloc::embedded::default_trace_gz(), source), source);
+}
+
+std::size_t count(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
+  return n;
+}
+
+TEST(Report, Gpt2PageHasEveryPlot) {
+  const ccalloc::trace t = embedded_trace();
+  ccalloc::report_options o;
+  ccalloc::native_reference native;
+  native.origin = "test";
+  native.reserved_peak = 15286140928;
+  int progress_calls = 0;
+  o.progress = [&](int, std::size_t done, std::size_t total) {
+    ++progress_calls;
+    EXPECT_LE(done, total);
+  };
+  ccalloc::report_summary s;
+  const std::string page = ccalloc::render_report_html(t, o, &native, &s);
+  EXPECT_GT(progress_calls, 100);
+  // The same figures as a plain replay.
+  const ccalloc::replay_result r = ccalloc::replay_trace(t, {});
+  EXPECT_EQ(s.replay.peak_reserved_bytes, r.peak_reserved_bytes);
+  EXPECT_EQ(s.replay.peak_requested_bytes, r.peak_requested_bytes);
+  // The recording allocator's reserved peak from the trace's segment events
+  // is PyTorch's own figure (native_reserved_peak in data/traces/native_peaks.json).
+  EXPECT_EQ(s.recorded_reserved_peak, 15286140928u);
+  EXPECT_GT(s.segments_at_peak, 10u);
+  EXPECT_EQ(s.plot_points, 1200u);
+  // Self-contained: no network, one file.
+  EXPECT_EQ(page.find("http://"), std::string::npos);
+  EXPECT_EQ(page.find("https://"), std::string::npos);
+  EXPECT_EQ(page.find("<script src"), std::string::npos);
+  EXPECT_EQ(page.find("<link"), std::string::npos);
+  // Four curves of 2 points per slice, the map, the tables.
+  const std::string polyline = "<polyline class=\"curve\" points=\"";
+  std::size_t curves = 0;
+  for (std::size_t p = page.find(polyline); p != std::string::npos; p = page.find(polyline, p + 1)) {
+    ++curves;
+    const std::size_t begin = p + polyline.size();
+    EXPECT_EQ(count(page.substr(begin, page.find('"', begin) - begin), ","), 2u * 1200) << "one step per slice";
+  }
+  EXPECT_EQ(curves, 3u) << "recording allocator reserved, ccalloc allocated, ccalloc reserved";
+  EXPECT_EQ(count(page, "<polygon points="), 1u) << "requested, filled";
+  EXPECT_GT(count(page, "<rect x="), 200u) << "segments and blocks";
+  EXPECT_EQ(count(page, "<h2>"), 5u);
+  EXPECT_NE(page.find("PyTorch native"), std::string::npos);
+  // The hover data parses and has one value per slice.
+  const std::size_t a = page.find("id=\"chartdata\">") + 15, b = page.find("</script>", a);
+  const auto data = nlohmann::json::parse(page.substr(a, b - a));
+  EXPECT_EQ(data["reserved"].size(), 1200u);
+  double top = 0;
+  for (const auto& v : data["reserved"]) top = std::max(top, v.get<double>());
+  EXPECT_NEAR(top, double(r.peak_reserved_bytes) / 1048576.0, 0.01) << "no peak lost to downsampling";
+  EXPECT_LT(page.size(), 1000000u);
+}
+
+TEST(Report, BadOptionsAndEmptyTrace) {
+  ccalloc::report_options o;
+  ccalloc::trace empty;
+  empty.source = "empty";
+  EXPECT_THROW((void)ccalloc::render_report_html(empty, o, nullptr), ccalloc::invalid_argument_error);
+  o.plot_points = 1;
+  EXPECT_THROW((void)ccalloc::render_report_html(embedded_trace(), o, nullptr), ccalloc::invalid_argument_error);
+  o.plot_points = 10;
+  o.config = "max_split_size_mb:nope";
+  EXPECT_THROW((void)ccalloc::render_report_html(embedded_trace(), o, nullptr), ccalloc::config_error);
+}
+
+TEST(Report, TraceWithoutTimesOrSegmentsUsesEventIndex) {
+  // An RMM-like trace: no segment events, all at one time.
+  const ccalloc::trace t = ccalloc::parse_trace_text(
+      "5 alloc 4096 1048576 0\n5 alloc 2101248 3145728 0\n5 free_requested 4096 1048576 0\n"
+      "5 free_completed 4096 1048576 0\n",
+      "flat");
+  ccalloc::report_summary s;
+  const std::string page = ccalloc::render_report_html(t, {}, nullptr, &s);
+  EXPECT_EQ(s.plot_points, 4u) << "never more slices than events";
+  EXPECT_EQ(s.recorded_reserved_peak, 0u);
+  EXPECT_EQ(count(page, "<polyline class=\"curve\""), 2u) << "no recording-allocator curve without segment events";
+  EXPECT_NE(page.find(">event</text>"), std::string::npos);
+  EXPECT_EQ(s.peak_event_index, 1u);
+}
+
+}  // namespace

@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Convert a PyTorch memory snapshot pickle into ccalloc's trace format.
+
+    python3 tools/snapshot_to_trace.py SNAPSHOT.pickle [-o OUT.trace] [--device N]
+
+The input is what ``torch.cuda.memory._dump_snapshot()`` writes (gzip
+allowed). Its ``device_traces[N]`` (default: the first device with entries)
+becomes one event per line, ``time_us action addr size stream``
+(docs/trace-format.md), which ``ccalloc replay`` and ``ccalloc report`` read.
+``ccalloc replay SNAPSHOT.pickle`` runs this script itself (python3).
+
+A snapshot's trace often starts after the program did (history was turned on
+later, or the ring buffer dropped the oldest entries). So that the trace
+replays as the program ran, the converter adds, at the trace's first time:
+- an ``alloc`` for every block that is freed in the trace, or still live in
+  the snapshot's segments, without an ``alloc`` in the trace;
+- a ``segment_alloc`` for every segment freed in the trace, or present at the
+  end, without one (for an expandable segment: a ``segment_map`` of what was
+  mapped before the trace), so the recording allocator's reserved bytes start
+  right.
+A ``free_completed`` whose ``free_requested`` is missing gets one just before
+it. The header comment says how many of each were added.
+
+Needs only the standard library: a snapshot holds plain dicts, lists, tuples,
+strings and numbers, so it is unpickled without torch, and anything else (a
+class, a function) is refused: unpickling never runs code from the file.
+Errors print ``snapshot_to_trace: FILE: reason`` and exit with status 1.
+"""
+
+import argparse
+import gzip
+import io
+import pickle
+import sys
+
+# PyTorch's trace-entry actions that ccalloc's trace format has.
+KNOWN_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+                 "segment_map", "segment_unmap", "snapshot", "oom"}
+
+
+class ConvertError(Exception):
+    pass
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only: a snapshot never refers to a class or function."""
+
+    def find_class(self, module, name):
+        raise ConvertError(f"not a plain-data snapshot: it refers to {module}.{name}")
+
+
+def load_snapshot(path):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConvertError(f"cannot read: {e.strerror}") from None
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as e:
+            raise ConvertError(f"corrupt gzip data: {e}") from None
+    if not data.startswith(b"\x80"):
+        raise ConvertError("not a pickle (PyTorch snapshots start with the pickle protocol byte 0x80)")
+    try:
+        snapshot = _PlainUnpickler(io.BytesIO(data)).load()
+    except ConvertError:
+        raise
+    except Exception as e:  # truncated or corrupt pickle: many exception types
+        raise ConvertError(f"corrupt pickle: {type(e).__name__}: {e}") from None
+    if not isinstance(snapshot, dict) or "device_traces" not in snapshot:
+        keys = sorted(snapshot)[:6] if isinstance(snapshot, dict) else type(snapshot).__name__
+        raise ConvertError(f"not a PyTorch memory snapshot (no 'device_traces'; found {keys})")
+    return snapshot
+
+
+def _field(entry, key, where, kind=int):
+    if not isinstance(entry, dict) or key not in entry:
+        raise ConvertError(f"{where}: missing {key!r}")
+    value = entry[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ConvertError(f"{where}.{key}: expected a non-negative integer, got {value!r:.40}")
+    if kind is str and not isinstance(value, str):
+        raise ConvertError(f"{where}.{key}: expected a string, got {value!r:.40}")
+    return value
+
+
+def convert(snapshot, device=None):
+    """Returns (lines, notes): the trace lines and what was added or dropped."""
+    traces = snapshot["device_traces"]
+    if not isinstance(traces, list):
+        raise ConvertError("device_traces is not a list")
+    if device is None:
+        device = next((d for d, t in enumerate(traces) if t), 0)
+    if not 0 <= device < max(len(traces), 1):
+        raise ConvertError(f"--device {device}: the snapshot has {len(traces)} device trace(s)")
+    entries = traces[device] if traces else []
+    segments = [s for s in snapshot.get("segments", []) if isinstance(s, dict) and s.get("device", 0) == device]
+
+    events = []            # (time_us, action, addr, size, stream)
+    start_allocs = {}      # addr -> (size, stream): blocks alive before the trace
+    start_segments = {}    # addr -> (action, size, stream)
+    live = {}              # addr -> stream, between alloc and free_requested
+    pending = set()        # addrs between free_requested and free_completed
+    segment_seen = set()   # segment addrs with a segment_alloc in the trace
+    mapped_net = {}        # expandable segment addr -> bytes mapped minus unmapped in the trace
+    expandable = sorted(s["address"] for s in segments if s.get("is_expandable"))
+    dropped = {}
+    repaired = 0
+    last_time = None
+    first_time = None
+
+    def owner(addr):  # the expandable segment holding addr, by base address
+        best = None
+        for base in expandable:
+            if base <= addr:
+                best = base
+        return best
+
+    for i, e in enumerate(entries):
+        where = f"device_traces[{device}][{i}]"
+        action = _field(e, "action", where, str)
+        if action not in KNOWN_ACTIONS:
+            dropped[action] = dropped.get(action, 0) + 1
+            continue
+        t = _field(e, "time_us", where)
+        if first_time is None:
+            first_time = t
+        # PyTorch's approximate clock may step back slightly across threads:
+        # the trace format wants time in order.
+        t = t if last_time is None else max(t, last_time)
+        last_time = t
+        addr = _field(e, "device_free" if action == "oom" else "addr", where)
+        size = _field(e, "size", where)
+        stream = _field(e, "stream", where)
+        if action == "alloc":
+            if addr in live or addr in pending:  # its frees were not recorded
+                events.append((t, "free_requested", addr, size, live.get(addr, stream)))
+                events.append((t, "free_completed", addr, size, live.get(addr, stream)))
+                live.pop(addr, None)
+                pending.discard(addr)
+                repaired += 1
+            live[addr] = stream
+        elif action == "free_requested":
+            if addr in live:
+                del live[addr]
+            elif addr not in pending:
+                start_allocs.setdefault(addr, (size, stream))
+            pending.add(addr)
+        elif action == "free_completed":
+            if addr not in pending:
+                if addr in live:
+                    del live[addr]
+                else:
+                    start_allocs.setdefault(addr, (size, stream))
+                events.append((t, "free_requested", addr, size, stream))
+                repaired += 1
+            pending.discard(addr)
+        elif action == "segment_alloc":
+            segment_seen.add(addr)
+        elif action == "segment_free":
+            if addr not in segment_seen:
+                start_segments.setdefault(addr, ("segment_alloc", size, stream))
+            segment_seen.discard(addr)
+        elif action in ("segment_map", "segment_unmap"):
+            base = owner(addr)
+            if base is not None:
+                mapped_net[base] = mapped_net.get(base, 0) + (size if action == "segment_map" else -size)
+        events.append((t, action, addr, size, stream))
+
+    # Blocks and segments alive at the end that the trace never allocated.
+    for s in segments:
+        stream = s.get("stream", 0)
+        if s.get("is_expandable"):
+            before = s["total_size"] - mapped_net.get(s["address"], 0)
+            if before > 0:
+                start_segments.setdefault(s["address"], ("segment_map", before, stream))
+        elif s["address"] not in segment_seen:
+            start_segments.setdefault(s["address"], ("segment_alloc", s["total_size"], stream))
+        addr = s["address"]
+        for b in s.get("blocks", []):
+            if b.get("state") in ("active_allocated", "active_pending_free") and addr not in live \
+                    and addr not in pending:
+                start_allocs.setdefault(addr, (b.get("requested_size", b["size"]), stream))
+            addr += b["size"]
+
+    t0 = first_time if first_time is not None else 0
+    head = [(t0, action, addr, size, stream) for addr, (action, size, stream) in sorted(start_segments.items())]
+    head += [(t0, "alloc", addr, size, stream) for addr, (size, stream) in sorted(start_allocs.items())]
+    notes = [f"{len(entries)} trace entries of device {device}",
+             f"{len(start_allocs)} alloc and {len(start_segments)} segment events added at the start "
+             "(allocated before the trace)",
+             f"{repaired} missing frees added"]
+    if dropped:
+        notes.append("dropped actions ccalloc's trace format has not: " +
+                     ", ".join(f"{k} x{v}" for k, v in sorted(dropped.items())))
+    lines = [f"{t} {a} {addr} {size} {stream}" for t, a, addr, size, stream in head + events]
+    return lines, notes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="snapshot_to_trace.py",
+        description="Convert a PyTorch memory snapshot pickle (torch.cuda.memory._dump_snapshot) into "
+                    "ccalloc's trace format (docs/trace-format.md).")
+    parser.add_argument("snapshot", help="the .pickle file (gzip allowed)")
+    parser.add_argument("-o", "--output", help="trace file to write (default: standard output)")
+    parser.add_argument("--device", type=int, help="device whose trace to convert (default: the first with entries)")
+    args = parser.parse_args(argv)
+    try:
+        lines, notes = convert(load_snapshot(args.snapshot), args.device)
+    except ConvertError as e:
+        print(f"snapshot_to_trace: {args.snapshot}: {e}", file=sys.stderr)
+        return 1
+    text = "".join(f"# {n}\n" for n in [f"converted from {args.snapshot} by tools/snapshot_to_trace.py"] + notes)
+    text += "# time_us action addr size stream\n" + "\n".join(lines) + ("\n" if lines else "")
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
