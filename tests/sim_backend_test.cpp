@@ -473,7 +473,7 @@ TEST(SimBackend, OptionalCapabilitiesAreReported) {
   EXPECT_TRUE(caps.virtual_memory);
   EXPECT_TRUE(caps.peer_access);
   EXPECT_TRUE(caps.gates);
-  EXPECT_FALSE(caps.ipc);
+  EXPECT_TRUE(caps.ipc);  // plain segments through memory files (tests/ipc_test.cpp)
   EXPECT_EQ(sim.vm_granularity(0), 2 * mib);
   EXPECT_FALSE(sim.can_access_peer(0, 0));  // a device is not its own peer
   EXPECT_THROW((void)sim.can_access_peer(0, 1), backend_error);  // one device only

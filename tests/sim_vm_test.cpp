@@ -104,7 +104,8 @@ TEST(SimVm, CapabilitiesFollowTheOptions) {
   EXPECT_TRUE(caps.virtual_memory);
   EXPECT_TRUE(caps.peer_access);
   EXPECT_TRUE(caps.gates);
-  EXPECT_FALSE(caps.ipc);
+  EXPECT_TRUE(caps.ipc);
+  EXPECT_TRUE(caps.ipc_vm);
   EXPECT_EQ(sim.vm_granularity(0), granule);
 
   sim_options small = vm_device();

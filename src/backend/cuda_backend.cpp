@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -94,6 +95,9 @@ struct driver_api {
   PFN_cuMemMap_v10020 mem_map = nullptr;
   PFN_cuMemUnmap_v10020 mem_unmap = nullptr;
   PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
+  // Inter-process sharing of physical memory (optional: resolved on their own).
+  PFN_cuMemExportToShareableHandle_v10020 mem_export_to_shareable_handle = nullptr;
+  PFN_cuMemImportFromShareableHandle_v10020 mem_import_from_shareable_handle = nullptr;
   // Gates (resolved on their own: not part of virtual memory). The v2 ABI
   // (CUDA 11.7), which driver_abi_version 12000 selects.
   PFN_cuStreamWaitValue32_v11070 stream_wait_value32 = nullptr;
@@ -150,12 +154,17 @@ struct driver_api {
   }
 };
 
-CUmemAllocationProp pinned_device_prop(int device) noexcept {
+// `shareable`: the memory can be exported as a POSIX file descriptor
+// (cuMemExportToShareableHandle), which IPC of expandable segments needs.
+// PyTorch does the same for its expandable segments: it asks for
+// CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR and falls back to no handle type
+// where the driver refuses (containers without the needed permission).
+CUmemAllocationProp pinned_device_prop(int device, bool shareable = false) noexcept {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = device;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  prop.requestedHandleTypes = shareable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
   return prop;
 }
 
@@ -183,6 +192,7 @@ struct cuda_backend::impl {
   int device_count = 0;
   driver_api driver;
   bool virtual_memory = false;
+  bool ipc_vm = false;  // physical memory is created exportable as POSIX file descriptors
   bool gates = false;
   mutable std::mutex mutex;                      // guards granularity
   mutable std::vector<std::size_t> granularity;  // per device; 0 = not asked yet
@@ -256,6 +266,20 @@ cuda_backend::cuda_backend() : impl_(std::make_unique<impl>()) {
   }
   impl_->virtual_memory = vm;
 
+  // IPC of expandable segments: both entry points and every device able to
+  // export POSIX file descriptors.
+  bool ipc_vm = vm && driver_api::resolve("cuMemExportToShareableHandle", d.mem_export_to_shareable_handle) &&
+                driver_api::resolve("cuMemImportFromShareableHandle", d.mem_import_from_shareable_handle);
+  for (int i = 0; ipc_vm && i < n; ++i) {
+    CUdevice dev = 0;
+    int supported = 0;
+    ipc_vm = d.device_get(&dev, i) == CUDA_SUCCESS &&
+             d.device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                                    dev) == CUDA_SUCCESS &&
+             supported != 0;
+  }
+  impl_->ipc_vm = ipc_vm;
+
   // Gates: cuStreamWaitValue32 (v2 memory operations: on by default since
   // CUDA 11.7, no attribute to ask) and host memory mapped into every device.
   bool gates = driver_api::resolve("cuStreamWaitValue32", d.stream_wait_value32);
@@ -282,7 +306,8 @@ backend_capabilities cuda_backend::capabilities() const {
   backend_capabilities c;
   c.virtual_memory = impl_->virtual_memory;
   c.peer_access = true;
-  c.ipc = false;
+  c.ipc = true;
+  c.ipc_vm = impl_->ipc_vm;
   c.gates = impl_->gates;
   return c;
 }
@@ -478,9 +503,18 @@ bool cuda_backend::vm_create(int device, std::size_t size_bytes, physical_handle
   if (!impl_->virtual_memory) throw_not_supported("vm_create");
   if (handle == nullptr) throw backend_error("cuda: vm_create: handle is null");
   device_guard guard(device, /*activate=*/true);
-  const CUmemAllocationProp prop = pinned_device_prop(device);
   CUmemGenericAllocationHandle h = 0;
-  const CUresult r = impl_->driver.mem_create(&h, size_bytes, &prop, 0);
+  CUresult r = CUDA_ERROR_NOT_SUPPORTED;
+  if (impl_->ipc_vm) {
+    const CUmemAllocationProp prop = pinned_device_prop(device, /*shareable=*/true);
+    r = impl_->driver.mem_create(&h, size_bytes, &prop, 0);
+  }
+  // Without a shareable handle type where the driver refuses one (as
+  // PyTorch falls back); such a handle cannot be exported.
+  if (r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_NOT_PERMITTED || r == CUDA_ERROR_INVALID_VALUE) {
+    const CUmemAllocationProp prop = pinned_device_prop(device);
+    r = impl_->driver.mem_create(&h, size_bytes, &prop, 0);
+  }
   if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
   impl_->driver.check(
       r, [&] { return "cuMemCreate(" + dev_text(device) + ", " + std::to_string(size_bytes) + " bytes)"; });
@@ -538,6 +572,112 @@ void cuda_backend::vm_set_access(int device, void* addr, std::size_t size_bytes,
   impl_->driver.check(impl_->driver.mem_set_access(to_cu(addr), size_bytes, &desc, 1), [&] {
     return "cuMemSetAccess(" + dev_text(device) + ", " + pointer_text(addr) + ", " + std::to_string(size_bytes) +
            " bytes, read/write for " + dev_text(peer) + ")";
+  });
+}
+
+// --- inter-process sharing -------------------------------------------------------------------
+
+ipc_mem_handle cuda_backend::ipc_export_segment(int device, void* base) {
+  impl_->check_device(device, "ipc_export_segment");
+  device_guard guard(device);
+  cudaIpcMemHandle_t h{};
+  check(cudaIpcGetMemHandle(&h, base),
+        [&] { return "cudaIpcGetMemHandle(" + dev_text(device) + ", " + pointer_text(base) + ")"; });
+  static_assert(sizeof(h) == sizeof(ipc_mem_handle::bytes), "cudaIpcMemHandle_t is 64 bytes");
+  ipc_mem_handle out;
+  std::memcpy(out.bytes.data(), &h, sizeof h);
+  return out;
+}
+
+void* cuda_backend::ipc_open_segment(int device, const ipc_mem_handle& handle) {
+  impl_->check_device(device, "ipc_open_segment");
+  device_guard guard(device);
+  cudaIpcMemHandle_t h{};
+  std::memcpy(&h, handle.bytes.data(), sizeof h);
+  void* ptr = nullptr;
+  check(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess), [&] {
+    return "cudaIpcOpenMemHandle(" + dev_text(device) +
+           ", cudaIpcMemLazyEnablePeerAccess) (was the segment freed, or is this the process that exported it?)";
+  });
+  return ptr;
+}
+
+void cuda_backend::ipc_close_segment(int device, void* ptr) {
+  impl_->check_device(device, "ipc_close_segment");
+  device_guard guard(device);
+  const cudaError_t e = cudaIpcCloseMemHandle(ptr);
+  if (unloading(e)) return;
+  check(e, [&] { return "cudaIpcCloseMemHandle(" + dev_text(device) + ", " + pointer_text(ptr) + ")"; });
+}
+
+shareable_handle cuda_backend::vm_export_handle(int device, physical_handle_t handle) {
+  impl_->check_device(device, "vm_export_handle");
+  if (!impl_->ipc_vm) throw_not_supported("vm_export_handle");
+  device_guard guard(device, /*activate=*/true);
+  int fd = -1;
+  impl_->driver.check(
+      impl_->driver.mem_export_to_shareable_handle(&fd, static_cast<CUmemGenericAllocationHandle>(handle),
+                                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+      [&] {
+        return "cuMemExportToShareableHandle(" + dev_text(device) + ", handle " + std::to_string(handle) +
+               ", CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)";
+      });
+  // The size is the caller's: cuMemGetAllocationPropertiesFromHandle would
+  // not give it either. The front end knows its page size.
+  return shareable_handle{fd, 0, 0};
+}
+
+physical_handle_t cuda_backend::vm_import_handle(int device, const shareable_handle& shared) {
+  impl_->check_device(device, "vm_import_handle");
+  if (!impl_->ipc_vm) throw_not_supported("vm_import_handle");
+  if (shared.offset_bytes != 0)
+    throw backend_error("cuda: vm_import_handle(" + dev_text(device) + ", fd " + std::to_string(shared.fd) +
+                        "): offset " + std::to_string(shared.offset_bytes) +
+                        " is not 0 (CUDA exports one allocation per descriptor)");
+  device_guard guard(device, /*activate=*/true);
+  CUmemGenericAllocationHandle h = 0;
+  // The driver takes the descriptor's value cast to a pointer; it does not
+  // close it.
+  impl_->driver.check(impl_->driver.mem_import_from_shareable_handle(
+                          &h, reinterpret_cast<void*>(static_cast<std::intptr_t>(shared.fd)),
+                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                      [&] {
+                        return "cuMemImportFromShareableHandle(" + dev_text(device) + ", fd " +
+                               std::to_string(shared.fd) + ", CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)";
+                      });
+  return static_cast<physical_handle_t>(h);
+}
+
+// --- copies ----------------------------------------------------------------------------------
+
+void cuda_backend::memcpy_async(int device, void* dst, const void* src, std::size_t size_bytes, stream_t stream) {
+  impl_->check_device(device, "memcpy_async");
+  if (size_bytes == 0) return;
+  device_guard guard(device);
+  check(cudaMemcpyAsync(dst, src, size_bytes, cudaMemcpyDeviceToDevice, to_cuda(stream)), [&] {
+    return "cudaMemcpyAsync(" + pointer_text(dst) + ", " + pointer_text(src) + ", " + std::to_string(size_bytes) +
+           " bytes, cudaMemcpyDeviceToDevice, " + dev_text(device) + ")";
+  });
+}
+
+void cuda_backend::memcpy_peer_async(void* dst, int dst_device, const void* src, int src_device,
+                                     std::size_t size_bytes, stream_t stream) {
+  impl_->check_device(dst_device, "memcpy_peer_async (dst)");
+  impl_->check_device(src_device, "memcpy_peer_async (src)");
+  if (size_bytes == 0) return;
+  check(cudaMemcpyPeerAsync(dst, dst_device, src, src_device, size_bytes, to_cuda(stream)), [&] {
+    return "cudaMemcpyPeerAsync(" + pointer_text(dst) + " on " + dev_text(dst_device) + ", " + pointer_text(src) +
+           " on " + dev_text(src_device) + ", " + std::to_string(size_bytes) + " bytes)";
+  });
+}
+
+void cuda_backend::copy_data(int device, void* dst, const void* src, std::size_t size_bytes) {
+  impl_->check_device(device, "copy_data");
+  if (size_bytes == 0) return;
+  device_guard guard(device);
+  check(cudaMemcpy(dst, src, size_bytes, cudaMemcpyDeviceToDevice), [&] {
+    return "cudaMemcpy(" + pointer_text(dst) + ", " + pointer_text(src) + ", " + std::to_string(size_bytes) +
+           " bytes, cudaMemcpyDeviceToDevice)";
   });
 }
 

@@ -17,6 +17,18 @@ void device_backend::vm_release_handle(int, physical_handle_t) { throw_not_suppo
 void device_backend::vm_map(int, void*, std::size_t, physical_handle_t) { throw_not_supported("vm_map"); }
 void device_backend::vm_unmap(int, void*, std::size_t) { throw_not_supported("vm_unmap"); }
 void device_backend::vm_set_access(int, void*, std::size_t, int) { throw_not_supported("vm_set_access"); }
+ipc_mem_handle device_backend::ipc_export_segment(int, void*) { throw_not_supported("ipc_export_segment"); }
+void* device_backend::ipc_open_segment(int, const ipc_mem_handle&) { throw_not_supported("ipc_open_segment"); }
+void device_backend::ipc_close_segment(int, void*) { throw_not_supported("ipc_close_segment"); }
+shareable_handle device_backend::vm_export_handle(int, physical_handle_t) { throw_not_supported("vm_export_handle"); }
+physical_handle_t device_backend::vm_import_handle(int, const shareable_handle&) {
+  throw_not_supported("vm_import_handle");
+}
+void device_backend::memcpy_async(int, void*, const void*, std::size_t, stream_t) { throw_not_supported("memcpy_async"); }
+void device_backend::memcpy_peer_async(void*, int, const void*, int, std::size_t, stream_t) {
+  throw_not_supported("memcpy_peer_async");
+}
+void device_backend::copy_data(int, void*, const void*, std::size_t) { throw_not_supported("copy_data"); }
 bool device_backend::can_access_peer(int, int) const { return false; }
 void device_backend::enable_peer_access(int, int) { throw_not_supported("enable_peer_access"); }
 gate_t device_backend::create_gate(int) { throw_not_supported("create_gate"); }

@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,6 +58,8 @@ struct sim_backend::impl {
     std::size_t capacity_bytes = 0;
     std::size_t used_bytes = 0;
     std::unordered_map<void*, std::size_t> segments;       // ptr -> mapped bytes
+    std::unordered_map<void*, int> shared_segments;        // exported segment -> its memory file
+    std::unordered_map<void*, std::size_t> opened_segments;  // ipc_open_segment result -> bytes
     std::unordered_map<stream_t, std::uint64_t> busy_until;  // stream -> time
     std::unordered_map<stream_t, std::vector<gate_t>> gated;  // stream -> closed gates it waits on
     // Physical memory: one sparse memory file (created on first vm_create).
@@ -81,8 +84,9 @@ struct sim_backend::impl {
   struct handle_state {
     int device = 0;
     std::size_t size_bytes = 0;
-    std::size_t offset = 0;  // in the device's memory file
+    std::size_t offset = 0;  // in the device's memory file, or in `fd`'s file when imported
     std::uint64_t map_count = 0;
+    int fd = -1;  // imported (vm_import_handle): this process's own descriptor of the exporter's file
   };
   struct event {
     int device = 0;
@@ -242,8 +246,12 @@ sim_backend::sim_backend(sim_options options) {
 sim_backend::~sim_backend() {
   // Mappings lie inside reservations: unmapping the reservations removes them.
   for (auto& [base, r] : impl_->reservations) ::munmap(reinterpret_cast<void*>(base), r.size_bytes);
+  for (auto& [id, h] : impl_->handles)
+    if (h.fd >= 0) ::close(h.fd);
   for (auto& d : impl_->devices) {
     for (auto& [ptr, bytes] : d.segments) ::munmap(ptr, bytes);
+    for (auto& [ptr, fd] : d.shared_segments) ::close(fd);
+    for (auto& [ptr, bytes] : d.opened_segments) ::munmap(ptr, bytes);
     if (d.memfd >= 0) ::close(d.memfd);  // frees the handles' memory
   }
 }
@@ -297,6 +305,10 @@ void sim_backend::segment_free(int device, void* ptr) {
     throw backend_error("sim: segment_free of " + std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
                         ", which is not a live segment of device " + std::to_string(device));
   ::munmap(ptr, it->second);
+  if (auto shared = d.shared_segments.find(ptr); shared != d.shared_segments.end()) {
+    ::close(shared->second);  // openers keep their mappings (a freed cudaMalloc would not)
+    d.shared_segments.erase(shared);
+  }
   d.used_bytes -= it->second;
   impl_->counters.used_bytes -= it->second;
   d.segments.erase(it);
@@ -389,6 +401,8 @@ backend_capabilities sim_backend::capabilities() const {
   c.virtual_memory = impl_->vm_supported;
   c.peer_access = impl_->options.peer_access;
   c.gates = true;
+  c.ipc = true;
+  c.ipc_vm = impl_->vm_supported;
   return c;
 }
 
@@ -523,6 +537,13 @@ void sim_backend::vm_release_handle(int device, physical_handle_t handle) {
     throw backend_error(call + "): the handle is still mapped " + std::to_string(h.map_count) +
                         " time(s), the first at " + pointer_text(m->first) + " (vm_unmap it first)");
   }
+  if (h.fd >= 0) {  // imported: the memory is the exporter's; only our descriptor goes
+    ::close(h.fd);
+    --impl_->counters.live_handles;
+    ++impl_->counters.vm_release_handles;
+    impl_->handles.erase(it);
+    return;
+  }
   // Give the pages back now; the range stays in the file for reuse.
   if (::fallocate(d.memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(h.offset),
                   static_cast<off_t>(h.size_bytes)) != 0)
@@ -567,7 +588,8 @@ void sim_backend::vm_map(int device, void* addr, std::size_t size_bytes, physica
   }
   if (impl_->fail_vm_map_countdown && --impl_->fail_vm_map_countdown == 0)
     throw backend_error(call + "): injected failure");
-  if (::mmap(addr, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, d.memfd,
+  const int file = h->second.fd >= 0 ? h->second.fd : d.memfd;
+  if (::mmap(addr, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, file,
              static_cast<off_t>(h->second.offset)) == MAP_FAILED) {
     const int err = errno;
     // A failed MAP_FIXED mmap may have removed the placeholder: put it back.
@@ -615,6 +637,176 @@ void sim_backend::vm_set_access(int device, void* addr, std::size_t size_bytes, 
     auto& peers = it->second.peers;
     if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);
   }
+}
+
+// --- inter-process sharing --------------------------------------------------------------
+
+shareable_handle sim_backend::vm_export_handle(int device, physical_handle_t handle) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_export_handle");
+  const std::string call =
+      "sim: vm_export_handle(device " + std::to_string(device) + ", handle " + std::to_string(handle);
+  auto it = impl_->handles.find(handle);
+  if (it == impl_->handles.end())
+    throw backend_error(call + "): unknown handle (never created or already released)");
+  const impl::handle_state& h = it->second;
+  if (h.device != device) throw backend_error(call + "): the handle belongs to device " + std::to_string(h.device));
+  const int fd = ::fcntl(h.fd >= 0 ? h.fd : d.memfd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) throw backend_error(call + "): " + errno_text("fcntl(F_DUPFD_CLOEXEC)", errno));
+  ++impl_->counters.vm_exports;
+  return shareable_handle{fd, h.offset, h.size_bytes};
+}
+
+physical_handle_t sim_backend::vm_import_handle(int device, const shareable_handle& shared) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  if (!impl_->vm_supported) throw_not_supported("vm_import_handle");
+  const std::string call = "sim: vm_import_handle(device " + std::to_string(device) + ", fd " +
+                           std::to_string(shared.fd) + ", offset " + std::to_string(shared.offset_bytes) + ", " +
+                           std::to_string(shared.size_bytes) + " bytes";
+  impl_->check_granular(call, 0, shared.size_bytes);
+  if (shared.offset_bytes % impl_->options.granularity_bytes != 0)
+    throw backend_error(call + "): offset is not a multiple of the granularity");
+  struct stat st {};
+  if (shared.fd < 0 || ::fstat(shared.fd, &st) != 0)
+    throw backend_error(call + "): not an open file descriptor");
+  if (!S_ISREG(st.st_mode)) throw backend_error(call + "): the descriptor is not a memory file");
+  const auto file_bytes = static_cast<std::uint64_t>(st.st_size);
+  if (shared.offset_bytes > file_bytes || shared.size_bytes > file_bytes - shared.offset_bytes)
+    throw backend_error(call + "): the range passes the end of the file (" + std::to_string(file_bytes) +
+                        " bytes; was the memory released?)");
+  const int fd = ::fcntl(shared.fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) throw backend_error(call + "): " + errno_text("fcntl(F_DUPFD_CLOEXEC)", errno));
+  const physical_handle_t id = impl_->next_handle++;
+  impl_->handles.emplace(id, impl::handle_state{device, shared.size_bytes, shared.offset_bytes, 0, fd});
+  ++impl_->counters.vm_imports;
+  ++impl_->counters.live_handles;
+  return id;
+}
+
+namespace {
+// The simulated cudaIpcMemHandle_t: which process's which descriptor holds
+// the segment, and its size. Read back with /proc/<pid>/fd/<fd>.
+struct sim_ipc_payload {
+  char magic[8];
+  std::uint32_t pid;
+  std::int32_t fd;
+  std::uint64_t size_bytes;
+};
+constexpr char sim_ipc_magic[8] = {'s', 'i', 'm', 'i', 'p', 'c', '0', '1'};
+static_assert(sizeof(sim_ipc_payload) <= sizeof(ipc_mem_handle::bytes));
+}  // namespace
+
+ipc_mem_handle sim_backend::ipc_export_segment(int device, void* base) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  const std::string call = "sim: ipc_export_segment(device " + std::to_string(device) + ", " + pointer_text(base);
+  auto seg = d.segments.find(base);
+  if (seg == d.segments.end()) throw backend_error(call + "): not a live segment of the device");
+  int fd = -1;
+  if (auto shared = d.shared_segments.find(base); shared != d.shared_segments.end()) {
+    fd = shared->second;
+  } else {
+    // Move the segment into a memory file, in place: copy its bytes into the
+    // file, then map the file over the segment (same address, same bytes).
+    fd = ::memfd_create("ccalloc-sim-ipc-segment", MFD_CLOEXEC);
+    if (fd < 0) throw backend_error(call + "): " + errno_text("memfd_create", errno));
+    void* tmp = MAP_FAILED;
+    if (::ftruncate(fd, static_cast<off_t>(seg->second)) == 0)
+      tmp = ::mmap(nullptr, seg->second, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (tmp == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      throw backend_error(call + "): " + errno_text("ftruncate/mmap of the segment's memory file", err));
+    }
+    std::memcpy(tmp, base, seg->second);
+    ::munmap(tmp, seg->second);
+    if (::mmap(base, seg->second, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      throw backend_error(call + "): " + errno_text("mmap", err, /*maps=*/true));
+    }
+    d.shared_segments.emplace(base, fd);
+  }
+  sim_ipc_payload payload{};
+  std::memcpy(payload.magic, sim_ipc_magic, sizeof payload.magic);
+  payload.pid = static_cast<std::uint32_t>(::getpid());
+  payload.fd = fd;
+  payload.size_bytes = seg->second;
+  ipc_mem_handle out;
+  std::memcpy(out.bytes.data(), &payload, sizeof payload);
+  return out;
+}
+
+void* sim_backend::ipc_open_segment(int device, const ipc_mem_handle& handle) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  sim_ipc_payload payload{};
+  std::memcpy(&payload, handle.bytes.data(), sizeof payload);
+  const std::string call = "sim: ipc_open_segment(device " + std::to_string(device) + ")";
+  if (std::memcmp(payload.magic, sim_ipc_magic, sizeof payload.magic) != 0)
+    throw backend_error(call + ": not a handle of the simulated device");
+  if (payload.pid == static_cast<std::uint32_t>(::getpid()))
+    throw backend_error(call + ": the handle comes from this process (CUDA refuses that too; use the pointer)");
+  const std::string path = "/proc/" + std::to_string(payload.pid) + "/fd/" + std::to_string(payload.fd);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0)
+    throw backend_error(call + ": " + errno_text(("open " + path).c_str(), errno) +
+                        " (has the producer exited or freed the segment?)");
+  struct stat st {};
+  void* p = MAP_FAILED;
+  if (::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_size) == payload.size_bytes)
+    p = ::mmap(nullptr, payload.size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED)
+    throw backend_error(call + ": " + path + " is not the exported segment (size differs or mmap failed: " +
+                        std::strerror(err) + ")");
+  d.opened_segments.emplace(p, payload.size_bytes);
+  return p;
+}
+
+void sim_backend::ipc_close_segment(int device, void* ptr) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  auto it = d.opened_segments.find(ptr);
+  if (it == d.opened_segments.end())
+    throw backend_error("sim: ipc_close_segment(device " + std::to_string(device) + ", " + pointer_text(ptr) +
+                        "): not a segment opened with ipc_open_segment on this device");
+  ::munmap(ptr, it->second);
+  d.opened_segments.erase(it);
+}
+
+// --- copies ------------------------------------------------------------------------------
+
+void sim_backend::memcpy_async(int device, void* dst, const void* src, std::size_t size_bytes, stream_t) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->dev(device);
+    ++impl_->counters.memcpy_async_calls;
+  }
+  if (size_bytes > 0) std::memmove(dst, src, size_bytes);
+}
+
+void sim_backend::memcpy_peer_async(void* dst, int dst_device, const void* src, int src_device,
+                                    std::size_t size_bytes, stream_t) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->dev(dst_device);
+    impl_->dev(src_device);
+    ++impl_->counters.memcpy_peer_async_calls;
+  }
+  if (size_bytes > 0) std::memmove(dst, src, size_bytes);
+}
+
+void sim_backend::copy_data(int device, void* dst, const void* src, std::size_t size_bytes) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->dev(device);
+    ++impl_->counters.copy_data_calls;
+  }
+  if (size_bytes > 0) std::memmove(dst, src, size_bytes);
 }
 
 // --- peers ----------------------------------------------------------------------------

@@ -1475,6 +1475,23 @@ std::pair<void*, std::size_t> device_caching_allocator::base_allocation(block* b
 
 std::size_t device_caching_allocator::block_size(const block* b) const noexcept { return b->size; }
 
+block_segment device_caching_allocator::segment_of(const block* b) const {
+  std::lock_guard lock(state_->device_mutex_);  // pages change under the device lock
+  const detail::segment& seg = *b->seg;
+  block_segment out;
+  out.base = seg.base;
+  out.size_bytes = seg.size;
+  out.expandable = seg.expandable;
+  if (seg.expandable) {
+    out.page_bytes = seg.page_bytes;
+    out.first_page = (b->ptr - seg.base) / seg.page_bytes;
+    const std::size_t end_page = (b->ptr + b->size - seg.base + seg.page_bytes - 1) / seg.page_bytes;
+    out.page_handles.assign(seg.pages.begin() + static_cast<std::ptrdiff_t>(out.first_page),
+                            seg.pages.begin() + static_cast<std::ptrdiff_t>(end_page));
+  }
+  return out;
+}
+
 void device_caching_allocator::set_memory_fraction(double fraction) {
   detail::tracker_delivery deliver;  // it may release segments
   world_lock w(*state_);

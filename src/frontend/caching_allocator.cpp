@@ -2,6 +2,8 @@
 // the thread's current stream.
 #include <ccalloc/frontend/caching_allocator.hpp>
 
+#include "ipc_cache.hpp"
+
 #include <ccalloc/backend/default_backend.hpp>
 
 #include <cctype>
@@ -51,6 +53,7 @@ caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend)
 caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend, allocator_config config)
     : backend_(std::move(backend)), config_(std::move(config)) {
   if (!backend_) throw invalid_argument_error("ccalloc: caching_allocator needs a backend, got null");
+  ipc_ = std::make_unique<detail::ipc_cache>(*backend_);
 }
 
 void caching_allocator::print_warnings(const allocator_config& config) {

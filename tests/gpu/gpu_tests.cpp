@@ -24,13 +24,20 @@
 #include <ccalloc/backend/default_backend.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
+#include <ccalloc/frontend/ipc_handle.hpp>
+#include <ccalloc/frontend/ipc_socket.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -1103,6 +1110,224 @@ struct test_case {
   void (*fn)();
 };
 
+// ---- inter-process sharing and copies (SPEC F25-F28) --------------------------------
+//
+// The consumer is this program started again (posix_spawn of /proc/self/exe)
+// with --ipc-consumer SOCKET_FD DEVICE: a fresh process with its own CUDA
+// context. It receives the handle and its descriptors over a Unix socket,
+// opens the handle twice (the cache must give the same pointer), checks the
+// producer's bytes, overwrites the block with the next pattern from a kernel
+// on DEVICE (another GPU than the memory's when DEVICE differs), closes both
+// references and exits 0 when every check passed.
+
+/// Bytes of the device memory p[0, n) that differ from pattern `seed`,
+/// counted on the host (works for memory of any device, opened or not).
+std::size_t host_mismatches(const void* p, std::size_t n, unsigned seed) {
+  std::vector<unsigned char> host(n);
+  CUDA_OK(cudaMemcpy(host.data(), p, n, cudaMemcpyDefault));
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < n; ++i) bad += host[i] != gk::pattern_byte(i, seed) ? 1 : 0;
+  return bad;
+}
+
+constexpr unsigned ipc_seed = 41;
+
+/// The consumer's exit codes.
+enum consumer_exit : int {
+  consumer_ok = 0,
+  consumer_receive = 10,
+  consumer_peer = 11,
+  consumer_open = 12,
+  consumer_cache = 13,
+  consumer_bytes = 14,
+  consumer_write = 15,
+  consumer_close = 16,
+};
+
+int ipc_consumer_main(int sock, int device) {
+  try {
+    ipc_export got = receive_ipc_handle(sock);
+    const ipc_handle h = parse_ipc_handle(got.handle);
+    if (cudaSetDevice(device) != cudaSuccess) return consumer_peer;
+    auto backend = std::make_shared<cuda_backend>();
+    caching_allocator alloc(backend, allocator_config::parse(""));
+    alloc.init(backend->device_count());
+    if (device != h.device) {
+      if (!backend->can_access_peer(device, h.device)) return consumer_peer;
+      alloc.enable_peer_access(device, h.device);
+    }
+    void* q = nullptr;
+    try {
+      q = alloc.open_ipc_handle(got.handle, got.fds);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "    consumer: open_ipc_handle: %s\n", e.what());
+      return consumer_open;
+    }
+    void* again = alloc.open_ipc_handle(got.handle, got.fds);
+    for (int fd : got.fds) ::close(fd);
+    if (again != q || alloc.ipc_open_mappings() != 1) return consumer_cache;
+    std::vector<unsigned char> host(h.size_bytes);
+    if (cudaMemcpy(host.data(), q, h.size_bytes, cudaMemcpyDefault) != cudaSuccess) return consumer_bytes;
+    for (std::size_t i = 0; i < host.size(); ++i)
+      if (host[i] != gk::pattern_byte(i, ipc_seed)) return consumer_bytes;
+    if (cudaSetDevice(device) != cudaSuccess || gk::launch_fill(q, h.size_bytes, ipc_seed + 1, nullptr) != cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess)
+      return consumer_write;
+    alloc.close_ipc_handle(q);
+    alloc.close_ipc_handle(again);
+    if (alloc.ipc_open_mappings() != 0) return consumer_close;
+    return consumer_ok;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "    consumer: %s\n", e.what());
+    return consumer_receive;
+  }
+}
+
+/// Starts a consumer on `device`, sends it `ex` and returns its exit code.
+int run_ipc_consumer(const ipc_export& ex, int device) {
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0);
+  const std::string fd_arg = std::to_string(sv[1]);
+  const std::string device_arg = std::to_string(device);
+  char exe[] = "/proc/self/exe";
+  char flag[] = "--ipc-consumer";
+  std::vector<char> a1(fd_arg.begin(), fd_arg.end()), a2(device_arg.begin(), device_arg.end());
+  a1.push_back('\0');
+  a2.push_back('\0');
+  char* argv[] = {exe, flag, a1.data(), a2.data(), nullptr};
+  pid_t pid = 0;
+  const int spawned = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, environ);
+  ::close(sv[1]);
+  if (spawned != 0) {
+    ::close(sv[0]);
+    report_failure(__FILE__, __LINE__, std::string("posix_spawn: ") + std::strerror(spawned));
+    throw test_abort{};
+  }
+  try {
+    send_ipc_handle(sv[0], ex);
+  } catch (const std::exception& e) {
+    report_failure(__FILE__, __LINE__, std::string("send_ipc_handle: ") + e.what());
+  }
+  int status = 0;
+  const pid_t waited = ::waitpid(pid, &status, 0);
+  ::close(sv[0]);
+  REQUIRE(waited == pid);
+  REQUIRE(WIFEXITED(status));
+  return WEXITSTATUS(status);
+}
+
+/// One producer/consumer round: a block at a nonzero offset of its segment
+/// (spanning pages when expandable), written, shared, checked by the
+/// consumer on `consumer_device`, whose answer the producer then reads.
+void ipc_round_trip(const char* conf, ipc_kind kind, int consumer_device) {
+  if (g_sanitizer) throw test_skip{"starts a second process, which the sanitizer would follow"};
+  auto alloc = make_allocator(conf);
+  void* before = alloc->malloc(0, 3 * mib, 0);
+  const std::size_t n = 5 * mib + 512;
+  void* p = alloc->malloc(0, n, 0);
+  CUDA_OK(gk::launch_fill(p, n, ipc_seed, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  ipc_export ex = alloc->share_ipc_handle(p);
+  const ipc_handle h = parse_ipc_handle(ex.handle);
+  CHECK(h.kind == kind);
+  CHECK(h.offset_bytes >= 3 * mib);
+  CHECK(h.size_bytes >= n);
+  if (kind == ipc_kind::expandable) CHECK(ex.fds.size() == h.pages.size() && h.pages.size() >= 3);
+  const int code = run_ipc_consumer(ex, consumer_device);
+  for (int fd : ex.fds) ::close(fd);
+  CHECK_MSG(code == consumer_ok, "consumer exit code " + std::to_string(code) +
+                                     " (10 receive, 11 peer, 12 open, 13 cache, 14 bytes, 15 write, 16 close)");
+  CHECK(host_mismatches(p, n, ipc_seed + 1) == 0);
+  note(std::string(kind == ipc_kind::plain ? "plain" : "expandable") + " block of " + std::to_string(h.size_bytes) +
+       " B at offset " + std::to_string(h.offset_bytes) + ", " + std::to_string(ex.fds.size()) +
+       " fd(s), consumer on device " + std::to_string(consumer_device) + ": bytes read and answered");
+  alloc->free(p);
+  alloc->free(before);
+}
+
+void test_ipc_plain() { ipc_round_trip("expandable_segments:False", ipc_kind::plain, 0); }
+
+void test_ipc_expandable() {
+  if (!g_backend->capabilities().ipc_vm)
+    throw test_skip{"the driver or device cannot export POSIX file descriptors (capabilities().ipc_vm)"};
+  ipc_round_trip("expandable_segments:True", ipc_kind::expandable, 0);
+}
+
+void test_ipc_to_second_gpu() {
+  if (g_backend->device_count() < 2) throw test_skip{"needs 2 devices"};
+  if (!g_backend->can_access_peer(1, 0)) throw test_skip{"device 1 cannot access device 0"};
+  ipc_round_trip("expandable_segments:False", ipc_kind::plain, 1);
+  if (g_backend->capabilities().ipc_vm) ipc_round_trip("expandable_segments:True", ipc_kind::expandable, 1);
+}
+
+void test_ipc_errors() {
+  auto alloc = make_allocator();
+  CHECK_THROWS_AS(invalid_argument_error, (void)alloc->open_ipc_handle("garbage"),
+                  CHECK(contains(e.what(), "ipc handle: truncated")));
+  void* p = alloc->malloc(0, mib, 0);
+  CHECK_THROWS_AS(invalid_argument_error, (void)alloc->share_ipc_handle(static_cast<char*>(p) + 512), (void)e);
+  if (g_backend->capabilities().ipc_vm) {
+    ipc_export ex = alloc->share_ipc_handle(p);
+    CHECK_THROWS_AS(invalid_argument_error, (void)alloc->open_ipc_handle(ex.handle), (void)e);
+    for (int fd : ex.fds) ::close(fd);
+  }
+  CHECK(alloc->ipc_open_mappings() == 0);
+  alloc->free(p);
+}
+
+void test_copy_data() {
+  auto alloc = make_allocator();
+  const std::size_t n = 3 * mib;
+  void* a = alloc->malloc(0, n, 0);
+  void* b = alloc->malloc(0, n, 0);
+  CUDA_OK(gk::launch_fill(a, n, 5, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  alloc->copy_data(b, a, n);
+  CHECK(host_mismatches(b, n, 5) == 0);
+  alloc->free(a);
+  alloc->free(b);
+}
+
+/// memcpy_async from device 0 to device 1 and back between blocks of `src`
+/// (device 0) and `dst` (device 1), with peer access as the caller set it.
+void peer_copy_case(caching_allocator& copier, void* src, void* dst, std::size_t n, bool p2p, unsigned seed) {
+  CUDA_OK(cudaSetDevice(0));
+  CUDA_OK(gk::launch_fill(src, n, seed, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  copier.memcpy_async(dst, 1, src, 0, n, 0, p2p);
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK_MSG(host_mismatches(dst, n, seed) == 0, std::string("0 -> 1, p2p ") + (p2p ? "on" : "off"));
+}
+
+void test_peer_copies() {
+  if (g_backend->device_count() < 2) throw test_skip{"needs 2 devices"};
+  const std::size_t n = 5 * mib + 512;
+  auto plain = make_allocator("expandable_segments:False", 2);
+  auto expandable = make_allocator("expandable_segments:True", 2);
+  void* p0 = plain->malloc(0, n, 0);
+  void* p1 = plain->malloc(1, n, 0);
+  void* e0 = expandable->malloc(0, n, 0);
+  void* e1 = expandable->malloc(1, n, 0);
+  // Without peer access: plain -> plain is a plain copy; expandable memory takes the peer copy.
+  peer_copy_case(*plain, p0, p1, n, false, 61);
+  peer_copy_case(*expandable, e0, e1, n, false, 62);
+  peer_copy_case(*expandable, p0, e1, n, false, 63);
+  peer_copy_case(*expandable, e0, p1, n, false, 64);
+  if (g_backend->can_access_peer(1, 0) && g_backend->can_access_peer(0, 1)) {
+    expandable->enable_peer_access(1, 0);
+    expandable->enable_peer_access(0, 1);
+    peer_copy_case(*expandable, e0, e1, n, true, 65);
+    peer_copy_case(*expandable, p0, e1, n, true, 66);
+  } else {
+    note("no peer access between devices 0 and 1: p2p cases not run");
+  }
+  CUDA_OK(cudaSetDevice(0));
+  plain->free(p0);
+  plain->free(p1);
+  expandable->free(e0);
+  expandable->free(e1);
+}
+
 const test_case all_tests[] = {
     {"backend_basics", test_backend_basics},
     {"backend_streams_and_events", test_backend_streams_and_events},
@@ -1132,6 +1357,12 @@ const test_case all_tests[] = {
     {"expandable_peer_mapping", test_expandable_peer_mapping},
     {"plain_segments_empty_cache", test_plain_segments_empty_cache},
     {"replay_cuda_matches_sim", test_replay_cuda_matches_sim},
+    {"ipc_plain", test_ipc_plain},
+    {"ipc_expandable", test_ipc_expandable},
+    {"ipc_to_second_gpu", test_ipc_to_second_gpu},
+    {"ipc_errors", test_ipc_errors},
+    {"copy_data", test_copy_data},
+    {"peer_copies", test_peer_copies},
 };
 
 void print_device() {
@@ -1154,6 +1385,8 @@ void print_device() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 4 && std::strcmp(argv[1], "--ipc-consumer") == 0)
+    return ipc_consumer_main(std::atoi(argv[2]), std::atoi(argv[3]));
   std::vector<std::string> filters;
   bool list = false;
   for (int i = 1; i < argc; ++i) {

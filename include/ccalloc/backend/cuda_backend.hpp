@@ -71,7 +71,11 @@ class cuda_backend final : public device_backend {
   [[nodiscard]] std::string name() const override { return "cuda"; }
   /// virtual_memory: the driver entry points resolved and every device
   /// reports CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
-  /// peer_access: true; ipc: false; gates: the driver's cuStreamWaitValue32
+  /// peer_access: true; ipc: true (cudaIpc*); ipc_vm: virtual_memory, the
+  /// export/import entry points resolved, and every device reports
+  /// CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED; then
+  /// vm_create asks for POSIX-fd-shareable memory (as PyTorch's expandable
+  /// segments do), falling back to none where the driver refuses; gates: the driver's cuStreamWaitValue32
   /// resolved (the "v2" stream memory operations, on by default on every
   /// device since CUDA 11.7: no attribute to ask; the NOR attribute concerns
   /// only a wait flag gates do not use) and every device can map host memory
@@ -166,6 +170,30 @@ class cuda_backend final : public device_backend {
   void vm_unmap(int device, void* addr, std::size_t size_bytes) override;
   /// cuMemSetAccess granting `peer` read/write to a mapped range of `device`.
   void vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) override;
+
+  // --- inter-process sharing ---------------------------------------------------------
+
+  /// cudaIpcGetMemHandle(base) on `device`.
+  [[nodiscard]] ipc_mem_handle ipc_export_segment(int device, void* base) override;
+  /// cudaIpcOpenMemHandle(cudaIpcMemLazyEnablePeerAccess) on `device`.
+  [[nodiscard]] void* ipc_open_segment(int device, const ipc_mem_handle& handle) override;
+  /// cudaIpcCloseMemHandle on `device`.
+  void ipc_close_segment(int device, void* ptr) override;
+  /// cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR): returns {fd, 0, 0}
+  /// (the size is not known here; the caller knows it).
+  [[nodiscard]] shareable_handle vm_export_handle(int device, physical_handle_t handle) override;
+  /// cuMemImportFromShareableHandle(POSIX_FILE_DESCRIPTOR); offset must be 0.
+  [[nodiscard]] physical_handle_t vm_import_handle(int device, const shareable_handle& shared) override;
+
+  // --- copies --------------------------------------------------------------------------
+
+  /// cudaMemcpyAsync(cudaMemcpyDeviceToDevice) with `device` current.
+  void memcpy_async(int device, void* dst, const void* src, std::size_t size_bytes, stream_t stream) override;
+  /// cudaMemcpyPeerAsync.
+  void memcpy_peer_async(void* dst, int dst_device, const void* src, int src_device, std::size_t size_bytes,
+                         stream_t stream) override;
+  /// cudaMemcpy(cudaMemcpyDeviceToDevice) with `device` current.
+  void copy_data(int device, void* dst, const void* src, std::size_t size_bytes) override;
 
   // --- peers ------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@
 #include <ccalloc/base/types.hpp>
 
 #include <cstddef>
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -38,12 +39,30 @@ struct memory_info {
 struct backend_capabilities {
   bool virtual_memory = false;  ///< vm_* functions (expandable segments, SPEC B7)
   bool peer_access = false;     ///< enable_peer_access / can_access_peer
-  bool ipc = false;             ///< IPC export/import
+  bool ipc = false;             ///< ipc_export_segment / ipc_open_segment / ipc_close_segment (plain segments)
+  bool ipc_vm = false;          ///< vm_export_handle / vm_import_handle (expandable segments; needs virtual_memory)
   bool gates = false;           ///< create_gate / wait_gate / open_gate / destroy_gate
 };
 
 /// An opaque physical-memory handle from vm_create (CUmemGenericAllocationHandle).
 using physical_handle_t = std::uint64_t;
+
+/// The 64 bytes of a cudaIpcMemHandle_t: names a plain segment to other
+/// processes (cudaIpcGetMemHandle).
+struct ipc_mem_handle {
+  std::array<std::uint8_t, 64> bytes{};
+};
+
+/// Physical memory exported as a POSIX file descriptor
+/// (cuMemExportToShareableHandle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR).
+/// The memory is the range [offset_bytes, offset_bytes + size_bytes) of the
+/// file `fd` refers to; offset_bytes is 0 on CUDA and the page's place in the
+/// device memory file on the simulated device.
+struct shareable_handle {
+  int fd = -1;
+  std::uint64_t offset_bytes = 0;
+  std::size_t size_bytes = 0;
+};
 
 /// An opaque host-controlled gate from create_gate; never 0.
 using gate_t = std::uintptr_t;
@@ -124,6 +143,62 @@ class device_backend {
   virtual void vm_unmap(int device, void* addr, std::size_t size_bytes);
   /// Grants `peer` access to a mapped range of `device` (cuMemSetAccess).
   virtual void vm_set_access(int device, void* addr, std::size_t size_bytes, int peer);
+
+  // --- inter-process sharing (optional; SPEC F25) ----------------------------
+  //
+  // Plain segments (capabilities().ipc; cudaIpc*): the producer exports a
+  // segment_malloc result; another process opens it and gets its own
+  // address for the same memory. A process cannot open its own export on
+  // CUDA (cudaErrorDeviceUninitialized / invalid context).
+
+  /// The IPC handle of `base`, a live segment_malloc result of `device`
+  /// (cudaIpcGetMemHandle). Throws backend_error naming the pointer otherwise.
+  [[nodiscard]] virtual ipc_mem_handle ipc_export_segment(int device, void* base);
+  /// Maps the segment named by `handle` (exported by another process) into
+  /// this process for `device` and returns its base address there
+  /// (cudaIpcOpenMemHandle with cudaIpcMemLazyEnablePeerAccess). Each
+  /// successful call must be paired with ipc_close_segment. Throws
+  /// backend_error when the handle is not valid here (its segment was freed,
+  /// it came from this process, another device).
+  [[nodiscard]] virtual void* ipc_open_segment(int device, const ipc_mem_handle& handle);
+  /// Unmaps a segment from ipc_open_segment (cudaIpcCloseMemHandle).
+  virtual void ipc_close_segment(int device, void* ptr);
+
+  // Expandable segments (capabilities().ipc_vm): physical handles from
+  // vm_create are exported as file descriptors; a consumer imports them and
+  // maps them with vm_reserve / vm_map / vm_set_access like its own handles.
+  // On CUDA this needs the handles to be created shareable as POSIX file
+  // descriptors (CUmemAllocationProp::requestedHandleTypes), which
+  // cuda_backend does for every vm_create when ipc_vm is true.
+
+  /// Exports `handle` (a live vm_create handle of `device`) as a file
+  /// descriptor (cuMemExportToShareableHandle). The caller owns the returned
+  /// fd (close it after sending it). Throws backend_error.
+  [[nodiscard]] virtual shareable_handle vm_export_handle(int device, physical_handle_t handle);
+  /// Imports exported memory (cuMemImportFromShareableHandle) as a physical
+  /// handle of `device` that vm_map accepts; release it with
+  /// vm_release_handle. `shared.fd` stays the caller's (close it after the
+  /// call). Imported handles do not draw on this process's device capacity.
+  /// Throws backend_error for a bad descriptor or range.
+  [[nodiscard]] virtual physical_handle_t vm_import_handle(int device, const shareable_handle& shared);
+
+  // --- copies (optional; SPEC F27, F28) --------------------------------------
+
+  /// Queues a copy of `size_bytes` from `src` to `dst` on `stream` of
+  /// `device` (cudaMemcpyAsync, cudaMemcpyDeviceToDevice; unified addressing
+  /// finds both devices). Right for memory from plain device allocations, or
+  /// when the peers have access to each other. Size 0 does nothing.
+  virtual void memcpy_async(int device, void* dst, const void* src, std::size_t size_bytes, stream_t stream);
+  /// Queues a copy from `src` on `src_device` to `dst` on `dst_device` on
+  /// `stream` (cudaMemcpyPeerAsync; the stream may be of either device).
+  /// Works without peer access and for memory mapped with cuMemMap, which
+  /// cudaMemcpyAsync cannot copy across devices without peer access. Size 0
+  /// does nothing.
+  virtual void memcpy_peer_async(void* dst, int dst_device, const void* src, int src_device, std::size_t size_bytes,
+                                 stream_t stream);
+  /// Copies `size_bytes` from `src` to `dst` on `device` and returns when
+  /// done (cudaMemcpy, cudaMemcpyDeviceToDevice). Size 0 does nothing.
+  virtual void copy_data(int device, void* dst, const void* src, std::size_t size_bytes);
 
   // --- peers (optional) -----------------------------------------------------
 

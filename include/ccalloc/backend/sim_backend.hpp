@@ -140,6 +140,12 @@ struct sim_counters {
   std::size_t mapped_bytes = 0;          ///< bytes of live mappings
   std::uint64_t live_reservations = 0;   ///< reserved and not released
   std::size_t reserved_address_bytes = 0;  ///< bytes of live reservations
+  // Inter-process sharing and copies.
+  std::uint64_t vm_exports = 0;   ///< successful vm_export_handle calls
+  std::uint64_t vm_imports = 0;   ///< successful vm_import_handle calls (imported handles count in live_handles)
+  std::uint64_t memcpy_async_calls = 0;
+  std::uint64_t memcpy_peer_async_calls = 0;
+  std::uint64_t copy_data_calls = 0;
 };
 
 class sim_backend final : public device_backend {
@@ -153,7 +159,7 @@ class sim_backend final : public device_backend {
   /// gates: true; virtual_memory: true when granularity_bytes is a multiple
   /// of the host page size; peer_access: sim_options::peer_access (also with
   /// one device: the functions work, can_access_peer just says false); ipc:
-  /// false.
+  /// true; ipc_vm: as virtual_memory.
   [[nodiscard]] backend_capabilities capabilities() const override;
   [[nodiscard]] int device_count() const override;
   [[nodiscard]] int current_device() const override;
@@ -208,6 +214,45 @@ class sim_backend final : public device_backend {
   /// itself, does nothing. Throws when peer access is off and peer != device.
   /// The grant ends with the mapping (a new mapping grants `device` only).
   void vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) override;
+
+  // --- inter-process sharing ---------------------------------------------------
+  //
+  // Plain segments: ipc_export_segment moves the segment into a memory file
+  // in place (same address, same bytes; it then costs RAM for all its bytes)
+  // and returns a handle naming this process and the file's descriptor;
+  // ipc_open_segment in another process opens /proc/<pid>/fd/<fd> (the
+  // producer must still run and hold the segment; same user) and maps it.
+  // Like CUDA, a process cannot open its own export. Freeing the segment
+  // closes the producer's descriptor; openers keep their mapping.
+  //
+  // Expandable pages: a handle is a range of the device's memory file, so an export is a
+  // duplicate of that file's descriptor plus the range's offset; another
+  // process (fork, or one that received the fd over a Unix socket) imports
+  // it and maps it MAP_SHARED: both see the same bytes. Differences from
+  // CUDA: the import does not keep the memory alive (vm_release_handle in
+  // the exporter punches the range out, the importer then reads zeros, and a
+  // later vm_create may reuse the range); imported handles draw on no
+  // capacity. vm_release_handle of an imported handle closes its descriptor.
+
+  [[nodiscard]] ipc_mem_handle ipc_export_segment(int device, void* base) override;
+  [[nodiscard]] void* ipc_open_segment(int device, const ipc_mem_handle& handle) override;
+  void ipc_close_segment(int device, void* ptr) override;
+
+  /// A new descriptor (close-on-exec; the caller owns it) of `device`'s
+  /// memory file and the handle's range in it.
+  [[nodiscard]] shareable_handle vm_export_handle(int device, physical_handle_t handle) override;
+  /// A handle of `device` for the range [offset, offset + size) of the file
+  /// behind `shared.fd` (duplicated; the caller keeps its fd). Throws
+  /// backend_error for a descriptor that is not an open regular file, a
+  /// range past the file's end, or sizes/offsets off the granularity.
+  [[nodiscard]] physical_handle_t vm_import_handle(int device, const shareable_handle& shared) override;
+
+  // --- copies: memmove at once (the virtual clock does not model copies) -----
+
+  void memcpy_async(int device, void* dst, const void* src, std::size_t size_bytes, stream_t stream) override;
+  void memcpy_peer_async(void* dst, int dst_device, const void* src, int src_device, std::size_t size_bytes,
+                         stream_t stream) override;
+  void copy_data(int device, void* dst, const void* src, std::size_t size_bytes) override;
 
   // --- peers --------------------------------------------------------------------
 

@@ -108,6 +108,18 @@ struct expandable_segment_info {
   std::size_t mapped_bytes = 0;      ///< bytes mapped to device memory now
 };
 
+/// The segment holding a live block, for sharing it with another process
+/// (SPEC F25). Sizes in bytes.
+struct block_segment {
+  std::uintptr_t base = 0;       ///< segment base (reservation start when expandable)
+  std::size_t size_bytes = 0;    ///< the allocation, or the whole reservation when expandable
+  bool expandable = false;
+  // Expandable segments only:
+  std::size_t page_bytes = 0;                 ///< mapping unit
+  std::size_t first_page = 0;                 ///< index of the first page the block touches
+  std::vector<physical_handle_t> page_handles;  ///< the physical handles of the pages the block touches, in order
+};
+
 class device_caching_allocator {
  public:
   /// `backend` must outlive the allocator. Throws config_error if `config`
@@ -150,6 +162,10 @@ class device_caching_allocator {
   /// Base address and size in bytes of the segment holding `block`
   /// (PyTorch: getBaseAllocation).
   [[nodiscard]] std::pair<void*, std::size_t> base_allocation(detail::block* block) const;
+  /// The segment of a live block and, when expandable, the physical handles
+  /// of the pages the block touches (they stay mapped while the block is
+  /// live). Read-only; takes the device lock briefly. For IPC (SPEC F25).
+  [[nodiscard]] block_segment segment_of(const detail::block* block) const;
   /// Size in bytes and stream of a live block (rounded size).
   [[nodiscard]] std::size_t block_size(const detail::block* block) const noexcept;
 

@@ -35,12 +35,29 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace ccalloc {
 
 class caching_allocator;
+namespace detail {
+struct ipc_cache;
+}  // namespace detail
+
+/// What share_ipc_handle returns (SPEC F25).
+struct ipc_export {
+  /// The handle's bytes (include/ccalloc/frontend/ipc_handle.hpp): binary,
+  /// may contain NUL bytes; send them as they are.
+  std::string handle;
+  /// File descriptors the other process needs, in order (expandable
+  /// segments: one per page; empty for plain segments). The caller owns them:
+  /// send them over a Unix socket with SCM_RIGHTS (or let the other process
+  /// take them with pidfd_getfd), then close them here.
+  std::vector<int> fds;
+};
 
 /// Deleter of the owning handle returned by allocate(): frees through the
 /// allocator that made it (which must outlive the handle).
@@ -153,6 +170,69 @@ class caching_allocator {
   /// Throws invalid_argument_error for a bad device.
   [[nodiscard]] std::vector<expandable_segment_info> expandable_segment_sizes(int device) const;
 
+  // --- inter-process sharing (F25; PyTorch: shareIpcHandle / getIpcDevPtr) --
+  //
+  // The producer shares a live block; another process opens the handle and
+  // gets a pointer to the same bytes on the same device. Plain segments go
+  // through cudaIpcGetMemHandle / cudaIpcOpenMemHandle (backend
+  // capabilities().ipc), expandable segments through file descriptors of
+  // their pages (capabilities().ipc_vm; the simulated device supports only
+  // these). The producer must keep the block live (not free it) while any
+  // consumer has it open: nothing tells the producer about consumers
+  // (PyTorch keeps the block alive with a reference count in shared memory;
+  // ccalloc leaves that to the caller).
+
+  /// Shares the live block that starts at `ptr` (a pointer malloc returned).
+  /// Throws invalid_argument_error for any other pointer, and backend_error
+  /// when the backend cannot share the block's kind of segment (the message
+  /// says which). The returned descriptors are the caller's. Thread-safe.
+  [[nodiscard]] ipc_export share_ipc_handle(void* ptr);
+  /// Opens a handle from share_ipc_handle of another process (or of this one,
+  /// for expandable segments) and returns a pointer to the block's first byte
+  /// in this process, on the handle's device (which must be initialized
+  /// here). `fds` are the descriptors sent with the handle, in order; they
+  /// stay the caller's (close them after the call). Opening a handle of a
+  /// segment (and, for expandable segments, page range) that is open already
+  /// returns the cached mapping: the same pointer for the same block, with
+  /// one more reference. Throws invalid_argument_error for a malformed handle
+  /// (the parser's message), a device not initialized here, or a wrong number
+  /// of descriptors; backend_error when the backend refuses (bad descriptor,
+  /// a freed segment where the backend notices). Nothing stays open after an
+  /// exception. Thread-safe. Peers granted on the handle's device with
+  /// enable_peer_access before the open may access an expandable mapping
+  /// (cuMemSetAccess); later grants do not reach mappings already open, and
+  /// plain mappings rely on cudaIpcMemLazyEnablePeerAccess. The cache key is
+  /// the producer's process id, device, segment and (expandable) page range
+  /// and file offsets: close a handle before its producer frees the block,
+  /// else a later handle of new memory at the same place (same key) would
+  /// get the stale cached mapping (PyTorch's cache, keyed by the handle,
+  /// has the same rule).
+  [[nodiscard]] void* open_ipc_handle(std::string_view handle, std::span<const int> fds = {});
+  /// Drops one reference to an opened handle; `ptr` is a pointer that
+  /// open_ipc_handle returned. The mapping closes (cudaIpcCloseMemHandle, or
+  /// unmap + release of the imported pages) when the last reference goes.
+  /// Throws invalid_argument_error for any other pointer. Thread-safe.
+  void close_ipc_handle(void* ptr);
+  /// Mappings opened by open_ipc_handle and not yet closed (for tests).
+  [[nodiscard]] std::size_t ipc_open_mappings() const;
+
+  // --- copies (F27, F28) -------------------------------------------------------
+
+  /// Queues a copy of `size_bytes` from `src` (on `src_device`) to `dst` (on
+  /// `dst_device`) on `stream` (F27; PyTorch: memcpyAsync). A plain device
+  /// copy (cudaMemcpyAsync) where that is safe: p2p_enabled (the devices
+  /// access each other), one device, or neither device has expandable
+  /// memory (its own expandable segments or opened expandable IPC handles);
+  /// else a peer copy (cudaMemcpyPeerAsync), which also works for memory
+  /// mapped with cuMemMap without peer access. Size 0 does nothing. Throws
+  /// invalid_argument_error for a device not initialized, backend_error.
+  void memcpy_async(void* dst, int dst_device, const void* src, int src_device, std::size_t size_bytes,
+                    stream_t stream, bool p2p_enabled);
+  /// Copies `size_bytes` from `src` to `dst` (device memory, any device with
+  /// unified addressing) and returns when done (F28; PyTorch: copy_data,
+  /// cudaMemcpy DeviceToDevice on the current device). Size 0 does nothing.
+  void copy_data(void* dst, const void* src, std::size_t size_bytes) const;
+
   /// Statistics of `device` (F12; PyTorch: getDeviceStats).
   [[nodiscard]] device_stats get_device_stats(int device) const;
   void reset_accumulated_stats(int device);
@@ -242,6 +322,7 @@ class caching_allocator {
   std::vector<trace_tracker> trackers_;                 // likewise
   std::string user_metadata_;                           // likewise
   mutable std::array<pointer_shard, pointer_shard_count> shards_;
+  std::unique_ptr<detail::ipc_cache> ipc_;  // opened IPC handles (src/frontend/ipc.cpp)
 };
 
 /// The process-wide allocator used by raw_deleter() and the C API. Created on

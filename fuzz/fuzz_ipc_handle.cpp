@@ -1,0 +1,29 @@
+// libFuzzer target for the IPC handle parser (SPEC R3, F25).
+//
+// Properties checked on every input: parse_ipc_handle either throws
+// invalid_argument_error or returns a handle; a returned handle encodes back
+// to exactly the input bytes (the format has one encoding per handle) and
+// parses again to an equal handle. Any other exception, crash or sanitizer
+// report is a bug.
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/frontend/ipc_handle.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const std::string_view bytes(reinterpret_cast<const char*>(data), size);
+  ccalloc::ipc_handle h;
+  try {
+    h = ccalloc::parse_ipc_handle(bytes);
+  } catch (const ccalloc::invalid_argument_error&) {
+    return 0;
+  }
+  const std::string again = ccalloc::encode_ipc_handle(h);
+  if (again != bytes) std::abort();
+  if (!(ccalloc::parse_ipc_handle(again) == h)) std::abort();
+  if (h.kind == ccalloc::ipc_kind::expandable && h.fd_count() > h.pages.size()) std::abort();
+  return 0;
+}

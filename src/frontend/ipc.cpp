@@ -1,0 +1,234 @@
+// Inter-process sharing (SPEC F25) and copies (F27, F28) of the front end.
+// The handle format is in ipc_handle.cpp; the cache of opened handles is
+// described in ipc_cache.hpp.
+#include "ipc_cache.hpp"
+
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <unistd.h>
+
+#include <cstdio>
+
+namespace ccalloc {
+
+namespace {
+
+std::string pointer_text(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+
+// What identifies the memory a handle maps in this process: the producer,
+// its segment, and (expandable) the page range and the pages' file offsets.
+// Two handles with one key map the same bytes, so the mapping is shared.
+std::string cache_key(const ipc_handle& h) {
+  std::string key = std::to_string(h.producer_pid) + "/" + std::to_string(h.device) + "/" +
+                    std::to_string(static_cast<int>(h.kind)) + "/" + std::to_string(h.segment_id) + "/" +
+                    std::to_string(h.segment_bytes);
+  if (h.kind == ipc_kind::plain) {
+    key.append(reinterpret_cast<const char*>(h.mem_handle.data()), h.mem_handle.size());
+  } else {
+    key += "/" + std::to_string(h.page_bytes) + "/" + std::to_string(h.first_page);
+    for (const ipc_page& p : h.pages) key += "/" + std::to_string(p.file_offset);
+  }
+  return key;
+}
+
+}  // namespace
+
+namespace detail {
+
+ipc_cache::~ipc_cache() {
+  for (auto& [key, e] : entries) close(e, /*quiet=*/true);
+}
+
+void ipc_cache::close(const entry& e, bool quiet) {
+  try {
+    if (e.kind == ipc_kind::plain) {
+      backend.ipc_close_segment(e.device, reinterpret_cast<void*>(e.base));
+      return;
+    }
+    void* base = reinterpret_cast<void*>(e.base);
+    // Page by page, as mapped (cuMemUnmap of a range spanning several
+    // mappings is not promised by every driver).
+    for (std::size_t i = 0; i < e.imported.size(); ++i)
+      backend.vm_unmap(e.device, reinterpret_cast<void*>(e.base + i * e.page_bytes), e.page_bytes);
+    for (physical_handle_t h : e.imported) backend.vm_release_handle(e.device, h);
+    backend.vm_release(e.device, base, e.bytes);
+  } catch (...) {
+    if (!quiet) throw;
+  }
+}
+
+bool ipc_cache::has_expandable(int device) const {
+  for (const auto& [key, e] : entries)
+    if (e.device == device && e.kind == ipc_kind::expandable) return true;
+  return false;
+}
+
+}  // namespace detail
+
+ipc_export caching_allocator::share_ipc_handle(void* ptr) {
+  const auto found = find_entry(ptr);
+  if (!found)
+    throw invalid_argument_error("ccalloc: share_ipc_handle(" + pointer_text(ptr) +
+                                 "): not a live allocation of this allocator (share the pointer malloc returned)");
+  device_caching_allocator& dev = *devices_[static_cast<std::size_t>(found->device)];
+  const block_segment seg = dev.segment_of(found->block);
+  ipc_handle h;
+  h.device = found->device;
+  h.producer_pid = static_cast<std::uint32_t>(::getpid());
+  h.segment_id = seg.base;
+  h.segment_bytes = seg.size_bytes;
+  h.offset_bytes = reinterpret_cast<std::uintptr_t>(ptr) - seg.base;
+  h.size_bytes = dev.block_size(found->block);
+  ipc_export out;
+  const backend_capabilities caps = backend_->capabilities();
+  if (!seg.expandable) {
+    if (!caps.ipc)
+      throw backend_error("ccalloc: share_ipc_handle(" + pointer_text(ptr) + "): the block is in a plain segment and the '" +
+                          backend_->name() +
+                          "' backend cannot share plain segments (capabilities().ipc is false; with "
+                          "expandable_segments:True blocks live in expandable segments, which it may share)");
+    h.kind = ipc_kind::plain;
+    h.mem_handle = backend_->ipc_export_segment(found->device, reinterpret_cast<void*>(seg.base)).bytes;
+    out.handle = encode_ipc_handle(h);
+    return out;
+  }
+  if (!caps.ipc_vm)
+    throw backend_error("ccalloc: share_ipc_handle(" + pointer_text(ptr) + "): the block is in an expandable segment and the '" +
+                        backend_->name() + "' backend cannot export its pages (capabilities().ipc_vm is false)");
+  h.kind = ipc_kind::expandable;
+  h.page_bytes = seg.page_bytes;
+  h.first_page = seg.first_page;
+  try {
+    for (std::size_t i = 0; i < seg.page_handles.size(); ++i) {
+      const shareable_handle s = backend_->vm_export_handle(found->device, seg.page_handles[i]);
+      out.fds.push_back(s.fd);
+      h.pages.push_back(ipc_page{static_cast<std::uint32_t>(i), s.offset_bytes});
+    }
+    out.handle = encode_ipc_handle(h);
+  } catch (...) {
+    for (int fd : out.fds) ::close(fd);
+    throw;
+  }
+  return out;
+}
+
+void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const int> fds) {
+  const ipc_handle h = parse_ipc_handle(bytes);  // invalid_argument_error "ipc handle: ..."
+  (void)checked_device(h.device, "open_ipc_handle");
+  if (fds.size() != h.fd_count())
+    throw invalid_argument_error("ccalloc: open_ipc_handle: the handle needs " + std::to_string(h.fd_count()) +
+                                 " file descriptor(s), got " + std::to_string(fds.size()));
+  const std::string key = cache_key(h);
+  detail::ipc_cache& cache = *ipc_;
+  std::lock_guard lock(cache.mutex);
+  auto it = cache.entries.find(key);
+  if (it == cache.entries.end()) {
+    detail::ipc_cache::entry e;
+    e.kind = h.kind;
+    e.device = h.device;
+    if (h.kind == ipc_kind::plain) {
+      ipc_mem_handle m;
+      m.bytes = h.mem_handle;
+      e.base = reinterpret_cast<std::uintptr_t>(backend_->ipc_open_segment(h.device, m));
+      e.bytes = h.segment_bytes;
+    } else {
+      e.page_bytes = h.page_bytes;
+      e.bytes = h.pages.size() * h.page_bytes;
+      void* base = backend_->vm_reserve(h.device, e.bytes);
+      if (base == nullptr)
+        throw backend_error("ccalloc: open_ipc_handle: no address space for " + std::to_string(e.bytes) + " bytes");
+      e.base = reinterpret_cast<std::uintptr_t>(base);
+      try {
+        for (const ipc_page& p : h.pages) {
+          const physical_handle_t ph = backend_->vm_import_handle(
+              h.device, shareable_handle{fds[p.fd_index], p.file_offset, h.page_bytes});
+          try {
+            backend_->vm_map(h.device, reinterpret_cast<void*>(e.base + e.imported.size() * h.page_bytes),
+                             h.page_bytes, ph);
+          } catch (...) {
+            backend_->vm_release_handle(h.device, ph);
+            throw;
+          }
+          e.imported.push_back(ph);
+        }
+        // Peers granted on this device see the mapping too (F26).
+        for (int peer : devices_[static_cast<std::size_t>(h.device)]->peers())
+          for (std::size_t i = 0; i < e.imported.size(); ++i)
+            backend_->vm_set_access(h.device, reinterpret_cast<void*>(e.base + i * h.page_bytes), h.page_bytes, peer);
+      } catch (...) {
+        // Unmap page by page: the mapped prefix may be empty.
+        for (std::size_t i = 0; i < e.imported.size(); ++i) {
+          try {
+            backend_->vm_unmap(h.device, reinterpret_cast<void*>(e.base + i * h.page_bytes), h.page_bytes);
+            backend_->vm_release_handle(h.device, e.imported[i]);
+          } catch (...) {  // keep cleaning up; the first error is the one reported
+          }
+        }
+        try {
+          backend_->vm_release(h.device, base, e.bytes);
+        } catch (...) {
+        }
+        throw;
+      }
+    }
+    it = cache.entries.emplace(key, std::move(e)).first;
+  }
+  ++it->second.refs;
+  const std::uintptr_t block_offset =
+      h.kind == ipc_kind::plain ? h.offset_bytes : h.offset_bytes - h.first_page * h.page_bytes;
+  return reinterpret_cast<void*>(it->second.base + block_offset);
+}
+
+void caching_allocator::close_ipc_handle(void* ptr) {
+  const auto a = reinterpret_cast<std::uintptr_t>(ptr);
+  detail::ipc_cache& cache = *ipc_;
+  std::lock_guard lock(cache.mutex);
+  for (auto it = cache.entries.begin(); it != cache.entries.end(); ++it) {
+    const auto& e = it->second;
+    if (a < e.base || a - e.base >= e.bytes) continue;
+    if (--it->second.refs > 0) return;
+    try {
+      cache.close(e, /*quiet=*/false);
+    } catch (...) {
+      ++it->second.refs;  // still open: the caller may retry
+      throw;
+    }
+    cache.entries.erase(it);
+    return;
+  }
+  throw invalid_argument_error("ccalloc: close_ipc_handle(" + pointer_text(ptr) +
+                               "): not a pointer from open_ipc_handle that is still open");
+}
+
+std::size_t caching_allocator::ipc_open_mappings() const {
+  std::lock_guard lock(ipc_->mutex);
+  return ipc_->entries.size();
+}
+
+void caching_allocator::memcpy_async(void* dst, int dst_device, const void* src, int src_device,
+                                     std::size_t size_bytes, stream_t stream, bool p2p_enabled) {
+  device_caching_allocator& to = checked_device(dst_device, "memcpy_async (dst_device)");
+  device_caching_allocator& from = checked_device(src_device, "memcpy_async (src_device)");
+  if (size_bytes == 0) return;
+  bool expandable_memory = false;
+  if (!p2p_enabled && dst_device != src_device) {
+    std::lock_guard lock(ipc_->mutex);
+    expandable_memory = !to.expandable_segments().empty() || !from.expandable_segments().empty() ||
+                        ipc_->has_expandable(dst_device) || ipc_->has_expandable(src_device);
+  }
+  if (!expandable_memory)
+    backend_->memcpy_async(backend_->current_device(), dst, src, size_bytes, stream);
+  else
+    backend_->memcpy_peer_async(dst, dst_device, src, src_device, size_bytes, stream);
+}
+
+void caching_allocator::copy_data(void* dst, const void* src, std::size_t size_bytes) const {
+  if (size_bytes == 0) return;
+  backend_->copy_data(backend_->current_device(), dst, src, size_bytes);
+}
+
+}  // namespace ccalloc

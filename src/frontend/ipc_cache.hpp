@@ -1,0 +1,47 @@
+// The per-process cache of opened IPC handles (SPEC F25). Private to the
+// front end: caching_allocator owns one; src/frontend/ipc.cpp uses it.
+//
+// Invariants: every entry's mapping is live in the backend; refs >= 1;
+// entries' address ranges [base, base + bytes) are disjoint; by_device[d] =
+// number of expandable entries of device d.
+#pragma once
+
+#include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/frontend/ipc_handle.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace ccalloc::detail {
+
+struct ipc_cache {
+  struct entry {
+    ipc_kind kind = ipc_kind::plain;
+    int device = 0;
+    std::uintptr_t base = 0;   // plain: ipc_open_segment's result; expandable: the reservation
+    std::size_t bytes = 0;     // plain: segment size; expandable: reservation size
+    std::size_t page_bytes = 0;
+    std::vector<physical_handle_t> imported;  // expandable: one per page, mapped in order
+    std::uint64_t refs = 0;
+  };
+
+  explicit ipc_cache(device_backend& b) : backend(b) {}
+  ~ipc_cache();
+  ipc_cache(const ipc_cache&) = delete;
+  ipc_cache& operator=(const ipc_cache&) = delete;
+
+  /// Unmaps and releases what `e` holds (errors are dropped when `quiet`).
+  void close(const entry& e, bool quiet);
+  /// True when `device` has an open expandable mapping (mutex held).
+  [[nodiscard]] bool has_expandable(int device) const;
+
+  device_backend& backend;
+  mutable std::mutex mutex;
+  std::map<std::string, entry> entries;  // key: what identifies the mapped memory (see ipc.cpp)
+};
+
+}  // namespace ccalloc::detail

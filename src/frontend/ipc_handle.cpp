@@ -1,0 +1,190 @@
+// The IPC handle format: encoder and parser. See
+// include/ccalloc/frontend/ipc_handle.hpp for the layout.
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/frontend/ipc_handle.hpp>
+
+#include <algorithm>
+#include <cstring>
+
+namespace ccalloc {
+
+namespace {
+
+constexpr std::string_view magic = "ccIPChdl";
+constexpr std::size_t header_bytes = 64;
+constexpr std::size_t expandable_fixed_bytes = 24;
+constexpr std::size_t page_entry_bytes = 12;
+// A bound on the page count that keeps sizes far from overflow (2^32 pages
+// of 2 MiB are 8 PiB).
+constexpr std::uint64_t max_pages = std::uint64_t{1} << 32;
+
+[[noreturn]] void fail(const std::string& what) { throw invalid_argument_error("ipc handle: " + what); }
+
+class writer {
+ public:
+  template <class T>
+  void put(T value) {
+    for (std::size_t i = 0; i < sizeof(T); ++i) out_.push_back(static_cast<char>((static_cast<std::uint64_t>(value) >> (8 * i)) & 0xff));
+  }
+  void bytes(const void* p, std::size_t n) { out_.append(static_cast<const char*>(p), n); }
+  std::string take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+class reader {
+ public:
+  explicit reader(std::string_view in) : in_(in) {}
+  template <class T>
+  T get() {
+    std::uint64_t v = 0;
+    for (std::size_t i = 0; i < sizeof(T); ++i)
+      v |= static_cast<std::uint64_t>(static_cast<unsigned char>(in_[at_ + i])) << (8 * i);
+    at_ += sizeof(T);
+    return static_cast<T>(v);
+  }
+  void bytes(void* p, std::size_t n) {
+    std::memcpy(p, in_.data() + at_, n);
+    at_ += n;
+  }
+
+ private:
+  std::string_view in_;
+  std::size_t at_ = 0;
+};
+
+// The rules shared by the encoder and the parser.
+void validate(const ipc_handle& h) {
+  if (h.device < 0) fail("device " + std::to_string(h.device) + " is negative");
+  if (h.size_bytes == 0) fail("block size is 0");
+  if (h.offset_bytes > h.segment_bytes || h.size_bytes > h.segment_bytes - h.offset_bytes)
+    fail("block [offset " + std::to_string(h.offset_bytes) + ", +" + std::to_string(h.size_bytes) +
+         " bytes) passes the end of its segment (" + std::to_string(h.segment_bytes) + " bytes)");
+  if (h.kind == ipc_kind::plain) {
+    if (!h.pages.empty() || h.page_bytes != 0 || h.first_page != 0) fail("a plain handle has pages");
+    return;
+  }
+  if (h.kind != ipc_kind::expandable)
+    fail("unknown kind " + std::to_string(static_cast<unsigned>(h.kind)) + " (accepted: 1 plain, 2 expandable)");
+  const std::uint64_t p = h.page_bytes;
+  if (p == 0 || (p & (p - 1)) != 0) fail("page size " + std::to_string(p) + " is not a power of two");
+  if (h.segment_bytes % p != 0)
+    fail("segment size " + std::to_string(h.segment_bytes) + " is not a multiple of the page size " +
+         std::to_string(p));
+  const std::uint64_t first = h.offset_bytes / p;
+  const std::uint64_t last = (h.offset_bytes + h.size_bytes - 1) / p;
+  if (h.first_page != first || h.pages.size() != last - first + 1)
+    fail("pages [" + std::to_string(h.first_page) + ", +" + std::to_string(h.pages.size()) +
+         ") do not cover the block exactly (it needs pages [" + std::to_string(first) + ", +" +
+         std::to_string(last - first + 1) + ") of " + std::to_string(p) + " bytes)");
+  for (std::size_t i = 0; i < h.pages.size(); ++i) {
+    if (h.pages[i].fd_index >= h.pages.size())
+      fail("page " + std::to_string(i) + ": fd index " + std::to_string(h.pages[i].fd_index) +
+           " is not below the page count " + std::to_string(h.pages.size()));
+    if (h.pages[i].file_offset % p != 0)
+      fail("page " + std::to_string(i) + ": file offset " + std::to_string(h.pages[i].file_offset) +
+           " is not a multiple of the page size");
+  }
+}
+
+}  // namespace
+
+std::size_t ipc_handle::fd_count() const noexcept {
+  std::size_t n = 0;
+  for (const ipc_page& p : pages) n = std::max<std::size_t>(n, std::size_t{p.fd_index} + 1);
+  return n;
+}
+
+std::string encode_ipc_handle(const ipc_handle& h) {
+  validate(h);
+  writer w;
+  w.bytes(magic.data(), magic.size());
+  w.put<std::uint16_t>(ipc_handle_version);
+  w.put<std::uint8_t>(static_cast<std::uint8_t>(h.kind));
+  w.put<std::uint8_t>(0);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(h.device));
+  w.put<std::uint32_t>(h.producer_pid);
+  w.put<std::uint32_t>(0);
+  w.put<std::uint64_t>(h.segment_id);
+  w.put<std::uint64_t>(h.segment_bytes);
+  w.put<std::uint64_t>(h.offset_bytes);
+  w.put<std::uint64_t>(h.size_bytes);
+  if (h.kind == ipc_kind::plain) {
+    w.put<std::uint64_t>(ipc_mem_handle_bytes);
+    w.bytes(h.mem_handle.data(), h.mem_handle.size());
+  } else {
+    w.put<std::uint64_t>(expandable_fixed_bytes + page_entry_bytes * h.pages.size());
+    w.put<std::uint64_t>(h.page_bytes);
+    w.put<std::uint64_t>(h.first_page);
+    w.put<std::uint32_t>(static_cast<std::uint32_t>(h.pages.size()));
+    w.put<std::uint32_t>(0);
+    for (const ipc_page& p : h.pages) {
+      w.put<std::uint32_t>(p.fd_index);
+      w.put<std::uint64_t>(p.file_offset);
+    }
+  }
+  return w.take();
+}
+
+ipc_handle parse_ipc_handle(std::string_view bytes) {
+  if (bytes.size() < magic.size() + 2) {
+    if (bytes.size() >= magic.size() && bytes.substr(0, magic.size()) != magic) fail("bad magic (not a ccalloc IPC handle)");
+    fail("truncated: " + std::to_string(bytes.size()) + " bytes, the header needs " + std::to_string(header_bytes));
+  }
+  if (bytes.substr(0, magic.size()) != magic) fail("bad magic (not a ccalloc IPC handle)");
+  reader r(bytes.substr(magic.size()));
+  ipc_handle h;
+  h.version = r.get<std::uint16_t>();
+  // The version decides the layout: check it before the length.
+  if (h.version > ipc_handle_version)
+    fail("ipc handle version " + std::to_string(h.version) + " is newer than this ccalloc (" +
+         std::to_string(ipc_handle_version) + "); upgrade the reader");
+  if (h.version == 0) fail("version 0 is not a valid format version");
+  if (bytes.size() < header_bytes)
+    fail("truncated: " + std::to_string(bytes.size()) + " bytes, the header needs " + std::to_string(header_bytes));
+  const auto kind = r.get<std::uint8_t>();
+  if (kind != static_cast<std::uint8_t>(ipc_kind::plain) && kind != static_cast<std::uint8_t>(ipc_kind::expandable))
+    fail("unknown kind " + std::to_string(kind) + " (accepted: 1 plain, 2 expandable)");
+  h.kind = static_cast<ipc_kind>(kind);
+  if (r.get<std::uint8_t>() != 0) fail("reserved byte 11 is not 0");
+  h.device = static_cast<std::int32_t>(r.get<std::uint32_t>());
+  h.producer_pid = r.get<std::uint32_t>();
+  if (r.get<std::uint32_t>() != 0) fail("reserved bytes 20..23 are not 0");
+  h.segment_id = r.get<std::uint64_t>();
+  h.segment_bytes = r.get<std::uint64_t>();
+  h.offset_bytes = r.get<std::uint64_t>();
+  h.size_bytes = r.get<std::uint64_t>();
+  const auto payload = r.get<std::uint64_t>();
+  const std::size_t present = bytes.size() - header_bytes;
+  if (payload != present)
+    fail("payload size " + std::to_string(payload) + " differs from the " + std::to_string(present) +
+         " bytes after the header (truncated or trailing bytes)");
+  if (h.kind == ipc_kind::plain) {
+    if (payload != ipc_mem_handle_bytes)
+      fail("a plain handle's payload is " + std::to_string(ipc_mem_handle_bytes) + " bytes, not " +
+           std::to_string(payload));
+    r.bytes(h.mem_handle.data(), h.mem_handle.size());
+  } else {
+    if (payload < expandable_fixed_bytes)
+      fail("truncated: an expandable payload needs at least " + std::to_string(expandable_fixed_bytes) +
+           " bytes, got " + std::to_string(payload));
+    h.page_bytes = r.get<std::uint64_t>();
+    h.first_page = r.get<std::uint64_t>();
+    const std::uint64_t count = r.get<std::uint32_t>();
+    if (r.get<std::uint32_t>() != 0) fail("reserved bytes 84..87 are not 0");
+    if (count == 0 || count >= max_pages) fail("page count " + std::to_string(count) + " is not in [1, 2^32)");
+    if (payload != expandable_fixed_bytes + page_entry_bytes * count)
+      fail("payload size " + std::to_string(payload) + " does not match " + std::to_string(count) + " page(s) (" +
+           std::to_string(expandable_fixed_bytes + page_entry_bytes * count) + " bytes)");
+    h.pages.resize(count);
+    for (ipc_page& p : h.pages) {
+      p.fd_index = r.get<std::uint32_t>();
+      p.file_offset = r.get<std::uint64_t>();
+    }
+  }
+  validate(h);
+  return h;
+}
+
+}  // namespace ccalloc

@@ -1,0 +1,523 @@
+// Inter-process sharing (SPEC F25): the handle format and its parser, the
+// simulated device's export/import of expandable pages, the front end's
+// share/open/close with its cache, a real second process (fork, descriptors
+// over a Unix socket with SCM_RIGHTS); copies across devices (F27, F28) and
+// several devices at once.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/config.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+#include <ccalloc/frontend/ipc_handle.hpp>
+#include <ccalloc/frontend/ipc_socket.hpp>
+
+#include <gtest/gtest.h>
+
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace ccalloc;  // NOLINT: test file
+
+constexpr std::size_t MiB = mib;
+constexpr std::size_t page = 2 * MiB;
+std::uintptr_t U(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+// The message of the invalid_argument_error that parsing `bytes` throws.
+std::string parse_error(std::string_view bytes) {
+  try {
+    (void)parse_ipc_handle(bytes);
+  } catch (const invalid_argument_error& e) {
+    return e.what();
+  }
+  return "(parsed)";
+}
+
+ipc_handle plain_handle() {
+  ipc_handle h;
+  h.kind = ipc_kind::plain;
+  h.device = 3;
+  h.producer_pid = 4242;
+  h.segment_id = 0x7f0012340000;
+  h.segment_bytes = 20 * MiB;
+  h.offset_bytes = 512;
+  h.size_bytes = 1 * MiB;
+  for (std::size_t i = 0; i < h.mem_handle.size(); ++i) h.mem_handle[i] = static_cast<std::uint8_t>(255 - i);
+  return h;
+}
+
+ipc_handle expandable_handle() {
+  ipc_handle h;
+  h.kind = ipc_kind::expandable;
+  h.device = 1;
+  h.producer_pid = 7;
+  h.segment_id = 0x7e0000000000;
+  h.segment_bytes = 64 * MiB;
+  h.page_bytes = page;
+  h.offset_bytes = page + 512;  // pages 1..3
+  h.size_bytes = 4 * MiB;
+  h.first_page = 1;
+  h.pages = {{0, 0}, {1, 2 * page}, {2, 8 * page}};
+  return h;
+}
+
+// --- format -------------------------------------------------------------------------
+
+TEST(IpcHandle, RoundTripsBothKinds) {
+  for (const ipc_handle& h : {plain_handle(), expandable_handle()}) {
+    const std::string bytes = encode_ipc_handle(h);
+    EXPECT_EQ(bytes.substr(0, 8), "ccIPChdl");
+    EXPECT_EQ(bytes.size(), h.kind == ipc_kind::plain ? 128u : 64u + 24u + 12u * 3u);
+    EXPECT_EQ(parse_ipc_handle(bytes), h);
+  }
+  EXPECT_EQ(plain_handle().fd_count(), 0u);
+  EXPECT_EQ(expandable_handle().fd_count(), 3u);
+}
+
+TEST(IpcHandle, FutureVersionAsksToUpgradeTheReader) {
+  std::string bytes = encode_ipc_handle(plain_handle());
+  bytes[8] = 9;  // version, little-endian
+  EXPECT_EQ(parse_error(bytes),
+            "ipc handle: ipc handle version 9 is newer than this ccalloc (1); upgrade the reader");
+  bytes.resize(12);  // a newer layout may be shorter: the version is checked first
+  EXPECT_NE(parse_error(bytes).find("version 9 is newer"), std::string::npos);
+  bytes[8] = 0;
+  EXPECT_NE(parse_error(bytes).find("version 0"), std::string::npos);
+}
+
+TEST(IpcHandle, MalformedInputsNameWhatIsWrong) {
+  const std::string good = encode_ipc_handle(expandable_handle());
+  auto with = [&](std::size_t at, char value) {
+    std::string b = good;
+    b[at] = value;
+    return parse_error(b);
+  };
+  EXPECT_EQ(parse_error(""), "ipc handle: truncated: 0 bytes, the header needs 64");
+  EXPECT_EQ(parse_error(good.substr(0, 40)), "ipc handle: truncated: 40 bytes, the header needs 64");
+  EXPECT_EQ(parse_error("ccIPCxxx" + good.substr(8)), "ipc handle: bad magic (not a ccalloc IPC handle)");
+  EXPECT_EQ(with(10, 7), "ipc handle: unknown kind 7 (accepted: 1 plain, 2 expandable)");
+  EXPECT_EQ(with(11, 1), "ipc handle: reserved byte 11 is not 0");
+  EXPECT_EQ(with(15, '\x80'), "ipc handle: device -2147483647 is negative");
+  EXPECT_NE(parse_error(good + "x").find("payload size 60 differs from the 61 bytes"), std::string::npos);
+  EXPECT_NE(parse_error(good.substr(0, good.size() - 1)).find("truncated or trailing"), std::string::npos);
+  // Page size 3 MiB: not a power of two.
+  EXPECT_NE(with(64 + 2, 0x30).find("is not a power of two"), std::string::npos);
+  // First page 2 instead of 1.
+  EXPECT_NE(with(72, 2).find("do not cover the block exactly"), std::string::npos);
+  // fd index 3 of 3 pages.
+  EXPECT_NE(with(88, 3).find("page 0: fd index 3 is not below the page count 3"), std::string::npos);
+  // Block passes the end of its segment.
+  ipc_handle h = plain_handle();
+  h.offset_bytes = h.segment_bytes;
+  EXPECT_THROW((void)encode_ipc_handle(h), invalid_argument_error) << "the encoder checks the same rules";
+  h.offset_bytes = 0;
+  h.size_bytes = 0;
+  EXPECT_THROW((void)encode_ipc_handle(h), invalid_argument_error);
+  // A plain handle with a payload of the wrong size.
+  std::string p = encode_ipc_handle(plain_handle());
+  p.pop_back();
+  p[56] = 63;
+  EXPECT_EQ(parse_error(p), "ipc handle: a plain handle's payload is 64 bytes, not 63");
+}
+
+TEST(IpcHandle, SeedCorpusParsesAsExpected) {
+  // fuzz/corpus/ipc_handle holds these encodings too: the fuzzer starts there.
+  EXPECT_EQ(parse_ipc_handle(encode_ipc_handle(expandable_handle())).pages.size(), 3u);
+}
+
+// --- the simulated device's export and import -------------------------------------------
+
+TEST(SimIpc, ExportImportSharesBytesAndChecksTheDescriptor) {
+  sim_backend sim;
+  EXPECT_TRUE(sim.capabilities().ipc_vm);
+  EXPECT_TRUE(sim.capabilities().ipc);
+  physical_handle_t h = 0;
+  ASSERT_TRUE(sim.vm_create(0, page, &h));
+  void* a = sim.vm_reserve(0, page);
+  sim.vm_map(0, a, page, h);
+  std::memset(a, 0x5a, page);
+  const shareable_handle s = sim.vm_export_handle(0, h);
+  ASSERT_GE(s.fd, 0);
+  EXPECT_EQ(s.size_bytes, page);
+  const physical_handle_t imported = sim.vm_import_handle(0, s);
+  void* b = sim.vm_reserve(0, page);
+  sim.vm_map(0, b, page, imported);
+  EXPECT_NE(a, b);
+  EXPECT_EQ(static_cast<unsigned char*>(b)[page - 1], 0x5a);
+  static_cast<unsigned char*>(b)[7] = 0x11;
+  EXPECT_EQ(static_cast<unsigned char*>(a)[7], 0x11) << "one memory, two mappings";
+  const std::size_t used = sim.counters().used_bytes;
+  EXPECT_EQ(used, page) << "the import draws on no capacity";
+  EXPECT_EQ(sim.counters().vm_imports, 1u);
+
+  // Bad descriptors and ranges.
+  EXPECT_THROW((void)sim.vm_import_handle(0, shareable_handle{-1, 0, page}), backend_error);
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  try {
+    (void)sim.vm_import_handle(0, shareable_handle{pipefd[0], 0, page});
+    ADD_FAILURE() << "a pipe was imported";
+  } catch (const backend_error& e) {
+    EXPECT_NE(std::string(e.what()).find("not a memory file"), std::string::npos) << e.what();
+  }
+  ::close(pipefd[0]);
+  ::close(pipefd[1]);
+  try {
+    (void)sim.vm_import_handle(0, shareable_handle{s.fd, 64 * page, page});
+    ADD_FAILURE() << "a range past the file was imported";
+  } catch (const backend_error& e) {
+    EXPECT_NE(std::string(e.what()).find("passes the end of the file"), std::string::npos) << e.what();
+  }
+  ::close(s.fd);
+  EXPECT_EQ(static_cast<unsigned char*>(b)[0], 0x5a) << "the import holds its own descriptor";
+
+  sim.vm_unmap(0, b, page);
+  sim.vm_release_handle(0, imported);
+  sim.vm_release(0, b, page);
+  sim.vm_unmap(0, a, page);
+  sim.vm_release_handle(0, h);
+  sim.vm_release(0, a, page);
+  EXPECT_EQ(sim.counters().live_handles, 0u);
+  EXPECT_EQ(sim.counters().used_bytes, 0u);
+}
+
+// --- the front end ------------------------------------------------------------------------
+
+class IpcTest : public ::testing::Test {
+ protected:
+  void make(const std::string& conf = "", int devices = 1) {
+    alloc.reset();
+    sim_options o;
+    o.capacity_bytes = 256 * MiB;
+    o.device_count = devices;
+    sim = std::make_shared<sim_backend>(o);
+    alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(conf));
+    alloc->init(devices);
+  }
+  void SetUp() override { make(); }
+  static void close_all(const std::vector<int>& fds) {
+    for (int fd : fds) ::close(fd);
+  }
+
+  std::shared_ptr<sim_backend> sim;
+  std::unique_ptr<caching_allocator> alloc;
+};
+
+TEST_F(IpcTest, ExpandableBlockRoundTripsAndIsCached) {
+  void* first = alloc->malloc(0, 3 * MiB, 0);
+  void* p = alloc->malloc(0, 3 * MiB, 0);  // starts inside page 1, ends in page 2
+  ASSERT_EQ(U(p), U(first) + 3 * MiB);
+  std::memset(p, 0xab, 3 * MiB);
+  ipc_export ex = alloc->share_ipc_handle(p);
+  const ipc_handle h = parse_ipc_handle(ex.handle);
+  EXPECT_EQ(h.kind, ipc_kind::expandable);
+  EXPECT_EQ(h.offset_bytes, 3 * MiB);
+  EXPECT_EQ(h.size_bytes, 3 * MiB);
+  EXPECT_EQ(h.first_page, 1u);
+  ASSERT_EQ(h.pages.size(), 2u);
+  ASSERT_EQ(ex.fds.size(), 2u);
+  EXPECT_EQ(h.producer_pid, static_cast<std::uint32_t>(::getpid()));
+
+  void* q = alloc->open_ipc_handle(ex.handle, ex.fds);
+  EXPECT_NE(q, p);
+  EXPECT_EQ(U(q) % page, MiB) << "the block keeps its offset in its first page";
+  EXPECT_EQ(std::memcmp(q, p, 3 * MiB), 0);
+  static_cast<unsigned char*>(q)[100] = 0x01;
+  EXPECT_EQ(static_cast<unsigned char*>(p)[100], 0x01);
+  EXPECT_EQ(alloc->ipc_open_mappings(), 1u);
+  const auto imports = sim->counters().vm_imports;
+
+  // A second handle of the same block: the cached mapping, no new import.
+  ipc_export again = alloc->share_ipc_handle(p);
+  EXPECT_EQ(alloc->open_ipc_handle(again.handle, again.fds), q);
+  EXPECT_EQ(sim->counters().vm_imports, imports);
+  EXPECT_EQ(alloc->ipc_open_mappings(), 1u);
+  close_all(again.fds);
+  close_all(ex.fds);
+
+  alloc->close_ipc_handle(q);
+  EXPECT_EQ(alloc->ipc_open_mappings(), 1u) << "one reference left";
+  EXPECT_EQ(static_cast<unsigned char*>(q)[0], 0xab);
+  alloc->close_ipc_handle(q);
+  EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
+  EXPECT_THROW(alloc->close_ipc_handle(q), invalid_argument_error);
+  EXPECT_THROW(alloc->free(q), invalid_argument_error) << "an opened pointer is not an allocation";
+  EXPECT_EQ(sim->counters().live_reservations, 1u) << "only the producer's segment";
+  alloc->free(p);
+  alloc->free(first);
+  alloc->device_allocator(0).check_invariants();
+}
+
+TEST_F(IpcTest, PlainSegmentIsSharedInPlaceAndNotOpenedByItsOwnProcess) {
+  make("expandable_segments:False");
+  auto* p = static_cast<unsigned char*>(alloc->malloc(0, MiB, 0));
+  p[12345] = 0x9d;
+  ipc_export ex = alloc->share_ipc_handle(p);
+  EXPECT_TRUE(ex.fds.empty());
+  const ipc_handle h = parse_ipc_handle(ex.handle);
+  EXPECT_EQ(h.kind, ipc_kind::plain);
+  EXPECT_EQ(h.segment_bytes, 2 * MiB) << "the small pool's 2 MiB segment";
+  EXPECT_EQ(h.offset_bytes, 0u);
+  EXPECT_EQ(h.size_bytes, MiB);
+  EXPECT_EQ(p[12345], 0x9d) << "moved into a memory file with its bytes";
+  p[1] = 0x01;
+  EXPECT_EQ(alloc->share_ipc_handle(p).handle, ex.handle) << "exported once";
+  try {
+    (void)alloc->open_ipc_handle(ex.handle);
+    ADD_FAILURE() << "opened its own export";
+  } catch (const backend_error& e) {
+    EXPECT_NE(std::string(e.what()).find("comes from this process"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
+  alloc->free(p);
+  alloc->device_allocator(0).check_invariants();
+}
+
+TEST_F(IpcTest, OpenedExpandableMappingGrantsThePeersOfItsDevice) {
+  make("", 2);
+  alloc->enable_peer_access(1, 0);  // device 1 may access device 0's memory
+  void* p = alloc->malloc(0, 3 * MiB, 0);
+  ipc_export ex = alloc->share_ipc_handle(p);
+  void* q = alloc->open_ipc_handle(ex.handle, ex.fds);
+  close_all(ex.fds);
+  EXPECT_TRUE(sim->peer_can_access(0, q, 1));
+  EXPECT_TRUE(sim->peer_can_access(0, static_cast<char*>(q) + 2 * MiB, 1)) << "every page";
+  alloc->close_ipc_handle(q);
+  alloc->free(p);
+}
+
+TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
+  void* p = alloc->malloc(0, 5 * MiB, 0);
+  EXPECT_THROW((void)alloc->share_ipc_handle(static_cast<char*>(p) + 512), invalid_argument_error);
+  ipc_export ex = alloc->share_ipc_handle(p);
+  ASSERT_EQ(ex.fds.size(), 3u);
+  const auto before = sim->counters();
+  // Wrong number of descriptors.
+  try {
+    (void)alloc->open_ipc_handle(ex.handle, std::span<const int>(ex.fds).first(2));
+    ADD_FAILURE();
+  } catch (const invalid_argument_error& e) {
+    EXPECT_STREQ(e.what(), "ccalloc: open_ipc_handle: the handle needs 3 file descriptor(s), got 2");
+  }
+  // A descriptor that is not the memory file: the third page fails after two imports.
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  std::vector<int> bad = ex.fds;
+  bad[2] = pipefd[0];
+  EXPECT_THROW((void)alloc->open_ipc_handle(ex.handle, bad), backend_error);
+  ::close(pipefd[0]);
+  ::close(pipefd[1]);
+  // A device this allocator has not initialized.
+  ipc_handle h = parse_ipc_handle(ex.handle);
+  h.device = 1;
+  EXPECT_THROW((void)alloc->open_ipc_handle(encode_ipc_handle(h), ex.fds), invalid_argument_error);
+  // Garbage.
+  EXPECT_THROW((void)alloc->open_ipc_handle("not a handle"), invalid_argument_error);
+  const auto after = sim->counters();
+  EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
+  EXPECT_EQ(after.live_handles, before.live_handles);
+  EXPECT_EQ(after.live_reservations, before.live_reservations);
+  EXPECT_EQ(after.mapped_bytes, before.mapped_bytes);
+  close_all(ex.fds);
+  alloc->free(p);
+}
+
+// The child: its own device and allocator; receives the handle, opens it
+// twice (one mapping), checks the parent's bytes, writes its answer, closes
+// (plain segments: the simulated cudaIpcMemHandle_t names the parent's
+// memory file, opened through /proc; expandable: the descriptors came over
+// the socket).
+// Returns the exit code: 0 when every check passed.
+int consumer(int sock) {
+  std::string bytes;
+  std::vector<int> fds;
+  try {
+    ipc_export got = receive_ipc_handle(sock);
+    bytes = std::move(got.handle);
+    fds = std::move(got.fds);
+  } catch (const std::exception&) {
+    return 10;
+  }
+  auto sim = std::make_shared<sim_backend>();
+  caching_allocator alloc(sim, allocator_config::parse(""));
+  alloc.init(1);
+  auto* q = static_cast<unsigned char*>(alloc.open_ipc_handle(bytes, fds));
+  if (alloc.open_ipc_handle(bytes, fds) != q) return 11;
+  for (int fd : fds) ::close(fd);
+  const std::size_t size = parse_ipc_handle(bytes).size_bytes;
+  for (std::size_t i = 0; i < size; i += 4096)
+    if (q[i] != static_cast<unsigned char>(i / 4096)) return 12;
+  q[0] = 0xc7;  // the answer
+  alloc.close_ipc_handle(q);
+  alloc.close_ipc_handle(q);
+  if (alloc.ipc_open_mappings() != 0 || sim->counters().live_handles != 0) return 13;
+  return 0;
+}
+
+class IpcForkTest : public IpcTest, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(IpcForkTest, SecondProcessReadsTheBytesAndAnswers) {
+  make(GetParam());
+  void* p = alloc->malloc(0, 7 * MiB, 0);
+  auto* bytes = static_cast<unsigned char*>(p);
+  for (std::size_t i = 0; i < 7 * MiB; i += 4096) bytes[i] = static_cast<unsigned char>(i / 4096);
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(sv[0]);
+    ::_exit(consumer(sv[1]));
+  }
+  ::close(sv[1]);
+  // Exported after the fork: the child can see the descriptors only through the socket.
+  ipc_export ex = alloc->share_ipc_handle(p);
+  const bool expandable = parse_ipc_handle(ex.handle).kind == ipc_kind::expandable;
+  EXPECT_EQ(expandable, alloc->config().expandable_segments);
+  EXPECT_EQ(ex.fds.size(), expandable ? 4u : 0u);
+  send_ipc_handle(sv[0], ex);
+  close_all(ex.fds);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ::close(sv[0]);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "consumer exit codes: 10 receive, 11 cache, 12 bytes, 13 close";
+  EXPECT_EQ(bytes[0], 0xc7) << "the child's write is in the parent's block";
+  alloc->free(p);
+}
+
+TEST_F(IpcTest, HandleOfAFreedPlainSegmentIsRejected) {
+  make("expandable_segments:False");
+  void* p = alloc->malloc(0, MiB, 0);
+  const ipc_export ex = alloc->share_ipc_handle(p);
+  alloc->free(p);
+  alloc->empty_cache();  // the segment goes back to the device: its memory file closes
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto sim2 = std::make_shared<sim_backend>();
+    caching_allocator other(sim2, allocator_config::parse(""));
+    other.init(1);
+    try {
+      (void)other.open_ipc_handle(ex.handle);
+    } catch (const backend_error& e) {
+      ::_exit(std::string(e.what()).find("freed the segment") != std::string::npos ? 0 : 2);
+    } catch (...) {
+      ::_exit(3);
+    }
+    ::_exit(1);  // opened
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: opened a freed segment, 2: another message, 3: another exception";
+}
+
+INSTANTIATE_TEST_SUITE_P(BothKinds, IpcForkTest,
+                         ::testing::Values("expandable_segments:True", "expandable_segments:False"));
+
+TEST(IpcSocket, CarriesMoreDescriptorsThanOneMessageHolds) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv), 0);
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  ipc_export ex;
+  ex.handle = std::string("abc\0def", 7);
+  ex.fds.assign(300, pipefd[1]);  // 300 > 253: two messages
+  std::thread sender([&] { send_ipc_handle(sv[0], ex); });
+  ipc_export got = receive_ipc_handle(sv[1]);
+  sender.join();
+  EXPECT_EQ(got.handle, ex.handle);
+  ASSERT_EQ(got.fds.size(), 300u);
+  ASSERT_EQ(::write(got.fds[299], "x", 1), 1) << "a working copy of the pipe's write end";
+  char c = 0;
+  EXPECT_EQ(::read(pipefd[0], &c, 1), 1);
+  EXPECT_EQ(c, 'x');
+  for (int fd : got.fds) ::close(fd);
+  ::close(pipefd[0]);
+  ::close(pipefd[1]);
+  ::close(sv[0]);
+  ::close(sv[1]);
+}
+
+TEST(IpcSocket, ReportsAClosedPeerAndOversizedHandles) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv), 0);
+  ::close(sv[1]);
+  try {
+    (void)receive_ipc_handle(sv[0]);
+    ADD_FAILURE() << "received from a closed peer";
+  } catch (const backend_error& e) {
+    EXPECT_STREQ(e.what(), "ccalloc: receive_ipc_handle: the peer closed the socket");
+  }
+  ipc_export big;
+  big.handle.assign(65 * 1024, 'x');
+  EXPECT_THROW(send_ipc_handle(sv[0], big), invalid_argument_error);
+  ::close(sv[0]);
+}
+
+// --- copies and several devices ----------------------------------------------------------
+
+TEST_F(IpcTest, MemcpyAsyncUsesAPeerCopyForExpandableMemoryWithoutP2P) {
+  make("", 2);
+  auto* a = static_cast<unsigned char*>(alloc->malloc(0, MiB, 0));
+  auto* b = static_cast<unsigned char*>(alloc->malloc(1, MiB, 0));
+  std::memset(a, 0x3c, MiB);
+  alloc->memcpy_async(b, 1, a, 0, MiB, 0, /*p2p_enabled=*/false);
+  EXPECT_EQ(sim->counters().memcpy_peer_async_calls, 1u);
+  EXPECT_EQ(sim->counters().memcpy_async_calls, 0u);
+  EXPECT_EQ(b[MiB - 1], 0x3c);
+  alloc->memcpy_async(a, 0, b, 1, MiB, 0, /*p2p_enabled=*/true);
+  alloc->memcpy_async(a, 0, a + 512, 0, 512, 0, /*p2p_enabled=*/false);  // one device
+  EXPECT_EQ(sim->counters().memcpy_async_calls, 2u);
+  EXPECT_EQ(sim->counters().memcpy_peer_async_calls, 1u);
+  alloc->memcpy_async(a, 0, b, 1, 0, 0, false);
+  EXPECT_EQ(sim->counters().memcpy_async_calls + sim->counters().memcpy_peer_async_calls, 3u) << "size 0: nothing";
+  EXPECT_THROW(alloc->memcpy_async(a, 2, b, 1, 8, 0, false), invalid_argument_error);
+  b[5] = 0x77;
+  alloc->copy_data(a, b, 16);
+  EXPECT_EQ(a[5], 0x77);
+  EXPECT_EQ(sim->counters().copy_data_calls, 1u);
+  alloc->free(a);
+  alloc->free(b);
+}
+
+TEST_F(IpcTest, MemcpyAsyncIsAPlainCopyBetweenPlainSegments) {
+  make("expandable_segments:False", 2);
+  auto* a = static_cast<unsigned char*>(alloc->malloc(0, MiB, 0));
+  auto* b = static_cast<unsigned char*>(alloc->malloc(1, MiB, 0));
+  a[9] = 0x42;
+  alloc->memcpy_async(b, 1, a, 0, 16, 0, /*p2p_enabled=*/false);
+  EXPECT_EQ(sim->counters().memcpy_async_calls, 1u);
+  EXPECT_EQ(sim->counters().memcpy_peer_async_calls, 0u);
+  EXPECT_EQ(b[9], 0x42);
+  alloc->free(a);
+  alloc->free(b);
+}
+
+TEST_F(IpcTest, FourDevicesKeepTheirOwnPoolsAndStatistics) {
+  make("", 4);
+  std::vector<void*> ptrs;
+  for (int d = 0; d < 4; ++d)
+    for (int i = 0; i <= d; ++i) ptrs.push_back(alloc->malloc(d, (d + 1) * MiB, 0));
+  for (int d = 0; d < 4; ++d) {
+    const device_stats s = alloc->get_device_stats(d);
+    EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>((d + 1) * (d + 1) * MiB)) << "device " << d;
+    EXPECT_EQ(s.allocation[0].current, d + 1) << "device " << d;
+    EXPECT_EQ(alloc->expandable_segment_sizes(d).size(), 1u) << "device " << d;
+  }
+  for (void* p : ptrs) alloc->free(p);
+  for (int d = 0; d < 4; ++d) {
+    EXPECT_EQ(alloc->get_device_stats(d).allocated_bytes[0].current, 0);
+    alloc->device_allocator(d).check_invariants();
+  }
+}
+
+}  // namespace
