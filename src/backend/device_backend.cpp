@@ -18,6 +18,7 @@ void device_backend::vm_map(int, void*, std::size_t, physical_handle_t) { throw_
 void device_backend::vm_unmap(int, void*, std::size_t) { throw_not_supported("vm_unmap"); }
 void device_backend::vm_set_access(int, void*, std::size_t, int) { throw_not_supported("vm_set_access"); }
 bool device_backend::can_access_peer(int, int) const { return false; }
+bool device_backend::is_capturing(int, stream_t) { return false; }
 void device_backend::enable_peer_access(int, int) { throw_not_supported("enable_peer_access"); }
 gate_t device_backend::create_gate(int) { throw_not_supported("create_gate"); }
 void device_backend::wait_gate(int, stream_t, gate_t) { throw_not_supported("wait_gate"); }
