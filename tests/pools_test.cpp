@@ -12,8 +12,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -576,6 +578,58 @@ TEST_P(PoolsTest, CheckpointMisuseIsRejectedAndChangesNothing) {
   EXPECT_TRUE(alloc->check_pool_live_allocations(0, P, {}));
   EXPECT_TRUE(alloc->check_pool_live_allocations(0, Q, {q}));
   alloc->free(q);
+}
+
+}  // namespace
+
+namespace {
+
+// Threads allocate and free on their own streams while another thread begins
+// and ends allocation to a pool for some of those streams (SPEC X1 with
+// pools): nothing is lost, every block returns to the pool it came from.
+TEST(PoolsConcurrency, BeginEndRacesWithAllocationsOnOtherThreads) {
+  auto sim = std::make_shared<sim_backend>();
+  caching_allocator alloc(sim, allocator_config::parse(""));
+  alloc.init(1);
+  const mempool_id_t pool{3, 0};
+  alloc.create_or_incref_pool(0, pool);
+  std::atomic<int> errors{0};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < 3; ++t)
+    workers.emplace_back([&, t] {
+      const stream_t s = static_cast<stream_t>(10 + t);
+      std::vector<void*> live;
+      for (int i = 0; i < 3000; ++i) {
+        try {
+          if (live.size() < 8 && (i % 3 != 2 || live.empty())) {
+            live.push_back(alloc.malloc(0, 512u * (1u + static_cast<unsigned>(i % 50)), s));
+          } else {
+            alloc.free(live.back());
+            live.pop_back();
+          }
+        } catch (const std::exception&) {
+          ++errors;
+        }
+      }
+      for (void* p : live) alloc.free(p);
+    });
+  std::thread controller([&] {
+    for (int i = 0; i < 300; ++i) {
+      alloc.begin_allocate_to_pool(0, pool, [](stream_t x) { return x == 10 || x == 12; });
+      std::this_thread::yield();
+      alloc.end_allocate_to_pool(0, pool);
+    }
+  });
+  controller.join();
+  for (auto& w : workers) w.join();
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_TRUE(alloc.check_pool_live_allocations(0, pool, {}));
+  alloc.device_allocator(0).check_invariants();
+  EXPECT_EQ(alloc.get_device_stats(0).allocation[0].current, 0);
+  alloc.release_pool(0, pool);
+  alloc.empty_cache();
+  EXPECT_EQ(alloc.get_device_stats(0).reserved_bytes[0].current, 0);
+  EXPECT_TRUE(alloc.device_allocator(0).pools().empty());
 }
 
 }  // namespace

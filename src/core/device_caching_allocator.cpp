@@ -1181,7 +1181,8 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   device_stats::decrease(st.active_bytes, g, original_size);
   device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
   b->requested_size = 0;
-  if (!caching_ && !b->is_split() && b->pool->priv == nullptr) {  // no-caching mode: straight back to the device
+  // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
+  if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {
     if (device_locked) {
       release_block(b, st);
     } else {
