@@ -99,7 +99,7 @@ struct checkpoint_block {
   std::uintptr_t address = 0;
   std::size_t size_bytes = 0;
   std::size_t requested_bytes = 0;  ///< 0 when free
-  bool allocated = false;           ///< allocated (or freed but waiting on events) when taken
+  bool allocated = false;           ///< held by the caller when taken (a block waiting on events is free)
   bool mapped = true;               ///< false: an unmapped range of an expandable segment
 };
 /// One segment of a checkpoint: where it is and how it was split.
@@ -310,9 +310,9 @@ class device_caching_allocator {
   [[nodiscard]] std::vector<mempool_id_t> pools() const;
 
   /// The layout of pool `id` now: its segments and blocks (PyTorch:
-  /// getCheckpointState). Events pending on the pool's blocks are waited for
-  /// first (so none is "pending free"), unless a capture is underway. Throws
-  /// invalid_argument_error for an unknown pool.
+  /// getCheckpointState). A block freed but still waiting for events (or a
+  /// deferred free) counts as free: `allocated` is what the caller holds.
+  /// Changes nothing. Throws invalid_argument_error for an unknown pool.
   [[nodiscard]] pool_checkpoint get_checkpoint_state(mempool_id_t id) const;
   /// Restores pool `state.pool` to `state`'s layout (PyTorch:
   /// setCheckpointPoolState): allocated blocks that are not allocated with the
