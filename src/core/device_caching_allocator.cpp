@@ -142,11 +142,6 @@ device_state::~device_state() {
     }
   }
   for (auto& [base, seg] : segments_) {
-    for (block* b = seg->head; b != nullptr;) {
-      block* next = b->next;
-      delete b;
-      b = next;
-    }
     try {
       if (seg->expandable) {
         for (std::size_t i = 0; i < seg->pages.size(); ++i) {
@@ -156,9 +151,14 @@ device_state::~device_state() {
         }
         backend_.vm_release(device_, reinterpret_cast<void*>(base), seg->size);
       } else {
-        release_segment_memory(*seg);
+        release_segment_memory(*seg);  // reads the head block's pool: before the blocks go
       }
     } catch (...) {
+    }
+    for (block* b = seg->head; b != nullptr;) {
+      block* next = b->next;
+      delete b;
+      b = next;
     }
   }
 }
