@@ -74,6 +74,7 @@ struct prop_case {
   bool toggle_caching;  // enable(false) / enable(true) now and then
   std::uint64_t seed;
   std::size_t ops;
+  bool pools = false;  // private pools: create/release, nested begin/end, live-allocation checks (F20-F23)
 };
 
 [[maybe_unused]] std::ostream& operator<<(std::ostream& os, const prop_case& c) {
@@ -107,6 +108,7 @@ std::size_t granule(std::size_t bytes) { return (bytes + 2 * mib - 1) / (2 * mib
 struct live_alloc {
   std::size_t size = 0;
   stream_t stream = 0;
+  mempool_id_t pool{};             // where the model routed it
   std::vector<stream_t> recorded;  // side streams it was used on
   std::size_t order = 0;           // index in model_runner::live_order_
 };
@@ -115,11 +117,13 @@ struct pending_block {
   std::uintptr_t ptr = 0;
   std::size_t size = 0;
   std::uint64_t done_at = 0;  // the clock time its last side-stream event completes
+  std::vector<stream_t> recorded;  // for a free deferred during a capture: events come at its end
 };
 
 struct run_totals {
   std::size_t mallocs = 0, ooms = 0, frees = 0, pending_frees = 0, records = 0, bad_frees = 0;
   std::size_t fraction_changes = 0, empty_caches = 0, reuse_checks = 0, toggles = 0;
+  std::size_t pool_ops = 0, pool_allocs = 0, pool_misuse = 0, live_checks = 0, deferred_frees = 0;
 };
 
 class model_runner {
@@ -149,6 +153,7 @@ class model_runner {
   /// One random operation. Returns "" or what went wrong.
   std::string step(std::size_t index) {
     step_ = index;
+    if (case_.pools && rng_() % 100 < 5) return do_pool_op();
     const std::size_t w_malloc = 100;
     const std::size_t w_free = 2 * live_.size();
     const std::size_t w_record = live_.empty() ? 0 : 14;
@@ -211,6 +216,13 @@ class model_runner {
   /// Frees everything, lets all work finish, empties the cache. Returns "" or
   /// what is left over.
   std::string finish() {
+    while (!active_.empty()) {
+      alloc_->end_allocate_to_pool(0, active_.back().first);
+      active_.pop_back();
+      flush_model_deferred();
+    }
+    for (auto& [id, n] : use_)
+      for (; n > 0; --n) alloc_->release_pool(0, id);
     while (!live_.empty()) {
       const std::string e = do_free(live_.size() - 1);
       if (!e.empty()) return "final free: " + e;
@@ -255,6 +267,7 @@ class model_runner {
   void settle_pending(std::int64_t syncs_before, std::uint64_t now, bool processed_events) {
     const std::int64_t syncs = dev_->stats().num_sync_all_streams;
     const bool all = syncs != syncs_before;
+    if (!active_.empty()) processed_events = false;  // a capture is underway: no event is queried
     if (!all && !processed_events) return;
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (all || it->done_at <= now) {
@@ -271,13 +284,26 @@ class model_runner {
     const stream_t stream = rng_() % 5 == 0 ? alloc_streams_[1] : alloc_streams_[0];
     const std::int64_t syncs = dev_->stats().num_sync_all_streams;
     const std::uint64_t now = sim_->now();
+    const mempool_id_t routed = route(stream);
+    const bool released = routed != mempool_id_t{} && use_[routed] == 0;
+    const std::int64_t allocations_before = released ? dev_->stats().allocation[0].current : 0;
     void* p = nullptr;
     try {
       p = alloc_->malloc(0, size, stream);
+      if (released) return where() + "an allocation routed to released pool " + to_string(routed) + " succeeded";
+    } catch (const invalid_argument_error& e) {
+      if (!released) return where() + "malloc(" + std::to_string(size) + ") threw " + e.what();
+      ++totals_.pool_misuse;
+      if (dev_->stats().allocation[0].current != allocations_before)
+        return where() + "a rejected allocation to a released pool changed the stats";
+      return {};
     } catch (const out_of_memory_error& e) {
       ++totals_.ooms;
       settle_pending(syncs, now, true);
       if (e.requested_bytes != size) return where() + "OOM figures name another size";
+      // While a capture is underway (or a live private pool caches memory)
+      // the ladder may not wait, free or take pool memory: no policy check.
+      if (case_.pools) return {};
       // Justified only if the segment the policy needs did not fit.
       // Expandable segments map whole pages: at most the rounded size in
       // pages plus one page shared with a neighbour.
@@ -331,7 +357,8 @@ class model_runner {
         return os.str();
       }
     }
-    live_.emplace(a, live_alloc{size, stream, {}, live_order_.size()});
+    live_.emplace(a, live_alloc{size, stream, routed, {}, live_order_.size()});
+    if (routed != mempool_id_t{}) ++totals_.pool_allocs;
     live_order_.push_back(a);
     live_requested_ += size;
     return {};
@@ -362,7 +389,12 @@ class model_runner {
     live_requested_ -= la.size;
     if (!la.recorded.empty()) {
       ++totals_.pending_frees;
-      pending_.push_back({ptr, la.size, done});
+      if (!active_.empty()) {  // deferred: its events are recorded when the capture ends
+        ++totals_.deferred_frees;
+        pending_.push_back({ptr, la.size, UINT64_MAX, la.recorded});
+      } else {
+        pending_.push_back({ptr, la.size, done, {}});
+      }
       pending_requested_ += la.size;
     }
     return {};
@@ -389,8 +421,82 @@ class model_runner {
   std::string do_empty_cache() {
     ++totals_.empty_caches;
     alloc_->empty_cache();
+    if (!active_.empty()) return {};  // nothing is waited for while capturing
     pending_.clear();
     pending_requested_ = 0;
+    return {};
+  }
+
+  // ---- private pools (F20-F23) ----
+  mempool_id_t route(stream_t s) const {
+    for (auto it = active_.rbegin(); it != active_.rend(); ++it)
+      if (it->second == 2 || alloc_streams_[it->second] == s) return it->first;
+    return {};
+  }
+
+  // The capture ended: deferred frees record their events now.
+  void flush_model_deferred() {
+    if (!active_.empty()) return;
+    for (auto& pb : pending_) {
+      if (pb.done_at != UINT64_MAX) continue;
+      pb.done_at = sim_->now();
+      for (stream_t s : pb.recorded) pb.done_at = std::max(pb.done_at, sim_->busy_until(0, s));
+      pb.recorded.clear();
+    }
+  }
+
+  std::string do_pool_op() {
+    ++totals_.pool_ops;
+    static const std::array<mempool_id_t, 2> ids{mempool_id_t{1, 0}, mempool_id_t{0, 2}};
+    const mempool_id_t id = ids[rng_() % ids.size()];
+    const std::size_t op = rng_() % 6;
+    auto expect_error = [&](auto f, const char* what) -> std::string {
+      try {
+        f();
+      } catch (const invalid_argument_error&) {
+        ++totals_.pool_misuse;
+        return {};
+      }
+      return where() + what + " did not throw";
+    };
+    if (op == 0) {
+      alloc_->create_or_incref_pool(0, id);
+      ++use_[id];
+    } else if (op == 1) {
+      if (use_[id] == 0) return expect_error([&] { alloc_->release_pool(0, id); }, "releasing a released pool");
+      alloc_->release_pool(0, id);
+      --use_[id];
+    } else if (op == 2) {
+      if (use_[id] == 0)
+        return expect_error([&] { alloc_->begin_allocate_to_pool(0, id, [](stream_t) { return true; }); },
+                            "begin on a released pool");
+      if (active_.size() >= 3) return {};
+      const std::size_t which = rng_() % 3;  // stream 0, stream 1, or both
+      const stream_t s = which == 2 ? 0 : alloc_streams_[which];
+      alloc_->begin_allocate_to_pool(0, id, [which, s](stream_t x) { return which == 2 || x == s; });
+      active_.emplace_back(id, which);
+    } else if (op == 3) {
+      auto it = std::find_if(active_.rbegin(), active_.rend(), [&](const auto& e) { return e.first == id; });
+      if (it == active_.rend()) return expect_error([&] { alloc_->end_allocate_to_pool(0, id); }, "ending an inactive pool");
+      alloc_->end_allocate_to_pool(0, id);
+      active_.erase(std::next(it).base());
+      flush_model_deferred();
+    } else {
+      ++totals_.live_checks;
+      std::vector<void*> mine;
+      for (const auto& [a, la] : live_)
+        if (la.pool == id) mine.push_back(reinterpret_cast<void*>(a));
+      if (!alloc_->check_pool_live_allocations(0, id, mine))
+        return where() + "check_pool_live_allocations(" + to_string(id) + ") is false for the model's " +
+               std::to_string(mine.size()) + " allocations";
+      if (!mine.empty() && alloc_->check_pool_live_allocations(0, id, {mine.begin() + 1, mine.end()}))
+        return where() + "check_pool_live_allocations is true with one allocation missing";
+      std::size_t sum = 0;
+      sum += alloc_->get_pool_stats(0, {}).reserved_bytes;
+      for (mempool_id_t p : dev_->pools()) sum += alloc_->get_pool_stats(0, p).reserved_bytes;
+      if (static_cast<std::int64_t>(sum) != dev_->stats().reserved_bytes[0].current)
+        return where() + "per-pool reserved bytes do not add up to reserved_bytes";
+    }
     return {};
   }
 
@@ -479,6 +585,8 @@ class model_runner {
   std::size_t live_requested_ = 0;
   std::size_t pending_requested_ = 0;
   std::vector<std::size_t> recent_sizes_;
+  std::map<mempool_id_t, int> use_;                            // model use counts
+  std::vector<std::pair<mempool_id_t, std::size_t>> active_;  // begin stack: pool, stream 0 / 1 / 2 = both
 
   bool caching_ = true;
   bool ever_uncached_ = false;  // no-caching segments are not 2 MiB multiples
@@ -514,6 +622,15 @@ TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
   EXPECT_GT(t.ooms, 0u) << "no out-of-memory error happened";
   EXPECT_GT(t.pending_frees, 0u);
   EXPECT_GT(t.fraction_changes, 0u);
+  if (c.pools) {
+    std::printf("[ property ] %s: %zu pool ops, %zu allocations in pools, %zu rejected misuses, %zu live checks, "
+                "%zu deferred frees\n", c.name, t.pool_ops, t.pool_allocs, t.pool_misuse, t.live_checks,
+                t.deferred_frees);
+    EXPECT_GT(t.pool_allocs, 0u);
+    EXPECT_GT(t.pool_misuse, 0u);
+    EXPECT_GT(t.live_checks, 0u);
+    EXPECT_GT(t.deferred_frees, 0u);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -534,7 +651,10 @@ INSTANTIATE_TEST_SUITE_P(
         prop_case{"expandable_pytorch", "expandable_segments:True,trim_on_new_peak:False,reuse_across_streams:False",
                   false, false, 0x5eed0009, 150'000},
         prop_case{"expandable_toggled", "expandable_segments:True,max_split_size_mb:40,"
-                  "roundup_power2_divisions:4", false, true, 0x5eed000a, 150'000}),
+                  "roundup_power2_divisions:4", false, true, 0x5eed000a, 150'000},
+        prop_case{"pools_expandable", "", false, false, 0x5eed000b, 150'000, true},
+        prop_case{"pools_plain", "expandable_segments:False,max_split_size_mb:40", false, false, 0x5eed000c, 100'000,
+                  true}),
     [](const ::testing::TestParamInfo<prop_case>& param_info) { return std::string(param_info.param.name); });
 
 }  // namespace

@@ -447,6 +447,16 @@ void cuda_backend::synchronize_stream(int device, stream_t stream) {
   }
 }
 
+bool cuda_backend::is_capturing(int device, stream_t stream) {
+  impl_->check_device(device, "is_capturing");
+  device_guard guard(device);  // (cudaStream_t)0: the current device's legacy default stream
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(to_cuda(stream), &status), [&] {
+    return "cudaStreamIsCapturing(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ")";
+  });
+  return status != cudaStreamCaptureStatusNone;
+}
+
 void cuda_backend::synchronize_device(int device) {
   impl_->check_device(device, "synchronize_device");
   device_guard guard(device);

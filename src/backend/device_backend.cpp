@@ -30,6 +30,7 @@ void device_backend::memcpy_peer_async(void*, int, const void*, int, std::size_t
 }
 void device_backend::copy_data(int, void*, const void*, std::size_t) { throw_not_supported("copy_data"); }
 bool device_backend::can_access_peer(int, int) const { return false; }
+bool device_backend::is_capturing(int, stream_t) { return false; }
 void device_backend::enable_peer_access(int, int) { throw_not_supported("enable_peer_access"); }
 gate_t device_backend::create_gate(int) { throw_not_supported("create_gate"); }
 void device_backend::wait_gate(int, stream_t, gate_t) { throw_not_supported("wait_gate"); }

@@ -68,7 +68,16 @@ struct sim_backend::impl {
     std::size_t file_bytes = 0;
     std::map<std::size_t, std::size_t> free_ranges;  // offset -> bytes, punched, coalesced
     std::vector<bool> peers_enabled;                 // enable_peer_access(this, peer)
+    std::vector<stream_t> capturing;                 // streams between begin_capture and end_capture
   };
+  // Throws as CUDA does for a call not allowed while a stream captures.
+  void check_not_capturing(int device_index, const char* what) {
+    auto& d = dev(device_index);
+    if (!d.capturing.empty())
+      throw backend_error(std::string("sim: ") + what + " on device " + std::to_string(device_index) +
+                          " while stream " + std::to_string(d.capturing.front()) +
+                          " is capturing a graph (CUDA: cudaErrorStreamCaptureUnsupported)");
+  }
   // Virtual memory. Each mapping lies inside one reservation of its device;
   // per handle, map_count = number of mappings of it.
   struct reservation {
@@ -299,6 +308,7 @@ void* sim_backend::segment_malloc(int device, std::size_t size_bytes) {
 
 void sim_backend::segment_free(int device, void* ptr) {
   std::lock_guard lock(impl_->mutex);
+  impl_->check_not_capturing(device, "segment_free");
   auto& d = impl_->dev(device);
   auto it = d.segments.find(ptr);
   if (it == d.segments.end())
@@ -369,12 +379,14 @@ bool sim_backend::query_event(int, event_t event) {
   if (impl_->fail_query_countdown && --impl_->fail_query_countdown == 0)
     throw backend_error("sim: injected failure of query_event(" + std::to_string(event) + ")");
   const auto& ev = impl_->ev(event);
+  impl_->check_not_capturing(ev.device, "query_event");
   return ev.gates.empty() && ev.complete_at <= impl_->now;
 }
 
 void sim_backend::synchronize_event(int, event_t event) {
   std::lock_guard lock(impl_->mutex);
   const auto& ev = impl_->ev(event);
+  impl_->check_not_capturing(ev.device, "synchronize_event");
   if (!ev.gates.empty()) impl::throw_never("synchronize_event(event " + std::to_string(event) + ")", ev.gates.front());
   impl_->now = std::max(impl_->now, ev.complete_at);
 }
@@ -390,10 +402,36 @@ void sim_backend::synchronize_stream(int device, stream_t stream) {
 
 void sim_backend::synchronize_device(int device) {
   std::lock_guard lock(impl_->mutex);
+  impl_->check_not_capturing(device, "synchronize_device");
   auto& d = impl_->dev(device);
   if (!d.gated.empty())
     impl::throw_never("synchronize_device(" + std::to_string(device) + ")", d.gated.begin()->second.front());
   for (auto& [s, t] : d.busy_until) impl_->now = std::max(impl_->now, t);
+}
+
+bool sim_backend::is_capturing(int device, stream_t stream) {
+  std::lock_guard lock(impl_->mutex);
+  const auto& c = impl_->dev(device).capturing;
+  return std::find(c.begin(), c.end(), stream) != c.end();
+}
+
+void sim_backend::begin_capture(int device, stream_t stream) {
+  std::lock_guard lock(impl_->mutex);
+  auto& c = impl_->dev(device).capturing;
+  if (std::find(c.begin(), c.end(), stream) != c.end())
+    throw backend_error("sim: begin_capture: stream " + std::to_string(stream) + " of device " +
+                        std::to_string(device) + " is capturing already");
+  c.push_back(stream);
+}
+
+void sim_backend::end_capture(int device, stream_t stream) {
+  std::lock_guard lock(impl_->mutex);
+  auto& c = impl_->dev(device).capturing;
+  auto it = std::find(c.begin(), c.end(), stream);
+  if (it == c.end())
+    throw backend_error("sim: end_capture: stream " + std::to_string(stream) + " of device " +
+                        std::to_string(device) + " is not capturing");
+  c.erase(it);
 }
 
 backend_capabilities sim_backend::capabilities() const {

@@ -6,7 +6,10 @@
 //
 //   device_caching_allocator::malloc
 //     device_state::allocate
-//       process_events            only if events are pending (device lock, then stream locks)
+//     allocate_unusual          only if events are pending or a pool is active:
+//       process_events            (not while a capture is underway) device lock, then stream locks
+//       routed_pool               begin_allocate_to_pool's newest matching filter [device lock]
+//         -> allocate_slow with the private pool's (stream, pool)       [world lock]
 //       stream_for                the stream's state (thread-local cache, else registry)
 //       prepare                   round_size, pool, allocation_size: B1, B2   [stream lock]
 //       get_free_block            -- rung 1: best fit in (stream, pool)       [likely]
@@ -20,10 +23,14 @@
 //                                 -- rung 4: free oversize cached blocks, retry
 //       release_cached_blocks + alloc_segment
 //                                 -- rung 5: sync events, free every cached segment, retry
+//       try_use_on_oom_pools      -- rung 5b: free blocks of set_use_on_oom pools (F22)
 //       throw_out_of_memory       -- rung 6: B6 (observers called unlocked)
+//   While a capture is underway (begin_allocate_to_pool active) the ladder
+//   neither queries nor waits for events nor frees device memory: rungs 2,
+//   3a, 4 and 5 are skipped.
 //
 // Free call tree [stream lock]: free -> (block used on other streams?
-//   insert_events [+ device lock] : free_block)
+//   (capture underway? defer_free : insert_events) [+ device lock] : free_block)
 //   free_block -> try_merge with both neighbours -> back into the pool.
 #include <ccalloc/core/device_caching_allocator.hpp>
 
@@ -135,11 +142,6 @@ device_state::~device_state() {
     }
   }
   for (auto& [base, seg] : segments_) {
-    for (block* b = seg->head; b != nullptr;) {
-      block* next = b->next;
-      delete b;
-      b = next;
-    }
     try {
       if (seg->expandable) {
         for (std::size_t i = 0; i < seg->pages.size(); ++i) {
@@ -149,11 +151,24 @@ device_state::~device_state() {
         }
         backend_.vm_release(device_, reinterpret_cast<void*>(base), seg->size);
       } else {
-        backend_.segment_free(device_, reinterpret_cast<void*>(base));
+        release_segment_memory(*seg);  // reads the head block's pool: before the blocks go
       }
     } catch (...) {
     }
+    for (block* b = seg->head; b != nullptr;) {
+      block* next = b->next;
+      delete b;
+      b = next;
+    }
   }
+}
+
+// Returns a plain segment's memory: to the pool's custom allocator if it has
+// one, else to the backend.
+void device_state::release_segment_memory(segment& seg) {
+  const private_pool* pp = seg.head->pool->priv;
+  if (pp != nullptr && pp->custom.free) pp->custom.free(reinterpret_cast<void*>(seg.base));
+  else backend_.segment_free(device_, reinterpret_cast<void*>(seg.base));
 }
 
 // ---- locks and statistics ------------------------------------------------------
@@ -310,8 +325,9 @@ void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_
 }
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
-  if (pending_event_count_.load(std::memory_order_relaxed) != 0) [[unlikely]]
-    process_events();
+  if ((pending_event_count_.load(std::memory_order_relaxed) | capture_count_.load(std::memory_order_relaxed)) != 0)
+      [[unlikely]]
+    return allocate_unusual(requested_bytes, stream);
   stream_state& ss = stream_for(stream);
   alloc_params p;
   {
@@ -328,19 +344,73 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   return allocate_slow(p, w);
 }
 
+// allocate when events are pending or a begin_allocate_to_pool is active.
+block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
+  if (!capture_underway()) {
+    process_events();  // never while capturing: event queries are not allowed then
+  } else {
+    bool routed = false;
+    {
+      std::lock_guard device_lock(device_mutex_);
+      routed = routed_pool(stream) != nullptr;
+    }
+    if (routed) {
+      stream_state& ss = stream_for(stream);
+      world_lock w(*this);
+      if (private_pool* pp = routed_pool(stream)) {  // again: it may have ended meanwhile
+        if (pp->use_count == 0)
+          throw invalid_argument_error("ccalloc: allocation on stream " + std::to_string(stream) +
+                                       " is routed by begin_allocate_to_pool to private pool " + to_string(pp->id) +
+                                       " of device " + std::to_string(device_) +
+                                       ", which was released (use count 0); end_allocate_to_pool it first");
+        struct unpin {
+          std::atomic<int>& n;
+          ~unpin() { n.fetch_sub(1, std::memory_order_release); }
+        };
+        pp->pinned.fetch_add(1, std::memory_order_relaxed);
+        unpin guard{pp->pinned};
+        alloc_params p;
+        prepare(p, requested_bytes, ss);
+        p.pool = &pool_in(*pp, ss, p.pool->is_small);
+        return allocate_slow(p, w);
+      }
+    }
+  }
+  stream_state& ss = stream_for(stream);
+  alloc_params p;
+  {
+    std::lock_guard lock(ss.mutex);
+    prepare(p, requested_bytes, ss);
+    if (caching_ && get_free_block(p)) {
+      stats_sink sink(*this, ss);
+      return take_found_block(p, sink.get());
+    }
+  }
+  world_lock w(*this);
+  prepare(p, requested_bytes, ss);
+  return allocate_slow(p, w);
+}
+
 // The slow path, with the whole device locked.
 block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
   publish_all_pending_stats(w);
-  process_events_locked();
+  const bool capturing = capture_underway();
+  if (!capturing) {
+    process_events_locked();
+    if (!deferred_frees_.empty()) flush_deferred_frees();
+  }
+  const bool priv = p.pool->priv != nullptr;
+  auto out_of_memory = [&]() {
+    // Rung 5b (F22): a free block of a pool that lends on OOM.
+    if (try_use_on_oom_pools(p, w)) return take_found_block(p, stats_);
+    throw_out_of_memory(p, w);
+  };
   if (caching_) {
     // Rung 1 again: another thread may have freed a block meanwhile.
     if (get_free_block(p)) return take_found_block(p, stats_);
     // Rung 2: above the garbage-collection threshold, release old cached blocks.
-    if (config_.garbage_collection_threshold > 0.0) garbage_collect_cached_blocks(w);
-    // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
-    // memory above its high-water mark, so return cached whole segments (none
-    // fits it) to the device first: the peak grows by less.
-    if (config_.expandable_segments && page_bytes_ != 0) {
+    if (config_.garbage_collection_threshold > 0.0 && !capturing) garbage_collect_cached_blocks(w);
+    if (config_.expandable_segments && page_bytes_ != 0 && !(priv && p.pool->priv->custom.malloc)) {
       // Rung 3 (B7, X3): place the request in the stream's expandable
       // segment, mapping pages (recycled from free whole pages when the
       // peak or the cap would grow). Rung 5: wait for events, unmap every
@@ -354,18 +424,18 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
         if (!wait_for_completions_in_flight(w)) break;  // X7
       }
       // The retry kept the pages of the chosen run mapped: give them back too.
-      unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
+      if (!capturing) unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
       release_empty_expandable_segments();
       // Out of address space (a new reservation was refused, e.g. with very
       // many streams): this request gets a plain segment instead.
-      if (!no_address_space_) throw_out_of_memory(p, w);
+      if (!no_address_space_) return out_of_memory();
     }
     // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
     // memory above its high-water mark. First (X2) a cached whole segment of
     // another stream that fits moves to this stream; else cached whole
     // segments (none fits) go back to the device: the peak grows by less.
-    if (config_.trim_on_new_peak && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_) {
-      if (config_.reuse_across_streams && adopt_idle_segment(p, w)) return take_found_block(p, stats_);
+    if (config_.trim_on_new_peak && !capturing && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_) {
+      if (config_.reuse_across_streams && !priv && adopt_idle_segment(p, w)) return take_found_block(p, stats_);
       release_unused_segments(w);
     }
   }
@@ -374,14 +444,14 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt == 1 && caching_ && get_free_block(p)) return take_found_block(p, stats_);
     if (alloc_segment(p, false, w) ||
-        (caching_ && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
+        (caching_ && !priv && !capturing && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
         (release_cached_blocks(w) && alloc_segment(p, true, w)))
       return take_found_block(p, stats_);
     // X7: blocks another thread is returning may be what is missing.
     if (!wait_for_completions_in_flight(w)) break;
   }
   // Rung 6: out of memory.
-  throw_out_of_memory(p, w);
+  return out_of_memory();
 }
 
 // X7: process_events returns blocks after dropping the device lock; an OOM
@@ -419,11 +489,15 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   const std::size_t size = p.alloc_size;
   if (set_fraction_ && reserved_bytes_ + size > allowed_bytes_) return false;
   void* ptr = nullptr;
+  private_pool* const pp = p.pool->priv;
+  auto device_malloc = [&] {
+    return pp != nullptr && pp->custom.malloc ? pp->custom.malloc(size) : backend_.segment_malloc(device_, size);
+  };
   if (config_.release_lock_on_cudamalloc) {
     // B8: other threads may use the cache while the device mallocs.
     w.unlock();
     try {
-      ptr = backend_.segment_malloc(device_, size);
+      ptr = device_malloc();
     } catch (...) {
       w.lock();
       throw;
@@ -432,13 +506,15 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
     publish_all_pending_stats(w);
     // The cap may have been reached meanwhile by another thread.
     if (ptr != nullptr && set_fraction_ && reserved_bytes_ + size > allowed_bytes_) {
-      backend_.segment_free(device_, ptr);
+      if (pp != nullptr && pp->custom.free) pp->custom.free(ptr);
+      else backend_.segment_free(device_, ptr);
       return false;
     }
   } else {
-    ptr = backend_.segment_malloc(device_, size);
+    ptr = device_malloc();
   }
   if (ptr == nullptr) return false;
+  if (pp != nullptr) ++pp->segment_count;
 
   auto seg = std::make_unique<segment>();
   block* b = p.owner->new_block();
@@ -495,11 +571,17 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
 
 // Rung 5 and emptyCache: wait for every pending event, then return every
 // cached block that is a whole segment.
+// Private pools without users give back their cached segments too. Nothing
+// while a capture is underway (waiting and freeing are not allowed then).
 bool device_state::release_cached_blocks(const world_lock& w) {
+  if (capture_underway()) return false;
+  flush_deferred_frees();
   synchronize_and_free_events();
   release_unused_segments(w);
+  release_dead_pools(w);
   unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
   release_empty_expandable_segments();
+  delete_empty_dead_pools(w);
   return true;
 }
 
@@ -520,7 +602,7 @@ void device_state::release_blocks(block_pool& pool) {
 // Returns a cached whole-segment block to the device. If the device refuses
 // (segment_free throws), nothing has changed.
 void device_state::release_block(block* b, device_stats& st) {
-  backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  release_segment_memory(*b->seg);
   if (history_.active()) [[unlikely]]
     history_.record_segment_free(b->ptr, b->size, b->stream);
   forget_segment(b, st);
@@ -528,6 +610,7 @@ void device_state::release_block(block* b, device_stats& st) {
 
 // The books of a segment the device has taken back; `b` is its only block.
 void device_state::forget_segment(block* b, device_stats& st) noexcept {
+  if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
   const stat_group g = group_of(b->pool);
   device_stats::decrease(st.segment, g, 1);
   device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
@@ -696,6 +779,7 @@ segment* device_state::new_expandable_segment(const alloc_params& p) {
   seg->page_bytes = page;
   seg->pages.assign(size / page, 0);
   device_stats::increase(stats_.segment, group_of(p.pool), 1);
+  if (p.pool->priv != nullptr) ++p.pool->priv->segment_count;
   segment* raw = seg.get();
   segments_.emplace(raw->base, std::move(seg));
   return raw;
@@ -784,7 +868,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
         target = std::max(target, std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_));
       return target;
     };
-    if (excess() > 0) {
+    if (!capture_underway() && excess() > 0) {
       release_unused_segments(w);  // plain cached segments (no-caching leftovers, earlier configs)
       if (const std::size_t target = excess(); target > 0) {
         try {
@@ -948,7 +1032,7 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
                                            std::vector<physical_handle_t>* recycled) {
   std::vector<block*> candidates;
   for (auto& [base, up] : segments_) {
-    if (!up->expandable || up->mapped_bytes == 0) continue;
+    if (!up->expandable || up->mapped_bytes == 0 || pool_is_live(up->head->pool)) continue;
     for (block* b = up->head; b != nullptr; b = b->next)
       if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.push_back(b);
   }
@@ -984,6 +1068,7 @@ void device_state::release_empty_expandable_segments() {
     }
     backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
     device_stats::decrease(stats_.segment, group_of(seg.head->pool), 1);
+    if (seg.head->pool->priv != nullptr) --seg.head->pool->priv->segment_count;
     seg.head->pool->owner->delete_block(seg.head);
     it = segments_.erase(it);
   }
@@ -1022,6 +1107,8 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
 }
 
 bool device_state::should_split(const block* b, std::size_t size) const noexcept {
+  if (b->pool->no_split) [[unlikely]]
+    return false;  // F22
   const std::size_t remaining = b->size - size;
   // Expandable segments: always carve exactly (the remainder shares pages
   // with the block; unneeded whole pages are unmapped, not kept as slack).
@@ -1078,21 +1165,28 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);
-  if (!b->stream_uses.empty()) {
-    insert_events(b);  // may throw: nothing changed yet
-  } else if (!caching_ && !b->is_split()) [[unlikely]] {
+  if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
+    // No events while capturing (cudaEventQuery is not allowed): decide later.
+    if (capture_underway() || any_stream_capturing(b)) defer_free(b);
+    else insert_events(b);
+  } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
   }
   stats_sink sink(*this, ss);
-  device_stats& st = sink.get();
+  release_allocation(b, sink.get(), false);
+}
+
+// The caller no longer holds `b` (its events, if any, are recorded): count
+// it freed and, unless it waits for events, return it to its pool.
+void device_state::release_allocation(block* b, device_stats& st, bool device_locked) {
   const stat_group g = group_of(b->pool);
   b->allocated = false;
   device_stats::decrease(st.allocation, g, 1);
   device_stats::decrease(st.allocated_bytes, g, static_cast<std::int64_t>(b->size));
   if (b->counted_oversize) st.oversize_allocations.decrease(1);
   b->counted_oversize = false;
-  if (b->event_count == 0) free_block(b, st, false);
+  if (b->event_count == 0) free_block(b, st, device_locked);
 }
 
 // No-caching mode (F6), a block that is a whole segment and waits on no
@@ -1152,7 +1246,8 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   device_stats::decrease(st.active_bytes, g, original_size);
   device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
   b->requested_size = 0;
-  if (!caching_ && !b->is_split()) {  // no-caching mode: straight back to the device
+  // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
+  if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {
     // This free completes inside another operation (a malloc that found the
     // block's events done, empty_cache, a neighbour's free): if the device
     // refuses the segment, the block stays cached, consistent, and the next
@@ -1203,6 +1298,10 @@ event_t device_state::get_event() {
 // pool when all of them completed.
 void device_state::insert_events(block* b) {
   std::lock_guard device_lock(device_mutex_);
+  insert_events_locked(b);
+}
+
+void device_state::insert_events_locked(block* b) {
   std::vector<event_t> recorded;
   try {
     for (stream_t s : b->stream_uses) {
@@ -1283,6 +1382,7 @@ void device_state::process_events_locked() {
 }
 
 void device_state::synchronize_and_free_events() {
+  if (capture_underway()) return;  // waiting is not allowed while capturing
   ++stats_.num_sync_all_streams;
   retired_events retired{pending_event_count_};
   for (auto& [stream, queue] : pending_events_) {
@@ -1355,6 +1455,169 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
     }
   }
   throw out_of_memory_error(std::move(msg), f);
+}
+
+// ---- private pools and capture (F20-F24) --------------------------------------------
+
+private_pool* device_state::find_pool(mempool_id_t id) const noexcept {
+  auto it = private_pools_.find(id);
+  return it == private_pools_.end() ? nullptr : it->second.get();
+}
+
+private_pool& device_state::checked_pool(mempool_id_t id, const char* what) const {
+  private_pool* pp = find_pool(id);
+  if (pp == nullptr)
+    throw invalid_argument_error(std::string("ccalloc: ") + what + ": device " + std::to_string(device_) +
+                                 " has no private pool " + to_string(id) +
+                                 " (never created with create_or_incref_pool, or released and deleted)");
+  return *pp;
+}
+
+// The pool the newest active begin_allocate_to_pool whose filter accepts
+// `stream` names, or nullptr.
+private_pool* device_state::routed_pool(stream_t stream) const {
+  for (auto it = captures_underway_.rbegin(); it != captures_underway_.rend(); ++it)
+    if (it->filter(stream)) return it->pool;
+  return nullptr;
+}
+
+block_pool& device_state::pool_in(private_pool& pp, stream_state& ss, bool small) {
+  auto& slot = ss.private_pools[&pp];
+  if (!slot) {
+    slot = std::make_unique<stream_pools>(&ss);
+    for (block_pool* bp : {&slot->small, &slot->large}) {
+      bp->priv = &pp;
+      bp->no_split = pp.no_split;
+    }
+  }
+  return small ? slot->small : slot->large;
+}
+
+// Rung 5b (F22): a request of the default pool takes a free block of a
+// set_use_on_oom pool (same stream and size class). The block stays in that pool.
+bool device_state::try_use_on_oom_pools(alloc_params& p, const world_lock&) {
+  if (p.pool->priv != nullptr || !caching_) return false;
+  for (auto& [id, pp] : private_pools_) {
+    if (!pp->use_on_oom) continue;
+    auto it = p.owner->private_pools.find(pp.get());
+    if (it == p.owner->private_pools.end()) continue;
+    alloc_params q = p;
+    q.pool = p.pool->is_small ? &it->second->small : &it->second->large;
+    if (get_free_block(q)) {
+      p.pool = q.pool;
+      p.found = q.found;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Cached whole segments of pools without users go back to the device.
+void device_state::release_dead_pools(const world_lock& w) {
+  for (stream_state* ss : w.streams())
+    for (auto& [pp, sp] : ss->private_pools)
+      if (pp->use_count == 0) {
+        release_blocks(sp->large);
+        release_blocks(sp->small);
+      }
+}
+
+void device_state::delete_empty_dead_pools(const world_lock& w) {
+  for (auto it = private_pools_.begin(); it != private_pools_.end();) {
+    private_pool* pp = it->second.get();
+    const bool active = std::any_of(captures_underway_.begin(), captures_underway_.end(),
+                                    [&](const capture_entry& c) { return c.pool == pp; });
+    if (pp->use_count != 0 || pp->segment_count != 0 || active || pp->pinned.load(std::memory_order_acquire) != 0) {
+      ++it;
+      continue;
+    }
+    for (stream_state* ss : w.streams()) ss->private_pools.erase(pp);
+    it = private_pools_.erase(it);
+  }
+}
+
+bool device_state::any_stream_capturing(const block* b) {
+  if (backend_.is_capturing(device_, b->stream)) return true;
+  for (stream_t s : b->stream_uses)
+    if (backend_.is_capturing(device_, s)) return true;
+  return false;
+}
+
+// The free of a block used on other streams while capturing: it waits,
+// counted as active, with a placeholder event, until flush_deferred_frees.
+void device_state::defer_free(block* b) {
+  std::lock_guard device_lock(device_mutex_);
+  deferred_frees_.push_back(b);
+  b->event_count = 1;
+}
+
+// Records the events of deferred frees (PyTorch:
+// insert_events_deferred_until_no_capture) once no capture is underway; a
+// block whose streams the backend still reports capturing stays deferred.
+void device_state::flush_deferred_frees() {
+  if (capture_underway() || deferred_frees_.empty()) return;
+  std::vector<block*> todo;
+  todo.swap(deferred_frees_);
+  for (std::size_t i = 0; i < todo.size(); ++i) {
+    block* b = todo[i];
+    try {
+      if (any_stream_capturing(b)) {
+        deferred_frees_.push_back(b);
+        continue;
+      }
+      b->event_count = 0;
+      insert_events_locked(b);  // on a throw: nothing recorded, stream_uses kept
+    } catch (...) {
+      b->event_count = 1;
+      deferred_frees_.insert(deferred_frees_.end(), todo.begin() + static_cast<std::ptrdiff_t>(i), todo.end());
+      throw;
+    }
+    if (b->event_count == 0) free_block(b, stats_, true);
+  }
+}
+
+// Frees allocated block `b` as free() does, with the world lock held.
+void device_state::free_allocated_locked(block* b) {
+  if (!b->stream_uses.empty()) insert_events_locked(b);
+  release_allocation(b, stats_, true);
+}
+
+// Makes [ptr, ptr + size) of `seg`, which lies inside one free mapped block,
+// an allocated block of its own (checkpoint restore).
+block* device_state::carve_allocated(segment& seg, std::uintptr_t ptr, std::size_t size, std::size_t requested) {
+  block* f = seg.head;
+  while (f != nullptr && f->ptr + f->size <= ptr) f = f->next;
+  if (f == nullptr || f->ptr > ptr || f->ptr + f->size < ptr + size || !f->is_free() || !f->mapped)
+    throw std::logic_error("ccalloc: internal error: checkpoint block is not inside one free block");
+  const stat_group g = group_of(f->pool);
+  f->pool->blocks.erase(f);
+  if (f->is_split()) {
+    device_stats::decrease(stats_.inactive_split, g, 1);
+    device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(f->size));
+  }
+  block* lo = nullptr;
+  if (f->ptr < ptr) {
+    lo = f;
+    f = split_free_block(f, ptr);
+  }
+  block* hi = f->ptr + f->size > ptr + size ? split_free_block(f, ptr + size) : nullptr;
+  for (block* x : {lo, hi}) {
+    if (x == nullptr) continue;
+    x->gc_count_base = x->pool->get_free_blocks_call_count;
+    x->pool->blocks.insert(x);
+    device_stats::increase(stats_.inactive_split, g, 1);
+    device_stats::increase(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(x->size));
+  }
+  f->allocated = true;
+  f->requested_size = requested;
+  device_stats::increase(stats_.allocation, g, 1);
+  device_stats::increase(stats_.allocated_bytes, g, static_cast<std::int64_t>(size));
+  device_stats::increase(stats_.active, g, 1);
+  device_stats::increase(stats_.active_bytes, g, static_cast<std::int64_t>(size));
+  device_stats::increase(stats_.requested_bytes, g, static_cast<std::int64_t>(requested));
+  f->counted_oversize = size >= config_.max_split_size_bytes;
+  if (f->counted_oversize) stats_.oversize_allocations.increase(1);
+  return f;
 }
 
 void device_state::set_memory_fraction(double fraction, const world_lock& w) {
@@ -1608,6 +1871,251 @@ std::vector<int> device_caching_allocator::peers() const {
   return state_->peers_;
 }
 
+// ---- private pools (F20-F24) ----------------------------------------------------------
+
+std::string to_string(const mempool_id_t& id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+void device_caching_allocator::create_or_incref_pool(mempool_id_t id, segment_allocator custom) {
+  if (id == mempool_id_t{})
+    throw invalid_argument_error("ccalloc: create_or_incref_pool: pool id (0, 0) names the default pool of device " +
+                                 std::to_string(device_) + "; a private pool needs another id");
+  if (static_cast<bool>(custom.malloc) != static_cast<bool>(custom.free))
+    throw invalid_argument_error("ccalloc: create_or_incref_pool: the custom segment allocator of pool " +
+                                 to_string(id) + " has only its " + (custom.malloc ? "malloc" : "free") +
+                                 " function; give both or neither");
+  auto& s = *state_;
+  world_lock w(s);
+  if (detail::private_pool* pp = s.find_pool(id)) {
+    ++pp->use_count;
+    return;
+  }
+  auto pp = std::make_unique<detail::private_pool>();
+  pp->id = id;
+  pp->custom = std::move(custom);
+  s.private_pools_.emplace(id, std::move(pp));
+}
+
+void device_caching_allocator::release_pool(mempool_id_t id) {
+  auto& s = *state_;
+  world_lock w(s);
+  detail::private_pool& pp = s.checked_pool(id, "release_pool");
+  if (pp.use_count == 0)
+    throw invalid_argument_error("ccalloc: release_pool: private pool " + to_string(id) + " of device " +
+                                 std::to_string(device_) + " was already released (use count 0)");
+  --pp.use_count;
+  if (pp.use_count == 0) s.delete_empty_dead_pools(w);
+}
+
+int device_caching_allocator::get_pool_use_count(mempool_id_t id) const {
+  auto& s = *state_;
+  world_lock w(s);
+  const detail::private_pool* pp = s.find_pool(id);
+  return pp == nullptr ? 0 : pp->use_count;
+}
+
+void device_caching_allocator::begin_allocate_to_pool(mempool_id_t id, stream_filter filter) {
+  auto& s = *state_;
+  if (!filter)
+    throw invalid_argument_error("ccalloc: begin_allocate_to_pool: pool " + to_string(id) +
+                                 ": the stream filter is empty");
+  world_lock w(s);
+  detail::private_pool& pp = s.checked_pool(id, "begin_allocate_to_pool");
+  if (pp.use_count == 0)
+    throw invalid_argument_error("ccalloc: begin_allocate_to_pool: private pool " + to_string(id) + " of device " +
+                                 std::to_string(device_) + " was released (use count 0); it takes no allocations");
+  s.captures_underway_.push_back({&pp, std::move(filter)});
+  s.capture_count_.store(s.captures_underway_.size(), std::memory_order_relaxed);
+}
+
+void device_caching_allocator::end_allocate_to_pool(mempool_id_t id) {
+  auto& s = *state_;
+  world_lock w(s);
+  auto& stack = s.captures_underway_;
+  auto it = std::find_if(stack.rbegin(), stack.rend(), [&](const auto& c) { return c.pool->id == id; });
+  if (it == stack.rend())
+    throw invalid_argument_error("ccalloc: end_allocate_to_pool: private pool " + to_string(id) + " of device " +
+                                 std::to_string(device_) + " is not active (no begin_allocate_to_pool to end)");
+  stack.erase(std::next(it).base());
+  s.capture_count_.store(stack.size(), std::memory_order_relaxed);
+  if (stack.empty()) {
+    s.publish_all_pending_stats(w);
+    s.flush_deferred_frees();
+  }
+  s.delete_empty_dead_pools(w);
+}
+
+void device_caching_allocator::set_use_on_oom(mempool_id_t id, bool enabled) {
+  world_lock w(*state_);
+  state_->checked_pool(id, "set_use_on_oom").use_on_oom = enabled;
+}
+
+void device_caching_allocator::set_no_split(mempool_id_t id, bool enabled) {
+  auto& s = *state_;
+  world_lock w(s);
+  detail::private_pool& pp = s.checked_pool(id, "set_no_split");
+  pp.no_split = enabled;
+  for (detail::stream_state* ss : w.streams())
+    if (auto it = ss->private_pools.find(&pp); it != ss->private_pools.end())
+      it->second->small.no_split = it->second->large.no_split = enabled;
+}
+
+bool device_caching_allocator::check_pool_live_allocations(mempool_id_t id,
+                                                           const std::vector<void*>& expected) const {
+  auto& s = *state_;
+  world_lock w(s);
+  const detail::private_pool* pp = s.find_pool(id);
+  std::vector<std::uintptr_t> live;
+  if (pp != nullptr)
+    for (auto& [base, seg] : s.segments_)
+      if (seg->head->pool->priv == pp)
+        for (const block* b = seg->head; b != nullptr; b = b->next)
+          if (b->allocated) live.push_back(b->ptr);
+  std::vector<std::uintptr_t> want;
+  for (void* p : expected) want.push_back(reinterpret_cast<std::uintptr_t>(p));
+  std::sort(want.begin(), want.end());
+  want.erase(std::unique(want.begin(), want.end()), want.end());
+  std::sort(live.begin(), live.end());
+  return live == want;
+}
+
+pool_usage device_caching_allocator::pool_stats(mempool_id_t id) const {
+  auto& s = *state_;
+  world_lock w(s);
+  const detail::private_pool* pp = nullptr;
+  pool_usage u;
+  if (id != mempool_id_t{}) {
+    pp = &s.checked_pool(id, "pool_stats");
+    u.use_count = pp->use_count;
+  }
+  for (auto& [base, seg] : s.segments_) {
+    if (seg->head->pool->priv != pp) continue;
+    ++u.segment_count;
+    u.reserved_bytes += seg->expandable ? seg->mapped_bytes : seg->size;
+    for (const block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->allocated) {
+        u.allocated_bytes += b->size;
+        ++u.allocation_count;
+      }
+      if (!b->is_free()) u.active_bytes += b->size;
+    }
+  }
+  return u;
+}
+
+std::vector<mempool_id_t> device_caching_allocator::pools() const {
+  world_lock w(*state_);
+  std::vector<mempool_id_t> out;
+  for (auto& [id, pp] : state_->private_pools_) out.push_back(id);
+  return out;
+}
+
+pool_checkpoint device_caching_allocator::get_checkpoint_state(mempool_id_t id) const {
+  auto& s = *state_;
+  world_lock w(s);
+  const detail::private_pool& pp = s.checked_pool(id, "get_checkpoint_state");
+  pool_checkpoint cp;
+  cp.device = device_;
+  cp.pool = id;
+  for (auto& [base, seg] : s.segments_) {
+    if (seg->head->pool->priv != &pp) continue;
+    checkpoint_segment cs;
+    cs.address = base;
+    cs.total_bytes = seg->size;
+    cs.stream = seg->head->stream;
+    cs.is_small_pool = seg->head->pool->is_small;
+    cs.is_expandable = seg->expandable;
+    for (const block* b = seg->head; b != nullptr; b = b->next)
+      cs.blocks.push_back({b->ptr, b->size, b->allocated ? b->requested_size : 0, b->allocated, b->mapped});
+    cp.segments.push_back(std::move(cs));
+  }
+  return cp;
+}
+
+checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(const pool_checkpoint& state) {
+  auto& s = *state_;
+  const std::string where = "ccalloc: set_checkpoint_pool_state: ";
+  if (state.device != device_)
+    throw invalid_argument_error(where + "the checkpoint is of device " + std::to_string(state.device) +
+                                 ", not of device " + std::to_string(device_));
+  world_lock w(s);
+  detail::private_pool& pp = s.checked_pool(state.pool, "set_checkpoint_pool_state");
+  if (s.capture_underway())
+    throw invalid_argument_error(where + "a begin_allocate_to_pool is active on device " + std::to_string(device_) +
+                                 " (a capture is underway); restore after end_allocate_to_pool");
+  // 1. Validate everything before changing anything.
+  std::vector<detail::segment*> segs;
+  for (auto& [base, seg] : s.segments_)
+    if (seg->head->pool->priv == &pp) segs.push_back(seg.get());
+  const std::string pool_text = "private pool " + to_string(state.pool) + " of device " + std::to_string(device_);
+  if (segs.size() != state.segments.size())
+    throw invalid_argument_error(where + pool_text + " holds " + std::to_string(segs.size()) +
+                                 " segments but the checkpoint has " + std::to_string(state.segments.size()) +
+                                 " (a checkpoint of another pool, or segments were freed or added since)");
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    const detail::segment& seg = *segs[i];
+    const checkpoint_segment& cs = state.segments[i];
+    if (seg.base != cs.address || seg.size != cs.total_bytes || seg.head->stream != cs.stream ||
+        seg.head->pool->is_small != cs.is_small_pool || seg.expandable != cs.is_expandable)
+      throw invalid_argument_error(where + "segment " + std::to_string(i) + " of " + pool_text + " (address " +
+                                   std::to_string(seg.base) + ", " + std::to_string(seg.size) +
+                                   " bytes) differs from the checkpoint's (address " + std::to_string(cs.address) +
+                                   ", " + std::to_string(cs.total_bytes) + " bytes) or its stream or kind");
+    std::uintptr_t expect = cs.address;
+    for (const checkpoint_block& cb : cs.blocks) {
+      if (cb.address != expect || cb.size_bytes == 0 || cb.size_bytes % detail::min_block_bytes != 0)
+        throw invalid_argument_error(where + "the checkpoint's blocks do not tile segment " + std::to_string(i) +
+                                     " (block at " + std::to_string(cb.address) + ")");
+      expect += cb.size_bytes;
+      if (!cb.allocated || !seg.expandable) continue;
+      const std::size_t page = seg.page_bytes;
+      for (std::size_t p = (cb.address - seg.base) / page; p < (cb.address + cb.size_bytes - seg.base + page - 1) / page;
+           ++p)
+        if (seg.pages[p] == 0)
+          throw invalid_argument_error(where + "block " + std::to_string(cb.address) + " of the checkpoint lies in " +
+                                       "an unmapped range of expandable segment " + std::to_string(i));
+    }
+    if (expect != cs.address + cs.total_bytes)
+      throw invalid_argument_error(where + "the checkpoint's blocks do not cover segment " + std::to_string(i));
+  }
+  // 2. Free what the checkpoint does not hold allocated, wait for events.
+  s.publish_all_pending_stats(w);
+  checkpoint_restore_result result;
+  std::vector<std::vector<const checkpoint_block*>> to_create(segs.size());
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    const checkpoint_segment& cs = state.segments[i];
+    std::vector<const checkpoint_block*> wanted;
+    for (const checkpoint_block& cb : cs.blocks)
+      if (cb.allocated) wanted.push_back(&cb);
+    std::vector<block*> to_free;
+    std::size_t k = 0;
+    for (block* b = segs[i]->head; b != nullptr; b = b->next) {
+      while (k < wanted.size() && wanted[k]->address < b->ptr) to_create[i].push_back(wanted[k++]);
+      const bool kept = k < wanted.size() && wanted[k]->address == b->ptr && wanted[k]->size_bytes == b->size;
+      if (b->allocated && kept) {
+        ++k;
+        continue;
+      }
+      if (b->allocated) to_free.push_back(b);
+    }
+    while (k < wanted.size()) to_create[i].push_back(wanted[k++]);
+    for (block* b : to_free) {
+      result.freed_pointers.push_back(reinterpret_cast<void*>(b->ptr));
+      s.free_allocated_locked(b);
+    }
+  }
+  s.flush_deferred_frees();
+  s.synchronize_and_free_events();
+  // 3. Create the blocks the checkpoint holds allocated.
+  for (std::size_t i = 0; i < segs.size(); ++i)
+    for (const checkpoint_block* cb : to_create[i]) {
+      block* b = s.carve_allocated(*segs[i], cb->address, cb->size_bytes, cb->requested_bytes);
+      result.blocks_created.push_back({reinterpret_cast<void*>(b->ptr), b});
+    }
+  return result;
+}
+
 std::vector<segment_info> device_caching_allocator::segments() const {
   auto& s = *state_;
   world_lock w(s);
@@ -1623,6 +2131,10 @@ std::vector<segment_info> device_caching_allocator::segments() const {
     si.is_expandable = seg->expandable;
     si.mapped_bytes = seg->expandable ? seg->mapped_bytes : seg->size;
     if (s.history_.enabled()) si.context = s.history_.segment_context(base);
+    if (const detail::private_pool* pp = seg->head->pool->priv) {
+      si.pool = pp->id;
+      si.pool_id = {pp->id.first, pp->id.second};
+    }
     for (const block* b = seg->head; b != nullptr; b = b->next) {
       block_info bi;
       bi.address = b->ptr;
@@ -1718,7 +2230,23 @@ void device_caching_allocator::check_invariants() const {
     if (sum != seg->size) fail("block sizes do not sum to the segment size");
   }
   std::size_t in_pools = 0;
-  for (detail::stream_state* ss : w.streams()) in_pools += ss->pools.small.blocks.size() + ss->pools.large.blocks.size();
+  for (detail::stream_state* ss : w.streams()) {
+    in_pools += ss->pools.small.blocks.size() + ss->pools.large.blocks.size();
+    for (auto& [pp, sp] : ss->private_pools) {
+      if (s.find_pool(pp->id) != pp) fail("a stream holds pools of a deleted private pool");
+      if (sp->small.priv != pp || sp->large.priv != pp || sp->small.owner != ss || sp->large.owner != ss)
+        fail("a private pool's stream pools point to the wrong pool or stream");
+      in_pools += sp->small.blocks.size() + sp->large.blocks.size();
+    }
+  }
+  for (auto& [id, pp] : s.private_pools_) {
+    std::size_t held = 0;
+    for (auto& [base, seg] : s.segments_) held += seg->head->pool->priv == pp.get() ? 1 : 0;
+    if (held != pp->segment_count) fail("private pool " + to_string(id) + "'s segment_count differs from its segments");
+    if (pp->use_count < 0) fail("negative pool use count");
+  }
+  for (const block* b : s.deferred_frees_)
+    if (b->allocated || b->event_count != 1) fail("a deferred free is allocated or lacks its placeholder event");
   if (in_pools != pooled) fail("pools hold blocks that are not free blocks of live segments");
   if (static_cast<std::int64_t>(s.reserved_bytes_) != recount.reserved_bytes[0].current)
     fail("the reservation counter differs from the sum of segment sizes");

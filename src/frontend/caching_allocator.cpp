@@ -146,6 +146,63 @@ void caching_allocator::free(void* ptr) {
   }
 }
 
+void caching_allocator::create_or_incref_pool(int device, mempool_id_t id, segment_allocator custom) {
+  checked_device(device, "create_or_incref_pool").create_or_incref_pool(id, std::move(custom));
+}
+
+void caching_allocator::release_pool(int device, mempool_id_t id) {
+  checked_device(device, "release_pool").release_pool(id);
+}
+
+int caching_allocator::get_pool_use_count(int device, mempool_id_t id) const {
+  return checked_device(device, "get_pool_use_count").get_pool_use_count(id);
+}
+
+void caching_allocator::begin_allocate_to_pool(int device, mempool_id_t id, stream_filter filter) {
+  checked_device(device, "begin_allocate_to_pool").begin_allocate_to_pool(id, std::move(filter));
+}
+
+void caching_allocator::end_allocate_to_pool(int device, mempool_id_t id) {
+  checked_device(device, "end_allocate_to_pool").end_allocate_to_pool(id);
+}
+
+void caching_allocator::set_use_on_oom(int device, mempool_id_t id, bool enabled) {
+  checked_device(device, "set_use_on_oom").set_use_on_oom(id, enabled);
+}
+
+void caching_allocator::set_no_split(int device, mempool_id_t id, bool enabled) {
+  checked_device(device, "set_no_split").set_no_split(id, enabled);
+}
+
+bool caching_allocator::check_pool_live_allocations(int device, mempool_id_t id,
+                                                    const std::vector<void*>& expected) const {
+  return checked_device(device, "check_pool_live_allocations").check_pool_live_allocations(id, expected);
+}
+
+pool_usage caching_allocator::get_pool_stats(int device, mempool_id_t id) const {
+  return checked_device(device, "get_pool_stats").pool_stats(id);
+}
+
+pool_checkpoint caching_allocator::get_checkpoint_state(int device, mempool_id_t id) const {
+  return checked_device(device, "get_checkpoint_state").get_checkpoint_state(id);
+}
+
+checkpoint_restore_result caching_allocator::set_checkpoint_pool_state(int device, const pool_checkpoint& state) {
+  checkpoint_restore_result r = checked_device(device, "set_checkpoint_pool_state").set_checkpoint_pool_state(state);
+  for (void* p : r.freed_pointers) {
+    auto& shard = shard_for(p);
+    std::lock_guard lock(shard.mutex);
+    pointer_entry unused;
+    (void)shard.blocks.erase(reinterpret_cast<std::uintptr_t>(p), &unused);
+  }
+  for (const allocation& a : r.blocks_created) {
+    auto& shard = shard_for(a.ptr);
+    std::lock_guard lock(shard.mutex);
+    shard.blocks.insert(reinterpret_cast<std::uintptr_t>(a.ptr), pointer_entry{device, a.block});
+  }
+  return r;
+}
+
 data_ptr caching_allocator::allocate(std::size_t size_bytes) {
   return data_ptr(raw_alloc(size_bytes), data_ptr_deleter{this});
 }

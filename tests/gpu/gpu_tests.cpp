@@ -1103,6 +1103,176 @@ void test_plain_segments_empty_cache() {
   CHECK_MSG(still <= (g_sanitizer ? 1024.0L : 64.0L) * mib, "still held " + mib_text(still));
 }
 
+// ---- private pools and CUDA graphs (F20-F24, issue 6) ---------------------------------------------
+
+/// A captured, instantiated CUDA graph, destroyed at scope exit.
+class scoped_graph {
+ public:
+  scoped_graph() = default;
+  ~scoped_graph() {
+    if (exec_ != nullptr) (void)cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) (void)cudaGraphDestroy(graph_);
+  }
+  scoped_graph(const scoped_graph&) = delete;
+  scoped_graph& operator=(const scoped_graph&) = delete;
+  /// Ends the capture on `s` and instantiates the graph.
+  void end_capture(cudaStream_t s) {
+    CUDA_OK(cudaStreamEndCapture(s, &graph_));
+    CUDA_OK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  void launch(cudaStream_t s) const { CUDA_OK(cudaGraphLaunch(exec_, s)); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+/// Captures on `s`, allocating to `pool`: a temporary filled with `seed`,
+/// copied into `out`, then freed (inside the capture). When `keep` is not
+/// null, the graph's output is instead a block allocated in the pool during
+/// the capture and kept live: *keep receives it, and `out` is unused.
+void capture_fill_copy(caching_allocator& alloc, mempool_id_t pool, stream_t s, void* out, std::size_t n,
+                       unsigned seed, scoped_graph& g, void** keep = nullptr) {
+  CUDA_OK(cudaStreamBeginCapture(cs(s), cudaStreamCaptureModeGlobal));
+  CHECK(g_backend->is_capturing(0, s));
+  alloc.begin_allocate_to_pool(0, pool, [s](stream_t x) { return x == s; });
+  try {
+    void* dst = out;
+    if (keep != nullptr) *keep = dst = alloc.malloc(0, n, s);
+    void* tmp = alloc.malloc(0, n, s);
+    void* small = alloc.malloc(0, 4096, s);  // a second size class inside the capture
+    CUDA_OK(gk::launch_fill(small, 4096, seed + 1, cs(s)));
+    CUDA_OK(gk::launch_fill(tmp, n, seed, cs(s)));
+    CUDA_OK(cudaMemcpyAsync(dst, tmp, n, cudaMemcpyDeviceToDevice, cs(s)));
+    alloc.free(small);
+    alloc.free(tmp);  // stays in the pool: the graph keeps using its address
+  } catch (...) {
+    cudaGraph_t broken = nullptr;
+    (void)cudaStreamEndCapture(cs(s), &broken);
+    if (broken != nullptr) (void)cudaGraphDestroy(broken);
+    alloc.end_allocate_to_pool(0, pool);
+    throw;
+  }
+  g.end_capture(cs(s));
+  alloc.end_allocate_to_pool(0, pool);
+  CHECK(!g_backend->is_capturing(0, s));
+}
+
+void test_graph_capture_replays_in_pool() {
+  auto alloc = make_allocator();
+  scoped_stream s;
+  const std::size_t n = 6 * mib + 100;
+  const mempool_id_t pool{0, 1};
+  alloc->create_or_incref_pool(0, pool);
+  void* out = alloc->malloc(0, n, s.get());  // the default pool, outside the graph
+  scoped_graph g;
+  capture_fill_copy(*alloc, pool, s.get(), out, n, 11, g);
+  CHECK(alloc->check_pool_live_allocations(0, pool, {}));
+  CHECK(alloc->get_pool_stats(0, pool).reserved_bytes >= n);
+  alloc->free(alloc->malloc(0, n, s.get()));  // the default pool's block for the traffic below, cached
+  const auto reserved0 = alloc->get_device_stats(0).reserved_bytes[0].current;
+  const auto pool_reserved0 = alloc->get_pool_stats(0, pool).reserved_bytes;
+  unsigned long long bad = 0;
+  for (int i = 0; i < 100; ++i) {
+    CUDA_OK(cudaMemsetAsync(out, 0, n, cs(s.get())));
+    g.launch(cs(s.get()));
+    // Default-pool traffic between replays must never take the pool's blocks.
+    void* other = alloc->malloc(0, n, s.get());
+    CUDA_OK(gk::launch_fill(other, n, 99, cs(s.get())));
+    bad += mismatches(out, n, 11, cs(s.get()));
+    alloc->free(other);
+  }
+  CHECK_MSG(bad == 0, std::to_string(bad) + " wrong bytes over 100 replays");
+  CHECK(alloc->get_device_stats(0).reserved_bytes[0].current == reserved0);
+  CHECK(alloc->get_pool_stats(0, pool).reserved_bytes == pool_reserved0);
+  note("100 replays, reserved " + mib_text(static_cast<long double>(reserved0)) + " before and after, pool " +
+       mib_text(static_cast<long double>(pool_reserved0)));
+  alloc->empty_cache();
+  CHECK(alloc->get_pool_stats(0, pool).reserved_bytes == pool_reserved0);  // the graph still uses it
+  g.launch(cs(s.get()));
+  CHECK(mismatches(out, n, 11, cs(s.get())) == 0);
+  alloc->free(out);
+  alloc->release_pool(0, pool);
+  alloc->empty_cache();
+  CHECK(alloc->device_allocator(0).pools().empty());
+  alloc->device_allocator(0).check_invariants();
+}
+
+void test_graph_two_graphs_share_a_pool() {
+  for (const char* conf : {"", "expandable_segments:False"}) {
+    auto alloc = make_allocator(conf);
+    scoped_stream s;
+    const std::size_t n = 3 * mib;
+    const mempool_id_t pool{0, 2};
+    alloc->create_or_incref_pool(0, pool);
+    void* out1 = alloc->malloc(0, n, s.get());
+    void* out2 = alloc->malloc(0, n, s.get());
+    scoped_graph g1, g2;
+    capture_fill_copy(*alloc, pool, s.get(), out1, n, 21, g1);
+    const auto after_first = alloc->get_pool_stats(0, pool).reserved_bytes;
+    capture_fill_copy(*alloc, pool, s.get(), out2, n, 22, g2);
+    CHECK_MSG(alloc->get_pool_stats(0, pool).reserved_bytes == after_first,
+              std::string(conf) + ": the second graph reuses the first one's freed blocks");
+    const auto reserved0 = alloc->get_device_stats(0).reserved_bytes[0].current;
+    unsigned long long bad = 0;
+    for (int i = 0; i < 100; ++i) {  // replayed in capture order, as graphs sharing a pool must be
+      CUDA_OK(cudaMemsetAsync(out1, 0, n, cs(s.get())));
+      CUDA_OK(cudaMemsetAsync(out2, 0, n, cs(s.get())));
+      g1.launch(cs(s.get()));
+      g2.launch(cs(s.get()));
+      bad += mismatches(out1, n, 21, cs(s.get())) + mismatches(out2, n, 22, cs(s.get()));
+    }
+    CHECK_MSG(bad == 0, std::string(conf) + ": " + std::to_string(bad) + " wrong bytes");
+    CHECK(alloc->get_device_stats(0).reserved_bytes[0].current == reserved0);
+    alloc->free(out1);
+    alloc->free(out2);
+    alloc->release_pool(0, pool);
+    alloc->device_allocator(0).check_invariants();
+  }
+}
+
+void test_graph_checkpoint_restore() {
+  auto alloc = make_allocator();
+  scoped_stream s;
+  const std::size_t n = 2 * mib + 512;
+  const mempool_id_t pool{0, 3};
+  alloc->create_or_incref_pool(0, pool);
+  scoped_graph g;
+  void* o = nullptr;  // the graph's output, allocated in the pool during the capture
+  capture_fill_copy(*alloc, pool, s.get(), nullptr, n, 31, g, &o);
+  REQUIRE(o != nullptr);
+  CHECK(alloc->check_pool_live_allocations(0, pool, {o}));
+  const pool_checkpoint cp = alloc->get_checkpoint_state(0, pool);
+  g.launch(cs(s.get()));
+  CHECK(mismatches(o, n, 31, cs(s.get())) == 0);
+
+  // The output is freed and the pool reused for something else ...
+  alloc->free(o);
+  alloc->begin_allocate_to_pool(0, pool, [st = s.get()](stream_t x) { return x == st; });
+  void* x = alloc->malloc(0, 2 * n, s.get());
+  alloc->end_allocate_to_pool(0, pool);
+  CUDA_OK(gk::launch_fill(x, 2 * n, 77, cs(s.get())));
+  CHECK(overlaps(x, 2 * n, o, n));
+  // ... then the checkpoint is restored: x is freed, o is back.
+  const checkpoint_restore_result r = alloc->set_checkpoint_pool_state(0, cp);
+  CHECK(r.freed_pointers.size() == 1 && r.freed_pointers[0] == x);
+  REQUIRE(r.blocks_created.size() == 1);
+  CHECK(r.blocks_created[0].ptr == o);
+  CHECK(alloc->check_pool_live_allocations(0, pool, {o}));
+  unsigned long long bad = 0;
+  for (int i = 0; i < 10; ++i) {
+    CUDA_OK(cudaMemsetAsync(o, 0, n, cs(s.get())));
+    g.launch(cs(s.get()));
+    bad += mismatches(o, n, 31, cs(s.get()));
+  }
+  CHECK_MSG(bad == 0, std::to_string(bad) + " wrong bytes after the restore");
+  alloc->free(o);  // the restored block is the caller's
+  alloc->release_pool(0, pool);
+  alloc->empty_cache();
+  CHECK(alloc->device_allocator(0).pools().empty());
+  alloc->device_allocator(0).check_invariants();
+}
+
 // ---- runner ------------------------------------------------------------------------------------
 
 struct test_case {
@@ -1363,6 +1533,9 @@ const test_case all_tests[] = {
     {"ipc_errors", test_ipc_errors},
     {"copy_data", test_copy_data},
     {"peer_copies", test_peer_copies},
+    {"graph_capture_replays_in_pool", test_graph_capture_replays_in_pool},
+    {"graph_two_graphs_share_a_pool", test_graph_two_graphs_share_a_pool},
+    {"graph_checkpoint_restore", test_graph_checkpoint_restore},
 };
 
 void print_device() {

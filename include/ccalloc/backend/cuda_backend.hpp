@@ -137,6 +137,9 @@ class cuda_backend final : public device_backend {
   void synchronize_stream(int device, stream_t stream) override;
   /// cudaDeviceSynchronize on `device`. Throws backend_error.
   void synchronize_device(int device) override;
+  /// cudaStreamIsCapturing: true while `stream` captures a graph (also
+  /// while its capture was invalidated and not yet ended).
+  [[nodiscard]] bool is_capturing(int device, stream_t stream) override;
 
   // --- virtual memory (driver entry points; capabilities().virtual_memory) ------------
   //

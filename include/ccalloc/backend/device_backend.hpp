@@ -119,6 +119,11 @@ class device_backend {
   virtual void synchronize_stream(int device, stream_t stream) = 0;
   /// Blocks until all work on `device` has completed (cudaDeviceSynchronize).
   virtual void synchronize_device(int device) = 0;
+  /// True while `stream` of `device` is capturing a CUDA graph
+  /// (cudaStreamIsCapturing). While any stream captures (CUDA's default,
+  /// global capture mode) the allocator must not query or wait for events,
+  /// synchronize, or free device memory. Optional: the default says false.
+  [[nodiscard]] virtual bool is_capturing(int device, stream_t stream);
 
   // --- virtual memory (optional; expandable segments, SPEC B7) ---------------
 

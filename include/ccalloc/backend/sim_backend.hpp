@@ -178,6 +178,23 @@ class sim_backend final : public device_backend {
   void synchronize_event(int device, event_t event) override;
   void synchronize_stream(int device, stream_t stream) override;
   void synchronize_device(int device) override;
+  /// True between begin_capture and end_capture of `stream`.
+  [[nodiscard]] bool is_capturing(int device, stream_t stream) override;
+
+  // --- graph capture (sim controls) ---------------------------------------------
+  //
+  // While a stream of a device captures, query_event, synchronize_event,
+  // synchronize_device and segment_free on that device throw backend_error
+  // naming the capturing stream, as CUDA's global capture mode fails them
+  // with cudaErrorStreamCaptureUnsupported. No work is recorded meanwhile
+  // (the sim runs nothing); enqueue_work still advances stream times.
+
+  /// Starts capturing on `stream` (cudaStreamBeginCapture). Throws
+  /// backend_error if it captures already.
+  void begin_capture(int device, stream_t stream);
+  /// Ends the capture on `stream` (cudaStreamEndCapture). Throws
+  /// backend_error if it does not capture.
+  void end_capture(int device, stream_t stream);
 
   // --- virtual memory (see the header comment for the rules checked) ----------
   //

@@ -33,7 +33,9 @@
 #include <ccalloc/core/history.hpp>
 #include <ccalloc/core/stats.hpp>
 
+#include <compare>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -62,6 +64,83 @@ struct allocation {
 /// the out_of_memory_error.
 using oom_observer = std::function<void(int device, std::size_t requested_bytes,
                                         std::size_t allowed_bytes, std::size_t free_bytes)>;
+
+/// Identifies a private memory pool of a device (PyTorch's MempoolId_t, a
+/// pair of integers: CUDA graphs use {0, n}, user pools {n, 0}). {0, 0} is the
+/// default pool and never names a private pool. SPEC F20.
+struct mempool_id_t {
+  std::uint64_t first = 0;
+  std::uint64_t second = 0;
+  friend bool operator==(const mempool_id_t&, const mempool_id_t&) = default;
+  friend auto operator<=>(const mempool_id_t&, const mempool_id_t&) = default;
+};
+/// "(first, second)", for messages.
+[[nodiscard]] std::string to_string(const mempool_id_t& id);
+
+/// A private pool's own source of segments (SPEC F20; PyTorch: a MemPool's
+/// CUDAPluggableAllocator): `malloc(size_bytes)` returns device memory of at
+/// least that many bytes, aligned to 512 bytes, usable on every stream, or
+/// nullptr when out of memory (it may throw; the error reaches the caller of
+/// malloc); `free(ptr)` returns it and may synchronize. Both are called with
+/// the device's locks held: they must not call into this allocator. Segments
+/// of such a pool are always plain (never expandable), and their bytes count
+/// as reserved memory like any other segment. Empty functions: the backend's
+/// segment_malloc / segment_free.
+struct segment_allocator {
+  std::function<void*(std::size_t size_bytes)> malloc;
+  std::function<void(void* ptr)> free;
+};
+
+/// Chooses the streams whose allocations go to a private pool during
+/// begin_allocate_to_pool .. end_allocate_to_pool. Called on the allocating
+/// thread with a device lock held: it must be fast, must not throw, and
+/// must not call into the allocator.
+using stream_filter = std::function<bool(stream_t)>;
+
+/// One block of a checkpoint (SPEC F24).
+struct checkpoint_block {
+  std::uintptr_t address = 0;
+  std::size_t size_bytes = 0;
+  std::size_t requested_bytes = 0;  ///< 0 when free
+  bool allocated = false;           ///< held by the caller when taken (a block waiting on events is free)
+  bool mapped = true;               ///< false: an unmapped range of an expandable segment
+};
+/// One segment of a checkpoint: where it is and how it was split.
+struct checkpoint_segment {
+  std::uintptr_t address = 0;
+  std::size_t total_bytes = 0;
+  stream_t stream = 0;
+  bool is_small_pool = false;
+  bool is_expandable = false;
+  std::vector<checkpoint_block> blocks;  ///< in address order; sizes sum to total_bytes
+};
+/// A private pool's layout at one moment (get_checkpoint_state). A plain
+/// value: it may be inspected, copied and kept; it owns nothing. SPEC F24
+/// (PyTorch: PrivatePoolState).
+struct pool_checkpoint {
+  int device = -1;
+  mempool_id_t pool{};
+  std::vector<checkpoint_segment> segments;  ///< by address
+};
+/// What set_checkpoint_pool_state changed (PyTorch: CheckpointDelta).
+struct checkpoint_restore_result {
+  /// Blocks allocated in the checkpoint and free before the restore, now
+  /// allocated again: the caller owns them (free each once).
+  std::vector<allocation> blocks_created;
+  /// Blocks allocated before the restore and free in the checkpoint (or
+  /// split differently): the restore freed them; the caller must not free
+  /// them again.
+  std::vector<void*> freed_pointers;
+};
+/// Bytes a private pool holds (per-pool statistics, SPEC issue 6).
+struct pool_usage {
+  std::size_t segment_count = 0;
+  std::size_t reserved_bytes = 0;   ///< plain segment sizes + mapped bytes of expandable ones
+  std::size_t allocated_bytes = 0;  ///< sizes of allocated blocks
+  std::size_t active_bytes = 0;     ///< allocated + blocks waiting on events or deferred frees
+  std::size_t allocation_count = 0; ///< allocated blocks
+  int use_count = 0;                ///< create_or_incref_pool minus release_pool
+};
 
 /// The state of a block in a snapshot (PyTorch's names).
 enum class block_state { active_allocated, active_pending_free, inactive };
@@ -96,6 +175,8 @@ struct segment_info {
   std::size_t mapped_bytes = 0;  ///< bytes backed by device memory (total_bytes for a plain segment)
   std::pair<std::uint64_t, std::uint64_t> pool_id{0, 0};  ///< private pool (SPEC F20); (0, 0) = default pools
   context_ptr context;  ///< context of the malloc that created it, when history recorded one
+  /// The private pool holding the segment ({0, 0}: the default pool). SPEC F20.
+  mempool_id_t pool{};
   std::vector<block_info> blocks;  ///< in address order; sizes sum to total_bytes
 };
 
@@ -234,6 +315,86 @@ class device_caching_allocator {
   /// Records a `snapshot` entry (size = active bytes) if history is enabled,
   /// then returns segments(); what caching_allocator::snapshot calls.
   [[nodiscard]] std::vector<segment_info> snapshot_segments();
+
+
+
+  // --- private pools and CUDA graphs (SPEC F20-F24; PyTorch's graph pools) ---
+  //
+  // A private pool holds its own segments: a block allocated to it returns to
+  // it, and nothing else allocates from it (except the default pool's OOM
+  // fallback, set_use_on_oom). Blocks stay bound to their stream, as in the
+  // default pool. While a pool has users (use count > 0) none of its segments
+  // are returned to the device or unmapped, so addresses a captured CUDA graph
+  // baked in stay valid; at use count 0 its cached segments are returned by
+  // empty_cache and by the out-of-memory path, and the pool disappears once it
+  // holds no segment. Capture semantics (PyTorch: captures_underway): while
+  // any begin_allocate_to_pool is active, the allocator neither queries nor
+  // waits for events, nor frees or unmaps device memory; the free of a block
+  // used on other streams is deferred until the last end_allocate_to_pool (or
+  // later, while the backend reports one of its streams as capturing). Every
+  // function below locks the whole device; all are thread-safe.
+
+  /// Creates the pool `id` with use count 1, or adds 1 to an existing pool's
+  /// use count (PyTorch: createOrIncrefPool). `custom` supplies the pool's
+  /// segments (see segment_allocator); it is used only when the pool is
+  /// created. Throws invalid_argument_error for id {0, 0}, and for a
+  /// `custom` with only one of its two functions.
+  void create_or_incref_pool(mempool_id_t id, segment_allocator custom = {});
+  /// Subtracts 1 from the pool's use count (PyTorch: releasePool). At 0 the
+  /// pool takes no new allocations; its cached segments go back at the next
+  /// empty_cache or out-of-memory retry, and it is deleted when it holds no
+  /// segment (at once if it holds none). Throws invalid_argument_error for a
+  /// pool that does not exist or whose use count is already 0 (released
+  /// twice); nothing changes then.
+  void release_pool(mempool_id_t id);
+  /// The pool's use count; 0 for a released or unknown pool (PyTorch:
+  /// getPoolUseCount).
+  [[nodiscard]] int get_pool_use_count(mempool_id_t id) const;
+  /// From now on, allocations on streams `filter` accepts go to pool `id`
+  /// (PyTorch: beginAllocateToPool). Calls nest: the most recent begin whose
+  /// filter accepts the stream wins. Throws invalid_argument_error for an
+  /// unknown or released pool or an empty filter.
+  void begin_allocate_to_pool(mempool_id_t id, stream_filter filter);
+  /// Ends the most recent begin_allocate_to_pool of `id` (PyTorch:
+  /// endAllocateToPool). When no begin remains active, deferred frees are
+  /// completed (their events recorded). Throws invalid_argument_error if `id`
+  /// is not active; nothing changes then.
+  void end_allocate_to_pool(mempool_id_t id);
+  /// Lets the default pool take free blocks of pool `id` when it would
+  /// otherwise run out of memory (after every other rung; PyTorch:
+  /// setUseOnOOM). Such a block stays in pool `id`: its free returns it there.
+  /// Throws invalid_argument_error for an unknown pool.
+  void set_use_on_oom(mempool_id_t id, bool enabled = true);
+  /// Blocks of pool `id` are never split: each allocation takes a whole
+  /// cached block or a new segment (PyTorch: setNoSplit). Throws
+  /// invalid_argument_error for an unknown pool.
+  void set_no_split(mempool_id_t id, bool enabled = true);
+  /// True iff the allocated blocks of pool `id` are exactly those at
+  /// `expected` (order and duplicates ignored; PyTorch:
+  /// checkPoolLiveAllocations). An unknown pool has no allocations.
+  [[nodiscard]] bool check_pool_live_allocations(mempool_id_t id, const std::vector<void*>& expected) const;
+  /// Bytes and blocks pool `id` holds now; {0, 0} gives the default pool.
+  /// Throws invalid_argument_error for an unknown pool.
+  [[nodiscard]] pool_usage pool_stats(mempool_id_t id) const;
+  /// The private pools of this device, by id.
+  [[nodiscard]] std::vector<mempool_id_t> pools() const;
+
+  /// The layout of pool `id` now: its segments and blocks (PyTorch:
+  /// getCheckpointState). A block freed but still waiting for events (or a
+  /// deferred free) counts as free: `allocated` is what the caller holds.
+  /// Changes nothing. Throws invalid_argument_error for an unknown pool.
+  [[nodiscard]] pool_checkpoint get_checkpoint_state(mempool_id_t id) const;
+  /// Restores pool `state.pool` to `state`'s layout (PyTorch:
+  /// setCheckpointPoolState): allocated blocks that are not allocated with the
+  /// same address and size in `state` are freed (freed_pointers), and the
+  /// blocks allocated in `state` that are not allocated now are created
+  /// (blocks_created; requested sizes as in `state`). Blocks allocated in both
+  /// are untouched. Waits for pending events first. Throws
+  /// invalid_argument_error, changing nothing, when `state` is from another
+  /// device, names an unknown pool, or the pool's segments (address, size,
+  /// stream, kind) differ from those in `state`, when a capture is underway,
+  /// or when a block to create lies in an unmapped range.
+  checkpoint_restore_result set_checkpoint_pool_state(const pool_checkpoint& state);
 
   /// Segments and their blocks, sorted by address, with the contexts that
   /// history recorded. Locks the whole device while it walks: O(blocks).

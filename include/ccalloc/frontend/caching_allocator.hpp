@@ -285,6 +285,36 @@ class caching_allocator {
   void set_config(std::string_view text);
   [[nodiscard]] allocator_config config() const;
 
+  // --- private pools and CUDA graphs (F20-F24); semantics in
+  // device_caching_allocator.hpp. Each throws invalid_argument_error for a
+  // bad device, plus what the device function throws. -----------------------
+
+  /// PyTorch: createOrIncrefPool.
+  void create_or_incref_pool(int device, mempool_id_t id, segment_allocator custom = {});
+  /// PyTorch: releasePool.
+  void release_pool(int device, mempool_id_t id);
+  /// PyTorch: getPoolUseCount (0 for an unknown pool).
+  [[nodiscard]] int get_pool_use_count(int device, mempool_id_t id) const;
+  /// PyTorch: beginAllocateToPool. `filter` picks the streams (see stream_filter).
+  void begin_allocate_to_pool(int device, mempool_id_t id, stream_filter filter);
+  /// PyTorch: endAllocateToPool.
+  void end_allocate_to_pool(int device, mempool_id_t id);
+  /// PyTorch: setUseOnOOM.
+  void set_use_on_oom(int device, mempool_id_t id, bool enabled = true);
+  /// PyTorch: setNoSplit.
+  void set_no_split(int device, mempool_id_t id, bool enabled = true);
+  /// PyTorch: checkPoolLiveAllocations.
+  [[nodiscard]] bool check_pool_live_allocations(int device, mempool_id_t id,
+                                                 const std::vector<void*>& expected) const;
+  /// Per-pool bytes ({0, 0}: the default pool).
+  [[nodiscard]] pool_usage get_pool_stats(int device, mempool_id_t id) const;
+  /// PyTorch: getCheckpointState.
+  [[nodiscard]] pool_checkpoint get_checkpoint_state(int device, mempool_id_t id) const;
+  /// PyTorch: setCheckpointPoolState. Also updates this allocator's pointer
+  /// table: freed_pointers are no longer live here (free() of one throws),
+  /// the created blocks' pointers are (free each once with free()).
+  checkpoint_restore_result set_checkpoint_pool_state(int device, const pool_checkpoint& state);
+
   /// The device allocator of `device` (for snapshots and tests). Throws
   /// invalid_argument_error for a bad device.
   [[nodiscard]] device_caching_allocator& device_allocator(int device) const;

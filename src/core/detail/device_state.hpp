@@ -15,6 +15,10 @@
 //                                       of expandable segments
 //   stats.allocated_bytes.all.current = sum of sizes of allocated blocks
 //   stats.active_bytes.all.current    = allocated + sizes of blocks waiting on events
+//   all blocks of a segment are in one pool: the segment's (stream, default or
+//   private pool, small or large); private_pool::segment_count = its segments
+//   a block in deferred_frees_ is not allocated and has event_count == 1
+//   while a private pool has users, none of its segments is freed or unmapped
 //
 // Locking (SPEC X1): each stream has its own state and lock (stream_state);
 // the fast path (a cached block of the request's stream, and the free of a
@@ -149,12 +153,15 @@ class block_index {
 };
 
 struct stream_state;
+struct private_pool;
 
 struct block_pool {
   explicit block_pool(bool small) : is_small(small) {}
   block_index blocks;
   bool is_small;
+  bool no_split = false;          // the private pool's set_no_split (F22); false for default pools
   stream_state* owner = nullptr;  // the stream whose pool this is
+  private_pool* priv = nullptr;   // the private pool it belongs to; nullptr: the default pool
   std::uint64_t get_free_blocks_call_count = 0;  // age clock for garbage collection
 
   [[nodiscard]] std::uint64_t age(const block* b) const noexcept {
@@ -172,6 +179,22 @@ struct stream_pools {
   block_pool large{false};
 };
 
+// A private pool (F20-F24): its id, users and options. Each stream that
+// allocates to it gets its own stream_pools in stream_state::private_pools
+// (blocks stay bound to their stream). Deleted (with those stream_pools) when
+// its use count is 0 and it holds no segment. [world]
+struct private_pool {
+  mempool_id_t id;
+  int use_count = 1;
+  segment_allocator custom;     // empty: the backend's segments
+  bool use_on_oom = false;
+  bool no_split = false;
+  std::size_t segment_count = 0;  // segments it holds
+  // Allocations in flight to it (they may drop the world lock): not deleted
+  // meanwhile. Incremented under the world lock, decremented without it.
+  std::atomic<int> pinned{0};
+};
+
 // Everything of one stream: its pools, its lock, and the statistics it could
 // not publish because stats_mutex_ was busy (merged on the next publish).
 // Cache-line aligned: each stream's hot fields (its lock, its spare-block
@@ -186,6 +209,8 @@ struct alignas(64) stream_state {
   bool has_pending_stats = false;
   std::uint32_t stats_backoff = 0;  // operations left before trying stats_mutex_ again
   std::vector<block*> spare_blocks;  // recycled block objects: no heap call per split
+  // This stream's pools inside private pools (F20). [world]
+  std::map<private_pool*, std::unique_ptr<stream_pools>> private_pools;
 
   block* new_block() {
     if (spare_blocks.empty()) return new block;
@@ -275,6 +300,7 @@ class device_state {
 
   // --- hot path (no lock held on entry) -------------------------------------
   block* allocate(std::size_t requested_bytes, stream_t stream);
+  block* allocate_unusual(std::size_t requested_bytes, stream_t stream);  // events pending or pools active
   void free(block* b);
   void record_stream(block* b, stream_t stream);
   stream_state& stream_for(stream_t stream);
@@ -288,6 +314,7 @@ class device_state {
   block* take_found_block(alloc_params& p, device_stats& st);                  // [stream]
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;
   void free_block(block* b, device_stats& st, bool device_locked);            // [stream (+device)]
+  void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream (+device)]
   std::size_t try_merge(block* dst, block* src);                               // [stream]
   void insert_events(block* b);                                                // [stream, device]
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
@@ -314,6 +341,25 @@ class device_state {
                                 std::vector<physical_handle_t>* recycled, std::size_t max_bytes);
   void release_empty_expandable_segments();
   void check_expandable_supported(const allocator_config& config) const;
+  // Private pools and capture (F20-F24) [world unless noted]
+  private_pool* find_pool(mempool_id_t id) const noexcept;
+  private_pool& checked_pool(mempool_id_t id, const char* what) const;
+  private_pool* routed_pool(stream_t stream) const;                           // [device]
+  block_pool& pool_in(private_pool& pp, stream_state& ss, bool small);
+  [[nodiscard]] bool capture_underway() const noexcept { return capture_count_.load(std::memory_order_relaxed) != 0; }
+  [[nodiscard]] bool pool_is_live(const block_pool* pool) const noexcept {
+    return pool->priv != nullptr && pool->priv->use_count > 0;
+  }
+  bool try_use_on_oom_pools(alloc_params& p, const world_lock& w);
+  void release_dead_pools(const world_lock& w);
+  void delete_empty_dead_pools(const world_lock& w);
+  void defer_free(block* b);                                                   // [stream]
+  void flush_deferred_frees();
+  bool any_stream_capturing(const block* b);
+  block* carve_allocated(segment& seg, std::uintptr_t ptr, std::size_t size, std::size_t requested);
+  void free_allocated_locked(block* b);
+  void insert_events_locked(block* b);                                        // [stream, device]
+  void release_segment_memory(segment& seg);                                  // [world]
   // Cross-stream reuse (X2) [world]
   bool adopt_idle_segment(alloc_params& p, const world_lock& w);
   bool wait_for_completions_in_flight(world_lock& w);                          // [world]
@@ -373,6 +419,18 @@ class device_state {
   // (exact: nothing else changes the device's values meanwhile). Cleared,
   // after publishing, when a second stream appears. Read under a stream lock.
   std::atomic<bool> single_stream_{true};
+
+  // Private pools (F20-F24). [device_mutex_; world to change the set]
+  std::map<mempool_id_t, std::unique_ptr<private_pool>> private_pools_;
+  struct capture_entry {
+    private_pool* pool;
+    stream_filter filter;
+  };
+  std::vector<capture_entry> captures_underway_;  // begin_allocate_to_pool stack, oldest first
+  std::atomic<std::size_t> capture_count_{0};    // captures_underway_.size(): read on the hot path
+  // Frees of blocks used on other streams while a capture was underway:
+  // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
+  std::vector<block*> deferred_frees_;
 
   // [stats_mutex_]
   spin_mutex stats_mutex_;
