@@ -1133,7 +1133,11 @@ class scoped_graph {
 /// the capture and kept live: *keep receives it, and `out` is unused.
 void capture_fill_copy(caching_allocator& alloc, mempool_id_t pool, stream_t s, void* out, std::size_t n,
                        unsigned seed, scoped_graph& g, void** keep = nullptr) {
-  CUDA_OK(cudaStreamBeginCapture(cs(s), cudaStreamCaptureModeGlobal));
+  // Relaxed mode: a pool of plain segments grows by cudaMalloc, which CUDA
+  // refuses during a global- or thread-local-mode capture
+  // (cudaErrorStreamCaptureUnsupported, seen on the H200); expandable
+  // segments (cuMemCreate/cuMemMap) grow in global mode too.
+  CUDA_OK(cudaStreamBeginCapture(cs(s), cudaStreamCaptureModeRelaxed));
   CHECK(g_backend->is_capturing(0, s));
   alloc.begin_allocate_to_pool(0, pool, [s](stream_t x) { return x == s; });
   try {
@@ -1294,7 +1298,18 @@ struct test_case {
 /// counted on the host (works for memory of any device, opened or not).
 std::size_t host_mismatches(const void* p, std::size_t n, unsigned seed) {
   std::vector<unsigned char> host(n);
-  CUDA_OK(cudaMemcpy(host.data(), p, n, cudaMemcpyDefault));
+  // Copy from the memory's own device: virtual-memory mappings are readable
+  // only by the devices granted access.
+  cudaPointerAttributes attr{};
+  int current = 0;
+  CUDA_OK(cudaGetDevice(&current));
+  const bool switch_device = cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.device >= 0 &&
+                             attr.device != current;
+  (void)cudaGetLastError();
+  if (switch_device) CUDA_OK(cudaSetDevice(attr.device));
+  const cudaError_t copied = cudaMemcpy(host.data(), p, n, cudaMemcpyDefault);
+  if (switch_device) CUDA_OK(cudaSetDevice(current));
+  CUDA_OK(copied);
   std::size_t bad = 0;
   for (std::size_t i = 0; i < n; ++i) bad += host[i] != gk::pattern_byte(i, seed) ? 1 : 0;
   return bad;
