@@ -627,3 +627,36 @@ TEST(CApiPyTorch, HooksThrowWhatPyTorchTurnsIntoRuntimeError) {
 }
 
 }  // namespace
+
+namespace {
+
+// SPEC F13/F14/E4 through C: history on, a snapshot in PyTorch's layout.
+TEST(CApiHistory, RecordHistoryAndSnapshotJson) {
+  ccalloc_options_t o;
+  ccalloc_options_init(&o);
+  o.backend = CCALLOC_BACKEND_SIM;
+  o.sim_capacity_bytes = std::size_t{1} << 30;
+  ccalloc_allocator_t* a = nullptr;
+  ASSERT_EQ(ccalloc_create(&o, &a), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_init(a, 1), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_record_history(a, 1, 0), CCALLOC_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(ccalloc_record_history(a, 1, 1000), CCALLOC_OK) << ccalloc_last_error();
+  void* p = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a, 0, 5u << 20, nullptr, &p), CCALLOC_OK);
+  size_t length = 0;
+  ASSERT_EQ(ccalloc_snapshot_json(a, 1, nullptr, 0, &length), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_GT(length, 0u);
+  std::string text(length + 1, '\0');
+  ASSERT_EQ(ccalloc_snapshot_json(a, 1, text.data(), text.size(), &length), CCALLOC_OK);
+  text.resize(length);
+  EXPECT_NE(text.find("\"segments\""), std::string::npos);
+  EXPECT_NE(text.find("\"device_traces\""), std::string::npos);
+  EXPECT_NE(text.find("\"action\":\"alloc\""), std::string::npos) << text.substr(0, 400);
+  EXPECT_NE(text.find("\"size\":" + std::to_string(5u << 20)), std::string::npos);
+  EXPECT_EQ(ccalloc_snapshot_json(a, 1, nullptr, 16, &length), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_record_history(a, 0, 1000), CCALLOC_OK);
+  ccalloc_destroy(a);
+}
+
+}  // namespace

@@ -258,6 +258,27 @@ CCALLOC_API ccalloc_status_t ccalloc_reset_accumulated_stats(ccalloc_allocator_t
 /** Sets every peak of `device` to its current value (PyTorch: resetPeakStats). */
 CCALLOC_API ccalloc_status_t ccalloc_reset_peak_stats(ccalloc_allocator_t* alloc, int device);
 
+/* ---- memory history and snapshots (SPEC F13, F14, E4) ---------------------------------------- */
+
+/** Starts (enabled != 0) or stops (enabled == 0) recording the memory history
+ * of every device (PyTorch: torch.cuda.memory._record_memory_history): a
+ * ring buffer that keeps the newest `max_entries` (> 0) trace entries per
+ * device (alloc, free_requested, free_completed, segment_alloc/free/map/unmap,
+ * snapshot, oom, empty_cache), timestamps in microseconds. No context (stack)
+ * is recorded from C. Stopping keeps the entries; starting again clears them.
+ * Errors: INVALID_ARGUMENT for max_entries 0. Thread safe. */
+CCALLOC_API ccalloc_status_t ccalloc_record_history(ccalloc_allocator_t* alloc, int enabled, size_t max_entries);
+/** The allocator's snapshot (SPEC F13) as UTF-8 JSON with the keys and
+ * nesting of PyTorch's torch.cuda.memory._snapshot() (segments with their
+ * blocks, device_traces when include_traces != 0, allocator_settings,
+ * external_annotations); python/ccalloc/snapshot.py writes it as the pickle
+ * PyTorch's viewers read. snprintf-style, as ccalloc_get_config: writes at
+ * most capacity - 1 bytes and a NUL to `buffer` (NULL when capacity is 0)
+ * and sets *length to the full length without the NUL; call once with
+ * capacity 0 to learn the size. Locks each device while it walks it. */
+CCALLOC_API ccalloc_status_t ccalloc_snapshot_json(ccalloc_allocator_t* alloc, int include_traces, char* buffer,
+                                                   size_t capacity, size_t* length);
+
 /* ---- configuration (SPEC F30) --------------------------------------------------------------- */
 
 /** Applies a configuration string in PyTorch's syntax on top of the current

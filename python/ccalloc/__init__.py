@@ -39,6 +39,7 @@ __all__ = [
     "InvalidArgumentError",
     "OutOfMemoryError",
     "built_with_cuda",
+    "dump_snapshot",
     "empty_cache",
     "get_config",
     "get_memory_fraction",
@@ -47,8 +48,10 @@ __all__ = [
     "max_memory_reserved",
     "memory_allocated",
     "memory_reserved",
+    "memory_snapshot",
     "memory_stats",
     "process_allocator",
+    "record_history",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_config",
@@ -339,6 +342,40 @@ class Allocator:
         _check(lib.ccalloc_get_config(self._handle, buffer, len(buffer), ctypes.byref(length)))
         return buffer.value.decode()
 
+    # ---- memory history and snapshots (SPEC F13, F14, E4) ------------------------------------------
+
+    def record_history(self, enabled: bool = True, max_entries: int = 100000) -> None:
+        """Starts or stops recording the memory history of every device (as
+        torch.cuda.memory._record_memory_history): the newest ``max_entries``
+        trace entries per device, microsecond timestamps, no stacks."""
+        _check(_lib.lib().ccalloc_record_history(self._handle, 1 if enabled else 0, max_entries))
+
+    def snapshot_json(self, include_traces: bool = True) -> str:
+        """The snapshot as JSON with the layout of torch.cuda.memory._snapshot()."""
+        length = ctypes.c_size_t()
+        lib = _lib.lib()
+        flag = 1 if include_traces else 0
+        _check(lib.ccalloc_snapshot_json(self._handle, flag, None, 0, ctypes.byref(length)))
+        while True:
+            # Room to spare: with history on, each call records a `snapshot`
+            # entry, so the text grows a little between two calls.
+            buffer = ctypes.create_string_buffer(2 * length.value + 65536)
+            _check(lib.ccalloc_snapshot_json(self._handle, flag, buffer, len(buffer), ctypes.byref(length)))
+            if length.value < len(buffer):
+                return buffer.value.decode()
+
+    def snapshot(self, include_traces: bool = True) -> dict:
+        """The snapshot as PyTorch's dictionary (torch.cuda.memory._snapshot())."""
+        from . import snapshot as _snapshot
+        return _snapshot.from_json(self.snapshot_json(include_traces))
+
+    def dump_snapshot(self, path: str) -> None:
+        """Writes the snapshot as the pickle PyTorch's viewers read (as
+        torch.cuda.memory._dump_snapshot): ``python -m torch.cuda._memory_viz
+        trace_plot PATH`` or pytorch.org/memory_viz."""
+        from . import snapshot as _snapshot
+        _snapshot.write_pickle(self.snapshot(True), path)
+
     def attach_out_of_memory_observer(self, observer: Callable[[int, int, int, int], None]) -> None:
         """Calls ``observer(device, requested_bytes, allowed_bytes,
         free_bytes)`` on each out-of-memory error (SPEC F17). An exception it
@@ -461,6 +498,22 @@ def get_memory_fraction(device=None) -> float:
 
 def set_config(text: str) -> None:
     process_allocator().set_config(text)
+
+
+def record_history(enabled: bool = True, max_entries: int = 100000) -> None:
+    """Allocator.record_history on the process-wide allocator."""
+    process_allocator().record_history(enabled, max_entries)
+
+
+def memory_snapshot(include_traces: bool = True) -> dict:
+    """Allocator.snapshot on the process-wide allocator (the submodule
+    ccalloc.snapshot converts snapshot JSON files)."""
+    return process_allocator().snapshot(include_traces)
+
+
+def dump_snapshot(path: str) -> None:
+    """Allocator.dump_snapshot on the process-wide allocator."""
+    process_allocator().dump_snapshot(path)
 
 
 def get_config() -> str:

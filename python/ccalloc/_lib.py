@@ -93,6 +93,8 @@ _PROTOTYPES = {
     "ccalloc_reset_peak_stats": (_S, [_A, ctypes.c_int]),
     "ccalloc_set_config": (_S, [_A, ctypes.c_char_p]),
     "ccalloc_get_config": (_S, [_A, ctypes.c_char_p, _Z, ctypes.POINTER(_Z)]),
+    "ccalloc_record_history": (_S, [_A, ctypes.c_int, _Z]),
+    "ccalloc_snapshot_json": (_S, [_A, ctypes.c_int, ctypes.c_char_p, _Z, ctypes.POINTER(_Z)]),
     "ccalloc_attach_out_of_memory_observer": (_S, [_A, OOM_OBSERVER, ctypes.c_void_p]),
     "ccalloc_stream_create": (_S, [_A, ctypes.c_int, ctypes.POINTER(_P)]),
     "ccalloc_stream_destroy": (_S, [_A, ctypes.c_int, _P]),

@@ -331,3 +331,25 @@ def test_environment_configures_the_process_wide_allocator():
     lines = out.stdout.split()
     assert "max_split_size_mb:64" in lines[0]
     assert lines[1] == "False"
+
+
+def test_history_and_snapshot_in_pytorchs_layout(tmp_path):
+    import pickle
+    with ccalloc.Allocator("sim", capacity_bytes=1 << 30, config="") as a:
+        a.record_history(True, 1000)
+        p = a.malloc(5 * MiB)
+        snap = a.snapshot()
+        assert set(snap) == {"segments", "device_traces", "allocator_settings", "external_annotations"}
+        actions = [e["action"] for e in snap["device_traces"][0]]
+        assert "alloc" in actions and "segment_map" in actions, actions
+        alloc = [e for e in snap["device_traces"][0] if e["action"] == "alloc"][0]
+        assert alloc["addr"] == p and alloc["size"] == 5 * MiB
+        assert sum(s["allocated_size"] for s in snap["segments"]) == 5 * MiB
+        path = tmp_path / "snap.pickle"
+        a.dump_snapshot(str(path))
+        with open(path, "rb") as f:
+            loaded = pickle.load(f)
+        assert loaded["segments"][0]["is_expandable"] is True
+        a.free(p)
+        with pytest.raises(ccalloc.InvalidArgumentError):
+            a.record_history(True, 0)

@@ -1,6 +1,8 @@
 // The C API (include/ccalloc/ccalloc.h) over the front end: every function
 // turns C++ exceptions into a status code and a thread-local message.
 #include <ccalloc/ccalloc.h>
+#include <ccalloc/core/history.hpp>
+#include <ccalloc/core/snapshot.hpp>
 
 #include <ccalloc/backend/default_backend.hpp>
 #include <ccalloc/backend/sim_backend.hpp>
@@ -408,6 +410,33 @@ ccalloc_status_t ccalloc_get_config(ccalloc_allocator_t* alloc, char* buffer, si
     require(length, "ccalloc_get_config", "length");
     if (capacity > 0) require(buffer, "ccalloc_get_config", "buffer (with capacity > 0)");
     const std::string text = resolve(alloc).config().to_string();
+    if (capacity > 0) {
+      const std::size_t n = std::min(text.size(), capacity - 1);
+      std::memcpy(buffer, text.data(), n);
+      buffer[n] = '\0';
+    }
+    *length = text.size();
+  });
+}
+
+// ---- history and snapshots -------------------------------------------------------------------------------
+
+ccalloc_status_t ccalloc_record_history(ccalloc_allocator_t* alloc, int enabled, size_t max_entries) {
+  return guarded([&] {
+    ccalloc::history_options o;
+    o.enabled = enabled != 0;
+    o.max_entries = max_entries;
+    o.when = ccalloc::record_context::never;
+    resolve(alloc).record_history(o);
+  });
+}
+
+ccalloc_status_t ccalloc_snapshot_json(ccalloc_allocator_t* alloc, int include_traces, char* buffer,
+                                       size_t capacity, size_t* length) {
+  return guarded([&] {
+    require(length, "ccalloc_snapshot_json", "length");
+    if (capacity > 0) require(buffer, "ccalloc_snapshot_json", "buffer (with capacity > 0)");
+    const std::string text = ccalloc::to_json(resolve(alloc).snapshot(include_traces != 0));
     if (capacity > 0) {
       const std::size_t n = std::min(text.size(), capacity - 1);
       std::memcpy(buffer, text.data(), n);
