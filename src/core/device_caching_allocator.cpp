@@ -992,7 +992,9 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
   }
   const stat_group g = group_of(b->pool);
   std::size_t done_total = 0;
-  for (auto [from, to] : pieces) {
+  for (const auto& piece : pieces) {
+    const std::uintptr_t from = piece.first;  // named copies: lambdas below capture them
+    std::uintptr_t to = piece.second;
     if (done_total >= max_bytes) break;
     if (to - from > max_bytes - done_total) to = from + (max_bytes - done_total + page - 1) / page * page;
     std::uintptr_t addr = from;
