@@ -175,7 +175,8 @@ TEST(PyTorchSnapshot, MalformedPicklesGiveClearErrors) {
   std::string e = error_of([&] { (void)ccalloc::read_trace_file(truncated.path()); });
   EXPECT_EQ(e.rfind(truncated.path() + ":0: a PyTorch snapshot that could not be converted: corrupt pickle", 0), 0u) << e;
   // A pickle of something else (a list of ints: protocol 2).
-  temp_file list("list.pickle", std::string("\x80\x02]q\x00(K\x01K\x02e.", 13));
+  // (split literal: "\x02e" would be one hex escape)
+  temp_file list("list.pickle", std::string("\x80\x02]q\x00(K\x01K\x02" "e.", 12));
   e = error_of([&] { (void)ccalloc::read_trace_file(list.path()); });
   EXPECT_NE(e.find("not a PyTorch memory snapshot (no 'device_traces'"), std::string::npos) << e;
   // A pickle that names a class: refused, nothing runs.

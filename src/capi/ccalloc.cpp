@@ -111,7 +111,12 @@ const std::vector<std::string>& stat_names() {
 }
 
 std::shared_ptr<ccalloc::device_backend> make_backend(const ccalloc_options_t& o) {
-  switch (o.backend) {
+  // Read as an int: a C caller may store any value in the enum field, and
+  // loading a value outside the enumerators as the enum type is undefined in C++.
+  int kind = 0;
+  static_assert(sizeof kind == sizeof o.backend);
+  std::memcpy(&kind, &o.backend, sizeof kind);
+  switch (kind) {
     case CCALLOC_BACKEND_DEFAULT:
       return ccalloc::make_default_backend();
     case CCALLOC_BACKEND_SIM: {
@@ -132,7 +137,7 @@ std::shared_ptr<ccalloc::device_backend> make_backend(const ccalloc_options_t& o
 #endif
   }
   throw ccalloc::invalid_argument_error("ccalloc_create: unknown backend kind " +
-                                        std::to_string(static_cast<int>(o.backend)) +
+                                        std::to_string(kind) +
                                         " (accepted: CCALLOC_BACKEND_DEFAULT 0, _SIM 1, _CUDA 2)");
 }
 
