@@ -514,23 +514,12 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
     ptr = device_malloc();
   }
   if (ptr == nullptr) return false;
-  if (pp != nullptr) ++pp->segment_count;
 
-  auto seg = std::make_unique<segment>();
-  block* b = p.owner->new_block();
-  b->ptr = reinterpret_cast<std::uintptr_t>(ptr);
-  b->size = size;
-  b->stream = p.stream;
-  b->pool = p.pool;
-  b->seg = seg.get();
-  seg->base = b->ptr;
-  seg->size = size;
-  seg->head = b;
-  seg->oversize = size >= config_.max_split_size_bytes;
-  segments_.emplace(seg->base, std::move(seg));
+  segment& seg = add_segment(p, reinterpret_cast<std::uintptr_t>(ptr), size);
+  block* b = seg.head;
+  seg.oversize = size >= config_.max_split_size_bytes;
 
   const stat_group g = group_of(p.pool);
-  device_stats::increase(stats_.segment, g, 1);
   device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
   if (b->seg->oversize) stats_.oversize_segments.increase(1);
   ++stats_.num_device_alloc;
@@ -763,26 +752,31 @@ segment* device_state::new_expandable_segment(const alloc_params& p) {
   const std::size_t size = (want + page - 1) / page * page;
   void* base = backend_.vm_reserve(device_, size);
   if (base == nullptr) return nullptr;
+  segment& seg = add_segment(p, reinterpret_cast<std::uintptr_t>(base), size);
+  seg.head->mapped = false;
+  seg.expandable = true;
+  seg.seq = next_segment_seq_++;
+  seg.page_bytes = page;
+  seg.pages.assign(size / page, 0);
+  return &seg;
+}
+
+// A new segment [base, base + size) of p's stream and pool, as one free
+// block, on the books (segment count, its private pool's count).
+segment& device_state::add_segment(const alloc_params& p, std::uintptr_t base, std::size_t size) {
   auto seg = std::make_unique<segment>();
   block* b = p.owner->new_block();
-  b->ptr = reinterpret_cast<std::uintptr_t>(base);
+  b->ptr = base;
   b->size = size;
   b->stream = p.stream;
   b->pool = p.pool;
   b->seg = seg.get();
-  b->mapped = false;
-  seg->base = b->ptr;
+  seg->base = base;
   seg->size = size;
   seg->head = b;
-  seg->expandable = true;
-  seg->seq = next_segment_seq_++;
-  seg->page_bytes = page;
-  seg->pages.assign(size / page, 0);
   device_stats::increase(stats_.segment, group_of(p.pool), 1);
   if (p.pool->priv != nullptr) ++p.pool->priv->segment_count;
-  segment* raw = seg.get();
-  segments_.emplace(raw->base, std::move(seg));
-  return raw;
+  return *segments_.emplace(base, std::move(seg)).first->second;
 }
 
 bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& w) {

@@ -331,6 +331,7 @@ class device_state {
   // Expandable segments (B7, X3) [world]
   bool alloc_expandable(alloc_params& p, bool is_retry, world_lock& w);
   segment* new_expandable_segment(const alloc_params& p);
+  segment& add_segment(const alloc_params& p, std::uintptr_t base, std::size_t size);
   block* split_free_block(block* b, std::uintptr_t at);
   void pool_insert_counted(block* b);
   void pool_erase_counted(block* b);
