@@ -107,6 +107,9 @@ def train(args: argparse.Namespace) -> int:
         "num_device_alloc": stats["num_device_alloc"],
         "num_device_free": stats["num_device_free"],
         "num_alloc_retries": stats["num_alloc_retries"],
+        # ccalloc's own counters (absent from PyTorch's statistics)
+        "num_device_synchronizations": stats.get("num_device_synchronizations", 0),
+        "num_pages_remapped": stats.get("num_pages_remapped", 0),
         "total_s": time.perf_counter() - t_start,
         "ccalloc_config": os.environ.get("CCALLOC_CONF", ""),
     }
@@ -139,8 +142,8 @@ def compare(args: argparse.Namespace) -> int:
           + ", ".join(f"{len(rs)} {name}" for name, rs in by.items()) + " run(s)")
     rows = {}
     print("| variant | median step (ms) | vs native | host enqueue (ms) | peak reserved (MiB) | peak allocated (MiB) "
-          "| device mallocs |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| device mallocs | allocator device syncs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     native_ms = _median_ms(by["native"], args.warmup)
     for name, rs in by.items():
         row = {
@@ -149,6 +152,7 @@ def compare(args: argparse.Namespace) -> int:
             "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in rs),
             "peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in rs),
             "num_device_alloc": max(r["num_device_alloc"] for r in rs),
+            "num_device_synchronizations": max(r.get("num_device_synchronizations", 0) for r in rs),
             "median_enqueue_ms": 1e3 * statistics.median(
                 [st.get("enqueue_s", float("nan")) for r in rs for st in r["steps"][args.warmup:]] or [float("nan")]),
             "config": rs[0].get("ccalloc_config") or rs[0].get("pytorch_cuda_alloc_conf") or "",
@@ -158,7 +162,7 @@ def compare(args: argparse.Namespace) -> int:
               f"{', '.join(f'{m:.2f}' for m in row['per_run_median_step_ms'])}) | "
               f"{row['median_step_ms'] / native_ms:.4f} | {row['median_enqueue_ms']:.2f} | "
               f"{row['peak_reserved_bytes'] / 2**20:.0f} | {row['peak_allocated_bytes'] / 2**20:.0f} | "
-              f"{row['num_device_alloc']} |")
+              f"{row['num_device_alloc']} | {row['num_device_synchronizations']} |")
     diff = _max_loss_diff(by["native"][0], by["ccalloc"][0])
     noise = {name: _max_loss_diff(rs[0], rs[1]) for name, rs in by.items() if len(rs) > 1}
     ratio = rows["ccalloc"]["median_step_ms"] / rows["native"]["median_step_ms"]

@@ -120,7 +120,8 @@ if [ "$ROUNDS" -ge 2 ]; then ORDER=(native ccalloc ccalloc native); fi
 # GPT2_ORDER (space-separated variants) replaces the order; the variants:
 #   native, ccalloc: each allocator as configured by the environment;
 #   ccalloc-plain: ccalloc with CCALLOC_CONF=expandable_segments:False;
-#   native-expandable: PyTorch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+#   native-expandable: PyTorch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True;
+#   ccalloc@CONF: ccalloc with CCALLOC_CONF=CONF (e.g. ccalloc@recycle_turnover:0).
 if [ -n "${GPT2_ORDER:-}" ]; then read -r -a ORDER <<<"$GPT2_ORDER"; fi
 RUN_FILES=()
 GPT2_FAILED=0
@@ -133,7 +134,8 @@ for variant in "${ORDER[@]}"; do
     native | ccalloc) allocator=$variant ;;
     ccalloc-plain) allocator=ccalloc; env_args=(CCALLOC_CONF=expandable_segments:False) ;;
     native-expandable) allocator=native; env_args=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ;;
-    *) say "unknown GPT-2 variant '$variant' (native, ccalloc, ccalloc-plain, native-expandable)"; exit 2 ;;
+    ccalloc@*) allocator=ccalloc; env_args=("CCALLOC_CONF=${variant#ccalloc@}") ;;
+    *) say "unknown GPT-2 variant '$variant' (native, ccalloc, ccalloc-plain, native-expandable, ccalloc@CONF)"; exit 2 ;;
   esac
   run_step "GPT-2 run $n on $variant" "$GPT2_LOG" 240 \
     env "${env_args[@]}" "$PYTHON" scripts/gpt2_allocators.py train --allocator "$allocator" --label "$variant" \

@@ -201,6 +201,14 @@ TEST(ConfigTest, EveryKeyParses) {
   EXPECT_EQ(parse_error("trim_on_new_peak:maybe"),
             "ccalloc config: trim_on_new_peak:maybe is not a valid value (accepted: True or "
             "False (also true/false, 1/0))");
+  EXPECT_EQ(parse_key("recycle_turnover", "0").recycle_turnover, 0.0);
+  EXPECT_EQ(parse_key("recycle_turnover", "2.5").recycle_turnover, 2.5);
+  EXPECT_EQ(parse_key("recycle_turnover", "1"), allocator_config{});  // the default
+  EXPECT_EQ(allocator_config::parse("recycle_turnover:0.5").to_string().find("recycle_turnover:0.5") !=
+                std::string::npos,
+            true);
+  EXPECT_EQ(parse_error("recycle_turnover:-1"),
+            "ccalloc config: recycle_turnover:-1 is out of range (accepted: a number >= 0 (at most 1e6))");
   EXPECT_EQ(parse_key("backend", "native").backend, "native");
   EXPECT_EQ(parse_key("backend", "cudaMallocAsync").backend, "cudaMallocAsync");
   EXPECT_EQ(parse_key("pinned_num_register_threads", "1").pinned_num_register_threads, 1u);
@@ -223,7 +231,7 @@ TEST(ConfigTest, HugeMibValuesClampLikePyTorch) {
 
 TEST(ConfigTest, ConfigKeysTable) {
   const auto& keys = config_keys();
-  ASSERT_EQ(keys.size(), 16u);
+  ASSERT_EQ(keys.size(), 17u);
   std::set<std::string_view> unique;
   for (const auto& info : keys) {
     EXPECT_FALSE(info.accepted.empty()) << info.key;

@@ -136,6 +136,48 @@ TEST_F(ExpandableTest, FreePagesOfAnotherStreamAreRecycledInsteadOfGrowing) {
   alloc->free(b);
 }
 
+// X3 with recycle_turnover: recycling for a new peak synchronizes the device;
+// after one, the next waits for a turnover of memory (allocated bytes >=
+// recycle_turnover x reserved) and the peak grows meanwhile.
+TEST_F(ExpandableTest, RecyclingForANewPeakWaitsForATurnoverOfMemory) {
+  make(256 * MiB, "recycle_turnover:2");
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));       // stream 0 caches 10 pages; high-water 20 MiB
+  void* b = m(20 * MiB, other);  // recycles them: the first synchronization
+  EXPECT_EQ(st().num_device_synchronizations, 1);
+  EXPECT_EQ(st().num_pages_remapped, 10);
+  EXPECT_EQ(reserved(), I(20 * MiB));
+  alloc->free(b);
+  // 20 MiB allocated since, less than 2 x 20 MiB: stream 0 maps new pages.
+  void* c = m(4 * MiB);
+  EXPECT_EQ(st().num_device_synchronizations, 1) << "no synchronization before a turnover";
+  EXPECT_EQ(st().num_pages_remapped, 10);
+  EXPECT_EQ(reserved(), I(24 * MiB)) << "the peak grew instead";
+  alloc->free(c);
+  // Cached allocations bring the allocated volume to 2 x reserved (48 MiB).
+  for (int i = 0; i < 6; ++i) alloc->free(m(4 * MiB));
+  EXPECT_EQ(st().allocated_bytes[0].allocated, I(68 * MiB));
+  EXPECT_EQ(reserved(), I(24 * MiB));
+  void* d = m(30 * MiB, other);  // 5 more pages past the high-water mark: recycled now
+  EXPECT_EQ(st().num_device_synchronizations, 2);
+  EXPECT_EQ(st().num_pages_remapped, 12) << "stream 0's two free pages";
+  EXPECT_EQ(reserved(), I(30 * MiB));
+  EXPECT_EQ(st().reserved_bytes[0].peak, I(30 * MiB));
+  alloc->free(d);
+}
+
+TEST_F(ExpandableTest, RecycleTurnoverZeroRecyclesAtEveryNewPeak) {
+  make(256 * MiB, "recycle_turnover:0");
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  alloc->free(m(20 * MiB, other));
+  void* c = m(4 * MiB);
+  EXPECT_EQ(st().num_device_synchronizations, 2);
+  EXPECT_EQ(st().num_pages_remapped, 12);
+  EXPECT_EQ(reserved(), I(20 * MiB)) << "the peak never grew";
+  alloc->free(c);
+}
+
 TEST_F(ExpandableTest, WithoutTrimTheReservationGrowsLikePyTorch) {
   make(256 * MiB, pytorch_expandable_policies);
   const stream_t other = sim->create_stream(0);

@@ -27,7 +27,7 @@ EXPECTED = {
     "ccalloc allocated curve": ((0x59, 0xa1, 0x4f), 600),
     "recording allocator curve": ((0xe8, 0x77, 0x2e), 400),
     "requested area": ((0xca, 0xd5, 0xe0), 20000),  # #bac8d6 at 75% over the plot background #fbfcfd
-    "segment map blocks": ((0x4e, 0x79, 0xa7), 30000),
+    "segment map blocks": ((0x4e, 0x79, 0xa7), 15000),
 }
 
 

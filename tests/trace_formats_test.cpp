@@ -231,7 +231,7 @@ TEST(Report, Gpt2PageHasEveryPlot) {
   // The recording allocator's reserved peak from the trace's segment events
   // is PyTorch's own figure (native_reserved_peak in data/traces/native_peaks.json).
   EXPECT_EQ(s.recorded_reserved_peak, 15286140928u);
-  EXPECT_GT(s.segments_at_peak, 10u);
+  EXPECT_GT(s.segments_at_peak, 5u);
   EXPECT_EQ(s.plot_points, 1200u);
   // Self-contained: no network, one file.
   EXPECT_EQ(page.find("http://"), std::string::npos);

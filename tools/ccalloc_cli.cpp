@@ -370,6 +370,8 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
   out["device_frees"] = r.device_frees;
   out["ooms"] = r.ooms;
   out["alloc_retries"] = r.alloc_retries;
+  out["device_synchronizations"] = r.device_synchronizations;
+  out["pages_remapped"] = r.pages_remapped;
   out["wall_seconds"] = r.wall_seconds;
   out["read_seconds"] = input.read_seconds;
   if (input.native) out["native"] = native_json(*input.native, r);
@@ -453,6 +455,9 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
   print_row("OOMs", with_commas(r.ooms) +
                         (r.ooms ? "  (allocations that failed: the device memory is too small)" : ""));
   print_row("alloc retries", with_commas(r.alloc_retries));
+  print_row("device syncs", with_commas(r.device_synchronizations) +
+                                (r.device_synchronizations ? "  (device-wide, before unmapping or moving memory)" : ""));
+  print_row("pages remapped", with_commas(r.pages_remapped));
   print_row("wall time", format("%.3f s  (replay; reading the trace: %.3f s)", r.wall_seconds,
                                 input.read_seconds));
   if (input.native) print_native_comparison(r, *input.native);
@@ -465,27 +470,27 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
     std::vector<std::string> cells;
   };
   const std::vector<std::string> head = {"config",  "peak reserved", "fragmentation", "device mallocs",
-                                         "device frees", "OOMs", "retries", "seconds"};
+                                         "device frees", "OOMs", "retries", "device syncs", "seconds"};
   std::vector<row> rows;
   for (std::size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     rows.push_back({{config_label(configs[i]), gib(r.peak_reserved_bytes),
                      format("%.3f", r.fragmentation()), with_commas(r.device_mallocs),
                      with_commas(r.device_frees), with_commas(r.ooms), with_commas(r.alloc_retries),
-                     format("%.3f", r.wall_seconds)}});
+                     with_commas(r.device_synchronizations), format("%.3f", r.wall_seconds)}});
   }
   if (input.native) {
     const native_figures& n = *input.native;
     if (n.reserved_peak) {
       rows.push_back({{"PyTorch native", gib(n.reserved_peak),
                        or_dash(n.requested_peak, format("%.3f", ratio(n.reserved_peak, n.requested_peak))),
-                       or_dash(n.device_allocs, with_commas(n.device_allocs)), "-", "-", "-", "-"}});
+                       or_dash(n.device_allocs, with_commas(n.device_allocs)), "-", "-", "-", "-", "-"}});
     }
     if (n.expandable_reserved_peak) {
       rows.push_back({{"PyTorch native expandable", gib(n.expandable_reserved_peak),
                        or_dash(n.requested_peak,
                                format("%.3f", ratio(n.expandable_reserved_peak, n.requested_peak))),
-                       "-", "-", "-", "-", "-"}});
+                       "-", "-", "-", "-", "-", "-"}});
     }
   }
   std::vector<std::size_t> width(head.size());

@@ -32,6 +32,8 @@ TORCH_KEYS = sorted(
     + [f"{n}.{f}" for n in ("oversize_allocations", "oversize_segments") for f in FIELDS]
     + ["num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
        "max_split_size"])
+# ccalloc's own counters, next to PyTorch's (include/ccalloc/core/stats.hpp).
+CCALLOC_KEYS = ["num_device_synchronizations", "num_pages_remapped"]
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def test_allocator_describes_itself(sim):
 
 def test_stats_have_pytorchs_keys_and_values(sim):
     stats = sim.memory_stats()
-    assert list(stats) == TORCH_KEYS
+    assert list(stats) == sorted(TORCH_KEYS + CCALLOC_KEYS)
     assert all(v == 0 for k, v in stats.items() if k != "max_split_size")
     assert stats["max_split_size"] == -1
     # The default configuration: the large pool's reservation for the default

@@ -283,8 +283,8 @@ std::optional<std::string> print_mib_field(const allocator_config& config) {
 }
 
 // Row order is documentation order and to_string() order.
-const std::array<key_spec, 16>& key_table() {
-  static const std::array<key_spec, 16> table{{
+const std::array<key_spec, 17>& key_table() {
+  static const std::array<key_spec, 17> table{{
       {{"max_split_size_mb",
         "an integer number of MiB, at least large_segment_size_mb (20 by default)",
         "Blocks this large or larger are never split and serve only requests "
@@ -366,6 +366,20 @@ const std::array<key_spec, 16>& key_table() {
         "False reproduces PyTorch's reservations)."},
        &parse_bool_field<&allocator_config::trim_on_new_peak>,
        &print_bool_field<&allocator_config::trim_on_new_peak>},
+      {{"recycle_turnover", "a number >= 0 (at most 1e6)",
+        "ccalloc's own key: with expandable segments, after recycling pages for a new peak "
+        "(which synchronizes the device), recycle again only once the program has allocated "
+        "this many times its reserved memory; meanwhile the peak grows (default 1; 0: recycle "
+        "at every new peak, the least memory)."},
+       [](allocator_config& c, std::string_view value) {
+         const double turnover = parse_double(value);
+         if (!(turnover >= 0.0 && turnover <= 1e6)) throw_out_of_range();
+         c.recycle_turnover = turnover;
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (c.recycle_turnover == 1.0) return std::nullopt;
+         return format_double(c.recycle_turnover);
+       }},
       {{"reuse_across_streams", boolean_values,
         "ccalloc's own key: before a new segment is allocated, a cached whole segment of "
         "another stream whose work has completed moves to the requesting stream (default "

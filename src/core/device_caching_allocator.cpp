@@ -256,7 +256,8 @@ void publish_pending_stats(device_stats& into, stream_state& s) noexcept {
   merge(into.oversize_allocations, pending.oversize_allocations);
   merge(into.oversize_segments, pending.oversize_segments);
   for (auto field : {&device_stats::num_alloc_retries, &device_stats::num_ooms, &device_stats::num_sync_all_streams,
-                     &device_stats::num_device_alloc, &device_stats::num_device_free}) {
+                     &device_stats::num_device_alloc, &device_stats::num_device_free,
+                     &device_stats::num_device_synchronizations, &device_stats::num_pages_remapped}) {
     into.*field += pending.*field;
     pending.*field = 0;
   }
@@ -858,7 +859,10 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     auto excess = [&] {
       std::size_t target = 0;
       if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) target = reserved_bytes_ + need - allowed_bytes_;
-      if (config_.trim_on_new_peak && reserved_bytes_ + need > reserved_high_water_bytes_)
+      // A new peak is avoided by recycling only when a synchronization is
+      // due (recycle_turnover); else the peak grows, and a repeating program
+      // stops needing either.
+      if (config_.trim_on_new_peak && reserved_bytes_ + need > reserved_high_water_bytes_ && recycling_due())
         target = std::max(target, std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_));
       return target;
     };
@@ -932,6 +936,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
           throw;
         }
         seg.pages[i] = h;
+        if (!fresh) ++stats_.num_pages_remapped;
         seg.mapped_bytes += page;
         if (fresh) ++stats_.num_device_alloc;
         reserved_bytes_ += page;
@@ -1045,13 +1050,27 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
       // does not wait for it. The whole device, as cudaFree does: the
       // block's stream may have been destroyed since (no stream handle is
       // used after a free).
-      backend_.synchronize_device(device_);
+      synchronize_before_reuse();
       synchronized = true;
     }
     const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
   return got;
+}
+
+void device_state::synchronize_before_reuse() {
+  backend_.synchronize_device(device_);
+  ++stats_.num_device_synchronizations;
+  allocated_at_last_sync_ = stats_.allocated_bytes[0].allocated;
+}
+
+bool device_state::recycling_due() const noexcept {
+  if (config_.recycle_turnover <= 0.0 || allocated_at_last_sync_ < 0) return true;
+  const std::int64_t now = stats_.allocated_bytes[0].allocated;
+  if (now < allocated_at_last_sync_) return true;  // reset_accumulated_stats since
+  return static_cast<double>(now - allocated_at_last_sync_) >=
+         config_.recycle_turnover * static_cast<double>(reserved_bytes_);
 }
 
 // Releases the reservations of expandable segments that have no mapped page.
@@ -1094,7 +1113,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
     }
   }
   if (best == nullptr) return false;
-  backend_.synchronize_device(device_);
+  synchronize_before_reuse();
   best->pool->blocks.erase(best);
   best->pool = p.pool;
   best->stream = p.stream;

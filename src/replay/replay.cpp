@@ -610,6 +610,8 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   r.device_mallocs = static_cast<std::uint64_t>(s.num_device_alloc);
   r.device_frees = static_cast<std::uint64_t>(s.num_device_free);
   r.alloc_retries = static_cast<std::uint64_t>(s.num_alloc_retries);
+  r.device_synchronizations = static_cast<std::uint64_t>(s.num_device_synchronizations);
+  r.pages_remapped = static_cast<std::uint64_t>(s.num_pages_remapped);
 
   // Give everything back (the figures are taken): what the trace still
   // holds, then the gaps, then the cache.

@@ -70,6 +70,13 @@ struct device_stats {
   std::int64_t num_sync_all_streams = 0;///< times all pending events were synchronized
   std::int64_t num_device_alloc = 0;    ///< segment mallocs
   std::int64_t num_device_free = 0;     ///< segment frees
+  /// Device-wide synchronizations the allocator made: before unmapping free
+  /// pages (emptyCache, recycling, OOM) and before moving a cached segment to
+  /// another stream (X2). Each drains the device's queues. ccalloc's own.
+  std::int64_t num_device_synchronizations = 0;
+  /// Pages of expandable segments unmapped at one place and mapped at
+  /// another instead of raising reserved memory (X3). ccalloc's own.
+  std::int64_t num_pages_remapped = 0;
   stat oversize_allocations;            ///< allocations of blocks >= max_split_size
   stat oversize_segments;               ///< segments >= max_split_size
   std::int64_t max_split_size = -1;     ///< bytes; -1 when unlimited (as PyTorch reports it)

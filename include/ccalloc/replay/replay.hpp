@@ -103,6 +103,8 @@ struct replay_result {
   std::uint64_t device_frees = 0;          ///< num_device_free
   std::uint64_t ooms = 0;                  ///< allocations that failed
   std::uint64_t alloc_retries = 0;         ///< num_alloc_retries
+  std::uint64_t device_synchronizations = 0;  ///< num_device_synchronizations (each drains the device)
+  std::uint64_t pages_remapped = 0;           ///< num_pages_remapped (X3 page recycling)
   double wall_seconds = 0.0;               ///< replay time, excluding reading the trace
   /// peak_reserved_bytes / peak_requested_bytes (0 when nothing was requested).
   [[nodiscard]] double fragmentation() const noexcept {
