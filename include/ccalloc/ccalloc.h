@@ -390,8 +390,9 @@ CCALLOC_API ccalloc_status_t ccalloc_pool_use_count(ccalloc_allocator_t* alloc, 
 /** From now on, allocations on `device` go to pool `id` when made on
  * `stream` (all_streams == 0; NULL = the legacy default stream), or on any
  * stream of the device (all_streams != 0; `stream` is ignored) (PyTorch:
- * beginAllocateToPool with a stream filter; torch.cuda.use_mem_pool routes
- * the current thread instead, see python/ccalloc/torch.py). Calls nest: the
+ * beginAllocateToPool with a stream filter; PyTorch's torch.cuda.use_mem_pool
+ * routes the calling thread's allocations on any stream instead, while
+ * ccalloc.torch.use_mem_pool routes the current stream). Calls nest: the
  * most recent active begin that takes the stream wins. While any begin is
  * active on the device the allocator neither queries nor waits for events
  * nor frees device memory (CUDA graph capture rules; SPEC F21): end it
