@@ -3,7 +3,7 @@
 (issue 8, SPEC P6: a real training step through ccalloc no slower than
 native; the loss curves match within floating-point noise).
 
-  gpt2_allocators.py train --allocator native|ccalloc --out RUN.json [--steps 20]
+  gpt2_allocators.py train --allocator native|ccalloc --out RUN.json [--steps 20] [--label NAME]
   gpt2_allocators.py compare RUN.json... [--json OUT.json] [--warmup 3]
 
 `train` runs in its own process per allocator (the allocator is chosen
@@ -18,8 +18,12 @@ device malloc/free counts, from torch.cuda.memory_stats() for the native
 allocator and from ccalloc's own statistics (same key names) for ccalloc,
 whose statistics PyTorch cannot read through its pluggable interface.
 
-`compare` reads the run files (any number per allocator, e.g. native,
-ccalloc, ccalloc, native to cancel drift), prints the median step time
+`--label` names a variant (default: the allocator's name), e.g. ccalloc
+with CCALLOC_CONF=expandable_segments:False as "ccalloc-plain", or native
+with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True as "native-expandable".
+
+`compare` reads the run files (any number per label, e.g. native,
+ccalloc, ccalloc, native to cancel drift), prints per label the median step time
 (steps after the warm-up ones, all runs of an allocator pooled), peak
 reserved and allocated, device mallocs, and the largest |loss difference|
 per step between the first native and the first ccalloc run (and between
@@ -76,9 +80,10 @@ def train(args: argparse.Namespace) -> int:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        enqueued = time.perf_counter() - t0  # the host's share: all the step's work is queued
         value = loss.item()
         torch.cuda.synchronize()
-        steps.append({"step": i, "loss": value, "time_s": time.perf_counter() - t0})
+        steps.append({"step": i, "loss": value, "time_s": time.perf_counter() - t0, "enqueue_s": enqueued})
         print(f"gpt2 [{args.allocator}] step {i:2d}: loss {value:.6f}  {1e3 * steps[-1]['time_s']:.1f} ms",
               flush=True)
     if ccalloc_torch is not None:
@@ -87,6 +92,8 @@ def train(args: argparse.Namespace) -> int:
         stats = torch.cuda.memory_stats()
     result = {
         "allocator": args.allocator,
+        "label": args.label or args.allocator,
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": torch.cuda.get_device_name(),
@@ -121,7 +128,7 @@ def compare(args: argparse.Namespace) -> int:
     runs = [json.loads(Path(f).read_text()) for f in args.runs]
     by = {}
     for r in runs:
-        by.setdefault(r["allocator"], []).append(r)
+        by.setdefault(r.get("label", r["allocator"]), []).append(r)
     if "native" not in by or "ccalloc" not in by:
         print(f"gpt2 compare: need native and ccalloc runs, got {sorted(by)}", file=sys.stderr)
         return 2
@@ -129,22 +136,27 @@ def compare(args: argparse.Namespace) -> int:
     print(f"GPT-2 ({first['parameters'] / 1e6:.0f}M parameters), batch {first['batch']} x {first['seq']}, "
           f"{len(first['steps'])} AdamW steps, {first['device']}, torch {first['torch']}, "
           f"transformers {first['transformers']}; median over steps {args.warmup}.. of "
-          f"{len(by['native'])} native and {len(by['ccalloc'])} ccalloc run(s)")
+          + ", ".join(f"{len(rs)} {name}" for name, rs in by.items()) + " run(s)")
     rows = {}
-    print(f"| allocator | median step (ms) | peak reserved (MiB) | peak allocated (MiB) | device mallocs |")
-    print(f"| --- | --- | --- | --- | --- |")
-    for name in ("native", "ccalloc"):
-        rs = by[name]
+    print("| variant | median step (ms) | vs native | host enqueue (ms) | peak reserved (MiB) | peak allocated (MiB) "
+          "| device mallocs |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    native_ms = _median_ms(by["native"], args.warmup)
+    for name, rs in by.items():
         row = {
             "median_step_ms": _median_ms(rs, args.warmup),
             "per_run_median_step_ms": [_median_ms([r], args.warmup) for r in rs],
             "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in rs),
             "peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in rs),
             "num_device_alloc": max(r["num_device_alloc"] for r in rs),
+            "median_enqueue_ms": 1e3 * statistics.median(
+                [st.get("enqueue_s", float("nan")) for r in rs for st in r["steps"][args.warmup:]] or [float("nan")]),
+            "config": rs[0].get("ccalloc_config") or rs[0].get("pytorch_cuda_alloc_conf") or "",
         }
         rows[name] = row
         print(f"| {name} | {row['median_step_ms']:.2f} (runs: "
               f"{', '.join(f'{m:.2f}' for m in row['per_run_median_step_ms'])}) | "
+              f"{row['median_step_ms'] / native_ms:.4f} | {row['median_enqueue_ms']:.2f} | "
               f"{row['peak_reserved_bytes'] / 2**20:.0f} | {row['peak_allocated_bytes'] / 2**20:.0f} | "
               f"{row['num_device_alloc']} |")
     diff = _max_loss_diff(by["native"][0], by["ccalloc"][0])
@@ -174,6 +186,7 @@ def main() -> int:
     t.add_argument("--seq", type=int, default=512)
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--label", help="the variant's name in compare (default: the allocator)")
     c = sub.add_parser("compare", help="compare run files")
     c.add_argument("runs", nargs="+")
     c.add_argument("--json", help="write the comparison and the runs here")

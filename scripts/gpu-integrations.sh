@@ -19,7 +19,8 @@
 #   OUT_DIR defaults to $OUT, else out/gpu-integrations. Runs from the
 #   repository root whatever the cwd. PYTHON (default python3) must have
 #   torch, transformers and cupy. GPT2_ROUNDS=1 runs native and ccalloc once
-#   each instead of twice.
+#   each instead of twice; GPT2_ORDER and GPT2_STEPS (default 20) pick other
+#   variants and lengths (see below).
 # Writes to OUT_DIR (8 files): build.log, gpt2.log, gpt2.json (comparison and
 #   every run), cupy.log, python-tests.log, nccl.log, nccl.json (every rank's
 #   results; only when it ran), summary.md.
@@ -123,15 +124,28 @@ rm -rf "$RUNS_DIR"
 mkdir -p "$RUNS_DIR"
 ORDER=(native ccalloc)
 if [ "$ROUNDS" -ge 2 ]; then ORDER=(native ccalloc ccalloc native); fi
+# GPT2_ORDER (space-separated variants) replaces the order; the variants:
+#   native, ccalloc: each allocator as configured by the environment;
+#   ccalloc-plain: ccalloc with CCALLOC_CONF=expandable_segments:False;
+#   native-expandable: PyTorch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+if [ -n "${GPT2_ORDER:-}" ]; then read -r -a ORDER <<<"$GPT2_ORDER"; fi
 RUN_FILES=()
 GPT2_FAILED=0
 n=0
-for allocator in "${ORDER[@]}"; do
+for variant in "${ORDER[@]}"; do
   n=$((n + 1))
-  file=$RUNS_DIR/run$n-$allocator.json
-  run_step "GPT-2 run $n on $allocator" "$GPT2_LOG" 240 \
-    "$PYTHON" scripts/gpt2_allocators.py train --allocator "$allocator" --out "$file"
-  record "GPT-2 run $n ($allocator)" "$STEP_RC" "$STEP_SECONDS"
+  file=$RUNS_DIR/run$n-$variant.json
+  env_args=()
+  case $variant in
+    native | ccalloc) allocator=$variant ;;
+    ccalloc-plain) allocator=ccalloc; env_args=(CCALLOC_CONF=expandable_segments:False) ;;
+    native-expandable) allocator=native; env_args=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ;;
+    *) say "unknown GPT-2 variant '$variant' (native, ccalloc, ccalloc-plain, native-expandable)"; exit 2 ;;
+  esac
+  run_step "GPT-2 run $n on $variant" "$GPT2_LOG" 240 \
+    env "${env_args[@]}" "$PYTHON" scripts/gpt2_allocators.py train --allocator "$allocator" --label "$variant" \
+    --steps "${GPT2_STEPS:-20}" --out "$file"
+  record "GPT-2 run $n ($variant)" "$STEP_RC" "$STEP_SECONDS"
   if [ "$STEP_RC" -eq 0 ] && [ -f "$file" ]; then RUN_FILES+=("$file"); else GPT2_FAILED=1; fi
 done
 if [ "${#RUN_FILES[@]}" -ge 2 ]; then

@@ -16,10 +16,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -293,6 +295,63 @@ TEST_F(IpcTest, OpenedExpandableMappingGrantsThePeersOfItsDevice) {
   alloc->free(p);
 }
 
+TEST_F(IpcTest, ExpandableMappingOpenedForAnotherDeviceGrantsIt) {
+  make("", 3);
+  void* p = alloc->malloc(0, 3 * MiB, 0);
+  ipc_export ex = alloc->share_ipc_handle(p);
+  auto* q = static_cast<char*>(alloc->open_ipc_handle(ex.handle, ex.fds, 1));
+  EXPECT_TRUE(sim->peer_can_access(0, q, 1));
+  EXPECT_TRUE(sim->peer_can_access(0, q + 3 * MiB - 1, 1)) << "every page";
+  EXPECT_FALSE(sim->peer_can_access(0, q, 2));
+  EXPECT_FALSE(sim->peer_access_enabled(1, 0)) << "a mapping grant, not device-wide peer access";
+  const auto imports = sim->counters().vm_imports;
+  EXPECT_EQ(alloc->open_ipc_handle(ex.handle, ex.fds, 2), q) << "cached";
+  EXPECT_EQ(sim->counters().vm_imports, imports);
+  EXPECT_TRUE(sim->peer_can_access(0, q, 2)) << "the cached mapping is granted to the new device";
+  EXPECT_TRUE(sim->peer_can_access(0, q + 3 * MiB - 1, 2));
+  close_all(ex.fds);
+  alloc->close_ipc_handle(q);
+  alloc->close_ipc_handle(q);
+  EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
+  alloc->free(p);
+}
+
+TEST_F(IpcTest, AccessDeviceMustExistAndReachTheOwner) {
+  make("", 2);
+  void* p = alloc->malloc(0, 3 * MiB, 0);
+  ipc_export ex = alloc->share_ipc_handle(p);
+  EXPECT_THROW((void)alloc->open_ipc_handle(ex.handle, ex.fds, 2), invalid_argument_error);
+  EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
+  close_all(ex.fds);
+  alloc->free(p);
+
+  // Two devices without a peer-to-peer path.
+  alloc.reset();
+  sim_options o;
+  o.capacity_bytes = 256 * MiB;
+  o.device_count = 2;
+  o.peer_access = false;
+  sim = std::make_shared<sim_backend>(o);
+  alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(""));
+  alloc->init(2);
+  p = alloc->malloc(0, 3 * MiB, 0);
+  ex = alloc->share_ipc_handle(p);
+  try {
+    (void)alloc->open_ipc_handle(ex.handle, ex.fds, 1);
+    ADD_FAILURE() << "opened for a device that cannot reach the owner";
+  } catch (const backend_error& e) {
+    EXPECT_STREQ(e.what(),
+                 "ccalloc: open_ipc_handle: device 1 cannot access device 0 on the 'sim' backend (no peer-to-peer path)");
+  }
+  EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
+  EXPECT_EQ(sim->counters().vm_imports, 0u);
+  void* q = alloc->open_ipc_handle(ex.handle, ex.fds);  // for the owner itself: fine
+  EXPECT_EQ(alloc->ipc_open_mappings(), 1u);
+  alloc->close_ipc_handle(q);
+  close_all(ex.fds);
+  alloc->free(p);
+}
+
 TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
   void* p = alloc->malloc(0, 5 * MiB, 0);
   EXPECT_THROW((void)alloc->share_ipc_handle(static_cast<char*>(p) + 512), invalid_argument_error);
@@ -334,8 +393,11 @@ TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
 // (plain segments: the simulated cudaIpcMemHandle_t names the parent's
 // memory file, opened through /proc; expandable: the descriptors came over
 // the socket).
-// Returns the exit code: 0 when every check passed.
-int consumer(int sock) {
+// Returns the exit code: 0 when every check passed. The consumer has two
+// devices: it opens the handle for `first_access` (the device whose kernels
+// use the mapping), then again for the other device, which gets the cached
+// mapping and access to it.
+int consumer(int sock, int first_access) {
   std::string bytes;
   std::vector<int> fds;
   try {
@@ -345,26 +407,38 @@ int consumer(int sock) {
   } catch (const std::exception&) {
     return 10;
   }
-  auto sim = std::make_shared<sim_backend>();
-  caching_allocator alloc(sim, allocator_config::parse(""));
-  alloc.init(1);
-  auto* q = static_cast<unsigned char*>(alloc.open_ipc_handle(bytes, fds));
-  if (alloc.open_ipc_handle(bytes, fds) != q) return 11;
-  for (int fd : fds) ::close(fd);
-  const std::size_t size = parse_ipc_handle(bytes).size_bytes;
-  for (std::size_t i = 0; i < size; i += 4096)
-    if (q[i] != static_cast<unsigned char>(i / 4096)) return 12;
-  q[0] = 0xc7;  // the answer
-  alloc.close_ipc_handle(q);
-  alloc.close_ipc_handle(q);
-  if (alloc.ipc_open_mappings() != 0 || sim->counters().live_handles != 0) return 13;
-  return 0;
+  try {
+    auto sim = std::make_shared<sim_backend>(sim_options{.device_count = 2});
+    caching_allocator alloc(sim, allocator_config::parse(""));
+    alloc.init(2);
+    const int second_access = 1 - first_access;
+    auto* q = static_cast<unsigned char*>(alloc.open_ipc_handle(bytes, fds, first_access));
+    if (alloc.open_ipc_handle(bytes, fds, second_access) != q) return 11;
+    for (int fd : fds) ::close(fd);
+    const ipc_handle h = parse_ipc_handle(bytes);
+    if (h.kind == ipc_kind::expandable) {
+      if (!sim->peer_can_access(0, q, 1) || !sim->peer_can_access(0, q + h.size_bytes - 1, 1)) return 14;
+    } else if (first_access == 0 && !sim->peer_access_enabled(1, 0)) {
+      return 14;  // a plain segment opened for device 0, then used by device 1
+    }
+    for (std::size_t i = 0; i < h.size_bytes; i += 4096)
+      if (q[i] != static_cast<unsigned char>(i / 4096)) return 12;
+    q[0] = 0xc7;  // the answer
+    alloc.close_ipc_handle(q);
+    alloc.close_ipc_handle(q);  // a plain segment closes on the device it was opened for
+    if (alloc.ipc_open_mappings() != 0 || sim->counters().live_handles != 0) return 13;
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "consumer: %s\n", e.what());
+    return 15;
+  }
 }
 
-class IpcForkTest : public IpcTest, public ::testing::WithParamInterface<const char*> {};
+class IpcForkTest : public IpcTest, public ::testing::WithParamInterface<std::tuple<const char*, int>> {};
 
 TEST_P(IpcForkTest, SecondProcessReadsTheBytesAndAnswers) {
-  make(GetParam());
+  const auto [conf, first_access] = GetParam();
+  make(conf);
   void* p = alloc->malloc(0, 7 * MiB, 0);
   auto* bytes = static_cast<unsigned char*>(p);
   for (std::size_t i = 0; i < 7 * MiB; i += 4096) bytes[i] = static_cast<unsigned char>(i / 4096);
@@ -374,7 +448,7 @@ TEST_P(IpcForkTest, SecondProcessReadsTheBytesAndAnswers) {
   ASSERT_GE(child, 0);
   if (child == 0) {
     ::close(sv[0]);
-    ::_exit(consumer(sv[1]));
+    ::_exit(consumer(sv[1], first_access));
   }
   ::close(sv[1]);
   // Exported after the fork: the child can see the descriptors only through the socket.
@@ -388,7 +462,8 @@ TEST_P(IpcForkTest, SecondProcessReadsTheBytesAndAnswers) {
   ASSERT_EQ(::waitpid(child, &status, 0), child);
   ::close(sv[0]);
   ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "consumer exit codes: 10 receive, 11 cache, 12 bytes, 13 close";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "consumer exit codes: 10 receive, 11 cache, 12 bytes, 13 close, 14 access, 15 exception";
   EXPECT_EQ(bytes[0], 0xc7) << "the child's write is in the parent's block";
   alloc->free(p);
 }
@@ -420,8 +495,10 @@ TEST_F(IpcTest, HandleOfAFreedPlainSegmentIsRejected) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "1: opened a freed segment, 2: another message, 3: another exception";
 }
 
-INSTANTIATE_TEST_SUITE_P(BothKinds, IpcForkTest,
-                         ::testing::Values("expandable_segments:True", "expandable_segments:False"));
+INSTANTIATE_TEST_SUITE_P(BothKindsBothAccessDevices, IpcForkTest,
+                         ::testing::Combine(::testing::Values("expandable_segments:True",
+                                                              "expandable_segments:False"),
+                                            ::testing::Values(0, 1)));
 
 TEST(IpcSocket, CarriesMoreDescriptorsThanOneMessageHolds) {
   int sv[2];

@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 
 namespace ccalloc {
@@ -46,7 +47,7 @@ ipc_cache::~ipc_cache() {
 void ipc_cache::close(const entry& e, bool quiet) {
   try {
     if (e.kind == ipc_kind::plain) {
-      backend.ipc_close_segment(e.device, reinterpret_cast<void*>(e.base));
+      backend.ipc_close_segment(e.open_device, reinterpret_cast<void*>(e.base));
       return;
     }
     void* base = reinterpret_cast<void*>(e.base);
@@ -116,9 +117,15 @@ ipc_export caching_allocator::share_ipc_handle(void* ptr) {
   return out;
 }
 
-void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const int> fds) {
+void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const int> fds, int access_device) {
   const ipc_handle h = parse_ipc_handle(bytes);  // invalid_argument_error "ipc handle: ..."
   (void)checked_device(h.device, "open_ipc_handle");
+  if (access_device < 0) access_device = h.device;
+  (void)checked_device(access_device, "open_ipc_handle (access_device)");
+  if (access_device != h.device && !backend_->can_access_peer(access_device, h.device))
+    throw backend_error("ccalloc: open_ipc_handle: device " + std::to_string(access_device) +
+                        " cannot access device " + std::to_string(h.device) + " on the '" + backend_->name() +
+                        "' backend (no peer-to-peer path)");
   if (fds.size() != h.fd_count())
     throw invalid_argument_error("ccalloc: open_ipc_handle: the handle needs " + std::to_string(h.fd_count()) +
                                  " file descriptor(s), got " + std::to_string(fds.size()));
@@ -126,14 +133,35 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
   detail::ipc_cache& cache = *ipc_;
   std::lock_guard lock(cache.mutex);
   auto it = cache.entries.find(key);
-  if (it == cache.entries.end()) {
+  if (it != cache.entries.end()) {
+    // Open already: grant the new accessing device, if any, before sharing.
+    detail::ipc_cache::entry& e = it->second;
+    const bool granted = access_device == e.device || access_device == e.open_device ||
+                         std::find(e.accessors.begin(), e.accessors.end(), access_device) != e.accessors.end();
+    if (!granted) {
+      if (e.kind == ipc_kind::plain) {
+        // What cudaIpcMemLazyEnablePeerAccess does for the device the
+        // segment was opened for.
+        backend_->enable_peer_access(access_device, e.open_device);
+      } else {
+        for (std::size_t i = 0; i < e.imported.size(); ++i)
+          backend_->vm_set_access(e.device, reinterpret_cast<void*>(e.base + i * e.page_bytes), e.page_bytes,
+                                  access_device);
+      }
+      e.accessors.push_back(access_device);
+    }
+  } else {
     detail::ipc_cache::entry e;
     e.kind = h.kind;
     e.device = h.device;
+    e.open_device = h.device;
     if (h.kind == ipc_kind::plain) {
       ipc_mem_handle m;
       m.bytes = h.mem_handle;
-      e.base = reinterpret_cast<std::uintptr_t>(backend_->ipc_open_segment(h.device, m));
+      // Opened for the accessing device: the backend enables peer access to
+      // the owner as needed (cudaIpcMemLazyEnablePeerAccess).
+      e.base = reinterpret_cast<std::uintptr_t>(backend_->ipc_open_segment(access_device, m));
+      e.open_device = access_device;
       e.bytes = h.segment_bytes;
     } else {
       e.page_bytes = h.page_bytes;
@@ -155,10 +183,15 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
           }
           e.imported.push_back(ph);
         }
-        // Peers granted on this device see the mapping too (F26).
-        for (int peer : devices_[static_cast<std::size_t>(h.device)]->peers())
+        // Peers granted on this device see the mapping too (F26), and so
+        // does the accessing device.
+        std::vector<int> grant = devices_[static_cast<std::size_t>(h.device)]->peers();
+        if (access_device != h.device && std::find(grant.begin(), grant.end(), access_device) == grant.end())
+          grant.push_back(access_device);
+        for (int peer : grant)
           for (std::size_t i = 0; i < e.imported.size(); ++i)
             backend_->vm_set_access(h.device, reinterpret_cast<void*>(e.base + i * h.page_bytes), h.page_bytes, peer);
+        if (access_device != h.device) e.accessors.push_back(access_device);
       } catch (...) {
         // Unmap page by page: the mapped prefix may be empty.
         for (std::size_t i = 0; i < e.imported.size(); ++i) {

@@ -1337,27 +1337,39 @@ int ipc_consumer_main(int sock, int device) {
     auto backend = std::make_shared<cuda_backend>();
     caching_allocator alloc(backend, allocator_config::parse(""));
     alloc.init(backend->device_count());
-    if (device != h.device) {
-      if (!backend->can_access_peer(device, h.device)) return consumer_peer;
-      alloc.enable_peer_access(device, h.device);
-    }
+    if (device != h.device && !backend->can_access_peer(device, h.device)) return consumer_peer;
+    // Opened for the consumer's device, whose kernels write it below.
     void* q = nullptr;
     try {
-      q = alloc.open_ipc_handle(got.handle, got.fds);
+      q = alloc.open_ipc_handle(got.handle, got.fds, device);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "    consumer: open_ipc_handle: %s\n", e.what());
       return consumer_open;
     }
-    void* again = alloc.open_ipc_handle(got.handle, got.fds);
+    void* again = alloc.open_ipc_handle(got.handle, got.fds, device);
     for (int fd : got.fds) ::close(fd);
     if (again != q || alloc.ipc_open_mappings() != 1) return consumer_cache;
     std::vector<unsigned char> host(h.size_bytes);
     if (cudaMemcpy(host.data(), q, h.size_bytes, cudaMemcpyDefault) != cudaSuccess) return consumer_bytes;
     for (std::size_t i = 0; i < host.size(); ++i)
       if (host[i] != gk::pattern_byte(i, ipc_seed)) return consumer_bytes;
-    if (cudaSetDevice(device) != cudaSuccess || gk::launch_fill(q, h.size_bytes, ipc_seed + 1, nullptr) != cudaSuccess ||
-        cudaDeviceSynchronize() != cudaSuccess)
+    if (cudaSetDevice(device) != cudaSuccess) return consumer_write;
+    // An error left behind by an earlier call (ccalloc must clear the ones
+    // it expects) would be returned by the launch below: name it apart.
+    if (const cudaError_t stale = cudaGetLastError(); stale != cudaSuccess)
+      std::fprintf(stderr, "    consumer: an earlier call left %s\n", cudaGetErrorName(stale));
+    const cudaError_t launched = gk::launch_fill(q, h.size_bytes, ipc_seed + 1, nullptr);
+    const cudaError_t synced = launched == cudaSuccess ? cudaDeviceSynchronize() : launched;
+    if (synced != cudaSuccess) {
+      cudaPointerAttributes attr{};
+      const cudaError_t queried = cudaPointerGetAttributes(&attr, q);
+      std::fprintf(stderr,
+                   "    consumer: kernel on device %d writing %s mapping from device %d: launch %s, synchronize %s; "
+                   "pointer attributes %s (type %d, device %d)\n",
+                   device, h.kind == ipc_kind::plain ? "plain" : "expandable", h.device, cudaGetErrorName(launched),
+                   cudaGetErrorName(synced), cudaGetErrorName(queried), static_cast<int>(attr.type), attr.device);
       return consumer_write;
+    }
     alloc.close_ipc_handle(q);
     alloc.close_ipc_handle(again);
     if (alloc.ipc_open_mappings() != 0) return consumer_close;
@@ -1420,7 +1432,9 @@ void ipc_round_trip(const char* conf, ipc_kind kind, int consumer_device) {
   if (kind == ipc_kind::expandable) CHECK(ex.fds.size() == h.pages.size() && h.pages.size() >= 3);
   const int code = run_ipc_consumer(ex, consumer_device);
   for (int fd : ex.fds) ::close(fd);
-  CHECK_MSG(code == consumer_ok, "consumer exit code " + std::to_string(code) +
+  CHECK_MSG(code == consumer_ok, std::string(kind == ipc_kind::plain ? "plain" : "expandable") +
+                                     " round, consumer on device " + std::to_string(consumer_device) +
+                                     ": consumer exit code " + std::to_string(code) +
                                      " (10 receive, 11 peer, 12 open, 13 cache, 14 bytes, 15 write, 16 close)");
   CHECK(host_mismatches(p, n, ipc_seed + 1) == 0);
   note(std::string(kind == ipc_kind::plain ? "plain" : "expandable") + " block of " + std::to_string(h.size_bytes) +

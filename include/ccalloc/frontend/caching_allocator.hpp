@@ -198,16 +198,26 @@ class caching_allocator {
   /// (the parser's message), a device not initialized here, or a wrong number
   /// of descriptors; backend_error when the backend refuses (bad descriptor,
   /// a freed segment where the backend notices). Nothing stays open after an
-  /// exception. Thread-safe. Peers granted on the handle's device with
-  /// enable_peer_access before the open may access an expandable mapping
-  /// (cuMemSetAccess); later grants do not reach mappings already open, and
-  /// plain mappings rely on cudaIpcMemLazyEnablePeerAccess. The cache key is
+  /// exception. Thread-safe.
+  ///
+  /// `access_device` (-1: the handle's device) is the device whose kernels
+  /// will use the mapping; it must be initialized here and, when it is not
+  /// the handle's device, able to access that device (else backend_error
+  /// "cannot access device"). A plain segment is opened for that device
+  /// (cudaIpcOpenMemHandle with it current and
+  /// cudaIpcMemLazyEnablePeerAccess, as CUDA documents for a consumer on
+  /// another GPU); an expandable mapping gets read/write access for it
+  /// (cuMemSetAccess) besides the handle's device and the peers granted there
+  /// with enable_peer_access before the open (later grants do not reach
+  /// mappings already open). Opening a cached mapping for a further device
+  /// grants that device too (peer access to the device the plain segment was
+  /// opened for; cuMemSetAccess of every imported page). The cache key is
   /// the producer's process id, device, segment and (expandable) page range
   /// and file offsets: close a handle before its producer frees the block,
   /// else a later handle of new memory at the same place (same key) would
   /// get the stale cached mapping (PyTorch's cache, keyed by the handle,
   /// has the same rule).
-  [[nodiscard]] void* open_ipc_handle(std::string_view handle, std::span<const int> fds = {});
+  [[nodiscard]] void* open_ipc_handle(std::string_view handle, std::span<const int> fds = {}, int access_device = -1);
   /// Drops one reference to an opened handle; `ptr` is a pointer that
   /// open_ipc_handle returned. The mapping closes (cudaIpcCloseMemHandle, or
   /// unmap + release of the imported pages) when the last reference goes.
