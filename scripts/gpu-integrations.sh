@@ -10,7 +10,10 @@
 #       3..19), peak reserved and the largest loss difference;
 #   (b) a CuPy array workload on ccalloc printing ccalloc's statistics
 #       (scripts/cupy_workload.py);
-#   (c) the Python tests (python/tests) with their torch and CuPy parts.
+#   (c) the Python tests (python/tests) with their torch and CuPy parts;
+#   (d) when 2 GPUs are visible (SKIP otherwise): a torch.distributed NCCL
+#       all-reduce across them on tensors from a ccalloc pool whose segments
+#       come from ncclMemAlloc (SPEC E5; scripts/nccl_allreduce.py).
 #
 # Usage: scripts/gpu-integrations.sh [OUT_DIR]
 #   OUT_DIR defaults to $OUT, else out/gpu-integrations. Runs from the
@@ -18,9 +21,11 @@
 #   torch, transformers and cupy. GPT2_ROUNDS=1 runs native and ccalloc once
 #   each instead of twice; GPT2_ORDER and GPT2_STEPS (default 20) pick other
 #   variants and lengths (see below).
-# Writes to OUT_DIR (6 files): build.log, gpt2.log, gpt2.json (comparison and
-#   every run), cupy.log, python-tests.log, summary.md.
-# Time: about 2-4 minutes (build ~1 min, each GPT-2 process ~20-40 s); every
+# Writes to OUT_DIR (8 files): build.log, gpt2.log, gpt2.json (comparison and
+#   every run), cupy.log, python-tests.log, nccl.log, nccl.json (every rank's
+#   results; only when it ran), summary.md.
+# Time: about 2-5 minutes (build ~1 min, each GPT-2 process ~20-40 s, the
+#   all-reduce ~30 s); every
 #   step has a time cap. Exit status 0 when every step passed, 1 otherwise;
 #   a failing step does not stop the later ones.
 set -euo pipefail
@@ -36,9 +41,11 @@ BUILD_LOG=$OUT_DIR/build.log
 GPT2_LOG=$OUT_DIR/gpt2.log
 CUPY_LOG=$OUT_DIR/cupy.log
 PYTEST_LOG=$OUT_DIR/python-tests.log
+NCCL_LOG=$OUT_DIR/nccl.log
 SUMMARY=$OUT_DIR/summary.md
 RUNS_DIR=$BUILD/gpt2-runs
-for f in "$BUILD_LOG" "$GPT2_LOG" "$CUPY_LOG" "$PYTEST_LOG" "$SUMMARY"; do : >"$f"; done
+for f in "$BUILD_LOG" "$GPT2_LOG" "$CUPY_LOG" "$PYTEST_LOG" "$NCCL_LOG" "$SUMMARY"; do : >"$f"; done
+rm -f "$OUT_DIR/nccl.json"
 export PYTHONUNBUFFERED=1
 # Keep the machine's NVLink-multicast settings as they are (see the device notes).
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
@@ -167,6 +174,19 @@ fi
 record "Python tests" "$STEP_RC" "$STEP_SECONDS" \
   "$(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$PYTEST_LOG" | tail -n 1 || true)"
 
+# ---- (d) NCCL all-reduce across two GPUs on a pool of ncclMemAlloc memory (SPEC E5) ----------------
+GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1 || echo 0)
+if [ "$GPUS" -ge 2 ] 2>/dev/null; then
+  run_step "NCCL all-reduce on 2 GPUs (ccalloc pool from ncclMemAlloc)" "$NCCL_LOG" 360 \
+    "$PYTHON" scripts/nccl_allreduce.py --world-size 2 --timeout 300 --json "$OUT_DIR/nccl.json"
+  if [ "$STEP_RC" -eq 77 ]; then STEP_RC=skip; fi
+  record "NCCL all-reduce (2 GPUs)" "$STEP_RC" "$STEP_SECONDS" \
+    "$(grep -E '^nccl_allreduce: (PASS|FAIL|SKIP)' "$NCCL_LOG" | tail -n 1 || true)"
+else
+  echo "== NCCL all-reduce: SKIP, ${GPUS:-0} GPU(s) visible to PyTorch, 2 needed" | tee -a "$NCCL_LOG"
+  record "NCCL all-reduce (2 GPUs)" skip 0 "${GPUS:-0} GPU(s) visible, 2 needed"
+fi
+
 # ---- summary ---------------------------------------------------------------------------------------
 {
   echo "# gpu-integrations summary ($(($(date +%s) - START)) s; logs in $OUT_DIR)"
@@ -187,6 +207,12 @@ record "Python tests" "$STEP_RC" "$STEP_SECONDS" \
   echo "## CuPy"
   echo
   sed -n '/^cupy workload: [0-9]/,/^cupy workload: /p' "$CUPY_LOG"
+  if grep -q '^nccl_allreduce: [0-9]* ranks' "$NCCL_LOG"; then
+    echo
+    echo "## NCCL all-reduce"
+    echo
+    sed -n '/^nccl_allreduce: [0-9]* ranks/,/^nccl_allreduce: \(PASS\|FAIL\)/p' "$NCCL_LOG"
+  fi
 } >"$SUMMARY"
 echo
 cat "$SUMMARY"

@@ -18,3 +18,13 @@ static_assert(std::is_same_v<decltype(&ccalloc_torch_empty_cache), void (*)()>);
 static_assert(std::is_same_v<decltype(&ccalloc_torch_set_memory_fraction), void (*)(double, int)>);
 static_assert(std::is_same_v<decltype(&ccalloc_torch_base_alloc), void* (*)(void*, std::size_t*)>);
 static_assert(std::is_same_v<decltype(&ccalloc_torch_record_stream), void (*)(void*, cudaStream_t)>);
+
+// Private pools' segment functions have cudaMalloc's and cudaFree's
+// parameters; their return type is int where CUDA's is the enum cudaError_t,
+// which is int-sized, so cudaMalloc passes with a cast (as ncclMemAlloc,
+// whose ncclResult_t is an int-sized enum too).
+static_assert(std::is_same_v<ccalloc_segment_malloc_fn, int (*)(void**, std::size_t)>);
+static_assert(std::is_same_v<ccalloc_segment_free_fn, int (*)(void*)>);
+static_assert(sizeof(cudaError_t) == sizeof(int));
+[[maybe_unused]] constexpr cudaError_t (*cuda_malloc_signature)(void**, std::size_t) = &cudaMalloc;
+[[maybe_unused]] constexpr cudaError_t (*cuda_free_signature)(void*) = &cudaFree;

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -657,6 +658,381 @@ TEST(CApiHistory, RecordHistoryAndSnapshotJson) {
   EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
   EXPECT_EQ(ccalloc_record_history(a, 0, 1000), CCALLOC_OK);
   ccalloc_destroy(a);
+}
+
+}  // namespace
+
+namespace {
+
+// ---- private pools through C (SPEC F20, F21, E5) ------------------------------------------------
+//
+// A pool's segments from a C segment allocator (the shape of cudaMalloc /
+// ncclMemAlloc): here host memory, which the simulated device's allocator
+// only keeps addresses of. The functions record how they were called.
+
+constexpr std::size_t KiB = std::size_t{1} << 10;
+
+struct host_segments_t {
+  ccalloc_allocator_t* alloc = nullptr;  ///< whose current device the functions read
+  int mallocs = 0;
+  int frees = 0;
+  int malloc_code = 0;          ///< nonzero: the next mallocs fail with it
+  bool null_on_success = false; ///< return 0 and no pointer
+  int free_code = 0;            ///< nonzero: the next frees fail with it
+  std::vector<int> devices;     ///< the current device during each call
+  std::vector<std::size_t> sizes;
+  std::vector<void*> live;
+};
+host_segments_t host_segments;
+
+int current_device_of(ccalloc_allocator_t* a) {
+  int d = -1;
+  EXPECT_EQ(ccalloc_current_device(a, &d), CCALLOC_OK) << ccalloc_last_error();
+  return d;
+}
+
+extern "C" int host_segment_malloc(void** ptr, size_t size_bytes) {
+  host_segments_t& h = host_segments;
+  ++h.mallocs;
+  h.devices.push_back(current_device_of(h.alloc));
+  h.sizes.push_back(size_bytes);
+  if (h.malloc_code != 0) return h.malloc_code;
+  if (h.null_on_success) return 0;
+  *ptr = std::aligned_alloc(4096, size_bytes);  // sizes are multiples of 2 MiB
+  if (*ptr == nullptr) return 2;
+  h.live.push_back(*ptr);
+  return 0;
+}
+
+extern "C" int host_segment_free(void* ptr) {
+  host_segments_t& h = host_segments;
+  ++h.frees;
+  h.devices.push_back(current_device_of(h.alloc));
+  if (h.free_code != 0) return h.free_code;
+  const auto it = std::find(h.live.begin(), h.live.end(), ptr);
+  if (it == h.live.end()) return 99;  // not ours: the test fails on the code
+  h.live.erase(it);
+  std::free(ptr);
+  return 0;
+}
+
+/// Resets host_segments for a test on allocator `a`.
+void use_host_segments(ccalloc_allocator_t* a) {
+  for (void* p : host_segments.live) std::free(p);
+  host_segments = host_segments_t{};
+  host_segments.alloc = a;
+}
+
+ccalloc_mempool_id_t new_pool(ccalloc_allocator_t* a) {
+  ccalloc_mempool_id_t id{0, 7};
+  EXPECT_EQ(ccalloc_new_pool_id(a, &id), CCALLOC_OK) << ccalloc_last_error();
+  return id;
+}
+
+ccalloc_pool_usage_t usage(ccalloc_allocator_t* a, int device, ccalloc_mempool_id_t id) {
+  ccalloc_pool_usage_t u{};
+  u.use_count = -1;
+  EXPECT_EQ(ccalloc_pool_usage(a, device, id, &u), CCALLOC_OK) << ccalloc_last_error();
+  return u;
+}
+
+int use_count(ccalloc_allocator_t* a, int device, ccalloc_mempool_id_t id) {
+  int n = -1;
+  EXPECT_EQ(ccalloc_pool_use_count(a, device, id, &n), CCALLOC_OK) << ccalloc_last_error();
+  return n;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+/// Creates pool `P` on device 0 of `a` with the host_segments functions,
+/// allocates 3 MiB in it and frees it: the pool then caches one 20 MiB
+/// segment, which starts at the returned address.
+void* pool_with_a_cached_segment(ccalloc_allocator_t* a, ccalloc_mempool_id_t P) {
+  EXPECT_EQ(ccalloc_create_pool(a, 0, P, host_segment_malloc, host_segment_free), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_begin_allocate_to_pool(a, 0, P, nullptr, 0), CCALLOC_OK) << ccalloc_last_error();
+  void* p = must_malloc(a, 3 * MiB);
+  EXPECT_EQ(ccalloc_end_allocate_to_pool(a, 0, P), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK) << ccalloc_last_error();
+  return p;
+}
+
+TEST(CApiPools, NewPoolIdsAreUserIdsAndUnique) {
+  const ccalloc_mempool_id_t a = new_pool(nullptr);
+  const ccalloc_mempool_id_t b = new_pool(nullptr);
+  EXPECT_GE(a.first, 1u);
+  EXPECT_EQ(a.second, 0u) << "user pools are {n, 0}, as PyTorch's MemPool";
+  EXPECT_EQ(b.first, a.first + 1);
+  EXPECT_EQ(b.second, 0u);
+  EXPECT_EQ(ccalloc_new_pool_id(nullptr, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(ccalloc_last_error(), "ccalloc_new_pool_id: out is NULL")) << ccalloc_last_error();
+}
+
+// Segments come from the pool's functions, with the pool's device current;
+// allocations land in the pool only on the routed stream and only between
+// begin and end; use counts keep the segments; release gives them back.
+TEST(CApiPools, SegmentAllocatorOnThePoolsDeviceAndStreamRouting) {
+  sim_allocator a(0, "", 2);
+  use_host_segments(a);
+  const ccalloc_mempool_id_t P = new_pool(a);
+  ASSERT_EQ(current_device_of(a), 0);
+  ASSERT_EQ(ccalloc_create_pool(a, 1, P, host_segment_malloc, host_segment_free), CCALLOC_OK)
+      << ccalloc_last_error();
+  EXPECT_EQ(use_count(a, 1, P), 1);
+  EXPECT_EQ(use_count(a, 0, P), 0) << "pools are per device";
+  EXPECT_EQ(host_segments.mallocs, 0) << "segments come on demand";
+  ccalloc_stream_t side = nullptr;
+  ASSERT_EQ(ccalloc_stream_create(a, 1, &side), CCALLOC_OK) << ccalloc_last_error();
+
+  ASSERT_EQ(ccalloc_begin_allocate_to_pool(a, 1, P, nullptr, 0), CCALLOC_OK) << ccalloc_last_error();
+  void* big = must_malloc(a, 3 * MiB, nullptr, 1);  // routed: a 20 MiB segment of the pool
+  EXPECT_EQ(host_segments.mallocs, 1);
+  ASSERT_EQ(host_segments.sizes.size(), 1u);
+  EXPECT_EQ(host_segments.sizes[0], 20 * MiB);
+  EXPECT_EQ(host_segments.devices, std::vector<int>{1}) << "device 1 was current during the call";
+  EXPECT_EQ(current_device_of(a), 0) << "and device 0 is current again after it";
+  EXPECT_EQ(big, host_segments.live.at(0)) << "the block starts the segment";
+  ccalloc_pool_usage_t u = usage(a, 1, P);
+  EXPECT_EQ(u.segment_count, 1u);
+  EXPECT_EQ(u.reserved_bytes, 20 * MiB);
+  EXPECT_EQ(u.allocated_bytes, 3 * MiB);
+  EXPECT_EQ(u.active_bytes, 3 * MiB);
+  EXPECT_EQ(u.allocation_count, 1u);
+  EXPECT_EQ(u.use_count, 1);
+
+  void* other = must_malloc(a, 3 * MiB, side, 1);  // another stream: the default pool
+  void* small = must_malloc(a, 4 * KiB, nullptr, 1);  // routed: a 2 MiB small segment of the pool
+  EXPECT_EQ(host_segments.mallocs, 2);
+  EXPECT_EQ(host_segments.sizes.back(), 2 * MiB);
+  u = usage(a, 1, P);
+  EXPECT_EQ(u.segment_count, 2u);
+  EXPECT_EQ(u.reserved_bytes, 22 * MiB);
+  EXPECT_EQ(u.allocated_bytes, 3 * MiB + 4 * KiB);
+  EXPECT_EQ(u.allocation_count, 2u);
+  ASSERT_EQ(ccalloc_end_allocate_to_pool(a, 1, P), CCALLOC_OK) << ccalloc_last_error();
+  void* after = must_malloc(a, 3 * MiB, nullptr, 1);  // the routing ended: the default pool
+  EXPECT_EQ(usage(a, 1, P).allocated_bytes, 3 * MiB + 4 * KiB);
+  EXPECT_EQ(host_segments.mallocs, 2);
+  const ccalloc_pool_usage_t def = usage(a, 1, ccalloc_mempool_id_t{0, 0});
+  EXPECT_EQ(def.allocated_bytes, 6 * MiB) << "`other` and `after`";
+  EXPECT_EQ(def.allocation_count, 2u);
+  EXPECT_EQ(def.use_count, 0);
+  // The pool's bytes are the device's reserved bytes too; device 0 has none.
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current", 1),
+            static_cast<std::int64_t>(22 * MiB + def.reserved_bytes));
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current", 0), 0);
+
+  // A second reference keeps the first segment source (the NULLs are ignored).
+  ASSERT_EQ(ccalloc_create_pool(a, 1, P, nullptr, nullptr), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(use_count(a, 1, P), 2);
+  // All streams: the side stream's allocation lands in the pool now.
+  ASSERT_EQ(ccalloc_begin_allocate_to_pool(a, 1, P, nullptr, 1), CCALLOC_OK) << ccalloc_last_error();
+  void* side_big = must_malloc(a, 5 * MiB, side, 1);
+  ASSERT_EQ(ccalloc_end_allocate_to_pool(a, 1, P), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(host_segments.mallocs, 3) << "a segment of the side stream, from the pool's functions";
+  EXPECT_EQ(usage(a, 1, P).allocated_bytes, 8 * MiB + 4 * KiB);
+  EXPECT_EQ(usage(a, 1, P).reserved_bytes, 42 * MiB);
+
+  for (void* p : {big, small, side_big, other, after}) ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  u = usage(a, 1, P);
+  EXPECT_EQ(u.allocated_bytes, 0u);
+  EXPECT_EQ(u.reserved_bytes, 42 * MiB) << "cached in the pool";
+  // With users, empty_cache keeps the pool's segments.
+  ASSERT_EQ(ccalloc_empty_cache(a), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(usage(a, 1, P).reserved_bytes, 42 * MiB);
+  EXPECT_EQ(host_segments.frees, 0);
+  ASSERT_EQ(ccalloc_release_pool(a, 1, P), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(use_count(a, 1, P), 1);
+  ASSERT_EQ(ccalloc_empty_cache(a), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(host_segments.frees, 0);
+  ASSERT_EQ(ccalloc_release_pool(a, 1, P), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(use_count(a, 1, P), 0);
+  EXPECT_EQ(usage(a, 1, P).use_count, 0) << "released, still holding its cached segments";
+  ASSERT_EQ(ccalloc_empty_cache(a), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(host_segments.frees, 3);
+  EXPECT_TRUE(host_segments.live.empty());
+  EXPECT_EQ(host_segments.devices, (std::vector<int>{1, 1, 1, 1, 1, 1})) << "3 mallocs, 3 frees, all on device 1";
+  EXPECT_EQ(current_device_of(a), 0);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current", 1), 0);
+  ccalloc_pool_usage_t gone{};
+  EXPECT_EQ(ccalloc_pool_usage(a, 1, P, &gone), CCALLOC_ERROR_INVALID_ARGUMENT) << "the pool is gone";
+  EXPECT_TRUE(contains(ccalloc_last_error(), "has no private pool")) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_stream_destroy(a, 1, side), CCALLOC_OK);
+}
+
+// Without a segment source, the pool takes the backend's segments (plain
+// ones here, with PyTorch's policies).
+TEST(CApiPools, BackendSegmentsWithoutASegmentAllocator) {
+  sim_allocator a(0, ccalloc::pytorch_policies);
+  const ccalloc_mempool_id_t P = new_pool(a);
+  ASSERT_EQ(ccalloc_create_pool(a, 0, P, nullptr, nullptr), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_begin_allocate_to_pool(a, 0, P, nullptr, 0), CCALLOC_OK) << ccalloc_last_error();
+  void* p = must_malloc(a, MiB + 1);
+  ASSERT_EQ(ccalloc_end_allocate_to_pool(a, 0, P), CCALLOC_OK) << ccalloc_last_error();
+  const ccalloc_pool_usage_t u = usage(a, 0, P);
+  EXPECT_EQ(u.reserved_bytes, 20 * MiB);
+  EXPECT_EQ(u.allocated_bytes, MiB + 512);
+  EXPECT_EQ(stat(a, "num_device_alloc"), 1);
+  EXPECT_EQ(usage(a, 0, ccalloc_mempool_id_t{0, 0}).reserved_bytes, 0u);
+  ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_release_pool(a, 0, P), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_empty_cache(a), CCALLOC_OK);
+  EXPECT_EQ(stat(a, "num_device_free"), 1);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), 0);
+}
+
+// A failing segment malloc is the out-of-memory path: the status, the code
+// in the message, nothing else changed.
+TEST(CApiPools, FailingSegmentMallocIsOutOfMemoryAndChangesNothing) {
+  sim_allocator a(64 * MiB);
+  use_host_segments(a);
+  const ccalloc_mempool_id_t P = new_pool(a);
+  ASSERT_EQ(ccalloc_create_pool(a, 0, P, host_segment_malloc, host_segment_free), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_begin_allocate_to_pool(a, 0, P, nullptr, 0), CCALLOC_OK);
+  host_segments.malloc_code = 7;
+  const std::int64_t reserved = stat(a, "reserved_bytes.all.current");
+  void* p = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(ccalloc_malloc(a, 0, 3 * MiB, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(p, reinterpret_cast<void*>(0x1));
+  const std::string message = ccalloc_last_error();
+  EXPECT_TRUE(contains(message, "out of memory")) << message;
+  EXPECT_TRUE(contains(message, "the segment allocator of private pool (" + std::to_string(P.first) +
+                                    ", 0) of device 0 returned 7")) << message;
+  // One call: while a begin_allocate_to_pool is active the allocator frees
+  // no cached memory, so there is no retry (CUDA graph capture rules).
+  EXPECT_EQ(host_segments.mallocs, 1);
+  EXPECT_EQ(usage(a, 0, P).segment_count, 0u);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), reserved);
+  EXPECT_EQ(stat(a, "num_ooms"), 1);
+  EXPECT_EQ(current_device_of(a), 0);
+
+  host_segments.malloc_code = 0;
+  host_segments.null_on_success = true;
+  EXPECT_EQ(ccalloc_malloc(a, 0, 3 * MiB, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  EXPECT_TRUE(contains(ccalloc_last_error(), "returned 0 with a NULL pointer")) << ccalloc_last_error();
+  host_segments.null_on_success = false;
+  p = must_malloc(a, 3 * MiB);  // works again
+  EXPECT_EQ(usage(a, 0, P).allocated_bytes, 3 * MiB);
+  ASSERT_EQ(ccalloc_end_allocate_to_pool(a, 0, P), CCALLOC_OK);
+  // An out-of-memory error of the default pool later carries no stale code.
+  void* q = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(ccalloc_malloc(a, 0, 100 * MiB, nullptr, &q), CCALLOC_ERROR_OUT_OF_MEMORY);
+  EXPECT_FALSE(contains(ccalloc_last_error(), "segment allocator")) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_release_pool(a, 0, P), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_empty_cache(a), CCALLOC_OK);
+  EXPECT_TRUE(host_segments.live.empty());
+}
+
+// PyTorch's hook throws the same message (with the code) on the process-wide allocator.
+TEST(CApiPools, TorchHookOutOfMemoryCarriesTheSegmentAllocatorsCode) {
+  use_host_segments(nullptr);
+  const ccalloc_mempool_id_t P = new_pool(nullptr);
+  ASSERT_EQ(ccalloc_create_pool(nullptr, 0, P, host_segment_malloc, host_segment_free), CCALLOC_OK)
+      << ccalloc_last_error();
+  ccalloc_stream_t s = nullptr;
+  ASSERT_EQ(ccalloc_stream_create(nullptr, 0, &s), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_begin_allocate_to_pool(nullptr, 0, P, s, 0), CCALLOC_OK) << ccalloc_last_error();
+  host_segments.malloc_code = 3;
+  try {
+    (void)ccalloc_torch_alloc(MiB, 0, s);
+    ADD_FAILURE() << "no exception";
+  } catch (const ccalloc::out_of_memory_error& e) {
+    EXPECT_TRUE(contains(e.what(), "returned 3")) << e.what();
+    EXPECT_EQ(e.requested_bytes, MiB) << "the figures are kept";
+    EXPECT_EQ(e.device, 0);
+  }
+  ASSERT_EQ(ccalloc_end_allocate_to_pool(nullptr, 0, P), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_release_pool(nullptr, 0, P), CCALLOC_OK);
+  EXPECT_EQ(use_count(nullptr, 0, P), 0);
+  EXPECT_EQ(host_segments.frees, 0);
+  EXPECT_EQ(ccalloc_stream_destroy(nullptr, 0, s), CCALLOC_OK);
+}
+
+// A failing segment free is a backend error naming the code; the segment
+// stays in the pool until a free succeeds.
+TEST(CApiPools, FailingSegmentFreeIsReportedAndTheSegmentStays) {
+  sim_allocator a;
+  use_host_segments(a);
+  const ccalloc_mempool_id_t P = new_pool(a);
+  void* p = pool_with_a_cached_segment(a, P);
+  ASSERT_EQ(ccalloc_release_pool(a, 0, P), CCALLOC_OK);
+  host_segments.free_code = 5;
+  EXPECT_EQ(ccalloc_empty_cache(a), CCALLOC_ERROR_BACKEND);
+  const std::string message = ccalloc_last_error();
+  EXPECT_TRUE(contains(message, "failed to free " + pointer_text(p) + ": its free returned 5")) << message;
+  EXPECT_EQ(host_segments.frees, 1);
+  const ccalloc_pool_usage_t u = usage(a, 0, P);
+  EXPECT_EQ(u.reserved_bytes, 20 * MiB) << "still in the pool";
+  EXPECT_EQ(u.use_count, 0);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(20 * MiB));
+  host_segments.free_code = 0;
+  ASSERT_EQ(ccalloc_empty_cache(a), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(host_segments.frees, 2);
+  EXPECT_TRUE(host_segments.live.empty());
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current"), 0);
+}
+
+TEST(CApiPools, BadArgumentsAreNamedAndChangeNothing) {
+  sim_allocator a;
+  use_host_segments(a);
+  const ccalloc_mempool_id_t P = new_pool(a);
+  EXPECT_EQ(ccalloc_create_pool(a, 0, ccalloc_mempool_id_t{0, 0}, nullptr, nullptr),
+            CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(ccalloc_last_error(), "names the default pool")) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_create_pool(a, 0, P, host_segment_malloc, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(ccalloc_last_error(), "ccalloc_create_pool: free_fn is NULL but the other")) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_create_pool(a, 0, P, nullptr, host_segment_free), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(ccalloc_last_error(), "malloc_fn is NULL")) << ccalloc_last_error();
+  EXPECT_EQ(use_count(a, 0, P), 0) << "no pool was created";
+  EXPECT_EQ(ccalloc_create_pool(a, 1, P, nullptr, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(ccalloc_last_error(), "device 1 is not initialized")) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_pool_use_count(a, -1, P, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  int n = 0;
+  EXPECT_EQ(ccalloc_pool_use_count(a, 2, P, &n), CCALLOC_ERROR_INVALID_ARGUMENT);
+
+  EXPECT_EQ(ccalloc_release_pool(a, 0, P), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(ccalloc_last_error(), "release_pool: device 0 has no private pool")) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_begin_allocate_to_pool(a, 0, P, nullptr, 0), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_end_allocate_to_pool(a, 0, P), CCALLOC_ERROR_INVALID_ARGUMENT);
+  ccalloc_pool_usage_t u{};
+  u.reserved_bytes = 12345;
+  EXPECT_EQ(ccalloc_pool_usage(a, 0, P, &u), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(u.reserved_bytes, 12345u) << "outputs are unchanged on error";
+  EXPECT_EQ(ccalloc_pool_usage(a, 0, P, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+
+  ASSERT_EQ(ccalloc_create_pool(a, 0, P, host_segment_malloc, host_segment_free), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_end_allocate_to_pool(a, 0, P), CCALLOC_ERROR_INVALID_ARGUMENT) << "end without begin";
+  EXPECT_TRUE(contains(ccalloc_last_error(), "is not active")) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_begin_allocate_to_pool(a, 0, P, nullptr, 0), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_end_allocate_to_pool(a, 0, P), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_end_allocate_to_pool(a, 0, P), CCALLOC_ERROR_INVALID_ARGUMENT) << "ended twice";
+  // A pool that holds a segment and was released: no second release, no routing.
+  ASSERT_EQ(ccalloc_begin_allocate_to_pool(a, 0, P, nullptr, 0), CCALLOC_OK);
+  void* p = must_malloc(a, 4 * KiB);
+  ASSERT_EQ(ccalloc_end_allocate_to_pool(a, 0, P), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_release_pool(a, 0, P), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_release_pool(a, 0, P), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(ccalloc_last_error(), "was already released (use count 0)")) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_begin_allocate_to_pool(a, 0, P, nullptr, 0), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(ccalloc_last_error(), "it takes no allocations")) << ccalloc_last_error();
+  EXPECT_EQ(usage(a, 0, P).allocated_bytes, 4 * KiB) << "the live block is untouched";
+  ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_empty_cache(a), CCALLOC_OK);
+  EXPECT_TRUE(host_segments.live.empty());
+  EXPECT_EQ(host_segments.mallocs, 1);
+  EXPECT_EQ(host_segments.frees, 1);
+}
+
+// ccalloc_destroy returns a pool's cached segments through its free function.
+TEST(CApiPools, DestroyFreesThePoolsSegments) {
+  use_host_segments(nullptr);
+  {
+    sim_allocator a;  // the functions read the process-wide backend's device: `a` is being destroyed
+    void* p = pool_with_a_cached_segment(a, new_pool(a));
+    EXPECT_EQ(host_segments.live, std::vector<void*>{p});
+  }
+  EXPECT_EQ(host_segments.frees, 1);
+  EXPECT_TRUE(host_segments.live.empty());
 }
 
 }  // namespace

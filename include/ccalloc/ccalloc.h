@@ -46,12 +46,11 @@
  * Cost: malloc and delete are the front end's (a pointer-map lookup and the
  * device allocator's O(log n) pool search); the C layer adds a try/catch.
  *
- * Planned (not in this version): private pools (SPEC F20-F24, issue 6) will
- * add functions taking (allocator, device, ccalloc_pool_id_t, ...) with an
- * optional per-pool segment allocator (a malloc/free pair with a user-data
- * pointer, e.g. over ncclMemAlloc for SPEC E5); history and snapshots (SPEC
- * F13-F16, issue 5) will add functions returning JSON text that the caller
- * frees with ccalloc_string_free. The conventions above hold for them.
+ * Private pools (SPEC F20, F21, E5) take (allocator, device, pool id, ...):
+ * a pool holds its own segments, optionally from the caller's segment
+ * allocator (cudaMalloc, ncclMemAlloc), and allocations are routed to it
+ * between ccalloc_begin_allocate_to_pool and ccalloc_end_allocate_to_pool.
+ * CUDA graph checkpoints (F23, F24) are C++ only.
  */
 #ifndef CCALLOC_CCALLOC_H
 #define CCALLOC_CCALLOC_H
@@ -301,6 +300,116 @@ CCALLOC_API ccalloc_status_t ccalloc_get_config(ccalloc_allocator_t* alloc, char
  * must stay valid as long as the allocator. Observers cannot be detached. */
 CCALLOC_API ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* alloc,
                                                                    ccalloc_oom_observer_fn fn, void* user_data);
+
+/* ---- private pools (SPEC F20, F21, E5; PyTorch's MemPool) ---------------------------------------
+ *
+ * A private pool holds its own segments: an allocation routed to it (see
+ * ccalloc_begin_allocate_to_pool) is carved from them, and its free returns
+ * the block there; nothing else allocates from them. Pools are per device:
+ * the same id on two devices names two pools. Blocks stay bound to their
+ * stream as in the default pool. While the pool's use count is above 0 its
+ * segments stay (addresses a CUDA graph or an NCCL communicator holds stay
+ * valid); at use count 0 its cached segments go back to the device (or to
+ * its segment allocator's free) at the next ccalloc_empty_cache or
+ * out-of-memory retry, and the pool disappears when it holds no segment.
+ * Semantics in <ccalloc/core/device_caching_allocator.hpp> ("private pools").
+ * Every function here locks the whole device briefly; all are thread-safe.
+ * Errors, for each: INVALID_ARGUMENT (device out of range or not
+ * initialized, unknown pool, NULL output) with nothing changed. */
+
+/** Identifies a private pool of a device: PyTorch's MempoolId_t, a pair of
+ * integers. User pools are {n, 0} (ccalloc_new_pool_id), CUDA graph pools
+ * {0, n}; {0, 0} is the device's default pool and never a private one. */
+typedef struct {
+  uint64_t first;
+  uint64_t second;
+} ccalloc_mempool_id_t;
+
+/** A pool's segment source, malloc half: stores `size_bytes` (> 0: a
+ * segment size, 2 MiB, 20 MiB or a larger multiple of 2 MiB; in no-caching
+ * mode the rounded request, a multiple of 512 bytes) of device memory usable on every stream
+ * of the pool's device in *ptr and returns 0, or returns nonzero when it
+ * cannot. The signature of cudaMalloc and ncclMemAlloc (whose enum return
+ * types, cudaError_t and ncclResult_t, are int-sized: pass them with a cast,
+ * `(ccalloc_segment_malloc_fn)ncclMemAlloc`, or as addresses from Python).
+ * Called with the pool's device made current (cudaSetDevice; restored
+ * after), on the allocating thread, with the device's locks held: it must not
+ * call into this allocator. A nonzero return (and a 0 return with *ptr NULL)
+ * counts as out of memory whatever the code: the allocator frees its cache,
+ * retries once, then fails with CCALLOC_ERROR_OUT_OF_MEMORY, whose message
+ * ends with the last nonzero code. The memory must be aligned to 512 bytes
+ * (else CCALLOC_ERROR_BACKEND, after giving it back). */
+typedef int (*ccalloc_segment_malloc_fn)(void** ptr, size_t size_bytes);
+/** The free half: returns a pointer the malloc half gave; 0 = success. The
+ * signature of cudaFree and ncclMemFree (with a cast, as above). Called with
+ * the device current and the device's locks held, when a cached segment of
+ * the pool goes back (ccalloc_empty_cache after the pool's release, an
+ * out-of-memory retry, ccalloc_destroy). A nonzero return is
+ * CCALLOC_ERROR_BACKEND naming the code, from the call that freed; the
+ * segment then stays cached in the pool (the next empty_cache tries again),
+ * except in ccalloc_destroy, which cannot report it. */
+typedef int (*ccalloc_segment_free_fn)(void* ptr);
+
+/** Bytes and blocks a pool holds now (ccalloc_pool_usage). Invariants:
+ * allocated_bytes <= active_bytes <= reserved_bytes. */
+typedef struct {
+  size_t segment_count;    /**< segments of the pool */
+  size_t reserved_bytes;   /**< bytes of those segments (mapped bytes of expandable ones) */
+  size_t allocated_bytes;  /**< sizes (rounded) of the blocks allocated from the pool now */
+  size_t active_bytes;     /**< allocated + blocks freed but waiting on events of other streams */
+  size_t allocation_count; /**< blocks allocated from the pool now */
+  int use_count;           /**< ccalloc_create_pool calls minus ccalloc_release_pool calls */
+} ccalloc_pool_usage_t;
+
+/** *out = a pool id no earlier call of this process returned: {n, 0} with n
+ * = 1, 2, 3, ... (PyTorch: MemPool's id counter). Only an id; no pool is
+ * created. The counter is shared by every allocator of the process and never
+ * fails (except for a NULL `out`). Thread-safe. */
+CCALLOC_API ccalloc_status_t ccalloc_new_pool_id(ccalloc_allocator_t* alloc, ccalloc_mempool_id_t* out);
+/** Creates pool `id` on `device` with use count 1, or adds 1 to the use count
+ * of an existing one (PyTorch: createOrIncrefPool). `malloc_fn`/`free_fn`:
+ * the pool's segment source (see ccalloc_segment_malloc_fn), used only when
+ * the pool is created (an existing pool keeps its own); both NULL = the
+ * backend's segments (cudaMalloc, or expandable segments when configured).
+ * A pool with a segment source has plain segments only; their bytes count as
+ * reserved memory of the device like any other. The functions must stay
+ * callable until the pool is gone (or the allocator destroyed). Errors:
+ * INVALID_ARGUMENT for id {0, 0} and for exactly one of the two functions
+ * NULL. */
+CCALLOC_API ccalloc_status_t ccalloc_create_pool(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                                 ccalloc_segment_malloc_fn malloc_fn,
+                                                 ccalloc_segment_free_fn free_fn);
+/** Subtracts 1 from the use count of pool `id` (PyTorch: releasePool); see
+ * the section comment for what happens at 0. Errors: INVALID_ARGUMENT for an
+ * unknown pool and for one already at use count 0. */
+CCALLOC_API ccalloc_status_t ccalloc_release_pool(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id);
+/** *out = the use count of pool `id`; 0 for a released or unknown pool
+ * (PyTorch: getPoolUseCount). */
+CCALLOC_API ccalloc_status_t ccalloc_pool_use_count(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                                    int* out);
+/** From now on, allocations on `device` go to pool `id` when made on
+ * `stream` (all_streams == 0; NULL = the legacy default stream), or on any
+ * stream of the device (all_streams != 0; `stream` is ignored) (PyTorch:
+ * beginAllocateToPool with a stream filter; PyTorch's torch.cuda.use_mem_pool
+ * routes the calling thread's allocations on any stream instead, while
+ * ccalloc.torch.use_mem_pool routes the current stream). Calls nest: the
+ * most recent active begin that takes the stream wins. While any begin is
+ * active on the device the allocator neither queries nor waits for events
+ * nor frees device memory (CUDA graph capture rules; SPEC F21): end it
+ * promptly. Errors: INVALID_ARGUMENT for an unknown pool or one at use count 0. */
+CCALLOC_API ccalloc_status_t ccalloc_begin_allocate_to_pool(ccalloc_allocator_t* alloc, int device,
+                                                            ccalloc_mempool_id_t id, ccalloc_stream_t stream,
+                                                            int all_streams);
+/** Ends the most recent ccalloc_begin_allocate_to_pool of pool `id` on
+ * `device` (PyTorch: endAllocateToPool). Errors: INVALID_ARGUMENT when none
+ * is active for that pool (never begun, or ended already). */
+CCALLOC_API ccalloc_status_t ccalloc_end_allocate_to_pool(ccalloc_allocator_t* alloc, int device,
+                                                          ccalloc_mempool_id_t id);
+/** *out = what pool `id` of `device` holds now; id {0, 0} gives the device's
+ * default pool (use_count 0). Locks the device while it walks its segments:
+ * O(segments). Errors: INVALID_ARGUMENT for an unknown pool. */
+CCALLOC_API ccalloc_status_t ccalloc_pool_usage(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                                ccalloc_pool_usage_t* out);
 
 /* ---- streams of the allocator's backend ----------------------------------------------------- */
 

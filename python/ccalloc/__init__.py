@@ -20,12 +20,16 @@ Errors: every failure raises a subclass of ``CcallocError`` carrying the
 library's message (``.status`` has the C status code).
 
 History and snapshots (SPEC F13-F16, E4) live in ``ccalloc.snapshot``.
+Private pools (SPEC F20, F21, E5): ``Allocator.create_pool`` and friends,
+``nccl_segment_allocator()`` for pools of NCCL memory, and
+``ccalloc.torch.MemPool`` / ``use_mem_pool`` for PyTorch.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import os
 import sys
 from typing import Callable, Optional
 
@@ -50,6 +54,7 @@ __all__ = [
     "memory_reserved",
     "memory_snapshot",
     "memory_stats",
+    "nccl_segment_allocator",
     "process_allocator",
     "record_history",
     "reset_accumulated_memory_stats",
@@ -112,6 +117,89 @@ def _stream(stream) -> Optional[int]:
     return stream or None
 
 
+def _pool_id(id) -> "_lib.ccalloc_mempool_id_t":
+    """A pool id (a pair of non-negative ints) as the C struct."""
+    try:
+        first, second = (int(v) for v in id)
+        if first < 0 or second < 0 or first >= 1 << 64 or second >= 1 << 64:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"ccalloc: a pool id is a pair of integers in [0, 2**64), got {id!r:.80}") from None
+    return _lib.ccalloc_mempool_id_t(first, second)
+
+
+def _function_address(fn, what: str) -> int:
+    """The address of a C function given as an int or a ctypes function pointer."""
+    if isinstance(fn, ctypes._CFuncPtr):  # pylint: disable=protected-access
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+    elif isinstance(fn, int) and not isinstance(fn, bool):
+        address = fn
+    else:
+        raise InvalidArgumentError(f"ccalloc: create_pool: the segment {what} function must be an address (int) "
+                                   f"or a ctypes function, got {fn!r:.80}")
+    if not address or address < 0:
+        raise InvalidArgumentError(f"ccalloc: create_pool: the segment {what} function address is {address!r}")
+    return address
+
+
+def nccl_segment_allocator(library: str = "libnccl.so.2") -> tuple:
+    """``(address of ncclMemAlloc, address of ncclMemFree)`` for
+    ``create_pool(..., segment_allocator=...)`` and
+    ``ccalloc.torch.MemPool(segment_allocator=...)`` (SPEC E5): a pool whose
+    segments NCCL can use for zero-copy / NVLS collectives (NCCL >= 2.19).
+
+    ``library`` is a file name or path. After ``import torch`` the name
+    finds the NCCL that PyTorch loaded (one copy in the process); otherwise
+    the copy of the ``nvidia-nccl`` wheel next to the torch package
+    (``site-packages/nvidia/nccl/lib``) is tried first, then the dynamic
+    linker's search path. The library stays loaded. Raises OSError naming
+    every place tried when none has the two functions."""
+    candidates = []
+    if os.sep in library:
+        candidates.append(library)
+    else:
+        if "torch" in sys.modules:
+            candidates.append(library)  # the soname of the copy torch loaded
+        candidates.extend(str(d / library) for d in _nccl_wheel_dirs())
+        candidates.append(library)
+    def has_mem_alloc(nccl) -> Optional[str]:
+        ok = hasattr(nccl, "ncclMemAlloc") and hasattr(nccl, "ncclMemFree")
+        return None if ok else "no ncclMemAlloc/ncclMemFree (NCCL older than 2.19)"
+
+    nccl, _, tried = _lib.load_first(candidates, has_mem_alloc)
+    if nccl is not None:
+        _nccl_libraries.append(nccl)
+        return (ctypes.cast(nccl.ncclMemAlloc, ctypes.c_void_p).value,
+                ctypes.cast(nccl.ncclMemFree, ctypes.c_void_p).value)
+    raise OSError("ccalloc: nccl_segment_allocator: cannot find ncclMemAlloc and ncclMemFree; pass the path of "
+                  "libnccl.so.2 (NCCL >= 2.19), or import torch first. Tried: " + "; ".join(tried))
+
+
+_nccl_libraries: list = []  # kept loaded: pools hold their function addresses
+
+
+def _nccl_wheel_dirs() -> list:
+    """Where pip's nvidia-nccl wheel puts libnccl: site-packages/nvidia/nccl/lib
+    next to the torch package, and in each path of the ``nvidia`` namespace."""
+    import importlib.util
+    from pathlib import Path
+
+    dirs = []
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        dirs.append(Path(spec.origin).resolve().parent.parent / "nvidia" / "nccl" / "lib")
+    try:
+        nvidia = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        nvidia = None
+    if nvidia is not None:
+        dirs.extend(Path(base) / "nccl" / "lib" for base in nvidia.submodule_search_locations or [])
+    return [d for d in dict.fromkeys(dirs) if d.is_dir()]
+
+
 _stat_names: Optional[list] = None
 
 
@@ -144,6 +232,7 @@ class Allocator:
     def __init__(self, backend: str = "sim", devices: int = 1, capacity_bytes: Optional[int] = None,
                  config: Optional[str] = None, *, _handle: Optional[int] = None, _owned: bool = True):
         self._observers: list = []
+        self._kept: list = []  # ctypes segment functions of this allocator's pools
         self._handle: Optional[int] = None
         self._owned = False
         if not _owned:
@@ -397,6 +486,94 @@ class Allocator:
         if not self._owned:
             _process_observers.append(callback)
 
+    # ---- private pools (SPEC F20, F21, E5; PyTorch's MemPool) -----------------------------------
+    #
+    # A pool holds its own segments; allocations routed to it (between
+    # begin_allocate_to_pool and end_allocate_to_pool) come from them and
+    # return there. Pools are per device. While the use count is above 0 the
+    # segments stay; at 0 they go back at the next empty_cache and the pool
+    # disappears. ``id`` is a pair of ints (PyTorch's MempoolId_t): user pools
+    # (first, 0) from new_pool_id(), CUDA graph pools (0, n); (0, 0) is the
+    # default pool. ccalloc.torch.MemPool and use_mem_pool wrap these for
+    # PyTorch.
+
+    def new_pool_id(self) -> tuple:
+        """A pool id no earlier call of this process returned: ``(n, 0)``,
+        n = 1, 2, ... (PyTorch: MemPool's id counter). Creates nothing."""
+        out = _lib.ccalloc_mempool_id_t()
+        _check(_lib.lib().ccalloc_new_pool_id(self._handle, ctypes.byref(out)))
+        return (out.first, out.second)
+
+    def create_pool(self, id, device: int = 0, segment_allocator=None) -> None:
+        """Creates pool ``id`` on ``device`` with use count 1, or adds 1 to
+        its use count (PyTorch: createOrIncrefPool).
+
+        ``segment_allocator``: None (the backend's segments) or a pair
+        ``(malloc, free)`` of C functions with cudaMalloc's and cudaFree's
+        shapes, ``int malloc(void** ptr, size_t size_bytes)`` and ``int
+        free(void* ptr)``, 0 meaning success: as addresses (ints, e.g.
+        ``nccl_segment_allocator()``) or ctypes function pointers (kept alive
+        here). They run with ``device`` current and the allocator's device
+        lock held, so they must not call into ccalloc; a nonzero malloc counts
+        as out of memory, a nonzero free raises BackendError from the call
+        that returned the segment. Used only when the pool is created.
+        Raises InvalidArgumentError for id (0, 0), a bad pair, a bad device.
+        """
+        pool = _pool_id(id)
+        malloc_fn = free_fn = None
+        keep = ()
+        if segment_allocator is not None:
+            try:
+                malloc_obj, free_obj = segment_allocator
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    "ccalloc: create_pool: segment_allocator must be None or a pair (malloc, free) of C "
+                    f"function addresses, got {segment_allocator!r:.80}") from None
+            malloc_fn, free_fn = _function_address(malloc_obj, "malloc"), _function_address(free_obj, "free")
+            keep = (malloc_obj, free_obj)
+        _check(_lib.lib().ccalloc_create_pool(self._handle, int(device), pool, malloc_fn, free_fn))
+        if keep:
+            (self._kept if self._owned else _process_kept).append(keep)
+
+    def release_pool(self, id, device: int = 0) -> None:
+        """Subtracts 1 from pool ``id``'s use count (PyTorch: releasePool).
+        InvalidArgumentError for an unknown pool or one already at 0."""
+        _check(_lib.lib().ccalloc_release_pool(self._handle, int(device), _pool_id(id)))
+
+    def pool_use_count(self, id, device: int = 0) -> int:
+        """Pool ``id``'s use count; 0 for a released or unknown pool
+        (PyTorch: getPoolUseCount)."""
+        out = ctypes.c_int()
+        _check(_lib.lib().ccalloc_pool_use_count(self._handle, int(device), _pool_id(id), ctypes.byref(out)))
+        return out.value
+
+    def begin_allocate_to_pool(self, id, device: int = 0, stream=None, all_streams: bool = False) -> None:
+        """From now on, allocations on ``device`` made on ``stream`` (None:
+        the default stream), or on every stream when ``all_streams``, come
+        from pool ``id`` (PyTorch: beginAllocateToPool). Calls nest; the most
+        recent one that takes a stream wins. While one is active the
+        allocator follows CUDA graph capture rules on that device: no event
+        is queried or waited for and no memory is returned (not even on out
+        of memory), so end it promptly. InvalidArgumentError for an unknown
+        or released pool."""
+        _check(_lib.lib().ccalloc_begin_allocate_to_pool(self._handle, int(device), _pool_id(id),
+                                                         _stream(stream), 1 if all_streams else 0))
+
+    def end_allocate_to_pool(self, id, device: int = 0) -> None:
+        """Ends the most recent begin_allocate_to_pool of pool ``id``
+        (PyTorch: endAllocateToPool); InvalidArgumentError if none is active."""
+        _check(_lib.lib().ccalloc_end_allocate_to_pool(self._handle, int(device), _pool_id(id)))
+
+    def pool_usage(self, id, device: int = 0) -> dict:
+        """What pool ``id`` holds now: ``segment_count``, ``reserved_bytes``,
+        ``allocated_bytes``, ``active_bytes`` (allocated + freed blocks
+        waiting on other streams), ``allocation_count``, ``use_count``. Id
+        (0, 0) gives the default pool. InvalidArgumentError for an unknown
+        pool."""
+        out = _lib.ccalloc_pool_usage_t()
+        _check(_lib.lib().ccalloc_pool_usage(self._handle, int(device), _pool_id(id), ctypes.byref(out)))
+        return {name: getattr(out, name) for name, _ in out._fields_}
+
     # ---- streams of the backend ------------------------------------------------------------------
 
     def stream_create(self, device: int = 0) -> int:
@@ -412,8 +589,10 @@ class Allocator:
         _check(_lib.lib().ccalloc_stream_synchronize(self._handle, int(device), _stream(stream)))
 
 
-# Observers of the process-wide allocator outlive every Allocator wrapper.
+# Observers and segment functions of the process-wide allocator outlive
+# every Allocator wrapper.
 _process_observers: list = []
+_process_kept: list = []
 _process: Optional[Allocator] = None
 # How the module-level functions choose a device when none is given;
 # ccalloc.torch.install() makes it torch.cuda.current_device.

@@ -47,6 +47,31 @@ class ccalloc_options_t(ctypes.Structure):
     ]
 
 
+class ccalloc_mempool_id_t(ctypes.Structure):
+    """include/ccalloc/ccalloc.h: ccalloc_mempool_id_t (PyTorch's MempoolId_t)."""
+
+    _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
+
+
+class ccalloc_pool_usage_t(ctypes.Structure):
+    """include/ccalloc/ccalloc.h: ccalloc_pool_usage_t."""
+
+    _fields_ = [
+        ("segment_count", ctypes.c_size_t),
+        ("reserved_bytes", ctypes.c_size_t),
+        ("allocated_bytes", ctypes.c_size_t),
+        ("active_bytes", ctypes.c_size_t),
+        ("allocation_count", ctypes.c_size_t),
+        ("use_count", ctypes.c_int),
+    ]
+
+
+# ccalloc_segment_malloc_fn / ccalloc_segment_free_fn (cudaMalloc's and
+# cudaFree's shape), for segment allocators written in Python (tests): the
+# prototypes below take them as plain addresses.
+SEGMENT_MALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
+SEGMENT_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
 OOM_OBSERVER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t,
                                 ctypes.c_size_t)
 
@@ -96,6 +121,13 @@ _PROTOTYPES = {
     "ccalloc_record_history": (_S, [_A, ctypes.c_int, _Z]),
     "ccalloc_snapshot_json": (_S, [_A, ctypes.c_int, ctypes.c_char_p, _Z, ctypes.POINTER(_Z)]),
     "ccalloc_attach_out_of_memory_observer": (_S, [_A, OOM_OBSERVER, ctypes.c_void_p]),
+    "ccalloc_new_pool_id": (_S, [_A, ctypes.POINTER(ccalloc_mempool_id_t)]),
+    "ccalloc_create_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, _P, _P]),
+    "ccalloc_release_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t]),
+    "ccalloc_pool_use_count": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, ctypes.POINTER(ctypes.c_int)]),
+    "ccalloc_begin_allocate_to_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, _P, ctypes.c_int]),
+    "ccalloc_end_allocate_to_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t]),
+    "ccalloc_pool_usage": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, ctypes.POINTER(ccalloc_pool_usage_t)]),
     "ccalloc_stream_create": (_S, [_A, ctypes.c_int, ctypes.POINTER(_P)]),
     "ccalloc_stream_destroy": (_S, [_A, ctypes.c_int, _P]),
     "ccalloc_stream_synchronize": (_S, [_A, ctypes.c_int, _P]),
@@ -138,28 +170,43 @@ def _load() -> None:
     if env and not Path(env).is_file():
         raise OSError(f"ccalloc: CCALLOC_LIBRARY={env} is not a file (build it with `cmake --build BUILD "
                       f"--target ccalloc_shared`: BUILD/libccalloc.so)")
-    errors = []
-    for candidate in _candidates():
+    lib, candidate, errors = load_first(_candidates())
+    if lib is None:
+        raise OSError("ccalloc: cannot load libccalloc.so; set CCALLOC_LIBRARY=/path/to/libccalloc.so "
+                      "(CMake target ccalloc_shared) or put it next to ccalloc/__init__.py. Tried: " +
+                      "; ".join(errors))
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    # The path PyTorch must load: the file itself, resolved, so that
+    # dlopen hands back this same copy.
+    _path = str(Path(candidate).resolve()) if os.sep in candidate else candidate
+    _lib = lib
+
+
+def load_first(candidates, check=None) -> tuple:
+    """``(library, candidate, tried)``: the first of ``candidates`` (paths,
+    or names for the dynamic linker; duplicates skipped) that loads and for
+    which ``check(library)`` returns None (else it says what is missing);
+    ``(None, None, tried)`` when none does. ``tried`` says why each earlier
+    candidate failed."""
+    tried = []
+    for candidate in dict.fromkeys(candidates):
         if os.sep in candidate and not Path(candidate).is_file():
-            errors.append(f"{candidate}: no such file")
+            tried.append(f"{candidate}: no such file")
             continue
         try:
             lib = ctypes.CDLL(candidate)
         except OSError as e:
-            errors.append(f"{candidate}: {e}")
+            tried.append(f"{candidate}: {e}")
             continue
-        for name, (restype, argtypes) in _PROTOTYPES.items():
-            fn = getattr(lib, name)
-            fn.restype = restype
-            fn.argtypes = argtypes
-        # The path PyTorch must load: the file itself, resolved, so that
-        # dlopen hands back this same copy.
-        _path = str(Path(candidate).resolve()) if os.sep in candidate else candidate
-        _lib = lib
-        return
-    raise OSError("ccalloc: cannot load libccalloc.so; set CCALLOC_LIBRARY=/path/to/libccalloc.so "
-                  "(CMake target ccalloc_shared) or put it next to ccalloc/__init__.py. Tried: " +
-                  "; ".join(errors))
+        problem = check(lib) if check is not None else None
+        if problem:
+            tried.append(f"{candidate}: {problem}")
+            continue
+        return lib, candidate, tried
+    return None, None, tried
 
 
 def lib() -> ctypes.CDLL:

@@ -26,18 +26,28 @@ of a pluggable allocator to a plain RuntimeError).
 The allocator is chosen once per process: PyTorch refuses to swap it after
 its own allocator was initialized (when CUDA was first used), so
 ``install()`` then raises RuntimeError saying so.
+
+Private pools (SPEC F20, E5), as ``torch.cuda.MemPool`` and
+``torch.cuda.use_mem_pool`` (which do not reach a pluggable allocator)::
+
+    pool = ccalloc.torch.MemPool(segment_allocator=ccalloc.nccl_segment_allocator())
+    with ccalloc.torch.use_mem_pool(pool):
+        buf = torch.empty(1 << 24, device="cuda")   # a segment from ncclMemAlloc
+    dist.all_reduce(buf)
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import ccalloc as _ccalloc
 
 from . import _lib
 
 __all__ = [
+    "MemPool",
     "empty_cache",
     "get_per_process_memory_fraction",
     "install",
@@ -50,6 +60,7 @@ __all__ = [
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",
+    "use_mem_pool",
 ]
 
 _installed: Optional[Any] = None  # the CUDAPluggableAllocator, kept alive
@@ -156,3 +167,111 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
 
 def get_per_process_memory_fraction(device=None) -> float:
     return _ccalloc.get_memory_fraction(_device(device))
+
+
+# ---- private pools (SPEC F20, F21, E5) -----------------------------------------------------------
+
+class MemPool:
+    """A private pool of ccalloc's process-wide allocator, for PyTorch
+    tensors (mirrors ``torch.cuda.MemPool``; SPEC F20, E5).
+
+    ``MemPool(segment_allocator=None, device=None)`` creates the pool on
+    ``device`` (default: torch's current device) with a fresh id ``(n, 0)``
+    and use count 1. ``segment_allocator``: None (ccalloc's own segments) or
+    ``(malloc_address, free_address)`` of C functions shaped as cudaMalloc /
+    cudaFree, e.g. ``ccalloc.nccl_segment_allocator()`` (ncclMemAlloc /
+    ncclMemFree); see ``ccalloc.Allocator.create_pool``.
+
+    Tensors allocated inside ``use_mem_pool(pool)`` take their memory from
+    the pool's segments and return it there when freed. ``close()`` (also at
+    garbage collection) releases the pool: its cached segments go back at
+    the next ``empty_cache()`` (PyTorch's MemPool empties them at once), once
+    no tensor of the pool is alive. Thread safety: as the allocator's; do not
+    close a pool while another thread allocates into it.
+    """
+
+    def __init__(self, segment_allocator=None, device=None):
+        self._allocator = _ccalloc.process_allocator()
+        self._device = _device(device)
+        self._id = self._allocator.new_pool_id()
+        self._open = False
+        self._allocator.create_pool(self._id, self._device, segment_allocator)
+        self._open = True
+
+    @property
+    def id(self) -> tuple:
+        """The pool id, ``(n, 0)`` (PyTorch: MemPool.id)."""
+        return self._id
+
+    @property
+    def device(self) -> int:
+        """The device the pool's segments are on."""
+        return self._device
+
+    def use_count(self) -> int:
+        """The pool's use count: 1 while open, 0 after close() (PyTorch: MemPool.use_count)."""
+        return self._allocator.pool_use_count(self._id, self._device)
+
+    def usage(self) -> dict:
+        """Bytes and blocks the pool holds now (``segment_count``,
+        ``reserved_bytes``, ``allocated_bytes``, ``active_bytes``,
+        ``allocation_count``, ``use_count``); see
+        ccalloc.Allocator.pool_usage. InvalidArgumentError once the pool is
+        closed and holds no segment (it is gone then)."""
+        return self._allocator.pool_usage(self._id, self._device)
+
+    def snapshot(self) -> list:
+        """The pool's segments in the layout of ``torch.cuda.memory_snapshot()``
+        (``address``, ``total_size``, ``allocated_size``, ``blocks``, ...;
+        PyTorch: MemPool.snapshot). Walks every segment of the process."""
+        return [s for s in _ccalloc.process_allocator().snapshot(include_traces=False)["segments"]
+                if s["device"] == self._device and tuple(s["segment_pool_id"]) == self._id]
+
+    def close(self) -> None:
+        """Releases the pool (use count 1 -> 0); again: no-op."""
+        if self._open:
+            self._open = False
+            self._allocator.release_pool(self._id, self._device)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "closed"
+        return f"ccalloc.torch.MemPool(id={self._id}, device={self._device}, {state})"
+
+
+@contextlib.contextmanager
+def use_mem_pool(pool: MemPool, device=None) -> Iterator[MemPool]:
+    """Inside the ``with`` block, CUDA tensors allocated on the current
+    stream of ``device`` (as it is at entry) come from ``pool`` (mirrors
+    ``torch.cuda.use_mem_pool``). ``device``: default the pool's device,
+    which it must equal. Unlike PyTorch's, which routes the calling
+    thread's allocations on any stream, ccalloc routes by stream: tensors
+    made on other streams, including a ``torch.cuda.stream(...)`` entered
+    inside the block, use the default pool, and so do those of other
+    threads on other streams (other threads on the same stream use the pool).
+
+    While the block runs, the device follows CUDA graph capture rules, as
+    with PyTorch's: no event is waited for and no cached memory is returned,
+    even on out of memory. Nests with itself. Raises RuntimeError when
+    ccalloc is not PyTorch's allocator (install() first), ValueError for
+    another device than the pool's, and what begin_allocate_to_pool raises
+    (a closed pool)."""
+    torch = _torch()
+    if not is_installed():
+        raise RuntimeError("ccalloc.torch.use_mem_pool: ccalloc is not PyTorch's allocator in this process, so "
+                           "tensors would not come from the pool; call ccalloc.torch.install() first")
+    dev = pool.device if device is None else _device(device)
+    if dev != pool.device:
+        raise ValueError(f"ccalloc.torch.use_mem_pool: {pool!r} is on device {pool.device}, not device {dev}")
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    allocator = _ccalloc.process_allocator()
+    allocator.begin_allocate_to_pool(pool.id, dev, stream=stream)
+    try:
+        yield pool
+    finally:
+        allocator.end_allocate_to_pool(pool.id, dev)

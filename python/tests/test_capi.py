@@ -6,6 +6,7 @@ reserved bytes are the 2 MiB pages mapped in it; with plain segments
 (PYTORCH_POLICIES, as PyTorch) requests up to 1 MiB use 2 MiB segments,
 requests of 1-10 MiB a 20 MiB segment."""
 
+import ctypes
 import gc
 import os
 import subprocess
@@ -355,3 +356,159 @@ def test_history_and_snapshot_in_pytorchs_layout(tmp_path):
         a.free(p)
         with pytest.raises(ccalloc.InvalidArgumentError):
             a.record_history(True, 0)
+
+
+# ---- private pools (SPEC F20, F21, E5) ---------------------------------------------------------
+
+def test_pool_ids_are_fresh_user_ids(sim):
+    a, b = sim.new_pool_id(), sim.new_pool_id()
+    assert a[0] >= 1 and a[1] == 0
+    assert b == (a[0] + 1, 0)
+    assert ccalloc.process_allocator().new_pool_id()[0] == b[0] + 1  # one counter per process
+
+
+def test_pool_routing_use_counts_and_release():
+    with ccalloc.Allocator("sim", capacity_bytes=1 << 30, config=PYTORCH_POLICIES) as a:
+        pool = a.new_pool_id()
+        a.create_pool(pool)
+        assert a.pool_use_count(pool) == 1
+        assert a.pool_usage(pool) == dict(segment_count=0, reserved_bytes=0, allocated_bytes=0, active_bytes=0,
+                                          allocation_count=0, use_count=1)
+        s = a.stream_create()
+        a.begin_allocate_to_pool(pool, stream=s)
+        x = a.malloc(3 * MiB, stream=s)  # routed: a 20 MiB segment of the pool
+        y = a.malloc(3 * MiB)  # the default stream: the default pool
+        a.end_allocate_to_pool(pool)
+        z = a.malloc(3 * MiB, stream=s)  # after the end: the default pool
+        u = a.pool_usage(pool)
+        assert (u["segment_count"], u["reserved_bytes"], u["allocated_bytes"], u["allocation_count"]) == \
+            (1, 20 * MiB, 3 * MiB, 1)
+        assert a.pool_usage((0, 0))["allocated_bytes"] == 6 * MiB
+        assert a.get_base_allocation(x)[1] == 20 * MiB
+        assert a.get_base_allocation(z)[0] != a.get_base_allocation(x)[0]
+        # Every stream: y's stream (the default) lands in the pool too.
+        a.create_pool(pool)
+        assert a.pool_use_count(pool) == 2
+        a.begin_allocate_to_pool(pool, all_streams=True)
+        w = a.malloc(MiB)
+        a.end_allocate_to_pool(pool)
+        assert a.pool_usage(pool)["allocated_bytes"] == 4 * MiB
+        for p in (x, y, z, w):
+            a.free(p)
+        a.empty_cache()
+        assert a.pool_usage(pool)["reserved_bytes"] == 22 * MiB, "a pool with users keeps its segments"
+        a.release_pool(pool)
+        a.release_pool(pool)
+        assert a.pool_use_count(pool) == 0
+        a.empty_cache()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0
+        with pytest.raises(ccalloc.InvalidArgumentError, match="has no private pool"):
+            a.pool_usage(pool)
+        a.stream_destroy(s)
+
+
+class HostSegments:
+    """A segment allocator in Python (ctypes callbacks) over host memory,
+    which the simulated device's allocator only keeps the addresses of."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.libc = ctypes.CDLL(None)
+        self.libc.aligned_alloc.restype = ctypes.c_void_p
+        self.libc.aligned_alloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+        self.libc.free.argtypes = [ctypes.c_void_p]
+        self.calls = []  # (what, size or address, current device)
+        self.live = set()
+        self.malloc_code = 0
+        self.free_code = 0
+        self.malloc = ccalloc._lib.SEGMENT_MALLOC(self._malloc)
+        self.free = ccalloc._lib.SEGMENT_FREE(self._free)
+
+    def _malloc(self, out, size):
+        self.calls.append(("malloc", size, self.allocator.current_device))
+        if self.malloc_code:
+            return self.malloc_code
+        ptr = self.libc.aligned_alloc(4096, size)
+        self.live.add(ptr)
+        out[0] = ptr
+        return 0
+
+    def _free(self, ptr):
+        self.calls.append(("free", ptr, self.allocator.current_device))
+        if self.free_code:
+            return self.free_code
+        self.live.remove(ptr)
+        self.libc.free(ptr)
+        return 0
+
+
+def test_pool_with_a_segment_allocator_on_its_device():
+    with ccalloc.Allocator("sim", devices=2, capacity_bytes=1 << 30, config="") as a:
+        host = HostSegments(a)
+        pool = a.new_pool_id()
+        a.create_pool(pool, device=1, segment_allocator=(host.malloc, host.free))
+        a.begin_allocate_to_pool(pool, device=1)
+        x = a.malloc(3 * MiB, device=1)
+        a.end_allocate_to_pool(pool, device=1)
+        assert host.calls == [("malloc", 20 * MiB, 1)], "device 1 current during the call"
+        assert a.current_device == 0, "and device 0 again after it"
+        assert x in host.live
+        assert a.pool_usage(pool, device=1)["reserved_bytes"] == 20 * MiB
+        assert a.memory_stats(1)["reserved_bytes.all.current"] == 20 * MiB
+        # A failing malloc: out of memory with its code, nothing changed.
+        host.malloc_code = 7
+        a.begin_allocate_to_pool(pool, device=1)
+        try:
+            with pytest.raises(ccalloc.OutOfMemoryError, match=r"of device 1 returned 7"):
+                a.malloc(30 * MiB, device=1)
+        finally:
+            a.end_allocate_to_pool(pool, device=1)
+        assert a.pool_usage(pool, device=1)["reserved_bytes"] == 20 * MiB
+        # A failing free: a backend error naming the code; the segment stays.
+        a.free(x)
+        a.release_pool(pool, device=1)
+        host.free_code = 5
+        with pytest.raises(ccalloc.BackendError, match=r"its free returned 5"):
+            a.empty_cache()
+        assert a.pool_usage(pool, device=1)["reserved_bytes"] == 20 * MiB
+        host.free_code = 0
+        a.empty_cache()
+        assert not host.live
+        assert [c[0] for c in host.calls] == ["malloc", "malloc", "free", "free"]
+        assert {c[2] for c in host.calls} == {1}
+
+
+def test_pool_bad_arguments(sim):
+    pool = sim.new_pool_id()
+    with pytest.raises(ccalloc.InvalidArgumentError, match="names the default pool"):
+        sim.create_pool((0, 0))
+    for bad in ((1,), "ab", (1, -1), None, (1, 2, 3)):
+        with pytest.raises(ccalloc.InvalidArgumentError, match="a pool id is a pair of integers"):
+            sim.create_pool(bad)
+    with pytest.raises(ccalloc.InvalidArgumentError, match="must be None or a pair"):
+        sim.create_pool(pool, segment_allocator=(1,))
+    with pytest.raises(ccalloc.InvalidArgumentError, match="segment free function must be an address"):
+        sim.create_pool(pool, segment_allocator=(1234, "free"))
+    with pytest.raises(ccalloc.InvalidArgumentError, match="segment malloc function address is 0"):
+        sim.create_pool(pool, segment_allocator=(0, 1234))
+    assert sim.pool_use_count(pool) == 0, "nothing was created"
+    with pytest.raises(ccalloc.InvalidArgumentError, match="device 1 is not initialized"):
+        sim.create_pool(pool, device=1)
+    with pytest.raises(ccalloc.InvalidArgumentError, match="has no private pool"):
+        sim.release_pool(pool)
+    with pytest.raises(ccalloc.InvalidArgumentError, match="has no private pool"):
+        sim.begin_allocate_to_pool(pool)
+    sim.create_pool(pool)
+    with pytest.raises(ccalloc.InvalidArgumentError, match="is not active"):
+        sim.end_allocate_to_pool(pool)
+    sim.release_pool(pool)
+    assert sim.pool_use_count(pool) == 0
+
+
+def test_nccl_segment_allocator_names_what_it_tried(tmp_path):
+    with pytest.raises(OSError, match=r"cannot find ncclMemAlloc.*no such file"):
+        ccalloc.nccl_segment_allocator(str(tmp_path / "libnccl.so.2"))
+    with pytest.raises(OSError, match=r"no ncclMemAlloc/ncclMemFree \(NCCL older than 2.19\)"):
+        ccalloc.nccl_segment_allocator(ccalloc.library_path())  # a library without them
+    with pytest.raises(OSError, match=r"libnccl_not_here\.so\.9: .*cannot open"):
+        ccalloc.nccl_segment_allocator("libnccl_not_here.so.9")

@@ -116,6 +116,74 @@ def test_torch_install_after_cuda_init_raises():
     assert not r["installed"]
 
 
+# A MemPool on the GPU, its segments from a C segment allocator; prints the
+# figures that _check_pool_run checks. SEGMENTS is replaced by the code that
+# sets `functions` (a pair of addresses).
+_POOL_RUN = """
+    import ctypes, json, ccalloc, ccalloc.torch
+    ccalloc.torch.install()
+    import torch
+    SEGMENTS
+    pool = ccalloc.torch.MemPool(segment_allocator=functions)
+    with ccalloc.torch.use_mem_pool(pool):
+        x = torch.full((1 << 22,), 2.0, device="cuda")       # 16 MiB, from the pool
+    y = torch.ones(1 << 20, device="cuda")                   # 4 MiB, outside
+    usage = pool.usage()
+    segments = pool.snapshot()
+    inside = lambda t: any(s["address"] <= t.data_ptr() < s["address"] + s["total_size"] for s in segments)
+    total = float(x.sum().item())
+    x_in, y_in, nbytes = inside(x), inside(y), x.numel() * x.element_size()
+    del x, y
+    torch.cuda.synchronize()
+    after_free = pool.usage()
+    pool.close()
+    torch.cuda.empty_cache()
+    try:
+        pool.usage()
+        gone = False
+    except ccalloc.InvalidArgumentError:
+        gone = True
+    print(json.dumps(dict(usage=usage, x_in=x_in, y_in=y_in, nbytes=nbytes, total=total,
+                          after_free=after_free, gone=gone,
+                          reserved_end=ccalloc.torch.memory_stats()["reserved_bytes.all.current"])))
+"""
+
+
+def _check_pool_run(r):
+    assert r["x_in"] and not r["y_in"], r
+    assert r["usage"]["allocated_bytes"] >= r["nbytes"] == 16 << 20
+    assert r["usage"]["reserved_bytes"] >= r["usage"]["allocated_bytes"]
+    assert r["usage"]["segment_count"] >= 1 and r["usage"]["use_count"] == 1
+    assert r["total"] == 2.0 * (1 << 22)
+    assert r["after_free"]["allocated_bytes"] == 0
+    assert r["after_free"]["reserved_bytes"] == r["usage"]["reserved_bytes"], "cached while the pool is open"
+    assert r["gone"], "released and emptied: the pool is gone"
+
+
+@_skip_unless(HAVE_TORCH_GPU, "needs PyTorch with a GPU")
+def test_torch_mem_pool_with_cudamalloc_segments():
+    r = run(_POOL_RUN.replace("SEGMENTS", """
+    cudart = None
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            cudart = ctypes.CDLL(name)
+            break
+        except OSError:
+            pass
+    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value
+    functions = (address(cudart.cudaMalloc), address(cudart.cudaFree))
+    """))
+    _check_pool_run(r)
+
+
+@_skip_unless(HAVE_TORCH_GPU, "needs PyTorch with a GPU (and its NCCL)")
+def test_torch_mem_pool_with_nccl_segments():
+    """SPEC E5 on one GPU: segments from ncclMemAlloc (the two-GPU
+    all-reduce is scripts/nccl_allreduce.py)."""
+    r = run(_POOL_RUN.replace("SEGMENTS", "functions = ccalloc.nccl_segment_allocator()"))
+    _check_pool_run(r)
+
+
 @_skip_unless(HAVE_CUPY_GPU, "needs CuPy with a GPU")
 def test_cupy_arrays_come_from_ccalloc():
     r = run("""

@@ -59,6 +59,10 @@ def make_fake_torch(initialized=False, refuse_swap=False):
     cuda.memory = memory
     cuda.is_initialized = lambda: initialized
     cuda.current_device = lambda: 0
+    # torch.cuda.current_stream(device).cuda_stream: a stream of the
+    # simulated device, set by the test (0: the default stream).
+    record["stream"] = 0
+    cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=record["stream"])
     torch.cuda = cuda
     torch.record = record
     return torch
@@ -163,6 +167,93 @@ def test_torch_missing_is_an_import_error(monkeypatch, fresh_torch_state):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ImportError, match="ccalloc.torch needs PyTorch"):
         ccalloc.torch.install()
+
+
+# ---- private pools: ccalloc.torch.MemPool and use_mem_pool ---------------------------------------
+
+def test_torch_mem_pool_takes_the_current_streams_tensors(monkeypatch, fresh_torch_state):
+    torch = make_fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    pool = ccalloc.torch.MemPool()
+    with pytest.raises(RuntimeError, match="call ccalloc.torch.install.. first"):
+        with ccalloc.torch.use_mem_pool(pool):
+            pass
+    ccalloc.torch.install()
+    created = torch.record["created"]
+    alloc_fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
+        created.alloc_address)
+    free_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
+        created.free_address)
+    process = ccalloc.process_allocator()
+    stream = process.stream_create(0)
+    torch.record["stream"] = stream  # torch's current stream
+    assert pool.id[0] >= 1 and pool.id[1] == 0
+    assert pool.device == 0
+    assert pool.use_count() == 1
+    with ccalloc.torch.use_mem_pool(pool) as entered:
+        assert entered is pool
+        x = alloc_fn(3 * MiB, 0, stream)  # a tensor on the current stream: the pool
+        y = alloc_fn(3 * MiB, 0, None)  # another stream: the default pool
+    z = alloc_fn(3 * MiB, 0, stream)  # after the block: the default pool
+    u = pool.usage()
+    assert (u["allocated_bytes"], u["allocation_count"], u["use_count"]) == (3 * MiB, 1, 1)
+    assert u["reserved_bytes"] >= 3 * MiB
+    segments = pool.snapshot()
+    assert sum(s["allocated_size"] for s in segments) == 3 * MiB
+    assert any(s["address"] <= x < s["address"] + s["total_size"] for s in segments)
+    assert not any(s["address"] <= p < s["address"] + s["total_size"] for s in segments for p in (y, z))
+    with pytest.raises(ValueError, match="is on device 0, not device 1"):
+        with ccalloc.torch.use_mem_pool(pool, device=1):
+            pass
+    for p in (x, y, z):
+        free_fn(p, 3 * MiB, 0, None)
+    assert pool.usage()["allocated_bytes"] == 0
+    pool.close()
+    pool.close()  # again: nothing
+    assert pool.use_count() == 0
+    ccalloc.torch.empty_cache()
+    with pytest.raises(ccalloc.InvalidArgumentError, match="has no private pool"):
+        pool.usage()
+    with pytest.raises(ccalloc.InvalidArgumentError, match="has no private pool"):
+        with ccalloc.torch.use_mem_pool(pool):
+            pass
+    process.stream_destroy(stream)
+
+
+def test_torch_mem_pool_with_a_segment_allocator_and_its_errors(monkeypatch, fresh_torch_state):
+    monkeypatch.setitem(sys.modules, "torch", make_fake_torch())
+    with pytest.raises(ccalloc.InvalidArgumentError, match="must be None or a pair"):
+        ccalloc.torch.MemPool(segment_allocator=(1,))
+    calls = []
+    libc = ctypes.CDLL(None)
+    libc.aligned_alloc.restype = ctypes.c_void_p
+    libc.aligned_alloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def seg_malloc(out, size):
+        calls.append(size)
+        out[0] = libc.aligned_alloc(4096, size)
+        return 0
+
+    def seg_free(ptr):
+        calls.append(-1)
+        libc.free(ptr)
+        return 0
+
+    functions = (ccalloc._lib.SEGMENT_MALLOC(seg_malloc), ccalloc._lib.SEGMENT_FREE(seg_free))
+    pool = ccalloc.torch.MemPool(segment_allocator=functions)
+    ccalloc.torch.install()
+    with ccalloc.torch.use_mem_pool(pool):
+        x = ccalloc.process_allocator().malloc(MiB + 1)  # the current stream is the default one
+    assert calls == [20 * MiB]
+    assert pool.usage()["reserved_bytes"] == 20 * MiB
+    assert "open" in repr(pool)
+    ccalloc.process_allocator().free(x)
+    del pool  # released at garbage collection
+    import gc
+    gc.collect()
+    ccalloc.torch.empty_cache()
+    assert calls == [20 * MiB, -1]
 
 
 # ---- CuPy -----------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -108,6 +110,144 @@ const std::vector<std::string>& stat_names() {
     return out;
   }();
   return names;
+}
+
+std::string pointer_text(const void* ptr) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", ptr);
+  return buf;
+}
+
+ccalloc::mempool_id_t to_pool_id(ccalloc_mempool_id_t id) noexcept { return {id.first, id.second}; }
+
+// ---- pools' segment allocators --------------------------------------------------------
+
+/// The next id ccalloc_new_pool_id hands out: {n, 0}, n = 1, 2, ...
+std::atomic<std::uint64_t> next_pool_id{1};
+
+/// True once any pool got a segment allocator: only then do allocations
+/// track segment_failure (one relaxed load otherwise).
+std::atomic<bool> custom_segment_pools{false};
+
+/// What a pool's segment malloc returned when it failed on this thread,
+/// during the current allocation call: kept for the out-of-memory message.
+struct segment_failure {
+  bool set = false;
+  int code = 0;
+  int device = 0;
+  ccalloc::mempool_id_t pool{};
+};
+thread_local segment_failure tls_segment_failure;
+
+/// The text appended to an out-of-memory message after a segment allocator failed.
+std::string segment_failure_note(const segment_failure& f) {
+  return "; the segment allocator of private pool " + ccalloc::to_string(f.pool) + " of device " +
+         std::to_string(f.device) +
+         (f.code != 0 ? " returned " + std::to_string(f.code)
+                      : std::string(" returned 0 with a NULL pointer")) +
+         " (any failure of a segment allocator counts as out of memory)";
+}
+
+/// Runs `allocate` (returns the pointer). When it throws out_of_memory_error
+/// after a pool's segment malloc failed during the call, the message gets the
+/// code that malloc returned (segment_failure_note).
+template <typename Allocate>
+void* allocate_noting_segment_failures(Allocate&& allocate) {
+  if (!custom_segment_pools.load(std::memory_order_relaxed)) [[likely]]
+    return allocate();
+  // Saved and restored: an out-of-memory observer may allocate meanwhile.
+  const segment_failure saved = tls_segment_failure;
+  tls_segment_failure = {};
+  try {
+    void* ptr = allocate();
+    tls_segment_failure = saved;
+    return ptr;
+  } catch (const ccalloc::out_of_memory_error& e) {
+    const segment_failure mine = tls_segment_failure;
+    tls_segment_failure = saved;
+    if (!mine.set) throw;
+    const ccalloc::out_of_memory_error::figures f{e.device,          e.requested_bytes, e.device_total_bytes,
+                                                  e.device_free_bytes, e.allocated_bytes, e.reserved_bytes};
+    throw ccalloc::out_of_memory_error(std::string(e.what()) + segment_failure_note(mine), f);
+  } catch (...) {
+    tls_segment_failure = saved;
+    throw;
+  }
+}
+
+/// Makes `device` the calling thread's current device of `backend` while it
+/// lives (cudaSetDevice), then restores the previous one. Throws
+/// backend_error if the device cannot be made current.
+class current_device_guard {
+ public:
+  current_device_guard(ccalloc::device_backend& backend, int device)
+      : backend_(backend), previous_(backend.current_device()) {
+    if (previous_ != device) {
+      backend_.set_device(device);
+      changed_ = true;
+    }
+  }
+  ~current_device_guard() {
+    if (!changed_) return;
+    try {
+      backend_.set_device(previous_);
+    } catch (...) {  // the previous device was valid a moment ago; nothing to report to
+    }
+  }
+  current_device_guard(const current_device_guard&) = delete;
+  current_device_guard& operator=(const current_device_guard&) = delete;
+
+ private:
+  ccalloc::device_backend& backend_;
+  int previous_;
+  bool changed_ = false;
+};
+
+/// A pool's C segment allocator as the core's segment_allocator: each call
+/// runs with `device` current; a failed malloc is nullptr (the core's
+/// out-of-memory path) and leaves its code in tls_segment_failure; a failed
+/// free is a backend_error. `backend` outlives the allocator that holds the
+/// functions (ccalloc_allocator declares it first; the process-wide one is
+/// never destroyed).
+ccalloc::segment_allocator wrap_segment_allocator(ccalloc::device_backend& backend, int device,
+                                                  ccalloc::mempool_id_t pool, ccalloc_segment_malloc_fn malloc_fn,
+                                                  ccalloc_segment_free_fn free_fn) {
+  ccalloc::segment_allocator out;
+  out.malloc = [&backend, device, pool, malloc_fn, free_fn](std::size_t size_bytes) -> void* {
+    void* ptr = nullptr;
+    int code = 0;
+    {
+      current_device_guard current(backend, device);
+      code = malloc_fn(&ptr, size_bytes);
+    }
+    if (code != 0 || ptr == nullptr) {
+      tls_segment_failure = {true, code, device, pool};
+      return nullptr;
+    }
+    if (reinterpret_cast<std::uintptr_t>(ptr) % 512 != 0) {
+      {
+        current_device_guard current(backend, device);
+        (void)free_fn(ptr);
+      }
+      throw ccalloc::backend_error("ccalloc: the segment allocator of private pool " + ccalloc::to_string(pool) +
+                                   " of device " + std::to_string(device) + " returned " + pointer_text(ptr) +
+                                   ", which is not aligned to 512 bytes (given back)");
+    }
+    return ptr;
+  };
+  out.free = [&backend, device, pool, free_fn](void* ptr) {
+    int code = 0;
+    {
+      current_device_guard current(backend, device);
+      code = free_fn(ptr);
+    }
+    if (code != 0)
+      throw ccalloc::backend_error("ccalloc: the segment allocator of private pool " + ccalloc::to_string(pool) +
+                                   " of device " + std::to_string(device) + " failed to free " +
+                                   pointer_text(ptr) + ": its free returned " + std::to_string(code) +
+                                   " (the segment stays cached in the pool)");
+  };
+  return out;
 }
 
 std::shared_ptr<ccalloc::device_backend> make_backend(const ccalloc_options_t& o) {
@@ -270,7 +410,8 @@ ccalloc_status_t ccalloc_malloc(ccalloc_allocator_t* alloc, int device, size_t s
                                 void** out) {
   return guarded([&] {
     require(out, "ccalloc_malloc", "out");
-    *out = resolve(alloc).malloc(device, size_bytes, to_stream(stream));
+    caching_allocator& a = resolve(alloc);
+    *out = allocate_noting_segment_failures([&] { return a.malloc(device, size_bytes, to_stream(stream)); });
   });
 }
 
@@ -281,7 +422,8 @@ ccalloc_status_t ccalloc_delete(ccalloc_allocator_t* alloc, void* ptr) {
 ccalloc_status_t ccalloc_raw_alloc(ccalloc_allocator_t* alloc, size_t size_bytes, void** out) {
   return guarded([&] {
     require(out, "ccalloc_raw_alloc", "out");
-    *out = resolve(alloc).raw_alloc(size_bytes);
+    caching_allocator& a = resolve(alloc);
+    *out = allocate_noting_segment_failures([&] { return a.raw_alloc(size_bytes); });
   });
 }
 
@@ -289,7 +431,8 @@ ccalloc_status_t ccalloc_raw_alloc_with_stream(ccalloc_allocator_t* alloc, size_
                                                ccalloc_stream_t stream, void** out) {
   return guarded([&] {
     require(out, "ccalloc_raw_alloc_with_stream", "out");
-    *out = resolve(alloc).raw_alloc_with_stream(size_bytes, to_stream(stream));
+    caching_allocator& a = resolve(alloc);
+    *out = allocate_noting_segment_failures([&] { return a.raw_alloc_with_stream(size_bytes, to_stream(stream)); });
   });
 }
 
@@ -465,6 +608,68 @@ ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* allo
   });
 }
 
+// ---- private pools ---------------------------------------------------------------------------------------
+
+ccalloc_status_t ccalloc_new_pool_id(ccalloc_allocator_t* /*alloc*/, ccalloc_mempool_id_t* out) {
+  return guarded([&] {
+    require(out, "ccalloc_new_pool_id", "out");
+    *out = ccalloc_mempool_id_t{next_pool_id.fetch_add(1, std::memory_order_relaxed), 0};
+  });
+}
+
+ccalloc_status_t ccalloc_create_pool(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                     ccalloc_segment_malloc_fn malloc_fn, ccalloc_segment_free_fn free_fn) {
+  return guarded([&] {
+    if ((malloc_fn == nullptr) != (free_fn == nullptr))
+      throw ccalloc::invalid_argument_error(std::string("ccalloc_create_pool: ") +
+                                            (malloc_fn == nullptr ? "malloc_fn" : "free_fn") +
+                                            " is NULL but the other segment function is not; give both or neither");
+    caching_allocator& a = resolve(alloc);
+    const ccalloc::mempool_id_t pool = to_pool_id(id);
+    ccalloc::segment_allocator custom;
+    if (malloc_fn != nullptr) {
+      custom = wrap_segment_allocator(a.backend(), device, pool, malloc_fn, free_fn);
+      custom_segment_pools.store(true, std::memory_order_relaxed);
+    }
+    a.create_or_incref_pool(device, pool, std::move(custom));
+  });
+}
+
+ccalloc_status_t ccalloc_release_pool(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id) {
+  return guarded([&] { resolve(alloc).release_pool(device, to_pool_id(id)); });
+}
+
+ccalloc_status_t ccalloc_pool_use_count(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id, int* out) {
+  return guarded([&] {
+    require(out, "ccalloc_pool_use_count", "out");
+    *out = resolve(alloc).get_pool_use_count(device, to_pool_id(id));
+  });
+}
+
+ccalloc_status_t ccalloc_begin_allocate_to_pool(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                                ccalloc_stream_t stream, int all_streams) {
+  return guarded([&] {
+    ccalloc::stream_filter filter;
+    if (all_streams != 0) filter = [](ccalloc::stream_t) { return true; };
+    else filter = [only = to_stream(stream)](ccalloc::stream_t s) { return s == only; };
+    resolve(alloc).begin_allocate_to_pool(device, to_pool_id(id), std::move(filter));
+  });
+}
+
+ccalloc_status_t ccalloc_end_allocate_to_pool(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id) {
+  return guarded([&] { resolve(alloc).end_allocate_to_pool(device, to_pool_id(id)); });
+}
+
+ccalloc_status_t ccalloc_pool_usage(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                    ccalloc_pool_usage_t* out) {
+  return guarded([&] {
+    require(out, "ccalloc_pool_usage", "out");
+    const ccalloc::pool_usage u = resolve(alloc).get_pool_stats(device, to_pool_id(id));
+    *out = ccalloc_pool_usage_t{u.segment_count,    u.reserved_bytes,   u.allocated_bytes,
+                                u.active_bytes,     u.allocation_count, u.use_count};
+  });
+}
+
 // ---- streams ----------------------------------------------------------------------------------------------
 
 ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, int device, ccalloc_stream_t* out) {
@@ -497,7 +702,8 @@ void ccalloc_free(void* ptr, size_t /*size*/, int /*device*/, ccalloc_stream_t /
 // ---- hooks for PyTorch (these throw) --------------------------------------------------------------------
 
 void* ccalloc_torch_alloc(size_t size, int device, ccalloc_stream_t stream) {
-  return ccalloc::global_allocator().malloc(device, size, to_stream(stream));
+  caching_allocator& a = ccalloc::global_allocator();
+  return allocate_noting_segment_failures([&] { return a.malloc(device, size, to_stream(stream)); });
 }
 
 void ccalloc_torch_free(void* ptr, size_t size, int device, ccalloc_stream_t stream) {
