@@ -128,7 +128,7 @@ if [ "$ROUNDS" -ge 2 ]; then ORDER=(native ccalloc ccalloc native); fi
 #   native, ccalloc: each allocator as configured by the environment;
 #   ccalloc-plain: ccalloc with CCALLOC_CONF=expandable_segments:False;
 #   native-expandable: PyTorch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True;
-#   ccalloc@CONF: ccalloc with CCALLOC_CONF=CONF (e.g. ccalloc@recycle_turnover:0).
+#   ccalloc@CONF: ccalloc with CCALLOC_CONF=CONF (e.g. ccalloc@recycles_per_peak:0).
 if [ -n "${GPT2_ORDER:-}" ]; then read -r -a ORDER <<<"$GPT2_ORDER"; fi
 RUN_FILES=()
 GPT2_FAILED=0

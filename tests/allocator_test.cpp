@@ -1789,7 +1789,7 @@ TEST_F(AllocatorTest, EveryStatKeyInAScriptedScenario) {
 
 TEST_F(AllocatorTest, MaxSplitSizeIsMinusOneWhenUnlimited) {
   EXPECT_EQ(smap().at("max_split_size"), -1);
-  EXPECT_EQ(smap().size(), 122u);
+  EXPECT_EQ(smap().size(), 124u);
 }
 
 // =============================================================================

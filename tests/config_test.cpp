@@ -201,14 +201,12 @@ TEST(ConfigTest, EveryKeyParses) {
   EXPECT_EQ(parse_error("trim_on_new_peak:maybe"),
             "ccalloc config: trim_on_new_peak:maybe is not a valid value (accepted: True or "
             "False (also true/false, 1/0))");
-  EXPECT_EQ(parse_key("recycle_turnover", "0").recycle_turnover, 0.0);
-  EXPECT_EQ(parse_key("recycle_turnover", "2.5").recycle_turnover, 2.5);
-  EXPECT_EQ(parse_key("recycle_turnover", "1"), allocator_config{});  // the default
-  EXPECT_EQ(allocator_config::parse("recycle_turnover:0.5").to_string().find("recycle_turnover:0.5") !=
-                std::string::npos,
-            true);
-  EXPECT_EQ(parse_error("recycle_turnover:-1"),
-            "ccalloc config: recycle_turnover:-1 is out of range (accepted: a number >= 0 (at most 1e6))");
+  EXPECT_EQ(parse_key("recycles_per_peak", "0").recycles_per_peak, 0u);
+  EXPECT_EQ(parse_key("recycles_per_peak", "1000000").recycles_per_peak, 1000000u);
+  EXPECT_EQ(parse_key("recycles_per_peak", "4"), allocator_config{});  // the default
+  EXPECT_NE(allocator_config::parse("recycles_per_peak:9").to_string().find("recycles_per_peak:9"),
+            std::string::npos);
+  EXPECT_NE(parse_error("recycles_per_peak:-1").find("recycles_per_peak:-1"), std::string::npos);
   EXPECT_EQ(parse_key("backend", "native").backend, "native");
   EXPECT_EQ(parse_key("backend", "cudaMallocAsync").backend, "cudaMallocAsync");
   EXPECT_EQ(parse_key("pinned_num_register_threads", "1").pinned_num_register_threads, 1u);

@@ -136,38 +136,41 @@ TEST_F(ExpandableTest, FreePagesOfAnotherStreamAreRecycledInsteadOfGrowing) {
   alloc->free(b);
 }
 
-// X3 with recycle_turnover: recycling for a new peak synchronizes the device;
-// after one, the next waits for a turnover of memory (allocated bytes >=
-// recycle_turnover x reserved) and the peak grows meanwhile.
-TEST_F(ExpandableTest, RecyclingForANewPeakWaitsForATurnoverOfMemory) {
-  make(256 * MiB, "recycle_turnover:2");
+// X3 with recycles_per_peak: each recycling for a new peak synchronizes the
+// device; after the limit at one high-water mark, the mark rises instead.
+TEST_F(ExpandableTest, RecyclingStopsAfterTheLimitAtOneHighWaterMark) {
+  make(256 * MiB, "recycles_per_peak:1");
   const stream_t other = sim->create_stream(0);
   alloc->free(m(20 * MiB));       // stream 0 caches 10 pages; high-water 20 MiB
-  void* b = m(20 * MiB, other);  // recycles them: the first synchronization
+  void* b = m(20 * MiB, other);  // recycles them: the one recycling allowed at 20 MiB
   EXPECT_EQ(st().num_device_synchronizations, 1);
   EXPECT_EQ(st().num_pages_remapped, 10);
   EXPECT_EQ(reserved(), I(20 * MiB));
   alloc->free(b);
-  // 20 MiB allocated since, less than 2 x 20 MiB: stream 0 maps new pages.
-  void* c = m(4 * MiB);
-  EXPECT_EQ(st().num_device_synchronizations, 1) << "no synchronization before a turnover";
+  void* c = m(4 * MiB);  // stream 0 has no page left: the mark rises
+  EXPECT_EQ(st().num_device_synchronizations, 1) << "no second synchronization at the same mark";
   EXPECT_EQ(st().num_pages_remapped, 10);
   EXPECT_EQ(reserved(), I(24 * MiB)) << "the peak grew instead";
   alloc->free(c);
-  // Cached allocations bring the allocated volume to 2 x reserved (48 MiB).
-  for (int i = 0; i < 6; ++i) alloc->free(m(4 * MiB));
-  EXPECT_EQ(st().allocated_bytes[0].allocated, I(68 * MiB));
-  EXPECT_EQ(reserved(), I(24 * MiB));
-  void* d = m(30 * MiB, other);  // 5 more pages past the high-water mark: recycled now
+  void* d = m(30 * MiB, other);  // a new mark (24 MiB): recycling is allowed again
   EXPECT_EQ(st().num_device_synchronizations, 2);
   EXPECT_EQ(st().num_pages_remapped, 12) << "stream 0's two free pages";
   EXPECT_EQ(reserved(), I(30 * MiB));
-  EXPECT_EQ(st().reserved_bytes[0].peak, I(30 * MiB));
   alloc->free(d);
 }
 
-TEST_F(ExpandableTest, RecycleTurnoverZeroRecyclesAtEveryNewPeak) {
-  make(256 * MiB, "recycle_turnover:0");
+TEST_F(ExpandableTest, RecyclesPerPeakZeroGrowsLikePyTorchAndNeverSynchronizes) {
+  make(256 * MiB, "recycles_per_peak:0");
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  alloc->free(m(20 * MiB, other));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(st().num_pages_remapped, 0);
+  EXPECT_EQ(reserved(), I(40 * MiB));
+}
+
+TEST_F(ExpandableTest, ALargeLimitRecyclesAtEveryNewPeak) {
+  make(256 * MiB, "recycles_per_peak:1000000");
   const stream_t other = sim->create_stream(0);
   alloc->free(m(20 * MiB));
   alloc->free(m(20 * MiB, other));

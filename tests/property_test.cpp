@@ -652,6 +652,8 @@ INSTANTIATE_TEST_SUITE_P(
                   false, false, 0x5eed0009, 150'000},
         prop_case{"expandable_toggled", "expandable_segments:True,max_split_size_mb:40,"
                   "roundup_power2_divisions:4", false, true, 0x5eed000a, 150'000},
+        prop_case{"expandable_recycle_always", "recycles_per_peak:1000000,per_process_memory_fraction:0.6", false,
+                  false, 0x5eed000d, 150'000},
         prop_case{"pools_expandable", "", false, false, 0x5eed000b, 150'000, true},
         prop_case{"pools_plain", "expandable_segments:False,max_split_size_mb:40", false, false, 0x5eed000c, 100'000,
                   true}),

@@ -33,7 +33,8 @@ std::set<std::string> expected_keys() {
     for (const auto& field : fields) keys.insert(name + "." + field);
   }
   for (const char* name : {"num_alloc_retries", "num_ooms", "num_sync_all_streams",
-                           "num_device_alloc", "num_device_free", "max_split_size"}) {
+                           "num_device_alloc", "num_device_free", "num_device_synchronizations",
+                           "num_pages_remapped", "max_split_size"}) {
     keys.insert(name);
   }
   return keys;
@@ -72,13 +73,15 @@ device_stats sample_stats() {
   s.num_sync_all_streams = 3;
   s.num_device_alloc = 4;
   s.num_device_free = 5;
+  s.num_device_synchronizations = 6;
+  s.num_pages_remapped = 7;
   s.max_split_size = std::int64_t{128} << 20;
   return s;
 }
 
 TEST(StatsTest, DefaultMapHasEveryKeyAtZero) {
   const auto map = device_stats{}.to_map();
-  EXPECT_EQ(map.size(), 9u * 3u * 4u + 2u * 4u + 6u);  // 122
+  EXPECT_EQ(map.size(), 9u * 3u * 4u + 2u * 4u + 8u);  // 124
   EXPECT_EQ(keys_of(map), expected_keys());
   for (const auto& [key, value] : map) {
     EXPECT_EQ(value, key == "max_split_size" ? -1 : 0) << key;
@@ -135,6 +138,8 @@ TEST(StatsTest, MapValuesAfterIncreasesAndDecreases) {
   EXPECT_EQ(map.at("num_sync_all_streams"), 3);
   EXPECT_EQ(map.at("num_device_alloc"), 4);
   EXPECT_EQ(map.at("num_device_free"), 5);
+  EXPECT_EQ(map.at("num_device_synchronizations"), 6);
+  EXPECT_EQ(map.at("num_pages_remapped"), 7);
   EXPECT_EQ(map.at("max_split_size"), 128 << 20);
 }
 
@@ -170,7 +175,8 @@ TEST(StatsTest, ResetAccumulatedZeroesAllocatedFreedAndEventCounters) {
   const auto after = s.to_map();
   const std::set<std::string> counters = {"num_alloc_retries", "num_ooms",
                                           "num_sync_all_streams", "num_device_alloc",
-                                          "num_device_free"};
+                                          "num_device_free", "num_device_synchronizations",
+                                          "num_pages_remapped"};
   for (const auto& [key, value] : after) {
     const auto dot = key.rfind('.');
     const std::string field = dot == std::string::npos ? "" : key.substr(dot + 1);

@@ -366,19 +366,17 @@ const std::array<key_spec, 17>& key_table() {
         "False reproduces PyTorch's reservations)."},
        &parse_bool_field<&allocator_config::trim_on_new_peak>,
        &print_bool_field<&allocator_config::trim_on_new_peak>},
-      {{"recycle_turnover", "a number >= 0 (at most 1e6)",
-        "ccalloc's own key: with expandable segments, after recycling pages for a new peak "
-        "(which synchronizes the device), recycle again only once the program has allocated "
-        "this many times its reserved memory; meanwhile the peak grows (default 1; 0: recycle "
-        "at every new peak, the least memory)."},
+      {{"recycles_per_peak", "an integer >= 0",
+        "ccalloc's own key: with expandable segments, how many times free pages are recycled "
+        "(a device synchronization each) to avoid raising reserved memory past one high-water "
+        "mark before the mark is raised instead (default 4; 0: never, as PyTorch; a large "
+        "value: always, the least memory)."},
        [](allocator_config& c, std::string_view value) {
-         const double turnover = parse_double(value);
-         if (!(turnover >= 0.0 && turnover <= 1e6)) throw_out_of_range();
-         c.recycle_turnover = turnover;
+         c.recycles_per_peak = static_cast<std::size_t>(parse_unsigned(value));
        },
        [](const allocator_config& c) -> std::optional<std::string> {
-         if (c.recycle_turnover == 1.0) return std::nullopt;
-         return format_double(c.recycle_turnover);
+         if (c.recycles_per_peak == 4) return std::nullopt;
+         return format_unsigned(c.recycles_per_peak);
        }},
       {{"reuse_across_streams", boolean_values,
         "ccalloc's own key: before a new segment is allocated, a cached whole segment of "

@@ -859,10 +859,15 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     auto excess = [&] {
       std::size_t target = 0;
       if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) target = reserved_bytes_ + need - allowed_bytes_;
-      // A new peak is avoided by recycling only when a synchronization is
-      // due (recycle_turnover); else the peak grows, and a repeating program
+      // A new peak is avoided by recycling at most recycles_per_peak times
+      // per high-water mark; then the mark rises, and a repeating program
       // stops needing either.
-      if (config_.trim_on_new_peak && reserved_bytes_ + need > reserved_high_water_bytes_ && recycling_due())
+      if (recycle_mark_bytes_ != reserved_high_water_bytes_) {
+        recycle_mark_bytes_ = reserved_high_water_bytes_;
+        recycles_at_mark_ = 0;
+      }
+      if (config_.trim_on_new_peak && reserved_bytes_ + need > reserved_high_water_bytes_ &&
+          recycles_at_mark_ < config_.recycles_per_peak)
         target = std::max(target, std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_));
       return target;
     };
@@ -870,7 +875,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       release_unused_segments(w);  // plain cached segments (no-caching leftovers, earlier configs)
       if (const std::size_t target = excess(); target > 0) {
         try {
-          unmap_free_pages(target, best_seg, best_start, end, &recycled);
+          if (unmap_free_pages(target, best_seg, best_start, end, &recycled) > 0) ++recycles_at_mark_;
         } catch (...) {
           drop_recycled();  // the pages unmapped before the failure go back to the device
           throw;
@@ -1062,15 +1067,6 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
 void device_state::synchronize_before_reuse() {
   backend_.synchronize_device(device_);
   ++stats_.num_device_synchronizations;
-  allocated_at_last_sync_ = stats_.allocated_bytes[0].allocated;
-}
-
-bool device_state::recycling_due() const noexcept {
-  if (config_.recycle_turnover <= 0.0 || allocated_at_last_sync_ < 0) return true;
-  const std::int64_t now = stats_.allocated_bytes[0].allocated;
-  if (now < allocated_at_last_sync_) return true;  // reset_accumulated_stats since
-  return static_cast<double>(now - allocated_at_last_sync_) >=
-         config_.recycle_turnover * static_cast<double>(reserved_bytes_);
 }
 
 // Releases the reservations of expandable segments that have no mapped page.

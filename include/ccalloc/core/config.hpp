@@ -89,17 +89,18 @@ struct allocator_config {
   /// by less. Costs extra device frees only while the program sets new peaks.
   /// False reproduces PyTorch's allocator's reservations exactly.
   bool trim_on_new_peak = true;
-  /// ccalloc's own key (recycle_turnover, default 1; SPEC X3): with
+  /// ccalloc's own key (recycles_per_peak, default 4; SPEC X3): with
   /// expandable segments, trim_on_new_peak recycles free pages (unmaps them
   /// and maps them where the request needs them) instead of raising reserved
-  /// memory, and that needs a device-wide synchronization first. After one
-  /// such synchronization the next recycling for a new peak waits until the
-  /// program has allocated recycle_turnover x reserved bytes more; until
-  /// then the peak grows instead, so a loop that repeats itself converges to
-  /// a layout with no unmapping and no synchronization. 0 recycles at every
-  /// new peak (the least memory, a synchronization each time). The memory
-  /// fraction cap and out of memory recycle regardless.
-  double recycle_turnover = 1.0;
+  /// memory; each such recycling synchronizes the device and leaves it idle
+  /// while pages are remapped. After this many recyclings at one high-water
+  /// mark the next need raises the mark instead, so a loop that repeats
+  /// itself (a training step) converges to a layout that needs neither.
+  /// 0 never recycles for a new peak (PyTorch's expandable growth); a large
+  /// value recycles at every new peak (the least memory, a synchronization
+  /// each time). The memory fraction cap and out of memory recycle
+  /// regardless.
+  std::size_t recycles_per_peak = 4;
   /// ccalloc's own key (reuse_across_streams, default True; SPEC X2): before
   /// the device is asked for a new segment, a cached whole segment of another
   /// stream whose work has completed (an event recorded on that stream has

@@ -364,11 +364,8 @@ class device_state {
   // Cross-stream reuse (X2) [world]
   bool adopt_idle_segment(alloc_params& p, const world_lock& w);
   // Synchronizes the device before memory changes hands (unmapping pages,
-  // moving a segment between streams) and notes when (recycle_turnover).
+  // moving a segment between streams).
   void synchronize_before_reuse();
-  // Whether recycling pages for a new peak may synchronize now: enough
-  // bytes were allocated since the last synchronization (recycle_turnover).
-  [[nodiscard]] bool recycling_due() const noexcept;
   bool wait_for_completions_in_flight(world_lock& w);                          // [world]
   template <class OnCompleted>
   void take_completed_events(OnCompleted on_completed);                      // [device]
@@ -402,8 +399,10 @@ class device_state {
   std::size_t reserved_bytes_ = 0;  // sum of segment sizes
   // Highest reserved bytes ever (unlike the stats' peaks, reset_peak_stats keeps it).
   std::size_t reserved_high_water_bytes_ = 0;
-  // allocated_bytes.all.allocated at the last synchronize_before_reuse (-1: none yet).
-  std::int64_t allocated_at_last_sync_ = -1;
+  // Recyclings for a new peak since reserved_high_water_bytes_ last rose
+  // (recycles_per_peak), and the mark they were counted at.
+  std::size_t recycles_at_mark_ = 0;
+  std::size_t recycle_mark_bytes_ = 0;
   std::map<std::uintptr_t, std::unique_ptr<segment>> segments_;  // by base address
   // Events recorded at free time, per stream that used the block, in order.
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
