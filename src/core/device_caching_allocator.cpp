@@ -1885,7 +1885,9 @@ std::vector<int> device_caching_allocator::peers() const {
 // ---- private pools (F20-F24) ----------------------------------------------------------
 
 std::string to_string(const mempool_id_t& id) {
-  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+  std::string text = "(";  // appended, not "(" + std::string: GCC 12's -Wrestrict misfires on that at -O3
+  text.append(std::to_string(id.first)).append(", ").append(std::to_string(id.second)).append(")");
+  return text;
 }
 
 void device_caching_allocator::create_or_incref_pool(mempool_id_t id, segment_allocator custom) {
