@@ -525,7 +525,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   if (b->seg->oversize) stats_.oversize_segments.increase(1);
   ++stats_.num_device_alloc;
   reserved_bytes_ += size;
-  reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
+  raise_reserved_high_water();
   p.found = b;
   if (history_.active()) [[unlikely]]
     history_.record_segment_alloc(b->ptr, size, p.stream);
@@ -862,10 +862,6 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       // A new peak is avoided by recycling at most recycles_per_peak times
       // per high-water mark; then the mark rises, and a repeating program
       // stops needing either.
-      if (recycle_mark_bytes_ != reserved_high_water_bytes_) {
-        recycle_mark_bytes_ = reserved_high_water_bytes_;
-        recycles_at_mark_ = 0;
-      }
       if (config_.trim_on_new_peak && reserved_bytes_ + need > reserved_high_water_bytes_ &&
           recycles_at_mark_ < config_.recycles_per_peak)
         target = std::max(target, std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_));
@@ -949,7 +945,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       }
     } catch (...) {
       set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);
-      reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
+      raise_reserved_high_water();
       drop_recycled();
       throw;
     }
@@ -957,13 +953,13 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     if (history_.active() && i > run_first) [[unlikely]]
       history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
-      reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
+      raise_reserved_high_water();
       drop_recycled();
       return false;
     }
   }
   drop_recycled();  // more pages were freed than mapped (the cap counted plain segments)
-  reserved_high_water_bytes_ = std::max(reserved_high_water_bytes_, reserved_bytes_);
+  raise_reserved_high_water();
 
   // 4. The run now starts with a free mapped block of at least p.size bytes.
   block* b = seg.head;
@@ -1062,6 +1058,12 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
   return got;
+}
+
+void device_state::raise_reserved_high_water() noexcept {
+  if (reserved_bytes_ <= reserved_high_water_bytes_) return;
+  reserved_high_water_bytes_ = reserved_bytes_;
+  recycles_at_mark_ = 0;  // a new mark: recycling may start again (recycles_per_peak)
 }
 
 void device_state::synchronize_before_reuse() {

@@ -63,6 +63,11 @@ void ipc_cache::close(const entry& e, bool quiet) {
   }
 }
 
+void ipc_cache::grant_pages(const entry& e, int device) {
+  for (std::size_t i = 0; i < e.imported.size(); ++i)
+    backend.vm_set_access(e.device, reinterpret_cast<void*>(e.base + i * e.page_bytes), e.page_bytes, device);
+}
+
 bool ipc_cache::has_expandable(int device) const {
   for (const auto& [key, e] : entries)
     if (e.device == device && e.kind == ipc_kind::expandable) return true;
@@ -145,9 +150,7 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
         // segment was opened for.
         backend_->enable_peer_access(access_device, e.open_device);
       } else {
-        for (std::size_t i = 0; i < e.imported.size(); ++i)
-          backend_->vm_set_access(e.device, reinterpret_cast<void*>(e.base + i * e.page_bytes), e.page_bytes,
-                                  access_device);
+        cache.grant_pages(e, access_device);
       }
       e.accessors.push_back(access_device);
     }
@@ -189,9 +192,7 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
         std::vector<int> grant = devices_[static_cast<std::size_t>(h.device)]->peers();
         if (access_device != h.device && std::find(grant.begin(), grant.end(), access_device) == grant.end())
           grant.push_back(access_device);
-        for (int peer : grant)
-          for (std::size_t i = 0; i < e.imported.size(); ++i)
-            backend_->vm_set_access(h.device, reinterpret_cast<void*>(e.base + i * h.page_bytes), h.page_bytes, peer);
+        for (int peer : grant) cache.grant_pages(e, peer);
         if (access_device != h.device) e.accessors.push_back(access_device);
       } catch (...) {
         // Unmap page by page: the mapped prefix may be empty.

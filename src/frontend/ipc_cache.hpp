@@ -36,6 +36,9 @@ struct ipc_cache {
   ipc_cache(const ipc_cache&) = delete;
   ipc_cache& operator=(const ipc_cache&) = delete;
 
+  /// Gives `device` read/write access to every imported page of the
+  /// expandable mapping `e` (cuMemSetAccess). Throws backend_error.
+  void grant_pages(const entry& e, int device);
   /// Unmaps and releases what `e` holds (errors are dropped when `quiet`).
   void close(const entry& e, bool quiet);
   /// True when `device` has an open expandable mapping (mutex held).

@@ -366,6 +366,9 @@ class device_state {
   // Synchronizes the device before memory changes hands (unmapping pages,
   // moving a segment between streams).
   void synchronize_before_reuse();
+  // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
+  // restarts the count of recycles_per_peak.
+  void raise_reserved_high_water() noexcept;
   bool wait_for_completions_in_flight(world_lock& w);                          // [world]
   template <class OnCompleted>
   void take_completed_events(OnCompleted on_completed);                      // [device]
@@ -400,9 +403,8 @@ class device_state {
   // Highest reserved bytes ever (unlike the stats' peaks, reset_peak_stats keeps it).
   std::size_t reserved_high_water_bytes_ = 0;
   // Recyclings for a new peak since reserved_high_water_bytes_ last rose
-  // (recycles_per_peak), and the mark they were counted at.
+  // (recycles_per_peak); raise_reserved_high_water resets it.
   std::size_t recycles_at_mark_ = 0;
-  std::size_t recycle_mark_bytes_ = 0;
   std::map<std::uintptr_t, std::unique_ptr<segment>> segments_;  // by base address
   // Events recorded at free time, per stream that used the block, in order.
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
