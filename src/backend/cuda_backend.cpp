@@ -2,6 +2,7 @@
 // the driver's cuMem* functions (looked up through the runtime, so libcuda is
 // never linked) for virtual memory. See include/ccalloc/backend/cuda_backend.hpp.
 #include <ccalloc/backend/cuda_backend.hpp>
+#include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/base/errors.hpp>
 
 // Types and enums only: no driver function is called by name.
@@ -31,11 +32,7 @@ std::string describe_error(cudaError_t e) {
   return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
 }
 
-std::string pointer_text(const void* p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%p", p);
-  return buf;
-}
+using detail::pointer_text;
 
 // Throws backend_error for a failed runtime call. `call` is built only on
 // failure (it is a callable returning the call's text with its arguments).

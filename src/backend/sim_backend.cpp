@@ -1,6 +1,7 @@
 // The simulated device: host address space as device memory, a virtual clock
 // for streams and events. See include/ccalloc/backend/sim_backend.hpp.
 #include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/base/errors.hpp>
 
 #include <fcntl.h>
@@ -24,11 +25,7 @@ namespace ccalloc {
 namespace {
 thread_local int tls_current_device = 0;
 
-std::string pointer_text(const void* p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%p", p);
-  return buf;
-}
+using detail::pointer_text;
 std::string pointer_text(std::uintptr_t a) { return pointer_text(reinterpret_cast<const void*>(a)); }
 
 // "sim: vm_map(device 0, 0x7f.., 2097152 bytes" (the caller closes it).

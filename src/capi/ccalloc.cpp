@@ -1,6 +1,7 @@
 // The C API (include/ccalloc/ccalloc.h) over the front end: every function
 // turns C++ exceptions into a status code and a thread-local message.
 #include <ccalloc/ccalloc.h>
+#include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/core/history.hpp>
 #include <ccalloc/core/snapshot.hpp>
 
@@ -112,11 +113,7 @@ const std::vector<std::string>& stat_names() {
   return names;
 }
 
-std::string pointer_text(const void* ptr) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%p", ptr);
-  return buf;
-}
+using ccalloc::detail::pointer_text;
 
 ccalloc::mempool_id_t to_pool_id(ccalloc_mempool_id_t id) noexcept { return {id.first, id.second}; }
 

@@ -1,6 +1,7 @@
 // The multi-device front end: device allocators, the sharded pointer map,
 // the thread's current stream.
 #include <ccalloc/frontend/caching_allocator.hpp>
+#include <ccalloc/base/detail/pointer_text.hpp>
 
 #include "ipc_cache.hpp"
 
@@ -19,11 +20,7 @@ namespace {
 
 thread_local stream_t tls_current_stream = default_stream;
 
-std::string pointer_name(const void* ptr) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%p", ptr);
-  return buf;
-}
+using detail::pointer_text;
 
 // A boolean environment variable: 1/true/yes/on and 0/false/no/off (any
 // case); unset or empty is false. Anything else is a config_error naming it.
@@ -134,7 +131,7 @@ void caching_allocator::free(void* ptr) {
     found = shard.blocks.erase(key, &entry);
   }
   if (!found) [[unlikely]]
-    throw invalid_argument_error("ccalloc: free(" + pointer_name(ptr) +
+    throw invalid_argument_error("ccalloc: free(" + pointer_text(ptr) +
                                  "): not a live allocation of this allocator (never allocated here, "
                                  "already freed, or not the start of an allocation)");
   try {
@@ -278,7 +275,7 @@ std::size_t caching_allocator::cache_info(int device) const {
 std::pair<void*, std::size_t> caching_allocator::get_base_allocation(void* ptr) const {
   const auto entry = find_entry(ptr);
   if (!entry)
-    throw invalid_argument_error("ccalloc: get_base_allocation(" + pointer_name(ptr) +
+    throw invalid_argument_error("ccalloc: get_base_allocation(" + pointer_text(ptr) +
                                  "): not a live allocation of this allocator");
   return devices_[static_cast<std::size_t>(entry->device)]->base_allocation(entry->block);
 }

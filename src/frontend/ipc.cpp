@@ -3,6 +3,7 @@
 // described in ipc_cache.hpp.
 #include "ipc_cache.hpp"
 
+#include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
 #include <unistd.h>
@@ -14,11 +15,7 @@ namespace ccalloc {
 
 namespace {
 
-std::string pointer_text(const void* p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%p", p);
-  return buf;
-}
+using detail::pointer_text;
 
 // What identifies the memory a handle maps in this process: the producer,
 // its segment, and (expandable) the page range and the pages' file offsets.
