@@ -321,6 +321,7 @@ TEST_F(IpcTest, AccessDeviceMustExistAndReachTheOwner) {
   void* p = alloc->malloc(0, 3 * MiB, 0);
   ipc_export ex = alloc->share_ipc_handle(p);
   EXPECT_THROW((void)alloc->open_ipc_handle(ex.handle, ex.fds, 2), invalid_argument_error);
+  EXPECT_THROW((void)alloc->open_ipc_handle(ex.handle, ex.fds, -2), invalid_argument_error) << "only -1 means the owner";
   EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
   close_all(ex.fds);
   alloc->free(p);
@@ -420,6 +421,8 @@ int consumer(int sock, int first_access) {
       if (!sim->peer_can_access(0, q, 1) || !sim->peer_can_access(0, q + h.size_bytes - 1, 1)) return 14;
     } else if (first_access == 0 && !sim->peer_access_enabled(1, 0)) {
       return 14;  // a plain segment opened for device 0, then used by device 1
+    } else if (first_access == 1 && !sim->peer_access_enabled(0, 1)) {
+      return 14;  // opened for device 1, then used by the owner: access to device 1's mapping
     }
     for (std::size_t i = 0; i < h.size_bytes; i += 4096)
       if (q[i] != static_cast<unsigned char>(i / 4096)) return 12;

@@ -373,6 +373,45 @@ TEST_P(PoolsTest, CustomSegmentAllocatorSuppliesThePoolsSegments) {
   EXPECT_EQ(reserved(), 0);
 }
 
+// An allocation's out-of-memory retry returns cached segments of every pool,
+// including those of released pools; one whose segment free fails stays
+// cached and the retry goes on (found by a breaker run: the malloc failed
+// with the other pool's backend_error).
+TEST(PoolsRetryTest, AFailingFreeOfAReleasedPoolDoesNotFailTheRetry) {
+  sim_options o;
+  o.capacity_bytes = 256 * MiB;
+  auto sim = std::make_shared<sim_backend>(o);
+  caching_allocator alloc(sim, allocator_config::parse("expandable_segments:False,trim_on_new_peak:False"));
+  alloc.init(1);
+  bool fail_free = false;
+  int frees = 0;
+  segment_allocator custom;
+  custom.malloc = [&](std::size_t n) { return sim->segment_malloc(0, n); };
+  custom.free = [&](void* ptr) {
+    if (fail_free) throw backend_error("test: the pool's segment free fails");
+    ++frees;
+    sim->segment_free(0, ptr);
+  };
+  alloc.create_or_incref_pool(0, P, custom);
+  alloc.begin_allocate_to_pool(0, P, [](stream_t s) { return s == 1; });
+  alloc.free(alloc.malloc(0, 100 * MiB, 1));
+  alloc.end_allocate_to_pool(0, P);
+  alloc.release_pool(0, P);             // dead, its 100 MiB segment cached
+  alloc.free(alloc.malloc(0, 100 * MiB, 0));  // 100 MiB cached in the default pool
+  fail_free = true;
+  void* big = alloc.malloc(0, 150 * MiB, 2);  // needs the default pool's cache back
+  EXPECT_NE(big, nullptr);
+  EXPECT_EQ(alloc.get_pool_stats(0, P).reserved_bytes, 100 * MiB) << "the failing segment stays cached";
+  EXPECT_EQ(alloc.get_device_stats(0).num_ooms, 0);
+  EXPECT_THROW(alloc.empty_cache(), backend_error) << "emptyCache still reports the failure";
+  fail_free = false;
+  alloc.free(big);
+  alloc.empty_cache();
+  EXPECT_EQ(frees, 1);
+  EXPECT_EQ(alloc.get_device_stats(0).reserved_bytes[0].current, 0);
+  alloc.device_allocator(0).check_invariants();
+}
+
 // ---- capture semantics --------------------------------------------------------------------------
 
 TEST_P(PoolsTest, WhileCapturingNoEventIsQueriedAndMultiStreamFreesAreDeferred) {

@@ -773,7 +773,7 @@ int run(int argc, char** argv) {
   std::string replay_config;
   std::vector<std::string> compare_configs;
 
-  const auto add_common = [&](CLI::App* sub) {
+  const auto add_common = [&](CLI::App* sub, bool with_json) {
     sub->add_option("trace", common.trace_path,
                     "Trace file, plain or gzip: ccalloc's format (docs/trace-format.md), an RMM "
                     "logging_resource_adaptor CSV, or a PyTorch snapshot pickle (converted with python3), told "
@@ -784,11 +784,11 @@ int run(int argc, char** argv) {
     sub->add_option("--device-memory", common.device_memory_text,
                     "Simulated device capacity: bytes, optionally with a unit "
                     "(80GB, 80GiB, 512MiB, 1.5e9). Default: 141GB (an H200). Not with --device cuda.");
-    sub->add_flag("--json", common.json_output, "Print the results as JSON.");
+    if (with_json) sub->add_flag("--json", common.json_output, "Print the results as JSON.");
   };
 
   CLI::App* replay = app.add_subcommand("replay", "Replay a trace and report peaks and device calls.");
-  add_common(replay);
+  add_common(replay, true);
   replay->add_option("--config", replay_config,
                      "Configuration string, PyTorch syntax (see `ccalloc config-keys`). "
                      "Default: defaults.");
@@ -799,7 +799,7 @@ int run(int argc, char** argv) {
 
   CLI::App* compare =
       app.add_subcommand("compare", "Replay one trace under several configurations side by side.");
-  add_common(compare);
+  add_common(compare, true);
   compare
       ->add_option("--config", compare_configs,
                    "A configuration to run (repeat for more; \"default\" or \"\" = defaults).")
@@ -814,7 +814,7 @@ int run(int argc, char** argv) {
   CLI::App* report = app.add_subcommand(
       "report", "Replay a trace and write one self-contained HTML page with plots (bytes over time, the segment "
                 "map at the peak, fragmentation by pool and stream, the largest allocations).");
-  add_common(report);
+  add_common(report, false);  // its output is the HTML file
   std::string report_config, report_output = "report.html", report_title;
   std::size_t report_points = 1200;
   report->add_option("--config", report_config, "Configuration string, PyTorch syntax. Default: defaults.");

@@ -421,7 +421,8 @@ const std::array<key_spec, 17>& key_table() {
          return format_unsigned(c.pinned_reserve_segment_size_bytes / mib);
        }},
       {{"graph_capture_record_stream_reuse", boolean_values,
-        "PyTorch CUDA-graph capture setting; ccalloc does not capture graphs."},
+        "PyTorch CUDA-graph capture setting (reuse of record_stream blocks during a capture); "
+        "ccalloc defers those frees until the capture ends instead."},
        &parse_bool_field<&allocator_config::graph_capture_record_stream_reuse>,
        &print_bool_field<&allocator_config::graph_capture_record_stream_reuse>},
   }};
@@ -556,8 +557,9 @@ std::vector<std::string> warnings_for(const allocator_config& config) {
   }
   if (config.graph_capture_record_stream_reuse != defaults.graph_capture_record_stream_reuse) {
     warnings.push_back(setting("graph_capture_record_stream_reuse") +
-                       " has no effect: it configures PyTorch's CUDA-graph capture, which "
-                       "ccalloc does not implement");
+                       " has no effect: during a CUDA-graph capture ccalloc defers the frees of "
+                       "blocks used on other streams until the capture ends, rather than reusing "
+                       "them as PyTorch can");
   }
   return warnings;
 }

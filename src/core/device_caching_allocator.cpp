@@ -419,7 +419,8 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
       no_address_space_ = false;
       for (int attempt = 0; attempt < 2; ++attempt) {
         if (attempt == 1 && get_free_block(p)) return take_found_block(p, stats_);
-        if (alloc_expandable(p, false, w) || (release_cached_blocks(w) && alloc_expandable(p, true, w)))
+        if (alloc_expandable(p, false, w) ||
+            (release_cached_blocks(w, /*for_retry=*/true) && alloc_expandable(p, true, w)))
           return take_found_block(p, stats_);
         if (no_address_space_) break;
         if (!wait_for_completions_in_flight(w)) break;  // X7
@@ -437,7 +438,7 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
     // segments (none fits) go back to the device: the peak grows by less.
     if (config_.trim_on_new_peak && !capturing && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_) {
       if (config_.reuse_across_streams && !priv && adopt_idle_segment(p, w)) return take_found_block(p, stats_);
-      release_unused_segments(w);
+      release_unused_segments(w, /*keep_going=*/true);
     }
   }
   // Rung 3: a new segment. Rung 4: free oversize cached blocks and retry.
@@ -446,7 +447,7 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
     if (attempt == 1 && caching_ && get_free_block(p)) return take_found_block(p, stats_);
     if (alloc_segment(p, false, w) ||
         (caching_ && !priv && !capturing && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
-        (release_cached_blocks(w) && alloc_segment(p, true, w)))
+        (release_cached_blocks(w, /*for_retry=*/true) && alloc_segment(p, true, w)))
       return take_found_block(p, stats_);
     // X7: blocks another thread is returning may be what is missing.
     if (!wait_for_completions_in_flight(w)) break;
@@ -563,30 +564,36 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
 // cached block that is a whole segment.
 // Private pools without users give back their cached segments too. Nothing
 // while a capture is underway (waiting and freeing are not allowed then).
-bool device_state::release_cached_blocks(const world_lock& w) {
+bool device_state::release_cached_blocks(const world_lock& w, bool for_retry) {
   if (capture_underway()) return false;
   flush_deferred_frees();
   synchronize_and_free_events();
-  release_unused_segments(w);
-  release_dead_pools(w);
+  release_unused_segments(w, for_retry);
+  release_dead_pools(w, for_retry);
   unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
   release_empty_expandable_segments();
   delete_empty_dead_pools(w);
   return true;
 }
 
-void device_state::release_unused_segments(const world_lock& w) {
+void device_state::release_unused_segments(const world_lock& w, bool keep_going) {
   for (stream_state* ss : w.streams()) {
-    release_blocks(ss->pools.large);
-    release_blocks(ss->pools.small);
+    release_blocks(ss->pools.large, keep_going);
+    release_blocks(ss->pools.small, keep_going);
   }
 }
 
-void device_state::release_blocks(block_pool& pool) {
+void device_state::release_blocks(block_pool& pool, bool keep_going) {
   std::vector<block*> victims;
   for (std::size_t i = 0; i < pool.blocks.size(); ++i)
     if (!pool.blocks.at(i)->is_split()) victims.push_back(pool.blocks.at(i));
-  for (block* b : victims) release_block(b, stats_);
+  for (block* b : victims) {
+    try {
+      release_block(b, stats_);
+    } catch (...) {
+      if (!keep_going) throw;  // else the segment stays cached (release_block changed nothing)
+    }
+  }
 }
 
 // Returns a cached whole-segment block to the device. If the device refuses
@@ -868,7 +875,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       return target;
     };
     if (!capture_underway() && excess() > 0) {
-      release_unused_segments(w);  // plain cached segments (no-caching leftovers, earlier configs)
+      release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
       if (const std::size_t target = excess(); target > 0) {
         try {
           if (unmap_free_pages(target, best_seg, best_start, end, &recycled) > 0) ++recycles_at_mark_;
@@ -1526,12 +1533,12 @@ bool device_state::try_use_on_oom_pools(alloc_params& p, const world_lock&) {
 }
 
 // Cached whole segments of pools without users go back to the device.
-void device_state::release_dead_pools(const world_lock& w) {
+void device_state::release_dead_pools(const world_lock& w, bool keep_going) {
   for (stream_state* ss : w.streams())
     for (auto& [pp, sp] : ss->private_pools)
       if (pp->use_count == 0) {
-        release_blocks(sp->large);
-        release_blocks(sp->small);
+        release_blocks(sp->large, keep_going);
+        release_blocks(sp->small, keep_going);
       }
 }
 

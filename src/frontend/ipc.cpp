@@ -123,7 +123,7 @@ ipc_export caching_allocator::share_ipc_handle(void* ptr) {
 void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const int> fds, int access_device) {
   const ipc_handle h = parse_ipc_handle(bytes);  // invalid_argument_error "ipc handle: ..."
   (void)checked_device(h.device, "open_ipc_handle");
-  if (access_device < 0) access_device = h.device;
+  if (access_device == -1) access_device = h.device;
   (void)checked_device(access_device, "open_ipc_handle (access_device)");
   if (access_device != h.device && !backend_->can_access_peer(access_device, h.device))
     throw backend_error("ccalloc: open_ipc_handle: device " + std::to_string(access_device) +
@@ -139,13 +139,23 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
   if (it != cache.entries.end()) {
     // Open already: grant the new accessing device, if any, before sharing.
     detail::ipc_cache::entry& e = it->second;
-    const bool granted = access_device == e.device || access_device == e.open_device ||
+    // The device the mapping was made for: the one it opened for (plain) or
+    // the owner (expandable: mapped on it, then granted to the accessors).
+    const int mapped_for = e.kind == ipc_kind::plain ? e.open_device : e.device;
+    const bool granted = access_device == mapped_for ||
                          std::find(e.accessors.begin(), e.accessors.end(), access_device) != e.accessors.end();
     if (!granted) {
       if (e.kind == ipc_kind::plain) {
-        // What cudaIpcMemLazyEnablePeerAccess does for the device the
-        // segment was opened for.
+        // A plain segment lives in the context of the device it was opened
+        // for: the new device needs peer access to that context, and (as
+        // cudaIpcMemLazyEnablePeerAccess gives the opening device) to the
+        // owner of the memory.
+        if (!backend_->can_access_peer(access_device, e.open_device))
+          throw backend_error("ccalloc: open_ipc_handle: device " + std::to_string(access_device) +
+                              " cannot access device " + std::to_string(e.open_device) + " on the '" +
+                              backend_->name() + "' backend (no peer-to-peer path)");
         backend_->enable_peer_access(access_device, e.open_device);
+        if (access_device != e.device) backend_->enable_peer_access(access_device, e.device);
       } else {
         cache.grant_pages(e, access_device);
       }

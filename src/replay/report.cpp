@@ -360,7 +360,10 @@ std::string time_chart_svg(const chart_data& c) {
 std::string chart_json(const chart_data& c) {
   auto arr = [](const std::vector<std::int64_t>& v) {
     std::string s = "[";
-    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + fmt("%.2f", double(v[i]) / double(mib));
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (i != 0) s += ',';
+      s += fmt("%.2f", double(v[i]) / double(mib));  // no "," + std::string: GCC 12 -O3 misreports -Wrestrict
+    }
     return s + "]";
   };
   std::string s = "{\"by_time\":" + std::string(c.by_time ? "true" : "false") + fmt(",\"span\":%.6g", c.span) +

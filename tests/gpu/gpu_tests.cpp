@@ -1370,6 +1370,20 @@ int ipc_consumer_main(int sock, int device) {
                    cudaGetErrorName(synced), cudaGetErrorName(queried), static_cast<int>(attr.type), attr.device);
       return consumer_write;
     }
+    if (device != h.device) {
+      // The cached mapping, opened again for the owner's device: its kernels
+      // write the same answer through it.
+      void* owner_view = alloc.open_ipc_handle(got.handle, got.fds, h.device);
+      if (owner_view != q) return consumer_cache;
+      if (cudaSetDevice(h.device) != cudaSuccess ||
+          gk::launch_fill(owner_view, h.size_bytes, ipc_seed + 1, nullptr) != cudaSuccess ||
+          cudaDeviceSynchronize() != cudaSuccess) {
+        std::fprintf(stderr, "    consumer: kernel on the owner's device %d writing the mapping opened for %d: %s\n",
+                     h.device, device, cudaGetErrorName(cudaGetLastError()));
+        return consumer_write;
+      }
+      alloc.close_ipc_handle(owner_view);
+    }
     alloc.close_ipc_handle(q);
     alloc.close_ipc_handle(again);
     if (alloc.ipc_open_mappings() != 0) return consumer_close;

@@ -200,7 +200,8 @@ class caching_allocator {
   /// a freed segment where the backend notices). Nothing stays open after an
   /// exception. Thread-safe.
   ///
-  /// `access_device` (-1: the handle's device) is the device whose kernels
+  /// `access_device` (-1: the handle's device; other negative values are
+  /// out of range) is the device whose kernels
   /// will use the mapping; it must be initialized here and, when it is not
   /// the handle's device, able to access that device (else backend_error
   /// "cannot access device"). A plain segment is opened for that device
@@ -210,8 +211,10 @@ class caching_allocator {
   /// (cuMemSetAccess) besides the handle's device and the peers granted there
   /// with enable_peer_access before the open (later grants do not reach
   /// mappings already open). Opening a cached mapping for a further device
-  /// grants that device too (peer access to the device the plain segment was
-  /// opened for; cuMemSetAccess of every imported page). The cache key is
+  /// grants that device too (plain: peer access to the device the segment
+  /// was opened for and to the owner, backend_error when there is no
+  /// peer-to-peer path; expandable: cuMemSetAccess of every imported page).
+  /// The cache key is
   /// the producer's process id, device, segment and (expandable) page range
   /// and file offsets: close a handle before its producer frees the block,
   /// else a later handle of new memory at the same place (same key) would

@@ -320,9 +320,12 @@ class device_state {
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
   bool alloc_segment(alloc_params& p, bool is_retry, world_lock& w);          // [world]
   bool release_available_cached_blocks(const alloc_params& p);                // [world]
-  bool release_cached_blocks(const world_lock& w);                            // [world]
-  void release_unused_segments(const world_lock& w);                          // [world]
-  void release_blocks(block_pool& pool);                                      // [world]
+  // for_retry: a segment whose free throws stays cached and the others go
+  // on (an allocation retrying must not fail on another pool's segment);
+  // else the first such error is thrown (emptyCache reports it).
+  bool release_cached_blocks(const world_lock& w, bool for_retry = false);                            // [world]
+  void release_unused_segments(const world_lock& w, bool keep_going = false);                          // [world]
+  void release_blocks(block_pool& pool, bool keep_going = false);                                      // [world]
   void release_block(block* b, device_stats& st);                             // [stream, device]
   void forget_segment(block* b, device_stats& st) noexcept;                   // [stream, device]
   void free_uncached(block* b, stream_state& ss);                             // [stream]
@@ -352,7 +355,7 @@ class device_state {
     return pool->priv != nullptr && pool->priv->use_count > 0;
   }
   bool try_use_on_oom_pools(alloc_params& p, const world_lock& w);
-  void release_dead_pools(const world_lock& w);
+  void release_dead_pools(const world_lock& w, bool keep_going = false);
   void delete_empty_dead_pools(const world_lock& w);
   void defer_free(block* b);                                                   // [stream]
   void flush_deferred_frees();
