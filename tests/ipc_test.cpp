@@ -396,8 +396,9 @@ TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
 // the socket).
 // Returns the exit code: 0 when every check passed. The consumer has two
 // devices: it opens the handle for `first_access` (the device whose kernels
-// use the mapping), then again for the other device, which gets the cached
-// mapping and access to it.
+// use the mapping), then again for the other device: an expandable mapping
+// is shared (same pointer, access granted), a plain one is opened again for
+// that device (its own pointer to the same bytes).
 int consumer(int sock, int first_access) {
   std::string bytes;
   std::vector<int> fds;
@@ -414,21 +415,23 @@ int consumer(int sock, int first_access) {
     alloc.init(2);
     const int second_access = 1 - first_access;
     auto* q = static_cast<unsigned char*>(alloc.open_ipc_handle(bytes, fds, first_access));
-    if (alloc.open_ipc_handle(bytes, fds, second_access) != q) return 11;
+    if (alloc.open_ipc_handle(bytes, fds, first_access) != q) return 11;
+    auto* other = static_cast<unsigned char*>(alloc.open_ipc_handle(bytes, fds, second_access));
     for (int fd : fds) ::close(fd);
     const ipc_handle h = parse_ipc_handle(bytes);
     if (h.kind == ipc_kind::expandable) {
+      if (other != q || alloc.ipc_open_mappings() != 1) return 11;
       if (!sim->peer_can_access(0, q, 1) || !sim->peer_can_access(0, q + h.size_bytes - 1, 1)) return 14;
-    } else if (first_access == 0 && !sim->peer_access_enabled(1, 0)) {
-      return 14;  // a plain segment opened for device 0, then used by device 1
-    } else if (first_access == 1 && !sim->peer_access_enabled(0, 1)) {
-      return 14;  // opened for device 1, then used by the owner: access to device 1's mapping
+    } else {
+      if (other == q || alloc.ipc_open_mappings() != 2) return 11;
+      if (other[h.size_bytes - 4096] != q[h.size_bytes - 4096]) return 12;
     }
     for (std::size_t i = 0; i < h.size_bytes; i += 4096)
       if (q[i] != static_cast<unsigned char>(i / 4096)) return 12;
     q[0] = 0xc7;  // the answer
+    alloc.close_ipc_handle(other);  // a plain segment closes on the device it was opened for
     alloc.close_ipc_handle(q);
-    alloc.close_ipc_handle(q);  // a plain segment closes on the device it was opened for
+    alloc.close_ipc_handle(q);
     if (alloc.ipc_open_mappings() != 0 || sim->counters().live_handles != 0) return 13;
     return 0;
   } catch (const std::exception& e) {

@@ -132,33 +132,23 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
   if (fds.size() != h.fd_count())
     throw invalid_argument_error("ccalloc: open_ipc_handle: the handle needs " + std::to_string(h.fd_count()) +
                                  " file descriptor(s), got " + std::to_string(fds.size()));
-  const std::string key = cache_key(h);
+  std::string key = cache_key(h);
+  // CUDA maps a plain segment into the context it is opened in, and peer
+  // access does not reach such a mapping from another device (measured on
+  // two H200s: a kernel on the owner's device faulted on a mapping opened
+  // for the other one): one mapping per accessing device.
+  if (h.kind == ipc_kind::plain) key.append("/for").append(std::to_string(access_device));
   detail::ipc_cache& cache = *ipc_;
   std::lock_guard lock(cache.mutex);
   auto it = cache.entries.find(key);
   if (it != cache.entries.end()) {
     // Open already: grant the new accessing device, if any, before sharing.
     detail::ipc_cache::entry& e = it->second;
-    // The device the mapping was made for: the one it opened for (plain) or
-    // the owner (expandable: mapped on it, then granted to the accessors).
-    const int mapped_for = e.kind == ipc_kind::plain ? e.open_device : e.device;
-    const bool granted = access_device == mapped_for ||
-                         std::find(e.accessors.begin(), e.accessors.end(), access_device) != e.accessors.end();
-    if (!granted) {
-      if (e.kind == ipc_kind::plain) {
-        // A plain segment lives in the context of the device it was opened
-        // for: the new device needs peer access to that context, and (as
-        // cudaIpcMemLazyEnablePeerAccess gives the opening device) to the
-        // owner of the memory.
-        if (!backend_->can_access_peer(access_device, e.open_device))
-          throw backend_error("ccalloc: open_ipc_handle: device " + std::to_string(access_device) +
-                              " cannot access device " + std::to_string(e.open_device) + " on the '" +
-                              backend_->name() + "' backend (no peer-to-peer path)");
-        backend_->enable_peer_access(access_device, e.open_device);
-        if (access_device != e.device) backend_->enable_peer_access(access_device, e.device);
-      } else {
-        cache.grant_pages(e, access_device);
-      }
+    // An expandable mapping is shared by every device of this process: grant
+    // the new one (a plain entry is per device: the key holds it).
+    if (e.kind == ipc_kind::expandable && access_device != e.device &&
+        std::find(e.accessors.begin(), e.accessors.end(), access_device) == e.accessors.end()) {
+      cache.grant_pages(e, access_device);
       e.accessors.push_back(access_device);
     }
   } else {

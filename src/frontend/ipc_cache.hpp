@@ -23,7 +23,7 @@ struct ipc_cache {
     ipc_kind kind = ipc_kind::plain;
     int device = 0;            // the handle's device (the memory's owner)
     int open_device = 0;       // plain: the device the segment was opened for (ipc_close_segment's)
-    std::vector<int> accessors;  // devices other than `device` granted access, in grant order
+    std::vector<int> accessors;  // expandable: devices other than `device` granted access, in grant order
     std::uintptr_t base = 0;   // plain: ipc_open_segment's result; expandable: the reservation
     std::size_t bytes = 0;     // plain: segment size; expandable: reservation size
     std::size_t page_bytes = 0;

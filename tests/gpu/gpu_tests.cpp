@@ -1371,10 +1371,12 @@ int ipc_consumer_main(int sock, int device) {
       return consumer_write;
     }
     if (device != h.device) {
-      // The cached mapping, opened again for the owner's device: its kernels
-      // write the same answer through it.
+      // Opened again for the owner's device, whose kernels write the same
+      // answer through it: an expandable mapping is shared (granted), a
+      // plain one gets its own mapping in that device's context.
       void* owner_view = alloc.open_ipc_handle(got.handle, got.fds, h.device);
-      if (owner_view != q) return consumer_cache;
+      const bool shared = h.kind == ipc_kind::expandable;
+      if ((owner_view == q) != shared || alloc.ipc_open_mappings() != (shared ? 1u : 2u)) return consumer_cache;
       if (cudaSetDevice(h.device) != cudaSuccess ||
           gk::launch_fill(owner_view, h.size_bytes, ipc_seed + 1, nullptr) != cudaSuccess ||
           cudaDeviceSynchronize() != cudaSuccess) {

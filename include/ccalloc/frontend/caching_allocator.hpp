@@ -193,27 +193,27 @@ class caching_allocator {
   /// here). `fds` are the descriptors sent with the handle, in order; they
   /// stay the caller's (close them after the call). Opening a handle of a
   /// segment (and, for expandable segments, page range) that is open already
-  /// returns the cached mapping: the same pointer for the same block, with
-  /// one more reference. Throws invalid_argument_error for a malformed handle
+  /// returns the cached mapping: the same pointer for the same block (plain
+  /// segments: for the same access_device), with one more reference. Throws invalid_argument_error for a malformed handle
   /// (the parser's message), a device not initialized here, or a wrong number
   /// of descriptors; backend_error when the backend refuses (bad descriptor,
   /// a freed segment where the backend notices). Nothing stays open after an
   /// exception. Thread-safe.
   ///
   /// `access_device` (-1: the handle's device; other negative values are
-  /// out of range) is the device whose kernels
-  /// will use the mapping; it must be initialized here and, when it is not
-  /// the handle's device, able to access that device (else backend_error
-  /// "cannot access device"). A plain segment is opened for that device
-  /// (cudaIpcOpenMemHandle with it current and
-  /// cudaIpcMemLazyEnablePeerAccess, as CUDA documents for a consumer on
-  /// another GPU); an expandable mapping gets read/write access for it
-  /// (cuMemSetAccess) besides the handle's device and the peers granted there
-  /// with enable_peer_access before the open (later grants do not reach
-  /// mappings already open). Opening a cached mapping for a further device
-  /// grants that device too (plain: peer access to the device the segment
-  /// was opened for and to the owner, backend_error when there is no
-  /// peer-to-peer path; expandable: cuMemSetAccess of every imported page).
+  /// out of range) is the device whose kernels will use the mapping; it
+  /// must be initialized here and, when it is not the handle's device, able
+  /// to access that device (else backend_error "cannot access device"). A
+  /// plain segment is opened for that device (cudaIpcOpenMemHandle with it
+  /// current and cudaIpcMemLazyEnablePeerAccess, as CUDA documents for a
+  /// consumer on another GPU), one mapping per accessing device: CUDA's
+  /// mapping belongs to that device's context and peer access does not
+  /// reach it from another device (a kernel on the owner's device faulted on
+  /// a mapping opened for the other GPU, on two H200s), so each device gets
+  /// its own pointer. An expandable mapping is one per process: it gets
+  /// read/write access (cuMemSetAccess) for the handle's device, the peers
+  /// granted there with enable_peer_access before the open, and every
+  /// device it is opened for (now or later).
   /// The cache key is
   /// the producer's process id, device, segment and (expandable) page range
   /// and file offsets: close a handle before its producer frees the block,
