@@ -74,7 +74,11 @@ class build_with_library(build_py):
         sys.path.insert(0, str(package.parent))  # the ccalloc being built, not another one
         try:
             from ccalloc import _build
-            path = _build.build(torch, package / "_torch" / _build.key(torch), verbose=True)
+            directory = package / "_torch" / _build.key(torch)
+            path = _build.build(torch, directory, verbose=True)
+            for leftover in directory.iterdir():  # ninja's files and objects: only the module ships
+                if leftover != path:
+                    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
             print(f"ccalloc: built the PyTorch integration for torch {torch.__version__}: {path}", flush=True)
         except Exception as e:  # the install goes on: install() builds on first use or falls back
             print(f"ccalloc: WARNING: could not build the PyTorch integration for torch {torch.__version__}: {e}",
