@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -167,6 +168,196 @@ TEST(CornerCases, ReplayOfATraceWithoutEventsFails) {
     FAIL() << "no error";
   } catch (const invalid_argument_error& e) {
     EXPECT_NE(std::string(e.what()).find("header_only.csv has no events"), std::string::npos) << e.what();
+  }
+}
+
+// ---- item 1: an OOM while a fitting block only waits on an event ---------------------------
+
+std::shared_ptr<sim_backend> small_sim(std::size_t capacity) {
+  sim_options o;
+  o.capacity_bytes = capacity;
+  return std::make_shared<sim_backend>(o);
+}
+
+// Plain segments: a 64 MiB device full of 8 MiB blocks (two per 20 MiB
+// segment); the last block is freed after record_stream on a busy stream.
+// Asking for 8 MiB again: the out-of-memory path waits for the event and
+// merges the block back (12 MiB free), so it must search the pool again
+// instead of failing (it failed, and the caller's retry succeeded).
+TEST(CornerCases, OutOfMemoryPathSearchesAgainAfterWaitingForEvents) {
+  for (const char* config : {"expandable_segments:False", "expandable_segments:False,trim_on_new_peak:False",
+                             "expandable_segments:True"}) {
+    SCOPED_TRACE(config);
+    auto sim = small_sim(64 * mib);
+    auto a = make(sim, config);
+    std::vector<void*> blocks;
+    try {
+      for (;;) blocks.push_back(a->malloc(0, 8 * mib, default_stream));
+    } catch (const out_of_memory_error&) {
+    }
+    ASSERT_GE(blocks.size(), 6u);
+    const stream_t side = sim->create_stream(0);
+    sim->enqueue_work(0, side, 100);
+    a->record_stream(blocks.back(), side);
+    a->free(blocks.back());
+    void* again = nullptr;
+    EXPECT_NO_THROW(again = a->malloc(0, 8 * mib, default_stream));
+    EXPECT_GE(sim->now(), 100u) << "it waited for the side stream's event";
+    blocks.back() = again;
+    for (void* p : blocks)
+      if (p != nullptr) a->free(p);
+    a->device_allocator(0).check_invariants();
+  }
+}
+
+// ---- item 2: garbage_collection_threshold with expandable segments -------------------------
+
+// Free pages of expandable segments count: above the threshold, old free
+// blocks' whole pages are unmapped (they were never collected: every block
+// of an expandable segment counted as split).
+TEST(CornerCases, GarbageCollectionUnmapsFreePagesOfExpandableSegments) {
+  for (const char* config : {"expandable_segments:False,garbage_collection_threshold:0.25",
+                             "expandable_segments:True,garbage_collection_threshold:0.25"}) {
+    SCOPED_TRACE(config);
+    auto sim = small_sim(256 * mib);
+    auto a = make(sim, std::string(config) + ",per_process_memory_fraction:1,trim_on_new_peak:False");
+    const stream_t s = sim->create_stream(0);
+    std::vector<void*> old;
+    for (int i = 0; i < 7; ++i) old.push_back(a->malloc(0, 10 * mib, s));  // 70 MiB
+    for (void* p : old) a->free(p);
+    // Another stream: no cached block fits, so the slow path runs; reserved
+    // (70 MiB) is above the threshold (64 MiB): the old blocks go.
+    void* x = a->malloc(0, 12 * mib, default_stream);
+    const auto reserved = static_cast<std::size_t>(a->get_device_stats(0).reserved_bytes[0].current);
+    EXPECT_LE(reserved, 64 * mib) << "reserved stayed at " << reserved / mib << " MiB";
+    a->free(x);
+    a->device_allocator(0).check_invariants();
+  }
+}
+
+// ---- item 3: a scoped private pool outside a capture ------------------------------------
+
+// begin_allocate_to_pool without a graph capture is ordinary allocation: the
+// cache of the default pool may be released for it, and for any other
+// stream. It made the allocator behave as if a capture ran: both OOMed while
+// the default pool cached 64 MiB.
+TEST(CornerCases, ScopedPoolOutsideACaptureCanReleaseTheCache) {
+  for (const char* config : {"expandable_segments:False", "expandable_segments:True"}) {
+    SCOPED_TRACE(config);
+    const mempool_id_t pool{1, 0};
+    {  // an allocation in the pool's scope
+      auto sim = small_sim(100 * mib);
+      auto a = make(sim, std::string(config) + ",trim_on_new_peak:False");
+      const stream_t s1 = sim->create_stream(0);
+      a->free(a->malloc(0, 64 * mib, default_stream));  // 64 MiB cached in the default pool
+      a->create_or_incref_pool(0, pool);
+      a->begin_allocate_to_pool(0, pool, [s1](stream_t x) { return x == s1; });
+      void* in_pool = nullptr;
+      EXPECT_NO_THROW(in_pool = a->malloc(0, 60 * mib, s1));
+      if (in_pool != nullptr) a->free(in_pool);
+      a->end_allocate_to_pool(0, pool);
+      a->release_pool(0, pool);
+      a->device_allocator(0).check_invariants();
+    }
+    {  // a plain allocation on an unrelated stream while the scope is active
+      auto sim = small_sim(100 * mib);
+      auto a = make(sim, std::string(config) + ",trim_on_new_peak:False");
+      const stream_t s1 = sim->create_stream(0);
+      const stream_t s2 = sim->create_stream(0);
+      a->free(a->malloc(0, 64 * mib, default_stream));
+      a->create_or_incref_pool(0, pool);
+      a->begin_allocate_to_pool(0, pool, [s1](stream_t x) { return x == s1; });
+      void* other = nullptr;
+      EXPECT_NO_THROW(other = a->malloc(0, 60 * mib, s2));
+      if (other != nullptr) a->free(other);
+      // A block used on another stream is not deferred as during a capture:
+      // its events are recorded at once, and it is free once they complete.
+      void* used = a->malloc(0, 4 * mib, s2);
+      sim->enqueue_work(0, s1, 50);
+      a->record_stream(used, s1);
+      a->free(used);
+      sim->advance_to(50);
+      a->free(a->malloc(0, 512, s2));  // processes the completed events
+      for (const segment_info& seg : a->device_allocator(0).segments()) {
+        for (const block_info& b : seg.blocks) {
+          if (b.address == reinterpret_cast<std::uintptr_t>(used)) {
+            EXPECT_EQ(b.state, block_state::inactive) << "still waiting (deferred as during a capture)";
+          }
+        }
+      }
+      a->end_allocate_to_pool(0, pool);
+      a->release_pool(0, pool);
+      a->device_allocator(0).check_invariants();
+    }
+  }
+}
+
+// During a real capture the cache is still kept (freeing or waiting is not
+// allowed then): the capture's allocation fails rather than break the capture.
+TEST(CornerCases, DuringARealCaptureTheCacheIsKept) {
+  auto sim = small_sim(100 * mib);
+  auto a = make(sim, "expandable_segments:False,trim_on_new_peak:False");
+  const stream_t s1 = sim->create_stream(0);
+  a->free(a->malloc(0, 64 * mib, default_stream));
+  const mempool_id_t pool{1, 0};
+  a->create_or_incref_pool(0, pool);
+  sim->begin_capture(0, s1);
+  a->begin_allocate_to_pool(0, pool, [s1](stream_t x) { return x == s1; });
+  EXPECT_THROW((void)a->malloc(0, 60 * mib, s1), out_of_memory_error);  // the sim throws on any free or wait
+  a->end_allocate_to_pool(0, pool);
+  sim->end_capture(0, s1);
+  a->release_pool(0, pool);
+}
+
+// ---- item 5: out-of-memory advice that applies -------------------------------------------
+
+std::string oom_message(caching_allocator& a, std::size_t bytes, stream_t stream = default_stream) {
+  try {
+    (void)a.malloc(0, bytes, stream);
+  } catch (const out_of_memory_error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no out_of_memory_error";
+  return {};
+}
+
+// Expandable segments: no max_split_size_mb (blocks of expandable segments
+// are never released for it) and no garbage_collection_threshold (the out-of-
+// memory path already unmapped every free page it could) suggestion; pages
+// are mapped, not a segment allocated.
+TEST(CornerCases, OomAdviceWithExpandableSegments) {
+  auto sim = small_sim(64 * mib);
+  auto a = make(sim, "expandable_segments:True");
+  std::vector<void*> live;
+  // Fragment pages: small live blocks spread over many pages.
+  for (int i = 0; i < 28; ++i) live.push_back(a->malloc(0, 2 * mib - 4096, default_stream));
+  for (std::size_t i = 0; i < live.size(); i += 2) a->free(live[i]);
+  const std::string msg = oom_message(*a, 20 * mib);
+  EXPECT_EQ(msg.find("max_split_size_mb"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("garbage_collection_threshold"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("a new segment"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("needed to map 20.00 MiB of pages"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("memory fraction"), std::string::npos) << "no fraction is set: " << msg;
+  for (std::size_t i = 1; i < live.size(); i += 2) a->free(live[i]);
+}
+
+// Plain segments: max_split_size_mb only while it is not set; expandable
+// segments where the device has virtual memory; never the GC threshold.
+TEST(CornerCases, OomAdviceWithPlainSegments) {
+  for (const char* config : {"expandable_segments:False", "expandable_segments:False,max_split_size_mb:40"}) {
+    SCOPED_TRACE(config);
+    auto sim = small_sim(64 * mib);
+    auto a = make(sim, config);
+    void* x = a->malloc(0, 5 * mib, default_stream);  // a 20 MiB segment, 15 MiB free inside
+    void* y = a->malloc(0, 5 * mib, default_stream);
+    a->free(x);
+    const std::string msg = oom_message(*a, 50 * mib);
+    const bool max_split_set = std::string(config).find("max_split") != std::string::npos;
+    EXPECT_EQ(msg.find("max_split_size_mb") != std::string::npos, !max_split_set) << msg;
+    EXPECT_EQ(msg.find("garbage_collection_threshold"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expandable_segments:True"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("needed a new segment of 50.00 MiB"), std::string::npos) << msg;
+    a->free(y);
   }
 }
 
