@@ -59,9 +59,11 @@
 #include <thread>
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <memory>
 #include <ostream>
 #include <random>
@@ -191,7 +193,7 @@ class worker_thread {
 };
 
 struct run_totals {
-  std::size_t per_thread_mallocs = 0, busy_frees = 0;
+  std::size_t per_thread_mallocs = 0, busy_frees = 0, captures = 0, fitting_checks = 0, resyncs = 0;
   std::size_t mallocs = 0, ooms = 0, frees = 0, pending_frees = 0, records = 0, bad_frees = 0;
   std::size_t fraction_changes = 0, empty_caches = 0, reuse_checks = 0, toggles = 0;
   std::size_t pool_ops = 0, pool_allocs = 0, pool_misuse = 0, live_checks = 0, deferred_frees = 0;
@@ -227,7 +229,39 @@ class model_runner {
 
   /// One random operation. Returns "" or what went wrong.
   std::string step(std::size_t index) {
+    const std::uint64_t before = sim_->now();
+    std::string err = step_unsynced(index);
+    // The device waited inside the operation (a segment free waits for the
+    // whole device, as cudaFree does): events the allocator queried after
+    // that wait completed even if they were due later than the model's
+    // clock of the operation. Which ones it queried depends on its queue
+    // order, so take the pending blocks it still holds from its books.
+    if (err.empty() && sim_->now() != before && !advanced_) resync_pending();
+    return err;
+  }
+
+  /// Keeps the model's pending blocks that the allocator still holds as
+  /// pending (the others completed during a wait in the operation).
+  void resync_pending() {
+    std::map<std::uintptr_t, block_state> states;
+    for (const auto& seg : dev_->segments())
+      for (const auto& b : seg.blocks) states[b.address] = b.state;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      const auto st = states.find(it->ptr);
+      if (it->done_at != UINT64_MAX && it->done_at <= sim_->now() &&
+          (st == states.end() || st->second != block_state::active_pending_free)) {
+        pending_requested_ -= it->size;
+        it = pending_.erase(it);
+        ++totals_.resyncs;
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  std::string step_unsynced(std::size_t index) {
     step_ = index;
+    advanced_ = false;
     if (case_.pools && rng_() % 100 < 5) return do_pool_op();
     const std::size_t w_malloc = 100;
     const std::size_t w_free = 2 * live_.size();
@@ -240,6 +274,7 @@ class model_runner {
     const std::size_t r = rng_() % 1000;
     if (r < 450) {
       sim_->advance_to(sim_->now() + 1 + rng_() % 25);
+      advanced_ = true;  // the model's own clock move: nothing to resync
       return {};
     }
     if (r < 700) {
@@ -291,6 +326,10 @@ class model_runner {
   /// Frees everything, lets all work finish, empties the cache. Returns "" or
   /// what is left over.
   std::string finish() {
+    if (capturing_) {
+      sim_->end_capture(0, capture_stream_);
+      capturing_ = false;
+    }
     while (!active_.empty()) {
       alloc_->end_allocate_to_pool(0, active_.back().first);
       active_.pop_back();
@@ -342,7 +381,7 @@ class model_runner {
   void settle_pending(std::int64_t syncs_before, std::uint64_t now, bool processed_events) {
     const std::int64_t syncs = dev_->stats().num_sync_all_streams;
     const bool all = syncs != syncs_before;
-    if (!active_.empty()) processed_events = false;  // a capture is underway: no event is queried
+    if (capturing_) processed_events = false;  // a capture is underway: no event is queried
     if (!all && !processed_events) return;
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (all || it->done_at <= now) {
@@ -354,13 +393,14 @@ class model_runner {
     }
   }
 
-  std::string do_malloc(std::size_t size) {
+  std::string do_malloc(std::size_t size, std::optional<stream_t> forced = std::nullopt) {
     ++totals_.mallocs;
     stream_t stream = rng_() % 5 == 0 ? alloc_streams_[1] : alloc_streams_[0];
+    if (forced) stream = *forced;
     // cudaStreamPerThread's handle, here or on the worker: the model keys
     // the allocation by the stream it stands for there.
     int per_thread = 0;  // 0: no, 1: this thread, 2: the worker
-    if (case_.threads && rng_() % 4 == 0) {
+    if (case_.threads && !forced && rng_() % 4 == 0) {
       per_thread = rng_() % 2 == 0 ? 1 : 2;
       stream = per_thread == 1 ? main_per_thread_ : worker_per_thread_;
       ++totals_.per_thread_mallocs;
@@ -380,6 +420,7 @@ class model_runner {
     } catch (const invalid_argument_error& e) {
       if (!released) return where() + "malloc(" + std::to_string(size) + ") threw " + e.what();
       ++totals_.pool_misuse;
+      settle_pending(syncs, now, true);  // it processed completed events before refusing
       if (dev_->stats().allocation[0].current != allocations_before)
         return where() + "a rejected allocation to a released pool changed the stats";
       return {};
@@ -412,6 +453,21 @@ class model_runner {
         if (!seg.is_expandable && seg.blocks.size() == 1 && seg.blocks[0].state == block_state::inactive)
           return where() + "OOM although a whole cached segment of " + std::to_string(seg.total_bytes) +
                  " bytes was kept";
+        // Nor a cached free block of this stream and pool that fits: the
+        // ladder searches again after waiting for events (issue 16, item 1).
+        if (caching_ && seg.stream == stream && seg.pool == mempool_id_t{} &&
+            seg.is_small_pool == (policy_round(config_, size) <= mib)) {
+          ++totals_.fitting_checks;
+          const std::size_t rounded = policy_round(config_, size);
+          const std::size_t max_split = config_.max_split_size_bytes;
+          for (const auto& b : seg.blocks) {
+            if (b.state != block_state::inactive || !b.mapped || b.size_bytes < rounded) continue;
+            if (rounded < max_split && b.size_bytes >= max_split) continue;
+            if (rounded >= max_split && b.size_bytes - rounded >= config_.max_non_split_rounding_bytes) continue;
+            return where() + "OOM for " + std::to_string(size) + " bytes although a cached free block of " +
+                   std::to_string(b.size_bytes) + " bytes of its stream and pool fits";
+          }
+        }
         if (seg.is_expandable)
           for (const auto& b : seg.blocks)
             if (b.mapped && b.state == block_state::inactive && granule(b.address + 1) + 2 * mib <= b.address + b.size_bytes)
@@ -495,7 +551,7 @@ class model_runner {
     live_requested_ -= la.size;
     if (!la.recorded.empty()) {
       ++totals_.pending_frees;
-      if (!active_.empty()) {  // deferred: its events are recorded when the capture ends
+      if (capturing_) {  // deferred: its events are recorded when the capture ends
         ++totals_.deferred_frees;
         pending_.push_back({ptr, la.size, UINT64_MAX, la.recorded});
       } else {
@@ -527,7 +583,7 @@ class model_runner {
   std::string do_empty_cache() {
     ++totals_.empty_caches;
     alloc_->empty_cache();
-    if (!active_.empty()) return {};  // nothing is waited for while capturing
+    if (capturing_) return {};  // nothing is waited for while capturing
     pending_.clear();
     pending_requested_ = 0;
     return {};
@@ -542,7 +598,7 @@ class model_runner {
 
   // The capture ended: deferred frees record their events now.
   void flush_model_deferred() {
-    if (!active_.empty()) return;
+    if (capturing_ || !active_.empty()) return;
     for (auto& pb : pending_) {
       if (pb.done_at != UINT64_MAX) continue;
       pb.done_at = sim_->now();
@@ -576,14 +632,31 @@ class model_runner {
       if (use_[id] == 0)
         return expect_error([&] { alloc_->begin_allocate_to_pool(0, id, [](stream_t) { return true; }); },
                             "begin on a released pool");
-      if (active_.size() >= 3) return {};
+      if (active_.size() >= 3 || capturing_) return {};
       const std::size_t which = rng_() % 3;  // stream 0, stream 1, or both
       const stream_t s = which == 2 ? 0 : alloc_streams_[which];
+      // Half of the scopes of stream 1 alone are a real graph capture (the
+      // simulated device then rejects every wait, query and device free);
+      // the others are ordinary allocation into the pool (issue 16, item 3).
+      const bool capture = which == 1 && active_.empty() && rng_() % 2 == 0;
+      if (capture) {
+        sim_->begin_capture(0, s);
+        capturing_ = true;
+        capture_stream_ = s;
+        capture_pool_ = id;
+        ++totals_.captures;
+      }
       alloc_->begin_allocate_to_pool(0, id, [which, s](stream_t x) { return which == 2 || x == s; });
       active_.emplace_back(id, which);
+      // A capture allocates on its stream first (that is how the allocator sees it).
+      if (capture) return do_malloc(pick_size(), s);
     } else if (op == 3) {
       auto it = std::find_if(active_.rbegin(), active_.rend(), [&](const auto& e) { return e.first == id; });
       if (it == active_.rend()) return expect_error([&] { alloc_->end_allocate_to_pool(0, id); }, "ending an inactive pool");
+      if (capturing_ && id == capture_pool_) {  // the capture ends, then its scope (as PyTorch does)
+        sim_->end_capture(0, capture_stream_);
+        capturing_ = false;
+      }
       alloc_->end_allocate_to_pool(0, id);
       active_.erase(std::next(it).base());
       flush_model_deferred();
@@ -697,6 +770,10 @@ class model_runner {
   std::vector<std::size_t> recent_sizes_;
   std::map<mempool_id_t, int> use_;                            // model use counts
   std::vector<std::pair<mempool_id_t, std::size_t>> active_;  // begin stack: pool, stream 0 / 1 / 2 = both
+  bool advanced_ = false;   // the current step only moved the clock
+  bool capturing_ = false;  // a real capture (sim begin_capture) on capture_stream_, scoped to capture_pool_
+  stream_t capture_stream_ = 0;
+  mempool_id_t capture_pool_{};
 
   bool caching_ = true;
   bool ever_uncached_ = false;  // no-caching segments are not 2 MiB multiples
@@ -728,6 +805,9 @@ TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
               "%zu empty_cache, %zu fraction changes, %zu invalid frees, %zu caching toggles\n",
               c.name, c.ops, t.mallocs, t.ooms, t.frees, t.pending_frees, t.records, t.empty_caches,
               t.fraction_changes, t.bad_frees, t.toggles);
+  std::printf("[ property ] %s: %zu OOMs checked for a fitting cached block, %zu pending blocks completed by a "
+              "device wait inside an operation, %zu real captures\n",
+              c.name, t.fitting_checks, t.resyncs, t.captures);
   // The scenario must exercise what it claims to.
   EXPECT_GT(t.ooms, 0u) << "no out-of-memory error happened";
   EXPECT_GT(t.pending_frees, 0u);
@@ -746,6 +826,7 @@ TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
     EXPECT_GT(t.pool_misuse, 0u);
     EXPECT_GT(t.live_checks, 0u);
     EXPECT_GT(t.deferred_frees, 0u);
+    EXPECT_GT(t.captures, 0u);
   }
 }
 
