@@ -49,8 +49,11 @@ REPO = Path(__file__).resolve().parents[1]
 def train(args: argparse.Namespace) -> int:
     ccalloc_torch = None
     if args.allocator == "ccalloc":
-        sys.path.insert(0, str(REPO / "python"))
-        import ccalloc.torch as ccalloc_torch  # before anything touches CUDA
+        try:  # the installed package (pip install --no-build-isolation .), else the checkout's python/
+            import ccalloc.torch as ccalloc_torch  # before anything touches CUDA
+        except ImportError:
+            sys.path.insert(0, str(REPO / "python"))
+            import ccalloc.torch as ccalloc_torch
 
         ccalloc_torch.install()
     t_start = time.perf_counter()
@@ -112,6 +115,7 @@ def train(args: argparse.Namespace) -> int:
         "num_pages_remapped": stats.get("num_pages_remapped", 0),
         "total_s": time.perf_counter() - t_start,
         "ccalloc_config": os.environ.get("CCALLOC_CONF", ""),
+        "ccalloc_integration": ccalloc_torch.integration() if ccalloc_torch is not None else None,
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

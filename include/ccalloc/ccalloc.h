@@ -411,6 +411,91 @@ CCALLOC_API ccalloc_status_t ccalloc_end_allocate_to_pool(ccalloc_allocator_t* a
 CCALLOC_API ccalloc_status_t ccalloc_pool_usage(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
                                                 ccalloc_pool_usage_t* out);
 
+/* ---- pools for PyTorch's CUDAAllocator interface (SPEC F20-F24) ----------------------------------
+ *
+ * What an adapter implementing PyTorch's c10::cuda::CUDACachingAllocator::
+ * CUDAAllocator (python/ccalloc/csrc/torch_allocator.cpp) needs beyond the
+ * functions above: a stream filter and a segment source with user data,
+ * live-allocation checks and checkpoints (CUDA graph trees). Same locking,
+ * errors and thread safety as the pool functions above. */
+
+/** Decides whether an allocation on `stream` goes to the pool: nonzero =
+ * yes. Called on the allocating thread with the device's lock held: fast,
+ * no calls into the allocator. */
+typedef int (*ccalloc_stream_filter_fn)(void* user_data, ccalloc_stream_t stream);
+/** Called once when a filter given to ccalloc_begin_allocate_to_pool_filter
+ * is dropped (its end_allocate_to_pool, or the allocator's destruction). */
+typedef void (*ccalloc_user_data_release_fn)(void* user_data);
+
+/** As ccalloc_begin_allocate_to_pool, with the streams chosen by `filter`
+ * (PyTorch: beginAllocateToPool's std::function filter, e.g. "this thread"
+ * for torch.cuda.use_mem_pool or "streams capturing into this graph" for
+ * CUDA graphs). `release` (may be NULL) is called with `user_data` once the
+ * filter is no longer needed, also when this call fails. Errors:
+ * INVALID_ARGUMENT for a NULL filter, an unknown pool or one at use count 0. */
+CCALLOC_API ccalloc_status_t ccalloc_begin_allocate_to_pool_filter(ccalloc_allocator_t* alloc, int device,
+                                                                   ccalloc_mempool_id_t id,
+                                                                   ccalloc_stream_filter_fn filter, void* user_data,
+                                                                   ccalloc_user_data_release_fn release);
+
+/** A pool's segment source with user data: malloc half (see
+ * ccalloc_segment_malloc_fn for the contract; `user_data` first). */
+typedef int (*ccalloc_segment_malloc_ud_fn)(void* user_data, void** ptr, size_t size_bytes);
+/** The free half (see ccalloc_segment_free_fn). */
+typedef int (*ccalloc_segment_free_ud_fn)(void* user_data, void* ptr);
+
+/** As ccalloc_create_pool with a segment source that takes `user_data`
+ * (PyTorch: createOrIncrefPool with a CUDAAllocator, e.g. a MemPool of a
+ * CUDAPluggableAllocator over ncclMemAlloc). `user_data` must stay valid
+ * until the pool is gone (or the allocator destroyed). Errors:
+ * INVALID_ARGUMENT for id {0, 0} or a NULL function. */
+CCALLOC_API ccalloc_status_t ccalloc_create_pool_with_source(ccalloc_allocator_t* alloc, int device,
+                                                             ccalloc_mempool_id_t id,
+                                                             ccalloc_segment_malloc_ud_fn malloc_fn,
+                                                             ccalloc_segment_free_ud_fn free_fn, void* user_data);
+
+/** Blocks of pool `id` are handed out by the default pool's out-of-memory
+ * path too (enabled != 0; PyTorch: setUseOnOOM). */
+CCALLOC_API ccalloc_status_t ccalloc_set_use_on_oom(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                                    int enabled);
+/** Blocks of pool `id` are never split (PyTorch: setNoSplit). */
+CCALLOC_API ccalloc_status_t ccalloc_set_no_split(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                                  int enabled);
+
+/** *out = 1 iff the blocks allocated from pool `id` now are exactly the
+ * `count` pointers at `ptrs` (order and duplicates ignored; an unknown pool
+ * has none), else 0 (PyTorch: checkPoolLiveAllocations). */
+CCALLOC_API ccalloc_status_t ccalloc_check_pool_live_allocations(ccalloc_allocator_t* alloc, int device,
+                                                                 ccalloc_mempool_id_t id, void* const* ptrs,
+                                                                 size_t count, int* out);
+
+/** A pool's layout (segments and blocks) at one moment (opaque). */
+typedef struct ccalloc_pool_checkpoint ccalloc_pool_checkpoint_t;
+/** *out = the layout of pool `id` now (PyTorch: getCheckpointState); the
+ * caller owns it: ccalloc_pool_checkpoint_destroy. */
+CCALLOC_API ccalloc_status_t ccalloc_get_checkpoint_state(ccalloc_allocator_t* alloc, int device,
+                                                          ccalloc_mempool_id_t id, ccalloc_pool_checkpoint_t** out);
+/** Frees a checkpoint (NULL: no-op). */
+CCALLOC_API void ccalloc_pool_checkpoint_destroy(ccalloc_pool_checkpoint_t* checkpoint);
+/** Called by ccalloc_set_checkpoint_pool_state for each pointer it freed
+ * (created == 0; the caller must not free it) and each block it allocated
+ * (created != 0; the caller owns it: free it once with ccalloc_delete),
+ * with the block's size in bytes. */
+typedef void (*ccalloc_checkpoint_block_fn)(void* user_data, void* ptr, size_t size_bytes, int created);
+/** Restores the pool of `checkpoint` on `device` to its layout (PyTorch:
+ * setCheckpointPoolState) and reports each freed and created block to
+ * `on_block` (may be NULL) after the restore. Errors: INVALID_ARGUMENT,
+ * changing nothing, for a checkpoint of another device or whose segments
+ * no longer match. */
+CCALLOC_API ccalloc_status_t ccalloc_set_checkpoint_pool_state(ccalloc_allocator_t* alloc, int device,
+                                                               const ccalloc_pool_checkpoint_t* checkpoint,
+                                                               ccalloc_checkpoint_block_fn on_block, void* user_data);
+
+/** Lets `device` access `peer`'s memory, plain and expandable segments
+ * (PyTorch: enablePeerAccess(dev, dev_to_access)). Errors: INVALID_ARGUMENT
+ * for equal or uninitialized devices, BACKEND when the GPUs cannot. */
+CCALLOC_API ccalloc_status_t ccalloc_enable_peer_access(ccalloc_allocator_t* alloc, int device, int peer);
+
 /* ---- streams of the allocator's backend ----------------------------------------------------- */
 
 /** Creates a stream on `device` of the allocator's backend (CUDA:

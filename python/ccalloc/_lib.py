@@ -72,6 +72,13 @@ class ccalloc_pool_usage_t(ctypes.Structure):
 SEGMENT_MALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
 SEGMENT_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
+# The callbacks of the functions for PyTorch's CUDAAllocator interface.
+STREAM_FILTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+USER_DATA_RELEASE = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+SEGMENT_MALLOC_UD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
+SEGMENT_FREE_UD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+CHECKPOINT_BLOCK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
 OOM_OBSERVER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t,
                                 ctypes.c_size_t)
 
@@ -128,6 +135,16 @@ _PROTOTYPES = {
     "ccalloc_begin_allocate_to_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, _P, ctypes.c_int]),
     "ccalloc_end_allocate_to_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t]),
     "ccalloc_pool_usage": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, ctypes.POINTER(ccalloc_pool_usage_t)]),
+    "ccalloc_begin_allocate_to_pool_filter": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, _P, _P, _P]),
+    "ccalloc_create_pool_with_source": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, _P, _P, _P]),
+    "ccalloc_set_use_on_oom": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, ctypes.c_int]),
+    "ccalloc_set_no_split": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, ctypes.c_int]),
+    "ccalloc_check_pool_live_allocations": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t,
+                                                 ctypes.POINTER(ctypes.c_void_p), _Z, ctypes.POINTER(ctypes.c_int)]),
+    "ccalloc_get_checkpoint_state": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, ctypes.POINTER(_P)]),
+    "ccalloc_pool_checkpoint_destroy": (None, [_P]),
+    "ccalloc_set_checkpoint_pool_state": (_S, [_A, ctypes.c_int, _P, _P, _P]),
+    "ccalloc_enable_peer_access": (_S, [_A, ctypes.c_int, ctypes.c_int]),
     "ccalloc_stream_create": (_S, [_A, ctypes.c_int, ctypes.POINTER(_P)]),
     "ccalloc_stream_destroy": (_S, [_A, ctypes.c_int, _P]),
     "ccalloc_stream_synchronize": (_S, [_A, ctypes.c_int, _P]),

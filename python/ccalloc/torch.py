@@ -8,27 +8,26 @@ Usage, first thing in the program, before anything touches CUDA::
     x = torch.empty(1 << 20, device="cuda")   # served by ccalloc
     print(ccalloc.torch.memory_stats()["allocated_bytes.all.current"])
 
-``install()`` hands libccalloc.so to ``torch.cuda.memory.CUDAPluggableAllocator``
-with ccalloc's entry points and hooks, so that these PyTorch calls reach
-ccalloc: allocation and free of every CUDA tensor, ``Tensor.record_stream``,
-``torch.cuda.empty_cache()``, ``torch.cuda.set_per_process_memory_fraction()``,
-and the base-allocation lookup used by CUDA IPC. PyTorch answers the
-statistics calls (``torch.cuda.memory_stats()``, ``max_memory_reserved()``,
-``reset_peak_memory_stats()``, ``get_per_process_memory_fraction()``) with an
-error for every pluggable allocator; use this module's functions of the same
-names instead. They act on the process-wide allocator, and ``device=None``
-means ``torch.cuda.current_device()``.
-
-An allocation that fails raises ``RuntimeError`` with ccalloc's out-of-memory
-message (not ``torch.OutOfMemoryError``: PyTorch converts the C++ exception
-of a pluggable allocator to a plain RuntimeError).
+``install()`` makes ccalloc PyTorch's allocator through the C++ integration
+(``ccalloc/csrc/torch_allocator.cpp``: PyTorch's ``CUDAAllocator``
+interface over ccalloc's C API, built at ``pip install`` or on first use),
+so unchanged PyTorch code works: ``torch.cuda.memory_stats()`` and friends,
+``torch.cuda.OutOfMemoryError``, CUDA graphs and graph trees,
+``torch.cuda.MemPool``, memory history and snapshots. Where it cannot be
+built it falls back, with a warning, to ``torch.cuda.memory.CUDAPluggableAllocator``
+with ccalloc's entry points and hooks (allocation, free,
+``Tensor.record_stream``, ``empty_cache``, ``set_per_process_memory_fraction``,
+the base-allocation lookup); PyTorch's statistics calls then fail, and this
+module's functions of the same names (which act on the process-wide
+allocator; ``device=None`` means ``torch.cuda.current_device()``) work on
+either route. python/README.md has the details and the differences.
 
 The allocator is chosen once per process: PyTorch refuses to swap it after
 its own allocator was initialized (when CUDA was first used), so
 ``install()`` then raises RuntimeError saying so.
 
-Private pools (SPEC F20, E5), as ``torch.cuda.MemPool`` and
-``torch.cuda.use_mem_pool`` (which do not reach a pluggable allocator)::
+Private pools (SPEC F20, E5) on either route, mirroring ``torch.cuda.MemPool``
+and ``torch.cuda.use_mem_pool``::
 
     pool = ccalloc.torch.MemPool(segment_allocator=ccalloc.nccl_segment_allocator())
     with ccalloc.torch.use_mem_pool(pool):
@@ -40,6 +39,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import warnings
 from typing import Any, Iterator, Optional
 
 import ccalloc as _ccalloc
@@ -51,6 +52,7 @@ __all__ = [
     "empty_cache",
     "get_per_process_memory_fraction",
     "install",
+    "integration",
     "is_installed",
     "max_memory_allocated",
     "max_memory_reserved",
@@ -63,7 +65,8 @@ __all__ = [
     "use_mem_pool",
 ]
 
-_installed: Optional[Any] = None  # the CUDAPluggableAllocator, kept alive
+_installed: Optional[Any] = None  # the native module or the CUDAPluggableAllocator, kept alive
+_integration: Optional[str] = None
 
 
 def _torch():
@@ -79,22 +82,72 @@ def is_installed() -> bool:
     return _installed is not None
 
 
-def install(config: Optional[str] = None) -> None:
+def integration() -> Optional[str]:
+    """How ccalloc is PyTorch's allocator in this process: ``"native"`` (the
+    C++ integration: every torch.cuda memory function works),
+    ``"pluggable"`` (PyTorch's CUDAPluggableAllocator: allocation, free and
+    a few hooks only), or None before install()."""
+    return _integration
+
+
+def _apply_pytorch_conf() -> None:
+    """PYTORCH_CUDA_ALLOC_CONF applies to ccalloc when CCALLOC_CONF is not
+    set: ccalloc reads PyTorch's syntax and keys (docs/config.md); a key or
+    value it rejects raises ConfigError naming it and this variable."""
+    if os.environ.get("CCALLOC_CONF") is not None:
+        return
+    text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if not text:
+        return
+    try:
+        _ccalloc.set_config(text)
+    except _ccalloc.ConfigError as e:
+        raise _ccalloc.ConfigError(
+            f"ccalloc.torch.install(): PYTORCH_CUDA_ALLOC_CONF={text!r} (used because CCALLOC_CONF is not set) "
+            f"is not accepted: {e}. Set CCALLOC_CONF to the settings ccalloc should use (\"\" for its "
+            f"defaults).") from None
+
+
+def _snapshot(arg=None) -> dict:
+    """torch._C._cuda_memorySnapshot over ccalloc: arg None (everything),
+    or (first, second, include_traces) with pool id (0, 0) for every pool."""
+    include_traces, pool = True, (0, 0)
+    if arg is not None:
+        pool, include_traces = (int(arg[0]), int(arg[1])), bool(arg[2]) if len(arg) > 2 else True
+    out = _ccalloc.process_allocator().snapshot(include_traces=include_traces)
+    if pool != (0, 0):
+        out["segments"] = [s for s in out["segments"] if tuple(s.get("segment_pool_id", (0, 0))) == pool]
+    return out
+
+
+def install(config: Optional[str] = None, integration: Optional[str] = None) -> str:
     """Makes ccalloc PyTorch's CUDA allocator; call it before CUDA is used.
+    Returns how (see ``integration()``).
 
     ``config``: an optional configuration string in PyTorch's syntax applied
-    to the process-wide allocator (else ``CCALLOC_CONF`` is used).
-    Calling install() again after it succeeded does nothing. Raises
-    RuntimeError when torch.cuda is already initialized (PyTorch's own
-    allocator is in use then and cannot be swapped), OSError when
-    libccalloc.so cannot be loaded, ImportError without PyTorch, ConfigError
-    for a bad ``config``.
+    to the process-wide allocator; else ``CCALLOC_CONF`` is used, else
+    ``PYTORCH_CUDA_ALLOC_CONF`` (ccalloc reads PyTorch's keys).
+    ``integration``: ``"native"``, ``"pluggable"`` or ``"auto"`` (default:
+    ``$CCALLOC_TORCH_INTEGRATION``, else ``"auto"``): auto uses the C++
+    integration (built at ``pip install``, else built now into
+    ``~/.cache/ccalloc``) and, when it cannot be built or loaded, falls back
+    to the pluggable route with a warning naming what is missing.
+
+    Calling install() again after it succeeded does nothing (a ``config`` is
+    still applied). Raises RuntimeError when torch.cuda is already
+    initialized (PyTorch's own allocator is in use then and cannot be
+    swapped), or when ``"native"`` was asked for and is not available;
+    OSError when libccalloc.so cannot be loaded; ImportError without
+    PyTorch; ConfigError for a bad ``config`` or PYTORCH_CUDA_ALLOC_CONF.
     """
-    global _installed
+    global _installed, _integration
     if _installed is not None:
         if config is not None:
             _ccalloc.set_config(config)
-        return
+        return _integration
+    mode = integration or os.environ.get("CCALLOC_TORCH_INTEGRATION") or "auto"
+    if mode not in ("auto", "native", "pluggable"):
+        raise ValueError(f"ccalloc.torch.install(): integration must be auto, native or pluggable, got {mode!r}")
     torch = _torch()
     if torch.cuda.is_initialized():
         raise RuntimeError(
@@ -105,10 +158,34 @@ def install(config: Optional[str] = None) -> None:
     path = _lib.path()
     if config is not None:
         _ccalloc.set_config(config)  # raises ConfigError before anything is swapped
+    else:
+        _apply_pytorch_conf()
+    if mode != "pluggable":
+        try:
+            from . import _build
+            native = _build.load(torch)
+        except Exception as e:  # no compiler, unknown torch, a failed build: say so, then fall back
+            if mode == "native":
+                raise RuntimeError(f"ccalloc.torch.install(integration='native'): {e}") from e
+            warnings.warn(f"ccalloc.torch.install(): the C++ integration is not available ({e}); using PyTorch's "
+                          "CUDAPluggableAllocator instead, so torch.cuda.memory_stats(), memory history, "
+                          "torch.cuda.MemPool, CUDA graph trees and torch.cuda.OutOfMemoryError do not work "
+                          "(ccalloc.torch.memory_stats() does)", RuntimeWarning, stacklevel=2)
+        else:
+            try:
+                native.install(path)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    "ccalloc.torch.install(): PyTorch refused to swap its CUDA allocator (%s). It must run "
+                    "before CUDA is first used in this process." % e) from e
+            torch._C._cuda_memorySnapshot = _snapshot
+            _installed, _integration = native, "native"
+            _ccalloc._default_device = torch.cuda.current_device
+            return _integration
     allocator = torch.cuda.memory.CUDAPluggableAllocator(path, _lib.TORCH_ALLOC, _lib.TORCH_FREE)
-    native = allocator.allocator()
+    hooks = allocator.allocator()
     for setter, function in _lib.TORCH_HOOKS.items():
-        set_fn = getattr(native, setter, None)
+        set_fn = getattr(hooks, setter, None)
         if set_fn is not None:  # older PyTorch lacks some setters: those calls then do nothing
             set_fn(_lib.function_address(function))
     try:
@@ -117,8 +194,9 @@ def install(config: Optional[str] = None) -> None:
         raise RuntimeError(
             "ccalloc.torch.install(): PyTorch refused to swap its CUDA allocator (%s). It must run "
             "before CUDA is first used in this process." % e) from e
-    _installed = allocator
+    _installed, _integration = allocator, "pluggable"
     _ccalloc._default_device = torch.cuda.current_device
+    return _integration
 
 
 def _device(device) -> int:

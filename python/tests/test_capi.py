@@ -512,3 +512,102 @@ def test_nccl_segment_allocator_names_what_it_tried(tmp_path):
         ccalloc.nccl_segment_allocator(ccalloc.library_path())  # a library without them
     with pytest.raises(OSError, match=r"libnccl_not_here\.so\.9: .*cannot open"):
         ccalloc.nccl_segment_allocator("libnccl_not_here.so.9")
+
+
+# ---- the functions for PyTorch's CUDAAllocator interface (python/ccalloc/csrc) ----
+
+def _addr(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _check(status):
+    if status != 0:
+        raise AssertionError(ccalloc._lib.lib().ccalloc_last_error().decode())
+
+
+def test_pool_stream_filter_with_user_data_is_released(sim):
+    lib, L = ccalloc._lib.lib(), ccalloc._lib
+    pool = sim.new_pool_id()
+    sim.create_pool(pool)
+    side = sim.stream_create()
+    seen, released = [], []
+    filt = L.STREAM_FILTER(lambda ud, stream: seen.append((ud, stream or 0)) or int((stream or 0) == side))
+    rel = L.USER_DATA_RELEASE(lambda ud: released.append(ud))
+    _check(lib.ccalloc_begin_allocate_to_pool_filter(sim._handle, 0, ccalloc._pool_id(pool), _addr(filt), 77,
+                                                     _addr(rel)))
+    in_pool = sim.malloc(MiB, stream=side)
+    outside = sim.malloc(MiB)
+    assert (77, side) in seen and (77, 0) in seen
+    assert sim.pool_usage(pool)["allocation_count"] == 1
+    out = ctypes.c_int(-1)
+    live = (ctypes.c_void_p * 1)(in_pool)
+    _check(lib.ccalloc_check_pool_live_allocations(sim._handle, 0, ccalloc._pool_id(pool), live, 1,
+                                                   ctypes.byref(out)))
+    assert out.value == 1
+    _check(lib.ccalloc_check_pool_live_allocations(sim._handle, 0, ccalloc._pool_id(pool), None, 0,
+                                                   ctypes.byref(out)))
+    assert out.value == 0, "the pool has a live block that was not expected"
+    assert released == []
+    sim.end_allocate_to_pool(pool)
+    assert released == [77], "the user data is released once, at the end"
+    # A NULL filter: invalid argument, and the release is still called.
+    status = lib.ccalloc_begin_allocate_to_pool_filter(sim._handle, 0, ccalloc._pool_id(pool), None, 5, _addr(rel))
+    assert status == 1 and b"filter is NULL" in lib.ccalloc_last_error()
+    assert released == [77, 5]
+    sim.free(in_pool)
+    sim.free(outside)
+    sim.stream_destroy(side)
+
+
+def test_pool_source_with_user_data_and_checkpoints(sim):
+    lib, L = ccalloc._lib.lib(), ccalloc._lib
+    libc = ctypes.CDLL(None)
+    libc.aligned_alloc.restype = ctypes.c_void_p
+    libc.aligned_alloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    calls = []
+
+    def seg_malloc(ud, out, size):
+        calls.append(("malloc", ud, size))
+        out[0] = libc.aligned_alloc(4096, size)
+        return 0
+
+    def seg_free(ud, ptr):
+        calls.append(("free", ud, 0))
+        libc.free(ptr)
+        return 0
+
+    m, f = L.SEGMENT_MALLOC_UD(seg_malloc), L.SEGMENT_FREE_UD(seg_free)
+    pool = sim.new_pool_id()
+    pid = ccalloc._pool_id(pool)
+    _check(lib.ccalloc_create_pool_with_source(sim._handle, 0, pid, _addr(m), _addr(f), 42))
+    _check(lib.ccalloc_set_no_split(sim._handle, 0, pid, 0))
+    _check(lib.ccalloc_set_use_on_oom(sim._handle, 0, pid, 0))
+    sim.begin_allocate_to_pool(pool)
+    a = sim.malloc(3 * MiB)
+    sim.end_allocate_to_pool(pool)
+    assert calls == [("malloc", 42, 20 * MiB)]
+    # Checkpoint with `a` live; free it; restoring creates it again.
+    cp = ctypes.c_void_p()
+    _check(lib.ccalloc_get_checkpoint_state(sim._handle, 0, pid, ctypes.byref(cp)))
+    sim.free(a)
+    blocks = []
+    on_block = L.CHECKPOINT_BLOCK(lambda ud, ptr, size, created: blocks.append((ud, ptr, size, created)))
+    _check(lib.ccalloc_set_checkpoint_pool_state(sim._handle, 0, cp, _addr(on_block), 9))
+    assert blocks == [(9, a, 3 * MiB, 1)], blocks
+    assert sim.pool_usage(pool)["allocation_count"] == 1
+    sim.free(a)  # the caller owns the created block
+    lib.ccalloc_pool_checkpoint_destroy(cp)
+    lib.ccalloc_pool_checkpoint_destroy(None)
+    # NULL functions are refused, nothing created.
+    other = ccalloc._pool_id(sim.new_pool_id())
+    assert lib.ccalloc_create_pool_with_source(sim._handle, 0, other, None, _addr(f), None) == 1
+    assert b"malloc_fn is NULL" in lib.ccalloc_last_error()
+    sim.release_pool(pool)
+    sim.empty_cache()
+    assert calls[-1] == ("free", 42, 0)
+
+
+def test_enable_peer_access_needs_two_devices(sim):
+    lib = ccalloc._lib.lib()
+    assert lib.ccalloc_enable_peer_access(sim._handle, 0, 0) == 1

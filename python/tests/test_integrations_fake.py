@@ -70,7 +70,11 @@ def make_fake_torch(initialized=False, refuse_swap=False):
 
 @pytest.fixture
 def fresh_torch_state(monkeypatch):
+    # The stand-in has no C++ side: the pluggable route (the fallback).
+    monkeypatch.setenv("CCALLOC_TORCH_INTEGRATION", "pluggable")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setattr(ccalloc.torch, "_installed", None)
+    monkeypatch.setattr(ccalloc.torch, "_integration", None)
     monkeypatch.setattr(ccalloc, "_default_device", ccalloc._default_device)
 
 
@@ -306,3 +310,111 @@ def test_cupy_install_allocates_and_frees_through_ccalloc(monkeypatch):
     ccalloc.cupy.uninstall()
     assert cupy.state["allocator"] == "cupy-default"
     assert not ccalloc.cupy.is_installed()
+
+
+def test_torch_install_falls_back_with_a_warning_naming_what_is_missing(monkeypatch, fresh_torch_state):
+    torch = make_fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setenv("CCALLOC_TORCH_INTEGRATION", "auto")
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ integration is not available \(missing torch.utils.cpp_extension"):
+        assert ccalloc.torch.install() == "pluggable"
+    assert ccalloc.torch.integration() == "pluggable"
+    assert torch.record["swapped"] is torch.record["created"]
+
+
+def test_torch_install_native_only_raises_when_unavailable(monkeypatch, fresh_torch_state):
+    torch = make_fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    with pytest.raises(RuntimeError, match=r"integration='native'.*cpp_extension"):
+        ccalloc.torch.install(integration="native")
+    assert torch.record["swapped"] is None and not ccalloc.torch.is_installed()
+    with pytest.raises(ValueError, match="auto, native or pluggable"):
+        ccalloc.torch.install(integration="cuda")
+
+
+def test_torch_install_reads_pytorch_cuda_alloc_conf(monkeypatch, fresh_torch_state):
+    monkeypatch.setitem(sys.modules, "torch", make_fake_torch())
+    monkeypatch.delenv("CCALLOC_CONF", raising=False)
+    before = ccalloc.get_config()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "no_such_key:1")
+    with pytest.raises(ccalloc.ConfigError, match=r"PYTORCH_CUDA_ALLOC_CONF='no_such_key:1'.*unknown key 'no_such_key'"):
+        ccalloc.torch.install()
+    assert ccalloc.get_config() == before and not ccalloc.torch.is_installed()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    try:
+        ccalloc.torch.install()
+        assert "max_split_size_mb:64" in ccalloc.get_config()
+    finally:
+        ccalloc.set_config(before)
+    # CCALLOC_CONF set: PYTORCH_CUDA_ALLOC_CONF is not read.
+    monkeypatch.setattr(ccalloc.torch, "_installed", None)
+    monkeypatch.setenv("CCALLOC_CONF", "")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "no_such_key:1")
+    ccalloc.torch.install()
+
+
+def test_torch_snapshot_route_filters_by_pool():
+    a = ccalloc.process_allocator()
+    pool = a.new_pool_id()
+    a.create_pool(pool)
+    a.begin_allocate_to_pool(pool, all_streams=True)
+    p = a.malloc(MiB)
+    a.end_allocate_to_pool(pool)
+    q = a.malloc(MiB)
+    try:
+        mine = ccalloc.torch._snapshot((pool[0], pool[1], False))
+        assert mine["segments"] and all(tuple(s["segment_pool_id"]) == pool for s in mine["segments"])
+        assert mine["device_traces"] == [] or all(not t for t in mine["device_traces"])
+        everything = ccalloc.torch._snapshot(None)
+        assert len(everything["segments"]) > len(mine["segments"])
+    finally:
+        a.free(p)
+        a.free(q)
+        a.release_pool(pool)
+        a.empty_cache()
+
+
+def _fake_torch_with_cpp_extension(monkeypatch, load):
+    """The stand-in plus the parts of torch that ccalloc._build reads."""
+    torch = make_fake_torch()
+    torch.__version__ = "9.9.0+fake"
+    torch.version = types.SimpleNamespace(cuda="13.0")
+    torch._C = types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True)
+    cpp_extension = types.ModuleType("torch.utils.cpp_extension")
+    cpp_extension.CUDA_HOME = "/usr/local/cuda"
+    cpp_extension.load = load
+    utils = types.ModuleType("torch.utils")
+    utils.cpp_extension = cpp_extension
+    torch.utils = utils
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.utils", utils)
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", cpp_extension)
+    return torch
+
+
+def test_torch_failed_build_falls_back_once_and_remembers_why(monkeypatch, fresh_torch_state, tmp_path):
+    import ccalloc._build as build
+
+    calls = []
+
+    def load(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("Error building extension 'x': [1/2] c++ ...\nfoo.cpp:1:1: error: boom\nninja: stopped")
+
+    torch = _fake_torch_with_cpp_extension(monkeypatch, load)
+    if build.missing_tools():
+        pytest.skip("this machine cannot even try a build: " + ", ".join(build.missing_tools()))
+    monkeypatch.setenv("CCALLOC_TORCH_INTEGRATION", "auto")
+    monkeypatch.setenv("CCALLOC_CACHE_DIR", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"torch_allocator.cpp against torch 9.9.0\+fake failed.*error: boom"):
+        assert ccalloc.torch.install() == "pluggable"
+    assert len(calls) == 1 and calls[0]["with_cuda"] and calls[0]["name"] == build.MODULE
+    assert str(tmp_path) in calls[0]["build_directory"] and "torch9.9.0_fake" in calls[0]["build_directory"]
+    failed = list(tmp_path.glob("torch/*/FAILED"))
+    assert len(failed) == 1 and "error: boom" in failed[0].read_text()
+    # The next process (here: install again) does not compile again.
+    monkeypatch.setattr(ccalloc.torch, "_installed", None)
+    with pytest.warns(RuntimeWarning, match=r"error: boom.*earlier build; delete .*FAILED"):
+        ccalloc.torch.install()
+    assert len(calls) == 1
+    assert torch.record["swapped"] is torch.record["created"]

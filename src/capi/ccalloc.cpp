@@ -27,7 +27,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <unordered_set>
 #include <new>
 #include <string>
 #include <vector>
@@ -38,6 +40,11 @@ struct ccalloc_allocator {
   std::shared_ptr<ccalloc::device_backend> backend;
   std::unique_ptr<ccalloc::caching_allocator> allocator;
   std::string backend_name;
+};
+
+/// What ccalloc_pool_checkpoint_t points to.
+struct ccalloc_pool_checkpoint {
+  ccalloc::pool_checkpoint state;
 };
 
 namespace {
@@ -207,8 +214,9 @@ class current_device_guard {
 /// functions (ccalloc_allocator declares it first; the process-wide one is
 /// never destroyed).
 ccalloc::segment_allocator wrap_segment_allocator(ccalloc::device_backend& backend, int device,
-                                                  ccalloc::mempool_id_t pool, ccalloc_segment_malloc_fn malloc_fn,
-                                                  ccalloc_segment_free_fn free_fn) {
+                                                  ccalloc::mempool_id_t pool,
+                                                  std::function<int(void**, std::size_t)> malloc_fn,
+                                                  std::function<int(void*)> free_fn) {
   ccalloc::segment_allocator out;
   out.malloc = [&backend, device, pool, malloc_fn, free_fn](std::size_t size_bytes) -> void* {
     void* ptr = nullptr;
@@ -659,6 +667,89 @@ ccalloc_status_t ccalloc_begin_allocate_to_pool(ccalloc_allocator_t* alloc, int 
     }
     a.begin_allocate_to_pool(device, to_pool_id(id), std::move(filter));
   });
+}
+
+ccalloc_status_t ccalloc_begin_allocate_to_pool_filter(ccalloc_allocator_t* alloc, int device,
+                                                       ccalloc_mempool_id_t id, ccalloc_stream_filter_fn filter,
+                                                       void* user_data, ccalloc_user_data_release_fn release) {
+  // Owns user_data: releases it once, when the last copy of the filter goes.
+  std::shared_ptr<void> owned(user_data, [release](void* p) {
+    if (release != nullptr) release(p);
+  });
+  return guarded([&] {
+    require(reinterpret_cast<const void*>(filter), "ccalloc_begin_allocate_to_pool_filter", "filter");
+    ccalloc::stream_filter wrapped = [filter, owned](ccalloc::stream_t s) {
+      return filter(owned.get(), from_stream(s)) != 0;
+    };
+    resolve(alloc).begin_allocate_to_pool(device, to_pool_id(id), std::move(wrapped));
+  });
+}
+
+ccalloc_status_t ccalloc_create_pool_with_source(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                                 ccalloc_segment_malloc_ud_fn malloc_fn,
+                                                 ccalloc_segment_free_ud_fn free_fn, void* user_data) {
+  return guarded([&] {
+    require(reinterpret_cast<const void*>(malloc_fn), "ccalloc_create_pool_with_source", "malloc_fn");
+    require(reinterpret_cast<const void*>(free_fn), "ccalloc_create_pool_with_source", "free_fn");
+    caching_allocator& a = resolve(alloc);
+    const ccalloc::mempool_id_t pool = to_pool_id(id);
+    ccalloc::segment_allocator custom = wrap_segment_allocator(
+        a.backend(), device, pool,
+        [malloc_fn, user_data](void** ptr, std::size_t size) { return malloc_fn(user_data, ptr, size); },
+        [free_fn, user_data](void* ptr) { return free_fn(user_data, ptr); });
+    custom_segment_pools.store(true, std::memory_order_relaxed);
+    a.create_or_incref_pool(device, pool, std::move(custom));
+  });
+}
+
+ccalloc_status_t ccalloc_set_use_on_oom(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                        int enabled) {
+  return guarded([&] { resolve(alloc).set_use_on_oom(device, to_pool_id(id), enabled != 0); });
+}
+
+ccalloc_status_t ccalloc_set_no_split(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id, int enabled) {
+  return guarded([&] { resolve(alloc).set_no_split(device, to_pool_id(id), enabled != 0); });
+}
+
+ccalloc_status_t ccalloc_check_pool_live_allocations(ccalloc_allocator_t* alloc, int device,
+                                                     ccalloc_mempool_id_t id, void* const* ptrs, size_t count,
+                                                     int* out) {
+  return guarded([&] {
+    require(out, "ccalloc_check_pool_live_allocations", "out");
+    if (count > 0) require(ptrs, "ccalloc_check_pool_live_allocations", "ptrs (with count > 0)");
+    const std::vector<void*> expected(ptrs, ptrs + count);
+    *out = resolve(alloc).check_pool_live_allocations(device, to_pool_id(id), expected) ? 1 : 0;
+  });
+}
+
+ccalloc_status_t ccalloc_get_checkpoint_state(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
+                                              ccalloc_pool_checkpoint_t** out) {
+  return guarded([&] {
+    require(out, "ccalloc_get_checkpoint_state", "out");
+    auto checkpoint = std::make_unique<ccalloc_pool_checkpoint>();
+    checkpoint->state = resolve(alloc).get_checkpoint_state(device, to_pool_id(id));
+    *out = checkpoint.release();
+  });
+}
+
+void ccalloc_pool_checkpoint_destroy(ccalloc_pool_checkpoint_t* checkpoint) { delete checkpoint; }
+
+ccalloc_status_t ccalloc_set_checkpoint_pool_state(ccalloc_allocator_t* alloc, int device,
+                                                   const ccalloc_pool_checkpoint_t* checkpoint,
+                                                   ccalloc_checkpoint_block_fn on_block, void* user_data) {
+  return guarded([&] {
+    require(checkpoint, "ccalloc_set_checkpoint_pool_state", "checkpoint");
+    caching_allocator& a = resolve(alloc);
+    const ccalloc::checkpoint_restore_result result = a.set_checkpoint_pool_state(device, checkpoint->state);
+    if (on_block == nullptr) return;
+    for (void* ptr : result.freed_pointers) on_block(user_data, ptr, 0, 0);
+    for (const ccalloc::allocation& created : result.blocks_created)
+      on_block(user_data, created.ptr, a.device_allocator(device).block_size(created.block), 1);
+  });
+}
+
+ccalloc_status_t ccalloc_enable_peer_access(ccalloc_allocator_t* alloc, int device, int peer) {
+  return guarded([&] { resolve(alloc).enable_peer_access(device, peer); });
 }
 
 ccalloc_status_t ccalloc_end_allocate_to_pool(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id) {

@@ -1,6 +1,6 @@
 // The device allocator's history API (include/ccalloc/core/device_caching_allocator.hpp,
 // SPEC F13-F16, F18) and its malloc/free when history is on. Kept out of
-// device_caching_allocator.cpp so that the hot path's translation unit, and
+// hot_path.cpp so that the hot path's translation unit, and
 // with it the compiler's inlining there, does not change with history.
 #include <ccalloc/core/device_caching_allocator.hpp>
 

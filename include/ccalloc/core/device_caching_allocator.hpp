@@ -29,8 +29,12 @@
 #include <ccalloc/backend/device_backend.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/base/types.hpp>
+#include <ccalloc/core/allocation.hpp>
+#include <ccalloc/core/checkpoint.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/history.hpp>
+#include <ccalloc/core/pools.hpp>
+#include <ccalloc/core/segment_info.hpp>
 #include <ccalloc/core/stats.hpp>
 
 #include <compare>
@@ -50,12 +54,6 @@ struct block;
 class device_state;
 }  // namespace detail
 
-/// What malloc returns: the pointer and the block that owns it (needed to free).
-struct allocation {
-  void* ptr = nullptr;
-  detail::block* block = nullptr;
-};
-
 /// Called on each out-of-memory error, outside the allocator's locks, with
 /// (device, bytes asked, bytes allowed (the fraction cap, else device total),
 /// device free bytes). SPEC F17. It may call back into the allocator (an
@@ -64,142 +62,6 @@ struct allocation {
 /// the out_of_memory_error.
 using oom_observer = std::function<void(int device, std::size_t requested_bytes,
                                         std::size_t allowed_bytes, std::size_t free_bytes)>;
-
-/// Identifies a private memory pool of a device (PyTorch's MempoolId_t, a
-/// pair of integers: CUDA graphs use {0, n}, user pools {n, 0}). {0, 0} is the
-/// default pool and never names a private pool. SPEC F20.
-struct mempool_id_t {
-  std::uint64_t first = 0;
-  std::uint64_t second = 0;
-  friend bool operator==(const mempool_id_t&, const mempool_id_t&) = default;
-  friend auto operator<=>(const mempool_id_t&, const mempool_id_t&) = default;
-};
-/// "(first, second)", for messages.
-[[nodiscard]] std::string to_string(const mempool_id_t& id);
-
-/// A private pool's own source of segments (SPEC F20; PyTorch: a MemPool's
-/// CUDAPluggableAllocator): `malloc(size_bytes)` returns device memory of at
-/// least that many bytes, aligned to 512 bytes, usable on every stream, or
-/// nullptr when out of memory (it may throw; the error reaches the caller of
-/// malloc); `free(ptr)` returns it and may synchronize. Both are called with
-/// the device's locks held: they must not call into this allocator. Segments
-/// of such a pool are always plain (never expandable), and their bytes count
-/// as reserved memory like any other segment. Empty functions: the backend's
-/// segment_malloc / segment_free.
-struct segment_allocator {
-  std::function<void*(std::size_t size_bytes)> malloc;
-  std::function<void(void* ptr)> free;
-};
-
-/// Chooses the streams whose allocations go to a private pool during
-/// begin_allocate_to_pool .. end_allocate_to_pool. Called on the allocating
-/// thread with a device lock held: it must be fast, must not throw, and
-/// must not call into the allocator.
-using stream_filter = std::function<bool(stream_t)>;
-
-/// One block of a checkpoint (SPEC F24).
-struct checkpoint_block {
-  std::uintptr_t address = 0;
-  std::size_t size_bytes = 0;
-  std::size_t requested_bytes = 0;  ///< 0 when free
-  bool allocated = false;           ///< held by the caller when taken (a block waiting on events is free)
-  bool mapped = true;               ///< false: an unmapped range of an expandable segment
-};
-/// One segment of a checkpoint: where it is and how it was split.
-struct checkpoint_segment {
-  std::uintptr_t address = 0;
-  std::size_t total_bytes = 0;
-  stream_t stream = 0;
-  bool is_small_pool = false;
-  bool is_expandable = false;
-  std::vector<checkpoint_block> blocks;  ///< in address order; sizes sum to total_bytes
-};
-/// A private pool's layout at one moment (get_checkpoint_state). A plain
-/// value: it may be inspected, copied and kept; it owns nothing. SPEC F24
-/// (PyTorch: PrivatePoolState).
-struct pool_checkpoint {
-  int device = -1;
-  mempool_id_t pool{};
-  std::vector<checkpoint_segment> segments;  ///< by address
-};
-/// What set_checkpoint_pool_state changed (PyTorch: CheckpointDelta).
-struct checkpoint_restore_result {
-  /// Blocks allocated in the checkpoint and free before the restore, now
-  /// allocated again: the caller owns them (free each once).
-  std::vector<allocation> blocks_created;
-  /// Blocks allocated before the restore and free in the checkpoint (or
-  /// split differently): the restore freed them; the caller must not free
-  /// them again.
-  std::vector<void*> freed_pointers;
-};
-/// Bytes a private pool holds (per-pool statistics, SPEC issue 6).
-struct pool_usage {
-  std::size_t segment_count = 0;
-  std::size_t reserved_bytes = 0;   ///< plain segment sizes + mapped bytes of expandable ones
-  std::size_t allocated_bytes = 0;  ///< sizes of allocated blocks
-  std::size_t active_bytes = 0;     ///< allocated + blocks waiting on events or deferred frees
-  std::size_t allocation_count = 0; ///< allocated blocks
-  int use_count = 0;                ///< create_or_incref_pool minus release_pool
-};
-
-/// The state of a block in a snapshot (PyTorch's names).
-enum class block_state { active_allocated, active_pending_free, inactive };
-/// "active_allocated", "active_pending_free" or "inactive".
-[[nodiscard]] std::string_view to_string(block_state state) noexcept;
-
-struct block_info {
-  std::uintptr_t address = 0;
-  std::size_t size_bytes = 0;
-  std::size_t requested_bytes = 0;  ///< 0 when inactive
-  block_state state = block_state::inactive;
-  bool mapped = true;  ///< false: an unmapped range of an expandable segment (always inactive)
-  context_ptr context;  ///< the recorder's context at malloc (history with record_context::state or more)
-};
-
-/// A segment and its blocks. Invariants: blocks tile [address, address +
-/// total_bytes) in address order (sizes sum to total_bytes); allocated_bytes
-/// = sum of active_allocated sizes; active_bytes = allocated_bytes + sizes of
-/// active_pending_free blocks; requested_bytes = sum over active blocks.
-struct segment_info {
-  int device = 0;
-  std::uintptr_t address = 0;
-  std::size_t total_bytes = 0;
-  std::size_t allocated_bytes = 0;
-  std::size_t active_bytes = 0;
-  std::size_t requested_bytes = 0;
-  stream_t stream = 0;
-  bool is_small_pool = false;
-  /// An expandable segment (SPEC B7): total_bytes is its address-space
-  /// reservation, mapped_bytes the part backed by device memory.
-  bool is_expandable = false;
-  std::size_t mapped_bytes = 0;  ///< bytes backed by device memory (total_bytes for a plain segment)
-  std::pair<std::uint64_t, std::uint64_t> pool_id{0, 0};  ///< private pool (SPEC F20); (0, 0) = default pools
-  context_ptr context;  ///< context of the malloc that created it, when history recorded one
-  /// The private pool holding the segment ({0, 0}: the default pool). SPEC F20.
-  mempool_id_t pool{};
-  std::vector<block_info> blocks;  ///< in address order; sizes sum to total_bytes
-};
-
-/// One expandable segment's sizes (SPEC F19).
-struct expandable_segment_info {
-  stream_t stream = 0;
-  bool is_small_pool = false;
-  std::uintptr_t address = 0;        ///< start of the reservation
-  std::size_t reserved_address_bytes = 0;  ///< size of the address-space reservation
-  std::size_t mapped_bytes = 0;      ///< bytes mapped to device memory now
-};
-
-/// The segment holding a live block, for sharing it with another process
-/// (SPEC F25). Sizes in bytes.
-struct block_segment {
-  std::uintptr_t base = 0;       ///< segment base (reservation start when expandable)
-  std::size_t size_bytes = 0;    ///< the allocation, or the whole reservation when expandable
-  bool expandable = false;
-  // Expandable segments only:
-  std::size_t page_bytes = 0;                 ///< mapping unit
-  std::size_t first_page = 0;                 ///< index of the first page the block touches
-  std::vector<physical_handle_t> page_handles;  ///< the physical handles of the pages the block touches, in order
-};
 
 class device_caching_allocator {
  public:

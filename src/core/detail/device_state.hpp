@@ -1,5 +1,5 @@
-// Private data structures of the device caching allocator. Only
-// src/core/device_caching_allocator.cpp uses them.
+// Private data structures of the device caching allocator. Only the core's
+// sources (src/core/*.cpp, one per concept: see src/README.md) use them.
 //
 // Picture of one device's memory:
 //
@@ -452,7 +452,7 @@ class device_state {
 };
 
 // malloc and free behind device_caching_allocator's public ones: without
-// history (device_caching_allocator.cpp) and with it (device_history.cpp:
+// history (hot_path.cpp) and with it (device_history.cpp:
 // contexts gathered outside the locks, entries recorded, trackers run after).
 allocation malloc_unrecorded(device_state& s, std::size_t size_bytes, stream_t stream);
 [[gnu::noinline]] allocation malloc_recorded(device_state& s, std::size_t size_bytes, stream_t stream);

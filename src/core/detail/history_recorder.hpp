@@ -2,10 +2,10 @@
 // entries, the annotations, the compile-context stack, the user metadata,
 // the trace trackers, and the contexts of live blocks and segments.
 //
-// Used by device_state (a member) and the public wrapper in
-// device_caching_allocator.cpp. Everything is behind its own mutex, the
-// innermost lock of the device (it never calls out while holding it), so
-// the allocator may record while holding any of its locks.
+// Used by device_state (a member) and the public wrapper
+// (device_caching_allocator.cpp, device_history.cpp). Everything is behind
+// its own mutex, the innermost lock of the device (it never calls out while
+// holding it), so the allocator may record while holding any of its locks.
 //
 // Hot path: active() is one relaxed atomic load; the allocator records only
 // when it is true (history enabled or a tracker attached).

@@ -1,0 +1,445 @@
+"""ccalloc.Allocator: an allocator of the C API (the process-wide one or one
+with its own backend), and the argument conversions the package shares.
+Re-exported by the package."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import sys
+from typing import Callable, Optional
+
+from . import _lib
+from ._errors import InvalidArgumentError, _check
+
+
+def _stream(stream) -> Optional[int]:
+    """A stream argument as the C API takes it (None = the default stream)."""
+    if stream is None:
+        return None
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        if hasattr(stream, attr):
+            stream = getattr(stream, attr)
+            break
+    stream = int(stream)
+    return stream or None
+
+
+def _pool_id(id) -> "_lib.ccalloc_mempool_id_t":
+    """A pool id (a pair of non-negative ints) as the C struct."""
+    try:
+        first, second = (int(v) for v in id)
+        if first < 0 or second < 0 or first >= 1 << 64 or second >= 1 << 64:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"ccalloc: a pool id is a pair of integers in [0, 2**64), got {id!r:.80}") from None
+    return _lib.ccalloc_mempool_id_t(first, second)
+
+
+def _function_address(fn, what: str) -> int:
+    """The address of a C function given as an int or a ctypes function pointer."""
+    if isinstance(fn, ctypes._CFuncPtr):  # pylint: disable=protected-access
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+    elif isinstance(fn, int) and not isinstance(fn, bool):
+        address = fn
+    else:
+        raise InvalidArgumentError(f"ccalloc: create_pool: the segment {what} function must be an address (int) "
+                                   f"or a ctypes function, got {fn!r:.80}")
+    if not address or address < 0:
+        raise InvalidArgumentError(f"ccalloc: create_pool: the segment {what} function address is {address!r}")
+    return address
+
+
+_stat_names: Optional[list] = None
+
+
+def _names() -> list:
+    global _stat_names
+    if _stat_names is None:
+        lib = _lib.lib()
+        _stat_names = [lib.ccalloc_stat_name(i).decode() for i in range(lib.ccalloc_stat_count())]
+    return _stat_names
+
+
+class Allocator:
+    """A ccalloc allocator: the process-wide one (``Allocator.process_wide()``)
+    or one with its own backend (the constructor).
+
+    ``Allocator(backend="sim", devices=1, capacity_bytes=None, config=None)``
+    creates and initializes an allocator on a simulated device (``"sim"``),
+    CUDA (``"cuda"``) or whichever is there (``"default"``). ``config`` is a
+    configuration string in PyTorch's syntax; None reads ``CCALLOC_CONF`` and
+    ``CCALLOC_NO_CACHING`` as the process-wide allocator does. Close it with
+    ``close()`` (or use it as a context manager): its memory goes back to the
+    device and its pointers become invalid.
+
+    Thread safety: the methods may be called from any thread, except
+    ``close``.
+    """
+
+    _KINDS = {"default": _lib.BACKEND_DEFAULT, "sim": _lib.BACKEND_SIM, "cuda": _lib.BACKEND_CUDA}
+
+    def __init__(self, backend: str = "sim", devices: int = 1, capacity_bytes: Optional[int] = None,
+                 config: Optional[str] = None, *, _handle: Optional[int] = None, _owned: bool = True):
+        self._observers: list = []
+        self._kept: list = []  # ctypes segment functions of this allocator's pools
+        self._handle: Optional[int] = None
+        self._owned = False
+        if not _owned:
+            self._handle = _handle
+            self._owned = False
+            return
+        if backend not in self._KINDS:
+            raise InvalidArgumentError(f"ccalloc: unknown backend {backend!r} (accepted: default, sim, cuda)")
+        lib = _lib.lib()
+        options = _lib.ccalloc_options_t()
+        lib.ccalloc_options_init(ctypes.byref(options))
+        options.backend = self._KINDS[backend]
+        options.sim_device_count = int(devices)
+        options.sim_capacity_bytes = int(capacity_bytes or 0)
+        options.config = None if config is None else config.encode()
+        handle = ctypes.c_void_p()
+        _check(lib.ccalloc_create(ctypes.byref(options), ctypes.byref(handle)))
+        self._handle = handle.value
+        self._owned = True
+        try:
+            count = devices if backend == "sim" else self.device_count
+            self.init(count)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def process_wide(cls) -> "Allocator":
+        """The process-wide allocator (the one PyTorch and CuPy use once
+        installed): default backend, configured from the environment, never
+        closed."""
+        return cls(_handle=None, _owned=False)
+
+    def close(self) -> None:
+        """Destroys an allocator made by the constructor (no-op for the
+        process-wide one and when closed already)."""
+        if self._owned and self._handle is not None:
+            _lib.lib().ccalloc_destroy(self._handle)
+            self._handle = None
+            self._owned = False
+
+    def __enter__(self) -> "Allocator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+    # ---- identity and devices ----------------------------------------------------------
+
+    def init(self, device_count: int) -> None:
+        """Initializes devices [0, device_count) (PyTorch: init)."""
+        _check(_lib.lib().ccalloc_init(self._handle, int(device_count)))
+
+    def _int(self, fn, *args) -> int:
+        out = ctypes.c_int()
+        _check(fn(self._handle, *args, ctypes.byref(out)))
+        return out.value
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self._int(_lib.lib().ccalloc_initialized))
+
+    @property
+    def device_count(self) -> int:
+        return self._int(_lib.lib().ccalloc_device_count)
+
+    @property
+    def current_device(self) -> int:
+        """The calling thread's current device on this allocator's backend."""
+        return self._int(_lib.lib().ccalloc_current_device)
+
+    @property
+    def backend_name(self) -> str:
+        """"cuda" or "sim"."""
+        out = ctypes.c_char_p()
+        _check(_lib.lib().ccalloc_backend_name(self._handle, ctypes.byref(out)))
+        return out.value.decode()
+
+    def mem_get_info(self, device: int = 0) -> tuple:
+        """(free bytes, total bytes) of ``device`` (cudaMemGetInfo)."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        _check(_lib.lib().ccalloc_mem_get_info(self._handle, int(device), ctypes.byref(free), ctypes.byref(total)))
+        return free.value, total.value
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def malloc(self, size_bytes: int, device: int = 0, stream=None) -> int:
+        """Allocates ``size_bytes`` on ``device`` for ``stream``; returns the
+        address (0 for size 0). Raises OutOfMemoryError, InvalidArgumentError."""
+        out = ctypes.c_void_p()
+        _check(_lib.lib().ccalloc_malloc(self._handle, int(device), int(size_bytes), _stream(stream),
+                                         ctypes.byref(out)))
+        return out.value or 0
+
+    def free(self, ptr: int) -> None:
+        """Frees an address from malloc (0 is a no-op). Raises
+        InvalidArgumentError naming the pointer if it is not live here."""
+        _check(_lib.lib().ccalloc_delete(self._handle, ptr or None))
+
+    def raw_alloc(self, size_bytes: int, stream=None) -> int:
+        """malloc on the current device; on ``stream``, else the thread's
+        current stream (PyTorch: raw_alloc / raw_alloc_with_stream)."""
+        out = ctypes.c_void_p()
+        if stream is None:
+            _check(_lib.lib().ccalloc_raw_alloc(self._handle, int(size_bytes), ctypes.byref(out)))
+        else:
+            _check(_lib.lib().ccalloc_raw_alloc_with_stream(self._handle, int(size_bytes), _stream(stream),
+                                                            ctypes.byref(out)))
+        return out.value or 0
+
+    def record_stream(self, ptr: int, stream) -> None:
+        """The block holding ``ptr`` is not reused before the work queued on
+        ``stream`` up to its free has completed (PyTorch: recordStream)."""
+        _check(_lib.lib().ccalloc_record_stream(self._handle, ptr or None, _stream(stream)))
+
+    def get_base_allocation(self, ptr: int) -> tuple:
+        """(base address, size in bytes) of the segment holding ``ptr``."""
+        base, size = ctypes.c_void_p(), ctypes.c_size_t()
+        _check(_lib.lib().ccalloc_get_base_allocation(self._handle, ptr or None, ctypes.byref(base),
+                                                      ctypes.byref(size)))
+        return base.value or 0, size.value
+
+    # ---- cache and limits -------------------------------------------------------------------
+
+    def empty_cache(self) -> None:
+        """Returns every unused cached segment to the device (PyTorch: emptyCache)."""
+        _check(_lib.lib().ccalloc_empty_cache(self._handle))
+
+    def cache_info(self, device: int = 0) -> int:
+        """Size in bytes of ``device``'s largest cached free block."""
+        out = ctypes.c_size_t()
+        _check(_lib.lib().ccalloc_cache_info(self._handle, int(device), ctypes.byref(out)))
+        return out.value
+
+    def set_memory_fraction(self, fraction: float, device: int = 0) -> None:
+        """Caps ``device``'s reserved bytes at fraction x total (PyTorch:
+        set_per_process_memory_fraction); InvalidArgumentError outside [0, 1]."""
+        _check(_lib.lib().ccalloc_set_memory_fraction(self._handle, int(device), float(fraction)))
+
+    def get_memory_fraction(self, device: int = 0) -> float:
+        out = ctypes.c_double()
+        _check(_lib.lib().ccalloc_get_memory_fraction(self._handle, int(device), ctypes.byref(out)))
+        return out.value
+
+    def enable(self, enabled: bool = True) -> None:
+        """Caching on or off (off: every allocation goes to the device and back)."""
+        _check(_lib.lib().ccalloc_enable(self._handle, 1 if enabled else 0))
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self._int(_lib.lib().ccalloc_is_enabled))
+
+    # ---- statistics ---------------------------------------------------------------------------
+
+    def memory_stats(self, device: int = 0) -> "collections.OrderedDict[str, int]":
+        """``device``'s statistics with the flat keys of
+        ``torch.cuda.memory_stats()`` (sorted), e.g.
+        ``"reserved_bytes.all.peak"``, ``"allocation.all.current"``,
+        ``"num_device_alloc"``. Bytes for *_bytes keys, counts otherwise."""
+        names = _names()
+        values = (ctypes.c_int64 * len(names))()
+        _check(_lib.lib().ccalloc_get_device_stats(self._handle, int(device), values, len(names)))
+        return collections.OrderedDict(zip(names, values))
+
+    def stat(self, name: str, device: int = 0) -> int:
+        """One statistic by its torch.cuda.memory_stats() name."""
+        out = ctypes.c_int64()
+        _check(_lib.lib().ccalloc_get_device_stat(self._handle, int(device), name.encode(), ctypes.byref(out)))
+        return out.value
+
+    def reset_peak_stats(self, device: int = 0) -> None:
+        _check(_lib.lib().ccalloc_reset_peak_stats(self._handle, int(device)))
+
+    def reset_accumulated_stats(self, device: int = 0) -> None:
+        _check(_lib.lib().ccalloc_reset_accumulated_stats(self._handle, int(device)))
+
+    # ---- configuration and observers -------------------------------------------------------------
+
+    def set_config(self, text: str) -> None:
+        """Applies a configuration string in PyTorch's syntax on top of the
+        current one; ConfigError names a bad key or value (nothing changes)."""
+        _check(_lib.lib().ccalloc_set_config(self._handle, text.encode()))
+
+    def get_config(self) -> str:
+        """The configuration in force, as a string set_config accepts."""
+        length = ctypes.c_size_t()
+        lib = _lib.lib()
+        _check(lib.ccalloc_get_config(self._handle, None, 0, ctypes.byref(length)))
+        buffer = ctypes.create_string_buffer(length.value + 1)
+        _check(lib.ccalloc_get_config(self._handle, buffer, len(buffer), ctypes.byref(length)))
+        return buffer.value.decode()
+
+    # ---- memory history and snapshots (SPEC F13, F14, E4) ------------------------------------------
+
+    def record_history(self, enabled: bool = True, max_entries: int = 100000) -> None:
+        """Starts or stops recording the memory history of every device (as
+        torch.cuda.memory._record_memory_history): the newest ``max_entries``
+        trace entries per device, microsecond timestamps, no stacks."""
+        _check(_lib.lib().ccalloc_record_history(self._handle, 1 if enabled else 0, max_entries))
+
+    def snapshot_json(self, include_traces: bool = True) -> str:
+        """The snapshot as JSON with the layout of torch.cuda.memory._snapshot()."""
+        length = ctypes.c_size_t()
+        lib = _lib.lib()
+        flag = 1 if include_traces else 0
+        _check(lib.ccalloc_snapshot_json(self._handle, flag, None, 0, ctypes.byref(length)))
+        while True:
+            # Room to spare: with history on, each call records a `snapshot`
+            # entry, so the text grows a little between two calls.
+            buffer = ctypes.create_string_buffer(2 * length.value + 65536)
+            _check(lib.ccalloc_snapshot_json(self._handle, flag, buffer, len(buffer), ctypes.byref(length)))
+            if length.value < len(buffer):
+                return buffer.value.decode()
+
+    def snapshot(self, include_traces: bool = True) -> dict:
+        """The snapshot as PyTorch's dictionary (torch.cuda.memory._snapshot())."""
+        from . import snapshot as _snapshot
+        return _snapshot.from_json(self.snapshot_json(include_traces))
+
+    def dump_snapshot(self, path: str) -> None:
+        """Writes the snapshot as the pickle PyTorch's viewers read (as
+        torch.cuda.memory._dump_snapshot): ``python -m torch.cuda._memory_viz
+        trace_plot PATH`` or pytorch.org/memory_viz."""
+        from . import snapshot as _snapshot
+        _snapshot.write_pickle(self.snapshot(True), path)
+
+    def attach_out_of_memory_observer(self, observer: Callable[[int, int, int, int], None]) -> None:
+        """Calls ``observer(device, requested_bytes, allowed_bytes,
+        free_bytes)`` on each out-of-memory error (SPEC F17). An exception it
+        raises is printed and dropped. Observers stay attached for the
+        allocator's life."""
+
+        def trampoline(_user, device, requested, allowed, free):
+            try:
+                observer(device, requested, allowed, free)
+            except BaseException:  # must not cross into C; the caller still gets its OOM
+                import traceback
+
+                print("ccalloc: an out-of-memory observer raised (ignored):", file=sys.stderr)
+                traceback.print_exc()
+
+        callback = _lib.OOM_OBSERVER(trampoline)
+        _check(_lib.lib().ccalloc_attach_out_of_memory_observer(self._handle, callback, None))
+        self._observers.append(callback)  # the C side keeps only the pointer
+        if not self._owned:
+            _process_observers.append(callback)
+
+    # ---- private pools (SPEC F20, F21, E5; PyTorch's MemPool) -----------------------------------
+    #
+    # A pool holds its own segments; allocations routed to it (between
+    # begin_allocate_to_pool and end_allocate_to_pool) come from them and
+    # return there. Pools are per device. While the use count is above 0 the
+    # segments stay; at 0 they go back at the next empty_cache and the pool
+    # disappears. ``id`` is a pair of ints (PyTorch's MempoolId_t): user pools
+    # (first, 0) from new_pool_id(), CUDA graph pools (0, n); (0, 0) is the
+    # default pool. ccalloc.torch.MemPool and use_mem_pool wrap these for
+    # PyTorch.
+
+    def new_pool_id(self) -> tuple:
+        """A pool id no earlier call of this process returned: ``(n, 0)``,
+        n = 1, 2, ... (PyTorch: MemPool's id counter). Creates nothing."""
+        out = _lib.ccalloc_mempool_id_t()
+        _check(_lib.lib().ccalloc_new_pool_id(self._handle, ctypes.byref(out)))
+        return (out.first, out.second)
+
+    def create_pool(self, id, device: int = 0, segment_allocator=None) -> None:
+        """Creates pool ``id`` on ``device`` with use count 1, or adds 1 to
+        its use count (PyTorch: createOrIncrefPool).
+
+        ``segment_allocator``: None (the backend's segments) or a pair
+        ``(malloc, free)`` of C functions with cudaMalloc's and cudaFree's
+        shapes, ``int malloc(void** ptr, size_t size_bytes)`` and ``int
+        free(void* ptr)``, 0 meaning success: as addresses (ints, e.g.
+        ``nccl_segment_allocator()``) or ctypes function pointers (kept alive
+        here). They run with ``device`` current and the allocator's device
+        lock held, so they must not call into ccalloc; a nonzero malloc counts
+        as out of memory, a nonzero free raises BackendError from the call
+        that returned the segment. Used only when the pool is created.
+        Raises InvalidArgumentError for id (0, 0), a bad pair, a bad device.
+        """
+        pool = _pool_id(id)
+        malloc_fn = free_fn = None
+        keep = ()
+        if segment_allocator is not None:
+            try:
+                malloc_obj, free_obj = segment_allocator
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    "ccalloc: create_pool: segment_allocator must be None or a pair (malloc, free) of C "
+                    f"function addresses, got {segment_allocator!r:.80}") from None
+            malloc_fn, free_fn = _function_address(malloc_obj, "malloc"), _function_address(free_obj, "free")
+            keep = (malloc_obj, free_obj)
+        _check(_lib.lib().ccalloc_create_pool(self._handle, int(device), pool, malloc_fn, free_fn))
+        if keep:
+            (self._kept if self._owned else _process_kept).append(keep)
+
+    def release_pool(self, id, device: int = 0) -> None:
+        """Subtracts 1 from pool ``id``'s use count (PyTorch: releasePool).
+        InvalidArgumentError for an unknown pool or one already at 0."""
+        _check(_lib.lib().ccalloc_release_pool(self._handle, int(device), _pool_id(id)))
+
+    def pool_use_count(self, id, device: int = 0) -> int:
+        """Pool ``id``'s use count; 0 for a released or unknown pool
+        (PyTorch: getPoolUseCount)."""
+        out = ctypes.c_int()
+        _check(_lib.lib().ccalloc_pool_use_count(self._handle, int(device), _pool_id(id), ctypes.byref(out)))
+        return out.value
+
+    def begin_allocate_to_pool(self, id, device: int = 0, stream=None, all_streams: bool = False) -> None:
+        """From now on, allocations on ``device`` made on ``stream`` (None:
+        the default stream), or on every stream when ``all_streams``, come
+        from pool ``id`` (PyTorch: beginAllocateToPool). Calls nest; the most
+        recent one that takes a stream wins. While one is active the
+        allocator follows CUDA graph capture rules on that device: no event
+        is queried or waited for and no memory is returned (not even on out
+        of memory), so end it promptly. InvalidArgumentError for an unknown
+        or released pool."""
+        _check(_lib.lib().ccalloc_begin_allocate_to_pool(self._handle, int(device), _pool_id(id),
+                                                         _stream(stream), 1 if all_streams else 0))
+
+    def end_allocate_to_pool(self, id, device: int = 0) -> None:
+        """Ends the most recent begin_allocate_to_pool of pool ``id``
+        (PyTorch: endAllocateToPool); InvalidArgumentError if none is active."""
+        _check(_lib.lib().ccalloc_end_allocate_to_pool(self._handle, int(device), _pool_id(id)))
+
+    def pool_usage(self, id, device: int = 0) -> dict:
+        """What pool ``id`` holds now: ``segment_count``, ``reserved_bytes``,
+        ``allocated_bytes``, ``active_bytes`` (allocated + freed blocks
+        waiting on other streams), ``allocation_count``, ``use_count``. Id
+        (0, 0) gives the default pool. InvalidArgumentError for an unknown
+        pool."""
+        out = _lib.ccalloc_pool_usage_t()
+        _check(_lib.lib().ccalloc_pool_usage(self._handle, int(device), _pool_id(id), ctypes.byref(out)))
+        return {name: getattr(out, name) for name, _ in out._fields_}
+
+    # ---- streams of the backend ------------------------------------------------------------------
+
+    def stream_create(self, device: int = 0) -> int:
+        """A new stream of the backend (CUDA: non-blocking); destroy it with stream_destroy."""
+        out = ctypes.c_void_p()
+        _check(_lib.lib().ccalloc_stream_create(self._handle, int(device), ctypes.byref(out)))
+        return out.value or 0
+
+    def stream_destroy(self, stream, device: int = 0) -> None:
+        _check(_lib.lib().ccalloc_stream_destroy(self._handle, int(device), _stream(stream)))
+
+    def stream_synchronize(self, stream, device: int = 0) -> None:
+        _check(_lib.lib().ccalloc_stream_synchronize(self._handle, int(device), _stream(stream)))
+
+
+# Observers and segment functions of the process-wide allocator outlive
+# every Allocator wrapper.
+_process_observers: list = []
+_process_kept: list = []

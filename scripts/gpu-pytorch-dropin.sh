@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# ccalloc as a drop-in for PyTorch on the GPU machine (issue 14):
+#   1. installs the package with the README's command (offline, no build
+#      isolation: CMake builds libccalloc.so, torch's cpp_extension the C++
+#      integration) into python3's environment (PYTHON=...; DROPIN_VENV=DIR
+#      makes a fresh venv over its packages first: only where python3 is not
+#      a venv itself, else torch is not seen there);
+#   2. runs every item of scripts/pytorch_dropin.py in its own process: one
+#      line `PASS item (...)` / `FAIL item: reason` / `SKIP item: reason` each;
+#   3. GPT-2 (scripts/gpt2_allocators.py) on PyTorch's allocator, PyTorch's
+#      with expandable_segments:True, and ccalloc, interleaved (GPT2_ROUNDS
+#      rounds, default 2; GPT2_STEPS steps, default 30; 0 rounds skips it).
+# Output: the lines above and $OUT_DIR (default out/pytorch-dropin)/{install.log,
+# items.log, gpt2-*.json, gpt2-compare.txt}. Exit status 1 when any item FAILed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+OUT_DIR=${OUT_DIR:-out/pytorch-dropin}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+PY=${PYTHON:-python3}
+if [ -n "${DROPIN_VENV:-}" ]; then  # a fresh venv over $PY's packages (where $PY is no venv itself)
+  rm -rf "$DROPIN_VENV"
+  "$PY" -m venv --system-site-packages "$DROPIN_VENV" || exit 1
+  PY=$DROPIN_VENV/bin/python3
+fi
+t0=$(date +%s)
+# The README's command:
+if ! "$PY" -m pip install -v --no-build-isolation . >"$OUT_DIR/install.log" 2>&1; then
+  echo "FAIL install: pip install --no-build-isolation . failed (tail of $OUT_DIR/install.log):"
+  tail -n 30 "$OUT_DIR/install.log"
+  exit 1
+fi
+echo "PASS install ($(( $(date +%s) - t0 )) s; $(grep -c 'built the PyTorch integration' "$OUT_DIR/install.log") C++ integration build(s))"
+cd /tmp  # import the installed package, not the checkout's python/
+SCRIPTS=$REPO/scripts
+FAILED=0
+for item in $("$PY" "$SCRIPTS/pytorch_dropin.py" --list); do
+  line=$(timeout "${ITEM_TIMEOUT:-150}" "$PY" "$SCRIPTS/pytorch_dropin.py" "$item" 2>>"$OUT_DIR/items.log" | grep -E '^(PASS|FAIL|SKIP) ' | tail -n 1)
+  [ -z "$line" ] && line="FAIL $item: no result (crashed or timed out; see $OUT_DIR/items.log)"
+  echo "$line"
+  case $line in FAIL*) FAILED=1 ;; esac
+done
+cd "$REPO"
+ROUNDS=${GPT2_ROUNDS:-2}
+STEPS=${GPT2_STEPS:-30}
+if [ "$ROUNDS" -gt 0 ]; then
+  runs=()
+  for r in $(seq 1 "$ROUNDS"); do
+    for v in native native-expandable ccalloc; do
+      f=$OUT_DIR/gpt2-$v-$r.json
+      case $v in
+        native) env -u PYTORCH_CUDA_ALLOC_CONF "$PY" scripts/gpt2_allocators.py train --allocator native --steps "$STEPS" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
+        native-expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" scripts/gpt2_allocators.py train --allocator native --label native-expandable --steps "$STEPS" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
+        ccalloc) (cd /tmp && env -u PYTORCH_CUDA_ALLOC_CONF "$PY" "$SCRIPTS/gpt2_allocators.py" train --allocator ccalloc --steps "$STEPS" --out "$f") >>"$OUT_DIR/gpt2.log" 2>&1 ;;
+      esac
+      [ -s "$f" ] && runs+=("$f") || echo "gpt2: run $v $r failed (see $OUT_DIR/gpt2.log)"
+    done
+  done
+  "$PY" scripts/gpt2_allocators.py compare "${runs[@]}" --json "$OUT_DIR/gpt2-compare.json" | tee "$OUT_DIR/gpt2-compare.txt"
+fi
+exit $FAILED

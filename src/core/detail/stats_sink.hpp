@@ -1,0 +1,42 @@
+// stats_sink's members, inline: the hot path (hot_path.cpp) constructs one
+// per malloc and free. The class and what it does are in device_state.hpp.
+#pragma once
+
+#include "device_state.hpp"
+
+namespace ccalloc::detail {
+
+inline thread_local char tls_thread_tag;  // its address identifies the thread
+
+inline stats_sink::stats_sink(device_state& d, stream_state& s) noexcept : d_(d), s_(s) {
+  if (d_.single_stream_.load(std::memory_order_relaxed)) [[likely]]
+    return;  // the only stream: pending deltas are exact (see single_stream_)
+  if (s_.stats_backoff > 0) {
+    --s_.stats_backoff;
+    return;
+  }
+  if (!d_.stats_mutex_.try_lock()) {
+    s_.stats_backoff = 64;
+    return;
+  }
+  locked_ = true;
+  publish_pending_stats(d_.stats_, s_);
+  // Another thread published last: threads are sharing this device, so
+  // publish only every 64th operation from now on (see the class comment).
+  if (d_.last_stats_thread_ != &tls_thread_tag) {
+    if (d_.last_stats_thread_ != nullptr) s_.stats_backoff = 64;
+    d_.last_stats_thread_ = &tls_thread_tag;
+  }
+}
+
+inline stats_sink::~stats_sink() {
+  if (locked_) d_.stats_mutex_.unlock();
+}
+
+inline device_stats& stats_sink::get() noexcept {
+  if (locked_) return d_.stats_;
+  s_.has_pending_stats = true;
+  return s_.pending_stats;
+}
+
+}  // namespace ccalloc::detail

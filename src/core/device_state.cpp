@@ -1,0 +1,80 @@
+// One device's state: construction, teardown (every segment back to the
+// device) and the memory-fraction cap.
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+#include "detail/format.hpp"
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+
+namespace ccalloc::detail {
+
+namespace {
+std::atomic<std::uint64_t> next_state_id{1};
+}  // namespace
+
+device_state::device_state(int device, device_backend& backend, allocator_config config)
+    : device_(device), backend_(backend), id_(next_state_id.fetch_add(1)), config_(std::move(config)) {
+  device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
+  allowed_bytes_ = device_total_bytes_;
+  if (backend_.capabilities().virtual_memory) page_bytes_ = backend_.vm_granularity(device_);
+  check_expandable_supported(config_);
+  stats_.max_split_size = config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
+                              ? -1
+                              : static_cast<std::int64_t>(config_.max_split_size_bytes);
+  if (config_.memory_fraction_set) {
+    world_lock w(*this);
+    set_memory_fraction(config_.per_process_memory_fraction, w);
+  }
+}
+
+device_state::~device_state() {
+  for (auto& [stream, queue] : pending_events_)
+    for (auto& [e, b] : queue) free_events_.push_back(e);
+  for (event_t e : free_events_) {
+    try {
+      backend_.destroy_event(device_, e);
+    } catch (...) {
+    }
+  }
+  for (auto& [base, seg] : segments_) {
+    try {
+      if (seg->expandable) {
+        for (std::size_t i = 0; i < seg->pages.size(); ++i) {
+          if (seg->pages[i] == 0) continue;
+          backend_.vm_unmap(device_, reinterpret_cast<void*>(base + i * seg->page_bytes), seg->page_bytes);
+          backend_.vm_release_handle(device_, seg->pages[i]);
+        }
+        backend_.vm_release(device_, reinterpret_cast<void*>(base), seg->size);
+      } else {
+        release_segment_memory(*seg);  // reads the head block's pool: before the blocks go
+      }
+    } catch (...) {
+    }
+    for (block* b = seg->head; b != nullptr;) {
+      block* next = b->next;
+      delete b;
+      b = next;
+    }
+  }
+}
+
+void device_state::set_memory_fraction(double fraction, const world_lock& w) {
+  if (!(fraction >= 0.0 && fraction <= 1.0))
+    throw invalid_argument_error("ccalloc: memory fraction " + format_fraction(fraction) +
+                                 " for device " + std::to_string(device_) + " is outside [0, 1]");
+  const auto allowed = static_cast<std::size_t>(fraction * static_cast<double>(device_total_bytes_));
+  // Keep reserved <= the new cap where cached memory allows it. Before the
+  // cap changes: if the device fails meanwhile, the old cap stays in force.
+  if (reserved_bytes_ > allowed) release_cached_blocks(w);
+  fraction_ = fraction == 0.0 ? 0.0 : fraction;  // -0.0 becomes 0
+  set_fraction_ = true;
+  allowed_bytes_ = allowed;
+}
+
+}  // namespace ccalloc::detail

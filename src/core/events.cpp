@@ -1,0 +1,166 @@
+// Cross-stream use of a block (B4, X7): record_stream notes the other
+// streams; the block's free records one event on each (insert_events), and
+// the block returns to its pool once all of them have completed
+// (process_events without blocking, synchronize_and_free_events waiting).
+// The device's event pool (get_event) lives here too.
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+#include "detail/stats_sink.hpp"
+
+#include <atomic>
+#include <cstddef>
+#include <exception>
+#include <iterator>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ccalloc::detail {
+
+namespace {
+// Counts events taken off the queues and subtracts them from
+// pending_event_count_ on scope exit, also when a backend call throws.
+struct retired_events {
+  std::atomic<std::size_t>& pending;
+  std::size_t count = 0;
+  ~retired_events() { pending.fetch_sub(count, std::memory_order_relaxed); }
+};
+}  // namespace
+
+void device_state::record_stream(block* b, stream_t stream) {
+  std::lock_guard lock(b->pool->owner->mutex);
+  if (stream == b->stream) return;
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+    b->stream_uses.push_back(stream);
+}
+
+event_t device_state::get_event() {
+  if (!free_events_.empty()) {
+    const event_t e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+  return backend_.create_event(device_);
+}
+
+// B4: one event per stream that used the block; the block returns to the
+// pool when all of them completed.
+void device_state::insert_events(block* b) {
+  std::lock_guard device_lock(device_mutex_);
+  insert_events_locked(b);
+}
+
+void device_state::insert_events_locked(block* b) {
+  std::vector<event_t> recorded;
+  try {
+    for (stream_t s : b->stream_uses) {
+      const event_t e = get_event();
+      recorded.push_back(e);
+      backend_.record_event(device_, e, s);
+    }
+  } catch (...) {
+    for (event_t e : recorded) free_events_.push_back(e);
+    throw;
+  }
+  for (std::size_t i = 0; i < recorded.size(); ++i) {
+    pending_events_[b->stream_uses[i]].emplace_back(recorded[i], b);
+    ++b->event_count;
+  }
+  pending_event_count_.fetch_add(recorded.size(), std::memory_order_relaxed);
+  b->stream_uses.clear();
+}
+
+// Pops every completed event, in order per stream (each queue is scanned up
+// to its first pending event), and calls on_completed(block) for each.
+// [device]. pending_event_count_ stays right if a query throws halfway.
+template <class OnCompleted>
+void device_state::take_completed_events(OnCompleted on_completed) {
+  retired_events retired{pending_event_count_};
+  for (auto it = pending_events_.begin(); it != pending_events_.end();) {
+    auto& queue = it->second;
+    while (!queue.empty()) {
+      auto [e, b] = queue.front();
+      if (!backend_.query_event(device_, e)) break;
+      queue.pop_front();
+      free_events_.push_back(e);
+      ++retired.count;
+      on_completed(b);
+    }
+    it = queue.empty() ? pending_events_.erase(it) : std::next(it);
+  }
+}
+
+// Returns blocks whose events completed, without blocking. The completed
+// events are taken under the device lock; each block is then updated under
+// its own stream's lock (never both: see the lock order).
+void device_state::process_events() {
+  std::vector<block*> completed;
+  std::exception_ptr failure;  // a failed query: blocks already taken are still returned
+  {
+    std::lock_guard device_lock(device_mutex_);
+    try {
+      take_completed_events([&](block* b) { completed.push_back(b); });
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    completions_in_flight_.fetch_add(completed.size(), std::memory_order_relaxed);
+  }
+  for (block* b : completed) {
+    stream_state& ss = *b->pool->owner;
+    {
+      std::lock_guard lock(ss.mutex);
+      if (--b->event_count == 0) {
+        if (history_.active()) [[unlikely]]
+          history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+        stats_sink sink(*this, ss);
+        free_block(b, sink.get(), false);
+      }
+    }
+    completions_in_flight_.fetch_sub(1, std::memory_order_release);
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+void device_state::process_events_locked() {
+  take_completed_events([&](block* b) {
+    if (--b->event_count != 0) return;
+    if (history_.active()) [[unlikely]]
+      history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+    free_block(b, stats_, true);
+  });
+}
+
+void device_state::synchronize_and_free_events() {
+  if (capture_underway()) return;  // waiting is not allowed while capturing
+  ++stats_.num_sync_all_streams;
+  retired_events retired{pending_event_count_};
+  for (auto& [stream, queue] : pending_events_) {
+    while (!queue.empty()) {
+      auto [e, b] = queue.front();
+      backend_.synchronize_event(device_, e);
+      queue.pop_front();
+      free_events_.push_back(e);
+      ++retired.count;
+      if (--b->event_count != 0) continue;
+      if (history_.active()) [[unlikely]]
+        history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+      free_block(b, stats_, true);
+    }
+  }
+  pending_events_.clear();
+}
+
+// X7: process_events returns blocks after dropping the device lock; an OOM
+// decided meanwhile would miss them. Waits (world lock released) until they
+// are back; returns false when there were none (nothing new to try).
+bool device_state::wait_for_completions_in_flight(world_lock& w) {
+  if (completions_in_flight_.load(std::memory_order_acquire) == 0) return false;
+  w.unlock();
+  while (completions_in_flight_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  w.lock();
+  publish_all_pending_stats(w);
+  return true;
+}
+
+}  // namespace ccalloc::detail

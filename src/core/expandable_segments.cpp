@@ -1,0 +1,441 @@
+// Expandable segments (B7, X3): reservations, page mapping, page recycling.
+//
+// An expandable segment is one address-space reservation per (stream, pool),
+// as large as the device. A request that no cached block serves is placed in
+// the best free run of the stream's reservation (fewest pages to map, then
+// the shortest run, then the lowest address), and the run's missing pages are
+// mapped. When mapping would raise reserved memory past its high-water mark
+// (trim_on_new_peak) or past the memory-fraction cap, free whole pages of any
+// stream are unmapped first and their physical handles mapped where they are
+// needed (X3), so the reservation does not grow while free pages exist.
+// Unmapping first synchronizes the device: cuMemUnmap does not wait for
+// queued work that may still touch the range.
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ccalloc::detail {
+
+namespace {
+// Growth by at least this much first asks the device how much is free.
+constexpr std::size_t large_growth_check_bytes = 256 * mib;
+}  // namespace
+
+// Expandable segments need the backend's virtual memory: an explicit
+// expandable_segments:True without it is an error; the default falls back to
+// plain segments (expandable_segments_ says which one is in force).
+void device_state::check_expandable_supported(const allocator_config& config) const {
+  if (config.expandable_segments && page_bytes_ == 0 && config.expandable_segments_set)
+    throw config_error("ccalloc config: expandable_segments:True needs virtual memory (cuMemMap), which the '" +
+                       backend_.name() + "' backend of device " + std::to_string(device_) +
+                       " does not offer (accepted here: expandable_segments:False)");
+}
+
+void device_state::pool_insert_counted(block* b) {
+  b->gc_count_base = b->pool->get_free_blocks_call_count;
+  b->pool->blocks.insert(b);
+  const stat_group g = group_of(b->pool);
+  device_stats::increase(stats_.inactive_split, g, 1);
+  device_stats::increase(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+}
+
+void device_state::pool_erase_counted(block* b) {
+  b->pool->blocks.erase(b);
+  const stat_group g = group_of(b->pool);
+  device_stats::decrease(stats_.inactive_split, g, 1);
+  device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+}
+
+// Splits free block `b` (outside its pool) at address `at`; returns the upper
+// part, which inherits b's stream, pool, segment and mapping state.
+block* device_state::split_free_block(block* b, std::uintptr_t at) {
+  block* hi = b->pool->owner->new_block();
+  hi->ptr = at;
+  hi->size = b->ptr + b->size - at;
+  b->size -= hi->size;
+  hi->stream = b->stream;
+  hi->pool = b->pool;
+  hi->seg = b->seg;
+  hi->mapped = b->mapped;
+  hi->next = b->next;
+  if (hi->next != nullptr) hi->next->prev = hi;
+  hi->prev = b;
+  b->next = hi;
+  return hi;
+}
+
+// Marks the page-aligned range [lo, hi) of `seg` mapped or unmapped. Every
+// block overlapping it is free and in the other state. Splits blocks at lo
+// and hi, merges free neighbours of equal state, and keeps pool membership
+// and the inactive-split statistics right.
+void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped) {
+  if (lo >= hi) return;
+  block* b = seg.head;
+  while (b->ptr + b->size <= lo) b = b->next;
+  block* first = b->prev != nullptr ? b->prev : b;
+  block* last = b;
+  while (last->ptr + last->size < hi) last = last->next;
+  block* stop = last->next != nullptr ? last->next : last;
+  for (block* x = first;; x = x->next) {
+    if (x->mapped && x->is_free()) pool_erase_counted(x);
+    if (x == stop) break;
+  }
+  if (b->ptr < lo) {
+    b = split_free_block(b, lo);
+    if (stop == b->prev) stop = b;  // the split block was the window's end
+  }
+  for (block* x = b; x != nullptr && x->ptr < hi; x = x->next) {
+    if (x->ptr + x->size > hi) {
+      block* upper = split_free_block(x, hi);
+      if (stop == x) stop = upper;
+    }
+    x->mapped = mapped;
+  }
+  for (block* x = first;;) {
+    block* nx = x->next;
+    if (x != stop && nx != nullptr && x->is_free() && nx->is_free() && x->mapped == nx->mapped) {
+      x->size += nx->size;
+      x->next = nx->next;
+      if (x->next != nullptr) x->next->prev = x;
+      if (nx == stop) stop = x;
+      nx->pool->owner->delete_block(nx);
+      continue;
+    }
+    if (x->mapped && x->is_free()) pool_insert_counted(x);
+    if (x == stop) break;
+    x = nx;
+  }
+}
+
+segment* device_state::new_expandable_segment(const alloc_params& p) {
+  const std::size_t page = page_bytes_;
+  const std::size_t want = std::max(device_total_bytes_, p.size);
+  if (want > std::numeric_limits<std::size_t>::max() - page) return nullptr;  // no such address range
+  const std::size_t size = (want + page - 1) / page * page;
+  void* base = backend_.vm_reserve(device_, size);
+  if (base == nullptr) return nullptr;
+  segment& seg = add_segment(p, reinterpret_cast<std::uintptr_t>(base), size);
+  seg.head->mapped = false;
+  seg.expandable = true;
+  seg.seq = next_segment_seq_++;
+  seg.page_bytes = page;
+  seg.pages.assign(size / page, 0);
+  return &seg;
+}
+
+bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& w) {
+  if (is_retry) ++stats_.num_alloc_retries;
+  const std::size_t page = page_bytes_;
+  // 1. Placement: the free run of this (stream, pool) that needs the fewest
+  // new pages, then the shortest, then the oldest segment and lowest offset
+  // (never raw addresses: a replay must decide alike on every device).
+  segment* best_seg = nullptr;
+  std::uintptr_t best_start = 0;
+  std::size_t best_pages = std::numeric_limits<std::size_t>::max();
+  std::size_t best_run = std::numeric_limits<std::size_t>::max();
+  auto pages_to_map = [&](block* from, std::uintptr_t end) {
+    std::size_t n = 0;
+    for (block* x = from; x != nullptr && x->ptr < end; x = x->next)
+      if (!x->mapped) n += (std::min(end, x->ptr + x->size) - x->ptr + page - 1) / page;
+    return n;
+  };
+  for (auto& [base, up] : segments_) {
+    segment& seg = *up;
+    if (!seg.expandable || seg.head->pool != p.pool) continue;
+    for (block* x = seg.head; x != nullptr;) {
+      if (!x->is_free()) {
+        x = x->next;
+        continue;
+      }
+      block* run_first = x;
+      std::size_t run = 0;
+      for (; x != nullptr && x->is_free(); x = x->next) run += x->size;
+      if (run < p.size) continue;
+      const std::size_t n = pages_to_map(run_first, run_first->ptr + p.size);
+      const bool better =
+          n != best_pages ? n < best_pages
+          : run != best_run ? run < best_run
+          : best_seg != nullptr && (seg.seq != best_seg->seq ? seg.seq < best_seg->seq
+                                                             : run_first->ptr - seg.base < best_start - best_seg->base);
+      if (best_seg == nullptr || better) {
+        best_seg = &seg;
+        best_start = run_first->ptr;
+        best_pages = n;
+        best_run = run;
+      }
+    }
+  }
+  if (best_seg == nullptr) {
+    best_seg = new_expandable_segment(p);
+    if (best_seg == nullptr) {
+      no_address_space_ = true;
+      return false;
+    }
+    best_start = best_seg->base;
+    best_pages = (p.size + page - 1) / page;
+  }
+  const std::uintptr_t end = best_start + p.size;
+
+  // 2. Physical pages: recycle free whole pages rather than raise the peak
+  // (trim_on_new_peak) or pass the cap.
+  const std::size_t need = best_pages * page;
+  // Fail at once what cannot fit (rather than create pages until the device
+  // refuses): more than the device or the cap, or, for a large request,
+  // more than the device has free plus what this allocator could give back.
+  if (need > allowed_bytes_) return false;
+  if (need >= large_growth_check_bytes) {
+    std::size_t free_pages_bytes = 0;
+    for (auto& [base, up] : segments_)
+      if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
+    if (need > backend_.mem_get_info(device_).free_bytes + free_pages_bytes) return false;
+  }
+  std::vector<physical_handle_t> recycled;
+  // Handles in `recycled` are unmapped and no longer counted as reserved.
+  auto drop_recycled = [&] {
+    for (physical_handle_t h : recycled) {
+      ++stats_.num_device_free;
+      backend_.vm_release_handle(device_, h);
+    }
+    recycled.clear();
+  };
+  if (need > 0) {
+    auto excess = [&] {
+      std::size_t target = 0;
+      if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) target = reserved_bytes_ + need - allowed_bytes_;
+      // A new peak is avoided by recycling at most recycles_per_peak times
+      // per high-water mark; then the mark rises, and a repeating program
+      // stops needing either.
+      if (config_.trim_on_new_peak && reserved_bytes_ + need > reserved_high_water_bytes_ &&
+          recycles_at_mark_ < config_.recycles_per_peak)
+        target = std::max(target, std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_));
+      return target;
+    };
+    if (!capture_underway() && excess() > 0) {
+      release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
+      if (const std::size_t target = excess(); target > 0) {
+        try {
+          if (unmap_free_pages(target, best_seg, best_start, end, &recycled) > 0) ++recycles_at_mark_;
+        } catch (...) {
+          drop_recycled();  // the pages unmapped before the failure go back to the device
+          throw;
+        }
+      }
+    }
+    if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) {
+      drop_recycled();
+      return false;
+    }
+  }
+
+  // 3. Map the missing pages, run by run of unmapped pages.
+  segment& seg = *best_seg;
+  const std::size_t first_page = (best_start - seg.base) / page;
+  const std::size_t end_page = (end - seg.base + page - 1) / page;
+  const stat_group g = group_of(p.pool);
+  for (std::size_t i = first_page; i < end_page;) {
+    if (seg.pages[i] != 0) {
+      ++i;
+      continue;
+    }
+    const std::size_t run_first = i;
+    bool out_of_memory = false;
+    try {
+      for (; i < end_page && seg.pages[i] == 0; ++i) {
+        physical_handle_t h = 0;
+        bool fresh = false;
+        if (!recycled.empty()) {
+          h = recycled.back();
+          recycled.pop_back();
+        } else if (backend_.vm_create(device_, page, &h)) {
+          fresh = true;
+        } else {
+          out_of_memory = true;
+          break;
+        }
+        void* addr = reinterpret_cast<void*>(seg.base + i * page);
+        bool mapped = false;
+        try {
+          backend_.vm_map(device_, addr, page, h);
+          mapped = true;
+          for (int peer : peers_) backend_.vm_set_access(device_, addr, page, peer);
+        } catch (...) {
+          if (mapped) {
+            try {
+              backend_.vm_unmap(device_, addr, page);  // the page must not stay mapped unknown to us
+            } catch (...) {
+              seg.pages[i] = h;  // still mapped: keep it on the books (a free mapped page)
+              seg.mapped_bytes += page;
+              reserved_bytes_ += page;
+              device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+              if (fresh) ++stats_.num_device_alloc;
+              ++i;
+              throw;
+            }
+          }
+          if (fresh) {
+            backend_.vm_release_handle(device_, h);
+          } else {
+            recycled.push_back(h);
+          }
+          throw;
+        }
+        seg.pages[i] = h;
+        if (!fresh) ++stats_.num_pages_remapped;
+        seg.mapped_bytes += page;
+        if (fresh) ++stats_.num_device_alloc;
+        reserved_bytes_ += page;
+        device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+      }
+    } catch (...) {
+      set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);
+      raise_reserved_high_water();
+      drop_recycled();
+      throw;
+    }
+    set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);
+    if (history_.active() && i > run_first) [[unlikely]]
+      history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
+    if (out_of_memory) {
+      raise_reserved_high_water();
+      drop_recycled();
+      return false;
+    }
+  }
+  drop_recycled();  // more pages were freed than mapped (the cap counted plain segments)
+  raise_reserved_high_water();
+
+  // 4. The run now starts with a free mapped block of at least p.size bytes.
+  block* b = seg.head;
+  while (b->ptr + b->size <= best_start) b = b->next;
+  if (b->ptr != best_start || !b->mapped || !b->is_free() || b->size < p.size)
+    throw std::logic_error("ccalloc: internal error: mapped run does not start with a free block");
+  b->pool->blocks.erase(b);  // as get_free_block: take_found_block does the statistics
+  p.found = b;
+  return true;
+}
+
+// Unmaps the whole pages of free block `b` (free, mapped, in an expandable
+// segment), except those overlapping [keep_lo, keep_hi), at most `max_bytes`.
+// Handles go to `recycled` (then no longer counted as reserved) or back to
+// the device.
+std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
+                                             std::vector<physical_handle_t>* recycled, std::size_t max_bytes) {
+  segment& seg = *b->seg;
+  const std::size_t page = seg.page_bytes;
+  const std::uintptr_t lo = (b->ptr - seg.base + page - 1) / page * page + seg.base;
+  const std::uintptr_t hi = (b->ptr + b->size - seg.base) / page * page + seg.base;
+  if (lo >= hi) return 0;
+  // The pieces of [lo, hi) outside the kept range (its pages rounded outward).
+  std::pair<std::uintptr_t, std::uintptr_t> pieces[2] = {{lo, hi}, {0, 0}};
+  if (keep_lo < keep_hi && keep_lo < hi && keep_hi > lo) {
+    const std::uintptr_t klo = (keep_lo - seg.base) / page * page + seg.base;
+    const std::uintptr_t khi = (keep_hi - seg.base + page - 1) / page * page + seg.base;
+    pieces[0] = {lo, std::max(lo, std::min(hi, klo))};
+    pieces[1] = {std::min(hi, std::max(lo, khi)), hi};
+  }
+  const stat_group g = group_of(b->pool);
+  std::size_t done_total = 0;
+  for (const auto& piece : pieces) {
+    const std::uintptr_t from = piece.first;  // named copies: lambdas below capture them
+    std::uintptr_t to = piece.second;
+    if (done_total >= max_bytes) break;
+    if (to - from > max_bytes - done_total) to = from + (max_bytes - done_total + page - 1) / page * page;
+    std::uintptr_t addr = from;
+    std::vector<physical_handle_t> to_release;
+    auto finish = [&] {
+      const std::size_t bytes = addr - from;
+      seg.mapped_bytes -= bytes;
+      reserved_bytes_ -= bytes;
+      device_stats::decrease(stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
+      set_page_state(seg, from, addr, false);
+      if (history_.active() && bytes > 0) [[unlikely]]
+        history_.record_segment_unmap(from, bytes, seg.head->stream);
+      done_total += bytes;
+      stats_.num_device_free += to_release.size();
+      for (physical_handle_t h : to_release) backend_.vm_release_handle(device_, h);  // may throw: state is consistent
+    };
+    try {
+      for (; addr < to; addr += page) {
+        const std::size_t i = (addr - seg.base) / page;
+        backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
+        (recycled != nullptr ? *recycled : to_release).push_back(seg.pages[i]);
+        seg.pages[i] = 0;
+      }
+    } catch (...) {
+      finish();
+      throw;
+    }
+    finish();
+  }
+  return done_total;
+}
+
+// Unmaps free whole pages of every expandable segment until `target_bytes`
+// are freed, waiting first for each stream whose pages it unmaps.
+std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
+                                           std::uintptr_t keep_lo, std::uintptr_t keep_hi,
+                                           std::vector<physical_handle_t>* recycled) {
+  std::vector<block*> candidates;
+  for (auto& [base, up] : segments_) {
+    if (!up->expandable || up->mapped_bytes == 0 || pool_is_live(up->head->pool)) continue;
+    for (block* b = up->head; b != nullptr; b = b->next)
+      if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.push_back(b);
+  }
+  // Oldest segment first, then by offset: the same order on every device.
+  std::sort(candidates.begin(), candidates.end(), [](const block* x, const block* y) {
+    return x->seg->seq != y->seg->seq ? x->seg->seq < y->seg->seq : x->ptr < y->ptr;
+  });
+  std::size_t got = 0;
+  bool synchronized = false;
+  for (block* b : candidates) {
+    if (got >= target_bytes) break;
+    if (!synchronized) {
+      // Work queued before the free may still use the pages, and cuMemUnmap
+      // does not wait for it. The whole device, as cudaFree does: the
+      // block's stream may have been destroyed since (no stream handle is
+      // used after a free).
+      synchronize_before_reuse();
+      synchronized = true;
+    }
+    const bool keep = b->seg == keep_seg;
+    got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
+  }
+  return got;
+}
+
+void device_state::raise_reserved_high_water() noexcept {
+  if (reserved_bytes_ <= reserved_high_water_bytes_) return;
+  reserved_high_water_bytes_ = reserved_bytes_;
+  recycles_at_mark_ = 0;  // a new mark: recycling may start again (recycles_per_peak)
+}
+
+void device_state::synchronize_before_reuse() {
+  backend_.synchronize_device(device_);
+  ++stats_.num_device_synchronizations;
+}
+
+// Releases the reservations of expandable segments that have no mapped page.
+void device_state::release_empty_expandable_segments() {
+  for (auto it = segments_.begin(); it != segments_.end();) {
+    segment& seg = *it->second;
+    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr) {
+      ++it;
+      continue;
+    }
+    backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
+    device_stats::decrease(stats_.segment, group_of(seg.head->pool), 1);
+    if (seg.head->pool->priv != nullptr) --seg.head->pool->priv->segment_count;
+    seg.head->pool->owner->delete_block(seg.head);
+    it = segments_.erase(it);
+  }
+}
+
+}  // namespace ccalloc::detail

@@ -1,0 +1,348 @@
+// The fallback ladder: what a malloc does when no cached block of its
+// (stream, pool) fits (the call tree is drawn in hot_path.cpp). allocate_slow
+// runs the rungs in order with the whole device locked (world_lock): garbage
+// collection, a new segment (alloc_segment; expandable segments in
+// expandable_segments.cpp), releasing cached segments and retrying, and last
+// the out-of-memory error (out_of_memory.cpp). The releases here also serve
+// emptyCache and no-caching mode (free_uncached).
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+#include "detail/stats_sink.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace ccalloc::detail {
+
+// ---- the ladder ---------------------------------------------------------------------
+
+// The slow path, with the whole device locked.
+block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
+  publish_all_pending_stats(w);
+  const bool capturing = capture_underway();
+  if (!capturing) {
+    process_events_locked();
+    if (!deferred_frees_.empty()) flush_deferred_frees();
+  }
+  const bool priv = p.pool->priv != nullptr;
+  auto out_of_memory = [&]() {
+    // Rung 5b (F22): a free block of a pool that lends on OOM.
+    if (try_use_on_oom_pools(p, w)) return take_found_block(p, stats_);
+    throw_out_of_memory(p, w);
+  };
+  if (caching_) {
+    // Rung 1 again: another thread may have freed a block meanwhile.
+    if (get_free_block(p)) return take_found_block(p, stats_);
+    // Rung 2: above the garbage-collection threshold, release old cached blocks.
+    if (config_.garbage_collection_threshold > 0.0 && !capturing) garbage_collect_cached_blocks(w);
+    if (config_.expandable_segments && page_bytes_ != 0 && !(priv && p.pool->priv->custom.malloc)) {
+      // Rung 3 (B7, X3): place the request in the stream's expandable
+      // segment, mapping pages (recycled from free whole pages when the
+      // peak or the cap would grow). Rung 5: wait for events, unmap every
+      // free page, retry.
+      no_address_space_ = false;
+      for (int attempt = 0; attempt < 2; ++attempt) {
+        if (attempt == 1 && get_free_block(p)) return take_found_block(p, stats_);
+        if (alloc_expandable(p, false, w) ||
+            (release_cached_blocks(w, /*for_retry=*/true) && alloc_expandable(p, true, w)))
+          return take_found_block(p, stats_);
+        if (no_address_space_) break;
+        if (!wait_for_completions_in_flight(w)) break;  // X7
+      }
+      // The retry kept the pages of the chosen run mapped: give them back too.
+      if (!capturing) unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
+      release_empty_expandable_segments();
+      // Out of address space (a new reservation was refused, e.g. with very
+      // many streams): this request gets a plain segment instead.
+      if (!no_address_space_) return out_of_memory();
+    }
+    // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
+    // memory above its high-water mark. First (X2) a cached whole segment of
+    // another stream that fits moves to this stream; else cached whole
+    // segments (none fits) go back to the device: the peak grows by less.
+    if (config_.trim_on_new_peak && !capturing && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_) {
+      if (config_.reuse_across_streams && !priv && adopt_idle_segment(p, w)) return take_found_block(p, stats_);
+      release_unused_segments(w, /*keep_going=*/true);
+    }
+  }
+  // Rung 3: a new segment. Rung 4: free oversize cached blocks and retry.
+  // Rung 5: wait for pending events, free every cached segment, retry.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1 && caching_ && get_free_block(p)) return take_found_block(p, stats_);
+    if (alloc_segment(p, false, w) ||
+        (caching_ && !priv && !capturing && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
+        (release_cached_blocks(w, /*for_retry=*/true) && alloc_segment(p, true, w)))
+      return take_found_block(p, stats_);
+    // X7: blocks another thread is returning may be what is missing.
+    if (!wait_for_completions_in_flight(w)) break;
+  }
+  // Rung 6: out of memory.
+  return out_of_memory();
+}
+
+// ---- rung 3: a new segment ----------------------------------------------------------
+
+bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) {
+  if (is_retry) ++stats_.num_alloc_retries;
+  const std::size_t size = p.alloc_size;
+  if (set_fraction_ && reserved_bytes_ + size > allowed_bytes_) return false;
+  void* ptr = nullptr;
+  private_pool* const pp = p.pool->priv;
+  auto device_malloc = [&] {
+    return pp != nullptr && pp->custom.malloc ? pp->custom.malloc(size) : backend_.segment_malloc(device_, size);
+  };
+  if (config_.release_lock_on_cudamalloc) {
+    // B8: other threads may use the cache while the device mallocs.
+    w.unlock();
+    try {
+      ptr = device_malloc();
+    } catch (...) {
+      w.lock();
+      throw;
+    }
+    w.lock();
+    publish_all_pending_stats(w);
+    // The cap may have been reached meanwhile by another thread.
+    if (ptr != nullptr && set_fraction_ && reserved_bytes_ + size > allowed_bytes_) {
+      if (pp != nullptr && pp->custom.free) pp->custom.free(ptr);
+      else backend_.segment_free(device_, ptr);
+      return false;
+    }
+  } else {
+    ptr = device_malloc();
+  }
+  if (ptr == nullptr) return false;
+
+  segment& seg = add_segment(p, reinterpret_cast<std::uintptr_t>(ptr), size);
+  block* b = seg.head;
+  seg.oversize = size >= config_.max_split_size_bytes;
+
+  const stat_group g = group_of(p.pool);
+  device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
+  if (b->seg->oversize) stats_.oversize_segments.increase(1);
+  ++stats_.num_device_alloc;
+  reserved_bytes_ += size;
+  raise_reserved_high_water();
+  p.found = b;
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_alloc(b->ptr, size, p.stream);
+  return true;
+}
+
+// A new segment [base, base + size) of p's stream and pool, as one free
+// block, on the books (segment count, its private pool's count).
+segment& device_state::add_segment(const alloc_params& p, std::uintptr_t base, std::size_t size) {
+  auto seg = std::make_unique<segment>();
+  block* b = p.owner->new_block();
+  b->ptr = base;
+  b->size = size;
+  b->stream = p.stream;
+  b->pool = p.pool;
+  b->seg = seg.get();
+  seg->base = base;
+  seg->size = size;
+  seg->head = b;
+  device_stats::increase(stats_.segment, group_of(p.pool), 1);
+  if (p.pool->priv != nullptr) ++p.pool->priv->segment_count;
+  return *segments_.emplace(base, std::move(seg)).first->second;
+}
+
+// ---- rung 3a: a cached whole segment of another stream (X2) ----------------------------
+
+// Moves to the requesting stream the best-fitting cached whole segment of
+// another stream, after synchronizing the device (the work queued before the
+// free may still use it; the other stream may have been destroyed since, so
+// its handle is not used). Called only where the alternative, returning
+// cached segments before a new peak, would synchronize the device anyway
+// (cudaFree).
+bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
+  const std::size_t max_split = config_.max_split_size_bytes;
+  block* best = nullptr;
+  for (stream_state* ss : w.streams()) {
+    if (ss == p.owner) continue;
+    block_pool& pool = p.pool->is_small ? ss->pools.small : ss->pools.large;
+    for (std::size_t i = pool.blocks.lower_bound(p.size); i < pool.blocks.size(); ++i) {
+      block* b = pool.blocks.at(i);
+      if (b->is_split()) continue;
+      if (p.size < max_split && b->size >= max_split) break;
+      if (p.size >= max_split && b->size - p.size >= config_.max_non_split_rounding_bytes) break;
+      if (best == nullptr || b->size < best->size) best = b;
+      break;  // the smallest whole segment of this pool that fits
+    }
+  }
+  if (best == nullptr) return false;
+  synchronize_before_reuse();
+  best->pool->blocks.erase(best);
+  best->pool = p.pool;
+  best->stream = p.stream;
+  p.found = best;
+  return true;
+}
+
+// ---- rungs 4 and 5, emptyCache: cached segments back to the device ---------------------
+
+// Rung 4 (only with max_split_size set): free the smallest cached oversize
+// block that covers the request, else the largest ones until enough is freed.
+bool device_state::release_available_cached_blocks(const alloc_params& p) {
+  const std::size_t max_split = config_.max_split_size_bytes;
+  if (max_split == std::numeric_limits<std::size_t>::max()) return false;
+  block_pool& pool = *p.pool;
+  const std::size_t wanted = std::max(p.size, max_split);
+  const std::size_t i = pool.blocks.lower_bound(wanted);
+  if (i != pool.blocks.size()) {
+    if (pool.blocks.at(i)->is_split()) return false;
+    release_block(pool.blocks.at(i), stats_);
+    return true;
+  }
+  std::size_t released = 0;
+  std::vector<block*> victims;
+  for (std::size_t r = pool.blocks.size(); r-- > 0 && released < wanted;) {
+    block* b = pool.blocks.at(r);
+    if (b->size < max_split) break;
+    if (b->is_split()) continue;
+    victims.push_back(b);
+    released += b->size;
+  }
+  if (released < wanted) return false;
+  for (block* b : victims) release_block(b, stats_);
+  return true;
+}
+
+// Rung 5 and emptyCache: wait for every pending event, then return every
+// cached block that is a whole segment.
+// Private pools without users give back their cached segments too. Nothing
+// while a capture is underway (waiting and freeing are not allowed then).
+bool device_state::release_cached_blocks(const world_lock& w, bool for_retry) {
+  if (capture_underway()) return false;
+  flush_deferred_frees();
+  synchronize_and_free_events();
+  release_unused_segments(w, for_retry);
+  release_dead_pools(w, for_retry);
+  unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
+  release_empty_expandable_segments();
+  delete_empty_dead_pools(w);
+  return true;
+}
+
+void device_state::release_unused_segments(const world_lock& w, bool keep_going) {
+  for (stream_state* ss : w.streams()) {
+    release_blocks(ss->pools.large, keep_going);
+    release_blocks(ss->pools.small, keep_going);
+  }
+}
+
+void device_state::release_blocks(block_pool& pool, bool keep_going) {
+  std::vector<block*> victims;
+  for (std::size_t i = 0; i < pool.blocks.size(); ++i)
+    if (!pool.blocks.at(i)->is_split()) victims.push_back(pool.blocks.at(i));
+  for (block* b : victims) {
+    try {
+      release_block(b, stats_);
+    } catch (...) {
+      if (!keep_going) throw;  // else the segment stays cached (release_block changed nothing)
+    }
+  }
+}
+
+// Returns a cached whole-segment block to the device. If the device refuses
+// (segment_free throws), nothing has changed.
+void device_state::release_block(block* b, device_stats& st) {
+  release_segment_memory(*b->seg);
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_free(b->ptr, b->size, b->stream);
+  forget_segment(b, st);
+}
+
+// The books of a segment the device has taken back; `b` is its only block.
+void device_state::forget_segment(block* b, device_stats& st) noexcept {
+  if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
+  const stat_group g = group_of(b->pool);
+  device_stats::decrease(st.segment, g, 1);
+  device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
+  if (b->seg->oversize) st.oversize_segments.decrease(1);
+  ++st.num_device_free;
+  reserved_bytes_ -= b->size;
+  b->pool->blocks.erase(b);
+  segments_.erase(b->seg->base);
+  b->pool->owner->delete_block(b);
+}
+
+// Returns a plain segment's memory: to the pool's custom allocator if it has
+// one, else to the backend.
+void device_state::release_segment_memory(segment& seg) {
+  const private_pool* pp = seg.head->pool->priv;
+  if (pp != nullptr && pp->custom.free) pp->custom.free(reinterpret_cast<void*>(seg.base));
+  else backend_.segment_free(device_, reinterpret_cast<void*>(seg.base));
+}
+
+// No-caching mode (F6), a block that is a whole segment and waits on no
+// event: the segment goes back to the device before anything else changes,
+// so a failing device free leaves the block allocated and the caller's
+// pointer live (the caller gets the backend_error).
+void device_state::free_uncached(block* b, stream_state& ss) {
+  std::lock_guard device_lock(device_mutex_);
+  backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  if (history_.active()) [[unlikely]]
+    history_.record_segment_free(b->ptr, b->size, b->stream);
+  stats_sink sink(*this, ss);
+  device_stats& st = sink.get();
+  const stat_group g = group_of(b->pool);
+  const auto size = static_cast<std::int64_t>(b->size);
+  device_stats::decrease(st.allocation, g, 1);
+  device_stats::decrease(st.allocated_bytes, g, size);
+  if (b->counted_oversize) st.oversize_allocations.decrease(1);
+  device_stats::decrease(st.active, g, 1);
+  device_stats::decrease(st.active_bytes, g, size);
+  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+  forget_segment(b, st);
+}
+
+// ---- rung 2: garbage collection --------------------------------------------------------
+
+// Rung 2 (B5): while reserved bytes exceed threshold x allowed, release whole
+// cached large-pool segments older than the average age. ccalloc applies the
+// threshold to the device total when no memory fraction is set (PyTorch
+// ignores it then; SPEC X6).
+void device_state::garbage_collect_cached_blocks(const world_lock& w) {
+  const auto threshold =
+      static_cast<std::size_t>(config_.garbage_collection_threshold * static_cast<double>(allowed_bytes_));
+  if (reserved_bytes_ <= threshold) return;
+  const std::size_t target = reserved_bytes_ - threshold;
+
+  std::vector<std::pair<block*, std::uint64_t>> candidates;  // block, age
+  std::uint64_t total_age = 0;
+  for (stream_state* ss : w.streams()) {
+    block_pool& large = ss->pools.large;
+    for (std::size_t i = 0; i < large.blocks.size(); ++i)
+      if (block* b = large.blocks.at(i); !b->is_split()) {
+        const std::uint64_t age = large.age(b);
+        candidates.emplace_back(b, age);
+        total_age += age;
+      }
+  }
+  std::size_t reclaimed = 0;
+  bool freed = true;
+  while (reclaimed < target && freed && !candidates.empty()) {
+    const double age_threshold = double(total_age) / double(candidates.size());
+    freed = false;
+    for (auto it = candidates.begin(); it != candidates.end();) {
+      if (double(it->second) >= age_threshold) {
+        freed = true;
+        reclaimed += it->first->size;
+        total_age -= it->second;
+        release_block(it->first, stats_);
+        it = candidates.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+}  // namespace ccalloc::detail

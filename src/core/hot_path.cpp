@@ -1,0 +1,445 @@
+// The hot path: malloc and free of a cached block, read top-down from the
+// public entry points. Policies follow PyTorch's DeviceCachingAllocator
+// (c10/cuda/CUDACachingAllocator.cpp) unless a comment says otherwise; the
+// code is ccalloc's own. Everything a cached malloc or a free touches is in
+// this file (one translation unit, so the compiler can inline it); the rest
+// of the allocator is one file per concept (see src/README.md).
+//
+// Allocation call tree (malloc); [lock held], (file when not this one):
+//
+//   device_caching_allocator::malloc
+//     malloc_impl               size 0 or too large: throw_out_of_memory at once (F2)
+//     device_state::allocate
+//     allocate_unusual          only if events are pending or a pool is active:
+//       process_events            (events.cpp; not while a capture is underway) device lock, then stream locks
+//       routed_pool               (private_pools.cpp) begin_allocate_to_pool's newest matching filter [device lock]
+//         -> allocate_slow with the private pool's (stream, pool)       [world lock]
+//       stream_for                the stream's state (thread-local cache, else registry)
+//       prepare                   round_size, pool, allocation_size: B1, B2   [stream lock]
+//       get_free_block            -- rung 1: best fit in (stream, pool)       [likely]
+//       take_found_block          split if worth it, stats via stats_sink
+//     allocate_slow             (fallback_ladder.cpp)                  [world lock]
+//       get_free_block            -- rung 1 again (another thread may have freed)
+//       garbage_collect_cached_blocks -- rung 2: above the GC threshold
+//       alloc_expandable          -- rung 3 with expandable segments (expandable_segments.cpp)
+//       adopt_idle_segment, release_unused_segments -- rung 3a: trim_on_new_peak
+//       alloc_segment             -- rung 3: a new segment from the device
+//       release_available_cached_blocks + alloc_segment
+//                                 -- rung 4: free oversize cached blocks, retry
+//       release_cached_blocks + alloc_segment
+//                                 -- rung 5: sync events, free every cached segment, retry
+//       try_use_on_oom_pools      -- rung 5b: free blocks of set_use_on_oom pools (F22; private_pools.cpp)
+//       throw_out_of_memory       -- rung 6: B6 (out_of_memory.cpp; observers called unlocked)
+//   While a capture is underway (begin_allocate_to_pool active) the ladder
+//   neither queries nor waits for events nor frees device memory: rungs 2,
+//   3a, 4 and 5 are skipped.
+//
+// Free call tree:
+//
+//   device_caching_allocator::free
+//     device_state::free                                               [stream lock]
+//       used on other streams (record_stream)?
+//         capture underway?  defer_free (private_pools.cpp)              [+ device lock]
+//         else               insert_events: one event per stream (events.cpp) [+ device lock]
+//       else no-caching mode and a whole segment?
+//                            free_uncached: back to the device (fallback_ladder.cpp) [+ device lock]
+//       release_allocation   counts it freed (stats via stats_sink)
+//         free_block         only when it waits on no event:
+//           try_merge        with the free neighbour before and after it
+//           back into its pool (block_index::insert)
+//   A block that waits on events is returned by process_events (events.cpp)
+//   when they have completed, through the same free_block.
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+#include "detail/stats_sink.hpp"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <string>
+
+namespace ccalloc {
+
+using detail::block;
+using detail::world_lock;
+
+// ---- entry points ---------------------------------------------------------------
+
+namespace {
+
+// malloc without history: inlined into device_caching_allocator::malloc.
+[[gnu::always_inline]] inline allocation malloc_impl(detail::device_state& s, std::size_t size_bytes,
+                                                     stream_t stream) {
+  if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]] {
+    if (size_bytes == 0)
+      throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
+    world_lock w(s);
+    detail::alloc_params p;
+    p.requested_bytes = size_bytes;
+    p.size = size_bytes;
+    p.alloc_size = size_bytes;
+    p.stream = stream;
+    s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
+  }
+  block* b = s.allocate(size_bytes, stream);
+  return {reinterpret_cast<void*>(b->ptr), b};
+}
+
+}  // namespace
+
+allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
+  return malloc_impl(s, size_bytes, stream);
+}
+
+allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
+  auto& s = *state_;
+  if (s.history_.active()) [[unlikely]]
+    return detail::malloc_recorded(s, size_bytes, stream);
+  return malloc_impl(s, size_bytes, stream);
+}
+
+void device_caching_allocator::free(block* b) {
+  auto& s = *state_;
+  if (!s.history_.active()) [[likely]] {
+    s.free(b);
+    return;
+  }
+  detail::free_recorded(s, b);
+}
+
+namespace detail {
+
+// ---- malloc of a cached block ---------------------------------------------------
+
+namespace {
+constexpr std::array<std::size_t, roundup_intervals> no_divisions{};
+
+// One cached (device state, stream) -> stream_state per thread: the fast path
+// finds its stream without the registry lock.
+struct stream_cache_entry {
+  std::uint64_t owner_id = 0;
+  stream_t stream = 0;
+  stream_state* state = nullptr;
+};
+thread_local stream_cache_entry tls_stream_cache;
+}  // namespace
+
+block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
+  if ((pending_event_count_.load(std::memory_order_relaxed) | capture_count_.load(std::memory_order_relaxed)) != 0)
+      [[unlikely]]
+    return allocate_unusual(requested_bytes, stream);
+  stream_state& ss = stream_for(stream);
+  alloc_params p;
+  {
+    std::lock_guard lock(ss.mutex);
+    prepare(p, requested_bytes, ss);
+    // Rung 1: a cached block of this stream and pool.
+    if (caching_ && get_free_block(p)) [[likely]] {
+      stats_sink sink(*this, ss);
+      return take_found_block(p, sink.get());
+    }
+  }
+  world_lock w(*this);
+  prepare(p, requested_bytes, ss);  // the configuration may have changed meanwhile
+  return allocate_slow(p, w);
+}
+
+// allocate when events are pending or a begin_allocate_to_pool is active.
+block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
+  if (!capture_underway()) {
+    process_events();  // never while capturing: event queries are not allowed then
+  } else {
+    bool routed = false;
+    {
+      std::lock_guard device_lock(device_mutex_);
+      routed = routed_pool(stream) != nullptr;
+    }
+    if (routed) {
+      stream_state& ss = stream_for(stream);
+      world_lock w(*this);
+      if (private_pool* pp = routed_pool(stream)) {  // again: it may have ended meanwhile
+        if (pp->use_count == 0)
+          throw invalid_argument_error("ccalloc: allocation on stream " + std::to_string(stream) +
+                                       " is routed by begin_allocate_to_pool to private pool " + to_string(pp->id) +
+                                       " of device " + std::to_string(device_) +
+                                       ", which was released (use count 0); end_allocate_to_pool it first");
+        struct unpin {
+          std::atomic<int>& n;
+          ~unpin() { n.fetch_sub(1, std::memory_order_release); }
+        };
+        pp->pinned.fetch_add(1, std::memory_order_relaxed);
+        unpin guard{pp->pinned};
+        alloc_params p;
+        prepare(p, requested_bytes, ss);
+        p.pool = &pool_in(*pp, ss, p.pool->is_small);
+        return allocate_slow(p, w);
+      }
+    }
+  }
+  stream_state& ss = stream_for(stream);
+  alloc_params p;
+  {
+    std::lock_guard lock(ss.mutex);
+    prepare(p, requested_bytes, ss);
+    if (caching_ && get_free_block(p)) {
+      stats_sink sink(*this, ss);
+      return take_found_block(p, sink.get());
+    }
+  }
+  world_lock w(*this);
+  prepare(p, requested_bytes, ss);
+  return allocate_slow(p, w);
+}
+
+stream_state& device_state::stream_for(stream_t stream) {
+  stream_cache_entry& c = tls_stream_cache;
+  if (c.owner_id == id_ && c.stream == stream) [[likely]]
+    return *c.state;
+  std::lock_guard lock(registry_mutex_);
+  auto& slot = streams_[stream];
+  if (!slot) {
+    slot = std::make_unique<stream_state>(stream);
+    if (streams_.size() == 2) {
+      // The first stream kept its statistics pending without a lock; publish
+      // them before two streams can publish independently.
+      for (auto& [other_stream, other] : streams_) {
+        if (other.get() == slot.get()) continue;
+        std::lock_guard other_lock(other->mutex);
+        std::lock_guard stats_lock(stats_mutex_);
+        publish_pending_stats(stats_, *other);
+        single_stream_.store(false, std::memory_order_relaxed);
+      }
+    }
+  }
+  c = {id_, stream, slot.get()};
+  return *slot;
+}
+
+void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
+  p.requested_bytes = requested_bytes;
+  p.stream = ss.stream;
+  p.owner = &ss;
+  p.size = round_size(requested_bytes);
+  p.pool = p.size <= small_request_bytes ? &ss.pools.small : &ss.pools.large;
+  p.alloc_size = allocation_size(p.size);
+  p.found = nullptr;
+}
+
+// B1: 512-byte multiples, or the next of `divisions` equal steps between two
+// powers of two (roundup_power2_divisions).
+std::size_t device_state::round_size(std::size_t size) const noexcept {
+  if (size < min_block_bytes) return min_block_bytes;
+  const std::size_t divisions = config_.roundup_power2_divisions == no_divisions ? 0 : config_.divisions_for(size);
+  // size / 512 > divisions, written so that no product can overflow.
+  if (divisions > 1 && size / min_block_bytes > divisions) {
+    if (std::has_single_bit(size)) return size;
+    const std::size_t floor = std::bit_floor(size);
+    const std::size_t step = floor / divisions;
+    const std::size_t rounded = size & ~(step - 1);
+    return rounded == size ? size : rounded + step;
+  }
+  return (size + min_block_bytes - 1) / min_block_bytes * min_block_bytes;
+}
+
+// B2: segment size for a new segment serving a block of `size` bytes.
+std::size_t device_state::allocation_size(std::size_t size) const noexcept {
+  if (!caching_) return size;  // no-caching mode (F6): exactly the block
+  if (size <= small_request_bytes) return small_segment_bytes;
+  if (size < min_large_alloc_bytes) return config_.large_segment_size_bytes;
+  return (size + large_round_bytes - 1) / large_round_bytes * large_round_bytes;
+}
+
+// B3: best fit by (size, address) in the request's (stream, pool), with the
+// oversize rules: a small request never takes an oversize block, and an
+// oversize request takes one at most max_non_split_rounding bytes larger.
+bool device_state::get_free_block(alloc_params& p) {
+  block_pool& pool = *p.pool;
+  if (config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
+  const std::size_t i = pool.blocks.lower_bound(p.size);
+  if (i == pool.blocks.size()) return false;
+  block* b = pool.blocks.at(i);
+  const std::size_t max_split = config_.max_split_size_bytes;
+  if (p.size < max_split && b->size >= max_split) return false;
+  // b->size >= p.size (lower_bound); the difference cannot overflow.
+  if (p.size >= max_split && b->size - p.size >= config_.max_non_split_rounding_bytes) return false;
+  pool.blocks.erase_at(i);
+  p.found = b;
+  return true;
+}
+
+bool device_state::should_split(const block* b, std::size_t size) const noexcept {
+  if (b->pool->no_split) [[unlikely]]
+    return false;  // F22
+  const std::size_t remaining = b->size - size;
+  // Expandable segments: always carve exactly (the remainder shares pages
+  // with the block; unneeded whole pages are unmapped, not kept as slack).
+  if (b->pool->is_small || b->seg->expandable) return remaining >= min_block_bytes;
+  return size < config_.max_split_size_bytes && remaining > small_request_bytes;
+}
+
+// Hands out p.found: split off the remainder if worth keeping, update stats.
+block* device_state::take_found_block(alloc_params& p, device_stats& st) {
+  block* b = p.found;
+  const stat_group g = group_of(p.pool);
+  const bool already_split = b->is_split();
+  if (should_split(b, p.size)) {
+    // The caller gets the front; the remainder stays cached.
+    block* remaining = b;
+    b = p.owner->new_block();
+    b->ptr = remaining->ptr;
+    b->size = p.size;
+    b->stream = remaining->stream;
+    b->pool = remaining->pool;
+    b->seg = remaining->seg;
+    b->prev = remaining->prev;
+    if (b->prev != nullptr) b->prev->next = b;
+    else b->seg->head = b;
+    b->next = remaining;
+    remaining->prev = b;
+    remaining->ptr += p.size;
+    remaining->size -= p.size;
+    remaining->gc_count_base = remaining->pool->get_free_blocks_call_count;
+    remaining->pool->blocks.insert(remaining);
+    if (already_split) {
+      device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
+    } else {
+      device_stats::increase(st.inactive_split, g, 1);
+      device_stats::increase(st.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
+    }
+  } else if (already_split) {
+    device_stats::decrease(st.inactive_split, g, 1);
+    device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+  }
+  b->allocated = true;
+  b->requested_size = p.requested_bytes;
+  const auto size = static_cast<std::int64_t>(b->size);
+  device_stats::increase(st.allocation, g, 1);
+  device_stats::increase(st.allocated_bytes, g, size);
+  device_stats::increase(st.active, g, 1);
+  device_stats::increase(st.active_bytes, g, size);
+  device_stats::increase(st.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
+  b->counted_oversize = b->size >= config_.max_split_size_bytes;
+  if (b->counted_oversize) st.oversize_allocations.increase(1);
+  return b;
+}
+
+// ---- free -------------------------------------------------------------------------
+
+void device_state::free(block* b) {
+  stream_state& ss = *b->pool->owner;
+  std::lock_guard lock(ss.mutex);
+  if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
+    // No events while capturing (cudaEventQuery is not allowed): decide later.
+    if (capture_underway() || any_stream_capturing(b)) defer_free(b);
+    else insert_events(b);
+  } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) [[unlikely]] {
+    free_uncached(b, ss);  // may throw: nothing changed then
+    return;
+  }
+  stats_sink sink(*this, ss);
+  release_allocation(b, sink.get(), false);
+}
+
+// The caller no longer holds `b` (its events, if any, are recorded): count
+// it freed and, unless it waits for events, return it to its pool.
+void device_state::release_allocation(block* b, device_stats& st, bool device_locked) {
+  const stat_group g = group_of(b->pool);
+  b->allocated = false;
+  device_stats::decrease(st.allocation, g, 1);
+  device_stats::decrease(st.allocated_bytes, g, static_cast<std::int64_t>(b->size));
+  if (b->counted_oversize) st.oversize_allocations.decrease(1);
+  b->counted_oversize = false;
+  if (b->event_count == 0) free_block(b, st, device_locked);
+}
+
+// A block becomes free (its events, if any, completed): merge with free
+// neighbours and return it to its pool.
+void device_state::free_block(block* b, device_stats& st, bool device_locked) {
+  const stat_group g = group_of(b->pool);
+  const auto original_size = static_cast<std::int64_t>(b->size);
+  std::int64_t net_split_blocks = 0;
+  std::int64_t net_split_bytes = 0;
+  for (block* neighbour : {b->prev, b->next}) {
+    const std::size_t subsumed = try_merge(b, neighbour);
+    if (subsumed > 0) {
+      net_split_blocks -= 1;
+      net_split_bytes -= static_cast<std::int64_t>(subsumed);
+    }
+  }
+  b->gc_count_base = b->pool->get_free_blocks_call_count;
+  b->pool->blocks.insert(b);
+  if (b->is_split()) {
+    net_split_blocks += 1;
+    net_split_bytes += static_cast<std::int64_t>(b->size);
+  }
+  if (net_split_blocks > 0) device_stats::increase(st.inactive_split, g, net_split_blocks);
+  else if (net_split_blocks < 0) device_stats::decrease(st.inactive_split, g, -net_split_blocks);
+  if (net_split_bytes > 0) device_stats::increase(st.inactive_split_bytes, g, net_split_bytes);
+  else if (net_split_bytes < 0) device_stats::decrease(st.inactive_split_bytes, g, -net_split_bytes);
+  device_stats::decrease(st.active, g, 1);
+  device_stats::decrease(st.active_bytes, g, original_size);
+  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+  b->requested_size = 0;
+  // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
+  if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {
+    // This free completes inside another operation (a malloc that found the
+    // block's events done, empty_cache, a neighbour's free): if the device
+    // refuses the segment, the block stays cached, consistent, and the next
+    // empty_cache returns it (and reports the error if it persists). The
+    // operation in progress is not failed for a release it did not ask for,
+    // and the other blocks it is completing are not lost.
+    try {
+      if (device_locked) {
+        release_block(b, st);
+      } else {
+        std::lock_guard device_lock(device_mutex_);
+        release_block(b, st);
+      }
+    } catch (const backend_error&) {
+    }
+  }
+}
+
+// Merges free `src` into `dst` (its neighbour); returns the bytes subsumed.
+std::size_t device_state::try_merge(block* dst, block* src) {
+  if (src == nullptr || !src->is_free() || !src->stream_uses.empty() || src->mapped != dst->mapped) return 0;
+  if (dst->prev == src) {
+    dst->ptr = src->ptr;
+    dst->prev = src->prev;
+    if (dst->prev != nullptr) dst->prev->next = dst;
+    else dst->seg->head = dst;
+  } else {
+    dst->next = src->next;
+    if (dst->next != nullptr) dst->next->prev = dst;
+  }
+  const std::size_t subsumed = src->size;
+  dst->size += subsumed;
+  src->pool->blocks.erase(src);
+  src->pool->owner->delete_block(src);
+  return subsumed;
+}
+
+// ---- the free-block index of a pool ------------------------------------------------
+
+void block_index::insert(block* b) {
+  const std::size_t i = lower_bound(b->size, b->ptr);
+  entries_.insert(entries_.begin() + static_cast<std::ptrdiff_t>(i), entry{b->size, b->ptr, b});
+}
+
+void block_index::erase(const block* b) {
+  const std::size_t i = lower_bound(b->size, b->ptr);
+  if (i < entries_.size() && entries_[i].b == b) erase_at(i);
+}
+
+bool block_index::contains(const block* b) const noexcept {
+  const std::size_t i = lower_bound(b->size, b->ptr);
+  return i < entries_.size() && entries_[i].b == b;
+}
+
+}  // namespace detail
+}  // namespace ccalloc

@@ -1,0 +1,250 @@
+// Inspection: read-only views of a device's memory (largest free block, a
+// block's segment, expandable segment sizes, segments and blocks, per-pool
+// usage) and the full invariant check (check_invariants, SPEC R2).
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ccalloc {
+
+using detail::block;
+using detail::world_lock;
+
+std::size_t device_caching_allocator::largest_free_block() const {
+  world_lock w(*state_);
+  std::size_t largest = 0;
+  for (detail::stream_state* ss : w.streams())
+    for (auto* pool : {&ss->pools.small, &ss->pools.large})
+      if (!pool->blocks.empty()) largest = std::max(largest, pool->blocks.largest()->size);
+  return largest;
+}
+
+// A live block's segment neither moves nor changes size: no lock needed.
+std::pair<void*, std::size_t> device_caching_allocator::base_allocation(block* b) const {
+  return {reinterpret_cast<void*>(b->seg->base), b->seg->size};
+}
+
+std::size_t device_caching_allocator::block_size(const block* b) const noexcept { return b->size; }
+
+block_segment device_caching_allocator::segment_of(const block* b) const {
+  std::lock_guard lock(state_->device_mutex_);  // pages change under the device lock
+  const detail::segment& seg = *b->seg;
+  block_segment out;
+  out.base = seg.base;
+  out.size_bytes = seg.size;
+  out.expandable = seg.expandable;
+  if (seg.expandable) {
+    out.page_bytes = seg.page_bytes;
+    out.first_page = (b->ptr - seg.base) / seg.page_bytes;
+    const std::size_t end_page = (b->ptr + b->size - seg.base + seg.page_bytes - 1) / seg.page_bytes;
+    out.page_handles.assign(seg.pages.begin() + static_cast<std::ptrdiff_t>(out.first_page),
+                            seg.pages.begin() + static_cast<std::ptrdiff_t>(end_page));
+  }
+  return out;
+}
+
+std::vector<expandable_segment_info> device_caching_allocator::expandable_segments() const {
+  auto& s = *state_;
+  world_lock w(s);
+  std::vector<expandable_segment_info> out;
+  for (auto& [base, seg] : s.segments_) {
+    if (!seg->expandable) continue;
+    expandable_segment_info e;
+    e.stream = seg->head->stream;
+    e.is_small_pool = seg->head->pool->is_small;
+    e.address = base;
+    e.reserved_address_bytes = seg->size;
+    e.mapped_bytes = seg->mapped_bytes;
+    out.push_back(e);
+  }
+  return out;
+}
+
+std::vector<segment_info> device_caching_allocator::segments() const {
+  auto& s = *state_;
+  world_lock w(s);
+  std::vector<segment_info> out;
+  out.reserve(s.segments_.size());
+  for (auto& [base, seg] : s.segments_) {
+    segment_info si;
+    si.device = device_;
+    si.address = base;
+    si.total_bytes = seg->size;
+    si.stream = seg->head->stream;
+    si.is_small_pool = seg->head->pool->is_small;
+    si.is_expandable = seg->expandable;
+    si.mapped_bytes = seg->expandable ? seg->mapped_bytes : seg->size;
+    if (s.history_.enabled()) si.context = s.history_.segment_context(base);
+    if (const detail::private_pool* pp = seg->head->pool->priv) {
+      si.pool = pp->id;
+      si.pool_id = {pp->id.first, pp->id.second};
+    }
+    for (const block* b = seg->head; b != nullptr; b = b->next) {
+      block_info bi;
+      bi.address = b->ptr;
+      bi.size_bytes = b->size;
+      bi.requested_bytes = b->requested_size;
+      bi.mapped = b->mapped;
+      bi.state = b->allocated ? block_state::active_allocated
+                 : b->event_count > 0 ? block_state::active_pending_free
+                                      : block_state::inactive;
+      if (b->allocated) si.allocated_bytes += b->size;
+      if (bi.state != block_state::inactive) {
+        si.active_bytes += b->size;
+        si.requested_bytes += b->requested_size;
+        if (s.history_.enabled()) bi.context = s.history_.block_context(b->ptr);
+      }
+      si.blocks.push_back(bi);
+    }
+    out.push_back(std::move(si));
+  }
+  return out;
+}
+
+pool_usage device_caching_allocator::pool_stats(mempool_id_t id) const {
+  auto& s = *state_;
+  world_lock w(s);
+  const detail::private_pool* pp = nullptr;
+  pool_usage u;
+  if (id != mempool_id_t{}) {
+    pp = &s.checked_pool(id, "pool_stats");
+    u.use_count = pp->use_count;
+  }
+  for (auto& [base, seg] : s.segments_) {
+    if (seg->head->pool->priv != pp) continue;
+    ++u.segment_count;
+    u.reserved_bytes += seg->expandable ? seg->mapped_bytes : seg->size;
+    for (const block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->allocated) {
+        u.allocated_bytes += b->size;
+        ++u.allocation_count;
+      }
+      if (!b->is_free()) u.active_bytes += b->size;
+    }
+  }
+  return u;
+}
+
+void device_caching_allocator::check_invariants() const {
+  auto& s = *state_;
+  world_lock w(s);
+  s.publish_all_pending_stats(w);
+  auto fail = [](const std::string& what) { throw std::logic_error("ccalloc invariant violated: " + what); };
+  device_stats recount;
+  std::size_t pooled = 0;
+  for (auto& [base, seg] : s.segments_) {
+    if (seg->head == nullptr || seg->head->ptr != base || seg->head->prev != nullptr)
+      fail("segment head is not the block at the segment base");
+    const stat_group g = s.group_of(seg->head->pool);
+    device_stats::increase(recount.segment, g, 1);
+    device_stats::increase(recount.reserved_bytes, g,
+                           static_cast<std::int64_t>(seg->expandable ? seg->mapped_bytes : seg->size));
+    const std::size_t page = seg->page_bytes;
+    if (seg->expandable) {
+      std::size_t mapped_pages = 0;
+      for (physical_handle_t h : seg->pages) mapped_pages += h != 0 ? 1 : 0;
+      if (mapped_pages * page != seg->mapped_bytes) fail("expandable segment's mapped_bytes differs from its pages");
+      if (seg->pages.size() * page != seg->size) fail("expandable segment's page table does not cover it");
+    }
+    std::uintptr_t expect = base;
+    std::size_t sum = 0;
+    for (const block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->ptr != expect) fail("blocks do not tile segment " + std::to_string(base));
+      if (b->seg != seg.get()) fail("block points to the wrong segment");
+      if (b->next != nullptr && b->next->prev != b) fail("next->prev link broken");
+      if (b->pool != seg->head->pool) fail("blocks of one segment in different pools");
+      if (b->size == 0 || b->size % detail::min_block_bytes != 0) fail("block size not a positive multiple of 512");
+      const bool in_pool = b->pool->blocks.contains(b);
+      if (seg->expandable) {
+        const std::size_t first = (b->ptr - base) / page;
+        const std::size_t last = (b->ptr + b->size - base + page - 1) / page;
+        for (std::size_t i = first; i < last; ++i)
+          if ((seg->pages[i] != 0) != b->mapped)
+            fail(b->mapped ? "a mapped block touches an unmapped page" : "an unmapped block covers a mapped page");
+      } else if (!b->mapped) {
+        fail("unmapped block in a plain segment");
+      }
+      if (!b->mapped) {
+        if (!b->is_free()) fail("an unmapped block is in use");
+        if ((b->ptr - base) % page != 0 || b->size % page != 0) fail("an unmapped block is not page-aligned");
+        if (in_pool) fail("an unmapped block is in a pool");
+        if (b->next != nullptr && !b->next->mapped) fail("two unmapped neighbours are not merged");
+        expect += b->size;
+        sum += b->size;
+        continue;
+      }
+      const bool free_now = b->is_free();
+      if (in_pool != free_now) fail("pool membership does not match block state");
+      if (free_now) {
+        ++pooled;
+        if (b->next != nullptr && b->next->is_free() && b->next->mapped)
+          fail("two free neighbours are not merged");
+        if (b->is_split()) {
+          device_stats::increase(recount.inactive_split, g, 1);
+          device_stats::increase(recount.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+        }
+      } else {
+        device_stats::increase(recount.active, g, 1);
+        device_stats::increase(recount.active_bytes, g, static_cast<std::int64_t>(b->size));
+        device_stats::increase(recount.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+        if (b->allocated) {
+          device_stats::increase(recount.allocation, g, 1);
+          device_stats::increase(recount.allocated_bytes, g, static_cast<std::int64_t>(b->size));
+        }
+      }
+      expect += b->size;
+      sum += b->size;
+    }
+    if (sum != seg->size) fail("block sizes do not sum to the segment size");
+  }
+  std::size_t in_pools = 0;
+  for (detail::stream_state* ss : w.streams()) {
+    in_pools += ss->pools.small.blocks.size() + ss->pools.large.blocks.size();
+    for (auto& [pp, sp] : ss->private_pools) {
+      if (s.find_pool(pp->id) != pp) fail("a stream holds pools of a deleted private pool");
+      if (sp->small.priv != pp || sp->large.priv != pp || sp->small.owner != ss || sp->large.owner != ss)
+        fail("a private pool's stream pools point to the wrong pool or stream");
+      in_pools += sp->small.blocks.size() + sp->large.blocks.size();
+    }
+  }
+  for (auto& [id, pp] : s.private_pools_) {
+    std::size_t held = 0;
+    for (auto& [base, seg] : s.segments_) held += seg->head->pool->priv == pp.get() ? 1 : 0;
+    if (held != pp->segment_count) fail("private pool " + to_string(id) + "'s segment_count differs from its segments");
+    if (pp->use_count < 0) fail("negative pool use count");
+  }
+  for (const block* b : s.deferred_frees_)
+    if (b->allocated || b->event_count != 1) fail("a deferred free is allocated or lacks its placeholder event");
+  if (in_pools != pooled) fail("pools hold blocks that are not free blocks of live segments");
+  if (static_cast<std::int64_t>(s.reserved_bytes_) != recount.reserved_bytes[0].current)
+    fail("the reservation counter differs from the sum of segment sizes");
+  std::size_t queued = 0;
+  for (auto& [stream, queue] : s.pending_events_) queued += queue.size();
+  if (queued != s.pending_event_count_.load()) fail("pending_event_count_ differs from the queued events");
+  auto same = [&](const stat_array& a, const stat_array& b, const char* name) {
+    for (std::size_t i = 0; i < stat_group_count; ++i)
+      if (a[i].current != b[i].current)
+        fail(std::string(name) + "[" + std::to_string(i) + "].current is " + std::to_string(a[i].current) +
+             " but a recount gives " + std::to_string(b[i].current));
+  };
+  same(s.stats_.segment, recount.segment, "segment");
+  same(s.stats_.reserved_bytes, recount.reserved_bytes, "reserved_bytes");
+  same(s.stats_.allocation, recount.allocation, "allocation");
+  same(s.stats_.allocated_bytes, recount.allocated_bytes, "allocated_bytes");
+  same(s.stats_.active, recount.active, "active");
+  same(s.stats_.active_bytes, recount.active_bytes, "active_bytes");
+  same(s.stats_.requested_bytes, recount.requested_bytes, "requested_bytes");
+  same(s.stats_.inactive_split, recount.inactive_split, "inactive_split");
+  same(s.stats_.inactive_split_bytes, recount.inactive_split_bytes, "inactive_split_bytes");
+}
+
+}  // namespace ccalloc

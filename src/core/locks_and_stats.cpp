@@ -1,0 +1,79 @@
+// Locks and statistics publishing. world_lock takes every lock of a device
+// in the lock order (see detail/device_state.hpp); a stream's statistics
+// collected while stats_mutex_ was busy (stats_sink, detail/stats_sink.hpp)
+// are merged into the device's by publish_pending_stats.
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace ccalloc::detail {
+
+world_lock::world_lock(device_state& d) : d_(d) { lock(); }
+world_lock::~world_lock() {
+  if (locked_) unlock();
+}
+
+void world_lock::lock() {
+  d_.registry_mutex_.lock();
+  streams_.clear();
+  streams_.reserve(d_.streams_.size());
+  for (auto& [stream, ss] : d_.streams_) streams_.push_back(ss.get());
+  std::sort(streams_.begin(), streams_.end());
+  for (stream_state* ss : streams_) ss->mutex.lock();
+  d_.device_mutex_.lock();
+  d_.stats_mutex_.lock();
+  locked_ = true;
+}
+
+void world_lock::unlock() {
+  locked_ = false;
+  d_.stats_mutex_.unlock();
+  d_.device_mutex_.unlock();
+  for (auto it = streams_.rbegin(); it != streams_.rend(); ++it) (*it)->mutex.unlock();
+  d_.registry_mutex_.unlock();
+}
+
+void publish_pending_stats(device_stats& into, stream_state& s) noexcept {
+  if (!s.has_pending_stats) return;
+  s.has_pending_stats = false;
+  device_stats& pending = s.pending_stats;
+  auto merge = [](stat& to, stat& from) {
+    const std::int64_t before = to.current;
+    to.current += from.current;
+    to.allocated += from.allocated;
+    to.freed += from.freed;
+    to.peak = std::max({to.peak, before + from.peak, to.current});
+    from = stat{};
+  };
+  auto merge_array = [&](stat_array& to, stat_array& from) {
+    for (std::size_t i = 0; i < stat_group_count; ++i) merge(to[i], from[i]);
+  };
+  merge_array(into.allocation, pending.allocation);
+  merge_array(into.segment, pending.segment);
+  merge_array(into.active, pending.active);
+  merge_array(into.inactive_split, pending.inactive_split);
+  merge_array(into.allocated_bytes, pending.allocated_bytes);
+  merge_array(into.reserved_bytes, pending.reserved_bytes);
+  merge_array(into.active_bytes, pending.active_bytes);
+  merge_array(into.inactive_split_bytes, pending.inactive_split_bytes);
+  merge_array(into.requested_bytes, pending.requested_bytes);
+  merge(into.oversize_allocations, pending.oversize_allocations);
+  merge(into.oversize_segments, pending.oversize_segments);
+  for (auto field : {&device_stats::num_alloc_retries, &device_stats::num_ooms, &device_stats::num_sync_all_streams,
+                     &device_stats::num_device_alloc, &device_stats::num_device_free,
+                     &device_stats::num_device_synchronizations, &device_stats::num_pages_remapped}) {
+    into.*field += pending.*field;
+    pending.*field = 0;
+  }
+}
+
+void device_state::publish_all_pending_stats(const world_lock& w) {
+  for (stream_state* ss : w.streams()) publish_pending_stats(stats_, *ss);
+}
+
+}  // namespace ccalloc::detail
