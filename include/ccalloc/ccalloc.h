@@ -421,7 +421,9 @@ CCALLOC_API ccalloc_status_t ccalloc_pool_usage(ccalloc_allocator_t* alloc, int 
 
 /** Decides whether an allocation on `stream` goes to the pool: nonzero =
  * yes. Called on the allocating thread with the device's lock held: fast,
- * no calls into the allocator. */
+ * no calls into the allocator. `stream` is the stream the allocation named,
+ * with cudaStreamLegacy given as NULL (the same stream); cudaStreamPerThread
+ * comes as itself (the allocating thread's). */
 typedef int (*ccalloc_stream_filter_fn)(void* user_data, ccalloc_stream_t stream);
 /** Called once when a filter given to ccalloc_begin_allocate_to_pool_filter
  * is dropped (its end_allocate_to_pool, or the allocator's destruction). */

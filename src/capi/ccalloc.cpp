@@ -679,6 +679,11 @@ ccalloc_status_t ccalloc_begin_allocate_to_pool_filter(ccalloc_allocator_t* allo
   return guarded([&] {
     require(reinterpret_cast<const void*>(filter), "ccalloc_begin_allocate_to_pool_filter", "filter");
     ccalloc::stream_filter wrapped = [filter, owned](ccalloc::stream_t s) {
+      // The allocator asks with resolved streams, on the allocating thread: a
+      // per-thread default stream is that thread's cudaStreamPerThread, the
+      // handle the caller's filter can pass to CUDA (the resolved value is not
+      // a cudaStream_t).
+      if (ccalloc::device_backend::is_per_thread_stream(s)) s = ccalloc::per_thread_stream_handle;
       return filter(owned.get(), from_stream(s)) != 0;
     };
     resolve(alloc).begin_allocate_to_pool(device, to_pool_id(id), std::move(wrapped));
