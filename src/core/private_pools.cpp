@@ -118,7 +118,13 @@ bool device_state::capture_underway() noexcept {
 }
 
 void device_state::note_if_capturing(stream_t stream) {
-  if (!backend_.is_capturing(device_, stream)) return;
+  try {
+    if (!backend_.is_capturing(device_, stream)) return;
+  } catch (const backend_error&) {
+    // CUDA refuses to say for the legacy stream while a blocking stream
+    // captures (cudaErrorStreamCaptureImplicit): a capture runs, so stay on
+    // the safe side until the scope ends.
+  }
   std::lock_guard lock(capturing_mutex_);
   if (std::find(capturing_streams_.begin(), capturing_streams_.end(), stream) == capturing_streams_.end())
     capturing_streams_.push_back(stream);
