@@ -36,8 +36,12 @@
  *
  * Streams: ccalloc_stream_t is CUDA's cudaStream_t (the same type: a pointer
  * to struct CUstream_st), so a cudaStream_t is passed as is; NULL is the
- * legacy default stream. On the simulated device a stream is the integer
- * handle from ccalloc_stream_create (NULL: the default stream).
+ * legacy default stream. cudaStreamLegacy means NULL, and cudaStreamPerThread
+ * the calling thread's per-thread default stream (each thread's stream has
+ * its own cached blocks, as they are different streams). On the simulated device a stream is
+ * the integer handle from ccalloc_stream_create (NULL: the default stream;
+ * the values of cudaStreamLegacy and cudaStreamPerThread, 1 and 2, mean what
+ * they mean on CUDA).
  *
  * Thread safety: every function may be called from any thread concurrently,
  * except ccalloc_init and ccalloc_destroy, which must not race with other
