@@ -5,16 +5,27 @@
 #         [-DEXPECT_STDERR=regex] [-DWRITE_FILE=path -DWRITE_LINES="l1|l2"]
 #         -P cli_expect.cmake
 #
+#         [-DREJECT_ESC=ON]
+#
 # ARGS and WRITE_LINES are '|'-separated (a ';' would be split by add_test).
-# WRITE_FILE, when given, is written first with WRITE_LINES, one per line;
-# "@FILE@" in ARGS is replaced by its path. EXPECT_RC defaults to 0.
+# WRITE_FILE, when given, is written first with WRITE_LINES, one per line
+# (an empty WRITE_LINES writes an empty file); "<ESC>" in WRITE_LINES is
+# the escape character (0x1b); "@FILE@" in ARGS is replaced by its path.
+# REJECT_ESC fails the test when stdout or stderr holds an escape character.
+# EXPECT_RC defaults to 0.
 if(NOT DEFINED EXPECT_RC)
   set(EXPECT_RC 0)
 endif()
+string(ASCII 27 _esc)
 string(REPLACE "|" ";" _args "${ARGS}")
 if(DEFINED WRITE_FILE)
-  string(REPLACE "|" "\n" _text "${WRITE_LINES}")
-  file(WRITE "${WRITE_FILE}" "${_text}\n")
+  if(WRITE_LINES STREQUAL "")
+    file(WRITE "${WRITE_FILE}" "")
+  else()
+    string(REPLACE "|" "\n" _text "${WRITE_LINES}")
+    string(REPLACE "<ESC>" "${_esc}" _text "${_text}")
+    file(WRITE "${WRITE_FILE}" "${_text}\n")
+  endif()
   string(REPLACE "@FILE@" "${WRITE_FILE}" _args "${_args}")
 endif()
 execute_process(COMMAND "${EXE}" ${_args}
@@ -28,4 +39,7 @@ if(DEFINED EXPECT_STDOUT AND NOT _out MATCHES "${EXPECT_STDOUT}")
 endif()
 if(DEFINED EXPECT_STDERR AND NOT _err MATCHES "${EXPECT_STDERR}")
   message(FATAL_ERROR "stderr does not match '${EXPECT_STDERR}'\n${_shown}")
+endif()
+if(REJECT_ESC AND ("${_out}${_err}" MATCHES "${_esc}"))
+  message(FATAL_ERROR "the output holds a raw escape character\n${_shown}")
 endif()

@@ -436,7 +436,7 @@ TEST(ConfigTest, DivisionsForUsesPyTorchIndexing) {
 
 TEST(ConfigTest, LargeSegmentSizeSetsTheLowerBounds) {
   {
-    const auto c = allocator_config::parse("large_segment_size_mb:40");
+    const auto c = allocator_config::parse("expandable_segments:False,large_segment_size_mb:40");
     EXPECT_EQ(c.large_segment_size_bytes, 40 * mib);
     EXPECT_EQ(c.max_non_split_rounding_bytes, 40 * mib);
     EXPECT_TRUE(c.warnings.empty());
@@ -507,6 +507,39 @@ TEST(ConfigTest, NoWarningsForEffectiveSettings) {
                   .empty());
   // max_non_split_rounding_mb equal to its default has no effect either way.
   EXPECT_TRUE(warnings_of("max_non_split_rounding_mb:20").empty());
+}
+
+// Settings that expandable segments (the default) or another setting make
+// inert warn (SPEC X6; issue 16 looked for them after
+// garbage_collection_threshold was found inert with expandable segments).
+TEST(ConfigTest, SettingsInertInTheirConfigurationWarn) {
+  {
+    const auto w = warnings_of("large_segment_size_mb:40");
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_TRUE(contains(w[0], "large_segment_size_mb:40 has no effect with expandable segments")) << w[0];
+  }
+  {
+    const auto w = warnings_of("expandable_segments:True,release_lock_on_cudamalloc:True");
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_TRUE(contains(w[0], "release_lock_on_cudamalloc:True has no effect with expandable segments")) << w[0];
+  }
+  {
+    const auto w = warnings_of("expandable_segments:False,recycles_per_peak:8");
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_TRUE(contains(w[0], "recycles_per_peak:8 has no effect with expandable_segments:False")) << w[0];
+  }
+  {
+    const auto w = warnings_of("trim_on_new_peak:False,recycles_per_peak:0");
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_TRUE(contains(w[0], "recycles_per_peak:0 has no effect with trim_on_new_peak:False")) << w[0];
+  }
+  // Where they act: no warning; garbage_collection_threshold acts with
+  // expandable segments too (free pages are unmapped).
+  EXPECT_TRUE(warnings_of("expandable_segments:False,large_segment_size_mb:40,release_lock_on_cudamalloc:True")
+                  .empty());
+  EXPECT_TRUE(warnings_of("recycles_per_peak:8").empty());
+  EXPECT_TRUE(warnings_of("expandable_segments:True,garbage_collection_threshold:0.5,per_process_memory_fraction:1")
+                  .empty());
 }
 
 TEST(ConfigTest, GarbageCollectionWithoutFractionWarns) {

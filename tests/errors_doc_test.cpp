@@ -4,6 +4,9 @@
 // fails this test until the document quotes it). Messages assembled before
 // the throw (config details, the out-of-memory text) are not seen by this
 // scan; the document lists them by hand.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -155,6 +159,79 @@ TEST(ErrorsDoc, QuotesTheLiteralTextOfEveryThrow) {
   std::printf("%zu throw sites, %zu literals checked\n", sites, literals);
   EXPECT_GE(sites, 40u) << "the scan found too few throw sites: is the parser still right?";
   EXPECT_GE(literals, 60u);
+}
+
+// The out-of-memory message is assembled at run time: provoke each kind of
+// advice and check that docs/errors.md quotes it (each suggested setting, or
+// the whole advice sentence), and that no advice names a setting that would
+// not change the outcome in that configuration (issue 16, item 5).
+std::string oom_advice(const std::string& config, bool fragment, const char* fraction = nullptr) {
+  ccalloc::sim_options o;
+  o.capacity_bytes = 64 * ccalloc::mib;
+  auto sim = std::make_shared<ccalloc::sim_backend>(o);
+  ccalloc::caching_allocator a(sim, ccalloc::allocator_config::parse(config));
+  a.init(1);
+  if (fraction != nullptr) a.set_memory_fraction(std::stod(fraction), 0);
+  std::vector<void*> live;
+  if (fragment) {  // small live blocks spread over pages and segments, half of them freed
+    for (int i = 0; i < 24; ++i) live.push_back(a.malloc(0, 2 * ccalloc::mib - 4096, 0));
+    for (std::size_t i = 0; i < live.size(); i += 2) a.free(std::exchange(live[i], nullptr));
+  } else {  // one live block: nothing cached, 40 MiB more does not fit
+    live.push_back(a.malloc(0, 30 * ccalloc::mib, 0));
+  }
+  std::string msg;
+  try {
+    (void)a.malloc(0, 40 * ccalloc::mib, 0);
+  } catch (const ccalloc::out_of_memory_error& e) {
+    msg = e.what();
+  }
+  for (void* p : live)
+    if (p != nullptr) a.free(p);
+  const std::size_t at = msg.find("the largest cached free block is ");
+  if (at == std::string::npos) return "no out-of-memory message: " + msg;
+  return msg.substr(msg.find(". ", at) + 1);  // from the space before the advice
+}
+
+TEST(ErrorsDoc, QuotesEveryOutOfMemoryAdvice) {
+  const std::string doc = read_file(source_dir / "docs" / "errors.md");
+  struct oom_case {
+    const char* config;
+    bool fragment;
+    const char* fraction;
+    std::vector<std::string> must, must_not;
+  };
+  const std::vector<oom_case> cases = {
+      {"expandable_segments:False", true, nullptr,
+       {"expandable_segments:True", "max_split_size_mb:<MiB>"}, {"garbage_collection_threshold"}},
+      {"expandable_segments:False,max_split_size_mb:40", true, nullptr,
+       {"expandable_segments:True"}, {"max_split_size_mb", "garbage_collection_threshold"}},
+      {"expandable_segments:True", true, nullptr, {"pages shared with live blocks"},
+       {"max_split_size_mb", "garbage_collection_threshold", "memory fraction"}},
+      {"expandable_segments:True", false, nullptr, {"Reduce the memory"}, {"memory fraction", "CCALLOC_CONF"}},
+      {"expandable_segments:True", false, "0.75", {"raise the memory fraction"}, {"CCALLOC_CONF"}},
+  };
+  for (const oom_case& c : cases) {
+    const std::string advice = oom_advice(c.config, c.fragment, c.fraction);
+    SCOPED_TRACE(std::string(c.config) + (c.fragment ? ", fragmented" : "") + ": " + advice);
+    for (const std::string& m : c.must) EXPECT_NE(advice.find(m), std::string::npos) << m;
+    for (const std::string& m : c.must_not) EXPECT_EQ(advice.find(m), std::string::npos) << m;
+    // docs/errors.md quotes it: each setting's text, or the sentence.
+    const std::size_t conf = advice.find("CCALLOC_CONF=");
+    if (conf == std::string::npos) {
+      std::string sentence = advice;
+      if (c.fraction != nullptr) sentence = sentence.substr(0, sentence.find(", or raise"));
+      EXPECT_NE(doc.find(sentence), std::string::npos) << "docs/errors.md does not quote the advice";
+    } else {
+      std::string rest = advice.substr(conf + 13);
+      rest.pop_back();  // the final '.'
+      for (std::size_t from = 0; from <= rest.size();) {
+        const std::size_t to = std::min(rest.find(", or ", from), rest.size());
+        const std::string setting = rest.substr(from, to - from);
+        EXPECT_NE(doc.find(setting), std::string::npos) << "docs/errors.md does not quote '" << setting << "'";
+        from = to + 5;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -28,6 +28,10 @@ std::uintptr_t U(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 
 const mempool_id_t P{1, 0};
 const mempool_id_t Q{0, 7};
+// Two streams of the simulated device (any handle is one, except 1 and 2:
+// cudaStreamLegacy's and cudaStreamPerThread's values).
+constexpr stream_t S1 = 11;
+constexpr stream_t S2 = 12;
 
 // Runs each test with expandable segments (the default) and with plain ones.
 class PoolsTest : public ::testing::TestWithParam<bool> {
@@ -103,8 +107,8 @@ TEST_P(PoolsTest, UseCountsAndDeletionWhenEmpty) {
 
 TEST_P(PoolsTest, ReleasingTwiceWhileItHoldsSegmentsIsAnError) {
   alloc->create_or_incref_pool(0, P);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(4 * KiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(4 * KiB, S1);
   alloc->end_allocate_to_pool(0, P);
   alloc->release_pool(0, P);
   EXPECT_EQ(dev().pools().size(), 1u) << "kept: it holds a segment";
@@ -133,13 +137,13 @@ TEST_P(PoolsTest, BadIdsAndHalfCustomAllocatorsAreRejected) {
 
 TEST_P(PoolsTest, AllocationsOnFilteredStreamsGoToThePool) {
   alloc->create_or_incref_pool(0, P);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(3 * MiB, 1);
-  void* b = m(3 * MiB, 2);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(3 * MiB, S1);
+  void* b = m(3 * MiB, S2);
   EXPECT_EQ(pool_of(a), P);
   EXPECT_EQ(pool_of(b), mempool_id_t{});
   alloc->end_allocate_to_pool(0, P);
-  void* c = m(3 * MiB, 1);
+  void* c = m(3 * MiB, S1);
   EXPECT_EQ(pool_of(c), mempool_id_t{}) << "after end: the default pool";
   const pool_usage u = alloc->get_pool_stats(0, P);
   EXPECT_EQ(u.allocated_bytes, 3 * MiB);
@@ -150,11 +154,11 @@ TEST_P(PoolsTest, AllocationsOnFilteredStreamsGoToThePool) {
 
   // A block of the pool returns to it: the default pool never reuses it.
   alloc->free(a);
-  void* d = m(3 * MiB, 1);
+  void* d = m(3 * MiB, S1);
   EXPECT_NE(U(d), U(a));
   EXPECT_EQ(pool_of(d), mempool_id_t{});
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* e = m(3 * MiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* e = m(3 * MiB, S1);
   alloc->end_allocate_to_pool(0, P);
   EXPECT_EQ(U(e), U(a)) << "the pool's cached block is reused inside the pool";
   for (void* p : {b, c, d, e}) alloc->free(p);
@@ -165,13 +169,13 @@ TEST_P(PoolsTest, NestedBeginsTheNewestMatchingWins) {
   alloc->create_or_incref_pool(0, P);
   alloc->create_or_incref_pool(0, Q);
   alloc->begin_allocate_to_pool(0, P, [](stream_t) { return true; });
-  alloc->begin_allocate_to_pool(0, Q, only(2));
-  void* a = m(64 * KiB, 1);
-  void* b = m(64 * KiB, 2);
+  alloc->begin_allocate_to_pool(0, Q, only(S2));
+  void* a = m(64 * KiB, S1);
+  void* b = m(64 * KiB, S2);
   EXPECT_EQ(pool_of(a), P);
   EXPECT_EQ(pool_of(b), Q);
   alloc->end_allocate_to_pool(0, Q);
-  void* c = m(64 * KiB, 2);
+  void* c = m(64 * KiB, S2);
   EXPECT_EQ(pool_of(c), P);
   alloc->end_allocate_to_pool(0, P);
   EXPECT_TRUE(alloc->check_pool_live_allocations(0, P, {a, c}));
@@ -183,30 +187,30 @@ TEST_P(PoolsTest, EndingAPoolThatIsNotActiveIsAnErrorAndChangesNothing) {
   alloc->create_or_incref_pool(0, P);
   std::string e = error_of([&] { alloc->end_allocate_to_pool(0, P); });
   EXPECT_NE(e.find("(1, 0) of device 0 is not active"), std::string::npos) << e;
-  alloc->begin_allocate_to_pool(0, P, only(1));
+  alloc->begin_allocate_to_pool(0, P, only(S1));
   alloc->end_allocate_to_pool(0, P);
   e = error_of([&] { alloc->end_allocate_to_pool(0, P); });
   EXPECT_NE(e.find("is not active"), std::string::npos) << e << " (ended twice)";
-  e = error_of([&] { alloc->begin_allocate_to_pool(0, Q, only(1)); });
+  e = error_of([&] { alloc->begin_allocate_to_pool(0, Q, only(S1)); });
   EXPECT_NE(e.find("has no private pool (0, 7)"), std::string::npos) << e;
   e = error_of([&] { alloc->begin_allocate_to_pool(0, P, nullptr); });
   EXPECT_NE(e.find("filter is empty"), std::string::npos) << e;
-  void* a = m(4 * KiB, 1);
+  void* a = m(4 * KiB, S1);
   EXPECT_EQ(pool_of(a), mempool_id_t{}) << "no begin is active";
   alloc->free(a);
 }
 
 TEST_P(PoolsTest, AllocatingToAReleasedPoolIsAnError) {
   alloc->create_or_incref_pool(0, P);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(4 * KiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(4 * KiB, S1);
   alloc->release_pool(0, P);
   const auto before = alloc->get_device_stats(0);
-  const std::string e = error_of([&] { (void)m(4 * KiB, 1); });
+  const std::string e = error_of([&] { (void)m(4 * KiB, S1); });
   EXPECT_NE(e.find("private pool (1, 0) of device 0, which was released"), std::string::npos) << e;
   EXPECT_EQ(alloc->get_device_stats(0).allocation[0].current, before.allocation[0].current);
   alloc->end_allocate_to_pool(0, P);
-  const std::string e2 = error_of([&] { alloc->begin_allocate_to_pool(0, P, only(1)); });
+  const std::string e2 = error_of([&] { alloc->begin_allocate_to_pool(0, P, only(S1)); });
   EXPECT_NE(e2.find("was released (use count 0)"), std::string::npos) << e2;
   alloc->free(a);
   alloc->empty_cache();
@@ -217,9 +221,9 @@ TEST_P(PoolsTest, AllocatingToAReleasedPoolIsAnError) {
 
 TEST_P(PoolsTest, EmptyCacheKeepsUsedPoolsAndReleasesDeadOnes) {
   alloc->create_or_incref_pool(0, P);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(5 * MiB, 1);
-  void* b = m(100 * KiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(5 * MiB, S1);
+  void* b = m(100 * KiB, S1);
   alloc->end_allocate_to_pool(0, P);
   alloc->free(a);
   alloc->free(b);
@@ -237,13 +241,13 @@ TEST_P(PoolsTest, EmptyCacheKeepsUsedPoolsAndReleasesDeadOnes) {
 TEST_P(PoolsTest, TheOutOfMemoryPathReleasesDeadPools) {
   make(64 * MiB);
   alloc->create_or_incref_pool(0, P);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(40 * MiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(40 * MiB, S1);
   alloc->end_allocate_to_pool(0, P);
   alloc->free(a);
-  EXPECT_THROW((void)m(60 * MiB, 1), out_of_memory_error) << "the live pool keeps its 40 MiB";
+  EXPECT_THROW((void)m(60 * MiB, S1), out_of_memory_error) << "the live pool keeps its 40 MiB";
   alloc->release_pool(0, P);
-  void* b = m(60 * MiB, 1);
+  void* b = m(60 * MiB, S1);
   EXPECT_EQ(pool_of(b), mempool_id_t{});
   std::size_t in_p = 0;
   for (const segment_info& s : dev().segments())
@@ -262,16 +266,16 @@ TEST_P(PoolsTest, TheOutOfMemoryPathReleasesDeadPools) {
 TEST_P(PoolsTest, UseOnOomLendsFreeBlocksToTheDefaultPool) {
   make(64 * MiB);
   alloc->create_or_incref_pool(0, P);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(40 * MiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(40 * MiB, S1);
   alloc->end_allocate_to_pool(0, P);
   alloc->free(a);
-  EXPECT_THROW((void)m(30 * MiB, 1), out_of_memory_error);
+  EXPECT_THROW((void)m(30 * MiB, S1), out_of_memory_error);
   alloc->set_use_on_oom(0, P);
-  void* b = m(30 * MiB, 1);
+  void* b = m(30 * MiB, S1);
   EXPECT_EQ(pool_of(b), P) << "borrowed from the pool, and stays in it";
   EXPECT_TRUE(alloc->check_pool_live_allocations(0, P, {b}));
-  EXPECT_THROW((void)m(30 * MiB, 2), out_of_memory_error) << "blocks stay bound to their stream";
+  EXPECT_THROW((void)m(30 * MiB, S2), out_of_memory_error) << "blocks stay bound to their stream";
   alloc->free(b);
   EXPECT_EQ(alloc->get_pool_stats(0, P).allocated_bytes, 0u);
   EXPECT_EQ(alloc->get_pool_stats(0, P).reserved_bytes, static_cast<std::size_t>(reserved()));
@@ -282,14 +286,14 @@ TEST_P(PoolsTest, UseOnOomLendsFreeBlocksToTheDefaultPool) {
 TEST_P(PoolsTest, NoSplitPoolsHandOutWholeBlocks) {
   alloc->create_or_incref_pool(0, P);
   alloc->set_no_split(0, P);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(4 * KiB, 1);
-  void* b = m(4 * KiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(4 * KiB, S1);
+  void* b = m(4 * KiB, S1);
   alloc->end_allocate_to_pool(0, P);
   EXPECT_EQ(alloc->get_pool_stats(0, P).allocated_bytes, 4 * MiB) << "two whole 2 MiB blocks";
   EXPECT_GE(std::max(U(a), U(b)) - std::min(U(a), U(b)), 2 * MiB);
-  void* c = m(4 * KiB, 1);
-  void* d = m(4 * KiB, 1);
+  void* c = m(4 * KiB, S1);
+  void* d = m(4 * KiB, S1);
   EXPECT_EQ(U(d), U(c) + 4 * KiB) << "the default pool still splits";
   for (void* p : {a, b, c, d}) alloc->free(p);
   const std::string e = error_of([&] { alloc->set_no_split(0, Q); });
@@ -301,11 +305,11 @@ TEST_P(PoolsTest, NoSplitPoolsHandOutWholeBlocks) {
 TEST_P(PoolsTest, LiveAllocationChecks) {
   alloc->create_or_incref_pool(0, P);
   EXPECT_TRUE(alloc->check_pool_live_allocations(0, P, {}));
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(4 * KiB, 1);
-  void* b = m(2 * MiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(4 * KiB, S1);
+  void* b = m(2 * MiB, S1);
   alloc->end_allocate_to_pool(0, P);
-  void* c = m(4 * KiB, 1);
+  void* c = m(4 * KiB, S1);
   EXPECT_TRUE(alloc->check_pool_live_allocations(0, P, {b, a}));
   EXPECT_TRUE(alloc->check_pool_live_allocations(0, P, {a, b, a})) << "duplicates ignored";
   EXPECT_FALSE(alloc->check_pool_live_allocations(0, P, {a}));
@@ -320,13 +324,13 @@ TEST_P(PoolsTest, LiveAllocationChecks) {
 TEST_P(PoolsTest, SegmentsAndStatsAttributeMemoryToItsPool) {
   alloc->create_or_incref_pool(0, P);
   alloc->create_or_incref_pool(0, Q);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(6 * MiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(6 * MiB, S1);
   alloc->end_allocate_to_pool(0, P);
-  alloc->begin_allocate_to_pool(0, Q, only(1));
-  void* b = m(1 * MiB, 1);
+  alloc->begin_allocate_to_pool(0, Q, only(S1));
+  void* b = m(1 * MiB, S1);
   alloc->end_allocate_to_pool(0, Q);
-  void* c = m(3 * MiB, 1);
+  void* c = m(3 * MiB, S1);
   std::size_t sum = 0;
   for (mempool_id_t id : {mempool_id_t{}, P, Q}) sum += alloc->get_pool_stats(0, id).reserved_bytes;
   EXPECT_EQ(sum, static_cast<std::size_t>(reserved())) << "every reserved byte belongs to one pool";
@@ -355,11 +359,11 @@ TEST_P(PoolsTest, CustomSegmentAllocatorSuppliesThePoolsSegments) {
     sim->segment_free(0, p);
   };
   alloc->create_or_incref_pool(0, P, custom);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(3 * MiB, 1);
-  void* b = m(4 * KiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(3 * MiB, S1);
+  void* b = m(4 * KiB, S1);
   alloc->end_allocate_to_pool(0, P);
-  void* c = m(3 * MiB, 1);
+  void* c = m(3 * MiB, S1);
   EXPECT_EQ(mallocs, 2) << "one large and one small segment";
   for (const segment_info& s : dev().segments())
     if (s.pool == P) {
@@ -393,13 +397,13 @@ TEST(PoolsRetryTest, AFailingFreeOfAReleasedPoolDoesNotFailTheRetry) {
     sim->segment_free(0, ptr);
   };
   alloc.create_or_incref_pool(0, P, custom);
-  alloc.begin_allocate_to_pool(0, P, [](stream_t s) { return s == 1; });
-  alloc.free(alloc.malloc(0, 100 * MiB, 1));
+  alloc.begin_allocate_to_pool(0, P, [](stream_t s) { return s == S1; });
+  alloc.free(alloc.malloc(0, 100 * MiB, S1));
   alloc.end_allocate_to_pool(0, P);
   alloc.release_pool(0, P);             // dead, its 100 MiB segment cached
   alloc.free(alloc.malloc(0, 100 * MiB, 0));  // 100 MiB cached in the default pool
   fail_free = true;
-  void* big = alloc.malloc(0, 150 * MiB, 2);  // needs the default pool's cache back
+  void* big = alloc.malloc(0, 150 * MiB, S2);  // needs the default pool's cache back
   EXPECT_NE(big, nullptr);
   EXPECT_EQ(alloc.get_pool_stats(0, P).reserved_bytes, 100 * MiB) << "the failing segment stays cached";
   EXPECT_EQ(alloc.get_device_stats(0).num_ooms, 0);
@@ -417,19 +421,19 @@ TEST(PoolsRetryTest, AFailingFreeOfAReleasedPoolDoesNotFailTheRetry) {
 TEST_P(PoolsTest, WhileCapturingNoEventIsQueriedAndMultiStreamFreesAreDeferred) {
   alloc->create_or_incref_pool(0, P);
   // An event pending from before the capture.
-  void* old = m(4 * KiB, 1);
-  alloc->record_stream(old, 2);
-  sim->enqueue_work(0, 2, 100);
+  void* old = m(4 * KiB, S1);
+  alloc->record_stream(old, S2);
+  sim->enqueue_work(0, S2, 100);
   alloc->free(old);
   EXPECT_EQ(state_of(old), block_state::active_pending_free);
 
-  sim->begin_capture(0, 1);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* x = m(8 * KiB, 1);  // the sim throws if the allocator queries the pending event now
+  sim->begin_capture(0, S1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* x = m(8 * KiB, S1);  // the sim throws if the allocator queries the pending event now
   void* y = m(8 * KiB, 3);  // not routed, same rule
   EXPECT_EQ(pool_of(x), P);
   EXPECT_EQ(pool_of(y), mempool_id_t{});
-  alloc->record_stream(x, 2);
+  alloc->record_stream(x, S2);
   alloc->free(x);
   EXPECT_EQ(state_of(x), block_state::active_pending_free) << "deferred, no event recorded";
   EXPECT_EQ(alloc->get_pool_stats(0, P).allocated_bytes, 0u);
@@ -441,7 +445,7 @@ TEST_P(PoolsTest, WhileCapturingNoEventIsQueriedAndMultiStreamFreesAreDeferred) 
 
   alloc->end_allocate_to_pool(0, P);
   EXPECT_EQ(state_of(x), block_state::active_pending_free) << "stream 1 still captures (backend says so)";
-  sim->end_capture(0, 1);
+  sim->end_capture(0, S1);
   sim->advance_to(200);
   alloc->empty_cache();
   EXPECT_EQ(state_of(x), block_state::inactive) << "events recorded after the capture, then completed";
@@ -455,24 +459,24 @@ TEST_P(PoolsTest, OutOfMemoryWhileCapturingFailsWithoutFreeingOrWaiting) {
   void* cached = m(30 * MiB, 3);
   alloc->free(cached);  // cached in the default pool: freeing it would need cudaFree
   alloc->create_or_incref_pool(0, P);
-  sim->begin_capture(0, 1);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  EXPECT_THROW((void)m(40 * MiB, 1), out_of_memory_error);
+  sim->begin_capture(0, S1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  EXPECT_THROW((void)m(40 * MiB, S1), out_of_memory_error);
   alloc->end_allocate_to_pool(0, P);
-  sim->end_capture(0, 1);
+  sim->end_capture(0, S1);
   // Now the cached 30 MiB may be returned or moved. (With expandable
   // segments the pool may keep pages it mapped before running out.)
-  void* a = m(25 * MiB, 1);
+  void* a = m(25 * MiB, S1);
   alloc->free(a);
 }
 
 TEST_P(PoolsTest, ABackendCaptureWithoutPoolsDefersTooUntilItEnds) {
-  void* x = m(8 * KiB, 1);
-  alloc->record_stream(x, 2);
-  sim->begin_capture(0, 1);
+  void* x = m(8 * KiB, S1);
+  alloc->record_stream(x, S2);
+  sim->begin_capture(0, S1);
   alloc->free(x);
   EXPECT_EQ(state_of(x), block_state::active_pending_free);
-  sim->end_capture(0, 1);
+  sim->end_capture(0, S1);
   alloc->empty_cache();
   EXPECT_EQ(reserved(), 0) << "x came back after the capture, then its segment went back";
 }
@@ -480,21 +484,21 @@ TEST_P(PoolsTest, ABackendCaptureWithoutPoolsDefersTooUntilItEnds) {
 TEST(SimCapture, CallsThatCudaRejectsDuringCaptureThrow) {
   sim_backend sim;
   const event_t e = sim.create_event(0);
-  sim.record_event(0, e, 1);
-  sim.begin_capture(0, 1);
-  EXPECT_TRUE(sim.is_capturing(0, 1));
-  EXPECT_FALSE(sim.is_capturing(0, 2));
+  sim.record_event(0, e, S1);
+  sim.begin_capture(0, S1);
+  EXPECT_TRUE(sim.is_capturing(0, S1));
+  EXPECT_FALSE(sim.is_capturing(0, S2));
   try {
     (void)sim.query_event(0, e);
     ADD_FAILURE() << "no error";
   } catch (const backend_error& err) {
-    EXPECT_NE(std::string(err.what()).find("while stream 1 is capturing"), std::string::npos) << err.what();
+    EXPECT_NE(std::string(err.what()).find("while stream 11 is capturing"), std::string::npos) << err.what();
   }
   EXPECT_THROW(sim.synchronize_event(0, e), backend_error);
   EXPECT_THROW(sim.synchronize_device(0), backend_error);
-  EXPECT_THROW(sim.begin_capture(0, 1), backend_error);
-  sim.end_capture(0, 1);
-  EXPECT_THROW(sim.end_capture(0, 1), backend_error);
+  EXPECT_THROW(sim.begin_capture(0, S1), backend_error);
+  sim.end_capture(0, S1);
+  EXPECT_THROW(sim.end_capture(0, S1), backend_error);
   EXPECT_TRUE(sim.query_event(0, e));
   sim.destroy_event(0, e);
 }
@@ -503,10 +507,10 @@ TEST(SimCapture, CallsThatCudaRejectsDuringCaptureThrow) {
 
 TEST_P(PoolsTest, CheckpointRestoreFreesAndRecreatesBlocks) {
   alloc->create_or_incref_pool(0, P);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(64 * KiB, 1);
-  void* b = m(128 * KiB, 1);
-  void* c = m(64 * KiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(64 * KiB, S1);
+  void* b = m(128 * KiB, S1);
+  void* c = m(64 * KiB, S1);
   alloc->end_allocate_to_pool(0, P);
   const pool_checkpoint cp = alloc->get_checkpoint_state(0, P);
   EXPECT_EQ(cp.device, 0);
@@ -521,13 +525,13 @@ TEST_P(PoolsTest, CheckpointRestoreFreesAndRecreatesBlocks) {
       }
     }
   EXPECT_EQ(allocated, 3u);
-  EXPECT_EQ(cp.segments[0].stream, stream_t{1});
+  EXPECT_EQ(cp.segments[0].stream, S1);
 
   // Change the layout: free b, allocate d (smaller, in b's place) and e.
   alloc->free(b);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* d = m(32 * KiB, 1);
-  void* e = m(8 * KiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* d = m(32 * KiB, S1);
+  void* e = m(8 * KiB, S1);
   alloc->end_allocate_to_pool(0, P);
   EXPECT_EQ(U(d), U(b)) << "best fit takes b's place";
   const checkpoint_restore_result r = alloc->set_checkpoint_pool_state(0, cp);
@@ -558,12 +562,12 @@ TEST_P(PoolsTest, CheckpointRestoreFreesAndRecreatesBlocks) {
 
 TEST_P(PoolsTest, CheckpointRestoreWaitsForPendingFrees) {
   alloc->create_or_incref_pool(0, P);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(64 * KiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(64 * KiB, S1);
   alloc->end_allocate_to_pool(0, P);
   const pool_checkpoint cp = alloc->get_checkpoint_state(0, P);
-  alloc->record_stream(a, 2);
-  sim->enqueue_work(0, 2, 100);
+  alloc->record_stream(a, S2);
+  sim->enqueue_work(0, S2, 100);
   alloc->free(a);
   EXPECT_EQ(state_of(a), block_state::active_pending_free);
   const checkpoint_restore_result r = alloc->set_checkpoint_pool_state(0, cp);
@@ -577,11 +581,11 @@ TEST_P(PoolsTest, CheckpointMisuseIsRejectedAndChangesNothing) {
   make(256 * MiB, 2);
   alloc->create_or_incref_pool(0, P);
   alloc->create_or_incref_pool(0, Q);
-  alloc->begin_allocate_to_pool(0, P, only(1));
-  void* a = m(64 * KiB, 1);
+  alloc->begin_allocate_to_pool(0, P, only(S1));
+  void* a = m(64 * KiB, S1);
   alloc->end_allocate_to_pool(0, P);
-  alloc->begin_allocate_to_pool(0, Q, only(1));
-  void* q = m(3 * MiB, 1);
+  alloc->begin_allocate_to_pool(0, Q, only(S1));
+  void* q = m(3 * MiB, S1);
   alloc->end_allocate_to_pool(0, Q);
   const pool_checkpoint cp = alloc->get_checkpoint_state(0, P);
   alloc->free(a);

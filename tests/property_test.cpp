@@ -3,7 +3,10 @@
 // against the allocator's own structural check and an independent model.
 //
 // Operations: malloc (sizes log-uniform in [1 B, 64 MiB], some exact
-// repeats, on two allocation streams), free, record_stream on side streams
+// repeats, on two allocation streams; with `threads` also on
+// cudaStreamPerThread's handle from this thread and from a worker thread,
+// and frees with work still queued on the block's own stream), free,
+// record_stream on side streams
 // with work queued on them, clock advances, empty_cache, memory fraction
 // changes, invalid frees, 1 EiB requests, and out-of-memory errors (the device
 // has 512 MiB, so they happen).
@@ -49,11 +52,18 @@
 
 #include <algorithm>
 #include <array>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <memory>
 #include <ostream>
 #include <random>
@@ -75,6 +85,11 @@ struct prop_case {
   std::uint64_t seed;
   std::size_t ops;
   bool pools = false;  // private pools: create/release, nested begin/end, live-allocation checks (F20-F23)
+  // Per-thread default streams (issue 16): allocations on cudaStreamPerThread's
+  // handle from this thread and from a second one, and work queued on a
+  // block's own stream before its free (checked: no other stream gets the
+  // block before that work completes).
+  bool threads = false;
 };
 
 [[maybe_unused]] std::ostream& operator<<(std::ostream& os, const prop_case& c) {
@@ -120,7 +135,65 @@ struct pending_block {
   std::vector<stream_t> recorded;  // for a free deferred during a capture: events come at its end
 };
 
+/// A block freed while its own stream still had work on it: only that stream
+/// may get its bytes back before `done_at` (the work completes).
+struct busy_block {
+  std::uintptr_t ptr = 0;
+  std::size_t size = 0;
+  stream_t stream = 0;
+  std::uint64_t done_at = 0;
+};
+
+/// A second thread that runs one call at a time for the model (synchronously),
+/// so that cudaStreamPerThread's handle means another stream there.
+class worker_thread {
+ public:
+  worker_thread() : thread_([this] { loop(); }) {}
+  ~worker_thread() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  worker_thread(const worker_thread&) = delete;
+  worker_thread& operator=(const worker_thread&) = delete;
+  /// Runs `f` on the worker and returns when it is done; rethrows its exception.
+  void run(const std::function<void()>& f) {
+    std::unique_lock lock(mutex_);
+    task_ = &f;
+    error_ = nullptr;
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return task_ == nullptr; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || task_ != nullptr; });
+      if (stop_) return;
+      try {
+        (*task_)();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      task_ = nullptr;
+      cv_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  const std::function<void()>* task_ = nullptr;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
 struct run_totals {
+  std::size_t per_thread_mallocs = 0, busy_frees = 0, captures = 0, fitting_checks = 0, resyncs = 0;
   std::size_t mallocs = 0, ooms = 0, frees = 0, pending_frees = 0, records = 0, bad_frees = 0;
   std::size_t fraction_changes = 0, empty_caches = 0, reuse_checks = 0, toggles = 0;
   std::size_t pool_ops = 0, pool_allocs = 0, pool_misuse = 0, live_checks = 0, deferred_frees = 0;
@@ -146,13 +219,49 @@ class model_runner {
     bound_ = allowed_;
     alloc_streams_ = {default_stream, sim_->create_stream(0)};
     for (int i = 0; i < 3; ++i) side_streams_.push_back(sim_->create_stream(0));
+    if (c.threads) {
+      main_per_thread_ = sim_->resolve_stream(0, per_thread_stream_handle);
+      worker_.run([&] { worker_per_thread_ = sim_->resolve_stream(0, per_thread_stream_handle); });
+    }
   }
 
   const run_totals& totals() const { return totals_; }
 
   /// One random operation. Returns "" or what went wrong.
   std::string step(std::size_t index) {
+    const std::uint64_t before = sim_->now();
+    std::string err = step_unsynced(index);
+    // The device waited inside the operation (a segment free waits for the
+    // whole device, as cudaFree does): events the allocator queried after
+    // that wait completed even if they were due later than the model's
+    // clock of the operation. Which ones it queried depends on its queue
+    // order, so take the pending blocks it still holds from its books.
+    if (err.empty() && sim_->now() != before && !advanced_) resync_pending();
+    return err;
+  }
+
+  /// Keeps the model's pending blocks that the allocator still holds as
+  /// pending (the others completed during a wait in the operation).
+  void resync_pending() {
+    std::map<std::uintptr_t, block_state> states;
+    for (const auto& seg : dev_->segments())
+      for (const auto& b : seg.blocks) states[b.address] = b.state;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      const auto st = states.find(it->ptr);
+      if (it->done_at != UINT64_MAX && it->done_at <= sim_->now() &&
+          (st == states.end() || st->second != block_state::active_pending_free)) {
+        pending_requested_ -= it->size;
+        it = pending_.erase(it);
+        ++totals_.resyncs;
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  std::string step_unsynced(std::size_t index) {
     step_ = index;
+    advanced_ = false;
     if (case_.pools && rng_() % 100 < 5) return do_pool_op();
     const std::size_t w_malloc = 100;
     const std::size_t w_free = 2 * live_.size();
@@ -165,6 +274,7 @@ class model_runner {
     const std::size_t r = rng_() % 1000;
     if (r < 450) {
       sim_->advance_to(sim_->now() + 1 + rng_() % 25);
+      advanced_ = true;  // the model's own clock move: nothing to resync
       return {};
     }
     if (r < 700) {
@@ -216,6 +326,10 @@ class model_runner {
   /// Frees everything, lets all work finish, empties the cache. Returns "" or
   /// what is left over.
   std::string finish() {
+    if (capturing_) {
+      sim_->end_capture(0, capture_stream_);
+      capturing_ = false;
+    }
     while (!active_.empty()) {
       alloc_->end_allocate_to_pool(0, active_.back().first);
       active_.pop_back();
@@ -267,7 +381,7 @@ class model_runner {
   void settle_pending(std::int64_t syncs_before, std::uint64_t now, bool processed_events) {
     const std::int64_t syncs = dev_->stats().num_sync_all_streams;
     const bool all = syncs != syncs_before;
-    if (!active_.empty()) processed_events = false;  // a capture is underway: no event is queried
+    if (capturing_) processed_events = false;  // a capture is underway: no event is queried
     if (!all && !processed_events) return;
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (all || it->done_at <= now) {
@@ -279,9 +393,18 @@ class model_runner {
     }
   }
 
-  std::string do_malloc(std::size_t size) {
+  std::string do_malloc(std::size_t size, std::optional<stream_t> forced = std::nullopt) {
     ++totals_.mallocs;
-    const stream_t stream = rng_() % 5 == 0 ? alloc_streams_[1] : alloc_streams_[0];
+    stream_t stream = rng_() % 5 == 0 ? alloc_streams_[1] : alloc_streams_[0];
+    if (forced) stream = *forced;
+    // cudaStreamPerThread's handle, here or on the worker: the model keys
+    // the allocation by the stream it stands for there.
+    int per_thread = 0;  // 0: no, 1: this thread, 2: the worker
+    if (case_.threads && !forced && rng_() % 4 == 0) {
+      per_thread = rng_() % 2 == 0 ? 1 : 2;
+      stream = per_thread == 1 ? main_per_thread_ : worker_per_thread_;
+      ++totals_.per_thread_mallocs;
+    }
     const std::int64_t syncs = dev_->stats().num_sync_all_streams;
     const std::uint64_t now = sim_->now();
     const mempool_id_t routed = route(stream);
@@ -289,11 +412,15 @@ class model_runner {
     const std::int64_t allocations_before = released ? dev_->stats().allocation[0].current : 0;
     void* p = nullptr;
     try {
-      p = alloc_->malloc(0, size, stream);
+      if (per_thread == 2)
+        worker_.run([&] { p = alloc_->malloc(0, size, per_thread_stream_handle); });
+      else
+        p = alloc_->malloc(0, size, per_thread == 1 ? per_thread_stream_handle : stream);
       if (released) return where() + "an allocation routed to released pool " + to_string(routed) + " succeeded";
     } catch (const invalid_argument_error& e) {
       if (!released) return where() + "malloc(" + std::to_string(size) + ") threw " + e.what();
       ++totals_.pool_misuse;
+      settle_pending(syncs, now, true);  // it processed completed events before refusing
       if (dev_->stats().allocation[0].current != allocations_before)
         return where() + "a rejected allocation to a released pool changed the stats";
       return {};
@@ -326,6 +453,21 @@ class model_runner {
         if (!seg.is_expandable && seg.blocks.size() == 1 && seg.blocks[0].state == block_state::inactive)
           return where() + "OOM although a whole cached segment of " + std::to_string(seg.total_bytes) +
                  " bytes was kept";
+        // Nor a cached free block of this stream and pool that fits: the
+        // ladder searches again after waiting for events (issue 16, item 1).
+        if (caching_ && seg.stream == stream && seg.pool == mempool_id_t{} &&
+            seg.is_small_pool == (policy_round(config_, size) <= mib)) {
+          ++totals_.fitting_checks;
+          const std::size_t rounded = policy_round(config_, size);
+          const std::size_t max_split = config_.max_split_size_bytes;
+          for (const auto& b : seg.blocks) {
+            if (b.state != block_state::inactive || !b.mapped || b.size_bytes < rounded) continue;
+            if (rounded < max_split && b.size_bytes >= max_split) continue;
+            if (rounded >= max_split && b.size_bytes - rounded >= config_.max_non_split_rounding_bytes) continue;
+            return where() + "OOM for " + std::to_string(size) + " bytes although a cached free block of " +
+                   std::to_string(b.size_bytes) + " bytes of its stream and pool fits";
+          }
+        }
         if (seg.is_expandable)
           for (const auto& b : seg.blocks)
             if (b.mapped && b.state == block_state::inactive && granule(b.address + 1) + 2 * mib <= b.address + b.size_bytes)
@@ -348,6 +490,18 @@ class model_runner {
     }
     // No reuse of a pending block before its side-stream work completed.
     const std::uint64_t t = sim_->now();
+    // No other stream gets a block whose own stream still works on it.
+    for (const auto& bb : busy_) {
+      ++totals_.reuse_checks;
+      if (t < bb.done_at && bb.stream != stream && a < bb.ptr + bb.size && bb.ptr < a + size) {
+        std::ostringstream os;
+        os << where() << "allocation [" << a << ", +" << size << ") on stream " << stream << " reuses block ["
+           << bb.ptr << ", +" << bb.size << ") of stream " << bb.stream << " before that stream's work completes at "
+           << bb.done_at;
+        return os.str();
+      }
+    }
+    std::erase_if(busy_, [&](const busy_block& bb) { return bb.done_at <= t; });
     for (const auto& pb : pending_) {
       ++totals_.reuse_checks;
       if (t < pb.done_at && a < pb.ptr + pb.size && pb.ptr < a + size) {
@@ -377,6 +531,14 @@ class model_runner {
     const live_alloc la = it->second;
     std::uint64_t done = 0;
     for (stream_t s : la.recorded) done = std::max(done, sim_->busy_until(0, s));
+    if (case_.threads && rng_() % 3 == 0) {
+      // A kernel on the block's own stream uses it until then: the free is
+      // stream-ordered, so only that stream may reuse it meanwhile.
+      const std::uint64_t until = sim_->now() + 1 + rng_() % 50;
+      sim_->enqueue_work(0, la.stream, until);
+      busy_.push_back({ptr, la.size, la.stream, sim_->busy_until(0, la.stream)});
+      ++totals_.busy_frees;
+    }
     try {
       alloc_->free(reinterpret_cast<void*>(ptr));
     } catch (const std::exception& e) {
@@ -389,7 +551,7 @@ class model_runner {
     live_requested_ -= la.size;
     if (!la.recorded.empty()) {
       ++totals_.pending_frees;
-      if (!active_.empty()) {  // deferred: its events are recorded when the capture ends
+      if (capturing_) {  // deferred: its events are recorded when the capture ends
         ++totals_.deferred_frees;
         pending_.push_back({ptr, la.size, UINT64_MAX, la.recorded});
       } else {
@@ -421,7 +583,7 @@ class model_runner {
   std::string do_empty_cache() {
     ++totals_.empty_caches;
     alloc_->empty_cache();
-    if (!active_.empty()) return {};  // nothing is waited for while capturing
+    if (capturing_) return {};  // nothing is waited for while capturing
     pending_.clear();
     pending_requested_ = 0;
     return {};
@@ -436,7 +598,7 @@ class model_runner {
 
   // The capture ended: deferred frees record their events now.
   void flush_model_deferred() {
-    if (!active_.empty()) return;
+    if (capturing_ || !active_.empty()) return;
     for (auto& pb : pending_) {
       if (pb.done_at != UINT64_MAX) continue;
       pb.done_at = sim_->now();
@@ -470,14 +632,31 @@ class model_runner {
       if (use_[id] == 0)
         return expect_error([&] { alloc_->begin_allocate_to_pool(0, id, [](stream_t) { return true; }); },
                             "begin on a released pool");
-      if (active_.size() >= 3) return {};
+      if (active_.size() >= 3 || capturing_) return {};
       const std::size_t which = rng_() % 3;  // stream 0, stream 1, or both
       const stream_t s = which == 2 ? 0 : alloc_streams_[which];
+      // Half of the scopes of stream 1 alone are a real graph capture (the
+      // simulated device then rejects every wait, query and device free);
+      // the others are ordinary allocation into the pool (issue 16, item 3).
+      const bool capture = which == 1 && active_.empty() && rng_() % 2 == 0;
+      if (capture) {
+        sim_->begin_capture(0, s);
+        capturing_ = true;
+        capture_stream_ = s;
+        capture_pool_ = id;
+        ++totals_.captures;
+      }
       alloc_->begin_allocate_to_pool(0, id, [which, s](stream_t x) { return which == 2 || x == s; });
       active_.emplace_back(id, which);
+      // A capture allocates on its stream first (that is how the allocator sees it).
+      if (capture) return do_malloc(pick_size(), s);
     } else if (op == 3) {
       auto it = std::find_if(active_.rbegin(), active_.rend(), [&](const auto& e) { return e.first == id; });
       if (it == active_.rend()) return expect_error([&] { alloc_->end_allocate_to_pool(0, id); }, "ending an inactive pool");
+      if (capturing_ && id == capture_pool_) {  // the capture ends, then its scope (as PyTorch does)
+        sim_->end_capture(0, capture_stream_);
+        capturing_ = false;
+      }
       alloc_->end_allocate_to_pool(0, id);
       active_.erase(std::next(it).base());
       flush_model_deferred();
@@ -582,11 +761,19 @@ class model_runner {
   std::map<std::uintptr_t, live_alloc> live_;  // by address, for the overlap checks
   std::vector<std::uintptr_t> live_order_;      // the same pointers, in the model's order
   std::vector<pending_block> pending_;
+  std::vector<busy_block> busy_;
+  worker_thread worker_;
+  stream_t main_per_thread_ = 0;    // resolve_stream(per_thread_stream_handle) here
+  stream_t worker_per_thread_ = 0;  // and on the worker
   std::size_t live_requested_ = 0;
   std::size_t pending_requested_ = 0;
   std::vector<std::size_t> recent_sizes_;
   std::map<mempool_id_t, int> use_;                            // model use counts
   std::vector<std::pair<mempool_id_t, std::size_t>> active_;  // begin stack: pool, stream 0 / 1 / 2 = both
+  bool advanced_ = false;   // the current step only moved the clock
+  bool capturing_ = false;  // a real capture (sim begin_capture) on capture_stream_, scoped to capture_pool_
+  stream_t capture_stream_ = 0;
+  mempool_id_t capture_pool_{};
 
   bool caching_ = true;
   bool ever_uncached_ = false;  // no-caching segments are not 2 MiB multiples
@@ -618,10 +805,19 @@ TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
               "%zu empty_cache, %zu fraction changes, %zu invalid frees, %zu caching toggles\n",
               c.name, c.ops, t.mallocs, t.ooms, t.frees, t.pending_frees, t.records, t.empty_caches,
               t.fraction_changes, t.bad_frees, t.toggles);
+  std::printf("[ property ] %s: %zu OOMs checked for a fitting cached block, %zu pending blocks completed by a "
+              "device wait inside an operation, %zu real captures\n",
+              c.name, t.fitting_checks, t.resyncs, t.captures);
   // The scenario must exercise what it claims to.
   EXPECT_GT(t.ooms, 0u) << "no out-of-memory error happened";
   EXPECT_GT(t.pending_frees, 0u);
   EXPECT_GT(t.fraction_changes, 0u);
+  if (c.threads) {
+    std::printf("[ property ] %s: %zu allocations on per-thread default streams, %zu frees with own-stream work\n",
+                c.name, t.per_thread_mallocs, t.busy_frees);
+    EXPECT_GT(t.per_thread_mallocs, 0u);
+    EXPECT_GT(t.busy_frees, 0u);
+  }
   if (c.pools) {
     std::printf("[ property ] %s: %zu pool ops, %zu allocations in pools, %zu rejected misuses, %zu live checks, "
                 "%zu deferred frees\n", c.name, t.pool_ops, t.pool_allocs, t.pool_misuse, t.live_checks,
@@ -630,13 +826,14 @@ TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
     EXPECT_GT(t.pool_misuse, 0u);
     EXPECT_GT(t.live_checks, 0u);
     EXPECT_GT(t.deferred_frees, 0u);
+    EXPECT_GT(t.captures, 0u);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Property, PropertyTest,
     ::testing::Values(
-        prop_case{"default", "", false, false, 0x5eed0001, 400'000},
+        prop_case{"default", "", false, false, 0x5eed0001, 400'000, false, true},
         prop_case{"oversize_rounding", "max_split_size_mb:64,roundup_power2_divisions:4", false, false, 0x5eed0002,
                   400'000},
         prop_case{"gc_fraction", "garbage_collection_threshold:0.6,per_process_memory_fraction:0.5", false, false,
@@ -647,7 +844,7 @@ INSTANTIATE_TEST_SUITE_P(
                   150'000},
         prop_case{"release_lock", "release_lock_on_cudamalloc:True,per_process_memory_fraction:0.75,"
                   "roundup_power2_divisions:[1:2,>:8]", false, false, 0x5eed0007, 100'000},
-        prop_case{"expandable", "expandable_segments:True", false, false, 0x5eed0008, 300'000},
+        prop_case{"expandable", "expandable_segments:True", false, false, 0x5eed0008, 300'000, false, true},
         prop_case{"expandable_pytorch", "expandable_segments:True,trim_on_new_peak:False,reuse_across_streams:False",
                   false, false, 0x5eed0009, 150'000},
         prop_case{"expandable_toggled", "expandable_segments:True,max_split_size_mb:40,"
@@ -656,7 +853,10 @@ INSTANTIATE_TEST_SUITE_P(
                   false, 0x5eed000d, 150'000},
         prop_case{"pools_expandable", "", false, false, 0x5eed000b, 150'000, true},
         prop_case{"pools_plain", "expandable_segments:False,max_split_size_mb:40", false, false, 0x5eed000c, 100'000,
-                  true}),
+                  true, true},
+        // Plain segments near a full device with per-thread streams and
+        // record_stream (issue 16: OOM while a fitting block waited on an event).
+        prop_case{"plain_threads", "expandable_segments:False", false, false, 0x5eed000e, 200'000, false, true}),
     [](const ::testing::TestParamInfo<prop_case>& param_info) { return std::string(param_info.param.name); });
 
 }  // namespace

@@ -369,14 +369,26 @@ TEST(SimBackend, SynchronizeStreamAndDevice) {
   EXPECT_EQ(sim.now(), 500u);
 }
 
-TEST(SimBackend, SegmentFreeDoesNotAdvanceTheClock) {
-  sim_backend sim(small_device());
+// cudaFree waits for the device: so does segment_free (issue 16, item 7),
+// for the freeing device's streams only; sim_options can turn it off.
+TEST(SimBackend, SegmentFreeWaitsForTheDevice) {
+  sim_options o = small_device();
+  o.device_count = 2;
+  sim_backend sim(o);
   const auto s = sim.create_stream(0);
   sim.enqueue_work(0, s, 1000);
+  sim.enqueue_work(1, sim.create_stream(1), 5000);
   void* p = sim.segment_malloc(0, mib);
   ASSERT_NE(p, nullptr);
   sim.segment_free(0, p);
-  EXPECT_EQ(sim.now(), 0u);
+  EXPECT_EQ(sim.now(), 1000u);
+
+  o.segment_free_synchronizes = false;
+  sim_backend lazy(o);
+  lazy.enqueue_work(0, lazy.create_stream(0), 1000);
+  void* q = lazy.segment_malloc(0, mib);
+  lazy.segment_free(0, q);
+  EXPECT_EQ(lazy.now(), 0u);
 }
 
 TEST(SimBackend, UnknownEventsThrow) {

@@ -45,11 +45,13 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -123,17 +125,25 @@ std::string config_string(const std::string& config) { return config == "default
 
 /// Parses a byte count: a non-negative number (integer, decimal or exponent
 /// form: 80000000000, 1.5e9) with an optional unit, case-insensitive: B;
-/// K/KB, M/MB, G/GB, T/TB (powers of 1000); KiB, MiB, GiB, TiB (powers of
-/// 1024). Fractional bytes are rounded down. Throws usage_error when the text
-/// is not of that form, the result is 0, or it does not fit in 64 bits.
+/// K/KB, M/MB, G/GB, T/TB, P/PB, E/EB (powers of 1000); KiB, MiB, GiB, TiB,
+/// PiB, EiB (powers of 1024). Fractional bytes are rounded down. Throws
+/// usage_error when the text is not of that form, the result is 0, or it
+/// does not fit in 64 bits (16 EiB is one byte too many).
 std::uint64_t parse_byte_count(const std::string& text, std::string_view option) {
   const auto bad = [&](const std::string& why) {
     return usage_error("bad " + std::string(option) + " '" + text + "': " + why +
                        " (examples: 80000000000, 80GB, 80GiB, 512MiB, 1.5e9)");
   };
-  // The number is the longest prefix of number characters; no unit starts
-  // with one of them (e, E included), so "1.5e9" and "1.5GiB" split cleanly.
-  const std::size_t i = std::min(text.find_first_not_of("0123456789.eE+-"), text.size());
+  // The number: digits, a point, and an exponent only where 'e' is followed
+  // by a digit (or a sign and a digit), so "1.5e9" is a number while the 'E'
+  // of "16EiB" and "2EB" starts the unit.
+  std::size_t i = std::min(text.find_first_not_of("0123456789.+-"), text.size());
+  if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+    std::size_t j = i + 1;
+    if (j < text.size() && (text[j] == '+' || text[j] == '-')) ++j;
+    if (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j])) != 0)
+      i = std::min(text.find_first_not_of("0123456789", j), text.size());
+  }
   const std::string_view number(text.data(), i);
   std::string unit = text.substr(i);
   while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
@@ -153,31 +163,40 @@ std::uint64_t parse_byte_count(const std::string& text, std::string_view option)
       {"m", k * k},      {"mb", k * k},       {"mib", ki * ki},
       {"g", k * k * k},  {"gb", k * k * k},   {"gib", ki * ki * ki},
       {"t", k * k * k * k}, {"tb", k * k * k * k}, {"tib", ki * ki * ki * ki},
+      {"p", k * k * k * k * k}, {"pb", k * k * k * k * k}, {"pib", ki * ki * ki * ki * ki},
+      {"e", k * k * k * k * k * k}, {"eb", k * k * k * k * k * k}, {"eib", ki * ki * ki * ki * ki * ki},
   };
   for (const auto& u : units) {
     if (unit == u.name) multiplier = u.bytes;
   }
-  if (multiplier == 0) throw bad("unknown unit '" + text.substr(i) + "'");
+  if (multiplier == 0)
+    throw bad("unknown unit '" + text.substr(i) + "' (units: B, KB, MB, GB, TB, PB, EB (powers of 1000), KiB, MiB, "
+              "GiB, TiB, PiB, EiB (powers of 1024))");
+  const auto too_large = [&] {
+    return bad("out of range: more than " + std::to_string(std::numeric_limits<std::uint64_t>::max()) +
+               " bytes (16 EiB - 1)");
+  };
 
   // Integers are exact (no detour through double).
   std::uint64_t whole = 0;
   const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), whole);
   std::uint64_t bytes = 0;
   if (ec == std::errc{} && end == number.data() + number.size()) {
-    if (whole > std::numeric_limits<std::uint64_t>::max() / multiplier) throw bad("too large");
+    if (whole > std::numeric_limits<std::uint64_t>::max() / multiplier) throw too_large();
     bytes = whole * multiplier;
   } else {
     double value = 0;
     const auto [dend, dec] = std::from_chars(number.data(), number.data() + number.size(), value);
     if (dec != std::errc{} || dend != number.data() + number.size() || !std::isfinite(value)) {
-      throw bad(dec == std::errc::result_out_of_range ? "too large" : "not a number");
+      if (dec == std::errc::result_out_of_range) throw too_large();
+      throw bad("not a number");
     }
     const double total = value * double(multiplier);
-    if (total >= 18446744073709551616.0) throw bad("too large");
+    if (total >= 18446744073709551616.0) throw too_large();
     bytes = static_cast<std::uint64_t>(total);
   }
   if (bytes == 0) throw bad("must be at least 1 byte");
-  if (bytes > std::numeric_limits<std::size_t>::max()) throw bad("too large");
+  if (bytes > std::numeric_limits<std::size_t>::max()) throw too_large();
   return bytes;
 }
 
@@ -311,11 +330,30 @@ loaded_trace load_trace(const std::string& path) {
   } else {
     out.trace = ccalloc::read_trace_file(path);
     out.native = native_figures_beside(path);
-    for (const std::string& note : out.trace.notes) std::cerr << "ccalloc: note: " << path << ": " << note << "\n";
+    for (const std::string& note : out.trace.notes)
+      std::cerr << "ccalloc: note: " << ccalloc::printable_text(path + ": " + note) << "\n";
   }
   out.read_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return out;
+}
+
+/// Writes `content` to `path` (created or truncated). Throws ccalloc::error
+/// "cannot write <what> to <path>: <errno text>" (a directory, a missing
+/// folder, no permission, a full disk).
+void write_output_file(const std::string& path, const std::string& content, const std::string& what) {
+  const auto fail = [&](int err) {
+    return ccalloc::error("cannot write " + what + " to " + path + ": " +
+                          (err != 0 ? std::strerror(err) : "the write failed"));
+  };
+  errno = 0;
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out.is_open()) throw fail(errno);
+  errno = 0;
+  out << content;
+  if (!out.flush()) throw fail(errno);
+  out.close();
+  if (out.fail()) throw fail(errno);
 }
 
 /// Parses `config` up front so a bad one fails before any replay starts, and
@@ -441,7 +479,7 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
                                 r.peak_allocated_bytes, r.peak_reserved_bytes}) {
     w = std::max(w, with_commas(b).size());
   }
-  print_row("trace", input.trace.source);
+  print_row("trace", ccalloc::printable_text(input.trace.source));
   print_row("config", config_label(config));
   print_row("device", device_label(r, cuda_device));
   print_row("device memory", bytes_cell(device_memory_bytes, w));
@@ -503,7 +541,7 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
     for (std::size_t c = 1; c < cells.size(); ++c) text += "  " + right(cells[c], width[c]);
     std::printf("%s\n", text.c_str());
   };
-  std::printf("trace: %s (%s events)\ndevice: %s\n\n", input.trace.source.c_str(),
+  std::printf("trace: %s (%s events)\ndevice: %s\n\n", ccalloc::printable_text(input.trace.source).c_str(),
               with_commas(input.trace.events.size()).c_str(), device.c_str());
   print_cells(head);
   std::size_t total = 0;
@@ -615,9 +653,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
   const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
   progress.done();
   if (!snapshot_path.empty()) {
-    std::ofstream out(snapshot_path, std::ios::binary);
-    out << snapshot_json;
-    if (!out.flush()) throw ccalloc::error("cannot write the snapshot to " + snapshot_path);
+    write_output_file(snapshot_path, snapshot_json, "the snapshot");
     std::fprintf(stderr, "ccalloc: wrote the snapshot after the last event to %s (%s bytes of JSON; "
                  "python3 python/ccalloc/snapshot.py %s -o SNAPSHOT.pickle makes PyTorch's pickle)\n",
                  snapshot_path.c_str(), with_commas(snapshot_json.size()).c_str(), snapshot_path.c_str());
@@ -672,9 +708,7 @@ int run_report(const common_options& common, const std::string& config, const st
   ccalloc::report_summary summary;
   const std::string page = ccalloc::render_report_html(input.trace, options, native ? &*native : nullptr, &summary);
   progress.done();
-  std::ofstream out(output_path, std::ios::binary);
-  out << page;
-  if (!out.flush()) throw ccalloc::error("cannot write the report to " + output_path);
+  write_output_file(output_path, page, "the report");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("wrote %s (%s bytes) in %.2f s: %s events, peak reserved %s (ccalloc) vs %s (recording allocator), "
               "segment map after event %s (%zu segments, %zu blocks)\n",
@@ -845,15 +879,16 @@ int main(int argc, char** argv) {
   try {
     return detail::run(argc, argv);
   } catch (const detail::usage_error& e) {
-    std::fprintf(stderr, "ccalloc: %s\n", e.what());
+    // Messages may quote the command line or a trace: no raw control bytes.
+    std::fprintf(stderr, "ccalloc: %s\n", ccalloc::printable_text(e.what()).c_str());
     return 2;
   } catch (const ccalloc::error& e) {
     // The library's messages mostly start with "ccalloc": do not say it twice.
-    const std::string_view what = e.what();
-    std::fprintf(stderr, "%s%s\n", what.starts_with("ccalloc") ? "" : "ccalloc: ", e.what());
+    const std::string what = ccalloc::printable_text(e.what());
+    std::fprintf(stderr, "%s%s\n", what.starts_with("ccalloc") ? "" : "ccalloc: ", what.c_str());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "ccalloc: %s\n", e.what());
+    std::fprintf(stderr, "ccalloc: %s\n", ccalloc::printable_text(e.what()).c_str());
     return 1;
   }
 }

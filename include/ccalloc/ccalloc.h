@@ -36,8 +36,12 @@
  *
  * Streams: ccalloc_stream_t is CUDA's cudaStream_t (the same type: a pointer
  * to struct CUstream_st), so a cudaStream_t is passed as is; NULL is the
- * legacy default stream. On the simulated device a stream is the integer
- * handle from ccalloc_stream_create (NULL: the default stream).
+ * legacy default stream. cudaStreamLegacy means NULL, and cudaStreamPerThread
+ * the calling thread's per-thread default stream (each thread's stream has
+ * its own cached blocks, as they are different streams). On the simulated device a stream is
+ * the integer handle from ccalloc_stream_create (NULL: the default stream;
+ * the values of cudaStreamLegacy and cudaStreamPerThread, 1 and 2, mean what
+ * they mean on CUDA).
  *
  * Thread safety: every function may be called from any thread concurrently,
  * except ccalloc_init and ccalloc_destroy, which must not race with other
@@ -421,7 +425,9 @@ CCALLOC_API ccalloc_status_t ccalloc_pool_usage(ccalloc_allocator_t* alloc, int 
 
 /** Decides whether an allocation on `stream` goes to the pool: nonzero =
  * yes. Called on the allocating thread with the device's lock held: fast,
- * no calls into the allocator. */
+ * no calls into the allocator. `stream` is the stream the allocation named,
+ * with cudaStreamLegacy given as NULL (the same stream); cudaStreamPerThread
+ * comes as itself (the allocating thread's). */
 typedef int (*ccalloc_stream_filter_fn)(void* user_data, ccalloc_stream_t stream);
 /** Called once when a filter given to ccalloc_begin_allocate_to_pool_filter
  * is dropped (its end_allocate_to_pool, or the allocator's destruction). */

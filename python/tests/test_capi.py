@@ -474,7 +474,9 @@ def test_pool_with_a_segment_allocator_on_its_device():
         host.free_code = 0
         a.empty_cache()
         assert not host.live
-        assert [c[0] for c in host.calls] == ["malloc", "malloc", "free", "free"]
+        # The failing malloc is tried twice: no graph capture runs, so the
+        # scope does not stop the retry after the cache is freed (issue 16).
+        assert [c[0] for c in host.calls] == ["malloc", "malloc", "malloc", "free", "free"]
         assert {c[2] for c in host.calls} == {1}
 
 

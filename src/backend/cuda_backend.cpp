@@ -73,7 +73,27 @@ class device_guard {
   int previous_ = 0;
 };
 
-cudaStream_t to_cuda(stream_t s) noexcept { return reinterpret_cast<cudaStream_t>(s); }
+// A stream_t holds a cudaStream_t, except a per-thread default stream
+// resolved by resolve_stream: on its own thread that is cudaStreamPerThread;
+// another thread cannot name it, and gets the legacy default stream, which
+// orders work after all prior work of every blocking stream (the per-thread
+// default streams are blocking), so an event recorded there completes no
+// earlier than one on the per-thread stream would.
+cudaStream_t to_cuda(stream_t s) noexcept {
+  if (device_backend::is_per_thread_stream(s)) [[unlikely]]
+    return device_backend::is_calling_thread_stream(s) ? cudaStreamPerThread : cudaStreamLegacy;
+  return reinterpret_cast<cudaStream_t>(s);
+}
+// True for a stream another thread's per-thread default stream stands for:
+// only waiting for the whole device waits for it from here.
+bool foreign_per_thread(stream_t s) noexcept {
+  return device_backend::is_per_thread_stream(s) && !device_backend::is_calling_thread_stream(s);
+}
+// Special and resolved default streams: never destroyed.
+bool is_default_stream(stream_t s) noexcept {
+  return s == default_stream || s == legacy_stream_handle || s == per_thread_stream_handle ||
+         device_backend::is_per_thread_stream(s);
+}
 cudaEvent_t to_cuda_event(event_t e) noexcept { return reinterpret_cast<cudaEvent_t>(e); }
 CUdeviceptr to_cu(const void* p) noexcept { return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)); }
 
@@ -370,9 +390,9 @@ stream_t cuda_backend::create_stream(int device) {
 
 void cuda_backend::destroy_stream(int device, stream_t stream) {
   impl_->check_device(device, "destroy_stream");
-  if (stream == default_stream)
-    throw backend_error("cuda: destroy_stream: stream 0 is the default stream of " + dev_text(device) +
-                        " and cannot be destroyed");
+  if (is_default_stream(stream))
+    throw backend_error("cuda: destroy_stream: stream " + std::to_string(stream) + " is a default stream of " +
+                        dev_text(device) + " and cannot be destroyed");
   device_guard guard(device);
   const cudaError_t e = cudaStreamDestroy(to_cuda(stream));
   if (unloading(e)) return;
@@ -436,9 +456,13 @@ void cuda_backend::synchronize_stream(int device, stream_t stream) {
   auto describe = [&] {
     return "cudaStreamSynchronize(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ")";
   };
-  if (stream == default_stream) {
+  if (foreign_per_thread(stream)) {
     device_guard guard(device);
-    check(cudaStreamSynchronize(nullptr), describe);
+    check(cudaDeviceSynchronize(), describe);
+  } else if (stream == default_stream || stream == legacy_stream_handle || stream == per_thread_stream_handle ||
+             device_backend::is_per_thread_stream(stream)) {
+    device_guard guard(device);
+    check(cudaStreamSynchronize(to_cuda(stream)), describe);
   } else {
     check(cudaStreamSynchronize(to_cuda(stream)), describe);
   }
@@ -769,7 +793,8 @@ void cuda_backend::wait_gate(int device, stream_t stream, gate_t gate) {
   // On `device`: stream 0 is the legacy default stream of the current context.
   device_guard guard(device, /*activate=*/true);
   impl_->driver.check(
-      impl_->driver.stream_wait_value32(reinterpret_cast<CUstream>(stream), address, 1, CU_STREAM_WAIT_VALUE_GEQ),
+      impl_->driver.stream_wait_value32(reinterpret_cast<CUstream>(to_cuda(stream)), address, 1,
+                                        CU_STREAM_WAIT_VALUE_GEQ),
       [&] {
         return "cuStreamWaitValue32(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ", gate " +
                pointer_text(reinterpret_cast<void*>(gate)) + ", 1, CU_STREAM_WAIT_VALUE_GEQ)";

@@ -1,9 +1,42 @@
 // Default implementations of the optional device_backend functions: each
-// throws backend_error naming the function and the backend.
+// throws backend_error naming the function and the backend. And the
+// resolution of the special stream handles, shared by every backend.
 #include <ccalloc/backend/device_backend.hpp>
 #include <ccalloc/base/errors.hpp>
 
+#include <atomic>
+#include <cstdint>
+
 namespace ccalloc {
+
+namespace {
+// A resolved per-thread default stream: the top bit, then the thread's serial
+// (from 1, never reused). CUDA's stream handles are user-space pointers and
+// the simulated device's are small counters: neither has the top bit set.
+constexpr stream_t per_thread_tag = stream_t{1} << (sizeof(stream_t) * 8 - 1);
+
+stream_t calling_thread_stream() noexcept {
+  static std::atomic<std::uint64_t> next_serial{1};
+  thread_local const stream_t handle =
+      per_thread_tag | static_cast<stream_t>(next_serial.fetch_add(1, std::memory_order_relaxed));
+  return handle;
+}
+}  // namespace
+
+stream_t device_backend::resolve_stream(int device, stream_t stream) const {
+  if (device < 0 || device >= device_count())
+    throw backend_error(name() + ": resolve_stream: device " + std::to_string(device) + " out of range [0, " +
+                        std::to_string(device_count()) + ")");
+  if (stream == legacy_stream_handle) return default_stream;
+  if (stream == per_thread_stream_handle) return calling_thread_stream();
+  return stream;
+}
+
+bool device_backend::is_per_thread_stream(stream_t stream) noexcept { return (stream & per_thread_tag) != 0; }
+
+bool device_backend::is_calling_thread_stream(stream_t stream) noexcept {
+  return is_per_thread_stream(stream) && stream == calling_thread_stream();
+}
 
 void device_backend::throw_not_supported(const char* what) const {
   throw backend_error(std::string(what) + " is not supported by the '" + name() + "' backend");

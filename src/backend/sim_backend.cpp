@@ -311,6 +311,15 @@ void sim_backend::segment_free(int device, void* ptr) {
   if (it == d.segments.end())
     throw backend_error("sim: segment_free of " + std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
                         ", which is not a live segment of device " + std::to_string(device));
+  // cudaFree waits for the whole device: the host waited until every stream
+  // of the device was idle (the clock jumps there, as in synchronize_device).
+  // A stream behind a closed gate would never become idle: throw, as the GPU
+  // would hang, before anything changes.
+  if (impl_->options.segment_free_synchronizes) {
+    if (!d.gated.empty())
+      impl::throw_never("segment_free(device " + std::to_string(device) + ")", d.gated.begin()->second.front());
+    for (auto& [s, t] : d.busy_until) impl_->now = std::max(impl_->now, t);
+  }
   ::munmap(ptr, it->second);
   if (auto shared = d.shared_segments.find(ptr); shared != d.shared_segments.end()) {
     ::close(shared->second);  // openers keep their mappings (a freed cudaMalloc would not)
@@ -320,8 +329,6 @@ void sim_backend::segment_free(int device, void* ptr) {
   impl_->counters.used_bytes -= it->second;
   d.segments.erase(it);
   ++impl_->counters.segment_frees;
-  // cudaFree's implicit device synchronization is not modelled as a clock
-  // advance (see the header).
 }
 
 stream_t sim_backend::create_stream(int device) {
@@ -334,6 +341,7 @@ stream_t sim_backend::create_stream(int device) {
 }
 
 void sim_backend::destroy_stream(int device, stream_t stream) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
   d.gated.erase(stream);
@@ -359,6 +367,7 @@ void sim_backend::destroy_event(int, event_t event) {
 }
 
 void sim_backend::record_event(int device, event_t event, stream_t stream) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
   auto it = d.busy_until.find(stream);
@@ -389,6 +398,7 @@ void sim_backend::synchronize_event(int, event_t event) {
 }
 
 void sim_backend::synchronize_stream(int device, stream_t stream) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
   if (auto g = d.gated.find(stream); g != d.gated.end())
@@ -407,12 +417,14 @@ void sim_backend::synchronize_device(int device) {
 }
 
 bool sim_backend::is_capturing(int device, stream_t stream) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   const auto& c = impl_->dev(device).capturing;
   return std::find(c.begin(), c.end(), stream) != c.end();
 }
 
 void sim_backend::begin_capture(int device, stream_t stream) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& c = impl_->dev(device).capturing;
   if (std::find(c.begin(), c.end(), stream) != c.end())
@@ -422,6 +434,7 @@ void sim_backend::begin_capture(int device, stream_t stream) {
 }
 
 void sim_backend::end_capture(int device, stream_t stream) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& c = impl_->dev(device).capturing;
   auto it = std::find(c.begin(), c.end(), stream);
@@ -891,6 +904,7 @@ gate_t sim_backend::create_gate(int device) {
 }
 
 void sim_backend::wait_gate(int device, stream_t stream, gate_t gate) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
   auto& g = impl_->gt(gate, device, "wait_gate");
@@ -948,12 +962,14 @@ void sim_backend::advance_to(std::uint64_t time) {
 }
 
 void sim_backend::enqueue_work(int device, stream_t stream, std::uint64_t until) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& t = impl_->dev(device).busy_until.try_emplace(stream, impl_->now).first->second;
   t = std::max(t, until);
 }
 
 std::uint64_t sim_backend::busy_until(int device, stream_t stream) const {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
   if (d.gated.count(stream) != 0) return ~std::uint64_t{0};

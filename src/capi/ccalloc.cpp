@@ -654,10 +654,18 @@ ccalloc_status_t ccalloc_pool_use_count(ccalloc_allocator_t* alloc, int device, 
 ccalloc_status_t ccalloc_begin_allocate_to_pool(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
                                                 ccalloc_stream_t stream, int all_streams) {
   return guarded([&] {
+    ccalloc::caching_allocator& a = resolve(alloc);
     ccalloc::stream_filter filter;
-    if (all_streams != 0) filter = [](ccalloc::stream_t) { return true; };
-    else filter = [only = to_stream(stream)](ccalloc::stream_t s) { return s == only; };
-    resolve(alloc).begin_allocate_to_pool(device, to_pool_id(id), std::move(filter));
+    if (all_streams != 0) {
+      filter = [](ccalloc::stream_t) { return true; };
+    } else {
+      // The allocator sees resolved streams: cudaStreamPerThread is this
+      // thread's stream (a bad device is reported by begin_allocate_to_pool).
+      ccalloc::stream_t only = to_stream(stream);
+      if (device >= 0 && device < a.backend().device_count()) only = a.backend().resolve_stream(device, only);
+      filter = [only](ccalloc::stream_t s) { return s == only; };
+    }
+    a.begin_allocate_to_pool(device, to_pool_id(id), std::move(filter));
   });
 }
 
@@ -671,6 +679,11 @@ ccalloc_status_t ccalloc_begin_allocate_to_pool_filter(ccalloc_allocator_t* allo
   return guarded([&] {
     require(reinterpret_cast<const void*>(filter), "ccalloc_begin_allocate_to_pool_filter", "filter");
     ccalloc::stream_filter wrapped = [filter, owned](ccalloc::stream_t s) {
+      // The allocator asks with resolved streams, on the allocating thread: a
+      // per-thread default stream is that thread's cudaStreamPerThread, the
+      // handle the caller's filter can pass to CUDA (the resolved value is not
+      // a cudaStream_t).
+      if (ccalloc::device_backend::is_per_thread_stream(s)) s = ccalloc::per_thread_stream_handle;
       return filter(owned.get(), from_stream(s)) != 0;
     };
     resolve(alloc).begin_allocate_to_pool(device, to_pool_id(id), std::move(wrapped));

@@ -532,6 +532,27 @@ std::vector<std::string> warnings_for(const allocator_config& config) {
                        " has no effect without max_split_size_mb: no block is oversize, "
                        "so none is rounded");
   }
+  // Settings that expandable segments make inert (on by default where the
+  // device has virtual memory): they map pages for the request itself, with
+  // the allocator lock held throughout.
+  if (config.expandable_segments) {
+    const char* const why = " has no effect with expandable segments (the default where the device supports "
+                            "virtual memory; set expandable_segments:False to use it): ";
+    if (config.large_segment_size_bytes != allocator_config{}.large_segment_size_bytes)
+      warnings.push_back(setting("large_segment_size_mb") + why +
+                         "requests map pages for their own size, there are no fixed-size segments");
+    if (config.release_lock_on_cudamalloc)
+      warnings.push_back(setting("release_lock_on_cudamalloc") + why + "pages are mapped with the lock held");
+  }
+  // recycles_per_peak limits page recycling before a new peak: only with
+  // expandable segments and trim_on_new_peak.
+  if (config.recycles_per_peak != allocator_config{}.recycles_per_peak &&
+      (!config.expandable_segments || !config.trim_on_new_peak))
+    warnings.push_back(setting("recycles_per_peak") + " has no effect " +
+                       (config.expandable_segments ? "with trim_on_new_peak:False: pages are recycled before a "
+                                                     "new peak only when trim_on_new_peak is on"
+                                                   : "with expandable_segments:False: it limits the recycling of "
+                                                     "free pages, which plain segments do not have"));
   if (config.backend != "native") {
     warnings.push_back(setting("backend") +
                        " has no effect: ccalloc is a native-style caching allocator; "

@@ -50,7 +50,7 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
       for (int attempt = 0; attempt < 2; ++attempt) {
         if (attempt == 1 && get_free_block(p)) return take_found_block(p, stats_);
         if (alloc_expandable(p, false, w) ||
-            (release_cached_blocks(w, /*for_retry=*/true) && alloc_expandable(p, true, w)))
+            (release_cached_blocks(w, /*for_retry=*/true) && (get_free_block(p) || alloc_expandable(p, true, w))))
           return take_found_block(p, stats_);
         if (no_address_space_) break;
         if (!wait_for_completions_in_flight(w)) break;  // X7
@@ -75,9 +75,11 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
   // Rung 5: wait for pending events, free every cached segment, retry.
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt == 1 && caching_ && get_free_block(p)) return take_found_block(p, stats_);
+    // After waiting for the events (rung 5) the blocks they held are free
+    // and merged: one of them may fit now (search before the device malloc).
     if (alloc_segment(p, false, w) ||
         (caching_ && !priv && !capturing && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
-        (release_cached_blocks(w, /*for_retry=*/true) && alloc_segment(p, true, w)))
+        (release_cached_blocks(w, /*for_retry=*/true) && ((caching_ && get_free_block(p)) || alloc_segment(p, true, w))))
       return take_found_block(p, stats_);
     // X7: blocks another thread is returning may be what is missing.
     if (!wait_for_completions_in_flight(w)) break;
@@ -305,8 +307,11 @@ void device_state::free_uncached(block* b, stream_state& ss) {
 
 // ---- rung 2: garbage collection --------------------------------------------------------
 
-// Rung 2 (B5): while reserved bytes exceed threshold x allowed, release whole
-// cached large-pool segments older than the average age. ccalloc applies the
+// Rung 2 (B5): while reserved bytes exceed threshold x allowed, release
+// cached large-pool memory older than the average age: whole plain segments
+// (PyTorch's rule) and, in expandable segments, the whole pages of free
+// blocks (unmapped; ccalloc's, so that the threshold works with expandable
+// segments too, whose blocks all count as split). ccalloc applies the
 // threshold to the device total when no memory fraction is set (PyTorch
 // ignores it then; SPEC X6).
 void device_state::garbage_collect_cached_blocks(const world_lock& w) {
@@ -315,12 +320,18 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   if (reserved_bytes_ <= threshold) return;
   const std::size_t target = reserved_bytes_ - threshold;
 
+  // A free mapped block of an expandable segment holding at least one whole page.
+  const auto has_whole_page = [](const block* b) {
+    const std::size_t page = b->seg->page_bytes;
+    const std::uintptr_t first = (b->ptr + page - 1) / page * page;
+    return b->mapped && first + page <= b->ptr + b->size;
+  };
   std::vector<std::pair<block*, std::uint64_t>> candidates;  // block, age
   std::uint64_t total_age = 0;
   for (stream_state* ss : w.streams()) {
     block_pool& large = ss->pools.large;
     for (std::size_t i = 0; i < large.blocks.size(); ++i)
-      if (block* b = large.blocks.at(i); !b->is_split()) {
+      if (block* b = large.blocks.at(i); b->seg->expandable ? has_whole_page(b) : !b->is_split()) {
         const std::uint64_t age = large.age(b);
         candidates.emplace_back(b, age);
         total_age += age;
@@ -328,21 +339,32 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   }
   std::size_t reclaimed = 0;
   bool freed = true;
+  bool synchronized = false;
   while (reclaimed < target && freed && !candidates.empty()) {
     const double age_threshold = double(total_age) / double(candidates.size());
     freed = false;
     for (auto it = candidates.begin(); it != candidates.end();) {
       if (double(it->second) >= age_threshold) {
         freed = true;
-        reclaimed += it->first->size;
         total_age -= it->second;
-        release_block(it->first, stats_);
+        block* b = it->first;
         it = candidates.erase(it);
+        if (b->seg->expandable) {
+          if (!synchronized) {
+            synchronize_before_reuse();  // cuMemUnmap does not wait for queued work
+            synchronized = true;
+          }
+          reclaimed += unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
+        } else {
+          reclaimed += b->size;
+          release_block(b, stats_);
+        }
       } else {
         ++it;
       }
     }
   }
+  if (synchronized) release_empty_expandable_segments();
 }
 
 }  // namespace ccalloc::detail

@@ -30,9 +30,12 @@
 //                                 -- rung 5: sync events, free every cached segment, retry
 //       try_use_on_oom_pools      -- rung 5b: free blocks of set_use_on_oom pools (F22; private_pools.cpp)
 //       throw_out_of_memory       -- rung 6: B6 (out_of_memory.cpp; observers called unlocked)
-//   While a capture is underway (begin_allocate_to_pool active) the ladder
+//   While a capture is underway (a begin_allocate_to_pool active and a stream
+//   seen allocating during it capturing: capture_underway) the ladder
 //   neither queries nor waits for events nor frees device memory: rungs 2,
-//   3a, 4 and 5 are skipped.
+//   3a, 4 and 5 are skipped. A scope without a capture changes nothing here.
+//   Rung 5 searches the pool again before its device malloc: the events it
+//   waited for may have freed and merged a block that fits.
 //
 // Free call tree:
 //
@@ -151,9 +154,10 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 
 // allocate when events are pending or a begin_allocate_to_pool is active.
 block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
-  if (!capture_underway()) {
-    process_events();  // never while capturing: event queries are not allowed then
-  } else {
+  const bool scoped = pool_scope_active();
+  if (scoped) note_if_capturing(stream);
+  if (!capture_underway()) process_events();  // never while capturing: event queries are not allowed then
+  if (scoped) {
     bool routed = false;
     {
       std::lock_guard device_lock(device_mutex_);

@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace ccalloc::detail {
 
@@ -24,28 +26,55 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
     for (block_pool* pool : {&ss->pools.small, &ss->pools.large})
       if (!pool->blocks.empty()) largest_free = std::max(largest_free, pool->blocks.largest()->size);
 
+  // Pages of an expandable segment, or a segment (SPEC B7): what this request needed.
+  // (p.pool is null for a request refused at once: 1 EiB or more.)
+  const bool custom_segments = p.pool != nullptr && p.pool->priv != nullptr && p.pool->priv->custom.malloc;
+  const bool pages = caching_ && config_.expandable_segments && page_bytes_ != 0 && !no_address_space_ &&
+                     !custom_segments;
+  const std::size_t needed = pages ? (p.size + page_bytes_ - 1) / page_bytes_ * page_bytes_ : p.alloc_size;
   std::string msg = "ccalloc: out of memory on device " + std::to_string(device_) + ". Tried to allocate " +
-                    format_bytes(p.requested_bytes) + " (" + std::to_string(p.requested_bytes) +
-                    " bytes; needed a new segment of " + format_bytes(p.alloc_size) + "). Device " +
-                    std::to_string(device_) + " has a total capacity of " + format_bytes(info.total_bytes) +
-                    " of which " + format_bytes(info.free_bytes) + " is free.";
+                    format_bytes(p.requested_bytes) + " (" + std::to_string(p.requested_bytes) + " bytes; " +
+                    (pages ? "needed to map " + format_bytes(needed) + " of pages"
+                           : "needed a new segment of " + format_bytes(needed)) +
+                    "). Device " + std::to_string(device_) + " has a total capacity of " +
+                    format_bytes(info.total_bytes) + " of which " + format_bytes(info.free_bytes) + " is free.";
   if (set_fraction_)
     msg += " The per-process memory fraction " + format_fraction(fraction_) + " allows " +
            format_bytes(allowed_bytes_) + ".";
   msg += " Of the memory held by ccalloc, " + format_bytes(allocated) + " is allocated and " +
          format_bytes(reserved - std::min(reserved, allocated)) +
          " is reserved but unallocated; the largest cached free block is " + format_bytes(largest_free) + ".";
+  // Advice: only what would change the outcome in this configuration. The
+  // ladder already waited for every event and returned every cached whole
+  // segment and free page, so garbage_collection_threshold (which returns
+  // the same memory, only sooner) never would.
   const std::size_t limit = set_fraction_ ? allowed_bytes_ : info.total_bytes;
-  if (p.alloc_size > limit)
+  const bool fragmented = reserved > allocated && reserved - allocated > reserved / 10;
+  std::vector<std::string> settings;
+  if (fragmented && !pages) {
+    // Free pages of partly used segments could go back to the device.
+    if (page_bytes_ != 0 && !custom_segments)
+      settings.emplace_back("expandable_segments:True so that the free pages of partly used segments are returned");
+    // Large cached blocks would not be split for small requests (blocks of
+    // expandable segments are never returned whole: no use there).
+    if (config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max())
+      settings.emplace_back("max_split_size_mb:<MiB> so that large cached blocks are not split for small requests");
+  }
+  if (needed > limit) {
     msg += " The request alone is larger than the " +
            std::string(set_fraction_ ? "memory the fraction allows" : "device's memory") + ".";
-  else if (reserved > allocated && reserved - allocated > reserved / 10)
-    msg += " Reserved but unallocated memory is large (fragmentation): try CCALLOC_CONF="
-           "max_split_size_mb:<MiB> so that large cached blocks are not split for small requests, or "
-           "garbage_collection_threshold to return old cached blocks sooner.";
-  else
-    msg += " Reduce the memory the program holds at its peak (batch size, sequence length), or raise the "
-           "memory fraction.";
+  } else if (!settings.empty()) {
+    msg += " Reserved but unallocated memory is large (fragmentation): try CCALLOC_CONF=" + settings[0];
+    for (std::size_t i = 1; i < settings.size(); ++i) msg += ", or " + settings[i];
+    msg += ".";
+  } else if (fragmented && pages) {
+    msg += " Reserved but unallocated memory is large: it lies in pages shared with live blocks (every free whole "
+           "page was unmapped already) or is cached by live private pools; reduce the memory the program holds at "
+           "its peak, or free long-lived small allocations first.";
+  } else {
+    msg += std::string(" Reduce the memory the program holds at its peak (batch size, sequence length)") +
+           (set_fraction_ ? ", or raise the memory fraction." : ".");
+  }
 
   out_of_memory_error::figures f;
   f.device = device_;

@@ -100,6 +100,36 @@ void device_state::delete_empty_dead_pools(const world_lock& w) {
   }
 }
 
+bool device_state::capture_underway() noexcept {
+  if (!pool_scope_active()) return false;
+  std::lock_guard lock(capturing_mutex_);
+  auto& streams = capturing_streams_;
+  for (std::size_t i = 0; i < streams.size();) {
+    bool capturing = true;  // if the backend cannot tell, stay on the safe side
+    try {
+      capturing = backend_.is_capturing(device_, streams[i]);
+    } catch (...) {
+    }
+    if (capturing) return true;
+    streams[i] = streams.back();  // the capture ended
+    streams.pop_back();
+  }
+  return false;
+}
+
+void device_state::note_if_capturing(stream_t stream) {
+  try {
+    if (!backend_.is_capturing(device_, stream)) return;
+  } catch (const backend_error&) {
+    // CUDA refuses to say for the legacy stream while a blocking stream
+    // captures (cudaErrorStreamCaptureImplicit): a capture runs, so stay on
+    // the safe side until the scope ends.
+  }
+  std::lock_guard lock(capturing_mutex_);
+  if (std::find(capturing_streams_.begin(), capturing_streams_.end(), stream) == capturing_streams_.end())
+    capturing_streams_.push_back(stream);
+}
+
 bool device_state::any_stream_capturing(const block* b) {
   if (backend_.is_capturing(device_, b->stream)) return true;
   for (stream_t s : b->stream_uses)
@@ -262,6 +292,10 @@ void device_caching_allocator::end_allocate_to_pool(mempool_id_t id) {
   stack.erase(std::next(it).base());
   s.capture_count_.store(stack.size(), std::memory_order_relaxed);
   if (stack.empty()) {
+    {
+      std::lock_guard lock(s.capturing_mutex_);
+      s.capturing_streams_.clear();  // their handles may be destroyed from now on
+    }
     s.publish_all_pending_stats(w);
     s.flush_deferred_frees();
   }
@@ -339,7 +373,7 @@ checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(co
                                  ", not of device " + std::to_string(device_));
   world_lock w(s);
   detail::private_pool& pp = s.checked_pool(state.pool, "set_checkpoint_pool_state");
-  if (s.capture_underway())
+  if (s.pool_scope_active())
     throw invalid_argument_error(where + "a begin_allocate_to_pool is active on device " + std::to_string(device_) +
                                  " (a capture is underway); restore after end_allocate_to_pool");
   // 1. Validate everything before changing anything.

@@ -111,7 +111,9 @@ caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr) const 
 void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t stream) {
   device_caching_allocator& dev = checked_device(device, "malloc");
   if (size_bytes == 0) return nullptr;
-  allocation a = dev.malloc(size_bytes, stream);
+  // The pools are keyed by the stream itself: cudaStreamPerThread's value
+  // means a different stream on each thread (NVIDIA/cub#373).
+  allocation a = dev.malloc(size_bytes, backend_->resolve_stream(device, stream));
   auto& shard = shard_for(a.ptr);
   {
     std::lock_guard lock(shard.mutex);
@@ -283,13 +285,16 @@ std::pair<void*, std::size_t> caching_allocator::get_base_allocation(void* ptr) 
 void caching_allocator::record_stream(void* ptr, stream_t stream) {
   if (ptr == nullptr) return;
   if (const auto entry = find_entry(ptr)) {
-    devices_[static_cast<std::size_t>(entry->device)]->record_stream(entry->block, stream);
+    devices_[static_cast<std::size_t>(entry->device)]->record_stream(
+        entry->block, backend_->resolve_stream(entry->device, stream));
     return;
   }
   // Not the start of a block: maybe a view inside one (SPEC X4); else not
   // ours, and ignored (F11).
-  for (auto& d : devices_)
-    if (d->record_stream_containing(reinterpret_cast<std::uintptr_t>(ptr), stream)) return;
+  for (std::size_t i = 0; i < devices_.size(); ++i)
+    if (devices_[i]->record_stream_containing(reinterpret_cast<std::uintptr_t>(ptr),
+                                              backend_->resolve_stream(static_cast<int>(i), stream)))
+      return;
 }
 
 device_stats caching_allocator::get_device_stats(int device) const {

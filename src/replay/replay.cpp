@@ -657,6 +657,11 @@ std::shared_ptr<device_backend> open_cuda(int device) {
 
 replay_result replay_trace(const trace& t, const replay_options& options) {
   const allocator_config config = allocator_config::parse(options.config);
+  // Zeros would read as a measurement: say there was nothing to replay.
+  if (t.events.empty())
+    throw invalid_argument_error("ccalloc replay: " + t.source +
+                                 " has no events (an empty file, only comments, or an RMM log with only its "
+                                 "header): nothing to replay");
   const std::vector<std::uint64_t> completion = completion_indices(t);
 
   replay_result r;
@@ -666,6 +671,10 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
   if (options.device == replay_device::sim) {
     sim_options so;
     so.capacity_bytes = options.device_memory_bytes;
+    // The gaps' side-stream work models when PyTorch saw a block's event
+    // complete, not device work: a segment free must not end it early (on a
+    // GPU the gate driver defers segment frees past the gaps instead).
+    so.segment_free_synchronizes = false;
     auto sim = std::make_shared<sim_backend>(so);
     r.device_memory_bytes = options.device_memory_bytes;
     if (options.use_gates_on_sim) {

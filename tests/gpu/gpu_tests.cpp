@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "../backend_conformance.hpp"
 #include "gpu_kernels.hpp"
 
 // The replay library (replay --device cuda), when the build has it
@@ -770,6 +771,142 @@ void test_per_stream_pools() {
     CHECK(c == a);
     alloc->free(b);
     alloc->free(c);
+  }
+}
+
+// ---- per-thread default streams (issue 16, item 4; NVIDIA/cub#373) ---------------------------
+//
+// Two threads allocate on cudaStreamPerThread: two different streams. Thread A
+// keeps its block busy with a kernel on its per-thread stream and frees it;
+// thread B at once asks for the same size. B must not get A's memory while
+// A's kernel runs (that was the bug: both threads' streams shared one pool
+// keyed by the handle value 0x2); if it gets it later, only once the kernel
+// is done, and B's data must survive A's kernel.
+bool per_thread_case(const char* conf, std::size_t n, unsigned long long spin_ns) {
+  auto alloc = make_allocator(conf);
+  std::mutex m;
+  std::condition_variable cv;
+  void* a = nullptr;
+  bool freed = false;
+  bool checked = false;
+  cudaEvent_t done_a = nullptr;
+  std::string error;
+  auto record_error = [&](const std::string& what) {
+    std::lock_guard lock(m);
+    if (error.empty()) error = what;
+  };
+  std::thread thread_a([&] {
+    try {
+      CUDA_OK(cudaSetDevice(0));
+      CUDA_OK(cudaEventCreateWithFlags(&done_a, cudaEventDisableTiming));
+      void* p = alloc->malloc(0, n, per_thread_stream_handle);
+      CUDA_OK(gk::launch_spin_fill(p, n, 11, spin_ns, cudaStreamPerThread));
+      CUDA_OK(cudaEventRecord(done_a, cudaStreamPerThread));
+      alloc->free(p);  // no record_stream needed: the block's own stream
+      {
+        std::lock_guard lock(m);
+        a = p;
+        freed = true;
+      }
+      cv.notify_all();
+      std::unique_lock lock(m);
+      cv.wait(lock, [&] { return checked; });  // keep the thread (and its stream) until B is done
+    } catch (const std::exception& e) {
+      record_error(std::string("thread A: ") + e.what());
+    } catch (const test_abort&) {
+      record_error("thread A: a CUDA call failed");
+    }
+    {
+      std::lock_guard lock(m);
+      freed = true;
+    }
+    cv.notify_all();
+  });
+  bool was_running = false;
+  std::thread thread_b([&] {
+    try {
+      CUDA_OK(cudaSetDevice(0));
+      {
+        std::unique_lock lock(m);
+        cv.wait(lock, [&] { return freed; });
+      }
+      if (a == nullptr) return;
+      void* b = alloc->malloc(0, n, per_thread_stream_handle);
+      was_running = pending(done_a);
+      if (was_running) CHECK_MSG(!overlaps(a, n, b, n), "thread B got thread A's block while A's kernel ran");
+      CUDA_OK(gk::launch_fill(b, n, 22, cudaStreamPerThread));
+      CUDA_OK(cudaEventSynchronize(done_a));  // A's kernel is over
+      CHECK_MSG(mismatches(b, n, 22, cudaStreamPerThread) == 0, "thread B's data was overwritten");
+      alloc->free(b);
+      CUDA_OK(cudaStreamSynchronize(cudaStreamPerThread));
+    } catch (const std::exception& e) {
+      record_error(std::string("thread B: ") + e.what());
+    } catch (const test_abort&) {
+      record_error("thread B: a CUDA call failed");
+    }
+    {
+      std::lock_guard lock(m);
+      checked = true;
+    }
+    cv.notify_all();
+  });
+  thread_b.join();
+  thread_a.join();
+  if (done_a != nullptr) (void)cudaEventDestroy(done_a);
+  if (!error.empty()) report_failure(__FILE__, __LINE__, error);
+  // The two threads' streams have their own pools (resolved handles).
+  alloc->device_allocator(0).check_invariants();
+  return was_running;
+}
+
+void test_per_thread_default_streams() {
+  for (const char* conf : {"", "expandable_segments:False"})
+    for (std::size_t n : {std::size_t{4096}, std::size_t{8} * mib})
+      run_with_retries(std::string("per-thread streams ") + size_text(n) + " (" + (*conf ? conf : "default") + ")",
+                       [&](unsigned long long spin) { return per_thread_case(conf, n, spin); });
+}
+
+// ---- the backend conformance suite (tests/backend_conformance.hpp) --------------------------
+
+class cuda_fixture final : public conformance::backend_fixture {
+ public:
+  explicit cuda_fixture(const char* case_name) : case_(case_name) {}
+  device_backend& backend() override { return *g_backend; }
+  void keep_busy(stream_t stream) override {
+    CUDA_OK(gk::launch_spin_fill(nullptr, 0, 0, 300'000'000ull, cs(stream)));
+  }
+  void write(void* dst, const std::vector<unsigned char>& bytes) override {
+    CUDA_OK(cudaMemcpy(dst, bytes.data(), bytes.size(), cudaMemcpyHostToDevice));
+  }
+  std::vector<unsigned char> read(const void* src, std::size_t n) override {
+    std::vector<unsigned char> v(n);
+    CUDA_OK(cudaMemcpy(v.data(), src, n, cudaMemcpyDeviceToHost));
+    return v;
+  }
+  bool may_fail_calls() const override { return !g_sanitizer; }
+  bool busy_is_observable() const override { return !g_sanitizer; }
+  void fail(const char* file, int line, const std::string& what) override {
+    report_failure(file, line, std::string(case_) + ": " + what);
+  }
+  [[noreturn]] void skip(const std::string& why) override { throw test_skip{why}; }
+
+ private:
+  const char* case_;
+};
+
+void test_backend_conformance() {
+  for (const conformance::conformance_case& c : conformance::all_cases()) {
+    cuda_fixture f(c.name);
+    try {
+      c.run(f);
+    } catch (const test_skip& s) {
+      note(std::string(c.name) + " skipped: " + s.reason);
+    } catch (const test_abort&) {
+      // reported
+    } catch (const std::exception& e) {
+      report_failure(__FILE__, __LINE__, std::string(c.name) + ": unexpected exception: " + e.what());
+    }
+    (void)cudaDeviceSynchronize();
   }
 }
 
@@ -1545,6 +1682,7 @@ void test_peer_copies() {
 
 const test_case all_tests[] = {
     {"backend_basics", test_backend_basics},
+    {"backend_conformance", test_backend_conformance},
     {"backend_streams_and_events", test_backend_streams_and_events},
     {"backend_argument_errors", test_backend_argument_errors},
     {"backend_cuda_error_message", test_backend_cuda_error_message},
@@ -1576,6 +1714,7 @@ const test_case all_tests[] = {
     {"ipc_expandable", test_ipc_expandable},
     {"ipc_to_second_gpu", test_ipc_to_second_gpu},
     {"ipc_errors", test_ipc_errors},
+    {"per_thread_default_streams", test_per_thread_default_streams},
     {"copy_data", test_copy_data},
     {"peer_copies", test_peer_copies},
     {"graph_capture_replays_in_pool", test_graph_capture_replays_in_pool},

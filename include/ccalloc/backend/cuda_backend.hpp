@@ -13,7 +13,19 @@
 // (cudaStream_t)0, the legacy default stream of the device in question (this
 // library is not compiled with --default-stream per-thread, so 0 means the
 // legacy stream here even if the caller's own code uses per-thread default
-// streams; pass cudaStreamPerThread's value explicitly for that stream).
+// streams; pass cudaStreamPerThread's value, per_thread_stream_handle, for
+// that stream). The allocator resolves cudaStreamPerThread on the calling
+// thread (resolve_stream) into a handle of that thread's per-thread default
+// stream, so each thread's stream has its own pool. CUDA offers no handle by
+// which another thread could name that stream, so a resolved handle used on
+// another thread falls back conservatively: record_event and wait_gate use
+// the legacy default stream (which waits for all prior work of every
+// blocking stream, the per-thread ones included), synchronize_stream waits
+// for the whole device, is_capturing asks about the legacy stream. On its
+// own thread it is exactly cudaStreamPerThread. Such a handle is never
+// reused: blocks cached for the stream of a thread that ended stay in that
+// stream's pool until the cache is released (empty_cache, or an
+// allocation's out-of-memory path).
 // Streams and events are bound to the device they were created on; pass that
 // device with them.
 //
@@ -113,8 +125,9 @@ class cuda_backend final : public device_backend {
   /// does not synchronize with the legacy default stream. The caller destroys
   /// it with destroy_stream. Throws backend_error.
   [[nodiscard]] stream_t create_stream(int device) override;
-  /// cudaStreamDestroy. Throws backend_error for stream 0 (the default stream
-  /// cannot be destroyed) or a CUDA error. Work queued on the stream still
+  /// cudaStreamDestroy. Throws backend_error for a default stream (0,
+  /// cudaStreamLegacy, cudaStreamPerThread or a resolved per-thread stream:
+  /// they cannot be destroyed) or a CUDA error. Work queued on the stream still
   /// completes (CUDA's semantics).
   void destroy_stream(int device, stream_t stream) override;
   /// cudaEventCreateWithFlags(cudaEventDisableTiming) on `device`. Never

@@ -96,11 +96,38 @@ class device_backend {
   /// segment_free on the same device.
   [[nodiscard]] virtual void* segment_malloc(int device, std::size_t size_bytes) = 0;
   /// Returns memory from segment_malloc (cudaFree). Implicitly synchronizes the
-  /// device, as cudaFree does. `ptr` must be a pointer segment_malloc returned
-  /// on `device` and not yet freed.
+  /// device, as cudaFree does: returns only once all work queued on every
+  /// stream of `device` before the call has completed (events recorded
+  /// before it have completed then). `ptr` must be a pointer segment_malloc
+  /// returned on `device` and not yet freed; anything else throws
+  /// backend_error.
   virtual void segment_free(int device, void* ptr) = 0;
 
   // --- streams and events ------------------------------------------------------
+  //
+  // Every function taking a stream also accepts the special handles
+  // legacy_stream_handle (cudaStreamLegacy) and per_thread_stream_handle
+  // (cudaStreamPerThread), meaning the stream they stand for on the calling
+  // thread, and the handles resolve_stream returns, on any thread.
+
+  /// The handle of the stream `stream` stands for when called on this thread
+  /// (SPEC F2, NVIDIA/cub#373): legacy_stream_handle gives default_stream
+  /// (the legacy default stream); per_thread_stream_handle gives a handle of
+  /// the calling thread's per-thread default stream of `device`: the same
+  /// value on every call of one thread, a different one on each thread, never
+  /// a value create_stream returns (the top bit is set; is_per_thread_stream
+  /// tells), never reused after the thread ends. Any other handle comes back
+  /// unchanged. The allocator resolves every stream it is given before it
+  /// keys pools or events by it, so that two threads' per-thread streams
+  /// never share a pool. Throws backend_error for a device out of range.
+  /// Not optional; the default implementation is right for every backend
+  /// whose streams are CUDA's handle values or counters below 2^63.
+  [[nodiscard]] virtual stream_t resolve_stream(int device, stream_t stream) const;
+  /// True for a handle resolve_stream returned for a per-thread default stream.
+  [[nodiscard]] static bool is_per_thread_stream(stream_t stream) noexcept;
+  /// True when `stream` is the calling thread's own per-thread default stream
+  /// (a resolve_stream result of this thread).
+  [[nodiscard]] static bool is_calling_thread_stream(stream_t stream) noexcept;
 
   /// Creates a stream on `device` (cudaStreamCreateWithFlags, non-blocking).
   [[nodiscard]] virtual stream_t create_stream(int device) = 0;

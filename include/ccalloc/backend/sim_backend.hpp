@@ -13,10 +13,36 @@
 // stream runs until `until`. An event recorded on a stream completes when the
 // clock reaches the stream's busy-until time at the moment of recording.
 // synchronize_* advance the clock to when the awaited work completes (the host
-// waited that long). segment_free does not advance the clock, although
-// cudaFree synchronizes the device: the caching allocator frees only segments
-// with no pending work, so the wait would change no event's outcome, and a
-// replay would otherwise skip ahead of the program it replays.
+// waited that long). segment_free waits for the device as cudaFree does: the
+// clock advances to the latest busy-until time of the device's streams, so
+// every event recorded before it has completed afterwards (and a stream
+// behind a closed gate makes it throw, see Gates); the replay turns this off
+// (sim_options::segment_free_synchronizes).
+//
+// Streams: any handle is a stream (created lazily, see enqueue_work).
+// legacy_stream_handle is stream 0; per_thread_stream_handle is the calling
+// thread's own per-thread default stream (resolve_stream's handle for that
+// thread), so two threads passing it use two streams, as on CUDA.
+//
+// What differs from a GPU (a test passing here may not prove the GPU case):
+// - Nothing runs: kernels are enqueue_work calls, copies are a memmove at
+//   once (the clock does not see them), and memory can be read and written
+//   from the host at any time, also while "in use" on a stream.
+// - Time passes only when the caller moves the clock or the host waits
+//   (synchronize_*, segment_free); a query never sees work finish by itself.
+// - vm_unmap, vm_release_handle and vm_release wait for nothing (cuMemUnmap
+//   does not either; the allocator synchronizes before unmapping on both).
+// - Another thread's per-thread default stream is fully usable from any
+//   thread (record_event, synchronize_stream, wait_gate); on CUDA only its
+//   own thread can name it, and cuda_backend falls back to the legacy default
+//   stream or the whole device there (cuda_backend.hpp).
+// - Every stream is non-blocking: work on stream 0 does not wait for other
+//   streams (CUDA's legacy default stream does, for blocking streams).
+// - Capture: only begin_capture / end_capture exist; nothing is recorded.
+// - Out of memory is a capacity count; there is no fragmentation of the
+//   physical memory, no context overhead, no driver reserve.
+// - IPC: opening a segment exported by this process is refused as on CUDA,
+//   but an import does not keep the exporter's memory alive (below).
 //
 // Gates (capabilities().gates): a gate is an id. wait_gate on a closed gate
 // makes the stream's work wait until the gate opens: its busy-until time is
@@ -115,6 +141,14 @@ struct sim_options {
   /// Whether distinct devices can access each other (can_access_peer,
   /// enable_peer_access, vm_set_access for another device). Default: true.
   bool peer_access = true;
+  /// Whether segment_free waits for the device as cudaFree does (the clock
+  /// advances to the latest busy-until time of the device's streams).
+  /// Default: true. The replay turns it off: its side streams' work stands
+  /// for the lag between a free and PyTorch seeing the block's event
+  /// complete (the recorded free_completed), not for work a cudaFree would
+  /// wait for; on a GPU the replay defers segment frees past that lag
+  /// instead (replay.hpp).
+  bool segment_free_synchronizes = true;
 };
 
 /// Counters the simulated device keeps (for tests and the replay report).

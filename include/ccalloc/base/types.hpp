@@ -20,6 +20,15 @@ using event_t = std::uintptr_t;
 
 inline constexpr stream_t default_stream = 0;
 
+/// The value of CUDA's `cudaStreamLegacy` handle: the legacy default stream
+/// of the current device, the same stream as default_stream here.
+inline constexpr stream_t legacy_stream_handle = 1;
+/// The value of CUDA's `cudaStreamPerThread` handle: the calling thread's
+/// per-thread default stream, a different stream on each thread. The
+/// allocator resolves it on the calling thread (device_backend::resolve_stream)
+/// and keys its pools by the resolved handle, never by this value.
+inline constexpr stream_t per_thread_stream_handle = 2;
+
 inline constexpr std::size_t kib = std::size_t{1} << 10;
 inline constexpr std::size_t mib = std::size_t{1} << 20;
 inline constexpr std::size_t gib = std::size_t{1} << 30;

@@ -189,12 +189,20 @@ class device_caching_allocator {
   // are returned to the device or unmapped, so addresses a captured CUDA graph
   // baked in stay valid; at use count 0 its cached segments are returned by
   // empty_cache and by the out-of-memory path, and the pool disappears once it
-  // holds no segment. Capture semantics (PyTorch: captures_underway): while
-  // any begin_allocate_to_pool is active, the allocator neither queries nor
-  // waits for events, nor frees or unmaps device memory; the free of a block
-  // used on other streams is deferred until the last end_allocate_to_pool (or
-  // later, while the backend reports one of its streams as capturing). Every
-  // function below locks the whole device; all are thread-safe.
+  // holds no segment. Capture semantics: while a graph capture runs where the
+  // allocator can see it -- a begin_allocate_to_pool is active and a stream
+  // that allocated on this device since then is capturing
+  // (device_backend::is_capturing, asked at each allocation while a scope is
+  // active) -- the allocator neither queries nor waits for events, nor frees
+  // or unmaps device memory; the free of a block used on other streams is
+  // deferred until the last end_allocate_to_pool (or later, while the backend
+  // reports one of its streams as capturing). A scope without a capture
+  // (a private pool used as a plain scoped pool) is ordinary allocation: the
+  // cache is released and events are waited for as without it (PyTorch's
+  // captures_underway treats every scope as a capture: pytorch/pytorch#159674).
+  // A capture on a stream that has not allocated through this device since
+  // its scope began is not seen. Every function below locks the whole device;
+  // all are thread-safe.
 
   /// Creates the pool `id` with use count 1, or adds 1 to an existing pool's
   /// use count (PyTorch: createOrIncrefPool). `custom` supplies the pool's
@@ -254,7 +262,7 @@ class device_caching_allocator {
   /// are untouched. Waits for pending events first. Throws
   /// invalid_argument_error, changing nothing, when `state` is from another
   /// device, names an unknown pool, or the pool's segments (address, size,
-  /// stream, kind) differ from those in `state`, when a capture is underway,
+  /// stream, kind) differ from those in `state`, when a begin_allocate_to_pool is active,
   /// or when a block to create lies in an unmapped range.
   checkpoint_restore_result set_checkpoint_pool_state(const pool_checkpoint& state);
 

@@ -95,7 +95,11 @@ class caching_allocator {
   [[nodiscard]] std::string name() const { return "ccalloc"; }
   [[nodiscard]] device_backend& backend() const noexcept { return *backend_; }
 
-  /// Allocates `size_bytes` on `device` for use on `stream` (F2). Size 0
+  /// Allocates `size_bytes` on `device` for use on `stream` (F2); the
+  /// special handles legacy_stream_handle and per_thread_stream_handle
+  /// (cudaStreamLegacy, cudaStreamPerThread) mean the stream they stand for
+  /// on the calling thread (device_backend::resolve_stream): each thread's
+  /// per-thread default stream has its own pool. Size 0
   /// returns nullptr. Throws invalid_argument_error for an uninitialized
   /// allocator or a device out of range, out_of_memory_error when the device
   /// cannot provide the memory (at once for sizes >= 1 EiB).
@@ -151,7 +155,8 @@ class caching_allocator {
   [[nodiscard]] std::pair<void*, std::size_t> get_base_allocation(void* ptr) const;
   /// The block holding `ptr` will not be reused until the work queued on
   /// `stream` before its free has completed (F11; PyTorch: recordStream).
-  /// `ptr` may point inside a live block (a view at an offset): the owning
+  /// `stream` may be a special handle, resolved on the calling thread as in
+  /// malloc. `ptr` may point inside a live block (a view at an offset): the owning
   /// block is found (SPEC X4; PyTorch ignores such pointers). A pointer inside
   /// no live block of this allocator is ignored.
   void record_stream(void* ptr, stream_t stream);
@@ -308,7 +313,11 @@ class caching_allocator {
   void release_pool(int device, mempool_id_t id);
   /// PyTorch: getPoolUseCount (0 for an unknown pool).
   [[nodiscard]] int get_pool_use_count(int device, mempool_id_t id) const;
-  /// PyTorch: beginAllocateToPool. `filter` picks the streams (see stream_filter).
+  /// PyTorch: beginAllocateToPool. `filter` picks the streams (see
+  /// stream_filter); it is called with resolved handles
+  /// (device_backend::resolve_stream): to pick a per-thread default stream,
+  /// compare with backend().resolve_stream(device, per_thread_stream_handle)
+  /// taken on that thread.
   void begin_allocate_to_pool(int device, mempool_id_t id, stream_filter filter);
   /// PyTorch: endAllocateToPool.
   void end_allocate_to_pool(int device, mempool_id_t id);

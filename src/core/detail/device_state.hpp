@@ -350,7 +350,20 @@ class device_state {
   private_pool& checked_pool(mempool_id_t id, const char* what) const;
   private_pool* routed_pool(stream_t stream) const;                           // [device]
   block_pool& pool_in(private_pool& pp, stream_state& ss, bool small);
-  [[nodiscard]] bool capture_underway() const noexcept { return capture_count_.load(std::memory_order_relaxed) != 0; }
+  // A begin_allocate_to_pool is active: allocations may be routed to a
+  // private pool (allocate_unusual). Read on the hot path.
+  [[nodiscard]] bool pool_scope_active() const noexcept { return capture_count_.load(std::memory_order_relaxed) != 0; }
+  // A graph capture runs where the allocator can see it: a pool scope is
+  // active and a stream seen allocating during it still captures
+  // (device_backend::is_capturing). Only then may the allocator not query or
+  // wait for events, synchronize, or free device memory (CUDA's global
+  // capture mode). A scoped pool outside a capture is ordinary allocation
+  // (issue 16; PyTorch's pytorch/pytorch#159674). A capture on a stream that
+  // has not allocated through this device since the scope began is not seen.
+  [[nodiscard]] bool capture_underway() noexcept;
+  // Called for each allocation while a pool scope is active: remembers
+  // `stream` if it captures.
+  void note_if_capturing(stream_t stream);
   [[nodiscard]] bool pool_is_live(const block_pool* pool) const noexcept {
     return pool->priv != nullptr && pool->priv->use_count > 0;
   }
@@ -441,6 +454,10 @@ class device_state {
   };
   std::vector<capture_entry> captures_underway_;  // begin_allocate_to_pool stack, oldest first
   std::atomic<std::size_t> capture_count_{0};    // captures_underway_.size(): read on the hot path
+  // Streams seen capturing while a pool scope was active; pruned when they
+  // stop, cleared when the last scope ends. [capturing_mutex_, a leaf lock]
+  std::mutex capturing_mutex_;
+  std::vector<stream_t> capturing_streams_;
   // Frees of blocks used on other streams while a capture was underway:
   // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
   std::vector<block*> deferred_frees_;
