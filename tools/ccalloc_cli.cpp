@@ -30,6 +30,7 @@
 // error (unknown option, missing subcommand, bad --device or --device-memory
 // value, --device-memory with --device cuda).
 // With --json, stdout holds exactly one JSON document; warnings go to stderr.
+#include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/snapshot.hpp>
@@ -75,8 +76,6 @@ class usage_error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-constexpr double bytes_per_gib = 1024.0 * 1024.0 * 1024.0;
-
 // ---- formatting helpers ------------------------------------------------------
 
 /// printf into a std::string.
@@ -103,7 +102,7 @@ std::string with_commas(std::uint64_t value) {
 }
 
 /// Bytes as GiB with 3 decimals: "12.661 GiB".
-std::string gib(std::uint64_t bytes) { return format("%.3f GiB", double(bytes) / bytes_per_gib); }
+std::string gib(std::uint64_t bytes) { return ccalloc::detail::format_gib(bytes); }
 
 /// Pads `s` on the left (right-aligns it) to `width` characters.
 std::string right(const std::string& s, std::size_t width) {
@@ -514,19 +513,14 @@ min_memory_result find_min_memory(const loaded_trace& input, const ccalloc::repl
 }
 
 void print_min_memory(const min_memory_result& m) {
-  const auto gib_text = [](std::uint64_t b) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.3f GiB", double(b) / double(1ull << 30));
-    return std::string(buf);
-  };
   std::printf("\nSmallest device memory without out of memory (bisection to 2 MiB):\n");
-  std::printf("  ccalloc              %s  (%llu B)\n", gib_text(m.ccalloc_bytes).c_str(),
+  std::printf("  ccalloc              %s  (%llu B)\n", gib(m.ccalloc_bytes).c_str(),
               static_cast<unsigned long long>(m.ccalloc_bytes));
   if (m.native_bytes)
-    std::printf("  PyTorch native       %s  (ccalloc / PyTorch %.3fx)\n", gib_text(m.native_bytes).c_str(),
+    std::printf("  PyTorch native       %s  (ccalloc / PyTorch %.3fx)\n", gib(m.native_bytes).c_str(),
                 double(m.ccalloc_bytes) / double(m.native_bytes));
   if (m.native_expandable_bytes)
-    std::printf("  PyTorch expandable   %s  (ccalloc / PyTorch %.3fx)\n", gib_text(m.native_expandable_bytes).c_str(),
+    std::printf("  PyTorch expandable   %s  (ccalloc / PyTorch %.3fx)\n", gib(m.native_expandable_bytes).c_str(),
                 double(m.ccalloc_bytes) / double(m.native_expandable_bytes));
 }
 

@@ -299,7 +299,7 @@ void device_state::free_uncached(block* b, stream_state& ss) {
   if (b->counted_oversize) st.oversize_allocations.decrease(1);
   device_stats::decrease(st.active, g, 1);
   device_stats::decrease(st.active_bytes, g, size);
-  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
   forget_segment(b, st);
 }
 

@@ -316,7 +316,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
     device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
   }
   b->allocated = true;
-  b->requested_size = p.requested_bytes;
+  b->requested_bytes = p.requested_bytes;
   const auto size = static_cast<std::int64_t>(b->size);
   device_stats::increase(st.allocation, g, 1);
   device_stats::increase(st.allocated_bytes, g, size);
@@ -383,8 +383,8 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   else if (net_split_bytes < 0) device_stats::decrease(st.inactive_split_bytes, g, -net_split_bytes);
   device_stats::decrease(st.active, g, 1);
   device_stats::decrease(st.active_bytes, g, original_size);
-  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
-  b->requested_size = 0;
+  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
+  b->requested_bytes = 0;
   // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
   if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {
     // This free completes inside another operation (a malloc that found the

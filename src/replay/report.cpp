@@ -7,6 +7,7 @@
 
 #include "report_model.hpp"
 
+#include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
@@ -46,15 +47,7 @@ using namespace report_detail;
   return out;
 }
 
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (std::fabs(bytes) >= 1024.0 && u < 4) {
-    bytes /= 1024.0;
-    ++u;
-  }
-  return u == 0 ? fmt("%.0f B", bytes) : fmt(bytes >= 100 ? "%.1f %s" : "%.2f %s", bytes, units[u]);
-}
+using detail::format_bytes;
 
 std::string with_commas(std::uint64_t value) {
   std::string digits = std::to_string(value), out;
@@ -259,9 +252,9 @@ std::string segment_map_svg(std::vector<segment_info> segments, std::size_t& dra
     o += fmt("<g><title>segment 0x%llx: %s, %s pool, stream %llu; %s allocated, %s requested</title>"
              "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\" stroke=\"#8795a5\" "
              "stroke-width=\"0.6\"/>",
-             static_cast<unsigned long long>(s.address), human_bytes(double(s.total_bytes)).c_str(),
+             static_cast<unsigned long long>(s.address), format_bytes(s.total_bytes).c_str(),
              s.is_small_pool ? "small" : "large", static_cast<unsigned long long>(s.stream),
-             human_bytes(double(s.allocated_bytes)).c_str(), human_bytes(double(s.requested_bytes)).c_str(), x0, y, w,
+             format_bytes(s.allocated_bytes).c_str(), format_bytes(s.requested_bytes).c_str(), x0, y, w,
              row_h, color_free);
     ++drawn_rects;
     // Blocks: runs of tiny blocks of one kind are merged into one rectangle.
@@ -288,8 +281,8 @@ std::string segment_map_svg(std::vector<segment_info> segments, std::size_t& dra
         const double rw = b.state == block_state::active_allocated ? double(b.requested_bytes) * scale : bw;
         o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"><title>block %s (%s "
                  "requested), %s</title></rect>",
-                 bx, y + 1, std::max(0.3, rw), row_h - 2, color, human_bytes(double(b.size_bytes)).c_str(),
-                 human_bytes(double(b.requested_bytes)).c_str(), std::string(to_string(b.state)).c_str());
+                 bx, y + 1, std::max(0.3, rw), row_h - 2, color, format_bytes(b.size_bytes).c_str(),
+                 format_bytes(b.requested_bytes).c_str(), std::string(to_string(b.state)).c_str());
         ++drawn_rects;
         if (bw - rw >= 0.5) {
           o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"/>", bx + rw, y + 1,
@@ -410,7 +403,7 @@ std::string peaks_table(const report_summary& sum, const native_reference* nativ
                   "<th class=\"l\">source</th></tr>\n";
   for (const row& r : rows) {
     const double w = 180.0 * double(r.reserved) / double(widest), rw = 180.0 * req / double(widest);
-    o += "<tr><td class=\"l\">" + html(r.who) + "</td><td>" + human_bytes(double(r.reserved)) + "</td><td>" +
+    o += "<tr><td class=\"l\">" + html(r.who) + "</td><td>" + format_bytes(r.reserved) + "</td><td>" +
          (req > 0 ? fmt("%.3f", double(r.reserved) / req) : std::string("-")) + "</td><td>" + r.mallocs +
          "</td><td class=\"l\">" +
          fmt("<svg width=\"184\" height=\"14\"><rect x=\"0\" y=\"2\" width=\"%.1f\" height=\"10\" fill=\"%s\"/>"
@@ -448,14 +441,14 @@ std::string render_report_html(const trace& t, const report_options& options, co
        " events &middot; " + std::to_string(streams.size()) + (streams.size() == 1 ? " stream" : " streams") +
        (duration > 0 ? " &middot; " + html(seconds_text(duration)) + " recorded" : std::string()) +
        " &middot; replayed with " + html(options.config.empty() ? "the default configuration" : options.config) +
-       " on a simulated device of " + html(human_bytes(double(options.device_memory_bytes))) + "</p>\n";
+       " on a simulated device of " + html(format_bytes(options.device_memory_bytes)) + "</p>\n";
   for (const std::string& note : t.notes) o += "<p class=\"note\">Input: " + html(note) + "</p>\n";
 
   // Summary.
   o += "<section class=\"card\"><h2>Summary</h2>\n<div class=\"kpis\">";
-  o += kpi(human_bytes(double(sum.replay.peak_requested_bytes)), "peak requested (what the program asked for)");
-  o += kpi(human_bytes(double(sum.replay.peak_allocated_bytes)), "ccalloc peak allocated (rounded blocks)");
-  o += kpi(human_bytes(double(sum.replay.peak_reserved_bytes)), "ccalloc peak reserved (device memory)");
+  o += kpi(format_bytes(sum.replay.peak_requested_bytes), "peak requested (what the program asked for)");
+  o += kpi(format_bytes(sum.replay.peak_allocated_bytes), "ccalloc peak allocated (rounded blocks)");
+  o += kpi(format_bytes(sum.replay.peak_reserved_bytes), "ccalloc peak reserved (device memory)");
   o += kpi(fmt("%.3f", sum.replay.fragmentation()), "ccalloc reserved / requested at the peaks");
   o += "</div>\n";
   if (sum.replay.ooms > 0)
@@ -490,7 +483,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
   o += "<section class=\"card\"><h2>Segment map at the peak</h2>\n<p class=\"note\">After event " +
        with_commas(peak_index + 1) + " of " + with_commas(n) + " (line " + std::to_string(t.events[peak_index].line) +
        "), where ccalloc's reserved bytes are highest: " + std::to_string(at_peak.size()) + " segments, " +
-       html(human_bytes(double(peak_reserved))) + " reserved, " + html(human_bytes(double(peak_alloc))) +
+       html(format_bytes(peak_reserved)) + " reserved, " + html(format_bytes(peak_alloc)) +
        " allocated. Segments are packed into rows, largest first; hover a segment for its figures.</p>\n" + map;
   o += "<div class=\"legend\"><span><i class=\"sw\" style=\"background:" + std::string(color_block) +
        "\"></i>allocated (requested bytes)</span><span><i class=\"sw\" style=\"background:" + color_rounding +
@@ -509,10 +502,10 @@ std::string render_report_html(const trace& t, const report_options& options, co
   for (const auto& r : rows) {
     const std::uint64_t free = r.reserved - r.allocated - r.pending;
     o += "<tr><td class=\"l\">" + std::to_string(r.stream) + "</td><td class=\"l\">" + (r.small ? "small" : "large") +
-         "</td><td>" + std::to_string(r.segments) + "</td><td>" + human_bytes(double(r.reserved)) + "</td><td>" +
-         human_bytes(double(r.allocated)) + "</td><td>" + human_bytes(double(r.requested)) + "</td><td>" +
-         human_bytes(double(r.pending)) + "</td><td>" + human_bytes(double(free)) + "</td><td>" +
-         human_bytes(double(r.largest_free)) + "</td><td>" +
+         "</td><td>" + std::to_string(r.segments) + "</td><td>" + format_bytes(r.reserved) + "</td><td>" +
+         format_bytes(r.allocated) + "</td><td>" + format_bytes(r.requested) + "</td><td>" +
+         format_bytes(r.pending) + "</td><td>" + format_bytes(free) + "</td><td>" +
+         format_bytes(r.largest_free) + "</td><td>" +
          fmt("%.1f%%", r.reserved ? 100.0 * double(r.reserved - std::min(r.reserved, r.requested)) / double(r.reserved)
                                   : 0.0) +
          "</td><td class=\"l\">" + pool_bar(r, widest) + "</td></tr>\n";
@@ -532,7 +525,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
     const double f = b.free_x < 0 ? end_x : b.free_x;
     auto when = [&](double x) { return sl.by_time ? seconds_text(x) : "event " + with_commas(std::uint64_t(x)); };
     const double l = end_x > 0 ? 100.0 * b.alloc_x / end_x : 0, w = end_x > 0 ? 100.0 * (f - b.alloc_x) / end_x : 100;
-    o += "<tr><td>" + std::to_string(i + 1) + "</td><td>" + human_bytes(double(b.size)) + "</td><td class=\"l\">" +
+    o += "<tr><td>" + std::to_string(i + 1) + "</td><td>" + format_bytes(b.size) + "</td><td class=\"l\">" +
          std::to_string(b.stream) + "</td><td>" + html(when(b.alloc_x)) + "</td><td>" +
          (b.free_x < 0 ? std::string("live at the end") : html(when(b.free_x))) + "</td><td>" +
          (sl.by_time ? html(seconds_text(f - b.alloc_x)) : with_commas(std::uint64_t(f - b.alloc_x)) + " events") +
