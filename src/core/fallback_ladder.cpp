@@ -8,6 +8,8 @@
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include "detail/device_state.hpp"
+
+#include <ccalloc/base/detail/assert.hpp>
 #include "detail/stats_sink.hpp"
 
 #include <algorithm>
@@ -261,6 +263,7 @@ void device_state::release_block(block* b, device_stats& st) {
 
 // The books of a segment the device has taken back; `b` is its only block.
 void device_state::forget_segment(block* b, device_stats& st) noexcept {
+  CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= reserved_bytes_);
   if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
   const stat_group g = group_of(b->pool);
   device_stats::decrease(st.segment, g, 1);
