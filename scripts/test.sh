@@ -42,7 +42,9 @@ plain() {
 }
 
 asan() {
-  cmake -S . -B build-asan "${CONFIGURE[@]}" -DCCALLOC_SANITIZE=address,undefined -DCCALLOC_BUILD_BENCH=OFF >/dev/null
+  # Internal invariants (CCALLOC_ASSERT) are checked here too.
+  cmake -S . -B build-asan "${CONFIGURE[@]}" -DCCALLOC_SANITIZE=address,undefined -DCCALLOC_BUILD_BENCH=OFF \
+    -DCCALLOC_ENABLE_ASSERTS=ON >/dev/null
   cmake --build build-asan -j "$JOBS"
   # Not the install and Python tests: they load the instrumented library into
   # programs built without the sanitizers (an outside project, python3); the

@@ -9,8 +9,8 @@
 #include <type_traits>
 
 static_assert(std::is_same_v<ccalloc_stream_t, cudaStream_t>);
-static_assert(std::is_same_v<decltype(&ccalloc_alloc), void* (*)(std::size_t, int, cudaStream_t)>);
-static_assert(std::is_same_v<decltype(&ccalloc_free), void (*)(void*, std::size_t, int, cudaStream_t)>);
+static_assert(std::is_same_v<decltype(&ccalloc_plugin_alloc), void* (*)(std::size_t, int, cudaStream_t)>);
+static_assert(std::is_same_v<decltype(&ccalloc_plugin_free), void (*)(void*, std::size_t, int, cudaStream_t)>);
 static_assert(std::is_same_v<decltype(&ccalloc_torch_alloc), void* (*)(std::size_t, int, cudaStream_t)>);
 static_assert(std::is_same_v<decltype(&ccalloc_torch_free), void (*)(void*, std::size_t, int, cudaStream_t)>);
 static_assert(std::is_same_v<decltype(&ccalloc_torch_init), void (*)(int)>);

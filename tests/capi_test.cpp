@@ -560,7 +560,7 @@ TEST(CApiPyTorch, AllocAndFreeOnTheProcessWideAllocator) {
   EXPECT_TRUE(std::string(name) == "sim" || std::string(name) == "cuda") << name;
 
   const std::int64_t before = stat(nullptr, "allocation.all.current");
-  void* p = ccalloc_alloc(3000, 0, nullptr);
+  void* p = ccalloc_plugin_alloc(3000, 0, nullptr);
   ASSERT_NE(p, nullptr) << ccalloc_last_error();
   EXPECT_EQ(stat(nullptr, "allocation.all.current"), before + 1);
   void* base = nullptr;
@@ -576,22 +576,38 @@ TEST(CApiPyTorch, AllocAndFreeOnTheProcessWideAllocator) {
   else
     EXPECT_EQ(size, 2 * MiB) << "a small-pool segment";
   ccalloc_torch_record_stream(p, nullptr);
-  ccalloc_free(p, 3000, 0, nullptr);
+  ccalloc_plugin_free(p, 3000, 0, nullptr);
   EXPECT_EQ(stat(nullptr, "allocation.all.current"), before);
 
-  EXPECT_EQ(ccalloc_alloc(0, 0, nullptr), nullptr);
-  EXPECT_EQ(ccalloc_alloc(std::size_t{1} << 62, 0, nullptr), nullptr);
+  EXPECT_EQ(ccalloc_plugin_alloc(0, 0, nullptr), nullptr);
+  EXPECT_EQ(ccalloc_plugin_alloc(std::size_t{1} << 62, 0, nullptr), nullptr);
   EXPECT_NE(std::string(ccalloc_last_error()).find("out of memory"), std::string::npos) << ccalloc_last_error();
-  EXPECT_EQ(ccalloc_alloc(512, 99, nullptr), nullptr);
+  EXPECT_EQ(ccalloc_plugin_alloc(512, 99, nullptr), nullptr);
   EXPECT_NE(std::string(ccalloc_last_error()).find("device 99"), std::string::npos) << ccalloc_last_error();
 
   // A bad free is reported on stderr and kept, never thrown.
   testing::internal::CaptureStderr();
-  ccalloc_free(p, 3000, 0, nullptr);
+  ccalloc_plugin_free(p, 3000, 0, nullptr);
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find(pointer_text(p)), std::string::npos) << err;
   EXPECT_NE(std::string(ccalloc_last_error()).find(pointer_text(p)), std::string::npos);
 }
+
+// The names before ccalloc_plugin_alloc / ccalloc_plugin_free stay exported
+// and do the same (deprecated: "ccalloc_free" is not the free of ccalloc_malloc).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST(CApiPyTorch, DeprecatedAllocAndFreeNamesStillWork) {
+  const std::int64_t before = stat(nullptr, "allocation.all.current");
+  void* p = ccalloc_alloc(3000, 0, nullptr);
+  ASSERT_NE(p, nullptr) << ccalloc_last_error();
+  EXPECT_EQ(stat(nullptr, "allocation.all.current"), before + 1);
+  ccalloc_free(p, 3000, 0, nullptr);
+  EXPECT_EQ(stat(nullptr, "allocation.all.current"), before);
+  EXPECT_EQ(ccalloc_alloc(512, 99, nullptr), nullptr);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("device 99"), std::string::npos) << ccalloc_last_error();
+}
+#pragma GCC diagnostic pop
 
 TEST(CApiPyTorch, HooksThrowWhatPyTorchTurnsIntoRuntimeError) {
   ccalloc_torch_init(1);

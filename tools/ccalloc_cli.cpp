@@ -21,19 +21,22 @@
 // Without TRACE, replay and compare use the trace embedded in the binary
 // (include/ccalloc/replay/embedded.hpp). When PyTorch's own figures for the
 // trace are known (built in for the embedded trace; for a file, an entry
-// named after it in a native_peaks.json in the same folder), the output
-// compares ccalloc's peaks with them.
+// named after it in a native_peaks.json in the same folder:
+// include/ccalloc/replay/native_reference.hpp), the output compares
+// ccalloc's peaks with them.
 //
 // Exit status: 0 success; 1 a ccalloc error (bad trace, bad configuration,
 // unreadable file), printed as "ccalloc: <message>" on stderr; 2 a usage
 // error (unknown option, missing subcommand, bad --device or --device-memory
 // value, --device-memory with --device cuda).
 // With --json, stdout holds exactly one JSON document; warnings go to stderr.
+#include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/snapshot.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/replay/embedded.hpp>
+#include <ccalloc/replay/native_reference.hpp>
 #include <ccalloc/replay/replay.hpp>
 #include <ccalloc/replay/report.hpp>
 #include <ccalloc/replay/trace.hpp>
@@ -53,7 +56,6 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -75,8 +77,6 @@ class usage_error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
-
-constexpr double bytes_per_gib = 1024.0 * 1024.0 * 1024.0;
 
 // ---- formatting helpers ------------------------------------------------------
 
@@ -104,7 +104,7 @@ std::string with_commas(std::uint64_t value) {
 }
 
 /// Bytes as GiB with 3 decimals: "12.661 GiB".
-std::string gib(std::uint64_t bytes) { return format("%.3f GiB", double(bytes) / bytes_per_gib); }
+std::string gib(std::uint64_t bytes) { return ccalloc::detail::format_gib(bytes); }
 
 /// Pads `s` on the left (right-aligns it) to `width` characters.
 std::string right(const std::string& s, std::size_t width) {
@@ -242,74 +242,10 @@ class progress_bar {
 
 // ---- the trace and PyTorch's figures for it ------------------------------------
 
-/// PyTorch's native allocator's figures for a trace (native_peaks.json);
-/// 0 = not given.
-struct native_figures {
-  std::string origin;  ///< where they came from, for the report
-  json raw;            ///< the entry as written
-  std::uint64_t requested_peak = 0;
-  std::uint64_t reserved_peak = 0;
-  std::uint64_t expandable_reserved_peak = 0;
-  std::uint64_t allocated_peak = 0;
-  std::uint64_t device_allocs = 0;
-};
-
-std::uint64_t json_u64(const json& object, const char* key) {
-  const auto it = object.find(key);
-  return it != object.end() && it->is_number_unsigned() ? it->get<std::uint64_t>() : 0;
-}
-
-native_figures figures_from(const json& entry, std::string origin) {
-  native_figures f;
-  f.origin = std::move(origin);
-  f.raw = entry;
-  f.requested_peak = json_u64(entry, "requested_peak");
-  f.reserved_peak = json_u64(entry, "native_reserved_peak");
-  f.expandable_reserved_peak = json_u64(entry, "native_expandable_reserved_peak");
-  f.allocated_peak = json_u64(entry, "native_allocated_peak");
-  f.device_allocs = json_u64(entry, "native_device_allocs");
-  return f;
-}
-
-/// "gpt2_train" for ".../gpt2_train.trace.gz" or ".../gpt2_train.trace";
-/// otherwise the file name.
-std::string trace_base_name(const std::filesystem::path& path) {
-  std::string name = path.filename().string();
-  for (const std::string_view suffix : {std::string_view(".trace.gz"), std::string_view(".trace")}) {
-    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
-      return name.substr(0, name.size() - suffix.size());
-    }
-  }
-  return name;
-}
-
-/// The figures for trace file `trace_path` from a native_peaks.json in its
-/// folder, if there is one with an entry for it. An unreadable or malformed
-/// native_peaks.json gives a warning on stderr, not an error: the replay
-/// itself does not depend on it.
-std::optional<native_figures> native_figures_beside(const std::string& trace_path) {
-  namespace fs = std::filesystem;
-  const fs::path trace_file(trace_path);
-  const fs::path folder = trace_file.has_parent_path() ? trace_file.parent_path() : fs::path(".");
-  const fs::path peaks_path = folder / "native_peaks.json";
-  std::error_code ec;
-  if (!fs::is_regular_file(peaks_path, ec)) return std::nullopt;
-  std::ifstream in(peaks_path);
-  json all = json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (all.is_discarded() || !all.is_object()) {
-    std::cerr << "ccalloc: warning: ignoring " << peaks_path.string() << ": not a JSON object\n";
-    return std::nullopt;
-  }
-  const std::string name = trace_base_name(trace_file);
-  const auto it = all.find(name);
-  if (it == all.end() || !it->is_object()) return std::nullopt;
-  return figures_from(*it, peaks_path.string() + ", entry " + name);
-}
-
 /// The trace to replay and what is known about it.
 struct loaded_trace {
   ccalloc::trace trace;
-  std::optional<native_figures> native;
+  std::optional<ccalloc::native_reference> native;  ///< PyTorch's figures for it, when known
   double read_seconds = 0.0;
 };
 
@@ -321,15 +257,12 @@ loaded_trace load_trace(const std::string& path) {
     const std::string source = "<embedded:" + std::string(ccalloc::embedded::default_trace_name()) + ">";
     out.trace = ccalloc::parse_trace_text(
         ccalloc::maybe_gunzip(ccalloc::embedded::default_trace_gz(), source), source);
-    const std::string_view peaks = ccalloc::embedded::default_trace_native_peaks_json();
-    json entry = json::parse(peaks.begin(), peaks.end(), nullptr, /*allow_exceptions=*/false);
-    if (entry.is_object()) {
-      out.native = figures_from(entry, "built-in figures for " +
-                                           std::string(ccalloc::embedded::default_trace_name()));
-    }
+    out.native = ccalloc::embedded_native_reference();
   } else {
     out.trace = ccalloc::read_trace_file(path);
-    out.native = native_figures_beside(path);
+    std::string warning;
+    out.native = ccalloc::native_reference_beside(path, &warning);
+    if (!warning.empty()) std::cerr << "ccalloc: warning: " << ccalloc::printable_text(warning) << "\n";
     for (const std::string& note : out.trace.notes)
       std::cerr << "ccalloc: note: " << ccalloc::printable_text(path + ": " + note) << "\n";
   }
@@ -369,8 +302,8 @@ double ratio(std::uint64_t a, std::uint64_t b) { return b ? double(a) / double(b
 
 // ---- JSON output ----------------------------------------------------------------
 
-json native_json(const native_figures& native, const ccalloc::replay_result& r) {
-  json out = native.raw;
+json native_json(const ccalloc::native_reference& native, const ccalloc::replay_result& r) {
+  json out = json::parse(native.entry_json);
   out["origin"] = native.origin;
   if (native.requested_peak) {
     if (native.reserved_peak) {
@@ -431,7 +364,7 @@ std::string bytes_cell(std::uint64_t bytes, std::size_t width) {
 std::string or_dash(std::uint64_t value, const std::string& text) { return value ? text : "-"; }
 
 /// The side-by-side table of ccalloc's and PyTorch's figures.
-void print_native_comparison(const ccalloc::replay_result& r, const native_figures& n) {
+void print_native_comparison(const ccalloc::replay_result& r, const ccalloc::native_reference& n) {
   constexpr std::size_t label_w = 20, col_w = 17;
   std::printf("\nCompared with PyTorch's native allocator (%s):\n", n.origin.c_str());
   const auto line = [&](std::string_view label, const std::string& ours, const std::string& native,
@@ -518,7 +451,7 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
                      with_commas(r.device_synchronizations), format("%.3f", r.wall_seconds)}});
   }
   if (input.native) {
-    const native_figures& n = *input.native;
+    const ccalloc::native_reference& n = *input.native;
     if (n.reserved_peak) {
       rows.push_back({{"PyTorch native", gib(n.reserved_peak),
                        or_dash(n.requested_peak, format("%.3f", ratio(n.reserved_peak, n.requested_peak))),
@@ -611,26 +544,21 @@ min_memory_result find_min_memory(const loaded_trace& input, const ccalloc::repl
   min_memory_result m;
   m.ccalloc_bytes = ccalloc::find_min_device_memory(input.trace, options);
   if (input.native) {
-    m.native_bytes = json_u64(input.native->raw, "native_min_capacity_bytes");
-    m.native_expandable_bytes = json_u64(input.native->raw, "native_expandable_min_capacity_bytes");
+    m.native_bytes = input.native->min_capacity_bytes;
+    m.native_expandable_bytes = input.native->expandable_min_capacity_bytes;
   }
   return m;
 }
 
 void print_min_memory(const min_memory_result& m) {
-  const auto gib_text = [](std::uint64_t b) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.3f GiB", double(b) / double(1ull << 30));
-    return std::string(buf);
-  };
   std::printf("\nSmallest device memory without out of memory (bisection to 2 MiB):\n");
-  std::printf("  ccalloc              %s  (%llu B)\n", gib_text(m.ccalloc_bytes).c_str(),
+  std::printf("  ccalloc              %s  (%llu B)\n", gib(m.ccalloc_bytes).c_str(),
               static_cast<unsigned long long>(m.ccalloc_bytes));
   if (m.native_bytes)
-    std::printf("  PyTorch native       %s  (ccalloc / PyTorch %.3fx)\n", gib_text(m.native_bytes).c_str(),
+    std::printf("  PyTorch native       %s  (ccalloc / PyTorch %.3fx)\n", gib(m.native_bytes).c_str(),
                 double(m.ccalloc_bytes) / double(m.native_bytes));
   if (m.native_expandable_bytes)
-    std::printf("  PyTorch expandable   %s  (ccalloc / PyTorch %.3fx)\n", gib_text(m.native_expandable_bytes).c_str(),
+    std::printf("  PyTorch expandable   %s  (ccalloc / PyTorch %.3fx)\n", gib(m.native_expandable_bytes).c_str(),
                 double(m.ccalloc_bytes) / double(m.native_expandable_bytes));
 }
 
@@ -699,14 +627,9 @@ int run_report(const common_options& common, const std::string& config, const st
   options.progress = [&](int pass, std::size_t done_count, std::size_t total) {
     progress.update(done_count, total, "replay " + std::to_string(pass) + "/2");
   };
-  std::optional<ccalloc::native_reference> native;
-  if (input.native) {
-    const native_figures& n = *input.native;
-    native = ccalloc::native_reference{n.origin, n.requested_peak, n.reserved_peak, n.expandable_reserved_peak,
-                                       n.allocated_peak, n.device_allocs};
-  }
   ccalloc::report_summary summary;
-  const std::string page = ccalloc::render_report_html(input.trace, options, native ? &*native : nullptr, &summary);
+  const std::string page =
+      ccalloc::render_report_html(input.trace, options, input.native ? &*input.native : nullptr, &summary);
   progress.done();
   write_output_file(output_path, page, "the report");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -3,7 +3,7 @@
  * What it is: the caching allocator of <ccalloc/frontend/caching_allocator.hpp>
  * behind C functions, for C programs, for other languages (Python's ctypes,
  * see python/ccalloc), and for PyTorch's torch.cuda.memory.CUDAPluggableAllocator,
- * which loads ccalloc_alloc / ccalloc_free (or the ccalloc_torch_* hooks) from
+ * which loads ccalloc_plugin_alloc / ccalloc_plugin_free (or the ccalloc_torch_* hooks) from
  * libccalloc.so. The shared library needs only libstdc++ and, when built with
  * the CUDA backend, libcudart.
  *
@@ -18,7 +18,7 @@
  *
  * Argument order, fixed: allocator, device, then the subject (size, pointer,
  * fraction, text), then the stream, then output pointers last. (The
- * ccalloc_alloc/ccalloc_free and ccalloc_torch_* entry points have PyTorch's
+ * ccalloc_plugin_* and ccalloc_torch_* entry points have PyTorch's
  * signatures instead.)
  *
  * Errors: no function here throws or aborts (except the ccalloc_torch_* hooks,
@@ -32,7 +32,10 @@
  * Pointers: a pointer from ccalloc_malloc is device memory aligned to 512
  * bytes, safe to use on the stream it was allocated on at once, valid until
  * ccalloc_delete (or the allocator's ccalloc_destroy). It belongs to the
- * allocator that made it: free it there.
+ * allocator that made it: free it there. ccalloc_delete is the free of
+ * ccalloc_malloc and ccalloc_raw_alloc*; ccalloc_plugin_free (formerly
+ * ccalloc_free) is PyTorch's hook, with PyTorch's signature, on the
+ * process-wide allocator only.
  *
  * Streams: ccalloc_stream_t is CUDA's cudaStream_t (the same type: a pointer
  * to struct CUstream_st), so a cudaStream_t is passed as is; NULL is the
@@ -67,6 +70,13 @@
 #define CCALLOC_API __attribute__((visibility("default")))
 #else
 #define CCALLOC_API
+#endif
+
+/* Marks a name kept only for compatibility (GCC and Clang warn on use). */
+#if defined(__GNUC__)
+#define CCALLOC_DEPRECATED(msg) __attribute__((deprecated(msg)))
+#else
+#define CCALLOC_DEPRECATED(msg)
 #endif
 
 #ifdef __cplusplus
@@ -184,7 +194,8 @@ CCALLOC_API ccalloc_status_t ccalloc_mem_get_info(ccalloc_allocator_t* alloc, in
  * BACKEND. */
 CCALLOC_API ccalloc_status_t ccalloc_malloc(ccalloc_allocator_t* alloc, int device, size_t size_bytes,
                                             ccalloc_stream_t stream, void** out);
-/** Frees a pointer from this allocator (SPEC F3; PyTorch: raw_delete / free).
+/** Frees a pointer from this allocator: the free of ccalloc_malloc and
+ * ccalloc_raw_alloc* (SPEC F3; PyTorch: raw_delete / free).
  * NULL is a no-op. Errors: INVALID_ARGUMENT naming the pointer when it is not
  * a live allocation of this allocator (never allocated here, freed already,
  * or interior); nothing changes then. Stream ordering: the block is reused at
@@ -521,12 +532,21 @@ CCALLOC_API ccalloc_status_t ccalloc_stream_synchronize(ccalloc_allocator_t* all
  * NULL for size 0 and on failure (message: ccalloc_last_error()); never
  * throws. Note that PyTorch does not check the result: python/ccalloc
  * installs ccalloc_torch_alloc instead, which raises. */
-CCALLOC_API void* ccalloc_alloc(size_t size, int device, ccalloc_stream_t stream);
+CCALLOC_API void* ccalloc_plugin_alloc(size_t size, int device, ccalloc_stream_t stream);
 /** PyTorch's free_fn signature, `void(void*, size_t, int, cudaStream_t)`:
  * ccalloc_delete(NULL, ptr); `size`, `device` and `stream` are not needed
  * (ccalloc knows them) and ignored. An error is printed to stderr (a free has
  * no way to report it) and kept for ccalloc_last_error(). Never throws. */
-CCALLOC_API void ccalloc_free(void* ptr, size_t size, int device, ccalloc_stream_t stream);
+CCALLOC_API void ccalloc_plugin_free(void* ptr, size_t size, int device, ccalloc_stream_t stream);
+/** The names ccalloc_plugin_alloc and ccalloc_plugin_free had before 0.2,
+ * still exported with the same behaviour for programs and PyTorch set-ups
+ * that load them by name. Deprecated: "ccalloc_free" read as the free of
+ * ccalloc_malloc, which it is not (that is ccalloc_delete). */
+CCALLOC_API CCALLOC_DEPRECATED("use ccalloc_plugin_alloc (PyTorch's alloc_fn) or ccalloc_malloc") void* ccalloc_alloc(
+    size_t size, int device, ccalloc_stream_t stream);
+CCALLOC_API CCALLOC_DEPRECATED("use ccalloc_delete to free a ccalloc_malloc pointer; ccalloc_plugin_free is PyTorch's "
+                               "free_fn") void ccalloc_free(void* ptr, size_t size, int device,
+                                                            ccalloc_stream_t stream);
 
 /* ---- hooks for PyTorch (C++ callers only) -----------------------------------------------------
  *
@@ -540,9 +560,9 @@ CCALLOC_API void ccalloc_free(void* ptr, size_t size, int device, ccalloc_stream
  * as ccalloc's OOM error; it is not torch.OutOfMemoryError). Do not call them
  * from C. */
 
-/** alloc_fn: as ccalloc_alloc, but throws instead of returning NULL. */
+/** alloc_fn: as ccalloc_plugin_alloc, but throws instead of returning NULL. */
 CCALLOC_API void* ccalloc_torch_alloc(size_t size, int device, ccalloc_stream_t stream);
-/** free_fn: as ccalloc_free (never throws: PyTorch frees in destructors). */
+/** free_fn: as ccalloc_plugin_free (never throws: PyTorch frees in destructors). */
 CCALLOC_API void ccalloc_torch_free(void* ptr, size_t size, int device, ccalloc_stream_t stream);
 /** init_fn, `void(int device_count)`: creates the process-wide allocator (and
  * its backend) when CUDA initializes, so its start-up cost is not charged to

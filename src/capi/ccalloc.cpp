@@ -790,14 +790,23 @@ ccalloc_status_t ccalloc_stream_synchronize(ccalloc_allocator_t* alloc, int devi
 
 // ---- PyTorch's CUDAPluggableAllocator signatures --------------------------------------------------------
 
-void* ccalloc_alloc(size_t size, int device, ccalloc_stream_t stream) {
+void* ccalloc_plugin_alloc(size_t size, int device, ccalloc_stream_t stream) {
   void* ptr = nullptr;
   if (ccalloc_malloc(nullptr, device, size, stream, &ptr) != CCALLOC_OK) return nullptr;
   return ptr;
 }
 
-void ccalloc_free(void* ptr, size_t /*size*/, int /*device*/, ccalloc_stream_t /*stream*/) {
+void ccalloc_plugin_free(void* ptr, size_t /*size*/, int /*device*/, ccalloc_stream_t /*stream*/) {
   if (ccalloc_delete(nullptr, ptr) != CCALLOC_OK) std::fprintf(stderr, "%s\n", tls_last_error.c_str());
+}
+
+// The deprecated names (ccalloc.h): the same functions.
+void* ccalloc_alloc(size_t size, int device, ccalloc_stream_t stream) {
+  return ccalloc_plugin_alloc(size, device, stream);
+}
+
+void ccalloc_free(void* ptr, size_t size, int device, ccalloc_stream_t stream) {
+  ccalloc_plugin_free(ptr, size, device, stream);
 }
 
 // ---- hooks for PyTorch (these throw) --------------------------------------------------------------------
@@ -808,7 +817,7 @@ void* ccalloc_torch_alloc(size_t size, int device, ccalloc_stream_t stream) {
 }
 
 void ccalloc_torch_free(void* ptr, size_t size, int device, ccalloc_stream_t stream) {
-  ccalloc_free(ptr, size, device, stream);
+  ccalloc_plugin_free(ptr, size, device, stream);
 }
 
 void ccalloc_torch_init(int /*device_count*/) {

@@ -35,13 +35,13 @@ void detail::free_recorded(detail::device_state& s, block* b) {
   context_ptr context = h.gather(record_context::all);
   detail::context_scope scope(detail::context_kind::free, context);
   // The caller owns the live block: its fields do not change meanwhile.
-  h.record(trace_entry_action::free_requested, b->ptr, b->requested_size, b->stream, context);
+  h.record(trace_entry_action::free_requested, b->ptr, b->requested_bytes, b->stream, context);
   // A block used on no other stream is free at once (free_block). Its
   // free_completed is recorded here, before any segment_free that freeing it
   // causes (no-caching mode); one that waits for events is recorded where
   // its events complete (device_state::process_events and friends).
   if (b->stream_uses.empty() && b->event_count == 0)
-    h.record_free_completed(b->ptr, b->requested_size, b->stream);
+    h.record_free_completed(b->ptr, b->requested_bytes, b->stream);
   s.free(b);
 }
 
@@ -123,7 +123,8 @@ std::vector<segment_info> device_caching_allocator::snapshot_segments() {
         run.stream = seg.stream;
         run.is_small_pool = seg.is_small_pool;
         run.is_expandable = true;
-        run.pool_id = seg.pool_id;
+        run.pool = seg.pool;
+        run.pool_id = seg.pool_id;  // the deprecated alias of pool, still filled in
         run.context = seg.context;
       }
       run.total_bytes += b.size_bytes;

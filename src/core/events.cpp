@@ -112,7 +112,7 @@ void device_state::process_events() {
       std::lock_guard lock(ss.mutex);
       if (--b->event_count == 0) {
         if (history_.active()) [[unlikely]]
-          history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+          history_.record_free_completed(b->ptr, b->requested_bytes, b->stream);
         stats_sink sink(*this, ss);
         free_block(b, sink.get(), false);
       }
@@ -126,7 +126,7 @@ void device_state::process_events_locked() {
   take_completed_events([&](block* b) {
     if (--b->event_count != 0) return;
     if (history_.active()) [[unlikely]]
-      history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+      history_.record_free_completed(b->ptr, b->requested_bytes, b->stream);
     free_block(b, stats_, true);
   });
 }
@@ -144,7 +144,7 @@ void device_state::synchronize_and_free_events() {
       ++retired.count;
       if (--b->event_count != 0) continue;
       if (history_.active()) [[unlikely]]
-        history_.record_free_completed(b->ptr, b->requested_size, b->stream);
+        history_.record_free_completed(b->ptr, b->requested_bytes, b->stream);
       free_block(b, stats_, true);
     }
   }

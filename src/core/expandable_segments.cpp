@@ -14,6 +14,8 @@
 
 #include "detail/device_state.hpp"
 
+#include <ccalloc/base/detail/assert.hpp>
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -57,6 +59,7 @@ void device_state::pool_erase_counted(block* b) {
 // Splits free block `b` (outside its pool) at address `at`; returns the upper
 // part, which inherits b's stream, pool, segment and mapping state.
 block* device_state::split_free_block(block* b, std::uintptr_t at) {
+  CCALLOC_ASSERT(b->is_free() && at > b->ptr && at < b->ptr + b->size && (at - b->ptr) % min_block_bytes == 0);
   block* hi = b->pool->owner->new_block();
   hi->ptr = at;
   hi->size = b->ptr + b->size - at;
@@ -352,6 +355,7 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
     std::vector<physical_handle_t> to_release;
     auto finish = [&] {
       const std::size_t bytes = addr - from;
+      CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= reserved_bytes_);
       seg.mapped_bytes -= bytes;
       reserved_bytes_ -= bytes;
       device_stats::decrease(stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));

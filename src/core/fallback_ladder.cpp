@@ -8,6 +8,8 @@
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include "detail/device_state.hpp"
+
+#include <ccalloc/base/detail/assert.hpp>
 #include "detail/stats_sink.hpp"
 
 #include <algorithm>
@@ -263,6 +265,7 @@ void device_state::release_block(block* b, device_stats& st) {
 
 // The books of a segment the device has taken back; `b` is its only block.
 void device_state::forget_segment(block* b, device_stats& st) noexcept {
+  CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= reserved_bytes_);
   if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
   const stat_group g = group_of(b->pool);
   device_stats::decrease(st.segment, g, 1);
@@ -301,7 +304,7 @@ void device_state::free_uncached(block* b, stream_state& ss) {
   if (b->counted_oversize) st.oversize_allocations.decrease(1);
   device_stats::decrease(st.active, g, 1);
   device_stats::decrease(st.active_bytes, g, size);
-  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
   forget_segment(b, st);
 }
 

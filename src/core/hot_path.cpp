@@ -55,6 +55,8 @@
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include "detail/device_state.hpp"
+
+#include <ccalloc/base/detail/assert.hpp>
 #include "detail/stats_sink.hpp"
 
 #include <algorithm>
@@ -289,6 +291,8 @@ bool device_state::should_split(const block* b, std::size_t size) const noexcept
 // Hands out p.found: split off the remainder if worth keeping, update stats.
 block* device_state::take_found_block(alloc_params& p, device_stats& st) {
   block* b = p.found;
+  CCALLOC_ASSERT(b->pool == p.pool && !b->allocated && b->event_count == 0 && b->mapped);
+  CCALLOC_ASSERT(b->size >= p.size && p.size % min_block_bytes == 0);
   const stat_group g = group_of(p.pool);
   const bool already_split = b->is_split();
   if (should_split(b, p.size)) {
@@ -307,6 +311,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
     remaining->prev = b;
     remaining->ptr += p.size;
     remaining->size -= p.size;
+    CCALLOC_ASSERT(remaining->size >= min_block_bytes && remaining->size % min_block_bytes == 0);
     remaining->gc_count_base = remaining->pool->get_free_blocks_call_count;
     remaining->pool->blocks.insert(remaining);
     if (already_split) {
@@ -320,7 +325,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
     device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
   }
   b->allocated = true;
-  b->requested_size = p.requested_bytes;
+  b->requested_bytes = p.requested_bytes;
   const auto size = static_cast<std::int64_t>(b->size);
   device_stats::increase(st.allocation, g, 1);
   device_stats::increase(st.allocated_bytes, g, size);
@@ -352,6 +357,7 @@ void device_state::free(block* b) {
 // The caller no longer holds `b` (its events, if any, are recorded): count
 // it freed and, unless it waits for events, return it to its pool.
 void device_state::release_allocation(block* b, device_stats& st, bool device_locked) {
+  CCALLOC_ASSERT(b->allocated);
   const stat_group g = group_of(b->pool);
   b->allocated = false;
   device_stats::decrease(st.allocation, g, 1);
@@ -375,6 +381,8 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
       net_split_bytes -= static_cast<std::int64_t>(subsumed);
     }
   }
+  // Back into the pool of its own segment, free and whole.
+  CCALLOC_ASSERT(b->is_free() && b->mapped && b->pool == b->seg->head->pool);
   b->gc_count_base = b->pool->get_free_blocks_call_count;
   b->pool->blocks.insert(b);
   if (b->is_split()) {
@@ -387,8 +395,8 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   else if (net_split_bytes < 0) device_stats::decrease(st.inactive_split_bytes, g, -net_split_bytes);
   device_stats::decrease(st.active, g, 1);
   device_stats::decrease(st.active_bytes, g, original_size);
-  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
-  b->requested_size = 0;
+  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
+  b->requested_bytes = 0;
   // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
   if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {
     // This free completes inside another operation (a malloc that found the
@@ -412,6 +420,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
 // Merges free `src` into `dst` (its neighbour); returns the bytes subsumed.
 std::size_t device_state::try_merge(block* dst, block* src) {
   if (src == nullptr || !src->is_free() || !src->stream_uses.empty() || src->mapped != dst->mapped) return 0;
+  CCALLOC_ASSERT(src->seg == dst->seg && src->pool == dst->pool && (dst->prev == src || dst->next == src));
   if (dst->prev == src) {
     dst->ptr = src->ptr;
     dst->prev = src->prev;
@@ -423,6 +432,8 @@ std::size_t device_state::try_merge(block* dst, block* src) {
   }
   const std::size_t subsumed = src->size;
   dst->size += subsumed;
+  CCALLOC_ASSERT(dst->size % min_block_bytes == 0 && dst->ptr >= dst->seg->base &&
+                 dst->ptr + dst->size <= dst->seg->base + dst->seg->size);
   src->pool->blocks.erase(src);
   src->pool->owner->delete_block(src);
   return subsumed;

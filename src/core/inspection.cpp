@@ -86,13 +86,13 @@ std::vector<segment_info> device_caching_allocator::segments() const {
     if (s.history_.enabled()) si.context = s.history_.segment_context(base);
     if (const detail::private_pool* pp = seg->head->pool->priv) {
       si.pool = pp->id;
-      si.pool_id = {pp->id.first, pp->id.second};
+      si.pool_id = {pp->id.first, pp->id.second};  // the deprecated alias of si.pool, still filled in
     }
     for (const block* b = seg->head; b != nullptr; b = b->next) {
       block_info bi;
       bi.address = b->ptr;
       bi.size_bytes = b->size;
-      bi.requested_bytes = b->requested_size;
+      bi.requested_bytes = b->requested_bytes;
       bi.mapped = b->mapped;
       bi.state = b->allocated ? block_state::active_allocated
                  : b->event_count > 0 ? block_state::active_pending_free
@@ -100,7 +100,7 @@ std::vector<segment_info> device_caching_allocator::segments() const {
       if (b->allocated) si.allocated_bytes += b->size;
       if (bi.state != block_state::inactive) {
         si.active_bytes += b->size;
-        si.requested_bytes += b->requested_size;
+        si.requested_bytes += b->requested_bytes;
         if (s.history_.enabled()) bi.context = s.history_.block_context(b->ptr);
       }
       si.blocks.push_back(bi);
@@ -195,7 +195,7 @@ void device_caching_allocator::check_invariants() const {
       } else {
         device_stats::increase(recount.active, g, 1);
         device_stats::increase(recount.active_bytes, g, static_cast<std::int64_t>(b->size));
-        device_stats::increase(recount.requested_bytes, g, static_cast<std::int64_t>(b->requested_size));
+        device_stats::increase(recount.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
         if (b->allocated) {
           device_stats::increase(recount.allocation, g, 1);
           device_stats::increase(recount.allocated_bytes, g, static_cast<std::int64_t>(b->size));

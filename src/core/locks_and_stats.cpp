@@ -6,6 +6,8 @@
 
 #include "detail/device_state.hpp"
 
+#include <ccalloc/base/detail/assert.hpp>
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -72,8 +74,23 @@ void publish_pending_stats(device_stats& into, stream_state& s) noexcept {
   }
 }
 
+namespace {
+
+// True when no current value of `s` is negative (all published: a count or
+// a byte total below zero is a bookkeeping mistake).
+[[maybe_unused]] bool no_negative_current(const device_stats& s) noexcept {
+  for (const stat_array* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
+                              &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes})
+    for (const stat& x : *a)
+      if (x.current < 0) return false;
+  return s.oversize_allocations.current >= 0 && s.oversize_segments.current >= 0;
+}
+
+}  // namespace
+
 void device_state::publish_all_pending_stats(const world_lock& w) {
   for (stream_state* ss : w.streams()) publish_pending_stats(stats_, *ss);
+  CCALLOC_ASSERT(no_negative_current(stats_));
 }
 
 }  // namespace ccalloc::detail

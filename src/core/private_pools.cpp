@@ -203,7 +203,7 @@ block* device_state::carve_allocated(segment& seg, std::uintptr_t ptr, std::size
     device_stats::increase(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(x->size));
   }
   f->allocated = true;
-  f->requested_size = requested;
+  f->requested_bytes = requested;
   device_stats::increase(stats_.allocation, g, 1);
   device_stats::increase(stats_.allocated_bytes, g, static_cast<std::int64_t>(size));
   device_stats::increase(stats_.active, g, 1);
@@ -359,7 +359,7 @@ pool_checkpoint device_caching_allocator::get_checkpoint_state(mempool_id_t id) 
     cs.is_small_pool = seg->head->pool->is_small;
     cs.is_expandable = seg->expandable;
     for (const block* b = seg->head; b != nullptr; b = b->next)
-      cs.blocks.push_back({b->ptr, b->size, b->allocated ? b->requested_size : 0, b->allocated, b->mapped});
+      cs.blocks.push_back({b->ptr, b->size, b->allocated ? b->requested_bytes : 0, b->allocated, b->mapped});
     cp.segments.push_back(std::move(cs));
   }
   return cp;

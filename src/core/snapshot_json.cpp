@@ -142,8 +142,8 @@ void write_segment(json_writer& w, const segment_info& s) {
   w.member("segment_type", s.is_small_pool ? "small" : "large");
   w.key("segment_pool_id");
   w.begin_array();
-  w.value(std::uint64_t{s.pool_id.first});
-  w.value(std::uint64_t{s.pool_id.second});
+  w.value(std::uint64_t{s.pool.first});
+  w.value(std::uint64_t{s.pool.second});
   w.end_array();
   w.member("is_expandable", s.is_expandable);
   write_frames(w, s.context);

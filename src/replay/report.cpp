@@ -1,13 +1,13 @@
-// report.cpp: the HTML report of a trace (include/ccalloc/replay/report.hpp).
-//
-// Pipeline: curves_from_trace (the recording allocator, from the trace's own
-// events) -> pass 1, replay_trace with an after_event hook that reads
-// ccalloc's statistics after every event into time slices and finds the
-// peak -> pass 2, replay_trace again up to the peak and take the segments
-// there -> the page: summary, time chart, segment map, fragmentation table,
-// largest allocations. Everything is drawn here as SVG; nothing is loaded.
+// report.cpp: the HTML report of a trace (include/ccalloc/replay/report.hpp):
+// the page, written from the model that report_model.cpp computes (the
+// curves, the peak, the segments there): summary, time chart, segment map,
+// fragmentation table, largest allocations. Everything is drawn here as SVG;
+// nothing is loaded.
 #include <ccalloc/replay/report.hpp>
 
+#include "report_model.hpp"
+
+#include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
@@ -30,6 +30,8 @@ namespace ccalloc {
 
 namespace {
 
+using namespace report_detail;
+
 // ---- text helpers -------------------------------------------------------------
 
 [[gnu::format(printf, 1, 2)]] std::string fmt(const char* format, ...) {
@@ -45,15 +47,7 @@ namespace {
   return out;
 }
 
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (std::fabs(bytes) >= 1024.0 && u < 4) {
-    bytes /= 1024.0;
-    ++u;
-  }
-  return u == 0 ? fmt("%.0f B", bytes) : fmt(bytes >= 100 ? "%.1f %s" : "%.2f %s", bytes, units[u]);
-}
+using detail::format_bytes;
 
 std::string with_commas(std::uint64_t value) {
   std::string digits = std::to_string(value), out;
@@ -118,154 +112,6 @@ struct byte_axis {
   }
 };
 
-// ---- time slices ----------------------------------------------------------------
-
-/// The highest value of a step function in each of `n` slices of the x range;
-/// a slice without events holds the value the previous one ended with.
-class sliced_series {
- public:
-  explicit sliced_series(std::size_t n) : max_(n, -1), last_(n, -1) {}
-  void add(std::size_t slice, std::int64_t value) {
-    max_[slice] = std::max(max_[slice], value);
-    last_[slice] = value;
-  }
-  /// The per-slice maxima, gaps filled.
-  [[nodiscard]] std::vector<std::int64_t> finish() const {
-    std::vector<std::int64_t> out(max_.size());
-    std::int64_t carry = 0;
-    for (std::size_t i = 0; i < max_.size(); ++i) {
-      out[i] = max_[i] < 0 ? carry : std::max(max_[i], carry);
-      if (last_[i] >= 0) carry = last_[i];
-    }
-    return out;
-  }
-
- private:
-  std::vector<std::int64_t> max_;
-  std::vector<std::int64_t> last_;
-};
-
-/// Maps an event to its slice: by recorded time when the trace has a time
-/// span, else by event index.
-struct slicer {
-  std::size_t n = 0;
-  bool by_time = true;
-  std::uint64_t t0 = 0;
-  double span = 1;  // seconds (by time) or events
-  slicer(const trace& t, std::size_t slices) : n(slices) {
-    t0 = t.events.front().time_us;
-    const std::uint64_t t1 = t.events.back().time_us;
-    by_time = t1 > t0;
-    span = by_time ? double(t1 - t0) / 1e6 : double(std::max<std::size_t>(t.events.size() - 1, 1));
-  }
-  [[nodiscard]] double x(const trace& t, std::size_t i) const {
-    return by_time ? double(t.events[i].time_us - t0) / 1e6 : double(i);
-  }
-  [[nodiscard]] std::size_t slice(const trace& t, std::size_t i) const {
-    const auto s = static_cast<std::size_t>(x(t, i) / span * double(n));
-    return std::min(s, n - 1);
-  }
-};
-
-/// The recording allocator's curves, from the trace's own events.
-struct recorded_curves {
-  std::vector<std::int64_t> requested;
-  std::vector<std::int64_t> reserved;  // empty when the trace has no segment events
-  std::uint64_t requested_peak = 0;
-  std::uint64_t reserved_peak = 0;
-  std::uint64_t segment_allocs = 0;
-};
-
-recorded_curves curves_from_trace(const trace& t, const slicer& sl) {
-  sliced_series requested(sl.n), reserved(sl.n);
-  std::unordered_map<std::uint64_t, std::uint64_t> live;  // addr -> requested bytes (until free_completed)
-  std::int64_t req = 0, res = 0;
-  bool has_segments = false;
-  recorded_curves out;
-  for (std::size_t i = 0; i < t.events.size(); ++i) {
-    const trace_event& e = t.events[i];
-    switch (e.action) {
-      case trace_action::alloc:
-        live[e.addr] = e.size;
-        req += static_cast<std::int64_t>(e.size);
-        break;
-      case trace_action::free_completed:
-        if (auto it = live.find(e.addr); it != live.end()) {
-          req -= static_cast<std::int64_t>(it->second);
-          live.erase(it);
-        }
-        break;
-      case trace_action::segment_alloc:
-      case trace_action::segment_map:
-        has_segments = true;
-        res += static_cast<std::int64_t>(e.size);
-        out.segment_allocs += e.action == trace_action::segment_alloc;
-        break;
-      case trace_action::segment_free:
-      case trace_action::segment_unmap:
-        has_segments = true;
-        res = std::max<std::int64_t>(0, res - static_cast<std::int64_t>(e.size));
-        break;
-      default:
-        break;
-    }
-    const std::size_t s = sl.slice(t, i);
-    requested.add(s, req);
-    reserved.add(s, res);
-    out.requested_peak = std::max(out.requested_peak, static_cast<std::uint64_t>(req));
-    out.reserved_peak = std::max(out.reserved_peak, static_cast<std::uint64_t>(res));
-  }
-  out.requested = requested.finish();
-  if (has_segments) out.reserved = reserved.finish();
-  else out.reserved_peak = 0;
-  return out;
-}
-
-/// One of the largest allocations of the trace.
-struct big_allocation {
-  std::uint64_t size = 0;
-  std::uint64_t stream = 0;
-  double alloc_x = 0;
-  double free_x = -1;  // -1: live at the end
-  std::uint64_t line = 0;
-};
-
-std::vector<big_allocation> largest_allocations(const trace& t, const slicer& sl, std::size_t n) {
-  struct open_alloc {
-    std::size_t index;
-  };
-  std::unordered_map<std::uint64_t, std::size_t> live;  // addr -> alloc index
-  auto smaller = [](const big_allocation& a, const big_allocation& b) {
-    return std::tie(a.size, b.line) > std::tie(b.size, a.line);  // min-heap by size, later lines first out
-  };
-  std::priority_queue<big_allocation, std::vector<big_allocation>, decltype(smaller)> top(smaller);
-  auto offer = [&](std::size_t alloc_index, double free_x) {
-    const trace_event& a = t.events[alloc_index];
-    if (top.size() == n && a.size <= top.top().size) return;
-    top.push({a.size, a.stream, sl.x(t, alloc_index), free_x, a.line});
-    if (top.size() > n) top.pop();
-  };
-  for (std::size_t i = 0; i < t.events.size(); ++i) {
-    const trace_event& e = t.events[i];
-    if (e.action == trace_action::alloc) {
-      live[e.addr] = i;
-    } else if (e.action == trace_action::free_requested) {
-      if (auto it = live.find(e.addr); it != live.end()) {
-        offer(it->second, sl.x(t, i));
-        live.erase(it);
-      }
-    }
-  }
-  for (const auto& [addr, index] : live) offer(index, -1);
-  std::vector<big_allocation> out;
-  while (!top.empty()) {
-    out.push_back(top.top());
-    top.pop();
-  }
-  std::reverse(out.begin(), out.end());
-  return out;
-}
-
 // ---- the pieces of the page -----------------------------------------------------
 
 constexpr const char* color_requested = "#bac8d6";
@@ -277,13 +123,6 @@ constexpr const char* color_rounding = "#a0cbe8";
 constexpr const char* color_pending = "#f28e2c";
 constexpr const char* color_free = "#eef1f5";
 
-struct chart_data {
-  std::vector<double> x;  // slice start, seconds or events
-  std::vector<std::int64_t> requested, allocated, reserved, recorded_reserved;
-  bool by_time = true;
-  double span = 1;
-  double peak_x = 0;
-};
 
 std::string polyline_points(const std::vector<std::int64_t>& v, const std::vector<double>& xs, double x_scale,
                             double y_scale, double left, double bottom, bool close_to_base) {
@@ -413,9 +252,9 @@ std::string segment_map_svg(std::vector<segment_info> segments, std::size_t& dra
     o += fmt("<g><title>segment 0x%llx: %s, %s pool, stream %llu; %s allocated, %s requested</title>"
              "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\" stroke=\"#8795a5\" "
              "stroke-width=\"0.6\"/>",
-             static_cast<unsigned long long>(s.address), human_bytes(double(s.total_bytes)).c_str(),
+             static_cast<unsigned long long>(s.address), format_bytes(s.total_bytes).c_str(),
              s.is_small_pool ? "small" : "large", static_cast<unsigned long long>(s.stream),
-             human_bytes(double(s.allocated_bytes)).c_str(), human_bytes(double(s.requested_bytes)).c_str(), x0, y, w,
+             format_bytes(s.allocated_bytes).c_str(), format_bytes(s.requested_bytes).c_str(), x0, y, w,
              row_h, color_free);
     ++drawn_rects;
     // Blocks: runs of tiny blocks of one kind are merged into one rectangle.
@@ -442,8 +281,8 @@ std::string segment_map_svg(std::vector<segment_info> segments, std::size_t& dra
         const double rw = b.state == block_state::active_allocated ? double(b.requested_bytes) * scale : bw;
         o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"><title>block %s (%s "
                  "requested), %s</title></rect>",
-                 bx, y + 1, std::max(0.3, rw), row_h - 2, color, human_bytes(double(b.size_bytes)).c_str(),
-                 human_bytes(double(b.requested_bytes)).c_str(), std::string(to_string(b.state)).c_str());
+                 bx, y + 1, std::max(0.3, rw), row_h - 2, color, format_bytes(b.size_bytes).c_str(),
+                 format_bytes(b.requested_bytes).c_str(), std::string(to_string(b.state)).c_str());
         ++drawn_rects;
         if (bw - rw >= 0.5) {
           o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"/>", bx + rw, y + 1,
@@ -466,31 +305,6 @@ std::string segment_map_svg(std::vector<segment_info> segments, std::size_t& dra
   return o;
 }
 
-struct pool_row {
-  std::uint64_t stream = 0;
-  bool small = false;
-  std::size_t segments = 0;
-  std::uint64_t reserved = 0, allocated = 0, requested = 0, pending = 0, largest_free = 0;
-};
-
-std::vector<pool_row> fragmentation_rows(const std::vector<segment_info>& segments) {
-  std::map<std::pair<std::uint64_t, bool>, pool_row> rows;
-  for (const auto& s : segments) {
-    pool_row& r = rows[{s.stream, s.is_small_pool}];
-    r.stream = s.stream;
-    r.small = s.is_small_pool;
-    ++r.segments;
-    r.reserved += s.total_bytes;
-    r.allocated += s.allocated_bytes;
-    r.requested += s.requested_bytes;
-    r.pending += s.active_bytes - s.allocated_bytes;
-    for (const auto& b : s.blocks)
-      if (b.state == block_state::inactive) r.largest_free = std::max<std::uint64_t>(r.largest_free, b.size_bytes);
-  }
-  std::vector<pool_row> out;
-  for (auto& [k, r] : rows) out.push_back(r);
-  return out;
-}
 
 std::string pool_bar(const pool_row& r, std::uint64_t widest) {
   // requested | rounding (allocated - requested of allocated blocks) | pending | free
@@ -589,7 +403,7 @@ std::string peaks_table(const report_summary& sum, const native_reference* nativ
                   "<th class=\"l\">source</th></tr>\n";
   for (const row& r : rows) {
     const double w = 180.0 * double(r.reserved) / double(widest), rw = 180.0 * req / double(widest);
-    o += "<tr><td class=\"l\">" + html(r.who) + "</td><td>" + human_bytes(double(r.reserved)) + "</td><td>" +
+    o += "<tr><td class=\"l\">" + html(r.who) + "</td><td>" + format_bytes(r.reserved) + "</td><td>" +
          (req > 0 ? fmt("%.3f", double(r.reserved) / req) : std::string("-")) + "</td><td>" + r.mallocs +
          "</td><td class=\"l\">" +
          fmt("<svg width=\"184\" height=\"14\"><rect x=\"0\" y=\"2\" width=\"%.1f\" height=\"10\" fill=\"%s\"/>"
@@ -604,66 +418,14 @@ std::string peaks_table(const report_summary& sum, const native_reference* nativ
 
 std::string render_report_html(const trace& t, const report_options& options, const native_reference* native,
                                report_summary* summary_out) {
-  if (t.events.empty()) throw invalid_argument_error("ccalloc report: " + t.source + " has no events");
-  if (options.plot_points < 2)
-    throw invalid_argument_error("ccalloc report: plot_points must be at least 2, got " +
-                                 std::to_string(options.plot_points));
+  const report_model m = build_report_model(t, options);
   const std::size_t n = t.events.size();
-  const slicer sl(t, std::min(options.plot_points, n));
-  const recorded_curves recorded = curves_from_trace(t, sl);
-
-  // Pass 1: the full replay, ccalloc's curves, and the peak.
-  sliced_series requested(sl.n), allocated(sl.n), reserved(sl.n);
-  std::pair<std::int64_t, std::int64_t> peak{-1, -1};
-  std::size_t peak_index = 0;
-  const std::size_t progress_every = std::max<std::size_t>(1, n / 200);
-  replay_options ro;
-  ro.config = options.config;
-  ro.device_memory_bytes = options.device_memory_bytes;
-  ro.after_event = [&](std::size_t i, caching_allocator& a) {
-    const device_stats s = a.get_device_stats(0);
-    const std::int64_t res = s.reserved_bytes[0].current, al = s.allocated_bytes[0].current;
-    const std::size_t slice = sl.slice(t, i);
-    requested.add(slice, s.requested_bytes[0].current);
-    allocated.add(slice, al);
-    reserved.add(slice, res);
-    if (std::pair{res, al} > peak) {
-      peak = {res, al};
-      peak_index = i;
-    }
-    if (options.progress && (i + 1) % progress_every == 0) options.progress(1, i + 1, n);
-    return true;
-  };
-  report_summary sum;
-  sum.replay = replay_trace(t, ro);
-  if (options.progress) options.progress(1, n, n);
-  sum.peak_event_index = peak_index;
-  sum.recorded_reserved_peak = recorded.reserved_peak;
-  sum.recorded_requested_peak = recorded.requested_peak;
-
-  // Pass 2: up to the peak, for its segments.
-  std::vector<segment_info> at_peak;
-  ro.after_event = [&](std::size_t i, caching_allocator& a) {
-    if (options.progress && (i + 1) % progress_every == 0) options.progress(2, i + 1, peak_index + 1);
-    if (i < peak_index) return true;
-    at_peak = a.device_allocator(0).snapshot_segments();  // mapped runs, as PyTorch shows them
-    return false;
-  };
-  (void)replay_trace(t, ro);
-  if (options.progress) options.progress(2, peak_index + 1, peak_index + 1);
-  sum.segments_at_peak = at_peak.size();
-  for (const auto& s : at_peak) sum.blocks_at_peak += s.blocks.size();
-
-  chart_data c;
-  c.by_time = sl.by_time;
-  c.span = sl.span;
-  c.requested = requested.finish();
-  c.allocated = allocated.finish();
-  c.reserved = reserved.finish();
-  c.recorded_reserved = recorded.reserved;
-  for (std::size_t i = 0; i < sl.n; ++i) c.x.push_back(sl.span * double(i) / double(sl.n));
-  c.peak_x = sl.x(t, peak_index);
-  sum.plot_points = sl.n;
+  const slicer& sl = m.sl;
+  const recorded_curves& recorded = m.recorded;
+  const chart_data& c = m.chart;
+  const std::vector<segment_info>& at_peak = m.at_peak;
+  const report_summary& sum = m.sum;
+  const std::size_t peak_index = m.peak_index;
 
   // ---- the page ----
   const std::string title = options.title.empty() ? t.source : options.title;
@@ -679,14 +441,14 @@ std::string render_report_html(const trace& t, const report_options& options, co
        " events &middot; " + std::to_string(streams.size()) + (streams.size() == 1 ? " stream" : " streams") +
        (duration > 0 ? " &middot; " + html(seconds_text(duration)) + " recorded" : std::string()) +
        " &middot; replayed with " + html(options.config.empty() ? "the default configuration" : options.config) +
-       " on a simulated device of " + html(human_bytes(double(options.device_memory_bytes))) + "</p>\n";
+       " on a simulated device of " + html(format_bytes(options.device_memory_bytes)) + "</p>\n";
   for (const std::string& note : t.notes) o += "<p class=\"note\">Input: " + html(note) + "</p>\n";
 
   // Summary.
   o += "<section class=\"card\"><h2>Summary</h2>\n<div class=\"kpis\">";
-  o += kpi(human_bytes(double(sum.replay.peak_requested_bytes)), "peak requested (what the program asked for)");
-  o += kpi(human_bytes(double(sum.replay.peak_allocated_bytes)), "ccalloc peak allocated (rounded blocks)");
-  o += kpi(human_bytes(double(sum.replay.peak_reserved_bytes)), "ccalloc peak reserved (device memory)");
+  o += kpi(format_bytes(sum.replay.peak_requested_bytes), "peak requested (what the program asked for)");
+  o += kpi(format_bytes(sum.replay.peak_allocated_bytes), "ccalloc peak allocated (rounded blocks)");
+  o += kpi(format_bytes(sum.replay.peak_reserved_bytes), "ccalloc peak reserved (device memory)");
   o += kpi(fmt("%.3f", sum.replay.fragmentation()), "ccalloc reserved / requested at the peaks");
   o += "</div>\n";
   if (sum.replay.ooms > 0)
@@ -721,7 +483,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
   o += "<section class=\"card\"><h2>Segment map at the peak</h2>\n<p class=\"note\">After event " +
        with_commas(peak_index + 1) + " of " + with_commas(n) + " (line " + std::to_string(t.events[peak_index].line) +
        "), where ccalloc's reserved bytes are highest: " + std::to_string(at_peak.size()) + " segments, " +
-       html(human_bytes(double(peak_reserved))) + " reserved, " + html(human_bytes(double(peak_alloc))) +
+       html(format_bytes(peak_reserved)) + " reserved, " + html(format_bytes(peak_alloc)) +
        " allocated. Segments are packed into rows, largest first; hover a segment for its figures.</p>\n" + map;
   o += "<div class=\"legend\"><span><i class=\"sw\" style=\"background:" + std::string(color_block) +
        "\"></i>allocated (requested bytes)</span><span><i class=\"sw\" style=\"background:" + color_rounding +
@@ -740,10 +502,10 @@ std::string render_report_html(const trace& t, const report_options& options, co
   for (const auto& r : rows) {
     const std::uint64_t free = r.reserved - r.allocated - r.pending;
     o += "<tr><td class=\"l\">" + std::to_string(r.stream) + "</td><td class=\"l\">" + (r.small ? "small" : "large") +
-         "</td><td>" + std::to_string(r.segments) + "</td><td>" + human_bytes(double(r.reserved)) + "</td><td>" +
-         human_bytes(double(r.allocated)) + "</td><td>" + human_bytes(double(r.requested)) + "</td><td>" +
-         human_bytes(double(r.pending)) + "</td><td>" + human_bytes(double(free)) + "</td><td>" +
-         human_bytes(double(r.largest_free)) + "</td><td>" +
+         "</td><td>" + std::to_string(r.segments) + "</td><td>" + format_bytes(r.reserved) + "</td><td>" +
+         format_bytes(r.allocated) + "</td><td>" + format_bytes(r.requested) + "</td><td>" +
+         format_bytes(r.pending) + "</td><td>" + format_bytes(free) + "</td><td>" +
+         format_bytes(r.largest_free) + "</td><td>" +
          fmt("%.1f%%", r.reserved ? 100.0 * double(r.reserved - std::min(r.reserved, r.requested)) / double(r.reserved)
                                   : 0.0) +
          "</td><td class=\"l\">" + pool_bar(r, widest) + "</td></tr>\n";
@@ -763,7 +525,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
     const double f = b.free_x < 0 ? end_x : b.free_x;
     auto when = [&](double x) { return sl.by_time ? seconds_text(x) : "event " + with_commas(std::uint64_t(x)); };
     const double l = end_x > 0 ? 100.0 * b.alloc_x / end_x : 0, w = end_x > 0 ? 100.0 * (f - b.alloc_x) / end_x : 100;
-    o += "<tr><td>" + std::to_string(i + 1) + "</td><td>" + human_bytes(double(b.size)) + "</td><td class=\"l\">" +
+    o += "<tr><td>" + std::to_string(i + 1) + "</td><td>" + format_bytes(b.size) + "</td><td class=\"l\">" +
          std::to_string(b.stream) + "</td><td>" + html(when(b.alloc_x)) + "</td><td>" +
          (b.free_x < 0 ? std::string("live at the end") : html(when(b.free_x))) + "</td><td>" +
          (sl.by_time ? html(seconds_text(f - b.alloc_x)) : with_commas(std::uint64_t(f - b.alloc_x)) + " events") +

@@ -1,9 +1,6 @@
-// trace_reader.cpp: reading allocation traces (include/ccalloc/replay/trace.hpp).
-//
-// Pipeline: read_trace_file = read the whole file -> maybe_gunzip (zlib, when
-// the bytes start with the gzip magic 1f 8b) -> sniff_trace_format ->
-// parse_trace_text (this file), parse_rmm_log (rmm_reader.cpp) or
-// convert_pytorch_snapshot (snapshot_reader.cpp).
+// trace_reader.cpp: ccalloc's own trace format (include/ccalloc/replay/trace.hpp):
+// parse_trace_text. Files are opened, decompressed and routed to a reader by
+// trace_file.cpp.
 //
 // The parser is one pass over the text with no per-line allocation. Each
 // line first goes through a fast path (parse_line_fast: fused scanning and
@@ -15,17 +12,7 @@
 // the 850k-line llama_generate trace (4.1 MB gzip, 44 MB text) reads in about
 // 0.25 s (0.1 s inflate, 0.1 s parse) at -O2. Every error names the source and the 1-based line.
 //
-// zlib is optional (CCALLOC_HAVE_ZLIB, set by CMake: a CCALLOC_MINIMAL build
-// for the GPU checks has it only if the machine does): without it,
-// maybe_gunzip refuses gzip data with a trace_error saying so.
 #include <ccalloc/replay/trace.hpp>
-
-#ifndef CCALLOC_HAVE_ZLIB
-#define CCALLOC_HAVE_ZLIB 1
-#endif
-#if CCALLOC_HAVE_ZLIB
-#include <zlib.h>
-#endif
 
 #include <algorithm>
 #include <array>
@@ -224,104 +211,6 @@ bool parse_line_checked(std::string_view line, const std::string& source, std::s
   return true;
 }
 
-#if CCALLOC_HAVE_ZLIB
-/// Initial output buffer size for decompressing `data`: the ISIZE field of
-/// the last gzip member (uncompressed size mod 2^32) when it is plausible for
-/// a text trace (1x to 32x the compressed size), else 8x the compressed size.
-/// The trailer of truncated or corrupt data is arbitrary bytes, hence the
-/// plausibility bound (it would otherwise ask for up to 4 GiB up front).
-std::size_t gzip_output_guess(std::string_view data) noexcept {
-  constexpr std::size_t min_guess = 4096;
-  constexpr std::size_t max_ratio = 32;
-  const std::size_t fallback = std::max(min_guess, data.size() * 8);
-  if (data.size() < 18) return min_guess;  // smaller than any gzip header + trailer
-  const auto* tail = reinterpret_cast<const unsigned char*>(data.data() + data.size() - 4);
-  const std::size_t isize = std::size_t{tail[0]} | std::size_t{tail[1]} << 8 |
-                            std::size_t{tail[2]} << 16 | std::size_t{tail[3]} << 24;
-  if (isize < data.size() || isize / max_ratio > data.size()) return fallback;
-  return std::max(min_guess, isize + 64);  // + slack: a full buffer costs one more turn
-}
-
-/// Owns a zlib inflate stream; inflateEnd on destruction.
-class inflater {
- public:
-  explicit inflater(const std::string& source) : source_(source) {
-    // 16 + MAX_WBITS: expect a gzip header and trailer (checks the CRC).
-    if (inflateInit2(&stream_, 16 + MAX_WBITS) != Z_OK) {
-      throw trace_error(source_, 0, "cannot start gzip decompression (zlib out of memory)");
-    }
-  }
-  ~inflater() { inflateEnd(&stream_); }
-  inflater(const inflater&) = delete;
-  inflater& operator=(const inflater&) = delete;
-
-  /// Decompresses all gzip members of `data` (concatenated members, as
-  /// `cat a.gz b.gz` makes, decode to the concatenation of their contents).
-  std::string run(std::string_view data) {
-    std::string out;
-    out.resize(gzip_output_guess(data));
-    std::size_t produced = 0;
-    const auto* in = reinterpret_cast<const unsigned char*>(data.data());
-    std::size_t in_left = data.size();
-    // zlib counts in uInt; feed and drain in chunks that fit.
-    constexpr std::size_t max_chunk = std::numeric_limits<uInt>::max();
-    while (true) {
-      if (stream_.avail_in == 0 && in_left > 0) {
-        const std::size_t chunk = std::min(in_left, max_chunk);
-        stream_.next_in = const_cast<Bytef*>(in);  // zlib's API is not const-correct
-        stream_.avail_in = static_cast<uInt>(chunk);
-        in += chunk;
-        in_left -= chunk;
-      }
-      if (produced == out.size()) out.resize(out.size() * 2);
-      const std::size_t room = std::min(out.size() - produced, max_chunk);
-      stream_.next_out = reinterpret_cast<Bytef*>(out.data() + produced);
-      stream_.avail_out = static_cast<uInt>(room);
-      const int rc = inflate(&stream_, Z_NO_FLUSH);
-      produced += room - stream_.avail_out;
-      if (rc == Z_STREAM_END) {
-        // Another member may follow; anything else after the end is garbage.
-        if (stream_.avail_in == 0 && in_left == 0) break;
-        if (stream_.avail_in < 2 || stream_.next_in[0] != 0x1f || stream_.next_in[1] != 0x8b) {
-          throw trace_error(source_, 0, "corrupt gzip data: trailing bytes after the gzip stream");
-        }
-        if (inflateReset(&stream_) != Z_OK) fail("inflateReset failed");
-        continue;
-      }
-      if (rc == Z_BUF_ERROR) {
-        // No progress possible: either more output room is needed (handled
-        // by the resize above on the next turn) or the input ended early.
-        if (stream_.avail_out != 0 && stream_.avail_in == 0 && in_left == 0) {
-          throw trace_error(source_, 0, "corrupt gzip data: truncated (unexpected end of data)");
-        }
-        continue;
-      }
-      if (rc != Z_OK) fail(rc == Z_MEM_ERROR ? "out of memory" : nullptr);
-      if (stream_.avail_in == 0 && in_left == 0 && stream_.avail_out != 0) {
-        // All input consumed, output room left, but no stream end: truncated.
-        throw trace_error(source_, 0, "corrupt gzip data: truncated (unexpected end of data)");
-      }
-    }
-    out.resize(produced);
-    return out;
-  }
-
- private:
-  [[noreturn]] void fail(const char* what) {
-    std::string reason = "corrupt gzip data: ";
-    reason += what ? what : (stream_.msg ? stream_.msg : "inflate failed");
-    throw trace_error(source_, 0, reason);
-  }
-
-  const std::string& source_;
-  z_stream stream_{};
-};
-#endif  // CCALLOC_HAVE_ZLIB
-
-/// Closes a FILE* on scope exit.
-struct file_closer {
-  void operator()(std::FILE* f) const noexcept { std::fclose(f); }
-};
 
 }  // namespace
 }  // namespace detail
@@ -329,19 +218,6 @@ struct file_closer {
 std::string_view to_string(trace_action action) noexcept {
   const auto index = static_cast<std::size_t>(action);
   return index < detail::action_names.size() ? detail::action_names[index] : "unknown";
-}
-
-std::string maybe_gunzip(std::string_view data, const std::string& source) {
-  const bool is_gzip = data.size() >= 2 && static_cast<unsigned char>(data[0]) == 0x1f &&
-                       static_cast<unsigned char>(data[1]) == 0x8b;
-  if (!is_gzip) return std::string(data);
-#if CCALLOC_HAVE_ZLIB
-  detail::inflater inflater(source);
-  return inflater.run(data);
-#else
-  throw trace_error(source, 0,
-                    "gzip-compressed, but this build of ccalloc has no zlib: decompress it first (gunzip -k)");
-#endif
 }
 
 trace parse_trace_text(std::string_view text, const std::string& source) {
@@ -379,31 +255,5 @@ trace parse_trace_text(std::string_view text, const std::string& source) {
   return result;
 }
 
-trace read_trace_file(const std::string& path) {
-  errno = 0;
-  const std::unique_ptr<std::FILE, detail::file_closer> file(std::fopen(path.c_str(), "rb"));
-  if (!file) {
-    throw trace_error(path, 0, std::string("cannot open: ") + std::strerror(errno));
-  }
-  std::string data;
-  std::array<char, 1 << 16> buffer;
-  while (true) {
-    const std::size_t got = std::fread(buffer.data(), 1, buffer.size(), file.get());
-    data.append(buffer.data(), got);
-    if (got < buffer.size()) {
-      if (std::ferror(file.get())) {
-        throw trace_error(path, 0, std::string("cannot read: ") + std::strerror(errno));
-      }
-      break;
-    }
-  }
-  const std::string text = maybe_gunzip(data, path);
-  switch (sniff_trace_format(text)) {
-    case trace_format::rmm_log: return parse_rmm_log(text, path);
-    case trace_format::pytorch_snapshot: return convert_pytorch_snapshot(path);
-    case trace_format::ccalloc: break;
-  }
-  return parse_trace_text(text, path);
-}
 
 }  // namespace ccalloc

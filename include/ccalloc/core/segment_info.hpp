@@ -47,7 +47,10 @@ struct segment_info {
   /// reservation, mapped_bytes the part backed by device memory.
   bool is_expandable = false;
   std::size_t mapped_bytes = 0;  ///< bytes backed by device memory (total_bytes for a plain segment)
-  std::pair<std::uint64_t, std::uint64_t> pool_id{0, 0};  ///< private pool (SPEC F20); (0, 0) = default pools
+  /// Deprecated: the same id as `pool`, as a pair; still filled in for code
+  /// written before `pool` (no [[deprecated]]: GCC would then warn wherever a
+  /// segment_info is constructed). Use `pool`.
+  std::pair<std::uint64_t, std::uint64_t> pool_id{0, 0};
   context_ptr context;  ///< context of the malloc that created it, when history recorded one
   /// The private pool holding the segment ({0, 0}: the default pool). SPEC F20.
   mempool_id_t pool{};

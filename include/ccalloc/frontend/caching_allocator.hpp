@@ -211,11 +211,10 @@ class caching_allocator {
   /// to access that device (else backend_error "cannot access device"). A
   /// plain segment is opened for that device (cudaIpcOpenMemHandle with it
   /// current and cudaIpcMemLazyEnablePeerAccess, as CUDA documents for a
-  /// consumer on another GPU), one mapping per accessing device: CUDA's
-  /// mapping belongs to that device's context and peer access does not
-  /// reach it from another device (a kernel on the owner's device faulted on
-  /// a mapping opened for the other GPU, on two H200s), so each device gets
-  /// its own pointer. An expandable mapping is one per process: it gets
+  /// consumer on another GPU), one mapping per accessing device: the mapping
+  /// belongs to the context of the device it was opened for, and peer access
+  /// does not make it usable from another device (docs/design.md, "Notes
+  /// behind some rules"), so each device gets its own pointer. An expandable mapping is one per process: it gets
   /// read/write access (cuMemSetAccess) for the handle's device, the peers
   /// granted there with enable_peer_access before the open, and every
   /// device it is opened for (now or later).

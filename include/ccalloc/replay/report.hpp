@@ -21,6 +21,7 @@
 // statistics read after every event.
 #pragma once
 
+#include <ccalloc/replay/native_reference.hpp>
 #include <ccalloc/replay/replay.hpp>
 #include <ccalloc/replay/trace.hpp>
 
@@ -30,16 +31,6 @@
 #include <string>
 
 namespace ccalloc {
-
-/// PyTorch's own figures for the trace (native_peaks.json); 0 = unknown.
-struct native_reference {
-  std::string origin;  ///< where they come from, shown on the page
-  std::uint64_t requested_peak = 0;
-  std::uint64_t reserved_peak = 0;
-  std::uint64_t expandable_reserved_peak = 0;
-  std::uint64_t allocated_peak = 0;
-  std::uint64_t device_allocs = 0;
-};
 
 struct report_options {
   std::string config;  ///< ccalloc configuration for the replay ("" = defaults)

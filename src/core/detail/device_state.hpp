@@ -80,7 +80,7 @@ struct segment;
 struct block {
   std::uintptr_t ptr = 0;
   std::size_t size = 0;             // bytes, multiple of 512
-  std::size_t requested_size = 0;   // caller's bytes while active, else 0
+  std::size_t requested_bytes = 0;  // caller's bytes while active, else 0
   stream_t stream = 0;              // the stream it was allocated on (the segment's)
   block_pool* pool = nullptr;
   segment* seg = nullptr;
@@ -220,7 +220,7 @@ struct alignas(64) stream_state {
   }
   void delete_block(block* b) {
     // Reset what new_block's callers do not set (stream_uses keeps its capacity).
-    b->requested_size = 0;
+    b->requested_bytes = 0;
     b->prev = b->next = nullptr;
     b->allocated = false;
     b->mapped = true;

@@ -38,9 +38,9 @@ int main(void) {
   CHECK(strstr(config, "expandable_segments:False") != NULL);
   ccalloc_destroy(alloc);
 
-  p = ccalloc_alloc(4096, 0, NULL); /* PyTorch's entry points, process-wide allocator */
+  p = ccalloc_plugin_alloc(4096, 0, NULL); /* PyTorch's entry points, process-wide allocator */
   CHECK(p != NULL);
-  ccalloc_free(p, 4096, 0, NULL);
+  ccalloc_plugin_free(p, 4096, 0, NULL);
   printf("consumer_c: ok (%s %s)\n", ccalloc_name(), ccalloc_version());
   return 0;
 }

@@ -1,0 +1,91 @@
+// How a block's free_requested .. free_completed gap holds on the device
+// during a replay (private to src/replay/): the gap_model interface, the
+// side streams that stand in for the program's other streams, and
+// clock_gaps, the model on the simulated device's virtual clock. The other
+// model, gate_gaps (host-controlled gates; a backend decorator), is in
+// gate_gaps.hpp. Used by replay.cpp's event loop only.
+#pragma once
+
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/types.hpp>
+
+#include <cstdint>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace ccalloc::replay_detail {
+
+// The trace index of a gap that never ends before the trace does.
+constexpr std::uint64_t never = ~std::uint64_t{0};
+
+// How a gap holds on the device: work queued on a side stream before the
+// block is recorded on it and freed lasts until the gap's end.
+class gap_model {
+ public:
+  virtual ~gap_model() = default;
+  /// Trace event `index` is next: the gaps ending at or before it are over.
+  virtual void advance_to(std::uint64_t index) = 0;
+  /// True when `side` has no gap going on at trace index `index`.
+  [[nodiscard]] virtual bool idle(stream_t side, std::uint64_t index) = 0;
+  [[nodiscard]] virtual stream_t create_side_stream() = 0;
+  /// Work queued on `side` from now on waits until trace index `end`.
+  virtual void begin_gap(stream_t side, std::uint64_t end) = 0;
+  /// After each event: throws if the replay cannot go on.
+  virtual void check() {}
+  /// The replay is over: every gap ends (before the allocator's memory goes back).
+  virtual void end_all() = 0;
+  /// After the allocator is gone: releases the side streams. Never throws.
+  virtual void release() noexcept = 0;
+};
+
+// Side streams standing in for the program's other streams during gaps; one
+// is reused once its gap is over.
+class side_stream_pool {
+ public:
+  /// `trace_streams`: stream ids the trace itself uses; a side stream must
+  /// differ from all of them (on the simulated device the trace's ids are used
+  /// as they are, and a created stream could carry the same number).
+  side_stream_pool(gap_model& gaps, std::unordered_set<stream_t> trace_streams)
+      : gaps_(gaps), trace_streams_(std::move(trace_streams)) {}
+  stream_t acquire(std::uint64_t index) {
+    for (stream_t s : streams_)
+      if (gaps_.idle(s, index)) return s;
+    stream_t s = gaps_.create_side_stream();
+    while (trace_streams_.count(s) != 0) s = gaps_.create_side_stream();  // skip a clashing id
+    streams_.push_back(s);
+    return s;
+  }
+
+ private:
+  gap_model& gaps_;
+  std::unordered_set<stream_t> trace_streams_;
+  std::vector<stream_t> streams_;
+};
+
+// Gaps as work on the simulated device's virtual clock (one unit per event).
+class clock_gaps final : public gap_model {
+ public:
+  explicit clock_gaps(sim_backend& sim) : sim_(sim) {}
+  void advance_to(std::uint64_t index) override { sim_.advance_to(index); }
+  bool idle(stream_t side, std::uint64_t index) override { return sim_.busy_until(0, side) <= index; }
+  stream_t create_side_stream() override {
+    side_streams_.push_back(sim_.create_stream(0));
+    return side_streams_.back();
+  }
+  void begin_gap(stream_t side, std::uint64_t end) override { sim_.enqueue_work(0, side, end); }
+  void end_all() override {}
+  void release() noexcept override {
+    for (stream_t s : side_streams_) try {
+        sim_.destroy_stream(0, s);
+      } catch (...) {
+      }
+    side_streams_.clear();
+  }
+
+ private:
+  sim_backend& sim_;
+  std::vector<stream_t> side_streams_;
+};
+
+}  // namespace ccalloc::replay_detail
