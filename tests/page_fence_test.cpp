@@ -119,6 +119,26 @@ TEST_F(PageFenceTest, PagesOfAStreamThatNoLongerAllocatesFlowToNewStreams) {
   EXPECT_EQ(st().bytes_moved_between_streams, I(5 * 16 * MiB));
 }
 
+TEST_F(PageFenceTest, FencesRecordedOnTheSlowPathLetPagesMoveWhileTheStreamKeepsRunning) {
+  // A device that runs behind the host: stream 0 always has work queued. A
+  // fence recorded only when its pages are wanted would cover all of it; the
+  // one recorded on an earlier slow path covers just the work before the free.
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(60 * MiB));
+  alloc->empty_cache();  // high-water mark 60 MiB, nothing reserved
+  use_and_free(m(20 * MiB), 20 * MiB, 0, 10);  // stream 0's kernel uses it until t=10
+  void* b = m(10 * MiB, other);  // slow path below the mark: fences stream 0's free
+  sim->enqueue_work(0, 0, 100);  // stream 0 keeps running until t=100
+  sim->advance_to(20);
+  void* c = m(40 * MiB, other);  // 10 MiB past the mark
+  EXPECT_EQ(st().num_pages_remapped, 5) << "stream 0's pages, safe since t=10, cover the excess";
+  EXPECT_EQ(reserved(), I(60 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(sim->now(), 20u);
+  alloc->free(b);
+  alloc->free(c);
+}
+
 TEST_F(PageFenceTest, RecyclesPerPeakLimitsRemappingAtOneMark) {
   make(256 * MiB, "recycles_per_peak:1");
   const stream_t other = sim->create_stream(0);
