@@ -4,6 +4,7 @@
 native; the loss curves match within floating-point noise).
 
   gpt2_allocators.py train --allocator native|ccalloc --out RUN.json [--steps 20] [--label NAME]
+                           [--seq 512] [--seq-min N]
   gpt2_allocators.py compare RUN.json... [--json OUT.json] [--warmup 3]
 
 `train` runs in its own process per allocator (the allocator is chosen
@@ -11,7 +12,9 @@ before CUDA is initialized): GPT-2 from transformers' GPT2Config() (the
 default small model, 124M parameters, random weights from a fixed seed,
 built on the CPU so both runs start from the same weights), AdamW, inputs of
 random token ids (batch 8 x 512 by default, from a seeded CPU generator),
-labels = inputs. Per step it records the loss and the wall time between two
+labels = inputs. With --seq-min N each step's sequence length is drawn from
+[N, --seq] (seeded: the same lengths in every run), a varying-length loop
+(issue 15: memory over a long run). Per step it records the loss and the wall time between two
 device synchronizations (host-to-device copy of the batch, forward,
 backward, optimizer step). At the end: peak reserved and allocated bytes and
 device malloc/free counts, from torch.cuda.memory_stats() for the native
@@ -71,8 +74,10 @@ def train(args: argparse.Namespace) -> int:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed + 1)
-    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator)
+    lengths = [args.seq if args.seq_min is None
+               else int(torch.randint(args.seq_min, args.seq + 1, (1,), generator=generator))
                for _ in range(args.steps)]
+    batches = [torch.randint(0, config.vocab_size, (args.batch, n), generator=generator) for n in lengths]
     torch.cuda.manual_seed_all(args.seed)  # dropout masks: the same sequence in every run
     steps = []
     for i, batch in enumerate(batches):
@@ -103,6 +108,7 @@ def train(args: argparse.Namespace) -> int:
         "parameters": sum(p.numel() for p in model.parameters()),
         "batch": args.batch,
         "seq": args.seq,
+        "seq_min": args.seq_min,
         "seed": args.seed,
         "steps": steps,
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
@@ -113,6 +119,8 @@ def train(args: argparse.Namespace) -> int:
         # ccalloc's own counters (absent from PyTorch's statistics)
         "num_device_synchronizations": stats.get("num_device_synchronizations", 0),
         "num_pages_remapped": stats.get("num_pages_remapped", 0),
+        "num_pages_mapped": stats.get("num_pages_mapped", 0),
+        "bytes_moved_between_streams": stats.get("bytes_moved_between_streams", 0),
         "total_s": time.perf_counter() - t_start,
         "ccalloc_config": os.environ.get("CCALLOC_CONF", ""),
         "ccalloc_integration": ccalloc_torch.integration() if ccalloc_torch is not None else None,
@@ -140,7 +148,8 @@ def compare(args: argparse.Namespace) -> int:
         print(f"gpt2 compare: need native and ccalloc runs, got {sorted(by)}", file=sys.stderr)
         return 2
     first = runs[0]
-    print(f"GPT-2 ({first['parameters'] / 1e6:.0f}M parameters), batch {first['batch']} x {first['seq']}, "
+    seq = f"{first['seq_min']}-{first['seq']}" if first.get("seq_min") else f"{first['seq']}"
+    print(f"GPT-2 ({first['parameters'] / 1e6:.0f}M parameters), batch {first['batch']} x {seq}, "
           f"{len(first['steps'])} AdamW steps, {first['device']}, torch {first['torch']}, "
           f"transformers {first['transformers']}; median over steps {args.warmup}.. of "
           + ", ".join(f"{len(rs)} {name}" for name, rs in by.items()) + " run(s)")
@@ -174,6 +183,9 @@ def compare(args: argparse.Namespace) -> int:
     print(f"max |loss difference| native vs ccalloc: {diff:.3g}"
           + "".join(f"; {n} vs {n}: {d:.3g}" for n, d in noise.items()))
     print(f"ccalloc / native: median step time {ratio:.3f}, peak reserved {reserved_ratio:.3f}")
+    if "native-expandable" in rows:
+        vs_exp = rows["ccalloc"]["peak_reserved_bytes"] / rows["native-expandable"]["peak_reserved_bytes"]
+        print(f"ccalloc / native-expandable: peak reserved {vs_exp:.3f} (issue 15 target: <= 0.95)")
     print(f"P6 (a training step through ccalloc no slower than native): "
           f"{'met' if ratio <= 1.0 else 'not met'} in this run (ratio {ratio:.3f})")
     if args.json:
@@ -191,7 +203,9 @@ def main() -> int:
     t.add_argument("--out", required=True, help="JSON file to write")
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--batch", type=int, default=8)
-    t.add_argument("--seq", type=int, default=512)
+    t.add_argument("--seq", type=int, default=512, help="sequence length (the largest with --seq-min)")
+    t.add_argument("--seq-min", type=int, default=None,
+                   help="vary the sequence length per step, uniformly in [SEQ_MIN, SEQ] (seeded)")
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--label", help="the variant's name in compare (default: the allocator)")

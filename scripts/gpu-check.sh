@@ -161,6 +161,13 @@ if [ -x "$REPLAY_BIN" ]; then
       "$(grep -Eo '[0-9]+ of [0-9]+ trace\(s\) matched' "$REPLAY_LOG" | tail -n 1)"
     t0=$(date +%s)
   done
+  # Issue 15: the default configuration over two passes (each pass's peaks
+  # and the synchronizations must agree: page fences on a real device).
+  echo "== $REPLAY_BIN --repeat 2" >>"$REPLAY_LOG"
+  timeout "$(left 150)" "$REPLAY_BIN" --repeat 2 2>&1 | tee -a "$REPLAY_LOG"
+  rc=${PIPESTATUS[0]}
+  record "replay --device cuda vs sim (default, --repeat 2)" "$rc" $(($(date +%s) - t0)) replay-cuda.log \
+    "$(grep -Eo '[0-9]+ of [0-9]+ trace\(s\) matched' "$REPLAY_LOG" | tail -n 1)"
 else
   echo "$REPLAY_BIN was not built; see build.log" >>"$REPLAY_LOG"
   record "replay --device cuda vs sim" 1 0 replay-cuda.log "$REPLAY_BIN was not built"

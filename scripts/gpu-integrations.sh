@@ -20,7 +20,9 @@
 #   repository root whatever the cwd. PYTHON (default python3) must have
 #   torch, transformers and cupy. GPT2_ROUNDS=1 runs native and ccalloc once
 #   each instead of twice; GPT2_ORDER and GPT2_STEPS (default 20) pick other
-#   variants and lengths (see below).
+#   variants and lengths (see below); GPT2_SEQ (default 512) and GPT2_SEQ_MIN
+#   (unset: fixed length) vary the sequence length per step in
+#   [GPT2_SEQ_MIN, GPT2_SEQ].
 # Writes to OUT_DIR (8 files): build.log, gpt2.log, gpt2.json (comparison and
 #   every run), cupy.log, python-tests.log, nccl.log, nccl.json (every rank's
 #   results; only when it ran), summary.md.
@@ -146,7 +148,7 @@ for variant in "${ORDER[@]}"; do
   esac
   run_step "GPT-2 run $n on $variant" "$GPT2_LOG" 240 \
     env "${env_args[@]}" "$PYTHON" scripts/gpt2_allocators.py train --allocator "$allocator" --label "$variant" \
-    --steps "${GPT2_STEPS:-20}" --out "$file"
+    --steps "${GPT2_STEPS:-20}" --seq "${GPT2_SEQ:-512}" ${GPT2_SEQ_MIN:+--seq-min "$GPT2_SEQ_MIN"} --out "$file"
   record "GPT-2 run $n ($variant)" "$STEP_RC" "$STEP_SECONDS"
   if [ "$STEP_RC" -eq 0 ] && [ -f "$file" ]; then RUN_FILES+=("$file"); else GPT2_FAILED=1; fi
 done

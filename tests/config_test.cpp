@@ -203,7 +203,8 @@ TEST(ConfigTest, EveryKeyParses) {
             "False (also true/false, 1/0))");
   EXPECT_EQ(parse_key("recycles_per_peak", "0").recycles_per_peak, 0u);
   EXPECT_EQ(parse_key("recycles_per_peak", "1000000").recycles_per_peak, 1000000u);
-  EXPECT_EQ(parse_key("recycles_per_peak", "4"), allocator_config{});  // the default
+  EXPECT_EQ(parse_key("recycles_per_peak", "4").recycles_per_peak, 4u);
+  EXPECT_EQ(parse_key("recycles_per_peak", "unlimited"), allocator_config{});  // the default
   EXPECT_NE(allocator_config::parse("recycles_per_peak:9").to_string().find("recycles_per_peak:9"),
             std::string::npos);
   EXPECT_NE(parse_error("recycles_per_peak:-1").find("recycles_per_peak:-1"), std::string::npos);

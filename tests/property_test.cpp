@@ -18,6 +18,10 @@
 //     membership, stats recount);
 //   - no two live allocations overlap, and no new allocation overlaps a
 //     pending block while the clock is before its T;
+//   - page fences (issue 15): work on a live block's own stream uses it
+//     (declared with sim_backend::use_memory); no allocation on another
+//     stream overlaps it, and no page of it is unmapped (the simulated
+//     device counts unsafe_unmaps), before that work ends;
 //   - requested_bytes.all.current = requested sizes of live + pending blocks;
 //     allocation.all.current = live count; active.all.current = live + pending;
 //   - reserved <= device capacity, reserved <= the fraction cap (or, right
@@ -197,6 +201,15 @@ struct run_totals {
   std::size_t mallocs = 0, ooms = 0, frees = 0, pending_frees = 0, records = 0, bad_frees = 0;
   std::size_t fraction_changes = 0, empty_caches = 0, reuse_checks = 0, toggles = 0;
   std::size_t pool_ops = 0, pool_allocs = 0, pool_misuse = 0, live_checks = 0, deferred_frees = 0;
+  std::size_t uses = 0;
+};
+
+// Memory that work on `stream` uses until `until` (do_use).
+struct memory_use {
+  std::uintptr_t ptr = 0;
+  std::size_t size = 0;
+  stream_t stream = 0;
+  std::uint64_t until = 0;
 };
 
 class model_runner {
@@ -277,11 +290,12 @@ class model_runner {
       advanced_ = true;  // the model's own clock move: nothing to resync
       return {};
     }
-    if (r < 700) {
+    if (r < 620) {
       const stream_t s = side_streams_[rng_() % side_streams_.size()];
       sim_->enqueue_work(0, s, sim_->now() + rng_() % 60);
       return {};
     }
+    if (r < 700) return do_use();
     if (r < 715) return do_empty_cache();
     if (r < 735) return do_set_fraction();
     if (r < 935) return do_bad_free();
@@ -302,6 +316,9 @@ class model_runner {
     const auto reserved = static_cast<std::size_t>(s.reserved_bytes[0].current);
     const std::size_t used = sim_->counters().used_bytes;
     std::ostringstream err;
+    // Page fences (issue 15): no page is unmapped while work that used it may run.
+    if (sim_->counters().unsafe_unmaps != 0)
+      err << sim_->counters().unsafe_unmaps << " page(s) unmapped while their stream's work could still use them; ";
     if (reserved > device_capacity) err << "reserved " << reserved << " > capacity; ";
     if (reserved > bound_) err << "reserved " << reserved << " > cap " << bound_ << " (allowed " << allowed_ << "); ";
     bound_ = std::max(allowed_, reserved);
@@ -502,6 +519,23 @@ class model_runner {
       }
     }
     std::erase_if(busy_, [&](const busy_block& bb) { return bb.done_at <= t; });
+    // Nor, on another stream, of memory whose own stream's work still uses it
+    // (page fences; X2's adopted segments). A segment_free (cudaFree) waits
+    // for the whole device on a real one: the uses before it are over.
+    if (sim_->counters().segment_frees != seen_segment_frees_) {
+      seen_segment_frees_ = sim_->counters().segment_frees;
+      uses_.clear();
+    }
+    std::erase_if(uses_, [&](const memory_use& u) { return u.until <= t; });
+    for (const auto& u : uses_) {
+      if (u.stream != stream && a < u.ptr + u.size && u.ptr < a + size) {
+        std::ostringstream os;
+        os << where() << "allocation [" << a << ", +" << size << ") on stream " << stream << " reuses ["
+           << u.ptr << ", +" << u.size << ") that stream " << u.stream << "'s work uses until " << u.until
+           << " (now " << t << ")";
+        return os.str();
+      }
+    }
     for (const auto& pb : pending_) {
       ++totals_.reuse_checks;
       if (t < pb.done_at && a < pb.ptr + pb.size && pb.ptr < a + size) {
@@ -559,6 +593,21 @@ class model_runner {
       }
       pending_requested_ += la.size;
     }
+    return {};
+  }
+
+  // Work on a live block's own stream uses it (a kernel): declared to the
+  // simulated device (use_memory) and kept by the model, which checks that
+  // no other stream gets the memory, and the device that no page of it is
+  // unmapped, before the work ends.
+  std::string do_use() {
+    if (live_.empty()) return {};
+    ++totals_.uses;
+    auto it = live_at(rng_() % live_.size());
+    const stream_t s = it->second.stream;
+    sim_->enqueue_work(0, s, sim_->now() + rng_() % 60);
+    sim_->use_memory(0, reinterpret_cast<void*>(it->first), it->second.size, s);
+    uses_.push_back({it->first, it->second.size, s, sim_->busy_until(0, s)});
     return {};
   }
 
@@ -765,6 +814,8 @@ class model_runner {
   worker_thread worker_;
   stream_t main_per_thread_ = 0;    // resolve_stream(per_thread_stream_handle) here
   stream_t worker_per_thread_ = 0;  // and on the worker
+  std::vector<memory_use> uses_;
+  std::uint64_t seen_segment_frees_ = 0;
   std::size_t live_requested_ = 0;
   std::size_t pending_requested_ = 0;
   std::vector<std::size_t> recent_sizes_;
@@ -818,6 +869,7 @@ TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
     EXPECT_GT(t.per_thread_mallocs, 0u);
     EXPECT_GT(t.busy_frees, 0u);
   }
+  EXPECT_GT(t.uses, 0u);
   if (c.pools) {
     std::printf("[ property ] %s: %zu pool ops, %zu allocations in pools, %zu rejected misuses, %zu live checks, "
                 "%zu deferred frees\n", c.name, t.pool_ops, t.pool_allocs, t.pool_misuse, t.live_checks,

@@ -34,7 +34,8 @@ std::set<std::string> expected_keys() {
   }
   for (const char* name : {"num_alloc_retries", "num_ooms", "num_sync_all_streams",
                            "num_device_alloc", "num_device_free", "num_device_synchronizations",
-                           "num_pages_remapped", "max_split_size"}) {
+                           "num_pages_remapped", "num_pages_mapped", "num_pages_unmapped",
+                           "bytes_moved_between_streams", "max_split_size"}) {
     keys.insert(name);
   }
   return keys;
@@ -75,13 +76,16 @@ device_stats sample_stats() {
   s.num_device_free = 5;
   s.num_device_synchronizations = 6;
   s.num_pages_remapped = 7;
+  s.num_pages_mapped = 8;
+  s.num_pages_unmapped = 9;
+  s.bytes_moved_between_streams = 10;
   s.max_split_size = std::int64_t{128} << 20;
   return s;
 }
 
 TEST(StatsTest, DefaultMapHasEveryKeyAtZero) {
   const auto map = device_stats{}.to_map();
-  EXPECT_EQ(map.size(), 9u * 3u * 4u + 2u * 4u + 8u);  // 124
+  EXPECT_EQ(map.size(), 9u * 3u * 4u + 2u * 4u + 11u);  // 124
   EXPECT_EQ(keys_of(map), expected_keys());
   for (const auto& [key, value] : map) {
     EXPECT_EQ(value, key == "max_split_size" ? -1 : 0) << key;
@@ -140,6 +144,9 @@ TEST(StatsTest, MapValuesAfterIncreasesAndDecreases) {
   EXPECT_EQ(map.at("num_device_free"), 5);
   EXPECT_EQ(map.at("num_device_synchronizations"), 6);
   EXPECT_EQ(map.at("num_pages_remapped"), 7);
+  EXPECT_EQ(map.at("num_pages_mapped"), 8);
+  EXPECT_EQ(map.at("num_pages_unmapped"), 9);
+  EXPECT_EQ(map.at("bytes_moved_between_streams"), 10);
   EXPECT_EQ(map.at("max_split_size"), 128 << 20);
 }
 
@@ -176,7 +183,8 @@ TEST(StatsTest, ResetAccumulatedZeroesAllocatedFreedAndEventCounters) {
   const std::set<std::string> counters = {"num_alloc_retries", "num_ooms",
                                           "num_sync_all_streams", "num_device_alloc",
                                           "num_device_free", "num_device_synchronizations",
-                                          "num_pages_remapped"};
+                                          "num_pages_remapped", "num_pages_mapped", "num_pages_unmapped",
+                                          "bytes_moved_between_streams"};
   for (const auto& [key, value] : after) {
     const auto dot = key.rfind('.');
     const std::string field = dot == std::string::npos ? "" : key.substr(dot + 1);

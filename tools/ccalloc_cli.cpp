@@ -1,7 +1,8 @@
 // ccalloc_cli.cpp: the `ccalloc` command line tool (SPEC X8).
 //
-//   ccalloc replay  [TRACE] [--config STR] [--device sim|cuda[:N]] [--device-memory BYTES] [--json]
-//   ccalloc compare [TRACE] --config A [--config B ...] [--device sim|cuda[:N]] [--device-memory BYTES] [--json]
+//   ccalloc replay  [TRACE] [--config STR] [--device sim|cuda[:N]] [--device-memory BYTES] [--repeat N] [--json]
+//   ccalloc compare [TRACE] --config A [--config B ...] [--device sim|cuda[:N]] [--device-memory BYTES]
+//                   [--repeat N] [--json]
 //   ccalloc report  [TRACE] [-o OUT.html] [--config STR] [--device-memory BYTES] [--points N] [--title T]
 //   ccalloc config-keys
 //
@@ -30,6 +31,12 @@
 // error (unknown option, missing subcommand, bad --device or --device-memory
 // value, --device-memory with --device cuda).
 // With --json, stdout holds exactly one JSON document; warnings go to stderr.
+//
+// --repeat N (replay, compare): the trace runs N times back to back as one
+// program (allocations the trace never frees are made in the first pass
+// only; include/ccalloc/replay/replay.hpp defines it), and the output adds
+// each pass's peaks, fragmentation and device synchronizations ("passes" in
+// the JSON). PyTorch's figures stay those of the one recorded pass.
 #include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
@@ -324,6 +331,24 @@ json native_json(const ccalloc::native_reference& native, const ccalloc::replay_
   return out;
 }
 
+/// The figures a whole replay and each of its passes have alike
+/// (ccalloc::replay_result, ccalloc::replay_pass).
+template <class Figures>
+void put_figures(json& out, const Figures& f) {
+  out["peak_requested_bytes"] = f.peak_requested_bytes;
+  out["peak_allocated_bytes"] = f.peak_allocated_bytes;
+  out["peak_reserved_bytes"] = f.peak_reserved_bytes;
+  out["fragmentation"] = f.fragmentation();
+  out["device_mallocs"] = f.device_mallocs;
+  out["device_frees"] = f.device_frees;
+  out["ooms"] = f.ooms;
+  out["device_synchronizations"] = f.device_synchronizations;
+  out["pages_remapped"] = f.pages_remapped;
+  out["pages_mapped"] = f.pages_mapped;
+  out["pages_unmapped"] = f.pages_unmapped;
+  out["bytes_moved_between_streams"] = f.bytes_moved_between_streams;
+}
+
 json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
                  const std::string& config, int cuda_device) {
   json out;
@@ -333,18 +358,19 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
   if (r.device == ccalloc::replay_device::cuda) out["cuda_device"] = cuda_device;
   out["device_memory_bytes"] = r.device_memory_bytes;
   out["events"] = r.events;
-  out["peak_requested_bytes"] = r.peak_requested_bytes;
-  out["peak_allocated_bytes"] = r.peak_allocated_bytes;
-  out["peak_reserved_bytes"] = r.peak_reserved_bytes;
-  out["fragmentation"] = r.fragmentation();
-  out["device_mallocs"] = r.device_mallocs;
-  out["device_frees"] = r.device_frees;
-  out["ooms"] = r.ooms;
+  put_figures(out, r);
   out["alloc_retries"] = r.alloc_retries;
-  out["device_synchronizations"] = r.device_synchronizations;
-  out["pages_remapped"] = r.pages_remapped;
   out["wall_seconds"] = r.wall_seconds;
   out["read_seconds"] = input.read_seconds;
+  out["repeat"] = r.repeat;
+  json passes = json::array();
+  for (const ccalloc::replay_pass& p : r.passes) {
+    json pass;
+    pass["events"] = p.events;
+    put_figures(pass, p);
+    passes.push_back(std::move(pass));
+  }
+  out["passes"] = std::move(passes);
   if (input.native) out["native"] = native_json(*input.native, r);
   return out;
 }
@@ -397,6 +423,35 @@ void print_native_comparison(const ccalloc::replay_result& r, const ccalloc::nat
   }
 }
 
+/// The per-pass table of a repeated replay (--repeat N > 1), each line
+/// prefixed by `indent`.
+void print_passes(const ccalloc::replay_result& r, const char* indent) {
+  if (r.repeat <= 1) return;
+  const std::vector<std::string> head = {"pass",           "peak requested", "peak reserved",
+                                         "fragmentation",  "device syncs",   "pages mapped",
+                                         "pages remapped", "moved streams",  "device mallocs"};
+  std::vector<std::vector<std::string>> rows;
+  for (std::size_t i = 0; i < r.passes.size(); ++i) {
+    const ccalloc::replay_pass& p = r.passes[i];
+    rows.push_back({std::to_string(i + 1), gib(p.peak_requested_bytes), gib(p.peak_reserved_bytes),
+                    format("%.3f", p.fragmentation()), with_commas(p.device_synchronizations),
+                    with_commas(p.pages_mapped), with_commas(p.pages_remapped),
+                    gib(p.bytes_moved_between_streams), with_commas(p.device_mallocs)});
+  }
+  std::vector<std::size_t> width(head.size());
+  for (std::size_t c = 0; c < head.size(); ++c) {
+    width[c] = head[c].size();
+    for (const auto& row : rows) width[c] = std::max(width[c], row[c].size());
+  }
+  const auto print_cells = [&](const std::vector<std::string>& cells) {
+    std::string text = indent;
+    for (std::size_t c = 0; c < cells.size(); ++c) text += (c ? "  " : "") + right(cells[c], width[c]);
+    std::printf("%s\n", text.c_str());
+  };
+  print_cells(head);
+  for (const auto& row : rows) print_cells(row);
+}
+
 /// "sim (simulated device)" or "cuda:0 (GPU, CUDA backend)".
 std::string device_label(const ccalloc::replay_result& r, int cuda_device) {
   if (r.device == ccalloc::replay_device::cuda) return format("cuda:%d (GPU, CUDA backend)", cuda_device);
@@ -417,6 +472,10 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
   print_row("device", device_label(r, cuda_device));
   print_row("device memory", bytes_cell(device_memory_bytes, w));
   print_row("events", with_commas(r.events));
+  if (r.repeat > 1)
+    print_row("passes", format("%llu  (the trace run back to back as one program; allocations it never frees made "
+                               "once)",
+                               static_cast<unsigned long long>(r.repeat)));
   print_row("peak requested", bytes_cell(r.peak_requested_bytes, w));
   print_row("peak allocated", bytes_cell(r.peak_allocated_bytes, w));
   print_row("peak reserved", bytes_cell(r.peak_reserved_bytes, w));
@@ -427,11 +486,21 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
                         (r.ooms ? "  (allocations that failed: the device memory is too small)" : ""));
   print_row("alloc retries", with_commas(r.alloc_retries));
   print_row("device syncs", with_commas(r.device_synchronizations) +
-                                (r.device_synchronizations ? "  (device-wide, before unmapping or moving memory)" : ""));
-  print_row("pages remapped", with_commas(r.pages_remapped));
+                                (r.device_synchronizations ? "  (host waits for the device before memory changed hands)"
+                                                           : ""));
+  print_row("pages mapped", with_commas(r.pages_mapped) + "  (unmapped " + with_commas(r.pages_unmapped) +
+                                ", remapped " + with_commas(r.pages_remapped) + ")");
+  print_row("moved streams", bytes_cell(r.bytes_moved_between_streams, w) + "  (bytes that changed stream)");
   print_row("wall time", format("%.3f s  (replay; reading the trace: %.3f s)", r.wall_seconds,
                                 input.read_seconds));
-  if (input.native) print_native_comparison(r, *input.native);
+  if (r.repeat > 1) {
+    std::printf("\nPer pass (peaks within the pass, counters during it):\n");
+    print_passes(r, "  ");
+  }
+  if (input.native) {
+    print_native_comparison(r, *input.native);
+    if (r.repeat > 1) std::printf("  (PyTorch's figures are of the one recorded pass)\n");
+  }
 }
 
 void print_compare_table(const std::vector<ccalloc::replay_result>& results,
@@ -482,6 +551,15 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
   std::printf("%s\n", std::string(total - 2, '-').c_str());
   for (const row& r : rows) print_cells(r.cells);
   if (input.native) std::printf("\nPyTorch figures: %s\n", input.native->origin.c_str());
+  if (!results.empty() && results.front().repeat > 1) {
+    std::printf("\n%llu passes back to back as one program (allocations the trace never frees made once); per "
+                "pass:\n",
+                static_cast<unsigned long long>(results.front().repeat));
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      std::printf("%s\n", config_label(configs[i]).c_str());
+      print_passes(results[i], "  ");
+    }
+  }
 }
 
 // ---- subcommands -------------------------------------------------------------
@@ -515,11 +593,14 @@ struct common_options {
   std::string device_text = "sim";
   std::string device_memory_text;
   bool json_output = false;
+  std::size_t repeat = 1;
 
   [[nodiscard]] ccalloc::replay_options replay_options_for(const std::string& config) const {
     ccalloc::replay_options options;
     options.config = config_string(config);
     parse_device(device_text, options);
+    if (repeat == 0) throw usage_error("--repeat must be at least 1 (passes of the trace)");
+    options.repeat = repeat;
     if (!device_memory_text.empty() && options.device != ccalloc::replay_device::sim) {
       throw usage_error("--device-memory applies to the simulated device only: with --device " + device_text +
                         " the replay uses the GPU's own memory");
@@ -570,7 +651,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     throw usage_error("--min-memory works on the simulated device only (--device sim)");
   const loaded_trace input = load_trace(common.trace_path);
   progress_bar progress("replaying");
-  const std::size_t total = input.trace.events.size();
+  const std::size_t total = input.trace.events.size() * options.repeat;
   std::string snapshot_json;
   if (!snapshot_path.empty()) options.history.emplace();  // everything, no context
   options.after_event = [&](std::size_t i, ccalloc::caching_allocator& allocator) {
@@ -743,9 +824,15 @@ int run(int argc, char** argv) {
                     "(80GB, 80GiB, 512MiB, 1.5e9). Default: 141GB (an H200). Not with --device cuda.");
     if (with_json) sub->add_flag("--json", common.json_output, "Print the results as JSON.");
   };
+  const auto add_repeat = [&](CLI::App* sub) {
+    sub->add_option("--repeat", common.repeat,
+                    "Run the trace N times back to back as one program (allocations it never frees are made "
+                    "in the first pass only) and report each pass: the steady state of a loop. Default: 1.");
+  };
 
   CLI::App* replay = app.add_subcommand("replay", "Replay a trace and report peaks and device calls.");
   add_common(replay, true);
+  add_repeat(replay);
   replay->add_option("--config", replay_config,
                      "Configuration string, PyTorch syntax (see `ccalloc config-keys`). "
                      "Default: defaults.");
@@ -757,6 +844,7 @@ int run(int argc, char** argv) {
   CLI::App* compare =
       app.add_subcommand("compare", "Replay one trace under several configurations side by side.");
   add_common(compare, true);
+  add_repeat(compare);
   compare
       ->add_option("--config", compare_configs,
                    "A configuration to run (repeat for more; \"default\" or \"\" = defaults).")

@@ -4,7 +4,7 @@
 // library (the GPU machine's minimal build has no CLI11 or nlohmann-json);
 // scripts/gpu-check.sh runs it.
 //
-// Usage: ccalloc_replay_cuda_check [--config STR] [--cuda-device N] [TRACE...]
+// Usage: ccalloc_replay_cuda_check [--config STR] [--cuda-device N] [--repeat N] [TRACE...]
 //   Without TRACE: the bundled gpt2_train and bert_copystream_infer traces
 //   (CCALLOC_GPU_REPLAY_TRACE_DIR, set by CMake: plain copies when the build
 //   has no zlib).
@@ -14,13 +14,16 @@
 // reserved bytes and the OOM count must be equal; differing peak allocated
 // bytes and device malloc/free counts are reported as a note (plain segment
 // addresses, which differ between the devices, can break ties between equal
-// free blocks).
+// free blocks). With --repeat N (the trace run N times back to back, as
+// `ccalloc replay --repeat`), each pass's peak requested and reserved bytes
+// and device synchronizations must be equal too.
 // Exit status: 0 when every trace matched; 1 on a mismatch or an error (no
 // GPU, a bad trace); 2 on a usage error.
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/replay/replay.hpp>
 #include <ccalloc/replay/trace.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -51,13 +54,15 @@ void print_json(const ccalloc::replay_result& r) {
       "{\"trace\": %s, \"device\": \"%s\", \"config\": %s, \"device_memory_bytes\": %llu, \"events\": %llu, "
       "\"peak_requested_bytes\": %llu, \"peak_allocated_bytes\": %llu, \"peak_reserved_bytes\": %llu, "
       "\"fragmentation\": %.6f, \"device_mallocs\": %llu, \"device_frees\": %llu, \"ooms\": %llu, "
-      "\"alloc_retries\": %llu, \"wall_seconds\": %.6f}\n",
+      "\"alloc_retries\": %llu, \"device_synchronizations\": %llu, \"repeat\": %llu, \"wall_seconds\": %.6f}\n",
       json_string(r.source).c_str(), ccalloc::to_string(r.device), json_string(r.config).c_str(),
       static_cast<unsigned long long>(r.device_memory_bytes), static_cast<unsigned long long>(r.events),
       static_cast<unsigned long long>(r.peak_requested_bytes), static_cast<unsigned long long>(r.peak_allocated_bytes),
       static_cast<unsigned long long>(r.peak_reserved_bytes), r.fragmentation(),
       static_cast<unsigned long long>(r.device_mallocs), static_cast<unsigned long long>(r.device_frees),
-      static_cast<unsigned long long>(r.ooms), static_cast<unsigned long long>(r.alloc_retries), r.wall_seconds);
+      static_cast<unsigned long long>(r.ooms), static_cast<unsigned long long>(r.alloc_retries),
+      static_cast<unsigned long long>(r.device_synchronizations), static_cast<unsigned long long>(r.repeat),
+      r.wall_seconds);
 }
 
 // Appends "what: sim A vs cuda B" to `diffs` when they differ.
@@ -72,13 +77,24 @@ void compare(std::string& diffs, const char* what, std::uint64_t sim, std::uint6
 int main(int argc, char** argv) {
   std::string config;
   int cuda_device = 0;
+  std::size_t repeat = 1;
   std::vector<std::string> traces;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if ((arg == "--config" || arg == "--cuda-device") && i + 1 < argc) {
+    if ((arg == "--config" || arg == "--cuda-device" || arg == "--repeat") && i + 1 < argc) {
       const std::string value = argv[++i];
       if (arg == "--config") {
         config = value;
+      } else if (arg == "--repeat") {
+        try {
+          repeat = std::stoul(value);
+        } catch (const std::exception&) {
+          repeat = 0;
+        }
+        if (repeat == 0) {
+          std::fprintf(stderr, "ccalloc_replay_cuda_check: bad --repeat '%s' (passes, at least 1)\n", value.c_str());
+          return 2;
+        }
       } else {
         try {
           cuda_device = std::stoi(value);
@@ -88,7 +104,7 @@ int main(int argc, char** argv) {
         }
       }
     } else if (arg == "--help" || arg == "-h") {
-      std::printf("usage: %s [--config STR] [--cuda-device N] [TRACE...]\n", argv[0]);
+      std::printf("usage: %s [--config STR] [--cuda-device N] [--repeat N] [TRACE...]\n", argv[0]);
       return 0;
     } else if (!arg.empty() && arg[0] == '-') {
       std::fprintf(stderr, "ccalloc_replay_cuda_check: unknown option '%s'\n", arg.c_str());
@@ -116,6 +132,7 @@ int main(int argc, char** argv) {
       ccalloc::replay_options o;
       o.config = config;
       o.cuda_device = cuda_device;
+      o.repeat = repeat;
       o.device = ccalloc::replay_device::sim;
       const ccalloc::replay_result sim = ccalloc::replay_trace(t, o);
       print_json(sim);
@@ -126,6 +143,14 @@ int main(int argc, char** argv) {
       compare(diffs, "peak_requested_bytes", sim.peak_requested_bytes, cuda.peak_requested_bytes);
       compare(diffs, "peak_reserved_bytes", sim.peak_reserved_bytes, cuda.peak_reserved_bytes);
       compare(diffs, "ooms", sim.ooms, cuda.ooms);
+      compare(diffs, "device_synchronizations", sim.device_synchronizations, cuda.device_synchronizations);
+      for (std::size_t k = 0; k < sim.passes.size() && k < cuda.passes.size() && sim.passes.size() > 1; ++k) {
+        const std::string pass = "pass " + std::to_string(k + 1) + " ";
+        compare(diffs, (pass + "peak_requested_bytes").c_str(), sim.passes[k].peak_requested_bytes,
+                cuda.passes[k].peak_requested_bytes);
+        compare(diffs, (pass + "peak_reserved_bytes").c_str(), sim.passes[k].peak_reserved_bytes,
+                cuda.passes[k].peak_reserved_bytes);
+      }
       std::string notes;
       // Best fit breaks size ties by address (as PyTorch does), and plain
       // segments get their addresses from the device: cudaMalloc and the

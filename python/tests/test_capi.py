@@ -34,7 +34,8 @@ TORCH_KEYS = sorted(
     + ["num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
        "max_split_size"])
 # ccalloc's own counters, next to PyTorch's (include/ccalloc/core/stats.hpp).
-CCALLOC_KEYS = ["num_device_synchronizations", "num_pages_remapped"]
+CCALLOC_KEYS = ["num_device_synchronizations", "num_pages_remapped", "num_pages_mapped", "num_pages_unmapped",
+                "bytes_moved_between_streams"]
 
 
 @pytest.fixture

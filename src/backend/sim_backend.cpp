@@ -66,6 +66,12 @@ struct sim_backend::impl {
     std::map<std::size_t, std::size_t> free_ranges;  // offset -> bytes, punched, coalesced
     std::vector<bool> peers_enabled;                 // enable_peer_access(this, peer)
     std::vector<stream_t> capturing;                 // streams between begin_capture and end_capture
+    // use_memory: [begin, end) in use until the time (entries ended are dropped).
+    struct memory_use {
+      std::uintptr_t begin, end;
+      std::uint64_t until;
+    };
+    std::vector<memory_use> in_use;
   };
   // Throws as CUDA does for a call not allowed while a stream captures.
   void check_not_capturing(int device_index, const char* what) {
@@ -668,6 +674,15 @@ void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
     ++impl_->counters.vm_unmaps;
     impl_->mappings.erase(it);
   }
+  auto& uses = impl_->dev(device).in_use;
+  std::erase_if(uses, [&](const impl::device::memory_use& u) { return u.until <= impl_->now; });
+  const std::size_t page = impl_->options.granularity_bytes;
+  for (std::uintptr_t p = a; p < a + size_bytes; p += page)
+    for (const auto& u : uses)
+      if (u.begin < p + page && p < u.end) {
+        ++impl_->counters.unsafe_unmaps;
+        break;
+      }
 }
 
 void sim_backend::vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) {
@@ -966,6 +981,19 @@ void sim_backend::enqueue_work(int device, stream_t stream, std::uint64_t until)
   std::lock_guard lock(impl_->mutex);
   auto& t = impl_->dev(device).busy_until.try_emplace(stream, impl_->now).first->second;
   t = std::max(t, until);
+}
+
+void sim_backend::use_memory(int device, const void* ptr, std::size_t size_bytes, stream_t stream) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  auto it = d.busy_until.find(stream);
+  const std::uint64_t until = d.gated.count(stream) != 0 ? ~std::uint64_t{0}
+                              : it == d.busy_until.end() ? impl_->now
+                                                         : std::max(impl_->now, it->second);
+  std::erase_if(d.in_use, [&](const impl::device::memory_use& u) { return u.until <= impl_->now; });
+  if (until <= impl_->now || size_bytes == 0) return;
+  const auto a = reinterpret_cast<std::uintptr_t>(ptr);
+  d.in_use.push_back({a, a + size_bytes, until});
 }
 
 std::uint64_t sim_backend::busy_until(int device, stream_t stream) const {

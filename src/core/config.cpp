@@ -366,16 +366,18 @@ const std::array<key_spec, 17>& key_table() {
         "False reproduces PyTorch's reservations)."},
        &parse_bool_field<&allocator_config::trim_on_new_peak>,
        &print_bool_field<&allocator_config::trim_on_new_peak>},
-      {{"recycles_per_peak", "an integer >= 0",
+      {{"recycles_per_peak", "an integer >= 0, or unlimited",
         "ccalloc's own key: with expandable segments, how many times free pages are recycled "
-        "(a device synchronization each) to avoid raising reserved memory past one high-water "
-        "mark before the mark is raised instead (default 4; 0: never, as PyTorch; a large "
-        "value: always, the least memory)."},
+        "(unmapped and mapped where the request needs them, once the page fence of the stream "
+        "that freed them has completed: no synchronization) to avoid raising reserved memory "
+        "past one high-water mark before the mark is raised instead (default unlimited: the "
+        "least memory; 0: never, as PyTorch; a small number: fewer remappings, more memory)."},
        [](allocator_config& c, std::string_view value) {
-         c.recycles_per_peak = static_cast<std::size_t>(parse_unsigned(value));
+         c.recycles_per_peak = value == "unlimited" ? std::numeric_limits<std::size_t>::max()
+                                                    : static_cast<std::size_t>(parse_unsigned(value));
        },
        [](const allocator_config& c) -> std::optional<std::string> {
-         if (c.recycles_per_peak == 4) return std::nullopt;
+         if (c.recycles_per_peak == std::numeric_limits<std::size_t>::max()) return std::nullopt;
          return format_unsigned(c.recycles_per_peak);
        }},
       {{"reuse_across_streams", boolean_values,

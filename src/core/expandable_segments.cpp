@@ -8,8 +8,17 @@
 // (trim_on_new_peak) or past the memory-fraction cap, free whole pages of any
 // stream are unmapped first and their physical handles mapped where they are
 // needed (X3), so the reservation does not grow while free pages exist.
-// Unmapping first synchronizes the device: cuMemUnmap does not wait for
-// queued work that may still touch the range.
+//
+// Page fences (issue 15): cuMemUnmap does not wait for queued work that may
+// still touch the range, and the work that last used a free block was
+// queued on its stream (uses on other streams completed before the block
+// became free). Each stream numbers the blocks that become free on it
+// (block::free_seq); before its pages change hands, an event recorded on the
+// stream after that free must have completed (stream_state::fences, checked
+// with a query, never waited for on the way to a new peak). Pages whose
+// fence has not completed stay where they are; the reservation grows
+// instead. Only out of memory, the memory-fraction cap and emptyCache wait
+// for fences (unmap_free_pages' may_wait; num_device_synchronizations).
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include "detail/device_state.hpp"
@@ -68,6 +77,7 @@ block* device_state::split_free_block(block* b, std::uintptr_t at) {
   hi->pool = b->pool;
   hi->seg = b->seg;
   hi->mapped = b->mapped;
+  hi->free_seq = b->free_seq;
   hi->next = b->next;
   if (hi->next != nullptr) hi->next->prev = hi;
   hi->prev = b;
@@ -106,6 +116,7 @@ void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_
     block* nx = x->next;
     if (x != stop && nx != nullptr && x->is_free() && nx->is_free() && x->mapped == nx->mapped) {
       x->size += nx->size;
+      x->free_seq = std::max(x->free_seq, nx->free_seq);
       x->next = nx->next;
       if (x->next != nullptr) x->next->prev = x;
       if (nx == stop) stop = x;
@@ -200,36 +211,42 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
     if (need > backend_.mem_get_info(device_).free_bytes + free_pages_bytes) return false;
   }
-  std::vector<physical_handle_t> recycled;
+  std::vector<recycled_page> recycled;
   // Handles in `recycled` are unmapped and no longer counted as reserved.
   auto drop_recycled = [&] {
-    for (physical_handle_t h : recycled) {
+    for (const recycled_page& r : recycled) {
       ++stats_.num_device_free;
-      backend_.vm_release_handle(device_, h);
+      backend_.vm_release_handle(device_, r.handle);
     }
     recycled.clear();
   };
   if (need > 0) {
-    auto excess = [&] {
-      std::size_t target = 0;
-      if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) target = reserved_bytes_ + need - allowed_bytes_;
-      // A new peak is avoided by recycling at most recycles_per_peak times
-      // per high-water mark; then the mark rises, and a repeating program
-      // stops needing either.
-      if (config_.trim_on_new_peak && reserved_bytes_ + need > reserved_high_water_bytes_ &&
-          recycles_at_mark_ < config_.recycles_per_peak)
-        target = std::max(target, std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_));
-      return target;
+    // Bytes over the cap: these must be freed (waiting for page fences if
+    // need be), or the request fails.
+    auto over_cap = [&]() -> std::size_t {
+      return set_fraction_ && reserved_bytes_ + need > allowed_bytes_ ? reserved_bytes_ + need - allowed_bytes_ : 0;
     };
-    if (!capture_underway() && excess() > 0) {
+    // Bytes over the high-water mark: a new peak is avoided by recycling
+    // free pages whose fence has completed (never waiting), at most
+    // recycles_per_peak times per mark; else the mark rises.
+    auto over_mark = [&]() -> std::size_t {
+      if (!config_.trim_on_new_peak || reserved_bytes_ + need <= reserved_high_water_bytes_ ||
+          recycles_at_mark_ >= config_.recycles_per_peak)
+        return 0;
+      return std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_);
+    };
+    if (!capture_underway() && std::max(over_cap(), over_mark()) > 0) {
       release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
-      if (const std::size_t target = excess(); target > 0) {
-        try {
-          if (unmap_free_pages(target, best_seg, best_start, end, &recycled) > 0) ++recycles_at_mark_;
-        } catch (...) {
-          drop_recycled();  // the pages unmapped before the failure go back to the device
-          throw;
-        }
+      try {
+        std::size_t got = 0;
+        if (const std::size_t target = std::max(over_cap(), over_mark()); target > 0)
+          got = unmap_free_pages(target, best_seg, best_start, end, &recycled, false);
+        if (const std::size_t target = over_cap(); target > 0)
+          got += unmap_free_pages(target, best_seg, best_start, end, &recycled, true);
+        if (got > 0) ++recycles_at_mark_;
+      } catch (...) {
+        drop_recycled();  // the pages unmapped before the failure go back to the device
+        throw;
       }
     }
     if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) {
@@ -254,8 +271,10 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       for (; i < end_page && seg.pages[i] == 0; ++i) {
         physical_handle_t h = 0;
         bool fresh = false;
+        stream_t from = p.stream;
         if (!recycled.empty()) {
-          h = recycled.back();
+          h = recycled.back().handle;
+          from = recycled.back().from;
           recycled.pop_back();
         } else if (backend_.vm_create(device_, page, &h)) {
           fresh = true;
@@ -275,6 +294,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
               backend_.vm_unmap(device_, addr, page);  // the page must not stay mapped unknown to us
             } catch (...) {
               seg.pages[i] = h;  // still mapped: keep it on the books (a free mapped page)
+              ++stats_.num_pages_mapped;
               seg.mapped_bytes += page;
               reserved_bytes_ += page;
               device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
@@ -286,12 +306,14 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
           if (fresh) {
             backend_.vm_release_handle(device_, h);
           } else {
-            recycled.push_back(h);
+            recycled.push_back({h, from});
           }
           throw;
         }
         seg.pages[i] = h;
+        ++stats_.num_pages_mapped;
         if (!fresh) ++stats_.num_pages_remapped;
+        if (!fresh && from != p.stream) stats_.bytes_moved_between_streams += static_cast<std::int64_t>(page);
         seg.mapped_bytes += page;
         if (fresh) ++stats_.num_device_alloc;
         reserved_bytes_ += page;
@@ -330,7 +352,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
 // Handles go to `recycled` (then no longer counted as reserved) or back to
 // the device.
 std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                             std::vector<physical_handle_t>* recycled, std::size_t max_bytes) {
+                                             std::vector<recycled_page>* recycled, std::size_t max_bytes) {
   segment& seg = *b->seg;
   const std::size_t page = seg.page_bytes;
   const std::uintptr_t lo = (b->ptr - seg.base + page - 1) / page * page + seg.base;
@@ -370,7 +392,9 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
       for (; addr < to; addr += page) {
         const std::size_t i = (addr - seg.base) / page;
         backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
-        (recycled != nullptr ? *recycled : to_release).push_back(seg.pages[i]);
+        ++stats_.num_pages_unmapped;
+        if (recycled != nullptr) recycled->push_back({seg.pages[i], seg.head->stream});
+        else to_release.push_back(seg.pages[i]);
         seg.pages[i] = 0;
       }
     } catch (...) {
@@ -383,47 +407,116 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
 }
 
 // Unmaps free whole pages of every expandable segment until `target_bytes`
-// are freed, waiting first for each stream whose pages it unmaps.
+// are freed: first the pages whose page fence has completed (no waiting);
+// then, with may_wait, the others after waiting for their fences.
 std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
                                            std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                           std::vector<physical_handle_t>* recycled) {
+                                           std::vector<recycled_page>* recycled, bool may_wait) {
   std::vector<block*> candidates;
   for (auto& [base, up] : segments_) {
     if (!up->expandable || up->mapped_bytes == 0 || pool_is_live(up->head->pool)) continue;
     for (block* b = up->head; b != nullptr; b = b->next)
       if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.push_back(b);
   }
+  if (candidates.empty()) return 0;
   // Oldest segment first, then by offset: the same order on every device.
   std::sort(candidates.begin(), candidates.end(), [](const block* x, const block* y) {
     return x->seg->seq != y->seg->seq ? x->seg->seq < y->seg->seq : x->ptr < y->ptr;
   });
   std::size_t got = 0;
-  bool synchronized = false;
+  std::vector<block*> waiting;  // candidates whose fence has not completed
   for (block* b : candidates) {
-    if (got >= target_bytes) break;
-    if (!synchronized) {
-      // Work queued before the free may still use the pages, and cuMemUnmap
-      // does not wait for it. The whole device, as cudaFree does: the
-      // block's stream may have been destroyed since (no stream handle is
-      // used after a free).
-      synchronize_before_reuse();
-      synchronized = true;
+    if (got >= target_bytes) return got;
+    if (!fence_completed(b)) {
+      waiting.push_back(b);
+      continue;
     }
+    const bool keep = b->seg == keep_seg;
+    got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
+  }
+  if (!may_wait) return got;
+  // (Unmapping a candidate merges or splits only it and unmapped ranges: free
+  // mapped blocks never neighbour each other, so the others stay valid.)
+  for (block* b : waiting) {
+    if (got >= target_bytes) break;
+    wait_fences(*b->pool->owner);
     const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
   return got;
 }
 
+// ---- page fences -----------------------------------------------------------------
+
+// Free block b was last used on its stream (uses on other streams completed
+// before it became free): its pages may change hands once an event recorded
+// on that stream after it became free has completed. Never blocks.
+bool device_state::fence_completed(block* b) {
+  stream_state& ss = *b->pool->owner;
+  if (b->free_seq <= ss.fenced_seq) return true;
+  poll_fences(ss);
+  if (b->free_seq <= ss.fenced_seq) return true;
+  if (ss.fences.empty() || ss.fences.back().second < b->free_seq) {
+    record_fence(ss);
+    poll_fences(ss);
+  }
+  return b->free_seq <= ss.fenced_seq;
+}
+
+// Takes the stream's completed fences, oldest first, without blocking.
+void device_state::poll_fences(stream_state& ss) {
+  while (!ss.fences.empty()) {
+    const auto [e, seq] = ss.fences.front();
+    if (!backend_.query_event(device_, e)) break;
+    ss.fences.pop_front();
+    free_events_.push_back(e);
+    ss.fenced_seq = std::max(ss.fenced_seq, seq);
+  }
+}
+
+// Records a fence on the stream covering every block freed on it so far.
+// The stream must still exist (as PyTorch assumes of a segment's stream when
+// it unmaps pages): a backend_error from the record is the caller's.
+void device_state::record_fence(stream_state& ss) {
+  const event_t e = get_event();
+  try {
+    backend_.record_event(device_, e, ss.stream);
+  } catch (...) {
+    free_events_.push_back(e);
+    throw;
+  }
+  ss.fences.emplace_back(e, ss.free_seq);
+}
+
+// Records a fence on every stream with blocks freed since its newest fence
+// (at most max_fences_per_stream outstanding), so that the pages freed now
+// are known safe at a later recycling even where the device runs behind the
+// host: a fence recorded only when the pages are wanted would cover all the
+// work queued up to then. Cheap: one event record per stream that freed
+// something, on the slow path only.
+void device_state::fence_streams(const world_lock& w) {
+  constexpr std::size_t max_fences_per_stream = 4;
+  for (stream_state* ss : w.streams()) {
+    poll_fences(*ss);
+    const std::uint64_t covered = ss->fences.empty() ? ss->fenced_seq : ss->fences.back().second;
+    if (ss->free_seq > covered && ss->fences.size() < max_fences_per_stream) record_fence(*ss);
+  }
+}
+
+// Blocks until the stream's newest fence has completed (counted).
+void device_state::wait_fences(stream_state& ss) {
+  poll_fences(ss);
+  if (ss.fenced_seq >= ss.free_seq) return;
+  if (ss.fences.empty() || ss.fences.back().second < ss.free_seq) record_fence(ss);
+  backend_.synchronize_event(device_, ss.fences.back().first);
+  ++stats_.num_device_synchronizations;
+  poll_fences(ss);
+}
+
 void device_state::raise_reserved_high_water() noexcept {
   if (reserved_bytes_ <= reserved_high_water_bytes_) return;
   reserved_high_water_bytes_ = reserved_bytes_;
   recycles_at_mark_ = 0;  // a new mark: recycling may start again (recycles_per_peak)
-}
-
-void device_state::synchronize_before_reuse() {
-  backend_.synchronize_device(device_);
-  ++stats_.num_device_synchronizations;
 }
 
 // Releases the reservations of expandable segments that have no mapped page.

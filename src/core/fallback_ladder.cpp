@@ -31,6 +31,7 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
   if (!capturing) {
     process_events_locked();
     if (!deferred_frees_.empty()) flush_deferred_frees();
+    if (page_bytes_ != 0 && config_.expandable_segments) fence_streams(w);
   }
   const bool priv = p.pool->priv != nullptr;
   auto out_of_memory = [&]() {
@@ -58,7 +59,7 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
         if (!wait_for_completions_in_flight(w)) break;  // X7
       }
       // The retry kept the pages of the chosen run mapped: give them back too.
-      if (!capturing) unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
+      if (!capturing) unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
       release_empty_expandable_segments();
       // Out of address space (a new reservation was refused, e.g. with very
       // many streams): this request gets a plain segment instead.
@@ -160,11 +161,10 @@ segment& device_state::add_segment(const alloc_params& p, std::uintptr_t base, s
 // ---- rung 3a: a cached whole segment of another stream (X2) ----------------------------
 
 // Moves to the requesting stream the best-fitting cached whole segment of
-// another stream, after synchronizing the device (the work queued before the
-// free may still use it; the other stream may have been destroyed since, so
-// its handle is not used). Called only where the alternative, returning
-// cached segments before a new peak, would synchronize the device anyway
-// (cudaFree).
+// another stream once its page fence has completed (no work of that stream
+// is left on it), waiting for the fence if it has not. Called only where the
+// alternative, returning cached segments before a new peak, would
+// synchronize the device anyway (cudaFree).
 bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   const std::size_t max_split = config_.max_split_size_bytes;
   block* best = nullptr;
@@ -181,7 +181,10 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
     }
   }
   if (best == nullptr) return false;
-  synchronize_before_reuse();
+  // Its stream may still use it: wait for its fence (counted), cheaper than
+  // the alternative's cudaFree, which synchronizes the whole device.
+  if (!fence_completed(best)) wait_fences(*best->pool->owner);
+  stats_.bytes_moved_between_streams += static_cast<std::int64_t>(best->size);
   best->pool->blocks.erase(best);
   best->pool = p.pool;
   best->stream = p.stream;
@@ -228,7 +231,7 @@ bool device_state::release_cached_blocks(const world_lock& w, bool for_retry) {
   synchronize_and_free_events();
   release_unused_segments(w, for_retry);
   release_dead_pools(w, for_retry);
-  unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr);
+  unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
   release_empty_expandable_segments();
   delete_empty_dead_pools(w);
   return true;

@@ -288,6 +288,16 @@ bool device_state::should_split(const block* b, std::size_t size) const noexcept
   return size < config_.max_split_size_bytes && remaining > small_request_bytes;
 }
 
+// Whether a split of free block b hands out its back: in an expandable
+// segment, when the block above is in use (allocated or waiting for events)
+// and the one below is not (unmapped, or the segment's start).
+bool device_state::place_at_back(const block* b) const noexcept {
+  if (!b->seg->expandable || b->pool->is_small) return false;
+  const bool next_in_use = b->next != nullptr && b->next->mapped && !b->next->is_free();
+  const bool prev_in_use = b->prev != nullptr && b->prev->mapped && !b->prev->is_free();
+  return next_in_use && !prev_in_use;
+}
+
 // Hands out p.found: split off the remainder if worth keeping, update stats.
 block* device_state::take_found_block(alloc_params& p, device_stats& st) {
   block* b = p.found;
@@ -296,21 +306,29 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
   const stat_group g = group_of(p.pool);
   const bool already_split = b->is_split();
   if (should_split(b, p.size)) {
-    // The caller gets the front; the remainder stays cached.
     block* remaining = b;
-    b = p.owner->new_block();
-    b->ptr = remaining->ptr;
-    b->size = p.size;
-    b->stream = remaining->stream;
-    b->pool = remaining->pool;
-    b->seg = remaining->seg;
-    b->prev = remaining->prev;
-    if (b->prev != nullptr) b->prev->next = b;
-    else b->seg->head = b;
-    b->next = remaining;
-    remaining->prev = b;
-    remaining->ptr += p.size;
-    remaining->size -= p.size;
+    if (place_at_back(b)) {
+      // Expandable segments: the caller gets the back, next to the live block
+      // above; the remainder stays cached next to the free or unmapped range
+      // below, where its whole pages can be recycled (issue 15: live blocks
+      // stay in runs, free space in one piece).
+      b = split_free_block(remaining, remaining->ptr + remaining->size - p.size);
+    } else {
+      // The caller gets the front; the remainder stays cached.
+      b = p.owner->new_block();
+      b->ptr = remaining->ptr;
+      b->size = p.size;
+      b->stream = remaining->stream;
+      b->pool = remaining->pool;
+      b->seg = remaining->seg;
+      b->prev = remaining->prev;
+      if (b->prev != nullptr) b->prev->next = b;
+      else b->seg->head = b;
+      b->next = remaining;
+      remaining->prev = b;
+      remaining->ptr += p.size;
+      remaining->size -= p.size;
+    }
     CCALLOC_ASSERT(remaining->size >= min_block_bytes && remaining->size % min_block_bytes == 0);
     remaining->gc_count_base = remaining->pool->get_free_blocks_call_count;
     remaining->pool->blocks.insert(remaining);
@@ -384,6 +402,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   // Back into the pool of its own segment, free and whole.
   CCALLOC_ASSERT(b->is_free() && b->mapped && b->pool == b->seg->head->pool);
   b->gc_count_base = b->pool->get_free_blocks_call_count;
+  b->free_seq = ++b->pool->owner->free_seq;  // after the merges: the newest of its parts
   b->pool->blocks.insert(b);
   if (b->is_split()) {
     net_split_blocks += 1;
@@ -434,6 +453,7 @@ std::size_t device_state::try_merge(block* dst, block* src) {
   dst->size += subsumed;
   CCALLOC_ASSERT(dst->size % min_block_bytes == 0 && dst->ptr >= dst->seg->base &&
                  dst->ptr + dst->size <= dst->seg->base + dst->seg->size);
+  dst->free_seq = std::max(dst->free_seq, src->free_seq);
   src->pool->blocks.erase(src);
   src->pool->owner->delete_block(src);
   return subsumed;

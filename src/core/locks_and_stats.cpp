@@ -68,7 +68,9 @@ void publish_pending_stats(device_stats& into, stream_state& s) noexcept {
   merge(into.oversize_segments, pending.oversize_segments);
   for (auto field : {&device_stats::num_alloc_retries, &device_stats::num_ooms, &device_stats::num_sync_all_streams,
                      &device_stats::num_device_alloc, &device_stats::num_device_free,
-                     &device_stats::num_device_synchronizations, &device_stats::num_pages_remapped}) {
+                     &device_stats::num_device_synchronizations, &device_stats::num_pages_remapped,
+                     &device_stats::num_pages_mapped, &device_stats::num_pages_unmapped,
+                     &device_stats::bytes_moved_between_streams}) {
     into.*field += pending.*field;
     pending.*field = 0;
   }

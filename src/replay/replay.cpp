@@ -97,6 +97,23 @@ std::size_t max_open_gaps(const trace& t, const std::vector<std::uint64_t>& comp
 
 // ---- the gap models: gap_model.hpp (clock_gaps) and gate_gaps.hpp -------------------
 
+// For each event: true for an `alloc` the trace never frees (no
+// free_requested at its address after it). A repeated replay makes these in
+// its first pass only.
+std::vector<bool> never_freed_allocs(const trace& t) {
+  std::vector<bool> never_freed(t.events.size(), false);
+  std::unordered_map<std::uint64_t, std::size_t> last_alloc;  // addr -> index of its unfreed alloc
+  last_alloc.reserve(1024);
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    const trace_event& e = t.events[i];
+    if (e.action == trace_action::alloc) last_alloc[e.addr] = i;
+    else if (e.action == trace_action::free_requested) last_alloc.erase(e.addr);
+  }
+  for (const auto& [addr, i] : last_alloc) never_freed[i] = true;
+  return never_freed;
+}
+
+
 // Trace stream -> the stream the replay uses for it.
 struct stream_map {
   bool identity = true;  // the trace's handle itself (the simulated device accepts any)
@@ -117,12 +134,18 @@ stream_map make_streams(const trace& t, gate_gaps& gates) {
   return m;
 }
 
-// ---- the event loop --------------------------------------------------------------------
+// ---- the event loop ----------------------------------------------------------------
+
+[[noreturn]] void throw_still_live(const trace& t, const trace_event& e, std::uint64_t allocated_line) {
+  throw trace_error(t.source, e.line,
+                    "alloc at address " + std::to_string(e.addr) + ", which is still live (allocated at line " +
+                        std::to_string(allocated_line) + ")");
+}
 
 void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
                    std::shared_ptr<device_backend> backend, const allocator_config& config, gap_model& gaps,
                    const stream_map& streams, const replay_event_hook& after_event,
-                   const std::optional<history_options>& history, replay_result& r) {
+                   const std::optional<history_options>& history, std::size_t repeat, replay_result& r) {
   // On every exit, gaps end before the allocator returns its memory to the
   // device, and side streams go only once the allocator is gone.
   struct cleanup {
@@ -147,73 +170,120 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   };
   std::unordered_map<std::uint64_t, live_alloc> live;  // trace address -> our allocation
   live.reserve(4096);
+  std::vector<void*> kept;  // allocations the trace never frees (made in the first pass only)
   std::unordered_set<stream_t> trace_streams;
   for (const trace_event& e : t.events) trace_streams.insert(static_cast<stream_t>(e.stream));
   side_stream_pool side_streams(gaps, std::move(trace_streams));
+  const std::vector<bool> never_freed = never_freed_allocs(t);
 
+  const std::uint64_t n = t.events.size();
   const auto start = std::chrono::steady_clock::now();
-  std::size_t replayed = t.events.size();
-  for (std::size_t i = 0; i < t.events.size(); ++i) {
-    const trace_event& e = t.events[i];
-    gaps.advance_to(i);
-    switch (e.action) {
-      case trace_action::alloc: {
-        auto [it, fresh] = live.try_emplace(e.addr);
-        if (!fresh)
-          throw trace_error(t.source, e.line,
-                            "alloc at address " + std::to_string(e.addr) + ", which is still live (allocated at line " +
-                                std::to_string(it->second.line) + ")");
-        it->second.line = e.line;
-        try {
-          it->second.ptr = allocator.malloc(0, e.size, streams(e.stream));
-        } catch (const out_of_memory_error&) {
-          ++r.ooms;
-          it->second.ptr = nullptr;
+  std::uint64_t replayed = 0;
+  bool stopped = false;
+  device_stats before = allocator.get_device_stats(0);
+  for (std::size_t pass = 0; pass < repeat && !stopped; ++pass) {
+    const std::uint64_t base = pass * n;
+    const std::uint64_t ooms_before = r.ooms;
+    std::uint64_t pass_events = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const trace_event& e = t.events[i];
+      gaps.advance_to(base + i);
+      switch (e.action) {
+        case trace_action::alloc: {
+          if (never_freed[i]) {
+            if (pass > 0) break;  // made once, live through every pass
+            if (auto it = live.find(e.addr); it != live.end()) throw_still_live(t, e, it->second.line);
+            void* ptr = nullptr;
+            try {
+              ptr = allocator.malloc(0, e.size, streams(e.stream));
+            } catch (const out_of_memory_error&) {
+              ++r.ooms;
+            }
+            if (ptr != nullptr) kept.push_back(ptr);
+            break;
+          }
+          auto [it, fresh] = live.try_emplace(e.addr);
+          if (!fresh) throw_still_live(t, e, it->second.line);
+          it->second.line = e.line;
+          try {
+            it->second.ptr = allocator.malloc(0, e.size, streams(e.stream));
+          } catch (const out_of_memory_error&) {
+            ++r.ooms;
+            it->second.ptr = nullptr;
+          }
+          break;
         }
+        case trace_action::free_requested: {
+          auto it = live.find(e.addr);
+          if (it == live.end())
+            throw trace_error(t.source, e.line,
+                              "free_requested of address " + std::to_string(e.addr) + " with no live allocation");
+          void* ptr = it->second.ptr;
+          live.erase(it);
+          if (ptr == nullptr) break;  // its alloc failed
+          if (has_gap(completion, i)) {
+            // The block stays in use on another stream until its
+            // free_completed (the end of the pass if the trace ends first).
+            const stream_t side = side_streams.acquire(base + i);
+            gaps.begin_gap(side, base + gap_end(t, completion, i));
+            allocator.record_stream(ptr, side);
+          }
+          allocator.free(ptr);
+          break;
+        }
+        default:
+          break;  // free_completed is the side stream's work ending; segment events are the recorder's
+      }
+      gaps.check();
+      ++pass_events;
+      if (after_event && !after_event(base + i, allocator)) {
+        stopped = true;
         break;
       }
-      case trace_action::free_requested: {
-        auto it = live.find(e.addr);
-        if (it == live.end())
-          throw trace_error(t.source, e.line,
-                            "free_requested of address " + std::to_string(e.addr) + " with no live allocation");
-        void* ptr = it->second.ptr;
-        live.erase(it);
-        if (ptr == nullptr) break;  // its alloc failed
-        if (has_gap(completion, i)) {
-          // The block stays in use on another stream until its free_completed.
-          const stream_t side = side_streams.acquire(i);
-          gaps.begin_gap(side, gap_end(t, completion, i));
-          allocator.record_stream(ptr, side);
-        }
-        allocator.free(ptr);
-        break;
-      }
-      default:
-        break;  // free_completed is the side stream's work ending; segment events are the recorder's
     }
-    gaps.check();
-    if (after_event && !after_event(i, allocator)) {
-      replayed = i + 1;
-      break;
-    }
+    replayed += pass_events;
+    // The pass's figures: its peaks, and the counters' increase.
+    const device_stats s = allocator.get_device_stats(0);
+    replay_pass p;
+    p.events = pass_events;
+    p.peak_requested_bytes = static_cast<std::uint64_t>(s.requested_bytes[0].peak);
+    p.peak_allocated_bytes = static_cast<std::uint64_t>(s.allocated_bytes[0].peak);
+    p.peak_reserved_bytes = static_cast<std::uint64_t>(s.reserved_bytes[0].peak);
+    const auto delta = [](std::int64_t now, std::int64_t then) { return static_cast<std::uint64_t>(now - then); };
+    p.device_mallocs = delta(s.num_device_alloc, before.num_device_alloc);
+    p.device_frees = delta(s.num_device_free, before.num_device_free);
+    p.device_synchronizations = delta(s.num_device_synchronizations, before.num_device_synchronizations);
+    p.pages_remapped = delta(s.num_pages_remapped, before.num_pages_remapped);
+    p.pages_mapped = delta(s.num_pages_mapped, before.num_pages_mapped);
+    p.pages_unmapped = delta(s.num_pages_unmapped, before.num_pages_unmapped);
+    p.bytes_moved_between_streams = delta(s.bytes_moved_between_streams, before.bytes_moved_between_streams);
+    p.ooms = r.ooms - ooms_before;
+    r.passes.push_back(p);
+    before = s;
+    if (pass + 1 < repeat && !stopped) allocator.reset_peak_stats(0);
   }
   r.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.events = replayed;
   const device_stats s = allocator.get_device_stats(0);
-  r.peak_requested_bytes = static_cast<std::uint64_t>(s.requested_bytes[0].peak);
-  r.peak_allocated_bytes = static_cast<std::uint64_t>(s.allocated_bytes[0].peak);
-  r.peak_reserved_bytes = static_cast<std::uint64_t>(s.reserved_bytes[0].peak);
+  for (const replay_pass& p : r.passes) {
+    r.peak_requested_bytes = std::max(r.peak_requested_bytes, p.peak_requested_bytes);
+    r.peak_allocated_bytes = std::max(r.peak_allocated_bytes, p.peak_allocated_bytes);
+    r.peak_reserved_bytes = std::max(r.peak_reserved_bytes, p.peak_reserved_bytes);
+  }
   r.device_mallocs = static_cast<std::uint64_t>(s.num_device_alloc);
   r.device_frees = static_cast<std::uint64_t>(s.num_device_free);
   r.alloc_retries = static_cast<std::uint64_t>(s.num_alloc_retries);
   r.device_synchronizations = static_cast<std::uint64_t>(s.num_device_synchronizations);
   r.pages_remapped = static_cast<std::uint64_t>(s.num_pages_remapped);
+  r.pages_mapped = static_cast<std::uint64_t>(s.num_pages_mapped);
+  r.pages_unmapped = static_cast<std::uint64_t>(s.num_pages_unmapped);
+  r.bytes_moved_between_streams = static_cast<std::uint64_t>(s.bytes_moved_between_streams);
 
   // Give everything back (the figures are taken): what the trace still
   // holds, then the gaps, then the cache.
   for (auto& [addr, a] : live)
     if (a.ptr != nullptr) allocator.free(a.ptr);
+  for (void* ptr : kept) allocator.free(ptr);
   gaps.end_all();
   allocator.empty_cache();
   gaps.check();
@@ -223,10 +293,10 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
 void replay_with_gates(const trace& t, const std::vector<std::uint64_t>& completion,
                        const std::shared_ptr<device_backend>& backend, int device, bool own_streams,
                        bool watchdog, const allocator_config& config, const replay_event_hook& after_event,
-                       const std::optional<history_options>& history, replay_result& r) {
+                       const std::optional<history_options>& history, std::size_t repeat, replay_result& r) {
   auto gates = std::make_shared<gate_gaps>(backend, device, max_open_gaps(t, completion), watchdog);
   const stream_map streams = own_streams ? make_streams(t, *gates) : stream_map{};
-  replay_events(t, completion, gates, config, *gates, streams, after_event, history, r);
+  replay_events(t, completion, gates, config, *gates, streams, after_event, history, repeat, r);
 }
 
 #if CCALLOC_HAVE_CUDA_BACKEND
@@ -259,12 +329,14 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
     throw invalid_argument_error("ccalloc replay: " + t.source +
                                  " has no events (an empty file, only comments, or an RMM log with only its "
                                  "header): nothing to replay");
+  if (options.repeat == 0) throw error("replay: repeat must be at least 1 (passes of the trace), got 0");
   const std::vector<std::uint64_t> completion = completion_indices(t);
 
   replay_result r;
   r.source = t.source;
   r.config = options.config;
   r.device = options.device;
+  r.repeat = options.repeat;
   if (options.device == replay_device::sim) {
     sim_options so;
     so.capacity_bytes = options.device_memory_bytes;
@@ -276,10 +348,11 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
     r.device_memory_bytes = options.device_memory_bytes;
     if (options.use_gates_on_sim) {
       replay_with_gates(t, completion, sim, 0, /*own_streams=*/false, /*watchdog=*/false, config,
-                        options.after_event, options.history, r);
+                        options.after_event, options.history, options.repeat, r);
     } else {
       clock_gaps gaps(*sim);
-      replay_events(t, completion, sim, config, gaps, stream_map{}, options.after_event, options.history, r);
+      replay_events(t, completion, sim, config, gaps, stream_map{}, options.after_event, options.history,
+                    options.repeat, r);
     }
     return r;
   }
@@ -287,7 +360,7 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
   const std::shared_ptr<device_backend> cuda = open_cuda(options.cuda_device);
   r.device_memory_bytes = cuda->mem_get_info(options.cuda_device).total_bytes;
   replay_with_gates(t, completion, cuda, options.cuda_device, /*own_streams=*/true, /*watchdog=*/true, config,
-                    options.after_event, options.history, r);
+                    options.after_event, options.history, options.repeat, r);
   return r;
 #else
   throw error(

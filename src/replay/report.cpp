@@ -456,7 +456,22 @@ std::string render_report_html(const trace& t, const report_options& options, co
          " allocations failed with out of memory</b> on the simulated device and were skipped.</p>\n";
   o += peaks_table(sum, native, !recorded.reserved.empty());
   o += "<p class=\"note\">The recording allocator's figures come from the trace itself (its segment_alloc / "
-       "segment_free events); PyTorch's from native_peaks.json when the trace has an entry there.</p></section>\n";
+       "segment_free events); PyTorch's from native_peaks.json when the trace has an entry there.</p>\n";
+  // What the policy cost (issue 15): host waits and page traffic.
+  o += "<table><tr><th class=\"l\">ccalloc's cost</th><th>count</th><th class=\"l\">meaning</th></tr>\n";
+  const auto cost_row = [&](const char* what, const std::string& value, const char* meaning) {
+    o += std::string("<tr><td class=\"l\">") + what + "</td><td>" + html(value) + "</td><td class=\"l src\">" +
+         meaning + "</td></tr>\n";
+  };
+  cost_row("device synchronizations", with_commas(sum.replay.device_synchronizations),
+           "times the host waited for the device before memory changed hands");
+  cost_row("pages mapped", with_commas(sum.replay.pages_mapped), "device pages mapped into expandable segments");
+  cost_row("pages unmapped", with_commas(sum.replay.pages_unmapped), "device pages unmapped");
+  cost_row("pages remapped", with_commas(sum.replay.pages_remapped),
+           "pages unmapped at one place and mapped at another instead of new memory");
+  cost_row("moved between streams", human_bytes(double(sum.replay.bytes_moved_between_streams)),
+           "bytes that went from one stream's memory to another's");
+  o += "</table></section>\n";
 
   // Time chart.
   o += "<section class=\"card\"><h2>Memory over time</h2>\n<p class=\"note\">Each point is the highest value in its "

@@ -180,6 +180,10 @@ struct sim_counters {
   std::uint64_t memcpy_async_calls = 0;
   std::uint64_t memcpy_peer_async_calls = 0;
   std::uint64_t copy_data_calls = 0;
+  /// Pages unmapped (vm_unmap) while work declared with use_memory on them
+  /// could still run (the clock before that work's end): a use-after-unmap
+  /// on a real device. Tests expect 0.
+  std::uint64_t unsafe_unmaps = 0;
 };
 
 class sim_backend final : public device_backend {
@@ -335,6 +339,12 @@ class sim_backend final : public device_backend {
   /// handle the backend did not create are accepted: they are created lazily,
   /// so a trace's stream ids can be used directly.
   void enqueue_work(int device, stream_t stream, std::uint64_t until);
+  /// Declares that the work queued on `stream` so far uses device memory
+  /// [ptr, ptr + size_bytes) (a kernel reading or writing it): it is in use
+  /// until that work ends (busy_until(device, stream) now). vm_unmap of a
+  /// page of it before then counts in sim_counters::unsafe_unmaps. For tests
+  /// of the allocator's page recycling; nothing else changes.
+  void use_memory(int device, const void* ptr, std::size_t size_bytes, stream_t stream);
   /// Virtual time at which the work queued on `stream` so far completes;
   /// UINT64_MAX while the stream waits on a closed gate.
   [[nodiscard]] std::uint64_t busy_until(int device, stream_t stream) const;

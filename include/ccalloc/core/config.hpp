@@ -89,18 +89,19 @@ struct allocator_config {
   /// by less. Costs extra device frees only while the program sets new peaks.
   /// False reproduces PyTorch's allocator's reservations exactly.
   bool trim_on_new_peak = true;
-  /// ccalloc's own key (recycles_per_peak, default 4; SPEC X3): with
-  /// expandable segments, trim_on_new_peak recycles free pages (unmaps them
-  /// and maps them where the request needs them) instead of raising reserved
-  /// memory; each such recycling synchronizes the device and leaves it idle
-  /// while pages are remapped. After this many recyclings at one high-water
-  /// mark the next need raises the mark instead, so a loop that repeats
-  /// itself (a training step) converges to a layout that needs neither.
-  /// 0 never recycles for a new peak (PyTorch's expandable growth); a large
-  /// value recycles at every new peak (the least memory, a synchronization
-  /// each time). The memory fraction cap and out of memory recycle
-  /// regardless.
-  std::size_t recycles_per_peak = 4;
+  /// ccalloc's own key (recycles_per_peak, default unlimited = SIZE_MAX,
+  /// spelled "unlimited"; SPEC X3, P8): with expandable segments,
+  /// trim_on_new_peak recycles free pages (unmaps them and maps them where
+  /// the request needs them, in any stream's segment) instead of raising
+  /// reserved memory. Only pages whose page fence has completed are taken
+  /// (an event recorded on the stream that freed them, queried without
+  /// blocking): recycling never synchronizes the device; pages still in use
+  /// stay and the mark rises instead. After this many recyclings at one
+  /// high-water mark the next need raises the mark instead (fewer
+  /// remappings, more memory). 0 never recycles for a new peak (PyTorch's
+  /// expandable growth). The memory fraction cap and out of memory recycle
+  /// regardless, waiting for fences if they must.
+  std::size_t recycles_per_peak = std::numeric_limits<std::size_t>::max();
   /// ccalloc's own key (reuse_across_streams, default True; SPEC X2): before
   /// the device is asked for a new segment, a cached whole segment of another
   /// stream whose work has completed (an event recorded on that stream has

@@ -70,13 +70,25 @@ struct device_stats {
   std::int64_t num_sync_all_streams = 0;///< times all pending events were synchronized
   std::int64_t num_device_alloc = 0;    ///< segment mallocs
   std::int64_t num_device_free = 0;     ///< segment frees
-  /// Device-wide synchronizations the allocator made: before unmapping free
-  /// pages (emptyCache, recycling, OOM) and before moving a cached segment to
-  /// another stream (X2). Each drains the device's queues. ccalloc's own.
+  /// Times the allocator blocked the host on the device before memory
+  /// changed hands (ccalloc's own): a device-wide synchronize (emptyCache's
+  /// unmapping when a stream refuses an event, or moving memory of such a
+  /// stream), or a wait for a page fence (an event recorded on the stream
+  /// that last used free pages) because the alternative was out of memory,
+  /// passing the memory fraction cap, or emptyCache. Recycling for a new
+  /// peak never waits: pages whose fence has not completed stay put.
   std::int64_t num_device_synchronizations = 0;
   /// Pages of expandable segments unmapped at one place and mapped at
   /// another instead of raising reserved memory (X3). ccalloc's own.
   std::int64_t num_pages_remapped = 0;
+  /// Pages (the device's granularity) mapped / unmapped in expandable
+  /// segments, remapped ones included. ccalloc's own.
+  std::int64_t num_pages_mapped = 0;
+  std::int64_t num_pages_unmapped = 0;
+  /// Bytes that changed stream: pages unmapped from one stream's segment and
+  /// mapped into another's, and cached segments adopted by another stream
+  /// (X2). ccalloc's own.
+  std::int64_t bytes_moved_between_streams = 0;
   stat oversize_allocations;            ///< allocations of blocks >= max_split_size
   stat oversize_segments;               ///< segments >= max_split_size
   std::int64_t max_split_size = -1;     ///< bytes; -1 when unlimited (as PyTorch reports it)

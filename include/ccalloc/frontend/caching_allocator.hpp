@@ -14,6 +14,13 @@
 // exception the allocator is unchanged and usable. Pointer lookup is sharded
 // (no lock shared by all threads on free), per-device state is per device.
 //
+// Streams: a stream that memory was allocated on must stay valid (not
+// destroyed) while the allocator caches memory of it, i.e. until
+// empty_cache() or the allocator's end, as PyTorch assumes (its streams come
+// from a pool and live as long as the process): before pages freed on a
+// stream change hands, the allocator records an event on that stream (a
+// page fence) and takes them once it has completed, without blocking.
+//
 // Thread safety: every function may be called from any thread concurrently,
 // except init(), which must not race with other calls.
 #pragma once

@@ -38,6 +38,23 @@
 //   the call.
 // At the end everything the replay still holds is freed, and streams, gates
 // and the device's cached memory are released.
+//
+// Repeated replay (replay_options::repeat = N, SPEC X8 / P8): the trace is
+// run N times back to back as one program, on one allocator, as a program
+// that runs the recorded loop N times would:
+// - pass k (0-based) replays every event at virtual time k x E + i (E = the
+//   trace's events), so gaps, side streams and the clock continue;
+// - an `alloc` that the trace never frees (no free_requested at its address
+//   after it: weights, optimizer state, caches kept to the end) is made in
+//   the first pass only and stays live through all passes; every other
+//   event is replayed in every pass;
+// - a gap whose free_completed is not in the trace (the recording ended
+//   first) ends at the end of its pass;
+// - each pass's peaks are its own (the allocator's peak statistics are reset
+//   at each pass boundary, which changes no policy), its counters the
+//   increase during the pass (replay_pass). The whole-run figures of
+//   replay_result are the maxima (peaks) and sums (counters) over passes.
+// With N = 1 the replay is the plain one, event for event.
 #pragma once
 
 #include <ccalloc/core/config.hpp>
@@ -49,6 +66,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace ccalloc {
 
@@ -86,6 +104,31 @@ struct replay_options {
   /// When set, the replayed allocator records history from the first event
   /// (for a snapshot taken in after_event, e.g. `ccalloc replay --snapshot`).
   std::optional<history_options> history;
+  /// Passes: the trace run this many times back to back as one program (see
+  /// "Repeated replay" above); >= 1 (0 is an error). The hook's `index` then
+  /// counts events over all passes: pass k's event i is k x E + i.
+  std::size_t repeat = 1;
+};
+
+/// One pass of a repeated replay: its peaks (since the pass began) and what
+/// the allocator did during it (the counters' increase).
+struct replay_pass {
+  std::uint64_t events = 0;                   ///< events replayed in this pass
+  std::uint64_t peak_requested_bytes = 0;     ///< requested_bytes.all.peak in this pass
+  std::uint64_t peak_allocated_bytes = 0;     ///< allocated_bytes.all.peak in this pass
+  std::uint64_t peak_reserved_bytes = 0;      ///< reserved_bytes.all.peak in this pass
+  std::uint64_t device_mallocs = 0;           ///< num_device_alloc
+  std::uint64_t device_frees = 0;             ///< num_device_free
+  std::uint64_t ooms = 0;                     ///< allocations that failed
+  std::uint64_t device_synchronizations = 0;  ///< num_device_synchronizations
+  std::uint64_t pages_remapped = 0;           ///< num_pages_remapped
+  std::uint64_t pages_mapped = 0;             ///< num_pages_mapped
+  std::uint64_t pages_unmapped = 0;           ///< num_pages_unmapped
+  std::uint64_t bytes_moved_between_streams = 0;  ///< bytes_moved_between_streams
+  /// peak_reserved_bytes / peak_requested_bytes (0 when nothing was requested).
+  [[nodiscard]] double fragmentation() const noexcept {
+    return peak_requested_bytes ? double(peak_reserved_bytes) / double(peak_requested_bytes) : 0.0;
+  }
 };
 
 struct replay_result {
@@ -105,7 +148,15 @@ struct replay_result {
   std::uint64_t alloc_retries = 0;         ///< num_alloc_retries
   std::uint64_t device_synchronizations = 0;  ///< num_device_synchronizations (each drains the device)
   std::uint64_t pages_remapped = 0;           ///< num_pages_remapped (X3 page recycling)
+  std::uint64_t pages_mapped = 0;             ///< num_pages_mapped
+  std::uint64_t pages_unmapped = 0;           ///< num_pages_unmapped
+  std::uint64_t bytes_moved_between_streams = 0;  ///< bytes_moved_between_streams
   double wall_seconds = 0.0;               ///< replay time, excluding reading the trace
+  std::uint64_t repeat = 1;                ///< passes asked for (replay_options::repeat)
+  /// One entry per pass replayed (fewer than `repeat` when the hook stopped
+  /// the replay early). The figures above are over the whole run: peaks the
+  /// highest pass's, counters the sum.
+  std::vector<replay_pass> passes;
   /// peak_reserved_bytes / peak_requested_bytes (0 when nothing was requested).
   [[nodiscard]] double fragmentation() const noexcept {
     return peak_requested_bytes ? double(peak_reserved_bytes) / double(peak_requested_bytes) : 0.0;
@@ -118,7 +169,8 @@ struct replay_result {
 /// live allocation), naming the event's line. With replay_device::cuda,
 /// throws ccalloc::error when this build has no CUDA backend, no GPU is
 /// usable, cuda_device is out of range or the driver lacks gates, and
-/// backend_error for a failing CUDA call.
+/// backend_error for a failing CUDA call. Throws ccalloc::error when
+/// options.repeat is 0.
 [[nodiscard]] replay_result replay_trace(const trace& t, const replay_options& options);
 
 /// SPEC P7: the smallest simulated device memory (bytes, a multiple of

@@ -91,6 +91,10 @@ struct block {
   bool counted_oversize = false;    // counted in oversize_allocations (max_split_size may change)
   int event_count = 0;              // events still to complete before reuse
   std::uint64_t gc_count_base = 0;  // pool's get-free-block count when cached
+  // Its stream's free count (stream_state::free_seq) when it last became
+  // free; a merge keeps the larger. Its pages may change hands once a fence
+  // of that stream at or after this count has completed (page fences).
+  std::uint64_t free_seq = 0;
   std::vector<stream_t> stream_uses;  // other streams that used it (record_stream)
 
   [[nodiscard]] inline bool is_split() const noexcept;
@@ -209,6 +213,15 @@ struct alignas(64) stream_state {
   bool has_pending_stats = false;
   std::uint32_t stats_backoff = 0;  // operations left before trying stats_mutex_ again
   std::vector<block*> spare_blocks;  // recycled block objects: no heap call per split
+  // Page fences: blocks of this stream that became free so far (each takes
+  // the next number as its block::free_seq) [stream]; events recorded on the
+  // stream when pages were wanted, with the count at that moment, oldest
+  // first [world]; and the count up to which a fence has completed: blocks
+  // with free_seq <= fenced_seq have no work of this stream left on them
+  // [world].
+  std::uint64_t free_seq = 0;
+  std::deque<std::pair<event_t, std::uint64_t>> fences;
+  std::uint64_t fenced_seq = 0;
   // This stream's pools inside private pools (F20). [world]
   std::map<private_pool*, std::unique_ptr<stream_pools>> private_pools;
 
@@ -227,6 +240,7 @@ struct alignas(64) stream_state {
     b->counted_oversize = false;
     b->event_count = 0;
     b->gc_count_base = 0;
+    b->free_seq = 0;
     b->stream_uses.clear();
     spare_blocks.push_back(b);
   }
@@ -313,6 +327,7 @@ class device_state {
   bool get_free_block(alloc_params& p);                                        // [stream]
   block* take_found_block(alloc_params& p, device_stats& st);                  // [stream]
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;
+  [[nodiscard]] bool place_at_back(const block* b) const noexcept;
   void free_block(block* b, device_stats& st, bool device_locked);            // [stream (+device)]
   void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream (+device)]
   std::size_t try_merge(block* dst, block* src);                               // [stream]
@@ -339,10 +354,27 @@ class device_state {
   void pool_insert_counted(block* b);
   void pool_erase_counted(block* b);
   void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped);
+  // A page taken off one place to be mapped at another, with the stream
+  // whose segment it left (bytes_moved_between_streams).
+  struct recycled_page {
+    physical_handle_t handle;
+    stream_t from;
+  };
+  // may_wait: when the free pages whose fences have not completed are needed
+  // (out of memory, the cap, emptyCache), wait for those fences (counted in
+  // num_device_synchronizations); else leave those pages where they are.
   std::size_t unmap_free_pages(std::size_t target_bytes, const segment* keep_seg, std::uintptr_t keep_lo,
-                               std::uintptr_t keep_hi, std::vector<physical_handle_t>* recycled);
+                               std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait);
   std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                std::vector<physical_handle_t>* recycled, std::size_t max_bytes);
+                                std::vector<recycled_page>* recycled, std::size_t max_bytes);
+  // Page fences (issue 15): whether free block b's memory has no work of its
+  // stream left (its fence completed); polls the stream's fences without
+  // blocking, and records a new one when none covers b.
+  bool fence_completed(block* b);
+  void poll_fences(stream_state& ss);
+  void record_fence(stream_state& ss);
+  void wait_fences(stream_state& ss);
+  void fence_streams(const world_lock& w);  // [world]
   void release_empty_expandable_segments();
   void check_expandable_supported(const allocator_config& config) const;
   // Private pools and capture (F20-F24) [world unless noted]
@@ -379,9 +411,6 @@ class device_state {
   void release_segment_memory(segment& seg);                                  // [world]
   // Cross-stream reuse (X2) [world]
   bool adopt_idle_segment(alloc_params& p, const world_lock& w);
-  // Synchronizes the device before memory changes hands (unmapping pages,
-  // moving a segment between streams).
-  void synchronize_before_reuse();
   // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
   // restarts the count of recycles_per_peak.
   void raise_reserved_high_water() noexcept;

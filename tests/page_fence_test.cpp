@@ -1,0 +1,165 @@
+// Page fences (issue 15, SPEC P8): free pages of expandable segments change
+// hands (another place, another stream) without synchronizing the device:
+// once an event recorded on the stream that freed them has completed. On the
+// simulated device, whose virtual clock runs the streams' work, and whose
+// use_memory lets a test declare which work uses which bytes: an unmap
+// before that work ends counts in sim_counters::unsafe_unmaps.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/config.hpp>
+#include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <memory>
+#include <string>
+
+namespace {
+
+using namespace ccalloc;  // NOLINT: test file
+
+constexpr std::size_t MiB = mib;
+constexpr std::int64_t I(std::size_t v) { return static_cast<std::int64_t>(v); }
+
+class PageFenceTest : public ::testing::Test {
+ protected:
+  void make(std::size_t capacity = 256 * MiB, const std::string& conf = "") {
+    alloc.reset();
+    sim_options o;
+    o.capacity_bytes = capacity;
+    sim = std::make_shared<sim_backend>(o);
+    alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(conf));
+    alloc->init(1);
+  }
+  void SetUp() override { make(); }
+  void TearDown() override {
+    if (alloc) alloc->device_allocator(0).check_invariants();
+    EXPECT_EQ(sim->counters().unsafe_unmaps, 0u) << "a page was unmapped while work could still use it";
+  }
+  device_stats st() { return alloc->get_device_stats(0); }
+  std::int64_t reserved() { return st().reserved_bytes[0].current; }
+  void* m(std::size_t bytes, stream_t s = 0) { return alloc->malloc(0, bytes, s); }
+  // A kernel on `s` uses p's bytes until virtual time `until`, then p is freed.
+  void use_and_free(void* p, std::size_t bytes, stream_t s, std::uint64_t until) {
+    sim->enqueue_work(0, s, until);
+    sim->use_memory(0, p, bytes, s);
+    alloc->free(p);
+  }
+
+  std::shared_ptr<sim_backend> sim;
+  std::unique_ptr<caching_allocator> alloc;
+};
+
+TEST_F(PageFenceTest, RecyclingForANewPeakNeverSynchronizes) {
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));      // stream 0's work is done (idle stream): its fence completes at once
+  void* b = m(20 * MiB, other);  // would be a new peak: stream 0's 10 pages move
+  EXPECT_EQ(reserved(), I(20 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(st().num_pages_remapped, 10);
+  EXPECT_EQ(st().num_pages_unmapped, 10);
+  EXPECT_EQ(st().num_pages_mapped, 20);  // 10 fresh, 10 remapped
+  EXPECT_EQ(st().bytes_moved_between_streams, I(20 * MiB));
+  EXPECT_EQ(sim->now(), 0u) << "the host never waited";
+  alloc->free(b);
+}
+
+TEST_F(PageFenceTest, PagesStillInUseStayPutAndMoveOnceTheirFenceCompleted) {
+  const stream_t other = sim->create_stream(0);
+  use_and_free(m(20 * MiB), 20 * MiB, 0, 100);  // stream 0's kernel runs until t=100
+  void* b = m(20 * MiB, other);
+  EXPECT_EQ(st().num_pages_remapped, 0) << "stream 0 may still use its pages: they stay";
+  EXPECT_EQ(st().num_device_synchronizations, 0) << "and nobody waits for them";
+  EXPECT_EQ(reserved(), I(40 * MiB)) << "the peak rises instead";
+  EXPECT_EQ(sim->now(), 0u);
+  alloc->free(b);
+  sim->advance_to(100);  // the kernel is done; the fence recorded at the failed attempt completes
+  void* c = m(50 * MiB, other);  // 15 more pages, all past the 40 MiB mark
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(st().num_pages_remapped, 10) << "stream 0's 10 free pages, now safe, move";
+  EXPECT_EQ(reserved(), I(50 * MiB)) << "the peak grew by 10 MiB, not 30";
+  alloc->free(c);
+}
+
+TEST_F(PageFenceTest, UnderTheCapTheAllocatorWaitsForTheFenceAndCountsIt) {
+  make(256 * MiB, "per_process_memory_fraction:0.125");  // 32 MiB
+  const stream_t other = sim->create_stream(0);
+  use_and_free(m(24 * MiB), 24 * MiB, 0, 100);
+  void* b = m(24 * MiB, other);  // only stream 0's pages can make room under the cap
+  EXPECT_LE(reserved(), I(32 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 1) << "one wait on stream 0's fence";
+  EXPECT_GE(sim->now(), 100u) << "the host waited for the kernel";
+  EXPECT_GT(st().num_pages_remapped, 0);
+  alloc->free(b);
+}
+
+TEST_F(PageFenceTest, EmptyCacheWaitsForBusyPagesAndUnmapsEverything) {
+  use_and_free(m(20 * MiB), 20 * MiB, 0, 50);
+  alloc->empty_cache();
+  EXPECT_EQ(reserved(), 0);
+  EXPECT_GE(sim->now(), 50u);
+  EXPECT_EQ(st().num_device_synchronizations, 1);
+}
+
+TEST_F(PageFenceTest, PagesOfAStreamThatNoLongerAllocatesFlowToNewStreams) {
+  // A new side stream per step (prefetch_sidestreams): each step's stream
+  // takes the pages the previous steps' streams left, the peak stays.
+  std::int64_t peak_after_first = 0;
+  for (int step = 0; step < 6; ++step) {
+    const stream_t s = sim->create_stream(0);
+    void* p = m(16 * MiB, s);
+    use_and_free(p, 16 * MiB, s, sim->now() + 5);
+    sim->advance_to(sim->now() + 10);
+    if (step == 0) peak_after_first = st().reserved_bytes[0].peak;
+  }
+  EXPECT_EQ(st().reserved_bytes[0].peak, peak_after_first);
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(st().bytes_moved_between_streams, I(5 * 16 * MiB));
+}
+
+TEST_F(PageFenceTest, FencesRecordedOnTheSlowPathLetPagesMoveWhileTheStreamKeepsRunning) {
+  // A device that runs behind the host: stream 0 always has work queued. A
+  // fence recorded only when its pages are wanted would cover all of it; the
+  // one recorded on an earlier slow path covers just the work before the free.
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(60 * MiB));
+  alloc->empty_cache();  // high-water mark 60 MiB, nothing reserved
+  use_and_free(m(20 * MiB), 20 * MiB, 0, 10);  // stream 0's kernel uses it until t=10
+  void* b = m(10 * MiB, other);  // slow path below the mark: fences stream 0's free
+  sim->enqueue_work(0, 0, 100);  // stream 0 keeps running until t=100
+  sim->advance_to(20);
+  void* c = m(40 * MiB, other);  // 10 MiB past the mark
+  EXPECT_EQ(st().num_pages_remapped, 5) << "stream 0's pages, safe since t=10, cover the excess";
+  EXPECT_EQ(reserved(), I(60 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(sim->now(), 20u);
+  alloc->free(b);
+  alloc->free(c);
+}
+
+TEST_F(PageFenceTest, RecyclesPerPeakLimitsRemappingAtOneMark) {
+  make(256 * MiB, "recycles_per_peak:1");
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  void* b = m(20 * MiB, other);  // the one recycling allowed at the 20 MiB mark
+  EXPECT_EQ(st().num_pages_remapped, 10);
+  alloc->free(b);
+  void* c = m(4 * MiB);  // stream 0 has no page left and no recycling is left: the mark rises
+  EXPECT_EQ(st().num_pages_remapped, 10);
+  EXPECT_EQ(reserved(), I(24 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  alloc->free(c);
+}
+
+TEST_F(PageFenceTest, UnlimitedIsTheDefaultAndRoundTrips) {
+  EXPECT_EQ(alloc->config().recycles_per_peak, std::numeric_limits<std::size_t>::max());
+  EXPECT_EQ(allocator_config::parse("recycles_per_peak:unlimited").recycles_per_peak,
+            std::numeric_limits<std::size_t>::max());
+  const auto four = allocator_config::parse("recycles_per_peak:4");
+  EXPECT_EQ(allocator_config::parse(four.to_string()), four);
+  EXPECT_EQ(allocator_config::parse(allocator_config{}.to_string()), allocator_config{});
+}
+
+}  // namespace
