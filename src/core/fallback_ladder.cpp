@@ -345,7 +345,7 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   }
   std::size_t reclaimed = 0;
   bool freed = true;
-  bool synchronized = false;
+  bool unmapped = false;
   while (reclaimed < target && freed && !candidates.empty()) {
     const double age_threshold = double(total_age) / double(candidates.size());
     freed = false;
@@ -356,10 +356,11 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
         block* b = it->first;
         it = candidates.erase(it);
         if (b->seg->expandable) {
-          if (!synchronized) {
-            synchronize_before_reuse();  // cuMemUnmap does not wait for queued work
-            synchronized = true;
-          }
+          // cuMemUnmap does not wait for queued work: the block's page fence
+          // must have completed. The threshold is a cap, so this rung may
+          // wait for it (counted in num_device_synchronizations).
+          if (!fence_completed(b)) wait_fences(*b->pool->owner);
+          unmapped = true;
           reclaimed += unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
         } else {
           reclaimed += b->size;
@@ -370,7 +371,7 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
       }
     }
   }
-  if (synchronized) release_empty_expandable_segments();
+  if (unmapped) release_empty_expandable_segments();
 }
 
 }  // namespace ccalloc::detail

@@ -29,7 +29,9 @@
 // the statistics. Lock order, never reversed:
 //     registry_mutex_ -> stream_state::mutex (by address) -> device_mutex_ -> stats_mutex_
 // A block belongs to its segment's stream: its fields change only under that
-// stream's lock (event_count included).
+// stream's lock (event_count included). The lock each method below needs is
+// in brackets next to it; docs/design.md (section 4) lists the locks of each
+// public operation.
 //
 // Expandable segments (SPEC B7): an address-space reservation whose pages
 // (the device's granularity, 2 MiB) are mapped on demand:
@@ -77,6 +79,8 @@ inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments 
 struct block_pool;
 struct segment;
 
+// ---- block: a piece of a segment -------------------------------------------------------
+
 struct block {
   std::uintptr_t ptr = 0;
   std::size_t size = 0;             // bytes, multiple of 512
@@ -102,6 +106,8 @@ struct block {
   [[nodiscard]] bool is_free() const noexcept { return !allocated && event_count == 0; }
 };
 
+// ---- segment: one device malloc or one expandable reservation -------------------------
+
 struct segment {
   std::uintptr_t base = 0;
   std::size_t size = 0;   // bytes: the allocation, or the whole reservation when expandable
@@ -116,6 +122,8 @@ struct segment {
 };
 
 bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }
+
+// ---- block_index: a pool's free blocks, sorted (hot_path.cpp) ------------------------
 
 // The free blocks of one (stream, pool), sorted by (size, address): a flat
 // sorted array of {size, ptr, block} entries. Best fit is a binary search
@@ -159,6 +167,8 @@ class block_index {
 struct stream_state;
 struct private_pool;
 
+// ---- pools: one (stream, small or large, default or private) ----------------------------
+
 struct block_pool {
   explicit block_pool(bool small) : is_small(small) {}
   block_index blocks;
@@ -183,6 +193,8 @@ struct stream_pools {
   block_pool large{false};
 };
 
+// ---- private_pool (private_pools.cpp) --------------------------------------------------
+
 // A private pool (F20-F24): its id, users and options. Each stream that
 // allocates to it gets its own stream_pools in stream_state::private_pools
 // (blocks stay bound to their stream). Deleted (with those stream_pools) when
@@ -198,6 +210,8 @@ struct private_pool {
   // meanwhile. Incremented under the world lock, decremented without it.
   std::atomic<int> pinned{0};
 };
+
+// ---- stream_state: one stream's pools, lock and pending statistics --------------------
 
 // Everything of one stream: its pools, its lock, and the statistics it could
 // not publish because stats_mutex_ was busy (merged on the next publish).
@@ -249,6 +263,8 @@ struct alignas(64) stream_state {
   }
 };
 
+// ---- alloc_params: one request (hot_path.cpp, fallback_ladder.cpp) ----------------------
+
 // A request in flight through the fallback ladder.
 struct alloc_params {
   std::size_t requested_bytes = 0;  // caller's size
@@ -262,11 +278,15 @@ struct alloc_params {
 
 class device_state;
 
+// ---- stats_sink and world_lock (locks_and_stats.cpp, stats_sink.hpp) ------------------
+
 // Where one operation's statistics go: straight into the device's statistics
 // when stats_mutex_ is free (always, in a single thread: exact peaks), else
 // into the stream's pending deltas. After a failed try, or when another
 // thread published last, the stream stops trying for a while so that threads
 // on different streams do not share a cache line per operation.
+// Its members are inline in stats_sink.hpp (the hot path makes one per
+// operation). [stream]
 class stats_sink {
  public:
   stats_sink(device_state& d, stream_state& s) noexcept;
@@ -305,6 +325,8 @@ class world_lock {
   bool locked_ = false;
 };
 
+// ---- device_state: everything of one device ---------------------------------------------
+
 class device_state {
  public:
   device_state(int device, device_backend& backend, allocator_config config);
@@ -312,44 +334,71 @@ class device_state {
   device_state(const device_state&) = delete;
   device_state& operator=(const device_state&) = delete;
 
-  // --- hot path (no lock held on entry) -------------------------------------
-  block* allocate(std::size_t requested_bytes, stream_t stream);
-  block* allocate_unusual(std::size_t requested_bytes, stream_t stream);  // events pending or pools active
-  void free(block* b);
-  void record_stream(block* b, stream_t stream);
-  stream_state& stream_for(stream_t stream);
-  void process_events();  // returns blocks whose events completed
+  // Methods by the file that defines them (src/README.md). The lock each
+  // needs on entry is in brackets:
+  //   [none]    no lock held; the method takes what it needs
+  //   [stream]  the lock of the stream whose pool or block it touches (a
+  //             block's stream: b->pool->owner)
+  //   [device]  device_mutex_;  [stream, device]: both, in the lock order
+  //   [world]   world_lock: every lock of the device (section "Locking" above)
+  // "takes X" names a lock the method takes itself; "drops" one it may
+  // release and retake while it runs.
 
-  // --- helpers; the lock each needs is in brackets ---------------------------
+  // --- hot_path.cpp: malloc and free of a cached block ----------------------
+  block* allocate(std::size_t requested_bytes, stream_t stream);  // [none] takes stream, else world
+  // Events pending or a begin_allocate_to_pool active. [none] takes device,
+  // then stream or world
+  block* allocate_unusual(std::size_t requested_bytes, stream_t stream);
+  void free(block* b);                      // [none] takes the block's stream (+device for events)
+  stream_state& stream_for(stream_t stream);  // [none] takes registry_mutex_ on a thread-cache miss
   [[nodiscard]] std::size_t round_size(std::size_t size) const noexcept;       // [stream]
   [[nodiscard]] std::size_t allocation_size(std::size_t size) const noexcept;  // [stream]
   void prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;  // [stream]
   bool get_free_block(alloc_params& p);                                        // [stream]
   block* take_found_block(alloc_params& p, device_stats& st);                  // [stream]
-  [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;
-  [[nodiscard]] bool place_at_back(const block* b) const noexcept;
-  void free_block(block* b, device_stats& st, bool device_locked);            // [stream (+device)]
-  void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream (+device)]
+  [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
+  [[nodiscard]] bool place_at_back(const block* b) const noexcept;            // [stream]
+  void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream] (+device if device_locked)
+  void free_block(block* b, device_stats& st, bool device_locked);            // [stream] (+device if device_locked)
   std::size_t try_merge(block* dst, block* src);                               // [stream]
-  void insert_events(block* b);                                                // [stream, device]
+
+  // --- events.cpp: record_stream, events, returning blocks ----------------------
+  void record_stream(block* b, stream_t stream);  // [none] takes the block's stream
+  void process_events();  // [none] takes device, then (device released) each block's stream
+  void process_events_locked();                                               // [world]
+  void insert_events(block* b);                                                // [stream] takes device
+  void insert_events_locked(block* b);                                        // [stream, device]
+  template <class OnCompleted>
+  void take_completed_events(OnCompleted on_completed);                      // [device]
+  void synchronize_and_free_events();                                         // [world]
+  event_t get_event();                                                        // [device]
+  bool wait_for_completions_in_flight(world_lock& w);                         // [world] drops it while waiting
+
+  // --- fallback_ladder.cpp: the slow path, new segments, releases, GC ---------
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
-  bool alloc_segment(alloc_params& p, bool is_retry, world_lock& w);          // [world]
+  bool alloc_segment(alloc_params& p, bool is_retry, world_lock& w);          // [world] drops it with B8
+  segment& add_segment(const alloc_params& p, std::uintptr_t base, std::size_t size);  // [world]
+  // Cross-stream reuse (X2)
+  bool adopt_idle_segment(alloc_params& p, const world_lock& w);              // [world]
   bool release_available_cached_blocks(const alloc_params& p);                // [world]
   // for_retry: a segment whose free throws stays cached and the others go
   // on (an allocation retrying must not fail on another pool's segment);
   // else the first such error is thrown (emptyCache reports it).
-  bool release_cached_blocks(const world_lock& w, bool for_retry = false);                            // [world]
-  void release_unused_segments(const world_lock& w, bool keep_going = false);                          // [world]
-  void release_blocks(block_pool& pool, bool keep_going = false);                                      // [world]
+  bool release_cached_blocks(const world_lock& w, bool for_retry = false);    // [world]
+  void release_unused_segments(const world_lock& w, bool keep_going = false);  // [world]
+  void release_blocks(block_pool& pool, bool keep_going = false);             // [world]
   void release_block(block* b, device_stats& st);                             // [stream, device]
   void forget_segment(block* b, device_stats& st) noexcept;                   // [stream, device]
-  void free_uncached(block* b, stream_state& ss);                             // [stream]
+  void release_segment_memory(segment& seg);                                  // [stream, device] or [world]
+  void free_uncached(block* b, stream_state& ss);                             // [stream] takes device
   void garbage_collect_cached_blocks(const world_lock& w);                    // [world]
-  void process_events_locked();                                               // [world]
-  // Expandable segments (B7, X3) [world]
+
+  // --- out_of_memory.cpp -------------------------------------------------------
+  [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);  // [world] drops it for observers
+
+  // --- expandable_segments.cpp (B7, X3): every one [world] unless noted --------
   bool alloc_expandable(alloc_params& p, bool is_retry, world_lock& w);
   segment* new_expandable_segment(const alloc_params& p);
-  segment& add_segment(const alloc_params& p, std::uintptr_t base, std::size_t size);
   block* split_free_block(block* b, std::uintptr_t at);
   void pool_insert_counted(block* b);
   void pool_erase_counted(block* b);
@@ -376,25 +425,30 @@ class device_state {
   void wait_fences(stream_state& ss);
   void fence_streams(const world_lock& w);  // [world]
   void release_empty_expandable_segments();
-  void check_expandable_supported(const allocator_config& config) const;
-  // Private pools and capture (F20-F24) [world unless noted]
-  private_pool* find_pool(mempool_id_t id) const noexcept;
-  private_pool& checked_pool(mempool_id_t id, const char* what) const;
+  void check_expandable_supported(const allocator_config& config) const;  // [none]: page_bytes_ is fixed
+  // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
+  // restarts the count of recycles_per_peak.
+  void raise_reserved_high_water() noexcept;
+
+  // --- private_pools.cpp (F20-F24): every one [world] unless noted -------------
+  private_pool* find_pool(mempool_id_t id) const noexcept;                   // [device] or [world]
+  private_pool& checked_pool(mempool_id_t id, const char* what) const;        // [device] or [world]
   private_pool* routed_pool(stream_t stream) const;                           // [device]
   block_pool& pool_in(private_pool& pp, stream_state& ss, bool small);
   // A begin_allocate_to_pool is active: allocations may be routed to a
-  // private pool (allocate_unusual). Read on the hot path.
+  // private pool (allocate_unusual). [none]: one relaxed load, on the hot path.
   [[nodiscard]] bool pool_scope_active() const noexcept { return capture_count_.load(std::memory_order_relaxed) != 0; }
   // A graph capture runs where the allocator can see it: a pool scope is
   // active and a stream seen allocating during it still captures
   // (device_backend::is_capturing). Only then may the allocator not query or
   // wait for events, synchronize, or free device memory (CUDA's global
   // capture mode). A scoped pool outside a capture is ordinary allocation
-  // (issue 16; PyTorch's pytorch/pytorch#159674). A capture on a stream that
-  // has not allocated through this device since the scope began is not seen.
+  // (PyTorch has the opposite behaviour: pytorch/pytorch#159674). A capture
+  // on a stream that has not allocated through this device since the scope
+  // began is not seen. [none] takes capturing_mutex_ while a scope is active
   [[nodiscard]] bool capture_underway() noexcept;
   // Called for each allocation while a pool scope is active: remembers
-  // `stream` if it captures.
+  // `stream` if it captures. [none] takes capturing_mutex_
   void note_if_capturing(stream_t stream);
   [[nodiscard]] bool pool_is_live(const block_pool* pool) const noexcept {
     return pool->priv != nullptr && pool->priv->use_count > 0;
@@ -402,29 +456,23 @@ class device_state {
   bool try_use_on_oom_pools(alloc_params& p, const world_lock& w);
   void release_dead_pools(const world_lock& w, bool keep_going = false);
   void delete_empty_dead_pools(const world_lock& w);
-  void defer_free(block* b);                                                   // [stream]
+  void defer_free(block* b);                                                   // [stream] takes device
   void flush_deferred_frees();
-  bool any_stream_capturing(const block* b);
+  bool any_stream_capturing(const block* b);                                  // [stream]
   block* carve_allocated(segment& seg, std::uintptr_t ptr, std::size_t size, std::size_t requested);
   void free_allocated_locked(block* b);
-  void insert_events_locked(block* b);                                        // [stream, device]
-  void release_segment_memory(segment& seg);                                  // [world]
-  // Cross-stream reuse (X2) [world]
-  bool adopt_idle_segment(alloc_params& p, const world_lock& w);
-  // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
-  // restarts the count of recycles_per_peak.
-  void raise_reserved_high_water() noexcept;
-  bool wait_for_completions_in_flight(world_lock& w);                          // [world]
-  template <class OnCompleted>
-  void take_completed_events(OnCompleted on_completed);                      // [device]
-  void synchronize_and_free_events();                                         // [world]
-  event_t get_event();                                                        // [device]
-  [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);// [world]
-  void set_memory_fraction(double fraction, const world_lock& w);             // [world]
+
+  // --- locks_and_stats.cpp, device_state.cpp -----------------------------------
   void publish_all_pending_stats(const world_lock& w);                        // [world]
-  [[nodiscard]] stat_group group_of(const block_pool* pool) const noexcept {
+  void set_memory_fraction(double fraction, const world_lock& w);             // [world]
+  [[nodiscard]] stat_group group_of(const block_pool* pool) const noexcept {  // [none]: is_small is fixed
     return pool->is_small ? stat_group::small_pool : stat_group::large_pool;
   }
+
+  // --- data, by the lock that guards it ------------------------------------------
+  // Public: the core's files (one concept each) share it; making it private
+  // would take accessors or friends on the hot path for no gain in safety,
+  // as the lock discipline, not the access level, is what protects it.
 
   const int device_;
   device_backend& backend_;
