@@ -9,7 +9,9 @@
 #      line `PASS item (...)` / `FAIL item: reason` / `SKIP item: reason` each;
 #   3. GPT-2 (scripts/gpt2_allocators.py) on PyTorch's allocator, PyTorch's
 #      with expandable_segments:True, and ccalloc, interleaved (GPT2_ROUNDS
-#      rounds, default 2; GPT2_STEPS steps, default 30; 0 rounds skips it).
+#      rounds, default 2; GPT2_STEPS steps, default 30; 0 rounds skips it;
+#      GPT2_SEQ the sequence length, default 512, and GPT2_SEQ_MIN, when set,
+#      the shortest: each step's length is drawn from [GPT2_SEQ_MIN, GPT2_SEQ]).
 # Output: the lines above and $OUT_DIR (default out/pytorch-dropin)/{install.log,
 # items.log, gpt2-*.json, gpt2-compare.txt}. Exit status 1 when any item FAILed.
 set -uo pipefail
@@ -44,15 +46,17 @@ done
 cd "$REPO"
 ROUNDS=${GPT2_ROUNDS:-2}
 STEPS=${GPT2_STEPS:-30}
+SEQ_ARGS=(--seq "${GPT2_SEQ:-512}")
+[ -n "${GPT2_SEQ_MIN:-}" ] && SEQ_ARGS+=(--seq-min "$GPT2_SEQ_MIN")
 if [ "$ROUNDS" -gt 0 ]; then
   runs=()
   for r in $(seq 1 "$ROUNDS"); do
     for v in native native-expandable ccalloc; do
       f=$OUT_DIR/gpt2-$v-$r.json
       case $v in
-        native) env -u PYTORCH_CUDA_ALLOC_CONF "$PY" scripts/gpt2_allocators.py train --allocator native --steps "$STEPS" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
-        native-expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" scripts/gpt2_allocators.py train --allocator native --label native-expandable --steps "$STEPS" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
-        ccalloc) (cd /tmp && env -u PYTORCH_CUDA_ALLOC_CONF "$PY" "$SCRIPTS/gpt2_allocators.py" train --allocator ccalloc --steps "$STEPS" --out "$f") >>"$OUT_DIR/gpt2.log" 2>&1 ;;
+        native) env -u PYTORCH_CUDA_ALLOC_CONF "$PY" scripts/gpt2_allocators.py train --allocator native --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
+        native-expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" scripts/gpt2_allocators.py train --allocator native --label native-expandable --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
+        ccalloc) (cd /tmp && env -u PYTORCH_CUDA_ALLOC_CONF "$PY" "$SCRIPTS/gpt2_allocators.py" train --allocator ccalloc --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f") >>"$OUT_DIR/gpt2.log" 2>&1 ;;
       esac
       [ -s "$f" ] && runs+=("$f") || echo "gpt2: run $v $r failed (see $OUT_DIR/gpt2.log)"
     done

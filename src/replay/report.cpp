@@ -469,7 +469,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
   cost_row("pages unmapped", with_commas(sum.replay.pages_unmapped), "device pages unmapped");
   cost_row("pages remapped", with_commas(sum.replay.pages_remapped),
            "pages unmapped at one place and mapped at another instead of new memory");
-  cost_row("moved between streams", human_bytes(double(sum.replay.bytes_moved_between_streams)),
+  cost_row("moved between streams", format_bytes(sum.replay.bytes_moved_between_streams),
            "bytes that went from one stream's memory to another's");
   o += "</table></section>\n";
 
