@@ -1193,14 +1193,29 @@ void test_expandable_recycles_pages_across_streams() {
   // A long kernel on s1 writes `a`; the free is stream-ordered after it.
   CUDA_OK(gk::launch_spin_fill(a, 64 * mib, 41, 20'000'000, cs(s1.get())));
   alloc->free(a);
-  const auto reserved_before = alloc->get_device_stats(0).reserved_bytes[0].current;
-  // s2 needs 64 MiB: the pages move from s1's segment (after waiting for s1).
+  const auto stats0 = alloc->get_device_stats(0);
+  // s2 needs 64 MiB while s1's kernel still uses the pages (their page fence
+  // has not completed): they stay put, new pages are mapped, nobody waits.
   void* b = alloc->malloc(0, 64 * mib, s2.get());
-  CHECK(alloc->get_device_stats(0).reserved_bytes[0].current == reserved_before);
+  const auto stats1 = alloc->get_device_stats(0);
+  CHECK(stats1.reserved_bytes[0].current == stats0.reserved_bytes[0].current + std::int64_t(64 * mib));
+  CHECK(stats1.num_device_synchronizations == stats0.num_device_synchronizations);
   CHECK(alloc->expandable_segment_sizes(0).size() == 2);
   CUDA_OK(gk::launch_fill(b, 64 * mib, 42, cs(s2.get())));
   CHECK(mismatches(b, 64 * mib, 42, cs(s2.get())) == 0);
   alloc->free(b);
+  // Once s1's work is over its fence has completed: a new peak on s2 takes
+  // s1's free pages instead of growing, still without waiting.
+  CUDA_OK(cudaStreamSynchronize(cs(s1.get())));
+  void* c = alloc->malloc(0, 128 * mib, s2.get());
+  const auto stats2 = alloc->get_device_stats(0);
+  CHECK(stats2.reserved_bytes[0].current == stats1.reserved_bytes[0].current);
+  CHECK(stats2.num_device_synchronizations == stats0.num_device_synchronizations);
+  CHECK(stats2.num_pages_remapped > stats1.num_pages_remapped);
+  CHECK(stats2.bytes_moved_between_streams >= stats1.bytes_moved_between_streams + std::int64_t(64 * mib));
+  CUDA_OK(gk::launch_fill(c, 128 * mib, 43, cs(s2.get())));
+  CHECK(mismatches(c, 128 * mib, 43, cs(s2.get())) == 0);
+  alloc->free(c);
 }
 
 void test_expandable_peer_mapping() {
@@ -1839,6 +1854,7 @@ int main(int argc, char** argv) {
     }
     (void)cudaFree(g_counter);
     g_counter = nullptr;
+    g_backend.reset();  // its pinned gate blocks (cudaFreeHost) go before the leak check
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ccalloc_gpu_tests: %s\n", e.what());
     ++failed;
