@@ -542,6 +542,9 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   } c{gaps, std::make_unique<caching_allocator>(std::move(backend), config)};
   caching_allocator& allocator = *c.allocator;
   allocator.init(1);
+  // The replay models the pools' policy (best fit): no thread cache, whose
+  // most-recently-freed reuse would change the layout (docs/perf.md).
+  allocator.device_allocator(0).set_thread_cache_enabled(false);
   if (history) allocator.record_history(*history);
 
   struct live_alloc {

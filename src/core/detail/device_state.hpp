@@ -53,6 +53,7 @@
 #include <ccalloc/core/stats.hpp>
 
 #include "history_recorder.hpp"
+#include "thread_cache.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -444,6 +445,9 @@ class device_state {
   // Frees of blocks used on other streams while a capture was underway:
   // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
   std::vector<block*> deferred_frees_;
+
+  // Blocks parked in threads' caches (thread_cache.hpp).
+  thread_cache_registry thread_caches_;
 
   // [stats_mutex_]
   spin_mutex stats_mutex_;
