@@ -149,8 +149,10 @@ void BM_cross(benchmark::State& state) {
   std::thread consumer([&] {  // frees what this thread allocates, in order
     for (std::size_t i = 0;; i = i + 1 == cb::cross_queue_depth ? 0 : i + 1) {
       void* p = nullptr;
-      while ((p = queue[i].load(std::memory_order_acquire)) == nullptr)
+      while ((p = queue[i].load(std::memory_order_acquire)) == nullptr) {
         if (done.load(std::memory_order_acquire) && queue[i].load(std::memory_order_acquire) == nullptr) return;
+        std::this_thread::yield();  // a busy machine may have fewer cores than threads
+      }
       queue[i].store(nullptr, std::memory_order_release);
       e.allocator.free(p);
     }
@@ -158,8 +160,7 @@ void BM_cross(benchmark::State& state) {
   std::size_t tail = 0;
   for (auto _ : state) {
     void* p = e.allocator.malloc(0, cb::cross_pair_bytes, stream);
-    while (queue[tail].load(std::memory_order_acquire) != nullptr) {
-    }
+    while (queue[tail].load(std::memory_order_acquire) != nullptr) std::this_thread::yield();
     queue[tail].store(p, std::memory_order_release);
     tail = tail + 1 == cb::cross_queue_depth ? 0 : tail + 1;
   }

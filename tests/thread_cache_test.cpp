@@ -170,6 +170,32 @@ TEST(ThreadCacheTest, ThreadExitReturnsParkedBlocks) {
   EXPECT_EQ(f.sim->counters().used_bytes, 0u);
 }
 
+// A thread-local object destroyed after the thread cache's own records (at
+// thread exit) may still free: the free takes the normal path.
+struct late_free {
+  caching_allocator* alloc = nullptr;
+  void* ptr = nullptr;
+  ~late_free() {
+    if (ptr != nullptr) alloc->free(ptr);
+  }
+};
+thread_local late_free tls_late_free;
+
+TEST(ThreadCacheTest, FreeFromALateThreadLocalDestructor) {
+  fixture f(true);
+  const stream_t s = f.sim->create_stream(0);
+  std::thread t([&] {
+    tls_late_free.alloc = &f.alloc;  // constructed before the cache's records: destroyed after them
+    tls_late_free.ptr = f.alloc.malloc(0, 512, s);
+    f.alloc.free(f.alloc.malloc(0, 4096, s));  // parked
+  });
+  t.join();
+  const device_stats st = f.alloc.get_device_stats(0);
+  EXPECT_EQ(st.allocation[0].current, 0);
+  EXPECT_EQ(st.allocation[0].freed, 2);
+  f.alloc.device_allocator(0).check_invariants();
+}
+
 // record_stream'd blocks and no-caching mode bypass the cache: the block
 // waits for its stream's event, and in no-caching mode goes to the device.
 TEST(ThreadCacheTest, RecordStreamAndNoCachingBypassTheCache) {

@@ -54,6 +54,10 @@ void count_hits(device_stats& st, thread_cache_hits& h) noexcept {
   h = thread_cache_hits{};
 }
 
+// Set when this thread's records are gone (thread exit): frees and mallocs
+// from later thread-local destructors take the normal path.
+constinit thread_local bool tls_records_gone = false;
+
 // The records of one thread, one per device it freed a block on.
 struct thread_records {
   std::vector<std::unique_ptr<thread_cache_record>> records;
@@ -62,6 +66,7 @@ struct thread_records {
   thread_records& operator=(const thread_records&) = delete;
   // Thread exit: the parked blocks and hits go to their devices (orphans).
   ~thread_records() {
+    tls_records_gone = true;
     tls_last_record = nullptr;
     for (auto& r : records) {
       thread_cache_core& core = *r->core;
@@ -105,6 +110,8 @@ thread_cache_registry::~thread_cache_registry() {
 }
 
 thread_cache_record* thread_cache_find(device_state& d, bool create) {
+  if (tls_records_gone) [[unlikely]]
+    return nullptr;
   thread_records& mine = tls_records;
   for (auto& r : mine.records) {
     if (r->device_id == d.id_) {

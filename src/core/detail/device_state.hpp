@@ -29,7 +29,10 @@
 // the statistics. Lock order, never reversed:
 //     registry_mutex_ -> stream_state::mutex (by address) -> device_mutex_ -> stats_mutex_
 // A block belongs to its segment's stream: its fields change only under that
-// stream's lock (event_count included).
+// stream's lock (event_count included). In front of all this, each thread's
+// cache of blocks it freed (thread_cache.hpp) serves repeats without these
+// locks; its locks come after stats_mutex_ (world_lock frees every parked
+// block when it is taken), and a parked block is allocated for the pools.
 //
 // Expandable segments (SPEC B7): an address-space reservation whose pages
 // (the device's granularity, 2 MiB) are mapped on demand:

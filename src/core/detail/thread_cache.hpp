@@ -98,7 +98,17 @@ struct thread_cache_record {
   std::atomic<std::uint32_t> count{0};  // parked blocks [lock]; read without it as a hint
   std::array<slot, thread_cache_slots> slots{};  // [lock]
   thread_cache_hits hits;  // [lock] not yet in the device's statistics
+  // The owner thread's alone (no lock): mallocs in a row that found parked
+  // blocks but none that fit, and a counter of frees while that streak is
+  // long. A thread whose frees are not reused (sizes that keep changing)
+  // parks only one free in thread_cache_probe_every, so it pays almost
+  // nothing for the cache; one hit starts parking every free again.
+  std::uint32_t miss_streak = 0;
+  std::uint32_t probe = 0;
 };
+
+inline constexpr std::uint32_t thread_cache_miss_limit = 16;
+inline constexpr std::uint32_t thread_cache_probe_every = 64;
 
 // What a device shares with the threads' records: outlives whichever goes last.
 struct thread_cache_core {

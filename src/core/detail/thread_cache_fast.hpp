@@ -25,7 +25,7 @@ inline block* thread_cache_take(device_state& s, std::size_t requested_bytes, st
   thread_cache_record* r = tls_last_record;
   if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
     if (!s.thread_caches_.enabled.load(std::memory_order_relaxed)) return nullptr;
-    r = thread_cache_find(s, false);
+    r = thread_cache_find(s, true);  // a thread that only allocates finds it at once next time
     if (r == nullptr) return nullptr;
   }
   if (r->count.load(std::memory_order_relaxed) == 0) return nullptr;
@@ -46,11 +46,15 @@ inline block* thread_cache_take(device_state& s, std::size_t requested_bytes, st
       r->count.store(count - 1, std::memory_order_relaxed);
       thread_cache_count_hit(*r, b, requested_bytes);
       r->lock.unlock();
+      r->miss_streak = 0;
       return b;
     }
   }
   r->lock.unlock();
-  if (count != 0) thread_cache_drain_own(s, *r);
+  if (count != 0) {
+    if (r->miss_streak < thread_cache_miss_limit) ++r->miss_streak;
+    thread_cache_drain_own(s, *r);
+  }
   return nullptr;
 }
 
@@ -73,6 +77,12 @@ inline bool thread_cache_park(device_state& s, block* b) {
     r = thread_cache_find(s, true);
     if (r == nullptr) return false;
   }
+  if (r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) [[unlikely]]
+    return false;  // this thread's frees are not being reused: the normal free
+  // Full (only this thread fills it; a world lock may have emptied it since,
+  // which costs one park): no lock needed to see it.
+  if (r->count.load(std::memory_order_relaxed) == thread_cache_slots) [[unlikely]]
+    return false;
   r->lock.lock();
   const std::uint32_t count = r->count.load(std::memory_order_relaxed);
   if (count == thread_cache_slots) [[unlikely]] {
