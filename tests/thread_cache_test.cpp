@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <thread>
 #include <vector>
@@ -57,6 +58,33 @@ TEST(ThreadCacheTest, HandsBackTheMostRecentlyFreedBlock) {
     f.alloc.free(d);
     f.alloc.device_allocator(0).check_invariants();
   }
+}
+
+// CCALLOC_THREAD_CACHE=small (read when a device is created): small-pool
+// blocks are parked, large ones go back to the pools.
+TEST(ThreadCacheTest, SmallModeParksOnlySmallPoolBlocks) {
+  ::setenv("CCALLOC_THREAD_CACHE", "small", 1);
+  fixture f(true);
+  ::unsetenv("CCALLOC_THREAD_CACHE");
+  const stream_t s = f.sim->create_stream(0);
+  for (const std::size_t size : {std::size_t{512}, 4 * mib}) {
+    void* a = f.alloc.malloc(0, size, s);
+    void* b = f.alloc.malloc(0, size, s);
+    ASSERT_LT(a, b);
+    f.alloc.free(a);
+    f.alloc.free(b);
+    void* c = f.alloc.malloc(0, size, s);
+    EXPECT_EQ(c, size == 512 ? b : a) << size << " bytes";  // large: the pool's best fit
+    f.alloc.free(c);
+  }
+  fixture g(true);  // unset again: every block
+  void* a = g.alloc.malloc(0, 4 * mib, 0);
+  void* b = g.alloc.malloc(0, 4 * mib, 0);
+  g.alloc.free(a);
+  g.alloc.free(b);
+  void* c = g.alloc.malloc(0, 4 * mib, 0);
+  EXPECT_EQ(c, b);
+  g.alloc.free(c);
 }
 
 // One thread, random mallocs and frees on two streams (sizes whose rounding

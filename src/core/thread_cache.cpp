@@ -84,17 +84,21 @@ struct thread_records {
 
 thread_local thread_records tls_records;
 
-bool env_enabled() {
+// CCALLOC_THREAD_CACHE, lower case ("" when unset).
+std::string env_mode() {
   const char* v = std::getenv("CCALLOC_THREAD_CACHE");
-  if (v == nullptr) return true;
-  std::string value(v);
+  std::string value(v == nullptr ? "" : v);
   for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return !(value == "0" || value == "false" || value == "off" || value == "no");
+  return value;
 }
 
 }  // namespace
 
-thread_cache_registry::thread_cache_registry() : enabled(env_enabled()) {}
+thread_cache_registry::thread_cache_registry() {
+  const std::string mode = env_mode();
+  enabled.store(!(mode == "0" || mode == "false" || mode == "off" || mode == "no"), std::memory_order_relaxed);
+  small_only = mode == "small";
+}
 
 thread_cache_registry::~thread_cache_registry() {
   // The device's blocks go with its segments; the threads' records forget them.

@@ -128,8 +128,9 @@ class device_caching_allocator {
   /// backend_error, the mode is unchanged.
   void set_caching_enabled(bool enabled);
   [[nodiscard]] bool caching_enabled() const;
-  /// The thread cache (on by default; CCALLOC_THREAD_CACHE=0 turns it off for
-  /// every device created afterwards): each thread keeps up to 4 blocks it
+  /// The thread cache (on by default; CCALLOC_THREAD_CACHE=0 turns it off,
+  /// =small keeps it to small-pool blocks, for every device created
+  /// afterwards): each thread keeps up to 4 blocks it
   /// freed and hands one back when it asks for the same bytes on the same
   /// stream, without locks or pool search (docs/perf.md, "The thread
   /// cache"). It changes which block a request gets (the most recently freed

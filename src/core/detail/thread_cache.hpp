@@ -119,7 +119,9 @@ struct thread_cache_core {
   thread_cache_hits orphan_hits;              // theirs [mutex]
 };
 
-// device_state's member. Enabled unless CCALLOC_THREAD_CACHE is 0/false/off/no.
+// device_state's member. CCALLOC_THREAD_CACHE (read when the device is
+// created): unset, 1/true/on/yes/all: every block; small: small-pool blocks
+// only (<= 1 MiB requests); 0/false/off/no: off.
 class thread_cache_registry {
  public:
   thread_cache_registry();
@@ -128,6 +130,7 @@ class thread_cache_registry {
   thread_cache_registry& operator=(const thread_cache_registry&) = delete;
 
   std::atomic<bool> enabled{true};  // read without a lock; set under the world lock
+  bool small_only = false;          // CCALLOC_THREAD_CACHE=small; fixed at construction
   std::shared_ptr<thread_cache_core> core = std::make_shared<thread_cache_core>();
 };
 

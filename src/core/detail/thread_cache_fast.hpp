@@ -69,8 +69,9 @@ inline void thread_cache_flush_own(device_state& s) {
 // Parks `b` (the caller frees it) in this thread's cache; false: not
 // cacheable or no room, free it the normal way.
 inline bool thread_cache_park(device_state& s, block* b) {
-  if (!s.thread_caches_.enabled.load(std::memory_order_relaxed) || !b->stream_uses.empty() || b->pool->priv != nullptr || !s.caching_ ||
-      s.capture_underway()) [[unlikely]]
+  if (!s.thread_caches_.enabled.load(std::memory_order_relaxed) || !b->stream_uses.empty() ||
+      b->pool->priv != nullptr || !s.caching_ || s.capture_underway() ||
+      (s.thread_caches_.small_only && !b->pool->is_small)) [[unlikely]]
     return false;
   thread_cache_record* r = tls_last_record;
   if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
