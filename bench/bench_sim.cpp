@@ -14,6 +14,12 @@
 //                         Time = ns per pair (SPEC P2).
 //   BM_threads/threads:T  1 MiB pairs, T threads, each on its own stream;
 //                         items_per_second = pairs/s of all threads (SPEC P3).
+//   BM_churn              8 live blocks of 1-128 MiB, each iteration frees the
+//                         oldest and allocates the next size (default
+//                         configuration: expandable segments map and recycle
+//                         pages); Time = ns per step.
+//   BM_cross              1 MiB blocks allocated by this thread and freed by a
+//                         second one (a queue of 64); Time = ns per pair.
 //   BM_replay/NAME        replay of a real trace on a fresh simulated device;
 //                         items_per_second = trace events/s (SPEC P5).
 //
@@ -31,8 +37,11 @@
 
 #include <benchmark/benchmark.h>
 
+#include <array>
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -110,6 +119,56 @@ void BM_threads(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());  // summed over threads: total pairs/s
 }
 BENCHMARK(BM_threads)->Threads(1)->Threads(2)->Threads(4)->Threads(8)->Threads(16)->UseRealTime();
+
+void BM_churn(benchmark::State& state) {
+  static const std::vector<std::size_t> sizes = cb::make_churn_sizes();
+  auto& e = env();
+  const ccalloc::stream_t stream = e.streams[0];
+  std::vector<void*> ring(cb::churn_slots);
+  for (std::size_t i = 0; i < cb::churn_slots; ++i) ring[i] = e.allocator.malloc(0, sizes[i], stream);
+  std::size_t next = cb::churn_slots;
+  std::size_t oldest = 0;
+  for (auto _ : state) {
+    e.allocator.free(ring[oldest]);
+    ring[oldest] = e.allocator.malloc(0, sizes[next], stream);
+    benchmark::DoNotOptimize(ring[oldest]);
+    oldest = oldest + 1 == cb::churn_slots ? 0 : oldest + 1;
+    next = next + 1 == sizes.size() ? cb::churn_slots : next + 1;
+  }
+  state.SetItemsProcessed(state.iterations());
+  for (void* ptr : ring) e.allocator.free(ptr);
+  e.allocator.empty_cache();
+}
+BENCHMARK(BM_churn);
+
+void BM_cross(benchmark::State& state) {
+  auto& e = env();
+  const ccalloc::stream_t stream = e.streams[0];
+  std::array<std::atomic<void*>, cb::cross_queue_depth> queue{};
+  std::atomic<bool> done{false};
+  std::thread consumer([&] {  // frees what this thread allocates, in order
+    for (std::size_t i = 0;; i = i + 1 == cb::cross_queue_depth ? 0 : i + 1) {
+      void* p = nullptr;
+      while ((p = queue[i].load(std::memory_order_acquire)) == nullptr) {
+        if (done.load(std::memory_order_acquire) && queue[i].load(std::memory_order_acquire) == nullptr) return;
+        std::this_thread::yield();  // a busy machine may have fewer cores than threads
+      }
+      queue[i].store(nullptr, std::memory_order_release);
+      e.allocator.free(p);
+    }
+  });
+  std::size_t tail = 0;
+  for (auto _ : state) {
+    void* p = e.allocator.malloc(0, cb::cross_pair_bytes, stream);
+    while (queue[tail].load(std::memory_order_acquire) != nullptr) std::this_thread::yield();
+    queue[tail].store(p, std::memory_order_release);
+    tail = tail + 1 == cb::cross_queue_depth ? 0 : tail + 1;
+  }
+  done.store(true, std::memory_order_release);
+  consumer.join();
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_cross)->UseRealTime();
 
 #ifdef CCALLOC_BENCH_HAVE_REPLAY
 void BM_replay(benchmark::State& state, const std::string& path) {

@@ -125,4 +125,88 @@ TEST(ConcurrencyTest, SingleThreadPeaksAreExactAcrossStreams) {
   alloc.free(c);
 }
 
+// The thread cache (issue 18): blocks allocated by one thread are freed by
+// another (parked in the freeing thread's cache under the allocating
+// stream), handed out again to the freeing thread on that stream, and
+// returned to the pools by misses, by stats reads and empty_cache racing
+// with them, and by thread exit. Afterwards nothing is live and nothing is
+// lost.
+TEST(ConcurrencyTest, ThreadCacheBlocksMoveAcrossThreadsAndStreams) {
+  auto sim = std::make_shared<ccalloc::sim_backend>(ccalloc::sim_options{1, std::size_t{2} << 30, 2 * mib});
+  ccalloc::caching_allocator alloc(sim, ccalloc::allocator_config{});
+  alloc.init(1);
+  alloc.device_allocator(0).set_thread_cache_enabled(true);  // opt-in
+  ASSERT_TRUE(alloc.device_allocator(0).thread_cache_enabled());
+  constexpr int threads = 4;
+  constexpr int ops = 20000;
+  std::vector<ccalloc::stream_t> streams;
+  for (int t = 0; t < threads; ++t) streams.push_back(sim->create_stream(0));
+  struct handed {
+    void* ptr;
+    std::size_t size;
+    ccalloc::stream_t stream;
+  };
+  std::mutex handoff_mutex;
+  std::vector<handed> handoff;
+  std::atomic<long> reuses{0};
+  std::atomic<bool> stop{false};
+
+  auto worker = [&](int t) {
+    std::mt19937_64 rng(99 + t);
+    const std::size_t sizes[] = {512, 4096, 1 * mib, 3 * mib};
+    for (int i = 0; i < ops; ++i) {
+      const std::size_t size = sizes[rng() % 4];
+      const ccalloc::stream_t stream = streams[rng() % threads];
+      void* p = alloc.malloc(0, size, stream);
+      if (rng() % 2 == 0) {  // hand it to another thread
+        std::lock_guard lock(handoff_mutex);
+        handoff.push_back({p, size, stream});
+      } else {
+        alloc.free(p);
+      }
+      handed h{nullptr, 0, 0};
+      {
+        std::lock_guard lock(handoff_mutex);
+        if (!handoff.empty()) {
+          h = handoff.back();
+          handoff.pop_back();
+        }
+      }
+      if (h.ptr != nullptr) {
+        alloc.free(h.ptr);  // parked here, under the allocating thread's stream
+        void* again = alloc.malloc(0, h.size, h.stream);  // this thread, that stream
+        if (again == h.ptr) reuses.fetch_add(1, std::memory_order_relaxed);
+        alloc.free(again);
+      }
+    }
+  };
+  std::thread reader([&] {
+    while (!stop.load()) {
+      const auto st = alloc.get_device_stats(0);
+      EXPECT_GE(st.allocated_bytes[0].current, 0);
+      EXPECT_LE(st.allocated_bytes[0].current, st.reserved_bytes[0].current);
+      alloc.empty_cache();
+      (void)alloc.device_allocator(0).segments();
+      std::this_thread::yield();
+    }
+  });
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(worker, t);
+  for (auto& th : pool) th.join();
+  stop.store(true);
+  reader.join();
+  for (const handed& h : handoff) alloc.free(h.ptr);
+  EXPECT_GT(reuses.load(), 0);  // the cache served blocks freed across threads
+  auto& dev = alloc.device_allocator(0);
+  dev.check_invariants();
+  const auto st = alloc.get_device_stats(0);
+  EXPECT_EQ(st.allocated_bytes[0].current, 0);
+  EXPECT_EQ(st.active_bytes[0].current, 0);
+  EXPECT_EQ(st.requested_bytes[0].current, 0);
+  EXPECT_EQ(st.allocation[0].allocated, st.allocation[0].freed);
+  alloc.empty_cache();
+  EXPECT_EQ(alloc.get_device_stats(0).reserved_bytes[0].current, 0);
+  EXPECT_EQ(sim->counters().used_bytes, 0u);
+}
+
 }  // namespace

@@ -11,6 +11,14 @@
 //            log-uniform over [mixed_min_bytes, mixed_max_bytes]: an octave
 //            [2^e, 2^(e+1)) is picked uniformly, then a size uniformly in it.
 //   threads  1 MiB pairs, 1..16 threads, each thread on its own stream.
+//   churn    a ring of churn_slots live blocks; each step frees the oldest
+//            and allocates a size log-uniform over [churn_min_bytes,
+//            churn_max_bytes] (make_churn_sizes): the live total wanders, so
+//            with expandable segments (ccalloc's default) pages are mapped
+//            and free pages recycled.
+//   cross    one thread allocates cross_pair_bytes on one stream and hands
+//            each pointer (a queue of cross_queue_depth) to a second thread,
+//            which frees it.
 //
 // Only the standard library: bench_torch is compiled outside CMake against
 // PyTorch's headers.
@@ -42,6 +50,17 @@ inline constexpr std::size_t mixed_sequence_length = std::size_t{1} << 16;
 inline constexpr std::size_t threads_pair_bytes = 1 * bench_mib;
 inline constexpr std::array<int, 5> thread_counts{1, 2, 4, 8, 16};
 inline constexpr int max_threads = 16;
+
+/// The churn case: live blocks, size range (bytes), seed, sequence length.
+inline constexpr std::size_t churn_slots = 8;
+inline constexpr std::size_t churn_min_bytes = 1 * bench_mib;
+inline constexpr std::size_t churn_max_bytes = 128 * bench_mib;
+inline constexpr std::uint64_t churn_seed = 0x5eed'cca1'10c0'0002ull;
+inline constexpr std::size_t churn_sequence_length = 4096;
+
+/// The cross case: pair size and the depth of the hand-over queue.
+inline constexpr std::size_t cross_pair_bytes = 1 * bench_mib;
+inline constexpr std::size_t cross_queue_depth = 64;
 
 /// splitmix64: a tiny, fully specified generator (std::uniform_*_distribution
 /// differ between standard libraries; this does not).
@@ -89,6 +108,22 @@ inline mixed_plan make_mixed_plan() {
     plan.steps.push_back({slot, mixed_size(rng)});
   }
   return plan;
+}
+
+/// The churn case's sizes: churn_slots to fill the ring, then one per step
+/// (churn_sequence_length); log-uniform over [churn_min_bytes, churn_max_bytes).
+inline std::vector<std::size_t> make_churn_sizes() {
+  splitmix64 rng{churn_seed};
+  constexpr unsigned lo_exp = 20;  // 1 MiB = churn_min_bytes
+  constexpr unsigned hi_exp = 27;  // 128 MiB = churn_max_bytes
+  std::vector<std::size_t> sizes;
+  sizes.reserve(churn_slots + churn_sequence_length);
+  for (std::size_t i = 0; i < churn_slots + churn_sequence_length; ++i) {
+    const unsigned e = lo_exp + static_cast<unsigned>(rng.next() % (hi_exp - lo_exp));
+    const std::size_t octave = std::size_t{1} << e;
+    sizes.push_back(octave + static_cast<std::size_t>(rng.next() % octave));
+  }
+  return sizes;
 }
 
 }  // namespace ccalloc::bench

@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
     run<ccalloc_adapter>(streams, s);
     run<malloc_async_adapter>(streams, s);
     run<cub_adapter>(streams, s);
-    run<cuda_malloc_adapter>(streams, s, cb::case_set{true, false, false});
+    run<cuda_malloc_adapter>(streams, s, cb::case_set{true, false, false, false, false});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_gpu: %s\n", e.what());
     return 1;

@@ -21,6 +21,8 @@
 //   RESULT allocator=ccalloc case=pair size=512 ns_per_pair=41.2 min_ns=40.9 max_ns=43.0 reps=7 pairs_per_rep=100000
 //   RESULT allocator=ccalloc case=mixed live=64 ns_per_pair=98.1 ...
 //   RESULT allocator=ccalloc case=threads threads=8 pairs_per_s=1.2e+07 pairs=... seconds=0.50
+//   RESULT allocator=ccalloc case=churn live=8 ns_per_pair=530.2 ...
+//   RESULT allocator=ccalloc case=cross pairs_per_s=4.1e+06 pairs=200000 seconds=0.049
 //   ERROR allocator=cub case=pair size=268435456 message="..."
 #pragma once
 
@@ -29,6 +31,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -181,52 +184,70 @@ void run_pair(Alloc& a, std::size_t size_bytes, cudaStream_t stream, const setti
   std::fflush(stdout);
 }
 
-/// Mixed case: ring of mixed_slots live blocks; the same plan for everyone.
-template <class Alloc>
-void run_mixed(Alloc& a, cudaStream_t stream, const settings& s) {
-  static const mixed_plan plan = make_mixed_plan();
-  struct slot {
-    void* ptr = nullptr;
-    std::size_t size_bytes = 0;
+/// A slot of the ring cases (mixed, churn): a live block.
+struct ring_slot {
+  void* ptr = nullptr;
+  std::size_t size_bytes = 0;
+};
+
+/// A ring case: fills `slots` blocks of initial_size(i) bytes, runs
+/// `warm_steps` steps, then settings::reps timed repetitions of `per_rep`
+/// steps and prints RESULT with `label` ("case=mixed live=64"). Each step,
+/// step(ring, free_slot, alloc_into), frees one slot and allocates into it.
+/// Frees the ring at the end (also when a step throws).
+template <class Alloc, class Initial, class Step>
+void run_ring(Alloc& a, cudaStream_t stream, const settings& s, std::size_t slots, Initial initial_size, Step step,
+              std::size_t warm_steps, std::size_t per_rep, const std::string& label) {
+  std::vector<ring_slot> ring(slots);
+  auto replace = [&](ring_slot& sl, std::size_t size_bytes) {
+    a.free(sl.ptr, sl.size_bytes, stream);
+    sl.ptr = nullptr;
+    sl.ptr = a.alloc(size_bytes, stream);
+    sl.size_bytes = size_bytes;
   };
-  std::vector<slot> ring(mixed_slots);
-  std::size_t pos = 0;
   auto steps = [&](std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) {
-      const mixed_step& st = plan.steps[pos];
-      pos = pos + 1 == plan.steps.size() ? 0 : pos + 1;
-      slot& sl = ring[st.slot];
-      a.free(sl.ptr, sl.size_bytes, stream);
-      sl.ptr = nullptr;
-      sl.ptr = a.alloc(st.size_bytes, stream);
-      sl.size_bytes = st.size_bytes;
-    }
+    for (std::size_t i = 0; i < n; ++i) step(ring, replace);
   };
   try {
-    for (std::size_t i = 0; i < mixed_slots; ++i) {
-      ring[i].ptr = a.alloc(plan.initial_sizes_bytes[i], stream);
-      ring[i].size_bytes = plan.initial_sizes_bytes[i];
+    for (std::size_t i = 0; i < slots; ++i) {
+      ring[i].ptr = a.alloc(initial_size(i), stream);
+      ring[i].size_bytes = initial_size(i);
     }
-    steps(s.quick ? s.mixed_steps_per_rep : plan.steps.size());  // warm-up: one pass
+    steps(warm_steps);
     cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     std::vector<double> ns;
     for (int r = 0; r < s.reps; ++r) {
       const auto t0 = bench_clock::now();
-      steps(s.mixed_steps_per_rep);
+      steps(per_rep);
       cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-      ns.push_back(seconds_since(t0) * 1e9 / static_cast<double>(s.mixed_steps_per_rep));
+      ns.push_back(seconds_since(t0) * 1e9 / static_cast<double>(per_rep));
     }
     const rep_stats st = summarize_reps(ns);
-    std::printf("RESULT allocator=%s case=mixed live=%zu ns_per_pair=%.1f min_ns=%.1f max_ns=%.1f reps=%d pairs_per_rep=%zu\n",
-                Alloc::name, mixed_slots, st.median_ns, st.min_ns, st.max_ns, s.reps, s.mixed_steps_per_rep);
+    std::printf("RESULT allocator=%s %s ns_per_pair=%.1f min_ns=%.1f max_ns=%.1f reps=%d pairs_per_rep=%zu\n",
+                Alloc::name, label.c_str(), st.median_ns, st.min_ns, st.max_ns, s.reps, per_rep);
     std::fflush(stdout);
   } catch (...) {
-    for (slot& sl : ring)
+    for (ring_slot& sl : ring)
       if (sl.ptr) try { a.free(sl.ptr, sl.size_bytes, stream); } catch (...) {}
     throw;
   }
-  for (slot& sl : ring) a.free(sl.ptr, sl.size_bytes, stream);
+  for (ring_slot& sl : ring) a.free(sl.ptr, sl.size_bytes, stream);
   cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+}
+
+/// Mixed case: ring of mixed_slots live blocks; the same plan for everyone.
+template <class Alloc>
+void run_mixed(Alloc& a, cudaStream_t stream, const settings& s) {
+  static const mixed_plan plan = make_mixed_plan();
+  std::size_t pos = 0;
+  auto step = [&](std::vector<ring_slot>& ring, auto& replace) {
+    const mixed_step& st = plan.steps[pos];
+    pos = pos + 1 == plan.steps.size() ? 0 : pos + 1;
+    replace(ring[st.slot], st.size_bytes);
+  };
+  run_ring(a, stream, s, mixed_slots, [](std::size_t i) { return plan.initial_sizes_bytes[i]; }, step,
+           s.quick ? s.mixed_steps_per_rep : plan.steps.size(),  // warm-up: one pass
+           s.mixed_steps_per_rep, "case=mixed live=" + std::to_string(mixed_slots));
 }
 
 /// Threads case: `nthreads` threads, thread i on streams[i], 1 MiB pairs for
@@ -289,11 +310,77 @@ void run_threads(Alloc& a, int nthreads, const stream_set& ss, const settings& s
   std::fflush(stdout);
 }
 
+/// Churn case: a ring of churn_slots live blocks, each step frees the oldest
+/// and allocates the next size of make_churn_sizes(); time per step.
+template <class Alloc>
+void run_churn(Alloc& a, cudaStream_t stream, const settings& s) {
+  static const std::vector<std::size_t> sizes = make_churn_sizes();
+  std::size_t next = churn_slots;  // sizes[0 .. churn_slots) fill the ring
+  std::size_t oldest = 0;
+  auto step = [&](std::vector<ring_slot>& ring, auto& replace) {
+    replace(ring[oldest], sizes[next]);
+    oldest = oldest + 1 == churn_slots ? 0 : oldest + 1;
+    next = next + 1 == sizes.size() ? churn_slots : next + 1;
+  };
+  const std::size_t per_rep = s.quick ? 256 : 2048;
+  run_ring(a, stream, s, churn_slots, [](std::size_t i) { return sizes[i]; }, step, per_rep, per_rep,
+           "case=churn live=" + std::to_string(churn_slots));
+}
+
+/// Cross case: this thread allocates cross_pair_bytes on `stream` and hands
+/// each pointer through a single-producer single-consumer ring to a second
+/// thread, which frees it (on the same stream); pairs/s over `pairs` pairs.
+template <class Alloc>
+void run_cross(Alloc& a, cudaStream_t stream, const settings& s) {
+  const std::size_t pairs = s.quick ? 20000 : 200000;
+  std::array<std::atomic<void*>, cross_queue_depth> queue{};
+  std::atomic<std::size_t> head{0};  // next slot the consumer reads
+  std::size_t tail = 0;              // next slot the producer writes (producer only)
+  std::atomic<bool> failed{false};
+  std::string error;
+  std::thread consumer([&] {
+    try {
+      cuda_check(cudaSetDevice(0), "cudaSetDevice");
+      for (std::size_t i = 0; i < pairs; ++i) {
+        const std::size_t k = i % cross_queue_depth;
+        void* p = nullptr;
+        while ((p = queue[k].load(std::memory_order_acquire)) == nullptr)
+          if (failed.load(std::memory_order_relaxed)) return;
+        queue[k].store(nullptr, std::memory_order_relaxed);
+        head.store(i + 1, std::memory_order_release);
+        a.free(p, cross_pair_bytes, stream);
+      }
+    } catch (const std::exception& e) {
+      if (!failed.exchange(true)) error = e.what();
+    }
+  });
+  const auto t0 = bench_clock::now();
+  try {
+    for (; tail < pairs && !failed.load(std::memory_order_relaxed); ++tail) {
+      while (tail - head.load(std::memory_order_acquire) >= cross_queue_depth)
+        if (failed.load(std::memory_order_relaxed)) break;
+      void* p = a.alloc(cross_pair_bytes, stream);
+      queue[tail % cross_queue_depth].store(p, std::memory_order_release);
+    }
+  } catch (const std::exception& e) {
+    if (!failed.exchange(true)) error = e.what();
+  }
+  consumer.join();
+  cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  const double secs = seconds_since(t0);
+  if (failed.load()) throw std::runtime_error(error);
+  std::printf("RESULT allocator=%s case=cross pairs_per_s=%.4g pairs=%zu seconds=%.3f\n", Alloc::name,
+              static_cast<double>(pairs) / secs, pairs, secs);
+  std::fflush(stdout);
+}
+
 /// Which cases an allocator runs.
 struct case_set {
   bool pairs = true;
   bool mixed = true;
   bool threads = true;
+  bool churn = true;
+  bool cross = true;
 };
 
 /// Runs `cases` for allocator `a`; a failing case prints ERROR and the rest go on.
@@ -323,6 +410,20 @@ void run_all(Alloc& a, const stream_set& ss, const settings& s, case_set cases =
         print_error(Alloc::name, "case=threads threads=" + std::to_string(n), e.what());
       }
     }
+  if (cases.churn) {
+    try {
+      run_churn(a, stream, s);
+    } catch (const std::exception& e) {
+      print_error(Alloc::name, "case=churn live=" + std::to_string(churn_slots), e.what());
+    }
+  }
+  if (cases.cross) {
+    try {
+      run_cross(a, stream, s);
+    } catch (const std::exception& e) {
+      print_error(Alloc::name, "case=cross", e.what());
+    }
+  }
   try {
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     a.release();

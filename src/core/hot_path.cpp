@@ -8,6 +8,9 @@
 // Allocation call tree (malloc); [lock held], (file when not this one):
 //
 //   device_caching_allocator::malloc
+//     thread_cache_take         a block this thread parked for this (stream, size): no
+//                               stream lock (detail/thread_cache_fast.hpp); a miss returns
+//                               the thread's parked blocks to their pools first
 //     malloc_impl               size 0 or too large: throw_out_of_memory at once (F2)
 //     device_state::allocate
 //     allocate_unusual          only if events are pending or a pool is active:
@@ -40,6 +43,8 @@
 // Free call tree:
 //
 //   device_caching_allocator::free
+//     thread_cache_park         park it in this thread's cache (not record_stream'd, no
+//                               private pool, caching on, no capture): no stream lock
 //     device_state::free                                               [stream lock]
 //       used on other streams (record_stream)?
 //         capture underway?  defer_free (private_pools.cpp)              [+ device lock]
@@ -58,6 +63,7 @@
 
 #include <ccalloc/base/detail/assert.hpp>
 #include "detail/stats_sink.hpp"
+#include "detail/thread_cache_fast.hpp"
 
 #include <algorithm>
 #include <array>
@@ -103,15 +109,19 @@ allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_b
 
 allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
   auto& s = *state_;
-  if (s.history_.active()) [[unlikely]]
+  if (s.history_.active()) [[unlikely]] {
+    detail::thread_cache_flush_own(s);  // parked before recording began
     return detail::malloc_recorded(s, size_bytes, stream);
+  }
+  if (block* b = detail::thread_cache_take(s, size_bytes, stream)) [[likely]]
+    return {reinterpret_cast<void*>(b->ptr), b};
   return malloc_impl(s, size_bytes, stream);
 }
 
 void device_caching_allocator::free(block* b) {
   auto& s = *state_;
   if (!s.history_.active()) [[likely]] {
-    s.free(b);
+    if (!detail::thread_cache_park(s, b)) s.free(b);
     return;
   }
   detail::free_recorded(s, b);

@@ -15,7 +15,10 @@
 
 namespace ccalloc::detail {
 
-world_lock::world_lock(device_state& d) : d_(d) { lock(); }
+world_lock::world_lock(device_state& d) : d_(d) {
+  lock();
+  drain_thread_caches(d_, *this);  // the world sees no parked block (detail/thread_cache.hpp)
+}
 world_lock::~world_lock() {
   if (locked_) unlock();
 }

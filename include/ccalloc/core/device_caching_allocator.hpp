@@ -128,6 +128,19 @@ class device_caching_allocator {
   /// backend_error, the mode is unchanged.
   void set_caching_enabled(bool enabled);
   [[nodiscard]] bool caching_enabled() const;
+  /// The thread cache (off by default; CCALLOC_THREAD_CACHE=1 turns it on,
+  /// =small keeps it to small-pool blocks, for every device created
+  /// afterwards; this call overrides it for this device): each thread keeps
+  /// up to 4 blocks it freed and hands one back when it asks for the same
+  /// bytes on the same stream, without locks or pool search (docs/perf.md,
+  /// "The thread cache"). It changes which block a request gets (the most
+  /// recently freed instead of the best fit), which can raise peak reserved
+  /// memory (+11% on one shared trace with every size cached): that is why
+  /// it is opt-in. The trace replay honours the same setting. Turning it off
+  /// frees every parked block first. Thread-safe (locks the whole
+  /// device); throws nothing.
+  void set_thread_cache_enabled(bool enabled);
+  [[nodiscard]] bool thread_cache_enabled() const noexcept;
 
   [[nodiscard]] device_stats stats() const;
   void reset_accumulated_stats();

@@ -31,7 +31,10 @@
 // A block belongs to its segment's stream: its fields change only under that
 // stream's lock (event_count included). The lock each method below needs is
 // in brackets next to it; docs/design.md (section 4) lists the locks of each
-// public operation.
+// public operation. In front of all this, each thread's
+// cache of blocks it freed (thread_cache.hpp) serves repeats without these
+// locks; its locks come after stats_mutex_ (world_lock frees every parked
+// block when it is taken), and a parked block is allocated for the pools.
 //
 // Expandable segments (SPEC B7): an address-space reservation whose pages
 // (the device's granularity, 2 MiB) are mapped on demand:
@@ -55,6 +58,7 @@
 #include <ccalloc/core/stats.hpp>
 
 #include "history_recorder.hpp"
+#include "thread_cache.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -538,6 +542,9 @@ class device_state {
   // Frees of blocks used on other streams while a capture was underway:
   // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
   std::vector<block*> deferred_frees_;
+
+  // Blocks parked in threads' caches (thread_cache.hpp).
+  thread_cache_registry thread_caches_;
 
   // [stats_mutex_]
   spin_mutex stats_mutex_;

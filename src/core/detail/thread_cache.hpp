@@ -1,0 +1,150 @@
+// The thread cache (issue 18): each thread parks the blocks it frees, up to
+// thread_cache_slots of them per device, and hands one back when the same
+// thread asks for the same number of bytes on the same stream. A cached
+// alloc+free pair then takes no stream lock, no statistics lock and no
+// shared cache line: one uncontended exchange on the thread's own record per
+// operation (its lock, so that a thread holding the world lock can take the
+// blocks back at any time).
+//
+//   malloc(size, stream)                       free(block)
+//     record of (this thread, device)            bypass: record_stream'd, private pool,
+//     slot with (stream, requested size)?          no caching, capture underway
+//       yes: hand it out (no pool, no             a free slot? park it
+//            statistics lock)                     else: the normal free
+//       no (or events pending, or a capture):
+//            free every parked block of this
+//            thread, then the normal malloc
+//
+// Statistics: a parked block still counts as allocated; it is freed for
+// the pools and the statistics (release_allocation, the normal free) when it
+// leaves the cache without being handed out again: at this thread's next
+// malloc on the device that it does not serve (before anything else of that
+// malloc), and at every world lock (the slow path, statistics reads,
+// inspection, empty_cache, configuration), which returns every thread's
+// parked blocks first. A hit (the same block freed and handed out again)
+// changes no current value: it only adds to the allocated and freed counts,
+// kept in the record (thread_cache_hits) and added by the world lock. So
+// every current, allocated and freed value is exact at every read; in one
+// thread so is every peak (a parked block is gone before this thread's
+// next allocation can raise one); with threads allocating concurrently a
+// peak may include blocks that another thread has freed into its cache and
+// not yet reused (at most thread_cache_slots per thread and device).
+// Inspection (segments, snapshots, invariants) never sees a parked block;
+// the slow path and the out-of-memory ladder see all cached memory. A thread
+// that exits leaves its parked blocks to the device (orphans), freed by the
+// next world lock. Parked memory stays reserved (in its segment).
+//
+// Lock order: world (registry, streams, device, stats) -> thread_cache_core::mutex
+// -> thread_cache_record::lock. The owner takes only its record lock on the
+// fast path and never holds it while taking another lock.
+#pragma once
+
+#include <ccalloc/base/types.hpp>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ccalloc::detail {
+
+struct block;
+class device_state;
+class world_lock;
+
+inline constexpr std::size_t thread_cache_slots = 4;
+
+// A test-and-set lock whose release is a plain store: one atomic
+// read-modify-write per uncontended lock/unlock.
+class record_lock {
+ public:
+  void lock() noexcept {
+    while (locked_.exchange(true, std::memory_order_acquire)) [[unlikely]]
+      while (locked_.load(std::memory_order_relaxed)) std::this_thread::yield();
+  }
+  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> locked_{false};
+};
+
+struct thread_cache_core;
+
+// Blocks handed out again from a cache, per pool kind (0 small, 1 large):
+// each counts as one free and one allocation (accumulated counts only).
+struct thread_cache_hits {
+  std::array<std::int64_t, 2> blocks{};
+  std::array<std::int64_t, 2> bytes{};
+  std::array<std::int64_t, 2> requested_bytes{};
+  std::int64_t oversize = 0;
+  bool any = false;
+};
+
+// One thread's cache for one device. Owned by the thread (thread_cache.cpp);
+// listed in the device's core while both live.
+struct thread_cache_record {
+  struct slot {
+    block* b = nullptr;
+    stream_t stream = 0;        // the block's pool's stream
+    std::size_t requested = 0;  // the caller's bytes when it was handed out
+  };
+  record_lock lock;
+  std::uint64_t device_id = 0;  // device_state::id_
+  std::shared_ptr<thread_cache_core> core;
+  std::atomic<std::uint32_t> count{0};  // parked blocks [lock]; read without it as a hint
+  std::array<slot, thread_cache_slots> slots{};  // [lock]
+  thread_cache_hits hits;  // [lock] not yet in the device's statistics
+  // The owner thread's alone (no lock): mallocs in a row that found parked
+  // blocks but none that fit, and a counter of frees while that streak is
+  // long. A thread whose frees are not reused (sizes that keep changing)
+  // parks only one free in thread_cache_probe_every, so it pays almost
+  // nothing for the cache; one hit starts parking every free again.
+  std::uint32_t miss_streak = 0;
+  std::uint32_t probe = 0;
+};
+
+inline constexpr std::uint32_t thread_cache_miss_limit = 16;
+inline constexpr std::uint32_t thread_cache_probe_every = 64;
+
+// What a device shares with the threads' records: outlives whichever goes last.
+struct thread_cache_core {
+  std::mutex mutex;
+  bool alive = true;                          // false once the device is gone [mutex]
+  std::vector<thread_cache_record*> records;  // of live threads [mutex]
+  std::vector<block*> orphans;                // parked by threads that exited [mutex]
+  thread_cache_hits orphan_hits;              // theirs [mutex]
+};
+
+// device_state's member. CCALLOC_THREAD_CACHE (read when the device is
+// created): 1/true/on/yes/all: every block; small: small-pool blocks only
+// (<= 1 MiB requests); unset or 0/false/off/no: off (the default; another
+// value warns and stays off).
+class thread_cache_registry {
+ public:
+  thread_cache_registry();
+  ~thread_cache_registry();  // detaches the records (the device is going)
+  thread_cache_registry(const thread_cache_registry&) = delete;
+  thread_cache_registry& operator=(const thread_cache_registry&) = delete;
+
+  std::atomic<bool> enabled{true};  // read without a lock; set under the world lock
+  bool small_only = false;          // CCALLOC_THREAD_CACHE=small; fixed at construction
+  std::shared_ptr<thread_cache_core> core = std::make_shared<thread_cache_core>();
+};
+
+// The calling thread's record for the device last used (nullptr at first).
+constinit inline thread_local thread_cache_record* tls_last_record = nullptr;
+
+// This thread's record of `d`; creates it when `create` (and the cache is on).
+thread_cache_record* thread_cache_find(device_state& d, bool create);
+// Frees this thread's parked blocks of `d` (the normal free's stream locks
+// and statistics).
+void thread_cache_drain_own(device_state& d, thread_cache_record& r);
+// [world] Frees every thread's parked blocks and adds their hits to the
+// device's statistics (world_lock's constructor).
+void drain_thread_caches(device_state& d, const world_lock& w) noexcept;
+
+}  // namespace ccalloc::detail

@@ -1,0 +1,205 @@
+// The thread cache's slow parts: finding or creating a thread's record,
+// freeing parked blocks (the thread's own on a miss, every thread's under
+// the world lock), thread exit and device teardown. The fast path is inline
+// in detail/thread_cache_fast.hpp; the design is in detail/thread_cache.hpp.
+#include <cstdio>
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+#include "detail/stats_sink.hpp"
+#include "detail/thread_cache.hpp"
+
+#include <array>
+#include <cctype>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace ccalloc::detail {
+
+namespace {
+
+void add_hits(thread_cache_hits& into, thread_cache_hits& from) noexcept {
+  for (std::size_t k = 0; k < 2; ++k) {
+    into.blocks[k] += from.blocks[k];
+    into.bytes[k] += from.bytes[k];
+    into.requested_bytes[k] += from.requested_bytes[k];
+  }
+  into.oversize += from.oversize;
+  into.any = into.any || from.any;
+  from = thread_cache_hits{};
+}
+
+// Each hit is one free and one allocation: the accumulated counts only.
+void count_hits(device_stats& st, thread_cache_hits& h) noexcept {
+  if (!h.any) return;
+  for (std::size_t k = 0; k < 2; ++k) {
+    const std::size_t g = k == 0 ? static_cast<std::size_t>(stat_group::small_pool)
+                                 : static_cast<std::size_t>(stat_group::large_pool);
+    auto both = [&](stat_array& a, std::int64_t n) {
+      for (std::size_t i : {std::size_t{0}, g}) {
+        a[i].allocated += n;
+        a[i].freed += n;
+      }
+    };
+    both(st.allocation, h.blocks[k]);
+    both(st.active, h.blocks[k]);
+    both(st.allocated_bytes, h.bytes[k]);
+    both(st.active_bytes, h.bytes[k]);
+    both(st.requested_bytes, h.requested_bytes[k]);
+  }
+  st.oversize_allocations.allocated += h.oversize;
+  st.oversize_allocations.freed += h.oversize;
+  h = thread_cache_hits{};
+}
+
+// Set when this thread's records are gone (thread exit): frees and mallocs
+// from later thread-local destructors take the normal path.
+constinit thread_local bool tls_records_gone = false;
+
+// The records of one thread, one per device it freed a block on.
+struct thread_records {
+  std::vector<std::unique_ptr<thread_cache_record>> records;
+  thread_records() = default;
+  thread_records(const thread_records&) = delete;
+  thread_records& operator=(const thread_records&) = delete;
+  // Thread exit: the parked blocks and hits go to their devices (orphans).
+  ~thread_records() {
+    tls_records_gone = true;
+    tls_last_record = nullptr;
+    for (auto& r : records) {
+      thread_cache_core& core = *r->core;
+      std::lock_guard core_lock(core.mutex);
+      if (!core.alive) continue;
+      std::lock_guard record_lock(r->lock);
+      const std::uint32_t n = r->count.load(std::memory_order_relaxed);
+      for (std::uint32_t i = 0; i < n; ++i) core.orphans.push_back(r->slots[i].b);
+      r->count.store(0, std::memory_order_relaxed);
+      add_hits(core.orphan_hits, r->hits);
+      std::erase(core.records, r.get());
+    }
+  }
+};
+
+thread_local thread_records tls_records;
+
+// CCALLOC_THREAD_CACHE, lower case ("" when unset).
+std::string env_mode() {
+  const char* v = std::getenv("CCALLOC_THREAD_CACHE");
+  std::string value(v == nullptr ? "" : v);
+  for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return value;
+}
+
+}  // namespace
+
+thread_cache_registry::thread_cache_registry() {
+  // Off unless asked for: a hit hands back the most recently freed block of
+  // the same size rather than the pools' best fit, which changes the layout
+  // (peak reserved +11% on gpt2_train_long with every size cached, +-0.4%
+  // with `small`; docs/perf.md), and memory held is ccalloc's headline.
+  const std::string mode = env_mode();
+  const bool on = mode == "1" || mode == "true" || mode == "on" || mode == "yes" || mode == "all";
+  small_only = mode == "small";
+  if (!on && !small_only && !mode.empty() && mode != "0" && mode != "false" && mode != "off" && mode != "no")
+    std::fprintf(stderr,
+                 "warning: ccalloc: CCALLOC_THREAD_CACHE='%s' is not one of 1/on/all, small, 0/off: the thread "
+                 "cache stays off\n",
+                 mode.c_str());
+  enabled.store(on || small_only, std::memory_order_relaxed);
+}
+
+thread_cache_registry::~thread_cache_registry() {
+  // The device's blocks go with its segments; the threads' records forget them.
+  std::lock_guard core_lock(core->mutex);
+  core->alive = false;
+  for (thread_cache_record* r : core->records) {
+    std::lock_guard record_lock(r->lock);
+    r->count.store(0, std::memory_order_relaxed);
+    r->hits = thread_cache_hits{};
+  }
+  core->records.clear();
+  core->orphans.clear();
+}
+
+thread_cache_record* thread_cache_find(device_state& d, bool create) {
+  if (tls_records_gone) [[unlikely]]
+    return nullptr;
+  thread_records& mine = tls_records;
+  for (auto& r : mine.records) {
+    if (r->device_id == d.id_) {
+      tls_last_record = r.get();
+      return r.get();
+    }
+  }
+  if (!create || !d.thread_caches_.enabled.load(std::memory_order_relaxed)) return nullptr;
+  // Records of devices that are gone hold nothing: drop them here.
+  std::erase_if(mine.records, [](const std::unique_ptr<thread_cache_record>& r) {
+    std::lock_guard core_lock(r->core->mutex);
+    return !r->core->alive;
+  });
+  auto r = std::make_unique<thread_cache_record>();
+  r->device_id = d.id_;
+  r->core = d.thread_caches_.core;
+  {
+    std::lock_guard core_lock(r->core->mutex);
+    r->core->records.push_back(r.get());
+  }
+  mine.records.push_back(std::move(r));
+  tls_last_record = mine.records.back().get();
+  return tls_last_record;
+}
+
+void thread_cache_drain_own(device_state& d, thread_cache_record& r) {
+  std::array<block*, thread_cache_slots> taken{};
+  std::uint32_t n = 0;
+  {
+    std::lock_guard record_lock(r.lock);
+    n = r.count.load(std::memory_order_relaxed);
+    for (std::uint32_t i = 0; i < n; ++i) taken[i] = r.slots[i].b;
+    r.count.store(0, std::memory_order_relaxed);
+  }
+  for (std::uint32_t i = 0; i < n; ++i) {  // the normal free (device_state::free)
+    block* b = taken[i];
+    stream_state& ss = *b->pool->owner;
+    std::lock_guard lock(ss.mutex);
+    stats_sink sink(d, ss);
+    d.release_allocation(b, sink.get(), false);
+  }
+}
+
+void drain_thread_caches(device_state& d, const world_lock& w) noexcept {
+  thread_cache_core& core = *d.thread_caches_.core;
+  std::lock_guard core_lock(core.mutex);
+  if (core.records.empty() && core.orphans.empty() && !core.orphan_hits.any) return;
+  // The streams' pending statistics are older than these frees: first, so
+  // that the peaks stay exact.
+  d.publish_all_pending_stats(w);
+  count_hits(d.stats_, core.orphan_hits);
+  for (block* b : core.orphans) d.release_allocation(b, d.stats_, true);
+  core.orphans.clear();
+  for (thread_cache_record* r : core.records) {
+    std::lock_guard record_lock(r->lock);
+    count_hits(d.stats_, r->hits);
+    const std::uint32_t n = r->count.load(std::memory_order_relaxed);
+    for (std::uint32_t i = 0; i < n; ++i) d.release_allocation(r->slots[i].b, d.stats_, true);
+    r->count.store(0, std::memory_order_relaxed);
+  }
+}
+
+}  // namespace ccalloc::detail
+
+namespace ccalloc {
+
+void device_caching_allocator::set_thread_cache_enabled(bool enabled) {
+  detail::world_lock w(*state_);  // frees every parked block
+  state_->thread_caches_.enabled.store(enabled, std::memory_order_relaxed);
+}
+
+bool device_caching_allocator::thread_cache_enabled() const noexcept {
+  return state_->thread_caches_.enabled.load(std::memory_order_relaxed);
+}
+
+}  // namespace ccalloc
