@@ -90,7 +90,7 @@ inline bool thread_cache_park(device_state& s, block* b) {
     r->lock.unlock();
     return false;
   }
-  r->slots[count] = {b, b->pool->owner->stream, b->requested_size};
+  r->slots[count] = {b, b->pool->owner->stream, b->requested_bytes};
   r->count.store(count + 1, std::memory_order_relaxed);
   r->lock.unlock();
   return true;
