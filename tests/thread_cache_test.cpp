@@ -243,9 +243,6 @@ TEST(ThreadCacheTest, RecordStreamAndNoCachingBypassTheCache) {
   f.alloc.enable(true);
 }
 
-}  // namespace
-}  // namespace ccalloc
-
 // Opt-in: off unless CCALLOC_THREAD_CACHE asks for it (it changes the layout;
 // docs/perf.md), read when a device is created; an unknown value stays off.
 TEST(ThreadCacheTest, OffByDefaultAndSwitchedByTheEnvironment) {
@@ -264,3 +261,7 @@ TEST(ThreadCacheTest, OffByDefaultAndSwitchedByTheEnvironment) {
   EXPECT_FALSE(enabled_with("sometimes"));
   ::unsetenv("CCALLOC_THREAD_CACHE");
 }
+
+}  // namespace
+}  // namespace ccalloc
+
