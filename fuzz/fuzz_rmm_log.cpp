@@ -44,6 +44,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                std::to_string(lines));
     previous = e.line;
   }
+  if (ccalloc::fuzz::check_empty_trace_rejected(t)) return 0;
   ccalloc::replay_options options;
   options.device_memory_bytes = std::size_t{1} << 30;
   try {

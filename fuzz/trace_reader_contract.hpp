@@ -24,6 +24,7 @@
 // (like the text format's round trip in fuzz_trace_text.cpp) go in its file.
 #pragma once
 
+#include <ccalloc/replay/replay.hpp>
 #include <ccalloc/replay/trace.hpp>
 
 #include <cstdint>
@@ -97,6 +98,21 @@ std::optional<trace> check_trace_reader(const std::uint8_t* data, std::size_t si
     check_error(e, source, lines);
     return std::nullopt;
   }
+}
+
+// A trace without events is not replayed: replay_trace rejects it with
+// invalid_argument_error (nothing to replay). Returns true when `t` was such
+// a trace (the caller stops there).
+inline bool check_empty_trace_rejected(const trace& t) {
+  if (!t.events.empty()) return false;
+  replay_options options;
+  options.device_memory_bytes = std::size_t{1} << 30;
+  try {
+    (void)replay_trace(t, options);
+  } catch (const invalid_argument_error&) {
+    return true;
+  }
+  violated("replay of a trace without events did not fail with invalid_argument_error");
 }
 
 }  // namespace ccalloc::fuzz
