@@ -593,14 +593,18 @@ struct common_options {
   std::string device_text = "sim";
   std::string device_memory_text;
   bool json_output = false;
-  std::size_t repeat = 1;
+  std::int64_t repeat = 1;  // signed: CLI11 then rejects nothing silently ("-1" stays -1)
 
   [[nodiscard]] ccalloc::replay_options replay_options_for(const std::string& config) const {
     ccalloc::replay_options options;
     options.config = config_string(config);
     parse_device(device_text, options);
-    if (repeat == 0) throw usage_error("--repeat must be at least 1 (passes of the trace)");
-    options.repeat = repeat;
+    // At most max_repeat passes: the run and its per-pass table grow with N.
+    constexpr std::int64_t max_repeat = 100000;
+    if (repeat < 1 || repeat > max_repeat)
+      throw usage_error("--repeat must be at least 1 and at most " + std::to_string(max_repeat) +
+                        " (passes of the trace), got " + std::to_string(repeat));
+    options.repeat = static_cast<std::size_t>(repeat);
     if (!device_memory_text.empty() && options.device != ccalloc::replay_device::sim) {
       throw usage_error("--device-memory applies to the simulated device only: with --device " + device_text +
                         " the replay uses the GPU's own memory");
