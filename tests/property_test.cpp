@@ -139,15 +139,6 @@ struct pending_block {
   std::vector<stream_t> recorded;  // for a free deferred during a capture: events come at its end
 };
 
-/// A block freed while its own stream still had work on it: only that stream
-/// may get its bytes back before `done_at` (the work completes).
-struct busy_block {
-  std::uintptr_t ptr = 0;
-  std::size_t size = 0;
-  stream_t stream = 0;
-  std::uint64_t done_at = 0;
-};
-
 /// A second thread that runs one call at a time for the model (synchronously),
 /// so that cudaStreamPerThread's handle means another stream there.
 class worker_thread {
@@ -204,7 +195,9 @@ struct run_totals {
   std::size_t uses = 0;
 };
 
-// Memory that work on `stream` uses until `until` (do_use).
+// Memory that work on `stream` uses until `until` (do_use, or a block freed
+// while its own stream still had work on it): only that stream may get its
+// bytes back before then.
 struct memory_use {
   std::uintptr_t ptr = 0;
   std::size_t size = 0;
@@ -507,20 +500,9 @@ class model_runner {
     }
     // No reuse of a pending block before its side-stream work completed.
     const std::uint64_t t = sim_->now();
-    // No other stream gets a block whose own stream still works on it.
-    for (const auto& bb : busy_) {
-      ++totals_.reuse_checks;
-      if (t < bb.done_at && bb.stream != stream && a < bb.ptr + bb.size && bb.ptr < a + size) {
-        std::ostringstream os;
-        os << where() << "allocation [" << a << ", +" << size << ") on stream " << stream << " reuses block ["
-           << bb.ptr << ", +" << bb.size << ") of stream " << bb.stream << " before that stream's work completes at "
-           << bb.done_at;
-        return os.str();
-      }
-    }
-    std::erase_if(busy_, [&](const busy_block& bb) { return bb.done_at <= t; });
     // Nor, on another stream, of memory whose own stream's work still uses it
-    // (page fences; X2's adopted segments). A segment_free (cudaFree) waits
+    // (a block freed with work left on its own stream, do_use; page fences;
+    // X2's adopted segments). A segment_free (cudaFree) waits
     // for the whole device on a real one: the uses before it are over.
     if (sim_->counters().segment_frees != seen_segment_frees_) {
       seen_segment_frees_ = sim_->counters().segment_frees;
@@ -528,6 +510,7 @@ class model_runner {
     }
     std::erase_if(uses_, [&](const memory_use& u) { return u.until <= t; });
     for (const auto& u : uses_) {
+      ++totals_.reuse_checks;
       if (u.stream != stream && a < u.ptr + u.size && u.ptr < a + size) {
         std::ostringstream os;
         os << where() << "allocation [" << a << ", +" << size << ") on stream " << stream << " reuses ["
@@ -570,7 +553,7 @@ class model_runner {
       // stream-ordered, so only that stream may reuse it meanwhile.
       const std::uint64_t until = sim_->now() + 1 + rng_() % 50;
       sim_->enqueue_work(0, la.stream, until);
-      busy_.push_back({ptr, la.size, la.stream, sim_->busy_until(0, la.stream)});
+      uses_.push_back({ptr, la.size, la.stream, sim_->busy_until(0, la.stream)});
       ++totals_.busy_frees;
     }
     try {
@@ -810,7 +793,6 @@ class model_runner {
   std::map<std::uintptr_t, live_alloc> live_;  // by address, for the overlap checks
   std::vector<std::uintptr_t> live_order_;      // the same pointers, in the model's order
   std::vector<pending_block> pending_;
-  std::vector<busy_block> busy_;
   worker_thread worker_;
   stream_t main_per_thread_ = 0;    // resolve_stream(per_thread_stream_handle) here
   stream_t worker_per_thread_ = 0;  // and on the worker
