@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <string>
 
 namespace {
 
@@ -40,12 +41,31 @@ struct ccalloc_adapter {
   static constexpr const char* name = "ccalloc";
   ccalloc::caching_allocator allocator{std::make_shared<ccalloc::cuda_backend>()};
 
-  ccalloc_adapter() { allocator.init(1); }
+  ccalloc::device_stats last;  // counters at the end of the previous case
+
+  ccalloc_adapter() {
+    allocator.init(1);
+    last = allocator.device_allocator(0).stats();
+  }
   void* alloc(std::size_t size_bytes, cudaStream_t stream) {
     return allocator.malloc(0, size_bytes, ccalloc::from_native_stream(stream));
   }
   void free(void* ptr, std::size_t /*size_bytes*/, cudaStream_t /*stream*/) { allocator.free(ptr); }
   void release() { allocator.empty_cache(); }
+  // What the case cost beyond the cache (device 0's counters since the last case).
+  void after_case(const std::string& case_text) {
+    const ccalloc::device_stats now = allocator.device_allocator(0).stats();
+    std::printf("INFO allocator=ccalloc %s device_alloc=%lld pages_mapped=%lld pages_unmapped=%lld "
+                "pages_remapped=%lld device_synchronizations=%lld sync_all_streams=%lld\n",
+                case_text.c_str(), static_cast<long long>(now.num_device_alloc - last.num_device_alloc),
+                static_cast<long long>(now.num_pages_mapped - last.num_pages_mapped),
+                static_cast<long long>(now.num_pages_unmapped - last.num_pages_unmapped),
+                static_cast<long long>(now.num_pages_remapped - last.num_pages_remapped),
+                static_cast<long long>(now.num_device_synchronizations - last.num_device_synchronizations),
+                static_cast<long long>(now.num_sync_all_streams - last.num_sync_all_streams));
+    std::fflush(stdout);
+    last = now;
+  }
 };
 
 struct malloc_async_adapter {

@@ -10,7 +10,9 @@
 //   void* alloc(std::size_t size_bytes, cudaStream_t stream);
 //   void  free(void* ptr, std::size_t size_bytes, cudaStream_t stream);
 //   void  release();                          // give cached memory back (after its cases)
-// that throws std::exception on failure.
+// that throws std::exception on failure. It may also have
+//   void  after_case(const std::string& case_text);  // called after each case
+// which prints INFO lines of its own (ccalloc: the counters the case moved).
 //
 // Timing: host wall clock (steady_clock) around N pairs, then a
 // cudaStreamSynchronize of the stream inside the timed region (so the
@@ -63,6 +65,7 @@ struct settings {
   double thread_seconds = 0.5;        ///< measuring window per thread count
   bool quick = false;
   std::string only;                   ///< comma-separated allocator names; empty = all
+  std::string cases;                  ///< comma-separated case names (pair,mixed,threads,churn,cross); empty = all
 
   static settings from_args(int argc, char** argv) {
     settings s;
@@ -76,25 +79,35 @@ struct settings {
         s.thread_seconds = 0.05;
       } else if (a.rfind("--only=", 0) == 0) {
         s.only = a.substr(7);
+      } else if (a.rfind("--cases=", 0) == 0) {
+        s.cases = a.substr(8);
       } else if (a.rfind("--thread-seconds=", 0) == 0) {
         s.thread_seconds = std::atof(a.c_str() + 17);
       } else if (a.rfind("--reps=", 0) == 0) {
         s.reps = std::max(1, std::atoi(a.c_str() + 7));
       } else {
         std::fprintf(stderr,
-                     "usage: %s [--quick] [--only=NAME,NAME] [--reps=N] [--thread-seconds=S]\n",
+                     "usage: %s [--quick] [--only=NAME,NAME] [--cases=pair,mixed,threads,churn,cross] [--reps=N] "
+                     "[--thread-seconds=S]\n",
                      argv[0]);
         std::exit(2);
       }
     }
     return s;
   }
-  [[nodiscard]] bool wants(const char* name) const {
-    if (only.empty()) return true;
+  /// Whether allocator `name` runs (--only).
+  [[nodiscard]] bool wants(const char* name) const { return listed(only, name); }
+  /// Whether case `name` runs (--cases).
+  [[nodiscard]] bool wants_case(const char* name) const { return listed(cases, name); }
+
+ private:
+  // Whether `name` is an item of the comma-separated `list`; an empty list holds everything.
+  [[nodiscard]] static bool listed(const std::string& list, const char* name) {
+    if (list.empty()) return true;
     std::size_t start = 0;
     for (;;) {
-      const std::size_t end = only.find(',', start);
-      if (only.substr(start, end == std::string::npos ? std::string::npos : end - start) == name) return true;
+      const std::size_t end = list.find(',', start);
+      if (list.substr(start, end == std::string::npos ? std::string::npos : end - start) == name) return true;
       if (end == std::string::npos) return false;
       start = end + 1;
     }
@@ -383,47 +396,37 @@ struct case_set {
   bool cross = true;
 };
 
+/// Runs one case: ERROR on failure, then the adapter's after_case if it has one.
+template <class Alloc, class Case>
+void run_case(Alloc& a, const std::string& case_text, Case run) {
+  try {
+    run();
+  } catch (const std::exception& e) {
+    print_error(Alloc::name, case_text, e.what());
+  }
+  if constexpr (requires { a.after_case(case_text); }) a.after_case(case_text);
+}
+
 /// Runs `cases` for allocator `a`; a failing case prints ERROR and the rest go on.
 template <class Alloc>
 void run_all(Alloc& a, const stream_set& ss, const settings& s, case_set cases = {}) {
   const cudaStream_t stream = ss.streams[0];
+  cases.pairs = cases.pairs && s.wants_case("pair");
+  cases.mixed = cases.mixed && s.wants_case("mixed");
+  cases.threads = cases.threads && s.wants_case("threads");
+  cases.churn = cases.churn && s.wants_case("churn");
+  cases.cross = cases.cross && s.wants_case("cross");
   if (cases.pairs)
-    for (std::size_t size : pair_sizes_bytes) {
-      try {
-        run_pair(a, size, stream, s);
-      } catch (const std::exception& e) {
-        print_error(Alloc::name, "case=pair size=" + std::to_string(size), e.what());
-      }
-    }
-  if (cases.mixed) {
-    try {
-      run_mixed(a, stream, s);
-    } catch (const std::exception& e) {
-      print_error(Alloc::name, "case=mixed live=" + std::to_string(mixed_slots), e.what());
-    }
-  }
+    for (std::size_t size : pair_sizes_bytes)
+      run_case(a, "case=pair size=" + std::to_string(size), [&] { run_pair(a, size, stream, s); });
+  if (cases.mixed)
+    run_case(a, "case=mixed live=" + std::to_string(mixed_slots), [&] { run_mixed(a, stream, s); });
   if (cases.threads)
-    for (int n : thread_counts) {
-      try {
-        run_threads(a, n, ss, s);
-      } catch (const std::exception& e) {
-        print_error(Alloc::name, "case=threads threads=" + std::to_string(n), e.what());
-      }
-    }
-  if (cases.churn) {
-    try {
-      run_churn(a, stream, s);
-    } catch (const std::exception& e) {
-      print_error(Alloc::name, "case=churn live=" + std::to_string(churn_slots), e.what());
-    }
-  }
-  if (cases.cross) {
-    try {
-      run_cross(a, stream, s);
-    } catch (const std::exception& e) {
-      print_error(Alloc::name, "case=cross", e.what());
-    }
-  }
+    for (int n : thread_counts)
+      run_case(a, "case=threads threads=" + std::to_string(n), [&] { run_threads(a, n, ss, s); });
+  if (cases.churn)
+    run_case(a, "case=churn live=" + std::to_string(churn_slots), [&] { run_churn(a, stream, s); });
+  if (cases.cross) run_case(a, "case=cross", [&] { run_cross(a, stream, s); });
   try {
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     a.release();

@@ -672,14 +672,6 @@ std::string allocator_config::to_string() const {
   return out;
 }
 
-std::size_t allocator_config::divisions_for(std::size_t size_bytes) const noexcept {
-  // Interval 0 starts at 1 MiB = 2^20 bytes; smaller sizes share it.
-  constexpr std::size_t first_log2 = 20;
-  const auto log2 = size_bytes == 0 ? 0 : static_cast<std::size_t>(std::bit_width(size_bytes) - 1);
-  const auto index = std::min(log2 > first_log2 ? log2 - first_log2 : 0, roundup_intervals - 1);
-  return roundup_power2_divisions[index];
-}
-
 const std::vector<config_key_info>& config_keys() {
   static const std::vector<config_key_info> keys = [] {
     std::vector<config_key_info> out;

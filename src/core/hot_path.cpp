@@ -132,7 +132,6 @@ namespace detail {
 // ---- malloc of a cached block ---------------------------------------------------
 
 namespace {
-constexpr std::array<std::size_t, roundup_intervals> no_divisions{};
 
 // One cached (device state, stream) -> stream_state per thread: the fast path
 // finds its stream without the registry lock.
@@ -250,7 +249,7 @@ void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_
 // powers of two (roundup_power2_divisions).
 std::size_t device_state::round_size(std::size_t size) const noexcept {
   if (size < min_block_bytes) return min_block_bytes;
-  const std::size_t divisions = config_.roundup_power2_divisions == no_divisions ? 0 : config_.divisions_for(size);
+  const std::size_t divisions = config_.divisions_for(size);  // 0 when none are set
   // size / 512 > divisions, written so that no product can overflow.
   if (divisions > 1 && size / min_block_bytes > divisions) {
     if (std::has_single_bit(size)) return size;

@@ -16,7 +16,9 @@
 
 #include <ccalloc/base/types.hpp>
 
+#include <algorithm>
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <limits>
 #include <string>
@@ -152,7 +154,13 @@ struct allocator_config {
   /// Divisions that apply to a request of `size_bytes` (PyTorch's
   /// roundup_power2_divisions(size)): roundup_power2_divisions[i] with
   /// i = floor(log2(size_bytes)) - 20 clamped to [0, 15] (size 0: index 0).
-  [[nodiscard]] std::size_t divisions_for(std::size_t size_bytes) const noexcept;
+  /// Inline: every malloc calls it.
+  [[nodiscard]] std::size_t divisions_for(std::size_t size_bytes) const noexcept {
+    constexpr std::size_t first_log2 = 20;  // interval 0 starts at 1 MiB; smaller sizes share it
+    const auto log2 = size_bytes == 0 ? 0 : static_cast<std::size_t>(std::bit_width(size_bytes) - 1);
+    const auto index = std::min(log2 > first_log2 ? log2 - first_log2 : 0, roundup_intervals - 1);
+    return roundup_power2_divisions[index];
+  }
 };
 
 /// One row of the settings table.
