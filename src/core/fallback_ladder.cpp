@@ -171,7 +171,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   for (stream_state* ss : w.streams()) {
     if (ss == p.owner) continue;
     block_pool& pool = p.pool->is_small ? ss->pools.small : ss->pools.large;
-    for (std::size_t i = pool.blocks.lower_bound(p.size); i < pool.blocks.size(); ++i) {
+    for (auto i = pool.blocks.lower_bound(p.size); i != block_index::end(); i = pool.blocks.next(i)) {
       block* b = pool.blocks.at(i);
       if (b->is_split()) continue;
       if (p.size < max_split && b->size >= max_split) break;
@@ -201,21 +201,22 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
   if (max_split == std::numeric_limits<std::size_t>::max()) return false;
   block_pool& pool = *p.pool;
   const std::size_t wanted = std::max(p.size, max_split);
-  const std::size_t i = pool.blocks.lower_bound(wanted);
-  if (i != pool.blocks.size()) {
+  const block_index::position i = pool.blocks.lower_bound(wanted);
+  if (i != block_index::end()) {
     if (pool.blocks.at(i)->is_split()) return false;
     release_block(pool.blocks.at(i), stats_);
     return true;
   }
   std::size_t released = 0;
   std::vector<block*> victims;
-  for (std::size_t r = pool.blocks.size(); r-- > 0 && released < wanted;) {
-    block* b = pool.blocks.at(r);
-    if (b->size < max_split) break;
-    if (b->is_split()) continue;
-    victims.push_back(b);
-    released += b->size;
-  }
+  pool.blocks.for_each_descending([&](block* b) {
+    if (released >= wanted || b->size < max_split) return false;
+    if (!b->is_split()) {
+      victims.push_back(b);
+      released += b->size;
+    }
+    return true;
+  });
   if (released < wanted) return false;
   for (block* b : victims) release_block(b, stats_);
   return true;
@@ -246,8 +247,9 @@ void device_state::release_unused_segments(const world_lock& w, bool keep_going)
 
 void device_state::release_blocks(block_pool& pool, bool keep_going) {
   std::vector<block*> victims;
-  for (std::size_t i = 0; i < pool.blocks.size(); ++i)
-    if (!pool.blocks.at(i)->is_split()) victims.push_back(pool.blocks.at(i));
+  pool.blocks.for_each([&](block* b) {
+    if (!b->is_split()) victims.push_back(b);
+  });
   for (block* b : victims) {
     try {
       release_block(b, stats_);
@@ -336,12 +338,13 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   std::uint64_t total_age = 0;
   for (stream_state* ss : w.streams()) {
     block_pool& large = ss->pools.large;
-    for (std::size_t i = 0; i < large.blocks.size(); ++i)
-      if (block* b = large.blocks.at(i); b->seg->expandable ? has_whole_page(b) : !b->is_split()) {
+    large.blocks.for_each([&](block* b) {
+      if (b->seg->expandable ? has_whole_page(b) : !b->is_split()) {
         const std::uint64_t age = large.age(b);
         candidates.emplace_back(b, age);
         total_age += age;
       }
+    });
   }
   std::size_t reclaimed = 0;
   bool freed = true;

@@ -275,8 +275,8 @@ std::size_t device_state::allocation_size(std::size_t size) const noexcept {
 bool device_state::get_free_block(alloc_params& p) {
   block_pool& pool = *p.pool;
   if (config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
-  const std::size_t i = pool.blocks.lower_bound(p.size);
-  if (i == pool.blocks.size()) return false;
+  const block_index::position i = pool.blocks.lower_bound(p.size);
+  if (i == block_index::end()) return false;
   block* b = pool.blocks.at(i);
   const std::size_t max_split = config_.max_split_size_bytes;
   if (p.size < max_split && b->size >= max_split) return false;
@@ -471,18 +471,26 @@ std::size_t device_state::try_merge(block* dst, block* src) {
 // ---- the free-block index of a pool ------------------------------------------------
 
 void block_index::insert(block* b) {
-  const std::size_t i = lower_bound(b->size, b->ptr);
-  entries_.insert(entries_.begin() + static_cast<std::ptrdiff_t>(i), entry{b->size, b->ptr, b});
+  const std::uint32_t bin = bin_of(b->size);
+  std::vector<entry>& v = bins_[bin];
+  const std::size_t i = search(v, b->size, b->ptr);
+  if (i == v.size()) v.push_back(entry{b->size, b->ptr, b});
+  else v.insert(v.begin() + static_cast<std::ptrdiff_t>(i), entry{b->size, b->ptr, b});
+  ++count_;
+  occupied_[bin / 64] |= std::uint64_t{1} << (bin % 64);
 }
 
+// A block is always in its own size's bin: no need to look further.
 void block_index::erase(const block* b) {
-  const std::size_t i = lower_bound(b->size, b->ptr);
-  if (i < entries_.size() && entries_[i].b == b) erase_at(i);
+  const std::uint32_t bin = bin_of(b->size);
+  const std::size_t i = search(bins_[bin], b->size, b->ptr);
+  if (i < bins_[bin].size() && bins_[bin][i].b == b) erase_at({bin, static_cast<std::uint32_t>(i)});
 }
 
 bool block_index::contains(const block* b) const noexcept {
-  const std::size_t i = lower_bound(b->size, b->ptr);
-  return i < entries_.size() && entries_[i].b == b;
+  const std::uint32_t bin = bin_of(b->size);
+  const std::size_t i = search(bins_[bin], b->size, b->ptr);
+  return i < bins_[bin].size() && bins_[bin][i].b == b;
 }
 
 }  // namespace detail
