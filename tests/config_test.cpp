@@ -136,6 +136,35 @@ TEST(ConfigTest, UnknownKeyIsNamedWithSuggestionAndAcceptedKeys) {
   EXPECT_TRUE(contains(parse_error("Expandable_Segments:True"), "did you mean 'expandable_segments'"));
 }
 
+// Control bytes of the input are escaped as \xHH in messages (breaker
+// finding: the library echoed them raw, so a CCALLOC_CONF could clear the
+// terminal of whoever read the error, or cut a C API message at a NUL).
+TEST(ConfigTest, ControlBytesOfTheInputAreEscapedInMessages) {
+  EXPECT_EQ(parse_error("expandable_segments:\x1b[2J"),
+            "ccalloc config: expandable_segments:\\x1b[2J is not a valid value (accepted: True or "
+            "False (also true/false, 1/0))");
+  EXPECT_EQ(parse_error(std::string("expandable\0segments:True", 24)),
+            "ccalloc config: unknown key 'expandable\\x00segments'; did you mean 'expandable_segments'? "
+            "(accepted keys: " +
+                [] {
+                  std::string all;
+                  for (const auto& info : config_keys()) all += (all.empty() ? "" : ", ") + std::string(info.key);
+                  return all;
+                }() +
+                ")");
+  EXPECT_EQ(parse_error("a\x07" "b"), "ccalloc config: expected key:value, got 'a\\x07b'");
+  EXPECT_EQ(parse_error("roundup_power2_divisions:[1:\x7f]"),
+            "ccalloc config: roundup_power2_divisions:[1:\\x7f] is not a valid value: divisions "
+            "'\\x7f' is not a non-negative integer (accepted: 0 or a power of two, or a list "
+            "[<MiB>:<d>,...,>:<d>] of increasing power-of-two sizes in MiB, optionally ending "
+            "with >, each mapped to d = 0 or a power of two)");
+  // Truncation still counts input bytes; the kept part is escaped.
+  const std::string long_value = std::string(99, 'x') + "\x1b" + std::string(50, 'y');
+  EXPECT_EQ(parse_error("backend:" + long_value),
+            "ccalloc config: backend:" + std::string(99, 'x') +
+                "\\x1b... (150 bytes) is not a valid value (accepted: native or cudaMallocAsync)");
+}
+
 // ---- every key --------------------------------------------------------------
 
 TEST(ConfigTest, EveryKeyParses) {

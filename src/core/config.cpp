@@ -17,6 +17,7 @@
 #include <ccalloc/core/config.hpp>
 
 #include <ccalloc/base/errors.hpp>
+#include <ccalloc/base/printable_text.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -70,11 +71,13 @@ std::string concat(std::initializer_list<std::string_view> parts) {
 }
 
 /// Input text as error messages quote it: at most 100 characters, then
-/// "... (N bytes)", so that a huge value does not make a huge message.
+/// "... (N bytes)", so that a huge value does not make a huge message, with
+/// control bytes escaped as \xHH (printable_text), so that the input cannot
+/// clear a terminal or cut the message short where it is read as a C string.
 std::string shown(std::string_view text) {
   constexpr std::size_t max_shown = 100;
-  if (text.size() <= max_shown) return std::string(text);
-  return concat({text.substr(0, max_shown), "... (", std::to_string(text.size()), " bytes)"});
+  if (text.size() <= max_shown) return printable_text(text);
+  return concat({printable_text(text.substr(0, max_shown)), "... (", std::to_string(text.size()), " bytes)"});
 }
 
 /// Parses a non-negative decimal integer made of digits only (no sign, no
