@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <exception>
@@ -249,7 +250,16 @@ TEST(ConfigTest, EveryKeyParses) {
   EXPECT_EQ(tested, table) << "a key in config_keys() has no parse test (or vice versa)";
 }
 
-TEST(ConfigTest, HugeMibValuesClampLikePyTorch) {
+// PyTorch 2.8+ reads MiB counts with std::stoull and clamps them to
+// SIZE_MAX / 1 MiB; ccalloc accepts the same values but warns (breaker
+// finding: max_split_size_mb:18446744073709551615 was clamped silently).
+TEST(ConfigTest, HugeMibValuesClampLikePyTorchAndWarn) {
+  const auto split = allocator_config::parse("max_split_size_mb:18446744073709551615");
+  EXPECT_EQ(split.max_split_size_bytes, max_mib * mib);
+  ASSERT_EQ(split.warnings.size(), 1u);
+  EXPECT_EQ(split.warnings[0],
+            "ccalloc config: max_split_size_mb:17592186044415 is the largest value ccalloc keeps (larger "
+            "values are clamped to it, as PyTorch does): about 16 EiB, more than any device has");
   EXPECT_EQ(allocator_config::parse("max_split_size_mb:99999999999999999").max_split_size_bytes,
             max_mib * mib);
   EXPECT_EQ(allocator_config::parse("large_segment_size_mb:99999999999999998")

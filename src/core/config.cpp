@@ -38,7 +38,10 @@ constexpr std::string_view default_prefix = "ccalloc config";
 constexpr std::string_view environment_prefix = "ccalloc config (CCALLOC_CONF)";
 
 /// Largest MiB count whose byte value fits in std::size_t (2^44 - 1 on 64-bit
-/// targets). Larger MiB values are clamped to it, as PyTorch does.
+/// targets). Larger MiB values (up to 2^64 - 1; beyond is out of range) are
+/// clamped to it, as PyTorch 2.8+ does (its tokenizer reads the value with
+/// std::stoull, then takes the minimum with SIZE_MAX / 1 MiB); the clamped
+/// settings warn (warnings_for), so the clamp is never silent.
 constexpr std::uint64_t max_mib = std::numeric_limits<std::size_t>::max() / mib;
 
 /// A value that a key's parser rejected. The driver turns it into a
@@ -558,6 +561,17 @@ std::vector<std::string> warnings_for(const allocator_config& config) {
                                                      "new peak only when trim_on_new_peak is on"
                                                    : "with expandable_segments:False: it limits the recycling of "
                                                      "free pages, which plain segments do not have"));
+  // MiB counts at the clamp ceiling (a larger value was clamped there, or
+  // the ceiling itself was given): 16 EiB, more than any device.
+  const auto at_ceiling = [&](std::string_view key, std::size_t bytes, std::uint64_t ceiling_mib) {
+    if (bytes == static_cast<std::size_t>(ceiling_mib) * mib)
+      warnings.push_back(setting(key) + " is the largest value ccalloc keeps (larger values are clamped to it, " +
+                         "as PyTorch does): about 16 EiB, more than any device has");
+  };
+  at_ceiling("max_split_size_mb", config.max_split_size_bytes, max_mib);
+  at_ceiling("max_non_split_rounding_mb", config.max_non_split_rounding_bytes, max_mib);
+  at_ceiling("large_segment_size_mb", config.large_segment_size_bytes, max_mib - 1);
+  at_ceiling("pinned_reserve_segment_size_mb", config.pinned_reserve_segment_size_bytes, max_mib);
   if (config.backend != "native") {
     warnings.push_back(setting("backend") +
                        " has no effect: ccalloc is a native-style caching allocator; "
