@@ -8,9 +8,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -414,6 +416,35 @@ TEST(SimBackend, CountsLiveStreamsAndEvents) {
   EXPECT_EQ(sim.counters().live_events, 0u);
   sim.destroy_stream(0, s2);
   EXPECT_EQ(sim.counters().live_streams, 0u);
+}
+
+// Breaker (session 2): a segment the simulated capacity allows but the host
+// cannot map (more than the process's address space) came back as nullptr,
+// an out-of-memory of a device with that much free. It is the host's
+// failure: backend_error with the errno text, and nothing is charged.
+TEST(SimBackend, SegmentTheHostCannotMapIsABackendErrorNotOutOfMemory) {
+  sim_backend sim(small_device(std::size_t{1} << 60));
+  const std::size_t huge = std::size_t{1} << 59;  // more than a 47- or 57-bit user address space holds
+  try {
+    (void)sim.segment_malloc(0, huge);
+    ADD_FAILURE() << "no error";
+  } catch (const backend_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("sim: segment_malloc(device 0, " + std::to_string(huge) +
+                        " bytes): the host could not reserve the simulated memory: mmap failed: " +
+                        std::strerror(ENOMEM) + " (the simulated device has " +
+                        std::to_string(std::size_t{1} << 60) + " bytes free;"),
+              std::string::npos)
+        << what;
+  }
+  const auto c = sim.counters();
+  EXPECT_EQ(c.used_bytes, 0u);
+  EXPECT_EQ(c.segment_mallocs, 0u);
+  EXPECT_EQ(c.failed_mallocs, 0u) << "failed_mallocs counts the device's refusals only";
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, std::size_t{1} << 60);
+  void* p = sim.segment_malloc(0, mib);
+  ASSERT_NE(p, nullptr);
+  sim.segment_free(0, p);
 }
 
 // ---- fault injection ---------------------------------------------------------------

@@ -299,8 +299,14 @@ void* sim_backend::segment_malloc(int device, std::size_t size_bytes) {
   void* p = ::mmap(nullptr, charged, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                    -1, 0);
   if (p == MAP_FAILED) {
-    ++impl_->counters.failed_mallocs;
-    return nullptr;
+    // The simulated device has the memory; the host could not reserve the
+    // address space for it (e.g. more than the process's virtual address
+    // space). Not an out-of-memory of the device: say what failed.
+    const int err = errno;
+    throw backend_error("sim: segment_malloc(device " + std::to_string(device) + ", " + std::to_string(size_bytes) +
+                        " bytes): the host could not reserve the simulated memory: " + errno_text("mmap", err) +
+                        " (the simulated device has " + std::to_string(d.capacity_bytes - d.used_bytes) +
+                        " bytes free; the host's address space or memory limits, not the device, refused it)");
   }
   d.segments.emplace(p, charged);
   d.used_bytes += charged;

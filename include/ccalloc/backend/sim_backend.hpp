@@ -106,7 +106,10 @@
 // (peer_access_enabled and peer_can_access read it back).
 //
 // Capacity: every segment_malloc of n bytes uses n rounded up to the
-// granularity; it returns nullptr when that would pass the capacity. vm_create
+// granularity; it returns nullptr when that would pass the capacity, and
+// throws backend_error ("the host could not reserve the simulated memory:
+// mmap failed: <errno text>") when the capacity allows it but the host
+// cannot map it (e.g. more than the process's address space). vm_create
 // uses its size (a multiple of the granularity) and returns false instead.
 // Invariant, per device: used_bytes = sum of live segments' charged bytes +
 // sum of live handles' sizes <= capacity (unless set_capacity lowered it).
