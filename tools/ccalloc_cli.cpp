@@ -133,9 +133,12 @@ std::string config_string(const std::string& config) { return config == "default
 /// Parses a byte count: a non-negative number (integer, decimal or exponent
 /// form: 80000000000, 1.5e9) with an optional unit, case-insensitive: B;
 /// K/KB, M/MB, G/GB, T/TB, P/PB, E/EB (powers of 1000); KiB, MiB, GiB, TiB,
-/// PiB, EiB (powers of 1024). Fractional bytes are rounded down. Throws
-/// usage_error when the text is not of that form, the result is 0, or it
-/// does not fit in 64 bits (16 EiB is one byte too many).
+/// PiB, EiB (powers of 1024). With a unit of 1000 bytes or more,
+/// fractional bytes are rounded down (1.3GiB); without a unit (or with B)
+/// the number must be a whole number of bytes (1.5e9 is, 1.5 is not).
+/// Throws usage_error when the text is not of that form, the result is 0, it
+/// is a fraction of a byte, or it does not fit in 64 bits (16 EiB is one
+/// byte too many).
 std::uint64_t parse_byte_count(const std::string& text, std::string_view option) {
   const auto bad = [&](const std::string& why) {
     return usage_error("bad " + std::string(option) + " '" + text + "': " + why +
@@ -200,6 +203,8 @@ std::uint64_t parse_byte_count(const std::string& text, std::string_view option)
     }
     const double total = value * double(multiplier);
     if (total >= 18446744073709551616.0) throw too_large();
+    if (multiplier == 1 && total != std::floor(total))
+      throw bad("not a whole number of bytes (give whole bytes, or a unit: 1.5KB, 1.5GiB)");
     bytes = static_cast<std::uint64_t>(total);
   }
   if (bytes == 0) throw bad("must be at least 1 byte");
