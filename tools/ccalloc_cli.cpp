@@ -839,6 +839,12 @@ int run(int argc, char** argv) {
                     "in the first pass only) and report each pass: the steady state of a loop. Default: 1.");
   };
 
+  // An output path must name a file: '' is rejected while parsing (CLI11
+  // prints "--output: ..." and the usage hint).
+  const CLI::Validator non_empty_path(
+      [](const std::string& value) { return value.empty() ? std::string("an empty path names no file") : std::string(); },
+      "PATH");
+
   CLI::App* replay = app.add_subcommand("replay", "Replay a trace and report peaks and device calls.");
   add_common(replay, true);
   add_repeat(replay);
@@ -863,7 +869,8 @@ int run(int argc, char** argv) {
   std::string snapshot_path;
   replay->add_option("--snapshot", snapshot_path,
                      "Record history during the replay and write a snapshot after the last event to this file "
-                     "(JSON in PyTorch's snapshot layout; python/ccalloc/snapshot.py turns it into a pickle).");
+                     "(JSON in PyTorch's snapshot layout; python/ccalloc/snapshot.py turns it into a pickle).")
+      ->check(non_empty_path);
 
   CLI::App* report = app.add_subcommand(
       "report", "Replay a trace and write one self-contained HTML page with plots (bytes over time, the segment "
@@ -872,7 +879,8 @@ int run(int argc, char** argv) {
   std::string report_config, report_output = "report.html", report_title;
   std::size_t report_points = 1200;
   report->add_option("--config", report_config, "Configuration string, PyTorch syntax. Default: defaults.");
-  report->add_option("-o,--output", report_output, "The HTML file to write. Default: report.html.");
+  report->add_option("-o,--output", report_output, "The HTML file to write. Default: report.html.")
+      ->check(non_empty_path);
   report->add_option("--points", report_points, "Time slices per curve (downsampling). Default: 1200.");
   report->add_option("--title", report_title, "Page title. Default: the trace's file name.");
 
