@@ -48,6 +48,8 @@
 #include <ccalloc/replay/report.hpp>
 #include <ccalloc/replay/trace.hpp>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -299,6 +301,22 @@ void write_output_file(const std::string& path, const std::string& content, cons
   if (!out.flush()) throw fail(errno);
   out.close();
   if (out.fail()) throw fail(errno);
+}
+
+/// Checks, before a long replay, that write_output_file(path, ...) can create
+/// or replace `path`: opens it for writing without truncating, and removes
+/// it again when this call created it. Throws the same error as
+/// write_output_file ("cannot write <what> to <path>: <errno text>").
+void check_output_file(const std::string& path, const std::string& what) {
+  struct stat before {};
+  const bool existed = ::stat(path.c_str(), &before) == 0;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    const int err = errno;
+    throw ccalloc::error("cannot write " + what + " to " + path + ": " + std::strerror(err));
+  }
+  ::close(fd);
+  if (!existed) ::unlink(path.c_str());
 }
 
 /// Parses `config` up front so a bad one fails before any replay starts, and
@@ -658,6 +676,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
   check_config(options.config);
   if (min_memory && options.device != ccalloc::replay_device::sim)
     throw usage_error("--min-memory works on the simulated device only (--device sim)");
+  if (!snapshot_path.empty()) check_output_file(snapshot_path, "the snapshot");
   const loaded_trace input = load_trace(common.trace_path);
   progress_bar progress("replaying");
   const std::size_t total = input.trace.events.size() * options.repeat;
@@ -706,6 +725,7 @@ int run_report(const common_options& common, const std::string& config, const st
     throw usage_error("report replays on the simulated device only (--device sim)");
   check_config(replay.config);
   if (points < 2) throw usage_error("--points must be at least 2");
+  check_output_file(output_path, "the report");
   const auto start = std::chrono::steady_clock::now();
   const loaded_trace input = load_trace(common.trace_path);
   ccalloc::report_options options;
