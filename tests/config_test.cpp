@@ -15,6 +15,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ccalloc {
@@ -200,6 +201,24 @@ TEST(ConfigTest, EveryKeyParses) {
     EXPECT_FALSE(parse_key("reuse_across_streams", "False").reuse_across_streams);
     EXPECT_EQ(parse_key("reuse_across_streams", "True"), allocator_config{});  // the default
   }
+  {
+    // thread_cache: off by default and not printed unless given.
+    EXPECT_EQ(allocator_config{}.thread_cache, thread_cache_mode::off);
+    EXPECT_FALSE(allocator_config{}.thread_cache_set);
+    EXPECT_EQ(allocator_config{}.to_string().find("thread_cache"), std::string::npos);
+    for (const auto& [text, mode] : {std::pair{"off", thread_cache_mode::off},
+                                     std::pair{"small", thread_cache_mode::small},
+                                     std::pair{"all", thread_cache_mode::all}}) {
+      const auto c = parse_key("thread_cache", text);
+      EXPECT_EQ(c.thread_cache, mode) << text;
+      EXPECT_TRUE(c.thread_cache_set) << text;
+      EXPECT_NE(c.to_string().find(std::string("thread_cache:") + text), std::string::npos) << c.to_string();
+      EXPECT_EQ(allocator_config::parse(c.to_string()), c) << text;
+      EXPECT_TRUE(c.warnings.empty()) << text;
+    }
+    EXPECT_EQ(parse_error("thread_cache:on"),
+              "ccalloc config: thread_cache:on is not a valid value (accepted: off, small or all)");
+  }
   for (const char* key : {"release_lock_on_cudamalloc",
                           "pinned_use_cuda_host_register", "pinned_use_background_threads",
                           "graph_capture_record_stream_reuse"}) {
@@ -262,14 +281,25 @@ TEST(ConfigTest, HugeMibValuesClampLikePyTorchAndWarn) {
             "values are clamped to it, as PyTorch does): about 16 EiB, more than any device has");
   EXPECT_EQ(allocator_config::parse("max_split_size_mb:99999999999999999").max_split_size_bytes,
             max_mib * mib);
-  EXPECT_EQ(allocator_config::parse("large_segment_size_mb:99999999999999998")
-                .large_segment_size_bytes,
-            (max_mib - 1) * mib);
+  const auto segment = allocator_config::parse("large_segment_size_mb:99999999999999998");
+  EXPECT_EQ(segment.large_segment_size_bytes, (max_mib - 1) * mib);
+  const auto warns = [](const std::vector<std::string>& warnings, const std::string& part) {
+    return std::any_of(warnings.begin(), warnings.end(),
+                       [&](const std::string& w) { return w.find(part) != std::string::npos; });
+  };
+  EXPECT_TRUE(warns(segment.warnings, "large_segment_size_mb:17592186044414 is the largest value"));
+  for (const char* key : {"max_non_split_rounding_mb", "pinned_reserve_segment_size_mb"}) {
+    const auto w = allocator_config::parse(std::string(key) + ":18446744073709551615").warnings;
+    EXPECT_TRUE(warns(w, std::string(key) + ":17592186044415 is the largest value")) << key;
+  }
+  // Just below the ceiling: no warning; above 2^64 - 1: out of range.
+  EXPECT_TRUE(allocator_config::parse("max_split_size_mb:17592186044414").warnings.empty());
+  EXPECT_TRUE(contains(parse_error("max_split_size_mb:18446744073709551616"), "is out of range"));
 }
 
 TEST(ConfigTest, ConfigKeysTable) {
   const auto& keys = config_keys();
-  ASSERT_EQ(keys.size(), 17u);
+  ASSERT_EQ(keys.size(), 18u);
   std::set<std::string_view> unique;
   for (const auto& info : keys) {
     EXPECT_FALSE(info.accepted.empty()) << info.key;

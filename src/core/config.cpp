@@ -289,8 +289,8 @@ std::optional<std::string> print_mib_field(const allocator_config& config) {
 }
 
 // Row order is documentation order and to_string() order.
-const std::array<key_spec, 17>& key_table() {
-  static const std::array<key_spec, 17> table{{
+const std::array<key_spec, 18>& key_table() {
+  static const std::array<key_spec, 18> table{{
       {{"max_split_size_mb",
         "an integer number of MiB, at least large_segment_size_mb (20 by default)",
         "Blocks this large or larger are never split and serve only requests "
@@ -392,6 +392,27 @@ const std::array<key_spec, 17>& key_table() {
         "True; False keeps blocks bound to their stream, as PyTorch does)."},
        &parse_bool_field<&allocator_config::reuse_across_streams>,
        &print_bool_field<&allocator_config::reuse_across_streams>},
+      {{"thread_cache", "off, small or all",
+        "ccalloc's own key: each thread parks up to 4 blocks it freed and gets one back for the same "
+        "bytes on the same stream without locks (small: small-pool blocks only, requests of at most 1 MiB). "
+        "Faster pairs, but it can raise peak reserved memory (default off; when the key is not given, "
+        "the environment variable CCALLOC_THREAD_CACHE=1|small|0 decides)."},
+       [](allocator_config& c, std::string_view value) {
+         if (value == "off") c.thread_cache = thread_cache_mode::off;
+         else if (value == "small") c.thread_cache = thread_cache_mode::small;
+         else if (value == "all") c.thread_cache = thread_cache_mode::all;
+         else throw_malformed();
+         c.thread_cache_set = true;
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (!c.thread_cache_set) return std::nullopt;
+         switch (c.thread_cache) {
+           case thread_cache_mode::off: return "off";
+           case thread_cache_mode::small: return "small";
+           case thread_cache_mode::all: return "all";
+         }
+         return std::nullopt;
+       }},
       {{"backend", "native or cudaMallocAsync",
         "PyTorch's allocator choice; ccalloc is always the native-style allocator."},
        [](allocator_config& c, std::string_view value) {
