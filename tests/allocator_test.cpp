@@ -613,6 +613,7 @@ TEST_F(AllocatorTest, MemoryFractionCapsReservedBytes) {
 TEST_F(AllocatorTest, ReservedNeverExceedsTheFraction) {
   alloc->set_memory_fraction(0.3, 0);
   const auto allowed = static_cast<std::int64_t>(0.3 * static_cast<double>(gib));
+  sim->adopt_stream(0, 0x5000);  // the second stream below
   std::mt19937_64 rng(7);
   std::vector<void*> live;
   int ooms = 0;
@@ -1907,6 +1908,7 @@ TEST_F(AllocatorTest, ReleaseLockOnDeviceMallocKeepsTheCap) {
   make(4 * gib, "release_lock_on_cudamalloc:True,per_process_memory_fraction:0.1");
   const auto allowed = static_cast<std::int64_t>(0.1 * static_cast<double>(4 * gib));
   constexpr int threads = 8;
+  for (int t = 0; t < threads; ++t) sim->adopt_stream(0, 0x100 + static_cast<stream_t>(t));  // the threads' streams
   std::atomic<int> ooms{0};
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) {

@@ -11,6 +11,7 @@
 # WRITE_FILE, when given, is written first with WRITE_LINES, one per line
 # (an empty WRITE_LINES writes an empty file); "<ESC>" in WRITE_LINES is
 # the escape character (0x1b); "@FILE@" in ARGS is replaced by its path.
+# "<EMPTY>" in ARGS is an empty argument (e.g. -o|<EMPTY> for -o '').
 # REJECT_ESC fails the test when stdout or stderr holds an escape character.
 # EXPECT_RC defaults to 0.
 if(NOT DEFINED EXPECT_RC)
@@ -28,8 +29,23 @@ if(DEFINED WRITE_FILE)
   endif()
   string(REPLACE "@FILE@" "${WRITE_FILE}" _args "${_args}")
 endif()
-execute_process(COMMAND "${EXE}" ${_args}
-  RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+if("${_args}" MATCHES "<EMPTY>")
+  # A CMake list cannot pass an empty argument: run through sh, each argument
+  # single-quoted, "<EMPTY>" as ''.
+  set(_cmd "'${EXE}'")
+  foreach(_a IN LISTS _args)
+    if(_a STREQUAL "<EMPTY>")
+      string(APPEND _cmd " ''")
+    else()
+      string(APPEND _cmd " '${_a}'")
+    endif()
+  endforeach()
+  execute_process(COMMAND sh -c "${_cmd}"
+    RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+else()
+  execute_process(COMMAND "${EXE}" ${_args}
+    RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+endif()
 set(_shown "command: ${EXE} ${_args}\nexit status: ${_rc}\nstdout:\n${_out}\nstderr:\n${_err}")
 if(NOT _rc STREQUAL "${EXPECT_RC}")
   message(FATAL_ERROR "expected exit status ${EXPECT_RC}\n${_shown}")

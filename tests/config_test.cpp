@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <exception>
@@ -14,6 +15,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ccalloc {
@@ -136,6 +138,35 @@ TEST(ConfigTest, UnknownKeyIsNamedWithSuggestionAndAcceptedKeys) {
   EXPECT_TRUE(contains(parse_error("Expandable_Segments:True"), "did you mean 'expandable_segments'"));
 }
 
+// Control bytes of the input are escaped as \xHH in messages (breaker
+// finding: the library echoed them raw, so a CCALLOC_CONF could clear the
+// terminal of whoever read the error, or cut a C API message at a NUL).
+TEST(ConfigTest, ControlBytesOfTheInputAreEscapedInMessages) {
+  EXPECT_EQ(parse_error("expandable_segments:\x1b[2J"),
+            "ccalloc config: expandable_segments:\\x1b[2J is not a valid value (accepted: True or "
+            "False (also true/false, 1/0))");
+  EXPECT_EQ(parse_error(std::string("expandable\0segments:True", 24)),
+            "ccalloc config: unknown key 'expandable\\x00segments'; did you mean 'expandable_segments'? "
+            "(accepted keys: " +
+                [] {
+                  std::string all;
+                  for (const auto& info : config_keys()) all += (all.empty() ? "" : ", ") + std::string(info.key);
+                  return all;
+                }() +
+                ")");
+  EXPECT_EQ(parse_error("a\x07" "b"), "ccalloc config: expected key:value, got 'a\\x07b'");
+  EXPECT_EQ(parse_error("roundup_power2_divisions:[1:\x7f]"),
+            "ccalloc config: roundup_power2_divisions:[1:\\x7f] is not a valid value: divisions "
+            "'\\x7f' is not a non-negative integer (accepted: 0 or a power of two, or a list "
+            "[<MiB>:<d>,...,>:<d>] of increasing power-of-two sizes in MiB, optionally ending "
+            "with >, each mapped to d = 0 or a power of two)");
+  // Truncation still counts input bytes; the kept part is escaped.
+  const std::string long_value = std::string(99, 'x') + "\x1b" + std::string(50, 'y');
+  EXPECT_EQ(parse_error("backend:" + long_value),
+            "ccalloc config: backend:" + std::string(99, 'x') +
+                "\\x1b... (150 bytes) is not a valid value (accepted: native or cudaMallocAsync)");
+}
+
 // ---- every key --------------------------------------------------------------
 
 TEST(ConfigTest, EveryKeyParses) {
@@ -169,6 +200,24 @@ TEST(ConfigTest, EveryKeyParses) {
     EXPECT_EQ(allocator_config{}.to_string().find("expandable_segments"), std::string::npos);
     EXPECT_FALSE(parse_key("reuse_across_streams", "False").reuse_across_streams);
     EXPECT_EQ(parse_key("reuse_across_streams", "True"), allocator_config{});  // the default
+  }
+  {
+    // thread_cache: off by default and not printed unless given.
+    EXPECT_EQ(allocator_config{}.thread_cache, thread_cache_mode::off);
+    EXPECT_FALSE(allocator_config{}.thread_cache_set);
+    EXPECT_EQ(allocator_config{}.to_string().find("thread_cache"), std::string::npos);
+    for (const auto& [text, mode] : {std::pair{"off", thread_cache_mode::off},
+                                     std::pair{"small", thread_cache_mode::small},
+                                     std::pair{"all", thread_cache_mode::all}}) {
+      const auto c = parse_key("thread_cache", text);
+      EXPECT_EQ(c.thread_cache, mode) << text;
+      EXPECT_TRUE(c.thread_cache_set) << text;
+      EXPECT_NE(c.to_string().find(std::string("thread_cache:") + text), std::string::npos) << c.to_string();
+      EXPECT_EQ(allocator_config::parse(c.to_string()), c) << text;
+      EXPECT_TRUE(c.warnings.empty()) << text;
+    }
+    EXPECT_EQ(parse_error("thread_cache:on"),
+              "ccalloc config: thread_cache:on is not a valid value (accepted: off, small or all)");
   }
   for (const char* key : {"release_lock_on_cudamalloc",
                           "pinned_use_cuda_host_register", "pinned_use_background_threads",
@@ -220,17 +269,37 @@ TEST(ConfigTest, EveryKeyParses) {
   EXPECT_EQ(tested, table) << "a key in config_keys() has no parse test (or vice versa)";
 }
 
-TEST(ConfigTest, HugeMibValuesClampLikePyTorch) {
+// PyTorch 2.8+ reads MiB counts with std::stoull and clamps them to
+// SIZE_MAX / 1 MiB; ccalloc accepts the same values but warns (breaker
+// finding: max_split_size_mb:18446744073709551615 was clamped silently).
+TEST(ConfigTest, HugeMibValuesClampLikePyTorchAndWarn) {
+  const auto split = allocator_config::parse("max_split_size_mb:18446744073709551615");
+  EXPECT_EQ(split.max_split_size_bytes, max_mib * mib);
+  ASSERT_EQ(split.warnings.size(), 1u);
+  EXPECT_EQ(split.warnings[0],
+            "ccalloc config: max_split_size_mb:17592186044415 is the largest value ccalloc keeps (larger "
+            "values are clamped to it, as PyTorch does): about 16 EiB, more than any device has");
   EXPECT_EQ(allocator_config::parse("max_split_size_mb:99999999999999999").max_split_size_bytes,
             max_mib * mib);
-  EXPECT_EQ(allocator_config::parse("large_segment_size_mb:99999999999999998")
-                .large_segment_size_bytes,
-            (max_mib - 1) * mib);
+  const auto segment = allocator_config::parse("large_segment_size_mb:99999999999999998");
+  EXPECT_EQ(segment.large_segment_size_bytes, (max_mib - 1) * mib);
+  const auto warns = [](const std::vector<std::string>& warnings, const std::string& part) {
+    return std::any_of(warnings.begin(), warnings.end(),
+                       [&](const std::string& w) { return w.find(part) != std::string::npos; });
+  };
+  EXPECT_TRUE(warns(segment.warnings, "large_segment_size_mb:17592186044414 is the largest value"));
+  for (const char* key : {"max_non_split_rounding_mb", "pinned_reserve_segment_size_mb"}) {
+    const auto w = allocator_config::parse(std::string(key) + ":18446744073709551615").warnings;
+    EXPECT_TRUE(warns(w, std::string(key) + ":17592186044415 is the largest value")) << key;
+  }
+  // Just below the ceiling: no warning; above 2^64 - 1: out of range.
+  EXPECT_TRUE(allocator_config::parse("max_split_size_mb:17592186044414").warnings.empty());
+  EXPECT_TRUE(contains(parse_error("max_split_size_mb:18446744073709551616"), "is out of range"));
 }
 
 TEST(ConfigTest, ConfigKeysTable) {
   const auto& keys = config_keys();
-  ASSERT_EQ(keys.size(), 17u);
+  ASSERT_EQ(keys.size(), 18u);
   std::set<std::string_view> unique;
   for (const auto& info : keys) {
     EXPECT_FALSE(info.accepted.empty()) << info.key;

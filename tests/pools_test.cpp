@@ -32,6 +32,12 @@ const mempool_id_t Q{0, 7};
 // cudaStreamLegacy's and cudaStreamPerThread's values).
 constexpr stream_t S1 = 11;
 constexpr stream_t S2 = 12;
+constexpr stream_t S3 = 13;
+
+/// Makes S1, S2 and S3 streams of device 0 of `sim` (it rejects handles it did not make).
+void adopt_test_streams(sim_backend& sim) {
+  for (const stream_t s : {S1, S2, S3}) sim.adopt_stream(0, s);
+}
 
 // Runs each test with expandable segments (the default) and with plain ones.
 class PoolsTest : public ::testing::TestWithParam<bool> {
@@ -42,6 +48,7 @@ class PoolsTest : public ::testing::TestWithParam<bool> {
     o.capacity_bytes = capacity;
     o.device_count = devices;
     sim = std::make_shared<sim_backend>(o);
+    adopt_test_streams(*sim);
     alloc = std::make_unique<caching_allocator>(
         sim, allocator_config::parse(GetParam() ? "expandable_segments:True" : "expandable_segments:False"));
     alloc->init(devices);
@@ -385,6 +392,7 @@ TEST(PoolsRetryTest, AFailingFreeOfAReleasedPoolDoesNotFailTheRetry) {
   sim_options o;
   o.capacity_bytes = 256 * MiB;
   auto sim = std::make_shared<sim_backend>(o);
+  adopt_test_streams(*sim);
   caching_allocator alloc(sim, allocator_config::parse("expandable_segments:False,trim_on_new_peak:False"));
   alloc.init(1);
   bool fail_free = false;
@@ -430,7 +438,7 @@ TEST_P(PoolsTest, WhileCapturingNoEventIsQueriedAndMultiStreamFreesAreDeferred) 
   sim->begin_capture(0, S1);
   alloc->begin_allocate_to_pool(0, P, only(S1));
   void* x = m(8 * KiB, S1);  // the sim throws if the allocator queries the pending event now
-  void* y = m(8 * KiB, 3);  // not routed, same rule
+  void* y = m(8 * KiB, S3);  // not routed, same rule
   EXPECT_EQ(pool_of(x), P);
   EXPECT_EQ(pool_of(y), mempool_id_t{});
   alloc->record_stream(x, S2);
@@ -456,7 +464,7 @@ TEST_P(PoolsTest, WhileCapturingNoEventIsQueriedAndMultiStreamFreesAreDeferred) 
 
 TEST_P(PoolsTest, OutOfMemoryWhileCapturingFailsWithoutFreeingOrWaiting) {
   make(64 * MiB);
-  void* cached = m(30 * MiB, 3);
+  void* cached = m(30 * MiB, S3);
   alloc->free(cached);  // cached in the default pool: freeing it would need cudaFree
   alloc->create_or_incref_pool(0, P);
   sim->begin_capture(0, S1);
@@ -483,6 +491,7 @@ TEST_P(PoolsTest, ABackendCaptureWithoutPoolsDefersTooUntilItEnds) {
 
 TEST(SimCapture, CallsThatCudaRejectsDuringCaptureThrow) {
   sim_backend sim;
+  adopt_test_streams(sim);
   const event_t e = sim.create_event(0);
   sim.record_event(0, e, S1);
   sim.begin_capture(0, S1);
@@ -632,6 +641,7 @@ namespace {
 // pools): nothing is lost, every block returns to the pool it came from.
 TEST(PoolsConcurrency, BeginEndRacesWithAllocationsOnOtherThreads) {
   auto sim = std::make_shared<sim_backend>();
+  for (stream_t s = 10; s < 13; ++s) sim->adopt_stream(0, s);  // the workers' streams
   caching_allocator alloc(sim, allocator_config::parse(""));
   alloc.init(1);
   const mempool_id_t pool{3, 0};

@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 namespace {
@@ -137,6 +139,79 @@ TEST(RegressionTest, OomOfARequestLargerThanTheDeviceSaysSo) {
     EXPECT_NE(std::string(e.what()).find("larger than the device's memory"), std::string::npos) << e.what();
   }
   a->free(small);
+}
+
+// Breaker (session 2): a simulated device with more memory than the host can
+// map (1 EiB) asked for 512 PiB: the host's mmap failed and the allocator
+// reported an out-of-memory error saying that 1 EiB was free. The failure is
+// the host's: backend_error with the errno text; nothing changes, nothing leaks.
+TEST(RegressionTest, HostMmapFailureOfTheSimulatedDeviceIsNotAnOutOfMemory) {
+  ccalloc::sim_options o;
+  o.capacity_bytes = std::size_t{1} << 60;
+  auto sim = std::make_shared<sim_backend>(o);
+  const std::size_t huge = std::size_t{1} << 59;  // more than any x86-64 or arm64 user address space
+  for (const char* config : {"expandable_segments:False", ""}) {
+    SCOPED_TRACE(config);
+    auto a = make(sim, config);
+    void* kept = a->malloc(0, 1000, 0);
+    const auto before = a->get_device_stats(0);
+    try {
+      (void)a->malloc(0, huge, 0);
+      FAIL() << "no error";
+    } catch (const ccalloc::out_of_memory_error& e) {
+      FAIL() << "out of memory reported: " << e.what();
+    } catch (const ccalloc::backend_error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("sim: segment_malloc(device 0, " + std::to_string(huge) +
+                          " bytes): the host could not reserve the simulated memory: mmap failed: " +
+                          std::strerror(ENOMEM)),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find("not the device, refused it"), std::string::npos) << what;
+    }
+    const auto after = a->get_device_stats(0);
+    EXPECT_EQ(after.allocated_bytes[0].current, before.allocated_bytes[0].current);
+    EXPECT_EQ(after.reserved_bytes[0].current, before.reserved_bytes[0].current);
+    EXPECT_EQ(after.num_ooms, 0);
+    EXPECT_EQ(sim->counters().used_bytes, static_cast<std::size_t>(before.reserved_bytes[0].current));
+    a->device_allocator(0).check_invariants();
+    a->free(a->malloc(0, 3 * mib, 0));  // still works
+    a->free(kept);
+    a->empty_cache();
+    EXPECT_EQ(sim->counters().used_bytes, 0u);
+  }
+}
+
+// The OOM message said "X is free" with no word on why memory the device
+// reports free was refused (the sim's host failure above was one way).
+TEST(RegressionTest, OomWithMemoryTheDeviceReportsFreeSaysTheDeviceRefusedIt) {
+  auto sim = std::make_shared<sim_backend>(ccalloc::sim_options{1, 256 * mib, 2 * mib});
+  auto a = make(sim, "expandable_segments:False");
+  const ccalloc::mempool_id_t pool{0, 7};
+  ccalloc::segment_allocator refusing;
+  refusing.malloc = [](std::size_t) -> void* { return nullptr; };
+  refusing.free = [](void*) {};
+  a->create_or_incref_pool(0, pool, refusing);
+  a->begin_allocate_to_pool(0, pool, [](ccalloc::stream_t) { return true; });
+  try {
+    (void)a->malloc(0, 30 * mib, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const ccalloc::out_of_memory_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("of which 256.00 MiB is free. The device refused the segment although it reports that "
+                        "much free"),
+              std::string::npos)
+        << what;
+  }
+  a->end_allocate_to_pool(0, pool);
+  a->release_pool(0, pool);
+  // A real shortage does not say so.
+  try {
+    (void)a->malloc(0, 300 * mib, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const ccalloc::out_of_memory_error& e) {
+    EXPECT_EQ(std::string(e.what()).find("refused"), std::string::npos) << e.what();
+  }
 }
 
 // An observer that threw replaced the out_of_memory_error and kept the

@@ -8,9 +8,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -323,19 +325,83 @@ TEST(SimBackend, StreamsAreIndependent) {
   EXPECT_TRUE(sim.query_event(0, eb));
 }
 
-TEST(SimBackend, UncreatedStreamHandlesAreCreatedLazily) {
-  sim_backend sim;
-  // The default stream and a trace's stream id work without create_stream.
+// Breaker (session 2): the simulated device accepted any stream handle, also
+// one it never created or had destroyed, where CUDA fails the call. Every
+// stream-taking call now throws invalid_argument_error naming the handle and
+// changes nothing; the default streams need no create_stream, and
+// adopt_stream makes a chosen handle (a trace's stream id) a stream.
+TEST(SimBackend, UnknownOrDestroyedStreamHandlesAreRejected) {
+  sim_backend sim(small_device(10 * mib, 2));
   sim.enqueue_work(0, ccalloc::default_stream, 20);
-  sim.enqueue_work(0, 0xdeadbeef, 30);
   EXPECT_EQ(sim.busy_until(0, ccalloc::default_stream), 20u);
+  const auto e = sim.create_event(0);
+  const auto destroyed = sim.create_stream(0);
+  sim.destroy_stream(0, destroyed);
+  const auto of_device_1 = sim.create_stream(1);
+  const auto gate = sim.create_gate(0);
+  void* seg = sim.segment_malloc(0, mib);
+  for (const ccalloc::stream_t bad : {ccalloc::stream_t{0xdeadbeef}, destroyed, of_device_1}) {
+    SCOPED_TRACE(bad);
+    const std::string named = "stream " + std::to_string(bad) + " is not a stream of device 0";
+    const auto expect_rejected = [&](const char* call, const auto& f) {
+      try {
+        f();
+        ADD_FAILURE() << call << " accepted it";
+      } catch (const ccalloc::invalid_argument_error& err) {
+        const std::string what = err.what();
+        EXPECT_NE(what.find(std::string("sim: ") + call + ": " + named), std::string::npos) << what;
+      }
+    };
+    expect_rejected("record_event", [&] { sim.record_event(0, e, bad); });
+    expect_rejected("synchronize_stream", [&] { sim.synchronize_stream(0, bad); });
+    expect_rejected("use_memory", [&] { sim.use_memory(0, seg, mib, bad); });
+    expect_rejected("enqueue_work", [&] { sim.enqueue_work(0, bad, 50); });
+    expect_rejected("busy_until", [&] { (void)sim.busy_until(0, bad); });
+    expect_rejected("wait_gate", [&] { sim.wait_gate(0, bad, gate); });
+    expect_rejected("is_capturing", [&] { (void)sim.is_capturing(0, bad); });
+    expect_rejected("begin_capture", [&] { sim.begin_capture(0, bad); });
+    expect_rejected("memcpy_async", [&] { sim.memcpy_async(0, seg, seg, 0, bad); });
+    EXPECT_THROW(sim.destroy_stream(0, bad), ccalloc::invalid_argument_error);
+  }
+  // Nothing changed: the event is still unrecorded (complete), no stream was made.
+  EXPECT_TRUE(sim.query_event(0, e));
+  EXPECT_EQ(sim.counters().live_streams, 1u);
+  EXPECT_EQ(sim.now(), 0u);
+  EXPECT_THROW(sim.destroy_stream(0, ccalloc::default_stream), ccalloc::invalid_argument_error);
+  // The same handles are fine where they belong.
+  sim.enqueue_work(1, of_device_1, 40);
+  EXPECT_EQ(sim.busy_until(1, of_device_1), 40u);
+  sim.open_gate(0, gate);
+  sim.destroy_gate(0, gate);
+  sim.destroy_event(0, e);
+  sim.segment_free(0, seg);
+}
+
+TEST(SimBackend, AdoptStreamGivesAStreamAChosenHandle) {
+  sim_backend sim(small_device(10 * mib, 2));
+  sim.adopt_stream(0, 0xdeadbeef);
+  EXPECT_EQ(sim.counters().live_streams, 1u);
+  sim.enqueue_work(0, 0xdeadbeef, 30);
   EXPECT_EQ(sim.busy_until(0, 0xdeadbeef), 30u);
-  EXPECT_EQ(sim.busy_until(0, 0x12345), 0u) << "a stream with no work is idle";
   const auto e = sim.create_event(0);
   sim.record_event(0, e, 0xdeadbeef);
   EXPECT_FALSE(sim.query_event(0, e));
-  sim.record_event(0, e, 0x12345);  // unknown and idle: complete at once
-  EXPECT_TRUE(sim.query_event(0, e));
+  // Not twice, not on another device, not the default streams' handles.
+  for (const ccalloc::stream_t taken : {ccalloc::stream_t{0xdeadbeef}, ccalloc::default_stream,
+                                        ccalloc::legacy_stream_handle, ccalloc::per_thread_stream_handle}) {
+    EXPECT_THROW(sim.adopt_stream(0, taken), ccalloc::invalid_argument_error) << taken;
+    EXPECT_THROW(sim.adopt_stream(1, taken), ccalloc::invalid_argument_error) << taken;
+  }
+  // create_stream never hands out an adopted handle.
+  sim.adopt_stream(0, 0x1000);
+  sim.adopt_stream(1, 0x1001);
+  const auto made = sim.create_stream(0);
+  EXPECT_NE(made, 0x1000u);
+  EXPECT_NE(made, 0x1001u);
+  EXPECT_EQ(sim.counters().live_streams, 4u);
+  sim.destroy_stream(0, 0xdeadbeef);
+  EXPECT_THROW(sim.record_event(0, e, 0xdeadbeef), ccalloc::invalid_argument_error) << "destroyed";
+  sim.destroy_event(0, e);
 }
 
 TEST(SimBackend, SynchronizeEventAdvancesTheClockToItsCompletion) {
@@ -361,7 +427,7 @@ TEST(SimBackend, SynchronizeStreamAndDevice) {
   sim.enqueue_work(1, other, 500);
   sim.synchronize_stream(0, a);
   EXPECT_EQ(sim.now(), 40u);
-  sim.synchronize_stream(0, 0x777);  // a stream with no work: no wait
+  sim.synchronize_stream(0, sim.create_stream(0));  // a stream with no work: no wait
   EXPECT_EQ(sim.now(), 40u);
   sim.synchronize_device(0);
   EXPECT_EQ(sim.now(), 90u) << "device 0 waits for its own streams only";
@@ -414,6 +480,35 @@ TEST(SimBackend, CountsLiveStreamsAndEvents) {
   EXPECT_EQ(sim.counters().live_events, 0u);
   sim.destroy_stream(0, s2);
   EXPECT_EQ(sim.counters().live_streams, 0u);
+}
+
+// Breaker (session 2): a segment the simulated capacity allows but the host
+// cannot map (more than the process's address space) came back as nullptr,
+// an out-of-memory of a device with that much free. It is the host's
+// failure: backend_error with the errno text, and nothing is charged.
+TEST(SimBackend, SegmentTheHostCannotMapIsABackendErrorNotOutOfMemory) {
+  sim_backend sim(small_device(std::size_t{1} << 60));
+  const std::size_t huge = std::size_t{1} << 59;  // more than a 47- or 57-bit user address space holds
+  try {
+    (void)sim.segment_malloc(0, huge);
+    ADD_FAILURE() << "no error";
+  } catch (const backend_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("sim: segment_malloc(device 0, " + std::to_string(huge) +
+                        " bytes): the host could not reserve the simulated memory: mmap failed: " +
+                        std::strerror(ENOMEM) + " (the simulated device has " +
+                        std::to_string(std::size_t{1} << 60) + " bytes free;"),
+              std::string::npos)
+        << what;
+  }
+  const auto c = sim.counters();
+  EXPECT_EQ(c.used_bytes, 0u);
+  EXPECT_EQ(c.segment_mallocs, 0u);
+  EXPECT_EQ(c.failed_mallocs, 0u) << "failed_mallocs counts the device's refusals only";
+  EXPECT_EQ(sim.mem_get_info(0).free_bytes, std::size_t{1} << 60);
+  void* p = sim.segment_malloc(0, mib);
+  ASSERT_NE(p, nullptr);
+  sim.segment_free(0, p);
 }
 
 // ---- fault injection ---------------------------------------------------------------

@@ -11,8 +11,11 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <random>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ccalloc {
@@ -260,6 +263,73 @@ TEST(ThreadCacheTest, OffByDefaultAndSwitchedByTheEnvironment) {
   EXPECT_FALSE(enabled_with("0"));
   EXPECT_FALSE(enabled_with("sometimes"));
   ::unsetenv("CCALLOC_THREAD_CACHE");
+}
+
+// The thread_cache key of the settings table (CCALLOC_CONF, set_config, the
+// CLI's --config, the C API, Python): off, small or all; given, it wins over
+// CCALLOC_THREAD_CACHE; not given, the variable decides at device creation.
+TEST(ThreadCacheTest, ConfigKeySwitchesItAndWinsOverTheEnvironment) {
+  const auto make = [](const std::string& text) {
+    allocator_config c = allocator_config::parse(text);
+    auto sim = std::make_shared<sim_backend>(sim_options{1, std::size_t{1} << 30, 2 * mib});
+    auto alloc = std::make_unique<caching_allocator>(sim, c);
+    alloc->init(1);
+    return std::pair{sim, std::move(alloc)};
+  };
+  // Whether a freed block of `size` bytes is handed back by the thread cache
+  // (the most recently freed) rather than the pools (the lowest address).
+  const auto parks = [](caching_allocator& alloc, std::size_t size) {
+    void* a = alloc.malloc(0, size, 0);
+    void* b = alloc.malloc(0, size, 0);
+    alloc.free(a);
+    alloc.free(b);
+    void* c = alloc.malloc(0, size, 0);
+    const bool parked = c == b && a < b;
+    alloc.free(c);
+    alloc.empty_cache();
+    return parked;
+  };
+  ::unsetenv("CCALLOC_THREAD_CACHE");
+  {
+    auto [sim, alloc] = make("expandable_segments:False,thread_cache:all");
+    EXPECT_TRUE(alloc->device_allocator(0).thread_cache_enabled());
+    EXPECT_TRUE(parks(*alloc, 512));
+    EXPECT_TRUE(parks(*alloc, 4 * mib));
+    // set_config with a new value of the key switches it at once.
+    alloc->set_config("thread_cache:small");
+    EXPECT_TRUE(alloc->device_allocator(0).thread_cache_enabled());
+    EXPECT_TRUE(parks(*alloc, 512));
+    EXPECT_FALSE(parks(*alloc, 4 * mib));
+    // A configuration that keeps the key leaves set_thread_cache_enabled in force.
+    alloc->device_allocator(0).set_thread_cache_enabled(false);
+    alloc->set_config("reuse_across_streams:False");
+    EXPECT_FALSE(alloc->device_allocator(0).thread_cache_enabled());
+    alloc->set_config("thread_cache:all");
+    EXPECT_TRUE(alloc->device_allocator(0).thread_cache_enabled());
+    alloc->set_config("thread_cache:off");
+    EXPECT_FALSE(alloc->device_allocator(0).thread_cache_enabled());
+    EXPECT_FALSE(parks(*alloc, 512));
+    alloc->device_allocator(0).check_invariants();
+  }
+  ::setenv("CCALLOC_THREAD_CACHE", "1", 1);
+  {
+    auto [sim, alloc] = make("expandable_segments:False,thread_cache:off");  // the key wins
+    EXPECT_FALSE(alloc->device_allocator(0).thread_cache_enabled());
+  }
+  {
+    auto [sim, alloc] = make("expandable_segments:False,thread_cache:small");
+    EXPECT_TRUE(alloc->device_allocator(0).thread_cache_enabled());
+    EXPECT_FALSE(parks(*alloc, 4 * mib)) << "small from the key, not all from the variable";
+  }
+  {
+    auto [sim, alloc] = make("expandable_segments:False");  // no key: the variable decides
+    EXPECT_TRUE(alloc->device_allocator(0).thread_cache_enabled());
+  }
+  ::unsetenv("CCALLOC_THREAD_CACHE");
+  {
+    auto [sim, alloc] = make("expandable_segments:False");
+    EXPECT_FALSE(alloc->device_allocator(0).thread_cache_enabled());
+  }
 }
 
 }  // namespace

@@ -48,6 +48,8 @@
 #include <ccalloc/replay/report.hpp>
 #include <ccalloc/replay/trace.hpp>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -133,9 +135,12 @@ std::string config_string(const std::string& config) { return config == "default
 /// Parses a byte count: a non-negative number (integer, decimal or exponent
 /// form: 80000000000, 1.5e9) with an optional unit, case-insensitive: B;
 /// K/KB, M/MB, G/GB, T/TB, P/PB, E/EB (powers of 1000); KiB, MiB, GiB, TiB,
-/// PiB, EiB (powers of 1024). Fractional bytes are rounded down. Throws
-/// usage_error when the text is not of that form, the result is 0, or it
-/// does not fit in 64 bits (16 EiB is one byte too many).
+/// PiB, EiB (powers of 1024). With a unit of 1000 bytes or more,
+/// fractional bytes are rounded down (1.3GiB); without a unit (or with B)
+/// the number must be a whole number of bytes (1.5e9 is, 1.5 is not).
+/// Throws usage_error when the text is not of that form, the result is 0, it
+/// is a fraction of a byte, or it does not fit in 64 bits (16 EiB is one
+/// byte too many).
 std::uint64_t parse_byte_count(const std::string& text, std::string_view option) {
   const auto bad = [&](const std::string& why) {
     return usage_error("bad " + std::string(option) + " '" + text + "': " + why +
@@ -200,6 +205,8 @@ std::uint64_t parse_byte_count(const std::string& text, std::string_view option)
     }
     const double total = value * double(multiplier);
     if (total >= 18446744073709551616.0) throw too_large();
+    if (multiplier == 1 && total != std::floor(total))
+      throw bad("not a whole number of bytes (give whole bytes, or a unit: 1.5KB, 1.5GiB)");
     bytes = static_cast<std::uint64_t>(total);
   }
   if (bytes == 0) throw bad("must be at least 1 byte");
@@ -294,6 +301,22 @@ void write_output_file(const std::string& path, const std::string& content, cons
   if (!out.flush()) throw fail(errno);
   out.close();
   if (out.fail()) throw fail(errno);
+}
+
+/// Checks, before a long replay, that write_output_file(path, ...) can create
+/// or replace `path`: opens it for writing without truncating, and removes
+/// it again when this call created it. Throws the same error as
+/// write_output_file ("cannot write <what> to <path>: <errno text>").
+void check_output_file(const std::string& path, const std::string& what) {
+  struct stat before {};
+  const bool existed = ::stat(path.c_str(), &before) == 0;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    const int err = errno;
+    throw ccalloc::error("cannot write " + what + " to " + path + ": " + std::strerror(err));
+  }
+  ::close(fd);
+  if (!existed) ::unlink(path.c_str());
 }
 
 /// Parses `config` up front so a bad one fails before any replay starts, and
@@ -653,6 +676,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
   check_config(options.config);
   if (min_memory && options.device != ccalloc::replay_device::sim)
     throw usage_error("--min-memory works on the simulated device only (--device sim)");
+  if (!snapshot_path.empty()) check_output_file(snapshot_path, "the snapshot");
   const loaded_trace input = load_trace(common.trace_path);
   progress_bar progress("replaying");
   const std::size_t total = input.trace.events.size() * options.repeat;
@@ -701,6 +725,7 @@ int run_report(const common_options& common, const std::string& config, const st
     throw usage_error("report replays on the simulated device only (--device sim)");
   check_config(replay.config);
   if (points < 2) throw usage_error("--points must be at least 2");
+  check_output_file(output_path, "the report");
   const auto start = std::chrono::steady_clock::now();
   const loaded_trace input = load_trace(common.trace_path);
   ccalloc::report_options options;
@@ -834,6 +859,12 @@ int run(int argc, char** argv) {
                     "in the first pass only) and report each pass: the steady state of a loop. Default: 1.");
   };
 
+  // An output path must name a file: '' is rejected while parsing (CLI11
+  // prints "--output: ..." and the usage hint).
+  const CLI::Validator non_empty_path(
+      [](const std::string& value) { return value.empty() ? std::string("an empty path names no file") : std::string(); },
+      "PATH");
+
   CLI::App* replay = app.add_subcommand("replay", "Replay a trace and report peaks and device calls.");
   add_common(replay, true);
   add_repeat(replay);
@@ -858,7 +889,8 @@ int run(int argc, char** argv) {
   std::string snapshot_path;
   replay->add_option("--snapshot", snapshot_path,
                      "Record history during the replay and write a snapshot after the last event to this file "
-                     "(JSON in PyTorch's snapshot layout; python/ccalloc/snapshot.py turns it into a pickle).");
+                     "(JSON in PyTorch's snapshot layout; python/ccalloc/snapshot.py turns it into a pickle).")
+      ->check(non_empty_path);
 
   CLI::App* report = app.add_subcommand(
       "report", "Replay a trace and write one self-contained HTML page with plots (bytes over time, the segment "
@@ -867,7 +899,8 @@ int run(int argc, char** argv) {
   std::string report_config, report_output = "report.html", report_title;
   std::size_t report_points = 1200;
   report->add_option("--config", report_config, "Configuration string, PyTorch syntax. Default: defaults.");
-  report->add_option("-o,--output", report_output, "The HTML file to write. Default: report.html.");
+  report->add_option("-o,--output", report_output, "The HTML file to write. Default: report.html.")
+      ->check(non_empty_path);
   report->add_option("--points", report_points, "Time slices per curve (downsampling). Default: 1200.");
   report->add_option("--title", report_title, "Page title. Default: the trace's file name.");
 

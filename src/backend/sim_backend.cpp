@@ -127,6 +127,24 @@ struct sim_backend::impl {
                           std::to_string(devices.size()) + ")");
     return devices[static_cast<std::size_t>(index)];
   }
+  // Throws invalid_argument_error unless `stream` (already resolved) is a
+  // stream of `device_index`: the default stream, a per-thread default
+  // stream, or one that create_stream or adopt_stream made on this device
+  // and destroy_stream has not destroyed (CUDA fails such a call with
+  // cudaErrorInvalidResourceHandle or worse).
+  void check_stream(int device_index, stream_t stream, const char* what) {
+    auto& d = dev(device_index);
+    if (stream == default_stream || device_backend::is_per_thread_stream(stream) || d.busy_until.count(stream) != 0)
+      return;
+    throw invalid_argument_error(std::string("sim: ") + what + ": stream " + std::to_string(stream) +
+                                 " is not a stream of device " + std::to_string(device_index) +
+                                 " (never created by create_stream, destroyed, or another device's)");
+  }
+  // Whether `stream` is a live stream that create_stream or adopt_stream made.
+  static bool created(const device& d, stream_t stream) {
+    return stream != default_stream && !device_backend::is_per_thread_stream(stream) &&
+           d.busy_until.count(stream) != 0;
+  }
   event& ev(event_t e) {
     auto it = events.find(e);
     if (it == events.end()) throw backend_error("sim: unknown event " + std::to_string(e));
@@ -299,8 +317,14 @@ void* sim_backend::segment_malloc(int device, std::size_t size_bytes) {
   void* p = ::mmap(nullptr, charged, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                    -1, 0);
   if (p == MAP_FAILED) {
-    ++impl_->counters.failed_mallocs;
-    return nullptr;
+    // The simulated device has the memory; the host could not reserve the
+    // address space for it (e.g. more than the process's virtual address
+    // space). Not an out-of-memory of the device: say what failed.
+    const int err = errno;
+    throw backend_error("sim: segment_malloc(device " + std::to_string(device) + ", " + std::to_string(size_bytes) +
+                        " bytes): the host could not reserve the simulated memory: " + errno_text("mmap", err) +
+                        " (the simulated device has " + std::to_string(d.capacity_bytes - d.used_bytes) +
+                        " bytes free; the host's address space or memory limits, not the device, refused it)");
   }
   d.segments.emplace(p, charged);
   d.used_bytes += charged;
@@ -340,18 +364,44 @@ void sim_backend::segment_free(int device, void* ptr) {
 stream_t sim_backend::create_stream(int device) {
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
-  const stream_t s = impl_->next_stream++;
+  // Skip handles adopt_stream took.
+  const auto taken = [&](stream_t s) {
+    return std::any_of(impl_->devices.begin(), impl_->devices.end(),
+                       [&](const impl::device& other) { return impl::created(other, s); });
+  };
+  stream_t s = impl_->next_stream++;
+  while (taken(s)) s = impl_->next_stream++;
   d.busy_until.emplace(s, impl_->now);
   ++impl_->counters.live_streams;
   return s;
+}
+
+void sim_backend::adopt_stream(int device, stream_t stream) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  const std::string call = "sim: adopt_stream(device " + std::to_string(device) + ", stream " + std::to_string(stream) +
+                           ")";
+  if (stream == default_stream || stream == legacy_stream_handle || stream == per_thread_stream_handle ||
+      is_per_thread_stream(stream))
+    throw invalid_argument_error(call + ": the default streams' handles (0, 1, 2, per-thread) are not created");
+  for (std::size_t i = 0; i < impl_->devices.size(); ++i)
+    if (impl::created(impl_->devices[i], stream))
+      throw invalid_argument_error(call + ": already a live stream of device " + std::to_string(i));
+  d.busy_until.emplace(stream, impl_->now);
+  ++impl_->counters.live_streams;
 }
 
 void sim_backend::destroy_stream(int device, stream_t stream) {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
+  if (!impl::created(d, stream))
+    throw invalid_argument_error("sim: destroy_stream: stream " + std::to_string(stream) +
+                                 " is not a live stream that create_stream made on device " + std::to_string(device) +
+                                 " (never created, destroyed already, a default stream, or another device's)");
   d.gated.erase(stream);
-  if (d.busy_until.erase(stream)) --impl_->counters.live_streams;
+  d.busy_until.erase(stream);
+  --impl_->counters.live_streams;
 }
 
 event_t sim_backend::create_event(int device) {
@@ -376,6 +426,7 @@ void sim_backend::record_event(int device, event_t event, stream_t stream) {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
+  impl_->check_stream(device, stream, "record_event");
   auto it = d.busy_until.find(stream);
   auto& ev = impl_->ev(event);
   ev.complete_at = it == d.busy_until.end() ? impl_->now : std::max(impl_->now, it->second);
@@ -407,6 +458,7 @@ void sim_backend::synchronize_stream(int device, stream_t stream) {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
+  impl_->check_stream(device, stream, "synchronize_stream");
   if (auto g = d.gated.find(stream); g != d.gated.end())
     impl::throw_never("synchronize_stream(stream " + std::to_string(stream) + ")", g->second.front());
   auto it = d.busy_until.find(stream);
@@ -425,6 +477,7 @@ void sim_backend::synchronize_device(int device) {
 bool sim_backend::is_capturing(int device, stream_t stream) {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
+  impl_->check_stream(device, stream, "is_capturing");
   const auto& c = impl_->dev(device).capturing;
   return std::find(c.begin(), c.end(), stream) != c.end();
 }
@@ -432,6 +485,7 @@ bool sim_backend::is_capturing(int device, stream_t stream) {
 void sim_backend::begin_capture(int device, stream_t stream) {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
+  impl_->check_stream(device, stream, "begin_capture");
   auto& c = impl_->dev(device).capturing;
   if (std::find(c.begin(), c.end(), stream) != c.end())
     throw backend_error("sim: begin_capture: stream " + std::to_string(stream) + " of device " +
@@ -442,6 +496,7 @@ void sim_backend::begin_capture(int device, stream_t stream) {
 void sim_backend::end_capture(int device, stream_t stream) {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
+  impl_->check_stream(device, stream, "end_capture");
   auto& c = impl_->dev(device).capturing;
   auto it = std::find(c.begin(), c.end(), stream);
   if (it == c.end())
@@ -843,21 +898,26 @@ void sim_backend::ipc_close_segment(int device, void* ptr) {
 
 // --- copies ------------------------------------------------------------------------------
 
-void sim_backend::memcpy_async(int device, void* dst, const void* src, std::size_t size_bytes, stream_t) {
+void sim_backend::memcpy_async(int device, void* dst, const void* src, std::size_t size_bytes, stream_t stream) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   {
     std::lock_guard lock(impl_->mutex);
-    impl_->dev(device);
+    impl_->check_stream(device, stream, "memcpy_async");
     ++impl_->counters.memcpy_async_calls;
   }
   if (size_bytes > 0) std::memmove(dst, src, size_bytes);
 }
 
 void sim_backend::memcpy_peer_async(void* dst, int dst_device, const void* src, int src_device,
-                                    std::size_t size_bytes, stream_t) {
+                                    std::size_t size_bytes, stream_t stream) {
   {
     std::lock_guard lock(impl_->mutex);
     impl_->dev(dst_device);
     impl_->dev(src_device);
+    // A stream of either device (the special handles: the default streams).
+    if (stream != legacy_stream_handle && stream != per_thread_stream_handle &&
+        !impl::created(impl_->dev(src_device), stream))
+      impl_->check_stream(dst_device, stream, "memcpy_peer_async");
     ++impl_->counters.memcpy_peer_async_calls;
   }
   if (size_bytes > 0) std::memmove(dst, src, size_bytes);
@@ -922,8 +982,9 @@ void sim_backend::wait_gate(int device, stream_t stream, gate_t gate) {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
+  impl_->check_stream(device, stream, "wait_gate");
   auto& g = impl_->gt(gate, device, "wait_gate");
-  d.busy_until.try_emplace(stream, impl_->now);  // any handle is accepted, as by enqueue_work
+  d.busy_until.try_emplace(stream, impl_->now);  // the default streams' entries are made on first use
   if (g.open) return;
   auto& waits = d.gated[stream];
   if (std::find(waits.begin(), waits.end(), gate) != waits.end()) return;
@@ -979,13 +1040,16 @@ void sim_backend::advance_to(std::uint64_t time) {
 void sim_backend::enqueue_work(int device, stream_t stream, std::uint64_t until) {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
+  impl_->check_stream(device, stream, "enqueue_work");
   auto& t = impl_->dev(device).busy_until.try_emplace(stream, impl_->now).first->second;
   t = std::max(t, until);
 }
 
 void sim_backend::use_memory(int device, const void* ptr, std::size_t size_bytes, stream_t stream) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
+  impl_->check_stream(device, stream, "use_memory");
   auto it = d.busy_until.find(stream);
   const std::uint64_t until = d.gated.count(stream) != 0 ? ~std::uint64_t{0}
                               : it == d.busy_until.end() ? impl_->now
@@ -1000,6 +1064,7 @@ std::uint64_t sim_backend::busy_until(int device, stream_t stream) const {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
+  impl_->check_stream(device, stream, "busy_until");
   if (d.gated.count(stream) != 0) return ~std::uint64_t{0};
   auto it = d.busy_until.find(stream);
   return it == d.busy_until.end() ? impl_->now : std::max(impl_->now, it->second);

@@ -17,6 +17,7 @@
 #include <ccalloc/core/config.hpp>
 
 #include <ccalloc/base/errors.hpp>
+#include <ccalloc/base/printable_text.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -37,7 +38,10 @@ constexpr std::string_view default_prefix = "ccalloc config";
 constexpr std::string_view environment_prefix = "ccalloc config (CCALLOC_CONF)";
 
 /// Largest MiB count whose byte value fits in std::size_t (2^44 - 1 on 64-bit
-/// targets). Larger MiB values are clamped to it, as PyTorch does.
+/// targets). Larger MiB values (up to 2^64 - 1; beyond is out of range) are
+/// clamped to it, as PyTorch 2.8+ does (its tokenizer reads the value with
+/// std::stoull, then takes the minimum with SIZE_MAX / 1 MiB); the clamped
+/// settings warn (warnings_for), so the clamp is never silent.
 constexpr std::uint64_t max_mib = std::numeric_limits<std::size_t>::max() / mib;
 
 /// A value that a key's parser rejected. The driver turns it into a
@@ -70,11 +74,13 @@ std::string concat(std::initializer_list<std::string_view> parts) {
 }
 
 /// Input text as error messages quote it: at most 100 characters, then
-/// "... (N bytes)", so that a huge value does not make a huge message.
+/// "... (N bytes)", so that a huge value does not make a huge message, with
+/// control bytes escaped as \xHH (printable_text), so that the input cannot
+/// clear a terminal or cut the message short where it is read as a C string.
 std::string shown(std::string_view text) {
   constexpr std::size_t max_shown = 100;
-  if (text.size() <= max_shown) return std::string(text);
-  return concat({text.substr(0, max_shown), "... (", std::to_string(text.size()), " bytes)"});
+  if (text.size() <= max_shown) return printable_text(text);
+  return concat({printable_text(text.substr(0, max_shown)), "... (", std::to_string(text.size()), " bytes)"});
 }
 
 /// Parses a non-negative decimal integer made of digits only (no sign, no
@@ -283,8 +289,8 @@ std::optional<std::string> print_mib_field(const allocator_config& config) {
 }
 
 // Row order is documentation order and to_string() order.
-const std::array<key_spec, 17>& key_table() {
-  static const std::array<key_spec, 17> table{{
+const std::array<key_spec, 18>& key_table() {
+  static const std::array<key_spec, 18> table{{
       {{"max_split_size_mb",
         "an integer number of MiB, at least large_segment_size_mb (20 by default)",
         "Blocks this large or larger are never split and serve only requests "
@@ -386,6 +392,27 @@ const std::array<key_spec, 17>& key_table() {
         "True; False keeps blocks bound to their stream, as PyTorch does)."},
        &parse_bool_field<&allocator_config::reuse_across_streams>,
        &print_bool_field<&allocator_config::reuse_across_streams>},
+      {{"thread_cache", "off, small or all",
+        "ccalloc's own key: each thread parks up to 4 blocks it freed and gets one back for the same "
+        "bytes on the same stream without locks (small: small-pool blocks only, requests of at most 1 MiB). "
+        "Faster pairs, but it can raise peak reserved memory (default off; when the key is not given, "
+        "the environment variable CCALLOC_THREAD_CACHE=1|small|0 decides)."},
+       [](allocator_config& c, std::string_view value) {
+         if (value == "off") c.thread_cache = thread_cache_mode::off;
+         else if (value == "small") c.thread_cache = thread_cache_mode::small;
+         else if (value == "all") c.thread_cache = thread_cache_mode::all;
+         else throw_malformed();
+         c.thread_cache_set = true;
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (!c.thread_cache_set) return std::nullopt;
+         switch (c.thread_cache) {
+           case thread_cache_mode::off: return "off";
+           case thread_cache_mode::small: return "small";
+           case thread_cache_mode::all: return "all";
+         }
+         return std::nullopt;
+       }},
       {{"backend", "native or cudaMallocAsync",
         "PyTorch's allocator choice; ccalloc is always the native-style allocator."},
        [](allocator_config& c, std::string_view value) {
@@ -555,6 +582,17 @@ std::vector<std::string> warnings_for(const allocator_config& config) {
                                                      "new peak only when trim_on_new_peak is on"
                                                    : "with expandable_segments:False: it limits the recycling of "
                                                      "free pages, which plain segments do not have"));
+  // MiB counts at the clamp ceiling (a larger value was clamped there, or
+  // the ceiling itself was given): 16 EiB, more than any device.
+  const auto at_ceiling = [&](std::string_view key, std::size_t bytes, std::uint64_t ceiling_mib) {
+    if (bytes == static_cast<std::size_t>(ceiling_mib) * mib)
+      warnings.push_back(setting(key) + " is the largest value ccalloc keeps (larger values are clamped to it, " +
+                         "as PyTorch does): about 16 EiB, more than any device has");
+  };
+  at_ceiling("max_split_size_mb", config.max_split_size_bytes, max_mib);
+  at_ceiling("max_non_split_rounding_mb", config.max_non_split_rounding_bytes, max_mib);
+  at_ceiling("large_segment_size_mb", config.large_segment_size_bytes, max_mib - 1);
+  at_ceiling("pinned_reserve_segment_size_mb", config.pinned_reserve_segment_size_bytes, max_mib);
   if (config.backend != "native") {
     warnings.push_back(setting("backend") +
                        " has no effect: ccalloc is a native-style caching allocator; "

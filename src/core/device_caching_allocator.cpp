@@ -87,7 +87,13 @@ void device_caching_allocator::set_config(const allocator_config& config) {
                                      config.per_process_memory_fraction != s.config_.per_process_memory_fraction);
   // The fraction first: if returning cached memory fails, nothing changes.
   if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
+  // The thread_cache key applies when it changes (set_thread_cache_enabled
+  // stays in force across configurations that keep it); the world lock
+  // emptied every thread's cache.
+  const bool thread_cache_changed =
+      config.thread_cache_set != s.config_.thread_cache_set || config.thread_cache != s.config_.thread_cache;
   s.config_ = config;
+  if (thread_cache_changed) s.apply_thread_cache_setting(config);
   s.stats_.max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                                 ? -1
                                 : static_cast<std::int64_t>(config.max_split_size_bytes);

@@ -24,6 +24,7 @@ device_state::device_state(int device, device_backend& backend, allocator_config
   allowed_bytes_ = device_total_bytes_;
   if (backend_.capabilities().virtual_memory) page_bytes_ = backend_.vm_granularity(device_);
   check_expandable_supported(config_);
+  apply_thread_cache_setting(config_);
   stats_.max_split_size = config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                               ? -1
                               : static_cast<std::int64_t>(config_.max_split_size_bytes);
@@ -31,6 +32,12 @@ device_state::device_state(int device, device_backend& backend, allocator_config
     world_lock w(*this);
     set_memory_fraction(config_.per_process_memory_fraction, w);
   }
+}
+
+void device_state::apply_thread_cache_setting(const allocator_config& config) {
+  if (!config.thread_cache_set) return;
+  thread_caches_.small_only = config.thread_cache == thread_cache_mode::small;
+  thread_caches_.enabled.store(config.thread_cache != thread_cache_mode::off, std::memory_order_relaxed);
 }
 
 device_state::~device_state() {

@@ -41,6 +41,14 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   if (set_fraction_)
     msg += " The per-process memory fraction " + format_fraction(fraction_) + " allows " +
            format_bytes(allowed_bytes_) + ".";
+  // The device may refuse memory it reports free (another process took it
+  // meanwhile, its free memory is fragmented, an injected fault): say so
+  // rather than leave "X is free" unexplained.
+  const bool under_fraction = !set_fraction_ || reserved_bytes_ + needed <= allowed_bytes_;
+  if (info.free_bytes >= needed && under_fraction)
+    msg += std::string(" The device refused the ") + (pages ? "pages" : "segment") +
+           " although it reports that much free (its free memory may be fragmented or taken meanwhile by "
+           "another process).";
   msg += " Of the memory held by ccalloc, " + format_bytes(allocated) + " is allocated and " +
          format_bytes(reserved - std::min(reserved, allocated)) +
          " is reserved but unallocated; the largest cached free block is " + format_bytes(largest_free) + ".";

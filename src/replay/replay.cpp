@@ -116,7 +116,7 @@ std::vector<bool> never_freed_allocs(const trace& t) {
 
 // Trace stream -> the stream the replay uses for it.
 struct stream_map {
-  bool identity = true;  // the trace's handle itself (the simulated device accepts any)
+  bool identity = true;  // the trace's handle itself (adopted by the simulated device: replay_trace)
   std::unordered_map<std::uint64_t, stream_t> streams;
   [[nodiscard]] stream_t operator()(std::uint64_t recorded) const {
     return identity ? static_cast<stream_t>(recorded) : streams.at(recorded);
@@ -345,6 +345,19 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
     // GPU the gate driver defers segment frees past the gaps instead).
     so.segment_free_synchronizes = false;
     auto sim = std::make_shared<sim_backend>(so);
+    // The trace's stream ids are used as they are: make each a stream of the
+    // simulated device (it rejects handles it never made), before any side
+    // stream is created. 0, 1 and 2 are the default streams' handles.
+    {
+      std::unordered_set<stream_t> adopted;
+      for (const trace_event& e : t.events) {
+        const auto s = static_cast<stream_t>(e.stream);
+        if (s == default_stream || s == legacy_stream_handle || s == per_thread_stream_handle ||
+            device_backend::is_per_thread_stream(s) || !adopted.insert(s).second)
+          continue;
+        sim->adopt_stream(0, s);
+      }
+    }
     r.device_memory_bytes = options.device_memory_bytes;
     if (options.use_gates_on_sim) {
       replay_with_gates(t, completion, sim, 0, /*own_streams=*/false, /*watchdog=*/false, config,

@@ -19,10 +19,15 @@
 // behind a closed gate makes it throw, see Gates); the replay turns this off
 // (sim_options::segment_free_synchronizes).
 //
-// Streams: any handle is a stream (created lazily, see enqueue_work).
-// legacy_stream_handle is stream 0; per_thread_stream_handle is the calling
-// thread's own per-thread default stream (resolve_stream's handle for that
-// thread), so two threads passing it use two streams, as on CUDA.
+// Streams: the default stream (0, also legacy_stream_handle), the per-thread
+// default streams (per_thread_stream_handle is the calling thread's own,
+// resolve_stream's handle for that thread, so two threads passing it use two
+// streams, as on CUDA), and the streams create_stream or adopt_stream made on
+// a device and destroy_stream has not destroyed. Every call that takes a
+// stream throws invalid_argument_error naming the handle for any other
+// handle (never created, destroyed, or another device's), as CUDA fails
+// such a call; adopt_stream gives a stream a chosen handle (the replay uses
+// a trace's stream ids as they are).
 //
 // What differs from a GPU (a test passing here may not prove the GPU case):
 // - Nothing runs: kernels are enqueue_work calls, copies are a memmove at
@@ -106,7 +111,10 @@
 // (peer_access_enabled and peer_can_access read it back).
 //
 // Capacity: every segment_malloc of n bytes uses n rounded up to the
-// granularity; it returns nullptr when that would pass the capacity. vm_create
+// granularity; it returns nullptr when that would pass the capacity, and
+// throws backend_error ("the host could not reserve the simulated memory:
+// mmap failed: <errno text>") when the capacity allows it but the host
+// cannot map it (e.g. more than the process's address space). vm_create
 // uses its size (a multiple of the granularity) and returns false instead.
 // Invariant, per device: used_bytes = sum of live segments' charged bytes +
 // sum of live handles' sizes <= capacity (unless set_capacity lowered it).
@@ -207,7 +215,18 @@ class sim_backend final : public device_backend {
   [[nodiscard]] void* segment_malloc(int device, std::size_t size_bytes) override;
   void segment_free(int device, void* ptr) override;
 
+  /// A new stream of `device`; its handle is never 0, 1, 2, a per-thread
+  /// handle, or a handle adopt_stream gave to a live stream.
   [[nodiscard]] stream_t create_stream(int device) override;
+  /// Makes `stream` a live stream of `device` under that very handle, as if
+  /// create_stream had returned it (destroy_stream ends it), so that a
+  /// trace's stream ids can be used directly. Throws invalid_argument_error
+  /// for 0, 1, 2 or a per-thread handle, and for a handle that is a live
+  /// stream of any device already; backend_error for a device out of range.
+  /// Thread-safe.
+  void adopt_stream(int device, stream_t stream);
+  /// Throws invalid_argument_error for a handle that is not a live stream
+  /// create_stream or adopt_stream made on `device`.
   void destroy_stream(int device, stream_t stream) override;
   [[nodiscard]] event_t create_event(int device) override;
   void destroy_event(int device, event_t event) override;
@@ -335,9 +354,9 @@ class sim_backend final : public device_backend {
   /// Advances the clock to `time` (never moves it back).
   void advance_to(std::uint64_t time);
   /// Work queued on `stream` (of `device`) runs until virtual time `until`
-  /// (the stream's busy-until becomes max(current, until)). Stream 0 and any
-  /// handle the backend did not create are accepted: they are created lazily,
-  /// so a trace's stream ids can be used directly.
+  /// (the stream's busy-until becomes max(current, until)). Throws
+  /// invalid_argument_error for a handle that is not a stream of `device`
+  /// (see "Streams" above; adopt_stream makes one of any handle).
   void enqueue_work(int device, stream_t stream, std::uint64_t until);
   /// Declares that the work queued on `stream` so far uses device memory
   /// [ptr, ptr + size_bytes) (a kernel reading or writing it): it is in use

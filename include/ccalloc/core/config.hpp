@@ -20,6 +20,7 @@
 #include <array>
 #include <bit>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -42,6 +43,14 @@ inline constexpr const char* pytorch_policies =
 /// policies; not byte-exact, as PyTorch maps 20 MiB at a time).
 inline constexpr const char* pytorch_expandable_policies =
     "expandable_segments:True,trim_on_new_peak:False,reuse_across_streams:False";
+
+/// Which freed blocks the thread cache parks (the thread_cache key; see
+/// device_caching_allocator::set_thread_cache_enabled).
+enum class thread_cache_mode : std::uint8_t {
+  off,    ///< no thread cache
+  small,  ///< small-pool blocks only (requests of at most 1 MiB)
+  all,    ///< every block of the normal pools
+};
 
 struct allocator_config {
   /// Blocks of this size or more are "oversize": never split, and only
@@ -110,6 +119,17 @@ struct allocator_config {
   /// completed) moves to the requesting stream. False keeps PyTorch's rule:
   /// a block serves only the stream it was allocated on.
   bool reuse_across_streams = true;
+  /// ccalloc's own key (thread_cache: off, small or all; issue 18): each
+  /// thread parks up to 4 blocks it freed and gets one back for the same
+  /// bytes on the same stream without locks. Default off (it can raise peak
+  /// reserved memory). Applies when thread_cache_set: the key, when given,
+  /// wins over the environment variable CCALLOC_THREAD_CACHE, which decides
+  /// (at device creation) only when the key is not given.
+  thread_cache_mode thread_cache = thread_cache_mode::off;
+  /// Whether thread_cache was given explicitly (to_string() writes it only
+  /// then). Invariant kept by the parser: !thread_cache_set implies
+  /// thread_cache == off.
+  bool thread_cache_set = false;
 
   // Accepted for compatibility with PyTorch's config strings; they configure
   // PyTorch's pinned host allocator, its backend choice or its CUDA-graph
@@ -148,7 +168,8 @@ struct allocator_config {
   /// config_keys() order except those at a "not set" state that has no
   /// spelling: max_split_size_mb when unlimited, garbage_collection_threshold
   /// when 0, per_process_memory_fraction when !memory_fraction_set,
-  /// pinned_reserve_segment_size_mb when 0.
+  /// thread_cache when !thread_cache_set, pinned_reserve_segment_size_mb
+  /// when 0.
   [[nodiscard]] std::string to_string() const;
 
   /// Divisions that apply to a request of `size_bytes` (PyTorch's

@@ -128,9 +128,13 @@ class device_caching_allocator {
   /// backend_error, the mode is unchanged.
   void set_caching_enabled(bool enabled);
   [[nodiscard]] bool caching_enabled() const;
-  /// The thread cache (off by default; CCALLOC_THREAD_CACHE=1 turns it on,
-  /// =small keeps it to small-pool blocks, for every device created
-  /// afterwards; this call overrides it for this device): each thread keeps
+  /// The thread cache (off by default; the configuration key
+  /// thread_cache:off|small|all sets it when the device is created and at a
+  /// set_config that changes the key; when the key is not given,
+  /// CCALLOC_THREAD_CACHE=1 turns it on and =small keeps it to small-pool
+  /// blocks, for every device created afterwards; this call overrides both
+  /// for this device until a configuration that changes the key is set):
+  /// each thread keeps
   /// up to 4 blocks it freed and hands one back when it asks for the same
   /// bytes on the same stream, without locks or pool search (docs/perf.md,
   /// "The thread cache"). It changes which block a request gets (the most

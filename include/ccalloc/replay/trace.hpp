@@ -20,6 +20,7 @@
 #pragma once
 
 #include <ccalloc/base/errors.hpp>
+#include <ccalloc/base/printable_text.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -28,27 +29,6 @@
 #include <vector>
 
 namespace ccalloc {
-
-/// `text` safe to print on a terminal and to carry in a C string: each
-/// control byte (below 0x20 except tab and newline, and 0x7f; NUL and ESC
-/// included) becomes "\xHH", so a trace cannot clear the screen or cut a
-/// message short. Other bytes (UTF-8 included) stay as they are.
-inline std::string printable_text(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (const char c : text) {
-    const auto u = static_cast<unsigned char>(c);
-    if ((u < 0x20 && c != '\n' && c != '\t') || u == 0x7f) {
-      constexpr char hex[] = "0123456789abcdef";
-      out += "\\x";
-      out += hex[u >> 4];
-      out += hex[u & 0xf];
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
 
 /// A malformed trace. what() is "FILE:LINE: reason", with control bytes of
 /// the file name and the reason (which may quote the trace) escaped

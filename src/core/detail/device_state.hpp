@@ -515,6 +515,12 @@ class device_state {
   void fence_streams(const world_lock& w);  // [world]
   void release_empty_expandable_segments();
   void check_expandable_supported(const allocator_config& config) const;  // [none]: page_bytes_ is fixed
+  // [world, or in the constructor] The thread_cache key, when given
+  // (config.thread_cache_set), switches the thread cache (enabled,
+  // small_only); otherwise it stays as CCALLOC_THREAD_CACHE or
+  // set_thread_cache_enabled left it. small_only is written as caching_ is:
+  // under the world lock, read by the park path.
+  void apply_thread_cache_setting(const allocator_config& config);
   // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
   // restarts the count of recycles_per_peak.
   void raise_reserved_high_water() noexcept;
