@@ -14,6 +14,7 @@
 #   HOTPATH_CASES     bench_gpu --cases (default: pair,mixed,churn,threads)
 #   HOTPATH_REPS      bench_gpu --reps (default 5)
 # Writes OUT_DIR/hotpath-N.log per setting, OUT_DIR/perf-mixed.txt, and a
+# OUT_DIR/bench_vm.log (bench_vm: driver virtual memory calls per page), and a
 # summary (printed last) in OUT_DIR/hotpath-summary.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,7 @@ say() { echo "gpu-hotpath: $*" >&2; }
 
 BUILD=build-bench-gpu
 if ! { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCCALLOC_MINIMAL=ON -DCCALLOC_WITH_CUDA=ON \
-         >"$OUT/build.log" 2>&1 && cmake --build "$BUILD" --target bench_gpu >>"$OUT/build.log" 2>&1; }; then
+         >"$OUT/build.log" 2>&1 && cmake --build "$BUILD" --target bench_gpu bench_vm >>"$OUT/build.log" 2>&1; }; then
   say "bench_gpu did not build:"; tail -n 30 "$OUT/build.log" >&2; exit 1
 fi
 
@@ -46,6 +47,9 @@ for setting in "${list[@]}"; do
   ) >"$OUT/hotpath-$i.log" 2>&1
 done
 
+say "bench_vm: the driver's virtual memory calls per page"
+timeout 60 "$BUILD/bench/gpu/bench_vm" 32 7 >"$OUT/bench_vm.log" 2>&1
+
 if command -v perf >/dev/null 2>&1; then
   say "perf of the mixed case (default setting)"
   ( unset CCALLOC_CONF CCALLOC_THREAD_CACHE
@@ -59,6 +63,9 @@ fi
 
 {
   echo "# bench_gpu, ccalloc only, per setting ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"
+  echo
+  echo "## bench_vm (driver virtual memory calls, per page)"
+  grep -E '^(INFO|RESULT)' "$OUT/bench_vm.log"
   for f in "$OUT"/hotpath-*.log; do
     echo
     echo "## $(head -1 "$f")"

@@ -36,7 +36,7 @@ device_state::device_state(int device, device_backend& backend, allocator_config
 
 void device_state::apply_thread_cache_setting(const allocator_config& config) {
   if (!config.thread_cache_set) return;
-  thread_caches_.small_only = config.thread_cache == thread_cache_mode::small;
+  thread_caches_.small_only.store(config.thread_cache == thread_cache_mode::small, std::memory_order_relaxed);
   thread_caches_.enabled.store(config.thread_cache != thread_cache_mode::off, std::memory_order_relaxed);
 }
 

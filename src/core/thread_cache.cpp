@@ -102,13 +102,13 @@ thread_cache_registry::thread_cache_registry() {
   // with `small`; docs/perf.md), and memory held is ccalloc's headline.
   const std::string mode = env_mode();
   const bool on = mode == "1" || mode == "true" || mode == "on" || mode == "yes" || mode == "all";
-  small_only = mode == "small";
-  if (!on && !small_only && !mode.empty() && mode != "0" && mode != "false" && mode != "off" && mode != "no")
+  small_only.store(mode == "small", std::memory_order_relaxed);
+  if (!on && mode != "small" && !mode.empty() && mode != "0" && mode != "false" && mode != "off" && mode != "no")
     std::fprintf(stderr,
                  "warning: ccalloc: CCALLOC_THREAD_CACHE='%s' is not one of 1/on/all, small, 0/off: the thread "
                  "cache stays off\n",
                  mode.c_str());
-  enabled.store(on || small_only, std::memory_order_relaxed);
+  enabled.store(on || mode == "small", std::memory_order_relaxed);
 }
 
 thread_cache_registry::~thread_cache_registry() {

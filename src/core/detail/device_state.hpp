@@ -518,8 +518,8 @@ class device_state {
   // [world, or in the constructor] The thread_cache key, when given
   // (config.thread_cache_set), switches the thread cache (enabled,
   // small_only); otherwise it stays as CCALLOC_THREAD_CACHE or
-  // set_thread_cache_enabled left it. small_only is written as caching_ is:
-  // under the world lock, read by the park path.
+  // set_thread_cache_enabled left it. small_only is an atomic written
+  // under the world lock and read (relaxed) by the park path.
   void apply_thread_cache_setting(const allocator_config& config);
   // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
   // restarts the count of recycles_per_peak.

@@ -131,7 +131,7 @@ class thread_cache_registry {
   thread_cache_registry& operator=(const thread_cache_registry&) = delete;
 
   std::atomic<bool> enabled{true};  // read without a lock; set under the world lock
-  bool small_only = false;          // CCALLOC_THREAD_CACHE=small; fixed at construction
+  std::atomic<bool> small_only{false};  // only small blocks (thread_cache:small); set under the world lock, read by park
   std::shared_ptr<thread_cache_core> core = std::make_shared<thread_cache_core>();
 };
 

@@ -71,7 +71,7 @@ inline void thread_cache_flush_own(device_state& s) {
 inline bool thread_cache_park(device_state& s, block* b) {
   if (!s.thread_caches_.enabled.load(std::memory_order_relaxed) || !b->stream_uses.empty() ||
       b->pool->priv != nullptr || !s.caching_ || s.capture_underway() ||
-      (s.thread_caches_.small_only && !b->pool->is_small)) [[unlikely]]
+      (s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small)) [[unlikely]]
     return false;
   thread_cache_record* r = tls_last_record;
   if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
