@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
   // The counters' increase over the measured part, on stderr.
   auto print_stats = [&](const char* what, const char* unit, const ccalloc::device_stats& before) {
     const ccalloc::device_stats after = a.device_allocator(0).stats();
+    const auto all = static_cast<std::size_t>(ccalloc::stat_group::all);
     std::fprintf(stderr,
                  "stats %s %s=%ld pages_mapped=%lld pages_unmapped=%lld pages_remapped=%lld device_allocs=%lld "
                  "device_frees=%lld device_synchronizations=%lld reserved_bytes=%lld\n",
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
                  static_cast<long long>(after.num_device_alloc - before.num_device_alloc),
                  static_cast<long long>(after.num_device_free - before.num_device_free),
                  static_cast<long long>(after.num_device_synchronizations - before.num_device_synchronizations),
-                 static_cast<long long>(after.reserved_bytes[static_cast<std::size_t>(ccalloc::stat_group::all)].current));
+                 static_cast<long long>(after.reserved_bytes[all].current));
   };
   if (std::strcmp(argv[1], "pair") == 0) {
     a.free(a.malloc(0, 512, stream));

@@ -531,17 +531,18 @@ void device_state::wait_fences(stream_state& ss) {
 // ---- idle reservations of other streams (issue 15) ------------------------------
 
 // Whether expandable segment `seg`, of another stream, may pass to p's
-// stream and pool: cross-stream reuse and trim_on_new_peak are on (off,
-// reservations stay with their stream as in PyTorch), no capture is underway, both
-// are default pools of the same size class, it has mapped pages, none of
-// its blocks is allocated or waiting for events, and the page fences of its
-// mapped free blocks have completed (queried, never waited for). A stream
-// that allocated for a while and went quiet (a short-lived side stream, a
-// prefetch stream between bursts) thus hands its mapped pages over whole.
+// stream and pool: reuse_across_streams and trim_on_new_peak are on (either
+// off: reservations stay with their stream, as in PyTorch), no capture is
+// underway, both are default pools of the same size class, it has mapped
+// pages, none of its blocks is allocated or waiting for events, and the
+// page fences of its mapped free blocks have completed (queried, never
+// waited for). A stream that allocated for a while and went quiet (a
+// short-lived side stream, a prefetch stream between bursts) thus hands its
+// mapped pages over whole.
 bool device_state::idle_reservation(segment& seg, const alloc_params& p) {
   const block_pool* pool = seg.head->pool;
-  if (!config_.reuse_across_streams || !config_.trim_on_new_peak || pool == p.pool || pool->priv != nullptr || p.pool->priv != nullptr ||
-      pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || capture_underway())
+  if (!config_.reuse_across_streams || !config_.trim_on_new_peak || pool == p.pool || pool->priv != nullptr ||
+      p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || capture_underway())
     return false;
   for (const block* x = seg.head; x != nullptr; x = x->next)
     if (!x->is_free()) return false;
