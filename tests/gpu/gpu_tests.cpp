@@ -1187,15 +1187,21 @@ void test_expandable_empty_cache_unmaps() {
        " after; " + mib_text(end) + " at the end");
 }
 
+// 64 MiB on `s`, written by a long kernel on `s`, then freed (the free is
+// stream-ordered after the kernel). Returns the freed address.
+void* free_behind_long_kernel(caching_allocator& alloc, stream_t s, unsigned seed) {
+  void* a = alloc.malloc(0, 64 * mib, s);
+  CUDA_OK(gk::launch_spin_fill(a, 64 * mib, seed, 20'000'000, cs(s)));
+  alloc.free(a);
+  return a;
+}
+
 void test_expandable_recycles_pages_across_streams() {
   if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
   auto alloc = make_allocator();
   scoped_stream s1;
   scoped_stream s2;
-  void* a = alloc->malloc(0, 64 * mib, s1.get());
-  // A long kernel on s1 writes `a`; the free is stream-ordered after it.
-  CUDA_OK(gk::launch_spin_fill(a, 64 * mib, 41, 20'000'000, cs(s1.get())));
-  alloc->free(a);
+  free_behind_long_kernel(*alloc, s1.get(), 41);
   const auto stats0 = alloc->get_device_stats(0);
   // s2 needs 64 MiB while s1's kernel still uses the pages (their page fence
   // has not completed): they stay put, new pages are mapped, nobody waits.
@@ -1230,10 +1236,7 @@ void test_expandable_idle_reservation_passes_whole() {
   scoped_stream s1;
   scoped_stream s2;
   scoped_stream s3;
-  void* a = alloc->malloc(0, 64 * mib, s1.get());
-  // A long kernel on s1 writes `a`; the free is stream-ordered after it.
-  CUDA_OK(gk::launch_spin_fill(a, 64 * mib, 51, 20'000'000, cs(s1.get())));
-  alloc->free(a);
+  void* a = free_behind_long_kernel(*alloc, s1.get(), 51);
   const auto stats0 = alloc->get_device_stats(0);
   // s1's kernel still runs: its reservation is not idle, s2 maps new pages.
   void* b = alloc->malloc(0, 64 * mib, s2.get());
