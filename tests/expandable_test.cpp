@@ -123,6 +123,7 @@ TEST_F(ExpandableTest, EmptyCacheNeverTouchesLiveBlocks) {
 }
 
 TEST_F(ExpandableTest, FreePagesOfAnotherStreamAreRecycledInsteadOfGrowing) {
+  make(256 * MiB, "reuse_across_streams:False");  // else stream 0's idle reservation passes whole
   const stream_t other = sim->create_stream(0);
   void* a = m(20 * MiB);
   alloc->free(a);  // cached on stream 0; high-water 20 MiB
@@ -139,7 +140,7 @@ TEST_F(ExpandableTest, FreePagesOfAnotherStreamAreRecycledInsteadOfGrowing) {
 // X3 with recycles_per_peak: after the limit at one high-water mark, the mark
 // rises instead. Recycling waits for nothing (page fences: issue 15).
 TEST_F(ExpandableTest, RecyclingStopsAfterTheLimitAtOneHighWaterMark) {
-  make(256 * MiB, "recycles_per_peak:1");
+  make(256 * MiB, "recycles_per_peak:1,reuse_across_streams:False");  // page by page, no idle reservation moves
   const stream_t other = sim->create_stream(0);
   alloc->free(m(20 * MiB));       // stream 0 caches 10 pages; high-water 20 MiB
   void* b = m(20 * MiB, other);  // recycles them: the one recycling allowed at 20 MiB
@@ -158,7 +159,7 @@ TEST_F(ExpandableTest, RecyclingStopsAfterTheLimitAtOneHighWaterMark) {
 }
 
 TEST_F(ExpandableTest, RecyclesPerPeakZeroGrowsLikePyTorchAndNeverSynchronizes) {
-  make(256 * MiB, "recycles_per_peak:0");
+  make(256 * MiB, "recycles_per_peak:0,reuse_across_streams:False");
   const stream_t other = sim->create_stream(0);
   alloc->free(m(20 * MiB));
   alloc->free(m(20 * MiB, other));
@@ -169,13 +170,16 @@ TEST_F(ExpandableTest, RecyclesPerPeakZeroGrowsLikePyTorchAndNeverSynchronizes) 
 
 TEST_F(ExpandableTest, TheDefaultRecyclesAtEveryNewPeak) {
   const stream_t other = sim->create_stream(0);
+  void* keep = m(2 * MiB);  // stream 0 stays busy: its reservation cannot pass whole
   alloc->free(m(20 * MiB));
-  alloc->free(m(20 * MiB, other));
-  void* c = m(4 * MiB);
+  void* b = m(20 * MiB, other);
+  EXPECT_EQ(st().num_pages_remapped, 10);
+  alloc->free(b);
+  void* c = m(24 * MiB);  // other's idle reservation passes whole; 2 new pages
   EXPECT_EQ(st().num_device_synchronizations, 0);
-  EXPECT_EQ(st().num_pages_remapped, 12);
-  EXPECT_EQ(reserved(), I(20 * MiB)) << "the peak never grew";
-  alloc->free(c);
+  EXPECT_EQ(st().num_pages_remapped, 10) << "other's 10 pages stay where they are";
+  EXPECT_EQ(reserved(), I(26 * MiB)) << "keep's page and other's 10, plus 2 new ones";
+  for (void* p : {keep, c}) alloc->free(p);
 }
 
 TEST_F(ExpandableTest, WithoutTrimTheReservationGrowsLikePyTorch) {

@@ -52,7 +52,10 @@ class PageFenceTest : public ::testing::Test {
   std::unique_ptr<caching_allocator> alloc;
 };
 
+// (The recycling tests turn cross-stream reuse off: an idle stream's
+// reservation would otherwise pass whole, with no page remapped.)
 TEST_F(PageFenceTest, RecyclingForANewPeakNeverSynchronizes) {
+  make(256 * MiB, "reuse_across_streams:False");
   const stream_t other = sim->create_stream(0);
   alloc->free(m(20 * MiB));      // stream 0's work is done (idle stream): its fence completes at once
   void* b = m(20 * MiB, other);  // would be a new peak: stream 0's 10 pages move
@@ -117,12 +120,94 @@ TEST_F(PageFenceTest, PagesOfAStreamThatNoLongerAllocatesFlowToNewStreams) {
   EXPECT_EQ(st().reserved_bytes[0].peak, peak_after_first);
   EXPECT_EQ(st().num_device_synchronizations, 0);
   EXPECT_EQ(st().bytes_moved_between_streams, I(5 * 16 * MiB));
+  EXPECT_EQ(st().num_pages_remapped, 0) << "each stream's reservation passes on whole: no page is remapped";
+  EXPECT_EQ(st().num_pages_mapped, 8) << "the first stream's 8 pages, mapped once";
+}
+
+// ---- idle reservations pass whole to another stream (issue 15) ----
+
+// The mapped bytes of `s`'s expandable segments (large and small pool).
+std::size_t mapped_on(caching_allocator& a, stream_t s) {
+  std::size_t n = 0;
+  for (const auto& e : a.expandable_segment_sizes(0))
+    if (e.stream == s) n += e.mapped_bytes;
+  return n;
+}
+
+TEST_F(PageFenceTest, AnIdleStreamsReservationIsAdoptedWithItsPagesWhereTheyAre) {
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));      // stream 0: nothing live, its fence completes at once
+  void* b = m(20 * MiB, other);  // stream 0's whole reservation becomes other's
+  EXPECT_EQ(st().num_pages_remapped, 0);
+  EXPECT_EQ(st().num_pages_unmapped, 0);
+  EXPECT_EQ(st().num_pages_mapped, 10) << "the 10 pages mapped for stream 0, none since";
+  EXPECT_EQ(reserved(), I(20 * MiB));
+  EXPECT_EQ(st().bytes_moved_between_streams, I(20 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(mapped_on(*alloc, other), 20 * MiB);
+  EXPECT_EQ(mapped_on(*alloc, 0), 0u);
+  void* c = m(4 * MiB);  // stream 0 allocates again: a reservation of its own
+  EXPECT_EQ(reserved(), I(24 * MiB));
+  EXPECT_EQ(st().num_pages_remapped, 0) << "other's reservation holds a live block: not idle, not recycled";
+  for (void* p : {b, c}) alloc->free(p);
+}
+
+TEST_F(PageFenceTest, AReservationStillUsedByItsStreamIsNotAdopted) {
+  const stream_t other = sim->create_stream(0);
+  const stream_t third = sim->create_stream(0);
+  use_and_free(m(20 * MiB), 20 * MiB, 0, 100);  // stream 0's kernel uses the block until t=100
+  void* b = m(20 * MiB, other);
+  EXPECT_EQ(st().bytes_moved_between_streams, 0) << "stream 0's work may still touch its pages";
+  EXPECT_EQ(reserved(), I(40 * MiB));
+  alloc->free(b);
+  sim->advance_to(100);
+  void* c = m(20 * MiB, third);  // both reservations are idle now: one is adopted
+  EXPECT_EQ(st().bytes_moved_between_streams, I(20 * MiB));
+  EXPECT_EQ(st().num_pages_remapped, 0);
+  EXPECT_EQ(reserved(), I(40 * MiB));
+  EXPECT_EQ(mapped_on(*alloc, third), 20 * MiB);
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  alloc->free(c);
+}
+
+TEST_F(PageFenceTest, AReservationWithALiveBlockGivesPagesNotItself) {
+  const stream_t other = sim->create_stream(0);
+  void* keep = m(4 * MiB);  // stream 0 keeps a live block
+  alloc->free(m(20 * MiB));
+  void* b = m(20 * MiB, other);
+  EXPECT_EQ(st().num_pages_remapped, 10) << "stream 0's 10 free pages are recycled one by one";
+  EXPECT_EQ(reserved(), I(24 * MiB));
+  EXPECT_EQ(mapped_on(*alloc, 0), 4 * MiB);
+  for (void* p : {keep, b}) alloc->free(p);
+}
+
+TEST_F(PageFenceTest, SmallPoolReservationsAreAdoptedToo) {
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(512 * 1024));
+  void* b = m(512 * 1024, other);
+  EXPECT_EQ(st().num_pages_mapped, 1);
+  EXPECT_EQ(st().num_pages_remapped, 0);
+  EXPECT_EQ(reserved(), I(2 * MiB));
+  EXPECT_EQ(mapped_on(*alloc, other), 2 * MiB);
+  alloc->free(b);
+}
+
+TEST_F(PageFenceTest, WithoutCrossStreamReuseIdlePagesAreRecycledInstead) {
+  make(256 * MiB, "reuse_across_streams:False");
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  void* b = m(20 * MiB, other);
+  EXPECT_EQ(st().num_pages_remapped, 10);
+  EXPECT_EQ(reserved(), I(20 * MiB));
+  EXPECT_EQ(mapped_on(*alloc, 0), 0u);
+  alloc->free(b);
 }
 
 TEST_F(PageFenceTest, FencesRecordedOnTheSlowPathLetPagesMoveWhileTheStreamKeepsRunning) {
   // A device that runs behind the host: stream 0 always has work queued. A
   // fence recorded only when its pages are wanted would cover all of it; the
   // one recorded on an earlier slow path covers just the work before the free.
+  make(256 * MiB, "reuse_across_streams:False");
   const stream_t other = sim->create_stream(0);
   alloc->free(m(60 * MiB));
   alloc->empty_cache();  // high-water mark 60 MiB, nothing reserved
@@ -140,7 +225,7 @@ TEST_F(PageFenceTest, FencesRecordedOnTheSlowPathLetPagesMoveWhileTheStreamKeeps
 }
 
 TEST_F(PageFenceTest, RecyclesPerPeakLimitsRemappingAtOneMark) {
-  make(256 * MiB, "recycles_per_peak:1");
+  make(256 * MiB, "recycles_per_peak:1,reuse_across_streams:False");
   const stream_t other = sim->create_stream(0);
   alloc->free(m(20 * MiB));
   void* b = m(20 * MiB, other);  // the one recycling allowed at the 20 MiB mark

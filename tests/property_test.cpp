@@ -94,6 +94,11 @@ struct prop_case {
   // block's own stream before its free (checked: no other stream gets the
   // block before that work completes).
   bool threads = false;
+  // Short-lived side streams (issue 15): now and then a burst of
+  // allocations on one of a few streams that are otherwise idle, used by
+  // work on that stream and freed at once; their idle reservations pass
+  // whole to other streams (checked: never before that work completes).
+  bool bursts = false;
 };
 
 [[maybe_unused]] std::ostream& operator<<(std::ostream& os, const prop_case& c) {
@@ -193,6 +198,7 @@ struct run_totals {
   std::size_t fraction_changes = 0, empty_caches = 0, reuse_checks = 0, toggles = 0;
   std::size_t pool_ops = 0, pool_allocs = 0, pool_misuse = 0, live_checks = 0, deferred_frees = 0;
   std::size_t uses = 0;
+  std::size_t bursts = 0, adoptions = 0;
 };
 
 // Memory that work on `stream` uses until `until` (do_use, or a block freed
@@ -269,6 +275,7 @@ class model_runner {
     step_ = index;
     advanced_ = false;
     if (case_.pools && rng_() % 100 < 5) return do_pool_op();
+    if (case_.bursts && rng_() % 100 < 2) return do_burst();
     const std::size_t w_malloc = 100;
     const std::size_t w_free = 2 * live_.size();
     const std::size_t w_record = live_.empty() ? 0 : 14;
@@ -353,6 +360,7 @@ class model_runner {
     }
     std::uint64_t end = sim_->now();
     for (stream_t s : side_streams_) end = std::max(end, sim_->busy_until(0, s));
+    for (stream_t s : burst_streams_) end = std::max(end, sim_->busy_until(0, s));
     sim_->advance_to(end);
     alloc_->empty_cache();
     pending_.clear();
@@ -594,6 +602,44 @@ class model_runner {
     return {};
   }
 
+  // A short-lived side stream's burst: 1-3 allocations on one of the burst
+  // streams, each used by a kernel on that stream and freed at once (a
+  // stream-ordered free: only that stream may reuse the bytes before the
+  // kernel ends). Counts the expandable segments that changed stream since
+  // the last burst (an idle reservation adopted).
+  std::string do_burst() {
+    ++totals_.bursts;
+    if (burst_streams_.empty())
+      for (int i = 0; i < 3; ++i) burst_streams_.push_back(sim_->create_stream(0));
+    // (A segment given back since the last burst may have had its address
+    // reserved again for another stream: start over then.)
+    if (const std::int64_t freed = dev_->stats().segment[0].freed; freed != segments_freed_) {
+      segments_freed_ = freed;
+      segment_streams_.clear();
+    }
+    for (const auto& e : alloc_->expandable_segment_sizes(0)) {
+      const auto [it, fresh] = segment_streams_.try_emplace(e.address, e.stream);
+      if (!fresh && it->second != e.stream) {
+        ++totals_.adoptions;
+        it->second = e.stream;
+      }
+    }
+    const stream_t s = burst_streams_[rng_() % burst_streams_.size()];
+    const std::size_t n = 1 + rng_() % 3;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t before = live_order_.size();
+      if (std::string e = do_malloc(pick_size(), s); !e.empty()) return e;
+      if (live_order_.size() == before || live_.at(live_order_.back()).stream != s) continue;  // OOM or routed away
+      const std::uintptr_t ptr = live_order_.back();
+      const std::size_t size = live_.at(ptr).size;
+      sim_->enqueue_work(0, s, sim_->now() + 1 + rng_() % 60);
+      sim_->use_memory(0, reinterpret_cast<void*>(ptr), size, s);
+      uses_.push_back({ptr, size, s, sim_->busy_until(0, s)});
+      if (std::string e = do_free(live_order_.size() - 1); !e.empty()) return e;
+    }
+    return {};
+  }
+
   std::string do_record() {
     ++totals_.records;
     auto it = live_at(rng_() % live_.size());
@@ -797,6 +843,9 @@ class model_runner {
   stream_t main_per_thread_ = 0;    // resolve_stream(per_thread_stream_handle) here
   stream_t worker_per_thread_ = 0;  // and on the worker
   std::vector<memory_use> uses_;
+  std::vector<stream_t> burst_streams_;                    // do_burst's streams
+  std::map<std::uintptr_t, stream_t> segment_streams_;     // expandable segment -> stream at the last burst
+  std::int64_t segments_freed_ = 0;                        // segment.all.freed at the last burst
   std::uint64_t seen_segment_frees_ = 0;
   std::size_t live_requested_ = 0;
   std::size_t pending_requested_ = 0;
@@ -852,6 +901,12 @@ TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
     EXPECT_GT(t.busy_frees, 0u);
   }
   EXPECT_GT(t.uses, 0u);
+  if (c.bursts) {
+    std::printf("[ property ] %s: %zu bursts on short-lived streams, %zu reservations seen changing stream\n",
+                c.name, t.bursts, t.adoptions);
+    EXPECT_GT(t.bursts, 0u);
+    EXPECT_GT(t.adoptions, 0u) << "no idle reservation was adopted";
+  }
   if (c.pools) {
     std::printf("[ property ] %s: %zu pool ops, %zu allocations in pools, %zu rejected misuses, %zu live checks, "
                 "%zu deferred frees\n", c.name, t.pool_ops, t.pool_allocs, t.pool_misuse, t.live_checks,
@@ -890,7 +945,10 @@ INSTANTIATE_TEST_SUITE_P(
                   true, true},
         // Plain segments near a full device with per-thread streams and
         // record_stream (issue 16: OOM while a fitting block waited on an event).
-        prop_case{"plain_threads", "expandable_segments:False", false, false, 0x5eed000e, 200'000, false, true}),
+        prop_case{"plain_threads", "expandable_segments:False", false, false, 0x5eed000e, 200'000, false, true},
+        // Short-lived side streams whose idle reservations other streams
+        // adopt (issue 15), with per-thread streams and busy frees.
+        prop_case{"side_stream_bursts", "", false, false, 0x5eed000f, 200'000, false, true, true}),
     [](const ::testing::TestParamInfo<prop_case>& param_info) { return std::string(param_info.param.name); });
 
 }  // namespace

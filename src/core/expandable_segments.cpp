@@ -8,6 +8,11 @@
 // (trim_on_new_peak) or past the memory-fraction cap, free whole pages of any
 // stream are unmapped first and their physical handles mapped where they are
 // needed (X3), so the reservation does not grow while free pages exist.
+// A stream that has gone idle (nothing allocated or waiting in its
+// reservation, its page fences completed) hands its reservation over whole
+// when that needs fewer new pages than the request's own placement: a new
+// side stream per step then takes the last one's mapped pages where they
+// are, instead of each page being unmapped and mapped again (issue 15).
 //
 // Page fences (issue 15): cuMemUnmap does not wait for queued work that may
 // still touch the range, and the work that last used a free block was
@@ -150,8 +155,12 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   const std::size_t page = page_bytes_;
   // 1. Placement: the free run of this (stream, pool) that needs the fewest
   // new pages, then the shortest, then the oldest segment and lowest offset
-  // (never raw addresses: a replay must decide alike on every device).
+  // (never raw addresses: a replay must decide alike on every device). An
+  // idle reservation of another stream (idle_reservation) competes too, and
+  // wins only with strictly fewer pages to map: it is then adopted, its
+  // mapped pages used where they are instead of remapped one by one.
   segment* best_seg = nullptr;
+  bool best_foreign = false;
   std::uintptr_t best_start = 0;
   std::size_t best_pages = std::numeric_limits<std::size_t>::max();
   std::size_t best_run = std::numeric_limits<std::size_t>::max();
@@ -163,7 +172,9 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   };
   for (auto& [base, up] : segments_) {
     segment& seg = *up;
-    if (!seg.expandable || seg.head->pool != p.pool) continue;
+    if (!seg.expandable) continue;
+    const bool foreign = seg.head->pool != p.pool;
+    if (foreign && !idle_reservation(seg, p)) continue;
     for (block* x = seg.head; x != nullptr;) {
       if (!x->is_free()) {
         x = x->next;
@@ -174,19 +185,23 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       for (; x != nullptr && x->is_free(); x = x->next) run += x->size;
       if (run < p.size) continue;
       const std::size_t n = pages_to_map(run_first, run_first->ptr + p.size);
+      if (foreign && n >= (p.size + page - 1) / page) continue;  // adopting would save nothing
       const bool better =
           n != best_pages ? n < best_pages
+          : foreign != best_foreign ? !foreign
           : run != best_run ? run < best_run
           : best_seg != nullptr && (seg.seq != best_seg->seq ? seg.seq < best_seg->seq
                                                              : run_first->ptr - seg.base < best_start - best_seg->base);
       if (best_seg == nullptr || better) {
         best_seg = &seg;
+        best_foreign = foreign;
         best_start = run_first->ptr;
         best_pages = n;
         best_run = run;
       }
     }
   }
+  if (best_foreign) adopt_reservation(*best_seg, p);
   if (best_seg == nullptr) {
     best_seg = new_expandable_segment(p);
     if (best_seg == nullptr) {
@@ -511,6 +526,47 @@ void device_state::wait_fences(stream_state& ss) {
   backend_.synchronize_event(device_, ss.fences.back().first);
   ++stats_.num_device_synchronizations;
   poll_fences(ss);
+}
+
+// ---- idle reservations of other streams (issue 15) ------------------------------
+
+// Whether expandable segment `seg`, of another stream, may pass to p's
+// stream and pool: reuse_across_streams and trim_on_new_peak are on (either
+// off: reservations stay with their stream, as in PyTorch), no capture is
+// underway, both are default pools of the same size class, it has mapped
+// pages, none of its blocks is allocated or waiting for events, and the
+// page fences of its mapped free blocks have completed (queried, never
+// waited for). A stream that allocated for a while and went quiet (a
+// short-lived side stream, a prefetch stream between bursts) thus hands its
+// mapped pages over whole.
+bool device_state::idle_reservation(segment& seg, const alloc_params& p) {
+  const block_pool* pool = seg.head->pool;
+  if (!config_.reuse_across_streams || !config_.trim_on_new_peak || pool == p.pool || pool->priv != nullptr ||
+      p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || capture_underway())
+    return false;
+  for (const block* x = seg.head; x != nullptr; x = x->next)
+    if (!x->is_free()) return false;
+  for (block* x = seg.head; x != nullptr; x = x->next)
+    if (x->mapped && !fence_completed(x)) return false;
+  return true;
+}
+
+// Moves idle reservation `seg` (idle_reservation) to p's stream and pool:
+// its free mapped blocks change pools, every block changes stream. The old
+// stream's work on it has completed (its fences), so the blocks start with
+// no fence to wait for on the new stream (free_seq 0).
+void device_state::adopt_reservation(segment& seg, const alloc_params& p) {
+  for (block* x = seg.head; x != nullptr; x = x->next) {
+    if (x->mapped) x->pool->blocks.erase(x);
+    x->pool = p.pool;
+    x->stream = p.stream;
+    x->free_seq = 0;
+    if (x->mapped) {
+      x->gc_count_base = p.pool->get_free_blocks_call_count;
+      p.pool->blocks.insert(x);
+    }
+  }
+  stats_.bytes_moved_between_streams += static_cast<std::int64_t>(seg.mapped_bytes);
 }
 
 void device_state::raise_reserved_high_water() noexcept {

@@ -1187,15 +1187,21 @@ void test_expandable_empty_cache_unmaps() {
        " after; " + mib_text(end) + " at the end");
 }
 
+// 64 MiB on `s`, written by a long kernel on `s`, then freed (the free is
+// stream-ordered after the kernel). Returns the freed address.
+void* free_behind_long_kernel(caching_allocator& alloc, stream_t s, unsigned seed) {
+  void* a = alloc.malloc(0, 64 * mib, s);
+  CUDA_OK(gk::launch_spin_fill(a, 64 * mib, seed, 20'000'000, cs(s)));
+  alloc.free(a);
+  return a;
+}
+
 void test_expandable_recycles_pages_across_streams() {
   if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
   auto alloc = make_allocator();
   scoped_stream s1;
   scoped_stream s2;
-  void* a = alloc->malloc(0, 64 * mib, s1.get());
-  // A long kernel on s1 writes `a`; the free is stream-ordered after it.
-  CUDA_OK(gk::launch_spin_fill(a, 64 * mib, 41, 20'000'000, cs(s1.get())));
-  alloc->free(a);
+  free_behind_long_kernel(*alloc, s1.get(), 41);
   const auto stats0 = alloc->get_device_stats(0);
   // s2 needs 64 MiB while s1's kernel still uses the pages (their page fence
   // has not completed): they stay put, new pages are mapped, nobody waits.
@@ -1219,6 +1225,39 @@ void test_expandable_recycles_pages_across_streams() {
   CUDA_OK(gk::launch_fill(c, 128 * mib, 43, cs(s2.get())));
   CHECK(mismatches(c, 128 * mib, 43, cs(s2.get())) == 0);
   alloc->free(c);
+}
+
+// Issue 15: an idle stream's reservation passes whole to another stream,
+// pages mapped where they are, but only once the work queued on the old
+// stream before its frees has finished (its page fence completed).
+void test_expandable_idle_reservation_passes_whole() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  auto alloc = make_allocator();
+  scoped_stream s1;
+  scoped_stream s2;
+  scoped_stream s3;
+  void* a = free_behind_long_kernel(*alloc, s1.get(), 51);
+  const auto stats0 = alloc->get_device_stats(0);
+  // s1's kernel still runs: its reservation is not idle, s2 maps new pages.
+  void* b = alloc->malloc(0, 64 * mib, s2.get());
+  const auto stats1 = alloc->get_device_stats(0);
+  CHECK(stats1.bytes_moved_between_streams == stats0.bytes_moved_between_streams);
+  CHECK(stats1.reserved_bytes[0].current == stats0.reserved_bytes[0].current + std::int64_t(64 * mib));
+  CHECK(b != a);
+  CUDA_OK(gk::launch_fill(b, 64 * mib, 52, cs(s2.get())));
+  // Once s1's work is over, s3 takes s1's reservation whole: no page moves.
+  CUDA_OK(cudaStreamSynchronize(cs(s1.get())));
+  void* c = alloc->malloc(0, 64 * mib, s3.get());
+  const auto stats2 = alloc->get_device_stats(0);
+  CHECK(c == a);
+  CHECK(stats2.reserved_bytes[0].current == stats1.reserved_bytes[0].current);
+  CHECK(stats2.num_pages_remapped == stats1.num_pages_remapped);
+  CHECK(stats2.num_device_synchronizations == stats0.num_device_synchronizations);
+  CHECK(stats2.bytes_moved_between_streams == stats1.bytes_moved_between_streams + std::int64_t(64 * mib));
+  CUDA_OK(gk::launch_fill(c, 64 * mib, 53, cs(s3.get())));
+  CHECK(mismatches(c, 64 * mib, 53, cs(s3.get())) == 0);
+  CHECK(mismatches(b, 64 * mib, 52, cs(s2.get())) == 0);
+  for (void* p : {b, c}) alloc->free(p);
 }
 
 void test_expandable_peer_mapping() {
@@ -1725,6 +1764,7 @@ const test_case all_tests[] = {
     {"expandable_growth", test_expandable_growth},
     {"expandable_empty_cache_unmaps", test_expandable_empty_cache_unmaps},
     {"expandable_recycles_pages_across_streams", test_expandable_recycles_pages_across_streams},
+    {"expandable_idle_reservation_passes_whole", test_expandable_idle_reservation_passes_whole},
     {"expandable_peer_mapping", test_expandable_peer_mapping},
     {"plain_segments_empty_cache", test_plain_segments_empty_cache},
     {"replay_cuda_matches_sim", test_replay_cuda_matches_sim},

@@ -116,8 +116,13 @@ struct allocator_config {
   /// ccalloc's own key (reuse_across_streams, default True; SPEC X2): before
   /// the device is asked for a new segment, a cached whole segment of another
   /// stream whose work has completed (an event recorded on that stream has
-  /// completed) moves to the requesting stream. False keeps PyTorch's rule:
-  /// a block serves only the stream it was allocated on.
+  /// completed) moves to the requesting stream. With expandable segments, an
+  /// idle reservation of another stream (no block allocated or waiting, its
+  /// page fences completed) moves whole, its pages mapped where they are,
+  /// when that maps fewer new pages than the requesting stream's own
+  /// placement (issue 15: short-lived side streams stop remapping pages).
+  /// False keeps PyTorch's rule: a block serves only the stream it was
+  /// allocated on (free pages are still recycled page by page, X3).
   bool reuse_across_streams = true;
   /// ccalloc's own key (thread_cache: off, small or all; issue 18): each
   /// thread parks up to 4 blocks it freed and gets one back for the same

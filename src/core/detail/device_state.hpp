@@ -524,6 +524,9 @@ class device_state {
   // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
   // restarts the count of recycles_per_peak.
   void raise_reserved_high_water() noexcept;
+  // Cross-stream reuse of whole reservations (issue 15).
+  bool idle_reservation(segment& seg, const alloc_params& p);
+  void adopt_reservation(segment& seg, const alloc_params& p);
 
   // --- private_pools.cpp (F20-F24): every one [world] unless noted -------------
   private_pool* find_pool(mempool_id_t id) const noexcept;                   // [device] or [world]
