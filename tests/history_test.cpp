@@ -629,10 +629,12 @@ TEST(History, ConcurrentThreadsLoseNoEntry) {
   std::atomic<std::size_t> tracked{0};
   f.alloc.attach_allocator_trace_tracker([&](const trace_entry&) { tracked.fetch_add(1); });
   constexpr int threads = 4, pairs = 2000;
+  auto stream_of = [](int t) { return t == 0 ? stream_t{0} : 0x100 + static_cast<stream_t>(t); };
+  for (int t = 1; t < threads; ++t) f.sim->adopt_stream(0, stream_of(t));  // thread t's stream
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
     pool.emplace_back([&, t] {
-      for (int i = 0; i < pairs; ++i) f.alloc.free(f.alloc.malloc(0, 4096 + 512 * (i % 7), static_cast<stream_t>(t)));
+      for (int i = 0; i < pairs; ++i) f.alloc.free(f.alloc.malloc(0, 4096 + 512 * (i % 7), stream_of(t)));
     });
   for (auto& th : pool) th.join();
   const auto e = f.alloc.device_allocator(0).trace_entries();
