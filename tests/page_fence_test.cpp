@@ -248,3 +248,50 @@ TEST_F(PageFenceTest, UnlimitedIsTheDefaultAndRoundTrips) {
 }
 
 }  // namespace
+
+namespace {
+
+// A stream whose blocks are all freed may be destroyed at once (legal in
+// CUDA: the frees are stream-ordered). The allocator must never record on it
+// afterwards: the simulated device rejects a destroyed handle, and on an
+// H200 such a record crashed (GPU test threads_streams). The last free of
+// the stream's segment records its page fence while the stream exists, so
+// its pages still pass to other streams without any wait.
+TEST_F(PageFenceTest, AStreamDestroyedAfterItsFreesIsNeverRecordedOnAndItsPagesStillMove) {
+  make(256 * MiB, "reuse_across_streams:False");
+  const stream_t gone = sim->create_stream(0);
+  const stream_t other = sim->create_stream(0);
+  void* p = m(20 * MiB, gone);
+  void* q = m(4 * MiB, gone);
+  use_and_free(p, 20 * MiB, gone, 10);  // the kernel using p runs until t=10
+  alloc->free(q);                       // the segment's last busy block: fenced now
+  sim->destroy_stream(0, gone);
+  sim->advance_to(20);
+  void* b = nullptr;
+  ASSERT_NO_THROW(b = m(24 * MiB, other)) << "a slow path recorded on the destroyed stream";
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(st().num_pages_remapped, 12) << "the destroyed stream's 12 free pages, fenced at its last free, move";
+  EXPECT_EQ(reserved(), I(24 * MiB));
+  alloc->free(b);
+}
+
+// Pages a stream freed while it still holds other blocks move only after a
+// fence of that stream: its own slow path records one; another stream's
+// never does (the stream may be gone), so they stay where they are.
+TEST_F(PageFenceTest, AnotherStreamsSlowPathNeverRecordsOnABusyStream) {
+  make(256 * MiB, "reuse_across_streams:False");
+  const stream_t s = sim->create_stream(0);
+  const stream_t other = sim->create_stream(0);
+  void* keep = m(2 * MiB, s);
+  alloc->free(m(20 * MiB, s));  // s keeps `keep`: its segment is not idle
+  void* b = m(20 * MiB, other);
+  EXPECT_EQ(st().num_pages_remapped, 0) << "no fence of s covers the free: its pages stay";
+  EXPECT_EQ(reserved(), I(42 * MiB));
+  void* c = m(30 * MiB, s);  // s's own slow path fences s (the pages stay on s here)
+  alloc->free(c);
+  alloc->free(b);
+  alloc->free(keep);
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+}
+
+}  // namespace

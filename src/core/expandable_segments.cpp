@@ -471,7 +471,7 @@ bool device_state::fence_completed(block* b) {
   if (b->free_seq <= ss.fenced_seq) return true;
   poll_fences(ss);
   if (b->free_seq <= ss.fenced_seq) return true;
-  if (ss.fences.empty() || ss.fences.back().second < b->free_seq) {
+  if ((ss.fences.empty() || ss.fences.back().second < b->free_seq) && can_record_on(ss)) {
     record_fence(ss);
     poll_fences(ss);
   }
@@ -490,9 +490,17 @@ void device_state::poll_fences(stream_state& ss) {
 }
 
 // Records a fence on the stream covering every block freed on it so far.
+// With max_fences_per_stream outstanding, the newest is recorded again
+// instead (a later fence of a stream completes after the earlier ones: the
+// oldest still tells first when the earliest frees are safe).
 // The stream must still exist (as PyTorch assumes of a segment's stream when
 // it unmaps pages): a backend_error from the record is the caller's.
 void device_state::record_fence(stream_state& ss) {
+  if (ss.fences.size() >= max_fences_per_stream) {
+    backend_.record_event(device_, ss.fences.back().first, ss.stream);
+    ss.fences.back().second = ss.free_seq;
+    return;
+  }
   const event_t e = get_event();
   try {
     backend_.record_event(device_, e, ss.stream);
@@ -503,28 +511,37 @@ void device_state::record_fence(stream_state& ss) {
   ss.fences.emplace_back(e, ss.free_seq);
 }
 
-// Records a fence on every stream with blocks freed since its newest fence
-// (at most max_fences_per_stream outstanding), so that the pages freed now
-// are known safe at a later recycling even where the device runs behind the
-// host: a fence recorded only when the pages are wanted would cover all the
-// work queued up to then. Cheap: one event record per stream that freed
-// something, on the slow path only.
+// Polls every stream's fences, and records a fence on the streams it may
+// record on (can_record_on: the malloc's own stream, the legacy default
+// stream) with blocks freed since their newest fence, so that the pages freed now are known
+// safe at a later recycling even where the device runs behind the host: a
+// fence recorded only when the pages are wanted would cover all the work
+// queued up to then. Cheap: at most two event records, on the slow path only.
 void device_state::fence_streams(const world_lock& w) {
-  constexpr std::size_t max_fences_per_stream = 4;
   for (stream_state* ss : w.streams()) {
     poll_fences(*ss);
     const std::uint64_t covered = ss->fences.empty() ? ss->fenced_seq : ss->fences.back().second;
-    if (ss->free_seq > covered && ss->fences.size() < max_fences_per_stream) record_fence(*ss);
+    if (ss->free_seq > covered && can_record_on(*ss)) record_fence(*ss);
   }
 }
 
-// Blocks until the stream's newest fence has completed (counted).
+// Blocks until every block freed on the stream so far has no work of the
+// stream left (counted): waits for a fence covering them, recorded now if
+// the stream may be recorded on; else (the stream may be gone) synchronizes
+// the device, which covers every stream's work.
 void device_state::wait_fences(stream_state& ss) {
   poll_fences(ss);
   if (ss.fenced_seq >= ss.free_seq) return;
-  if (ss.fences.empty() || ss.fences.back().second < ss.free_seq) record_fence(ss);
-  backend_.synchronize_event(device_, ss.fences.back().first);
   ++stats_.num_device_synchronizations;
+  if (!ss.fences.empty() && ss.fences.back().second >= ss.free_seq) {
+    backend_.synchronize_event(device_, ss.fences.back().first);
+  } else if (can_record_on(ss)) {
+    record_fence(ss);
+    backend_.synchronize_event(device_, ss.fences.back().first);
+  } else {
+    backend_.synchronize_device(device_);
+    ss.fenced_seq = ss.free_seq;
+  }
   poll_fences(ss);
 }
 

@@ -26,6 +26,18 @@ namespace ccalloc::detail {
 
 // The slow path, with the whole device locked.
 block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
+  // Events may be recorded on the malloc's own stream (it exists: the caller
+  // passed it), never on other streams (can_record_on).
+  struct fence_stream_scope {
+    device_state& s;
+    fence_stream_scope(device_state& state, stream_t stream) : s(state) {
+      s.fence_stream_ = stream;
+      s.fence_stream_set_ = true;
+    }
+    ~fence_stream_scope() { s.fence_stream_set_ = false; }
+    fence_stream_scope(const fence_stream_scope&) = delete;
+    fence_stream_scope& operator=(const fence_stream_scope&) = delete;
+  } fence_scope(*this, p.stream);
   publish_all_pending_stats(w);
   const bool capturing = capture_underway();
   if (!capturing) {

@@ -352,6 +352,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
     device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
   }
   b->allocated = true;
+  ++b->seg->busy_blocks;
   b->requested_bytes = p.requested_bytes;
   const auto size = static_cast<std::int64_t>(b->size);
   device_stats::increase(st.allocation, g, 1);
@@ -377,8 +378,37 @@ void device_state::free(block* b) {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
   }
+  // The last busy block of an expandable segment: fence the stream first
+  // (may throw: nothing changed yet).
+  if (b->seg->expandable && b->seg->busy_blocks == 1 && b->event_count == 0) [[unlikely]]
+    fence_if_segment_idle(ss);
   stats_sink sink(*this, ss);
   release_allocation(b, sink.get(), false);
+}
+
+// Called by free just before the last block of an expandable segment that
+// is allocated or waiting becomes free (the stream stopped using it: a
+// short-lived side stream, a stream between bursts): records a page fence on
+// the stream covering that free, while the stream surely exists (the caller
+// frees a block of it). Another stream's slow path never records on this
+// stream (can_record_on), whose owner may destroy it once its blocks are
+// freed; this fence lets the whole reservation pass to another stream
+// without waiting once the stream's work before the free has completed.
+// None while a capture may be underway. Throws backend_error from the
+// record, before anything changed.
+void device_state::fence_if_segment_idle(stream_state& ss) {
+  if (capture_count_.load(std::memory_order_relaxed) != 0) return;
+  std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
+  const std::uint64_t seq = ss.free_seq + 1;      // the free about to happen (free_block counts it)
+  if (!ss.fences.empty() && ss.fences.back().second >= seq) return;
+  ++ss.free_seq;  // record_fence covers free_seq: cover the coming free
+  try {
+    record_fence(ss);
+  } catch (...) {
+    --ss.free_seq;
+    throw;
+  }
+  --ss.free_seq;
 }
 
 // The caller no longer holds `b` (its events, if any, are recorded): count
@@ -397,6 +427,8 @@ void device_state::release_allocation(block* b, device_stats& st, bool device_lo
 // A block becomes free (its events, if any, completed): merge with free
 // neighbours and return it to its pool.
 void device_state::free_block(block* b, device_stats& st, bool device_locked) {
+  CCALLOC_ASSERT(b->seg->busy_blocks > 0);
+  --b->seg->busy_blocks;
   const stat_group g = group_of(b->pool);
   const auto original_size = static_cast<std::int64_t>(b->size);
   std::int64_t net_split_blocks = 0;

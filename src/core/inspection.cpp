@@ -157,6 +157,9 @@ void device_caching_allocator::check_invariants() const {
     }
     std::uintptr_t expect = base;
     std::size_t sum = 0;
+    std::size_t busy = 0;
+    for (const block* b = seg->head; b != nullptr; b = b->next) busy += b->is_free() ? 0 : 1;
+    if (busy != seg->busy_blocks) fail("segment's busy_blocks differs from its blocks that are not free");
     for (const block* b = seg->head; b != nullptr; b = b->next) {
       if (b->ptr != expect) fail("blocks do not tile segment " + std::to_string(base));
       if (b->seg != seg.get()) fail("block points to the wrong segment");

@@ -203,6 +203,7 @@ block* device_state::carve_allocated(segment& seg, std::uintptr_t ptr, std::size
     device_stats::increase(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(x->size));
   }
   f->allocated = true;
+  ++f->seg->busy_blocks;
   f->requested_bytes = requested;
   device_stats::increase(stats_.allocation, g, 1);
   device_stats::increase(stats_.allocated_bytes, g, static_cast<std::int64_t>(size));

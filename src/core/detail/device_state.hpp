@@ -119,6 +119,7 @@ struct segment {
   std::size_t size = 0;   // bytes: the allocation, or the whole reservation when expandable
   block* head = nullptr;  // block at `base`
   bool oversize = false;  // counted in oversize_segments when it was obtained
+  std::size_t busy_blocks = 0;  // blocks not free (allocated, or waiting for events) [stream]
   // --- expandable segments only ---
   bool expandable = false;
   std::uint64_t seq = 0;  // creation order: choices among segments never depend on addresses
@@ -507,12 +508,29 @@ class device_state {
                                 std::vector<recycled_page>* recycled, std::size_t max_bytes);
   // Page fences (issue 15): whether free block b's memory has no work of its
   // stream left (its fence completed); polls the stream's fences without
-  // blocking, and records a new one when none covers b.
+  // blocking, and records a new one when none covers b and its stream may
+  // be recorded on (can_record_on).
   bool fence_completed(block* b);
   void poll_fences(stream_state& ss);
   void record_fence(stream_state& ss);
   void wait_fences(stream_state& ss);
   void fence_streams(const world_lock& w);  // [world]
+  void fence_if_segment_idle(stream_state& ss);  // [stream] takes the device lock
+  static constexpr std::size_t max_fences_per_stream = 4;  // outstanding fences of one stream
+  // Whether the allocator may record an event on the stream now: the legacy
+  // default stream, or the stream of the malloc in progress (the caller's
+  // stream exists). A stream that only freed blocks may have been destroyed
+  // since (legal in CUDA: the frees are stream-ordered), and recording on a
+  // destroyed stream is undefined behaviour (a crash on an H200), so other
+  // streams' fences are only polled; waiting on such a stream synchronizes
+  // the device instead. [world]
+  [[nodiscard]] bool can_record_on(const stream_state& ss) const noexcept {
+    return ss.stream == default_stream || (fence_stream_set_ && ss.stream == fence_stream_);
+  }
+  // The stream of the malloc whose slow path holds the world lock (set by
+  // allocate_slow for its duration). [world]
+  stream_t fence_stream_ = 0;
+  bool fence_stream_set_ = false;
   void release_empty_expandable_segments();
   void check_expandable_supported(const allocator_config& config) const;  // [none]: page_bytes_ is fixed
   // [world, or in the constructor] The thread_cache key, when given
