@@ -370,36 +370,51 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);
+  // Page fences (expandable segments) are recorded here, on the block's own
+  // stream, which exists while the caller frees a block of it; another
+  // stream's slow path never records on this stream (can_record_on).
+  const bool fence = b->seg->expandable && !capture_underway();
   if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
     // No events while capturing (cudaEventQuery is not allowed): decide later.
-    if (capture_underway() || any_stream_capturing(b)) defer_free(b);
-    else insert_events(b);
+    if (capture_underway() || any_stream_capturing(b)) {
+      defer_free(b);
+    } else {
+      // Its pages may move once the other streams' events and a fence of
+      // its own stream recorded now have completed: the block takes the
+      // fence's count now (free_block keeps it), not when its events complete.
+      if (fence) fence_before_free(ss);  // may throw: nothing changed yet
+      try {
+        insert_events(b);
+      } catch (...) {
+        if (fence) ++ss.free_seq;  // the fence's count goes unused: no later free may take it
+        throw;
+      }
+      if (fence) {
+        b->free_seq = ++ss.free_seq;
+        b->free_seq_taken = true;
+      }
+    }
   } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
+  } else if (fence && b->seg->busy_blocks == 1) [[unlikely]] {
+    fence_before_free(ss);  // the segment's last busy block; may throw: nothing changed yet
   }
-  // The last busy block of an expandable segment: fence the stream first
-  // (may throw: nothing changed yet).
-  if (b->seg->expandable && b->seg->busy_blocks == 1 && b->event_count == 0) [[unlikely]]
-    fence_if_segment_idle(ss);
   stats_sink sink(*this, ss);
   release_allocation(b, sink.get(), false);
 }
 
-// Called by free just before the last block of an expandable segment that
-// is allocated or waiting becomes free (the stream stopped using it: a
-// short-lived side stream, a stream between bursts): records a page fence on
-// the stream covering that free, while the stream surely exists (the caller
-// frees a block of it). Another stream's slow path never records on this
-// stream (can_record_on), whose owner may destroy it once its blocks are
-// freed; this fence lets the whole reservation pass to another stream
-// without waiting once the stream's work before the free has completed.
-// None while a capture may be underway. Throws backend_error from the
-// record, before anything changed.
-void device_state::fence_if_segment_idle(stream_state& ss) {
-  if (capture_count_.load(std::memory_order_relaxed) != 0) return;
+// Records a page fence on `ss` covering the free about to happen (count
+// ss.free_seq + 1), unless one does already. free calls it for the last
+// busy block of an expandable segment (the stream stopped using it: a
+// short-lived side stream, a stream between bursts) and for a block used on
+// other streams (freed later, when their events complete), so that those
+// pages can pass to another stream without waiting once the stream's work
+// before the free has completed. Throws backend_error from the record,
+// before anything changed.
+void device_state::fence_before_free(stream_state& ss) {
   std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
-  const std::uint64_t seq = ss.free_seq + 1;      // the free about to happen (free_block counts it)
+  const std::uint64_t seq = ss.free_seq + 1;
   if (!ss.fences.empty() && ss.fences.back().second >= seq) return;
   ++ss.free_seq;  // record_fence covers free_seq: cover the coming free
   try {
@@ -443,7 +458,8 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   // Back into the pool of its own segment, free and whole.
   CCALLOC_ASSERT(b->is_free() && b->mapped && b->pool == b->seg->head->pool);
   b->gc_count_base = b->pool->get_free_blocks_call_count;
-  b->free_seq = ++b->pool->owner->free_seq;  // after the merges: the newest of its parts
+  if (b->free_seq_taken) b->free_seq_taken = false;    // counted at free (after the merges: the newest of its parts)
+  else b->free_seq = ++b->pool->owner->free_seq;  // after the merges: the newest of its parts
   b->pool->blocks.insert(b);
   if (b->is_split()) {
     net_split_blocks += 1;

@@ -105,6 +105,9 @@ struct block {
   // free; a merge keeps the larger. Its pages may change hands once a fence
   // of that stream at or after this count has completed (page fences).
   std::uint64_t free_seq = 0;
+  // free_seq was taken when it was freed with events (a fence recorded
+  // then covers it); free_block keeps it. [stream]
+  bool free_seq_taken = false;
   std::vector<stream_t> stream_uses;  // other streams that used it (record_stream)
 
   [[nodiscard]] inline bool is_split() const noexcept;
@@ -345,6 +348,7 @@ struct alignas(64) stream_state {
     b->event_count = 0;
     b->gc_count_base = 0;
     b->free_seq = 0;
+    b->free_seq_taken = false;
     b->stream_uses.clear();
     spare_blocks.push_back(b);
   }
@@ -515,7 +519,7 @@ class device_state {
   void record_fence(stream_state& ss);
   void wait_fences(stream_state& ss);
   void fence_streams(const world_lock& w);  // [world]
-  void fence_if_segment_idle(stream_state& ss);  // [stream] takes the device lock
+  void fence_before_free(stream_state& ss);  // [stream] takes the device lock
   static constexpr std::size_t max_fences_per_stream = 4;  // outstanding fences of one stream
   // Whether the allocator may record an event on the stream now: the legacy
   // default stream, or the stream of the malloc in progress (the caller's
