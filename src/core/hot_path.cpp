@@ -373,7 +373,6 @@ void device_state::free(block* b) {
   // Page fences (expandable segments) are recorded here, on the block's own
   // stream, which exists while the caller frees a block of it; another
   // stream's slow path never records on this stream (can_record_on).
-  const bool fence = b->seg->expandable && !capture_underway();
   if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
     // No events while capturing (cudaEventQuery is not allowed): decide later.
     if (capture_underway() || any_stream_capturing(b)) {
@@ -382,6 +381,7 @@ void device_state::free(block* b) {
       // Its pages may move once the other streams' events and a fence of
       // its own stream recorded now have completed: the block takes the
       // fence's count now (free_block keeps it), not when its events complete.
+      const bool fence = b->seg->expandable;
       if (fence) fence_before_free(ss);  // may throw: nothing changed yet
       try {
         insert_events(b);
@@ -397,8 +397,13 @@ void device_state::free(block* b) {
   } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
-  } else if (fence && b->seg->busy_blocks == 1) [[unlikely]] {
-    fence_before_free(ss);  // the segment's last busy block; may throw: nothing changed yet
+  } else if (b->seg->expandable && b->seg->busy_blocks == 1 && ss.fences.empty() && !capture_underway())
+      [[unlikely]] {
+    // The segment's last busy block, and no fence of the stream outstanding
+    // (one already is: skip, so that a stream that goes idle at every free,
+    // an alloc+free loop, records one fence per slow path at most, not one
+    // per free). May throw: nothing changed yet.
+    fence_before_free(ss);
   }
   stats_sink sink(*this, ss);
   release_allocation(b, sink.get(), false);
