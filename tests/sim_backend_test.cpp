@@ -666,3 +666,19 @@ TEST(SimBackend, GatesHoldStreamWorkUntilOpened) {
   EXPECT_THROW(sim.destroy_gate(0, g), backend_error);
   sim.destroy_event(0, e);
 }
+
+namespace {
+
+// CUDA lets a destroyed stream's queued work complete: a device-wide wait
+// still waits for it (the page fences' fallback relies on that).
+TEST(SimBackend, SynchronizeDeviceWaitsForTheWorkOfDestroyedStreams) {
+  ccalloc::sim_backend sim;
+  const ccalloc::stream_t s = sim.create_stream(0);
+  sim.enqueue_work(0, s, 100);
+  sim.destroy_stream(0, s);
+  EXPECT_EQ(sim.now(), 0u);
+  sim.synchronize_device(0);
+  EXPECT_EQ(sim.now(), 100u);
+}
+
+}  // namespace

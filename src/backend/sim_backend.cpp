@@ -58,6 +58,9 @@ struct sim_backend::impl {
     std::unordered_map<void*, int> shared_segments;        // exported segment -> its memory file
     std::unordered_map<void*, std::size_t> opened_segments;  // ipc_open_segment result -> bytes
     std::unordered_map<stream_t, std::uint64_t> busy_until;  // stream -> time
+    // The work of destroyed streams still runs (CUDA lets it complete): the
+    // latest end among it, which device-wide waits wait for too.
+    std::uint64_t destroyed_busy_until = 0;
     std::unordered_map<stream_t, std::vector<gate_t>> gated;  // stream -> closed gates it waits on
     // Physical memory: one sparse memory file (created on first vm_create).
     // Invariant: file_bytes = sum of live handles' sizes + sum of free_ranges.
@@ -349,6 +352,7 @@ void sim_backend::segment_free(int device, void* ptr) {
     if (!d.gated.empty())
       impl::throw_never("segment_free(device " + std::to_string(device) + ")", d.gated.begin()->second.front());
     for (auto& [s, t] : d.busy_until) impl_->now = std::max(impl_->now, t);
+    impl_->now = std::max(impl_->now, d.destroyed_busy_until);
   }
   ::munmap(ptr, it->second);
   if (auto shared = d.shared_segments.find(ptr); shared != d.shared_segments.end()) {
@@ -400,6 +404,8 @@ void sim_backend::destroy_stream(int device, stream_t stream) {
                                  " is not a live stream that create_stream made on device " + std::to_string(device) +
                                  " (never created, destroyed already, a default stream, or another device's)");
   d.gated.erase(stream);
+  if (auto it = d.busy_until.find(stream); it != d.busy_until.end())
+    d.destroyed_busy_until = std::max(d.destroyed_busy_until, it->second);  // its queued work still runs
   d.busy_until.erase(stream);
   --impl_->counters.live_streams;
 }
@@ -472,6 +478,7 @@ void sim_backend::synchronize_device(int device) {
   if (!d.gated.empty())
     impl::throw_never("synchronize_device(" + std::to_string(device) + ")", d.gated.begin()->second.front());
   for (auto& [s, t] : d.busy_until) impl_->now = std::max(impl_->now, t);
+  impl_->now = std::max(impl_->now, d.destroyed_busy_until);  // destroyed streams' work too
 }
 
 bool sim_backend::is_capturing(int device, stream_t stream) {
