@@ -115,8 +115,13 @@ class caching_allocator {
   /// invalid_argument_error naming the pointer if it is unknown (never
   /// allocated here, freed already, or interior), and backend_error when the
   /// device fails (recording the events of a block used on other streams, or
-  /// returning the segment in no-caching mode); nothing changes then and the
-  /// pointer stays live (docs/errors.md).
+  /// returning the segment in no-caching mode, or recording a page fence);
+  /// nothing changes then and the pointer stays live (docs/errors.md).
+  /// Stream lifetime: the block's stream must exist when it is freed (free
+  /// may record an event on it: a page fence, docs/design.md); once every
+  /// block of a stream is freed the stream may be destroyed, and the
+  /// allocator never uses it again (its cached memory still serves other
+  /// streams). Thread safety: any thread.
   void free(void* ptr);
 
   /// Allocates on the current device and the calling thread's current stream
