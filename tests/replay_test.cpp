@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdlib>
+#include <limits>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -448,3 +450,33 @@ TEST(ReplayRepeatTest, GateDriverOnSimMatchesTheClockReplayOverPasses) {
     EXPECT_EQ(gates.passes[i].peak_requested_bytes, clock.passes[i].peak_requested_bytes);
   }
 }
+
+namespace {
+
+// The replay is a function of its configuration string: CCALLOC_THREAD_CACHE
+// (like CCALLOC_CONF) does not reach it; the key does (breaker finding: the
+// variable silently changed replay figures and the PyTorch-policy test).
+TEST(ReplayTest, TheThreadCacheComesFromTheConfigurationStringOnly) {
+  const fs::path file = bundled_dir / "bert_copystream_infer.trace.gz";
+  const auto plain = replay(file);
+  const auto with_key = replay(file, "thread_cache:all");
+  ::setenv("CCALLOC_THREAD_CACHE", "1", 1);
+  const auto with_env = replay(file);
+  ::unsetenv("CCALLOC_THREAD_CACHE");
+  EXPECT_EQ(with_env.peak_reserved_bytes, plain.peak_reserved_bytes);
+  EXPECT_EQ(with_env.device_mallocs, plain.device_mallocs);
+  EXPECT_NE(with_key.peak_reserved_bytes, plain.peak_reserved_bytes) << "the key turns the cache on";
+}
+
+// per_process_memory_fraction x a device of 2^64 - 1024 bytes overflowed the
+// cap's conversion to an integer: every allocation failed (breaker finding).
+TEST(ReplayTest, AFullFractionOfAHugeDeviceIsNoCap) {
+  ccalloc::replay_options o;
+  o.device_memory_bytes = std::numeric_limits<std::size_t>::max() - 1023;
+  o.config = "per_process_memory_fraction:1";
+  const auto r = ccalloc::replay_trace(ccalloc::read_trace_file((bundled_dir / "bert_copystream_infer.trace.gz").string()), o);
+  EXPECT_EQ(r.ooms, 0u);
+  EXPECT_GT(r.peak_reserved_bytes, 0u);
+}
+
+}  // namespace

@@ -77,7 +77,11 @@ void device_state::set_memory_fraction(double fraction, const world_lock& w) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
     throw invalid_argument_error("ccalloc: memory fraction " + format_fraction(fraction) +
                                  " for device " + std::to_string(device_) + " is outside [0, 1]");
-  const auto allowed = static_cast<std::size_t>(fraction * static_cast<double>(device_total_bytes_));
+  // fraction x total in double: at 2^64 bytes and above (a huge simulated
+  // device) the conversion would overflow; the cap is then no cap.
+  const double allowed_real = fraction * static_cast<double>(device_total_bytes_);
+  const std::size_t allowed = allowed_real >= 18446744073709551616.0 ? std::numeric_limits<std::size_t>::max()
+                                                                      : static_cast<std::size_t>(allowed_real);
   // Keep reserved <= the new cap where cached memory allows it. Before the
   // cap changes: if the device fails meanwhile, the old cap stays in force.
   if (reserved_bytes_ > allowed) release_cached_blocks(w);

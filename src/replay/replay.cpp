@@ -323,7 +323,14 @@ std::shared_ptr<device_backend> open_cuda(int device) {
 }  // namespace
 
 replay_result replay_trace(const trace& t, const replay_options& options) {
-  const allocator_config config = allocator_config::parse(options.config);
+  // The replay is a function of its configuration string alone: the thread
+  // cache is off unless the string says otherwise (CCALLOC_THREAD_CACHE,
+  // like CCALLOC_CONF, is for programs that use the library).
+  const allocator_config config = [&] {
+    allocator_config c = allocator_config::parse(options.config);
+    c.thread_cache_set = true;  // thread_cache stays off when the string did not set it
+    return c;
+  }();
   // Zeros would read as a measurement: say there was nothing to replay.
   if (t.events.empty())
     throw invalid_argument_error("ccalloc replay: " + t.source +
