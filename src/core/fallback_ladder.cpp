@@ -24,20 +24,36 @@ namespace ccalloc::detail {
 
 // ---- the ladder ---------------------------------------------------------------------
 
+namespace {
+// The device and stream of the malloc whose slow path this thread runs:
+// page fences may be recorded on that stream (can_record_on). Per thread,
+// as the slow path that sets it is the one that records: another thread's
+// slow path (the world lock may be released on the way, e.g. for
+// out-of-memory observers) never sees it.
+struct fence_stream_slot {
+  const device_state* device = nullptr;
+  stream_t stream = 0;
+};
+thread_local fence_stream_slot tls_fence_stream;
+
+struct fence_stream_scope {
+  fence_stream_slot saved;
+  fence_stream_scope(const device_state* d, stream_t s) : saved(tls_fence_stream) { tls_fence_stream = {d, s}; }
+  ~fence_stream_scope() { tls_fence_stream = saved; }
+  fence_stream_scope(const fence_stream_scope&) = delete;
+  fence_stream_scope& operator=(const fence_stream_scope&) = delete;
+};
+}  // namespace
+
+bool device_state::can_record_on(const stream_state& ss) const noexcept {
+  return ss.stream == default_stream || (tls_fence_stream.device == this && tls_fence_stream.stream == ss.stream);
+}
+
 // The slow path, with the whole device locked.
 block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
   // Events may be recorded on the malloc's own stream (it exists: the caller
   // passed it), never on other streams (can_record_on).
-  struct fence_stream_scope {
-    device_state& s;
-    fence_stream_scope(device_state& state, stream_t stream) : s(state) {
-      s.fence_stream_ = stream;
-      s.fence_stream_set_ = true;
-    }
-    ~fence_stream_scope() { s.fence_stream_set_ = false; }
-    fence_stream_scope(const fence_stream_scope&) = delete;
-    fence_stream_scope& operator=(const fence_stream_scope&) = delete;
-  } fence_scope(*this, p.stream);
+  const fence_stream_scope fence_scope(this, p.stream);
   publish_all_pending_stats(w);
   const bool capturing = capture_underway();
   if (!capturing) {

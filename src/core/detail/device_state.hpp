@@ -522,19 +522,13 @@ class device_state {
   void fence_before_free(stream_state& ss);  // [stream] takes the device lock
   static constexpr std::size_t max_fences_per_stream = 4;  // outstanding fences of one stream
   // Whether the allocator may record an event on the stream now: the legacy
-  // default stream, or the stream of the malloc in progress (the caller's
-  // stream exists). A stream that only freed blocks may have been destroyed
+  // default stream, or the stream of the malloc whose slow path this thread
+  // runs (the caller's stream exists). A stream that only freed blocks may have been destroyed
   // since (legal in CUDA: the frees are stream-ordered), and recording on a
   // destroyed stream is undefined behaviour (a crash on an H200), so other
   // streams' fences are only polled; waiting on such a stream synchronizes
-  // the device instead. [world]
-  [[nodiscard]] bool can_record_on(const stream_state& ss) const noexcept {
-    return ss.stream == default_stream || (fence_stream_set_ && ss.stream == fence_stream_);
-  }
-  // The stream of the malloc whose slow path holds the world lock (set by
-  // allocate_slow for its duration). [world]
-  stream_t fence_stream_ = 0;
-  bool fence_stream_set_ = false;
+  // the device instead. [world]; per thread, race-free (a thread_local).
+  [[nodiscard]] bool can_record_on(const stream_state& ss) const noexcept;  // fallback_ladder.cpp
   void release_empty_expandable_segments();
   void check_expandable_supported(const allocator_config& config) const;  // [none]: page_bytes_ is fixed
   // [world, or in the constructor] The thread_cache key, when given
