@@ -80,8 +80,10 @@ void device_state::set_memory_fraction(double fraction, const world_lock& w) {
   // fraction x total in double: at 2^64 bytes and above (a huge simulated
   // device) the conversion would overflow; the cap is then no cap.
   const double allowed_real = fraction * static_cast<double>(device_total_bytes_);
-  const std::size_t allowed = allowed_real >= 18446744073709551616.0 ? std::numeric_limits<std::size_t>::max()
-                                                                      : static_cast<std::size_t>(allowed_real);
+  constexpr auto max_bytes = std::numeric_limits<std::size_t>::max();
+  const std::size_t allowed = allowed_real >= static_cast<double>(max_bytes)  // 2^64 once a double
+                                  ? max_bytes
+                                  : static_cast<std::size_t>(allowed_real);
   // Keep reserved <= the new cap where cached memory allows it. Before the
   // cap changes: if the device fails meanwhile, the old cap stays in force.
   if (reserved_bytes_ > allowed) release_cached_blocks(w);

@@ -471,8 +471,8 @@ bool device_state::fence_completed(block* b) {
   if (b->free_seq <= ss.fenced_seq) return true;
   poll_fences(ss);
   if (b->free_seq <= ss.fenced_seq) return true;
-  if ((ss.fences.empty() || ss.fences.back().second < b->free_seq) && can_record_on(ss)) {
-    record_fence(ss);
+  if (fenced_up_to(ss) < b->free_seq && can_record_on(ss)) {
+    record_fence(ss, ss.free_seq);
     poll_fences(ss);
   }
   return b->free_seq <= ss.fenced_seq;
@@ -489,16 +489,23 @@ void device_state::poll_fences(stream_state& ss) {
   }
 }
 
-// Records a fence on the stream covering every block freed on it so far.
-// With max_fences_per_stream outstanding, the newest is recorded again
+// The free count up to which the stream's newest fence, completed or not,
+// covers its frees (fenced_seq when none is outstanding).
+std::uint64_t device_state::fenced_up_to(const stream_state& ss) noexcept {
+  return ss.fences.empty() ? ss.fenced_seq : ss.fences.back().second;
+}
+
+// Records a fence on the stream covering its frees up to count `covers`
+// (ss.free_seq: every block freed on it so far; free passes the count of
+// the free it is about to make). With max_fences_per_stream outstanding, the newest is recorded again
 // instead (a later fence of a stream completes after the earlier ones: the
 // oldest still tells first when the earliest frees are safe).
 // The stream must still exist (as PyTorch assumes of a segment's stream when
 // it unmaps pages): a backend_error from the record is the caller's.
-void device_state::record_fence(stream_state& ss) {
+void device_state::record_fence(stream_state& ss, std::uint64_t covers) {
   if (ss.fences.size() >= max_fences_per_stream) {
     backend_.record_event(device_, ss.fences.back().first, ss.stream);
-    ss.fences.back().second = ss.free_seq;
+    ss.fences.back().second = covers;
     return;
   }
   const event_t e = get_event();
@@ -508,7 +515,7 @@ void device_state::record_fence(stream_state& ss) {
     free_events_.push_back(e);
     throw;
   }
-  ss.fences.emplace_back(e, ss.free_seq);
+  ss.fences.emplace_back(e, covers);
 }
 
 // Polls every stream's fences, and records a fence on the streams it may
@@ -520,8 +527,7 @@ void device_state::record_fence(stream_state& ss) {
 void device_state::fence_streams(const world_lock& w) {
   for (stream_state* ss : w.streams()) {
     poll_fences(*ss);
-    const std::uint64_t covered = ss->fences.empty() ? ss->fenced_seq : ss->fences.back().second;
-    if (ss->free_seq > covered && can_record_on(*ss)) record_fence(*ss);
+    if (ss->free_seq > fenced_up_to(*ss) && can_record_on(*ss)) record_fence(*ss, ss->free_seq);
   }
 }
 
@@ -533,10 +539,10 @@ void device_state::wait_fences(stream_state& ss) {
   poll_fences(ss);
   if (ss.fenced_seq >= ss.free_seq) return;
   ++stats_.num_device_synchronizations;
-  if (!ss.fences.empty() && ss.fences.back().second >= ss.free_seq) {
+  if (fenced_up_to(ss) >= ss.free_seq) {
     backend_.synchronize_event(device_, ss.fences.back().first);
   } else if (can_record_on(ss)) {
-    record_fence(ss);
+    record_fence(ss, ss.free_seq);
     backend_.synchronize_event(device_, ss.fences.back().first);
   } else {
     backend_.synchronize_device(device_);
@@ -561,8 +567,7 @@ bool device_state::idle_reservation(segment& seg, const alloc_params& p) {
   if (!config_.reuse_across_streams || !config_.trim_on_new_peak || pool == p.pool || pool->priv != nullptr ||
       p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || capture_underway())
     return false;
-  for (const block* x = seg.head; x != nullptr; x = x->next)
-    if (!x->is_free()) return false;
+  if (seg.busy_blocks != 0) return false;  // a block allocated or waiting for events
   for (block* x = seg.head; x != nullptr; x = x->next)
     if (x->mapped && !fence_completed(x)) return false;
   return true;

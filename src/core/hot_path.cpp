@@ -419,16 +419,8 @@ void device_state::free(block* b) {
 // before anything changed.
 void device_state::fence_before_free(stream_state& ss) {
   std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
-  const std::uint64_t seq = ss.free_seq + 1;
-  if (!ss.fences.empty() && ss.fences.back().second >= seq) return;
-  ++ss.free_seq;  // record_fence covers free_seq: cover the coming free
-  try {
-    record_fence(ss);
-  } catch (...) {
-    --ss.free_seq;
-    throw;
-  }
-  --ss.free_seq;
+  const std::uint64_t coming = ss.free_seq + 1;  // the count the coming free takes
+  if (fenced_up_to(ss) < coming) record_fence(ss, coming);
 }
 
 // The caller no longer holds `b` (its events, if any, are recorded): count
@@ -463,8 +455,9 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   // Back into the pool of its own segment, free and whole.
   CCALLOC_ASSERT(b->is_free() && b->mapped && b->pool == b->seg->head->pool);
   b->gc_count_base = b->pool->get_free_blocks_call_count;
-  if (b->free_seq_taken) b->free_seq_taken = false;    // counted at free (after the merges: the newest of its parts)
-  else b->free_seq = ++b->pool->owner->free_seq;  // after the merges: the newest of its parts
+  // After the merges: the newest of its parts (a count taken at free stays).
+  if (b->free_seq_taken) b->free_seq_taken = false;
+  else b->free_seq = ++b->pool->owner->free_seq;
   b->pool->blocks.insert(b);
   if (b->is_split()) {
     net_split_blocks += 1;
@@ -534,17 +527,17 @@ void block_index::insert(block* b) {
 }
 
 // A block is always in its own size's bin: no need to look further.
-void block_index::erase(const block* b) {
+block_index::position block_index::find(const block* b) const noexcept {
   const std::uint32_t bin = bin_of(b->size);
   const std::size_t i = search(bins_[bin], b->size, b->ptr);
-  if (i < bins_[bin].size() && bins_[bin][i].b == b) erase_at({bin, static_cast<std::uint32_t>(i)});
+  return i < bins_[bin].size() && bins_[bin][i].b == b ? position{bin, static_cast<std::uint32_t>(i)} : end();
 }
 
-bool block_index::contains(const block* b) const noexcept {
-  const std::uint32_t bin = bin_of(b->size);
-  const std::size_t i = search(bins_[bin], b->size, b->ptr);
-  return i < bins_[bin].size() && bins_[bin][i].b == b;
+void block_index::erase(const block* b) {
+  if (const position p = find(b); p != end()) erase_at(p);
 }
+
+bool block_index::contains(const block* b) const noexcept { return find(b) != end(); }
 
 }  // namespace detail
 }  // namespace ccalloc

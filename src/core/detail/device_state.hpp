@@ -202,6 +202,8 @@ class block_index {
   }
   void erase(const block* b);
   [[nodiscard]] bool contains(const block* b) const noexcept;
+  /// The position of `b` (in the index), else end().
+  [[nodiscard]] position find(const block* b) const noexcept;
   /// f(block*) for every block in ascending order (f must not change the index).
   template <class F>
   void for_each(F f) const {
@@ -516,7 +518,8 @@ class device_state {
   // be recorded on (can_record_on).
   bool fence_completed(block* b);
   void poll_fences(stream_state& ss);
-  void record_fence(stream_state& ss);
+  void record_fence(stream_state& ss, std::uint64_t covers);
+  [[nodiscard]] static std::uint64_t fenced_up_to(const stream_state& ss) noexcept;
   void wait_fences(stream_state& ss);
   void fence_streams(const world_lock& w);  // [world]
   void fence_before_free(stream_state& ss);  // [stream] takes the device lock
