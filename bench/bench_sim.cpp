@@ -53,7 +53,14 @@ namespace cb = ccalloc::bench;
 /// One allocator over one simulated device, shared by every benchmark (as a
 /// process holds one allocator), with a stream per thread made up front.
 struct sim_env {
-  std::shared_ptr<ccalloc::sim_backend> backend = std::make_shared<ccalloc::sim_backend>();
+  // The allocator's time budgets see what a program on a GPU would: the
+  // steady clock plus an H200's cost for each virtual-memory call.
+  static ccalloc::sim_options options() {
+    ccalloc::sim_options o;
+    o.host_clock_mode = ccalloc::sim_options::host_clock::steady;
+    return o;
+  }
+  std::shared_ptr<ccalloc::sim_backend> backend = std::make_shared<ccalloc::sim_backend>(options());
   ccalloc::caching_allocator allocator{backend};
   std::vector<ccalloc::stream_t> streams;
 

@@ -257,6 +257,17 @@ TEST(ConfigTest, EveryKeyParses) {
   EXPECT_NE(allocator_config::parse("recycles_per_peak:9").to_string().find("recycles_per_peak:9"),
             std::string::npos);
   EXPECT_NE(parse_error("recycles_per_peak:-1").find("recycles_per_peak:-1"), std::string::npos);
+  // recycle_time_percent: 0-100, default 5; printed only when not the default.
+  EXPECT_EQ(allocator_config{}.recycle_time_percent, 5u);
+  EXPECT_EQ(parse_key("recycle_time_percent", "0").recycle_time_percent, 0u);
+  EXPECT_EQ(parse_key("recycle_time_percent", "100").recycle_time_percent, 100u);
+  EXPECT_EQ(parse_key("recycle_time_percent", "5"), allocator_config{});
+  EXPECT_NE(allocator_config::parse("recycle_time_percent:20").to_string().find("recycle_time_percent:20"),
+            std::string::npos);
+  EXPECT_EQ(allocator_config{}.to_string().find("recycle_time_percent"), std::string::npos);
+  EXPECT_NE(parse_error("recycle_time_percent:101").find("recycle_time_percent:101"), std::string::npos);
+  EXPECT_NE(parse_error("recycle_time_percent:-1").find("recycle_time_percent:-1"), std::string::npos);
+  EXPECT_NE(parse_error("recycle_time_percent:2.5").find("recycle_time_percent:2.5"), std::string::npos);
   EXPECT_EQ(parse_key("backend", "native").backend, "native");
   EXPECT_EQ(parse_key("backend", "cudaMallocAsync").backend, "cudaMallocAsync");
   EXPECT_EQ(parse_key("pinned_num_register_threads", "1").pinned_num_register_threads, 1u);
@@ -299,7 +310,7 @@ TEST(ConfigTest, HugeMibValuesClampLikePyTorchAndWarn) {
 
 TEST(ConfigTest, ConfigKeysTable) {
   const auto& keys = config_keys();
-  ASSERT_EQ(keys.size(), 18u);
+  ASSERT_EQ(keys.size(), 19u);
   std::set<std::string_view> unique;
   for (const auto& info : keys) {
     EXPECT_FALSE(info.accepted.empty()) << info.key;
@@ -599,6 +610,11 @@ TEST(ConfigTest, SettingsInertInTheirConfigurationWarn) {
     EXPECT_TRUE(contains(w[0], "recycles_per_peak:8 has no effect with expandable_segments:False")) << w[0];
   }
   {
+    const auto w = warnings_of("expandable_segments:False,recycle_time_percent:50");
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_TRUE(contains(w[0], "recycle_time_percent:50 has no effect with expandable_segments:False")) << w[0];
+  }
+  {
     const auto w = warnings_of("trim_on_new_peak:False,recycles_per_peak:0");
     ASSERT_EQ(w.size(), 1u);
     EXPECT_TRUE(contains(w[0], "recycles_per_peak:0 has no effect with trim_on_new_peak:False")) << w[0];
@@ -608,6 +624,7 @@ TEST(ConfigTest, SettingsInertInTheirConfigurationWarn) {
   EXPECT_TRUE(warnings_of("expandable_segments:False,large_segment_size_mb:40,release_lock_on_cudamalloc:True")
                   .empty());
   EXPECT_TRUE(warnings_of("recycles_per_peak:8").empty());
+  EXPECT_TRUE(warnings_of("recycle_time_percent:50").empty());
   EXPECT_TRUE(warnings_of("expandable_segments:True,garbage_collection_threshold:0.5,per_process_memory_fraction:1")
                   .empty());
 }

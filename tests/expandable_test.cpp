@@ -26,11 +26,13 @@ std::uintptr_t U(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 
 class ExpandableTest : public ::testing::Test {
  protected:
-  void make(std::size_t capacity = 256 * MiB, const std::string& conf = "", int devices = 1) {
+  void make(std::size_t capacity = 256 * MiB, const std::string& conf = "", int devices = 1,
+            sim_options::host_clock clock = sim_options::host_clock::none) {
     alloc.reset();
     sim_options o;
     o.capacity_bytes = capacity;
     o.device_count = devices;
+    o.host_clock_mode = clock;
     sim = std::make_shared<sim_backend>(o);
     alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(conf));
     alloc->init(devices);
@@ -156,6 +158,90 @@ TEST_F(ExpandableTest, RecyclingStopsAfterTheLimitAtOneHighWaterMark) {
   EXPECT_EQ(reserved(), I(30 * MiB));
   EXPECT_EQ(st().num_device_synchronizations, 0);
   alloc->free(d);
+}
+
+// recycle_time_percent (issues 15, 18): recycling for a new peak takes at
+// most that share of the host's time; the bucket holds that share of one
+// second and starts full. Two streams trade 10 pages back and forth: each
+// trade unmaps and maps 10 pages, which the simulated device's modelled
+// clock charges at an H200's cost (host_clock.hpp).
+namespace {
+constexpr double trade_us = 10 * (vm_call_costs::unmap_us + vm_call_costs::map_us + vm_call_costs::set_access_us);
+}
+
+TEST_F(ExpandableTest, RecyclingStopsWhenItsTimeBudgetIsSpentAndTheMarkRisesInstead) {
+  make(256 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));  // stream 0 caches 10 pages; high-water 20 MiB
+  // The clock stands still but for the remapping itself (the program does
+  // nothing but allocate): the bucket's 50 ms, refilled by 5% of the time the
+  // trades take, pay for about 50,000 / (0.95 x trade_us) trades, then the
+  // mark rises.
+  const auto budget_trades = static_cast<std::int64_t>(50'000.0 / (0.95 * trade_us));
+  std::int64_t trades = 0;
+  for (int i = 0; i < 400 && reserved() == I(20 * MiB); ++i) {
+    alloc->free(m(20 * MiB, i % 2 == 0 ? other : 0));
+    if (reserved() == I(20 * MiB)) ++trades;
+  }
+  EXPECT_GE(trades, budget_trades - 1);
+  EXPECT_LE(trades, budget_trades + 1);
+  EXPECT_EQ(st().num_pages_remapped, 10 * trades);
+  EXPECT_EQ(reserved(), I(40 * MiB)) << "the mark rose: each stream keeps its own 10 pages";
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  // From now on both fit without recycling: no more remapping.
+  for (int i = 0; i < 10; ++i) alloc->free(m(20 * MiB, i % 2 == 0 ? other : 0));
+  EXPECT_EQ(st().num_pages_remapped, 10 * trades);
+}
+
+TEST_F(ExpandableTest, TimeThatPassesRefillsTheRecyclingBudget) {
+  make(256 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  // A program that spends 20 x one trade's time elsewhere between trades
+  // remaps 1 / 21 of its time < 5%: every trade recycles, the mark stays.
+  std::uint64_t now_us = 0;
+  for (int i = 0; i < 400; ++i) {
+    now_us += static_cast<std::uint64_t>(20 * trade_us);
+    sim->set_host_time_us(now_us);
+    alloc->free(m(20 * MiB, i % 2 == 0 ? other : 0));
+  }
+  EXPECT_EQ(st().num_pages_remapped, 10 * 400);
+  EXPECT_EQ(reserved(), I(20 * MiB));
+}
+
+TEST_F(ExpandableTest, WithoutAHostClockOrAtOneHundredPercentRecyclingIsNotTimed) {
+  for (const auto& [conf, clock] :
+       {std::pair{std::string{"reuse_across_streams:False"}, sim_options::host_clock::none},
+        std::pair{std::string{"recycle_time_percent:100,reuse_across_streams:False"}, sim_options::host_clock::modeled}}) {
+    make(256 * MiB, conf, 1, clock);
+    const stream_t other = sim->create_stream(0);
+    alloc->free(m(20 * MiB));
+    for (int i = 0; i < 400; ++i) alloc->free(m(20 * MiB, i % 2 == 0 ? other : 0));
+    EXPECT_EQ(st().num_pages_remapped, 10 * 400) << conf;
+    EXPECT_EQ(reserved(), I(20 * MiB)) << conf;
+  }
+}
+
+TEST_F(ExpandableTest, RecycleTimePercentZeroNeverRecyclesForANewPeak) {
+  make(256 * MiB, "recycle_time_percent:0,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  alloc->free(m(20 * MiB, other));
+  EXPECT_EQ(st().num_pages_remapped, 0);
+  EXPECT_EQ(reserved(), I(40 * MiB));
+}
+
+// The cap is not subject to the budget: with the bucket empty, a request
+// that would pass per_process_memory_fraction still recycles.
+TEST_F(ExpandableTest, TheMemoryCapRecyclesWhateverTheTimeBudget) {
+  make(256 * MiB, "recycle_time_percent:0,reuse_across_streams:False,per_process_memory_fraction:0.125", 1,
+       sim_options::host_clock::modeled);  // cap 32 MiB
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  void* b = m(20 * MiB, other);  // 40 MiB would pass the cap by 8 MiB: 4 pages must move
+  EXPECT_EQ(st().num_pages_remapped, 4);
+  EXPECT_EQ(reserved(), I(32 * MiB));
+  alloc->free(b);
 }
 
 TEST_F(ExpandableTest, RecyclesPerPeakZeroGrowsLikePyTorchAndNeverSynchronizes) {

@@ -99,6 +99,10 @@ struct prop_case {
   // work on that stream and freed at once; their idle reservations pass
   // whole to other streams (checked: never before that work completes).
   bool bursts = false;
+  // The recycling time budget (recycle_time_percent): the simulated device's
+  // modelled host clock runs at 20 us per unit of its virtual clock, so the
+  // budget empties and refills as the run goes.
+  bool host_clock = false;
 };
 
 [[maybe_unused]] std::ostream& operator<<(std::ostream& os, const prop_case& c) {
@@ -216,6 +220,7 @@ class model_runner {
   explicit model_runner(const prop_case& c) : case_(c), rng_(c.seed) {
     sim_options o;
     o.capacity_bytes = device_capacity;
+    if (c.host_clock) o.host_clock_mode = sim_options::host_clock::modeled;
     sim_ = std::make_shared<sim_backend>(o);
     config_ = allocator_config::parse(c.conf);
     alloc_ = std::make_unique<caching_allocator>(sim_, config_);
@@ -287,6 +292,7 @@ class model_runner {
     const std::size_t r = rng_() % 1000;
     if (r < 450) {
       sim_->advance_to(sim_->now() + 1 + rng_() % 25);
+      sim_->set_host_time_us(sim_->now() * 20);  // ignored without host_clock
       advanced_ = true;  // the model's own clock move: nothing to resync
       return {};
     }
@@ -960,7 +966,12 @@ INSTANTIATE_TEST_SUITE_P(
         prop_case{"plain_threads", "expandable_segments:False", false, false, 0x5eed000e, 200'000, false, true},
         // Short-lived side streams whose idle reservations other streams
         // adopt (issue 15), with per-thread streams and busy frees.
-        prop_case{"side_stream_bursts", "", false, false, 0x5eed000f, 200'000, false, true, true}),
+        prop_case{"side_stream_bursts", "", false, false, 0x5eed000f, 200'000, false, true, true},
+        // Recycling under a small time budget (issues 15, 18): it runs out and
+        // refills, the mark rises in between; with a cap, per-thread streams
+        // and side-stream bursts.
+        prop_case{"recycle_time_budget", "recycle_time_percent:2,per_process_memory_fraction:0.8", false, false,
+                  0x5eed0010, 150'000, false, true, true, true}),
     [](const ::testing::TestParamInfo<prop_case>& param_info) { return std::string(param_info.param.name); });
 
 }  // namespace

@@ -479,4 +479,35 @@ TEST(ReplayTest, AFullFractionOfAHugeDeviceIsNoCap) {
   EXPECT_GT(r.peak_reserved_bytes, 0u);
 }
 
+// recycle_time_percent in a replay: the allocator's host clock is the
+// recording's time (plus the modelled cost of remapping). Two streams trade
+// 20 MiB back and forth 400 times; recorded within one microsecond the
+// trades would take all of the host's time, so the budget (5% of a second)
+// runs out and the mark rises; recorded a second apart they take a tiny
+// share and every trade recycles.
+TEST(ReplayTest, TheRecyclingTimeBudgetFollowsTheRecordingsTime) {
+  auto trades = [](std::uint64_t step_us) {
+    std::string text = "# time_us action addr size stream\n";
+    std::uint64_t t = 1'000'000;
+    for (int i = 0; i < 400; ++i, t += step_us) {
+      const int stream = i % 2 == 0 ? 0 : 7;
+      const std::string at = std::to_string(t), addr = std::to_string(0x10000000 + (i % 2) * 0x4000000);
+      text += at + " alloc " + addr + " 20971520 " + std::to_string(stream) + "\n";
+      text += at + " free_requested " + addr + " 20971520 " + std::to_string(stream) + "\n";
+      text += at + " free_completed " + addr + " 20971520 " + std::to_string(stream) + "\n";
+    }
+    ccalloc::replay_options o;
+    o.config = "reuse_across_streams:False";
+    return ccalloc::replay_trace(ccalloc::parse_trace_text(text, "trades"), o);
+  };
+  const auto dense = trades(0);
+  EXPECT_EQ(dense.peak_reserved_bytes, 40u * 1024 * 1024) << "the budget ran out: each stream keeps its pages";
+  EXPECT_GT(dense.pages_remapped, 0u);
+  EXPECT_LT(dense.pages_remapped, 10u * 399);
+  const auto spread = trades(1'000'000);
+  EXPECT_EQ(spread.peak_reserved_bytes, 20u * 1024 * 1024) << "every trade recycles";
+  EXPECT_EQ(spread.pages_remapped, 10u * 399);
+  EXPECT_EQ(spread.device_synchronizations, 0u);
+}
+
 }  // namespace

@@ -29,6 +29,7 @@ using ccalloc::mib;
 using ccalloc::physical_handle_t;
 using ccalloc::sim_backend;
 using ccalloc::sim_options;
+using ccalloc::vm_call_costs;
 
 constexpr std::size_t granule = 2 * mib;
 
@@ -125,6 +126,45 @@ TEST(SimVm, CapabilitiesFollowTheOptions) {
   expect_error([&] { (void)no_vm.vm_create(0, 4096, &h); }, "vm_create is not supported");
   expect_error([&] { no_vm.vm_map(0, nullptr, 4096, 1); }, "vm_map is not supported");
   expect_error([&] { no_vm.vm_unmap(0, nullptr, 4096); }, "vm_unmap is not supported");
+}
+
+// The host clock of the allocator's time budgets (host_clock.hpp): none by
+// default; modeled = set_host_time_us's base plus each virtual-memory call's
+// H200 cost per page; steady = the steady clock plus that cost.
+TEST(SimVm, TheHostClockChargesVirtualMemoryCallsAtAnH200sCost) {
+  EXPECT_FALSE(sim_backend(vm_device()).host_time_us().has_value()) << "no clock by default";
+
+  sim_options o = vm_device();
+  o.host_clock_mode = sim_options::host_clock::modeled;
+  sim_backend sim(o);
+  EXPECT_EQ(sim.host_time_us(), 0u);
+  sim.set_host_time_us(1000);
+  EXPECT_EQ(sim.host_time_us(), 1000u);
+  sim.set_host_time_us(500);  // never back
+  EXPECT_EQ(sim.host_time_us(), 1000u);
+  void* base = sim.vm_reserve(0, 4 * granule);
+  physical_handle_t h = 0;
+  ASSERT_TRUE(sim.vm_create(0, 2 * granule, &h));  // two pages
+  double expect = 1000 + 2 * vm_call_costs::create_us;
+  EXPECT_EQ(*sim.host_time_us(), static_cast<std::uint64_t>(expect));
+  sim.vm_map(0, base, 2 * granule, h);  // map + access, per page
+  expect += 2 * (vm_call_costs::map_us + vm_call_costs::set_access_us);
+  EXPECT_EQ(*sim.host_time_us(), static_cast<std::uint64_t>(expect));
+  sim.vm_unmap(0, base, 2 * granule);
+  sim.vm_release_handle(0, h);
+  expect += 2 * (vm_call_costs::unmap_us + vm_call_costs::release_us);
+  EXPECT_EQ(*sim.host_time_us(), static_cast<std::uint64_t>(expect));
+  sim.set_host_time_us(10'000);  // the charges stay added to a new base
+  EXPECT_EQ(*sim.host_time_us(), static_cast<std::uint64_t>(10'000 + expect - 1000));
+  sim.vm_release(0, base, 4 * granule);
+
+  o.host_clock_mode = sim_options::host_clock::steady;
+  sim_backend steady(o);
+  const std::uint64_t t1 = *steady.host_time_us();
+  steady.set_host_time_us(t1 + 1'000'000'000);  // ignored: the steady clock is the base
+  const std::uint64_t t2 = *steady.host_time_us();
+  EXPECT_GE(t2, t1);
+  EXPECT_LT(t2 - t1, 60'000'000u) << "it did not jump to the value set";
 }
 
 TEST(SimVm, ReservationsAreAlignedInaccessibleAndCostNoCapacity) {

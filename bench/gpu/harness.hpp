@@ -204,13 +204,16 @@ struct ring_slot {
 };
 
 /// A ring case: fills `slots` blocks of initial_size(i) bytes, runs
-/// `warm_steps` steps, then settings::reps timed repetitions of `per_rep`
+/// `warm_steps` steps and more until `min_warm_seconds` have passed (the
+/// steady state of a program that has run a while: ccalloc's recycling time
+/// budget looks at the last second, recycle_time_percent), then
+/// settings::reps timed repetitions of `per_rep`
 /// steps and prints RESULT with `label` ("case=mixed live=64"). Each step,
 /// step(ring, free_slot, alloc_into), frees one slot and allocates into it.
 /// Frees the ring at the end (also when a step throws).
 template <class Alloc, class Initial, class Step>
 void run_ring(Alloc& a, cudaStream_t stream, const settings& s, std::size_t slots, Initial initial_size, Step step,
-              std::size_t warm_steps, std::size_t per_rep, const std::string& label) {
+              std::size_t warm_steps, double min_warm_seconds, std::size_t per_rep, const std::string& label) {
   std::vector<ring_slot> ring(slots);
   auto replace = [&](ring_slot& sl, std::size_t size_bytes) {
     a.free(sl.ptr, sl.size_bytes, stream);
@@ -226,7 +229,9 @@ void run_ring(Alloc& a, cudaStream_t stream, const settings& s, std::size_t slot
       ring[i].ptr = a.alloc(initial_size(i), stream);
       ring[i].size_bytes = initial_size(i);
     }
+    const auto warm_start = bench_clock::now();
     steps(warm_steps);
+    while (seconds_since(warm_start) < min_warm_seconds) steps(per_rep);
     cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     std::vector<double> ns;
     for (int r = 0; r < s.reps; ++r) {
@@ -259,7 +264,8 @@ void run_mixed(Alloc& a, cudaStream_t stream, const settings& s) {
     replace(ring[st.slot], st.size_bytes);
   };
   run_ring(a, stream, s, mixed_slots, [](std::size_t i) { return plan.initial_sizes_bytes[i]; }, step,
-           s.quick ? s.mixed_steps_per_rep : plan.steps.size(),  // warm-up: one pass
+           s.quick ? s.mixed_steps_per_rep : plan.steps.size(),  // warm-up: one pass,
+           s.quick ? 0.0 : 2.0,                                  // and two seconds
            s.mixed_steps_per_rep, "case=mixed live=" + std::to_string(mixed_slots));
 }
 
@@ -336,7 +342,7 @@ void run_churn(Alloc& a, cudaStream_t stream, const settings& s) {
     next = next + 1 == sizes.size() ? churn_slots : next + 1;
   };
   const std::size_t per_rep = s.quick ? 256 : 2048;
-  run_ring(a, stream, s, churn_slots, [](std::size_t i) { return sizes[i]; }, step, per_rep, per_rep,
+  run_ring(a, stream, s, churn_slots, [](std::size_t i) { return sizes[i]; }, step, per_rep, 0.0, per_rep,
            "case=churn live=" + std::to_string(churn_slots));
 }
 

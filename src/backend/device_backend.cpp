@@ -5,6 +5,7 @@
 #include <ccalloc/base/errors.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 
 namespace ccalloc {
@@ -64,6 +65,11 @@ void device_backend::memcpy_peer_async(void*, int, const void*, int, std::size_t
 void device_backend::copy_data(int, void*, const void*, std::size_t) { throw_not_supported("copy_data"); }
 bool device_backend::can_access_peer(int, int) const { return false; }
 bool device_backend::is_capturing(int, stream_t) { return false; }
+std::optional<std::uint64_t> device_backend::host_time_us() const {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
 void device_backend::enable_peer_access(int, int) { throw_not_supported("enable_peer_access"); }
 gate_t device_backend::create_gate(int) { throw_not_supported("create_gate"); }
 void device_backend::wait_gate(int, stream_t, gate_t) { throw_not_supported("wait_gate"); }

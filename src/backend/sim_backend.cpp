@@ -257,6 +257,11 @@ struct sim_backend::impl {
   gate_t next_gate = 1;
   stream_t next_stream = 0x1000;
   std::uint64_t now = 0;
+  modeled_host_clock host_clock;  // sim_options::host_clock_mode != none
+  // Charges a virtual-memory call's modelled cost to the host clock. [mutex]
+  void charge(double us_per_page, std::size_t size_bytes) {
+    if (options.host_clock_mode != sim_options::host_clock::none) host_clock.charge(us_per_page, size_bytes);
+  }
   std::uint64_t fail_malloc_countdown = 0;
   std::uint64_t fail_query_countdown = 0;
   std::uint64_t fail_vm_create_countdown = 0;
@@ -631,6 +636,7 @@ bool sim_backend::vm_create(int device, std::size_t size_bytes, physical_handle_
   impl_->counters.used_bytes += size_bytes;
   impl_->counters.handle_bytes += size_bytes;
   ++impl_->counters.vm_creates;
+  impl_->charge(vm_call_costs::create_us, size_bytes);
   ++impl_->counters.live_handles;
   *handle = id;
   return true;
@@ -670,6 +676,7 @@ void sim_backend::vm_release_handle(int device, physical_handle_t handle) {
   impl_->counters.handle_bytes -= h.size_bytes;
   ++impl_->counters.vm_release_handles;
   --impl_->counters.live_handles;
+  impl_->charge(vm_call_costs::release_us, h.size_bytes);
   impl_->handles.erase(it);
 }
 
@@ -717,6 +724,7 @@ void sim_backend::vm_map(int device, void* addr, std::size_t size_bytes, physica
   ++h->second.map_count;
   ++impl_->counters.vm_maps;
   impl_->counters.mapped_bytes += size_bytes;
+  impl_->charge(vm_call_costs::map_us + vm_call_costs::set_access_us, size_bytes);  // vm_map grants access too
 }
 
 void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
@@ -736,6 +744,7 @@ void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
     ++impl_->counters.vm_unmaps;
     impl_->mappings.erase(it);
   }
+  impl_->charge(vm_call_costs::unmap_us, size_bytes);
   auto& uses = impl_->dev(device).in_use;
   std::erase_if(uses, [&](const impl::device::memory_use& u) { return u.until <= impl_->now; });
   const std::size_t page = impl_->options.granularity_bytes;
@@ -758,6 +767,7 @@ void sim_backend::vm_set_access(int device, void* addr, std::size_t size_bytes, 
     throw backend_error(call + "): peer access is off (sim_options::peer_access)");
   const auto found = impl_->whole_mappings(call, device, reinterpret_cast<std::uintptr_t>(addr), size_bytes);
   if (peer == device) return;  // vm_map granted it already
+  impl_->charge(vm_call_costs::set_access_us, size_bytes);
   for (auto it : found) {
     auto& peers = it->second.peers;
     if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);
@@ -1032,6 +1042,24 @@ void sim_backend::destroy_gate(int device, gate_t gate) {
     throw backend_error("sim: destroy_gate: gate " + std::to_string(gate) + " is still closed (open it first)");
   impl_->gates.erase(gate);
   --impl_->counters.live_gates;
+}
+
+std::optional<std::uint64_t> sim_backend::host_time_us() const {
+  std::lock_guard lock(impl_->mutex);
+  switch (impl_->options.host_clock_mode) {
+    case sim_options::host_clock::modeled:
+      return impl_->host_clock.now_us();
+    case sim_options::host_clock::steady:
+      return *device_backend::host_time_us() + impl_->host_clock.now_us();
+    case sim_options::host_clock::none:
+      break;
+  }
+  return std::nullopt;
+}
+
+void sim_backend::set_host_time_us(std::uint64_t us) {
+  std::lock_guard lock(impl_->mutex);
+  if (impl_->options.host_clock_mode == sim_options::host_clock::modeled) impl_->host_clock.set_base_us(us);
 }
 
 std::uint64_t sim_backend::now() const {

@@ -289,8 +289,8 @@ std::optional<std::string> print_mib_field(const allocator_config& config) {
 }
 
 // Row order is documentation order and to_string() order.
-const std::array<key_spec, 18>& key_table() {
-  static const std::array<key_spec, 18> table{{
+const std::array<key_spec, 19>& key_table() {
+  static const std::array<key_spec, 19> table{{
       {{"max_split_size_mb",
         "an integer number of MiB, at least large_segment_size_mb (20 by default)",
         "Blocks this large or larger are never split and serve only requests "
@@ -385,6 +385,20 @@ const std::array<key_spec, 18>& key_table() {
        [](const allocator_config& c) -> std::optional<std::string> {
          if (c.recycles_per_peak == std::numeric_limits<std::size_t>::max()) return std::nullopt;
          return format_unsigned(c.recycles_per_peak);
+       }},
+      {{"recycle_time_percent", "an integer from 0 to 100",
+        "ccalloc's own key: with expandable segments, the most of the host's time (percent, "
+        "as a token bucket over one second) that recycling pages for a new peak may take, since "
+        "remapping a page costs tens of microseconds; past it reserved memory rises instead "
+        "(default 5; 100: no limit; 0: never)."},
+       [](allocator_config& c, std::string_view value) {
+         const auto percent = parse_unsigned(value);
+         if (percent > 100) throw_out_of_range();
+         c.recycle_time_percent = static_cast<unsigned>(percent);
+       },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (c.recycle_time_percent == allocator_config{}.recycle_time_percent) return std::nullopt;
+         return format_unsigned(c.recycle_time_percent);
        }},
       {{"reuse_across_streams", boolean_values,
         "ccalloc's own key: before a new segment is allocated, a cached whole segment of "
@@ -575,13 +589,17 @@ std::vector<std::string> warnings_for(const allocator_config& config) {
   }
   // recycles_per_peak limits page recycling before a new peak: only with
   // expandable segments and trim_on_new_peak.
-  if (config.recycles_per_peak != allocator_config{}.recycles_per_peak &&
-      (!config.expandable_segments || !config.trim_on_new_peak))
-    warnings.push_back(setting("recycles_per_peak") + " has no effect " +
-                       (config.expandable_segments ? "with trim_on_new_peak:False: pages are recycled before a "
-                                                     "new peak only when trim_on_new_peak is on"
-                                                   : "with expandable_segments:False: it limits the recycling of "
-                                                     "free pages, which plain segments do not have"));
+  for (const std::string_view key : {std::string_view{"recycles_per_peak"}, std::string_view{"recycle_time_percent"}}) {
+    const bool changed = key == "recycles_per_peak"
+                             ? config.recycles_per_peak != allocator_config{}.recycles_per_peak
+                             : config.recycle_time_percent != allocator_config{}.recycle_time_percent;
+    if (changed && (!config.expandable_segments || !config.trim_on_new_peak))
+      warnings.push_back(setting(key) + " has no effect " +
+                         (config.expandable_segments ? "with trim_on_new_peak:False: pages are recycled before a "
+                                                       "new peak only when trim_on_new_peak is on"
+                                                     : "with expandable_segments:False: it limits the recycling of "
+                                                       "free pages, which plain segments do not have"));
+  }
   // MiB counts at the clamp ceiling (a larger value was clamped there, or
   // the ceiling itself was given): 16 EiB, more than any device.
   const auto at_ceiling = [&](std::string_view key, std::size_t bytes, std::uint64_t ceiling_mib) {

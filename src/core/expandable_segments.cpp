@@ -227,6 +227,20 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     if (need > backend_.mem_get_info(device_).free_bytes + free_pages_bytes) return false;
   }
   std::vector<recycled_page> recycled;
+  // When recycling ran: the host clock before it; the time up to the return
+  // is spent from the recycling budget (recycle_time_percent).
+  std::optional<std::uint64_t> recycle_started_us;
+  struct spend_on_return {
+    device_state& d;
+    std::optional<std::uint64_t>& start;
+    ~spend_on_return() {
+      if (!start) return;
+      try {
+        d.spend_recycle_time(*start);
+      } catch (...) {  // a clock that throws: the budget misses this spending, nothing else
+      }
+    }
+  } spend{*this, recycle_started_us};
   // Handles in `recycled` are unmapped and no longer counted as reserved.
   auto drop_recycled = [&] {
     for (const recycled_page& r : recycled) {
@@ -243,15 +257,21 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     };
     // Bytes over the high-water mark: a new peak is avoided by recycling
     // free pages whose fence has completed (never waiting), at most
-    // recycles_per_peak times per mark; else the mark rises.
+    // recycles_per_peak times per mark and within recycle_time_percent of
+    // the host's time; else the mark rises.
+    const bool time_left = recycle_time_left();
     auto over_mark = [&]() -> std::size_t {
       if (!config_.trim_on_new_peak || reserved_bytes_ + need <= reserved_high_water_bytes_ ||
-          recycles_at_mark_ >= config_.recycles_per_peak)
+          recycles_at_mark_ >= config_.recycles_per_peak || !time_left)
         return 0;
       return std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_);
     };
     if (!capture_underway() && std::max(over_cap(), over_mark()) > 0) {
       release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
+      // The time this request's recycling and mapping take is spent from the
+      // budget when recycling was a choice (for the mark, not the cap, which
+      // must recycle whatever the budget).
+      if (over_mark() > 0 && config_.recycle_time_percent < 100) recycle_started_us = backend_.host_time_us();
       try {
         std::size_t got = 0;
         if (const std::size_t target = std::max(over_cap(), over_mark()); target > 0)
@@ -595,6 +615,32 @@ void device_state::raise_reserved_high_water() noexcept {
   if (reserved_bytes_ <= reserved_high_water_bytes_) return;
   reserved_high_water_bytes_ = reserved_bytes_;
   recycles_at_mark_ = 0;  // a new mark: recycling may start again (recycles_per_peak)
+}
+
+bool device_state::recycle_time_left() {
+  if (config_.recycle_time_percent >= 100) return true;
+  const std::optional<std::uint64_t> now = backend_.host_time_us();
+  if (!now) return true;  // no clock: no budget
+  const double share = static_cast<double>(config_.recycle_time_percent) / 100.0;
+  const double depth = share * static_cast<double>(recycle_window_us);
+  if (!recycle_clock_us_) {
+    recycle_tokens_us_ = depth;  // starts full
+  } else if (*now > *recycle_clock_us_) {
+    recycle_tokens_us_ = std::min(depth, recycle_tokens_us_ + share * static_cast<double>(*now - *recycle_clock_us_));
+  }
+  recycle_clock_us_ = std::max(recycle_clock_us_.value_or(0), *now);
+  return recycle_tokens_us_ > 0.0;
+}
+
+void device_state::spend_recycle_time(std::uint64_t start_us) {
+  const std::optional<std::uint64_t> now = backend_.host_time_us();
+  if (!now || *now <= start_us) return;
+  // Refill first up to now (the bucket fills while recycling runs too), then spend.
+  (void)recycle_time_left();
+  // At most one bucket's worth of debt: one long recycling (a cap that
+  // forced it alongside) delays the next by a window at most.
+  const double depth = static_cast<double>(config_.recycle_time_percent) / 100.0 * static_cast<double>(recycle_window_us);
+  recycle_tokens_us_ = std::max(-depth, recycle_tokens_us_ - static_cast<double>(*now - start_us));
 }
 
 // Releases the reservations of expandable segments that have no mapped page.

@@ -31,6 +31,12 @@ class gap_model {
   [[nodiscard]] virtual stream_t create_side_stream() = 0;
   /// Work queued on `side` from now on waits until trace index `end`.
   virtual void begin_gap(stream_t side, std::uint64_t end) = 0;
+  /// The recording's time of the event about to be replayed (microseconds
+  /// since the trace began, passes laid end to end): the host clock the
+  /// allocator's time budgets read (device_backend::host_time_us) follows
+  /// it plus the modelled cost of the virtual-memory calls made, so a replay
+  /// sees the time the program took, on the simulated device and on a GPU.
+  virtual void set_host_time_us(std::uint64_t us) = 0;
   /// After each event: throws if the replay cannot go on.
   virtual void check() {}
   /// The replay is over: every gap ends (before the allocator's memory goes back).
@@ -74,6 +80,7 @@ class clock_gaps final : public gap_model {
     return side_streams_.back();
   }
   void begin_gap(stream_t side, std::uint64_t end) override { sim_.enqueue_work(0, side, end); }
+  void set_host_time_us(std::uint64_t us) override { sim_.set_host_time_us(us); }
   void end_all() override {}
   void release() noexcept override {
     for (stream_t s : side_streams_) try {

@@ -5,6 +5,7 @@
 #include "gap_model.hpp"
 
 #include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/backend/host_clock.hpp>
 #include <ccalloc/base/errors.hpp>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -108,6 +110,7 @@ class gate_gaps final : public device_backend, public gap_model {
     // A gap that ends at or before the clock (pushed ahead by a wait) ends at
     // the next advance_to, before the next event, as on the simulated device.
   }
+  void set_host_time_us(std::uint64_t us) override { host_clock_.set_base_us(us); }
   void check() override {
     if (tripped_.load(std::memory_order_acquire))
       throw error("replay on '" + inner_->name() + "': " + tripped_call_ + " did not return within " +
@@ -148,6 +151,7 @@ class gate_gaps final : public device_backend, public gap_model {
   // ---- device_backend: forwarded to the real one (device 0 -> device_) ---------
 
   std::string name() const override { return inner_->name(); }
+  std::optional<std::uint64_t> host_time_us() const override { return host_clock_.now_us(); }
   backend_capabilities capabilities() const override { return inner_->capabilities(); }
   int device_count() const override { return 1; }
   int current_device() const override { return 0; }
@@ -217,19 +221,25 @@ class gate_gaps final : public device_backend, public gap_model {
     call("vm_release", [&] { inner_->vm_release(map(device), base, size_bytes); });
   }
   bool vm_create(int device, std::size_t size_bytes, physical_handle_t* handle) override {
-    return call("vm_create", [&] { return inner_->vm_create(map(device), size_bytes, handle); });
+    const bool made = call("vm_create", [&] { return inner_->vm_create(map(device), size_bytes, handle); });
+    if (made) host_clock_.charge(vm_call_costs::create_us, size_bytes);
+    return made;
   }
   void vm_release_handle(int device, physical_handle_t handle) override {
     call("vm_release_handle", [&] { inner_->vm_release_handle(map(device), handle); });
+    host_clock_.charge(vm_call_costs::release_us, vm_call_costs::page_bytes);  // handles are one page each
   }
   void vm_map(int device, void* addr, std::size_t size_bytes, physical_handle_t handle) override {
     call("vm_map", [&] { inner_->vm_map(map(device), addr, size_bytes, handle); });
+    host_clock_.charge(vm_call_costs::map_us + vm_call_costs::set_access_us, size_bytes);
   }
   void vm_unmap(int device, void* addr, std::size_t size_bytes) override {
     call("vm_unmap", [&] { inner_->vm_unmap(map(device), addr, size_bytes); });
+    host_clock_.charge(vm_call_costs::unmap_us, size_bytes);
   }
   void vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) override {
     call("vm_set_access", [&] { inner_->vm_set_access(map(device), addr, size_bytes, map(peer)); });
+    if (peer != device) host_clock_.charge(vm_call_costs::set_access_us, size_bytes);
   }
 
  private:
@@ -342,6 +352,10 @@ class gate_gaps final : public device_backend, public gap_model {
   }
 
   std::shared_ptr<device_backend> inner_;
+  // The recording's time plus the modelled cost of the virtual-memory calls
+  // (set_host_time_us): the replay on a GPU budgets as the simulated device
+  // does, so both reach the same figures. Only the replay's thread uses it.
+  modeled_host_clock host_clock_;
   int device_;
   std::uint64_t now_ = 0;                                 // trace index the replay has reached
   std::mutex gaps_mutex_;                                 // guards open_'s changes (the watchdog reads it)

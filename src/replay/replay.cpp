@@ -181,6 +181,14 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   std::uint64_t replayed = 0;
   bool stopped = false;
   device_stats before = allocator.get_device_stats(0);
+  // The recording's time, passes end to end: the host clock of the
+  // allocator's time budgets (gap_model::set_host_time_us).
+  std::uint64_t t0 = ~std::uint64_t{0}, t_end = 0;
+  for (const trace_event& e : t.events) {
+    t0 = std::min(t0, e.time_us);
+    t_end = std::max(t_end, e.time_us);
+  }
+  const std::uint64_t pass_us = n > 0 ? t_end - t0 + 1 : 0;
   for (std::size_t pass = 0; pass < repeat && !stopped; ++pass) {
     const std::uint64_t base = pass * n;
     const std::uint64_t ooms_before = r.ooms;
@@ -188,6 +196,7 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
     for (std::size_t i = 0; i < n; ++i) {
       const trace_event& e = t.events[i];
       gaps.advance_to(base + i);
+      gaps.set_host_time_us(pass * pass_us + (e.time_us - t0));  // t0 <= every time_us
       switch (e.action) {
         case trace_action::alloc: {
           if (never_freed[i]) {
@@ -351,6 +360,8 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
     // complete, not device work: a segment free must not end it early (on a
     // GPU the gate driver defers segment frees past the gaps instead).
     so.segment_free_synchronizes = false;
+    // The allocator's time budgets see the recording's time (replay_events).
+    so.host_clock_mode = sim_options::host_clock::modeled;
     auto sim = std::make_shared<sim_backend>(so);
     // The trace's stream ids are used as they are: make each a stream of the
     // simulated device (it rejects handles it never made), before any side

@@ -1260,6 +1260,57 @@ void test_expandable_idle_reservation_passes_whole() {
   for (void* p : {b, c}) alloc->free(p);
 }
 
+// recycle_time_percent on a GPU (issues 15, 18): the budget reads the steady
+// clock and spends the real driver time of each recycling. Two streams trade
+// 20 MiB (10 pages) back and forth, each block written by a kernel; each
+// stream is synchronized after its free, so every page fence has completed
+// when the other stream wants the pages. Without a limit every trade
+// recycles; at 5% the bucket (50 ms) runs out after some trades and the mark
+// rises, after which nothing is remapped any more.
+void test_expandable_recycling_time_budget() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  constexpr int max_trades = 1500;
+  for (const char* conf : {"recycle_time_percent:100,reuse_across_streams:False",
+                           "recycle_time_percent:5,reuse_across_streams:False"}) {
+    scoped_stream s1;
+    scoped_stream s2;
+    auto alloc = make_allocator(conf);
+    auto trade = [&](int i) {
+      const stream_t st = i % 2 == 0 ? s2.get() : s1.get();
+      void* p = alloc->malloc(0, 20 * mib, st);
+      CUDA_OK(gk::launch_fill(p, 20 * mib, static_cast<unsigned char>(60 + i % 7), cs(st)));
+      CHECK(mismatches(p, 20 * mib, static_cast<unsigned char>(60 + i % 7), cs(st)) == 0);
+      alloc->free(p);
+      CUDA_OK(cudaStreamSynchronize(cs(st)));
+    };
+    alloc->free(alloc->malloc(0, 20 * mib, s1.get()));
+    CUDA_OK(cudaStreamSynchronize(cs(s1.get())));
+    int trades = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < max_trades; ++i) {
+      trade(i);
+      if (alloc->get_device_stats(0).reserved_bytes[0].current != std::int64_t(20 * mib)) break;
+      ++trades;
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto st = alloc->get_device_stats(0);
+    std::printf("  %s: %d trades recycled 10 pages each in %.3f s (%lld pages remapped)\n", conf, trades, seconds,
+                static_cast<long long>(st.num_pages_remapped));
+    CHECK(st.num_pages_remapped == std::int64_t(10) * trades);
+    CHECK(st.num_device_synchronizations == 0);
+    if (std::string(conf).find(":100,") != std::string::npos) {
+      CHECK(trades == max_trades);
+      CHECK(st.reserved_bytes[0].current == std::int64_t(20 * mib));
+    } else {
+      CHECK(trades >= 10);
+      CHECK(trades < max_trades);
+      CHECK(st.reserved_bytes[0].current == std::int64_t(40 * mib));
+      for (int i = 0; i < 20; ++i) trade(i);  // both fit now: nothing moves
+      CHECK(alloc->get_device_stats(0).num_pages_remapped == st.num_pages_remapped);
+    }
+  }
+}
+
 void test_expandable_peer_mapping() {
   if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
   if (g_backend->device_count() < 2) throw test_skip{"needs 2 devices"};
@@ -1765,6 +1816,7 @@ const test_case all_tests[] = {
     {"expandable_empty_cache_unmaps", test_expandable_empty_cache_unmaps},
     {"expandable_recycles_pages_across_streams", test_expandable_recycles_pages_across_streams},
     {"expandable_idle_reservation_passes_whole", test_expandable_idle_reservation_passes_whole},
+    {"expandable_recycling_time_budget", test_expandable_recycling_time_budget},
     {"expandable_peer_mapping", test_expandable_peer_mapping},
     {"plain_segments_empty_cache", test_plain_segments_empty_cache},
     {"replay_cuda_matches_sim", test_replay_cuda_matches_sim},

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,15 @@ class device_backend {
   /// Short name for messages ("cuda", "sim").
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual backend_capabilities capabilities() const { return {}; }
+
+  /// The host's time in microseconds, for the allocator's time budgets
+  /// (allocator_config::recycle_time_percent): only differences matter.
+  /// std::nullopt: this backend has no clock and the budgets do not apply.
+  /// The default reads std::chrono::steady_clock (a real GPU: the time the
+  /// program really spends). The simulated device and the replay on a GPU
+  /// return a modelled clock (host_clock.hpp). Thread safety: callable from
+  /// any thread.
+  [[nodiscard]] virtual std::optional<std::uint64_t> host_time_us() const;
 
   // --- devices -------------------------------------------------------------
 

@@ -133,8 +133,10 @@
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/backend/host_clock.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <memory>
 
 namespace ccalloc {
@@ -157,6 +159,17 @@ struct sim_options {
   /// wait for; on a GPU the replay defers segment frees past that lag
   /// instead (replay.hpp).
   bool segment_free_synchronizes = true;
+  /// The host clock the allocator's time budgets read (host_time_us; see
+  /// allocator_config::recycle_time_percent):
+  ///   none     no clock (the default): the budgets do not apply, so tests
+  ///            see the allocator's memory policies unlimited;
+  ///   modeled  the time set_host_time_us set (the replay: the recording's
+  ///            time) plus the cost an H200 takes for the virtual-memory
+  ///            calls made (host_clock.hpp);
+  ///   steady   the steady clock plus that cost (benchmarks: the time a
+  ///            program on a GPU would see).
+  enum class host_clock { none, modeled, steady };
+  host_clock host_clock_mode = host_clock::none;
 };
 
 /// Counters the simulated device keeps (for tests and the replay report).
@@ -348,6 +361,14 @@ class sim_backend final : public device_backend {
   void destroy_gate(int device, gate_t gate) override;
 
   // --- simulation controls ----------------------------------------------------
+
+  /// sim_options::host_clock_mode's clock in microseconds; std::nullopt
+  /// with host_clock::none. Thread safe.
+  [[nodiscard]] std::optional<std::uint64_t> host_time_us() const override;
+  /// With host_clock::modeled: the host clock's base becomes `us`
+  /// (microseconds; never moves back; the charged virtual-memory costs
+  /// stay added). Ignored in the other modes. Thread safe.
+  void set_host_time_us(std::uint64_t us);
 
   /// Current virtual time.
   [[nodiscard]] std::uint64_t now() const;

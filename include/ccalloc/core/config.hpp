@@ -113,6 +113,21 @@ struct allocator_config {
   /// expandable growth). The memory fraction cap and out of memory recycle
   /// regardless, waiting for fences if they must.
   std::size_t recycles_per_peak = std::numeric_limits<std::size_t>::max();
+  /// ccalloc's own key (recycle_time_percent, default 5, 0-100; issues 15
+  /// and 18): a time budget for that recycling. Remapping a page costs tens
+  /// of microseconds of driver calls (about 48 us on an H200; docs/perf.md),
+  /// the time of hundreds of cached allocations. Recycling for a new peak
+  /// may take at most this percent of the host's time (a token bucket over
+  /// device_backend::host_time_us: it fills at this percent of the time
+  /// that passes and holds at most this percent of one second); when it is
+  /// empty the mark rises instead. A training loop, whose allocations are
+  /// spread over its steps' GPU work, stays far within it; a program that
+  /// does little besides allocating sizes that never settle stops paying
+  /// for a remapping every few hundred allocations and holds somewhat more
+  /// memory. 100: no limit; 0: no recycling for a new peak (as
+  /// recycles_per_peak:0). The memory fraction cap and out of memory are not
+  /// limited. The replay charges what the H200 would take (host_clock.hpp).
+  unsigned recycle_time_percent = 5;
   /// ccalloc's own key (reuse_across_streams, default True; SPEC X2): before
   /// the device is asked for a new segment, a cached whole segment of another
   /// stream whose work has completed (an event recorded on that stream has

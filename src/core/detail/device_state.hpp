@@ -69,6 +69,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -543,6 +544,13 @@ class device_state {
   // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
   // restarts the count of recycles_per_peak.
   void raise_reserved_high_water() noexcept;
+  // [world] Whether recycling for a new peak may run now
+  // (recycle_time_percent): the bucket, refilled from the backend's host
+  // clock, is not empty; always true at 100 percent or without a clock.
+  // spend_recycle_time takes the host time since `start_us` (a reading of
+  // that clock before the recycling) out of the bucket.
+  bool recycle_time_left();
+  void spend_recycle_time(std::uint64_t start_us);
   // Cross-stream reuse of whole reservations (issue 15).
   bool idle_reservation(segment& seg, const alloc_params& p);
   void adopt_reservation(segment& seg, const alloc_params& p);
@@ -615,6 +623,14 @@ class device_state {
   // Recyclings for a new peak since reserved_high_water_bytes_ last rose
   // (recycles_per_peak); raise_reserved_high_water resets it.
   std::size_t recycles_at_mark_ = 0;
+  // The recycling time budget (recycle_time_percent), a token bucket in
+  // microseconds of host time: it fills at that percent of the time that
+  // passes, up to recycle_window_us of it, and recycling for a new peak
+  // spends what it takes. recycle_clock_us_: the host clock at the last
+  // refill (nullopt: not read yet). [world]
+  static constexpr std::uint64_t recycle_window_us = 1'000'000;
+  double recycle_tokens_us_ = 0.0;
+  std::optional<std::uint64_t> recycle_clock_us_;
   std::map<std::uintptr_t, std::unique_ptr<segment>> segments_;  // by base address
   // Events recorded at free time, per stream that used the block, in order.
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
