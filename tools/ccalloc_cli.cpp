@@ -658,10 +658,15 @@ min_memory_result find_min_memory(const loaded_trace& input, const ccalloc::repl
   return m;
 }
 
-void print_min_memory(const min_memory_result& m) {
+void print_min_memory(const min_memory_result& m, const std::string& config) {
   std::printf("\nSmallest device memory without out of memory (bisection to 2 MiB):\n");
   std::printf("  ccalloc              %s  (%llu B)\n", gib(m.ccalloc_bytes).c_str(),
               static_cast<unsigned long long>(m.ccalloc_bytes));
+  const ccalloc::allocator_config parsed = ccalloc::allocator_config::parse(config);
+  if (parsed.memory_fraction_set)
+    std::printf("  (the device's memory: per_process_memory_fraction:%g lets ccalloc use that much of it; "
+                "PyTorch's figures are without a fraction)\n",
+                parsed.per_process_memory_fraction);
   if (m.native_bytes)
     std::printf("  PyTorch native       %s  (ccalloc / PyTorch %.3fx)\n", gib(m.native_bytes).c_str(),
                 double(m.ccalloc_bytes) / double(m.native_bytes));
@@ -707,7 +712,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     std::printf("%s\n", out.dump(2).c_str());
   } else {
     print_replay_report(result, input, options.config, options.cuda_device);
-    if (min) print_min_memory(*min);
+    if (min) print_min_memory(*min, options.config);
   }
   if (result.ooms > 0)
     std::fprintf(stderr,
@@ -873,8 +878,9 @@ int run(int argc, char** argv) {
                      "Default: defaults.");
   bool min_memory = false;
   replay->add_flag("--min-memory", min_memory,
-                   "Also find the smallest simulated device memory on which the trace replays without "
-                   "out of memory (bisection to 2 MiB; SPEC P7).");
+                   "Also find the smallest simulated device memory on which the trace replays with --config "
+                   "without out of memory (bisection to 2 MiB; SPEC P7). A per_process_memory_fraction applies "
+                   "to that device: the figure is the device, not the cap.");
 
   CLI::App* compare =
       app.add_subcommand("compare", "Replay one trace under several configurations side by side.");
