@@ -633,7 +633,7 @@ void parse_device(const std::string& text, ccalloc::replay_options& options) {
 struct common_options {
   std::string trace_path;  ///< empty: the embedded trace
   std::string device_text = "sim";
-  std::string device_memory_text;
+  std::optional<std::string> device_memory_text;  ///< unset: the default; "" is a usage error
   bool json_output = false;
   std::string repeat_text = "1";  // checked by parse_count, not CLI11 (which clamps 2^64 to 2^63 - 1)
 
@@ -644,13 +644,13 @@ struct common_options {
     // At most max_repeat passes: the run and its per-pass table grow with N.
     constexpr std::uint64_t max_repeat = 100000;
     options.repeat = static_cast<std::size_t>(parse_count(repeat_text, "--repeat", 1, max_repeat, "passes of the trace"));
-    if (!device_memory_text.empty() && options.device != ccalloc::replay_device::sim) {
+    if (device_memory_text && options.device != ccalloc::replay_device::sim) {
       throw usage_error("--device-memory applies to the simulated device only: with --device " + device_text +
                         " the replay uses the GPU's own memory");
     }
-    if (!device_memory_text.empty()) {
+    if (device_memory_text) {
       options.device_memory_bytes =
-          static_cast<std::size_t>(parse_byte_count(device_memory_text, "--device-memory"));
+          static_cast<std::size_t>(parse_byte_count(*device_memory_text, "--device-memory"));
     }
     return options;
   }
