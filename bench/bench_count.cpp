@@ -30,18 +30,43 @@
 
 #include "common/cases.hpp"
 
+#include <charconv>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <optional>
+#include <string_view>
+#include <system_error>
 #include <vector>
 
+namespace {
+
+/// N: a whole number of decimal digits (0 to LONG_MAX); nullopt otherwise
+/// (empty, a sign, other characters, too large).
+std::optional<long> parse_count(std::string_view text) {
+  long value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || text.front() == '-' || ec != std::errc{} || end != text.data() + text.size())
+    return std::nullopt;
+  return value;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  const char* const usage = "usage: bench_count pair|mixed N   (N: pairs or steps, a whole number >= 0)\n";
   if (argc != 3 || (std::strcmp(argv[1], "pair") != 0 && std::strcmp(argv[1], "mixed") != 0)) {
-    std::fprintf(stderr, "usage: bench_count pair|mixed N\n");
+    std::fprintf(stderr, "%s", usage);
     return 2;
   }
-  const long n = std::atol(argv[2]);
+  const std::optional<long> parsed = parse_count(argv[2]);
+  if (!parsed) {
+    std::fprintf(stderr, "bench_count: bad N '%s': expected a whole number from 0 to %ld\n%s", argv[2],
+                 std::numeric_limits<long>::max(), usage);
+    return 2;
+  }
+  const long n = *parsed;
   // The allocator's time budgets see what a GPU program would: the steady
   // clock plus what the virtual-memory calls would have cost on an H200.
   ccalloc::sim_options so;

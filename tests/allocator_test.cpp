@@ -556,6 +556,30 @@ TEST(AllocatorNoCachingEnv, EnvironmentVariableStartsInNoCachingMode) {
   EXPECT_TRUE(b.is_enabled());
 }
 
+// Breaker finding: the library's warnings said "warning: ...", the CLI's
+// "ccalloc: warning: ...". One prefix, from the environment's configuration
+// and from set_config.
+TEST(AllocatorWarnings, ConfigurationWarningsUseTheCcallocWarningPrefix) {
+  const std::string expected =
+      "ccalloc: warning: ccalloc config: garbage_collection_threshold:0.6 is set without per_process_memory_fraction";
+  auto sim = std::make_shared<sim_backend>();
+  ::setenv("CCALLOC_CONF", "garbage_collection_threshold:0.6", 1);
+  testing::internal::CaptureStderr();
+  {
+    caching_allocator a(sim);  // the constructor that reads the environment
+  }
+  const std::string from_env = testing::internal::GetCapturedStderr();
+  ::unsetenv("CCALLOC_CONF");
+  EXPECT_EQ(from_env.rfind(expected, 0), 0u) << from_env;
+
+  caching_allocator b(sim, allocator_config{});
+  testing::internal::CaptureStderr();
+  b.set_config("garbage_collection_threshold:0.6");
+  const std::string from_set = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(from_set.rfind(expected, 0), 0u) << from_set;
+  EXPECT_EQ(std::count(from_set.begin(), from_set.end(), '\n'), 1) << from_set;
+}
+
 // =============================================================================
 // F7: set_memory_fraction
 // =============================================================================

@@ -457,6 +457,16 @@ TEST(CApi, ConfigurationSetGetAndErrors) {
   EXPECT_EQ(ccalloc_get_config(a, nullptr, 4, &length), CCALLOC_ERROR_INVALID_ARGUMENT);
 }
 
+// The C API's configuration warnings carry the CLI's prefix too.
+TEST(CApi, ConfigurationWarningsUseTheCcallocWarningPrefix) {
+  const std::string expected =
+      "ccalloc: warning: ccalloc config: garbage_collection_threshold:0.6 is set without per_process_memory_fraction";
+  testing::internal::CaptureStderr();
+  { const sim_allocator a(0, "garbage_collection_threshold:0.6"); }
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.rfind(expected, 0), 0u) << err;
+}
+
 TEST(CApi, NoCachingMode) {
   sim_allocator a;
   int on = -1;

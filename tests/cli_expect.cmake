@@ -13,13 +13,14 @@
 # the escape character (0x1b); "@FILE@" in ARGS is replaced by its path.
 # "<EMPTY>" in ARGS is an empty argument (e.g. -o|<EMPTY> for -o '').
 # REJECT_ESC fails the test when stdout or stderr holds an escape character.
-# EXPECT_RC defaults to 0.
-if(NOT DEFINED EXPECT_RC)
+# EXPECT_RC defaults to 0. An empty value is the same as none (so a caller
+# may pass every -D).
+if("${EXPECT_RC}" STREQUAL "")
   set(EXPECT_RC 0)
 endif()
 string(ASCII 27 _esc)
 string(REPLACE "|" ";" _args "${ARGS}")
-if(DEFINED WRITE_FILE)
+if(NOT "${WRITE_FILE}" STREQUAL "")
   if(WRITE_LINES STREQUAL "")
     file(WRITE "${WRITE_FILE}" "")
   else()
@@ -50,10 +51,10 @@ set(_shown "command: ${EXE} ${_args}\nexit status: ${_rc}\nstdout:\n${_out}\nstd
 if(NOT _rc STREQUAL "${EXPECT_RC}")
   message(FATAL_ERROR "expected exit status ${EXPECT_RC}\n${_shown}")
 endif()
-if(DEFINED EXPECT_STDOUT AND NOT _out MATCHES "${EXPECT_STDOUT}")
+if(NOT "${EXPECT_STDOUT}" STREQUAL "" AND NOT _out MATCHES "${EXPECT_STDOUT}")
   message(FATAL_ERROR "stdout does not match '${EXPECT_STDOUT}'\n${_shown}")
 endif()
-if(DEFINED EXPECT_STDERR AND NOT _err MATCHES "${EXPECT_STDERR}")
+if(NOT "${EXPECT_STDERR}" STREQUAL "" AND NOT _err MATCHES "${EXPECT_STDERR}")
   message(FATAL_ERROR "stderr does not match '${EXPECT_STDERR}'\n${_shown}")
 endif()
 if(REJECT_ESC AND ("${_out}${_err}" MATCHES "${_esc}"))

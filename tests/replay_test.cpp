@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -297,16 +298,17 @@ TEST(ReplayTest, BadConfigIsRejectedBeforeReplaying) {
   EXPECT_THROW((void)ccalloc::replay_trace(ccalloc::parse_trace_text("", "empty"), o), ccalloc::config_error);
 }
 
+// Two 15 MiB blocks live at once: two 16 MiB segments (B2: >= 10 MiB rounds
+// to 2 MiB). The 12 MiB request after a free splits a cached 16 MiB block.
+constexpr std::string_view two_blocks_trace =
+    "1 alloc 4096 15728640 0\n"
+    "2 alloc 8192 15728640 0\n"
+    "3 free_requested 4096 15728640 0\n"
+    "4 free_completed 4096 15728640 0\n"
+    "5 alloc 12288 12582912 0\n";
+
 TEST(ReplayTest, MinDeviceMemoryIsTheSmallestThatFits) {
-  // Two 15 MiB blocks live at once: two 16 MiB segments (B2: >= 10 MiB rounds
-  // to 2 MiB). The 12 MiB request after a free splits a cached 16 MiB block.
-  const std::string text =
-      "1 alloc 4096 15728640 0\n"
-      "2 alloc 8192 15728640 0\n"
-      "3 free_requested 4096 15728640 0\n"
-      "4 free_completed 4096 15728640 0\n"
-      "5 alloc 12288 12582912 0\n";
-  const auto t = ccalloc::parse_trace_text(text, "two");
+  const auto t = ccalloc::parse_trace_text(two_blocks_trace, "two");
   ccalloc::replay_options plain;
   plain.config = "expandable_segments:False";
   EXPECT_EQ(ccalloc::find_min_device_memory(t, plain), std::size_t{32} << 20);
@@ -323,6 +325,33 @@ TEST(ReplayTest, MinDeviceMemoryIsTheSmallestThatFits) {
   EXPECT_EQ(ccalloc::replay_trace(t, expandable).ooms, 0u);
   expandable.device_memory_bytes = std::size_t{28} << 20;
   EXPECT_GT(ccalloc::replay_trace(t, expandable).ooms, 0u);
+}
+
+// Breaker finding: with per_process_memory_fraction the reported size was
+// the peak reserved itself, on which the capped allocator runs out of memory.
+// The fraction applies to the device bisected: the result is a device on
+// which the same configuration fits, and 2 MiB less does not.
+TEST(ReplayTest, MinDeviceMemoryAppliesTheMemoryFractionToTheDevice) {
+  const auto t = ccalloc::parse_trace_text(two_blocks_trace, "two");
+  constexpr std::size_t step = std::size_t{2} << 20;
+  // Without a fraction 32 MiB (MinDeviceMemoryIsTheSmallestThatFits); half
+  // of 64 MiB is 32 MiB; 0.3 x 108 MiB = 32.4 MiB >= 32 MiB > 0.3 x 106 MiB.
+  const std::pair<std::string, std::size_t> cases[] = {
+      {"expandable_segments:False,per_process_memory_fraction:0.5", std::size_t{64} << 20},
+      {"expandable_segments:False,per_process_memory_fraction:0.3", std::size_t{108} << 20},
+      {"per_process_memory_fraction:0.5", std::size_t{60} << 20},  // expandable: 30 MiB of pages
+  };
+  for (const auto& [config, expected] : cases) {
+    SCOPED_TRACE(config);
+    ccalloc::replay_options o;
+    o.config = config;
+    const std::size_t reported = ccalloc::find_min_device_memory(t, o);
+    EXPECT_EQ(reported, expected);
+    o.device_memory_bytes = reported;
+    EXPECT_EQ(ccalloc::replay_trace(t, o).ooms, 0u);
+    o.device_memory_bytes = reported - step;
+    EXPECT_GT(ccalloc::replay_trace(t, o).ooms, 0u);
+  }
 }
 
 TEST(ReplayTest, MinDeviceMemoryRejectsATraceThatNeverFits) {

@@ -239,10 +239,44 @@ TEST(TraceReaderErrors, WrongFieldCount) {
   const read_failure few = failure_of_file(
       "few.trace", std::string(header) + "1 alloc 2 3 0\n2 alloc 4096\n");
   EXPECT_EQ(few.line, 3u);
-  EXPECT_EQ(few.what, few.file + ":3: expected 5 fields (time_us action addr size stream), got 3");
+  EXPECT_EQ(few.what,
+            few.file + ":3: expected 5 fields (time_us action addr size stream), got 3: size and stream are missing");
 
   const read_failure many = failure_of_text("1 alloc 2 3 0 extra\n");
   EXPECT_EQ(many.what, "t.trace:1: expected 5 fields (time_us action addr size stream), got 6");
+}
+
+// Breaker finding: a trace cut short inside its last line. The message names
+// the line and the missing columns, and says the file may be cut short; a
+// last line that is complete without its newline stays valid.
+TEST(TraceReaderErrors, LastLineCutShortNamesWhatIsMissing) {
+  const std::string head = "5 alloc 4096 512 0\n";
+  const std::string expected = "t.trace:2: expected 5 fields (time_us action addr size stream), got ";
+  const std::string cut = " (the last line, with no newline after it: is the trace cut short?)";
+  const read_failure no_size = failure_of_text(head + "123 alloc 4096");
+  EXPECT_EQ(no_size.line, 2u);
+  EXPECT_EQ(no_size.what, expected + "3: size and stream are missing" + cut);
+  EXPECT_EQ(failure_of_text(head + "123 free_requested 4096 512").what, expected + "4: stream is missing" + cut);
+  EXPECT_EQ(failure_of_text(head + "123 al").what, expected + "2: addr, size and stream are missing" + cut);
+  EXPECT_EQ(failure_of_text(head + "12").what,
+            expected + "1: action, addr, size and stream are missing" + cut);
+  EXPECT_EQ(failure_of_text(head + "123 alloc 4096 512 ").what, expected + "4: stream is missing" + cut);
+  // The field count is checked before the numbers (0x1 alone would be a bad addr).
+  EXPECT_EQ(failure_of_text(head + "123 alloc 0x1").what,
+            expected + "3: size and stream are missing" + cut);
+  // The same through a file.
+  const read_failure file = failure_of_file("cut.trace", head + "123 alloc 4096");
+  EXPECT_EQ(file.what, file.file + ":2: expected 5 fields (time_us action addr size stream), got 3: size and "
+                                   "stream are missing" + cut);
+  // Complete last lines without a newline, also after CRLF lines.
+  for (const std::string& text : {head + "6 free_requested 4096 512 7", head + "6 free_requested 4096 512 7 \t",
+                                 std::string("5 alloc 4096 512 0\r\n6 free_requested 4096 512 7\r")}) {
+    const ccalloc::trace t = ccalloc::parse_trace_text(text, "t.trace");
+    ASSERT_EQ(t.events.size(), 2u) << text;
+    EXPECT_EQ(t.events[1].action, ccalloc::trace_action::free_requested);
+    EXPECT_EQ(t.events[1].stream, 7u);
+    EXPECT_EQ(t.events[1].line, 2u);
+  }
 }
 
 TEST(TraceReaderErrors, UnknownAction) {

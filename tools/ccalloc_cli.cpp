@@ -214,6 +214,25 @@ std::uint64_t parse_byte_count(const std::string& text, std::string_view option)
   return bytes;
 }
 
+/// Parses a whole-number option (--repeat, --points): decimal digits only
+/// (no sign, blanks, fraction or 0x), from `min` to `max`. Throws usage_error
+/// "bad <option> '<text>': expected a whole number from <min> to <max> (<what>)"
+/// ("of at least <min>" when max is the largest std::uint64_t).
+std::uint64_t parse_count(const std::string& text, std::string_view option, std::uint64_t min, std::uint64_t max,
+                          std::string_view what) {
+  std::uint64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  const bool whole = !text.empty() && ec == std::errc{} && end == text.data() + text.size();
+  if (!whole || value < min || value > max) {
+    const std::string range = max == std::numeric_limits<std::uint64_t>::max()
+                                  ? "of at least " + std::to_string(min)
+                                  : "from " + std::to_string(min) + " to " + std::to_string(max);
+    throw usage_error("bad " + std::string(option) + " '" + text + "': expected a whole number " + range + " (" +
+                      std::string(what) + ")");
+  }
+  return value;
+}
+
 // ---- progress on stderr ----------------------------------------------------------
 
 /// A progress bar on stderr, drawn only when stderr is a terminal and the
@@ -614,27 +633,24 @@ void parse_device(const std::string& text, ccalloc::replay_options& options) {
 struct common_options {
   std::string trace_path;  ///< empty: the embedded trace
   std::string device_text = "sim";
-  std::string device_memory_text;
+  std::optional<std::string> device_memory_text;  ///< unset: the default; "" is a usage error
   bool json_output = false;
-  std::int64_t repeat = 1;  // signed: CLI11 then rejects nothing silently ("-1" stays -1)
+  std::string repeat_text = "1";  // checked by parse_count, not CLI11 (which clamps 2^64 to 2^63 - 1)
 
   [[nodiscard]] ccalloc::replay_options replay_options_for(const std::string& config) const {
     ccalloc::replay_options options;
     options.config = config_string(config);
     parse_device(device_text, options);
     // At most max_repeat passes: the run and its per-pass table grow with N.
-    constexpr std::int64_t max_repeat = 100000;
-    if (repeat < 1 || repeat > max_repeat)
-      throw usage_error("--repeat must be at least 1 and at most " + std::to_string(max_repeat) +
-                        " (passes of the trace), got " + std::to_string(repeat));
-    options.repeat = static_cast<std::size_t>(repeat);
-    if (!device_memory_text.empty() && options.device != ccalloc::replay_device::sim) {
+    constexpr std::uint64_t max_repeat = 100000;
+    options.repeat = static_cast<std::size_t>(parse_count(repeat_text, "--repeat", 1, max_repeat, "passes of the trace"));
+    if (device_memory_text && options.device != ccalloc::replay_device::sim) {
       throw usage_error("--device-memory applies to the simulated device only: with --device " + device_text +
                         " the replay uses the GPU's own memory");
     }
-    if (!device_memory_text.empty()) {
+    if (device_memory_text) {
       options.device_memory_bytes =
-          static_cast<std::size_t>(parse_byte_count(device_memory_text, "--device-memory"));
+          static_cast<std::size_t>(parse_byte_count(*device_memory_text, "--device-memory"));
     }
     return options;
   }
@@ -658,10 +674,15 @@ min_memory_result find_min_memory(const loaded_trace& input, const ccalloc::repl
   return m;
 }
 
-void print_min_memory(const min_memory_result& m) {
+void print_min_memory(const min_memory_result& m, const std::string& config) {
   std::printf("\nSmallest device memory without out of memory (bisection to 2 MiB):\n");
   std::printf("  ccalloc              %s  (%llu B)\n", gib(m.ccalloc_bytes).c_str(),
               static_cast<unsigned long long>(m.ccalloc_bytes));
+  const ccalloc::allocator_config parsed = ccalloc::allocator_config::parse(config);
+  if (parsed.memory_fraction_set)
+    std::printf("  (the device's memory: per_process_memory_fraction:%g lets ccalloc use that much of it; "
+                "PyTorch's figures are without a fraction)\n",
+                parsed.per_process_memory_fraction);
   if (m.native_bytes)
     std::printf("  PyTorch native       %s  (ccalloc / PyTorch %.3fx)\n", gib(m.native_bytes).c_str(),
                 double(m.ccalloc_bytes) / double(m.native_bytes));
@@ -707,7 +728,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     std::printf("%s\n", out.dump(2).c_str());
   } else {
     print_replay_report(result, input, options.config, options.cuda_device);
-    if (min) print_min_memory(*min);
+    if (min) print_min_memory(*min, options.config);
   }
   if (result.ooms > 0)
     std::fprintf(stderr,
@@ -719,12 +740,13 @@ int run_replay(const common_options& common, const std::string& config, bool min
 
 /// `ccalloc report`: the HTML page (include/ccalloc/replay/report.hpp).
 int run_report(const common_options& common, const std::string& config, const std::string& output_path,
-               std::size_t points, const std::string& title) {
+               const std::string& points_text, const std::string& title) {
   const ccalloc::replay_options replay = common.replay_options_for(config);
   if (replay.device != ccalloc::replay_device::sim)
     throw usage_error("report replays on the simulated device only (--device sim)");
   check_config(replay.config);
-  if (points < 2) throw usage_error("--points must be at least 2");
+  const auto points = static_cast<std::size_t>(
+      parse_count(points_text, "--points", 2, std::numeric_limits<std::size_t>::max(), "time slices per curve"));
   check_output_file(output_path, "the report");
   const auto start = std::chrono::steady_clock::now();
   const loaded_trace input = load_trace(common.trace_path);
@@ -854,9 +876,10 @@ int run(int argc, char** argv) {
     if (with_json) sub->add_flag("--json", common.json_output, "Print the results as JSON.");
   };
   const auto add_repeat = [&](CLI::App* sub) {
-    sub->add_option("--repeat", common.repeat,
+    sub->add_option("--repeat", common.repeat_text,
                     "Run the trace N times back to back as one program (allocations it never frees are made "
-                    "in the first pass only) and report each pass: the steady state of a loop. Default: 1.");
+                    "in the first pass only) and report each pass: the steady state of a loop. 1 to 100000. "
+                    "Default: 1.");
   };
 
   // An output path must name a file: '' is rejected while parsing (CLI11
@@ -873,8 +896,9 @@ int run(int argc, char** argv) {
                      "Default: defaults.");
   bool min_memory = false;
   replay->add_flag("--min-memory", min_memory,
-                   "Also find the smallest simulated device memory on which the trace replays without "
-                   "out of memory (bisection to 2 MiB; SPEC P7).");
+                   "Also find the smallest simulated device memory on which the trace replays with --config "
+                   "without out of memory (bisection to 2 MiB; SPEC P7). A per_process_memory_fraction applies "
+                   "to that device: the figure is the device, not the cap.");
 
   CLI::App* compare =
       app.add_subcommand("compare", "Replay one trace under several configurations side by side.");
@@ -897,7 +921,7 @@ int run(int argc, char** argv) {
                 "map at the peak, fragmentation by pool and stream, the largest allocations).");
   add_common(report, false);  // its output is the HTML file
   std::string report_config, report_output = "report.html", report_title;
-  std::size_t report_points = 1200;
+  std::string report_points = "1200";
   report->add_option("--config", report_config, "Configuration string, PyTorch syntax. Default: defaults.");
   report->add_option("-o,--output", report_output, "The HTML file to write. Default: report.html.")
       ->check(non_empty_path);

@@ -163,7 +163,7 @@ CCALLOC_API void ccalloc_options_init(ccalloc_options_t* options);
  * ccalloc_init). `options` may be NULL (the defaults). Errors: INVALID_ARGUMENT
  * (bad option), CONFIG (bad configuration string), BACKEND (CUDA asked but
  * unavailable). Configuration warnings (settings without effect, SPEC X6) go
- * to stderr. */
+ * to stderr, one line each: "ccalloc: warning: <warning>". */
 CCALLOC_API ccalloc_status_t ccalloc_create(const ccalloc_options_t* options, ccalloc_allocator_t** out);
 /** Destroys an allocator from ccalloc_create: every segment goes back to the
  * device, and its live pointers become invalid. NULL is a no-op (the

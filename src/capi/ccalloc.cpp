@@ -347,7 +347,7 @@ ccalloc_status_t ccalloc_create(const ccalloc_options_t* options, ccalloc_alloca
       handle->allocator = std::make_unique<caching_allocator>(handle->backend);
     } else {
       ccalloc::allocator_config config = ccalloc::allocator_config::parse(o.config);
-      for (const std::string& w : config.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
+      for (const std::string& w : config.warnings) std::fprintf(stderr, "ccalloc: warning: %s\n", w.c_str());
       handle->allocator = std::make_unique<caching_allocator>(handle->backend, std::move(config));
     }
     *out = handle.release();

@@ -54,7 +54,7 @@ caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend, al
 }
 
 void caching_allocator::print_warnings(const allocator_config& config) {
-  for (const std::string& w : config.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
+  for (const std::string& w : config.warnings) std::fprintf(stderr, "ccalloc: warning: %s\n", w.c_str());
 }
 
 caching_allocator::~caching_allocator() = default;

@@ -30,7 +30,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -412,10 +414,45 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
     throw error("find_min_device_memory: " + t.source + " does not fit even in " +
                 std::to_string(options.device_memory_bytes) + " bytes (" + std::to_string(full.ooms) +
                 " allocations failed)");
-  const auto round_up = [&](std::size_t v) { return (v + precision_bytes - 1) / precision_bytes * precision_bytes; };
-  std::size_t fits = round_up(full.peak_reserved_bytes);  // a replay that never reserved more fits here
-  std::size_t fails = full.peak_requested_bytes / precision_bytes * precision_bytes;  // below the lower bound
-  if (fails >= fits) fails = fits - std::min(fits, precision_bytes);
+  // Multiples of precision_bytes, saturating: a value within precision_bytes
+  // of 2^64 stays as it is.
+  const auto round_up = [&](std::size_t v) {
+    if (v > std::numeric_limits<std::size_t>::max() - (precision_bytes - 1)) return v;
+    return (v + precision_bytes - 1) / precision_bytes * precision_bytes;
+  };
+  // per_process_memory_fraction caps reserved memory at fraction x each device
+  // size tried (rounded down, as the allocator does): the answer is a device,
+  // not a cap, and replaying with the same configuration on it fits.
+  const allocator_config parsed = allocator_config::parse(options.config);
+  const double fraction = parsed.memory_fraction_set ? parsed.per_process_memory_fraction : 1.0;
+  const auto cap = [&](std::size_t device_bytes) {
+    return fraction >= 1.0 ? device_bytes : static_cast<std::size_t>(fraction * static_cast<double>(device_bytes));
+  };
+  const std::size_t start = round_up(options.device_memory_bytes);  // assumed to fit: more memory never hurts
+  // The smallest multiple of precision_bytes whose cap holds `bytes` (at
+  // most `start`, whose cap held the whole replay).
+  const auto device_for = [&](std::size_t bytes) -> std::size_t {
+    if (bytes == 0) return 0;
+    const double guess = std::ceil(static_cast<double>(bytes) / fraction);
+    std::size_t m = guess >= static_cast<double>(start) ? start : round_up(static_cast<std::size_t>(guess));
+    while (m < start && cap(m) < bytes) m += precision_bytes;
+    while (m >= precision_bytes && cap(m - precision_bytes) >= bytes) m -= precision_bytes;
+    return m;
+  };
+  // Bounds: `fails` is too small for the peak requested bytes (0: none
+  // tried), `fits` holds the first replay's peak reserved; checked, since a
+  // smaller cap changes what garbage_collection_threshold does.
+  std::size_t fits = device_for(full.peak_reserved_bytes);
+  if (fits == 0) return 0;  // nothing was ever reserved
+  const std::size_t lower = device_for(full.peak_requested_bytes);
+  std::size_t fails = lower >= precision_bytes ? lower - precision_bytes : 0;
+  if (fits < start) {
+    probe.device_memory_bytes = fits;
+    if (replay_trace(t, probe).ooms != 0) {
+      fails = fits;
+      fits = start;
+    }
+  }
   while (fits - fails > precision_bytes) {
     const std::size_t mid = fails + (fits - fails) / 2 / precision_bytes * precision_bytes;
     probe.device_memory_bytes = mid;

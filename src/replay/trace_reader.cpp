@@ -188,20 +188,34 @@ inline const char* parse_line_fast(const char* p, const char* end, trace_event& 
   return p + 1;
 }
 
+/// "size and stream are missing": the columns from `count` on.
+std::string missing_columns(std::size_t count) {
+  std::string out;
+  for (std::size_t c = count; c < column_names.size(); ++c) {
+    if (c != count) out += c + 1 == column_names.size() ? " and " : ", ";
+    out += column_names[c];
+  }
+  return out + (column_names.size() - count == 1 ? " is missing" : " are missing");
+}
+
 /// The checking path for one line (without its '\n'): returns false for a
 /// blank or comment line, true with `event` filled (not its line) for an
 /// event line, and throws trace_error naming `source`:`line_number` and the
-/// first thing wrong otherwise.
+/// first thing wrong otherwise. `unterminated`: the line is the text's last
+/// and has no '\n' (a short one then says the text may be truncated).
 bool parse_line_checked(std::string_view line, const std::string& source, std::size_t line_number,
-                        trace_event& event) {
+                        bool unterminated, trace_event& event) {
   std::array<std::string_view, 5> fields;
   const std::size_t count = split_fields(line, fields);
   if (count == 0) return false;                // blank line
   if (fields[0].front() == '#') return false;  // comment
   if (count != 5) {
-    throw trace_error(source, line_number,
-                      "expected 5 fields (time_us action addr size stream), got " +
-                          std::to_string(count));
+    std::string why = "expected 5 fields (time_us action addr size stream), got " + std::to_string(count);
+    if (count < 5) {
+      why += ": " + missing_columns(count);
+      if (unterminated) why += " (the last line, with no newline after it: is the trace cut short?)";
+    }
+    throw trace_error(source, line_number, why);
   }
   event.time_us = parse_u64(fields[0], 0, source, line_number);
   event.action = parse_action(fields[1], source, line_number);
@@ -241,7 +255,7 @@ trace parse_trace_text(std::string_view text, const std::string& source) {
       const char* const line_end = nl ? static_cast<const char*>(nl) : text_end;
       const std::string_view line(p, static_cast<std::size_t>(line_end - p));
       p = nl ? line_end + 1 : text_end;
-      if (!detail::parse_line_checked(line, source, line_number, event)) continue;
+      if (!detail::parse_line_checked(line, source, line_number, nl == nullptr, event)) continue;
     }
     event.line = line_number;
     if (event.time_us < previous_time_us) [[unlikely]] {

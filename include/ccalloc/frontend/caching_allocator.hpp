@@ -82,7 +82,7 @@ class caching_allocator {
   /// `backend` is shared with whoever created it. The configuration comes
   /// from the environment: CCALLOC_CONF (SPEC F30), and CCALLOC_NO_CACHING=1
   /// (or true/yes/on) starts in no-caching mode (SPEC F6). Warnings about settings without
-  /// effect (SPEC X6) go to stderr. Throws config_error for a bad CCALLOC_CONF
+  /// effect (SPEC X6) go to stderr, one line each: "ccalloc: warning: <warning>". Throws config_error for a bad CCALLOC_CONF
   /// or a CCALLOC_NO_CACHING that is not a boolean.
   explicit caching_allocator(std::shared_ptr<device_backend> backend);
   /// Uses `config` as given and reads no environment variable (for tools and

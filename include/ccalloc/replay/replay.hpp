@@ -174,13 +174,18 @@ struct replay_result {
 [[nodiscard]] replay_result replay_trace(const trace& t, const replay_options& options);
 
 /// SPEC P7: the smallest simulated device memory (bytes, a multiple of
-/// `precision_bytes`) on which `t` replays without an out-of-memory error,
-/// found by bisection between the trace's peak requested bytes (nothing
-/// smaller can work) and the peak reserved of a replay on
-/// options.device_memory_bytes (which works). Like PyTorch's own figures
-/// (native_min_capacity_bytes), it assumes that more memory never hurts.
-/// options.device must be sim. Cost: about log2(range / precision) replays.
-/// Throws ccalloc::error if the trace does not fit options.device_memory_bytes.
+/// `precision_bytes`) on which `t` replays with options.config without an
+/// out-of-memory error, found by bisection between the trace's peak
+/// requested bytes (nothing smaller can work) and the peak reserved of a
+/// replay on options.device_memory_bytes (checked). A per_process_memory_fraction
+/// in options.config applies to every size tried: the result is the device's
+/// memory, of which the allocator may use that fraction (about peak / fraction),
+/// so replaying `t` with the same options on a device of the result's size
+/// fits. Like PyTorch's own figures (native_min_capacity_bytes), it assumes
+/// that more memory never hurts. options.device must be sim. Cost: about
+/// log2(range / precision) + 2 replays. Returns 0 when the trace never
+/// reserves memory. Throws ccalloc::error if the trace does not fit
+/// options.device_memory_bytes, config_error for a bad options.config.
 [[nodiscard]] std::size_t find_min_device_memory(const trace& t, const replay_options& options,
                                                  std::size_t precision_bytes = 2 * mib);
 
