@@ -217,7 +217,8 @@ TEST(ConfigTest, EveryKeyParses) {
       EXPECT_TRUE(c.warnings.empty()) << text;
     }
     EXPECT_EQ(parse_error("thread_cache:on"),
-              "ccalloc config: thread_cache:on is not a valid value (accepted: off, small or all)");
+              "ccalloc config: thread_cache:on is not a valid value (accepted: off, small or all (also True/true/1 = all, "
+            "False/false/0 = off))");
   }
   for (const char* key : {"release_lock_on_cudamalloc",
                           "pinned_use_cuda_host_register", "pinned_use_background_threads",

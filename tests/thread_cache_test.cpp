@@ -261,7 +261,25 @@ TEST(ThreadCacheTest, OffByDefaultAndSwitchedByTheEnvironment) {
   EXPECT_TRUE(enabled_with("1"));
   EXPECT_TRUE(enabled_with("small"));
   EXPECT_FALSE(enabled_with("0"));
-  EXPECT_FALSE(enabled_with("sometimes"));
+  EXPECT_TRUE(enabled_with("all"));
+  EXPECT_TRUE(enabled_with("True"));
+  EXPECT_FALSE(enabled_with("off"));
+  EXPECT_FALSE(enabled_with(""));
+  // One parser for the variable and the key (breaker finding): what the key
+  // rejects, the variable does not take either; a warning names the value.
+  for (const char* value : {"sometimes", "on", "yes", "ALL"}) {
+    ::testing::internal::CaptureStderr();
+    EXPECT_FALSE(enabled_with(value)) << value;
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find(std::string("ccalloc: warning: CCALLOC_THREAD_CACHE='") + value + "'"), std::string::npos)
+        << err;
+    EXPECT_THROW((void)allocator_config::parse(std::string("thread_cache:") + value), config_error)
+        << value;
+  }
+  for (const char* value : {"off", "small", "all", "True", "true", "1", "False", "false", "0"})
+    EXPECT_EQ(allocator_config::parse(std::string("thread_cache:") + value).thread_cache,
+              *parse_thread_cache_mode(value))
+        << value;
   ::unsetenv("CCALLOC_THREAD_CACHE");
 }
 

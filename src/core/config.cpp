@@ -406,16 +406,15 @@ const std::array<key_spec, 19>& key_table() {
         "True; False keeps blocks bound to their stream, as PyTorch does)."},
        &parse_bool_field<&allocator_config::reuse_across_streams>,
        &print_bool_field<&allocator_config::reuse_across_streams>},
-      {{"thread_cache", "off, small or all",
+      {{"thread_cache", "off, small or all (also True/true/1 = all, False/false/0 = off)",
         "ccalloc's own key: each thread parks up to 4 blocks it freed and gets one back for the same "
         "bytes on the same stream without locks (small: small-pool blocks only, requests of at most 1 MiB). "
         "Faster pairs, but it can raise peak reserved memory (default off; when the key is not given, "
-        "the environment variable CCALLOC_THREAD_CACHE=1|small|0 decides)."},
+        "the environment variable CCALLOC_THREAD_CACHE decides, spelled as this key)."},
        [](allocator_config& c, std::string_view value) {
-         if (value == "off") c.thread_cache = thread_cache_mode::off;
-         else if (value == "small") c.thread_cache = thread_cache_mode::small;
-         else if (value == "all") c.thread_cache = thread_cache_mode::all;
-         else throw_malformed();
+         const std::optional<thread_cache_mode> mode = parse_thread_cache_mode(value);
+         if (!mode) throw_malformed();
+         c.thread_cache = *mode;
          c.thread_cache_set = true;
        },
        [](const allocator_config& c) -> std::optional<std::string> {
@@ -726,6 +725,13 @@ std::string allocator_config::to_string() const {
     out += *value;
   }
   return out;
+}
+
+std::optional<thread_cache_mode> parse_thread_cache_mode(std::string_view text) noexcept {
+  if (text == "off" || text == "False" || text == "false" || text == "0") return thread_cache_mode::off;
+  if (text == "small") return thread_cache_mode::small;
+  if (text == "all" || text == "True" || text == "true" || text == "1") return thread_cache_mode::all;
+  return std::nullopt;
 }
 
 const std::vector<config_key_info>& config_keys() {

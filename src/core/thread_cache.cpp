@@ -3,6 +3,8 @@
 // the world lock), thread exit and device teardown. The fast path is inline
 // in detail/thread_cache_fast.hpp; the design is in detail/thread_cache.hpp.
 #include <cstdio>
+#include <ccalloc/base/printable_text.hpp>
+#include <ccalloc/core/config.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include "detail/device_state.hpp"
@@ -14,6 +16,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,13 +88,6 @@ struct thread_records {
 
 thread_local thread_records tls_records;
 
-// CCALLOC_THREAD_CACHE, lower case ("" when unset).
-std::string env_mode() {
-  const char* v = std::getenv("CCALLOC_THREAD_CACHE");
-  std::string value(v == nullptr ? "" : v);
-  for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return value;
-}
 
 }  // namespace
 
@@ -100,15 +96,20 @@ thread_cache_registry::thread_cache_registry() {
   // the same size rather than the pools' best fit, which changes the layout
   // (peak reserved +11% on gpt2_train_long with every size cached, +-0.4%
   // with `small`; docs/perf.md), and memory held is ccalloc's headline.
-  const std::string mode = env_mode();
-  const bool on = mode == "1" || mode == "true" || mode == "on" || mode == "yes" || mode == "all";
-  small_only.store(mode == "small", std::memory_order_relaxed);
-  if (!on && mode != "small" && !mode.empty() && mode != "0" && mode != "false" && mode != "off" && mode != "no")
-    std::fprintf(stderr,
-                 "warning: ccalloc: CCALLOC_THREAD_CACHE='%s' is not one of 1/on/all, small, 0/off: the thread "
-                 "cache stays off\n",
-                 mode.c_str());
-  enabled.store(on || mode == "small", std::memory_order_relaxed);
+  // CCALLOC_THREAD_CACHE, spelled as the thread_cache key (one parser).
+  const char* env = std::getenv("CCALLOC_THREAD_CACHE");
+  std::optional<thread_cache_mode> mode = thread_cache_mode::off;
+  if (env != nullptr && *env != '\0') {
+    mode = parse_thread_cache_mode(env);
+    if (!mode)
+      std::fprintf(stderr,
+                   "ccalloc: warning: CCALLOC_THREAD_CACHE='%s' is not one of off, small, all (also True/true/1, "
+                   "False/false/0): the thread cache stays off\n",
+                   printable_text(env).c_str());
+  }
+  const thread_cache_mode m = mode.value_or(thread_cache_mode::off);
+  small_only.store(m == thread_cache_mode::small, std::memory_order_relaxed);
+  enabled.store(m != thread_cache_mode::off, std::memory_order_relaxed);
 }
 
 thread_cache_registry::~thread_cache_registry() {

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -51,6 +52,14 @@ enum class thread_cache_mode : std::uint8_t {
   small,  ///< small-pool blocks only (requests of at most 1 MiB)
   all,    ///< every block of the normal pools
 };
+
+/// The one spelling of a thread_cache_mode, for the thread_cache key and the
+/// CCALLOC_THREAD_CACHE environment variable alike: "off", "small" or "all";
+/// the boolean spellings of the other keys are accepted too ("True", "true",
+/// "1" = all; "False", "false", "0" = off). std::nullopt for anything else
+/// (the caller reports it). Case-sensitive, as every key's values are.
+/// Thread safety: pure function.
+[[nodiscard]] std::optional<thread_cache_mode> parse_thread_cache_mode(std::string_view text) noexcept;
 
 struct allocator_config {
   /// Blocks of this size or more are "oversize": never split, and only
