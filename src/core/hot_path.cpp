@@ -84,20 +84,23 @@ using detail::world_lock;
 
 namespace {
 
+// malloc of 0 bytes or of max_request_bytes or more.
+[[gnu::noinline, noreturn]] void reject_size(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
+  if (size_bytes == 0) throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
+  world_lock w(s);
+  detail::alloc_params p;
+  p.requested_bytes = size_bytes;
+  p.size = size_bytes;
+  p.alloc_size = size_bytes;
+  p.stream = stream;
+  s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
+}
+
 // malloc without history: inlined into device_caching_allocator::malloc.
 [[gnu::always_inline]] inline allocation malloc_impl(detail::device_state& s, std::size_t size_bytes,
                                                      stream_t stream) {
-  if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]] {
-    if (size_bytes == 0)
-      throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
-    world_lock w(s);
-    detail::alloc_params p;
-    p.requested_bytes = size_bytes;
-    p.size = size_bytes;
-    p.alloc_size = size_bytes;
-    p.stream = stream;
-    s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
-  }
+  if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]]
+    reject_size(s, size_bytes, stream);
   block* b = s.allocate(size_bytes, stream);
   return {reinterpret_cast<void*>(b->ptr), b};
 }
@@ -147,6 +150,15 @@ struct stream_cache_entry {
   stream_state* state = nullptr;
 };
 thread_local stream_cache_entry tls_stream_cache;
+
+// No cached block of the stream fits: the fallback ladder, under the world
+// lock (the configuration may have changed since the stream lock was let go).
+[[gnu::noinline]] block* allocate_locked(device_state& d, std::size_t requested_bytes, stream_state& ss) {
+  world_lock w(d);
+  alloc_params p;
+  d.prepare(p, requested_bytes, ss);
+  return d.allocate_slow(p, w);
+}
 }  // namespace
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
@@ -166,9 +178,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
       }
     }
   }
-  world_lock w(*this);
-  prepare(p, requested_bytes, ss);  // the configuration may have changed meanwhile
-  return allocate_slow(p, w);
+  return allocate_locked(*this, requested_bytes, ss);
 }
 
 // allocate when events are pending or a begin_allocate_to_pool is active.
@@ -216,9 +226,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
       }
     }
   }
-  world_lock w(*this);
-  prepare(p, requested_bytes, ss);
-  return allocate_slow(p, w);
+  return allocate_locked(*this, requested_bytes, ss);
 }
 
 namespace {
@@ -404,6 +412,34 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
 
 // ---- free -------------------------------------------------------------------------
 
+namespace {
+// device_state::free of a block used on other streams (record_stream): its
+// events, or a deferred free while capturing. [stream] May throw: nothing
+// changed then.
+[[gnu::noinline]] void free_used_on_other_streams(device_state& d, block* b, stream_state& ss) {
+  // No events while capturing (cudaEventQuery is not allowed): decide later.
+  if (d.capture_underway() || d.any_stream_capturing(b)) {
+    d.defer_free(b);
+    return;
+  }
+  // Its pages may move once the other streams' events and a fence of its
+  // own stream recorded now have completed: the block takes the fence's
+  // count now (free_block keeps it), not when its events complete.
+  const bool fence = b->seg->expandable;
+  if (fence) d.fence_before_free(ss);  // may throw: nothing changed yet
+  try {
+    d.insert_events(b);
+  } catch (...) {
+    if (fence) ++ss.free_seq;  // the fence's count goes unused: no later free may take it
+    throw;
+  }
+  if (fence) {
+    b->free_seq = ++ss.free_seq;
+    b->free_seq_taken = true;
+  }
+}
+}  // namespace
+
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);
@@ -411,26 +447,7 @@ void device_state::free(block* b) {
   // stream, which exists while the caller frees a block of it; another
   // stream's slow path never records on this stream (can_record_on).
   if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
-    // No events while capturing (cudaEventQuery is not allowed): decide later.
-    if (capture_underway() || any_stream_capturing(b)) {
-      defer_free(b);
-    } else {
-      // Its pages may move once the other streams' events and a fence of
-      // its own stream recorded now have completed: the block takes the
-      // fence's count now (free_block keeps it), not when its events complete.
-      const bool fence = b->seg->expandable;
-      if (fence) fence_before_free(ss);  // may throw: nothing changed yet
-      try {
-        insert_events(b);
-      } catch (...) {
-        if (fence) ++ss.free_seq;  // the fence's count goes unused: no later free may take it
-        throw;
-      }
-      if (fence) {
-        b->free_seq = ++ss.free_seq;
-        b->free_seq_taken = true;
-      }
-    }
+    free_used_on_other_streams(*this, b, ss);
   } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
