@@ -303,7 +303,9 @@ std::size_t device_state::allocation_size(std::size_t size) const noexcept {
 // oversize request takes one at most max_non_split_rounding bytes larger.
 // The found block stays in its pool's index at the returned position (end():
 // none); take_found_block takes it out, or rewrites its entry in place for
-// the remainder of a split.
+// the remainder of a split. The caller holds the pool's stream lock from
+// one to the other (allocate, allocate_unusual): nothing else can change the
+// index in between, so the position stays valid.
 block_index::position device_state::find_free_block(alloc_params& p) {
   block_pool& pool = *p.pool;
   if (config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
