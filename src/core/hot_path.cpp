@@ -114,8 +114,9 @@ allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_b
 // malloc and free are each one function body (flatten: every call of this
 // file they make is inlined, recursively), so that the hot path's steps can
 // stay small functions; what is rare is kept out of line (gnu::noinline:
-// allocate_unusual, registered_stream, fence_before_free, the thread
-// cache's slow paths) or lives in another file (the slow path, events).
+// reject_size, allocate_unusual, allocate_locked, registered_stream,
+// free_used_on_other_streams, fence_before_free) or lives in another file
+// (the slow path, events, the thread cache when it is on).
 [[gnu::flatten]] allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
   auto& s = *state_;
   if (s.history_.active()) [[unlikely]] {
@@ -231,18 +232,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 
 namespace {
 // stream_for on a miss of the thread's cached entry: the registry.
-[[gnu::noinline]] stream_state& registered_stream(device_state& d, stream_t stream);
-}  // namespace
-
-stream_state& device_state::stream_for(stream_t stream) {
-  const stream_cache_entry& c = tls_stream_cache;
-  if (c.owner_id == id_ && c.stream == stream) [[likely]]
-    return *c.state;
-  return registered_stream(*this, stream);
-}
-
-namespace {
-stream_state& registered_stream(device_state& d, stream_t stream) {
+[[gnu::noinline]] stream_state& registered_stream(device_state& d, stream_t stream) {
   std::lock_guard lock(d.registry_mutex_);
   auto& slot = d.streams_[stream];
   if (!slot) {
@@ -263,6 +253,13 @@ stream_state& registered_stream(device_state& d, stream_t stream) {
   return *slot;
 }
 }  // namespace
+
+stream_state& device_state::stream_for(stream_t stream) {
+  const stream_cache_entry& c = tls_stream_cache;
+  if (c.owner_id == id_ && c.stream == stream) [[likely]]
+    return *c.state;
+  return registered_stream(*this, stream);
+}
 
 void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
   p.requested_bytes = requested_bytes;
