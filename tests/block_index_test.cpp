@@ -26,11 +26,81 @@ TEST(BlockIndex, BinsAreInSizeOrderAndCoverEverySize) {
     EXPECT_GE(bin, previous) << units;
     previous = bin;
   }
-  EXPECT_EQ(block_index::bin_of(512), 1u);
-  EXPECT_EQ(block_index::bin_of(8 * 512), 8u);
-  EXPECT_EQ(block_index::bin_of(16 * 512), 12u);   // 4 bins per power of two from 8 units
-  EXPECT_EQ(block_index::bin_of(24 * 512), 14u);
-  EXPECT_LT(block_index::bin_of(~std::size_t{0} & ~std::size_t{511}), block_index::bin_count);
+  EXPECT_EQ(block_index::bin_of(0), 0u);  // lower_bound(0): the first bin
+  EXPECT_EQ(block_index::bin_of(512), 0u);
+  EXPECT_EQ(block_index::bin_of(8 * 512), 7u);
+  EXPECT_EQ(block_index::bin_of(9 * 512), 8u);
+  EXPECT_EQ(block_index::bin_of(16 * 512), 11u);  // 4 bins per power of two from 9 units
+  EXPECT_EQ(block_index::bin_of(17 * 512), 12u);
+  EXPECT_EQ(block_index::bin_of(24 * 512), 13u);
+  EXPECT_EQ(block_index::bin_of(~std::size_t{0} & ~std::size_t{511}), block_index::bin_count - 1);
+}
+
+// Bins are ranges (lo, hi] of sizes: the usual segment sizes are a bin's top,
+// so a whole segment and the same segment less a small allocation share a bin.
+TEST(BlockIndex, AWholeSegmentSharesItsBinWithItsSmallSplits) {
+  constexpr std::size_t mib = std::size_t{1} << 20;
+  EXPECT_EQ(block_index::bin_of(2 * mib), block_index::bin_of(2 * mib - 512));
+  EXPECT_EQ(block_index::bin_of(2 * mib), block_index::bin_of(2 * mib - 256 * 1024 + 512));
+  EXPECT_NE(block_index::bin_of(2 * mib), block_index::bin_of(2 * mib + 512));
+  EXPECT_EQ(block_index::bin_of(20 * mib), block_index::bin_of(20 * mib - 4 * mib + 512));
+  EXPECT_NE(block_index::bin_of(20 * mib), block_index::bin_of(20 * mib + 512));
+}
+
+// rekey_at (a split's remainder, a merge) against std::set: the same index as
+// erase_at + insert, whether the entry stays in place or moves.
+TEST(BlockIndex, RekeyAtAgreesWithEraseAndInsert) {
+  std::mt19937_64 rng(777);
+  std::vector<std::unique_ptr<block>> blocks;
+  block_index index;
+  std::set<key> reference;
+  std::vector<block*> live;
+  std::uintptr_t next_ptr = std::uintptr_t{1} << 30;
+  for (int i = 0; i < 300; ++i) {
+    auto b = std::make_unique<block>();
+    b->size = 512 * (1 + rng() % 8192);
+    b->ptr = next_ptr;
+    next_ptr += std::uintptr_t{1} << 30;  // room to grow or shrink without overlap
+    index.insert(b.get());
+    reference.insert({b->size, b->ptr});
+    live.push_back(b.get());
+    blocks.push_back(std::move(b));
+  }
+  int moved = 0, in_place = 0;
+  for (int step = 0; step < 20000; ++step) {
+    block* b = live[rng() % live.size()];
+    const block_index::position at = index.find(b);
+    ASSERT_NE(at, block_index::end());
+    reference.erase({b->size, b->ptr});
+    // Shrink from the front or the back (a split) or grow (a merge), by a small or a large step.
+    const std::size_t step_bytes = 512 * (rng() % 2 == 0 ? 1 + rng() % 4 : 1 + rng() % 4096);
+    switch (rng() % 3) {
+      case 0:
+        if (b->size > step_bytes) {
+          b->size -= step_bytes;
+          b->ptr += step_bytes;
+        }
+        break;
+      case 1:
+        if (b->size > step_bytes) b->size -= step_bytes;
+        break;
+      default:
+        b->size += step_bytes;
+        if (rng() % 2 == 0) b->ptr -= step_bytes;
+    }
+    reference.insert({b->size, b->ptr});
+    index.rekey_at(at, b);
+    const block_index::position now = index.find(b);
+    ASSERT_NE(now, block_index::end());
+    (now == at ? in_place : moved) += 1;
+    ASSERT_EQ(index.size(), reference.size());
+  }
+  std::vector<key> up;
+  index.for_each([&](block* x) { up.emplace_back(x->size, x->ptr); });
+  EXPECT_EQ(up, std::vector<key>(reference.begin(), reference.end()));
+  // Both ways were taken (the test covers the in-place rewrite and the move).
+  EXPECT_GT(in_place, 1000);
+  EXPECT_GT(moved, 1000);
 }
 
 // Random inserts and erases against std::set: every query agrees.

@@ -53,8 +53,9 @@
 //                            free_uncached: back to the device (fallback_ladder.cpp) [+ device lock]
 //       release_allocation   counts it freed (stats via stats_sink)
 //         free_block         only when it waits on no event:
-//           try_merge        with the free neighbour before and after it
-//           back into its pool (block_index::insert)
+//           merge            with the free neighbour before and after it
+//           back into its pool (block_index::insert, or rekey_at: the
+//                            merged neighbour's entry becomes the block's)
 //   A block that waits on events is returned by process_events (events.cpp)
 //   when they have completed, through the same free_block.
 #include <ccalloc/core/device_caching_allocator.hpp>
@@ -83,20 +84,23 @@ using detail::world_lock;
 
 namespace {
 
+// malloc of 0 bytes or of max_request_bytes or more.
+[[gnu::noinline, noreturn]] void reject_size(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
+  if (size_bytes == 0) throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
+  world_lock w(s);
+  detail::alloc_params p;
+  p.requested_bytes = size_bytes;
+  p.size = size_bytes;
+  p.alloc_size = size_bytes;
+  p.stream = stream;
+  s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
+}
+
 // malloc without history: inlined into device_caching_allocator::malloc.
 [[gnu::always_inline]] inline allocation malloc_impl(detail::device_state& s, std::size_t size_bytes,
                                                      stream_t stream) {
-  if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]] {
-    if (size_bytes == 0)
-      throw invalid_argument_error("ccalloc: device_caching_allocator::malloc of 0 bytes");
-    world_lock w(s);
-    detail::alloc_params p;
-    p.requested_bytes = size_bytes;
-    p.size = size_bytes;
-    p.alloc_size = size_bytes;
-    p.stream = stream;
-    s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
-  }
+  if (size_bytes == 0 || size_bytes >= max_request_bytes) [[unlikely]]
+    reject_size(s, size_bytes, stream);
   block* b = s.allocate(size_bytes, stream);
   return {reinterpret_cast<void*>(b->ptr), b};
 }
@@ -107,7 +111,13 @@ allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_b
   return malloc_impl(s, size_bytes, stream);
 }
 
-allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
+// malloc and free are each one function body (flatten: every call of this
+// file they make is inlined, recursively), so that the hot path's steps can
+// stay small functions; what is rare is kept out of line (gnu::noinline:
+// reject_size, allocate_unusual, allocate_locked, registered_stream,
+// free_used_on_other_streams, fence_before_free) or lives in another file
+// (the slow path, events, the thread cache when it is on).
+[[gnu::flatten]] allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
   auto& s = *state_;
   if (s.history_.active()) [[unlikely]] {
     detail::thread_cache_flush_own(s);  // parked before recording began
@@ -118,7 +128,7 @@ allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t str
   return malloc_impl(s, size_bytes, stream);
 }
 
-void device_caching_allocator::free(block* b) {
+[[gnu::flatten]] void device_caching_allocator::free(block* b) {
   auto& s = *state_;
   if (!s.history_.active()) [[likely]] {
     if (!detail::thread_cache_park(s, b)) s.free(b);
@@ -141,6 +151,15 @@ struct stream_cache_entry {
   stream_state* state = nullptr;
 };
 thread_local stream_cache_entry tls_stream_cache;
+
+// No cached block of the stream fits: the fallback ladder, under the world
+// lock (the configuration may have changed since the stream lock was let go).
+[[gnu::noinline]] block* allocate_locked(device_state& d, std::size_t requested_bytes, stream_state& ss) {
+  world_lock w(d);
+  alloc_params p;
+  d.prepare(p, requested_bytes, ss);
+  return d.allocate_slow(p, w);
+}
 }  // namespace
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
@@ -153,18 +172,18 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
     std::lock_guard lock(ss.mutex);
     prepare(p, requested_bytes, ss);
     // Rung 1: a cached block of this stream and pool.
-    if (caching_ && get_free_block(p)) [[likely]] {
-      stats_sink sink(*this, ss);
-      return take_found_block(p, sink.get());
+    if (caching_) [[likely]] {
+      if (const block_index::position at = find_free_block(p); at != block_index::end()) [[likely]] {
+        stats_sink sink(*this, ss);
+        return take_found_block(p, sink.get(), at);
+      }
     }
   }
-  world_lock w(*this);
-  prepare(p, requested_bytes, ss);  // the configuration may have changed meanwhile
-  return allocate_slow(p, w);
+  return allocate_locked(*this, requested_bytes, ss);
 }
 
 // allocate when events are pending or a begin_allocate_to_pool is active.
-block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
+[[gnu::noinline]] block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
   const bool scoped = pool_scope_active();
   if (scoped) note_if_capturing(stream);
   if (!capture_underway()) process_events();  // never while capturing: event queries are not allowed then
@@ -201,38 +220,45 @@ block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stre
   {
     std::lock_guard lock(ss.mutex);
     prepare(p, requested_bytes, ss);
-    if (caching_ && get_free_block(p)) {
-      stats_sink sink(*this, ss);
-      return take_found_block(p, sink.get());
-    }
-  }
-  world_lock w(*this);
-  prepare(p, requested_bytes, ss);
-  return allocate_slow(p, w);
-}
-
-stream_state& device_state::stream_for(stream_t stream) {
-  stream_cache_entry& c = tls_stream_cache;
-  if (c.owner_id == id_ && c.stream == stream) [[likely]]
-    return *c.state;
-  std::lock_guard lock(registry_mutex_);
-  auto& slot = streams_[stream];
-  if (!slot) {
-    slot = std::make_unique<stream_state>(stream);
-    if (streams_.size() == 2) {
-      // The first stream kept its statistics pending without a lock; publish
-      // them before two streams can publish independently.
-      for (auto& [other_stream, other] : streams_) {
-        if (other.get() == slot.get()) continue;
-        std::lock_guard other_lock(other->mutex);
-        std::lock_guard stats_lock(stats_mutex_);
-        publish_pending_stats(stats_, *other);
-        single_stream_.store(false, std::memory_order_relaxed);
+    if (caching_) {
+      if (const block_index::position at = find_free_block(p); at != block_index::end()) {
+        stats_sink sink(*this, ss);
+        return take_found_block(p, sink.get(), at);
       }
     }
   }
-  c = {id_, stream, slot.get()};
+  return allocate_locked(*this, requested_bytes, ss);
+}
+
+namespace {
+// stream_for on a miss of the thread's cached entry: the registry.
+[[gnu::noinline]] stream_state& registered_stream(device_state& d, stream_t stream) {
+  std::lock_guard lock(d.registry_mutex_);
+  auto& slot = d.streams_[stream];
+  if (!slot) {
+    slot = std::make_unique<stream_state>(stream);
+    if (d.streams_.size() == 2) {
+      // The first stream kept its statistics pending without a lock; publish
+      // them before two streams can publish independently.
+      for (auto& [other_stream, other] : d.streams_) {
+        if (other.get() == slot.get()) continue;
+        std::lock_guard other_lock(other->mutex);
+        std::lock_guard stats_lock(d.stats_mutex_);
+        publish_pending_stats(d.stats_, *other);
+        d.single_stream_.store(false, std::memory_order_relaxed);
+      }
+    }
+  }
+  tls_stream_cache = {d.id_, stream, slot.get()};
   return *slot;
+}
+}  // namespace
+
+stream_state& device_state::stream_for(stream_t stream) {
+  const stream_cache_entry& c = tls_stream_cache;
+  if (c.owner_id == id_ && c.stream == stream) [[likely]]
+    return *c.state;
+  return registered_stream(*this, stream);
 }
 
 void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
@@ -272,18 +298,29 @@ std::size_t device_state::allocation_size(std::size_t size) const noexcept {
 // B3: best fit by (size, address) in the request's (stream, pool), with the
 // oversize rules: a small request never takes an oversize block, and an
 // oversize request takes one at most max_non_split_rounding bytes larger.
-bool device_state::get_free_block(alloc_params& p) {
+// The found block stays in its pool's index at the returned position (end():
+// none); take_found_block takes it out, or rewrites its entry in place for
+// the remainder of a split. The caller holds the pool's stream lock from
+// one to the other (allocate, allocate_unusual): nothing else can change the
+// index in between, so the position stays valid.
+block_index::position device_state::find_free_block(alloc_params& p) {
   block_pool& pool = *p.pool;
   if (config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
   const block_index::position i = pool.blocks.lower_bound(p.size);
-  if (i == block_index::end()) return false;
+  if (i == block_index::end()) return i;
   block* b = pool.blocks.at(i);
   const std::size_t max_split = config_.max_split_size_bytes;
-  if (p.size < max_split && b->size >= max_split) return false;
+  if (p.size < max_split && b->size >= max_split) return block_index::end();
   // b->size >= p.size (lower_bound); the difference cannot overflow.
-  if (p.size >= max_split && b->size - p.size >= config_.max_non_split_rounding_bytes) return false;
-  pool.blocks.erase_at(i);
+  if (p.size >= max_split && b->size - p.size >= config_.max_non_split_rounding_bytes) return block_index::end();
   p.found = b;
+  return i;
+}
+
+bool device_state::get_free_block(alloc_params& p) {
+  const block_index::position i = find_free_block(p);
+  if (i == block_index::end()) return false;
+  p.pool->blocks.erase_at(i);
   return true;
 }
 
@@ -308,7 +345,8 @@ bool device_state::place_at_back(const block* b) const noexcept {
 }
 
 // Hands out p.found: split off the remainder if worth keeping, update stats.
-block* device_state::take_found_block(alloc_params& p, device_stats& st) {
+// `at`: p.found's position in its pool's index, or end() when it is not in it.
+block* device_state::take_found_block(alloc_params& p, device_stats& st, block_index::position at) {
   block* b = p.found;
   CCALLOC_ASSERT(b->pool == p.pool && !b->allocated && b->event_count == 0 && b->mapped);
   CCALLOC_ASSERT(b->size >= p.size && p.size % min_block_bytes == 0);
@@ -340,16 +378,22 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
     }
     CCALLOC_ASSERT(remaining->size >= min_block_bytes && remaining->size % min_block_bytes == 0);
     remaining->gc_count_base = remaining->pool->get_free_blocks_call_count;
-    remaining->pool->blocks.insert(remaining);
+    // The remainder is the found block's object, with a smaller size (and a
+    // higher address when the caller got the front).
+    if (at != block_index::end()) remaining->pool->blocks.rekey_at(at, remaining);
+    else remaining->pool->blocks.insert(remaining);
     if (already_split) {
       device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
     } else {
       device_stats::increase(st.inactive_split, g, 1);
       device_stats::increase(st.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
     }
-  } else if (already_split) {
-    device_stats::decrease(st.inactive_split, g, 1);
-    device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+  } else {
+    if (at != block_index::end()) p.pool->blocks.erase_at(at);
+    if (already_split) {
+      device_stats::decrease(st.inactive_split, g, 1);
+      device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+    }
   }
   b->allocated = true;
   ++b->seg->busy_blocks;
@@ -367,6 +411,34 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st) {
 
 // ---- free -------------------------------------------------------------------------
 
+namespace {
+// device_state::free of a block used on other streams (record_stream): its
+// events, or a deferred free while capturing. [stream] May throw: nothing
+// changed then.
+[[gnu::noinline]] void free_used_on_other_streams(device_state& d, block* b, stream_state& ss) {
+  // No events while capturing (cudaEventQuery is not allowed): decide later.
+  if (d.capture_underway() || d.any_stream_capturing(b)) {
+    d.defer_free(b);
+    return;
+  }
+  // Its pages may move once the other streams' events and a fence of its
+  // own stream recorded now have completed: the block takes the fence's
+  // count now (free_block keeps it), not when its events complete.
+  const bool fence = b->seg->expandable;
+  if (fence) d.fence_before_free(ss);  // may throw: nothing changed yet
+  try {
+    d.insert_events(b);
+  } catch (...) {
+    if (fence) ++ss.free_seq;  // the fence's count goes unused: no later free may take it
+    throw;
+  }
+  if (fence) {
+    b->free_seq = ++ss.free_seq;
+    b->free_seq_taken = true;
+  }
+}
+}  // namespace
+
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);
@@ -374,26 +446,7 @@ void device_state::free(block* b) {
   // stream, which exists while the caller frees a block of it; another
   // stream's slow path never records on this stream (can_record_on).
   if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
-    // No events while capturing (cudaEventQuery is not allowed): decide later.
-    if (capture_underway() || any_stream_capturing(b)) {
-      defer_free(b);
-    } else {
-      // Its pages may move once the other streams' events and a fence of
-      // its own stream recorded now have completed: the block takes the
-      // fence's count now (free_block keeps it), not when its events complete.
-      const bool fence = b->seg->expandable;
-      if (fence) fence_before_free(ss);  // may throw: nothing changed yet
-      try {
-        insert_events(b);
-      } catch (...) {
-        if (fence) ++ss.free_seq;  // the fence's count goes unused: no later free may take it
-        throw;
-      }
-      if (fence) {
-        b->free_seq = ++ss.free_seq;
-        b->free_seq_taken = true;
-      }
-    }
+    free_used_on_other_streams(*this, b, ss);
   } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
@@ -417,7 +470,7 @@ void device_state::free(block* b) {
 // pages can pass to another stream without waiting once the stream's work
 // before the free has completed. Throws backend_error from the record,
 // before anything changed.
-void device_state::fence_before_free(stream_state& ss) {
+[[gnu::noinline]] void device_state::fence_before_free(stream_state& ss) {
   std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
   const std::uint64_t coming = ss.free_seq + 1;  // the count the coming free takes
   if (fenced_up_to(ss) < coming) record_fence(ss, coming);
@@ -445,20 +498,29 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   const auto original_size = static_cast<std::int64_t>(b->size);
   std::int64_t net_split_blocks = 0;
   std::int64_t net_split_bytes = 0;
-  for (block* neighbour : {b->prev, b->next}) {
-    const std::size_t subsumed = try_merge(b, neighbour);
-    if (subsumed > 0) {
-      net_split_blocks -= 1;
-      net_split_bytes -= static_cast<std::int64_t>(subsumed);
-    }
-  }
+  // Merge with the free neighbours. The entry of the last one merged becomes
+  // b's (block_index::rekey_at): the same index as erasing both and
+  // inserting b, without moving entries when b's key stays in place.
+  block_index& index = b->pool->blocks;
+  block_index::position slot = block_index::end();
+  const auto absorb = [&](block* neighbour) {
+    if (!can_merge(b, neighbour)) return;
+    if (slot != block_index::end()) index.erase_at(slot);
+    slot = index.find(neighbour);
+    const std::size_t subsumed = merge(b, neighbour);
+    net_split_blocks -= 1;
+    net_split_bytes -= static_cast<std::int64_t>(subsumed);
+  };
+  absorb(b->prev);
+  absorb(b->next);
   // Back into the pool of its own segment, free and whole.
   CCALLOC_ASSERT(b->is_free() && b->mapped && b->pool == b->seg->head->pool);
   b->gc_count_base = b->pool->get_free_blocks_call_count;
   // After the merges: the newest of its parts (a count taken at free stays).
   if (b->free_seq_taken) b->free_seq_taken = false;
   else b->free_seq = ++b->pool->owner->free_seq;
-  b->pool->blocks.insert(b);
+  if (slot != block_index::end()) index.rekey_at(slot, b);
+  else index.insert(b);
   if (b->is_split()) {
     net_split_blocks += 1;
     net_split_bytes += static_cast<std::int64_t>(b->size);
@@ -491,9 +553,15 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   }
 }
 
-// Merges free `src` into `dst` (its neighbour); returns the bytes subsumed.
-std::size_t device_state::try_merge(block* dst, block* src) {
-  if (src == nullptr || !src->is_free() || !src->stream_uses.empty() || src->mapped != dst->mapped) return 0;
+// Whether `src`, a neighbour of `dst` (or nullptr), is free and may merge into it.
+bool device_state::can_merge(const block* dst, const block* src) noexcept {
+  return src != nullptr && src->is_free() && src->stream_uses.empty() && src->mapped == dst->mapped;
+}
+
+// Merges free `src` into `dst` (its neighbour, can_merge); returns the bytes
+// subsumed. The caller takes `src` out of the pool's index (before: the
+// index finds it by its size and address).
+std::size_t device_state::merge(block* dst, block* src) {
   CCALLOC_ASSERT(src->seg == dst->seg && src->pool == dst->pool && (dst->prev == src || dst->next == src));
   if (dst->prev == src) {
     dst->ptr = src->ptr;
@@ -509,7 +577,6 @@ std::size_t device_state::try_merge(block* dst, block* src) {
   CCALLOC_ASSERT(dst->size % min_block_bytes == 0 && dst->ptr >= dst->seg->base &&
                  dst->ptr + dst->size <= dst->seg->base + dst->seg->size);
   dst->free_seq = std::max(dst->free_seq, src->free_seq);
-  src->pool->blocks.erase(src);
   src->pool->owner->delete_block(src);
   return subsumed;
 }

@@ -10,6 +10,7 @@
 #include "detail/device_state.hpp"
 #include "detail/stats_sink.hpp"
 #include "detail/thread_cache.hpp"
+#include "detail/thread_cache_fast.hpp"
 
 #include <array>
 #include <cctype>
@@ -188,6 +189,74 @@ void drain_thread_caches(device_state& d, const world_lock& w) noexcept {
     for (std::uint32_t i = 0; i < n; ++i) d.release_allocation(r->slots[i].b, d.stats_, true);
     r->count.store(0, std::memory_order_relaxed);
   }
+}
+
+// thread_cache_take (detail/thread_cache_fast.hpp) when the cache is on or
+// this thread has a record: a parked block for (requested_bytes, stream), or
+// nullptr after freeing this thread's parked blocks of `s`.
+block* thread_cache_take_slow(device_state& s, thread_cache_record* r, std::size_t requested_bytes,
+                              stream_t stream) {
+  if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
+    if (!s.thread_caches_.enabled.load(std::memory_order_relaxed)) return nullptr;
+    r = thread_cache_find(s, true);  // a thread that only allocates finds it at once next time
+    if (r == nullptr) return nullptr;
+  }
+  if (r->count.load(std::memory_order_relaxed) == 0) return nullptr;
+  // Pending events and captures go the normal way (events are processed
+  // there; a capture may route to a private pool).
+  if ((s.pending_event_count_.load(std::memory_order_relaxed) | s.capture_count_.load(std::memory_order_relaxed)) !=
+      0) [[unlikely]] {
+    thread_cache_drain_own(s, *r);
+    return nullptr;
+  }
+  r->lock.lock();
+  const std::uint32_t count = r->count.load(std::memory_order_relaxed);  // a world lock may have emptied it
+  for (std::uint32_t i = count; i-- > 0;) {  // the most recently parked first
+    thread_cache_record::slot& sl = r->slots[i];
+    if (sl.stream == stream && sl.requested == requested_bytes) {
+      block* b = sl.b;
+      sl = r->slots[count - 1];
+      r->count.store(count - 1, std::memory_order_relaxed);
+      thread_cache_count_hit(*r, b, requested_bytes);
+      r->lock.unlock();
+      r->miss_streak = 0;
+      return b;
+    }
+  }
+  r->lock.unlock();
+  if (count != 0) {
+    if (r->miss_streak < thread_cache_miss_limit) ++r->miss_streak;
+    thread_cache_drain_own(s, *r);
+  }
+  return nullptr;
+}
+
+// thread_cache_park (detail/thread_cache_fast.hpp) when the cache is on.
+bool thread_cache_park_slow(device_state& s, block* b) {
+  if (!b->stream_uses.empty() || b->pool->priv != nullptr || !s.caching_ || s.capture_underway() ||
+      (s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small)) [[unlikely]]
+    return false;
+  thread_cache_record* r = tls_last_record;
+  if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
+    r = thread_cache_find(s, true);
+    if (r == nullptr) return false;
+  }
+  if (r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) [[unlikely]]
+    return false;  // this thread's frees are not being reused: the normal free
+  // Full (only this thread fills it; a world lock may have emptied it since,
+  // which costs one park): no lock needed to see it.
+  if (r->count.load(std::memory_order_relaxed) == thread_cache_slots) [[unlikely]]
+    return false;
+  r->lock.lock();
+  const std::uint32_t count = r->count.load(std::memory_order_relaxed);
+  if (count == thread_cache_slots) [[unlikely]] {
+    r->lock.unlock();
+    return false;
+  }
+  r->slots[count] = {b, b->pool->owner->stream, b->requested_bytes};
+  r->count.store(count + 1, std::memory_order_relaxed);
+  r->lock.unlock();
+  return true;
 }
 
 }  // namespace ccalloc::detail

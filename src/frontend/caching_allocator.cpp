@@ -109,11 +109,17 @@ caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr) const 
 }
 
 void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t stream) {
-  device_caching_allocator& dev = checked_device(device, "malloc");
+  // An initialized device: one comparison (a negative one wraps around);
+  // checked_device gives the error otherwise.
+  const auto index = static_cast<std::size_t>(device);
+  device_caching_allocator& dev = index < devices_.size() ? *devices_[index] : checked_device(device, "malloc");
   if (size_bytes == 0) return nullptr;
   // The pools are keyed by the stream itself: cudaStreamPerThread's value
-  // means a different stream on each thread (NVIDIA/cub#373).
-  allocation a = dev.malloc(size_bytes, backend_->resolve_stream(device, stream));
+  // means a different stream on each thread (NVIDIA/cub#373). resolve_stream
+  // returns every other handle unchanged (its contract in device_backend.hpp)
+  // and the device is valid: only the two special handles need the call.
+  const bool special = stream == legacy_stream_handle || stream == per_thread_stream_handle;
+  allocation a = dev.malloc(size_bytes, special ? backend_->resolve_stream(device, stream) : stream);
   auto& shard = shard_for(a.ptr);
   {
     std::lock_guard lock(shard.mutex);

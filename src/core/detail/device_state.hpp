@@ -139,9 +139,12 @@ bool block::is_split() const noexcept { return prev != nullptr || next != nullpt
 // The free blocks of one (stream, pool), in (size, address) order: PyTorch's
 // order (BlockComparatorSize), so best fit chooses the same block.
 //
-// Segregated by size: bin_of(size) splits every power of two of the size in
-// 512-byte units into four bins (units 1-7 have a bin each), 216 bins in all,
-// in key order. Each bin is a flat sorted array of {size, ptr, block}
+// Segregated by size: bin_of(size) splits every power of two of (the size in
+// 512-byte units - 1) into four bins (units 1-8 have a bin each), 216 bins in
+// all, in key order. A bin's sizes are a range (lo, hi]: a whole segment (2 MiB,
+// 20 MiB: a bin's upper end) shares its bin with itself split by a small
+// allocation, so a split and the merge that undoes it usually only rewrite
+// the block's entry in place (rekey_at). Each bin is a flat sorted array of {size, ptr, block}
 // entries; a bitmap says which bins hold any. Best fit is a binary search in
 // the request's bin, else the first entry of the next bin that holds any (a
 // bit scan); insert and erase shift only their bin's tail. Pools hold one to
@@ -168,9 +171,10 @@ class block_index {
   /// The bin of a block of `size_bytes`: non-decreasing in the size.
   [[nodiscard]] static constexpr std::uint32_t bin_of(std::size_t size_bytes) noexcept {
     const std::size_t units = size_bytes >> 9;  // 512-byte units
-    if (units < 8) return static_cast<std::uint32_t>(units);
-    const auto e = static_cast<std::uint32_t>(std::bit_width(units) - 1);  // >= 3
-    return (e - 1) * 4 + static_cast<std::uint32_t>((units >> (e - 2)) & 3);
+    const std::size_t u = units == 0 ? 0 : units - 1;
+    if (u < 8) return static_cast<std::uint32_t>(u);
+    const auto e = static_cast<std::uint32_t>(std::bit_width(u) - 1);  // >= 3
+    return (e - 1) * 4 + static_cast<std::uint32_t>((u >> (e - 2)) & 3);
   }
 
   [[nodiscard]] std::size_t size() const noexcept { return count_; }
@@ -201,6 +205,22 @@ class block_index {
     --count_;
     if (v.empty()) occupied_[p.bin / 64] &= ~(std::uint64_t{1} << (p.bin % 64));
   }
+  /// The entry at `p` (block b, in the index) takes b's new size and address:
+  /// the same as erase_at(p) then insert(b), in place when the new key stays
+  /// in p's bin between the same neighbours (a split, or a merge with a free
+  /// neighbour, rarely moves it).
+  void rekey_at(position p, block* b) {
+    std::vector<entry>& v = bins_[p.bin];
+    const bool stays = bin_of(b->size) == p.bin &&
+                       (p.index == 0 || key_less(v[p.index - 1], b->size, b->ptr)) &&
+                       (p.index + 1 == v.size() || !key_less(v[p.index + 1], b->size, b->ptr));
+    if (stays) [[likely]] {
+      v[p.index] = entry{b->size, b->ptr, b};
+      return;
+    }
+    erase_at(p);
+    insert(b);
+  }
   void erase(const block* b);
   [[nodiscard]] bool contains(const block* b) const noexcept;
   /// The position of `b` (in the index), else end().
@@ -220,6 +240,10 @@ class block_index {
 
  private:
   static constexpr std::uint32_t words = (bin_count + 63) / 64;
+  // Whether e's key (size, ptr) is below (size_bytes, ptr); keys are unique.
+  [[nodiscard]] static bool key_less(const entry& e, std::size_t size_bytes, std::uintptr_t ptr) noexcept {
+    return e.size < size_bytes || (e.size == size_bytes && e.ptr < ptr);
+  }
   // The index in `v` of the first entry with (size, ptr) >= (size_bytes, ptr).
   [[nodiscard]] static std::size_t search(const std::vector<entry>& v, std::size_t size_bytes,
                                           std::uintptr_t ptr) noexcept {
@@ -227,7 +251,7 @@ class block_index {
     while (n > 0) {  // branch-light binary search
       const std::size_t half = n / 2;
       const entry& e = v[lo + half];
-      const bool less = e.size < size_bytes || (e.size == size_bytes && e.ptr < ptr);
+      const bool less = key_less(e, size_bytes, ptr);
       lo = less ? lo + half + 1 : lo;
       n = less ? n - half - 1 : half;
     }
@@ -452,12 +476,15 @@ class device_state {
   [[nodiscard]] std::size_t allocation_size(std::size_t size) const noexcept;  // [stream]
   void prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;  // [stream]
   bool get_free_block(alloc_params& p);                                        // [stream]
-  block* take_found_block(alloc_params& p, device_stats& st);                  // [stream]
+  block_index::position find_free_block(alloc_params& p);                     // [stream]
+  block* take_found_block(alloc_params& p, device_stats& st,
+                          block_index::position at = block_index::end());      // [stream]
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
   [[nodiscard]] bool place_at_back(const block* b) const noexcept;            // [stream]
   void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream] (+device if device_locked)
   void free_block(block* b, device_stats& st, bool device_locked);            // [stream] (+device if device_locked)
-  std::size_t try_merge(block* dst, block* src);                               // [stream]
+  [[nodiscard]] static bool can_merge(const block* dst, const block* src) noexcept;  // [stream]
+  std::size_t merge(block* dst, block* src);                                   // [stream]
 
   // --- events.cpp: record_stream, events, returning blocks ----------------------
   void record_stream(block* b, stream_t stream);  // [none] takes the block's stream

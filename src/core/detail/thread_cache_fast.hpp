@@ -18,44 +18,20 @@ inline void thread_cache_count_hit(thread_cache_record& r, const block* b, std::
   r.hits.any = true;
 }
 
+// The rest of thread_cache_take and thread_cache_park, out of line
+// (thread_cache.cpp): the cache is on, or this thread has a record.
+block* thread_cache_take_slow(device_state& s, thread_cache_record* r, std::size_t requested_bytes, stream_t stream);
+bool thread_cache_park_slow(device_state& s, block* b);
+
 // A parked block of this thread for (requested_bytes, stream), or nullptr
 // (then this thread's parked blocks of `s` are freed, and the caller goes on
-// with the normal malloc).
+// with the normal malloc). With the cache off (the default) and no record
+// of this thread: one relaxed load, inlined; the rest is out of line.
 inline block* thread_cache_take(device_state& s, std::size_t requested_bytes, stream_t stream) {
   thread_cache_record* r = tls_last_record;
-  if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
-    if (!s.thread_caches_.enabled.load(std::memory_order_relaxed)) return nullptr;
-    r = thread_cache_find(s, true);  // a thread that only allocates finds it at once next time
-    if (r == nullptr) return nullptr;
-  }
-  if (r->count.load(std::memory_order_relaxed) == 0) return nullptr;
-  // Pending events and captures go the normal way (events are processed
-  // there; a capture may route to a private pool).
-  if ((s.pending_event_count_.load(std::memory_order_relaxed) | s.capture_count_.load(std::memory_order_relaxed)) !=
-      0) [[unlikely]] {
-    thread_cache_drain_own(s, *r);
+  if (r == nullptr && !s.thread_caches_.enabled.load(std::memory_order_relaxed)) [[likely]]
     return nullptr;
-  }
-  r->lock.lock();
-  const std::uint32_t count = r->count.load(std::memory_order_relaxed);  // a world lock may have emptied it
-  for (std::uint32_t i = count; i-- > 0;) {  // the most recently parked first
-    thread_cache_record::slot& sl = r->slots[i];
-    if (sl.stream == stream && sl.requested == requested_bytes) {
-      block* b = sl.b;
-      sl = r->slots[count - 1];
-      r->count.store(count - 1, std::memory_order_relaxed);
-      thread_cache_count_hit(*r, b, requested_bytes);
-      r->lock.unlock();
-      r->miss_streak = 0;
-      return b;
-    }
-  }
-  r->lock.unlock();
-  if (count != 0) {
-    if (r->miss_streak < thread_cache_miss_limit) ++r->miss_streak;
-    thread_cache_drain_own(s, *r);
-  }
-  return nullptr;
+  return thread_cache_take_slow(s, r, requested_bytes, stream);
 }
 
 // Frees this thread's parked blocks of `s`, if any (a malloc that does not
@@ -67,33 +43,12 @@ inline void thread_cache_flush_own(device_state& s) {
 }
 
 // Parks `b` (the caller frees it) in this thread's cache; false: not
-// cacheable or no room, free it the normal way.
+// cacheable or no room, free it the normal way. With the cache off (the
+// default): one relaxed load, inlined; the rest is out of line.
 inline bool thread_cache_park(device_state& s, block* b) {
-  if (!s.thread_caches_.enabled.load(std::memory_order_relaxed) || !b->stream_uses.empty() ||
-      b->pool->priv != nullptr || !s.caching_ || s.capture_underway() ||
-      (s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small)) [[unlikely]]
+  if (!s.thread_caches_.enabled.load(std::memory_order_relaxed)) [[likely]]
     return false;
-  thread_cache_record* r = tls_last_record;
-  if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
-    r = thread_cache_find(s, true);
-    if (r == nullptr) return false;
-  }
-  if (r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) [[unlikely]]
-    return false;  // this thread's frees are not being reused: the normal free
-  // Full (only this thread fills it; a world lock may have emptied it since,
-  // which costs one park): no lock needed to see it.
-  if (r->count.load(std::memory_order_relaxed) == thread_cache_slots) [[unlikely]]
-    return false;
-  r->lock.lock();
-  const std::uint32_t count = r->count.load(std::memory_order_relaxed);
-  if (count == thread_cache_slots) [[unlikely]] {
-    r->lock.unlock();
-    return false;
-  }
-  r->slots[count] = {b, b->pool->owner->stream, b->requested_bytes};
-  r->count.store(count + 1, std::memory_order_relaxed);
-  r->lock.unlock();
-  return true;
+  return thread_cache_park_slow(s, b);
 }
 
 }  // namespace ccalloc::detail
