@@ -702,8 +702,10 @@ class device_state {
   // Blocks parked in threads' caches (thread_cache.hpp).
   thread_cache_registry thread_caches_;
 
-  // [stats_mutex_]
-  spin_mutex stats_mutex_;
+  // [stats_mutex_] On a cache line of its own: threads on many streams
+  // try it every 64th operation, and the flags read on every operation
+  // (thread_caches_.enabled above) must not share its line.
+  alignas(64) spin_mutex stats_mutex_;
   device_stats stats_;
   const void* last_stats_thread_ = nullptr;  // the thread that published last
 };
