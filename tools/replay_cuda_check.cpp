@@ -86,13 +86,17 @@ int main(int argc, char** argv) {
       if (arg == "--config") {
         config = value;
       } else if (arg == "--repeat") {
-        try {
-          repeat = std::stoul(value);
-        } catch (const std::exception&) {
-          repeat = 0;
-        }
-        if (repeat == 0) {
-          std::fprintf(stderr, "ccalloc_replay_cuda_check: bad --repeat '%s' (passes, at least 1)\n", value.c_str());
+        // Decimal digits only, 1 to 100000 (as `ccalloc replay --repeat`):
+        // std::stoul took "-1" (wrapped) and "3abc" (as 3).
+        repeat = 0;
+        const bool digits = !value.empty() && value.size() <= 6 &&
+                            value.find_first_not_of("0123456789") == std::string::npos;
+        if (digits) repeat = std::stoul(value);
+        if (repeat < 1 || repeat > 100000) {
+          std::fprintf(stderr,
+                       "ccalloc_replay_cuda_check: bad --repeat '%s': expected a whole number from 1 to 100000 "
+                       "(passes of the trace)\n",
+                       value.c_str());
           return 2;
         }
       } else {
