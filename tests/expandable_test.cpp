@@ -231,6 +231,26 @@ TEST_F(ExpandableTest, RecycleTimePercentZeroNeverRecyclesForANewPeak) {
   EXPECT_EQ(reserved(), I(40 * MiB));
 }
 
+// A smaller percent set at run time holds at once, though the clock has not
+// moved since the bucket was last filled: 0 never recycles again (breaker
+// finding: the bucket kept the old percent's tokens until time passed).
+TEST_F(ExpandableTest, SetConfigToAZeroRecycleTimePercentStopsRecyclingAtOnce) {
+  make(256 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  alloc->free(m(20 * MiB, other));  // a trade: 10 pages recycled, the bucket still far from empty
+  ASSERT_EQ(st().num_pages_remapped, 10);
+  alloc->set_config("recycle_time_percent:0,reuse_across_streams:False");
+  alloc->free(m(20 * MiB));
+  EXPECT_EQ(st().num_pages_remapped, 10) << "no recycling at 0%";
+  EXPECT_EQ(reserved(), I(40 * MiB)) << "the mark rose instead";
+  // Back to 5%: recycling resumes once time has passed to refill the bucket.
+  alloc->set_config("recycle_time_percent:5,reuse_across_streams:False");
+  sim->set_host_time_us(sim->host_time_us().value() + 1'000'000);
+  alloc->free(m(40 * MiB, other));
+  EXPECT_GT(st().num_pages_remapped, 10);
+}
+
 // The cap is not subject to the budget: with the bucket empty, a request
 // that would pass per_process_memory_fraction still recycles.
 TEST_F(ExpandableTest, TheMemoryCapRecyclesWhateverTheTimeBudget) {

@@ -626,8 +626,11 @@ bool device_state::recycle_time_left() {
   if (!recycle_clock_us_) {
     recycle_tokens_us_ = depth;  // starts full
   } else if (*now > *recycle_clock_us_) {
-    recycle_tokens_us_ = std::min(depth, recycle_tokens_us_ + share * static_cast<double>(*now - *recycle_clock_us_));
+    recycle_tokens_us_ += share * static_cast<double>(*now - *recycle_clock_us_);
   }
+  // Capped even when the clock has not moved: a smaller percent (set_config)
+  // holds at once, and 0 never recycles.
+  recycle_tokens_us_ = std::min(depth, recycle_tokens_us_);
   recycle_clock_us_ = std::max(recycle_clock_us_.value_or(0), *now);
   return recycle_tokens_us_ > 0.0;
 }
