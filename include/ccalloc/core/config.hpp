@@ -198,7 +198,9 @@ struct allocator_config {
   /// spelling: max_split_size_mb when unlimited, garbage_collection_threshold
   /// when 0, per_process_memory_fraction when !memory_fraction_set,
   /// thread_cache when !thread_cache_set, pinned_reserve_segment_size_mb
-  /// when 0.
+  /// when 0, expandable_segments when !expandable_segments_set; and ccalloc's
+  /// recycling limits at their defaults: recycles_per_peak when unlimited,
+  /// recycle_time_percent when 5.
   [[nodiscard]] std::string to_string() const;
 
   /// Divisions that apply to a request of `size_bytes` (PyTorch's
