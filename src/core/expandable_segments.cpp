@@ -619,6 +619,7 @@ void device_state::raise_reserved_high_water() noexcept {
 
 bool device_state::recycle_time_left() {
   if (config_.recycle_time_percent >= 100) return true;
+  if (config_.recycle_time_percent == 0) return false;  // never, with or without a clock
   const std::optional<std::uint64_t> now = backend_.host_time_us();
   if (!now) return true;  // no clock: no budget
   const double share = static_cast<double>(config_.recycle_time_percent) / 100.0;

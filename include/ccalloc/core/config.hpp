@@ -134,7 +134,8 @@ struct allocator_config {
   /// does little besides allocating sizes that never settle stops paying
   /// for a remapping every few hundred allocations and holds somewhat more
   /// memory. 100: no limit; 0: no recycling for a new peak (as
-  /// recycles_per_peak:0). The memory fraction cap and out of memory are not
+  /// recycles_per_peak:0), also on a backend without a host clock (where
+  /// other values do not limit). The memory fraction cap and out of memory are not
   /// limited. The replay charges what the H200 would take (host_clock.hpp).
   unsigned recycle_time_percent = 5;
   /// ccalloc's own key (reuse_across_streams, default True; SPEC X2): before
