@@ -256,6 +256,24 @@ TEST_F(ExpandableTest, SetConfigToAZeroRecycleTimePercentStopsRecyclingAtOnce) {
   EXPECT_GT(st().num_pages_remapped, 10);
 }
 
+// ... and so does a debt: a smaller percent bounds it to its own bucket, so
+// one long stretch of page mapping delays recycling by a window at most
+// (breaker finding: the old percent's debt took several windows to repay).
+TEST_F(ExpandableTest, SetConfigToASmallerRecycleTimePercentBoundsTheDebtToItsBucket) {
+  make(16384 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  const stream_t other = sim->create_stream(0);
+  // 3000 fresh pages for a new peak take ~119 ms of the 5% bucket's 50 ms:
+  // it ends one bucket (50 ms) in debt.
+  alloc->free(m(6000 * MiB));
+  alloc->free(m(6000 * MiB, other));
+  ASSERT_EQ(st().num_pages_remapped, 0) << "in debt: the mark rose";
+  alloc->set_config("recycle_time_percent:1,reuse_across_streams:False");  // a 10 ms bucket
+  sim->set_host_time_us(*sim->host_time_us() + 2'000'000);  // refills 20 ms at 1%
+  alloc->free(m(6002 * MiB));  // one page more than stream 0 holds: recycled from the other stream
+  EXPECT_EQ(st().num_pages_remapped, 1);
+  EXPECT_EQ(reserved(), I(12000 * MiB));
+}
+
 // The cap is not subject to the budget: with the bucket empty, a request
 // that would pass per_process_memory_fraction still recycles.
 TEST_F(ExpandableTest, TheMemoryCapRecyclesWhateverTheTimeBudget) {
