@@ -223,12 +223,55 @@ TEST_F(ExpandableTest, WithoutAHostClockOrAtOneHundredPercentRecyclingIsNotTimed
 }
 
 TEST_F(ExpandableTest, RecycleTimePercentZeroNeverRecyclesForANewPeak) {
-  make(256 * MiB, "recycle_time_percent:0,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  // Also without a host clock (the simulated device's default, a backend
+  // whose host_time_us is empty): 0 needs no clock (breaker finding: it
+  // recycled there, the budget being off).
+  for (const auto clock : {sim_options::host_clock::modeled, sim_options::host_clock::none}) {
+    make(256 * MiB, "recycle_time_percent:0,reuse_across_streams:False", 1, clock);
+    const stream_t other = sim->create_stream(0);
+    alloc->free(m(20 * MiB));
+    alloc->free(m(20 * MiB, other));
+    EXPECT_EQ(st().num_pages_remapped, 0);
+    EXPECT_EQ(reserved(), I(40 * MiB));
+  }
+}
+
+// A smaller percent set at run time holds at once, though the clock has not
+// moved since the bucket was last filled: 0 never recycles again (breaker
+// finding: the bucket kept the old percent's tokens until time passed).
+TEST_F(ExpandableTest, SetConfigToAZeroRecycleTimePercentStopsRecyclingAtOnce) {
+  make(256 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
   const stream_t other = sim->create_stream(0);
   alloc->free(m(20 * MiB));
-  alloc->free(m(20 * MiB, other));
-  EXPECT_EQ(st().num_pages_remapped, 0);
-  EXPECT_EQ(reserved(), I(40 * MiB));
+  alloc->free(m(20 * MiB, other));  // a trade: 10 pages recycled, the bucket still far from empty
+  ASSERT_EQ(st().num_pages_remapped, 10);
+  alloc->set_config("recycle_time_percent:0,reuse_across_streams:False");
+  alloc->free(m(20 * MiB));
+  EXPECT_EQ(st().num_pages_remapped, 10) << "no recycling at 0%";
+  EXPECT_EQ(reserved(), I(40 * MiB)) << "the mark rose instead";
+  // Back to 5%: recycling resumes once time has passed to refill the bucket.
+  alloc->set_config("recycle_time_percent:5,reuse_across_streams:False");
+  sim->set_host_time_us(sim->host_time_us().value() + 1'000'000);
+  alloc->free(m(40 * MiB, other));
+  EXPECT_GT(st().num_pages_remapped, 10);
+}
+
+// ... and so does a debt: a smaller percent bounds it to its own bucket, so
+// one long stretch of page mapping delays recycling by a window at most
+// (breaker finding: the old percent's debt took several windows to repay).
+TEST_F(ExpandableTest, SetConfigToASmallerRecycleTimePercentBoundsTheDebtToItsBucket) {
+  make(16384 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  const stream_t other = sim->create_stream(0);
+  // 3000 fresh pages for a new peak take ~119 ms of the 5% bucket's 50 ms:
+  // it ends one bucket (50 ms) in debt.
+  alloc->free(m(6000 * MiB));
+  alloc->free(m(6000 * MiB, other));
+  ASSERT_EQ(st().num_pages_remapped, 0) << "in debt: the mark rose";
+  alloc->set_config("recycle_time_percent:1,reuse_across_streams:False");  // a 10 ms bucket
+  sim->set_host_time_us(*sim->host_time_us() + 2'000'000);  // refills 20 ms at 1%
+  alloc->free(m(6002 * MiB));  // one page more than stream 0 holds: recycled from the other stream
+  EXPECT_EQ(st().num_pages_remapped, 1);
+  EXPECT_EQ(reserved(), I(12000 * MiB));
 }
 
 // The cap is not subject to the budget: with the bucket empty, a request

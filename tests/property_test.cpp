@@ -971,7 +971,11 @@ INSTANTIATE_TEST_SUITE_P(
         // refills, the mark rises in between; with a cap, per-thread streams
         // and side-stream bursts.
         prop_case{"recycle_time_budget", "recycle_time_percent:2,per_process_memory_fraction:0.8", false, false,
-                  0x5eed0010, 150'000, false, true, true, true}),
+                  0x5eed0010, 150'000, false, true, true, true},
+        // No recycling for a new peak (recycle_time_percent:0): only the cap
+        // and out of memory recycle, with private pools and the clock running.
+        prop_case{"recycle_time_zero", "recycle_time_percent:0,per_process_memory_fraction:0.6", false, false,
+                  0x5eed0011, 100'000, true, true, false, true}),
     [](const ::testing::TestParamInfo<prop_case>& param_info) { return std::string(param_info.param.name); });
 
 }  // namespace

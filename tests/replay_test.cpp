@@ -515,9 +515,9 @@ TEST(ReplayTest, AFullFractionOfAHugeDeviceIsNoCap) {
 // runs out and the mark rises; recorded a second apart they take a tiny
 // share and every trade recycles.
 TEST(ReplayTest, TheRecyclingTimeBudgetFollowsTheRecordingsTime) {
-  auto trades = [](std::uint64_t step_us) {
+  auto trade_text = [](std::uint64_t step_us) {
     std::string text = "# time_us action addr size stream\n";
-    std::uint64_t t = 1'000'000;
+    std::uint64_t t = 0;
     for (int i = 0; i < 400; ++i, t += step_us) {
       const int stream = i % 2 == 0 ? 0 : 7;
       const std::string at = std::to_string(t), addr = std::to_string(0x10000000 + (i % 2) * 0x4000000);
@@ -525,10 +525,14 @@ TEST(ReplayTest, TheRecyclingTimeBudgetFollowsTheRecordingsTime) {
       text += at + " free_requested " + addr + " 20971520 " + std::to_string(stream) + "\n";
       text += at + " free_completed " + addr + " 20971520 " + std::to_string(stream) + "\n";
     }
+    return text;
+  };
+  auto replay_text = [](const std::string& text) {
     ccalloc::replay_options o;
     o.config = "reuse_across_streams:False";
     return ccalloc::replay_trace(ccalloc::parse_trace_text(text, "trades"), o);
   };
+  auto trades = [&](std::uint64_t step_us) { return replay_text(trade_text(step_us)); };
   const auto dense = trades(0);
   EXPECT_EQ(dense.peak_reserved_bytes, 40u * 1024 * 1024) << "the budget ran out: each stream keeps its pages";
   EXPECT_GT(dense.pages_remapped, 0u);
@@ -537,6 +541,14 @@ TEST(ReplayTest, TheRecyclingTimeBudgetFollowsTheRecordingsTime) {
   EXPECT_EQ(spread.peak_reserved_bytes, 20u * 1024 * 1024) << "every trade recycles";
   EXPECT_EQ(spread.pages_remapped, 10u * 399);
   EXPECT_EQ(spread.device_synchronizations, 0u);
+  // The dense trades, then a small allocation (a new page, a new peak)
+  // recorded at the end of the 64-bit range: so much time has passed that the
+  // budget is full again and a free page is recycled for it. The clock
+  // saturates there rather than wrap back to a small time, which would read
+  // as the clock going back and leave the budget empty (breaker finding).
+  const auto last = replay_text(trade_text(0) + "18446744073709551615 alloc 4096 512 0\n");
+  EXPECT_EQ(last.peak_reserved_bytes, dense.peak_reserved_bytes) << "the small allocation took a recycled page";
+  EXPECT_EQ(last.pages_remapped, dense.pages_remapped + 1);
 }
 
 }  // namespace

@@ -167,6 +167,24 @@ TEST(SimVm, TheHostClockChargesVirtualMemoryCallsAtAnH200sCost) {
   EXPECT_LT(t2 - t1, 60'000'000u) << "it did not jump to the value set";
 }
 
+// At the end of the 64-bit range the modelled clock stops rather than wrap
+// back to a small time (which budgets over it would read as the clock going
+// back: they would never refill). Breaker finding.
+TEST(SimVm, TheModelledHostClockSaturatesAtTheLargestTime) {
+  sim_options o = vm_device();
+  o.host_clock_mode = sim_options::host_clock::modeled;
+  sim_backend sim(o);
+  constexpr std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
+  sim.set_host_time_us(max - 5);
+  void* base = sim.vm_reserve(0, granule);
+  physical_handle_t h = 0;
+  ASSERT_TRUE(sim.vm_create(0, granule, &h));  // 11 us: past the end
+  EXPECT_EQ(sim.host_time_us(), max);
+  sim.vm_release_handle(0, h);
+  EXPECT_EQ(sim.host_time_us(), max);
+  sim.vm_release(0, base, granule);
+}
+
 TEST(SimVm, ReservationsAreAlignedInaccessibleAndCostNoCapacity) {
   sim_backend sim(vm_device(8 * mib));
   std::vector<void*> bases;

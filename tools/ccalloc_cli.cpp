@@ -679,10 +679,15 @@ void print_min_memory(const min_memory_result& m, const std::string& config) {
   std::printf("  ccalloc              %s  (%llu B)\n", gib(m.ccalloc_bytes).c_str(),
               static_cast<unsigned long long>(m.ccalloc_bytes));
   const ccalloc::allocator_config parsed = ccalloc::allocator_config::parse(config);
-  if (parsed.memory_fraction_set)
-    std::printf("  (the device's memory: per_process_memory_fraction:%g lets ccalloc use that much of it; "
+  if (parsed.memory_fraction_set) {
+    // The shortest text that reads back as the fraction (%g would show
+    // 0.999999999 as 1).
+    char fraction[32] = {};
+    (void)std::to_chars(fraction, fraction + sizeof fraction - 1, parsed.per_process_memory_fraction);
+    std::printf("  (the device's memory: per_process_memory_fraction:%s lets ccalloc use that much of it; "
                 "PyTorch's figures are without a fraction)\n",
-                parsed.per_process_memory_fraction);
+                fraction);
+  }
   if (m.native_bytes)
     std::printf("  PyTorch native       %s  (ccalloc / PyTorch %.3fx)\n", gib(m.native_bytes).c_str(),
                 double(m.ccalloc_bytes) / double(m.native_bytes));

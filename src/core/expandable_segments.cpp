@@ -619,14 +619,20 @@ void device_state::raise_reserved_high_water() noexcept {
 
 bool device_state::recycle_time_left() {
   if (config_.recycle_time_percent >= 100) return true;
+  if (config_.recycle_time_percent == 0) return false;  // never, with or without a clock
   const std::optional<std::uint64_t> now = backend_.host_time_us();
   if (!now) return true;  // no clock: no budget
   const double share = static_cast<double>(config_.recycle_time_percent) / 100.0;
   const double depth = share * static_cast<double>(recycle_window_us);
   if (!recycle_clock_us_) {
     recycle_tokens_us_ = depth;  // starts full
-  } else if (*now > *recycle_clock_us_) {
-    recycle_tokens_us_ = std::min(depth, recycle_tokens_us_ + share * static_cast<double>(*now - *recycle_clock_us_));
+  } else {
+    // Bounded first, even when the clock has not moved: a smaller percent
+    // (set_config) holds at once, for what is left and for a debt alike (at
+    // most one bucket's worth, as spend_recycle_time keeps it).
+    recycle_tokens_us_ = std::clamp(recycle_tokens_us_, -depth, depth);
+    if (*now > *recycle_clock_us_)
+      recycle_tokens_us_ = std::min(depth, recycle_tokens_us_ + share * static_cast<double>(*now - *recycle_clock_us_));
   }
   recycle_clock_us_ = std::max(recycle_clock_us_.value_or(0), *now);
   return recycle_tokens_us_ > 0.0;

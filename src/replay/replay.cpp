@@ -190,7 +190,10 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
     t0 = std::min(t0, e.time_us);
     t_end = std::max(t_end, e.time_us);
   }
-  const std::uint64_t pass_us = n > 0 ? t_end - t0 + 1 : 0;
+  // Saturating: a recording that spans about 2^64 us (malformed times) must
+  // not wrap the clock back to its start.
+  constexpr std::uint64_t max_us = std::numeric_limits<std::uint64_t>::max();
+  const std::uint64_t pass_us = n == 0 ? 0 : t_end - t0 == max_us ? max_us : t_end - t0 + 1;
   for (std::size_t pass = 0; pass < repeat && !stopped; ++pass) {
     const std::uint64_t base = pass * n;
     const std::uint64_t ooms_before = r.ooms;
@@ -198,7 +201,9 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
     for (std::size_t i = 0; i < n; ++i) {
       const trace_event& e = t.events[i];
       gaps.advance_to(base + i);
-      gaps.set_host_time_us(pass * pass_us + (e.time_us - t0));  // t0 <= every time_us
+      const std::uint64_t pass_start_us = pass != 0 && pass_us > max_us / pass ? max_us : pass * pass_us;
+      const std::uint64_t offset_us = e.time_us - t0;  // t0 <= every time_us
+      gaps.set_host_time_us(offset_us > max_us - pass_start_us ? max_us : pass_start_us + offset_us);
       switch (e.action) {
         case trace_action::alloc: {
           if (never_freed[i]) {

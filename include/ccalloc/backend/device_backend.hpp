@@ -78,7 +78,8 @@ class device_backend {
 
   /// The host's time in microseconds, for the allocator's time budgets
   /// (allocator_config::recycle_time_percent): only differences matter.
-  /// std::nullopt: this backend has no clock and the budgets do not apply.
+  /// std::nullopt: this backend has no clock and the budgets do not apply
+  /// (recycle_time_percent:0, which needs no clock, still means never).
   /// The default reads std::chrono::steady_clock (a real GPU: the time the
   /// program really spends). The simulated device and the replay on a GPU
   /// return a modelled clock (host_clock.hpp). Thread safety: callable from

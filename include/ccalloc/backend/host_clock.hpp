@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 namespace ccalloc {
 
@@ -37,9 +38,14 @@ struct vm_call_costs {
 /// The recording's time plus the modelled cost of virtual-memory calls.
 class modeled_host_clock {
  public:
-  /// Current time, microseconds: the latest base plus every cost charged.
+  /// Current time, microseconds: the latest base plus every cost charged,
+  /// saturating at the largest std::uint64_t (a clock that wrapped would seem
+  /// to go back, and budgets over it would never refill).
   [[nodiscard]] std::uint64_t now_us() const noexcept {
-    return base_us_ + static_cast<std::uint64_t>(charged_us_);
+    constexpr std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
+    // 2^64 as a double: a charge at or past it would not convert.
+    const std::uint64_t charged = charged_us_ >= 18446744073709551616.0 ? max : static_cast<std::uint64_t>(charged_us_);
+    return charged > max - base_us_ ? max : base_us_ + charged;
   }
   /// Moves the base to `us` (the recording's time of the event being
   /// replayed); never back: an earlier value is ignored.

@@ -162,7 +162,8 @@ struct sim_options {
   /// The host clock the allocator's time budgets read (host_time_us; see
   /// allocator_config::recycle_time_percent):
   ///   none     no clock (the default): the budgets do not apply, so tests
-  ///            see the allocator's memory policies unlimited;
+  ///            see the allocator's memory policies unlimited (but
+  ///            recycle_time_percent:0, which needs no clock, still means never);
   ///   modeled  the time set_host_time_us set (the replay: the recording's
   ///            time) plus the cost an H200 takes for the virtual-memory
   ///            calls made (host_clock.hpp);

@@ -134,7 +134,8 @@ struct allocator_config {
   /// does little besides allocating sizes that never settle stops paying
   /// for a remapping every few hundred allocations and holds somewhat more
   /// memory. 100: no limit; 0: no recycling for a new peak (as
-  /// recycles_per_peak:0). The memory fraction cap and out of memory are not
+  /// recycles_per_peak:0), also on a backend without a host clock (where
+  /// other values do not limit). The memory fraction cap and out of memory are not
   /// limited. The replay charges what the H200 would take (host_clock.hpp).
   unsigned recycle_time_percent = 5;
   /// ccalloc's own key (reuse_across_streams, default True; SPEC X2): before
@@ -198,7 +199,9 @@ struct allocator_config {
   /// spelling: max_split_size_mb when unlimited, garbage_collection_threshold
   /// when 0, per_process_memory_fraction when !memory_fraction_set,
   /// thread_cache when !thread_cache_set, pinned_reserve_segment_size_mb
-  /// when 0.
+  /// when 0, expandable_segments when !expandable_segments_set; and ccalloc's
+  /// recycling limits at their defaults: recycles_per_peak when unlimited,
+  /// recycle_time_percent when 5.
   [[nodiscard]] std::string to_string() const;
 
   /// Divisions that apply to a request of `size_bytes` (PyTorch's
