@@ -265,6 +265,8 @@ TEST(ThreadCacheTest, OffByDefaultAndSwitchedByTheEnvironment) {
   EXPECT_TRUE(enabled_with("True"));
   EXPECT_FALSE(enabled_with("off"));
   EXPECT_FALSE(enabled_with(""));
+  EXPECT_TRUE(enabled_with(" all "));  // blanks dropped, as the key's values are
+  EXPECT_EQ(allocator_config::parse("thread_cache: all").thread_cache, thread_cache_mode::all);
   // One parser for the variable and the key (breaker finding): what the key
   // rejects, the variable does not take either; a warning names the value.
   for (const char* value : {"sometimes", "on", "yes", "ALL"}) {

@@ -728,6 +728,7 @@ std::string allocator_config::to_string() const {
 }
 
 std::optional<thread_cache_mode> parse_thread_cache_mode(std::string_view text) noexcept {
+  text = detail::trim(text);
   if (text == "off" || text == "False" || text == "false" || text == "0") return thread_cache_mode::off;
   if (text == "small") return thread_cache_mode::small;
   if (text == "all" || text == "True" || text == "true" || text == "1") return thread_cache_mode::all;

@@ -101,7 +101,7 @@ thread_cache_registry::thread_cache_registry() {
   const char* env = std::getenv("CCALLOC_THREAD_CACHE");
   std::optional<thread_cache_mode> mode = thread_cache_mode::off;
   if (env != nullptr && *env != '\0') {
-    mode = parse_thread_cache_mode(env);
+    mode = parse_thread_cache_mode(env);  // drops surrounding blanks, as the key's values
     if (!mode)
       std::fprintf(stderr,
                    "ccalloc: warning: CCALLOC_THREAD_CACHE='%s' is not one of off, small, all (also True/true/1, "

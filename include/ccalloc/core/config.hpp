@@ -57,7 +57,8 @@ enum class thread_cache_mode : std::uint8_t {
 /// CCALLOC_THREAD_CACHE environment variable alike: "off", "small" or "all";
 /// the boolean spellings of the other keys are accepted too ("True", "true",
 /// "1" = all; "False", "false", "0" = off). std::nullopt for anything else
-/// (the caller reports it). Case-sensitive, as every key's values are.
+/// (the caller reports it). Case-sensitive, as every key's values are;
+/// surrounding blanks are dropped.
 /// Thread safety: pure function.
 [[nodiscard]] std::optional<thread_cache_mode> parse_thread_cache_mode(std::string_view text) noexcept;
 
