@@ -6,8 +6,9 @@
 #
 # Every trace in $TRACES (default /work/shared/traces/*.trace.gz), in each
 # configuration of $CONFIGS (default: "default expandable_segments:False";
-# "default" is no CCALLOC_CONF), `ccalloc replay
-# TRACE --json --repeat 2`. Fields that measure time (any key ending in
+# "default" is no --config), `ccalloc replay TRACE --json --repeat 2
+# --config CONF` (the CLI reads its configuration from --config only, never
+# from CCALLOC_CONF). Fields that measure time (any key ending in
 # "seconds") are dropped before comparing; everything else must be
 # byte-identical. Exit status 1 when any file differs.
 set -euo pipefail
@@ -30,8 +31,8 @@ for t in $traces; do
   name=$(basename "$t" .trace.gz)
   for conf in ${CONFIGS:-default expandable_segments:False}; do
     tag=${conf//:/_}
-    if [ "$conf" = default ]; then env=(env -u CCALLOC_CONF); else env=(env CCALLOC_CONF="$conf"); fi
-    out=$("${env[@]}" "$bin" replay "$t" --json --repeat 2 | strip_times)
+    if [ "$conf" = default ]; then args=(); else args=(--config "$conf"); fi
+    out=$("$bin" replay "$t" --json --repeat 2 "${args[@]}" | strip_times)
     if [ "$mode" = save ]; then
       printf '%s\n' "$out" > "$dir/$name.$tag.json"
     elif ! diff -q <(printf '%s\n' "$out") "$dir/$name.$tag.json" > /dev/null; then
