@@ -257,11 +257,9 @@ struct sim_backend::impl {
   gate_t next_gate = 1;
   stream_t next_stream = 0x1000;
   std::uint64_t now = 0;
-  modeled_host_clock host_clock;  // sim_options::host_clock_mode != none
-  // Charges a virtual-memory call's modelled cost to the host clock. [mutex]
-  void charge(double us_per_page, std::size_t size_bytes) {
-    if (options.host_clock_mode != sim_options::host_clock::none) host_clock.charge(us_per_page, size_bytes);
-  }
+  // Charged by every virtual-memory call; read only when
+  // sim_options::host_clock_mode is not none. [mutex]
+  modeled_host_clock host_clock;
   std::uint64_t fail_malloc_countdown = 0;
   std::uint64_t fail_query_countdown = 0;
   std::uint64_t fail_vm_create_countdown = 0;
@@ -636,7 +634,7 @@ bool sim_backend::vm_create(int device, std::size_t size_bytes, physical_handle_
   impl_->counters.used_bytes += size_bytes;
   impl_->counters.handle_bytes += size_bytes;
   ++impl_->counters.vm_creates;
-  impl_->charge(vm_call_costs::create_us, size_bytes);
+  impl_->host_clock.charge_vm_create(size_bytes);
   ++impl_->counters.live_handles;
   *handle = id;
   return true;
@@ -676,7 +674,7 @@ void sim_backend::vm_release_handle(int device, physical_handle_t handle) {
   impl_->counters.handle_bytes -= h.size_bytes;
   ++impl_->counters.vm_release_handles;
   --impl_->counters.live_handles;
-  impl_->charge(vm_call_costs::release_us, h.size_bytes);
+  impl_->host_clock.charge_vm_release_handle(h.size_bytes);
   impl_->handles.erase(it);
 }
 
@@ -724,7 +722,7 @@ void sim_backend::vm_map(int device, void* addr, std::size_t size_bytes, physica
   ++h->second.map_count;
   ++impl_->counters.vm_maps;
   impl_->counters.mapped_bytes += size_bytes;
-  impl_->charge(vm_call_costs::map_us + vm_call_costs::set_access_us, size_bytes);  // vm_map grants access too
+  impl_->host_clock.charge_vm_map(size_bytes);
 }
 
 void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
@@ -744,7 +742,7 @@ void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
     ++impl_->counters.vm_unmaps;
     impl_->mappings.erase(it);
   }
-  impl_->charge(vm_call_costs::unmap_us, size_bytes);
+  impl_->host_clock.charge_vm_unmap(size_bytes);
   auto& uses = impl_->dev(device).in_use;
   std::erase_if(uses, [&](const impl::device::memory_use& u) { return u.until <= impl_->now; });
   const std::size_t page = impl_->options.granularity_bytes;
@@ -767,7 +765,7 @@ void sim_backend::vm_set_access(int device, void* addr, std::size_t size_bytes, 
     throw backend_error(call + "): peer access is off (sim_options::peer_access)");
   const auto found = impl_->whole_mappings(call, device, reinterpret_cast<std::uintptr_t>(addr), size_bytes);
   if (peer == device) return;  // vm_map granted it already
-  impl_->charge(vm_call_costs::set_access_us, size_bytes);
+  impl_->host_clock.charge_vm_set_access(size_bytes);
   for (auto it : found) {
     auto& peers = it->second.peers;
     if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);

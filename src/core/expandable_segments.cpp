@@ -259,10 +259,16 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     // free pages whose fence has completed (never waiting), at most
     // recycles_per_peak times per mark and within recycle_time_percent of
     // the host's time; else the mark rises.
-    const bool time_left = recycle_time_left();
+    // The budget is read (a clock reading) only when the mark would pass,
+    // and once per request.
+    std::optional<bool> time_left;
+    auto within_time = [&] {
+      if (!time_left) time_left = recycle_time_left();
+      return *time_left;
+    };
     auto over_mark = [&]() -> std::size_t {
       if (!config_.trim_on_new_peak || reserved_bytes_ + need <= reserved_high_water_bytes_ ||
-          recycles_at_mark_ >= config_.recycles_per_peak || !time_left)
+          recycles_at_mark_ >= config_.recycles_per_peak || !within_time())
         return 0;
       return std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_);
     };
@@ -623,7 +629,7 @@ bool device_state::recycle_time_left() {
   const std::optional<std::uint64_t> now = backend_.host_time_us();
   if (!now) return true;  // no clock: no budget
   const double share = static_cast<double>(config_.recycle_time_percent) / 100.0;
-  const double depth = share * static_cast<double>(recycle_window_us);
+  const double depth = recycle_bucket_depth_us();
   if (!recycle_clock_us_) {
     recycle_tokens_us_ = depth;  // starts full
   } else {
@@ -645,8 +651,11 @@ void device_state::spend_recycle_time(std::uint64_t start_us) {
   (void)recycle_time_left();
   // At most one bucket's worth of debt: one long recycling (a cap that
   // forced it alongside) delays the next by a window at most.
-  const double depth = static_cast<double>(config_.recycle_time_percent) / 100.0 * static_cast<double>(recycle_window_us);
-  recycle_tokens_us_ = std::max(-depth, recycle_tokens_us_ - static_cast<double>(*now - start_us));
+  recycle_tokens_us_ = std::max(-recycle_bucket_depth_us(), recycle_tokens_us_ - static_cast<double>(*now - start_us));
+}
+
+double device_state::recycle_bucket_depth_us() const noexcept {
+  return static_cast<double>(config_.recycle_time_percent) / 100.0 * static_cast<double>(recycle_window_us);
 }
 
 // Releases the reservations of expandable segments that have no mapped page.

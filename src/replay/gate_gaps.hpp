@@ -222,24 +222,24 @@ class gate_gaps final : public device_backend, public gap_model {
   }
   bool vm_create(int device, std::size_t size_bytes, physical_handle_t* handle) override {
     const bool made = call("vm_create", [&] { return inner_->vm_create(map(device), size_bytes, handle); });
-    if (made) host_clock_.charge(vm_call_costs::create_us, size_bytes);
+    if (made) host_clock_.charge_vm_create(size_bytes);
     return made;
   }
   void vm_release_handle(int device, physical_handle_t handle) override {
     call("vm_release_handle", [&] { inner_->vm_release_handle(map(device), handle); });
-    host_clock_.charge(vm_call_costs::release_us, vm_call_costs::page_bytes);  // handles are one page each
+    host_clock_.charge_vm_release_handle(vm_call_costs::page_bytes);  // handles are one page each
   }
   void vm_map(int device, void* addr, std::size_t size_bytes, physical_handle_t handle) override {
     call("vm_map", [&] { inner_->vm_map(map(device), addr, size_bytes, handle); });
-    host_clock_.charge(vm_call_costs::map_us + vm_call_costs::set_access_us, size_bytes);
+    host_clock_.charge_vm_map(size_bytes);
   }
   void vm_unmap(int device, void* addr, std::size_t size_bytes) override {
     call("vm_unmap", [&] { inner_->vm_unmap(map(device), addr, size_bytes); });
-    host_clock_.charge(vm_call_costs::unmap_us, size_bytes);
+    host_clock_.charge_vm_unmap(size_bytes);
   }
   void vm_set_access(int device, void* addr, std::size_t size_bytes, int peer) override {
     call("vm_set_access", [&] { inner_->vm_set_access(map(device), addr, size_bytes, map(peer)); });
-    if (peer != device) host_clock_.charge(vm_call_costs::set_access_us, size_bytes);
+    if (peer != device) host_clock_.charge_vm_set_access(size_bytes);
   }
 
  private:

@@ -10,7 +10,7 @@
 // virtual-memory calls cost nothing, so both would see the wrong time. This
 // clock is the recording's time (set_base_us, from the trace's time_us) plus
 // what the virtual-memory calls made so far would have cost on an H200
-// (charge_*), measured by bench/gpu/bench_vm.cpp on 2026-12-01 (docs/perf.md,
+// (charge_vm_*), measured by bench/gpu/bench_vm.cpp on 2026-12-01 (docs/perf.md,
 // "What a page costs"). All times are microseconds; all sizes bytes.
 //
 // Thread safety: none; the owner serializes calls (the simulated device under
@@ -50,6 +50,18 @@ class modeled_host_clock {
   /// Moves the base to `us` (the recording's time of the event being
   /// replayed); never back: an earlier value is ignored.
   void set_base_us(std::uint64_t us) noexcept { base_us_ = std::max(base_us_, us); }
+  /// What each device_backend virtual-memory call covering `size_bytes` would
+  /// have cost, charged to the clock (vm_map grants the device access too,
+  /// as device_backend::vm_map does; vm_set_access is for a peer).
+  void charge_vm_create(std::size_t size_bytes) noexcept { charge(vm_call_costs::create_us, size_bytes); }
+  void charge_vm_release_handle(std::size_t size_bytes) noexcept { charge(vm_call_costs::release_us, size_bytes); }
+  void charge_vm_map(std::size_t size_bytes) noexcept {
+    charge(vm_call_costs::map_us + vm_call_costs::set_access_us, size_bytes);
+  }
+  void charge_vm_unmap(std::size_t size_bytes) noexcept { charge(vm_call_costs::unmap_us, size_bytes); }
+  void charge_vm_set_access(std::size_t size_bytes) noexcept { charge(vm_call_costs::set_access_us, size_bytes); }
+
+ private:
   /// Charges `us` microseconds per page for a call covering `size_bytes`
   /// (pages of vm_call_costs::page_bytes, at least one).
   void charge(double us_per_page, std::size_t size_bytes) noexcept {
@@ -58,7 +70,6 @@ class modeled_host_clock {
     charged_us_ += us_per_page * static_cast<double>(pages);
   }
 
- private:
   std::uint64_t base_us_ = 0;
   double charged_us_ = 0.0;
 };

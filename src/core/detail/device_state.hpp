@@ -578,6 +578,8 @@ class device_state {
   // that clock before the recycling) out of the bucket.
   bool recycle_time_left();
   void spend_recycle_time(std::uint64_t start_us);
+  // The bucket's size: recycle_time_percent of recycle_window_us. [world]
+  [[nodiscard]] double recycle_bucket_depth_us() const noexcept;
   // Cross-stream reuse of whole reservations (issue 15).
   bool idle_reservation(segment& seg, const alloc_params& p);
   void adopt_reservation(segment& seg, const alloc_params& p);
