@@ -485,16 +485,36 @@ namespace {
 // The replay is a function of its configuration string: CCALLOC_THREAD_CACHE
 // (like CCALLOC_CONF) does not reach it; the key does (breaker finding: the
 // variable silently changed replay figures and the PyTorch-policy test).
+// The cache (on by default) serves pairs without changing a figure.
 TEST(ReplayTest, TheThreadCacheComesFromTheConfigurationStringOnly) {
+  // A bundled trace, then a workspace allocated and freed in a loop (a free
+  // completed at once: no side stream), with a buffer that stays live.
+  std::string text = "# time_us action addr size stream\n1 alloc 8192 3000000 0\n";
+  for (int i = 0; i < 10; ++i)
+    text += std::to_string(10 + 3 * i) + " alloc 4096 1000 0\n" + std::to_string(11 + 3 * i) +
+            " free_requested 4096 1000 0\n" + std::to_string(11 + 3 * i) + " free_completed 4096 1000 0\n";
+  const ccalloc::trace loop = ccalloc::parse_trace_text(text, "loop.trace");
+  const auto loop_on = ccalloc::replay_trace(loop, {});
+  ccalloc::replay_options off_options;
+  off_options.config = "thread_cache:off";
+  const auto loop_off = ccalloc::replay_trace(loop, off_options);
+  EXPECT_EQ(loop_on.thread_cache_hits, 8u) << "the first block from a new segment, the second parked";
+  EXPECT_EQ(loop_off.thread_cache_hits, 0u);
+  EXPECT_EQ(loop_on.peak_reserved_bytes, loop_off.peak_reserved_bytes);
   const fs::path file = bundled_dir / "bert_copystream_infer.trace.gz";
   const auto plain = replay(file);
-  const auto with_key = replay(file, "thread_cache:all");
-  ::setenv("CCALLOC_THREAD_CACHE", "1", 1);
+  const auto with_key = replay(file, "thread_cache:off");
+  ::setenv("CCALLOC_THREAD_CACHE", "0", 1);
   const auto with_env = replay(file);
   ::unsetenv("CCALLOC_THREAD_CACHE");
-  EXPECT_EQ(with_env.peak_reserved_bytes, plain.peak_reserved_bytes);
-  EXPECT_EQ(with_env.device_mallocs, plain.device_mallocs);
-  EXPECT_NE(with_key.peak_reserved_bytes, plain.peak_reserved_bytes) << "the key turns the cache on";
+  EXPECT_EQ(with_env.thread_cache_hits, plain.thread_cache_hits) << "the variable does not reach the replay";
+  EXPECT_EQ(with_key.thread_cache_hits, 0u) << "the key turns the cache off";
+  for (const auto* r : {&with_env, &with_key}) {
+    EXPECT_EQ(r->peak_reserved_bytes, plain.peak_reserved_bytes);
+    EXPECT_EQ(r->peak_requested_bytes, plain.peak_requested_bytes);
+    EXPECT_EQ(r->device_mallocs, plain.device_mallocs);
+    EXPECT_EQ(r->pages_remapped, plain.pages_remapped);
+  }
 }
 
 // per_process_memory_fraction x a device of 2^64 - 1024 bytes overflowed the

@@ -35,7 +35,7 @@ std::set<std::string> expected_keys() {
   for (const char* name : {"num_alloc_retries", "num_ooms", "num_sync_all_streams",
                            "num_device_alloc", "num_device_free", "num_device_synchronizations",
                            "num_pages_remapped", "num_pages_mapped", "num_pages_unmapped",
-                           "bytes_moved_between_streams", "max_split_size"}) {
+                           "bytes_moved_between_streams", "num_thread_cache_hits", "max_split_size"}) {
     keys.insert(name);
   }
   return keys;
@@ -79,13 +79,14 @@ device_stats sample_stats() {
   s.num_pages_mapped = 8;
   s.num_pages_unmapped = 9;
   s.bytes_moved_between_streams = 10;
+  s.num_thread_cache_hits = 11;
   s.max_split_size = std::int64_t{128} << 20;
   return s;
 }
 
 TEST(StatsTest, DefaultMapHasEveryKeyAtZero) {
   const auto map = device_stats{}.to_map();
-  EXPECT_EQ(map.size(), 9u * 3u * 4u + 2u * 4u + 11u);  // 124
+  EXPECT_EQ(map.size(), 9u * 3u * 4u + 2u * 4u + 12u);  // 128
   EXPECT_EQ(keys_of(map), expected_keys());
   for (const auto& [key, value] : map) {
     EXPECT_EQ(value, key == "max_split_size" ? -1 : 0) << key;
@@ -147,6 +148,7 @@ TEST(StatsTest, MapValuesAfterIncreasesAndDecreases) {
   EXPECT_EQ(map.at("num_pages_mapped"), 8);
   EXPECT_EQ(map.at("num_pages_unmapped"), 9);
   EXPECT_EQ(map.at("bytes_moved_between_streams"), 10);
+  EXPECT_EQ(map.at("num_thread_cache_hits"), 11);
   EXPECT_EQ(map.at("max_split_size"), 128 << 20);
 }
 
@@ -184,7 +186,7 @@ TEST(StatsTest, ResetAccumulatedZeroesAllocatedFreedAndEventCounters) {
                                           "num_sync_all_streams", "num_device_alloc",
                                           "num_device_free", "num_device_synchronizations",
                                           "num_pages_remapped", "num_pages_mapped", "num_pages_unmapped",
-                                          "bytes_moved_between_streams"};
+                                          "bytes_moved_between_streams", "num_thread_cache_hits"};
   for (const auto& [key, value] : after) {
     const auto dot = key.rfind('.');
     const std::string field = dot == std::string::npos ? "" : key.substr(dot + 1);

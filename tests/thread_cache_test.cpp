@@ -1,14 +1,20 @@
 // The thread cache (src/core/detail/thread_cache.hpp, issue 18): a thread's
-// freed blocks are parked and handed back for the same bytes on the same
-// stream; statistics stay exact in one thread; empty_cache, the
-// out-of-memory ladder, inspection and thread exit see parked memory.
+// freed block is parked and handed out again for the same bytes on the same
+// stream when its pool has not changed meanwhile (the block the pools would
+// hand out: the layout is the same on and off); statistics stay exact in one
+// thread; empty_cache, the out-of-memory ladder, inspection and thread exit
+// see parked memory.
 // The cross-thread test with many threads is in concurrency_test.cpp.
 #include <ccalloc/backend/sim_backend.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -38,28 +44,151 @@ struct fixture {
   }
 };
 
-// The cache serves the most recently freed block of the same size and
-// stream; the pools (cache off) serve the best fit (lowest address).
-TEST(ThreadCacheTest, HandsBackTheMostRecentlyFreedBlock) {
+std::int64_t hits(caching_allocator& alloc) { return alloc.get_device_stats(0).num_thread_cache_hits; }
+
+// A free followed by a malloc of the same bytes on the same stream, with
+// nothing else in between, is served by the cache: the same block, which is
+// also what the pools hand out. Anything else goes to the pools, in the
+// program's order (the parked block first), so the addresses are the pools'.
+TEST(ThreadCacheTest, ServesOnlyWhatThePoolsWouldHandOut) {
   for (bool on : {true, false}) {
     fixture f(on);
     EXPECT_EQ(f.alloc.device_allocator(0).thread_cache_enabled(), on);
     const stream_t s = f.sim->create_stream(0);
-    void* a = f.alloc.malloc(0, 512, s);
-    void* b = f.alloc.malloc(0, 512, s);
-    ASSERT_LT(a, b);
-    f.alloc.free(a);
-    f.alloc.free(b);
-    void* c = f.alloc.malloc(0, 512, s);
-    EXPECT_EQ(c, on ? b : a) << "thread cache " << on;
-    // Another stream never gets a block parked for the first one.
+    // The pair: the first block comes from the slow path (a new segment),
+    // which proves nothing about the pools, so its free goes to the pools;
+    // the second is the pools' best fit, parked at its free, and the third
+    // malloc is served by the cache when it is on. The same block each time.
+    void* p = f.alloc.malloc(0, 512, s);
+    f.alloc.free(p);
+    EXPECT_EQ(f.alloc.malloc(0, 512, s), p);
+    f.alloc.free(p);
+    EXPECT_EQ(f.alloc.malloc(0, 512, s), p);
+    EXPECT_EQ(hits(f.alloc), on ? 1 : 0) << "thread cache " << on;
+    // Two live blocks freed in order: the second free changes the pool after
+    // the first block was handed out, so nothing is parked; the pools' best
+    // fit (the lowest address) comes next, on or off.
+    void* q = f.alloc.malloc(0, 512, s);
+    ASSERT_LT(p, q);
+    f.alloc.free(p);
+    f.alloc.free(q);
+    EXPECT_EQ(f.alloc.malloc(0, 512, s), p);
+    // Freed in reverse order: q (the last handed out) is parked, then p's
+    // free returns q to the pools first; the pools then hand out p again.
+    q = f.alloc.malloc(0, 512, s);
+    f.alloc.free(q);
+    f.alloc.free(p);
+    EXPECT_EQ(f.alloc.malloc(0, 512, s), p);
+    // Other bytes or another stream: a miss, the parked block goes back first.
+    q = f.alloc.malloc(0, 1024, s);
+    f.alloc.free(q);
+    void* r = f.alloc.malloc(0, 512, s);
+    EXPECT_EQ(r, q) << "the freed 1 KiB block is the pools' best fit for 512 B";
     const stream_t s2 = f.sim->create_stream(0);
+    f.alloc.free(r);
     void* d = f.alloc.malloc(0, 512, s2);
-    EXPECT_NE(d, a);
-    EXPECT_NE(d, b);
-    f.alloc.free(c);
+    EXPECT_NE(d, r);
+    EXPECT_EQ(hits(f.alloc), on ? 1 : 0) << "thread cache " << on;
     f.alloc.free(d);
+    f.alloc.free(p);
     f.alloc.device_allocator(0).check_invariants();
+  }
+}
+
+// What `run` returns, computed in a child process forked from this one: two
+// runs forked from the same state see the same host address space, so the
+// simulated device's segments (host mappings) get the same addresses.
+std::vector<std::uintptr_t> in_child(const std::function<std::vector<std::uintptr_t>()>& run) {
+  int fds[2];
+  if (::pipe(fds) != 0) return {};
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    const std::vector<std::uintptr_t> out = run();
+    const char* p = reinterpret_cast<const char*>(out.data());
+    std::size_t left = out.size() * sizeof(std::uintptr_t);
+    while (left > 0) {
+      const ssize_t n = ::write(fds[1], p, left);
+      if (n <= 0) ::_exit(1);
+      p += n;
+      left -= static_cast<std::size_t>(n);
+    }
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::vector<std::uintptr_t> out;
+  std::uintptr_t word = 0;
+  std::size_t have = 0;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) {
+    for (ssize_t i = 0; i < n; ++i) {
+      reinterpret_cast<char*>(&word)[have++] = buf[i];
+      if (have == sizeof word) {
+        out.push_back(word);
+        have = 0;
+      }
+    }
+  }
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  return out;
+}
+
+// The layout is the same with the cache on and off: one thread, random
+// sizes (small, large, expandable and plain segments), three streams,
+// live blocks freed in random order, and bursts of pairs of one size (a
+// temporary buffer in a loop); every address handed out, the peak reserved
+// bytes and the device mallocs agree, and the cache served many pairs.
+TEST(ThreadCacheTest, TheLayoutIsTheSameOnAndOff) {
+  for (bool expandable : {true, false}) {
+    auto run = [expandable](bool on) {
+      allocator_config c;
+      c.expandable_segments = expandable;
+      fixture f(on, std::size_t{8} << 30, c);
+      const stream_t streams[3] = {f.sim->create_stream(0), f.sim->create_stream(0), f.sim->create_stream(0)};
+      std::mt19937_64 rng(11);
+      std::vector<void*> live;
+      std::vector<std::uintptr_t> out;
+      for (int i = 0; i < 20000; ++i) {
+        const std::uint64_t r = rng();
+        const std::size_t size = r % 3 == 0 ? 512 + r % 20000 : (std::size_t{1} << (9 + r % 19)) + r % 4096;
+        const stream_t s = streams[(r >> 20) % 3];
+        if (r % 4 == 0) {  // a burst of pairs
+          for (std::uint64_t k = 0; k < 1 + (r >> 40) % 5; ++k) {
+            void* t = f.alloc.malloc(0, size, s);
+            out.push_back(reinterpret_cast<std::uintptr_t>(t));
+            f.alloc.free(t);
+          }
+        } else if (live.empty() || r % 4 == 1) {
+          live.push_back(f.alloc.malloc(0, size, s));
+          out.push_back(reinterpret_cast<std::uintptr_t>(live.back()));
+        } else {
+          const std::size_t k = (r >> 32) % live.size();
+          f.alloc.free(live[k]);
+          live[k] = live.back();
+          live.pop_back();
+        }
+      }
+      for (void* p : live) f.alloc.free(p);
+      f.alloc.device_allocator(0).check_invariants();
+      const device_stats st = f.alloc.get_device_stats(0);
+      out.push_back(static_cast<std::uintptr_t>(st.reserved_bytes[0].peak));
+      out.push_back(static_cast<std::uintptr_t>(st.num_device_alloc));
+      out.push_back(static_cast<std::uintptr_t>(st.num_thread_cache_hits));
+      return out;
+    };
+    const auto on = in_child([&] { return run(true); });
+    const auto off = in_child([&] { return run(false); });
+    ASSERT_EQ(on.size(), off.size());
+    ASSERT_GT(on.size(), 3u);
+    EXPECT_EQ(off.back(), 0u);
+    EXPECT_GT(on.back(), 3000u) << "expandable " << expandable;  // hits
+    std::size_t first_difference = on.size() - 1;
+    for (std::size_t i = 0; i + 1 < on.size() && first_difference == on.size() - 1; ++i)
+      if (on[i] != off[i]) first_difference = i;
+    EXPECT_EQ(first_difference, on.size() - 1) << "expandable " << expandable;
   }
 }
 
@@ -70,24 +199,22 @@ TEST(ThreadCacheTest, SmallModeParksOnlySmallPoolBlocks) {
   fixture f(true);
   ::unsetenv("CCALLOC_THREAD_CACHE");
   const stream_t s = f.sim->create_stream(0);
-  for (const std::size_t size : {std::size_t{512}, 4 * mib}) {
-    void* a = f.alloc.malloc(0, size, s);
-    void* b = f.alloc.malloc(0, size, s);
-    ASSERT_LT(a, b);
-    f.alloc.free(a);
-    f.alloc.free(b);
-    void* c = f.alloc.malloc(0, size, s);
-    EXPECT_EQ(c, size == 512 ? b : a) << size << " bytes";  // large: the pool's best fit
-    f.alloc.free(c);
-  }
+  // Three pairs of one size: the second block is parked, the third malloc a hit.
+  const auto pairs = [](caching_allocator& alloc, std::size_t size, stream_t stream) {
+    const std::int64_t before = hits(alloc);
+    void* a = alloc.malloc(0, size, stream);
+    for (int i = 0; i < 3; ++i) {
+      alloc.free(a);
+      if (i < 2) {
+        EXPECT_EQ(alloc.malloc(0, size, stream), a);
+      }
+    }
+    return hits(alloc) - before;
+  };
+  EXPECT_EQ(pairs(f.alloc, 512, s), 1);
+  EXPECT_EQ(pairs(f.alloc, 4 * mib, s), 0);
   fixture g(true);  // unset again: every block
-  void* a = g.alloc.malloc(0, 4 * mib, 0);
-  void* b = g.alloc.malloc(0, 4 * mib, 0);
-  g.alloc.free(a);
-  g.alloc.free(b);
-  void* c = g.alloc.malloc(0, 4 * mib, 0);
-  EXPECT_EQ(c, b);
-  g.alloc.free(c);
+  EXPECT_EQ(pairs(g.alloc, 4 * mib, 0), 1);
 }
 
 // One thread, random mallocs and frees on two streams (sizes whose rounding
@@ -101,7 +228,12 @@ TEST(ThreadCacheTest, StatisticsAreExactInOneThread) {
     std::vector<void*> live;
     std::vector<device_stats> reads;
     for (int i = 0; i < 4000; ++i) {
-      if (live.empty() || rng() % 2 == 0) {
+      const std::uint64_t pick = rng() % 4;
+      if (pick == 0) {  // a temporary buffer in a loop: the pairs the cache serves
+        const std::size_t size = std::size_t{512} << (rng() % 6);
+        const stream_t s = streams[rng() % 2];
+        for (int k = 0; k < 3; ++k) f.alloc.free(f.alloc.malloc(0, size, s));
+      } else if (live.empty() || pick == 1) {
         const std::size_t size = std::size_t{512} << (rng() % 6);  // 512 B .. 16 KiB
         live.push_back(f.alloc.malloc(0, size, streams[rng() % 2]));
       } else {
@@ -134,8 +266,24 @@ TEST(ThreadCacheTest, StatisticsAreExactInOneThread) {
       }
     }
   }
+  // The free blocks inside split segments: every current, allocated and
+  // freed value (a hit counts the free's merge and the malloc's split); the
+  // peak can miss the value between an elided free and malloc.
+  for (std::size_t r = 0; r < on.size(); ++r) {
+    for (auto field : {&device_stats::inactive_split, &device_stats::inactive_split_bytes}) {
+      for (std::size_t g = 0; g < stat_group_count; ++g) {
+        const stat& x = (on[r].*field)[g];
+        const stat& y = (off[r].*field)[g];
+        EXPECT_TRUE(x.current == y.current && x.allocated == y.allocated && x.freed == y.freed)
+            << "inactive split, read " << r << " group " << g << ": current " << x.current << "/" << y.current
+            << " allocated " << x.allocated << "/" << y.allocated << " freed " << x.freed << "/" << y.freed;
+      }
+    }
+  }
   EXPECT_EQ(on.back().allocation[0].current, 0);
   EXPECT_GT(on.back().allocation[0].allocated, 1000);
+  EXPECT_GT(on.back().num_thread_cache_hits, 100);
+  EXPECT_EQ(off.back().num_thread_cache_hits, 0);
 }
 
 // A parked block is free for everyone who looks: statistics, segments,
@@ -143,18 +291,23 @@ TEST(ThreadCacheTest, StatisticsAreExactInOneThread) {
 TEST(ThreadCacheTest, ParkedBlocksAreFreeForReadersAndEmptyCache) {
   fixture f(true);
   const stream_t s = f.sim->create_stream(0);
-  void* p = f.alloc.malloc(0, 4 * mib, s);
-  f.alloc.free(p);  // parked
+  // Three pairs: the second block is parked, handed out again (a hit) and
+  // parked again at its free.
+  for (int i = 0; i < 3; ++i) f.alloc.free(f.alloc.malloc(0, 4 * mib, s));
   const device_stats st = f.alloc.get_device_stats(0);
+  EXPECT_EQ(st.num_thread_cache_hits, 1);
   EXPECT_EQ(st.allocated_bytes[0].current, 0);
   EXPECT_EQ(st.active_bytes[0].current, 0);
   EXPECT_EQ(st.requested_bytes[0].current, 0);
-  EXPECT_EQ(st.allocation[0].freed, 1);
+  EXPECT_EQ(st.allocation[0].freed, 3);
   EXPECT_EQ(st.reserved_bytes[0].current, static_cast<std::int64_t>(20 * mib));  // a large segment
   for (const segment_info& seg : f.alloc.device_allocator(0).segments())
     for (const block_info& b : seg.blocks) EXPECT_EQ(b.state, block_state::inactive);
   f.alloc.device_allocator(0).check_invariants();
-  f.alloc.free(f.alloc.malloc(0, 4 * mib, s));  // parked again
+  // The segment is cached now: the first of these comes from the pools.
+  for (int i = 0; i < 3; ++i) f.alloc.free(f.alloc.malloc(0, 4 * mib, s));  // parked again
+  EXPECT_EQ(f.alloc.get_device_stats(0).num_thread_cache_hits, 3);
+  for (int i = 0; i < 3; ++i) f.alloc.free(f.alloc.malloc(0, 4 * mib, s));
   f.alloc.empty_cache();
   EXPECT_EQ(f.alloc.get_device_stats(0).reserved_bytes[0].current, 0);
   EXPECT_EQ(f.sim->counters().used_bytes, 0u);
@@ -167,7 +320,8 @@ TEST(ThreadCacheTest, OutOfMemoryLadderTakesBlocksParkedByOtherThreads) {
   const stream_t s = f.sim->create_stream(0);
   std::atomic<int> phase{0};
   std::thread parker([&] {
-    f.alloc.free(f.alloc.malloc(0, 40 * mib, s));  // parked in this thread's cache
+    // The last of three pairs is parked in this thread's cache (a hit, parked again).
+    for (int i = 0; i < 3; ++i) f.alloc.free(f.alloc.malloc(0, 40 * mib, s));
     phase.store(1);
     while (phase.load() != 2) std::this_thread::yield();  // stays alive meanwhile
   });
@@ -188,13 +342,14 @@ TEST(ThreadCacheTest, ThreadExitReturnsParkedBlocks) {
   const stream_t s = f.sim->create_stream(0);
   std::thread t([&] {
     for (int i = 0; i < 10; ++i) f.alloc.free(f.alloc.malloc(0, 8 * mib, s));
-    f.alloc.free(f.alloc.malloc(0, 512, s));
+    for (int i = 0; i < 3; ++i) f.alloc.free(f.alloc.malloc(0, 512, s));  // the last one stays parked
   });
   t.join();
   const device_stats st = f.alloc.get_device_stats(0);
+  EXPECT_EQ(st.num_thread_cache_hits, 8 + 1);  // 8 MiB: from the third pair on; 512 B: the third
   EXPECT_EQ(st.allocated_bytes[0].current, 0);
-  EXPECT_EQ(st.allocation[0].allocated, 11);
-  EXPECT_EQ(st.allocation[0].freed, 11);
+  EXPECT_EQ(st.allocation[0].allocated, 13);
+  EXPECT_EQ(st.allocation[0].freed, 13);
   f.alloc.device_allocator(0).check_invariants();
   f.alloc.empty_cache();
   EXPECT_EQ(f.alloc.get_device_stats(0).reserved_bytes[0].current, 0);
@@ -218,12 +373,14 @@ TEST(ThreadCacheTest, FreeFromALateThreadLocalDestructor) {
   std::thread t([&] {
     tls_late_free.alloc = &f.alloc;  // constructed before the cache's records: destroyed after them
     tls_late_free.ptr = f.alloc.malloc(0, 512, s);
-    f.alloc.free(f.alloc.malloc(0, 4096, s));  // parked
+    // From the 512 B block's segment (the pools), then twice from the cache; the last one parked.
+    for (int i = 0; i < 3; ++i) f.alloc.free(f.alloc.malloc(0, 4096, s));
   });
   t.join();
   const device_stats st = f.alloc.get_device_stats(0);
+  EXPECT_EQ(st.num_thread_cache_hits, 2);
   EXPECT_EQ(st.allocation[0].current, 0);
-  EXPECT_EQ(st.allocation[0].freed, 2);
+  EXPECT_EQ(st.allocation[0].freed, 4);
   f.alloc.device_allocator(0).check_invariants();
 }
 
@@ -246,9 +403,9 @@ TEST(ThreadCacheTest, RecordStreamAndNoCachingBypassTheCache) {
   f.alloc.enable(true);
 }
 
-// Opt-in: off unless CCALLOC_THREAD_CACHE asks for it (it changes the layout;
-// docs/perf.md), read when a device is created; an unknown value stays off.
-TEST(ThreadCacheTest, OffByDefaultAndSwitchedByTheEnvironment) {
+// On by default (a hit is what the pools would hand out); CCALLOC_THREAD_CACHE,
+// read when a device is created, turns it off; an unknown value leaves it on.
+TEST(ThreadCacheTest, OnByDefaultAndSwitchedByTheEnvironment) {
   const auto enabled_with = [](const char* value) {
     if (value == nullptr) ::unsetenv("CCALLOC_THREAD_CACHE");
     else ::setenv("CCALLOC_THREAD_CACHE", value, 1);
@@ -257,21 +414,22 @@ TEST(ThreadCacheTest, OffByDefaultAndSwitchedByTheEnvironment) {
     alloc.init(1);
     return alloc.device_allocator(0).thread_cache_enabled();
   };
-  EXPECT_FALSE(enabled_with(nullptr));
+  EXPECT_TRUE(enabled_with(nullptr));
   EXPECT_TRUE(enabled_with("1"));
   EXPECT_TRUE(enabled_with("small"));
   EXPECT_FALSE(enabled_with("0"));
   EXPECT_TRUE(enabled_with("all"));
   EXPECT_TRUE(enabled_with("True"));
   EXPECT_FALSE(enabled_with("off"));
-  EXPECT_FALSE(enabled_with(""));
-  EXPECT_TRUE(enabled_with(" all "));  // blanks dropped, as the key's values are
+  EXPECT_FALSE(enabled_with(" off "));  // blanks dropped, as the key's values are
+  EXPECT_FALSE(enabled_with("False"));
+  EXPECT_TRUE(enabled_with(""));
   EXPECT_EQ(allocator_config::parse("thread_cache: all").thread_cache, thread_cache_mode::all);
   // One parser for the variable and the key (breaker finding): what the key
   // rejects, the variable does not take either; a warning names the value.
   for (const char* value : {"sometimes", "on", "yes", "ALL"}) {
     ::testing::internal::CaptureStderr();
-    EXPECT_FALSE(enabled_with(value)) << value;
+    EXPECT_TRUE(enabled_with(value)) << value;
     const std::string err = ::testing::internal::GetCapturedStderr();
     EXPECT_NE(err.find(std::string("ccalloc: warning: CCALLOC_THREAD_CACHE='") + value + "'"), std::string::npos)
         << err;
@@ -296,18 +454,18 @@ TEST(ThreadCacheTest, ConfigKeySwitchesItAndWinsOverTheEnvironment) {
     alloc->init(1);
     return std::pair{sim, std::move(alloc)};
   };
-  // Whether a freed block of `size` bytes is handed back by the thread cache
-  // (the most recently freed) rather than the pools (the lowest address).
+  // Whether a freed block of `size` bytes is handed out again by the thread
+  // cache (a hit) rather than the pools.
   const auto parks = [](caching_allocator& alloc, std::size_t size) {
-    void* a = alloc.malloc(0, size, 0);
-    void* b = alloc.malloc(0, size, 0);
+    const std::int64_t before = hits(alloc);
+    void* a = alloc.malloc(0, size, 0);  // the slow path: proves nothing, not parked
     alloc.free(a);
+    void* b = alloc.malloc(0, size, 0);  // the pools' best fit: parked at its free
     alloc.free(b);
     void* c = alloc.malloc(0, size, 0);
-    const bool parked = c == b && a < b;
     alloc.free(c);
     alloc.empty_cache();
-    return parked;
+    return a == b && b == c && hits(alloc) == before + 1;
   };
   ::unsetenv("CCALLOC_THREAD_CACHE");
   {
@@ -345,10 +503,20 @@ TEST(ThreadCacheTest, ConfigKeySwitchesItAndWinsOverTheEnvironment) {
     auto [sim, alloc] = make("expandable_segments:False");  // no key: the variable decides
     EXPECT_TRUE(alloc->device_allocator(0).thread_cache_enabled());
   }
-  ::unsetenv("CCALLOC_THREAD_CACHE");
+  ::setenv("CCALLOC_THREAD_CACHE", "0", 1);
+  {
+    auto [sim, alloc] = make("expandable_segments:False,thread_cache:small");  // the key wins
+    EXPECT_TRUE(alloc->device_allocator(0).thread_cache_enabled());
+  }
   {
     auto [sim, alloc] = make("expandable_segments:False");
     EXPECT_FALSE(alloc->device_allocator(0).thread_cache_enabled());
+  }
+  ::unsetenv("CCALLOC_THREAD_CACHE");
+  {
+    auto [sim, alloc] = make("expandable_segments:False");  // the default
+    EXPECT_TRUE(alloc->device_allocator(0).thread_cache_enabled());
+    EXPECT_TRUE(parks(*alloc, 4 * mib));
   }
 }
 

@@ -402,6 +402,7 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
   out["events"] = r.events;
   put_figures(out, r);
   out["alloc_retries"] = r.alloc_retries;
+  out["thread_cache_hits"] = r.thread_cache_hits;
   out["wall_seconds"] = r.wall_seconds;
   out["read_seconds"] = input.read_seconds;
   out["repeat"] = r.repeat;

@@ -175,7 +175,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
     if (caching_) [[likely]] {
       if (const block_index::position at = find_free_block(p); at != block_index::end()) [[likely]] {
         stats_sink sink(*this, ss);
-        return take_found_block(p, sink.get(), at);
+        return note_reusable(take_found_block(p, sink.get(), at), ss);
       }
     }
   }
@@ -223,7 +223,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
     if (caching_) {
       if (const block_index::position at = find_free_block(p); at != block_index::end()) {
         stats_sink sink(*this, ss);
-        return take_found_block(p, sink.get(), at);
+        return note_reusable(take_found_block(p, sink.get(), at), ss);
       }
     }
   }
@@ -384,9 +384,13 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     else remaining->pool->blocks.insert(remaining);
     if (already_split) {
       device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
+      b->reuse_split_blocks = 0;
+      b->reuse_split_bytes = static_cast<std::int64_t>(p.size);
     } else {
       device_stats::increase(st.inactive_split, g, 1);
       device_stats::increase(st.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
+      b->reuse_split_blocks = 1;
+      b->reuse_split_bytes = static_cast<std::int64_t>(remaining->size);
     }
   } else {
     if (at != block_index::end()) p.pool->blocks.erase_at(at);
@@ -394,6 +398,8 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
       device_stats::decrease(st.inactive_split, g, 1);
       device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
     }
+    b->reuse_split_blocks = already_split ? 1 : 0;
+    b->reuse_split_bytes = already_split ? static_cast<std::int64_t>(b->size) : 0;
   }
   b->allocated = true;
   ++b->seg->busy_blocks;
@@ -406,6 +412,21 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   device_stats::increase(st.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
   b->counted_oversize = b->size >= config_.max_split_size_bytes;
   if (b->counted_oversize) st.oversize_allocations.increase(1);
+  return b;
+}
+
+// Allocate's rung 1 handed out `b` by best fit: a free of it followed by a
+// malloc of the same size, with the pool unchanged in between, would put
+// the pool back as it was before and hand out `b` again, so the thread cache
+// may elide the pair (detail/thread_cache.hpp, "Placement"): b records its
+// pool's version. Not when that free would do more than merge: record a page
+// fence (b is the last busy block of an expandable segment and the stream
+// has none outstanding), or age the cached blocks (garbage collection counts
+// the searches of the free list). [stream]
+block* device_state::note_reusable(block* b, const stream_state& ss) const noexcept {
+  const bool free_would_fence = b->seg->expandable && b->seg->busy_blocks == 1 && ss.fences.empty();
+  b->reuse_version = free_would_fence || config_.garbage_collection_threshold > 0.0 ? no_reuse_version
+                                                                                      : b->pool->blocks.version();
   return b;
 }
 
@@ -482,6 +503,7 @@ void device_state::release_allocation(block* b, device_stats& st, bool device_lo
   CCALLOC_ASSERT(b->allocated);
   const stat_group g = group_of(b->pool);
   b->allocated = false;
+  b->reuse_version = no_reuse_version;
   device_stats::decrease(st.allocation, g, 1);
   device_stats::decrease(st.allocated_bytes, g, static_cast<std::int64_t>(b->size));
   if (b->counted_oversize) st.oversize_allocations.decrease(1);
@@ -584,6 +606,7 @@ std::size_t device_state::merge(block* dst, block* src) {
 // ---- the free-block index of a pool ------------------------------------------------
 
 void block_index::insert(block* b) {
+  bump_version();
   const std::uint32_t bin = bin_of(b->size);
   std::vector<entry>& v = bins_[bin];
   const std::size_t i = search(v, b->size, b->ptr);

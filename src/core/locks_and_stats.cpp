@@ -33,6 +33,12 @@ void world_lock::lock() {
   d_.device_mutex_.lock();
   d_.stats_mutex_.lock();
   locked_ = true;
+  // Whatever the holder changes (configuration, page fences, the slow path),
+  // the blocks the thread caches hold stop being reusable (block::reuse_version).
+  for (stream_state* ss : streams_) {
+    ss->pools.small.blocks.bump_version();
+    ss->pools.large.blocks.bump_version();
+  }
 }
 
 void world_lock::unlock() {

@@ -30,6 +30,8 @@ void add_hits(thread_cache_hits& into, thread_cache_hits& from) noexcept {
     into.blocks[k] += from.blocks[k];
     into.bytes[k] += from.bytes[k];
     into.requested_bytes[k] += from.requested_bytes[k];
+    into.split_blocks[k] += from.split_blocks[k];
+    into.split_bytes[k] += from.split_bytes[k];
   }
   into.oversize += from.oversize;
   into.any = into.any || from.any;
@@ -53,7 +55,10 @@ void count_hits(device_stats& st, thread_cache_hits& h) noexcept {
     both(st.allocated_bytes, h.bytes[k]);
     both(st.active_bytes, h.bytes[k]);
     both(st.requested_bytes, h.requested_bytes[k]);
+    both(st.inactive_split, h.split_blocks[k]);
+    both(st.inactive_split_bytes, h.split_bytes[k]);
   }
+  st.num_thread_cache_hits += h.blocks[0] + h.blocks[1];
   st.oversize_allocations.allocated += h.oversize;
   st.oversize_allocations.freed += h.oversize;
   h = thread_cache_hits{};
@@ -93,22 +98,21 @@ thread_local thread_records tls_records;
 }  // namespace
 
 thread_cache_registry::thread_cache_registry() {
-  // Off unless asked for: a hit hands back the most recently freed block of
-  // the same size rather than the pools' best fit, which changes the layout
-  // (peak reserved +11% on gpt2_train_long with every size cached, +-0.4%
-  // with `small`; docs/perf.md), and memory held is ccalloc's headline.
-  // CCALLOC_THREAD_CACHE, spelled as the thread_cache key (one parser).
+  // On unless turned off: a hit hands out only the block the pools' best fit
+  // would (block::reuse_version), so the layout is the same with it and
+  // without it. CCALLOC_THREAD_CACHE, spelled as the thread_cache key (one
+  // parser), turns it off or limits it to the small pool.
   const char* env = std::getenv("CCALLOC_THREAD_CACHE");
-  std::optional<thread_cache_mode> mode = thread_cache_mode::off;
+  std::optional<thread_cache_mode> mode = thread_cache_mode::all;
   if (env != nullptr && *env != '\0') {
     mode = parse_thread_cache_mode(env);  // drops surrounding blanks, as the key's values
     if (!mode)
       std::fprintf(stderr,
                    "ccalloc: warning: CCALLOC_THREAD_CACHE='%s' is not one of off, small, all (also True/true/1, "
-                   "False/false/0): the thread cache stays off\n",
+                   "False/false/0): the thread cache stays on (all)\n",
                    printable_text(env).c_str());
   }
-  const thread_cache_mode m = mode.value_or(thread_cache_mode::off);
+  const thread_cache_mode m = mode.value_or(thread_cache_mode::all);
   small_only.store(m == thread_cache_mode::small, std::memory_order_relaxed);
   enabled.store(m != thread_cache_mode::off, std::memory_order_relaxed);
 }
@@ -213,15 +217,10 @@ block* thread_cache_take_slow(device_state& s, thread_cache_record* r, std::size
   const std::uint32_t count = r->count.load(std::memory_order_relaxed);  // a world lock may have emptied it
   for (std::uint32_t i = count; i-- > 0;) {  // the most recently parked first
     thread_cache_record::slot& sl = r->slots[i];
-    if (sl.stream == stream && sl.requested == requested_bytes) {
-      block* b = sl.b;
-      sl = r->slots[count - 1];
-      r->count.store(count - 1, std::memory_order_relaxed);
-      thread_cache_count_hit(*r, b, requested_bytes);
-      r->lock.unlock();
-      r->miss_streak = 0;
-      return b;
-    }
+    // The same stream and bytes, and the block's pool unchanged since the
+    // best fit that handed it out: the pools would hand out this block.
+    if (sl.stream == stream && sl.requested == requested_bytes && thread_cache_still_reusable(sl.b))
+      return thread_cache_hand_out(*r, i, count, requested_bytes);
   }
   r->lock.unlock();
   if (count != 0) {
@@ -233,26 +232,27 @@ block* thread_cache_take_slow(device_state& s, thread_cache_record* r, std::size
 
 // thread_cache_park (detail/thread_cache_fast.hpp) when the cache is on.
 bool thread_cache_park_slow(device_state& s, block* b) {
-  if (!b->stream_uses.empty() || b->pool->priv != nullptr || !s.caching_ || s.capture_underway() ||
-      (s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small)) [[unlikely]]
-    return false;
   thread_cache_record* r = tls_last_record;
   if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
     r = thread_cache_find(s, true);
     if (r == nullptr) return false;
   }
-  if (r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) [[unlikely]]
-    return false;  // this thread's frees are not being reused: the normal free
-  // Full (only this thread fills it; a world lock may have emptied it since,
-  // which costs one park): no lock needed to see it.
-  if (r->count.load(std::memory_order_relaxed) == thread_cache_slots) [[unlikely]]
-    return false;
-  r->lock.lock();
-  const std::uint32_t count = r->count.load(std::memory_order_relaxed);
-  if (count == thread_cache_slots) [[unlikely]] {
-    r->lock.unlock();
+  // Parked only if its pool has not changed since the best fit that handed
+  // it out (block::reuse_version), so that a hit is what the pools would do.
+  const bool parkable =
+      thread_cache_still_reusable(b) && b->stream_uses.empty() && b->pool->priv == nullptr &&
+      s.caching_ && !s.capture_underway() &&
+      !(s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small) &&
+      !(r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) &&
+      r->count.load(std::memory_order_relaxed) != thread_cache_slots;
+  if (!parkable) {
+    // The normal free follows: this thread's parked blocks go first, so that
+    // the pools see the frees in the program's order.
+    if (r->count.load(std::memory_order_relaxed) != 0) thread_cache_drain_own(s, *r);
     return false;
   }
+  r->lock.lock();
+  const std::uint32_t count = r->count.load(std::memory_order_relaxed);  // only this thread adds
   r->slots[count] = {b, b->pool->owner->stream, b->requested_bytes};
   r->count.store(count + 1, std::memory_order_relaxed);
   r->lock.unlock();

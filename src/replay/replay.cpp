@@ -294,6 +294,7 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   r.pages_mapped = static_cast<std::uint64_t>(s.num_pages_mapped);
   r.pages_unmapped = static_cast<std::uint64_t>(s.num_pages_unmapped);
   r.bytes_moved_between_streams = static_cast<std::uint64_t>(s.bytes_moved_between_streams);
+  r.thread_cache_hits = static_cast<std::uint64_t>(s.num_thread_cache_hits);
 
   // Give everything back (the figures are taken): what the trace still
   // holds, then the gaps, then the cache.
@@ -340,11 +341,13 @@ std::shared_ptr<device_backend> open_cuda(int device) {
 
 replay_result replay_trace(const trace& t, const replay_options& options) {
   // The replay is a function of its configuration string alone: the thread
-  // cache is off unless the string says otherwise (CCALLOC_THREAD_CACHE,
-  // like CCALLOC_CONF, is for programs that use the library).
+  // cache is the library's default (all) unless the string says otherwise
+  // (CCALLOC_THREAD_CACHE, like CCALLOC_CONF, is for programs that use the
+  // library).
   const allocator_config config = [&] {
     allocator_config c = allocator_config::parse(options.config);
-    c.thread_cache_set = true;  // thread_cache stays off when the string did not set it
+    if (!c.thread_cache_set) c.thread_cache = thread_cache_mode::all;
+    c.thread_cache_set = true;
     return c;
   }();
   // Zeros would read as a measurement: say there was nothing to replay.

@@ -152,10 +152,13 @@ struct allocator_config {
   bool reuse_across_streams = true;
   /// ccalloc's own key (thread_cache: off, small or all; issue 18): each
   /// thread parks up to 4 blocks it freed and gets one back for the same
-  /// bytes on the same stream without locks. Default off (it can raise peak
-  /// reserved memory). Applies when thread_cache_set: the key, when given,
-  /// wins over the environment variable CCALLOC_THREAD_CACHE, which decides
-  /// (at device creation) only when the key is not given.
+  /// bytes on the same stream without the stream's lock, only when the
+  /// block's pool has not changed since the block was handed out, so that a
+  /// hit is the block the pools' best fit would hand out (the layout is the
+  /// same as with `off`). Default all. Applies when thread_cache_set: the
+  /// key, when given, wins over the environment variable
+  /// CCALLOC_THREAD_CACHE, which decides (at device creation) only when the
+  /// key is not given.
   thread_cache_mode thread_cache = thread_cache_mode::off;
   /// Whether thread_cache was given explicitly (to_string() writes it only
   /// then). Invariant kept by the parser: !thread_cache_set implies

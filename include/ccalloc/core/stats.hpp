@@ -89,6 +89,12 @@ struct device_stats {
   /// mapped into another's, and cached segments adopted by another stream
   /// (X2). ccalloc's own.
   std::int64_t bytes_moved_between_streams = 0;
+  /// Allocations a thread cache served: a free and the next malloc of the
+  /// same bytes on the same stream, in one thread, that never reached the
+  /// pools (the block is the one the pools would have handed out). Each
+  /// also counts in allocation, active and the byte statistics' allocated
+  /// and freed. ccalloc's own (issue 18).
+  std::int64_t num_thread_cache_hits = 0;
   stat oversize_allocations;            ///< allocations of blocks >= max_split_size
   stat oversize_segments;               ///< segments >= max_split_size
   std::int64_t max_split_size = -1;     ///< bytes; -1 when unlimited (as PyTorch reports it)

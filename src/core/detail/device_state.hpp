@@ -86,6 +86,9 @@ inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments 
 struct block_pool;
 struct segment;
 
+// block::reuse_version of a block the thread cache may not hand out again.
+inline constexpr std::uint64_t no_reuse_version = ~std::uint64_t{0};
+
 // ---- block: a piece of a segment -------------------------------------------------------
 
 struct block {
@@ -110,6 +113,16 @@ struct block {
   // then covers it); free_block keeps it. [stream]
   bool free_seq_taken = false;
   std::vector<stream_t> stream_uses;  // other streams that used it (record_stream)
+  // The thread cache's proof that handing this block out again is what the
+  // pools would do (detail/thread_cache.hpp, "Placement"): its pool index's
+  // version right after the best fit that handed it out (allocate's rung
+  // 1), or no_reuse_version (every free block, and a block from the slow
+  // path). [stream] to write; the owner thread reads it while it holds the
+  // block. The inactive-split statistics that handing it out changed
+  // (counts; a free that undoes the split changes them back).
+  std::uint64_t reuse_version = no_reuse_version;
+  std::int64_t reuse_split_blocks = 0;
+  std::int64_t reuse_split_bytes = 0;
 
   [[nodiscard]] inline bool is_split() const noexcept;
   // Free and not waiting for events (unmapped blocks are always free).
@@ -198,7 +211,15 @@ class block_index {
     return {next_bin(p.bin + 1), 0};
   }
   void insert(block* b);
+  /// Changes at every insert, erase and rekey (and bump_version): equal
+  /// readings mean the index did not change in between. Written under the
+  /// pool's stream lock; read without it (a relaxed load, never torn).
+  [[nodiscard]] std::uint64_t version() const noexcept { return version_.load(std::memory_order_relaxed); }
+  /// A change the index does not see that may change what best fit or a
+  /// free does (a world lock: configuration, page fences, the slow path).
+  void bump_version() noexcept { version_.store(version_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
   void erase_at(position p) {
+    bump_version();
     std::vector<entry>& v = bins_[p.bin];
     if (p.index + 1 == v.size()) v.pop_back();
     else v.erase(v.begin() + static_cast<std::ptrdiff_t>(p.index));
@@ -215,6 +236,7 @@ class block_index {
                        (p.index == 0 || key_less(v[p.index - 1], b->size, b->ptr)) &&
                        (p.index + 1 == v.size() || !key_less(v[p.index + 1], b->size, b->ptr));
     if (stays) [[likely]] {
+      bump_version();
       v[p.index] = entry{b->size, b->ptr, b};
       return;
     }
@@ -282,6 +304,7 @@ class block_index {
   std::array<std::vector<entry>, bin_count> bins_;
   std::array<std::uint64_t, words> occupied_{};
   std::size_t count_ = 0;
+  std::atomic<std::uint64_t> version_{0};  // [stream] to write (version())
 };
 
 struct stream_state;
@@ -376,6 +399,7 @@ struct alignas(64) stream_state {
     b->gc_count_base = 0;
     b->free_seq = 0;
     b->free_seq_taken = false;
+    b->reuse_version = no_reuse_version;
     b->stream_uses.clear();
     spare_blocks.push_back(b);
   }
@@ -479,6 +503,7 @@ class device_state {
   block_index::position find_free_block(alloc_params& p);                     // [stream]
   block* take_found_block(alloc_params& p, device_stats& st,
                           block_index::position at = block_index::end());      // [stream]
+  block* note_reusable(block* b, const stream_state& ss) const noexcept;       // [stream]
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
   [[nodiscard]] bool place_at_back(const block* b) const noexcept;            // [stream]
   void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream] (+device if device_locked)

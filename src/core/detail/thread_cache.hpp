@@ -4,28 +4,49 @@
 // alloc+free pair then takes no stream lock, no statistics lock and no
 // shared cache line: one uncontended exchange on the thread's own record per
 // operation (its lock, so that a thread holding the world lock can take the
-// blocks back at any time).
+// blocks back at any time). On by default (thread_cache:all).
 //
 //   malloc(size, stream)                       free(block)
 //     record of (this thread, device)            bypass: record_stream'd, private pool,
-//     slot with (stream, requested size)?          no caching, capture underway
+//     slot with (stream, requested size)           no caching, capture underway, or
+//     whose pool is unchanged?                     its pool changed (Placement)
 //       yes: hand it out (no pool, no             a free slot? park it
-//            statistics lock)                     else: the normal free
-//       no (or events pending, or a capture):
+//            statistics lock)                     else: free this thread's parked
+//       no (or events pending, or a capture):          blocks, then the normal free
 //            free every parked block of this
 //            thread, then the normal malloc
+//
+// Placement: a hit hands out exactly the block the pools would. A block
+// handed out by allocate's best fit (rung 1) records its pool index's
+// version (block::reuse_version; the index changes it at every insert,
+// erase and rekey, a world lock at every acquisition). While the version is
+// unchanged, freeing the block would merge it back into the very free block
+// it was split from, and a malloc of the same size would split the same
+// piece off again: the pair is the identity, so the cache elides it. A
+// block is parked only if its version still holds, and handed out only if
+// it still holds then; every other free and malloc first returns the
+// thread's parked blocks to the pools, in the program's order. Blocks from
+// the slow path (a new segment, mapped pages) prove nothing and are never
+// parked; nor is a block whose free would record a page fence, nor any
+// block while garbage collection counts the pools' searches. So in one
+// thread the addresses handed out, and every figure of a replay, are the
+// same with the cache on and off (tests: TheLayoutIsTheSameOnAndOff, the
+// replay comparison in docs/perf.md).
 //
 // Statistics: a parked block still counts as allocated; it is freed for
 // the pools and the statistics (release_allocation, the normal free) when it
 // leaves the cache without being handed out again: at this thread's next
 // malloc on the device that it does not serve (before anything else of that
-// malloc), and at every world lock (the slow path, statistics reads,
-// inspection, empty_cache, configuration), which returns every thread's
-// parked blocks first. A hit (the same block freed and handed out again)
-// changes no current value: it only adds to the allocated and freed counts,
-// kept in the record (thread_cache_hits) and added by the world lock. So
-// every current, allocated and freed value is exact at every read; in one
-// thread so is every peak (a parked block is gone before this thread's
+// malloc) or free it does not park, and at every world lock (the slow path,
+// statistics reads, inspection, empty_cache, configuration), which returns
+// every thread's parked blocks first. A hit (the same block freed and handed
+// out again) changes no current value: it only adds to the allocated and
+// freed counts (those of inactive_split too: the free's merge and the
+// malloc's split), kept in the record (thread_cache_hits) and added by the
+// world lock, and to num_thread_cache_hits. So every current, allocated and
+// freed value is exact at every read; in one thread so is every peak but
+// that of inactive_split(_bytes), which can miss the instant between an
+// elided free and its malloc (a parked block is gone before this thread's
 // next allocation can raise one); with threads allocating concurrently a
 // peak may include blocks that another thread has freed into its cache and
 // not yet reused (at most thread_cache_slots per thread and device).
@@ -80,6 +101,8 @@ struct thread_cache_hits {
   std::array<std::int64_t, 2> blocks{};
   std::array<std::int64_t, 2> bytes{};
   std::array<std::int64_t, 2> requested_bytes{};
+  std::array<std::int64_t, 2> split_blocks{};  // inactive_split: the free undoes, the malloc redoes
+  std::array<std::int64_t, 2> split_bytes{};   // inactive_split_bytes: likewise
   std::int64_t oversize = 0;
   bool any = false;
 };
@@ -120,9 +143,9 @@ struct thread_cache_core {
 };
 
 // device_state's member. CCALLOC_THREAD_CACHE (read when the device is
-// created): 1/true/on/yes/all: every block; small: small-pool blocks only
-// (<= 1 MiB requests); unset or 0/false/off/no: off (the default; another
-// value warns and stays off).
+// created; parse_thread_cache_mode): all/True/true/1 (the default, also when
+// unset): every block; small: small-pool blocks only (<= 1 MiB requests);
+// off/False/false/0: off. Another value warns and leaves the default.
 class thread_cache_registry {
  public:
   thread_cache_registry();

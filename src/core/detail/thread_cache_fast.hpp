@@ -14,6 +14,8 @@ inline void thread_cache_count_hit(thread_cache_record& r, const block* b, std::
   r.hits.blocks[k] += 1;
   r.hits.bytes[k] += static_cast<std::int64_t>(b->size);
   r.hits.requested_bytes[k] += static_cast<std::int64_t>(requested);
+  r.hits.split_blocks[k] += b->reuse_split_blocks;
+  r.hits.split_bytes[k] += b->reuse_split_bytes;
   if (b->counted_oversize) r.hits.oversize += 1;
   r.hits.any = true;
 }
@@ -23,14 +25,49 @@ inline void thread_cache_count_hit(thread_cache_record& r, const block* b, std::
 block* thread_cache_take_slow(device_state& s, thread_cache_record* r, std::size_t requested_bytes, stream_t stream);
 bool thread_cache_park_slow(device_state& s, block* b);
 
+// Whether the pools would hand out `b` again: its pool has not changed
+// since the best fit that handed it out (block::reuse_version).
+inline bool thread_cache_still_reusable(const block* b) noexcept {
+  return b->reuse_version == b->pool->blocks.version();
+}
+
+// Hands out the block of slot i of the `count` parked in r (a hit): the last
+// slot takes its place. [record lock] Lets it go.
+inline block* thread_cache_hand_out(thread_cache_record& r, std::uint32_t i, std::uint32_t count,
+                                    std::size_t requested_bytes) noexcept {
+  block* b = r.slots[i].b;
+  r.slots[i] = r.slots[count - 1];
+  r.count.store(count - 1, std::memory_order_relaxed);
+  thread_cache_count_hit(r, b, requested_bytes);
+  r.lock.unlock();
+  r.miss_streak = 0;
+  return b;
+}
+
 // A parked block of this thread for (requested_bytes, stream), or nullptr
 // (then this thread's parked blocks of `s` are freed, and the caller goes on
-// with the normal malloc). With the cache off (the default) and no record
-// of this thread: one relaxed load, inlined; the rest is out of line.
+// with the normal malloc). Inline: this thread's record of the device, with
+// nothing parked (nullptr at once) or its newest block a hit; the rest
+// (another device, other slots, events pending, a capture) out of line.
 inline block* thread_cache_take(device_state& s, std::size_t requested_bytes, stream_t stream) {
   thread_cache_record* r = tls_last_record;
-  if (r == nullptr && !s.thread_caches_.enabled.load(std::memory_order_relaxed)) [[likely]]
+  if (r != nullptr && r->device_id == s.id_) [[likely]] {
+    const std::uint32_t n = r->count.load(std::memory_order_relaxed);  // only this thread adds
+    if (n == 0) return nullptr;
+    const thread_cache_record::slot& newest = r->slots[n - 1];
+    // The slots are this thread's to write: read without the lock. The
+    // block is not: a world lock may free it meanwhile (then count is 0).
+    if (newest.stream == stream && newest.requested == requested_bytes &&
+        (s.pending_event_count_.load(std::memory_order_relaxed) |
+         s.capture_count_.load(std::memory_order_relaxed)) == 0) [[likely]] {
+      r->lock.lock();
+      if (r->count.load(std::memory_order_relaxed) == n && thread_cache_still_reusable(newest.b)) [[likely]]
+        return thread_cache_hand_out(*r, n - 1, n, requested_bytes);
+      r->lock.unlock();
+    }
+  } else if (r == nullptr && !s.thread_caches_.enabled.load(std::memory_order_relaxed)) {
     return nullptr;
+  }
   return thread_cache_take_slow(s, r, requested_bytes, stream);
 }
 
@@ -43,11 +80,27 @@ inline void thread_cache_flush_own(device_state& s) {
 }
 
 // Parks `b` (the caller frees it) in this thread's cache; false: not
-// cacheable or no room, free it the normal way. With the cache off (the
-// default): one relaxed load, inlined; the rest is out of line.
+// cacheable or no room, free it the normal way (this thread's parked blocks
+// of `s` were freed first). Inline: the cache off, or this thread's record
+// of the device empty and `b` reusable; the rest out of line.
 inline bool thread_cache_park(device_state& s, block* b) {
-  if (!s.thread_caches_.enabled.load(std::memory_order_relaxed)) [[likely]]
+  if (!s.thread_caches_.enabled.load(std::memory_order_relaxed)) [[unlikely]]
     return false;
+  thread_cache_record* r = tls_last_record;
+  if (r != nullptr && r->device_id == s.id_ && r->count.load(std::memory_order_relaxed) == 0) [[likely]] {
+    // Nothing parked: nothing to free first when `b` goes to the pools.
+    if (!thread_cache_still_reusable(b) || !b->stream_uses.empty() || b->pool->priv != nullptr ||
+        (!b->pool->is_small && s.thread_caches_.small_only.load(std::memory_order_relaxed)) ||
+        s.capture_count_.load(std::memory_order_relaxed) != 0 || !s.caching_)
+      return false;
+    // This thread's frees are not being reused (thread_cache_record::miss_streak).
+    if (r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) return false;
+    r->lock.lock();
+    r->slots[0] = {b, b->pool->owner->stream, b->requested_bytes};
+    r->count.store(1, std::memory_order_relaxed);
+    r->lock.unlock();
+    return true;
+  }
   return thread_cache_park_slow(s, b);
 }
 
