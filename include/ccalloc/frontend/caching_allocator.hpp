@@ -358,7 +358,7 @@ class caching_allocator {
     detail::block* block = nullptr;
   };
   struct alignas(64) pointer_shard {  // one cache line each: no false sharing of the locks
-    detail::spin_mutex mutex;
+    detail::yield_lock mutex;  // held for a lookup, insert or erase only
     detail::pointer_map<pointer_entry> blocks;
   };
   static constexpr std::size_t pointer_shard_count = 256;  // a power of two

@@ -60,6 +60,7 @@
 // fast path and never holds it while taking another lock.
 #pragma once
 
+#include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/base/types.hpp>
 
 #include <array>
@@ -68,7 +69,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 namespace ccalloc::detail {
@@ -78,20 +78,6 @@ class device_state;
 class world_lock;
 
 inline constexpr std::size_t thread_cache_slots = 4;
-
-// A test-and-set lock whose release is a plain store: one atomic
-// read-modify-write per uncontended lock/unlock.
-class record_lock {
- public:
-  void lock() noexcept {
-    while (locked_.exchange(true, std::memory_order_acquire)) [[unlikely]]
-      while (locked_.load(std::memory_order_relaxed)) std::this_thread::yield();
-  }
-  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
-
- private:
-  std::atomic<bool> locked_{false};
-};
 
 struct thread_cache_core;
 
@@ -115,7 +101,7 @@ struct thread_cache_record {
     stream_t stream = 0;        // the block's pool's stream
     std::size_t requested = 0;  // the caller's bytes when it was handed out
   };
-  record_lock lock;
+  yield_lock lock;
   std::uint64_t device_id = 0;  // device_state::id_
   std::shared_ptr<thread_cache_core> core;
   std::atomic<std::uint32_t> count{0};  // parked blocks [lock]; read without it as a hint

@@ -1,5 +1,6 @@
-// ccalloc/base/detail/spin_mutex.hpp: a small mutex for short critical
-// sections (the allocator's hot path). Not part of the public API.
+// ccalloc/base/detail/spin_mutex.hpp: small mutexes for short critical
+// sections (the allocator's hot path): spin_mutex, and yield_lock for
+// sections that never wait. Not part of the public API.
 //
 // Uncontended lock + unlock is one compare-exchange and one exchange, inlined
 // (std::mutex goes through pthread_mutex_lock's type dispatch). Under
@@ -11,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -54,6 +56,33 @@ class spin_mutex {
   }
 
   std::atomic<std::uint32_t> state_{0};
+};
+
+// A test-and-set lock whose release is a plain store: one atomic
+// read-modify-write per uncontended lock + unlock (spin_mutex takes two: its
+// release must see whether anyone sleeps). Waiters spin briefly, then yield
+// the processor; nobody sleeps in the kernel, so only for critical sections
+// that never wait for anything (the pointer map's shards, a thread cache's
+// record). Meets the Lockable requirements.
+class yield_lock {
+ public:
+  void lock() noexcept {
+    if (!locked_.exchange(true, std::memory_order_acquire)) [[likely]]
+      return;
+    lock_slow();
+  }
+  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+
+ private:
+  void lock_slow() noexcept {
+    for (int i = 0;; ++i) {
+      if (!locked_.load(std::memory_order_relaxed) && !locked_.exchange(true, std::memory_order_acquire)) return;
+      if (i < 64) CCALLOC_CPU_RELAX();
+      else std::this_thread::yield();
+    }
+  }
+
+  std::atomic<bool> locked_{false};
 };
 
 }  // namespace ccalloc::detail
