@@ -973,6 +973,87 @@ void test_threads_streams() {
   alloc->device_allocator(0).check_invariants();
 }
 
+// The thread cache (on by default; issue 18) on a GPU: each thread fills
+// temporary buffers that it frees and allocates again on its stream (cache
+// hits: the same block, stream-ordered), and frees blocks that other threads
+// allocated on their streams (returned to those streams' pools); a block
+// each thread keeps live is checked for overwrites all along.
+void test_thread_cache_across_threads_and_streams() {
+  for (const char* conf : {"", "expandable_segments:False"}) {
+    auto alloc = make_allocator(conf);
+    CHECK(alloc->device_allocator(0).thread_cache_enabled());
+    constexpr int thread_count = 4;
+    constexpr int iterations = 200;
+    std::atomic<int> errors{0};
+    std::mutex handoff_mutex;
+    std::vector<void*> handoff;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < thread_count; ++t)
+      threads.emplace_back([&, t] {
+        try {
+          CUDA_OK(cudaSetDevice(0));
+          scoped_stream s;
+          auto* counter = static_cast<unsigned long long*>(alloc->malloc(0, sizeof(unsigned long long), s.get()));
+          const std::size_t kept_n = 70000;
+          const unsigned kept_seed = 900000u + static_cast<unsigned>(t);
+          void* kept = alloc->malloc(0, kept_n, s.get());
+          CUDA_OK(gk::launch_fill(kept, kept_n, kept_seed, cs(s.get())));
+          const auto check_kept = [&] {
+            CUDA_OK(cudaMemsetAsync(counter, 0, sizeof *counter, cs(s.get())));
+            CUDA_OK(gk::launch_count_mismatches(kept, kept_n, kept_seed, counter, cs(s.get())));
+            unsigned long long bad = 0;
+            CUDA_OK(cudaMemcpyAsync(&bad, counter, sizeof bad, cudaMemcpyDeviceToHost, cs(s.get())));
+            CUDA_OK(cudaStreamSynchronize(cs(s.get())));
+            if (bad != 0) {
+              report_failure(__FILE__, __LINE__, "thread " + std::to_string(t) + ": the kept block was overwritten");
+              ++errors;
+            }
+          };
+          const std::size_t sizes[] = {512, 3000, mib + 7, 6 * mib, 24 * mib};
+          for (int i = 0; i < iterations; ++i) {
+            const std::size_t n = sizes[static_cast<std::size_t>(i + t) % std::size(sizes)];
+            for (unsigned k = 0; k < 3; ++k) {  // a temporary buffer in a loop
+              void* p = alloc->malloc(0, n, s.get());
+              CUDA_OK(gk::launch_fill(p, n, static_cast<unsigned>(t * 100000 + i * 4) + k, cs(s.get())));
+              alloc->free(p);
+            }
+            void* q = alloc->malloc(0, n, s.get());
+            CUDA_OK(gk::launch_fill(q, n, static_cast<unsigned>(t * 100000 + i * 4 + 3), cs(s.get())));
+            void* other = nullptr;
+            {
+              std::lock_guard lock(handoff_mutex);
+              handoff.push_back(q);
+              if (handoff.size() > 2) {
+                other = handoff.front();
+                handoff.erase(handoff.begin());
+              }
+            }
+            if (other != nullptr) alloc->free(other);  // maybe another thread's stream
+            if (i % 25 == 0) check_kept();
+          }
+          check_kept();
+          alloc->free(kept);
+          alloc->free(counter);
+          CUDA_OK(cudaStreamSynchronize(cs(s.get())));
+        } catch (const test_abort&) {
+          ++errors;
+        } catch (const std::exception& e) {
+          report_failure(__FILE__, __LINE__, "thread " + std::to_string(t) + ": " + e.what());
+          ++errors;
+        }
+      });
+    for (auto& th : threads) th.join();
+    for (void* p : handoff) alloc->free(p);
+    CHECK(errors.load() == 0);
+    const device_stats st = alloc->get_device_stats(0);
+    CHECK(st.allocation[0].current == 0);
+    CHECK(st.num_thread_cache_hits > thread_count * iterations / 2);  // most of the loops' third pairs at least
+    std::printf("    thread_cache (%s): %lld hits of %lld allocations\n", *conf ? conf : "default",
+                static_cast<long long>(st.num_thread_cache_hits), static_cast<long long>(st.allocation[0].allocated));
+    alloc->device_allocator(0).check_invariants();
+  }
+}
+
 // ---- gates and replay on the GPU (replay --device cuda, SPEC X8) -----------------------------
 
 /// Opens `gate` from another thread after `delay` unless cancelled first.
@@ -1811,6 +1892,7 @@ const test_case all_tests[] = {
     {"stream_safety_multi_stream", test_stream_safety_multi_stream},
     {"per_stream_pools", test_per_stream_pools},
     {"threads_streams", test_threads_streams},
+    {"thread_cache_across_threads_and_streams", test_thread_cache_across_threads_and_streams},
     {"gates", test_gates},
     {"expandable_growth", test_expandable_growth},
     {"expandable_empty_cache_unmaps", test_expandable_empty_cache_unmaps},
