@@ -139,6 +139,39 @@ TEST_F(ExpandableTest, FreePagesOfAnotherStreamAreRecycledInsteadOfGrowing) {
   alloc->free(b);
 }
 
+// X3, issue 15: recycling takes first the free blocks whose unmapping leaves
+// nothing behind in partial pages. Unmapping the whole page of b (its two
+// ends share pages with a and c) would strand two 1 MiB pieces too small for
+// stream 0's next requests; d lies on page boundaries and goes instead, and
+// stream 0 goes on without a new page.
+TEST_F(ExpandableTest, RecyclingTakesFirstTheFreeBlocksThatLeaveNoPartialPagesBehind) {
+  make(256 * MiB, "reuse_across_streams:False");  // page by page, no idle reservation moves
+  const stream_t other = sim->create_stream(0);
+  void* a = m(3 * MiB);  // [0, 3) MiB
+  void* b = m(4 * MiB);  // [3, 7): one whole page, 1 MiB of a page at each end
+  void* c = m(3 * MiB);  // [7, 10)
+  void* d = m(4 * MiB);  // [10, 14): two whole pages
+  void* e = m(2 * MiB);  // [14, 16)
+  ASSERT_EQ(U(b), U(a) + 3 * MiB);
+  ASSERT_EQ(U(d), U(a) + 10 * MiB);
+  ASSERT_EQ(reserved(), I(16 * MiB));
+  alloc->free(b);  // the lower offset: recycled first before, by address
+  alloc->free(d);
+  void* f = m(2 * MiB, other);  // one page past the mark: recycled
+  EXPECT_EQ(st().num_pages_remapped, 1);
+  EXPECT_EQ(reserved(), I(16 * MiB));
+  EXPECT_EQ(sim->counters().mapped_bytes, 16 * MiB);
+  const auto mapped = st().num_pages_mapped;
+  void* x = m(4 * MiB);  // b is still whole
+  EXPECT_EQ(x, b);
+  void* y = m(2 * MiB);  // the rest of d
+  EXPECT_EQ(U(y), U(a) + 12 * MiB);
+  EXPECT_EQ(st().num_pages_mapped, mapped) << "nothing mapped: no piece of a page was stranded";
+  EXPECT_EQ(st().reserved_bytes[0].peak, I(16 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  for (void* p : {a, c, e, f, x, y}) alloc->free(p);
+}
+
 // X3 with recycles_per_peak: after the limit at one high-water mark, the mark
 // rises instead. Recycling waits for nothing (page fences: issue 15).
 TEST_F(ExpandableTest, RecyclingStopsAfterTheLimitAtOneHighWaterMark) {

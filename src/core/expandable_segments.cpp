@@ -7,7 +7,9 @@
 // mapped. When mapping would raise reserved memory past its high-water mark
 // (trim_on_new_peak) or past the memory-fraction cap, free whole pages of any
 // stream are unmapped first and their physical handles mapped where they are
-// needed (X3), so the reservation does not grow while free pages exist.
+// needed (X3), so the reservation does not grow while free pages exist;
+// first those of the free blocks that leave the fewest bytes behind in
+// partial pages (partial_page_bytes).
 // A stream that has gone idle (nothing allocated or waiting in its
 // reservation, its page fences completed) hands its reservation over whole
 // when that needs fewer new pages than the request's own placement: a new
@@ -453,20 +455,25 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
 std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
                                            std::uintptr_t keep_lo, std::uintptr_t keep_hi,
                                            std::vector<recycled_page>* recycled, bool may_wait) {
-  std::vector<block*> candidates;
+  // Each candidate with the bytes its unmapping would leave behind as
+  // pieces of partial pages (partial_page_bytes).
+  std::vector<std::pair<std::size_t, block*>> candidates;
   for (auto& [base, up] : segments_) {
     if (!up->expandable || up->mapped_bytes == 0 || pool_is_live(up->head->pool)) continue;
     for (block* b = up->head; b != nullptr; b = b->next)
-      if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.push_back(b);
+      if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.emplace_back(partial_page_bytes(*b), b);
   }
   if (candidates.empty()) return 0;
-  // Oldest segment first, then by offset: the same order on every device.
-  std::sort(candidates.begin(), candidates.end(), [](const block* x, const block* y) {
-    return x->seg->seq != y->seg->seq ? x->seg->seq < y->seg->seq : x->ptr < y->ptr;
+  // Fewest bytes left in partial pages first, then the oldest segment, then
+  // by offset: the same order on every device.
+  std::sort(candidates.begin(), candidates.end(), [](const auto& x, const auto& y) {
+    if (x.first != y.first) return x.first < y.first;
+    return x.second->seg->seq != y.second->seg->seq ? x.second->seg->seq < y.second->seg->seq
+                                                    : x.second->ptr < y.second->ptr;
   });
   std::size_t got = 0;
   std::vector<block*> waiting;  // candidates whose fence has not completed
-  for (block* b : candidates) {
+  for (const auto& [partial_bytes, b] : candidates) {
     if (got >= target_bytes) return got;
     if (!fence_completed(b)) {
       waiting.push_back(b);
@@ -485,6 +492,22 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
   return got;
+}
+
+// The bytes of free block `b` (mapped, in an expandable segment) outside its
+// whole pages: its first and last pages when they are partly in use by the
+// blocks beside it. Unmapping b's whole pages leaves these behind as
+// separate free pieces, mapped as long as their neighbours live and too
+// small for most large requests, where b kept whole could still serve a
+// large request without mapping anything; a block whose ends are on page
+// boundaries leaves nothing behind. unmap_free_pages recycles the blocks
+// that leave the least first (issue 15: on the shared traces, free space
+// stranded in partial pages was most of the excess over the requested peak).
+std::size_t device_state::partial_page_bytes(const block& b) noexcept {
+  const std::size_t page = b.seg->page_bytes;
+  const std::size_t lo = b.ptr - b.seg->base;
+  const std::size_t hi = lo + b.size;
+  return (page - lo % page) % page + hi % page;
 }
 
 // ---- page fences -----------------------------------------------------------------

@@ -538,6 +538,7 @@ class device_state {
   // num_device_synchronizations); else leave those pages where they are.
   std::size_t unmap_free_pages(std::size_t target_bytes, const segment* keep_seg, std::uintptr_t keep_lo,
                                std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait);
+  [[nodiscard]] static std::size_t partial_page_bytes(const block& b) noexcept;
   std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
                                 std::vector<recycled_page>* recycled, std::size_t max_bytes);
   // Page fences (issue 15): whether free block b's memory has no work of its
