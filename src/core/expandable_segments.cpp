@@ -136,6 +136,61 @@ void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_
   }
 }
 
+// Where a block of `size` bytes that falls just short of a whole number of
+// pages (nearly_whole_pages) starts in free block b of an expandable
+// segment's large pool; `back`: the end place_at_back chose. The block is
+// carved at that end, or at one of the two nearest positions where it starts
+// or ends on a page boundary, whichever takes the fewest of b's wholly free
+// pages (the pages in use grow the least), then touches the fewest pages;
+// ties go to that order. Carved flush against a neighbour that is not on a
+// page boundary, such a block straddles one page more than it needs: when
+// the blocks around it are freed and their pages recycled, it keeps that
+// extra page mapped for its whole life. A run of equal blocks carved one
+// after another drifts off page boundaries by the shortfall at each block
+// (issue 15: llama_generate's KV-cache blocks of 4 pages less 16 KiB, carved
+// among short-lived ones during a prompt, each held 5 pages at the peak).
+std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size, bool back) noexcept {
+  const segment& seg = *b.seg;
+  const std::size_t page = seg.page_bytes;
+  const std::uintptr_t lo = b.ptr;
+  const std::uintptr_t hi = b.ptr + b.size;
+  CCALLOC_ASSERT(seg.expandable && b.size >= size);
+  const auto down = [&](std::uintptr_t x) { return seg.base + (x - seg.base) / page * page; };
+  const auto up = [&](std::uintptr_t x) { return seg.base + (x - seg.base + page - 1) / page * page; };
+  // b's wholly free pages; the pages at its ends are partly in use by its
+  // neighbours (or b's ends are on page boundaries).
+  const std::uintptr_t whole_lo = up(lo);
+  const std::uintptr_t whole_hi = std::max(whole_lo, down(hi));
+  std::uintptr_t candidates[3];
+  std::size_t n = 0;
+  if (back) {
+    candidates[n++] = hi - size;
+    if (down(hi - size) >= lo) candidates[n++] = down(hi - size);  // starts on a boundary
+    if (down(hi) >= lo + size) candidates[n++] = down(hi) - size;  // ends on one
+  } else {
+    candidates[n++] = lo;
+    if (up(lo + size) <= hi) candidates[n++] = up(lo + size) - size;  // ends on a boundary
+    if (up(lo) + size <= hi) candidates[n++] = up(lo);                // starts on one
+  }
+  std::uintptr_t best = candidates[0];
+  std::size_t best_added = std::numeric_limits<std::size_t>::max();
+  std::size_t best_touched = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uintptr_t first = down(candidates[i]);
+    const std::uintptr_t last = up(candidates[i] + size);
+    const std::uintptr_t added_lo = std::max(first, whole_lo);
+    const std::uintptr_t added_hi = std::min(last, whole_hi);
+    const std::size_t added = added_hi > added_lo ? (added_hi - added_lo) / page : 0;
+    const std::size_t touched = (last - first) / page;
+    if (added < best_added || (added == best_added && touched < best_touched)) {
+      best = candidates[i];
+      best_added = added;
+      best_touched = touched;
+    }
+  }
+  return best;
+}
+
 segment* device_state::new_expandable_segment(const alloc_params& p) {
   const std::size_t page = page_bytes_;
   const std::size_t want = std::max(device_total_bytes_, p.size);
