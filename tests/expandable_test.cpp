@@ -230,6 +230,21 @@ TEST_F(ExpandableTest, OtherBlocksAreCarvedFlushAgainstTheirNeighbour) {
   }
 }
 
+// With recycling limited or off, the neighbours' pages stay mapped and the
+// page would not be saved: carved flush as before.
+TEST_F(ExpandableTest, WithRecyclingLimitedABlockJustShortOfWholePagesIsCarvedFlush) {
+  for (const char* conf : {"recycles_per_peak:4", "recycles_per_peak:0", "trim_on_new_peak:False"}) {
+    make(256 * MiB, conf);
+    void* a = m(3 * MiB);
+    void* big = m(16 * MiB);
+    void* c = m(2 * MiB);
+    alloc->free(big);
+    void* x = m(4 * MiB - 16 * 1024);
+    EXPECT_EQ(U(x), U(a) + 3 * MiB) << conf;
+    for (void* p : {a, c, x}) alloc->free(p);
+  }
+}
+
 // X3 with recycles_per_peak: after the limit at one high-water mark, the mark
 // rises instead. Recycling waits for nothing (page fences: issue 15).
 TEST_F(ExpandableTest, RecyclingStopsAfterTheLimitAtOneHighWaterMark) {

@@ -86,8 +86,9 @@ inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments 
 // Whether a block of `size` bytes falls short of a whole number of `page`s by
 // at most 1/64 of a page (and by something): in an expandable segment it is
 // carved on page boundaries where that costs no page now (issue 15,
-// device_state::page_aligned_start); such a block packed with its like
-// wastes at most that much per block.
+// device_state::page_aligned_start), when free pages are recycled at every
+// new peak (the default); such a block packed with its like wastes at most
+// that much per block.
 [[nodiscard]] constexpr bool nearly_whole_pages(std::size_t size, std::size_t page) noexcept {
   const std::size_t past = size % page;  // one division: this runs on the hot path
   return past != 0 && page - past <= page / 64;
