@@ -174,7 +174,9 @@ std::string oom_advice(const std::string& config, bool fragment, const char* fra
   if (fraction != nullptr) a.set_memory_fraction(std::stod(fraction), 0);
   std::vector<void*> live;
   if (fragment) {  // small live blocks spread over pages and segments, half of them freed
-    for (int i = 0; i < 24; ++i) live.push_back(a.malloc(0, 2 * ccalloc::mib - 4096, 0));
+    // 64 KiB short of a page: packed across page boundaries (at most 1/64 of
+    // a page short, they would be carved on page boundaries and free whole pages)
+    for (int i = 0; i < 24; ++i) live.push_back(a.malloc(0, 2 * ccalloc::mib - 64 * 1024, 0));
     for (std::size_t i = 0; i < live.size(); i += 2) a.free(std::exchange(live[i], nullptr));
   } else {  // one live block: nothing cached, 40 MiB more does not fit
     live.push_back(a.malloc(0, 30 * ccalloc::mib, 0));

@@ -139,6 +139,112 @@ TEST_F(ExpandableTest, FreePagesOfAnotherStreamAreRecycledInsteadOfGrowing) {
   alloc->free(b);
 }
 
+// X3, issue 15: recycling takes first the free blocks whose unmapping leaves
+// nothing behind in partial pages. Unmapping the whole page of b (its two
+// ends share pages with a and c) would strand two 1 MiB pieces too small for
+// stream 0's next requests; d lies on page boundaries and goes instead, and
+// stream 0 goes on without a new page.
+TEST_F(ExpandableTest, RecyclingTakesFirstTheFreeBlocksThatLeaveNoPartialPagesBehind) {
+  make(256 * MiB, "reuse_across_streams:False");  // page by page, no idle reservation moves
+  const stream_t other = sim->create_stream(0);
+  void* a = m(3 * MiB);  // [0, 3) MiB
+  void* b = m(4 * MiB);  // [3, 7): one whole page, 1 MiB of a page at each end
+  void* c = m(3 * MiB);  // [7, 10)
+  void* d = m(4 * MiB);  // [10, 14): two whole pages
+  void* e = m(2 * MiB);  // [14, 16)
+  ASSERT_EQ(U(b), U(a) + 3 * MiB);
+  ASSERT_EQ(U(d), U(a) + 10 * MiB);
+  ASSERT_EQ(reserved(), I(16 * MiB));
+  alloc->free(b);  // the lower offset: recycled first before, by address
+  alloc->free(d);
+  void* f = m(2 * MiB, other);  // one page past the mark: recycled
+  EXPECT_EQ(st().num_pages_remapped, 1);
+  EXPECT_EQ(reserved(), I(16 * MiB));
+  EXPECT_EQ(sim->counters().mapped_bytes, 16 * MiB);
+  const auto mapped = st().num_pages_mapped;
+  void* x = m(4 * MiB);  // b is still whole
+  EXPECT_EQ(x, b);
+  void* y = m(2 * MiB);  // the rest of d
+  EXPECT_EQ(U(y), U(a) + 12 * MiB);
+  EXPECT_EQ(st().num_pages_mapped, mapped) << "nothing mapped: no piece of a page was stranded";
+  EXPECT_EQ(st().reserved_bytes[0].peak, I(16 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  for (void* p : {a, c, e, f, x, y}) alloc->free(p);
+}
+
+// Issue 15: a block just short of a whole number of pages (by at most 1/64
+// of a page) is carved from a cached block on page boundaries when that takes
+// no more pages: carved flush against a, at 3 MiB, it would straddle three
+// pages and keep all three once its neighbours are gone.
+TEST_F(ExpandableTest, ABlockJustShortOfWholePagesIsCarvedOnPageBoundaries) {
+  void* a = m(3 * MiB);       // [0, 3) MiB
+  void* big = m(16 * MiB);    // [3, 19)
+  void* c = m(2 * MiB);       // [19, 21)
+  alloc->free(big);           // cached: [3, 19)
+  const std::size_t size = 4 * MiB - 16 * 1024;
+  void* x = m(size);
+  EXPECT_EQ(U(x), U(a) + 8 * MiB - size) << "ends on the page boundary at 8 MiB, in the same two pages as flush";
+  EXPECT_EQ(reserved(), I(22 * MiB)) << "nothing mapped";
+  std::memset(x, 5, size);
+  void* y = m(1040 * 1024);  // the piece before x serves a large request
+  EXPECT_EQ(U(y), U(a) + 3 * MiB);
+  for (void* p : {a, c, y}) alloc->free(p);
+  alloc->empty_cache();
+  EXPECT_EQ(reserved(), I(4 * MiB)) << "x keeps two pages, not three";
+  EXPECT_EQ(static_cast<unsigned char*>(x)[size - 1], 5);
+  alloc->free(x);
+}
+
+// The same at the back of a cached block, next to the live block above
+// (place_at_back): x starts on the page boundary below the flush position,
+// and the free range below it stays on page boundaries, whole pages only.
+TEST_F(ExpandableTest, ABlockJustShortOfWholePagesTakenFromTheBackStartsOnAPageBoundary) {
+  void* a = m(3 * MiB);       // [0, 3) MiB
+  void* big = m(16 * MiB);    // [3, 19)
+  void* c = m(2 * MiB);       // [19, 21)
+  alloc->free(a);
+  alloc->free(big);           // cached: [0, 19), c above it
+  const std::size_t size = 4 * MiB - 16 * 1024;
+  void* x = m(size);
+  EXPECT_EQ(U(x), U(a) + 14 * MiB) << "flush against c it would start at 19 MiB - size, in three pages";
+  void* y = m(14 * MiB);  // the free range below: exactly seven pages
+  EXPECT_EQ(y, a);
+  for (void* p : {c, y}) alloc->free(p);
+  alloc->empty_cache();
+  EXPECT_EQ(reserved(), I(4 * MiB));
+  alloc->free(x);
+}
+
+// Other sizes are carved flush as before: short by more than 1/64 of a page,
+// or a whole number of pages.
+TEST_F(ExpandableTest, OtherBlocksAreCarvedFlushAgainstTheirNeighbour) {
+  for (const std::size_t size : {4 * MiB - 64 * 1024, 4 * MiB, 3 * MiB + 512}) {
+    make();
+    void* a = m(3 * MiB);
+    void* big = m(16 * MiB);
+    void* c = m(2 * MiB);
+    alloc->free(big);
+    void* x = m(size);
+    EXPECT_EQ(U(x), U(a) + 3 * MiB) << size;
+    for (void* p : {a, c, x}) alloc->free(p);
+  }
+}
+
+// With recycling limited or off, the neighbours' pages stay mapped and the
+// page would not be saved: carved flush as before.
+TEST_F(ExpandableTest, WithRecyclingLimitedABlockJustShortOfWholePagesIsCarvedFlush) {
+  for (const char* conf : {"recycles_per_peak:4", "recycles_per_peak:0", "trim_on_new_peak:False"}) {
+    make(256 * MiB, conf);
+    void* a = m(3 * MiB);
+    void* big = m(16 * MiB);
+    void* c = m(2 * MiB);
+    alloc->free(big);
+    void* x = m(4 * MiB - 16 * 1024);
+    EXPECT_EQ(U(x), U(a) + 3 * MiB) << conf;
+    for (void* p : {a, c, x}) alloc->free(p);
+  }
+}
+
 // X3 with recycles_per_peak: after the limit at one high-water mark, the mark
 // rises instead. Recycling waits for nothing (page fences: issue 15).
 TEST_F(ExpandableTest, RecyclingStopsAfterTheLimitAtOneHighWaterMark) {

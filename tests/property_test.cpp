@@ -2,8 +2,8 @@
 // caching allocator on a small simulated device, checked after every step
 // against the allocator's own structural check and an independent model.
 //
-// Operations: malloc (sizes log-uniform in [1 B, 64 MiB], some exact
-// repeats, on two allocation streams; with `threads` also on
+// Operations: malloc (sizes log-uniform in [1 B, 64 MiB], some just short
+// of whole 2 MiB pages, some exact repeats, on two allocation streams; with `threads` also on
 // cudaStreamPerThread's handle from this thread and from a worker thread,
 // and frees with work still queued on the block's own stream), free,
 // record_stream on side streams
@@ -393,6 +393,9 @@ class model_runner {
 
   std::size_t pick_size() {
     if (!recent_sizes_.empty() && rng_() % 4 == 0) return recent_sizes_[rng_() % recent_sizes_.size()];
+    // Just short of whole 2 MiB pages, by up to 1/64 of a page (issue 15:
+    // carved on page boundaries inside cached blocks of expandable segments).
+    if (rng_() % 8 == 0) return (1 + rng_() % 16) * 2 * mib - 512 * (1 + rng_() % 64);
     const double lg = std::uniform_real_distribution<double>(0.0, std::log(64.0 * double(mib)))(rng_);
     const auto size = std::max<std::size_t>(1, static_cast<std::size_t>(std::exp(lg)));
     if (recent_sizes_.size() < 16) recent_sizes_.push_back(size);

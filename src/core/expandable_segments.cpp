@@ -7,7 +7,9 @@
 // mapped. When mapping would raise reserved memory past its high-water mark
 // (trim_on_new_peak) or past the memory-fraction cap, free whole pages of any
 // stream are unmapped first and their physical handles mapped where they are
-// needed (X3), so the reservation does not grow while free pages exist.
+// needed (X3), so the reservation does not grow while free pages exist;
+// first those of the free blocks that leave the fewest bytes behind in
+// partial pages (partial_page_bytes).
 // A stream that has gone idle (nothing allocated or waiting in its
 // reservation, its page fences completed) hands its reservation over whole
 // when that needs fewer new pages than the request's own placement: a new
@@ -132,6 +134,65 @@ void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_
     if (x == stop) break;
     x = nx;
   }
+}
+
+// Where a block of `size` bytes that falls just short of a whole number of
+// pages (nearly_whole_pages) starts in free block b of an expandable
+// segment's large pool; `back`: the end place_at_back chose. The block is
+// carved at that end, or at one of the two nearest positions where it starts
+// or ends on a page boundary, whichever takes the fewest of b's wholly free
+// pages (the pages in use grow the least), then touches the fewest pages;
+// ties go to that order. Carved flush against a neighbour that is not on a
+// page boundary, such a block straddles one page more than it needs: when
+// the blocks around it are freed and their pages recycled, it keeps that
+// extra page mapped for its whole life. A run of equal blocks carved one
+// after another drifts off page boundaries by the shortfall at each block
+// (issue 15: llama_generate's KV-cache blocks of 4 pages less 16 KiB, carved
+// among short-lived ones during a prompt, each held 5 pages at the peak).
+// take_found_block asks only where free pages are recycled at every new
+// peak: with recycling limited (recycles_per_peak) or off, the neighbours'
+// pages stay mapped, the page is not saved, and the pieces left beside such
+// blocks only cost (llama_generate with recycles_per_peak:0: 1.067 -> 1.083).
+std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size, bool back) noexcept {
+  const segment& seg = *b.seg;
+  const std::size_t page = seg.page_bytes;
+  const std::uintptr_t lo = b.ptr;
+  const std::uintptr_t hi = b.ptr + b.size;
+  CCALLOC_ASSERT(seg.expandable && b.size >= size);
+  const auto down = [&](std::uintptr_t x) { return seg.base + (x - seg.base) / page * page; };
+  const auto up = [&](std::uintptr_t x) { return seg.base + (x - seg.base + page - 1) / page * page; };
+  // b's wholly free pages; the pages at its ends are partly in use by its
+  // neighbours (or b's ends are on page boundaries).
+  const std::uintptr_t whole_lo = up(lo);
+  const std::uintptr_t whole_hi = std::max(whole_lo, down(hi));
+  std::uintptr_t candidates[3];
+  std::size_t n = 0;
+  if (back) {
+    candidates[n++] = hi - size;
+    if (down(hi - size) >= lo) candidates[n++] = down(hi - size);  // starts on a boundary
+    if (down(hi) >= lo + size) candidates[n++] = down(hi) - size;  // ends on one
+  } else {
+    candidates[n++] = lo;
+    if (up(lo + size) <= hi) candidates[n++] = up(lo + size) - size;  // ends on a boundary
+    if (up(lo) + size <= hi) candidates[n++] = up(lo);                // starts on one
+  }
+  std::uintptr_t best = candidates[0];
+  std::size_t best_added = std::numeric_limits<std::size_t>::max();
+  std::size_t best_touched = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uintptr_t first = down(candidates[i]);
+    const std::uintptr_t last = up(candidates[i] + size);
+    const std::uintptr_t added_lo = std::max(first, whole_lo);
+    const std::uintptr_t added_hi = std::min(last, whole_hi);
+    const std::size_t added = added_hi > added_lo ? (added_hi - added_lo) / page : 0;
+    const std::size_t touched = (last - first) / page;
+    if (added < best_added || (added == best_added && touched < best_touched)) {
+      best = candidates[i];
+      best_added = added;
+      best_touched = touched;
+    }
+  }
+  return best;
 }
 
 segment* device_state::new_expandable_segment(const alloc_params& p) {
@@ -453,20 +514,25 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
 std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
                                            std::uintptr_t keep_lo, std::uintptr_t keep_hi,
                                            std::vector<recycled_page>* recycled, bool may_wait) {
-  std::vector<block*> candidates;
+  // Each candidate with the bytes its unmapping would leave behind as
+  // pieces of partial pages (partial_page_bytes).
+  std::vector<std::pair<std::size_t, block*>> candidates;
   for (auto& [base, up] : segments_) {
     if (!up->expandable || up->mapped_bytes == 0 || pool_is_live(up->head->pool)) continue;
     for (block* b = up->head; b != nullptr; b = b->next)
-      if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.push_back(b);
+      if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.emplace_back(partial_page_bytes(*b), b);
   }
   if (candidates.empty()) return 0;
-  // Oldest segment first, then by offset: the same order on every device.
-  std::sort(candidates.begin(), candidates.end(), [](const block* x, const block* y) {
-    return x->seg->seq != y->seg->seq ? x->seg->seq < y->seg->seq : x->ptr < y->ptr;
+  // Fewest bytes left in partial pages first, then the oldest segment, then
+  // by offset: the same order on every device.
+  std::sort(candidates.begin(), candidates.end(), [](const auto& x, const auto& y) {
+    if (x.first != y.first) return x.first < y.first;
+    return x.second->seg->seq != y.second->seg->seq ? x.second->seg->seq < y.second->seg->seq
+                                                    : x.second->ptr < y.second->ptr;
   });
   std::size_t got = 0;
   std::vector<block*> waiting;  // candidates whose fence has not completed
-  for (block* b : candidates) {
+  for (const auto& [partial_bytes, b] : candidates) {
     if (got >= target_bytes) return got;
     if (!fence_completed(b)) {
       waiting.push_back(b);
@@ -485,6 +551,22 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
   return got;
+}
+
+// The bytes of free block `b` (mapped, in an expandable segment) outside its
+// whole pages: its first and last pages when they are partly in use by the
+// blocks beside it. Unmapping b's whole pages leaves these behind as
+// separate free pieces, mapped as long as their neighbours live and too
+// small for most large requests, where b kept whole could still serve a
+// large request without mapping anything; a block whose ends are on page
+// boundaries leaves nothing behind. unmap_free_pages recycles the blocks
+// that leave the least first (issue 15: on the shared traces, free space
+// stranded in partial pages was most of the excess over the requested peak).
+std::size_t device_state::partial_page_bytes(const block& b) noexcept {
+  const std::size_t page = b.seg->page_bytes;
+  const std::size_t lo = b.ptr - b.seg->base;
+  const std::size_t hi = lo + b.size;
+  return (page - lo % page) % page + hi % page;
 }
 
 // ---- page fences -----------------------------------------------------------------

@@ -354,12 +354,26 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   const bool already_split = b->is_split();
   if (should_split(b, p.size)) {
     block* remaining = b;
-    if (place_at_back(b)) {
+    const bool back = place_at_back(b);
+    std::uintptr_t start = back ? b->ptr + b->size - p.size : b->ptr;
+    // Only where free pages are recycled at every new peak (the default):
+    // the page it saves is the one its neighbours' recycling frees.
+    if (b->seg->expandable && !b->pool->is_small && config_.trim_on_new_peak &&
+        config_.recycles_per_peak == std::numeric_limits<std::size_t>::max() &&
+        nearly_whole_pages(p.size, b->seg->page_bytes)) [[unlikely]]
+      start = page_aligned_start(*b, p.size, back);
+    block* upper = nullptr;  // a second remainder, above the caller's block
+    if (start != b->ptr && start + p.size != b->ptr + b->size) {
+      // On a page boundary inside the block (page_aligned_start): the
+      // caller gets the middle; both ends stay cached.
+      upper = split_free_block(remaining, start + p.size);
+      b = split_free_block(remaining, start);
+    } else if (start != b->ptr) {
       // Expandable segments: the caller gets the back, next to the live block
       // above; the remainder stays cached next to the free or unmapped range
       // below, where its whole pages can be recycled (issue 15: live blocks
       // stay in runs, free space in one piece).
-      b = split_free_block(remaining, remaining->ptr + remaining->size - p.size);
+      b = split_free_block(remaining, start);
     } else {
       // The caller gets the front; the remainder stays cached.
       b = p.owner->new_block();
@@ -382,9 +396,14 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     // higher address when the caller got the front).
     if (at != block_index::end()) remaining->pool->blocks.rekey_at(at, remaining);
     else remaining->pool->blocks.insert(remaining);
+    if (upper != nullptr) [[unlikely]] {  // after the rekey: an insert may move the entry at `at`
+      upper->gc_count_base = upper->pool->get_free_blocks_call_count;
+      upper->pool->blocks.insert(upper);
+      device_stats::increase(st.inactive_split, g, 1);  // expandable: the found block was split already
+    }
     if (already_split) {
       device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
-      b->reuse_split_blocks = 0;
+      b->reuse_split_blocks = upper != nullptr ? 1 : 0;  // the second remainder is one more free block
       b->reuse_split_bytes = static_cast<std::int64_t>(p.size);
     } else {
       device_stats::increase(st.inactive_split, g, 1);

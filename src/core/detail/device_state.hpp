@@ -83,6 +83,17 @@ inline constexpr std::size_t small_segment_bytes = 2 * mib;  // small-pool segme
 inline constexpr std::size_t min_large_alloc_bytes = 10 * mib;  // below: large_segment_size segments
 inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments round to this
 
+// Whether a block of `size` bytes falls short of a whole number of `page`s by
+// at most 1/64 of a page (and by something): in an expandable segment it is
+// carved on page boundaries where that costs no page now (issue 15,
+// device_state::page_aligned_start), when free pages are recycled at every
+// new peak (the default); such a block packed with its like wastes at most
+// that much per block.
+[[nodiscard]] constexpr bool nearly_whole_pages(std::size_t size, std::size_t page) noexcept {
+  const std::size_t past = size % page;  // one division: this runs on the hot path
+  return past != 0 && page - past <= page / 64;
+}
+
 struct block_pool;
 struct segment;
 
@@ -506,6 +517,9 @@ class device_state {
   block* note_reusable(block* b, const stream_state& ss) const noexcept;       // [stream]
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
   [[nodiscard]] bool place_at_back(const block* b) const noexcept;            // [stream]
+  // Where in free block b a block of `size` bytes (nearly_whole_pages of an
+  // expandable segment's page) starts (expandable_segments.cpp). [stream]
+  [[nodiscard]] static std::uintptr_t page_aligned_start(const block& b, std::size_t size, bool back) noexcept;
   void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream] (+device if device_locked)
   void free_block(block* b, device_stats& st, bool device_locked);            // [stream] (+device if device_locked)
   [[nodiscard]] static bool can_merge(const block* dst, const block* src) noexcept;  // [stream]
@@ -563,6 +577,7 @@ class device_state {
   // num_device_synchronizations); else leave those pages where they are.
   std::size_t unmap_free_pages(std::size_t target_bytes, const segment* keep_seg, std::uintptr_t keep_lo,
                                std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait);
+  [[nodiscard]] static std::size_t partial_page_bytes(const block& b) noexcept;
   std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
                                 std::vector<recycled_page>* recycled, std::size_t max_bytes);
   // Page fences (issue 15): whether free block b's memory has no work of its
