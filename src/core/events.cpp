@@ -33,6 +33,7 @@ void device_state::record_stream(block* b, stream_t stream) {
   if (stream == b->stream) return;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
     b->stream_uses.push_back(stream);
+  b->reuse_version = no_reuse_version;  // its free waits for events: never parked
 }
 
 event_t device_state::get_event() {

@@ -441,11 +441,16 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
 // pool's version. Not when that free would do more than merge: record a page
 // fence (b is the last busy block of an expandable segment and the stream
 // has none outstanding), or age the cached blocks (garbage collection counts
-// the searches of the free list). [stream]
+// the searches of the free list). Nor a large block while the cache takes
+// small ones only. What else keeps a block out of the cache is settled here
+// too, so that the free checks only the version: record_stream clears it,
+// and private pools, no-caching mode and thread_cache:small change only
+// under the world lock, which changes every version. [stream]
 block* device_state::note_reusable(block* b, const stream_state& ss) const noexcept {
   const bool free_would_fence = b->seg->expandable && b->seg->busy_blocks == 1 && ss.fences.empty();
-  b->reuse_version = free_would_fence || config_.garbage_collection_threshold > 0.0 ? no_reuse_version
-                                                                                      : b->pool->blocks.version();
+  const bool kept_out = free_would_fence || config_.garbage_collection_threshold > 0.0 ||
+                        (!b->pool->is_small && thread_caches_.small_only.load(std::memory_order_relaxed));
+  b->reuse_version = kept_out ? no_reuse_version : b->pool->blocks.version();
   return b;
 }
 

@@ -36,7 +36,7 @@ inline bool thread_cache_still_reusable(const block* b) noexcept {
 inline block* thread_cache_hand_out(thread_cache_record& r, std::uint32_t i, std::uint32_t count,
                                     std::size_t requested_bytes) noexcept {
   block* b = r.slots[i].b;
-  r.slots[i] = r.slots[count - 1];
+  if (i + 1 != count) r.slots[i] = r.slots[count - 1];
   r.count.store(count - 1, std::memory_order_relaxed);
   thread_cache_count_hit(r, b, requested_bytes);
   r.lock.unlock();
@@ -88,11 +88,11 @@ inline bool thread_cache_park(device_state& s, block* b) {
     return false;
   thread_cache_record* r = tls_last_record;
   if (r != nullptr && r->device_id == s.id_ && r->count.load(std::memory_order_relaxed) == 0) [[likely]] {
-    // Nothing parked: nothing to free first when `b` goes to the pools.
-    if (!thread_cache_still_reusable(b) || !b->stream_uses.empty() || b->pool->priv != nullptr ||
-        (!b->pool->is_small && s.thread_caches_.small_only.load(std::memory_order_relaxed)) ||
-        s.capture_count_.load(std::memory_order_relaxed) != 0 || !s.caching_)
-      return false;
+    // Nothing parked: nothing to free first when `b` goes to the pools. The
+    // version also says that b is not record_stream'd, not of a private
+    // pool, not large under thread_cache:small, and that caching is on
+    // (device_state::note_reusable).
+    if (!thread_cache_still_reusable(b) || s.capture_count_.load(std::memory_order_relaxed) != 0) return false;
     // This thread's frees are not being reused (thread_cache_record::miss_streak).
     if (r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) return false;
     r->lock.lock();
