@@ -172,6 +172,34 @@ TEST_F(ExpandableTest, RecyclingTakesFirstTheFreeBlocksThatLeaveNoPartialPagesBe
   for (void* p : {a, c, e, f, x, y}) alloc->free(p);
 }
 
+// Among free blocks that leave no piece of a page behind, the smallest is
+// recycled first: the large free run stays whole for a large request (by
+// address, the run below would have lost a page and needed one mapped again).
+TEST_F(ExpandableTest, RecyclingTakesTheSmallestOfTheFreeBlocksThatLeaveNoPartialPages) {
+  make(256 * MiB, "reuse_across_streams:False");  // page by page, no idle reservation moves
+  const stream_t other = sim->create_stream(0);
+  void* a = m(2 * MiB);  // [0, 2) MiB
+  void* b = m(6 * MiB);  // [2, 8): three whole pages
+  void* c = m(2 * MiB);  // [8, 10)
+  void* d = m(2 * MiB);  // [10, 12): one whole page
+  void* e = m(2 * MiB);  // [12, 14)
+  ASSERT_EQ(U(b), U(a) + 2 * MiB);
+  ASSERT_EQ(U(d), U(a) + 10 * MiB);
+  ASSERT_EQ(reserved(), I(14 * MiB));
+  alloc->free(b);
+  alloc->free(d);
+  void* f = m(2 * MiB, other);  // one page past the mark: recycled, d's
+  EXPECT_EQ(st().num_pages_remapped, 1);
+  EXPECT_EQ(reserved(), I(14 * MiB));
+  const auto mapped = st().num_pages_mapped;
+  void* x = m(6 * MiB);  // b is still whole
+  EXPECT_EQ(x, b);
+  EXPECT_EQ(st().num_pages_mapped, mapped) << "nothing mapped";
+  EXPECT_EQ(st().reserved_bytes[0].peak, I(14 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  for (void* p : {a, c, e, f, x}) alloc->free(p);
+}
+
 // Issue 15: a block just short of a whole number of pages (by at most 1/64
 // of a page) is carved from a cached block on page boundaries when that takes
 // no more pages: carved flush against a, at 3 MiB, it would straddle three

@@ -523,10 +523,12 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
       if (b->mapped && b->is_free() && b->size >= up->page_bytes) candidates.emplace_back(partial_page_bytes(*b), b);
   }
   if (candidates.empty()) return 0;
-  // Fewest bytes left in partial pages first, then the oldest segment, then
-  // by offset: the same order on every device.
+  // Fewest bytes left in partial pages first, then the smallest free block
+  // (large free runs stay whole for large requests), then the oldest
+  // segment, then by offset: the same order on every device.
   std::sort(candidates.begin(), candidates.end(), [](const auto& x, const auto& y) {
     if (x.first != y.first) return x.first < y.first;
+    if (x.second->size != y.second->size) return x.second->size < y.second->size;
     return x.second->seg->seq != y.second->seg->seq ? x.second->seg->seq < y.second->seg->seq
                                                     : x.second->ptr < y.second->ptr;
   });
