@@ -192,6 +192,57 @@ TEST(ThreadCacheTest, TheLayoutIsTheSameOnAndOff) {
   }
 }
 
+// Page fences (expandable segments) number each stream's frees; the pages
+// of a free block pass to another stream only once a fence after its free
+// has completed. A cached pair must count as the free and the split it
+// elides: the remainder it leaves carries the merged block's count, so its
+// pages wait for the same fence as with the cache off (breaker finding: the
+// remainder kept its older count, so a new peak recycled other pages, and
+// the statistics and the layout differed on and off).
+TEST(ThreadCacheTest, PageFenceCountsAreTheSameOnAndOff) {
+  auto run = [](bool on) {
+    allocator_config c;
+    c.expandable_segments = true;
+    fixture f(on, std::size_t{1} << 30, c);
+    const stream_t s1 = f.sim->create_stream(0);
+    const stream_t s2 = f.sim->create_stream(0);
+    void* a = f.alloc.malloc(0, 4 * mib, s1);
+    void* gap = f.alloc.malloc(0, 4 * mib, s1);
+    void* c3 = f.alloc.malloc(0, 4 * mib, s1);
+    void* x = f.alloc.malloc(0, 512, s1);
+    f.alloc.free(gap);  // a free 4 MiB run between two live blocks
+    f.alloc.free(x);    // the last busy block of s1's small segment: a fence, completed at once
+    void* b = f.alloc.malloc(0, 2 * mib, s1);  // the pools' best fit: the run's front
+    f.alloc.free(b);                           // parked (on), merged into the run (off)
+    EXPECT_EQ(f.alloc.malloc(0, 2 * mib, s1), b);  // a hit (on), the same split (off)
+    f.sim->enqueue_work(0, s1, f.sim->now() + 1000);  // s1's later fences do not complete
+    // A new peak on s2: free whole pages whose fence has completed are
+    // recycled: the small segment's page (freed before the fence), not the
+    // remainder of the run (its merge and split came after it).
+    void* y = f.alloc.malloc(0, 2 * mib, s2);
+    const device_stats st = f.alloc.get_device_stats(0);
+    std::vector<std::int64_t> out = {st.inactive_split_bytes[1].current, st.inactive_split_bytes[2].current,
+                                     st.num_pages_remapped};
+    void* z = f.alloc.malloc(0, 2 * mib, f.sim->create_stream(0));  // another new peak
+    for (void* p : {a, c3, b, y, z}) f.alloc.free(p);
+    f.alloc.empty_cache();
+    const device_stats end = f.alloc.get_device_stats(0);
+    for (std::int64_t v : {end.num_pages_remapped, end.num_pages_mapped, end.num_device_synchronizations,
+                           end.reserved_bytes[0].peak, end.num_thread_cache_hits})
+      out.push_back(v);
+    f.alloc.device_allocator(0).check_invariants();
+    return out;
+  };
+  const std::vector<std::int64_t> on = run(true);
+  const std::vector<std::int64_t> off = run(false);
+  ASSERT_EQ(on.size(), off.size());
+  EXPECT_EQ(on.back(), 1) << "the pair was served by the cache";
+  EXPECT_EQ(off.back(), 0);
+  EXPECT_EQ(off[0], 0) << "off: the small segment's page was recycled";
+  EXPECT_EQ(off[1], static_cast<std::int64_t>(2 * mib)) << "off: the remainder stays mapped";
+  for (std::size_t i = 0; i + 1 < on.size(); ++i) EXPECT_EQ(on[i], off[i]) << "figure " << i;
+}
+
 // CCALLOC_THREAD_CACHE=small (read when a device is created): small-pool
 // blocks are parked, large ones go back to the pools.
 TEST(ThreadCacheTest, SmallModeParksOnlySmallPoolBlocks) {

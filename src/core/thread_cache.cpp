@@ -244,7 +244,8 @@ bool thread_cache_park_slow(device_state& s, block* b) {
       s.caching_ && !s.capture_underway() &&
       !(s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small) &&
       !(r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) &&
-      r->count.load(std::memory_order_relaxed) != thread_cache_slots;
+      r->count.load(std::memory_order_relaxed) != thread_cache_slots &&
+      (!b->reuse_counts_free || s.count_parked_free(b));  // last: it counts the free
   if (!parkable) {
     // The normal free follows: this thread's parked blocks go first, so that
     // the pools see the frees in the program's order.

@@ -28,10 +28,17 @@
 // thread's parked blocks to the pools, in the program's order. Blocks from
 // the slow path (a new segment, mapped pages) prove nothing and are never
 // parked; nor is a block whose free would record a page fence, nor any
-// block while garbage collection counts the pools' searches. So in one
-// thread the addresses handed out, and every figure of a replay, are the
-// same with the cache on and off (tests: TheLayoutIsTheSameOnAndOff, the
-// replay comparison in docs/perf.md).
+// block while garbage collection counts the pools' searches. Where page
+// fences may be consulted (virtual memory, expandable segments), parking
+// does the free's fence bookkeeping under the stream lock
+// (device_state::count_parked_free): the block takes the stream's next free
+// count and the neighbours it would merge with take it too, so the
+// remainder a hit leaves carries the count the merged and re-split block
+// would (else pages it holds could pass to another stream earlier than with
+// the cache off). So in one thread the addresses handed out, and every
+// figure of a replay, are the same with the cache on and off (tests:
+// TheLayoutIsTheSameOnAndOff, PageFenceCountsAreTheSameOnAndOff, the replay
+// comparison in docs/perf.md).
 //
 // Statistics: a parked block still counts as allocated; it is freed for
 // the pools and the statistics (release_allocation, the normal free) when it
