@@ -243,6 +243,34 @@ TEST(ThreadCacheTest, PageFenceCountsAreTheSameOnAndOff) {
   for (std::size_t i = 0; i + 1 < on.size(); ++i) EXPECT_EQ(on[i], off[i]) << "figure " << i;
 }
 
+// Memory history turned on while a block is parked (record_history takes no
+// world lock): the next free, recorded, returns the parked block first, as
+// the next malloc does, so the pools see the frees in the program's order
+// and the split statistics match the cache-off run (breaker finding: the
+// recorded free went first, and inactive_split counted one more split).
+TEST(ThreadCacheTest, AFreeWithHistoryReturnsParkedBlocksFirst) {
+  auto run = [](bool on) {
+    fixture f(on);
+    const stream_t s = f.sim->create_stream(0);
+    void* x = f.alloc.malloc(0, 4096, s);  // the slow path: a new segment
+    void* y = f.alloc.malloc(0, 8192, s);  // the pools' best fit, next to x
+    f.alloc.free(y);                       // parked (on)
+    history_options h;
+    f.alloc.record_history(h);
+    f.alloc.free(x);  // recorded: y must be free before it, x merges with both sides
+    const device_stats st = f.alloc.get_device_stats(0);
+    f.alloc.device_allocator(0).check_invariants();
+    return std::vector<std::int64_t>{st.inactive_split[0].current, st.inactive_split[0].allocated,
+                                     st.inactive_split[0].freed, st.inactive_split_bytes[0].allocated,
+                                     st.inactive_split_bytes[0].freed, st.allocation[0].freed};
+  };
+  const std::vector<std::int64_t> on = run(true);
+  const std::vector<std::int64_t> off = run(false);
+  EXPECT_EQ(off[0], 0);  // the segment is whole again
+  EXPECT_EQ(off[5], 2);
+  for (std::size_t i = 0; i < on.size(); ++i) EXPECT_EQ(on[i], off[i]) << "figure " << i;
+}
+
 // CCALLOC_THREAD_CACHE=small (read when a device is created): small-pool
 // blocks are parked, large ones go back to the pools.
 TEST(ThreadCacheTest, SmallModeParksOnlySmallPoolBlocks) {

@@ -134,6 +134,7 @@ allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_b
     if (!detail::thread_cache_park(s, b)) s.free(b);
     return;
   }
+  detail::thread_cache_flush_own(s);  // parked before recording began: freed first, in the program's order
   detail::free_recorded(s, b);
 }
 

@@ -72,8 +72,8 @@ inline block* thread_cache_take(device_state& s, std::size_t requested_bytes, st
   return thread_cache_take_slow(s, r, requested_bytes, stream);
 }
 
-// Frees this thread's parked blocks of `s`, if any (a malloc that does not
-// go through thread_cache_take: memory history).
+// Frees this thread's parked blocks of `s`, if any (a malloc or free that
+// does not go through thread_cache_take or thread_cache_park: memory history).
 inline void thread_cache_flush_own(device_state& s) {
   thread_cache_record* r = tls_last_record;
   if (r == nullptr || r->device_id != s.id_) r = thread_cache_find(s, false);
