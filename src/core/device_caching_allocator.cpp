@@ -116,7 +116,7 @@ void device_caching_allocator::set_caching_enabled(bool enabled) {
 
 bool device_caching_allocator::caching_enabled() const {
   world_lock w(*state_);
-  return state_->caching_;
+  return state_->caching_.load(std::memory_order_relaxed);
 }
 
 device_stats device_caching_allocator::stats() const {

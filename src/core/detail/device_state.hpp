@@ -683,7 +683,9 @@ class device_state {
 
   // Read on the fast path under a stream lock; written under the world lock.
   allocator_config config_;
-  bool caching_ = true;
+  // Also read without a lock (the thread cache's park, is_caching_enabled):
+  // atomic, relaxed there.
+  std::atomic<bool> caching_{true};
 
   // [device_mutex_]
   spin_mutex device_mutex_;
