@@ -17,6 +17,24 @@ namespace {
 
 using ccalloc::mib;
 
+// Runs worker(t) for t in [0, threads) on their own threads while another
+// thread calls background() in a loop; returns when the workers are done.
+template <class Worker, class Background>
+void run_alongside(int threads, Worker worker, Background background) {
+  std::atomic<bool> stop{false};
+  std::thread side([&] {
+    while (!stop.load()) {
+      background();
+      std::this_thread::yield();
+    }
+  });
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(worker, t);
+  for (auto& th : pool) th.join();
+  stop.store(true);
+  side.join();
+}
+
 TEST(ConcurrencyTest, ThreadsOnOwnStreamsWithCrossThreadFreesAndSlowPathRaces) {
   auto sim = std::make_shared<ccalloc::sim_backend>(ccalloc::sim_options{1, std::size_t{2} << 30, 2 * mib});
   ccalloc::caching_allocator alloc(sim, ccalloc::allocator_config{});
@@ -149,7 +167,6 @@ TEST(ConcurrencyTest, ThreadCacheBlocksMoveAcrossThreadsAndStreams) {
   std::mutex handoff_mutex;
   std::vector<handed> handoff;
   std::atomic<long> reuses{0};
-  std::atomic<bool> stop{false};
 
   auto worker = [&](int t) {
     std::mt19937_64 rng(99 + t);
@@ -180,21 +197,13 @@ TEST(ConcurrencyTest, ThreadCacheBlocksMoveAcrossThreadsAndStreams) {
       }
     }
   };
-  std::thread reader([&] {
-    while (!stop.load()) {
-      const auto st = alloc.get_device_stats(0);
-      EXPECT_GE(st.allocated_bytes[0].current, 0);
-      EXPECT_LE(st.allocated_bytes[0].current, st.reserved_bytes[0].current);
-      alloc.empty_cache();
-      (void)alloc.device_allocator(0).segments();
-      std::this_thread::yield();
-    }
+  run_alongside(threads, worker, [&] {
+    const auto st = alloc.get_device_stats(0);
+    EXPECT_GE(st.allocated_bytes[0].current, 0);
+    EXPECT_LE(st.allocated_bytes[0].current, st.reserved_bytes[0].current);
+    alloc.empty_cache();
+    (void)alloc.device_allocator(0).segments();
   });
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) pool.emplace_back(worker, t);
-  for (auto& th : pool) th.join();
-  stop.store(true);
-  reader.join();
   for (const handed& h : handoff) alloc.free(h.ptr);
   EXPECT_GT(reuses.load(), 0);  // the cache served blocks freed across threads
   auto& dev = alloc.device_allocator(0);
@@ -221,7 +230,6 @@ TEST(ConcurrencyTest, ThreadCacheParksWhileCachingIsSwitched) {
   constexpr int threads = 3;
   std::vector<ccalloc::stream_t> streams;
   for (int t = 0; t < threads; ++t) streams.push_back(sim->create_stream(0));
-  std::atomic<bool> stop{false};
   std::atomic<long> switches{0};
   auto worker = [&](int t) {
     const std::size_t sizes[] = {512, 8192, 3 * mib};
@@ -232,20 +240,12 @@ TEST(ConcurrencyTest, ThreadCacheParksWhileCachingIsSwitched) {
       alloc.free(keep);
     }
   };
-  std::thread switcher([&] {
-    bool on = false;
-    while (!stop.load()) {
-      alloc.enable(on);
-      on = !on;
-      switches.fetch_add(1, std::memory_order_relaxed);
-      std::this_thread::yield();
-    }
+  bool on = false;
+  run_alongside(threads, worker, [&] {
+    alloc.enable(on);
+    on = !on;
+    switches.fetch_add(1, std::memory_order_relaxed);
   });
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) pool.emplace_back(worker, t);
-  for (auto& th : pool) th.join();
-  stop.store(true);
-  switcher.join();
   alloc.enable(true);
   EXPECT_GT(switches.load(), 1);
   alloc.device_allocator(0).check_invariants();
