@@ -233,7 +233,7 @@ TEST(ConcurrencyTest, ThreadCacheParksWhileCachingIsSwitched) {
   std::atomic<long> switches{0};
   auto worker = [&](int t) {
     const std::size_t sizes[] = {512, 8192, 3 * mib};
-    for (int i = 0; i < 6000; ++i) {
+    for (int i = 0; i < 20000; ++i) {
       const std::size_t size = sizes[(i / 8) % 3];
       void* keep = alloc.malloc(0, 512, streams[t]);  // splits the segment: pairs stay cached
       for (int k = 0; k < 3; ++k) alloc.free(alloc.malloc(0, size, streams[t]));
@@ -252,7 +252,7 @@ TEST(ConcurrencyTest, ThreadCacheParksWhileCachingIsSwitched) {
   const auto st = alloc.get_device_stats(0);
   EXPECT_EQ(st.allocated_bytes[0].current, 0);
   EXPECT_EQ(st.allocation[0].allocated, st.allocation[0].freed);
-  EXPECT_EQ(st.allocation[0].allocated, threads * 6000 * 4);
+  EXPECT_EQ(st.allocation[0].allocated, threads * 20000 * 4);
   alloc.empty_cache();
   EXPECT_EQ(alloc.get_device_stats(0).reserved_bytes[0].current, 0);
   EXPECT_EQ(sim->counters().used_bytes, 0u);
