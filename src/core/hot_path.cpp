@@ -452,30 +452,7 @@ block* device_state::note_reusable(block* b, const stream_state& ss) const noexc
   const bool kept_out = free_would_fence || config_.garbage_collection_threshold > 0.0 ||
                         (!b->pool->is_small && thread_caches_.small_only.load(std::memory_order_relaxed));
   b->reuse_version = kept_out ? no_reuse_version : b->pool->blocks.version();
-  // Page fences number the stream's frees (stream_state::free_seq): where
-  // they may be consulted, a parked block takes its free's count.
-  b->reuse_counts_free = page_bytes_ != 0 && (config_.expandable_segments || next_segment_seq_ != 0);
   return b;
-}
-
-// The thread cache parks `b` (detail/thread_cache.hpp): the page-fence
-// bookkeeping of its free happens now, as the pools' free would do it. The
-// free takes the stream's next count (kept when the block is freed to the
-// pools later: free_seq_taken) and the free neighbours it would merge with
-// take it too, as the merged block would (the remainder a hit leaves keeps
-// it, as the split of the merged block would). Not when the free would
-// record a page fence (the segment's last busy block, no fence of the stream
-// outstanding): false, the caller frees it the normal way.
-bool device_state::count_parked_free(block* b) {
-  stream_state& ss = *b->pool->owner;
-  std::lock_guard lock(ss.mutex);
-  if (b->seg->expandable && b->seg->busy_blocks == 1 && ss.fences.empty()) return false;
-  const std::uint64_t count = ++ss.free_seq;
-  b->free_seq = count;
-  b->free_seq_taken = true;
-  for (block* neighbour : {b->prev, b->next})
-    if (can_merge(b, neighbour)) neighbour->free_seq = std::max(neighbour->free_seq, count);
-  return true;
 }
 
 // ---- free -------------------------------------------------------------------------

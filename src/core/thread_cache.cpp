@@ -99,7 +99,7 @@ thread_local thread_records tls_records;
 
 thread_cache_registry::thread_cache_registry() {
   // On unless turned off: a hit hands out only the block the pools' best fit
-  // would (block::reuse_version), so the layout is the same with it and
+  // would (block::reuse_version), so the addresses are the same with it and
   // without it. CCALLOC_THREAD_CACHE, spelled as the thread_cache key (one
   // parser), turns it off or limits it to the small pool.
   const char* env = std::getenv("CCALLOC_THREAD_CACHE");
@@ -244,8 +244,7 @@ bool thread_cache_park_slow(device_state& s, block* b) {
       s.caching_.load(std::memory_order_relaxed) && !s.capture_underway() &&
       !(s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small) &&
       !(r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) &&
-      r->count.load(std::memory_order_relaxed) != thread_cache_slots &&
-      (!b->reuse_counts_free || s.count_parked_free(b));  // last: it counts the free
+      r->count.load(std::memory_order_relaxed) != thread_cache_slots;
   if (!parkable) {
     // The normal free follows: this thread's parked blocks go first, so that
     // the pools see the frees in the program's order.

@@ -154,8 +154,10 @@ struct allocator_config {
   /// thread parks up to 4 blocks it freed and gets one back for the same
   /// bytes on the same stream without the stream's lock, only when the
   /// block's pool has not changed since the block was handed out, so that a
-  /// hit is the block the pools' best fit would hand out (the layout is the
-  /// same as with `off`). Default all. Applies when thread_cache_set: the
+  /// hit is the block the pools' best fit would hand out (the same
+  /// addresses as with `off`; pages beside a reused block may be recycled
+  /// for another stream sooner, never while in use: see
+  /// src/core/detail/thread_cache.hpp, "Placement"). Default all. Applies when thread_cache_set: the
   /// key, when given, wins over the environment variable
   /// CCALLOC_THREAD_CACHE, which decides (at device creation) only when the
   /// key is not given.

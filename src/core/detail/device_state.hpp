@@ -134,10 +134,6 @@ struct block {
   std::uint64_t reuse_version = no_reuse_version;
   std::int64_t reuse_split_blocks = 0;
   std::int64_t reuse_split_bytes = 0;
-  // Its free counts for page fences (the device has virtual memory and
-  // expandable segments are on or exist): parking it takes the free's count
-  // (device_state::count_parked_free), under the stream lock. [stream]
-  bool reuse_counts_free = false;
 
   [[nodiscard]] inline bool is_split() const noexcept;
   // Free and not waiting for events (unmapped blocks are always free).
@@ -519,7 +515,6 @@ class device_state {
   block* take_found_block(alloc_params& p, device_stats& st,
                           block_index::position at = block_index::end());      // [stream]
   block* note_reusable(block* b, const stream_state& ss) const noexcept;       // [stream]
-  bool count_parked_free(block* b);  // [none] takes b's stream lock: false if its free would record a fence
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
   [[nodiscard]] bool place_at_back(const block* b) const noexcept;            // [stream]
   // Where in free block b a block of `size` bytes (nearly_whole_pages of an

@@ -36,7 +36,6 @@ inline bool thread_cache_still_reusable(const block* b) noexcept {
 inline block* thread_cache_hand_out(thread_cache_record& r, std::uint32_t i, std::uint32_t count,
                                     std::size_t requested_bytes) noexcept {
   block* b = r.slots[i].b;
-  b->free_seq_taken = false;  // allocated again: its next free takes a new count (count_parked_free)
   if (i + 1 != count) r.slots[i] = r.slots[count - 1];
   r.count.store(count - 1, std::memory_order_relaxed);
   thread_cache_count_hit(r, b, requested_bytes);
@@ -96,7 +95,6 @@ inline bool thread_cache_park(device_state& s, block* b) {
     if (!thread_cache_still_reusable(b) || s.capture_count_.load(std::memory_order_relaxed) != 0) return false;
     // This thread's frees are not being reused (thread_cache_record::miss_streak).
     if (r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) return false;
-    if (b->reuse_counts_free && !s.count_parked_free(b)) return false;
     r->lock.lock();
     r->slots[0] = {b, b->pool->owner->stream, b->requested_bytes};
     r->count.store(1, std::memory_order_relaxed);
