@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <cstdint>
@@ -95,45 +96,59 @@ TEST(ThreadCacheTest, ServesOnlyWhatThePoolsWouldHandOut) {
   }
 }
 
-// What `run` returns, computed in a child process forked from this one: two
-// runs forked from the same state see the same host address space, so the
-// simulated device's segments (host mappings) get the same addresses.
-std::vector<std::uintptr_t> in_child(const std::function<std::vector<std::uintptr_t>()>& run) {
-  int fds[2];
-  if (::pipe(fds) != 0) return {};
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(fds[0]);
-    const std::vector<std::uintptr_t> out = run();
-    const char* p = reinterpret_cast<const char*>(out.data());
-    std::size_t left = out.size() * sizeof(std::uintptr_t);
-    while (left > 0) {
-      const ssize_t n = ::write(fds[1], p, left);
-      if (n <= 0) ::_exit(1);
-      p += n;
-      left -= static_cast<std::size_t>(n);
+// What each of `runs` returns, each computed in a child process. All
+// children are forked before the parent reads anything (reading allocates,
+// and a large buffer is a new mapping), so that they start from the same
+// host address space and the simulated device's segments (host mappings)
+// get the same addresses in each.
+std::vector<std::vector<std::uintptr_t>> in_children(
+    const std::vector<std::function<std::vector<std::uintptr_t>()>>& runs) {
+  std::vector<std::array<int, 2>> pipes(runs.size());
+  for (auto& fds : pipes)
+    if (::pipe(fds.data()) != 0) return {};
+  std::vector<pid_t> pids;
+  pids.reserve(runs.size());
+  for (std::size_t k = 0; k < runs.size(); ++k) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {  // keeps only the write end of its own pipe (others' ends would hold off their EOF)
+      for (std::size_t j = 0; j < pipes.size(); ++j) {
+        ::close(pipes[j][0]);
+        if (j != k) ::close(pipes[j][1]);
+      }
+      const std::vector<std::uintptr_t> out = runs[k]();
+      const char* p = reinterpret_cast<const char*>(out.data());
+      std::size_t left = out.size() * sizeof(std::uintptr_t);
+      while (left > 0) {
+        const ssize_t n = ::write(pipes[k][1], p, left);
+        if (n <= 0) ::_exit(1);
+        p += n;
+        left -= static_cast<std::size_t>(n);
+      }
+      ::_exit(0);
     }
-    ::_exit(0);
+    pids.push_back(pid);
   }
-  ::close(fds[1]);
-  std::vector<std::uintptr_t> out;
-  std::uintptr_t word = 0;
-  std::size_t have = 0;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) {
-    for (ssize_t i = 0; i < n; ++i) {
-      reinterpret_cast<char*>(&word)[have++] = buf[i];
-      if (have == sizeof word) {
-        out.push_back(word);
-        have = 0;
+  for (auto& fds : pipes) ::close(fds[1]);  // each child's end of its pipe only
+  std::vector<std::vector<std::uintptr_t>> outs(runs.size());
+  for (std::size_t k = 0; k < runs.size(); ++k) {
+    std::uintptr_t word = 0;
+    std::size_t have = 0;
+    char buf[4096];
+    for (ssize_t n; (n = ::read(pipes[k][0], buf, sizeof buf)) > 0;) {
+      for (ssize_t i = 0; i < n; ++i) {
+        reinterpret_cast<char*>(&word)[have++] = buf[i];
+        if (have == sizeof word) {
+          outs[k].push_back(word);
+          have = 0;
+        }
       }
     }
+    ::close(pipes[k][0]);
+    int status = 0;
+    ::waitpid(pids[k], &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   }
-  ::close(fds[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  return out;
+  return outs;
 }
 
 // The layout is the same with the cache on and off: one thread, random
@@ -179,8 +194,10 @@ TEST(ThreadCacheTest, TheLayoutIsTheSameOnAndOff) {
       out.push_back(static_cast<std::uintptr_t>(st.num_thread_cache_hits));
       return out;
     };
-    const auto on = in_child([&] { return run(true); });
-    const auto off = in_child([&] { return run(false); });
+    const auto outs = in_children({[&] { return run(true); }, [&] { return run(false); }});
+    ASSERT_EQ(outs.size(), 2u);
+    const auto& on = outs[0];
+    const auto& off = outs[1];
     ASSERT_EQ(on.size(), off.size());
     ASSERT_GT(on.size(), 3u);
     EXPECT_EQ(off.back(), 0u);
