@@ -178,12 +178,15 @@ bool pending(cudaEvent_t e) {
 }
 
 /// Number of bytes of p[0, n) that differ from the pattern of `seed`
-/// (synchronizes `stream`).
-unsigned long long mismatches(const void* p, std::size_t n, unsigned seed, cudaStream_t stream) {
-  CUDA_OK(cudaMemsetAsync(g_counter, 0, sizeof *g_counter, stream));
-  CUDA_OK(gk::launch_count_mismatches(p, n, seed, g_counter, stream));
+/// (synchronizes `stream`). `counter`: device memory for the count (the
+/// shared g_counter by default; a thread of its own passes its own).
+unsigned long long mismatches(const void* p, std::size_t n, unsigned seed, cudaStream_t stream,
+                              unsigned long long* counter = nullptr) {
+  if (counter == nullptr) counter = g_counter;
+  CUDA_OK(cudaMemsetAsync(counter, 0, sizeof *counter, stream));
+  CUDA_OK(gk::launch_count_mismatches(p, n, seed, counter, stream));
   unsigned long long host = 0;
-  CUDA_OK(cudaMemcpyAsync(&host, g_counter, sizeof host, cudaMemcpyDeviceToHost, stream));
+  CUDA_OK(cudaMemcpyAsync(&host, counter, sizeof host, cudaMemcpyDeviceToHost, stream));
   CUDA_OK(cudaStreamSynchronize(stream));
   return host;
 }
@@ -944,12 +947,7 @@ void test_threads_streams() {
             const live old = ring.front();
             ring.erase(ring.begin());
             if (i % 10 == 0) {
-              CUDA_OK(cudaMemsetAsync(counter, 0, sizeof *counter, cs(s.get())));
-              CUDA_OK(gk::launch_count_mismatches(old.p, old.n, old.seed, counter, cs(s.get())));
-              unsigned long long bad = 0;
-              CUDA_OK(cudaMemcpyAsync(&bad, counter, sizeof bad, cudaMemcpyDeviceToHost, cs(s.get())));
-              CUDA_OK(cudaStreamSynchronize(cs(s.get())));
-              if (bad != 0) {
+              if (mismatches(old.p, old.n, old.seed, cs(s.get()), counter) != 0) {
                 report_failure(__FILE__, __LINE__, "thread " + std::to_string(t) + ": a block was overwritten");
                 ++errors;
               }
@@ -999,12 +997,7 @@ void test_thread_cache_across_threads_and_streams() {
           void* kept = alloc->malloc(0, kept_n, s.get());
           CUDA_OK(gk::launch_fill(kept, kept_n, kept_seed, cs(s.get())));
           const auto check_kept = [&] {
-            CUDA_OK(cudaMemsetAsync(counter, 0, sizeof *counter, cs(s.get())));
-            CUDA_OK(gk::launch_count_mismatches(kept, kept_n, kept_seed, counter, cs(s.get())));
-            unsigned long long bad = 0;
-            CUDA_OK(cudaMemcpyAsync(&bad, counter, sizeof bad, cudaMemcpyDeviceToHost, cs(s.get())));
-            CUDA_OK(cudaStreamSynchronize(cs(s.get())));
-            if (bad != 0) {
+            if (mismatches(kept, kept_n, kept_seed, cs(s.get()), counter) != 0) {
               report_failure(__FILE__, __LINE__, "thread " + std::to_string(t) + ": the kept block was overwritten");
               ++errors;
             }
