@@ -23,6 +23,12 @@
 //   BM_replay/NAME        replay of a real trace on a fresh simulated device;
 //                         items_per_second = trace events/s (SPEC P5).
 //
+// DoNotOptimize gets const lvalues only (a local copy of the pointer): with a
+// non-const one, Google Benchmark's asm ("+m,r") lets GCC 12 delete the store
+// into the ring slot it names (RTL dead-store elimination; reproduced here,
+// 2026-12-01: the ring kept a freed pointer, the free at the end failed;
+// google/benchmark#2282).
+//
 // Traces: data/traces/gpt2_train.trace.gz and ../shared/traces/
 // llama_generate.trace.gz when present; CCALLOC_BENCH_TRACES (paths separated
 // by ':') replaces that list.
@@ -81,7 +87,7 @@ void BM_pair(benchmark::State& state) {
   const ccalloc::stream_t stream = e.streams[0];
   e.allocator.free(e.allocator.malloc(0, size_bytes, stream));  // warm the cache
   for (auto _ : state) {
-    void* ptr = e.allocator.malloc(0, size_bytes, stream);
+    void* const ptr = e.allocator.malloc(0, size_bytes, stream);
     benchmark::DoNotOptimize(ptr);
     e.allocator.free(ptr);
   }
@@ -106,8 +112,9 @@ void BM_mixed(benchmark::State& state) {
     const auto& step = plan.steps[pos];
     pos = pos + 1 == plan.steps.size() ? 0 : pos + 1;
     e.allocator.free(ring[step.slot]);
-    ring[step.slot] = e.allocator.malloc(0, step.size_bytes, stream);
-    benchmark::DoNotOptimize(ring[step.slot]);
+    void* const ptr = e.allocator.malloc(0, step.size_bytes, stream);
+    benchmark::DoNotOptimize(ptr);  // a const lvalue: see the file's comment on DoNotOptimize
+    ring[step.slot] = ptr;
   }
   state.SetItemsProcessed(state.iterations());
   for (void* ptr : ring) e.allocator.free(ptr);
@@ -119,7 +126,7 @@ void BM_threads(benchmark::State& state) {
   const ccalloc::stream_t stream = e.streams[static_cast<std::size_t>(state.thread_index())];
   e.allocator.free(e.allocator.malloc(0, cb::threads_pair_bytes, stream));  // warm this stream
   for (auto _ : state) {
-    void* ptr = e.allocator.malloc(0, cb::threads_pair_bytes, stream);
+    void* const ptr = e.allocator.malloc(0, cb::threads_pair_bytes, stream);
     benchmark::DoNotOptimize(ptr);
     e.allocator.free(ptr);
   }
@@ -137,8 +144,9 @@ void BM_churn(benchmark::State& state) {
   std::size_t oldest = 0;
   for (auto _ : state) {
     e.allocator.free(ring[oldest]);
-    ring[oldest] = e.allocator.malloc(0, sizes[next], stream);
-    benchmark::DoNotOptimize(ring[oldest]);
+    void* const ptr = e.allocator.malloc(0, sizes[next], stream);
+    benchmark::DoNotOptimize(ptr);
+    ring[oldest] = ptr;
     oldest = oldest + 1 == cb::churn_slots ? 0 : oldest + 1;
     next = next + 1 == sizes.size() ? cb::churn_slots : next + 1;
   }

@@ -2,6 +2,11 @@
 // ccalloc against the allocators CUDA itself offers.
 //
 //   ccalloc          caching_allocator over cuda_backend: malloc(0, size, stream) / free
+//                    (the C++ API, the static libraries)
+//   ccalloc_c        the C API through libccalloc.so (what PyTorch's pluggable
+//                    allocator, CuPy and C runtimes call): ccalloc_malloc /
+//                    ccalloc_delete on an allocator of its own (pair and mixed
+//                    cases only)
 //   cudaMallocAsync  the device's default memory pool with its release
 //                    threshold at UINT64_MAX (the pool keeps what it got),
 //                    cudaMallocAsync / cudaFreeAsync on the same stream
@@ -16,11 +21,12 @@
 // separate program, built against the installed torch); harness.hpp holds
 // the cases and the output format, summarize.py merges the outputs.
 //
-// Usage: bench_gpu [--quick] [--only=ccalloc,cub,...] [--reps=N] [--thread-seconds=S]
+// Usage: bench_gpu [--quick] [--only=ccalloc,ccalloc_c,cub,...] [--reps=N] [--thread-seconds=S]
 // Exit status 0 when every case ran, 1 when any printed ERROR.
 #include "gpu/harness.hpp"
 
 #include <ccalloc/backend/cuda_backend.hpp>
+#include <ccalloc/ccalloc.h>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
 #include <cub/util_allocator.cuh>
@@ -30,6 +36,7 @@
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 namespace {
@@ -66,6 +73,38 @@ struct ccalloc_adapter {
     std::fflush(stdout);
     last = now;
   }
+};
+
+struct ccalloc_c_adapter {
+  static constexpr const char* name = "ccalloc_c";
+  ccalloc_allocator_t* allocator = nullptr;
+
+  static void check(ccalloc_status_t status, const char* what) {
+    if (status != CCALLOC_OK) throw std::runtime_error(std::string(what) + ": " + ccalloc_last_error());
+  }
+  ccalloc_c_adapter() {
+    ccalloc_options_t o;
+    ccalloc_options_init(&o);
+    o.backend = CCALLOC_BACKEND_CUDA;
+    check(ccalloc_create(&o, &allocator), "ccalloc_create");
+    if (ccalloc_init(allocator, 1) != CCALLOC_OK) {
+      const std::string message = ccalloc_last_error();
+      ccalloc_destroy(allocator);
+      throw std::runtime_error("ccalloc_init: " + message);
+    }
+  }
+  ~ccalloc_c_adapter() { ccalloc_destroy(allocator); }
+  ccalloc_c_adapter(const ccalloc_c_adapter&) = delete;
+  ccalloc_c_adapter& operator=(const ccalloc_c_adapter&) = delete;
+  void* alloc(std::size_t size_bytes, cudaStream_t stream) {
+    void* p = nullptr;
+    check(ccalloc_malloc(allocator, 0, size_bytes, reinterpret_cast<ccalloc_stream_t>(stream), &p), "ccalloc_malloc");
+    return p;
+  }
+  void free(void* ptr, std::size_t /*size_bytes*/, cudaStream_t /*stream*/) {
+    check(ccalloc_delete(allocator, ptr), "ccalloc_delete");
+  }
+  void release() { check(ccalloc_empty_cache(allocator), "ccalloc_empty_cache"); }
 };
 
 struct malloc_async_adapter {
@@ -139,6 +178,7 @@ int main(int argc, char** argv) {
     cb::print_device_info("bench_gpu");
     const cb::stream_set streams;
     run<ccalloc_adapter>(streams, s);
+    run<ccalloc_c_adapter>(streams, s, cb::case_set{true, true, false, false, false});
     run<malloc_async_adapter>(streams, s);
     run<cub_adapter>(streams, s);
     run<cuda_malloc_adapter>(streams, s, cb::case_set{true, false, false, false, false});

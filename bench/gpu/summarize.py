@@ -19,6 +19,7 @@ import sys
 
 ALLOCATORS = [  # (key in the logs, column title)
     ("ccalloc", "ccalloc"),
+    ("ccalloc_c", "ccalloc (C API, libccalloc.so)"),
     ("torch", "PyTorch native"),
     ("cudaMallocAsync", "cudaMallocAsync (pool kept)"),
     ("cub", "CUB caching"),
@@ -184,6 +185,11 @@ def render(results, errors, info):
     mixed = get("ccalloc", ("mixed",))
     out.append(f"- P2 mixed <= {P2_NS:.0f} ns: " + (
         f"{mixed:.1f} ns -> {'PASS' if mixed <= P2_NS else 'FAIL'}" if mixed is not None else "missing"))
+    c_pairs = [get("ccalloc_c", ("pair", s)) for s in PAIR_SIZES]
+    c_mixed = get("ccalloc_c", ("mixed",))
+    if all(v is not None for v in c_pairs) and c_mixed is not None:
+        out.append(f"- through the C API (libccalloc.so): pairs worst {max(c_pairs):.1f} ns, "
+                   f"mixed {c_mixed:.1f} ns")
     t1, t8 = get("ccalloc", ("threads", 1)), get("ccalloc", ("threads", 8))
     if t1 and t8:
         scale = t8 / t1

@@ -55,8 +55,10 @@ thread_local std::string tls_last_error;
 
 /// Runs `body` (which returns nothing) and maps what it throws to a status,
 /// storing the message for ccalloc_last_error().
+/// Inlined into each entry point: ccalloc_malloc and ccalloc_delete then make
+/// one call into the library's hot path, not two.
 template <typename Body>
-ccalloc_status_t guarded(Body&& body) noexcept {
+[[gnu::always_inline]] inline ccalloc_status_t guarded(Body&& body) noexcept {
   try {
     body();
     return CCALLOC_OK;
@@ -152,13 +154,9 @@ std::string segment_failure_note(const segment_failure& f) {
          " (any failure of a segment allocator counts as out of memory)";
 }
 
-/// Runs `allocate` (returns the pointer). When it throws out_of_memory_error
-/// after a pool's segment malloc failed during the call, the message gets the
-/// code that malloc returned (segment_failure_note).
+/// allocate_noting_segment_failures once a pool has a segment allocator.
 template <typename Allocate>
-void* allocate_noting_segment_failures(Allocate&& allocate) {
-  if (!custom_segment_pools.load(std::memory_order_relaxed)) [[likely]]
-    return allocate();
+[[gnu::noinline]] void* allocate_tracking_segment_failures(Allocate& allocate) {
   // Saved and restored: an out-of-memory observer may allocate meanwhile.
   const segment_failure saved = tls_segment_failure;
   tls_segment_failure = {};
@@ -177,6 +175,18 @@ void* allocate_noting_segment_failures(Allocate&& allocate) {
     tls_segment_failure = saved;
     throw;
   }
+}
+
+/// Runs `allocate` (returns the pointer). When it throws out_of_memory_error
+/// after a pool's segment malloc failed during the call, the message gets the
+/// code that malloc returned (segment_failure_note). Inline, and `allocate`
+/// with it (mark the lambda always_inline): until a pool has a segment
+/// allocator, one relaxed load and the call.
+template <typename Allocate>
+[[gnu::always_inline]] inline void* allocate_noting_segment_failures(Allocate&& allocate) {
+  if (!custom_segment_pools.load(std::memory_order_relaxed)) [[likely]]
+    return allocate();
+  return allocate_tracking_segment_failures(allocate);
 }
 
 /// Makes `device` the calling thread's current device of `backend` while it
@@ -416,7 +426,7 @@ ccalloc_status_t ccalloc_malloc(ccalloc_allocator_t* alloc, int device, size_t s
   return guarded([&] {
     require(out, "ccalloc_malloc", "out");
     caching_allocator& a = resolve(alloc);
-    *out = allocate_noting_segment_failures([&] { return a.malloc(device, size_bytes, to_stream(stream)); });
+    *out = allocate_noting_segment_failures([&]() __attribute__((always_inline)) { return a.malloc(device, size_bytes, to_stream(stream)); });
   });
 }
 
@@ -428,7 +438,7 @@ ccalloc_status_t ccalloc_raw_alloc(ccalloc_allocator_t* alloc, size_t size_bytes
   return guarded([&] {
     require(out, "ccalloc_raw_alloc", "out");
     caching_allocator& a = resolve(alloc);
-    *out = allocate_noting_segment_failures([&] { return a.raw_alloc(size_bytes); });
+    *out = allocate_noting_segment_failures([&]() __attribute__((always_inline)) { return a.raw_alloc(size_bytes); });
   });
 }
 
@@ -437,7 +447,7 @@ ccalloc_status_t ccalloc_raw_alloc_with_stream(ccalloc_allocator_t* alloc, size_
   return guarded([&] {
     require(out, "ccalloc_raw_alloc_with_stream", "out");
     caching_allocator& a = resolve(alloc);
-    *out = allocate_noting_segment_failures([&] { return a.raw_alloc_with_stream(size_bytes, to_stream(stream)); });
+    *out = allocate_noting_segment_failures([&]() __attribute__((always_inline)) { return a.raw_alloc_with_stream(size_bytes, to_stream(stream)); });
   });
 }
 

@@ -63,6 +63,7 @@
 #include "detail/device_state.hpp"
 
 #include <ccalloc/base/detail/assert.hpp>
+#include <ccalloc/base/detail/hot_tls.hpp>
 #include "detail/stats_sink.hpp"
 #include "detail/thread_cache_fast.hpp"
 
@@ -151,7 +152,7 @@ struct stream_cache_entry {
   stream_t stream = 0;
   stream_state* state = nullptr;
 };
-thread_local stream_cache_entry tls_stream_cache;
+CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 
 // No cached block of the stream fits: the fallback ladder, under the world
 // lock (the configuration may have changed since the stream lock was let go).

@@ -1,6 +1,7 @@
 // The multi-device front end: device allocators, the sharded pointer map,
 // the thread's current stream.
 #include <ccalloc/frontend/caching_allocator.hpp>
+#include <ccalloc/base/detail/hot_tls.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
 
 #include "ipc_cache.hpp"
@@ -18,7 +19,7 @@ namespace ccalloc {
 
 namespace {
 
-thread_local stream_t tls_current_stream = default_stream;
+CCALLOC_HOT_TLS thread_local stream_t tls_current_stream = default_stream;
 
 using detail::pointer_text;
 
@@ -99,56 +100,14 @@ std::optional<caching_allocator::pointer_entry> caching_allocator::find_entry(vo
   return *e;
 }
 
-caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr) const noexcept {
-  // Blocks are 512-byte aligned: drop those bits, then take the top bits of a
-  // multiplicative hash whose multiplier differs from the one the map inside
-  // the shard uses, so a shard's keys still spread over its map's slots.
-  const auto a = reinterpret_cast<std::uintptr_t>(ptr) >> 9;
-  static_assert(pointer_shard_count == 256, "the shift below takes 8 bits");
-  return shards_[(a * 0xD6E8FEB86659FD93ull) >> 56];
-}
+// malloc, free and shard_for are inline (caching_allocator.hpp): the caller
+// (the C API, a program) then calls the device allocator's malloc or free
+// directly, one function call per operation fewer.
 
-void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t stream) {
-  // An initialized device: one comparison (a negative one wraps around);
-  // checked_device gives the error otherwise.
-  const auto index = static_cast<std::size_t>(device);
-  device_caching_allocator& dev = index < devices_.size() ? *devices_[index] : checked_device(device, "malloc");
-  if (size_bytes == 0) return nullptr;
-  // The pools are keyed by the stream itself: cudaStreamPerThread's value
-  // means a different stream on each thread (NVIDIA/cub#373). resolve_stream
-  // returns every other handle unchanged (its contract in device_backend.hpp)
-  // and the device is valid: only the two special handles need the call.
-  const bool special = stream == legacy_stream_handle || stream == per_thread_stream_handle;
-  allocation a = dev.malloc(size_bytes, special ? backend_->resolve_stream(device, stream) : stream);
-  auto& shard = shard_for(a.ptr);
-  {
-    std::lock_guard lock(shard.mutex);
-    shard.blocks.insert(reinterpret_cast<std::uintptr_t>(a.ptr), pointer_entry{device, a.block});
-  }
-  return a.ptr;
-}
-
-void caching_allocator::free(void* ptr) {
-  if (ptr == nullptr) return;
-  auto& shard = shard_for(ptr);
-  const auto key = reinterpret_cast<std::uintptr_t>(ptr);
-  pointer_entry entry;
-  bool found = false;
-  {
-    std::lock_guard lock(shard.mutex);
-    found = shard.blocks.erase(key, &entry);
-  }
-  if (!found) [[unlikely]]
-    throw invalid_argument_error("ccalloc: free(" + pointer_text(ptr) +
-                                 "): not a live allocation of this allocator (never allocated here, "
-                                 "already freed, or not the start of an allocation)");
-  try {
-    devices_[static_cast<std::size_t>(entry.device)]->free(entry.block);
-  } catch (...) {
-    std::lock_guard lock(shard.mutex);  // the free did not happen: keep the pointer live
-    shard.blocks.insert(key, entry);
-    throw;
-  }
+void caching_allocator::throw_not_live(void* ptr) {
+  throw invalid_argument_error("ccalloc: free(" + pointer_text(ptr) +
+                               "): not a live allocation of this allocator (never allocated here, "
+                               "already freed, or not the start of an allocation)");
 }
 
 void caching_allocator::create_or_incref_pool(int device, mempool_id_t id, segment_allocator custom) {

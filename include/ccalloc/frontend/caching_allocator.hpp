@@ -363,6 +363,8 @@ class caching_allocator {
   };
   static constexpr std::size_t pointer_shard_count = 256;  // a power of two
   pointer_shard& shard_for(void* ptr) const noexcept;
+  /// Throws invalid_argument_error: free of `ptr`, which is not live here.
+  [[noreturn, gnu::cold]] static void throw_not_live(void* ptr);
   static void print_warnings(const allocator_config& config);
   static history_options disabled_history() {
     history_options o;
@@ -387,6 +389,60 @@ class caching_allocator {
   mutable std::array<pointer_shard, pointer_shard_count> shards_;
   std::unique_ptr<detail::ipc_cache> ipc_;  // opened IPC handles (src/frontend/ipc.cpp)
 };
+
+// ---- the hot path's entry points, inline ----------------------------------------------
+// Always inlined (a few dozen instructions at each call site): the caller
+// calls the device allocator's malloc or free directly.
+
+inline caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr) const noexcept {
+  // Blocks are 512-byte aligned: drop those bits, then take the top bits of a
+  // multiplicative hash whose multiplier differs from the one the map inside
+  // the shard uses, so a shard's keys still spread over its map's slots.
+  const auto a = reinterpret_cast<std::uintptr_t>(ptr) >> 9;
+  static_assert(pointer_shard_count == 256, "the shift below takes 8 bits");
+  return shards_[(a * 0xD6E8FEB86659FD93ull) >> 56];
+}
+
+[[gnu::always_inline]] inline void* caching_allocator::malloc(int device, std::size_t size_bytes, stream_t stream) {
+  // An initialized device: one comparison (a negative one wraps around);
+  // checked_device gives the error otherwise.
+  const auto index = static_cast<std::size_t>(device);
+  device_caching_allocator& dev = index < devices_.size() ? *devices_[index] : checked_device(device, "malloc");
+  if (size_bytes == 0) return nullptr;
+  // The pools are keyed by the stream itself: cudaStreamPerThread's value
+  // means a different stream on each thread (NVIDIA/cub#373). resolve_stream
+  // returns every other handle unchanged (its contract in device_backend.hpp)
+  // and the device is valid: only the two special handles need the call.
+  const bool special = stream == legacy_stream_handle || stream == per_thread_stream_handle;
+  allocation a = dev.malloc(size_bytes, special ? backend_->resolve_stream(device, stream) : stream);
+  auto& shard = shard_for(a.ptr);
+  {
+    std::lock_guard lock(shard.mutex);
+    shard.blocks.insert(reinterpret_cast<std::uintptr_t>(a.ptr), pointer_entry{device, a.block});
+  }
+  return a.ptr;
+}
+
+[[gnu::always_inline]] inline void caching_allocator::free(void* ptr) {
+  if (ptr == nullptr) return;
+  auto& shard = shard_for(ptr);
+  const auto key = reinterpret_cast<std::uintptr_t>(ptr);
+  pointer_entry entry;
+  bool found = false;
+  {
+    std::lock_guard lock(shard.mutex);
+    found = shard.blocks.erase(key, &entry);
+  }
+  if (!found) [[unlikely]]
+    throw_not_live(ptr);
+  try {
+    devices_[static_cast<std::size_t>(entry.device)]->free(entry.block);
+  } catch (...) {
+    std::lock_guard lock(shard.mutex);  // the free did not happen: keep the pointer live
+    shard.blocks.insert(key, entry);
+    throw;
+  }
+}
 
 /// The process-wide allocator used by raw_deleter() and the C API. Created on
 /// first use with the default backend (CUDA when built with it and a GPU is

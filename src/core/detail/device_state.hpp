@@ -374,7 +374,7 @@ struct private_pool {
 // the lines of the stream states allocated next to it (no false sharing).
 struct alignas(64) stream_state {
   explicit stream_state(stream_t s) : stream(s), pools(this) {}
-  spin_mutex mutex;
+  nap_lock mutex;  // one exchange and one store per uncontended lock + unlock
   stream_t stream;
   stream_pools pools;
   device_stats pending_stats;  // deltas: current may be negative; peak = max prefix

@@ -6,7 +6,7 @@
 
 namespace ccalloc::detail {
 
-inline thread_local char tls_thread_tag;  // its address identifies the thread
+CCALLOC_HOT_TLS inline thread_local char tls_thread_tag;  // its address identifies the thread
 
 inline stats_sink::stats_sink(device_state& d, stream_state& s) noexcept : d_(d), s_(s) {
   if (d_.single_stream_.load(std::memory_order_relaxed)) [[likely]]

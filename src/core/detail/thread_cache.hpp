@@ -71,6 +71,7 @@
 // fast path and never holds it while taking another lock.
 #pragma once
 
+#include <ccalloc/base/detail/hot_tls.hpp>
 #include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/base/types.hpp>
 
@@ -156,7 +157,7 @@ class thread_cache_registry {
 };
 
 // The calling thread's record for the device last used (nullptr at first).
-constinit inline thread_local thread_cache_record* tls_last_record = nullptr;
+CCALLOC_HOT_TLS constinit inline thread_local thread_cache_record* tls_last_record = nullptr;
 
 // This thread's record of `d`; creates it when `create` (and the cache is on).
 thread_cache_record* thread_cache_find(device_state& d, bool create);

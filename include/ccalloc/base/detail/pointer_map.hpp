@@ -22,8 +22,9 @@ class pointer_map {
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
 
   /// Inserts key -> value; returns false (and changes nothing) if key is present.
-  bool insert(std::uintptr_t key, const Value& value) {
-    if ((size_ + 1) * 2 > capacity_) rehash(capacity_ * 2);
+  [[gnu::always_inline]] bool insert(std::uintptr_t key, const Value& value) {
+    if ((size_ + 1) * 2 > capacity_) [[unlikely]]
+      rehash(capacity_ * 2);
     std::size_t i = slot_of(key);
     while (slots_[i].key != 0) {
       if (slots_[i].key == key) return false;
@@ -43,7 +44,7 @@ class pointer_map {
   }
 
   /// Removes key and stores its value in *out; false if absent.
-  bool erase(std::uintptr_t key, Value* out) noexcept {
+  [[gnu::always_inline]] bool erase(std::uintptr_t key, Value* out) noexcept {
     std::size_t i = slot_of(key);
     for (;; i = (i + 1) & mask_) {
       if (slots_[i].key == key) break;
@@ -75,7 +76,7 @@ class pointer_map {
     return static_cast<std::size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_);
   }
 
-  void rehash(std::size_t capacity) {
+  [[gnu::noinline]] void rehash(std::size_t capacity) {
     auto old = std::move(slots_);
     const std::size_t old_capacity = capacity_;
     slots_ = std::make_unique<slot[]>(capacity);

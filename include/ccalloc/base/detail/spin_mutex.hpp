@@ -1,6 +1,7 @@
 // ccalloc/base/detail/spin_mutex.hpp: small mutexes for short critical
-// sections (the allocator's hot path): spin_mutex, and yield_lock for
-// sections that never wait. Not part of the public API.
+// sections (the allocator's hot path): spin_mutex; yield_lock for sections
+// that never wait; nap_lock for the streams' locks. Not part of the public
+// API.
 //
 // Uncontended lock + unlock is one compare-exchange and one exchange, inlined
 // (std::mutex goes through pthread_mutex_lock's type dispatch). Under
@@ -11,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <thread>
 
@@ -79,6 +81,45 @@ class yield_lock {
       if (!locked_.load(std::memory_order_relaxed) && !locked_.exchange(true, std::memory_order_acquire)) return;
       if (i < 64) CCALLOC_CPU_RELAX();
       else std::this_thread::yield();
+    }
+  }
+
+  std::atomic<bool> locked_{false};
+};
+
+// A test-and-set lock whose release is a plain store, like yield_lock, for
+// sections that are short on the hot path but may be held across a slow
+// device call (a stream's lock: the slow path holds every stream's lock
+// while it maps pages or calls the device's malloc). Uncontended lock +
+// unlock is one atomic exchange and one store. Waiters spin briefly, yield
+// the processor a while, then sleep in naps of nap_microseconds and look
+// again: nobody wakes them (the release does not look for sleepers), so a
+// waiter behind a long holder takes the lock at most one nap after it is
+// released, and a waiter does not burn a core for the whole of a device
+// call. Meets the Lockable requirements.
+class nap_lock {
+ public:
+  static constexpr int spins = 64;
+  static constexpr int yields = 256;
+  static constexpr int nap_microseconds = 50;
+
+  void lock() noexcept {
+    if (!locked_.exchange(true, std::memory_order_acquire)) [[likely]]
+      return;
+    lock_slow();
+  }
+  bool try_lock() noexcept {
+    return !locked_.load(std::memory_order_relaxed) && !locked_.exchange(true, std::memory_order_acquire);
+  }
+  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+
+ private:
+  [[gnu::noinline]] void lock_slow() noexcept {
+    for (int i = 0;; ++i) {
+      if (try_lock()) return;
+      if (i < spins) CCALLOC_CPU_RELAX();
+      else if (i < spins + yields) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(nap_microseconds));
     }
   }
 
