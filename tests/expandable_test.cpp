@@ -396,16 +396,41 @@ TEST_F(ExpandableTest, SetConfigToAZeroRecycleTimePercentStopsRecyclingAtOnce) {
 TEST_F(ExpandableTest, SetConfigToASmallerRecycleTimePercentBoundsTheDebtToItsBucket) {
   make(16384 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
   const stream_t other = sim->create_stream(0);
-  // 3000 fresh pages for a new peak take ~119 ms of the 5% bucket's 50 ms:
-  // it ends one bucket (50 ms) in debt.
-  alloc->free(m(6000 * MiB));
+  alloc->free(m(6000 * MiB));  // fresh pages: not charged
+  // Recycling 3000 pages takes ~143 ms of the 5% bucket's 50 ms: it ends
+  // one bucket (50 ms) in debt.
   alloc->free(m(6000 * MiB, other));
-  ASSERT_EQ(st().num_pages_remapped, 0) << "in debt: the mark rose";
+  ASSERT_EQ(st().num_pages_remapped, 3000);
+  alloc->free(m(6000 * MiB));
+  ASSERT_EQ(st().num_pages_remapped, 3000) << "in debt: the mark rose";
+  ASSERT_EQ(reserved(), I(12000 * MiB));
   alloc->set_config("recycle_time_percent:1,reuse_across_streams:False");  // a 10 ms bucket
   sim->set_host_time_us(*sim->host_time_us() + 2'000'000);  // refills 20 ms at 1%
   alloc->free(m(6002 * MiB));  // one page more than stream 0 holds: recycled from the other stream
-  EXPECT_EQ(st().num_pages_remapped, 1);
+  EXPECT_EQ(st().num_pages_remapped, 3001);
   EXPECT_EQ(reserved(), I(12000 * MiB));
+}
+
+// The budget pays for recycling only: the unmaps and the remapping of the
+// pages they freed, not the fresh pages the same request creates and maps
+// (they cost as much when the mark rises instead). One large request that
+// recycles one page and creates 2999 (a model's first step) leaves the
+// bucket almost full, and the next request over the mark still recycles
+// (charged whole, the 2999 fresh pages' ~119 ms emptied the 50 ms bucket
+// and the mark rose: 2 MiB more reserved).
+TEST_F(ExpandableTest, FreshPagesOfARequestThatRecyclesAreNotChargedToTheBudget) {
+  make(16384 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(2 * MiB));  // stream 0 caches one page; the mark is 2 MiB
+  alloc->free(m(6000 * MiB, other));  // recycles stream 0's page, creates 2999
+  ASSERT_EQ(st().num_pages_remapped, 1);
+  ASSERT_EQ(reserved(), I(6000 * MiB));
+  void* a = m(2 * MiB);  // one page over the mark: recycled from the other stream's free pages
+  EXPECT_EQ(st().num_pages_remapped, 2);
+  EXPECT_EQ(reserved(), I(6000 * MiB));
+  EXPECT_EQ(st().reserved_bytes[0].peak, I(6000 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  alloc->free(a);
 }
 
 // The cap is not subject to the budget: with the bucket empty, a request

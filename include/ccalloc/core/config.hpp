@@ -127,6 +127,8 @@ struct allocator_config {
   /// and 18): a time budget for that recycling. Remapping a page costs tens
   /// of microseconds of driver calls (about 48 us on an H200; docs/perf.md),
   /// the time of hundreds of cached allocations. Recycling for a new peak
+  /// (the unmaps and the mapping of the pages they free; not the fresh pages
+  /// the same request creates, which cost as much when the mark rises)
   /// may take at most this percent of the host's time (a token bucket over
   /// device_backend::host_time_us: it fills at this percent of the time
   /// that passes and holds at most this percent of one second); when it is

@@ -615,9 +615,10 @@ class device_state {
   // (recycle_time_percent): the bucket, refilled from the backend's host
   // clock, is not empty; always true at 100 percent or without a clock.
   // spend_recycle_time takes the host time since `start_us` (a reading of
-  // that clock before the recycling) out of the bucket.
+  // that clock before the recycling), less `excluded_us` (the time of the
+  // fresh pages the same request mapped), out of the bucket.
   bool recycle_time_left();
-  void spend_recycle_time(std::uint64_t start_us);
+  void spend_recycle_time(std::uint64_t start_us, std::uint64_t excluded_us = 0);
   // The bucket's size: recycle_time_percent of recycle_window_us. [world]
   [[nodiscard]] double recycle_bucket_depth_us() const noexcept;
   // Cross-stream reuse of whole reservations (issue 15).
