@@ -13,6 +13,9 @@
 #                     with the thread cache off and on.
 #   HOTPATH_CASES     bench_gpu --cases (default: pair,mixed,churn,threads)
 #   HOTPATH_REPS      bench_gpu --reps (default 5)
+#   HOTPATH_ONLY      bench_gpu --only (default: ccalloc,ccalloc_c: the C++ API
+#                     and the C API through libccalloc.so; ccalloc_c runs the
+#                     pair and mixed cases)
 # Writes OUT_DIR/hotpath-N.log per setting, OUT_DIR/perf-mixed.txt, and a
 # OUT_DIR/bench_vm.log (bench_vm: driver virtual memory calls per page), and a
 # summary (printed last) in OUT_DIR/hotpath-summary.md.
@@ -24,6 +27,7 @@ OUT=$(cd "$OUT" && pwd)
 SETTINGS=${HOTPATH_SETTINGS:-"|;|1;recycles_per_peak:4|;recycles_per_peak:4|1"}
 CASES=${HOTPATH_CASES:-pair,mixed,churn,threads}
 REPS=${HOTPATH_REPS:-5}
+ONLY=${HOTPATH_ONLY:-ccalloc,ccalloc_c}
 say() { echo "gpu-hotpath: $*" >&2; }
 
 BUILD=build-bench-gpu
@@ -43,7 +47,7 @@ for setting in "${list[@]}"; do
     if [ -n "$conf" ]; then export CCALLOC_CONF=$conf; else unset CCALLOC_CONF; fi
     if [ -n "$tc" ]; then export CCALLOC_THREAD_CACHE=$tc; else unset CCALLOC_THREAD_CACHE; fi
     echo "SETTING conf='$conf' thread_cache='$tc'"
-    timeout 120 "$BUILD/bench/gpu/bench_gpu" --only=ccalloc --cases="$CASES" --reps="$REPS"
+    timeout 150 "$BUILD/bench/gpu/bench_gpu" --only="$ONLY" --cases="$CASES" --reps="$REPS"
   ) >"$OUT/hotpath-$i.log" 2>&1
 done
 
