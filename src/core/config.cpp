@@ -408,9 +408,10 @@ const std::array<key_spec, 19>& key_table() {
        &print_bool_field<&allocator_config::reuse_across_streams>},
       {{"thread_cache", "off, small or all (also True/true/1 = all, False/false/0 = off)",
         "ccalloc's own key: each thread parks up to 4 blocks it freed and gets one back for the same "
-        "bytes on the same stream without locks (small: small-pool blocks only, requests of at most 1 MiB). "
-        "Faster pairs, but it can raise peak reserved memory (default off; when the key is not given, "
-        "the environment variable CCALLOC_THREAD_CACHE decides, spelled as this key)."},
+        "bytes on the same stream without the stream's lock, only while that block is exactly what the "
+        "pools would hand out (the same addresses and peaks as off; small: small-pool blocks only, "
+        "requests of at most 1 MiB). Default all; when the key is not given, the environment variable "
+        "CCALLOC_THREAD_CACHE decides, spelled as this key."},
        [](allocator_config& c, std::string_view value) {
          const std::optional<thread_cache_mode> mode = parse_thread_cache_mode(value);
          if (!mode) throw_malformed();
