@@ -73,6 +73,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -203,6 +204,8 @@ struct run_totals {
   std::size_t pool_ops = 0, pool_allocs = 0, pool_misuse = 0, live_checks = 0, deferred_frees = 0;
   std::size_t uses = 0;
   std::size_t bursts = 0, adoptions = 0, destroyed_streams = 0;
+  std::size_t pairs = 0;  // free + malloc of the same bytes right after a malloc (do_malloc)
+  std::size_t quiet_pairs = 0;  // of those, while no freed block waited for events
 };
 
 // Memory that work on `stream` uses until `until` (do_use, or a block freed
@@ -444,6 +447,19 @@ class model_runner {
       else
         p = alloc_->malloc(0, size, per_thread == 1 ? per_thread_stream_handle : stream);
       if (released) return where() + "an allocation routed to released pool " + to_string(routed) + " succeeded";
+      // One malloc in eight on the thread's own stream is followed at once
+      // by its free and a malloc of the same bytes on the same stream, with
+      // no statistics read in between (a read takes the world lock, which
+      // returns every parked block): the thread cache's hit path (issue 18).
+      // The model keeps the second pointer; every check below applies to it
+      // (an out-of-memory error of the second malloc is judged as any).
+      if (per_thread == 0 && routed == mempool_id_t{} && !capturing_ && rng_() % 8 == 0) {
+        alloc_->free(p);
+        p = nullptr;
+        p = alloc_->malloc(0, size, stream);
+        ++totals_.pairs;
+        if (pending_.empty()) ++totals_.quiet_pairs;
+      }
     } catch (const invalid_argument_error& e) {
       if (!released) return where() + "malloc(" + std::to_string(size) + ") threw " + e.what();
       ++totals_.pool_misuse;
@@ -847,6 +863,11 @@ class model_runner {
   }
 
   prop_case case_;
+
+ public:
+  [[nodiscard]] std::int64_t thread_cache_hits() const { return dev_->stats().num_thread_cache_hits; }
+
+ private:
   std::mt19937_64 rng_;
   std::shared_ptr<sim_backend> sim_;
   allocator_config config_;
@@ -920,6 +941,16 @@ TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
     EXPECT_GT(t.busy_frees, 0u);
   }
   EXPECT_GT(t.uses, 0u);
+  // The thread cache (on by default) serves such pairs wherever it may park
+  // (not with caching off, garbage collection, or private pools only).
+  const std::int64_t hits = run.thread_cache_hits();
+  std::printf("[ property ] %s: %zu free + malloc pairs (%zu while no block waited for events), %lld thread "
+              "cache hits\n", c.name, t.pairs, t.quiet_pairs, static_cast<long long>(hits));
+  EXPECT_GT(t.pairs, 0u);
+  if (std::string_view(c.name) == "default" || std::string_view(c.name) == "expandable" ||
+      std::string_view(c.name) == "plain_threads") {
+    EXPECT_GT(hits, 0) << "no pair was served by the thread cache";
+  }
   if (c.bursts) {
     std::printf("[ property ] %s: %zu bursts on short-lived streams, %zu reservations seen changing stream, "
                 "%zu streams destroyed after their last free\n",
