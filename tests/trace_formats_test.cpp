@@ -136,7 +136,7 @@ TEST(RmmLog, MalformedInputNamesFileAndLine) {
       {head + "1,1.0,allocate,0x10,8,0x0\n\n1,2.0,allocate,0x10,8,0x0\n",
        "log:4: allocate at Pointer 0x10, which is still live (allocated at line 2)"},
       {head + "1,1.0,allocate,(nil),8,0x0\n", "log:2: allocate of 8 bytes returned a null Pointer"},
-      {"\n\n", "log:0: empty RMM log: no header line"},
+      {"\n\n", "log: empty RMM log: no header line"},
   };
   for (const auto& [text, want] : cases) {
     const std::string got = error_of([&] { (void)ccalloc::parse_rmm_log(text, "log"); });
@@ -173,7 +173,7 @@ TEST(PyTorchSnapshot, MalformedPicklesGiveClearErrors) {
   // Truncated: a pickle header and nothing else.
   temp_file truncated("truncated.pickle", std::string("\x80\x04\x95\x10\x00\x00", 6));
   std::string e = error_of([&] { (void)ccalloc::read_trace_file(truncated.path()); });
-  EXPECT_EQ(e.rfind(truncated.path() + ":0: a PyTorch snapshot that could not be converted: corrupt pickle", 0), 0u) << e;
+  EXPECT_EQ(e.rfind(truncated.path() + ": a PyTorch snapshot that could not be converted: corrupt pickle", 0), 0u) << e;
   // A pickle of something else (a list of ints: protocol 2).
   // (split literal: "\x02e" would be one hex escape)
   temp_file list("list.pickle", std::string("\x80\x02]q\x00(K\x01K\x02" "e.", 12));
@@ -189,7 +189,7 @@ TEST(PyTorchSnapshot, WithoutPythonSaysHowToConvert) {
   ::setenv("CCALLOC_PYTHON", "/nonexistent/python3", 1);
   const std::string e = error_of([&] { (void)ccalloc::read_trace_file(snapshot_path); });
   ::unsetenv("CCALLOC_PYTHON");
-  EXPECT_EQ(e.rfind(snapshot_path + ":0: a PyTorch snapshot: converting it needs /nonexistent/python3, which was "
+  EXPECT_EQ(e.rfind(snapshot_path + ": a PyTorch snapshot: converting it needs /nonexistent/python3, which was "
                                     "not found",
                     0),
             0u)

@@ -336,7 +336,7 @@ TEST(TraceReaderErrors, MissingFile) {
   } catch (const ccalloc::trace_error& e) {
     EXPECT_EQ(e.file, path);
     EXPECT_EQ(e.line, 0u);
-    EXPECT_EQ(std::string(e.what()), path + ":0: cannot open: No such file or directory");
+    EXPECT_EQ(std::string(e.what()), path + ": cannot open: No such file or directory");
   }
 }
 
@@ -346,7 +346,7 @@ TEST(TraceReaderErrors, DirectoryIsNotATrace) {
     FAIL() << "no trace_error";
   } catch (const ccalloc::trace_error& e) {
     EXPECT_EQ(e.line, 0u);
-    EXPECT_EQ(std::string(e.what()), traces_dir + ":0: cannot read: Is a directory");
+    EXPECT_EQ(std::string(e.what()), traces_dir + ": cannot read: Is a directory");
   }
 }
 
@@ -356,27 +356,27 @@ TEST(TraceReaderErrors, CorruptGzip) {
   for (std::size_t i = 100; i < 200; ++i) bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
   const read_failure f = failure_of_file("corrupt.trace.gz", bytes);
   EXPECT_EQ(f.line, 0u);
-  EXPECT_EQ(f.what.rfind(f.file + ":0: corrupt gzip data: ", 0), 0u) << f.what;
+  EXPECT_EQ(f.what.rfind(f.file + ": corrupt gzip data: ", 0), 0u) << f.what;
 }
 
 TEST(TraceReaderErrors, TruncatedGzip) {
   const std::string bytes = read_bytes(bert_path);
   const read_failure f = failure_of_file("truncated.trace.gz", bytes.substr(0, bytes.size() / 2));
   EXPECT_EQ(f.line, 0u);
-  EXPECT_EQ(f.what, f.file + ":0: corrupt gzip data: truncated (unexpected end of data)");
+  EXPECT_EQ(f.what, f.file + ": corrupt gzip data: truncated (unexpected end of data)");
 }
 
 TEST(TraceReaderErrors, GarbageAfterGzipStream) {
   const std::string bytes = read_bytes(bert_path) + "junk";
   const read_failure f = failure_of_file("junk.trace.gz", bytes);
-  EXPECT_EQ(f.what, f.file + ":0: corrupt gzip data: trailing bytes after the gzip stream");
+  EXPECT_EQ(f.what, f.file + ": corrupt gzip data: trailing bytes after the gzip stream");
 }
 
 TEST(TraceReaderErrors, BadCrcIsCorrupt) {
   std::string bytes = read_bytes(bert_path);
   bytes[bytes.size() - 6] = static_cast<char>(bytes[bytes.size() - 6] ^ 1);  // CRC32 field
   const read_failure f = failure_of_file("crc.trace.gz", bytes);
-  EXPECT_EQ(f.what, f.file + ":0: corrupt gzip data: incorrect data check");
+  EXPECT_EQ(f.what, f.file + ": corrupt gzip data: incorrect data check");
 }
 
 }  // namespace

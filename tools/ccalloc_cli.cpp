@@ -533,7 +533,7 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
                                                            : ""));
   print_row("pages mapped", with_commas(r.pages_mapped) + "  (unmapped " + with_commas(r.pages_unmapped) +
                                 ", remapped " + with_commas(r.pages_remapped) + ")");
-  print_row("moved streams", bytes_cell(r.bytes_moved_between_streams, w) + "  (bytes that changed stream)");
+  print_row("moved streams", with_commas(r.bytes_moved_between_streams) + " B  (bytes that changed stream)");
   print_row("wall time", format("%.3f s  (replay; reading the trace: %.3f s)", r.wall_seconds,
                                 input.read_seconds));
   if (r.repeat > 1) {

@@ -187,10 +187,12 @@ def convert(snapshot, device=None):
     t0 = first_time if first_time is not None else 0
     head = [(t0, action, addr, size, stream) for addr, (action, size, stream) in sorted(start_segments.items())]
     head += [(t0, "alloc", addr, size, stream) for addr, (size, stream) in sorted(start_allocs.items())]
-    notes = [f"{len(entries)} trace entries of device {device}",
-             f"{len(start_allocs)} alloc and {len(start_segments)} segment events added at the start "
-             "(allocated before the trace)",
-             f"{repaired} missing frees added"]
+    notes = [f"{len(entries)} trace entries of device {device}"]
+    if start_allocs or start_segments:
+        notes.append(f"{len(start_allocs)} alloc and {len(start_segments)} segment events added at the start "
+                     "(allocated before the trace)")
+    if repaired:
+        notes.append(f"{repaired} missing frees added")
     if dropped:
         notes.append("dropped actions ccalloc's trace format has not: " +
                      ", ".join(f"{k} x{v}" for k, v in sorted(dropped.items())))

@@ -195,7 +195,8 @@ class SnapshotToTrace(unittest.TestCase):
         lines, notes = snapshot_to_trace.convert(load_torch_snapshot())
         self.assertEqual(len(lines), 1791)
         self.assertEqual(lines[0].split()[1], "segment_alloc")
-        self.assertIn("0 alloc and 0 segment events added", notes[1])
+        # Nothing was added: the notes say only what is there.
+        self.assertFalse(any("events added" in n or "missing frees" in n for n in notes), notes)
 
     def test_trace_started_late_gets_its_earlier_blocks(self):
         s = load_torch_snapshot()

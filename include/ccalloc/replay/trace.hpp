@@ -30,13 +30,15 @@
 
 namespace ccalloc {
 
-/// A malformed trace. what() is "FILE:LINE: reason", with control bytes of
-/// the file name and the reason (which may quote the trace) escaped
-/// (printable_text); `file` is the name as given.
+/// A malformed trace. what() is "FILE:LINE: reason", or "FILE: reason" when
+/// the error is not tied to a line (the file cannot be opened, corrupt gzip
+/// data), with control bytes of the file name and the reason (which may
+/// quote the trace) escaped (printable_text); `file` is the name as given.
 class trace_error : public error {
  public:
   trace_error(const std::string& source_file, std::size_t source_line, const std::string& reason)
-      : error(printable_text(source_file + ":" + std::to_string(source_line) + ": " + reason)),
+      : error(printable_text(source_file + (source_line != 0 ? ":" + std::to_string(source_line) : std::string()) +
+                             ": " + reason)),
         file(source_file),
         line(source_line) {}
   std::string file;
