@@ -54,7 +54,8 @@ inline std::size_t line_count(std::string_view text) {
 
 /// A trace_error from reading `source` whose input had `lines` lines.
 inline void check_error(const trace_error& e, const std::string& source, std::size_t lines) {
-  const std::string prefix = source + ":" + std::to_string(e.line) + ": ";
+  // "FILE:LINE: reason", or "FILE: reason" when not tied to a line (line 0).
+  const std::string prefix = source + (e.line != 0 ? ":" + std::to_string(e.line) : std::string()) + ": ";
   const std::string what = e.what();
   if (e.file != source) violated("trace_error names file '" + e.file + "', not '" + source + "'");
   if (what.rfind(prefix, 0) != 0) violated("trace_error message does not start with '" + prefix + "': " + what);
