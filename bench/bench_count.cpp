@@ -8,8 +8,9 @@
 //
 //   CCALLOC_CONF=expandable_segments:False valgrind --tool=callgrind bench_count pair 200000
 //   minus the same with N = 0, divided by N: instructions per pair. (The
-//   simulated device's address-space reservation does not fit under
-//   valgrind, hence plain segments.)
+//   simulated H200's address-space reservation does not fit under valgrind:
+//   plain segments, or BENCH_COUNT_CAPACITY_GB=8 for a smaller device with
+//   the default configuration's expandable segments.)
 //
 // After the run it prints one line to stderr: what the allocator did during
 // the N measured pairs or steps (the counters' increase; the warm-up is not
@@ -32,6 +33,7 @@
 
 #include <charconv>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -71,6 +73,17 @@ int main(int argc, char** argv) {
   // clock plus what the virtual-memory calls would have cost on an H200.
   ccalloc::sim_options so;
   so.host_clock_mode = ccalloc::sim_options::host_clock::steady;
+  // BENCH_COUNT_CAPACITY_GB: a smaller simulated device (default an H200's
+  // 141 GB), whose address-space reservation fits under valgrind, so that
+  // the default configuration (expandable segments) can be counted too.
+  if (const char* gb = std::getenv("BENCH_COUNT_CAPACITY_GB")) {
+    const std::optional<long> value = parse_count(gb);
+    if (!value || *value == 0 || *value > 4096) {
+      std::fprintf(stderr, "bench_count: bad BENCH_COUNT_CAPACITY_GB '%s': expected a whole number from 1 to 4096\n", gb);
+      return 2;
+    }
+    so.capacity_bytes = static_cast<std::size_t>(*value) * 1000 * 1000 * 1000;
+  }
   auto backend = std::make_shared<ccalloc::sim_backend>(so);
   ccalloc::caching_allocator a{backend};
   a.init(1);

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cstdint>
 #include <iterator>
 #include <memory>
@@ -34,6 +35,32 @@ TEST(BlockIndex, BinsAreInSizeOrderAndCoverEverySize) {
   EXPECT_EQ(block_index::bin_of(17 * 512), 12u);
   EXPECT_EQ(block_index::bin_of(24 * 512), 13u);
   EXPECT_EQ(block_index::bin_of(~std::size_t{0} & ~std::size_t{511}), block_index::bin_count - 1);
+}
+
+// bin_of is computed without a branch; it must equal its definition (units
+// 1-8 a bin each, then four bins per power of two of units - 1) for every
+// size, including sizes that are not multiples of 512 (lower_bound's
+// argument need not be rounded).
+TEST(BlockIndex, BinOfEqualsItsDefinition) {
+  const auto defined = [](std::size_t size_bytes) -> std::uint32_t {
+    const std::size_t units = size_bytes >> 9;
+    const std::size_t u = units == 0 ? 0 : units - 1;
+    if (u < 8) return static_cast<std::uint32_t>(u);
+    const auto e = static_cast<std::uint32_t>(std::bit_width(u) - 1);
+    return (e - 1) * 4 + static_cast<std::uint32_t>((u >> (e - 2)) & 3);
+  };
+  for (std::size_t size = 0; size < (std::size_t{1} << 22); size += 97)
+    ASSERT_EQ(block_index::bin_of(size), defined(size)) << size;
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 100000; ++i) {
+    const std::size_t size = rng() >> (rng() % 64);
+    ASSERT_EQ(block_index::bin_of(size), defined(size)) << size;
+  }
+  for (unsigned k = 9; k < 64; ++k) {
+    const std::size_t p = std::size_t{1} << k;
+    for (const std::size_t size : {p - 1, p, p + 1, p + 511, p + 512})
+      ASSERT_EQ(block_index::bin_of(size), defined(size)) << size;
+  }
 }
 
 // Bins are ranges (lo, hi] of sizes: the usual segment sizes are a bin's top,

@@ -101,10 +101,16 @@ caching_allocator& resolve(ccalloc_allocator_t* alloc) {
   return alloc == nullptr ? ccalloc::global_allocator() : *alloc->allocator;
 }
 
-/// Throws invalid_argument_error naming `function` and `what` when `ptr` is null.
-void require(const void* ptr, const char* function, const char* what) {
-  if (ptr == nullptr)
-    throw ccalloc::invalid_argument_error(std::string("ccalloc: ") + function + ": " + what + " is NULL");
+/// Throws invalid_argument_error naming `function` and `what` (a NULL argument).
+[[gnu::noinline, gnu::cold, noreturn]] void throw_null(const char* function, const char* what) {
+  throw ccalloc::invalid_argument_error(std::string("ccalloc: ") + function + ": " + what + " is NULL");
+}
+
+/// Throws invalid_argument_error naming `function` and `what` when `ptr` is
+/// null. Inline: one test where ccalloc_malloc checks its `out`.
+[[gnu::always_inline]] inline void require(const void* ptr, const char* function, const char* what) {
+  if (ptr == nullptr) [[unlikely]]
+    throw_null(function, what);
 }
 
 ccalloc::stream_t to_stream(ccalloc_stream_t stream) noexcept { return reinterpret_cast<ccalloc::stream_t>(stream); }
@@ -156,7 +162,7 @@ std::string segment_failure_note(const segment_failure& f) {
 
 /// allocate_noting_segment_failures once a pool has a segment allocator.
 template <typename Allocate>
-[[gnu::noinline]] void* allocate_tracking_segment_failures(Allocate& allocate) {
+[[gnu::noinline]] void* allocate_tracking_segment_failures(Allocate allocate) {
   // Saved and restored: an out-of-memory observer may allocate meanwhile.
   const segment_failure saved = tls_segment_failure;
   tls_segment_failure = {};
@@ -181,7 +187,10 @@ template <typename Allocate>
 /// after a pool's segment malloc failed during the call, the message gets the
 /// code that malloc returned (segment_failure_note). Inline, and `allocate`
 /// with it (mark the lambda always_inline): until a pool has a segment
-/// allocator, one relaxed load and the call.
+/// allocator, one relaxed load and the call. The slow path takes a copy of
+/// the closure, and the lambdas capture the arguments by value: otherwise
+/// the caller stores the closure and the arguments to memory before the
+/// test, on the fast path too.
 template <typename Allocate>
 [[gnu::always_inline]] inline void* allocate_noting_segment_failures(Allocate&& allocate) {
   if (!custom_segment_pools.load(std::memory_order_relaxed)) [[likely]]
@@ -426,7 +435,9 @@ ccalloc_status_t ccalloc_malloc(ccalloc_allocator_t* alloc, int device, size_t s
   return guarded([&] {
     require(out, "ccalloc_malloc", "out");
     caching_allocator& a = resolve(alloc);
-    *out = allocate_noting_segment_failures([&]() __attribute__((always_inline)) { return a.malloc(device, size_bytes, to_stream(stream)); });
+    *out = allocate_noting_segment_failures([&a, device, size_bytes, stream]() __attribute__((always_inline)) {
+      return a.malloc(device, size_bytes, to_stream(stream));
+    });
   });
 }
 
@@ -438,7 +449,9 @@ ccalloc_status_t ccalloc_raw_alloc(ccalloc_allocator_t* alloc, size_t size_bytes
   return guarded([&] {
     require(out, "ccalloc_raw_alloc", "out");
     caching_allocator& a = resolve(alloc);
-    *out = allocate_noting_segment_failures([&]() __attribute__((always_inline)) { return a.raw_alloc(size_bytes); });
+    *out = allocate_noting_segment_failures([&a, size_bytes]() __attribute__((always_inline)) {
+      return a.raw_alloc(size_bytes);
+    });
   });
 }
 
@@ -447,7 +460,9 @@ ccalloc_status_t ccalloc_raw_alloc_with_stream(ccalloc_allocator_t* alloc, size_
   return guarded([&] {
     require(out, "ccalloc_raw_alloc_with_stream", "out");
     caching_allocator& a = resolve(alloc);
-    *out = allocate_noting_segment_failures([&]() __attribute__((always_inline)) { return a.raw_alloc_with_stream(size_bytes, to_stream(stream)); });
+    *out = allocate_noting_segment_failures([&a, size_bytes, stream]() __attribute__((always_inline)) {
+      return a.raw_alloc_with_stream(size_bytes, to_stream(stream));
+    });
   });
 }
 

@@ -634,10 +634,8 @@ std::size_t device_state::merge(block* dst, block* src) {
 void block_index::insert(block* b) {
   bump_version();
   const std::uint32_t bin = bin_of(b->size);
-  std::vector<entry>& v = bins_[bin];
-  const std::size_t i = search(v, b->size, b->ptr);
-  if (i == v.size()) v.push_back(entry{b->size, b->ptr, b});
-  else v.insert(v.begin() + static_cast<std::ptrdiff_t>(i), entry{b->size, b->ptr, b});
+  bin_array& v = bins_[bin];
+  v.insert_at(search(v, b->size, b->ptr), entry{b->size, b->ptr, b});
   ++count_;
   occupied_[bin / 64] |= std::uint64_t{1} << (bin % 64);
 }
@@ -645,8 +643,8 @@ void block_index::insert(block* b) {
 // A block is always in its own size's bin: no need to look further.
 block_index::position block_index::find(const block* b) const noexcept {
   const std::uint32_t bin = bin_of(b->size);
-  const std::size_t i = search(bins_[bin], b->size, b->ptr);
-  return i < bins_[bin].size() && bins_[bin][i].b == b ? position{bin, static_cast<std::uint32_t>(i)} : end();
+  const std::uint32_t i = search(bins_[bin], b->size, b->ptr);
+  return i < bins_[bin].size() && bins_[bin][i].b == b ? position{bin, i} : end();
 }
 
 void block_index::erase(const block* b) {

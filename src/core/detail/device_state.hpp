@@ -62,6 +62,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <array>
 #include <atomic>
 #include <bit>
@@ -192,13 +193,52 @@ class block_index {
   };
   static constexpr std::uint32_t bin_count = 216;
 
+  /// One bin: its entries in key order, in one array. Not a std::vector:
+  /// its size() divides by the entry's 24 bytes and its insert is a call,
+  /// on every best fit, split and merge; this keeps its count and shifts
+  /// inline (growing, rare, is out of line).
+  class bin_array {
+   public:
+    [[nodiscard]] std::uint32_t size() const noexcept { return size_; }
+    [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+    [[nodiscard]] entry& operator[](std::uint32_t i) noexcept { return data_[i]; }
+    [[nodiscard]] const entry& operator[](std::uint32_t i) const noexcept { return data_[i]; }
+    [[nodiscard]] const entry& back() const noexcept { return data_[size_ - 1]; }
+    /// Inserts `e` before index i (i <= size()). May throw std::bad_alloc (then unchanged).
+    void insert_at(std::uint32_t i, const entry& e) {
+      if (size_ == capacity_) [[unlikely]]
+        grow();
+      if (i != size_) std::memmove(&data_[i + 1], &data_[i], (size_ - i) * sizeof(entry));
+      data_[i] = e;
+      ++size_;
+    }
+    /// Removes the entry at index i (< size()).
+    void erase_at(std::uint32_t i) noexcept {
+      --size_;
+      if (i != size_) std::memmove(&data_[i], &data_[i + 1], (size_ - i) * sizeof(entry));
+    }
+
+   private:
+    [[gnu::noinline]] void grow() {
+      const std::uint32_t capacity = capacity_ == 0 ? 4 : capacity_ * 2;
+      auto data = std::make_unique_for_overwrite<entry[]>(capacity);
+      if (size_ != 0) std::memcpy(data.get(), data_.get(), size_ * sizeof(entry));
+      data_ = std::move(data);
+      capacity_ = capacity;
+    }
+    std::unique_ptr<entry[]> data_;
+    std::uint32_t size_ = 0;
+    std::uint32_t capacity_ = 0;
+  };
+
   /// The bin of a block of `size_bytes`: non-decreasing in the size.
+  /// Without a branch: with s = max(bit_width(u) - 3, 0), the bin is 4 s +
+  /// (u >> s), where u >> s is u's top three bits (4..7) once u >= 8.
   [[nodiscard]] static constexpr std::uint32_t bin_of(std::size_t size_bytes) noexcept {
-    const std::size_t units = size_bytes >> 9;  // 512-byte units
-    const std::size_t u = units == 0 ? 0 : units - 1;
-    if (u < 8) return static_cast<std::uint32_t>(u);
-    const auto e = static_cast<std::uint32_t>(std::bit_width(u) - 1);  // >= 3
-    return (e - 1) * 4 + static_cast<std::uint32_t>((u >> (e - 2)) & 3);
+    std::size_t u = size_bytes >> 9;  // 512-byte units
+    u -= u != 0 ? 1 : 0;
+    const auto shift = static_cast<std::uint32_t>(std::bit_width(u | 4)) - 3;
+    return 4 * shift + static_cast<std::uint32_t>(u >> shift);
   }
 
   [[nodiscard]] std::size_t size() const noexcept { return count_; }
@@ -231,9 +271,8 @@ class block_index {
   void bump_version() noexcept { version_.store(version_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
   void erase_at(position p) {
     bump_version();
-    std::vector<entry>& v = bins_[p.bin];
-    if (p.index + 1 == v.size()) v.pop_back();
-    else v.erase(v.begin() + static_cast<std::ptrdiff_t>(p.index));
+    bin_array& v = bins_[p.bin];
+    v.erase_at(p.index);
     --count_;
     if (v.empty()) occupied_[p.bin / 64] &= ~(std::uint64_t{1} << (p.bin % 64));
   }
@@ -242,7 +281,7 @@ class block_index {
   /// in p's bin between the same neighbours (a split, or a merge with a free
   /// neighbour, rarely moves it).
   void rekey_at(position p, block* b) {
-    std::vector<entry>& v = bins_[p.bin];
+    bin_array& v = bins_[p.bin];
     const bool stays = bin_of(b->size) == p.bin &&
                        (p.index == 0 || key_less(v[p.index - 1], b->size, b->ptr)) &&
                        (p.index + 1 == v.size() || !key_less(v[p.index + 1], b->size, b->ptr));
@@ -267,7 +306,7 @@ class block_index {
   template <class F>
   void for_each_descending(F f) const {
     for (std::uint32_t bin = last_bin(); bin != bin_count; bin = prev_bin(bin))
-      for (std::size_t i = bins_[bin].size(); i-- > 0;)
+      for (std::uint32_t i = bins_[bin].size(); i-- > 0;)
         if (!f(bins_[bin][i].b)) return;
   }
 
@@ -278,11 +317,11 @@ class block_index {
     return e.size < size_bytes || (e.size == size_bytes && e.ptr < ptr);
   }
   // The index in `v` of the first entry with (size, ptr) >= (size_bytes, ptr).
-  [[nodiscard]] static std::size_t search(const std::vector<entry>& v, std::size_t size_bytes,
-                                          std::uintptr_t ptr) noexcept {
-    std::size_t lo = 0, n = v.size();
+  [[nodiscard]] static std::uint32_t search(const bin_array& v, std::size_t size_bytes,
+                                            std::uintptr_t ptr) noexcept {
+    std::uint32_t lo = 0, n = v.size();
     while (n > 0) {  // branch-light binary search
-      const std::size_t half = n / 2;
+      const std::uint32_t half = n / 2;
       const entry& e = v[lo + half];
       const bool less = key_less(e, size_bytes, ptr);
       lo = less ? lo + half + 1 : lo;
@@ -312,7 +351,7 @@ class block_index {
   }
   [[nodiscard]] std::uint32_t last_bin() const noexcept { return prev_bin(bin_count); }
 
-  std::array<std::vector<entry>, bin_count> bins_;
+  std::array<bin_array, bin_count> bins_;
   std::array<std::uint64_t, words> occupied_{};
   std::size_t count_ = 0;
   std::atomic<std::uint64_t> version_{0};  // [stream] to write (version())
