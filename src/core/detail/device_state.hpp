@@ -91,7 +91,9 @@ inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments 
 // new peak (the default); such a block packed with its like wastes at most
 // that much per block.
 [[nodiscard]] constexpr bool nearly_whole_pages(std::size_t size, std::size_t page) noexcept {
-  const std::size_t past = size % page;  // one division: this runs on the hot path
+  // A mask for the usual power-of-two page (a division takes tens of cycles:
+  // this runs at every split of a large block in an expandable segment).
+  const std::size_t past = (page & (page - 1)) == 0 ? size & (page - 1) : size % page;
   return past != 0 && page - past <= page / 64;
 }
 
