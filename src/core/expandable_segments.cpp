@@ -72,26 +72,6 @@ void device_state::pool_erase_counted(block* b) {
   device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
 }
 
-// Splits free block `b` (outside its pool) at address `at`; returns the upper
-// part, which inherits b's stream, pool, segment and mapping state.
-block* device_state::split_free_block(block* b, std::uintptr_t at) {
-  CCALLOC_ASSERT(b->is_free() && at > b->ptr && at < b->ptr + b->size && (at - b->ptr) % min_block_bytes == 0);
-  block* hi = b->pool->owner->new_block();
-  hi->ptr = at;
-  hi->size = b->ptr + b->size - at;
-  b->size -= hi->size;
-  hi->stream = b->stream;
-  hi->pool = b->pool;
-  hi->seg = b->seg;
-  hi->mapped = b->mapped;
-  hi->free_seq = b->free_seq;
-  hi->next = b->next;
-  if (hi->next != nullptr) hi->next->prev = hi;
-  hi->prev = b;
-  b->next = hi;
-  return hi;
-}
-
 // Marks the page-aligned range [lo, hi) of `seg` mapped or unmapped. Every
 // block overlapping it is free and in the other state. Splits blocks at lo
 // and hi, merges free neighbours of equal state, and keeps pool membership

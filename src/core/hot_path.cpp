@@ -336,6 +336,26 @@ bool device_state::should_split(const block* b, std::size_t size) const noexcept
   return size < config_.max_split_size_bytes && remaining > small_request_bytes;
 }
 
+// Splits free block `b` (outside its pool) at address `at`; returns the upper
+// part, which inherits b's stream, pool, segment and mapping state.
+block* device_state::split_free_block(block* b, std::uintptr_t at) {
+  CCALLOC_ASSERT(b->is_free() && at > b->ptr && at < b->ptr + b->size && (at - b->ptr) % min_block_bytes == 0);
+  block* hi = b->pool->owner->new_block();
+  hi->ptr = at;
+  hi->size = b->ptr + b->size - at;
+  b->size -= hi->size;
+  hi->stream = b->stream;
+  hi->pool = b->pool;
+  hi->seg = b->seg;
+  hi->mapped = b->mapped;
+  hi->free_seq = b->free_seq;
+  hi->next = b->next;
+  if (hi->next != nullptr) hi->next->prev = hi;
+  hi->prev = b;
+  b->next = hi;
+  return hi;
+}
+
 // Whether a split of free block b hands out its back: in an expandable
 // segment, when the block above is in use (allocated or waiting for events)
 // and the one below is not (unmapped, or the segment's start).

@@ -210,17 +210,26 @@ class block_index {
     void insert_at(std::uint32_t i, const entry& e) {
       if (size_ == capacity_) [[unlikely]]
         grow();
-      if (i != size_) std::memmove(&data_[i + 1], &data_[i], (size_ - i) * sizeof(entry));
-      data_[i] = e;
+      entry* d = data_.get();
+      for (std::uint32_t j = size_; j > i; --j) copy_entry(d[j], d[j - 1]);
+      d[i] = e;
       ++size_;
     }
     /// Removes the entry at index i (< size()).
     void erase_at(std::uint32_t i) noexcept {
       --size_;
-      if (i != size_) std::memmove(&data_[i], &data_[i + 1], (size_ - i) * sizeof(entry));
+      entry* d = data_.get();
+      for (std::uint32_t j = i; j < size_; ++j) copy_entry(d[j], d[j + 1]);
     }
 
    private:
+    // The shifts above move a few entries (a bin rarely holds more than a
+    // few): a loop, not a call of memmove through the PLT. An asm barrier
+    // keeps GCC from turning the loop back into that call.
+    static void copy_entry(entry& to, const entry& from) noexcept {
+      to = from;
+      asm volatile("" ::: "memory");
+    }
     [[gnu::noinline]] void grow() {
       const std::uint32_t capacity = capacity_ == 0 ? 4 : capacity_ * 2;
       auto data = std::make_unique_for_overwrite<entry[]>(capacity);
