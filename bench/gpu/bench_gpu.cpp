@@ -176,6 +176,7 @@ int main(int argc, char** argv) {
     cuda_check(cudaSetDevice(0), "cudaSetDevice");
     cuda_check(cudaFree(nullptr), "cudaFree(nullptr)");  // create the context before any timing
     cb::print_device_info("bench_gpu");
+    cb::warm_up_host();
     const cb::stream_set streams;
     run<ccalloc_adapter>(streams, s);
     run<ccalloc_c_adapter>(streams, s, cb::case_set{true, true, false, false, false});

@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
     cb::cuda_check(cudaSetDevice(0), "cudaSetDevice");
     cb::cuda_check(cudaFree(nullptr), "cudaFree(nullptr)");  // create the context before any timing
     cb::print_device_info("bench_torch");
+    cb::warm_up_host();
     const cb::stream_set streams;
     torch_adapter a;
     std::printf("INFO torch_allocator=\"%s\"\n", tca::name().c_str());

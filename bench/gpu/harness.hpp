@@ -137,6 +137,17 @@ inline double seconds_since(bench_clock::time_point t0) {
   return std::chrono::duration<double>(bench_clock::now() - t0).count();
 }
 
+/// Keeps this thread busy for `seconds` before the first timed case, so that
+/// the core has left any idle frequency state and the first allocator timed
+/// is not at a disadvantage (the first case of a run measured up to a third
+/// slower than the same case later in the run on the H200 host).
+inline void warm_up_host(double seconds = 0.5) {
+  const auto t0 = bench_clock::now();
+  volatile std::uint64_t sink = 0;
+  while (seconds_since(t0) < seconds)
+    for (int i = 0; i < 1000; ++i) sink = sink + static_cast<std::uint64_t>(i);
+}
+
 struct rep_stats {
   double median_ns = 0, min_ns = 0, max_ns = 0;
 };
