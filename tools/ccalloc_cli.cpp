@@ -28,7 +28,7 @@
 //
 // Exit status: 0 success; 1 a ccalloc error (bad trace, bad configuration,
 // unreadable file), printed as "ccalloc: <message>" on stderr; 2 a usage
-// error (unknown option, missing subcommand, bad --device or --device-memory
+// error (unknown option, missing subcommand, bad --repeat, --device or --device-memory
 // value, --device-memory with --device cuda).
 // With --json, stdout holds exactly one JSON document; warnings go to stderr.
 //
