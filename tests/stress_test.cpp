@@ -50,6 +50,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <ostream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -348,6 +349,9 @@ struct stress_case {
   const char* name;
   const char* conf;
 };
+
+// How ctest lists a case (GoogleTest prints an unknown type as its bytes).
+void PrintTo(const stress_case& c, std::ostream* os) { *os << c.name << " (\"" << c.conf << "\")"; }
 
 class StressTest : public ::testing::TestWithParam<stress_case> {};
 
