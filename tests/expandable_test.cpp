@@ -223,6 +223,62 @@ TEST_F(ExpandableTest, ABlockJustShortOfWholePagesIsCarvedOnPageBoundaries) {
   alloc->free(x);
 }
 
+// Issue 15: a request whose best fit is a free island (a free mapped run
+// with no block in use beside it, whose pages the next new peak recycles
+// whole) takes the fitting free block at the lowest address instead, so that
+// blocks allocated one after another (a model loaded again) stay in one run.
+// Best fit put w1 and w2 in the two islands, two pages each with 1 MiB of
+// each stranded; together at the bottom they fill three pages exactly, and
+// the other stream's next peak recycles every other page without growing.
+TEST_F(ExpandableTest, ARequestWhoseBestFitIsAFreeIslandTakesTheLowestFittingBlock) {
+  make(256 * MiB, "reuse_across_streams:False");  // page by page, no idle reservation moves
+  const stream_t other = sim->create_stream(0);
+  void* low = m(20 * MiB);  // [0, 20) MiB
+  void* h1 = m(4 * MiB);    // [20, 24)
+  void* i1 = m(4 * MiB);    // [24, 28)
+  void* h2 = m(4 * MiB);    // [28, 32)
+  void* i2 = m(4 * MiB);    // [32, 36)
+  ASSERT_EQ(U(i2), U(low) + 32 * MiB);
+  alloc->free(h1);
+  alloc->free(h2);
+  void* o1 = m(8 * MiB, other);  // past the mark: h1's and h2's pages move, holes at [20, 24) and [28, 32)
+  ASSERT_EQ(st().num_pages_remapped, 4);
+  for (void* p : {low, i1, i2}) alloc->free(p);  // three free islands: [0, 20), [24, 28), [32, 36)
+  void* w1 = m(3 * MiB);
+  void* w2 = m(3 * MiB);
+  EXPECT_EQ(w1, low) << "best fit would take the island at 24 MiB";
+  EXPECT_EQ(U(w2), U(low) + 3 * MiB) << "best fit would take the island at 32 MiB";
+  EXPECT_EQ(reserved(), I(36 * MiB)) << "nothing mapped";
+  // 11 pages past the mark: the islands' 4 pages and the 7 above w2 move.
+  void* o2 = m(22 * MiB, other);
+  EXPECT_EQ(st().num_pages_remapped, 4 + 11);
+  EXPECT_EQ(st().reserved_bytes[0].peak, I(36 * MiB)) << "best fit: 10 free pages, 1 more mapped";
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  for (void* p : {w1, w2, o1, o2}) alloc->free(p);
+}
+
+// Best fit as before for a request of whole pages (carved from an island
+// it strands nothing), and without recycling at every new peak
+// (recycles_per_peak limited: the islands stay mapped whatever is placed).
+TEST_F(ExpandableTest, WholePagesOrLimitedRecyclingKeepBestFitInAFreeIsland) {
+  for (const auto& [conf, size] : {std::pair{std::string{"reuse_across_streams:False"}, 4 * MiB},
+                                   std::pair{std::string{"reuse_across_streams:False,recycles_per_peak:4"}, 3 * MiB}}) {
+    make(256 * MiB, conf);
+    const stream_t other = sim->create_stream(0);
+    void* low = m(20 * MiB);  // [0, 20) MiB
+    void* h1 = m(4 * MiB);    // [20, 24)
+    void* i1 = m(4 * MiB);    // [24, 28)
+    alloc->free(h1);
+    void* o1 = m(4 * MiB, other);  // past the mark: h1's pages move
+    ASSERT_EQ(st().num_pages_remapped, 2) << conf;
+    alloc->free(low);
+    alloc->free(i1);  // islands [0, 20) and [24, 28)
+    void* w = m(size);
+    EXPECT_EQ(w, i1) << conf;
+    for (void* p : {w, o1}) alloc->free(p);
+  }
+}
+
 // The same at the back of a cached block, next to the live block above
 // (place_at_back): x starts on the page boundary below the flush position,
 // and the free range below it stays on page boundaries, whole pages only.

@@ -175,6 +175,48 @@ std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size
   return best;
 }
 
+// Best fit `at` (free block b, larger than p.size) is a free island: a free
+// mapped run of p's expandable large pool with no block in use beside it
+// (both its neighbours unmapped, or the segment's ends), whose pages the
+// next new peak recycles whole. Carved, it starts a new run of live blocks,
+// and a request that is not a whole number of pages leaves the end page of
+// that run partly free: stranded, once the free pages around it are
+// recycled, for as long as the block lives. So such a request takes the
+// fitting free block at the lowest address instead (oldest segment first;
+// b itself when it is the lowest): blocks allocated one after another land
+// one after another, in few runs, and the islands stay whole for
+// recycling. A program that loads its model again (load, run, free, in a
+// loop) otherwise spreads the weights over the islands its last run left,
+// by size, each of them stranding up to a page (issue 15: llama_generate at
+// 4 passes 1.024 -> 1.008; bert_copystream_infer 1.029 -> 1.024 at every
+// pass count). A request of whole pages strands nothing: best fit. Only
+// where free pages are recycled at every new peak (as page_aligned_start):
+// otherwise the islands stay mapped, and best fit keeps PyTorch's rule. The
+// scan goes over the pool's larger free blocks, in this case only.
+block_index::position device_state::lowest_fitting_block(const alloc_params& p,
+                                                         block_index::position at) const noexcept {
+  if (!config_.trim_on_new_peak || config_.recycles_per_peak != std::numeric_limits<std::size_t>::max()) return at;
+  if (p.size % p.pool->blocks.at(at)->seg->page_bytes == 0) return at;  // strands nothing: best fit
+  const block_index& index = p.pool->blocks;
+  const std::size_t max_split = config_.max_split_size_bytes;
+  block_index::position best = at;
+  const block* lowest = index.at(at);
+  for (block_index::position j = index.next(at); j != block_index::end(); j = index.next(j)) {
+    const block* c = index.at(j);
+    // find_free_block's oversize rules (the sizes only grow from here).
+    if (p.size < max_split && c->size >= max_split) break;
+    if (p.size >= max_split && c->size - p.size >= config_.max_non_split_rounding_bytes) break;
+    if (!c->seg->expandable) continue;
+    const bool lower = c->seg->seq != lowest->seg->seq ? c->seg->seq < lowest->seg->seq
+                                                       : c->ptr - c->seg->base < lowest->ptr - lowest->seg->base;
+    if (lower) {
+      best = j;
+      lowest = c;
+    }
+  }
+  return best;
+}
+
 segment* device_state::new_expandable_segment(const alloc_params& p) {
   const std::size_t page = page_bytes_;
   const std::size_t want = std::max(device_total_bytes_, p.size);

@@ -315,6 +315,14 @@ block_index::position device_state::find_free_block(alloc_params& p) {
   if (p.size < max_split && b->size >= max_split) return block_index::end();
   // b->size >= p.size (lower_bound); the difference cannot overflow.
   if (p.size >= max_split && b->size - p.size >= config_.max_non_split_rounding_bytes) return block_index::end();
+  // Expandable segments: carving b, a free island (no block in use beside
+  // it), would start a new run of live blocks (lowest_fitting_block; rare).
+  if (b->size != p.size && !pool.is_small && b->seg->expandable && (b->prev == nullptr || !b->prev->mapped) &&
+      (b->next == nullptr || !b->next->mapped)) [[unlikely]] {
+    const block_index::position lowest = lowest_fitting_block(p, i);
+    p.found = pool.blocks.at(lowest);
+    return lowest;
+  }
   p.found = b;
   return i;
 }

@@ -570,6 +570,12 @@ class device_state {
   // Where in free block b a block of `size` bytes (nearly_whole_pages of an
   // expandable segment's page) starts (expandable_segments.cpp). [stream]
   [[nodiscard]] static std::uintptr_t page_aligned_start(const block& b, std::size_t size, bool back) noexcept;
+  // find_free_block's best fit `at` for p, a free island of an expandable
+  // segment's large pool: the fitting free block at the lowest address
+  // instead, where free pages are recycled at every new peak
+  // (expandable_segments.cpp). [stream]
+  [[nodiscard]] block_index::position lowest_fitting_block(const alloc_params& p,
+                                                           block_index::position at) const noexcept;
   void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream] (+device if device_locked)
   void free_block(block* b, device_stats& st, bool device_locked);            // [stream] (+device if device_locked)
   [[nodiscard]] static bool can_merge(const block* dst, const block* src) noexcept;  // [stream]
