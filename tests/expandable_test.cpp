@@ -360,27 +360,104 @@ constexpr double trade_us = 10 * (vm_call_costs::unmap_us + vm_call_costs::map_u
 }
 
 TEST_F(ExpandableTest, RecyclingStopsWhenItsTimeBudgetIsSpentAndTheMarkRisesInstead) {
-  make(256 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  make(1024 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
   const stream_t other = sim->create_stream(0);
-  alloc->free(m(20 * MiB));  // stream 0 caches 10 pages; high-water 20 MiB
+  void* keep = m(400 * MiB);  // the trades below are small peaks (20 MiB, under 1/16 of the mark)
+  alloc->free(m(20 * MiB));   // stream 0 caches 10 pages; high-water 420 MiB
   // The clock stands still but for the remapping itself (the program does
   // nothing but allocate): the bucket's 50 ms, refilled by 5% of the time the
   // trades take, pay for about 50,000 / (0.95 x trade_us) trades, then the
-  // mark rises.
+  // mark rises (small peaks never draw on the reserve).
   const auto budget_trades = static_cast<std::int64_t>(50'000.0 / (0.95 * trade_us));
   std::int64_t trades = 0;
-  for (int i = 0; i < 400 && reserved() == I(20 * MiB); ++i) {
+  for (int i = 0; i < 400 && reserved() == I(420 * MiB); ++i) {
     alloc->free(m(20 * MiB, i % 2 == 0 ? other : 0));
-    if (reserved() == I(20 * MiB)) ++trades;
+    if (reserved() == I(420 * MiB)) ++trades;
   }
   EXPECT_GE(trades, budget_trades - 1);
   EXPECT_LE(trades, budget_trades + 1);
   EXPECT_EQ(st().num_pages_remapped, 10 * trades);
-  EXPECT_EQ(reserved(), I(40 * MiB)) << "the mark rose: each stream keeps its own 10 pages";
+  EXPECT_EQ(reserved(), I(440 * MiB)) << "the mark rose: each stream keeps its own 10 pages";
   EXPECT_EQ(st().num_device_synchronizations, 0);
   // From now on both fit without recycling: no more remapping.
   for (int i = 0; i < 10; ++i) alloc->free(m(20 * MiB, i % 2 == 0 ? other : 0));
   EXPECT_EQ(st().num_pages_remapped, 10 * trades);
+  // A large peak (80 MiB over the 440 MiB mark, more than 1/16 of it) with
+  // the bucket still empty: the reserve pays, and stream 0's 10 free pages
+  // are recycled; the mark rises by the 30 pages nobody has free.
+  void* big = m(100 * MiB, other);
+  EXPECT_EQ(st().num_pages_remapped, 10 * trades + 10);
+  EXPECT_EQ(reserved(), I(500 * MiB));
+  alloc->free(big);
+  alloc->free(keep);
+}
+
+// The reserve (issue 15) keeps the time bound: a program with a large new
+// peak at every step (two streams trading 10 pages, each trade a new peak of
+// the whole mark) recycles on the bucket, then on the reserve (5% of ten
+// seconds), then as fast as the bucket refills, and no more: the time
+// recycling takes is at most 5% of the time passed plus what the two hold
+// at the start (plus a trade each, the debt of their last one); then the
+// mark rises.
+TEST_F(ExpandableTest, ALargeNewPeakAtEveryStepRecyclesWithinTheTimeBound) {
+  constexpr double bucket_us = 50'000.0;    // 5% of one second
+  constexpr double reserve_us = 500'000.0;  // 5% of ten seconds
+  // idle: the program's own time between two trades, in trades (0: the
+  // clock moves only by the remapping; 5: trading at every step would take
+  // 1/6 of the time, more than the 5% allowed).
+  for (const int idle : {0, 5}) {
+    make(256 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+    const stream_t other = sim->create_stream(0);
+    alloc->free(m(20 * MiB));  // stream 0 caches 10 pages; high-water 20 MiB
+    const std::uint64_t start_us = *sim->host_time_us();
+    std::uint64_t base_us = 0;
+    std::int64_t trades = 0;
+    int steps = 0;
+    for (; steps < 20'000 && reserved() == I(20 * MiB); ++steps) {
+      base_us += static_cast<std::uint64_t>(idle * trade_us);
+      sim->set_host_time_us(base_us);
+      alloc->free(m(20 * MiB, steps % 2 == 0 ? other : 0));
+      if (reserved() == I(20 * MiB)) ++trades;
+    }
+    const double elapsed_us = static_cast<double>(*sim->host_time_us() - start_us);
+    const double recycled_us = static_cast<double>(trades) * trade_us;
+    EXPECT_EQ(st().num_pages_remapped, 10 * trades) << idle;
+    EXPECT_LE(recycled_us, 0.05 * elapsed_us + bucket_us + reserve_us + 2 * trade_us) << idle;
+    // The reserve did pay: more trades than the bucket alone allows.
+    EXPECT_GT(recycled_us, (bucket_us + reserve_us) * 0.95) << idle;
+    EXPECT_EQ(reserved(), I(40 * MiB)) << idle << ": the mark rose after " << steps << " steps";
+    EXPECT_EQ(st().num_device_synchronizations, 0);
+    // Both fit now: no more remapping, however long the program runs.
+    for (int i = 0; i < 100; ++i) alloc->free(m(20 * MiB, i % 2 == 0 ? other : 0));
+    EXPECT_EQ(st().num_pages_remapped, 10 * trades) << idle;
+  }
+}
+
+// The reserve fills only with what the full bucket cannot hold (together
+// they never take more than the one share of the time passing): after both
+// are spent, 1.5 s of the program's own time refills the bucket's 50 ms and
+// puts the other 25 ms in the reserve, so a program trading large peaks
+// again recycles for about (50 + 25) / 0.95 ms (the bucket refills by 5% of
+// the trades' own time): not 53 ms (a reserve that never refills), not
+// (50 + 75) / 0.95 ms (a reserve filling at 5% of its own).
+TEST_F(ExpandableTest, TheReserveFillsOnlyWithWhatTheFullBucketCannotHold) {
+  make(256 * MiB, "recycle_time_percent:5,reuse_across_streams:False", 1, sim_options::host_clock::modeled);
+  const stream_t other = sim->create_stream(0);
+  alloc->free(m(20 * MiB));
+  for (int i = 0; i < 20'000 && reserved() == I(20 * MiB); ++i) alloc->free(m(20 * MiB, i % 2 == 0 ? other : 0));
+  ASSERT_EQ(reserved(), I(40 * MiB)) << "the bucket and the reserve are spent: the mark rose";
+  const std::int64_t remapped = st().num_pages_remapped;
+  sim->set_host_time_us(1'500'000);  // the base (0 so far) moves on: 1.5 s pass
+  // Trades of 40 MiB (each 20 MiB or more over the 40 MiB mark: large).
+  int steps = 0;
+  for (; steps < 20'000 && reserved() == I(40 * MiB); ++steps) alloc->free(m(40 * MiB, steps % 2 == 0 ? other : 0));
+  ASSERT_EQ(reserved(), I(80 * MiB)) << "the mark rose again: each stream keeps 20 pages";
+  constexpr double page_us = vm_call_costs::unmap_us + vm_call_costs::map_us + vm_call_costs::set_access_us;
+  const double recycled_us = static_cast<double>(st().num_pages_remapped - remapped) * page_us;
+  const double trade40_us = 20 * page_us;
+  EXPECT_GE(recycled_us, 75'000.0 / 0.95 - 2 * trade40_us) << steps << " steps";
+  EXPECT_LE(recycled_us, 75'000.0 / 0.95 + 2 * trade40_us) << steps << " steps";
+  EXPECT_EQ(st().num_device_synchronizations, 0);
 }
 
 TEST_F(ExpandableTest, TimeThatPassesRefillsTheRecyclingBudget) {
@@ -457,14 +534,18 @@ TEST_F(ExpandableTest, SetConfigToASmallerRecycleTimePercentBoundsTheDebtToItsBu
   // one bucket (50 ms) in debt.
   alloc->free(m(6000 * MiB, other));
   ASSERT_EQ(st().num_pages_remapped, 3000);
-  alloc->free(m(6000 * MiB));
+  // A small new peak (one page, under 1/16 of the mark; a large one would
+  // draw on the reserve): in debt, the mark rises.
+  void* a = m(2 * MiB);
   ASSERT_EQ(st().num_pages_remapped, 3000) << "in debt: the mark rose";
-  ASSERT_EQ(reserved(), I(12000 * MiB));
+  ASSERT_EQ(reserved(), I(6002 * MiB));
   alloc->set_config("recycle_time_percent:1,reuse_across_streams:False");  // a 10 ms bucket
   sim->set_host_time_us(*sim->host_time_us() + 2'000'000);  // refills 20 ms at 1%
-  alloc->free(m(6002 * MiB));  // one page more than stream 0 holds: recycled from the other stream
-  EXPECT_EQ(st().num_pages_remapped, 3001);
-  EXPECT_EQ(reserved(), I(12000 * MiB));
+  void* b = m(4 * MiB);  // two pages over the mark: recycled from the other stream
+  EXPECT_EQ(st().num_pages_remapped, 3002);
+  EXPECT_EQ(reserved(), I(6002 * MiB));
+  alloc->free(a);
+  alloc->free(b);
 }
 
 // The budget pays for recycling only: the unmaps and the remapping of the

@@ -388,7 +388,8 @@ const std::array<key_spec, 19>& key_table() {
        }},
       {{"recycle_time_percent", "an integer from 0 to 100",
         "ccalloc's own key: with expandable segments, the most of the host's time (percent, "
-        "as a token bucket over one second) that recycling pages for a new peak may take, since "
+        "as a token bucket over one second, and a reserve over ten seconds for new peaks of more "
+        "than a sixteenth of the high-water mark) that recycling pages for a new peak may take, since "
         "remapping a page costs tens of microseconds; past it reserved memory rises instead "
         "(default 5; 100: no limit; 0: never)."},
        [](allocator_config& c, std::string_view value) {

@@ -132,7 +132,12 @@ struct allocator_config {
   /// may take at most this percent of the host's time (a token bucket over
   /// device_backend::host_time_us: it fills at this percent of the time
   /// that passes and holds at most this percent of one second); when it is
-  /// empty the mark rises instead. A training loop, whose allocations are
+  /// empty the mark rises instead, except for a large peak (more than a
+  /// sixteenth of the mark over it), which may draw on a reserve that keeps
+  /// what the full bucket cannot hold, up to this percent of ten seconds
+  /// (the mark it would add stays for the rest of the program). Over any
+  /// stretch of time both together take at most this percent of it, plus
+  /// what they hold. A training loop, whose allocations are
   /// spread over its steps' GPU work, stays far within it; a program that
   /// does little besides allocating sizes that never settle stops paying
   /// for a remapping every few hundred allocations and holds somewhat more

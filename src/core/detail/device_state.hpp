@@ -667,16 +667,25 @@ class device_state {
   // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
   // restarts the count of recycles_per_peak.
   void raise_reserved_high_water() noexcept;
-  // [world] Whether recycling for a new peak may run now
-  // (recycle_time_percent): the bucket, refilled from the backend's host
-  // clock, is not empty; always true at 100 percent or without a clock.
+  // [world] Which budget may pay for recycling for a new peak now
+  // (recycle_time_percent), both refilled first from the backend's host
+  // clock: the bucket while it is not empty (always at 100 percent or
+  // without a clock; never at 0); else, for a large peak (large_peak), the
+  // reserve while it is not empty; else none (the mark rises).
   // spend_recycle_time takes the host time since `start_us` (a reading of
   // that clock before the recycling), less `excluded_us` (the time of the
-  // fresh pages the same request mapped), out of the bucket.
-  bool recycle_time_left();
-  void spend_recycle_time(std::uint64_t start_us, std::uint64_t excluded_us = 0);
-  // The bucket's size: recycle_time_percent of recycle_window_us. [world]
+  // fresh pages the same request mapped), out of budget `from`.
+  enum class recycle_budget : unsigned char { none, bucket, reserve };
+  recycle_budget recycle_budget_now(bool large_peak);
+  void spend_recycle_time(recycle_budget from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
+  // Refills the bucket, and the reserve with what the full bucket cannot
+  // hold, for the host time passed since the last refill; false when the
+  // backend has no host clock. [world]
+  bool refill_recycle_budget();
+  // The bucket's size: recycle_time_percent of recycle_window_us; the
+  // reserve's: that percent of recycle_reserve_window_us. [world]
   [[nodiscard]] double recycle_bucket_depth_us() const noexcept;
+  [[nodiscard]] double recycle_reserve_depth_us() const noexcept;
   // Cross-stream reuse of whole reservations (issue 15).
   bool idle_reservation(segment& seg, const alloc_params& p);
   void adopt_reservation(segment& seg, const alloc_params& p);
@@ -755,9 +764,14 @@ class device_state {
   // microseconds of host time: it fills at that percent of the time that
   // passes, up to recycle_window_us of it, and recycling for a new peak
   // spends what it takes. recycle_clock_us_: the host clock at the last
-  // refill (nullopt: not read yet). [world]
+  // refill (nullopt: not read yet). The reserve (recycle_reserve_us_) keeps
+  // the refill that the full bucket cannot hold, up to
+  // recycle_reserve_window_us of it, and pays only for large peaks found
+  // with the bucket empty (recycle_budget_now). Both start full. [world]
   static constexpr std::uint64_t recycle_window_us = 1'000'000;
+  static constexpr std::uint64_t recycle_reserve_window_us = 10'000'000;
   double recycle_tokens_us_ = 0.0;
+  double recycle_reserve_us_ = 0.0;
   std::optional<std::uint64_t> recycle_clock_us_;
   std::map<std::uintptr_t, std::unique_ptr<segment>> segments_;  // by base address
   // Events recorded at free time, per stream that used the block, in order.
