@@ -223,6 +223,27 @@ TEST_F(ExpandableTest, ABlockJustShortOfWholePagesIsCarvedOnPageBoundaries) {
   alloc->free(x);
 }
 
+// Issue 15: a block that, carved flush, would reach a sliver (at most 1/64
+// of a page) past a page boundary is carved on page boundaries too when that
+// takes no more pages: b, 8 MiB, flush against a (which ends 16 KiB past
+// 2 MiB) would straddle five pages and keep the fifth for 16 KiB once a is
+// gone. Only then: c (which would reach 1 MiB past a boundary) is carved flush.
+TEST_F(ExpandableTest, ABlockThatWouldReachASliverPastAPageBoundaryIsCarvedOnPageBoundaries) {
+  void* a = m(2 * MiB + 16 * 1024);  // [0, 2 MiB + 16 KiB)
+  void* b = m(8 * MiB);
+  EXPECT_EQ(U(b), U(a) + 4 * MiB) << "flush it would start at 2 MiB + 16 KiB";
+  EXPECT_EQ(reserved(), I(12 * MiB)) << "the same six pages as flush";
+  void* c = m(5 * MiB);
+  EXPECT_EQ(U(c), U(a) + 12 * MiB) << "reaching 1 MiB past a boundary: flush";
+  alloc->free(c);
+  std::memset(b, 7, 8 * MiB);
+  alloc->free(a);
+  alloc->empty_cache();
+  EXPECT_EQ(reserved(), I(8 * MiB)) << "b keeps its four pages, not five";
+  EXPECT_EQ(static_cast<unsigned char*>(b)[8 * MiB - 1], 7);
+  alloc->free(b);
+}
+
 // Issue 15: a request whose best fit is a free island (a free mapped run
 // with no block in use beside it, whose pages the next new peak recycles
 // whole) takes the fitting free block at the lowest address instead, so that
@@ -300,16 +321,18 @@ TEST_F(ExpandableTest, ABlockJustShortOfWholePagesTakenFromTheBackStartsOnAPageB
 }
 
 // Other sizes are carved flush as before: short by more than 1/64 of a page,
-// or a whole number of pages.
+// a whole number of pages that ends on a boundary, or reaching more than 1/64
+// of a page past one (carved at 3 MiB: 3 MiB + 512 bytes would reach 512
+// bytes past 6 MiB, a sliver: it ends on the boundary at 8 MiB instead).
 TEST_F(ExpandableTest, OtherBlocksAreCarvedFlushAgainstTheirNeighbour) {
-  for (const std::size_t size : {4 * MiB - 64 * 1024, 4 * MiB, 3 * MiB + 512}) {
+  for (const std::size_t size : {4 * MiB - 64 * 1024, 4 * MiB, 3 * MiB + 64 * 1024, 3 * MiB + 512}) {
     make();
     void* a = m(3 * MiB);
     void* big = m(16 * MiB);
     void* c = m(2 * MiB);
     alloc->free(big);
     void* x = m(size);
-    EXPECT_EQ(U(x), U(a) + 3 * MiB) << size;
+    EXPECT_EQ(U(x), size == 3 * MiB + 512 ? U(a) + 8 * MiB - size : U(a) + 3 * MiB) << size;
     for (void* p : {a, c, x}) alloc->free(p);
   }
 }

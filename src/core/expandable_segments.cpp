@@ -117,8 +117,9 @@ void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_
 }
 
 // Where a block of `size` bytes that falls just short of a whole number of
-// pages (nearly_whole_pages) starts in free block b of an expandable
-// segment's large pool; `back`: the end place_at_back chose. The block is
+// pages, or reaches just past a page boundary (page_sliver), starts in free
+// block b of an expandable segment's large pool; `back`: the end
+// place_at_back chose. The block is
 // carved at that end, or at one of the two nearest positions where it starts
 // or ends on a page boundary, whichever takes the fewest of b's wholly free
 // pages (the pages in use grow the least), then touches the fewest pages;

@@ -390,7 +390,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     // the page it saves is the one its neighbours' recycling frees.
     if (b->seg->expandable && !b->pool->is_small && config_.trim_on_new_peak &&
         config_.recycles_per_peak == std::numeric_limits<std::size_t>::max() &&
-        nearly_whole_pages(p.size, b->seg->page_bytes)) [[unlikely]]
+        page_sliver(p.size, start - b->seg->base, b->seg->page_bytes)) [[unlikely]]
       start = page_aligned_start(*b, p.size, back);
     block* upper = nullptr;  // a second remainder, above the caller's block
     if (start != b->ptr && start + p.size != b->ptr + b->size) {

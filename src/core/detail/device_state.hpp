@@ -84,17 +84,26 @@ inline constexpr std::size_t small_segment_bytes = 2 * mib;  // small-pool segme
 inline constexpr std::size_t min_large_alloc_bytes = 10 * mib;  // below: large_segment_size segments
 inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments round to this
 
-// Whether a block of `size` bytes falls short of a whole number of `page`s by
-// at most 1/64 of a page (and by something): in an expandable segment it is
+// Whether a block of `size` bytes, carved flush at `offset` of its segment,
+// falls short of a whole number of `page`s by at most 1/64 of a page (and
+// by something), or reaches past a page boundary by at most that much (and
+// by something): a sliver of a page. In an expandable segment it is then
 // carved on page boundaries where that costs no page now (issue 15,
 // device_state::page_aligned_start), when free pages are recycled at every
-// new peak (the default); such a block packed with its like wastes at most
-// that much per block.
-[[nodiscard]] constexpr bool nearly_whole_pages(std::size_t size, std::size_t page) noexcept {
-  // A mask for the usual power-of-two page (a division takes tens of cycles:
+// new peak (the default). Such a block packed with its like wastes at most
+// that much per block; one that reaches a sliver past a boundary (a block
+// of whole pages after a neighbour that ends just past one) keeps that
+// whole page mapped for the sliver once its neighbours are gone
+// (bert_copystream_infer: a 32 MiB block 15 KiB past a boundary held 17
+// pages instead of 16).
+[[nodiscard]] constexpr bool page_sliver(std::size_t size, std::size_t offset, std::size_t page) noexcept {
+  // Masks for the usual power-of-two page (a division takes tens of cycles:
   // this runs at every split of a large block in an expandable segment).
-  const std::size_t past = (page & (page - 1)) == 0 ? size & (page - 1) : size % page;
-  return past != 0 && page - past <= page / 64;
+  const bool pow2 = (page & (page - 1)) == 0;
+  const std::size_t past = pow2 ? size & (page - 1) : size % page;
+  if (past != 0 && page - past <= page / 64) return true;
+  const std::size_t over = pow2 ? (offset + size) & (page - 1) : (offset + size) % page;
+  return over != 0 && over <= page / 64;
 }
 
 struct block_pool;
@@ -567,7 +576,7 @@ class device_state {
   block* note_reusable(block* b, const stream_state& ss) const noexcept;       // [stream]
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
   [[nodiscard]] bool place_at_back(const block* b) const noexcept;            // [stream]
-  // Where in free block b a block of `size` bytes (nearly_whole_pages of an
+  // Where in free block b a block of `size` bytes (page_sliver of an
   // expandable segment's page) starts (expandable_segments.cpp). [stream]
   [[nodiscard]] static std::uintptr_t page_aligned_start(const block& b, std::size_t size, bool back) noexcept;
   // find_free_block's best fit `at` for p, a free island of an expandable
