@@ -196,17 +196,14 @@ std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size
 // scan goes over the pool's larger free blocks, in this case only.
 block_index::position device_state::lowest_fitting_block(const alloc_params& p,
                                                          block_index::position at) const noexcept {
-  if (!config_.trim_on_new_peak || config_.recycles_per_peak != std::numeric_limits<std::size_t>::max()) return at;
+  if (!recycles_at_every_peak()) return at;
   if (p.size % p.pool->blocks.at(at)->seg->page_bytes == 0) return at;  // strands nothing: best fit
   const block_index& index = p.pool->blocks;
-  const std::size_t max_split = config_.max_split_size_bytes;
   block_index::position best = at;
   const block* lowest = index.at(at);
   for (block_index::position j = index.next(at); j != block_index::end(); j = index.next(j)) {
     const block* c = index.at(j);
-    // find_free_block's oversize rules (the sizes only grow from here).
-    if (p.size < max_split && c->size >= max_split) break;
-    if (p.size >= max_split && c->size - p.size >= config_.max_non_split_rounding_bytes) break;
+    if (!oversize_rules_allow(p.size, c->size)) break;  // the sizes only grow from here
     if (!c->seg->expandable) continue;
     const bool lower = c->seg->seq != lowest->seg->seq ? c->seg->seq < lowest->seg->seq
                                                        : c->ptr - c->seg->base < lowest->ptr - lowest->seg->base;

@@ -194,7 +194,6 @@ segment& device_state::add_segment(const alloc_params& p, std::uintptr_t base, s
 // alternative, returning cached segments before a new peak, would
 // synchronize the device anyway (cudaFree).
 bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
-  const std::size_t max_split = config_.max_split_size_bytes;
   block* best = nullptr;
   for (stream_state* ss : w.streams()) {
     if (ss == p.owner) continue;
@@ -202,8 +201,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
     for (auto i = pool.blocks.lower_bound(p.size); i != block_index::end(); i = pool.blocks.next(i)) {
       block* b = pool.blocks.at(i);
       if (b->is_split()) continue;
-      if (p.size < max_split && b->size >= max_split) break;
-      if (p.size >= max_split && b->size - p.size >= config_.max_non_split_rounding_bytes) break;
+      if (!oversize_rules_allow(p.size, b->size)) break;
       if (best == nullptr || b->size < best->size) best = b;
       break;  // the smallest whole segment of this pool that fits
     }

@@ -311,10 +311,7 @@ block_index::position device_state::find_free_block(alloc_params& p) {
   const block_index::position i = pool.blocks.lower_bound(p.size);
   if (i == block_index::end()) return i;
   block* b = pool.blocks.at(i);
-  const std::size_t max_split = config_.max_split_size_bytes;
-  if (p.size < max_split && b->size >= max_split) return block_index::end();
-  // b->size >= p.size (lower_bound); the difference cannot overflow.
-  if (p.size >= max_split && b->size - p.size >= config_.max_non_split_rounding_bytes) return block_index::end();
+  if (!oversize_rules_allow(p.size, b->size)) return block_index::end();  // b->size >= p.size (lower_bound)
   // Expandable segments: carving b, a free island (no block in use beside
   // it), would start a new run of live blocks (lowest_fitting_block; rare).
   if (b->size != p.size && !pool.is_small && b->seg->expandable && (b->prev == nullptr || !b->prev->mapped) &&
@@ -388,8 +385,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     std::uintptr_t start = back ? b->ptr + b->size - p.size : b->ptr;
     // Only where free pages are recycled at every new peak (the default):
     // the page it saves is the one its neighbours' recycling frees.
-    if (b->seg->expandable && !b->pool->is_small && config_.trim_on_new_peak &&
-        config_.recycles_per_peak == std::numeric_limits<std::size_t>::max() &&
+    if (b->seg->expandable && !b->pool->is_small && recycles_at_every_peak() &&
         page_sliver(p.size, start - b->seg->base, b->seg->page_bytes)) [[unlikely]]
       start = page_aligned_start(*b, p.size, back);
     block* upper = nullptr;  // a second remainder, above the caller's block

@@ -67,6 +67,7 @@
 #include <atomic>
 #include <bit>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -100,9 +101,10 @@ inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments 
   // Masks for the usual power-of-two page (a division takes tens of cycles:
   // this runs at every split of a large block in an expandable segment).
   const bool pow2 = (page & (page - 1)) == 0;
-  const std::size_t past = pow2 ? size & (page - 1) : size % page;
+  const auto in_page = [&](std::size_t bytes) { return pow2 ? bytes & (page - 1) : bytes % page; };
+  const std::size_t past = in_page(size);
   if (past != 0 && page - past <= page / 64) return true;
-  const std::size_t over = pow2 ? (offset + size) & (page - 1) : (offset + size) % page;
+  const std::size_t over = in_page(offset + size);
   return over != 0 && over <= page / 64;
 }
 
@@ -575,6 +577,22 @@ class device_state {
                           block_index::position at = block_index::end());      // [stream]
   block* note_reusable(block* b, const stream_state& ss) const noexcept;       // [stream]
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
+  // B3's oversize rules: whether a request of `size` bytes may take a free
+  // block of `block_size` >= size bytes (a small request never takes an
+  // oversize block; an oversize request one at most max_non_split_rounding
+  // larger). Walking a pool upwards, a false answer holds for every larger
+  // block too.
+  [[nodiscard]] bool oversize_rules_allow(std::size_t size, std::size_t block_size) const noexcept {
+    const std::size_t max_split = config_.max_split_size_bytes;
+    if (size < max_split) return block_size < max_split;
+    return block_size - size < config_.max_non_split_rounding_bytes;
+  }
+  // Whether free pages are recycled at every new peak (the default:
+  // trim_on_new_peak, recycles_per_peak unlimited), where expandable
+  // segments place blocks to free whole pages (page_sliver, lowest_fitting_block).
+  [[nodiscard]] bool recycles_at_every_peak() const noexcept {
+    return config_.trim_on_new_peak && config_.recycles_per_peak == std::numeric_limits<std::size_t>::max();
+  }
   [[nodiscard]] bool place_at_back(const block* b) const noexcept;            // [stream]
   // Where in free block b a block of `size` bytes (page_sliver of an
   // expandable segment's page) starts (expandable_segments.cpp). [stream]
