@@ -13,6 +13,8 @@
 #                     with the thread cache off and on.
 #   HOTPATH_CASES     bench_gpu --cases (default: pair,mixed,churn,threads)
 #   HOTPATH_REPS      bench_gpu --reps (default 5)
+#   HOTPATH_PIN       a CPU list for taskset (e.g. 2): every run of bench_gpu
+#                     stays on those CPUs (default: unpinned)
 #   HOTPATH_ONLY      bench_gpu --only (default: ccalloc,ccalloc_c: the C++ API
 #                     and the C API through libccalloc.so; ccalloc_c runs the
 #                     pair and mixed cases)
@@ -28,6 +30,8 @@ SETTINGS=${HOTPATH_SETTINGS:-"|;|1;recycles_per_peak:4|;recycles_per_peak:4|1"}
 CASES=${HOTPATH_CASES:-pair,mixed,churn,threads}
 REPS=${HOTPATH_REPS:-5}
 ONLY=${HOTPATH_ONLY:-ccalloc,ccalloc_c}
+PIN=()
+if [ -n "${HOTPATH_PIN:-}" ]; then PIN=(taskset -c "$HOTPATH_PIN"); fi
 say() { echo "gpu-hotpath: $*" >&2; }
 
 BUILD=build-bench-gpu
@@ -47,7 +51,7 @@ for setting in "${list[@]}"; do
     if [ -n "$conf" ]; then export CCALLOC_CONF=$conf; else unset CCALLOC_CONF; fi
     if [ -n "$tc" ]; then export CCALLOC_THREAD_CACHE=$tc; else unset CCALLOC_THREAD_CACHE; fi
     echo "SETTING conf='$conf' thread_cache='$tc'"
-    timeout 150 "$BUILD/bench/gpu/bench_gpu" --only="$ONLY" --cases="$CASES" --reps="$REPS"
+    timeout 150 "${PIN[@]}" "$BUILD/bench/gpu/bench_gpu" --only="$ONLY" --cases="$CASES" --reps="$REPS"
   ) >"$OUT/hotpath-$i.log" 2>&1
 done
 
@@ -73,7 +77,7 @@ fi
   for f in "$OUT"/hotpath-*.log; do
     echo
     echo "## $(head -1 "$f")"
-    grep -E '^(RESULT|INFO allocator|ERROR)' "$f" | sed -E 's/ (min_ns|max_ns|reps|pairs_per_rep|pairs|seconds)=[^ ]*//g'
+    grep -E '^(RESULT|INFO allocator|PERF|ERROR)' "$f" | sed -E 's/ (min_ns|max_ns|reps|pairs_per_rep|pairs|seconds)=[^ ]*//g'
   done
 } >"$OUT/hotpath-summary.md"
 cat "$OUT/hotpath-summary.md"

@@ -29,6 +29,7 @@
 #pragma once
 
 #include "common/cases.hpp"
+#include "hw_counters.hpp"
 
 #include <cuda_runtime_api.h>
 
@@ -245,15 +246,23 @@ void run_ring(Alloc& a, cudaStream_t stream, const settings& s, std::size_t slot
     while (seconds_since(warm_start) < min_warm_seconds) steps(per_rep);
     cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     std::vector<double> ns;
+    hw_counters counters;
+    const int cpu_before = current_cpu();
     for (int r = 0; r < s.reps; ++r) {
       const auto t0 = bench_clock::now();
+      counters.start();
       steps(per_rep);
+      counters.stop();
       cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
       ns.push_back(seconds_since(t0) * 1e9 / static_cast<double>(per_rep));
     }
     const rep_stats st = summarize_reps(ns);
     std::printf("RESULT allocator=%s %s ns_per_pair=%.1f min_ns=%.1f max_ns=%.1f reps=%d pairs_per_rep=%zu\n",
                 Alloc::name, label.c_str(), st.median_ns, st.min_ns, st.max_ns, s.reps, per_rep);
+    // The CPU's counters per step over all reps (user space, this thread),
+    // and the CPUs the thread ran on before and after.
+    std::printf("PERF allocator=%s %s cpu_before=%d cpu_after=%d %s\n", Alloc::name, label.c_str(), cpu_before,
+                current_cpu(), counters.per(static_cast<double>(per_rep) * s.reps).c_str());
     std::fflush(stdout);
   } catch (...) {
     for (ring_slot& sl : ring)
