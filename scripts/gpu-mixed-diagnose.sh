@@ -3,11 +3,15 @@
 # in others on the H200 host: runs bench_gpu's pair and mixed cases (ccalloc
 # through the C++ API and the C API) several times unpinned, then pinned to
 # one CPU, with the CPU's own counters per step (bench/gpu/hw_counters.hpp:
-# PERF lines) and the host's CPU layout.
+# PERF lines), the driver calls the allocator made and their host time
+# (bench/gpu/timed_backend.hpp: INFO lines), and the host's CPU layout;
+# each run under the default configuration and with plain segments.
 #
 # Usage: scripts/gpu-mixed-diagnose.sh OUT_DIR
 #   DIAG_RUNS  runs per placement (default 3)
 #   DIAG_CPU   the CPU to pin to (default 2)
+#   DIAG_SETTINGS  gpu-hotpath.sh's HOTPATH_SETTINGS (default: the default
+#                  configuration, then expandable_segments:False)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/gpu-mixed-diagnose.sh OUT_DIR}
@@ -28,10 +32,12 @@ for placement in free pinned; do
   for r in $(seq 1 "$RUNS"); do
     pin=""
     [ "$placement" = pinned ] && pin=$CPU
-    HOTPATH_SETTINGS='|' HOTPATH_CASES=pair,mixed HOTPATH_PIN=$pin HOTPATH_REPS=7 \
+    HOTPATH_SETTINGS=${DIAG_SETTINGS:-'|;expandable_segments:False|'} HOTPATH_CASES=pair,mixed HOTPATH_PIN=$pin HOTPATH_REPS=7 \
       scripts/gpu-hotpath.sh "$OUT/$placement-$r" >/dev/null 2>"$OUT/$placement-$r.err"
     echo "### $placement run $r"
-    grep -E '^(RESULT|PERF)' "$OUT/$placement-$r/hotpath-1.log" | grep -E 'mixed|size=512 ' |
-      sed -E 's/ (reps|pairs_per_rep)=[^ ]*//g'
+    for f in "$OUT/$placement-$r"/hotpath-*.log; do
+      head -1 "$f"
+      grep -E '^(RESULT|PERF|INFO allocator)' "$f" | grep -E 'mixed|size=512 ' | sed -E 's/ (reps|pairs_per_rep)=[^ ]*//g'
+    done
   done
 done | tee "$OUT/diagnose-summary.md"

@@ -24,6 +24,7 @@
 // Usage: bench_gpu [--quick] [--only=ccalloc,ccalloc_c,cub,...] [--reps=N] [--thread-seconds=S]
 // Exit status 0 when every case ran, 1 when any printed ERROR.
 #include "gpu/harness.hpp"
+#include "gpu/timed_backend.hpp"
 
 #include <ccalloc/backend/cuda_backend.hpp>
 #include <ccalloc/ccalloc.h>
@@ -46,9 +47,13 @@ using cb::cuda_check;
 
 struct ccalloc_adapter {
   static constexpr const char* name = "ccalloc";
-  ccalloc::caching_allocator allocator{std::make_shared<ccalloc::cuda_backend>()};
+  // The CUDA backend behind a counter of its calls and their host time.
+  std::shared_ptr<cb::timed_backend> backend =
+      std::make_shared<cb::timed_backend>(std::make_shared<ccalloc::cuda_backend>());
+  ccalloc::caching_allocator allocator{backend};
 
   ccalloc::device_stats last;  // counters at the end of the previous case
+  cb::bench_clock::time_point case_start = cb::bench_clock::now();
 
   ccalloc_adapter() {
     allocator.init(1);
@@ -70,8 +75,16 @@ struct ccalloc_adapter {
                 static_cast<long long>(now.num_pages_remapped - last.num_pages_remapped),
                 static_cast<long long>(now.num_device_synchronizations - last.num_device_synchronizations),
                 static_cast<long long>(now.num_sync_all_streams - last.num_sync_all_streams));
+    // The driver's share of the case: the backend calls the allocator made
+    // (count/host time per kind) against the case's wall time, warm-up included.
+    double backend_ns = 0;
+    const std::string calls = backend->take(&backend_ns);
+    const double case_s = cb::seconds_since(case_start);
+    std::printf("INFO allocator=ccalloc %s case_seconds=%.3f backend_seconds=%.4f backend_share=%.4f calls: %s\n",
+                case_text.c_str(), case_s, backend_ns / 1e9, backend_ns / 1e9 / case_s, calls.c_str());
     std::fflush(stdout);
     last = now;
+    case_start = cb::bench_clock::now();
   }
 };
 
