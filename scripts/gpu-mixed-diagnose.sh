@@ -41,3 +41,16 @@ for placement in free pinned; do
     done
   done
 done | tee "$OUT/diagnose-summary.md"
+
+# Order and time in the process: each API alone, the mixed case 4 times in a
+# row (does a case run later in the process measure faster?). DIAG_ORDER=0 skips.
+if [ "${DIAG_ORDER:-1}" != 0 ]; then
+  B=build-bench-gpu/bench/gpu/bench_gpu
+  for r in $(seq 1 "$RUNS"); do
+    for only in ccalloc_c ccalloc; do
+      echo "### alone: $only, run $r, --mixed-repeats=4"
+      timeout 150 "$B" --only=$only --cases=mixed --mixed-repeats=4 --reps=7 2>&1 |
+        grep -E '^(RESULT|PERF)' | sed -E 's/ (reps|pairs_per_rep)=[^ ]*//g; s/ (cycles|instructions|branch_misses|l1d_misses|llc_misses|dtlb_misses)=unavailable//g'
+    done
+  done | tee -a "$OUT/diagnose-summary.md"
+fi

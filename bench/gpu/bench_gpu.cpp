@@ -22,6 +22,7 @@
 // the cases and the output format, summarize.py merges the outputs.
 //
 // Usage: bench_gpu [--quick] [--only=ccalloc,ccalloc_c,cub,...] [--reps=N] [--thread-seconds=S]
+//                  [--warm-up-seconds=S] [--mixed-repeats=N]
 // Exit status 0 when every case ran, 1 when any printed ERROR.
 #include "gpu/harness.hpp"
 #include "gpu/timed_backend.hpp"
@@ -189,7 +190,7 @@ int main(int argc, char** argv) {
     cuda_check(cudaSetDevice(0), "cudaSetDevice");
     cuda_check(cudaFree(nullptr), "cudaFree(nullptr)");  // create the context before any timing
     cb::print_device_info("bench_gpu");
-    cb::warm_up_host();
+    cb::warm_up_host(s.warm_up_seconds);
     const cb::stream_set streams;
     run<ccalloc_adapter>(streams, s);
     run<ccalloc_c_adapter>(streams, s, cb::case_set{true, true, false, false, false});

@@ -17,7 +17,7 @@
 // The allocator backend is whatever PYTORCH_CUDA_ALLOC_CONF selects (the
 // native one by default); it is printed as an INFO line.
 //
-// Usage: bench_torch [--quick] [--reps=N] [--thread-seconds=S]
+// Usage: bench_torch [--quick] [--reps=N] [--thread-seconds=S] [--warm-up-seconds=S] [--mixed-repeats=N]
 #include "gpu/harness.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
     cb::cuda_check(cudaSetDevice(0), "cudaSetDevice");
     cb::cuda_check(cudaFree(nullptr), "cudaFree(nullptr)");  // create the context before any timing
     cb::print_device_info("bench_torch");
-    cb::warm_up_host();
+    cb::warm_up_host(s.warm_up_seconds);
     const cb::stream_set streams;
     torch_adapter a;
     std::printf("INFO torch_allocator=\"%s\"\n", tca::name().c_str());

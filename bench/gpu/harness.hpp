@@ -64,6 +64,8 @@ struct settings {
   std::size_t max_pairs_per_rep = 1u << 20;
   std::size_t mixed_steps_per_rep = 16384;
   double thread_seconds = 0.5;        ///< measuring window per thread count
+  double warm_up_seconds = 0.5;       ///< host kept busy before the first case (warm_up_host)
+  int mixed_repeats = 1;              ///< times the mixed case runs in a row, each reported
   bool quick = false;
   std::string only;                   ///< comma-separated allocator names; empty = all
   std::string cases;                  ///< comma-separated case names (pair,mixed,threads,churn,cross); empty = all
@@ -84,12 +86,16 @@ struct settings {
         s.cases = a.substr(8);
       } else if (a.rfind("--thread-seconds=", 0) == 0) {
         s.thread_seconds = std::atof(a.c_str() + 17);
+      } else if (a.rfind("--warm-up-seconds=", 0) == 0) {
+        s.warm_up_seconds = std::max(0.0, std::atof(a.c_str() + 18));
+      } else if (a.rfind("--mixed-repeats=", 0) == 0) {
+        s.mixed_repeats = std::max(1, std::atoi(a.c_str() + 16));
       } else if (a.rfind("--reps=", 0) == 0) {
         s.reps = std::max(1, std::atoi(a.c_str() + 7));
       } else {
         std::fprintf(stderr,
                      "usage: %s [--quick] [--only=NAME,NAME] [--cases=pair,mixed,threads,churn,cross] [--reps=N] "
-                     "[--thread-seconds=S]\n",
+                     "[--thread-seconds=S] [--warm-up-seconds=S] [--mixed-repeats=N]\n",
                      argv[0]);
         std::exit(2);
       }
@@ -133,6 +139,10 @@ struct stream_set {
 };
 
 using bench_clock = std::chrono::steady_clock;
+
+/// When the program started (static initialization): PERF lines say how
+/// far into the run a case was.
+inline const bench_clock::time_point program_start = bench_clock::now();
 
 inline double seconds_since(bench_clock::time_point t0) {
   return std::chrono::duration<double>(bench_clock::now() - t0).count();
@@ -261,8 +271,9 @@ void run_ring(Alloc& a, cudaStream_t stream, const settings& s, std::size_t slot
                 Alloc::name, label.c_str(), st.median_ns, st.min_ns, st.max_ns, s.reps, per_rep);
     // The CPU's counters per step over all reps (user space, this thread),
     // and the CPUs the thread ran on before and after.
-    std::printf("PERF allocator=%s %s cpu_before=%d cpu_after=%d %s\n", Alloc::name, label.c_str(), cpu_before,
-                current_cpu(), counters.per(static_cast<double>(per_rep) * s.reps).c_str());
+    std::printf("PERF allocator=%s %s t=%.1fs cpu_before=%d cpu_after=%d %s\n", Alloc::name, label.c_str(),
+                seconds_since(program_start), cpu_before, current_cpu(),
+                counters.per(static_cast<double>(per_rep) * s.reps).c_str());
     std::fflush(stdout);
   } catch (...) {
     for (ring_slot& sl : ring)
@@ -446,7 +457,8 @@ void run_all(Alloc& a, const stream_set& ss, const settings& s, case_set cases =
     for (std::size_t size : pair_sizes_bytes)
       run_case(a, "case=pair size=" + std::to_string(size), [&] { run_pair(a, size, stream, s); });
   if (cases.mixed)
-    run_case(a, "case=mixed live=" + std::to_string(mixed_slots), [&] { run_mixed(a, stream, s); });
+    for (int r = 0; r < s.mixed_repeats; ++r)
+      run_case(a, "case=mixed live=" + std::to_string(mixed_slots), [&] { run_mixed(a, stream, s); });
   if (cases.threads)
     for (int n : thread_counts)
       run_case(a, "case=threads threads=" + std::to_string(n), [&] { run_threads(a, n, ss, s); });
