@@ -77,6 +77,10 @@ struct device_stats {
   /// that last used free pages) because the alternative was out of memory,
   /// passing the memory fraction cap, or emptyCache. Recycling for a new
   /// peak never waits: pages whose fence has not completed stay put.
+  /// Not counted here: a segment free (cudaFree) itself waits for the
+  /// device (CUDA's implicit synchronization); those count in
+  /// num_device_free (with plain segments, trim_on_new_peak returns unused
+  /// cached segments before a new peak: one each).
   std::int64_t num_device_synchronizations = 0;
   /// Pages of expandable segments unmapped at one place and mapped at
   /// another instead of raising reserved memory (X3). ccalloc's own.
