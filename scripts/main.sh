@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+if [ ! -x build/ccalloc ]; then
+  echo "main.sh: building the ccalloc CLI in build/ (the first time: about 5-10 minutes on 2 cores)" >&2
+fi
 # Progress lines hidden; compiler errors shown, and a failed build stops here.
 cmake --build build --target ccalloc_cli 2>&1 | { grep -v '^\[' || true; }
 exec build/ccalloc replay "$@"

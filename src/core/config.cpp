@@ -340,7 +340,8 @@ const std::array<key_spec, 19>& key_table() {
        }},
       {{"expandable_segments", boolean_values,
         "Grow one segment per stream and pool by mapping 2 MiB pages (CUDA virtual memory) "
-        "instead of allocating new segments; free whole pages are unmapped and recycled."},
+        "instead of allocating new segments; free whole pages are unmapped and recycled "
+        "(default True; plain segments on a device without virtual memory)."},
        [](allocator_config& c, std::string_view value) {
          parse_bool_field<&allocator_config::expandable_segments>(c, value);
          c.expandable_segments_set = true;
@@ -368,8 +369,9 @@ const std::array<key_spec, 19>& key_table() {
        }},
       {{"trim_on_new_peak", boolean_values,
         "ccalloc's own key: before reserved memory would pass its highest value so far, "
-        "return cached segments that hold no live block to the device (default True; "
-        "False reproduces PyTorch's reservations)."},
+        "recycle free whole pages (expandable segments) or return cached segments that "
+        "hold no live block to the device (plain segments) (default True; False "
+        "reproduces PyTorch's reservations)."},
        &parse_bool_field<&allocator_config::trim_on_new_peak>,
        &print_bool_field<&allocator_config::trim_on_new_peak>},
       {{"recycles_per_peak", "an integer >= 0, or unlimited",
@@ -402,9 +404,11 @@ const std::array<key_spec, 19>& key_table() {
          return format_unsigned(c.recycle_time_percent);
        }},
       {{"reuse_across_streams", boolean_values,
-        "ccalloc's own key: before a new segment is allocated, a cached whole segment of "
-        "another stream whose work has completed moves to the requesting stream (default "
-        "True; False keeps blocks bound to their stream, as PyTorch does)."},
+        "ccalloc's own key: before a new peak, a cached whole segment of another stream "
+        "whose work has completed moves to the requesting stream; with expandable "
+        "segments, an idle stream's whole reservation moves with its mapped pages "
+        "(default True; False keeps segments and reservations with their stream, as "
+        "PyTorch does; pages recycled under trim_on_new_peak still change streams)."},
        &parse_bool_field<&allocator_config::reuse_across_streams>,
        &print_bool_field<&allocator_config::reuse_across_streams>},
       {{"thread_cache", "off, small or all (also True/true/1 = all, False/false/0 = off)",

@@ -128,20 +128,20 @@ class device_caching_allocator {
   /// backend_error, the mode is unchanged.
   void set_caching_enabled(bool enabled);
   [[nodiscard]] bool caching_enabled() const;
-  /// The thread cache (off by default; the configuration key
+  /// Turns this device's thread cache on or off at run time (issue 18). The
+  /// thread cache is on by default: the configuration key
   /// thread_cache:off|small|all sets it when the device is created and at a
   /// set_config that changes the key; when the key is not given,
-  /// CCALLOC_THREAD_CACHE=1 turns it on and =small keeps it to small-pool
-  /// blocks, for every device created afterwards; this call overrides both
-  /// for this device until a configuration that changes the key is set):
-  /// each thread keeps
-  /// up to 4 blocks it freed and hands one back when it asks for the same
-  /// bytes on the same stream, without locks or pool search (docs/perf.md,
-  /// "The thread cache"). It changes which block a request gets (the most
-  /// recently freed instead of the best fit), which can raise peak reserved
-  /// memory (+11% on one shared trace with every size cached): that is why
-  /// it is opt-in. The trace replay honours the same setting. Turning it off
-  /// frees every parked block first. Thread-safe (locks the whole
+  /// CCALLOC_THREAD_CACHE (spelled as the key) decides, else `all`. This
+  /// call overrides on/off until a configuration that changes the key is
+  /// set; it keeps `small` (small-pool blocks only) if that was configured.
+  /// Each thread parks up to 4 blocks it freed and gets one back when it
+  /// asks for the same bytes on the same stream, without the stream's lock,
+  /// only while the block's pool has not changed since the block was handed
+  /// out: a hit is the block the pools would have handed out, so addresses
+  /// and peaks are those of `off` (docs/perf.md, "The thread cache"). Hits
+  /// count in device_stats::num_thread_cache_hits. Turning it off returns
+  /// every parked block to its pool first. Thread-safe (locks the whole
   /// device); throws nothing.
   void set_thread_cache_enabled(bool enabled);
   [[nodiscard]] bool thread_cache_enabled() const noexcept;

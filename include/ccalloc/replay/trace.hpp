@@ -37,12 +37,22 @@ namespace ccalloc {
 class trace_error : public error {
  public:
   trace_error(const std::string& source_file, std::size_t source_line, const std::string& reason)
-      : error(printable_text(source_file + (source_line != 0 ? ":" + std::to_string(source_line) : std::string()) +
-                             ": " + reason)),
-        file(source_file),
-        line(source_line) {}
+      : error(printable_text(where(source_file, source_line) + reason)), file(source_file), line(source_line) {}
   std::string file;
   std::size_t line;  ///< 1-based; 0 when the error is not tied to a line
+
+ private:
+  // "FILE:LINE: " or "FILE: ", appended piece by piece (GCC 12's -Wrestrict
+  // misreads ":" + std::to_string(...) at -O3).
+  static std::string where(const std::string& source_file, std::size_t source_line) {
+    std::string text = source_file;
+    if (source_line != 0) {
+      text += ':';
+      text += std::to_string(source_line);
+    }
+    text += ": ";
+    return text;
+  }
 };
 
 enum class trace_action : std::uint8_t {
