@@ -61,6 +61,9 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
     if (!deferred_frees_.empty()) flush_deferred_frees();
     if (page_bytes_ != 0 && config_.expandable_segments) fence_streams(w);
   }
+  // Room in the pool's index for a remainder, before a rung takes a block
+  // out of it (block_index::owes: host memory ran out; may throw).
+  if (p.pool->blocks.owes()) p.pool->blocks.repay();
   const bool priv = p.pool->priv != nullptr;
   auto out_of_memory = [&]() {
     // Rung 5b (F22): a free block of a pool that lends on OOM.

@@ -379,6 +379,10 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   CCALLOC_ASSERT(b->size >= p.size && p.size % min_block_bytes == 0);
   const stat_group g = group_of(p.pool);
   const bool already_split = b->is_split();
+  // Room for the remainder in the pool's index, before anything changes
+  // (block_index::owes: host memory ran out).
+  if (p.pool->blocks.owes()) [[unlikely]]
+    p.pool->blocks.repay();
   if (should_split(b, p.size)) {
     block* remaining = b;
     const bool back = place_at_back(b);
@@ -391,7 +395,10 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     block* upper = nullptr;  // a second remainder, above the caller's block
     if (start != b->ptr && start + p.size != b->ptr + b->size) {
       // On a page boundary inside the block (page_aligned_start): the
-      // caller gets the middle; both ends stay cached.
+      // caller gets the middle; both ends stay cached. Two remainders: room
+      // for both and their block objects first (may throw; nothing changed).
+      p.pool->blocks.reserve_two(start - b->ptr, b->ptr + b->size - start - p.size);
+      p.owner->reserve_spare_blocks(2);
       upper = split_free_block(remaining, start + p.size);
       b = split_free_block(remaining, start);
     } else if (start != b->ptr) {
@@ -513,6 +520,10 @@ namespace {
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);
+  // Room in the pool's index for the block, before anything changes: a free
+  // that runs out of host memory fails unchanged (block_index::owes).
+  if (b->pool->blocks.owes()) [[unlikely]]
+    b->pool->blocks.repay();
   // Page fences (expandable segments) are recorded here, on the block's own
   // stream, which exists while the caller frees a block of it; another
   // stream's slow path never records on this stream (can_record_on).
@@ -655,13 +666,41 @@ std::size_t device_state::merge(block* dst, block* src) {
 
 // ---- the free-block index of a pool ------------------------------------------------
 
+namespace {
+// insert filled `v`: grow it now, so that the next insert has room; without
+// host memory, the index owes it (repay).
+[[gnu::noinline]] void grow_or_owe(block_index::bin_array& v, bool& owes) noexcept {
+  try {
+    v.grow();
+  } catch (const std::bad_alloc&) {
+    owes = true;
+  }
+}
+}  // namespace
+
 void block_index::insert(block* b) {
-  bump_version();
   const std::uint32_t bin = bin_of(b->size);
   bin_array& v = bins_[bin];
+  if (v.full()) [[unlikely]]
+    v.grow();  // owed: the caller did not repay first (may throw; nothing changed)
+  bump_version();
   v.insert_at(search(v, b->size, b->ptr), entry{b->size, b->ptr, b});
   ++count_;
   occupied_[bin / 64] |= std::uint64_t{1} << (bin % 64);
+  if (v.full()) [[unlikely]]
+    grow_or_owe(v, owes_);
+}
+
+void block_index::repay() {
+  for (bin_array& v : bins_)
+    if (v.full()) v.grow();
+  owes_ = false;
+}
+
+void block_index::reserve_two(std::size_t a, std::size_t c) {
+  if (owes_) repay();
+  const std::uint32_t bin = bin_of(a);
+  if (bin == bin_of(c) && bins_[bin].size() + 2 > bins_[bin].capacity()) bins_[bin].grow();
 }
 
 // A block is always in its own size's bin: no need to look further.
