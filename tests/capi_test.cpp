@@ -24,6 +24,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -529,6 +530,72 @@ TEST(CApi, StreamsRecordStreamAndBaseAllocation) {
   EXPECT_EQ(ccalloc_delete(a, other), CCALLOC_OK);
   EXPECT_EQ(ccalloc_delete(a, again), CCALLOC_OK);
   EXPECT_EQ(ccalloc_stream_destroy(a, 0, s), CCALLOC_OK);
+}
+
+/// Every statistic of `device`, by name.
+std::vector<std::pair<std::string, std::int64_t>> all_stats(ccalloc_allocator_t* a, int device = 0) {
+  std::vector<std::int64_t> v(ccalloc_stat_count());
+  EXPECT_EQ(ccalloc_get_device_stats(a, device, v.data(), v.size()), CCALLOC_OK) << ccalloc_last_error();
+  std::vector<std::pair<std::string, std::int64_t>> out;
+  for (std::size_t i = 0; i < v.size(); ++i) out.emplace_back(ccalloc_stat_name(i), v[i]);
+  return out;
+}
+
+// Requests that can never fit fail at once: the cache is kept (no
+// synchronization, nothing released), no counter but num_ooms moves, and
+// the message names the size (SIZE_MAX no longer wraps to "0 bytes").
+TEST(CApi, RequestsLargerThanTheDeviceFailAtOnceAndChangeNothing) {
+  constexpr std::size_t GiB = std::size_t{1} << 30;
+  const std::size_t sizes[] = {SIZE_MAX, (std::size_t{1} << 60) - 1, std::size_t{1} << 40, 8 * GiB + 1};
+  for (const char* config : {"", "expandable_segments:False"}) {
+    SCOPED_TRACE(config);
+    sim_allocator a(8 * GiB, config);
+    void* live = must_malloc(a, 1000);
+    void* cached = must_malloc(a, 5 * MiB);
+    ASSERT_EQ(ccalloc_delete(a, cached), CCALLOC_OK);
+    for (const std::size_t size : sizes) {
+      SCOPED_TRACE(size);
+      auto before = all_stats(a);
+      void* p = nullptr;
+      ASSERT_EQ(ccalloc_malloc(a, 0, size, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+      const std::string msg = ccalloc_last_error();
+      EXPECT_NE(msg.find("(" + std::to_string(size) + " bytes; "), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("0 bytes of pages"), std::string::npos) << msg;
+      if (size >= (std::size_t{1} << 60))
+        EXPECT_NE(msg.find("requests of 1048576.00 TiB or more are refused at once"), std::string::npos) << msg;
+      else
+        EXPECT_NE(msg.find("The request alone is larger than the device's memory."), std::string::npos) << msg;
+      for (auto& [name, value] : before)
+        if (name == "num_ooms") ++value;
+      EXPECT_EQ(all_stats(a), before) << "the cache kept, nothing counted but the OOM";
+    }
+    EXPECT_EQ(ccalloc_delete(a, live), CCALLOC_OK);
+  }
+}
+
+// With a memory fraction, a request above what it allows fails at once too;
+// the fraction prints as written (0.05, not 0.050000000000000003).
+TEST(CApi, RequestsAboveTheMemoryFractionFailAtOnce) {
+  sim_allocator a(4 * (std::size_t{1} << 30));
+  void* keep = must_malloc(a, 100 * MiB);
+  ASSERT_EQ(ccalloc_set_memory_fraction(a, 0, 0.05), CCALLOC_OK);
+  auto before = all_stats(a);
+  void* p = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a, 0, 300 * MiB, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  const std::string msg = ccalloc_last_error();
+  EXPECT_NE(msg.find("The per-process memory fraction 0.05 allows 204.80 MiB."), std::string::npos) << msg;
+  EXPECT_NE(msg.find("The request alone is larger than the memory the fraction allows."), std::string::npos) << msg;
+  for (auto& [name, value] : before)
+    if (name == "num_ooms") ++value;
+  EXPECT_EQ(all_stats(a), before);
+  // Fraction 0: even 512 bytes can never fit; the reservation counters stay.
+  ASSERT_EQ(ccalloc_set_memory_fraction(a, 0, 0.0), CCALLOC_OK);
+  before = all_stats(a);
+  ASSERT_EQ(ccalloc_malloc(a, 0, 512, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  for (auto& [name, value] : before)
+    if (name == "num_ooms") ++value;
+  EXPECT_EQ(all_stats(a), before);
+  EXPECT_EQ(ccalloc_delete(a, keep), CCALLOC_OK);
 }
 
 TEST(CApi, RawAllocUsesTheCurrentStream) {

@@ -70,6 +70,11 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
     if (try_use_on_oom_pools(p, w)) return take_found_block(p, stats_);
     throw_out_of_memory(p, w);
   };
+  // More than the whole device (or than the memory fraction allows) never
+  // fits: out of memory at once, the cache kept (PyTorch would empty it
+  // first, for nothing). A custom segment allocator's memory is its own.
+  if (p.size > (set_fraction_ ? allowed_bytes_ : device_total_bytes_) && !(priv && p.pool->priv->custom.malloc))
+    return out_of_memory();
   if (caching_) {
     // Rung 1 again: another thread may have freed a block meanwhile.
     if (get_free_block(p)) return take_found_block(p, stats_);
