@@ -633,6 +633,7 @@ std::size_t device_state::partial_page_bytes(const block& b) noexcept {
 // on that stream after it became free has completed. Never blocks.
 bool device_state::fence_completed(block* b) {
   stream_state& ss = *b->pool->owner;
+  if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
   if (b->free_seq <= ss.fenced_seq) return true;
   poll_fences(ss);
   if (b->free_seq <= ss.fenced_seq) return true;
@@ -702,6 +703,7 @@ void device_state::fence_streams(const world_lock& w) {
 // the device, which covers every stream's work.
 void device_state::wait_fences(stream_state& ss) {
   poll_fences(ss);
+  if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
   if (ss.fenced_seq >= ss.free_seq) return;
   ++stats_.num_device_synchronizations;
   if (fenced_up_to(ss) >= ss.free_seq) {

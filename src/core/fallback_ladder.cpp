@@ -46,6 +46,7 @@ struct fence_stream_scope {
 }  // namespace
 
 bool device_state::can_record_on(const stream_state& ss) const noexcept {
+  if (ss.gone) return false;  // destroyed: stream_destroyed
   return ss.stream == default_stream || (tls_fence_stream.device == this && tls_fence_stream.stream == ss.stream);
 }
 

@@ -186,6 +186,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 
 // allocate when events are pending or a begin_allocate_to_pool is active.
 [[gnu::noinline]] block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
+  stream_state& ss = stream_for(stream);  // first: a stream it refuses leaves everything as it was
   const bool scoped = pool_scope_active();
   if (scoped) note_if_capturing(stream);
   if (!capture_underway()) process_events();  // never while capturing: event queries are not allowed then
@@ -196,7 +197,6 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
       routed = routed_pool(stream) != nullptr;
     }
     if (routed) {
-      stream_state& ss = stream_for(stream);
       world_lock w(*this);
       if (private_pool* pp = routed_pool(stream)) {  // again: it may have ended meanwhile
         if (pp->use_count == 0)
@@ -217,7 +217,6 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
       }
     }
   }
-  stream_state& ss = stream_for(stream);
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
@@ -233,9 +232,8 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 }
 
 namespace {
-// stream_for on a miss of the thread's cached entry: the registry.
-[[gnu::noinline]] stream_state& registered_stream(device_state& d, stream_t stream) {
-  std::lock_guard lock(d.registry_mutex_);
+// The registry's entry of `stream`, made if new; cached for this thread. [registry]
+stream_state& registered_slot(device_state& d, stream_t stream) {
   auto& slot = d.streams_[stream];
   if (!slot) {
     slot = std::make_unique<stream_state>(stream);
@@ -254,7 +252,32 @@ namespace {
   tls_stream_cache = {d.id_, stream, slot.get()};
   return *slot;
 }
+
+// stream_for on a miss of the thread's cached entry: the registry.
+// A stream not met before, or destroyed (stream_destroyed), is checked with
+// the backend (SPEC R5): a handle never created would fail later, at its
+// free. A destroyed stream's handle that the backend reports live again is
+// a new stream (CUDA reuses handles; the CUDA backend cannot tell, and says
+// live).
+[[gnu::noinline]] stream_state& registered_stream(device_state& d, stream_t stream) {
+  {
+    std::lock_guard lock(d.registry_mutex_);
+    const auto known = d.streams_.find(stream);
+    const bool met = known != d.streams_.end();
+    if (met && !known->second->gone) return registered_slot(d, stream);
+    if (!d.backend_.is_stream(d.device_, stream))
+      throw invalid_argument_error("ccalloc: malloc on stream " + std::to_string(stream) + " of device " +
+                                   std::to_string(d.device_) + ", which is not a live stream of that device (" +
+                                   (met ? "destroyed" : "never created, or destroyed") + ")");
+    if (!met) return registered_slot(d, stream);
+  }
+  d.set_stream_gone(stream, false);  // made again; the world lock takes the registry's lock
+  std::lock_guard lock(d.registry_mutex_);
+  return registered_slot(d, stream);
+}
 }  // namespace
+
+void device_state::forget_thread_stream() noexcept { tls_stream_cache = {}; }
 
 stream_state& device_state::stream_for(stream_t stream) {
   const stream_cache_entry& c = tls_stream_cache;
@@ -553,6 +576,7 @@ void device_state::free(block* b) {
 // before the free has completed. Throws backend_error from the record,
 // before anything changed.
 [[gnu::noinline]] void device_state::fence_before_free(stream_state& ss) {
+  if (ss.gone) return;  // destroyed: its work completed, nothing to fence
   std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
   const std::uint64_t coming = ss.free_seq + 1;  // the count the coming free takes
   if (fenced_up_to(ss) < coming) record_fence(ss, coming);

@@ -486,6 +486,10 @@ struct alignas(64) stream_state {
   // with free_seq <= fenced_seq have no work of this stream left on them
   // [world].
   std::uint64_t free_seq = 0;
+  // Destroyed (device_caching_allocator::stream_destroyed): its work has
+  // completed and nothing is recorded on it; malloc on it is refused. [world
+  // to write; stream or device to read]
+  bool gone = false;
   std::deque<std::pair<event_t, std::uint64_t>> fences;
   std::uint64_t fenced_seq = 0;
   // This stream's pools inside private pools (F20). [world]
@@ -661,6 +665,8 @@ class device_state {
 
   // --- events.cpp: record_stream, events, returning blocks ----------------------
   void record_stream(block* b, stream_t stream);  // [none] takes the block's stream
+  void set_stream_gone(stream_t stream, bool gone);  // [none] takes the world lock
+  static void forget_thread_stream() noexcept;       // the calling thread's stream_for cache (hot_path.cpp)
   void process_events();  // [none] takes device, then (device released) each block's stream
   void process_events_locked();                                               // [world]
   void insert_events(block* b);                                                // [stream] takes device
