@@ -402,11 +402,11 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   CCALLOC_ASSERT(b->size >= p.size && p.size % min_block_bytes == 0);
   const stat_group g = group_of(p.pool);
   const bool already_split = b->is_split();
-  // Room for the remainder in the pool's index, before anything changes
-  // (block_index::owes: host memory ran out).
-  if (p.pool->blocks.owes()) [[unlikely]]
-    p.pool->blocks.repay();
   if (should_split(b, p.size)) {
+    // Room for the remainder in the pool's index, before anything changes
+    // (block_index::owes: host memory ran out).
+    if (p.pool->blocks.owes()) [[unlikely]]
+      p.pool->blocks.repay();
     block* remaining = b;
     const bool back = place_at_back(b);
     std::uintptr_t start = back ? b->ptr + b->size - p.size : b->ptr;
@@ -702,17 +702,31 @@ namespace {
 }
 }  // namespace
 
+// One test on the common path: room for this entry and the next one.
 void block_index::insert(block* b) {
   const std::uint32_t bin = bin_of(b->size);
+  if (bins_[bin].size() + 1 >= bins_[bin].capacity()) [[unlikely]] {
+    insert_filling(bin, b);
+    return;
+  }
+  place(bin, b);
+}
+
+// insert into a bin it fills (grown after), or that is full (owed: the
+// caller did not repay first; grown before, which may throw, unchanged).
+[[gnu::noinline]] void block_index::insert_filling(std::uint32_t bin, block* b) {
   bin_array& v = bins_[bin];
-  if (v.full()) [[unlikely]]
-    v.grow();  // owed: the caller did not repay first (may throw; nothing changed)
+  if (v.full()) v.grow();
+  place(bin, b);
+  if (v.full()) grow_or_owe(v, owes_);
+}
+
+void block_index::place(std::uint32_t bin, block* b) noexcept {
   bump_version();
+  bin_array& v = bins_[bin];
   v.insert_at(search(v, b->size, b->ptr), entry{b->size, b->ptr, b});
   ++count_;
   occupied_[bin / 64] |= std::uint64_t{1} << (bin % 64);
-  if (v.full()) [[unlikely]]
-    grow_or_owe(v, owes_);
 }
 
 void block_index::repay() {

@@ -408,6 +408,9 @@ class block_index {
   }
   [[nodiscard]] std::uint32_t last_bin() const noexcept { return prev_bin(bin_count); }
 
+  void insert_filling(std::uint32_t bin, block* b);
+  void place(std::uint32_t bin, block* b) noexcept;
+
   std::unique_ptr<entry[]> first_slots_;  // one per bin, until it grows
   std::array<bin_array, bin_count> bins_;
   std::array<std::uint64_t, words> occupied_{};
