@@ -450,6 +450,7 @@ TEST_F(AllocatorTest, RawAllocUsesTheCurrentStreamAndDevice) {
   EXPECT_NE(segment_of(a)->address, segment_of(b)->address) << "blocks are bound to their stream's pool";
 
   sim->set_device(1);
+  caching_allocator::set_current_stream(sim->create_stream(1));  // a stream of device 1 (s1 is device 0's)
   void* c = alloc->raw_alloc(2000);
   EXPECT_EQ(st(1).allocated_bytes[ALL].current, 2048) << "raw_alloc uses the current device";
   EXPECT_EQ(st(0).allocated_bytes[ALL].current, 2048);

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -529,6 +530,142 @@ TEST(CApi, StreamsRecordStreamAndBaseAllocation) {
   EXPECT_EQ(ccalloc_delete(a, other), CCALLOC_OK);
   EXPECT_EQ(ccalloc_delete(a, again), CCALLOC_OK);
   EXPECT_EQ(ccalloc_stream_destroy(a, 0, s), CCALLOC_OK);
+}
+
+/// Every statistic of `device`, by name.
+std::vector<std::pair<std::string, std::int64_t>> all_stats(ccalloc_allocator_t* a, int device = 0) {
+  std::vector<std::int64_t> v(ccalloc_stat_count());
+  EXPECT_EQ(ccalloc_get_device_stats(a, device, v.data(), v.size()), CCALLOC_OK) << ccalloc_last_error();
+  std::vector<std::pair<std::string, std::int64_t>> out;
+  for (std::size_t i = 0; i < v.size(); ++i) out.emplace_back(ccalloc_stat_name(i), v[i]);
+  return out;
+}
+
+std::string stream_text(ccalloc_stream_t s) { return std::to_string(reinterpret_cast<std::uintptr_t>(s)); }
+
+// A stream destroyed (ccalloc_stream_destroy) while blocks of it are live, or
+// recorded on it: the destroy waits for its work, and the blocks are freed
+// later without recording anything on it (it was "stream ... is not a
+// stream", INVALID_ARGUMENT, and the block leaked).
+TEST(CApi, BlocksOutliveTheirDestroyedStream) {
+  for (const char* config : {"", "expandable_segments:False"}) {
+    SCOPED_TRACE(config);
+    sim_allocator a(0, config);
+    ccalloc_stream_t s1 = nullptr, s2 = nullptr;
+    ASSERT_EQ(ccalloc_stream_create(a, 0, &s1), CCALLOC_OK) << ccalloc_last_error();
+    ASSERT_EQ(ccalloc_stream_create(a, 0, &s2), CCALLOC_OK) << ccalloc_last_error();
+    void* p = must_malloc(a, 1000, s1);
+    void* q = must_malloc(a, 3 * MiB, s1);
+    ASSERT_EQ(ccalloc_record_stream(a, q, s2), CCALLOC_OK);
+    ASSERT_EQ(ccalloc_stream_destroy(a, 0, s1), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(ccalloc_delete(a, q), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(stat(a, "allocated_bytes.all.current"), 0);
+    // A malloc on the destroyed stream is refused, naming it; nothing changes
+    // (q's event on s2 stays pending: the refused malloc processes nothing).
+    const auto before = all_stats(a);
+    void* r = nullptr;
+    ASSERT_EQ(ccalloc_malloc(a, 0, 1000, s1, &r), CCALLOC_ERROR_INVALID_ARGUMENT);
+    const std::string msg = ccalloc_last_error();
+    EXPECT_NE(msg.find("malloc on stream " + stream_text(s1) + " of device 0, which is not a live stream"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("destroyed"), std::string::npos) << msg;
+    EXPECT_EQ(all_stats(a), before);
+    // A block of a live stream recorded on a stream that is then destroyed:
+    // its free waits for no event (the destroy waited for the stream's
+    // work), so the next malloc of its size on its stream gets it back.
+    void* t = must_malloc(a, 2000);
+    ASSERT_EQ(ccalloc_record_stream(a, t, s2), CCALLOC_OK);
+    ASSERT_EQ(ccalloc_stream_destroy(a, 0, s2), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(ccalloc_delete(a, t), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(must_malloc(a, 2000), t);
+    EXPECT_EQ(stat(a, "allocated_bytes.all.current"), 2048);
+    EXPECT_EQ(ccalloc_delete(a, t), CCALLOC_OK);
+    // Destroying it again, or the default stream, is refused.
+    EXPECT_EQ(ccalloc_stream_destroy(a, 0, s2), CCALLOC_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(ccalloc_last_error()).find("stream " + stream_text(s2)), std::string::npos);
+    EXPECT_EQ(ccalloc_stream_destroy(a, 0, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(ccalloc_empty_cache(a), CCALLOC_OK);
+    EXPECT_EQ(stat(a, "reserved_bytes.all.current"), 0) << "every block came back to the cache";
+  }
+}
+
+// A stream handle that was never created is refused at malloc, naming it
+// (it was accepted, and its delete failed and leaked the block).
+TEST(CApi, MallocOnAStreamNeverCreatedIsRefused) {
+  sim_allocator a;
+  const auto before = all_stats(a);
+  auto* bogus = reinterpret_cast<ccalloc_stream_t>(std::uintptr_t{0x1234});
+  void* p = reinterpret_cast<void*>(1);
+  EXPECT_EQ(ccalloc_malloc(a, 0, 100, bogus, &p), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(ccalloc_last_error()),
+            "ccalloc: malloc on stream 4660 of device 0, which is not a live stream of that device (never created, "
+            "or destroyed)");
+  EXPECT_EQ(all_stats(a), before);
+  // Made now, it is accepted.
+  ccalloc_stream_t s = nullptr;
+  ASSERT_EQ(ccalloc_stream_create(a, 0, &s), CCALLOC_OK);
+  void* q = must_malloc(a, 100, s);
+  EXPECT_EQ(ccalloc_delete(a, q), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_stream_destroy(a, 0, s), CCALLOC_OK);
+}
+
+// Requests that can never fit fail at once: the cache is kept (no
+// synchronization, nothing released), no counter but num_ooms moves, and
+// the message names the size (SIZE_MAX no longer wraps to "0 bytes").
+TEST(CApi, RequestsLargerThanTheDeviceFailAtOnceAndChangeNothing) {
+  constexpr std::size_t GiB = std::size_t{1} << 30;
+  const std::size_t sizes[] = {SIZE_MAX, (std::size_t{1} << 60) - 1, std::size_t{1} << 40, 8 * GiB + 1};
+  for (const char* config : {"", "expandable_segments:False"}) {
+    SCOPED_TRACE(config);
+    sim_allocator a(8 * GiB, config);
+    void* live = must_malloc(a, 1000);
+    void* cached = must_malloc(a, 5 * MiB);
+    ASSERT_EQ(ccalloc_delete(a, cached), CCALLOC_OK);
+    for (const std::size_t size : sizes) {
+      SCOPED_TRACE(size);
+      auto before = all_stats(a);
+      void* p = nullptr;
+      ASSERT_EQ(ccalloc_malloc(a, 0, size, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+      const std::string msg = ccalloc_last_error();
+      EXPECT_NE(msg.find("(" + std::to_string(size) + " bytes; "), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("0 bytes of pages"), std::string::npos) << msg;
+      if (size >= (std::size_t{1} << 60))
+        EXPECT_NE(msg.find("requests of 1048576.00 TiB or more are refused at once"), std::string::npos) << msg;
+      else
+        EXPECT_NE(msg.find("The request alone is larger than the device's memory."), std::string::npos) << msg;
+      for (auto& [name, value] : before)
+        if (name == "num_ooms") ++value;
+      EXPECT_EQ(all_stats(a), before) << "the cache kept, nothing counted but the OOM";
+    }
+    EXPECT_EQ(ccalloc_delete(a, live), CCALLOC_OK);
+  }
+}
+
+// With a memory fraction, a request above what it allows fails at once too;
+// the fraction prints as written (0.05, not 0.050000000000000003).
+TEST(CApi, RequestsAboveTheMemoryFractionFailAtOnce) {
+  sim_allocator a(4 * (std::size_t{1} << 30));
+  void* keep = must_malloc(a, 100 * MiB);
+  ASSERT_EQ(ccalloc_set_memory_fraction(a, 0, 0.05), CCALLOC_OK);
+  auto before = all_stats(a);
+  void* p = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a, 0, 300 * MiB, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  const std::string msg = ccalloc_last_error();
+  EXPECT_NE(msg.find("The per-process memory fraction 0.05 allows 204.80 MiB."), std::string::npos) << msg;
+  EXPECT_NE(msg.find("The request alone is larger than the memory the fraction allows."), std::string::npos) << msg;
+  for (auto& [name, value] : before)
+    if (name == "num_ooms") ++value;
+  EXPECT_EQ(all_stats(a), before);
+  // Fraction 0: even 512 bytes can never fit; the reservation counters stay.
+  ASSERT_EQ(ccalloc_set_memory_fraction(a, 0, 0.0), CCALLOC_OK);
+  before = all_stats(a);
+  ASSERT_EQ(ccalloc_malloc(a, 0, 512, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  for (auto& [name, value] : before)
+    if (name == "num_ooms") ++value;
+  EXPECT_EQ(all_stats(a), before);
+  EXPECT_EQ(ccalloc_delete(a, keep), CCALLOC_OK);
 }
 
 TEST(CApi, RawAllocUsesTheCurrentStream) {

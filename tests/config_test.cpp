@@ -258,6 +258,11 @@ TEST(ConfigTest, EveryKeyParses) {
   EXPECT_NE(allocator_config::parse("recycles_per_peak:9").to_string().find("recycles_per_peak:9"),
             std::string::npos);
   EXPECT_NE(parse_error("recycles_per_peak:-1").find("recycles_per_peak:-1"), std::string::npos);
+  // The largest count is how "unlimited" is kept: spelled as a number, it is refused, not taken as unlimited.
+  EXPECT_EQ(parse_key("recycles_per_peak", "18446744073709551614").recycles_per_peak, 18446744073709551614u);
+  EXPECT_EQ(parse_error("recycles_per_peak:18446744073709551615"),
+            "ccalloc config: recycles_per_peak:18446744073709551615 is out of range: write 'unlimited' for no "
+            "limit; a count must be below 2^64-1 (accepted: an integer >= 0, or unlimited)");
   // recycle_time_percent: 0-100, default 5; printed only when not the default.
   EXPECT_EQ(allocator_config{}.recycle_time_percent, 5u);
   EXPECT_EQ(parse_key("recycle_time_percent", "0").recycle_time_percent, 0u);
@@ -375,6 +380,9 @@ TEST(ConfigTest, BadValuesNameKeyValueAndAcceptedRange) {
       {"per_process_memory_fraction:-0.5",
        "ccalloc config: per_process_memory_fraction:-0.5 is out of range (accepted: a number "
        "in [0, 1])"},
+      {"per_process_memory_fraction:-0",
+       "ccalloc config: per_process_memory_fraction:-0 is not a valid value: a negative zero; write 0 "
+       "(accepted: a number in [0, 1])"},
       {"expandable_segments:yes",
        "ccalloc config: expandable_segments:yes is not a valid value (accepted: True or False "
        "(also true/false, 1/0))"},

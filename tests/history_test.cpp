@@ -42,6 +42,7 @@ struct fixture {
   explicit fixture(sim_options o = {}, const char* conf = "expandable_segments:False")
       : sim(std::make_shared<sim_backend>(o)), alloc(sim, allocator_config::parse(conf)) {
     alloc.init(sim->device_count());
+    for (const stream_t s : {3, 7, 9}) sim->adopt_stream(0, s);  // the streams these tests allocate on
   }
   std::shared_ptr<sim_backend> sim;
   caching_allocator alloc;

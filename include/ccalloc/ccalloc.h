@@ -190,8 +190,10 @@ CCALLOC_API ccalloc_status_t ccalloc_mem_get_info(ccalloc_allocator_t* alloc, in
 
 /** Allocates `size_bytes` on `device` for use on `stream` (front end malloc,
  * SPEC F2). Size 0 gives *out = NULL and CCALLOC_OK. Errors: INVALID_ARGUMENT
- * (uninitialized, bad device), OUT_OF_MEMORY (also at once for >= 1 EiB),
- * BACKEND. */
+ * (uninitialized, bad device; a stream that is not a live stream of the
+ * device, naming it: destroyed by ccalloc_stream_destroy, or, on the
+ * simulated device, never created; a CUDA handle cannot be checked),
+ * OUT_OF_MEMORY (also at once for >= 1 EiB), BACKEND. */
 CCALLOC_API ccalloc_status_t ccalloc_malloc(ccalloc_allocator_t* alloc, int device, size_t size_bytes,
                                             ccalloc_stream_t stream, void** out);
 /** Frees a pointer from this allocator: the free of ccalloc_malloc and
@@ -518,8 +520,22 @@ CCALLOC_API ccalloc_status_t ccalloc_enable_peer_access(ccalloc_allocator_t* all
 /** Creates a stream on `device` of the allocator's backend (CUDA:
  * cudaStreamCreateWithFlags(cudaStreamNonBlocking)); for programs that
  * have no CUDA runtime code of their own and for the simulated device.
- * Destroy it with ccalloc_stream_destroy. */
+ * Destroy it with ccalloc_stream_destroy. Errors: INVALID_ARGUMENT for a
+ * NULL `out`, BACKEND from the device (a device out of range). */
 CCALLOC_API ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, int device, ccalloc_stream_t* out);
+/** Destroys `stream` of `device` (CUDA: cudaStreamDestroy), telling the
+ * allocator first: the work queued on the stream completes (the call waits
+ * for it), and blocks allocated on it or recorded on it
+ * (ccalloc_record_stream) stay valid; their ccalloc_delete later succeeds
+ * and records nothing on the destroyed stream. Cached blocks of the stream
+ * stay cached (ccalloc_empty_cache returns them). A ccalloc_malloc on the
+ * destroyed stream fails with INVALID_ARGUMENT (a thread that allocated on
+ * it just before may still be served from its own cache once). Destroying
+ * a stream behind the allocator's back (cudaStreamDestroy directly) while
+ * blocks of it are live is not supported: their ccalloc_delete may fail and
+ * keep the block. Errors: INVALID_ARGUMENT for the default stream or a
+ * handle that is not a live stream of `device` (simulated device),
+ * BACKEND from the device; nothing changes then. */
 CCALLOC_API ccalloc_status_t ccalloc_stream_destroy(ccalloc_allocator_t* alloc, int device, ccalloc_stream_t stream);
 /** Blocks until the work queued on `stream` has completed (cudaStreamSynchronize). */
 CCALLOC_API ccalloc_status_t ccalloc_stream_synchronize(ccalloc_allocator_t* alloc, int device,

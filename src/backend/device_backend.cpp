@@ -65,6 +65,7 @@ void device_backend::memcpy_peer_async(void*, int, const void*, int, std::size_t
 void device_backend::copy_data(int, void*, const void*, std::size_t) { throw_not_supported("copy_data"); }
 bool device_backend::can_access_peer(int, int) const { return false; }
 bool device_backend::is_capturing(int, stream_t) { return false; }
+bool device_backend::is_stream(int, stream_t) { return true; }
 std::optional<std::uint64_t> device_backend::host_time_us() const {
   return static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())

@@ -484,6 +484,11 @@ void sim_backend::synchronize_device(int device) {
   impl_->now = std::max(impl_->now, d.destroyed_busy_until);  // destroyed streams' work too
 }
 
+bool sim_backend::is_stream(int device, stream_t stream) {
+  std::lock_guard lock(impl_->mutex);
+  return stream == default_stream || is_per_thread_stream(stream) || impl::created(impl_->dev(device), stream);
+}
+
 bool sim_backend::is_capturing(int device, stream_t stream) {
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);

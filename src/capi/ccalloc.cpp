@@ -801,12 +801,12 @@ ccalloc_status_t ccalloc_pool_usage(ccalloc_allocator_t* alloc, int device, ccal
 ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, int device, ccalloc_stream_t* out) {
   return guarded([&] {
     require(out, "ccalloc_stream_create", "out");
-    *out = from_stream(resolve(alloc).backend().create_stream(device));
+    *out = from_stream(resolve(alloc).create_stream(device));
   });
 }
 
 ccalloc_status_t ccalloc_stream_destroy(ccalloc_allocator_t* alloc, int device, ccalloc_stream_t stream) {
-  return guarded([&] { resolve(alloc).backend().destroy_stream(device, to_stream(stream)); });
+  return guarded([&] { resolve(alloc).destroy_stream(device, to_stream(stream)); });
 }
 
 ccalloc_status_t ccalloc_stream_synchronize(ccalloc_allocator_t* alloc, int device, ccalloc_stream_t stream) {

@@ -19,6 +19,8 @@
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/base/printable_text.hpp>
 
+#include "detail/format.hpp"
+
 #include <algorithm>
 #include <bit>
 #include <charconv>
@@ -126,12 +128,6 @@ std::size_t mib_to_bytes(std::uint64_t count_mib) noexcept {
 
 std::string format_unsigned(std::uint64_t value) { return std::to_string(value); }
 
-/// Shortest text that parses back to exactly `value`.
-std::string format_double(double value) {
-  char buffer[64];
-  const auto [ptr, ec] = std::to_chars(buffer, buffer + sizeof buffer, value);
-  return ec == std::errc{} ? std::string(buffer, ptr) : std::to_string(value);
-}
 
 std::string format_bool(bool value) { return value ? "True" : "False"; }
 
@@ -360,6 +356,7 @@ const std::array<key_spec, 19>& key_table() {
        [](allocator_config& c, std::string_view value) {
          const double fraction = parse_double(value);
          if (!(fraction >= 0.0 && fraction <= 1.0)) throw_out_of_range();
+         if (std::signbit(fraction)) throw_malformed("a negative zero; write 0");
          c.per_process_memory_fraction = fraction;
          c.memory_fraction_set = true;
        },
@@ -381,8 +378,15 @@ const std::array<key_spec, 19>& key_table() {
         "past one high-water mark before the mark is raised instead (default unlimited: the "
         "least memory; 0: never, as PyTorch; a small number: fewer remappings, more memory)."},
        [](allocator_config& c, std::string_view value) {
-         c.recycles_per_peak = value == "unlimited" ? std::numeric_limits<std::size_t>::max()
-                                                    : static_cast<std::size_t>(parse_unsigned(value));
+         if (value == "unlimited") {
+           c.recycles_per_peak = std::numeric_limits<std::size_t>::max();
+           return;
+         }
+         const std::uint64_t n = parse_unsigned(value);
+         // The largest count stands for unlimited: spelled as a number, it is a mistake.
+         if (n >= std::numeric_limits<std::size_t>::max())
+           throw_out_of_range("write 'unlimited' for no limit; a count must be below 2^64-1");
+         c.recycles_per_peak = static_cast<std::size_t>(n);
        },
        [](const allocator_config& c) -> std::optional<std::string> {
          if (c.recycles_per_peak == std::numeric_limits<std::size_t>::max()) return std::nullopt;

@@ -34,6 +34,10 @@ device_caching_allocator::~device_caching_allocator() = default;
 
 void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
 
+void device_caching_allocator::stream_destroyed(stream_t stream) { state_->set_stream_gone(stream, true); }
+
+void device_caching_allocator::stream_created(stream_t stream) { state_->set_stream_gone(stream, false); }
+
 bool device_caching_allocator::record_stream_containing(std::uintptr_t address, stream_t stream) {
   auto& s = *state_;
   world_lock w(s);

@@ -75,7 +75,7 @@ device_state::~device_state() {
 
 void device_state::set_memory_fraction(double fraction, const world_lock& w) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
-    throw invalid_argument_error("ccalloc: memory fraction " + format_fraction(fraction) +
+    throw invalid_argument_error("ccalloc: memory fraction " + format_double(fraction) +
                                  " for device " + std::to_string(device_) + " is outside [0, 1]");
   // fraction x total in double: at 2^64 bytes and above (a huge simulated
   // device) the conversion would overflow; the cap is then no cap.

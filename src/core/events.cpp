@@ -36,6 +36,35 @@ void device_state::record_stream(block* b, stream_t stream) {
   b->reuse_version = no_reuse_version;  // its free waits for events: never parked
 }
 
+// stream_destroyed (gone) and stream_created (not gone). A stream that
+// goes: its queued work completes first (synchronize_stream, before anything
+// changes), so its fences, every free on it so far and every use of a live
+// block on it (record_stream) are complete: the uses are dropped (their
+// frees record nothing on it), and frees of its own blocks fence nothing.
+void device_state::set_stream_gone(stream_t stream, bool gone) {
+  if (!gone) {  // nothing to do (the usual case: a new handle) without the world lock
+    std::lock_guard lock(registry_mutex_);
+    const auto it = streams_.find(stream);
+    if (it == streams_.end() || !it->second->gone) return;
+  }
+  world_lock w(*this);
+  if (gone) {
+    backend_.synchronize_stream(device_, stream);  // may throw: nothing changed
+    for (auto& [base, seg] : segments_)
+      for (block* b = seg->head; b != nullptr; b = b->next)
+        std::erase(b->stream_uses, stream);
+  }
+  const auto it = streams_.find(stream);
+  if (it == streams_.end()) return;
+  stream_state& ss = *it->second;
+  ss.gone = gone;
+  if (!gone) return;
+  for (const auto& [e, covers] : ss.fences) free_events_.push_back(e);
+  ss.fences.clear();
+  ss.fenced_seq = ss.free_seq;
+  forget_thread_stream();  // this thread's next malloc on it finds it gone
+}
+
 event_t device_state::get_event() {
   if (!free_events_.empty()) {
     const event_t e = free_events_.back();

@@ -282,17 +282,8 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       }
     }
   }
-  if (best_foreign) adopt_reservation(*best_seg, p);
-  if (best_seg == nullptr) {
-    best_seg = new_expandable_segment(p);
-    if (best_seg == nullptr) {
-      no_address_space_ = true;
-      return false;
-    }
-    best_start = best_seg->base;
-    best_pages = (p.size + page - 1) / page;
-  }
-  const std::uintptr_t end = best_start + p.size;
+  const bool new_reservation = best_seg == nullptr;  // made once the pages may fit
+  if (new_reservation) best_pages = (p.size + page - 1) / page;
 
   // 2. Physical pages: recycle free whole pages rather than raise the peak
   // (trim_on_new_peak) or pass the cap.
@@ -300,6 +291,8 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   // Fail at once what cannot fit (rather than create pages until the device
   // refuses): more than the device or the cap, or, for a large request,
   // more than the device has free plus what this allocator could give back.
+  // Before a new reservation: a failed request leaves the segment counts
+  // as they were.
   if (need > allowed_bytes_) return false;
   if (need >= large_growth_check_bytes) {
     std::size_t free_pages_bytes = 0;
@@ -307,6 +300,16 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
     if (need > backend_.mem_get_info(device_).free_bytes + free_pages_bytes) return false;
   }
+  if (best_foreign) adopt_reservation(*best_seg, p);
+  if (new_reservation) {
+    best_seg = new_expandable_segment(p);
+    if (best_seg == nullptr) {
+      no_address_space_ = true;
+      return false;
+    }
+    best_start = best_seg->base;
+  }
+  const std::uintptr_t end = best_start + p.size;
   std::vector<recycled_page> recycled;
   // When recycling ran: the host clock before it; the time up to the return,
   // less the time the fresh pages of the request took to create and map
@@ -630,6 +633,7 @@ std::size_t device_state::partial_page_bytes(const block& b) noexcept {
 // on that stream after it became free has completed. Never blocks.
 bool device_state::fence_completed(block* b) {
   stream_state& ss = *b->pool->owner;
+  if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
   if (b->free_seq <= ss.fenced_seq) return true;
   poll_fences(ss);
   if (b->free_seq <= ss.fenced_seq) return true;
@@ -699,6 +703,7 @@ void device_state::fence_streams(const world_lock& w) {
 // the device, which covers every stream's work.
 void device_state::wait_fences(stream_state& ss) {
   poll_fences(ss);
+  if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
   if (ss.fenced_seq >= ss.free_seq) return;
   ++stats_.num_device_synchronizations;
   if (fenced_up_to(ss) >= ss.free_seq) {

@@ -46,6 +46,7 @@ struct fence_stream_scope {
 }  // namespace
 
 bool device_state::can_record_on(const stream_state& ss) const noexcept {
+  if (ss.gone) return false;  // destroyed: stream_destroyed
   return ss.stream == default_stream || (tls_fence_stream.device == this && tls_fence_stream.stream == ss.stream);
 }
 
@@ -61,12 +62,20 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
     if (!deferred_frees_.empty()) flush_deferred_frees();
     if (page_bytes_ != 0 && config_.expandable_segments) fence_streams(w);
   }
+  // Room in the pool's index for a remainder, before a rung takes a block
+  // out of it (block_index::owes: host memory ran out; may throw).
+  if (p.pool->blocks.owes()) p.pool->blocks.repay();
   const bool priv = p.pool->priv != nullptr;
   auto out_of_memory = [&]() {
     // Rung 5b (F22): a free block of a pool that lends on OOM.
     if (try_use_on_oom_pools(p, w)) return take_found_block(p, stats_);
     throw_out_of_memory(p, w);
   };
+  // More than the whole device (or than the memory fraction allows) never
+  // fits: out of memory at once, the cache kept (PyTorch would empty it
+  // first, for nothing). A custom segment allocator's memory is its own.
+  if (p.size > (set_fraction_ ? allowed_bytes_ : device_total_bytes_) && !(priv && p.pool->priv->custom.malloc))
+    return out_of_memory();
   if (caching_) {
     // Rung 1 again: another thread may have freed a block meanwhile.
     if (get_free_block(p)) return take_found_block(p, stats_);

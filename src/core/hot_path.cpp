@@ -186,6 +186,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 
 // allocate when events are pending or a begin_allocate_to_pool is active.
 [[gnu::noinline]] block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
+  stream_state& ss = stream_for(stream);  // first: a stream it refuses leaves everything as it was
   const bool scoped = pool_scope_active();
   if (scoped) note_if_capturing(stream);
   if (!capture_underway()) process_events();  // never while capturing: event queries are not allowed then
@@ -196,7 +197,6 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
       routed = routed_pool(stream) != nullptr;
     }
     if (routed) {
-      stream_state& ss = stream_for(stream);
       world_lock w(*this);
       if (private_pool* pp = routed_pool(stream)) {  // again: it may have ended meanwhile
         if (pp->use_count == 0)
@@ -217,7 +217,6 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
       }
     }
   }
-  stream_state& ss = stream_for(stream);
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
@@ -233,9 +232,8 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 }
 
 namespace {
-// stream_for on a miss of the thread's cached entry: the registry.
-[[gnu::noinline]] stream_state& registered_stream(device_state& d, stream_t stream) {
-  std::lock_guard lock(d.registry_mutex_);
+// The registry's entry of `stream`, made if new; cached for this thread. [registry]
+stream_state& registered_slot(device_state& d, stream_t stream) {
   auto& slot = d.streams_[stream];
   if (!slot) {
     slot = std::make_unique<stream_state>(stream);
@@ -254,7 +252,32 @@ namespace {
   tls_stream_cache = {d.id_, stream, slot.get()};
   return *slot;
 }
+
+// stream_for on a miss of the thread's cached entry: the registry.
+// A stream not met before, or destroyed (stream_destroyed), is checked with
+// the backend (SPEC R5): a handle never created would fail later, at its
+// free. A destroyed stream's handle that the backend reports live again is
+// a new stream (CUDA reuses handles; the CUDA backend cannot tell, and says
+// live).
+[[gnu::noinline]] stream_state& registered_stream(device_state& d, stream_t stream) {
+  {
+    std::lock_guard lock(d.registry_mutex_);
+    const auto known = d.streams_.find(stream);
+    const bool met = known != d.streams_.end();
+    if (met && !known->second->gone) return registered_slot(d, stream);
+    if (!d.backend_.is_stream(d.device_, stream))
+      throw invalid_argument_error("ccalloc: malloc on stream " + std::to_string(stream) + " of device " +
+                                   std::to_string(d.device_) + ", which is not a live stream of that device (" +
+                                   (met ? "destroyed" : "never created, or destroyed") + ")");
+    if (!met) return registered_slot(d, stream);
+  }
+  d.set_stream_gone(stream, false);  // made again; the world lock takes the registry's lock
+  std::lock_guard lock(d.registry_mutex_);
+  return registered_slot(d, stream);
+}
 }  // namespace
+
+void device_state::forget_thread_stream() noexcept { tls_stream_cache = {}; }
 
 stream_state& device_state::stream_for(stream_t stream) {
   const stream_cache_entry& c = tls_stream_cache;
@@ -380,6 +403,10 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   const stat_group g = group_of(p.pool);
   const bool already_split = b->is_split();
   if (should_split(b, p.size)) {
+    // Room for the remainder in the pool's index, before anything changes
+    // (block_index::owes: host memory ran out).
+    if (p.pool->blocks.owes()) [[unlikely]]
+      p.pool->blocks.repay();
     block* remaining = b;
     const bool back = place_at_back(b);
     std::uintptr_t start = back ? b->ptr + b->size - p.size : b->ptr;
@@ -391,7 +418,10 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     block* upper = nullptr;  // a second remainder, above the caller's block
     if (start != b->ptr && start + p.size != b->ptr + b->size) {
       // On a page boundary inside the block (page_aligned_start): the
-      // caller gets the middle; both ends stay cached.
+      // caller gets the middle; both ends stay cached. Two remainders: room
+      // for both and their block objects first (may throw; nothing changed).
+      p.pool->blocks.reserve_two(start - b->ptr, b->ptr + b->size - start - p.size);
+      p.owner->reserve_spare_blocks(2);
       upper = split_free_block(remaining, start + p.size);
       b = split_free_block(remaining, start);
     } else if (start != b->ptr) {
@@ -513,6 +543,10 @@ namespace {
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);
+  // Room in the pool's index for the block, before anything changes: a free
+  // that runs out of host memory fails unchanged (block_index::owes).
+  if (b->pool->blocks.owes()) [[unlikely]]
+    b->pool->blocks.repay();
   // Page fences (expandable segments) are recorded here, on the block's own
   // stream, which exists while the caller frees a block of it; another
   // stream's slow path never records on this stream (can_record_on).
@@ -542,6 +576,7 @@ void device_state::free(block* b) {
 // before the free has completed. Throws backend_error from the record,
 // before anything changed.
 [[gnu::noinline]] void device_state::fence_before_free(stream_state& ss) {
+  if (ss.gone) return;  // destroyed: its work completed, nothing to fence
   std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
   const std::uint64_t coming = ss.free_seq + 1;  // the count the coming free takes
   if (fenced_up_to(ss) < coming) record_fence(ss, coming);
@@ -655,13 +690,55 @@ std::size_t device_state::merge(block* dst, block* src) {
 
 // ---- the free-block index of a pool ------------------------------------------------
 
+namespace {
+// insert filled `v`: grow it now, so that the next insert has room; without
+// host memory, the index owes it (repay).
+[[gnu::noinline]] void grow_or_owe(block_index::bin_array& v, bool& owes) noexcept {
+  try {
+    v.grow();
+  } catch (const std::bad_alloc&) {
+    owes = true;
+  }
+}
+}  // namespace
+
+// One test on the common path: room for this entry and the next one.
 void block_index::insert(block* b) {
-  bump_version();
   const std::uint32_t bin = bin_of(b->size);
+  if (bins_[bin].size() + 1 >= bins_[bin].capacity()) [[unlikely]] {
+    insert_filling(bin, b);
+    return;
+  }
+  place(bin, b);
+}
+
+// insert into a bin it fills (grown after), or that is full (owed: the
+// caller did not repay first; grown before, which may throw, unchanged).
+[[gnu::noinline]] void block_index::insert_filling(std::uint32_t bin, block* b) {
+  bin_array& v = bins_[bin];
+  if (v.full()) v.grow();
+  place(bin, b);
+  if (v.full()) grow_or_owe(v, owes_);
+}
+
+void block_index::place(std::uint32_t bin, block* b) noexcept {
+  bump_version();
   bin_array& v = bins_[bin];
   v.insert_at(search(v, b->size, b->ptr), entry{b->size, b->ptr, b});
   ++count_;
   occupied_[bin / 64] |= std::uint64_t{1} << (bin % 64);
+}
+
+void block_index::repay() {
+  for (bin_array& v : bins_)
+    if (v.full()) v.grow();
+  owes_ = false;
+}
+
+void block_index::reserve_two(std::size_t a, std::size_t c) {
+  if (owes_) repay();
+  const std::uint32_t bin = bin_of(a);
+  if (bin == bin_of(c) && bins_[bin].size() + 2 > bins_[bin].capacity()) bins_[bin].grow();
 }
 
 // A block is always in its own size's bin: no need to look further.

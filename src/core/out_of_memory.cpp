@@ -31,15 +31,22 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   const bool custom_segments = p.pool != nullptr && p.pool->priv != nullptr && p.pool->priv->custom.malloc;
   const bool pages = caching_ && config_.expandable_segments && page_bytes_ != 0 && !no_address_space_ &&
                      !custom_segments;
-  const std::size_t needed = pages ? (p.size + page_bytes_ - 1) / page_bytes_ * page_bytes_ : p.alloc_size;
+  // (Rounded up to pages without wrapping past SIZE_MAX: a refused request may be that large.)
+  const bool too_large = p.pool == nullptr;
+  const std::size_t needed =
+      !pages || too_large ? p.alloc_size
+      : p.size > std::numeric_limits<std::size_t>::max() - page_bytes_ + 1
+          ? p.size
+          : (p.size + page_bytes_ - 1) / page_bytes_ * page_bytes_;
   std::string msg = "ccalloc: out of memory on device " + std::to_string(device_) + ". Tried to allocate " +
                     format_bytes(p.requested_bytes) + " (" + std::to_string(p.requested_bytes) + " bytes; " +
-                    (pages ? "needed to map " + format_bytes(needed) + " of pages"
-                           : "needed a new segment of " + format_bytes(needed)) +
+                    (too_large ? "requests of " + format_bytes(max_request_bytes) + " or more are refused at once"
+                     : pages   ? "needed to map " + format_bytes(needed) + " of pages"
+                               : "needed a new segment of " + format_bytes(needed)) +
                     "). Device " + std::to_string(device_) + " has a total capacity of " +
                     format_bytes(info.total_bytes) + " of which " + format_bytes(info.free_bytes) + " is free.";
   if (set_fraction_)
-    msg += " The per-process memory fraction " + format_fraction(fraction_) + " allows " +
+    msg += " The per-process memory fraction " + format_double(fraction_) + " allows " +
            format_bytes(allowed_bytes_) + ".";
   // The device may refuse memory it reports free (another process took it
   // meanwhile, its free memory is fragmented, an injected fault): say so

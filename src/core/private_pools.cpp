@@ -131,8 +131,8 @@ void device_state::note_if_capturing(stream_t stream) {
 }
 
 bool device_state::any_stream_capturing(const block* b) {
-  if (backend_.is_capturing(device_, b->stream)) return true;
-  for (stream_t s : b->stream_uses)
+  if (!b->pool->owner->gone && backend_.is_capturing(device_, b->stream)) return true;
+  for (stream_t s : b->stream_uses)  // never a destroyed stream (set_stream_gone)
     if (backend_.is_capturing(device_, s)) return true;
   return false;
 }

@@ -247,6 +247,36 @@ std::pair<void*, std::size_t> caching_allocator::get_base_allocation(void* ptr) 
   return devices_[static_cast<std::size_t>(entry->device)]->base_allocation(entry->block);
 }
 
+// Devices not initialized yet have nothing to tell (streams may be made before init).
+stream_t caching_allocator::create_stream(int device) {
+  const stream_t stream = backend_->create_stream(device);
+  if (device >= 0 && device < static_cast<int>(devices_.size()))
+    devices_[static_cast<std::size_t>(device)]->stream_created(stream);
+  return stream;
+}
+
+void caching_allocator::destroy_stream(int device, stream_t stream) {
+  device_caching_allocator* dev = device >= 0 && device < static_cast<int>(devices_.size())
+                                      ? devices_[static_cast<std::size_t>(device)].get()
+                                      : nullptr;
+  if (dev == nullptr) {
+    backend_->destroy_stream(device, stream);
+    return;
+  }
+  if (stream == default_stream || device_backend::is_per_thread_stream(stream) || !backend_->is_stream(device, stream))
+    throw invalid_argument_error("ccalloc: destroy_stream: stream " + std::to_string(stream) + " of device " +
+                                 std::to_string(device) +
+                                 " is not a stream that create_stream made (never created, already destroyed, "
+                                 "or a default stream)");
+  dev->stream_destroyed(stream);
+  try {
+    backend_->destroy_stream(device, stream);
+  } catch (...) {
+    dev->stream_created(stream);  // still alive
+    throw;
+  }
+}
+
 void caching_allocator::record_stream(void* ptr, stream_t stream) {
   if (ptr == nullptr) return;
   if (const auto entry = find_entry(ptr)) {

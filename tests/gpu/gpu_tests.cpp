@@ -445,6 +445,37 @@ void test_allocator_malloc_free() {
   CHECK_THROWS_AS(invalid_argument_error, alloc->free(ptrs.front()), (void)e);  // double free
 }
 
+// D2: blocks of a stream destroyed through the allocator (destroy_stream:
+// it waits for the stream's work first) are freed later without recording
+// anything on it, for both segment kinds; a block recorded on a destroyed
+// stream waits for no event.
+void test_blocks_outlive_their_destroyed_stream() {
+  for (const char* conf : {"", "expandable_segments:False"}) {
+    auto alloc = make_allocator(conf);
+    const stream_t s1 = alloc->create_stream(0);
+    const stream_t s2 = alloc->create_stream(0);
+    void* p = alloc->malloc(0, 1000, s1);
+    void* q = alloc->malloc(0, 3 * mib, s1);
+    REQUIRE(p != nullptr && q != nullptr);
+    CUDA_OK(gk::launch_fill(p, 1000, 1, cs(s1)));
+    CUDA_OK(gk::launch_fill(q, 3 * mib, 2, cs(s1)));
+    alloc->record_stream(q, s2);
+    alloc->destroy_stream(0, s1);
+    alloc->free(p);
+    alloc->free(q);  // its event is recorded on s2, which lives
+    CHECK(alloc->get_device_stats(0).allocated_bytes[0].current == 0);
+    void* t = alloc->malloc(0, 2000, default_stream);
+    alloc->record_stream(t, s2);
+    alloc->destroy_stream(0, s2);
+    alloc->free(t);
+    CHECK(alloc->malloc(0, 2000, default_stream) == t);  // no event to wait for: back at once
+    alloc->free(t);
+    alloc->device_allocator(0).check_invariants();
+    alloc->empty_cache();
+    CHECK(alloc->get_device_stats(0).reserved_bytes[0].current == 0);
+  }
+}
+
 void test_allocator_kernel_write_read() {
   auto alloc = make_allocator();
   scoped_stream s;
@@ -1884,6 +1915,7 @@ const test_case all_tests[] = {
     {"virtual_memory_out_of_memory", test_virtual_memory_out_of_memory},
     {"allocator_malloc_free", test_allocator_malloc_free},
     {"allocator_kernel_write_read", test_allocator_kernel_write_read},
+    {"blocks_outlive_their_destroyed_stream", test_blocks_outlive_their_destroyed_stream},
     {"allocator_stats_match_device", test_allocator_stats_match_device},
     {"allocator_empty_cache_returns_memory", test_allocator_empty_cache_returns_memory},
     {"allocator_oom_larger_than_device", test_allocator_oom_larger_than_device},

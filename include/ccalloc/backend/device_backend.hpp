@@ -143,6 +143,12 @@ class device_backend {
   /// Creates a stream on `device` (cudaStreamCreateWithFlags, non-blocking).
   [[nodiscard]] virtual stream_t create_stream(int device) = 0;
   virtual void destroy_stream(int device, stream_t stream) = 0;
+  /// Whether `stream` (a resolve_stream result) is a live stream of
+  /// `device`, as far as the backend can tell: the allocator asks once per
+  /// stream it meets (a handle never created would fail at its free). The
+  /// default, and CUDA's, says true: a CUDA handle that no one created cannot
+  /// be checked safely. Thread-safe; throws backend_error for a bad device.
+  [[nodiscard]] virtual bool is_stream(int device, stream_t stream);
   /// Creates an event on `device` with timing disabled (cudaEventDisableTiming).
   [[nodiscard]] virtual event_t create_event(int device) = 0;
   virtual void destroy_event(int device, event_t event) = 0;

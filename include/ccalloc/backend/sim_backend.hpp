@@ -242,6 +242,9 @@ class sim_backend final : public device_backend {
   /// Throws invalid_argument_error for a handle that is not a live stream
   /// create_stream or adopt_stream made on `device`.
   void destroy_stream(int device, stream_t stream) override;
+  /// The default stream, a per-thread default stream, or a live stream
+  /// create_stream or adopt_stream made on `device`. Thread-safe.
+  [[nodiscard]] bool is_stream(int device, stream_t stream) override;
   [[nodiscard]] event_t create_event(int device) override;
   void destroy_event(int device, event_t event) override;
   void record_event(int device, event_t event, stream_t stream) override;

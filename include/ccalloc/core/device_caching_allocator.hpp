@@ -78,7 +78,10 @@ class device_caching_allocator {
 
   /// Allocates `size_bytes` (> 0, < max_request_bytes) usable on `stream`
   /// without synchronization. Throws out_of_memory_error (after trying to
-  /// free the cache; SPEC B6) and backend_error.
+  /// free the cache; SPEC B6) and backend_error; invalid_argument_error,
+  /// naming the stream, when the first malloc on `stream` (per thread) finds
+  /// it is no live stream: destroyed (stream_destroyed) or one the backend
+  /// denies (device_backend::is_stream).
   [[nodiscard]] allocation malloc(std::size_t size_bytes, stream_t stream);
   /// Frees a block from malloc. If the block was used on other streams
   /// (record_stream), it returns to the cache when their events complete.
@@ -89,6 +92,20 @@ class device_caching_allocator {
   void free(detail::block* block);
   /// Marks `block` as used on `stream` (PyTorch: recordStream). A use on the
   /// block's own stream is ignored.
+  /// The backend is about to destroy `stream` (caching_allocator::destroy_stream
+  /// calls this, then the backend's destroy_stream). Waits for the work queued
+  /// on it (synchronize_stream: as CUDA lets a destroyed stream's work
+  /// complete), then marks it gone: blocks allocated on it, or recorded on it
+  /// (record_stream), stay valid and are freed later as usual, without
+  /// recording anything on it; a malloc on it throws invalid_argument_error
+  /// (checked when a thread first meets the stream: a thread that allocated
+  /// on it just before may still be served from its per-thread caches). Its
+  /// cached blocks stay cached for its handle. Throws backend_error from the
+  /// synchronize (then nothing changed). Locks the whole device.
+  void stream_destroyed(stream_t stream);
+  /// The backend made a stream `stream` (a handle a destroyed stream may have
+  /// had): it is no longer gone (stream_destroyed). Locks the whole device.
+  void stream_created(stream_t stream);
   void record_stream(detail::block* block, stream_t stream);
   /// record_stream for an address inside a live block (a view at an offset,
   /// SPEC X4; PyTorch ignores such pointers). Returns false, changing nothing,

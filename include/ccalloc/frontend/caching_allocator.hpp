@@ -108,7 +108,9 @@ class caching_allocator {
   /// on the calling thread (device_backend::resolve_stream): each thread's
   /// per-thread default stream has its own pool. Size 0
   /// returns nullptr. Throws invalid_argument_error for an uninitialized
-  /// allocator or a device out of range, out_of_memory_error when the device
+  /// allocator, a device out of range, or a stream that is not a live stream
+  /// of the device (destroyed by destroy_stream; never created, where the
+  /// backend can tell: device_backend::is_stream), out_of_memory_error when the device
   /// cannot provide the memory (at once for sizes >= 1 EiB).
   [[nodiscard]] void* malloc(int device, std::size_t size_bytes, stream_t stream);
   /// Frees a pointer from this allocator (F3). nullptr is a no-op. Throws
@@ -172,6 +174,22 @@ class caching_allocator {
   /// block is found (SPEC X4; PyTorch ignores such pointers). A pointer inside
   /// no live block of this allocator is ignored.
   void record_stream(void* ptr, stream_t stream);
+  /// A new stream of `device` (the backend's create_stream); the allocator
+  /// forgets that a destroyed stream had its handle
+  /// (device_caching_allocator::stream_created). Throws invalid_argument_error
+  /// for a device out of range, backend_error from the backend.
+  [[nodiscard]] stream_t create_stream(int device);
+  /// Destroys `stream` of `device`, telling the allocator first
+  /// (device_caching_allocator::stream_destroyed): the stream's queued work
+  /// completes (synchronize), and blocks allocated or recorded on it stay
+  /// valid and are freed as usual later, recording nothing on it. A malloc
+  /// on it then throws invalid_argument_error. Destroying a stream through
+  /// the backend directly, under the allocator, is not supported: a later
+  /// free of its blocks may fail (backend_error or invalid_argument_error,
+  /// the block stays allocated). Throws invalid_argument_error for a device
+  /// out of range or a handle the backend rejects (nothing changed then,
+  /// beyond the wait), backend_error from the backend.
+  void destroy_stream(int device, stream_t stream);
 
   /// Lets `device` access the memory of `peer` (F26; PyTorch:
   /// enablePeerAccess(dev, dev_to_access)): enables the backend's peer access

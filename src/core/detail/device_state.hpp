@@ -210,18 +210,28 @@ class block_index {
   /// its size() divides by the entry's 24 bytes and its insert is a call,
   /// on every best fit, split and merge; this keeps its count and shifts
   /// inline (growing, rare, is out of line).
+  ///
+  /// A spare slot (SPEC R5: a free never fails half done): an insert
+  /// grows the bin when it fills it, after the insert, so the next insert
+  /// finds room without allocating. A bin starts with one slot, in the
+  /// index's first_slots_ (not owned); a grown bin owns its array.
   class bin_array {
    public:
     [[nodiscard]] std::uint32_t size() const noexcept { return size_; }
     [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+    [[nodiscard]] bool full() const noexcept { return size_ == capacity_; }
+    [[nodiscard]] std::uint32_t capacity() const noexcept { return capacity_; }
     [[nodiscard]] entry& operator[](std::uint32_t i) noexcept { return data_[i]; }
     [[nodiscard]] const entry& operator[](std::uint32_t i) const noexcept { return data_[i]; }
     [[nodiscard]] const entry& back() const noexcept { return data_[size_ - 1]; }
-    /// Inserts `e` before index i (i <= size()). May throw std::bad_alloc (then unchanged).
-    void insert_at(std::uint32_t i, const entry& e) {
-      if (size_ == capacity_) [[unlikely]]
-        grow();
-      entry* d = data_.get();
+    /// Starts with the one slot `slot` (owned by the caller, kept while this lives).
+    void attach(entry* slot) noexcept {
+      data_ = slot;
+      capacity_ = 1;
+    }
+    /// Inserts `e` before index i (i <= size() < capacity: not full()).
+    void insert_at(std::uint32_t i, const entry& e) noexcept {
+      entry* d = data_;
       for (std::uint32_t j = size_; j > i; --j) copy_entry(d[j], d[j - 1]);
       d[i] = e;
       ++size_;
@@ -229,8 +239,17 @@ class block_index {
     /// Removes the entry at index i (< size()).
     void erase_at(std::uint32_t i) noexcept {
       --size_;
-      entry* d = data_.get();
+      entry* d = data_;
       for (std::uint32_t j = i; j < size_; ++j) copy_entry(d[j], d[j + 1]);
+    }
+    /// Doubles the capacity. May throw std::bad_alloc (then unchanged).
+    [[gnu::noinline]] void grow() {
+      const std::uint32_t capacity = capacity_ < 4 ? 4 : capacity_ * 2;
+      auto data = std::make_unique_for_overwrite<entry[]>(capacity);
+      if (size_ != 0) std::memcpy(data.get(), data_, size_ * sizeof(entry));
+      owned_ = std::move(data);
+      data_ = owned_.get();
+      capacity_ = capacity;
     }
 
    private:
@@ -241,17 +260,18 @@ class block_index {
       to = from;
       asm volatile("" ::: "memory");
     }
-    [[gnu::noinline]] void grow() {
-      const std::uint32_t capacity = capacity_ == 0 ? 4 : capacity_ * 2;
-      auto data = std::make_unique_for_overwrite<entry[]>(capacity);
-      if (size_ != 0) std::memcpy(data.get(), data_.get(), size_ * sizeof(entry));
-      data_ = std::move(data);
-      capacity_ = capacity;
-    }
-    std::unique_ptr<entry[]> data_;
+    entry* data_ = nullptr;
     std::uint32_t size_ = 0;
     std::uint32_t capacity_ = 0;
+    std::unique_ptr<entry[]> owned_;  // data_ once grown
   };
+
+  /// Every bin starts with one slot (one allocation: may throw std::bad_alloc).
+  block_index() : first_slots_(std::make_unique_for_overwrite<entry[]>(bin_count)) {
+    for (std::uint32_t bin = 0; bin < bin_count; ++bin) bins_[bin].attach(&first_slots_[bin]);
+  }
+  block_index(const block_index&) = delete;
+  block_index& operator=(const block_index&) = delete;
 
   /// The bin of a block of `size_bytes`: non-decreasing in the size.
   /// Without a branch: with s = max(bit_width(u) - 3, 0), the bin is 4 s +
@@ -283,7 +303,22 @@ class block_index {
     if (p.index + 1 < bins_[p.bin].size()) return {p.bin, p.index + 1};
     return {next_bin(p.bin + 1), 0};
   }
+  /// Inserts b (not in the index). Does not throw while the index owes
+  /// nothing (owes(): every bin has a spare slot); a bin that it fills and
+  /// cannot grow (no host memory) is owed, and the insert still succeeds.
+  /// Into an owed bin it grows first: may throw std::bad_alloc (unchanged).
   void insert(block* b);
+  /// Whether a bin is full (its growth failed): the next insert into it
+  /// would have to allocate. An operation that inserts calls repay() first,
+  /// before it changes anything.
+  [[nodiscard]] bool owes() const noexcept { return owes_; }
+  /// Grows every full bin. Throws std::bad_alloc (host memory), before
+  /// anything changed; then owes() stays true.
+  [[gnu::noinline]] void repay();
+  /// Room for two inserts, of blocks of sizes a and c, with owes() false
+  /// (one insert into each bin is covered by its spare slot): may throw
+  /// std::bad_alloc, before anything changed.
+  void reserve_two(std::size_t a, std::size_t c);
   /// Changes at every insert, erase and rekey (and bump_version): equal
   /// readings mean the index did not change in between. Written under the
   /// pool's stream lock; read without it (a relaxed load, never torn).
@@ -373,8 +408,13 @@ class block_index {
   }
   [[nodiscard]] std::uint32_t last_bin() const noexcept { return prev_bin(bin_count); }
 
+  void insert_filling(std::uint32_t bin, block* b);
+  void place(std::uint32_t bin, block* b) noexcept;
+
+  std::unique_ptr<entry[]> first_slots_;  // one per bin, until it grows
   std::array<bin_array, bin_count> bins_;
   std::array<std::uint64_t, words> occupied_{};
+  bool owes_ = false;  // a bin is full: see owes() [stream]
   std::size_t count_ = 0;
   std::atomic<std::uint64_t> version_{0};  // [stream] to write (version())
 };
@@ -449,6 +489,10 @@ struct alignas(64) stream_state {
   // with free_seq <= fenced_seq have no work of this stream left on them
   // [world].
   std::uint64_t free_seq = 0;
+  // Destroyed (device_caching_allocator::stream_destroyed): its work has
+  // completed and nothing is recorded on it; malloc on it is refused. [world
+  // to write; stream or device to read]
+  bool gone = false;
   std::deque<std::pair<event_t, std::uint64_t>> fences;
   std::uint64_t fenced_seq = 0;
   // This stream's pools inside private pools (F20). [world]
@@ -460,7 +504,17 @@ struct alignas(64) stream_state {
     spare_blocks.pop_back();
     return b;
   }
-  void delete_block(block* b) {
+  /// At least n block objects spare: new_block will not allocate for the
+  /// next n. May throw std::bad_alloc (then nothing else changed).
+  void reserve_spare_blocks(std::size_t n) {
+    spare_blocks.reserve(n);
+    while (spare_blocks.size() < n) {
+      auto b = std::make_unique<block>();
+      spare_blocks.push_back(b.release());
+    }
+  }
+  /// Never throws: a merge (inside a free) calls it.
+  void delete_block(block* b) noexcept {
     // Reset what new_block's callers do not set (stream_uses keeps its capacity).
     b->requested_bytes = 0;
     b->prev = b->next = nullptr;
@@ -473,7 +527,11 @@ struct alignas(64) stream_state {
     b->free_seq_taken = false;
     b->reuse_version = no_reuse_version;
     b->stream_uses.clear();
-    spare_blocks.push_back(b);
+    try {
+      spare_blocks.push_back(b);
+    } catch (const std::bad_alloc&) {
+      delete b;  // no host memory for the list: the next new_block allocates
+    }
   }
   ~stream_state() {
     for (block* b : spare_blocks) delete b;
@@ -610,6 +668,8 @@ class device_state {
 
   // --- events.cpp: record_stream, events, returning blocks ----------------------
   void record_stream(block* b, stream_t stream);  // [none] takes the block's stream
+  void set_stream_gone(stream_t stream, bool gone);  // [none] takes the world lock
+  static void forget_thread_stream() noexcept;       // the calling thread's stream_for cache (hot_path.cpp)
   void process_events();  // [none] takes device, then (device released) each block's stream
   void process_events_locked();                                               // [world]
   void insert_events(block* b);                                                // [stream] takes device

@@ -5,16 +5,18 @@
 #include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/types.hpp>
 
+#include <charconv>
 #include <cstddef>
-#include <cstdio>
 #include <string>
+#include <system_error>
 
 namespace ccalloc::detail {
 
-inline std::string format_fraction(double f) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.17g", f);
-  return buf;
+/// Shortest text that parses back to exactly `value` (0.05, not 0.050000000000000003).
+inline std::string format_double(double value) {
+  char buffer[64];
+  const auto [ptr, ec] = std::to_chars(buffer, buffer + sizeof buffer, value);
+  return ec == std::errc{} ? std::string(buffer, ptr) : std::to_string(value);
 }
 
 }  // namespace ccalloc::detail

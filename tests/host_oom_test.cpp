@@ -1,0 +1,174 @@
+// host_oom_test.cpp: frees and mallocs that run out of host memory (SPEC R5:
+// an error leaves the state unchanged). This program replaces the global
+// operator new (its own executable, so that no other test shares it): while
+// `host_out_of_memory` is set, every allocation of the program throws
+// std::bad_alloc, as under an exhausted RLIMIT_AS.
+//
+// The free-block index of a pool (block_index) keeps a spare slot in every
+// bin: an insert that fills a bin grows it afterwards, and when that growth
+// finds no host memory the index owes it (block_index::owes). The operation
+// still succeeds; the next one that could insert into the pool repays first,
+// before it changes anything, and fails unchanged if host memory is still
+// out. Before this design a free grew the bin in the middle of its work: it
+// had counted the block freed when it threw, and the block stayed live, so
+// freeing it again counted it twice (allocated bytes went negative).
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+namespace {
+std::atomic<bool> host_out_of_memory{false};
+std::atomic<long> refused_allocations{0};
+}  // namespace
+
+// Out of line: inlined, GCC pairs a `new` expression with the free() below
+// and warns (-Wmismatched-new-delete) although they match here.
+[[gnu::noinline]] void* operator new(std::size_t size) {
+  if (host_out_of_memory.load(std::memory_order_relaxed)) {
+    refused_allocations.fetch_add(1, std::memory_order_relaxed);
+    throw std::bad_alloc();
+  }
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+using namespace ccalloc;  // NOLINT: test file
+
+/// Host memory runs out for the scope's life.
+struct no_host_memory {
+  no_host_memory() { host_out_of_memory.store(true, std::memory_order_relaxed); }
+  ~no_host_memory() { host_out_of_memory.store(false, std::memory_order_relaxed); }
+  no_host_memory(const no_host_memory&) = delete;
+  no_host_memory& operator=(const no_host_memory&) = delete;
+};
+
+struct sim_fixture {
+  std::shared_ptr<sim_backend> sim;
+  std::unique_ptr<caching_allocator> alloc;
+  explicit sim_fixture(const std::string& conf) {
+    sim_options o;
+    o.capacity_bytes = std::size_t{1} << 30;
+    sim = std::make_shared<sim_backend>(o);
+    alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(conf));
+    alloc->init(1);
+  }
+  std::map<std::string, std::int64_t> stats() const { return alloc->get_device_stats(0).to_map(); }
+};
+
+// Every other of 4,000 blocks of 512 bytes (one 2 MiB segment each 4,096):
+// the freed blocks cannot merge, so each free inserts one more entry into
+// the 512-byte bin, which grows at 4, 8, 16, ... entries.
+TEST(HostOutOfMemory, AFreeThatFailsChangesNothingAndCanBeRepeated) {
+  for (const char* conf : {"expandable_segments:False,thread_cache:off", "thread_cache:off"}) {
+    SCOPED_TRACE(conf);
+    sim_fixture f(conf);
+    constexpr std::size_t n = 4000;
+    std::vector<void*> v(n);
+    for (auto& p : v) p = f.alloc->malloc(0, 512, 0);
+    std::size_t failed = 0, freed_without_memory = 0;
+    for (std::size_t i = 1; i < n; i += 2) {
+      const auto before = f.stats();
+      bool threw = false;
+      {
+        no_host_memory scope;
+        try {
+          f.alloc->free(v[i]);
+        } catch (const std::bad_alloc&) {
+          threw = true;
+        }
+      }
+      if (!threw) {
+        ++freed_without_memory;
+        continue;
+      }
+      ++failed;
+      EXPECT_EQ(f.stats(), before) << "free #" << i / 2 + 1 << " failed: statistics unchanged";
+      f.alloc->device_allocator(0).check_invariants();
+      f.alloc->free(v[i]);  // with host memory again: the same pointer is still live
+      EXPECT_EQ(f.stats().at("allocated_bytes.all.current"), before.at("allocated_bytes.all.current") - 512);
+    }
+    // The spare slot let most frees succeed without host memory; the few
+    // that needed the owed growth failed, unchanged (bins grow at 4, 8, ...
+    // entries: 2,000 entries need 9 growths).
+    EXPECT_GE(failed, 1U);
+    EXPECT_LE(failed, 10U);
+    EXPECT_EQ(failed + freed_without_memory, n / 2);
+    for (std::size_t i = 0; i < n; i += 2) f.alloc->free(v[i]);
+    const auto after = f.stats();
+    EXPECT_EQ(after.at("allocated_bytes.all.current"), 0);
+    EXPECT_EQ(after.at("active.all.current"), 0);
+    f.alloc->device_allocator(0).check_invariants();
+    f.alloc->empty_cache();
+    EXPECT_EQ(f.stats().at("reserved_bytes.all.current"), 0);
+  }
+}
+
+// A malloc from the cache splits a free block; the remainder goes into its
+// bin. Without host memory it fails unchanged (no pointer, same statistics)
+// once a bin's growth is owed. 1 KiB from free 1.5 KiB blocks: the 512-byte
+// remainders pile up in their bin (none fits the next request).
+TEST(HostOutOfMemory, AMallocThatFailsChangesNothing) {
+  sim_fixture f("expandable_segments:False,thread_cache:off");
+  constexpr std::size_t n = 4000;
+  // Spare block objects first (freed blocks that merged), so that a split
+  // needs no new one: what can fail is the bin alone.
+  std::vector<void*> warm(3 * n);
+  for (auto& p : warm) p = f.alloc->malloc(0, 512, 0);
+  for (void* p : warm) f.alloc->free(p);
+  std::vector<void*> v(n);
+  for (auto& p : v) p = f.alloc->malloc(0, 1536, 0);
+  for (std::size_t i = 1; i < n; i += 2) f.alloc->free(v[i]);  // 2,000 free 1.5 KiB blocks
+  std::vector<void*> w;
+  std::size_t failed = 0;
+  for (std::size_t k = 0; k < n / 2; ++k) {
+    const auto before = f.stats();
+    void* p = nullptr;
+    bool threw = false;
+    {
+      no_host_memory scope;
+      try {
+        p = f.alloc->malloc(0, 1024, 0);
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+    }
+    if (!threw) {
+      w.push_back(p);
+      continue;
+    }
+    ++failed;
+    EXPECT_EQ(f.stats(), before) << "malloc #" << k + 1 << " failed: statistics unchanged";
+    f.alloc->device_allocator(0).check_invariants();
+    w.push_back(f.alloc->malloc(0, 1024, 0));  // with host memory again: served
+  }
+  // Bins grow at 4, 8, ... entries: 2,000 remainders need 9 growths.
+  EXPECT_GE(failed, 1U);
+  EXPECT_LE(failed, 10U);
+  EXPECT_EQ(w.size(), n / 2);
+  EXPECT_EQ(f.stats().at("allocated_bytes.all.current"),
+            static_cast<std::int64_t>(n / 2 * 1536 + w.size() * 1024));
+  for (void* p : w) f.alloc->free(p);
+  for (std::size_t i = 0; i < n; i += 2) f.alloc->free(v[i]);
+  EXPECT_EQ(f.stats().at("allocated_bytes.all.current"), 0);
+  f.alloc->device_allocator(0).check_invariants();
+  f.alloc->empty_cache();
+  EXPECT_EQ(f.stats().at("reserved_bytes.all.current"), 0);
+}
+
+}  // namespace
