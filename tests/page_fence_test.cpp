@@ -23,6 +23,15 @@ using namespace ccalloc;  // NOLINT: test file
 constexpr std::size_t MiB = mib;
 constexpr std::int64_t I(std::size_t v) { return static_cast<std::int64_t>(v); }
 
+// Two streams that both allocate, no cross-stream adoption: `s` keeps
+// `keep` (2 MiB, the first page of its reservation), `other` holds `o` (2 MiB).
+struct busy_stream_setup {
+  stream_t s;
+  stream_t other;
+  void* o;
+  void* keep;
+};
+
 class PageFenceTest : public ::testing::Test {
  protected:
   void make(std::size_t capacity = 256 * MiB, const std::string& conf = "") {
@@ -39,6 +48,14 @@ class PageFenceTest : public ::testing::Test {
     EXPECT_EQ(sim->counters().unsafe_unmaps, 0u) << "a page was unmapped while work could still use it";
   }
   device_stats st() { return alloc->get_device_stats(0); }
+  // (AStreamThatKeepsABlock..., AnotherStreamsSlowPath...)
+  busy_stream_setup busy_stream_and_other() {
+    make(256 * MiB, "reuse_across_streams:False");
+    const stream_t s = sim->create_stream(0);
+    const stream_t other = sim->create_stream(0);
+    void* o = m(2 * MiB, other);  // both streams allocate
+    return {s, other, o, m(2 * MiB, s)};
+  }
   std::int64_t reserved() { return st().reserved_bytes[0].current; }
   void* m(std::size_t bytes, stream_t s = 0) { return alloc->malloc(0, bytes, s); }
   // A kernel on `s` uses p's bytes until virtual time `until`, then p is freed.
@@ -275,23 +292,48 @@ TEST_F(PageFenceTest, AStreamDestroyedAfterItsFreesIsNeverRecordedOnAndItsPagesS
   alloc->free(b);
 }
 
-// Pages a stream freed while it still holds other blocks move only after a
-// fence of that stream: its own slow path records one; another stream's
-// never does (the stream may be gone), so they stay where they are.
-TEST_F(PageFenceTest, AnotherStreamsSlowPathNeverRecordsOnABusyStream) {
-  make(256 * MiB, "reuse_across_streams:False");
-  const stream_t s = sim->create_stream(0);
-  const stream_t other = sim->create_stream(0);
-  void* keep = m(2 * MiB, s);
-  alloc->free(m(20 * MiB, s));  // s keeps `keep`: its segment is not idle
+// A stream that keeps a block (weights, a cache) and frees others: each
+// free that spans a page records a page fence on the stream itself (no
+// other stream's slow path may record on it: it may be gone), while none of
+// its fences is outstanding. Its freed pages then pass to another stream,
+// without any wait, once the stream's work before the free has completed;
+// before that they stay. (Before: only a segment's last busy block was
+// fenced at its free, so on the H200 such a stream gave no page away and
+// the other stream grew: GPU test expandable_recycling_time_budget.)
+TEST_F(PageFenceTest, AStreamThatKeepsABlockFencesItsFreesOfWholePagesAndTheyMove) {
+  const auto [s, other, o, keep] = busy_stream_and_other();
+  use_and_free(m(20 * MiB, s), 20 * MiB, s, 10);  // s's kernel uses the block until t=10; s keeps `keep`
   void* b = m(20 * MiB, other);
-  EXPECT_EQ(st().num_pages_remapped, 0) << "no fence of s covers the free: its pages stay";
-  EXPECT_EQ(reserved(), I(42 * MiB));
-  void* c = m(30 * MiB, s);  // s's own slow path fences s (the pages stay on s here)
-  alloc->free(c);
+  EXPECT_EQ(st().num_pages_remapped, 0) << "s's work before the free has not completed: its pages stay";
+  EXPECT_EQ(reserved(), I(44 * MiB));
   alloc->free(b);
-  alloc->free(keep);
+  sim->advance_to(10);           // the fence recorded at the free completes
+  void* c = m(40 * MiB, other);  // 10 pages past the 44 MiB mark
+  EXPECT_EQ(st().num_pages_remapped, 10) << "s's 10 free pages move: no slow path of s in between";
+  EXPECT_EQ(reserved(), I(44 * MiB));
+  EXPECT_EQ(mapped_on(*alloc, s), 2 * MiB);
   EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(sim->now(), 10u) << "the host never waited";
+  for (void* p : {o, keep, c}) alloc->free(p);
+}
+
+// Frees of less than a page on such a stream are not fenced (most free no
+// whole page), even when together they leave pages whole; another stream's
+// slow path never records on the stream (it may be gone), so those pages
+// stay with it until a fence of its own covers them (its next free of a
+// page or more, its own slow path).
+TEST_F(PageFenceTest, AnotherStreamsSlowPathNeverRecordsOnABusyStream) {
+  const auto [s, other, o, keep] = busy_stream_and_other();
+  void* parts[4];
+  for (void*& p : parts) p = m(3 * MiB / 2, s);  // [2, 8) MiB of s's reservation: 3 pages
+  EXPECT_EQ(reserved(), I(10 * MiB));
+  for (void* p : parts) alloc->free(p);  // 3 whole pages free on s, from frees of less than a page
+  void* b = m(6 * MiB, other);           // 3 pages past the 10 MiB mark
+  EXPECT_EQ(st().num_pages_remapped, 0) << "no fence of s covers the frees: their pages stay";
+  EXPECT_EQ(reserved(), I(16 * MiB));
+  EXPECT_EQ(mapped_on(*alloc, s), 8 * MiB);
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  for (void* p : {o, keep, b}) alloc->free(p);
 }
 
 }  // namespace

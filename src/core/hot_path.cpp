@@ -237,14 +237,18 @@ stream_state& registered_slot(device_state& d, stream_t stream) {
   auto& slot = d.streams_[stream];
   if (!slot) {
     slot = std::make_unique<stream_state>(stream);
+    if (stream != default_stream && d.streams_.size() >= 2 && d.page_bytes_ != 0)
+      slot->fence_free_bytes = d.page_bytes_;
     if (d.streams_.size() == 2) {
       // The first stream kept its statistics pending without a lock; publish
-      // them before two streams can publish independently.
+      // them before two streams can publish independently. Its frees of
+      // pages may now be wanted by another stream (free_records_fence).
       for (auto& [other_stream, other] : d.streams_) {
         if (other.get() == slot.get()) continue;
         std::lock_guard other_lock(other->mutex);
         std::lock_guard stats_lock(d.stats_mutex_);
         publish_pending_stats(d.stats_, *other);
+        if (other_stream != default_stream && d.page_bytes_ != 0) other->fence_free_bytes = d.page_bytes_;
         d.single_stream_.store(false, std::memory_order_relaxed);
       }
     }
@@ -495,16 +499,14 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
 // the pool back as it was before and hand out `b` again, so the thread cache
 // may elide the pair (detail/thread_cache.hpp, "Placement"): b records its
 // pool's version. Not when that free would do more than merge: record a page
-// fence (b is the last busy block of an expandable segment and the stream
-// has none outstanding), or age the cached blocks (garbage collection counts
+// fence (free_records_fence), or age the cached blocks (garbage collection counts
 // the searches of the free list). Nor a large block while the cache takes
 // small ones only. What else keeps a block out of the cache is settled here
 // too, so that the free checks only the version: record_stream clears it,
 // and private pools, no-caching mode and thread_cache:small change only
 // under the world lock, which changes every version. [stream]
 block* device_state::note_reusable(block* b, const stream_state& ss) const noexcept {
-  const bool free_would_fence = b->seg->expandable && b->seg->busy_blocks == 1 && ss.fences.empty();
-  const bool kept_out = free_would_fence || config_.garbage_collection_threshold > 0.0 ||
+  const bool kept_out = free_records_fence(b, ss) || config_.garbage_collection_threshold > 0.0 ||
                         (!b->pool->is_small && thread_caches_.small_only.load(std::memory_order_relaxed));
   b->reuse_version = kept_out ? no_reuse_version : b->pool->blocks.version();
   return b;
@@ -555,12 +557,11 @@ void device_state::free(block* b) {
   } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
-  } else if (b->seg->expandable && b->seg->busy_blocks == 1 && ss.fences.empty() && !capture_underway())
-      [[unlikely]] {
-    // The segment's last busy block, and no fence of the stream outstanding
-    // (one already is: skip, so that a stream that goes idle at every free,
-    // an alloc+free loop, records one fence per slow path at most, not one
-    // per free). May throw: nothing changed yet.
+  } else if (free_records_fence(b, ss) && !capture_underway()) [[unlikely]] {
+    // No fence of the stream outstanding (one already is: skip, so that a
+    // stream that goes idle at every free, an alloc+free loop, records one
+    // fence per slow path at most, not one per free). May throw: nothing
+    // changed yet.
     fence_before_free(ss);
   }
   stats_sink sink(*this, ss);
@@ -568,12 +569,12 @@ void device_state::free(block* b) {
 }
 
 // Records a page fence on `ss` covering the free about to happen (count
-// ss.free_seq + 1), unless one does already. free calls it for the last
-// busy block of an expandable segment (the stream stopped using it: a
-// short-lived side stream, a stream between bursts) and for a block used on
-// other streams (freed later, when their events complete), so that those
-// pages can pass to another stream without waiting once the stream's work
-// before the free has completed. Throws backend_error from the record,
+// ss.free_seq + 1), unless one does already. free calls it where
+// free_records_fence says (the last busy block of an expandable segment; a
+// block of a page or more on a stream that keeps others) and for a block
+// used on other streams (freed later, when their events complete), so that
+// those pages can pass to another stream without waiting once the stream's
+// work before the free has completed. Throws backend_error from the record,
 // before anything changed.
 [[gnu::noinline]] void device_state::fence_before_free(stream_state& ss) {
   if (ss.gone) return;  // destroyed: its work completed, nothing to fence

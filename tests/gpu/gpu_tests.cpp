@@ -1365,6 +1365,42 @@ void test_expandable_idle_reservation_passes_whole() {
   for (void* p : {b, c}) alloc->free(p);
 }
 
+// Issue 15: a stream that keeps a block (weights, a cache) and frees others.
+// Its free of a page or more records a page fence on the stream itself, so
+// another stream takes the pages it freed, without waiting, once the work
+// queued before the free has finished; before that they stay put and the
+// other stream grows. (Before, only a segment's last busy block was fenced
+// at its free: such a stream gave no page away, see
+// expandable_recycling_time_budget.) The sim test:
+// PageFenceTest.AStreamThatKeepsABlockFencesItsFreesOfWholePagesAndTheyMove.
+void test_expandable_pages_of_a_busy_stream_move() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  auto alloc = make_allocator("reuse_across_streams:False");
+  scoped_stream s1;
+  scoped_stream s2;
+  void* keep = alloc->malloc(0, 2 * mib, s1.get());  // s1 keeps a block: its segment never goes idle
+  CUDA_OK(gk::launch_fill(keep, 2 * mib, 71, cs(s1.get())));
+  free_behind_long_kernel(*alloc, s1.get(), 72);  // 64 MiB freed behind a 20 ms kernel
+  const auto stats0 = alloc->get_device_stats(0);
+  void* b = alloc->malloc(0, 64 * mib, s2.get());  // s1's kernel still runs: its pages stay
+  const auto stats1 = alloc->get_device_stats(0);
+  CHECK(stats1.reserved_bytes[0].current == stats0.reserved_bytes[0].current + std::int64_t(64 * mib));
+  CHECK(stats1.num_pages_remapped == stats0.num_pages_remapped);
+  CUDA_OK(gk::launch_fill(b, 64 * mib, 73, cs(s2.get())));
+  CHECK(mismatches(b, 64 * mib, 73, cs(s2.get())) == 0);
+  alloc->free(b);
+  CUDA_OK(cudaStreamSynchronize(cs(s1.get())));  // the fence recorded at s1's free completes
+  void* c = alloc->malloc(0, 128 * mib, s2.get());  // 64 MiB past the mark: s1's 32 free pages move
+  const auto stats2 = alloc->get_device_stats(0);
+  CHECK(stats2.reserved_bytes[0].current == stats1.reserved_bytes[0].current);
+  CHECK(stats2.num_pages_remapped == stats1.num_pages_remapped + 32);
+  CHECK(stats2.num_device_synchronizations == stats0.num_device_synchronizations);
+  CUDA_OK(gk::launch_fill(c, 128 * mib, 74, cs(s2.get())));
+  CHECK(mismatches(c, 128 * mib, 74, cs(s2.get())) == 0);
+  CHECK(mismatches(keep, 2 * mib, 71, cs(s1.get())) == 0);
+  for (void* p : {keep, c}) alloc->free(p);
+}
+
 // recycle_time_percent on a GPU (issues 15, 18): the budget reads the steady
 // clock and spends the real driver time of each recycling. Two streams trade
 // 20 MiB (10 pages) back and forth, each block written by a kernel; each
@@ -1374,10 +1410,11 @@ void test_expandable_idle_reservation_passes_whole() {
 // rises, after which nothing is remapped any more. 400 MiB kept on a third
 // stream make each trade a small new peak (under 1/16 of the mark), which
 // the reserve for large peaks does not pay for (it would add up to 500 ms of
-// trades). Not on s1 or s2: a free records a page fence only when it frees
-// its segment's last busy block, so a stream that keeps a block does not
-// fence its trades' frees, and the other stream cannot take those pages
-// without waiting (it grows instead; the H200 showed 0 trades).
+// trades). Not on s1 or s2: when a free recorded a page fence only for its
+// segment's last busy block, a stream that kept a block did not fence its
+// trades' frees, and the other stream could not take those pages without
+// waiting (it grew instead; the H200 showed 0 trades). Such frees are fenced
+// now (expandable_pages_of_a_busy_stream_move).
 void test_expandable_recycling_time_budget() {
   if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
   constexpr int max_trades = 1500;
@@ -1932,6 +1969,7 @@ const test_case all_tests[] = {
     {"expandable_empty_cache_unmaps", test_expandable_empty_cache_unmaps},
     {"expandable_recycles_pages_across_streams", test_expandable_recycles_pages_across_streams},
     {"expandable_idle_reservation_passes_whole", test_expandable_idle_reservation_passes_whole},
+    {"expandable_pages_of_a_busy_stream_move", test_expandable_pages_of_a_busy_stream_move},
     {"expandable_recycling_time_budget", test_expandable_recycling_time_budget},
     {"expandable_peer_mapping", test_expandable_peer_mapping},
     {"plain_segments_empty_cache", test_plain_segments_empty_cache},

@@ -495,6 +495,11 @@ struct alignas(64) stream_state {
   bool gone = false;
   std::deque<std::pair<event_t, std::uint64_t>> fences;
   std::uint64_t fenced_seq = 0;
+  // Its frees of blocks of at least this many bytes record a page fence
+  // (device_state::free_records_fence): a page, where the stream is not the
+  // legacy default stream and another stream allocates too; else never
+  // (SIZE_MAX). Set when the stream or the second stream registers. [stream]
+  std::size_t fence_free_bytes = std::numeric_limits<std::size_t>::max();
   // This stream's pools inside private pools (F20). [world]
   std::map<private_pool*, std::unique_ptr<stream_pools>> private_pools;
 
@@ -634,6 +639,28 @@ class device_state {
   block* take_found_block(alloc_params& p, device_stats& st,
                           block_index::position at = block_index::end());      // [stream]
   block* note_reusable(block* b, const stream_state& ss) const noexcept;       // [stream]
+  // Whether free records a page fence on b's stream before freeing b (a
+  // block used on no other stream; fence_before_free), so that the pages the
+  // free leaves whole can pass to another stream, without waiting, once the
+  // stream's work up to the free has completed. Only while no fence of the
+  // stream is outstanding: one per stream between two polls of its fences
+  // (the slow path polls them), not one per free. And only where no other
+  // fence would cover the free: b is its expandable segment's last busy
+  // block (the stream stopped using it: a short-lived side stream, a stream
+  // between bursts; it may be destroyed next), or b spans a page, while
+  // more than one stream allocates, on a stream other than the legacy
+  // default stream (which any slow path may record on, can_record_on): the
+  // stream keeps other blocks, and another stream's slow path never records
+  // on it, so without this its freed pages stayed with it for as long as it
+  // kept a block, and the others grew instead (issue 15: on the H200, a
+  // stream holding weights gave no page away). A stream alone has its frees
+  // fenced by its own slow path, where its pages are wanted. [stream]
+  [[nodiscard]] static bool free_records_fence(const block* b, const stream_state& ss) noexcept {
+    // The rare cases first: one stream, or blocks in use beside b, end it.
+    return b->seg->expandable &&
+           (b->seg->busy_blocks == 1 || b->size >= ss.fence_free_bytes) &&
+           ss.fences.empty();
+  }
   [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
   // B3's oversize rules: whether a request of `size` bytes may take a free
   // block of `block_size` >= size bytes (a small request never takes an
