@@ -140,7 +140,9 @@ namespace {
 // from the unmapped blocks and the pool's index) is the one a walk over every
 // block finds (best_own_run_by_scan), for each pool with expandable segments,
 // at sizes around a page and around the lengths of its free runs.
-void check_expandable_placement(detail::device_state& s) {
+// fail(what): reports a violation (check_invariants' own).
+template <class Fail>
+void check_expandable_placement(detail::device_state& s, const Fail& fail) {
   using run_choice = detail::device_state::run_choice;
   std::vector<detail::block_pool*> pools;
   for (auto& [base, seg] : s.segments_)
@@ -168,8 +170,8 @@ void check_expandable_placement(detail::device_state& s) {
       s.best_own_run_by_scan(*pool, size, scanned);
       if (indexed.seg != scanned.seg || indexed.first != scanned.first || indexed.pages != scanned.pages ||
           indexed.run != scanned.run)
-        throw std::logic_error("ccalloc invariant violated: the placement of a " + std::to_string(size) +
-                               "-byte request that maps pages differs from a scan of every block");
+        fail("the placement of a " + std::to_string(size) +
+             "-byte request that maps pages differs from a scan of every block");
     }
   }
 }
@@ -254,7 +256,7 @@ void device_caching_allocator::check_invariants() const {
       if (!b->mapped) unmapped.push_back(b);
     if (unmapped != seg->unmapped) fail("segment's list of unmapped blocks differs from its blocks");
   }
-  check_expandable_placement(s);
+  check_expandable_placement(s, fail);
   std::map<const detail::block_pool*, std::size_t> plain;
   for (auto& [base, seg] : s.segments_) plain[seg->head->pool] += seg->expandable ? 0 : 1;
   const auto check_plain = [&](const detail::block_pool& pool) {
