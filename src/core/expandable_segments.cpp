@@ -351,6 +351,8 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   // mapped pages used where they are instead of remapped one by one.
   run_choice best;
   best_own_run(*p.pool, p.size, best);
+  // An idle reservation has no block in use: one run, of few blocks (free
+  // mapped and unmapped ones alternate), walked whole.
   for (auto& [base, up] : segments_) {
     segment& seg = *up;
     if (seg.expandable && seg.head->pool != p.pool && idle_reservation(seg, p)) scan_runs(best, seg, true, p.size);
