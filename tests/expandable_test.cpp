@@ -9,10 +9,13 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -865,6 +868,78 @@ TEST_F(ExpandableTest, PeerAccessThatTheBackendCannotGiveIsRefusedAndNotRecorded
   alloc->free(b);
   alloc->empty_cache();
   EXPECT_EQ(sim->counters().mapped_bytes, 0u);
+}
+
+// A request that maps pages goes to the free run needing the fewest new
+// pages, then the shortest run (alloc_expandable, step 1). The runs are found
+// from the segment's unmapped blocks and the pool's free blocks, not by
+// walking every block (issue D4); check_invariants (TearDown) compares that
+// placement with a walk over every block at several sizes.
+TEST_F(ExpandableTest, ARequestThatMapsPagesTakesTheRunNeedingFewestPagesThenTheShortest) {
+  void* a = m(4 * MiB);
+  void* b = m(4 * MiB);
+  void* c = m(4 * MiB);
+  void* d = m(6 * MiB);
+  void* e = m(2 * MiB);
+  const std::uintptr_t base = U(a);
+  ASSERT_EQ(U(e), base + 18 * MiB) << "packed one after another";
+  alloc->free(b);
+  alloc->free(d);
+  alloc->empty_cache();  // b's and d's pages unmapped: holes of 4 and 6 MiB, and the unmapped tail
+  ASSERT_EQ(reserved(), I(10 * MiB));
+  void* x = m(4 * MiB);
+  EXPECT_EQ(U(x), base + 4 * MiB) << "two pages to map in each hole and the tail: the shortest run";
+  EXPECT_EQ(reserved(), I(14 * MiB));
+  void* y = m(5 * MiB);
+  EXPECT_EQ(U(y), base + 12 * MiB) << "too long for b's hole; three pages in d's or the tail: d's is shorter";
+  EXPECT_EQ(reserved(), I(20 * MiB));
+  alloc->free(e);  // free mapped [17, 20) MiB, followed by the unmapped tail
+  alloc->free(c);  // free mapped [8, 12) MiB, between blocks in use: too short
+  const std::int64_t remapped = st().num_pages_remapped;
+  void* z = m(5 * MiB);
+  EXPECT_EQ(U(z), base + 17 * MiB) << "one page to map after the free mapped pages before the tail";
+  EXPECT_EQ(st().num_pages_remapped, remapped + 1) << "a new peak: the page is one of c's, recycled";
+  EXPECT_EQ(reserved(), I(20 * MiB));
+  dev().check_invariants();
+  for (void* p : {a, x, y, z}) alloc->free(p);
+}
+
+// Random mallocs, frees and emptyCache on two streams, with recycling: the
+// list of unmapped blocks and the placement found from it agree with a walk
+// over every block after every step (check_invariants), as pages are mapped,
+// unmapped, split and merged.
+TEST_F(ExpandableTest, UnmappedBlockListAndPlacementAgreeWithAFullWalkUnderRandomOperations) {
+  make(256 * MiB, "per_process_memory_fraction:0.8");
+  const stream_t other = sim->create_stream(0);
+  std::uint64_t rng = 0x5eedd4;
+  const auto next = [&](std::uint64_t n) {
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (rng >> 33) % n;
+  };
+  std::vector<std::pair<void*, std::size_t>> live;
+  std::size_t live_bytes = 0;
+  for (int step = 0; step < 3000; ++step) {
+    const std::uint64_t op = next(100);
+    if (op < 55 && live_bytes < 120 * MiB) {
+      static constexpr std::size_t sizes[] = {512, 64 << 10, 1 * MiB, 1536 << 10, 2 * MiB, 3 * MiB - 4096,
+                                              4 * MiB, 5 * MiB + 512, 8 * MiB};
+      const std::size_t bytes = sizes[next(std::size(sizes))];
+      live.emplace_back(m(bytes, next(4) == 0 ? other : 0), bytes);
+      live_bytes += bytes;
+    } else if (op < 98 && !live.empty()) {
+      const std::size_t i = next(live.size());
+      alloc->free(live[i].first);
+      live_bytes -= live[i].second;
+      live[i] = live.back();
+      live.pop_back();
+    } else {
+      alloc->empty_cache();
+    }
+    ASSERT_NO_THROW(dev().check_invariants()) << "step " << step;
+  }
+  EXPECT_GT(st().num_pages_unmapped, 100) << "pages were unmapped and mapped again";
+  EXPECT_GT(st().num_pages_mapped, st().num_pages_unmapped);
+  for (const auto& [p, bytes] : live) alloc->free(p);
 }
 
 }  // namespace

@@ -162,6 +162,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   if (ptr == nullptr) return false;
 
   segment& seg = add_segment(p, reinterpret_cast<std::uintptr_t>(ptr), size);
+  ++p.pool->plain_segments;
   block* b = seg.head;
   seg.oversize = size >= config_.max_split_size_bytes;
 
@@ -221,6 +222,8 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   if (!fence_completed(best)) wait_fences(*best->pool->owner);
   stats_.bytes_moved_between_streams += static_cast<std::int64_t>(best->size);
   best->pool->blocks.erase(best);
+  --best->pool->plain_segments;
+  ++p.pool->plain_segments;
   best->pool = p.pool;
   best->stream = p.stream;
   p.found = best;
@@ -281,6 +284,10 @@ void device_state::release_unused_segments(const world_lock& w, bool keep_going)
 }
 
 void device_state::release_blocks(block_pool& pool, bool keep_going) {
+  // Only a plain segment's block can be whole: a pool without plain segments
+  // (the default configuration's) is not read block by block at each new
+  // page (issue D4).
+  if (pool.plain_segments == 0) return;
   std::vector<block*> victims;
   pool.blocks.for_each([&](block* b) {
     if (!b->is_split()) victims.push_back(b);
@@ -307,6 +314,7 @@ void device_state::release_block(block* b, device_stats& st) {
 void device_state::forget_segment(block* b, device_stats& st) noexcept {
   CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= reserved_bytes_);
   if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
+  --b->pool->plain_segments;
   const stat_group g = group_of(b->pool);
   device_stats::decrease(st.segment, g, 1);
   device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));

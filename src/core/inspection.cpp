@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -134,6 +135,48 @@ pool_usage device_caching_allocator::pool_stats(mempool_id_t id) const {
   return u;
 }
 
+namespace {
+// The placement of a request that maps pages (device_state::best_own_run,
+// from the unmapped blocks and the pool's index) is the one a walk over every
+// block finds (best_own_run_by_scan), for each pool with expandable segments,
+// at sizes around a page and around the lengths of its free runs.
+// fail(what): reports a violation (check_invariants' own).
+template <class Fail>
+void check_expandable_placement(detail::device_state& s, const Fail& fail) {
+  using run_choice = detail::device_state::run_choice;
+  std::vector<detail::block_pool*> pools;
+  for (auto& [base, seg] : s.segments_)
+    if (seg->expandable && std::find(pools.begin(), pools.end(), seg->head->pool) == pools.end())
+      pools.push_back(seg->head->pool);
+  for (detail::block_pool* pool : pools) {
+    const std::size_t page = s.page_bytes_;
+    std::vector<std::size_t> sizes = {detail::min_block_bytes, page - detail::min_block_bytes, page,
+                                      page + detail::min_block_bytes, 3 * page};
+    for (auto& [base, seg] : s.segments_) {
+      if (!seg->expandable || seg->head->pool != pool) continue;
+      std::size_t run = 0;
+      for (const block* b = seg->head; b != nullptr && sizes.size() < 13; b = b->next) {
+        run = b->is_free() ? run + b->size : 0;
+        if (run != 0 && (b->next == nullptr || !b->next->is_free())) {
+          sizes.push_back(run);
+          sizes.push_back(std::max(run - detail::min_block_bytes, detail::min_block_bytes));
+        }
+      }
+    }
+    for (std::size_t size : sizes) {
+      run_choice indexed;
+      run_choice scanned;
+      s.best_own_run(*pool, size, indexed);
+      s.best_own_run_by_scan(*pool, size, scanned);
+      if (indexed.seg != scanned.seg || indexed.first != scanned.first || indexed.pages != scanned.pages ||
+          indexed.run != scanned.run)
+        fail("the placement of a " + std::to_string(size) +
+             "-byte request that maps pages differs from a scan of every block");
+    }
+  }
+}
+}  // namespace
+
 void device_caching_allocator::check_invariants() const {
   auto& s = *state_;
   world_lock w(s);
@@ -208,11 +251,27 @@ void device_caching_allocator::check_invariants() const {
       sum += b->size;
     }
     if (sum != seg->size) fail("block sizes do not sum to the segment size");
+    std::vector<block*> unmapped;
+    for (block* b = seg->head; b != nullptr; b = b->next)
+      if (!b->mapped) unmapped.push_back(b);
+    if (unmapped != seg->unmapped) fail("segment's list of unmapped blocks differs from its blocks");
   }
+  check_expandable_placement(s, fail);
+  std::map<const detail::block_pool*, std::size_t> plain;
+  for (auto& [base, seg] : s.segments_) plain[seg->head->pool] += seg->expandable ? 0 : 1;
+  const auto check_plain = [&](const detail::block_pool& pool) {
+    const auto it = plain.find(&pool);
+    if (pool.plain_segments != (it == plain.end() ? 0 : it->second))
+      fail("a pool's plain_segments differs from its plain segments");
+  };
   std::size_t in_pools = 0;
   for (detail::stream_state* ss : w.streams()) {
     in_pools += ss->pools.small.blocks.size() + ss->pools.large.blocks.size();
+    check_plain(ss->pools.small);
+    check_plain(ss->pools.large);
     for (auto& [pp, sp] : ss->private_pools) {
+      check_plain(sp->small);
+      check_plain(sp->large);
       if (s.find_pool(pp->id) != pp) fail("a stream holds pools of a deleted private pool");
       if (sp->small.priv != pp || sp->large.priv != pp || sp->small.owner != ss || sp->large.owner != ss)
         fail("a private pool's stream pools point to the wrong pool or stream");

@@ -47,7 +47,8 @@
 // free, page-aligned, outside every pool, and all its pages are unmapped;
 // every page a mapped block touches is mapped; free neighbours merge only
 // when both are mapped or both unmapped; segment.mapped_bytes = mapped pages
-// x page size. Every free mapped block of an expandable segment counts as an
+// x page size; segment.unmapped lists its unmapped blocks in address order.
+// Every free mapped block of an expandable segment counts as an
 // inactive split block (is_split() is true there).
 #pragma once
 
@@ -168,6 +169,11 @@ struct segment {
   std::size_t page_bytes = 0;            // mapping unit (the device's granularity)
   std::size_t mapped_bytes = 0;          // mapped pages x page_bytes
   std::vector<physical_handle_t> pages;  // per page: its physical handle, 0 = unmapped
+  // Its unmapped blocks, by address. They change only where pages are
+  // mapped or unmapped (set_page_state, under the world lock), never on the
+  // fast path. A request that maps pages looks for its free run around them
+  // (device_state::best_own_run) instead of walking every block. [world]
+  std::vector<block*> unmapped;
 };
 
 bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }
@@ -432,6 +438,7 @@ struct block_pool {
   stream_state* owner = nullptr;  // the stream whose pool this is
   private_pool* priv = nullptr;   // the private pool it belongs to; nullptr: the default pool
   std::uint64_t get_free_blocks_call_count = 0;  // age clock for garbage collection
+  std::size_t plain_segments = 0;  // plain (not expandable) segments whose blocks are in this pool [world]
 
   [[nodiscard]] std::uint64_t age(const block* b) const noexcept {
     return get_free_blocks_call_count - b->gc_count_base;
@@ -735,7 +742,33 @@ class device_state {
   block* split_free_block(block* b, std::uintptr_t at);
   void pool_insert_counted(block* b);
   void pool_erase_counted(block* b);
-  void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped);
+  // hint: a block of seg at or below lo (the walk to lo starts there), or
+  // nullptr: the nearest unmapped block at or below lo (seg.unmapped).
+  void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint = nullptr);
+  [[nodiscard]] static block* unmapped_block_at_or_below(const segment& seg, std::uintptr_t addr) noexcept;
+  // Placement of a request that maps pages (alloc_expandable, step 1): a free
+  // run (free blocks between blocks in use) of at least `size` bytes, the
+  // best by fewest pages to map, then own reservation before an idle one of
+  // another stream (foreign), then the shortest run, then the oldest segment
+  // and lowest offset: a total order, so the runs may be offered in any order.
+  struct run_choice {
+    segment* seg = nullptr;
+    block* first = nullptr;  // the run's first block
+    bool foreign = false;
+    std::size_t pages = std::numeric_limits<std::size_t>::max();  // to map for the request
+    std::size_t run = std::numeric_limits<std::size_t>::max();    // the run's bytes
+  };
+  static void consider_run(run_choice& best, segment& seg, bool foreign, block* first, std::size_t run,
+                           std::size_t size) noexcept;
+  // Offers every free run of seg, walking all its blocks.
+  static void scan_runs(run_choice& best, segment& seg, bool foreign, std::size_t size) noexcept;
+  // Offers the free runs of pool's expandable segments that can be the best:
+  // those around an unmapped block (seg.unmapped), and the free mapped blocks
+  // of at least `size` bytes without a free neighbour (pool's index). O(unmapped
+  // blocks + the pool's free blocks of `size` or more), not O(blocks).
+  void best_own_run(block_pool& pool, std::size_t size, run_choice& best) const noexcept;
+  // The same by scan_runs over every block (check_invariants compares them).
+  void best_own_run_by_scan(const block_pool& pool, std::size_t size, run_choice& best) const noexcept;
   // A page taken off one place to be mapped at another, with the stream
   // whose segment it left (bytes_moved_between_streams).
   struct recycled_page {
