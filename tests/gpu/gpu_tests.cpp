@@ -1378,6 +1378,9 @@ void test_expandable_pages_of_a_busy_stream_move() {
   auto alloc = make_allocator("reuse_across_streams:False");
   scoped_stream s1;
   scoped_stream s2;
+  // Both streams allocate before s1's free: a stream fences its frees of a
+  // page or more once a second stream has allocated (fence_free_bytes).
+  void* other = alloc->malloc(0, 2 * mib, s2.get());
   void* keep = alloc->malloc(0, 2 * mib, s1.get());  // s1 keeps a block: its segment never goes idle
   CUDA_OK(gk::launch_fill(keep, 2 * mib, 71, cs(s1.get())));
   free_behind_long_kernel(*alloc, s1.get(), 72);  // 64 MiB freed behind a 20 ms kernel
@@ -1398,7 +1401,7 @@ void test_expandable_pages_of_a_busy_stream_move() {
   CUDA_OK(gk::launch_fill(c, 128 * mib, 74, cs(s2.get())));
   CHECK(mismatches(c, 128 * mib, 74, cs(s2.get())) == 0);
   CHECK(mismatches(keep, 2 * mib, 71, cs(s1.get())) == 0);
-  for (void* p : {keep, c}) alloc->free(p);
+  for (void* p : {keep, c, other}) alloc->free(p);
 }
 
 // recycle_time_percent on a GPU (issues 15, 18): the budget reads the steady
