@@ -171,4 +171,58 @@ TEST(HostOutOfMemory, AMallocThatFailsChangesNothing) {
   EXPECT_EQ(f.stats().at("reserved_bytes.all.current"), 0);
 }
 
+// Taking every lock of the device (the slow path, empty_cache, statistics)
+// lists the streams first; without host memory that list cannot be made.
+// The registry's lock was then left held and every later call on the device
+// waited for ever (found by the seventh session's hostile-input trial).
+TEST(HostOutOfMemory, TakingEveryLockWithoutHostMemoryReleasesThemAll) {
+  sim_fixture f("thread_cache:off");
+  const stream_t s1 = f.sim->create_stream(0);
+  const stream_t s2 = f.sim->create_stream(0);
+  void* a = f.alloc->malloc(0, 4 << 20, s1);
+  void* b = f.alloc->malloc(0, 4 << 20, s2);
+  f.alloc->free(b);
+  const auto before = f.stats();
+  bool threw = false;
+  {
+    no_host_memory scope;
+    try {
+      f.alloc->empty_cache();
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+  }
+  EXPECT_TRUE(threw) << "the world lock's list of streams needs host memory";
+  EXPECT_EQ(f.stats(), before) << "nothing changed, and the device answers (no lock left held)";
+  f.alloc->empty_cache();  // with host memory again: done
+  EXPECT_EQ(f.stats().at("reserved_bytes.all.current"), before.at("allocated_bytes.all.current"));
+  f.alloc->free(a);
+  f.alloc->device_allocator(0).check_invariants();
+}
+
+// A stream's first malloc makes its entry in the device's registry. Without
+// host memory it fails and leaves no entry: an empty one left behind was
+// dereferenced by the next statistics read (a crash).
+TEST(HostOutOfMemory, AStreamsFirstMallocWithoutHostMemoryLeavesNoEntry) {
+  sim_fixture f("thread_cache:off");
+  void* a = f.alloc->malloc(0, 512, 0);
+  const stream_t s = f.sim->create_stream(0);
+  const auto before = f.stats();
+  bool threw = false;
+  {
+    no_host_memory scope;
+    try {
+      (void)f.alloc->malloc(0, 512, s);
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+  }
+  EXPECT_TRUE(threw);
+  EXPECT_EQ(f.stats(), before);
+  f.alloc->device_allocator(0).check_invariants();
+  void* b = f.alloc->malloc(0, 512, s);  // with host memory again: the stream is made and served
+  EXPECT_EQ(f.stats().at("allocated_bytes.all.current"), 1024);
+  for (void* p : {a, b}) f.alloc->free(p);
+}
+
 }  // namespace

@@ -234,9 +234,13 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 namespace {
 // The registry's entry of `stream`, made if new; cached for this thread. [registry]
 stream_state& registered_slot(device_state& d, stream_t stream) {
-  auto& slot = d.streams_[stream];
-  if (!slot) {
-    slot = std::make_unique<stream_state>(stream);
+  auto it = d.streams_.find(stream);
+  if (it == d.streams_.end()) {
+    // Made before it is entered: out of host memory, the registry stays as
+    // it was (an empty entry left behind was dereferenced later).
+    auto fresh = std::make_unique<stream_state>(stream);
+    it = d.streams_.emplace(stream, std::move(fresh)).first;
+    auto& slot = it->second;
     if (stream != default_stream && d.streams_.size() >= 2 && d.page_bytes_ != 0)
       slot->fence_free_bytes = d.page_bytes_;
     if (d.streams_.size() == 2) {
@@ -253,8 +257,8 @@ stream_state& registered_slot(device_state& d, stream_t stream) {
       }
     }
   }
-  tls_stream_cache = {d.id_, stream, slot.get()};
-  return *slot;
+  tls_stream_cache = {d.id_, stream, it->second.get()};
+  return *it->second;
 }
 
 // stream_for on a miss of the thread's cached entry: the registry.

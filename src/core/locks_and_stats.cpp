@@ -26,7 +26,12 @@ world_lock::~world_lock() {
 void world_lock::lock() {
   d_.registry_mutex_.lock();
   streams_.clear();
-  streams_.reserve(d_.streams_.size());
+  try {
+    streams_.reserve(d_.streams_.size());
+  } catch (...) {  // out of host memory: nothing is locked, nothing changed
+    d_.registry_mutex_.unlock();
+    throw;
+  }
   for (auto& [stream, ss] : d_.streams_) streams_.push_back(ss.get());
   std::sort(streams_.begin(), streams_.end());
   for (stream_state* ss : streams_) ss->mutex.lock();
