@@ -31,11 +31,17 @@
 namespace {
 std::atomic<bool> host_out_of_memory{false};
 std::atomic<long> refused_allocations{0};
+// While >= 0: allocations left before host memory runs out (each one
+// counts it down; at 0 the next is refused).
+std::atomic<long> allocations_left{-1};
 }  // namespace
 
 // Out of line: inlined, GCC pairs a `new` expression with the free() below
 // and warns (-Wmismatched-new-delete) although they match here.
 [[gnu::noinline]] void* operator new(std::size_t size) {
+  if (allocations_left.load(std::memory_order_relaxed) >= 0 &&
+      allocations_left.fetch_sub(1, std::memory_order_relaxed) <= 0)
+    host_out_of_memory.store(true, std::memory_order_relaxed);
   if (host_out_of_memory.load(std::memory_order_relaxed)) {
     refused_allocations.fetch_add(1, std::memory_order_relaxed);
     throw std::bad_alloc();
@@ -50,10 +56,17 @@ namespace {
 
 using namespace ccalloc;  // NOLINT: test file
 
-/// Host memory runs out for the scope's life.
+/// Host memory runs out for the scope's life, after `allowed` more
+/// allocations (0: at once).
 struct no_host_memory {
-  no_host_memory() { host_out_of_memory.store(true, std::memory_order_relaxed); }
-  ~no_host_memory() { host_out_of_memory.store(false, std::memory_order_relaxed); }
+  explicit no_host_memory(long allowed = 0) {
+    if (allowed == 0) host_out_of_memory.store(true, std::memory_order_relaxed);
+    else allocations_left.store(allowed, std::memory_order_relaxed);
+  }
+  ~no_host_memory() {
+    allocations_left.store(-1, std::memory_order_relaxed);
+    host_out_of_memory.store(false, std::memory_order_relaxed);
+  }
   no_host_memory(const no_host_memory&) = delete;
   no_host_memory& operator=(const no_host_memory&) = delete;
 };
@@ -203,26 +216,41 @@ TEST(HostOutOfMemory, TakingEveryLockWithoutHostMemoryReleasesThemAll) {
 // A stream's first malloc makes its entry in the device's registry. Without
 // host memory it fails and leaves no entry: an empty one left behind was
 // dereferenced by the next statistics read (a crash).
+// Host memory runs out after k allocations, k = 0 (the registry's node) and
+// 1 (the stream's state). (Later ones, in a malloc that makes a new segment,
+// can still leave the segment count off: a known limitation, README.)
 TEST(HostOutOfMemory, AStreamsFirstMallocWithoutHostMemoryLeavesNoEntry) {
   sim_fixture f("thread_cache:off");
   void* a = f.alloc->malloc(0, 512, 0);
-  const stream_t s = f.sim->create_stream(0);
-  const auto before = f.stats();
-  bool threw = false;
-  {
-    no_host_memory scope;
-    try {
-      (void)f.alloc->malloc(0, 512, s);
-    } catch (const std::bad_alloc&) {
-      threw = true;
+  std::vector<void*> live{a};
+  int failed = 0;
+  for (long k = 0; k < 2; ++k) {
+    SCOPED_TRACE(k);
+    const stream_t s = f.sim->create_stream(0);
+    const auto before = f.stats();
+    void* p = nullptr;
+    bool threw = false;
+    {
+      no_host_memory scope(k);
+      try {
+        p = f.alloc->malloc(0, 512, s);
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
     }
+    if (!threw) {
+      live.push_back(p);
+      continue;
+    }
+    ++failed;
+    EXPECT_EQ(f.stats(), before);
+    f.alloc->device_allocator(0).check_invariants();
+    live.push_back(f.alloc->malloc(0, 512, s));  // with host memory again: the stream is made and served
   }
-  EXPECT_TRUE(threw);
-  EXPECT_EQ(f.stats(), before);
+  EXPECT_EQ(failed, 2) << "both the registry's node and the stream's state were refused once";
+  EXPECT_EQ(f.stats().at("allocated_bytes.all.current"), static_cast<std::int64_t>(512 * live.size()));
+  for (void* p : live) f.alloc->free(p);
   f.alloc->device_allocator(0).check_invariants();
-  void* b = f.alloc->malloc(0, 512, s);  // with host memory again: the stream is made and served
-  EXPECT_EQ(f.stats().at("allocated_bytes.all.current"), 1024);
-  for (void* p : {a, b}) f.alloc->free(p);
 }
 
 }  // namespace
