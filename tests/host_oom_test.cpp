@@ -51,6 +51,12 @@ std::atomic<long> allocations_left{-1};
 }
 [[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
 [[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+// The array forms too: the standard library's call the single forms, but a
+// sanitizer's runtime replaces each form on its own (under ASan, new[] never
+// reached the operator new above, and no allocation failed).
+[[gnu::noinline]] void* operator new[](std::size_t size) { return ::operator new(size); }
+[[gnu::noinline]] void operator delete[](void* p) noexcept { ::operator delete(p); }
+[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { ::operator delete(p); }
 
 namespace {
 
