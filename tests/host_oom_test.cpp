@@ -77,6 +77,19 @@ struct no_host_memory {
   no_host_memory& operator=(const no_host_memory&) = delete;
 };
 
+/// Runs f() with host memory running out after `allowed` allocations
+/// (0: at once); true when it threw std::bad_alloc.
+template <class F>
+bool fails_without_host_memory(F f, long allowed = 0) {
+  no_host_memory scope(allowed);
+  try {
+    f();
+  } catch (const std::bad_alloc&) {
+    return true;
+  }
+  return false;
+}
+
 struct sim_fixture {
   std::shared_ptr<sim_backend> sim;
   std::unique_ptr<caching_allocator> alloc;
@@ -103,15 +116,7 @@ TEST(HostOutOfMemory, AFreeThatFailsChangesNothingAndCanBeRepeated) {
     std::size_t failed = 0, freed_without_memory = 0;
     for (std::size_t i = 1; i < n; i += 2) {
       const auto before = f.stats();
-      bool threw = false;
-      {
-        no_host_memory scope;
-        try {
-          f.alloc->free(v[i]);
-        } catch (const std::bad_alloc&) {
-          threw = true;
-        }
-      }
+      const bool threw = fails_without_host_memory([&] { f.alloc->free(v[i]); });
       if (!threw) {
         ++freed_without_memory;
         continue;
@@ -158,15 +163,7 @@ TEST(HostOutOfMemory, AMallocThatFailsChangesNothing) {
   for (std::size_t k = 0; k < n / 2; ++k) {
     const auto before = f.stats();
     void* p = nullptr;
-    bool threw = false;
-    {
-      no_host_memory scope;
-      try {
-        p = f.alloc->malloc(0, 1024, 0);
-      } catch (const std::bad_alloc&) {
-        threw = true;
-      }
-    }
+    const bool threw = fails_without_host_memory([&] { p = f.alloc->malloc(0, 1024, 0); });
     if (!threw) {
       w.push_back(p);
       continue;
@@ -202,15 +199,7 @@ TEST(HostOutOfMemory, TakingEveryLockWithoutHostMemoryReleasesThemAll) {
   void* b = f.alloc->malloc(0, 4 << 20, s2);
   f.alloc->free(b);
   const auto before = f.stats();
-  bool threw = false;
-  {
-    no_host_memory scope;
-    try {
-      f.alloc->empty_cache();
-    } catch (const std::bad_alloc&) {
-      threw = true;
-    }
-  }
+  const bool threw = fails_without_host_memory([&] { f.alloc->empty_cache(); });
   EXPECT_TRUE(threw) << "the world lock's list of streams needs host memory";
   EXPECT_EQ(f.stats(), before) << "nothing changed, and the device answers (no lock left held)";
   f.alloc->empty_cache();  // with host memory again: done
@@ -235,15 +224,7 @@ TEST(HostOutOfMemory, AStreamsFirstMallocWithoutHostMemoryLeavesNoEntry) {
     const stream_t s = f.sim->create_stream(0);
     const auto before = f.stats();
     void* p = nullptr;
-    bool threw = false;
-    {
-      no_host_memory scope(k);
-      try {
-        p = f.alloc->malloc(0, 512, s);
-      } catch (const std::bad_alloc&) {
-        threw = true;
-      }
-    }
+    const bool threw = fails_without_host_memory([&] { p = f.alloc->malloc(0, 512, s); }, k);
     if (!threw) {
       live.push_back(p);
       continue;
