@@ -4,7 +4,7 @@
 native; the loss curves match within floating-point noise).
 
   gpt2_allocators.py train --allocator native|ccalloc --out RUN.json [--steps 20] [--label NAME]
-                           [--seq 512] [--seq-min N]
+                           [--seq 512] [--seq-min N] [--amp bf16]
   gpt2_allocators.py compare RUN.json... [--json OUT.json] [--warmup 3]
 
 `train` runs in its own process per allocator (the allocator is chosen
@@ -14,7 +14,10 @@ built on the CPU so both runs start from the same weights), AdamW, inputs of
 random token ids (batch 8 x 512 by default, from a seeded CPU generator),
 labels = inputs. With --seq-min N each step's sequence length is drawn from
 [N, --seq] (seeded: the same lengths in every run), a varying-length loop
-(issue 15: memory over a long run). Per step it records the loss and the wall time between two
+(issue 15: memory over a long run). With --amp bf16 the forward pass runs
+under torch.autocast(bfloat16), as the programs behind ../shared/traces
+(gpt2_train, gpt2_train_long) were recorded: mixed-precision training, where
+the casts' copies of the weights come and go each step. Per step it records the loss and the wall time between two
 device synchronizations (host-to-device copy of the batch, forward,
 backward, optimizer step). At the end: peak reserved and allocated bytes and
 device malloc/free counts, from torch.cuda.memory_stats() for the native
@@ -84,7 +87,8 @@ def train(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ids = batch.to("cuda")
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -109,6 +113,7 @@ def train(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "seq": args.seq,
         "seq_min": args.seq_min,
+        "amp": args.amp,
         "seed": args.seed,
         "steps": steps,
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
@@ -149,7 +154,8 @@ def compare(args: argparse.Namespace) -> int:
         return 2
     first = runs[0]
     seq = f"{first['seq_min']}-{first['seq']}" if first.get("seq_min") else f"{first['seq']}"
-    print(f"GPT-2 ({first['parameters'] / 1e6:.0f}M parameters), batch {first['batch']} x {seq}, "
+    amp = " bf16 autocast," if first.get("amp") == "bf16" else ""
+    print(f"GPT-2 ({first['parameters'] / 1e6:.0f}M parameters), batch {first['batch']} x {seq},{amp} "
           f"{len(first['steps'])} AdamW steps, {first['device']}, torch {first['torch']}, "
           f"transformers {first['transformers']}; median over steps {args.warmup}.. of "
           + ", ".join(f"{len(rs)} {name}" for name, rs in by.items()) + " run(s)")
@@ -206,6 +212,8 @@ def main() -> int:
     t.add_argument("--seq", type=int, default=512, help="sequence length (the largest with --seq-min)")
     t.add_argument("--seq-min", type=int, default=None,
                    help="vary the sequence length per step, uniformly in [SEQ_MIN, SEQ] (seeded)")
+    t.add_argument("--amp", choices=["none", "bf16"], default="none",
+                   help="bf16: forward pass under torch.autocast(bfloat16) (mixed-precision training)")
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--label", help="the variant's name in compare (default: the allocator)")

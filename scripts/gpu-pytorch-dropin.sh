@@ -11,7 +11,8 @@
 #      with expandable_segments:True, and ccalloc, interleaved (GPT2_ROUNDS
 #      rounds, default 2; GPT2_STEPS steps, default 30; 0 rounds skips it;
 #      GPT2_SEQ the sequence length, default 512, and GPT2_SEQ_MIN, when set,
-#      the shortest: each step's length is drawn from [GPT2_SEQ_MIN, GPT2_SEQ]).
+#      the shortest: each step's length is drawn from [GPT2_SEQ_MIN, GPT2_SEQ];
+#      GPT2_AMP=bf16 trains with bf16 autocast, as the shared GPT-2 traces were).
 # Output: the lines above and $OUT_DIR (default out/pytorch-dropin)/{install.log,
 # items.log, gpt2-*.json, gpt2-compare.txt}. Exit status 1 when any item FAILed.
 set -uo pipefail
@@ -48,6 +49,7 @@ ROUNDS=${GPT2_ROUNDS:-2}
 STEPS=${GPT2_STEPS:-30}
 SEQ_ARGS=(--seq "${GPT2_SEQ:-512}")
 [ -n "${GPT2_SEQ_MIN:-}" ] && SEQ_ARGS+=(--seq-min "$GPT2_SEQ_MIN")
+[ -n "${GPT2_AMP:-}" ] && SEQ_ARGS+=(--amp "$GPT2_AMP")
 if [ "$ROUNDS" -gt 0 ]; then
   runs=()
   for r in $(seq 1 "$ROUNDS"); do
