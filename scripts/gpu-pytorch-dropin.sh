@@ -6,7 +6,8 @@
 #      makes a fresh venv over its packages first: only where python3 is not
 #      a venv itself, else torch is not seen there);
 #   2. runs every item of scripts/pytorch_dropin.py in its own process: one
-#      line `PASS item (...)` / `FAIL item: reason` / `SKIP item: reason` each;
+#      line `PASS item (...)` / `FAIL item: reason` / `SKIP item: reason` each
+#      (DROPIN_ITEMS="a b" runs only those, DROPIN_ITEMS=none none of them);
 #   3. GPT-2 (scripts/gpt2_allocators.py) on PyTorch's allocator, PyTorch's
 #      with expandable_segments:True, and ccalloc, interleaved (GPT2_ROUNDS
 #      rounds, default 2; GPT2_STEPS steps, default 30; 0 rounds skips it;
@@ -38,7 +39,9 @@ echo "PASS install ($(( $(date +%s) - t0 )) s; $(grep -c 'built the PyTorch inte
 cd /tmp  # import the installed package, not the checkout's python/
 SCRIPTS=$REPO/scripts
 FAILED=0
-for item in $("$PY" "$SCRIPTS/pytorch_dropin.py" --list); do
+ITEMS=${DROPIN_ITEMS:-$("$PY" "$SCRIPTS/pytorch_dropin.py" --list)}
+[ "$ITEMS" = none ] && ITEMS=""
+for item in $ITEMS; do
   line=$(timeout "${ITEM_TIMEOUT:-150}" "$PY" "$SCRIPTS/pytorch_dropin.py" "$item" 2>>"$OUT_DIR/items.log" | grep -E '^(PASS|FAIL|SKIP) ' | tail -n 1)
   [ -z "$line" ] && line="FAIL $item: no result (crashed or timed out; see $OUT_DIR/items.log)"
   echo "$line"
