@@ -89,7 +89,11 @@ def train(args: argparse.Namespace) -> int:
         ids = batch.to("cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
             loss = model(input_ids=ids, labels=ids).loss
+        if args.sync_phases:
+            torch.cuda.synchronize()
         loss.backward()
+        if args.sync_phases:
+            torch.cuda.synchronize()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         enqueued = time.perf_counter() - t0  # the host's share: all the step's work is queued
@@ -214,6 +218,9 @@ def main() -> int:
                    help="vary the sequence length per step, uniformly in [SEQ_MIN, SEQ] (seeded)")
     t.add_argument("--amp", choices=["none", "bf16"], default="none",
                    help="bf16: forward pass under torch.autocast(bfloat16) (mixed-precision training)")
+    t.add_argument("--sync-phases", action="store_true",
+                   help="synchronize the device after the forward and after the backward pass (diagnosis: "
+                        "the device never runs behind the host at those points)")
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--label", help="the variant's name in compare (default: the allocator)")

@@ -1,8 +1,9 @@
 // ccalloc_cli.cpp: the `ccalloc` command line tool (SPEC X8).
 //
-//   ccalloc replay  [TRACE] [--config STR] [--device sim|cuda[:N]] [--device-memory BYTES] [--repeat N] [--json]
+//   ccalloc replay  [TRACE] [--config STR] [--device sim|cuda[:N]] [--device-memory BYTES] [--repeat N]
+//                   [--device-lag EVENTS] [--json]
 //   ccalloc compare [TRACE] --config A [--config B ...] [--device sim|cuda[:N]] [--device-memory BYTES]
-//                   [--repeat N] [--json]
+//                   [--repeat N] [--device-lag EVENTS] [--json]
 //   ccalloc report  [TRACE] [-o OUT.html] [--config STR] [--device-memory BYTES] [--points N] [--title T]
 //   ccalloc config-keys
 //
@@ -37,6 +38,11 @@
 // only; include/ccalloc/replay/replay.hpp defines it), and the output adds
 // each pass's peaks, fragmentation and device synchronizations ("passes" in
 // the JSON). PyTorch's figures stay those of the one recorded pass.
+//
+// --device-lag EVENTS (replay, compare; simulated device only): the device
+// runs that many trace events behind the host, as a GPU does, so an event
+// the allocator records completes EVENTS events later
+// (replay_options::device_lag_events). Default 0: the device keeps up.
 #include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
@@ -406,6 +412,7 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
   out["wall_seconds"] = r.wall_seconds;
   out["read_seconds"] = input.read_seconds;
   out["repeat"] = r.repeat;
+  out["device_lag_events"] = r.device_lag_events;
   json passes = json::array();
   for (const ccalloc::replay_pass& p : r.passes) {
     json pass;
@@ -519,6 +526,9 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
     print_row("passes", format("%llu  (the trace run back to back as one program; allocations it never frees made "
                                "once)",
                                static_cast<unsigned long long>(r.repeat)));
+  if (r.device_lag_events != 0)
+    print_row("device lag", format("%llu events  (the simulated device runs behind the host)",
+                                   static_cast<unsigned long long>(r.device_lag_events)));
   print_row("peak requested", bytes_cell(r.peak_requested_bytes, w));
   print_row("peak allocated", bytes_cell(r.peak_allocated_bytes, w));
   print_row("peak reserved", bytes_cell(r.peak_reserved_bytes, w));
@@ -637,6 +647,7 @@ struct common_options {
   std::optional<std::string> device_memory_text;  ///< unset: the default; "" is a usage error
   bool json_output = false;
   std::string repeat_text = "1";  // checked by parse_count, not CLI11 (which clamps 2^64 to 2^63 - 1)
+  std::string lag_text = "0";     // --device-lag, checked by parse_count
 
   [[nodiscard]] ccalloc::replay_options replay_options_for(const std::string& config) const {
     ccalloc::replay_options options;
@@ -645,6 +656,11 @@ struct common_options {
     // At most max_repeat passes: the run and its per-pass table grow with N.
     constexpr std::uint64_t max_repeat = 100000;
     options.repeat = static_cast<std::size_t>(parse_count(repeat_text, "--repeat", 1, max_repeat, "passes of the trace"));
+    options.device_lag_events =
+        parse_count(lag_text, "--device-lag", 0, std::uint64_t{1} << 40, "trace events the device runs behind");
+    if (options.device_lag_events != 0 && options.device != ccalloc::replay_device::sim)
+      throw usage_error("--device-lag models the simulated device running behind the host: with --device " +
+                        device_text + " the GPU runs behind by itself");
     if (device_memory_text && options.device != ccalloc::replay_device::sim) {
       throw usage_error("--device-memory applies to the simulated device only: with --device " + device_text +
                         " the replay uses the GPU's own memory");
@@ -886,6 +902,9 @@ int run(int argc, char** argv) {
                     "Run the trace N times back to back as one program (allocations it never frees are made "
                     "in the first pass only) and report each pass: the steady state of a loop. 1 to 100000. "
                     "Default: 1.");
+    sub->add_option("--device-lag", common.lag_text,
+                    "The simulated device runs EVENTS trace events behind the host, as a GPU does: an event "
+                    "recorded now (a page fence) completes EVENTS events later. Default: 0 (it keeps up).");
   };
 
   // An output path must name a file: '' is rejected while parsing (CLI11

@@ -31,6 +31,10 @@ class gap_model {
   [[nodiscard]] virtual stream_t create_side_stream() = 0;
   /// Work queued on `side` from now on waits until trace index `end`.
   virtual void begin_gap(stream_t side, std::uint64_t end) = 0;
+  /// The device runs behind the host: work queued on trace stream `stream`
+  /// from now on runs until trace index `until` (replay_options::
+  /// device_lag_events). Only the virtual clock models it.
+  virtual void run_behind(stream_t stream, std::uint64_t until) = 0;
   /// The recording's time of the event about to be replayed (microseconds
   /// since the trace began, passes laid end to end): the host clock the
   /// allocator's time budgets read (device_backend::host_time_us) follows
@@ -80,6 +84,7 @@ class clock_gaps final : public gap_model {
     return side_streams_.back();
   }
   void begin_gap(stream_t side, std::uint64_t end) override { sim_.enqueue_work(0, side, end); }
+  void run_behind(stream_t stream, std::uint64_t until) override { sim_.enqueue_work(0, stream, until); }
   void set_host_time_us(std::uint64_t us) override { sim_.set_host_time_us(us); }
   void end_all() override {}
   void release() noexcept override {

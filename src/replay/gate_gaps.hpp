@@ -93,6 +93,10 @@ class gate_gaps final : public device_backend, public gap_model {
     owned_streams_.push_back(s);
     return s;
   }
+  // replay_trace refuses device_lag_events with gates (a GPU has its own lag).
+  void run_behind(stream_t, std::uint64_t) override {
+    throw invalid_argument_error("replay: device_lag_events models a simulated device only");
+  }
   void begin_gap(stream_t side, std::uint64_t end) override {
     const gate_t g = call("create_gate", [&] { return inner_->create_gate(device_); });
     try {

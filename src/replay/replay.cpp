@@ -147,7 +147,8 @@ stream_map make_streams(const trace& t, gate_gaps& gates) {
 void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
                    std::shared_ptr<device_backend> backend, const allocator_config& config, gap_model& gaps,
                    const stream_map& streams, const replay_event_hook& after_event,
-                   const std::optional<history_options>& history, std::size_t repeat, replay_result& r) {
+                   const std::optional<history_options>& history, std::size_t repeat, std::uint64_t lag,
+                   replay_result& r) {
   // On every exit, gaps end before the allocator returns its memory to the
   // device, and side streams go only once the allocator is gone.
   struct cleanup {
@@ -204,6 +205,10 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
       const std::uint64_t pass_start_us = pass != 0 && pass_us > max_us / pass ? max_us : pass * pass_us;
       const std::uint64_t offset_us = e.time_us - t0;  // t0 <= every time_us
       gaps.set_host_time_us(offset_us > max_us - pass_start_us ? max_us : pass_start_us + offset_us);
+      // The device runs `lag` events behind: what the stream queues now
+      // (and an event recorded after it) completes `lag` events later.
+      if (lag != 0 && (e.action == trace_action::alloc || e.action == trace_action::free_requested))
+        gaps.run_behind(streams(e.stream), base + i > max_us - lag ? max_us : base + i + lag);
       switch (e.action) {
         case trace_action::alloc: {
           if (never_freed[i]) {
@@ -313,7 +318,7 @@ void replay_with_gates(const trace& t, const std::vector<std::uint64_t>& complet
                        const std::optional<history_options>& history, std::size_t repeat, replay_result& r) {
   auto gates = std::make_shared<gate_gaps>(backend, device, max_open_gaps(t, completion), watchdog);
   const stream_map streams = own_streams ? make_streams(t, *gates) : stream_map{};
-  replay_events(t, completion, gates, config, *gates, streams, after_event, history, repeat, r);
+  replay_events(t, completion, gates, config, *gates, streams, after_event, history, repeat, 0, r);
 }
 
 #if CCALLOC_HAVE_CUDA_BACKEND
@@ -356,6 +361,10 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
                                  " has no events (an empty file, only comments, or an RMM log with only its "
                                  "header): nothing to replay");
   if (options.repeat == 0) throw error("replay: repeat must be at least 1 (passes of the trace), got 0");
+  if (options.device_lag_events != 0 && (options.device != replay_device::sim || options.use_gates_on_sim))
+    throw invalid_argument_error("replay: device_lag_events (" + std::to_string(options.device_lag_events) +
+                                 ") models a simulated device running behind the host; it applies to "
+                                 "replay_device::sim without use_gates_on_sim only (a GPU has its own lag)");
   const std::vector<std::uint64_t> completion = completion_indices(t);
 
   replay_result r;
@@ -363,6 +372,7 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
   r.config = options.config;
   r.device = options.device;
   r.repeat = options.repeat;
+  r.device_lag_events = options.device_lag_events;
   if (options.device == replay_device::sim) {
     sim_options so;
     so.capacity_bytes = options.device_memory_bytes;
@@ -393,7 +403,7 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
     } else {
       clock_gaps gaps(*sim);
       replay_events(t, completion, sim, config, gaps, stream_map{}, options.after_event, options.history,
-                    options.repeat, r);
+                    options.repeat, options.device_lag_events, r);
     }
     return r;
   }

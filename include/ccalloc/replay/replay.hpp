@@ -55,6 +55,18 @@
 //   increase during the pass (replay_pass). The whole-run figures of
 //   replay_result are the maxima (peaks) and sums (counters) over passes.
 // With N = 1 the replay is the plain one, event for event.
+//
+// A device that runs behind the host (replay_options::device_lag_events = L,
+// simulated device only): by default the simulated device finishes the
+// program's work at once, so an event recorded on a trace stream has
+// completed by the next event. A GPU is some kernels behind the host: an
+// event recorded now completes once the work queued before it has run. With
+// L > 0 every trace stream stays busy until L events after each of its
+// allocs and frees, so an event (a page fence, issue 15) recorded at event i
+// completes at event i + L. The recorded lag between a block's
+// free_requested and free_completed (side streams) is modelled as before.
+// Measured on an H200 (docs/perf.md, "device lag"): GPT-2 training with bf16
+// autocast reserves what the replay predicts with L >= 10, not with L = 0.
 #pragma once
 
 #include <ccalloc/core/config.hpp>
@@ -108,6 +120,11 @@ struct replay_options {
   /// "Repeated replay" above); >= 1 (0 is an error). The hook's `index` then
   /// counts events over all passes: pass k's event i is k x E + i.
   std::size_t repeat = 1;
+  /// Trace events the device runs behind the host (see "A device that runs
+  /// behind the host" above); 0 (default): it never does. replay_device::sim
+  /// only, and not with use_gates_on_sim: replay_trace throws
+  /// invalid_argument_error otherwise (a GPU has its own lag).
+  std::uint64_t device_lag_events = 0;
 };
 
 /// One pass of a repeated replay: its peaks (since the pass began) and what
@@ -157,6 +174,7 @@ struct replay_result {
   std::uint64_t thread_cache_hits = 0;
   double wall_seconds = 0.0;               ///< replay time, excluding reading the trace
   std::uint64_t repeat = 1;                ///< passes asked for (replay_options::repeat)
+  std::uint64_t device_lag_events = 0;     ///< replay_options::device_lag_events
   /// One entry per pass replayed (fewer than `repeat` when the hook stopped
   /// the replay early). The figures above are over the whole run: peaks the
   /// highest pass's, counters the sum.
