@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <string>
@@ -337,3 +338,104 @@ TEST_F(PageFenceTest, AnotherStreamsSlowPathNeverRecordsOnABusyStream) {
 }
 
 }  // namespace
+
+// ---- deferred unmaps (issue 15): pages of the same stream move before its work has run ----
+
+// Stream s frees A (20 MiB) while its kernel still uses A until t=100, then
+// asks for more than the peak allows: a GPU that runs behind the host, the
+// usual case. The same stream runs the new request's work after the kernel,
+// so A's 10 pages are mapped where the request needs them at once; their old
+// addresses stay mapped until the kernel is done (never unmapped under it:
+// unsafe_unmaps stays 0), and nothing waits.
+TEST_F(PageFenceTest, PagesOfTheSameStreamMoveAtOnceAndTheirOldMappingGoesAfterTheWork) {
+  make(256 * MiB, "reuse_across_streams:False");
+  const stream_t s = sim->create_stream(0);
+  void* a = m(20 * MiB, s);
+  void* keep = m(3 * MiB, s);  // B, after A: A's run cannot simply grow
+  use_and_free(a, 20 * MiB, s, 100);
+  EXPECT_EQ(reserved(), I(24 * MiB));
+  void* c = m(30 * MiB, s);
+  EXPECT_EQ(st().num_device_synchronizations, 0) << "nobody waits for the kernel";
+  EXPECT_EQ(st().num_pages_remapped, 10) << "A's pages moved although its kernel still runs";
+  EXPECT_EQ(reserved(), I(34 * MiB)) << "B's 2 pages + 30 MiB, 10 pages of them A's";
+  EXPECT_EQ(sim->now(), 0u);
+  EXPECT_EQ(sim->counters().mapped_bytes, 54 * MiB) << "A's 10 pages are mapped twice while the kernel runs";
+  EXPECT_EQ(sim->counters().handle_bytes, 34 * MiB) << "but held once";
+  alloc->device_allocator(0).check_invariants();
+  sim->advance_to(100);   // the kernel is done
+  alloc->free(m(40 * MiB, s));  // a slow path: the deferred unmaps whose fence completed happen
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(sim->counters().mapped_bytes, sim->counters().handle_bytes) << "every page mapped once again";
+  alloc->free(c);
+  alloc->free(keep);
+  alloc->empty_cache();
+  EXPECT_EQ(sim->counters().mapped_bytes, 0u);
+  EXPECT_EQ(sim->counters().live_handles, 0u);
+}
+
+// Another stream's pages still wait for their fence: s2's request does not
+// take the pages s freed under its running kernel (the peak rises).
+TEST_F(PageFenceTest, PagesOfAnotherStreamDoNotMoveBeforeTheirWork) {
+  make(256 * MiB, "reuse_across_streams:False");
+  const stream_t s = sim->create_stream(0);
+  const stream_t s2 = sim->create_stream(0);
+  void* a = m(20 * MiB, s);
+  void* keep = m(3 * MiB, s);
+  use_and_free(a, 20 * MiB, s, 100);
+  void* c = m(30 * MiB, s2);
+  EXPECT_EQ(st().num_pages_remapped, 0);
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(reserved(), I(54 * MiB));
+  EXPECT_EQ(sim->counters().mapped_bytes, 54 * MiB);
+  alloc->free(c);
+  alloc->free(keep);
+}
+
+// emptyCache with a deferred unmap pending waits for the kernel (counted),
+// then gives everything back; the moved pages stay where they went.
+TEST_F(PageFenceTest, EmptyCacheWaitsForDeferredUnmaps) {
+  make(256 * MiB, "reuse_across_streams:False");
+  const stream_t s = sim->create_stream(0);
+  void* a = m(20 * MiB, s);
+  void* keep = m(3 * MiB, s);
+  use_and_free(a, 20 * MiB, s, 100);
+  void* c = m(30 * MiB, s);
+  ASSERT_EQ(st().num_pages_remapped, 10);
+  alloc->empty_cache();
+  EXPECT_EQ(st().num_device_synchronizations, 1) << "one wait, for the deferred unmaps";
+  EXPECT_GE(sim->now(), 100u);
+  EXPECT_EQ(reserved(), I(34 * MiB)) << "B and C live";
+  EXPECT_EQ(sim->counters().mapped_bytes, 34 * MiB);
+  alloc->free(c);
+  alloc->free(keep);
+  alloc->empty_cache();
+  EXPECT_EQ(sim->counters().live_handles, 0u);
+}
+
+// A page that moves twice before the work on it has run is retired at two
+// places; emptyCache waits once, unmaps both, and releases each handle once
+// (the simulated device refuses to release a handle still mapped).
+TEST_F(PageFenceTest, APageMovedTwiceIsUnmappedAtBothPlacesAndReleasedOnce) {
+  make(256 * MiB, "reuse_across_streams:False");
+  const stream_t s = sim->create_stream(0);
+  void* a = m(20 * MiB, s);
+  void* keep = m(3 * MiB, s);
+  use_and_free(a, 20 * MiB, s, 100);
+  void* c = m(30 * MiB, s);  // takes A's 10 pages (retired at A's place)
+  void* keep2 = m(3 * MiB, s);  // after C: C's run cannot simply grow
+  use_and_free(c, 30 * MiB, s, 200);
+  void* d = m(50 * MiB, s);  // takes C's pages, some of them A's too
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_GT(st().num_pages_remapped, 10);
+  alloc->device_allocator(0).check_invariants();
+  EXPECT_EQ(static_cast<std::size_t>(reserved()), sim->counters().handle_bytes) << "every page held counts once";
+  alloc->free(d);
+  alloc->free(keep);
+  alloc->free(keep2);
+  alloc->empty_cache();
+  EXPECT_EQ(st().num_device_synchronizations, 1) << "one wait, for the deferred unmaps";
+  EXPECT_GE(sim->now(), 200u);
+  EXPECT_EQ(reserved(), 0);
+  EXPECT_EQ(sim->counters().live_handles, 0u);
+  EXPECT_EQ(sim->counters().mapped_bytes, 0u);
+}

@@ -576,13 +576,15 @@ TEST(ReplayTest, TheRecyclingTimeBudgetFollowsTheRecordingsTime) {
 }  // namespace
 
 // replay_options::device_lag_events: a device that runs behind the host.
-// A (20 MiB) is freed and a larger request (30 MiB) follows while B (3 MiB,
-// large pool) keeps A's run from growing in place. A device that keeps up
-// completes the page fence of A's free at once, so A's 10 pages are
-// recycled (34 MiB reserved); one that runs even one event behind cannot
-// have run the work queued before A's free yet: its pages stay, the
-// reservation grows (54 MiB), and nothing waits for the device.
-TEST(ReplayDeviceLagTest, PagesFreedJustNowAreNotRecycledOnADeviceThatRunsBehind) {
+// A (20 MiB) is freed and a larger request (30 MiB) follows on the same
+// stream while B (3 MiB, large pool) keeps A's run from growing in place.
+// A device that keeps up has run the work before A's free at once; one that
+// runs behind has not, but the same stream runs the new request's work
+// after it: A's 10 pages are mapped where the request needs them at once
+// and unmapped from A's place later (a deferred unmap), so the peak is 34
+// MiB either way, with nothing waiting for the device. (Before deferred
+// unmaps, any lag left A's pages where they were: 54 MiB.)
+TEST(ReplayDeviceLagTest, PagesOfTheSameStreamMoveBeforeTheDeviceHasRunTheirWork) {
   const std::string text =
       "1 alloc 4096 20971520 0\n"
       "2 alloc 8192 3145728 0\n"
@@ -592,43 +594,43 @@ TEST(ReplayDeviceLagTest, PagesFreedJustNowAreNotRecycledOnADeviceThatRunsBehind
       "6 free_requested 12288 31457280 0\n"
       "7 free_requested 8192 3145728 0\n";
   const auto t = ccalloc::parse_trace_text(text, "free then grow");
-  const auto at_once = ccalloc::replay_trace(t, {});
-  EXPECT_EQ(at_once.device_lag_events, 0u);
-  EXPECT_EQ(at_once.peak_reserved_bytes, 34u << 20);
-  EXPECT_EQ(at_once.pages_remapped, 10u);
-  for (const std::uint64_t lag : {1u, 3u, 1000u}) {
+  for (const std::uint64_t lag : {0u, 1u, 3u, 1000u}) {
     ccalloc::replay_options o;
     o.device_lag_events = lag;
-    const auto behind = ccalloc::replay_trace(t, o);
-    EXPECT_EQ(behind.device_lag_events, lag);
-    EXPECT_EQ(behind.peak_reserved_bytes, 54u << 20) << "lag " << lag;
-    EXPECT_EQ(behind.pages_remapped, 0u) << "lag " << lag;
-    EXPECT_EQ(behind.device_synchronizations, 0u) << "lag " << lag;
-    EXPECT_EQ(behind.peak_requested_bytes, at_once.peak_requested_bytes);
+    const auto r = ccalloc::replay_trace(t, o);
+    EXPECT_EQ(r.device_lag_events, lag);
+    EXPECT_EQ(r.peak_reserved_bytes, 34u << 20) << "lag " << lag;
+    EXPECT_EQ(r.pages_remapped, 10u) << "lag " << lag;
+    EXPECT_EQ(r.device_synchronizations, 0u) << "lag " << lag;
+    EXPECT_EQ(r.peak_requested_bytes, 34603008u);  // B + the 30 MiB
   }
 }
 
-// The fence recorded at the first small malloc after A's free (event 4,
-// 0-based: a slow path) completes `lag` events later; the 30 MiB request at
-// event 10 recycles A's pages when 4 + lag <= 10.
-TEST(ReplayDeviceLagTest, PagesAreRecycledOnceTheDeviceHasCaughtUpWithTheirFence) {
+// Pages of another stream still need that stream's fence: A is freed on
+// stream 7, the 30 MiB request comes on stream 0. The fence recorded at
+// stream 7's first small malloc after A's free (event 4, 0-based: a slow
+// path) completes `lag` events later; the request at event 10 recycles A's
+// pages when 4 + lag <= 10, and otherwise leaves them (a new peak, still
+// no waiting).
+TEST(ReplayDeviceLagTest, PagesOfAnotherStreamMoveOnceTheDeviceHasRunTheirWork) {
   std::string text =
-      "1 alloc 4096 20971520 0\n"
-      "2 alloc 8192 3145728 0\n"
-      "3 free_requested 4096 20971520 0\n"
-      "4 free_completed 4096 20971520 0\n";
+      "1 alloc 4096 20971520 7\n"
+      "2 alloc 8192 3145728 7\n"
+      "3 free_requested 4096 20971520 7\n"
+      "4 free_completed 4096 20971520 7\n";
   for (int k = 0; k < 3; ++k)  // (the first column is the time: increasing)
-    text += std::to_string(5 + 2 * k) + " alloc 16384 512 0\n" + std::to_string(6 + 2 * k) +
-            " free_requested 16384 512 0\n";
-  text += "11 alloc 12288 31457280 0\n12 free_requested 12288 31457280 0\n13 free_requested 8192 3145728 0\n";
-  const auto t = ccalloc::parse_trace_text(text, "free, wait, grow");
+    text += std::to_string(5 + 2 * k) + " alloc 16384 512 7\n" + std::to_string(6 + 2 * k) +
+            " free_requested 16384 512 7\n";
+  text += "11 alloc 12288 31457280 0\n12 free_requested 12288 31457280 0\n13 free_requested 8192 3145728 7\n";
+  const auto t = ccalloc::parse_trace_text(text, "free on 7, wait, grow on 0");
   for (const std::uint64_t lag : {0u, 1u, 6u, 7u, 20u}) {
     ccalloc::replay_options o;
     o.device_lag_events = lag;
     const auto r = ccalloc::replay_trace(t, o);
     const bool caught_up = 4 + lag <= 10;
-    EXPECT_EQ(r.pages_remapped, caught_up ? 10u : 0u) << "lag " << lag;
-    EXPECT_EQ(r.peak_reserved_bytes, (caught_up ? 36u : 56u) << 20) << "lag " << lag;
+    EXPECT_EQ(r.peak_reserved_bytes, (caught_up ? 36u : 54u) << 20) << "lag " << lag;
+    if (caught_up) EXPECT_EQ(r.pages_remapped, 10u) << "lag " << lag;
+    else EXPECT_LT(r.pages_remapped, 10u) << "lag " << lag;
     EXPECT_EQ(r.device_synchronizations, 0u);
   }
 }

@@ -51,6 +51,23 @@ device_state::~device_state() {
     } catch (...) {
     }
   }
+  // Deferred unmaps first (segment::retired): their handles may be mapped
+  // in another segment too, released there (unless nothing took them).
+  std::vector<physical_handle_t> given_up;  // released once every retired mapping is gone
+  for (auto& [base, seg] : segments_)
+    for (const segment::retired_page& r : seg->retired) {
+      try {
+        backend_.vm_unmap(device_, reinterpret_cast<void*>(base + r.index * seg->page_bytes), seg->page_bytes);
+        if (r.release) given_up.push_back(r.handle);
+      } catch (...) {
+      }
+    }
+  for (physical_handle_t h : given_up) {
+    try {
+      backend_.vm_release_handle(device_, h);
+    } catch (...) {
+    }
+  }
   for (auto& [base, seg] : segments_) {
     try {
       if (seg->expandable) {

@@ -153,22 +153,48 @@ block* device_state::unmapped_block_at_or_below(const segment& seg, std::uintptr
 // Offers the free run of seg starting with block `first`, `run` bytes long,
 // to a request of `size` bytes (run_choice). An idle reservation of another
 // stream (foreign) is offered only when it saves pages: it is adopted whole.
+// The request starts at the run's start, or, where it would cover a retired
+// page (a deferred unmap), on the page after it, if the run is long enough;
+// else the run is offered at its start, marked retired (chosen last: mapping
+// there waits for the deferred unmap).
 void device_state::consider_run(run_choice& best, segment& seg, bool foreign, block* first, std::size_t run,
                                 std::size_t size) noexcept {
   if (run < size) return;
   const std::size_t page = seg.page_bytes;
-  const std::uintptr_t end = first->ptr + size;
+  const std::uintptr_t run_end = first->ptr + run;
+  std::uintptr_t start = first->ptr;
+  bool retired = false;
+  if (!seg.retired.empty()) {
+    for (;;) {
+      const std::size_t lo = (start - seg.base) / page;
+      const std::size_t hi = (start + size - seg.base + page - 1) / page;
+      const auto past = std::lower_bound(seg.retired.begin(), seg.retired.end(), hi,
+                                         [](const segment::retired_page& x, std::size_t i) { return x.index < i; });
+      if (past == seg.retired.begin() || std::prev(past)->index < lo) break;  // none under it
+      start = seg.base + (std::prev(past)->index + 1) * page;  // past the last one under it
+      if (start + size > run_end) {
+        start = first->ptr;
+        retired = true;
+        break;
+      }
+    }
+  }
+  const std::uintptr_t end = start + size;
   std::size_t n = 0;  // pages to map: those of the unmapped blocks under the request
-  for (const block* x = first; x != nullptr && x->ptr < end; x = x->next)
-    if (!x->mapped) n += (std::min(end, x->ptr + x->size) - x->ptr + page - 1) / page;
+  for (const block* x = first; x != nullptr && x->ptr < end; x = x->next) {
+    const std::uintptr_t lo = std::max(x->ptr, start);
+    const std::uintptr_t hi = std::min(end, x->ptr + x->size);
+    if (!x->mapped && lo < hi) n += (hi - lo + page - 1) / page;  // unmapped blocks and start: on page boundaries
+  }
   if (foreign && n >= (size + page - 1) / page) return;  // adopting would save nothing
-  const bool better = n != best.pages         ? n < best.pages
+  const bool better = retired != best.retired ? !retired
+                      : n != best.pages         ? n < best.pages
                       : foreign != best.foreign ? !foreign
                       : run != best.run         ? run < best.run
                       : best.seg != nullptr &&
                             (seg.seq != best.seg->seq ? seg.seq < best.seg->seq
-                                                      : first->ptr - seg.base < best.first->ptr - best.seg->base);
-  if (best.seg == nullptr || better) best = {&seg, first, foreign, n, run};
+                                                      : start - seg.base < best.start - best.seg->base);
+  if (best.seg == nullptr || better) best = {&seg, first, start, foreign, retired, n, run};
 }
 
 void device_state::scan_runs(run_choice& best, segment& seg, bool foreign, std::size_t size) noexcept {
@@ -360,7 +386,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   segment* best_seg = best.seg;
   const bool best_foreign = best.foreign;
   block* best_first = best.first;
-  std::uintptr_t best_start = best_seg != nullptr ? best_first->ptr : 0;
+  std::uintptr_t best_start = best_seg != nullptr ? best.start : 0;
   std::size_t best_pages = best.pages;
   const bool new_reservation = best_seg == nullptr;  // made once the pages may fit
   if (new_reservation) best_pages = (p.size + page - 1) / page;
@@ -392,6 +418,10 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   }
   const std::uintptr_t end = best_start + p.size;
   std::vector<recycled_page> recycled;
+  // Pages of this stream's free blocks may come before their fence has run
+  // (unmap_free_pages' same_stream): the default pools only (a private
+  // pool's blocks may be used by graphs launched on any stream).
+  const stream_state* same_stream = p.pool->priv == nullptr ? p.pool->owner : nullptr;
   // When recycling ran: the host clock before it; the time up to the return,
   // less the time the fresh pages of the request took to create and map
   // (fresh_pages_us), is spent from the recycling budget
@@ -427,11 +457,12 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       return 0;
     }
   };
-  // Handles in `recycled` are unmapped and no longer counted as reserved.
+  // Handles in `recycled` are unmapped (or retired: released once their
+  // deferred unmap is done) and no longer counted as reserved.
   auto drop_recycled = [&] {
     for (const recycled_page& r : recycled) {
       ++stats_.num_device_free;
-      backend_.vm_release_handle(device_, r.handle);
+      release_page_handle(r.handle);
     }
     recycled.clear();
   };
@@ -472,9 +503,9 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       try {
         std::size_t got = 0;
         if (const std::size_t target = std::max(over_cap(), over_mark()); target > 0)
-          got = unmap_free_pages(target, best_seg, best_start, end, &recycled, false);
+          got = unmap_free_pages(target, best_seg, best_start, end, &recycled, false, same_stream);
         if (const std::size_t target = over_cap(); target > 0)
-          got += unmap_free_pages(target, best_seg, best_start, end, &recycled, true);
+          got += unmap_free_pages(target, best_seg, best_start, end, &recycled, true, same_stream);
         if (got > 0) ++recycles_at_mark_;
       } catch (...) {
         drop_recycled();  // the pages unmapped before the failure go back to the device
@@ -492,6 +523,16 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   const std::size_t first_page = (best_start - seg.base) / page;
   const std::size_t end_page = (end - seg.base + page - 1) / page;
   const stat_group g = group_of(p.pool);
+  // A retired page under the request (placement chose it last: nothing
+  // else fits) is unmapped first, after its fence (a wait, counted).
+  if (!seg.retired.empty() && has_retired(seg, first_page, end_page)) {
+    try {
+      settle_retired_in(seg, first_page, end_page, true);
+    } catch (...) {
+      drop_recycled();
+      throw;
+    }
+  }
   for (std::size_t i = first_page; i < end_page;) {
     if (seg.pages[i] != 0) {
       ++i;
@@ -504,12 +545,14 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
         physical_handle_t h = 0;
         bool fresh = false;
         stream_t from = p.stream;
+        segment* retired_in = nullptr;
         // A fresh page costs the same whether or not this request recycles:
         // its time is not recycling's (fresh_pages_us).
         const std::uint64_t fresh_start_us = recycle_started_us && recycled.empty() ? clock_reading() : 0;
         if (!recycled.empty()) {
           h = recycled.back().handle;
           from = recycled.back().from;
+          retired_in = recycled.back().retired_in;
           recycled.pop_back();
         } else if (backend_.vm_create(device_, page, &h)) {
           fresh = true;
@@ -541,7 +584,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
           if (fresh) {
             backend_.vm_release_handle(device_, h);
           } else {
-            recycled.push_back({h, from});
+            recycled.push_back({h, from, retired_in});
           }
           throw;
         }
@@ -577,8 +620,12 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
 
   // 4. The run now starts with a free mapped block of at least p.size bytes:
   // its first block, still (the block before it is in use, so no merge took
-  // it; splits and merges keep the lower block's object).
+  // it; splits and merges keep the lower block's object); or, where the
+  // request starts past a retired page (consider_run), the block there (an
+  // unmapped page below it: no merge took it either).
   block* b = best_first;
+  while (b != nullptr && b->ptr + b->size <= best_start) b = b->next;
+  if (b == nullptr) throw std::logic_error("ccalloc: internal error: the chosen run ends before its request");
   if (b->ptr != best_start || !b->mapped || !b->is_free() || b->size < p.size)
     throw std::logic_error("ccalloc: internal error: mapped run does not start with a free block");
   b->pool->blocks.erase(b);  // as get_free_block: take_found_block does the statistics
@@ -591,7 +638,9 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
 // Handles go to `recycled` (then no longer counted as reserved) or back to
 // the device.
 std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                             std::vector<recycled_page>* recycled, std::size_t max_bytes) {
+                                             std::vector<recycled_page>* recycled, std::size_t max_bytes,
+                                             bool defer) {
+  CCALLOC_ASSERT(!defer || recycled != nullptr);
   segment& seg = *b->seg;
   const std::size_t page = seg.page_bytes;
   const std::uintptr_t lo = (b->ptr - seg.base + page - 1) / page * page + seg.base;
@@ -618,6 +667,12 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
     if (to - from > max_bytes - done_total) to = from + (max_bytes - done_total + page - 1) / page * page;
     std::uintptr_t addr = from;
     std::vector<physical_handle_t> to_release;
+    // Room for the retired pages first: out of host memory, nothing changed.
+    if (defer) {
+      seg.retired.reserve(seg.retired.size() + (to - from) / page);
+      recycled->reserve(recycled->size() + (to - from) / page);
+    }
+    const std::size_t retired_before = seg.retired.size();
     auto finish = [&] {
       const std::size_t bytes = addr - from;
       CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= reserved_bytes_);
@@ -630,15 +685,27 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
         history_.record_segment_unmap(from, bytes, seg.head->stream);
       done_total += bytes;
       stats_.num_device_free += to_release.size();
-      for (physical_handle_t h : to_release) backend_.vm_release_handle(device_, h);  // may throw: state is consistent
+      if (seg.retired.size() != retired_before) {  // keep them by page index
+        retired_pages_ += seg.retired.size() - retired_before;
+        std::sort(seg.retired.begin(), seg.retired.end(),
+                  [](const segment::retired_page& x, const segment::retired_page& y) { return x.index < y.index; });
+      }
+      for (physical_handle_t h : to_release) release_page_handle(h);  // may throw: state is consistent
     };
     try {
       for (; addr < to; addr += page) {
         const std::size_t i = (addr - seg.base) / page;
-        backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
+        if (defer) {
+          // Mapped here until the stream's work before b's free has run
+          // (segment::retired); within the capacities reserved above.
+          seg.retired.push_back({i, seg.pages[i], b->pool->owner, b->free_seq, false});
+          recycled->push_back({seg.pages[i], seg.head->stream, &seg});
+        } else {
+          backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
+          if (recycled != nullptr) recycled->push_back({seg.pages[i], seg.head->stream});
+          else to_release.push_back(seg.pages[i]);
+        }
         ++stats_.num_pages_unmapped;
-        if (recycled != nullptr) recycled->push_back({seg.pages[i], seg.head->stream});
-        else to_release.push_back(seg.pages[i]);
         seg.pages[i] = 0;
       }
     } catch (...) {
@@ -655,7 +722,8 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
 // then, with may_wait, the others after waiting for their fences.
 std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
                                            std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                           std::vector<recycled_page>* recycled, bool may_wait) {
+                                           std::vector<recycled_page>* recycled, bool may_wait,
+                                           const stream_state* same_stream) {
   // Each candidate with the bytes its unmapping would leave behind as
   // pieces of partial pages (partial_page_bytes).
   // The free mapped blocks of a whole page or more are in their pools'
@@ -687,11 +755,16 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
   std::vector<block*> waiting;  // candidates whose fence has not completed
   for (const auto& [partial_bytes, b] : candidates) {
     if (got >= target_bytes) return got;
+    const bool keep = b->seg == keep_seg;
     if (!fence_completed(b)) {
-      waiting.push_back(b);
+      // The request's own stream runs its use of these pages after the
+      // work before b's free: map them there now, unmap them here later.
+      if (same_stream != nullptr && recycled != nullptr && b->pool->owner == same_stream && b->pool->priv == nullptr)
+        got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got, true);
+      else
+        waiting.push_back(b);
       continue;
     }
-    const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
   if (!may_wait) return got;
@@ -814,6 +887,82 @@ void device_state::wait_fences(stream_state& ss) {
   poll_fences(ss);
 }
 
+// ---- deferred unmaps (issue 15) ---------------------------------------------------
+//
+// On a GPU the work queued before a free has usually not run when a request
+// on the same stream wants that block's pages elsewhere (a free followed by
+// a larger request: most of what recycling moves). The stream runs the new
+// use after the old one, so the pages may be used at their new address at
+// once; only unmapping the old address must wait until the work before the
+// free has run (cuMemUnmap does not wait for queued work). So the handle is
+// mapped at the new address now and the old mapping is retired
+// (segment::retired), unmapped here once the fence covering the free has
+// completed: polled on the slow path, waited for only where an address must
+// be mapped again (placement puts such runs last) or the cache is emptied.
+// The same physical page is then mapped twice for a while: it counts once
+// in reserved bytes, at its new place. (Replayed with --device-lag, GPT-2
+// training keeps its 1.003 instead of 1.069.)
+
+bool device_state::has_retired(const segment& seg, std::size_t first, std::size_t last) noexcept {
+  const auto it = std::lower_bound(seg.retired.begin(), seg.retired.end(), first,
+                                   [](const segment::retired_page& x, std::size_t i) { return x.index < i; });
+  return it != seg.retired.end() && it->index < last;
+}
+
+void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait) {
+  for (std::size_t k = 0; k < seg.retired.size();) {
+    segment::retired_page& r = seg.retired[k];
+    if (r.index < first || r.index >= last) {
+      ++k;
+      continue;
+    }
+    stream_state& ss = *r.owner;
+    poll_fences(ss);
+    if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
+    if (r.free_seq > ss.fenced_seq) {
+      if (!may_wait) {
+        ++k;
+        continue;
+      }
+      wait_fences(ss);
+    }
+    backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
+    const bool release = r.release;  // counted in num_device_free when it was given up
+    const physical_handle_t h = r.handle;
+    seg.retired.erase(seg.retired.begin() + static_cast<std::ptrdiff_t>(k));
+    --retired_pages_;
+    // A page that moved twice is retired at two places: the last unmap releases it.
+    if (release) {
+      reserved_bytes_ -= seg.page_bytes;
+      device_stats::decrease(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
+      release_page_handle(h);
+    }
+  }
+}
+
+// Gives physical page h (no longer counted as reserved) back to the device,
+// or, while a retired mapping of it remains, leaves that to its deferred
+// unmap (settle_retired_in); the page counts as reserved until then, in the
+// segment it is retired in: the device still holds it.
+void device_state::release_page_handle(physical_handle_t h) {
+  if (retired_pages_ != 0)
+    for (auto& [base, up] : segments_)
+      for (segment::retired_page& r : up->retired)
+        if (r.handle == h) {
+          r.release = true;
+          reserved_bytes_ += up->page_bytes;
+          device_stats::increase(stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
+          return;
+        }
+  backend_.vm_release_handle(device_, h);
+}
+
+void device_state::settle_retired(bool may_wait) {
+  if (retired_pages_ == 0) return;
+  for (auto& [base, up] : segments_)
+    if (!up->retired.empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
+}
+
 // ---- idle reservations of other streams (issue 15) ------------------------------
 
 // Whether expandable segment `seg`, of another stream, may pass to p's
@@ -831,6 +980,7 @@ bool device_state::idle_reservation(segment& seg, const alloc_params& p) {
       p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || capture_underway())
     return false;
   if (seg.busy_blocks != 0) return false;  // a block allocated or waiting for events
+  if (!seg.retired.empty()) return false;  // its stream's work may still use them
   for (block* x = seg.head; x != nullptr; x = x->next)
     if (x->mapped && !fence_completed(x)) return false;
   return true;
@@ -942,7 +1092,7 @@ double device_state::recycle_reserve_depth_us() const noexcept {
 void device_state::release_empty_expandable_segments() {
   for (auto it = segments_.begin(); it != segments_.end();) {
     segment& seg = *it->second;
-    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr) {
+    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr || !seg.retired.empty()) {
       ++it;
       continue;
     }

@@ -61,6 +61,7 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
     process_events_locked();
     if (!deferred_frees_.empty()) flush_deferred_frees();
     if (page_bytes_ != 0 && config_.expandable_segments) fence_streams(w);
+    settle_retired(false);  // deferred unmaps whose fence has completed
   }
   // Room in the pool's index for a remainder, before a rung takes a block
   // out of it (block_index::owes: host memory ran out; may throw).
@@ -96,7 +97,10 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
         if (!wait_for_completions_in_flight(w)) break;  // X7
       }
       // The retry kept the pages of the chosen run mapped: give them back too.
-      if (!capturing) unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
+      if (!capturing) {
+        unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
+        settle_retired(true);
+      }
       release_empty_expandable_segments();
       // Out of address space (a new reservation was refused, e.g. with very
       // many streams): this request gets a plain segment instead.
@@ -271,6 +275,7 @@ bool device_state::release_cached_blocks(const world_lock& w, bool for_retry) {
   release_unused_segments(w, for_retry);
   release_dead_pools(w, for_retry);
   unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
+  settle_retired(true);  // deferred unmaps: the reservations may go
   release_empty_expandable_segments();
   delete_empty_dead_pools(w);
   return true;

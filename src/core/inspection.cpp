@@ -169,7 +169,7 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
       s.best_own_run(*pool, size, indexed);
       s.best_own_run_by_scan(*pool, size, scanned);
       if (indexed.seg != scanned.seg || indexed.first != scanned.first || indexed.pages != scanned.pages ||
-          indexed.run != scanned.run)
+          indexed.run != scanned.run || indexed.start != scanned.start || indexed.retired != scanned.retired)
         fail("the placement of a " + std::to_string(size) +
              "-byte request that maps pages differs from a scan of every block");
     }
@@ -184,6 +184,7 @@ void device_caching_allocator::check_invariants() const {
   auto fail = [](const std::string& what) { throw std::logic_error("ccalloc invariant violated: " + what); };
   device_stats recount;
   std::size_t pooled = 0;
+  std::size_t retired_total = 0;
   for (auto& [base, seg] : s.segments_) {
     if (seg->head == nullptr || seg->head->ptr != base || seg->head->prev != nullptr)
       fail("segment head is not the block at the segment base");
@@ -197,6 +198,18 @@ void device_caching_allocator::check_invariants() const {
       for (physical_handle_t h : seg->pages) mapped_pages += h != 0 ? 1 : 0;
       if (mapped_pages * page != seg->mapped_bytes) fail("expandable segment's mapped_bytes differs from its pages");
       if (seg->pages.size() * page != seg->size) fail("expandable segment's page table does not cover it");
+      // Deferred unmaps (segment::retired): by index, each page unmapped
+      // in the books, its handle mapped nowhere else in this segment.
+      for (std::size_t k = 0; k < seg->retired.size(); ++k) {
+        const auto& r = seg->retired[k];
+        if (k > 0 && seg->retired[k - 1].index >= r.index) fail("retired pages are not sorted by index");
+        if (r.index >= seg->pages.size()) fail("a retired page lies outside its segment");
+        else if (seg->pages[r.index] != 0) fail("a retired page is mapped in the books");
+        if (r.owner == nullptr || r.handle == 0) fail("a retired page has no stream or handle");
+        if (r.release)  // given up, held by the device until its deferred unmap: reserved
+          device_stats::increase(recount.reserved_bytes, g, static_cast<std::int64_t>(page));
+      }
+      retired_total += seg->retired.size();
     }
     std::uintptr_t expect = base;
     std::size_t sum = 0;
@@ -256,6 +269,7 @@ void device_caching_allocator::check_invariants() const {
       if (!b->mapped) unmapped.push_back(b);
     if (unmapped != seg->unmapped) fail("segment's list of unmapped blocks differs from its blocks");
   }
+  if (retired_total != s.retired_pages_) fail("retired_pages_ differs from the segments' retired pages");
   check_expandable_placement(s, fail);
   std::map<const detail::block_pool*, std::size_t> plain;
   for (auto& [base, seg] : s.segments_) plain[seg->head->pool] += seg->expandable ? 0 : 1;

@@ -1332,6 +1332,44 @@ void test_expandable_recycles_pages_across_streams() {
   alloc->free(c);
 }
 
+// Issue 15, deferred unmaps: a stream frees 64 MiB behind a 20 ms kernel
+// and at once asks for 128 MiB, past the peak. The same stream runs the new
+// block's work after the kernel, so the freed block's 32 pages are mapped
+// into the new block while the kernel still writes them at their old
+// address (which stays mapped until the kernel is done): reserved grows by
+// 64 MiB, not 128, and nothing waits. The new block then reads back what
+// its own fill wrote, after the kernel (stream order), and the kept block
+// is intact. (The sim test:
+// PageFenceTest.PagesOfTheSameStreamMoveAtOnceAndTheirOldMappingGoesAfterTheWork.)
+void test_expandable_same_stream_pages_move_behind_a_kernel() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  auto alloc = make_allocator("reuse_across_streams:False");
+  scoped_stream s1;
+  void* a = alloc->malloc(0, 64 * mib, s1.get());
+  void* keep = alloc->malloc(0, 2 * mib, s1.get());  // after A: A's run cannot simply grow
+  CUDA_OK(gk::launch_fill(keep, 2 * mib, 81, cs(s1.get())));
+  CUDA_OK(gk::launch_spin_fill(a, 64 * mib, 82, 20'000'000, cs(s1.get())));
+  alloc->free(a);
+  const auto stats0 = alloc->get_device_stats(0);
+  void* c = alloc->malloc(0, 128 * mib, s1.get());
+  const bool kernel_was_running = cudaStreamQuery(cs(s1.get())) == cudaErrorNotReady;
+  const auto stats1 = alloc->get_device_stats(0);
+  CHECK(stats1.num_pages_remapped == stats0.num_pages_remapped + 32);
+  CHECK(stats1.reserved_bytes[0].current == stats0.reserved_bytes[0].current + std::int64_t(64 * mib));
+  CHECK(stats1.num_device_synchronizations == stats0.num_device_synchronizations);
+  CUDA_OK(gk::launch_fill(c, 128 * mib, 83, cs(s1.get())));
+  CHECK(mismatches(c, 128 * mib, 83, cs(s1.get())) == 0);
+  CHECK(mismatches(keep, 2 * mib, 81, cs(s1.get())) == 0);
+  CUDA_OK(cudaStreamSynchronize(cs(s1.get())));
+  alloc->free(alloc->malloc(0, 300 * mib, s1.get()));  // a slow path: the deferred unmaps happen
+  CHECK(alloc->get_device_stats(0).num_device_synchronizations == stats0.num_device_synchronizations);
+  for (void* p : {c, keep}) alloc->free(p);
+  alloc->empty_cache();
+  CHECK(alloc->get_device_stats(0).reserved_bytes[0].current == 0);
+  note(std::string("same-stream pages moved behind a kernel; the kernel was ") +
+       (kernel_was_running ? "still running" : "already done") + " when they moved");
+}
+
 // Issue 15: an idle stream's reservation passes whole to another stream,
 // pages mapped where they are, but only once the work queued on the old
 // stream before its frees has finished (its page fence completed).
@@ -1973,6 +2011,7 @@ const test_case all_tests[] = {
     {"expandable_recycles_pages_across_streams", test_expandable_recycles_pages_across_streams},
     {"expandable_idle_reservation_passes_whole", test_expandable_idle_reservation_passes_whole},
     {"expandable_pages_of_a_busy_stream_move", test_expandable_pages_of_a_busy_stream_move},
+    {"expandable_same_stream_pages_move_behind_a_kernel", test_expandable_same_stream_pages_move_behind_a_kernel},
     {"expandable_recycling_time_budget", test_expandable_recycling_time_budget},
     {"expandable_peer_mapping", test_expandable_peer_mapping},
     {"plain_segments_empty_cache", test_plain_segments_empty_cache},

@@ -111,6 +111,7 @@ inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments 
 
 struct block_pool;
 struct segment;
+struct stream_state;
 
 // block::reuse_version of a block the thread cache may not hand out again.
 inline constexpr std::uint64_t no_reuse_version = ~std::uint64_t{0};
@@ -174,6 +175,21 @@ struct segment {
   // fast path. A request that maps pages looks for its free run around them
   // (device_state::best_own_run) instead of walking every block. [world]
   std::vector<block*> unmapped;
+  // Pages recycled out of this segment whose old mapping stays until the
+  // work queued before their free has run (deferred unmaps, issue 15;
+  // device_state::settle_retired): their handle is mapped again where a
+  // request of the same stream needed it, and still here. The books count
+  // the page unmapped here (pages[index] == 0, its block unmapped), but
+  // nothing may be mapped at it before the deferred unmap. By page index.
+  // [world]
+  struct retired_page {
+    std::size_t index = 0;          // page index in the segment
+    physical_handle_t handle = 0;   // mapped here and where it went
+    stream_state* owner = nullptr;  // the stream that freed it: its fence
+    std::uint64_t free_seq = 0;     // the fence count that makes the unmap safe
+    bool release = false;           // release the handle once unmapped (it went nowhere)
+  };
+  std::vector<retired_page> retired;
 };
 
 bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }
@@ -754,7 +770,9 @@ class device_state {
   struct run_choice {
     segment* seg = nullptr;
     block* first = nullptr;  // the run's first block
+    std::uintptr_t start = 0;  // where the request starts in the run (first->ptr unless past a retired page)
     bool foreign = false;
+    bool retired = true;     // the request would map over a retired page (a wait)
     std::size_t pages = std::numeric_limits<std::size_t>::max();  // to map for the request
     std::size_t run = std::numeric_limits<std::size_t>::max();    // the run's bytes
   };
@@ -774,15 +792,32 @@ class device_state {
   struct recycled_page {
     physical_handle_t handle;
     stream_t from;
+    segment* retired_in = nullptr;  // still mapped there too (segment::retired)
   };
   // may_wait: when the free pages whose fences have not completed are needed
   // (out of memory, the cap, emptyCache), wait for those fences (counted in
   // num_device_synchronizations); else leave those pages where they are.
+  // same_stream (with recycled): the stream_state of the request the pages
+  // go to; a free block of it whose fence has not completed gives its
+  // pages anyway, their old mapping retired (a deferred unmap): the stream
+  // runs the new use after the old one.
   std::size_t unmap_free_pages(std::size_t target_bytes, const segment* keep_seg, std::uintptr_t keep_lo,
-                               std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait);
+                               std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait,
+                               const stream_state* same_stream = nullptr);
   [[nodiscard]] static std::size_t partial_page_bytes(const block& b) noexcept;
+  // defer: keep the old mappings (segment::retired) instead of unmapping
+  // them now; only with recycled.
   std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                std::vector<recycled_page>* recycled, std::size_t max_bytes);
+                                std::vector<recycled_page>* recycled, std::size_t max_bytes, bool defer = false);
+  // Deferred unmaps (segment::retired): unmaps the retired pages of seg
+  // with index in [first, last) whose fence has completed, and with
+  // may_wait the others after waiting for their fence (counted in
+  // num_device_synchronizations). settle_retired: every segment. [world]
+  void settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait);
+  void settle_retired(bool may_wait);
+  void release_page_handle(physical_handle_t h);
+  [[nodiscard]] static bool has_retired(const segment& seg, std::size_t first, std::size_t last) noexcept;
+  std::size_t retired_pages_ = 0;  // retired pages of every segment [world]
   // Page fences (issue 15): whether free block b's memory has no work of its
   // stream left (its fence completed); polls the stream's fences without
   // blocking, and records a new one when none covers b and its stream may
