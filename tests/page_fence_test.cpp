@@ -66,6 +66,18 @@ class PageFenceTest : public ::testing::Test {
     alloc->free(p);
   }
 
+  // Deferred unmaps: stream s allocates A (20 MiB), then B (3 MiB, after A:
+  // A's run cannot simply grow), and frees A while its kernel uses A until
+  // t=100. Returns s; B in `keep`.
+  stream_t frees_behind_its_kernel(void*& keep) {
+    make(256 * MiB, "reuse_across_streams:False");
+    const stream_t s = sim->create_stream(0);
+    void* a = m(20 * MiB, s);
+    keep = m(3 * MiB, s);
+    use_and_free(a, 20 * MiB, s, 100);
+    return s;
+  }
+
   std::shared_ptr<sim_backend> sim;
   std::unique_ptr<caching_allocator> alloc;
 };
@@ -348,11 +360,8 @@ TEST_F(PageFenceTest, AnotherStreamsSlowPathNeverRecordsOnABusyStream) {
 // addresses stay mapped until the kernel is done (never unmapped under it:
 // unsafe_unmaps stays 0), and nothing waits.
 TEST_F(PageFenceTest, PagesOfTheSameStreamMoveAtOnceAndTheirOldMappingGoesAfterTheWork) {
-  make(256 * MiB, "reuse_across_streams:False");
-  const stream_t s = sim->create_stream(0);
-  void* a = m(20 * MiB, s);
-  void* keep = m(3 * MiB, s);  // B, after A: A's run cannot simply grow
-  use_and_free(a, 20 * MiB, s, 100);
+  void* keep = nullptr;
+  const stream_t s = frees_behind_its_kernel(keep);
   EXPECT_EQ(reserved(), I(24 * MiB));
   void* c = m(30 * MiB, s);
   EXPECT_EQ(st().num_device_synchronizations, 0) << "nobody waits for the kernel";
@@ -376,12 +385,9 @@ TEST_F(PageFenceTest, PagesOfTheSameStreamMoveAtOnceAndTheirOldMappingGoesAfterT
 // Another stream's pages still wait for their fence: s2's request does not
 // take the pages s freed under its running kernel (the peak rises).
 TEST_F(PageFenceTest, PagesOfAnotherStreamDoNotMoveBeforeTheirWork) {
-  make(256 * MiB, "reuse_across_streams:False");
-  const stream_t s = sim->create_stream(0);
+  void* keep = nullptr;
+  frees_behind_its_kernel(keep);
   const stream_t s2 = sim->create_stream(0);
-  void* a = m(20 * MiB, s);
-  void* keep = m(3 * MiB, s);
-  use_and_free(a, 20 * MiB, s, 100);
   void* c = m(30 * MiB, s2);
   EXPECT_EQ(st().num_pages_remapped, 0);
   EXPECT_EQ(st().num_device_synchronizations, 0);
@@ -394,11 +400,8 @@ TEST_F(PageFenceTest, PagesOfAnotherStreamDoNotMoveBeforeTheirWork) {
 // emptyCache with a deferred unmap pending waits for the kernel (counted),
 // then gives everything back; the moved pages stay where they went.
 TEST_F(PageFenceTest, EmptyCacheWaitsForDeferredUnmaps) {
-  make(256 * MiB, "reuse_across_streams:False");
-  const stream_t s = sim->create_stream(0);
-  void* a = m(20 * MiB, s);
-  void* keep = m(3 * MiB, s);
-  use_and_free(a, 20 * MiB, s, 100);
+  void* keep = nullptr;
+  const stream_t s = frees_behind_its_kernel(keep);
   void* c = m(30 * MiB, s);
   ASSERT_EQ(st().num_pages_remapped, 10);
   alloc->empty_cache();
@@ -416,11 +419,8 @@ TEST_F(PageFenceTest, EmptyCacheWaitsForDeferredUnmaps) {
 // places; emptyCache waits once, unmaps both, and releases each handle once
 // (the simulated device refuses to release a handle still mapped).
 TEST_F(PageFenceTest, APageMovedTwiceIsUnmappedAtBothPlacesAndReleasedOnce) {
-  make(256 * MiB, "reuse_across_streams:False");
-  const stream_t s = sim->create_stream(0);
-  void* a = m(20 * MiB, s);
-  void* keep = m(3 * MiB, s);
-  use_and_free(a, 20 * MiB, s, 100);
+  void* keep = nullptr;
+  const stream_t s = frees_behind_its_kernel(keep);
   void* c = m(30 * MiB, s);  // takes A's 10 pages (retired at A's place)
   void* keep2 = m(3 * MiB, s);  // after C: C's run cannot simply grow
   use_and_free(c, 30 * MiB, s, 200);
