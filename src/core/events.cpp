@@ -13,6 +13,7 @@
 #include <exception>
 #include <iterator>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -28,7 +29,24 @@ struct retired_events {
 };
 }  // namespace
 
+// A use on a stream that is not live (destroyed, never created, another
+// device's) is refused: the block's free would record an event on it, fail
+// and keep the block. The block's own stream is ignored below, gone or not.
+void device_state::check_recorded_stream(stream_t stream) const {
+  const auto known = streams_.find(stream);
+  const bool met = known != streams_.end();
+  if (met && !known->second->gone) return;
+  if (backend_.is_stream(device_, stream)) return;  // a destroyed handle made again is a new stream
+  throw invalid_argument_error("ccalloc: record_stream on stream " + std::to_string(stream) + " of device " +
+                               std::to_string(device_) + ", which is not a live stream of that device (" +
+                               (met ? "destroyed" : "never created, destroyed, or of another device") + ")");
+}
+
 void device_state::record_stream(block* b, stream_t stream) {
+  if (stream != b->stream) {  // the block's stream is fixed while it is allocated
+    std::lock_guard registry(registry_mutex_);
+    check_recorded_stream(stream);
+  }
   std::lock_guard lock(b->pool->owner->mutex);
   if (stream == b->stream) return;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())

@@ -702,6 +702,9 @@ class device_state {
 
   // --- events.cpp: record_stream, events, returning blocks ----------------------
   void record_stream(block* b, stream_t stream);  // [none] takes the block's stream
+  // Throws invalid_argument_error naming `stream` unless it is a live stream
+  // of this device (registry, then backend_.is_stream), for record_stream.
+  void check_recorded_stream(stream_t stream) const;  // [registry]
   void set_stream_gone(stream_t stream, bool gone);  // [none] takes the world lock
   static void forget_thread_stream() noexcept;       // the calling thread's stream_for cache (hot_path.cpp)
   void process_events();  // [none] takes device, then (device released) each block's stream
