@@ -370,3 +370,39 @@ TEST(HostOutOfMemory, AMallocThatMapsPagesFailsUnchanged) {
 }
 
 }  // namespace
+
+namespace {
+
+// A block freed after record_stream waits for an event; the next slow path
+// takes the completed event off its queue and returns the block. Host
+// memory running out there (the event pool's growth) lost the event: the
+// block stayed pending for ever and its segment could never be released
+// (seventh session's hostile-input trial, fi.cpp).
+TEST(HostOutOfMemory, ACompletedEventIsNotLostWithoutHostMemory) {
+  int failed = 0;
+  for (long k = 0; k < 100; ++k) {
+    SCOPED_TRACE(k);
+    sim_fixture f("expandable_segments:False,thread_cache:off");
+    const stream_t s = f.sim->create_stream(0);
+    void* used = f.alloc->malloc(0, 3 << 20, 0);
+    f.alloc->record_stream(used, s);
+    f.alloc->free(used);  // an event on s, completed at once (no work queued on s)
+    EXPECT_EQ(f.stats().at("active_bytes.all.current"), 3 << 20) << "pending until the event is taken";
+    void* p = nullptr;
+    const bool threw = fails_without_host_memory([&] { p = f.alloc->malloc(0, 30 << 20, 0); }, k);
+    f.alloc->device_allocator(0).check_invariants();
+    if (!threw) {
+      f.alloc->free(p);
+      break;
+    }
+    ++failed;
+    p = f.alloc->malloc(0, 30 << 20, 0);  // with host memory
+    f.alloc->free(p);
+    f.alloc->empty_cache();
+    EXPECT_EQ(f.stats().at("active_bytes.all.current"), 0) << "the block came back";
+    EXPECT_EQ(f.stats().at("reserved_bytes.all.current"), 0);
+  }
+  EXPECT_GE(failed, 2);
+}
+
+}  // namespace

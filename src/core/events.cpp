@@ -130,6 +130,9 @@ void device_state::take_completed_events(OnCompleted on_completed) {
     while (!queue.empty()) {
       auto [e, b] = queue.front();
       if (!backend_.query_event(device_, e)) break;
+      // Room for the event in the pool first: out of host memory, it stays
+      // queued (popped, it was lost, and its block waited for ever).
+      if (free_events_.size() == free_events_.capacity()) free_events_.reserve(free_events_.size() * 2 + 16);
       queue.pop_front();
       free_events_.push_back(e);
       ++retired.count;
@@ -147,6 +150,7 @@ void device_state::process_events() {
   std::exception_ptr failure;  // a failed query: blocks already taken are still returned
   {
     std::lock_guard device_lock(device_mutex_);
+    completed.reserve(pending_event_count_.load(std::memory_order_relaxed));  // no allocation once events are taken
     try {
       take_completed_events([&](block* b) { completed.push_back(b); });
     } catch (...) {
