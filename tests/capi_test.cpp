@@ -611,6 +611,73 @@ TEST(CApi, MallocOnAStreamNeverCreatedIsRefused) {
   EXPECT_EQ(ccalloc_stream_destroy(a, 0, s), CCALLOC_OK);
 }
 
+// record_stream on a stream that is not live for the block's device
+// (destroyed, never created, another device's) is refused, naming the
+// stream, and changes nothing: the block frees as usual afterwards (it was
+// accepted, and every delete then failed on the stream and leaked the block;
+// seventh session's hostile-input trial, D4). Views inside the block too.
+TEST(CApi, RecordStreamOnAStreamThatIsNotLiveIsRefused) {
+  for (const char* config : {"", "expandable_segments:False"}) {
+    SCOPED_TRACE(config);
+    sim_allocator a(0, config, 2);
+    ccalloc_stream_t gone = nullptr, live = nullptr, other = nullptr;
+    ASSERT_EQ(ccalloc_stream_create(a, 0, &gone), CCALLOC_OK) << ccalloc_last_error();
+    ASSERT_EQ(ccalloc_stream_create(a, 0, &live), CCALLOC_OK) << ccalloc_last_error();
+    ASSERT_EQ(ccalloc_stream_create(a, 1, &other), CCALLOC_OK) << ccalloc_last_error();
+    ASSERT_EQ(ccalloc_delete(a, must_malloc(a, 1000, gone)), CCALLOC_OK);  // the allocator has met it
+    ASSERT_EQ(ccalloc_stream_destroy(a, 0, gone), CCALLOC_OK) << ccalloc_last_error();
+    auto* never = reinterpret_cast<ccalloc_stream_t>(std::uintptr_t{0x7777});
+    void* q = must_malloc(a, 3 * MiB);
+    const auto before = all_stats(a);
+    const std::pair<ccalloc_stream_t, const char*> bad[] = {
+        {gone, "(destroyed)"},
+        {never, "(never created, destroyed, or of another device)"},
+        {other, "(never created, destroyed, or of another device)"}};
+    for (const auto& [s, why] : bad) {
+      SCOPED_TRACE(stream_text(s));
+      for (void* ptr : {q, static_cast<void*>(static_cast<char*>(q) + 4096)}) {  // the block, a view inside it
+        EXPECT_EQ(ccalloc_record_stream(a, ptr, s), CCALLOC_ERROR_INVALID_ARGUMENT);
+        EXPECT_EQ(std::string(ccalloc_last_error()), "ccalloc: record_stream on stream " + stream_text(s) +
+                                                         " of device 0, which is not a live stream of that device " +
+                                                         why);
+      }
+    }
+    EXPECT_EQ(all_stats(a), before);
+    // The block's own stream (the legacy default stream) and a live stream are accepted.
+    EXPECT_EQ(ccalloc_record_stream(a, q, nullptr), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(ccalloc_record_stream(a, q, live), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(ccalloc_delete(a, q), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(stat(a, "allocated_bytes.all.current"), 0);
+    // A block of device 1 recorded on a stream of device 0.
+    void* r = must_malloc(a, 4096, other, 1);
+    EXPECT_EQ(ccalloc_record_stream(a, r, live), CCALLOC_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(ccalloc_last_error()).find("stream " + stream_text(live) + " of device 1, which is not"),
+              std::string::npos)
+        << ccalloc_last_error();
+    EXPECT_EQ(ccalloc_delete(a, r), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(ccalloc_empty_cache(a), CCALLOC_OK);
+    EXPECT_EQ(stat(a, "reserved_bytes.all.current"), 0) << "every block came back to the cache";
+    EXPECT_EQ(stat(a, "reserved_bytes.all.current", 1), 0);
+    EXPECT_EQ(ccalloc_stream_destroy(a, 0, live), CCALLOC_OK);
+    EXPECT_EQ(ccalloc_stream_destroy(a, 1, other), CCALLOC_OK);
+  }
+}
+
+/// A malloc of `size` bytes that must fail with OUT_OF_MEMORY at once: its
+/// message names the size, and no statistic but num_ooms moves. Returns
+/// the message.
+std::string refused_at_once(ccalloc_allocator_t* a, std::size_t size) {
+  auto before = all_stats(a);
+  void* p = nullptr;
+  EXPECT_EQ(ccalloc_malloc(a, 0, size, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  const std::string msg = ccalloc_last_error();
+  EXPECT_NE(msg.find("(" + std::to_string(size) + " bytes; "), std::string::npos) << msg;
+  for (auto& [name, value] : before)
+    if (name == "num_ooms") ++value;
+  EXPECT_EQ(all_stats(a), before) << "the cache kept, nothing counted but the OOM";
+  return msg;
+}
+
 // Requests that can never fit fail at once: the cache is kept (no
 // synchronization, nothing released), no counter but num_ooms moves, and
 // the message names the size (SIZE_MAX no longer wraps to "0 bytes").
@@ -625,20 +692,42 @@ TEST(CApi, RequestsLargerThanTheDeviceFailAtOnceAndChangeNothing) {
     ASSERT_EQ(ccalloc_delete(a, cached), CCALLOC_OK);
     for (const std::size_t size : sizes) {
       SCOPED_TRACE(size);
-      auto before = all_stats(a);
-      void* p = nullptr;
-      ASSERT_EQ(ccalloc_malloc(a, 0, size, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
-      const std::string msg = ccalloc_last_error();
-      EXPECT_NE(msg.find("(" + std::to_string(size) + " bytes; "), std::string::npos) << msg;
+      const std::string msg = refused_at_once(a, size);
       EXPECT_EQ(msg.find("0 bytes of pages"), std::string::npos) << msg;
       if (size >= (std::size_t{1} << 60))
         EXPECT_NE(msg.find("requests of 1048576.00 TiB or more are refused at once"), std::string::npos) << msg;
       else
         EXPECT_NE(msg.find("The request alone is larger than the device's memory."), std::string::npos) << msg;
-      for (auto& [name, value] : before)
-        if (name == "num_ooms") ++value;
-      EXPECT_EQ(all_stats(a), before) << "the cache kept, nothing counted but the OOM";
     }
+    EXPECT_EQ(ccalloc_delete(a, live), CCALLOC_OK);
+  }
+}
+
+// A large request that cannot fit even with the whole cache returned (the
+// device's free memory plus the cached bytes) fails at once, the cache kept
+// and nothing counted but the OOM (it was refused only after the cache was
+// emptied and, with expandable segments, 924 pages mapped and unmapped;
+// seventh session's hostile-input trial, D6). One that fits once the cache
+// is returned is served (PyTorch's retry).
+TEST(CApi, ARequestThatCannotFitWithTheCacheReturnedFailsAtOnce) {
+  constexpr std::size_t GiB = std::size_t{1} << 30;
+  for (const char* config : {"", "expandable_segments:False"}) {
+    SCOPED_TRACE(config);
+    sim_allocator a(GiB, config);
+    void* live = must_malloc(a, 100 * MiB);
+    ASSERT_EQ(ccalloc_delete(a, must_malloc(a, 300 * MiB)), CCALLOC_OK);  // 300 MiB cached
+    for (const std::size_t size : {GiB, GiB - 100 * MiB + 1}) {
+      SCOPED_TRACE(size);
+      const std::string msg = refused_at_once(a, size);
+      EXPECT_NE(msg.find(" Returning the cache would not make room: the request is larger than the device's free "
+                         "memory and all that ccalloc holds beyond its allocations together"),
+                std::string::npos)
+          << msg;
+    }
+    void* p = must_malloc(a, GiB - 100 * MiB);  // the cache returned: it fits
+    EXPECT_NE(p, nullptr);
+    EXPECT_EQ(stat(a, "reserved_bytes.all.current"), static_cast<std::int64_t>(GiB));
+    EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
     EXPECT_EQ(ccalloc_delete(a, live), CCALLOC_OK);
   }
 }

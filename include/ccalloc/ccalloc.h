@@ -218,7 +218,11 @@ CCALLOC_API ccalloc_stream_t ccalloc_current_stream(void);
 /** The block holding `ptr` is not reused until the work queued on `stream`
  * before its free has completed (PyTorch: recordStream, SPEC F11). `ptr` may
  * point inside a live block (SPEC X4). A pointer of no live block of this
- * allocator, and NULL, are ignored (CCALLOC_OK). Errors: BACKEND. */
+ * allocator, and NULL, are ignored (CCALLOC_OK). Errors: INVALID_ARGUMENT
+ * naming the stream, nothing changed, when `stream` is not a live stream of
+ * the block's device (destroyed, never created, another device's; on the
+ * simulated device; a CUDA handle cannot be checked) and not the block's own
+ * stream; BACKEND. */
 CCALLOC_API ccalloc_status_t ccalloc_record_stream(ccalloc_allocator_t* alloc, void* ptr, ccalloc_stream_t stream);
 /** Base address and size in bytes of the segment holding `ptr`, a pointer this
  * allocator returned (PyTorch: getBaseAllocation, SPEC F10). Errors:

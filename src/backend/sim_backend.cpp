@@ -16,6 +16,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -33,6 +34,25 @@ std::string call_text(const char* what, int device, const void* addr, std::size_
   return std::string("sim: ") + what + "(device " + std::to_string(device) + ", " + pointer_text(addr) + ", " +
          std::to_string(size_bytes) + " bytes";
 }
+
+// A call's text made only when an error quotes it (`call + "): ..."`): the
+// calls that give memory back (vm_unmap, vm_release_handle, vm_release)
+// allocate no host memory when they succeed, as a driver's do not use the
+// program's operator new: an allocator may give back what a request made
+// when host memory has run out.
+struct lazy_call {
+  const char* what;
+  int device;
+  const void* addr;  // call_text's address and size; nullptr: the handle instead
+  std::size_t size_bytes;
+  physical_handle_t handle = 0;
+  [[nodiscard]] std::string text() const {
+    if (addr == nullptr && handle != 0)
+      return std::string("sim: ") + what + "(device " + std::to_string(device) + ", handle " + std::to_string(handle);
+    return call_text(what, device, addr, size_bytes);
+  }
+};
+std::string operator+(const lazy_call& call, const char* rest) { return call.text() + rest; }
 
 // The errno text of a failed system call. `maps`: the call adds a mapping,
 // so ENOMEM most likely means the per-process mapping limit.
@@ -177,7 +197,8 @@ struct sim_backend::impl {
   }
   // Size and alignment rules shared by the vm_* functions (`call` is the
   // call's text, e.g. from call_text; addr 0 for calls without an address).
-  void check_granular(const std::string& call, std::uintptr_t addr, std::size_t size_bytes) const {
+  template <class Call>  // std::string or lazy_call
+  void check_granular(const Call& call, std::uintptr_t addr, std::size_t size_bytes) const {
     const std::size_t g = options.granularity_bytes;
     if (size_bytes == 0) throw backend_error(call + "): size must be > 0");
     if (size_bytes % g != 0)
@@ -202,8 +223,17 @@ struct sim_backend::impl {
   std::vector<std::map<std::uintptr_t, mapping>::iterator> whole_mappings(const std::string& call, int on_device,
                                                                             std::uintptr_t addr,
                                                                             std::size_t size_bytes) {
-    check_granular(call, addr, size_bytes);
+    check_whole_mappings(call, on_device, addr, size_bytes);
     std::vector<std::map<std::uintptr_t, mapping>::iterator> found;
+    for (std::uintptr_t at = addr; at < addr + size_bytes; at += found.back()->second.size_bytes)
+      found.push_back(mappings.find(at));
+    return found;
+  }
+  // Throws unless [addr, addr + size_bytes) is whole mappings of device
+  // `on_device`; allocates nothing then.
+  template <class Call>
+  void check_whole_mappings(const Call& call, int on_device, std::uintptr_t addr, std::size_t size_bytes) const {
+    check_granular(call, addr, size_bytes);
     const std::uintptr_t end = addr + size_bytes;
     for (std::uintptr_t at = addr; at < end;) {
       auto it = mappings.find(at);
@@ -221,10 +251,8 @@ struct sim_backend::impl {
       if (it->second.size_bytes > end - at)
         throw backend_error(call + "): the range ends inside the mapping at " + pointer_text(at) + " (" +
                             std::to_string(it->second.size_bytes) + " bytes; ranges must consist of whole mappings)");
-      found.push_back(it);
       at += it->second.size_bytes;
     }
-    return found;
   }
   // Returns a handle's file range to the device's free ranges, merging with
   // its neighbours.
@@ -241,7 +269,10 @@ struct sim_backend::impl {
         return;
       }
     }
-    d.free_ranges.emplace(offset, size_bytes);
+    try {
+      d.free_ranges.emplace(offset, size_bytes);
+    } catch (const std::bad_alloc&) {  // no host memory: the range is not reused (the file grows instead)
+    }
   }
   std::size_t charged(std::size_t size_bytes) const {
     const std::size_t g = options.granularity_bytes;
@@ -569,7 +600,7 @@ void sim_backend::vm_release(int device, void* base, std::size_t size_bytes) {
   std::lock_guard lock(impl_->mutex);
   impl_->dev(device);
   if (!impl_->vm_supported) throw_not_supported("vm_release");
-  const std::string call = call_text("vm_release", device, base, size_bytes);
+  const lazy_call call{"vm_release", device, base, size_bytes};
   const auto addr = reinterpret_cast<std::uintptr_t>(base);
   auto it = impl_->reservations.find(addr);
   if (it == impl_->reservations.end()) {
@@ -649,8 +680,7 @@ void sim_backend::vm_release_handle(int device, physical_handle_t handle) {
   std::lock_guard lock(impl_->mutex);
   auto& d = impl_->dev(device);
   if (!impl_->vm_supported) throw_not_supported("vm_release_handle");
-  const std::string call =
-      "sim: vm_release_handle(device " + std::to_string(device) + ", handle " + std::to_string(handle);
+  const lazy_call call{"vm_release_handle", device, nullptr, 0, handle};
   auto it = impl_->handles.find(handle);
   if (it == impl_->handles.end())
     throw backend_error(call + "): unknown handle (never created or already released)");
@@ -734,14 +764,16 @@ void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
   std::lock_guard lock(impl_->mutex);
   impl_->dev(device);
   if (!impl_->vm_supported) throw_not_supported("vm_unmap");
-  const std::string call = call_text("vm_unmap", device, addr, size_bytes);
+  const lazy_call call{"vm_unmap", device, addr, size_bytes};
   const auto a = reinterpret_cast<std::uintptr_t>(addr);
-  const auto found = impl_->whole_mappings(call, device, a, size_bytes);
+  impl_->check_whole_mappings(call, device, a, size_bytes);
   // One MAP_FIXED mmap swaps the pages for the placeholder: the range is
   // never free for another mapping in between.
   if (!map_placeholder(a, size_bytes))
     throw backend_error(call + "): " + errno_text("mmap of the reservation placeholder", errno, /*maps=*/true));
-  for (auto it : found) {
+  for (std::uintptr_t at = a; at < a + size_bytes;) {
+    const auto it = impl_->mappings.find(at);
+    at += it->second.size_bytes;
     --impl_->handles.at(it->second.handle).map_count;
     impl_->counters.mapped_bytes -= it->second.size_bytes;
     ++impl_->counters.vm_unmaps;

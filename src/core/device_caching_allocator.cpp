@@ -49,6 +49,7 @@ bool device_caching_allocator::record_stream_containing(std::uintptr_t address, 
   for (block* b = seg.head; b != nullptr; b = b->next) {
     if (address < b->ptr || address >= b->ptr + b->size) continue;
     if (!b->allocated) return false;
+    if (stream != b->stream) s.check_recorded_stream(stream);  // the world lock holds the registry's
     if (stream != b->stream &&
         std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
       b->stream_uses.push_back(stream);

@@ -13,6 +13,7 @@
 #include <exception>
 #include <iterator>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -28,7 +29,24 @@ struct retired_events {
 };
 }  // namespace
 
+// A use on a stream that is not live (destroyed, never created, another
+// device's) is refused: the block's free would record an event on it, fail
+// and keep the block. The block's own stream is ignored below, gone or not.
+void device_state::check_recorded_stream(stream_t stream) const {
+  const auto known = streams_.find(stream);
+  const bool met = known != streams_.end();
+  if (met && !known->second->gone) return;
+  if (backend_.is_stream(device_, stream)) return;  // a destroyed handle made again is a new stream
+  throw invalid_argument_error("ccalloc: record_stream on stream " + std::to_string(stream) + " of device " +
+                               std::to_string(device_) + ", which is not a live stream of that device (" +
+                               (met ? "destroyed" : "never created, destroyed, or of another device") + ")");
+}
+
 void device_state::record_stream(block* b, stream_t stream) {
+  if (stream != b->stream) {  // the block's stream is fixed while it is allocated
+    std::lock_guard registry(registry_mutex_);
+    check_recorded_stream(stream);
+  }
   std::lock_guard lock(b->pool->owner->mutex);
   if (stream == b->stream) return;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
@@ -112,6 +130,9 @@ void device_state::take_completed_events(OnCompleted on_completed) {
     while (!queue.empty()) {
       auto [e, b] = queue.front();
       if (!backend_.query_event(device_, e)) break;
+      // Room for the event in the pool first: out of host memory, it stays
+      // queued (popped, it was lost, and its block waited for ever).
+      if (free_events_.size() == free_events_.capacity()) free_events_.reserve(free_events_.size() * 2 + 16);
       queue.pop_front();
       free_events_.push_back(e);
       ++retired.count;
@@ -129,6 +150,7 @@ void device_state::process_events() {
   std::exception_ptr failure;  // a failed query: blocks already taken are still returned
   {
     std::lock_guard device_lock(device_mutex_);
+    completed.reserve(pending_event_count_.load(std::memory_order_relaxed));  // no allocation once events are taken
     try {
       take_completed_events([&](block* b) { completed.push_back(b); });
     } catch (...) {

@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -76,7 +77,10 @@ void device_state::pool_erase_counted(block* b) {
 // block overlapping it is free and in the other state. Splits blocks at lo
 // and hi, merges free neighbours of equal state, and keeps pool membership,
 // the inactive-split statistics and seg.unmapped right.
-void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint) {
+// reserve_only: only the host memory it needs (may throw std::bad_alloc),
+// so that a caller can take it before the device changes the pages.
+void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint,
+                                  bool reserve_only) {
   if (lo >= hi) return;
   block* b = hint != nullptr ? hint : unmapped_block_at_or_below(seg, lo);
   CCALLOC_ASSERT(b->seg == &seg && b->ptr <= lo);
@@ -94,6 +98,18 @@ void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_
   for (const block* x = first; x != stop; x = x->next) ++window_blocks;
   std::vector<block*>& listed = seg.unmapped;
   listed.reserve(listed.size() + window_blocks + 2);
+  // The rest of the host memory too, so that running out changes nothing:
+  // block objects for the splits at lo and hi, and room in the pool's index
+  // for the free mapped blocks left (the range when mapping, one insert; its
+  // two ends when unmapping: into one bin, perhaps).
+  block_pool& pool = *seg.head->pool;
+  pool.owner->reserve_spare_blocks(2);
+  if (mapped) {
+    if (pool.blocks.owes()) pool.blocks.repay();
+  } else {
+    pool.blocks.reserve_two(lo - std::min(lo, b->ptr), last->ptr + last->size - std::min(hi, last->ptr + last->size));
+  }
+  if (reserve_only) return;
   const std::uintptr_t window_hi = stop->ptr + stop->size;
   const auto below = [](const block* x, std::uintptr_t addr) { return x->ptr < addr; };
   const auto listed_lo = std::lower_bound(listed.begin(), listed.end(), first->ptr, below) - listed.begin();
@@ -354,16 +370,90 @@ segment* device_state::new_expandable_segment(const alloc_params& p) {
   const std::size_t want = std::max(device_total_bytes_, p.size);
   if (want > std::numeric_limits<std::size_t>::max() - page) return nullptr;  // no such address range
   const std::size_t size = (want + page - 1) / page * page;
+  // The address range first (a device that has none left says so before
+  // a page table for it is made), then the host memory: the reservation's
+  // record, page table and block; without it, the range goes back.
   void* base = backend_.vm_reserve(device_, size);
   if (base == nullptr) return nullptr;
-  segment& seg = add_segment(p, reinterpret_cast<std::uintptr_t>(base), size);
+  segment* added = nullptr;
+  try {
+    auto fresh = std::make_unique<segment>();
+    fresh->pages.assign(size / page, 0);
+    fresh->unmapped.reserve(4);
+    added = &add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(base), size);
+  } catch (...) {
+    try {
+      backend_.vm_release(device_, base, size);
+    } catch (...) {
+    }
+    throw;
+  }
+  segment& seg = *added;
+  made_ = {&p, seg.base, reserved_high_water_bytes_, recycles_at_mark_};  // a failed request gives it back
   seg.head->mapped = false;
   seg.expandable = true;
   seg.seq = next_segment_seq_++;
   seg.page_bytes = page;
-  seg.pages.assign(size / page, 0);
-  seg.unmapped.assign(1, seg.head);
+  seg.unmapped.push_back(seg.head);  // reserved
   return &seg;
+}
+
+// Mapped page i of seg back to the device and off the books (a failed
+// request gives back what it mapped); device errors are ignored.
+void device_state::give_back_page(segment& seg, std::size_t i) noexcept {
+  const std::size_t page = seg.page_bytes;
+  try {
+    backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + i * page), page);
+    ++stats_.num_pages_unmapped;
+    ++stats_.num_device_free;
+    release_page_handle(seg.pages[i]);  // a recycled page may be retired elsewhere too
+  } catch (...) {
+  }
+  seg.pages[i] = 0;
+  seg.mapped_bytes -= page;
+  reserved_bytes_ -= page;
+  device_stats::decrease(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
+}
+
+// A reservation made by a request that failed (discard_made_segment): every
+// block free. Its mapped pages (seg.pages says which, also when a failure
+// left its blocks' view behind) and the reservation go back to the device;
+// its blocks and the segment leave the books. Allocates nothing; device
+// errors are ignored.
+void device_state::discard_reservation(segment& seg) noexcept {
+  const std::size_t page = seg.page_bytes;
+  block_pool* const pool = seg.head->pool;
+  const stat_group g = group_of(pool);
+  for (block* b = seg.head; b != nullptr; b = b->next)
+    if (b->pool->blocks.contains(b)) pool_erase_counted(b);
+  for (std::size_t i = 0; i < seg.pages.size();) {  // run by run of mapped pages
+    if (seg.pages[i] == 0) {
+      ++i;
+      continue;
+    }
+    std::size_t n = 1;
+    while (i + n < seg.pages.size() && seg.pages[i + n] != 0) ++n;
+    if (history_.active()) [[unlikely]] {
+      try {
+        history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
+      } catch (...) {
+      }
+    }
+    for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
+  }
+  try {
+    backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
+  } catch (...) {
+  }
+  device_stats::decrease(stats_.segment, g, 1);
+  if (pool->priv != nullptr) --pool->priv->segment_count;
+  for (block* b = seg.head; b != nullptr;) {
+    block* next = b->next;
+    b->pool->owner->delete_block(b);
+    b = next;
+  }
+  const std::uintptr_t base = seg.base;
+  segments_.erase(base);
 }
 
 bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& w) {
@@ -533,6 +623,12 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       throw;
     }
   }
+  // The pages [from, to) this request mapped and has not put on its blocks'
+  // books (set_page_state) go back when it fails: unmapped, released, as
+  // before the call (device errors ignored).
+  auto give_back_run = [&](std::size_t from, std::size_t to) noexcept {
+    for (std::size_t j = from; j < to; ++j) give_back_page(seg, j);
+  };
   for (std::size_t i = first_page; i < end_page;) {
     if (seg.pages[i] != 0) {
       ++i;
@@ -601,12 +697,17 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
         }
       }
     } catch (...) {
-      set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);
-      raise_reserved_high_water();
+      give_back_run(run_first, i);
       drop_recycled();
       throw;
     }
-    set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);
+    try {
+      set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);  // no host memory: unchanged
+    } catch (...) {
+      give_back_run(run_first, i);
+      drop_recycled();
+      throw;
+    }
     if (history_.active() && i > run_first) [[unlikely]]
       history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
@@ -667,10 +768,15 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
     if (to - from > max_bytes - done_total) to = from + (max_bytes - done_total + page - 1) / page * page;
     std::uintptr_t addr = from;
     std::vector<physical_handle_t> to_release;
-    // Room for the retired pages first: out of host memory, nothing changed.
-    if (defer) {
-      seg.retired.reserve(seg.retired.size() + (to - from) / page);
-      recycled->reserve(recycled->size() + (to - from) / page);
+    // Host memory first (may throw; this piece unchanged): the handles' list,
+    // the retired pages' room and what set_page_state needs, before the
+    // device unmaps anything.
+    if (from < to) {
+      const std::size_t n = (to - from) / page;
+      if (recycled != nullptr) recycled->reserve(recycled->size() + n);
+      else to_release.reserve(n);
+      if (defer) seg.retired.reserve(seg.retired.size() + n);
+      set_page_state(seg, from, to, false, hint, /*reserve_only=*/true);
     }
     const std::size_t retired_before = seg.retired.size();
     auto finish = [&] {

@@ -16,11 +16,18 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
 
 namespace ccalloc::detail {
+
+namespace {
+// Requests of at least this many bytes are checked against what returning
+// the whole cache could give before anything is tried (allocate_slow).
+constexpr std::size_t whole_cache_check_bytes = 256 * mib;
+}  // namespace
 
 // ---- the ladder ---------------------------------------------------------------------
 
@@ -50,8 +57,83 @@ bool device_state::can_record_on(const stream_state& ss) const noexcept {
   return ss.stream == default_stream || (tls_fence_stream.device == this && tls_fence_stream.stream == ss.stream);
 }
 
-// The slow path, with the whole device locked.
+// The slow path, with the whole device locked. A request that fails (host
+// out of memory on the way: std::bad_alloc from any host allocation, the
+// backend's included) gives back the segment or reservation it made, with
+// its pages (made_, discard_made_segment): the segment counts, reserved
+// memory, pools and page tables are as before (SPEC R5). Pages it recycled
+// from other free blocks on the way stay returned to the device.
 block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
+  made_ = {};
+  try {
+    return climb_ladder(p, w);
+  } catch (...) {
+    if (w.locked()) discard_made_segment(p);  // (an observer's unlocked throw made nothing)
+    throw;
+  }
+}
+
+// take_found_block for a rung's block, out of its pool (the rung took it
+// out; a new segment's was never in one). take_found_block throws only
+// before it changes anything (host memory for a split): the block goes back.
+block* device_state::take_from_rung(alloc_params& p) {
+  try {
+    return take_found_block(p, stats_);
+  } catch (...) {
+    block* b = p.found;
+    if (!b->pool->blocks.contains(b)) {
+      try {
+        b->pool->blocks.insert(b);  // into the bin it left: a free slot, no allocation (a new segment's: may fail)
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+}
+
+// What the failed request `p` made (made_): a segment or reservation with no
+// block in use goes back to the device, off the books; the reserved-memory
+// mark comes back down. Device errors on the way are ignored (the request
+// reports its own failure).
+void device_state::discard_made_segment(const alloc_params& p) noexcept {
+  const made_segment made = made_;
+  made_ = {};
+  if (made.owner != &p) return;
+  const auto it = segments_.find(made.base);
+  if (it == segments_.end()) return;  // released on the way (rung 5)
+  segment& seg = *it->second;
+  for (const block* b = seg.head; b != nullptr; b = b->next)
+    if (!b->is_free()) return;  // in use (never: the request failed)
+  if (seg.expandable) {
+    discard_reservation(seg);
+  } else {
+    block* b = seg.head;
+    if (b->next != nullptr) return;  // split (never: take_found_block failed before)
+    try {
+      release_segment_memory(seg);
+    } catch (...) {  // the device refuses: the segment stays cached
+      try {
+        if (!b->pool->blocks.contains(b)) b->pool->blocks.insert(b);
+      } catch (...) {
+      }
+      return;
+    }
+    if (history_.active()) [[unlikely]] {
+      try {
+        history_.record_segment_free(b->ptr, b->size, b->stream);
+      } catch (...) {
+      }
+    }
+    forget_segment(b, stats_);
+  }
+  if (reserved_high_water_bytes_ > made.high_water_bytes) {
+    reserved_high_water_bytes_ = std::max(made.high_water_bytes, reserved_bytes_);
+    if (reserved_high_water_bytes_ == made.high_water_bytes) recycles_at_mark_ = made.recycles_at_mark;
+  }
+}
+
+// allocate_slow's rungs.
+block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
   // Events may be recorded on the malloc's own stream (it exists: the caller
   // passed it), never on other streams (can_record_on).
   const fence_stream_scope fence_scope(this, p.stream);
@@ -68,8 +150,9 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
   if (p.pool->blocks.owes()) p.pool->blocks.repay();
   const bool priv = p.pool->priv != nullptr;
   auto out_of_memory = [&]() {
+    made_ = {};  // released by now; the observers run unlocked
     // Rung 5b (F22): a free block of a pool that lends on OOM.
-    if (try_use_on_oom_pools(p, w)) return take_found_block(p, stats_);
+    if (try_use_on_oom_pools(p, w)) return take_from_rung(p);
     throw_out_of_memory(p, w);
   };
   // More than the whole device (or than the memory fraction allows) never
@@ -77,9 +160,24 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
   // first, for nothing). A custom segment allocator's memory is its own.
   if (p.size > (set_fraction_ ? allowed_bytes_ : device_total_bytes_) && !(priv && p.pool->priv->custom.malloc))
     return out_of_memory();
+  // Nor does a large request that needs more than the device's free memory
+  // and all this allocator holds beyond its live blocks (what returning the
+  // whole cache could give): out of memory at once, the cache kept. PyTorch
+  // returns the cache and retries first; here that only cost (with
+  // expandable segments, pages were mapped until the device refused, then
+  // unmapped, and the cache emptied: seventh session's hostile-input trial,
+  // D6). Asked of the device only for large requests (one mem_get_info).
+  if (p.size >= whole_cache_check_bytes && !(priv && p.pool->priv->custom.malloc)) {
+    const auto live = static_cast<std::size_t>(
+        std::max<std::int64_t>(0, stats_.allocated_bytes[static_cast<std::size_t>(stat_group::all)].current));
+    const std::size_t held_beyond_live = reserved_bytes_ > live ? reserved_bytes_ - live : 0;
+    std::size_t could_get = backend_.mem_get_info(device_).free_bytes + held_beyond_live;
+    if (set_fraction_) could_get = std::min(could_get, allowed_bytes_ > live ? allowed_bytes_ - live : 0);
+    if (p.size > could_get) return out_of_memory();
+  }
   if (caching_) {
     // Rung 1 again: another thread may have freed a block meanwhile.
-    if (get_free_block(p)) return take_found_block(p, stats_);
+    if (get_free_block(p)) return take_from_rung(p);
     // Rung 2: above the garbage-collection threshold, release old cached blocks.
     if (config_.garbage_collection_threshold > 0.0 && !capturing) garbage_collect_cached_blocks(w);
     if (config_.expandable_segments && page_bytes_ != 0 && !(priv && p.pool->priv->custom.malloc)) {
@@ -89,10 +187,10 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
       // free page, retry.
       no_address_space_ = false;
       for (int attempt = 0; attempt < 2; ++attempt) {
-        if (attempt == 1 && get_free_block(p)) return take_found_block(p, stats_);
+        if (attempt == 1 && get_free_block(p)) return take_from_rung(p);
         if (alloc_expandable(p, false, w) ||
             (release_cached_blocks(w, /*for_retry=*/true) && (get_free_block(p) || alloc_expandable(p, true, w))))
-          return take_found_block(p, stats_);
+          return take_from_rung(p);
         if (no_address_space_) break;
         if (!wait_for_completions_in_flight(w)) break;  // X7
       }
@@ -111,20 +209,20 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
     // another stream that fits moves to this stream; else cached whole
     // segments (none fits) go back to the device: the peak grows by less.
     if (config_.trim_on_new_peak && !capturing && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_) {
-      if (config_.reuse_across_streams && !priv && adopt_idle_segment(p, w)) return take_found_block(p, stats_);
+      if (config_.reuse_across_streams && !priv && adopt_idle_segment(p, w)) return take_from_rung(p);
       release_unused_segments(w, /*keep_going=*/true);
     }
   }
   // Rung 3: a new segment. Rung 4: free oversize cached blocks and retry.
   // Rung 5: wait for pending events, free every cached segment, retry.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    if (attempt == 1 && caching_ && get_free_block(p)) return take_found_block(p, stats_);
+    if (attempt == 1 && caching_ && get_free_block(p)) return take_from_rung(p);
     // After waiting for the events (rung 5) the blocks they held are free
     // and merged: one of them may fit now (search before the device malloc).
     if (alloc_segment(p, false, w) ||
         (caching_ && !priv && !capturing && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
         (release_cached_blocks(w, /*for_retry=*/true) && ((caching_ && get_free_block(p)) || alloc_segment(p, true, w))))
-      return take_found_block(p, stats_);
+      return take_from_rung(p);
     // X7: blocks another thread is returning may be what is missing.
     if (!wait_for_completions_in_flight(w)) break;
   }
@@ -143,6 +241,17 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   auto device_malloc = [&] {
     return pp != nullptr && pp->custom.malloc ? pp->custom.malloc(size) : backend_.segment_malloc(device_, size);
   };
+  auto device_free = [&]() noexcept {  // a segment that cannot be put on the books
+    try {
+      if (pp != nullptr && pp->custom.free) pp->custom.free(ptr);
+      else backend_.segment_free(device_, ptr);
+    } catch (...) {
+    }
+  };
+  // Host memory first (may throw; nothing changed): the segment's record,
+  // its block and the remainder's (take_found_block splits it).
+  auto fresh = std::make_unique<segment>();
+  p.owner->reserve_spare_blocks(2);
   if (config_.release_lock_on_cudamalloc) {
     // B8: other threads may use the cache while the device mallocs.
     w.unlock();
@@ -152,12 +261,16 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
       w.lock();
       throw;
     }
-    w.lock();
+    try {
+      w.lock();
+    } catch (...) {  // no host memory to lock again: the segment goes back
+      if (ptr != nullptr) device_free();
+      throw;
+    }
     publish_all_pending_stats(w);
     // The cap may have been reached meanwhile by another thread.
     if (ptr != nullptr && set_fraction_ && reserved_bytes_ + size > allowed_bytes_) {
-      if (pp != nullptr && pp->custom.free) pp->custom.free(ptr);
-      else backend_.segment_free(device_, ptr);
+      device_free();
       return false;
     }
   } else {
@@ -165,7 +278,15 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   }
   if (ptr == nullptr) return false;
 
-  segment& seg = add_segment(p, reinterpret_cast<std::uintptr_t>(ptr), size);
+  segment* added = nullptr;
+  try {
+    added = &add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(ptr), size);
+  } catch (...) {  // no host memory for the map's entry
+    device_free();
+    throw;
+  }
+  segment& seg = *added;
+  made_ = {&p, seg.base, reserved_high_water_bytes_, recycles_at_mark_};
   ++p.pool->plain_segments;
   block* b = seg.head;
   seg.oversize = size >= config_.max_split_size_bytes;
@@ -182,10 +303,11 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   return true;
 }
 
-// A new segment [base, base + size) of p's stream and pool, as one free
-// block, on the books (segment count, its private pool's count).
-segment& device_state::add_segment(const alloc_params& p, std::uintptr_t base, std::size_t size) {
-  auto seg = std::make_unique<segment>();
+// A new segment `seg` [base, base + size) of p's stream and pool, as one
+// free block, on the books (segment count, its private pool's count). Throws
+// std::bad_alloc (host memory) with nothing changed.
+segment& device_state::add_segment(const alloc_params& p, std::unique_ptr<segment> seg, std::uintptr_t base,
+                                   std::size_t size) {
   block* b = p.owner->new_block();
   b->ptr = base;
   b->size = size;
@@ -195,9 +317,16 @@ segment& device_state::add_segment(const alloc_params& p, std::uintptr_t base, s
   seg->base = base;
   seg->size = size;
   seg->head = b;
+  decltype(segments_)::iterator at;
+  try {
+    at = segments_.emplace(base, std::move(seg)).first;
+  } catch (...) {
+    p.owner->delete_block(b);
+    throw;
+  }
   device_stats::increase(stats_.segment, group_of(p.pool), 1);
   if (p.pool->priv != nullptr) ++p.pool->priv->segment_count;
-  return *segments_.emplace(base, std::move(seg)).first->second;
+  return *at->second;
 }
 
 // ---- rung 3a: a cached whole segment of another stream (X2) ----------------------------

@@ -78,6 +78,12 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   if (needed > limit) {
     msg += " The request alone is larger than the " +
            std::string(set_fraction_ ? "memory the fraction allows" : "device's memory") + ".";
+  } else if (fragmented && needed > std::min(info.free_bytes + (reserved - allocated), limit - std::min(limit, allocated))) {
+    // (Refused at once, the cache kept: allocate_slow.)
+    msg += std::string(" Returning the cache would not make room: the request is larger than the device's free "
+                       "memory and all that ccalloc holds beyond its allocations together; reduce the memory the "
+                       "program holds at its peak") +
+           (set_fraction_ ? ", or raise the memory fraction." : ".");
   } else if (!settings.empty()) {
     msg += " Reserved but unallocated memory is large (fragmentation): try CCALLOC_CONF=" + settings[0];
     for (std::size_t i = 1; i < settings.size(); ++i) msg += ", or " + settings[i];

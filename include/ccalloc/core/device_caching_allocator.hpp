@@ -91,7 +91,10 @@ class device_caching_allocator {
   /// that the device refuses stays cached until empty_cache.)
   void free(detail::block* block);
   /// Marks `block` as used on `stream` (PyTorch: recordStream). A use on the
-  /// block's own stream is ignored.
+  /// block's own stream is ignored. Throws invalid_argument_error naming the
+  /// stream, nothing changed, when `stream` is no live stream of this device:
+  /// destroyed (stream_destroyed) or denied by device_backend::is_stream
+  /// (never created, another device's).
   /// The backend is about to destroy `stream` (caching_allocator::destroy_stream
   /// calls this, then the backend's destroy_stream). Waits for the work queued
   /// on it (synchronize_stream: as CUDA lets a destroyed stream's work
@@ -109,7 +112,8 @@ class device_caching_allocator {
   void record_stream(detail::block* block, stream_t stream);
   /// record_stream for an address inside a live block (a view at an offset,
   /// SPEC X4; PyTorch ignores such pointers). Returns false, changing nothing,
-  /// if no live block of this device contains `address`. Slow path: locks the
+  /// if no live block of this device contains `address`; throws as
+  /// record_stream for a stream that is not live. Slow path: locks the
   /// whole device.
   bool record_stream_containing(std::uintptr_t address, stream_t stream);
   /// Returns cached segments that hold no live block to the device, after

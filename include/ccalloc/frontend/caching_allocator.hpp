@@ -172,7 +172,11 @@ class caching_allocator {
   /// `stream` may be a special handle, resolved on the calling thread as in
   /// malloc. `ptr` may point inside a live block (a view at an offset): the owning
   /// block is found (SPEC X4; PyTorch ignores such pointers). A pointer inside
-  /// no live block of this allocator is ignored.
+  /// no live block of this allocator is ignored. Throws invalid_argument_error,
+  /// naming the stream and changing nothing, when `stream` is not a live stream
+  /// of the block's device (destroyed, never created, another device's; as far
+  /// as the backend can tell: device_backend::is_stream), unless it is the
+  /// block's own stream. Thread-safe.
   void record_stream(void* ptr, stream_t stream);
   /// A new stream of `device` (the backend's create_stream); the allocator
   /// forgets that a destroyed stream had its handle

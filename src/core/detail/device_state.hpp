@@ -619,6 +619,7 @@ class world_lock {
   world_lock& operator=(const world_lock&) = delete;
   void unlock();
   void lock();
+  [[nodiscard]] bool locked() const noexcept { return locked_; }
   /// Every stream state of the device when the lock was taken (all locked).
   [[nodiscard]] const std::vector<stream_state*>& streams() const noexcept { return streams_; }
 
@@ -718,6 +719,9 @@ class device_state {
 
   // --- events.cpp: record_stream, events, returning blocks ----------------------
   void record_stream(block* b, stream_t stream);  // [none] takes the block's stream
+  // Throws invalid_argument_error naming `stream` unless it is a live stream
+  // of this device (registry, then backend_.is_stream), for record_stream.
+  void check_recorded_stream(stream_t stream) const;  // [registry]
   void set_stream_gone(stream_t stream, bool gone);  // [none] takes the world lock
   static void forget_thread_stream() noexcept;       // the calling thread's stream_for cache (hot_path.cpp)
   void process_events();  // [none] takes device, then (device released) each block's stream
@@ -732,8 +736,12 @@ class device_state {
 
   // --- fallback_ladder.cpp: the slow path, new segments, releases, GC ---------
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
+  block* climb_ladder(alloc_params& p, world_lock& w);                         // [world] allocate_slow's rungs
+  block* take_from_rung(alloc_params& p);                                      // [world]
+  void discard_made_segment(const alloc_params& p) noexcept;                   // [world]
   bool alloc_segment(alloc_params& p, bool is_retry, world_lock& w);          // [world] drops it with B8
-  segment& add_segment(const alloc_params& p, std::uintptr_t base, std::size_t size);  // [world]
+  segment& add_segment(const alloc_params& p, std::unique_ptr<segment> seg, std::uintptr_t base,
+                       std::size_t size);                                      // [world]
   // Cross-stream reuse (X2)
   bool adopt_idle_segment(alloc_params& p, const world_lock& w);              // [world]
   bool release_available_cached_blocks(const alloc_params& p);                // [world]
@@ -755,12 +763,15 @@ class device_state {
   // --- expandable_segments.cpp (B7, X3): every one [world] unless noted --------
   bool alloc_expandable(alloc_params& p, bool is_retry, world_lock& w);
   segment* new_expandable_segment(const alloc_params& p);
+  void discard_reservation(segment& seg) noexcept;
+  void give_back_page(segment& seg, std::size_t i) noexcept;
   block* split_free_block(block* b, std::uintptr_t at);
   void pool_insert_counted(block* b);
   void pool_erase_counted(block* b);
   // hint: a block of seg at or below lo (the walk to lo starts there), or
   // nullptr: the nearest unmapped block at or below lo (seg.unmapped).
-  void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint = nullptr);
+  void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint = nullptr,
+                      bool reserve_only = false);
   [[nodiscard]] static block* unmapped_block_at_or_below(const segment& seg, std::uintptr_t addr) noexcept;
   // Placement of a request that maps pages (alloc_expandable, step 1): a free
   // run (free blocks between blocks in use) of at least `size` bytes, the
@@ -965,6 +976,16 @@ class device_state {
   std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
   std::uint64_t next_segment_seq_ = 0;
   bool no_address_space_ = false;   // the last expandable attempt found no address space [world]
+  // The segment or reservation (by base) that the running slow path made for
+  // request `owner` (alloc_segment, new_expandable_segment): if the request
+  // fails (host out of memory on the way), it goes back whole
+  // (discard_made_segment), as its reserved-memory mark. [world]
+  struct made_segment {
+    const alloc_params* owner = nullptr;
+    std::uintptr_t base = 0;
+    std::size_t high_water_bytes = 0;  // reserved_high_water_bytes_ and recycles_at_mark_ before it
+    std::size_t recycles_at_mark = 0;
+  } made_;
   // Blocks whose completed events process_events took but has not yet
   // returned to their pools (it drops the device lock in between). The OOM
   // path waits for them (X7).
