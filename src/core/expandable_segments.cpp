@@ -4,7 +4,14 @@
 // as large as the device. A request that no cached block serves is placed in
 // the best free run of the stream's reservation (fewest pages to map, then
 // the shortest run, then the lowest address), and the run's missing pages are
-// mapped. When mapping would raise reserved memory past its high-water mark
+// mapped. Inside a free block (cached, or the run just mapped), a block is
+// carved flush against its neighbour in use (place_at_back), except where
+// flush it would touch a page more than it needs and free pages are
+// recycled at every new peak: a sliver of a page past a boundary or short
+// of whole pages, or a block of page_aligned_block_pages (8) pages or more
+// (page_sliver); it then starts or ends on a page boundary where that maps
+// no page more (page_aligned_start), so that it keeps only the pages it
+// needs once its neighbours are freed. When mapping would raise reserved memory past its high-water mark
 // (trim_on_new_peak) or past the memory-fraction cap, free whole pages of any
 // stream are unmapped first and their physical handles mapped where they are
 // needed (X3), so the reservation does not grow while free pages exist;
@@ -267,7 +274,8 @@ void device_state::best_own_run_by_scan(const block_pool& pool, std::size_t size
 }
 
 // Where a block of `size` bytes that falls just short of a whole number of
-// pages, or reaches just past a page boundary (page_sliver), starts in free
+// pages, or reaches just past a page boundary, or is 8 pages or more and
+// would touch a page more than it needs (page_sliver), starts in free
 // block b of an expandable segment's large pool; `back`: the end
 // place_at_back chose. The block is
 // carved at that end, or at one of the two nearest positions where it starts
