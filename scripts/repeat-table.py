@@ -8,7 +8,9 @@ geometric mean of the ratios per N. Markdown with --markdown.
 Exit status 1 when a P8 target is missed (ratio <= 1.03 everywhere, geometric
 mean <= 1.01 at the largest N, below PyTorch expandable everywhere,
 synchronizations at the largest N == at N=1, peak requested == PyTorch's).
-usage: repeat-table.py PATH_TO_CCALLOC TRACE_DIR [--config C] [--passes 1 2 4] [--markdown]"""
+With --device-lag L the simulated device runs L trace events behind the host
+(`ccalloc replay --device-lag`), as a GPU does.
+usage: repeat-table.py PATH_TO_CCALLOC TRACE_DIR [--config C] [--passes 1 2 4] [--device-lag L] [--markdown]"""
 import argparse, json, math, os, subprocess, sys
 
 ap = argparse.ArgumentParser()
@@ -17,6 +19,7 @@ ap.add_argument("tdir")
 ap.add_argument("--config", default="")
 ap.add_argument("--passes", type=int, nargs="+", default=[1, 2, 4])
 ap.add_argument("--markdown", action="store_true")
+ap.add_argument("--device-lag", type=int, default=0)
 a = ap.parse_args()
 peaks = json.load(open(os.path.join(a.tdir, "native_peaks.json")))
 logs = {n: [] for n in a.passes}
@@ -29,6 +32,8 @@ for name, ref in sorted(peaks.items()):
         cmd = [a.exe, "replay", os.path.join(a.tdir, name + ".trace.gz"), "--json", "--repeat", str(n)]
         if a.config:
             cmd += ["--config", a.config]
+        if a.device_lag:
+            cmd += ["--device-lag", str(a.device_lag)]
         r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         res, req = r["peak_reserved_bytes"], r["peak_requested_bytes"]
         f = res / req
@@ -57,7 +62,7 @@ else:
     w = [max(len(r[c]) for r in rows + [head, geo_row]) for c in range(len(head))]
     for r in [head] + rows + [geo_row]:
         print("  ".join(x.ljust(w[c]) for c, x in enumerate(r)))
-print(f"config: {a.config or 'default'}")
+print(f"config: {a.config or 'default'}" + (f", device lag {a.device_lag} events" if a.device_lag else ""))
 for m in missed:
     print("missed:", m)
 sys.exit(1 if missed else 0)
