@@ -439,3 +439,31 @@ TEST_F(PageFenceTest, APageMovedTwiceIsUnmappedAtBothPlacesAndReleasedOnce) {
   EXPECT_EQ(sim->counters().live_handles, 0u);
   EXPECT_EQ(sim->counters().mapped_bytes, 0u);
 }
+
+// While a graph is captured no event may be queried or waited for: a malloc
+// whose only room lies over a retired page fails (out of memory) instead of
+// waiting for the deferred unmap, and succeeds once the capture is over.
+// (Breaker finding, 2026-12-02: it queried the fence and broke the capture.)
+TEST_F(PageFenceTest, NoDeferredUnmapIsWaitedForDuringACapture) {
+  void* keep = nullptr;
+  const stream_t s = frees_behind_its_kernel(keep);
+  void* c = m(30 * MiB, s);      // A's 10 pages move: retired at A's place
+  void* e = m(202 * MiB, s);     // the rest of the device: only the retired run is left
+  const stream_t t = sim->create_stream(0);
+  const mempool_id_t id{0, 9};
+  alloc->create_or_incref_pool(0, id);
+  alloc->begin_allocate_to_pool(0, id, [t](stream_t x) { return x == t; });
+  sim->begin_capture(0, t);
+  void* q = m(1 * MiB, t);  // t's capture is known to the allocator
+  EXPECT_THROW(m(16 * MiB, s), out_of_memory_error);
+  EXPECT_EQ(sim->now(), 0u) << "nothing waited";
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  alloc->device_allocator(0).check_invariants();
+  sim->end_capture(0, t);
+  alloc->end_allocate_to_pool(0, id);
+  alloc->free(q);
+  alloc->release_pool(0, id);
+  void* d = m(16 * MiB, s);  // now the deferred unmap may wait
+  EXPECT_EQ(st().num_device_synchronizations, 1);
+  for (void* p : {d, c, e, keep}) alloc->free(p);
+}

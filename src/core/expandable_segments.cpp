@@ -622,8 +622,13 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   const std::size_t end_page = (end - seg.base + page - 1) / page;
   const stat_group g = group_of(p.pool);
   // A retired page under the request (placement chose it last: nothing
-  // else fits) is unmapped first, after its fence (a wait, counted).
+  // else fits) is unmapped first, after its fence (a wait, counted); not
+  // while a graph is captured (no event may be queried then): no room.
   if (!seg.retired.empty() && has_retired(seg, first_page, end_page)) {
+    if (capture_underway()) {
+      drop_recycled();
+      return false;
+    }
     try {
       settle_retired_in(seg, first_page, end_page, true);
     } catch (...) {
