@@ -10,6 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${1:?OUT_DIR}
+mkdir -p "$OUT_DIR"  # the tar of the logs needs it (a missing folder lost them, 2026-12-02)
 W=$(mktemp -d)
 SESSION_STAGES=check GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-300} scripts/gpu-session.sh "$W/check" >"$W/check.out" 2>&1
 echo "check rc=$?"
