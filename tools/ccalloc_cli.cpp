@@ -596,8 +596,12 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
     for (std::size_t c = 1; c < cells.size(); ++c) text += "  " + right(cells[c], width[c]);
     std::printf("%s\n", text.c_str());
   };
-  std::printf("trace: %s (%s events)\ndevice: %s\n\n", ccalloc::printable_text(input.trace.source).c_str(),
+  std::printf("trace: %s (%s events)\ndevice: %s\n", ccalloc::printable_text(input.trace.source).c_str(),
               with_commas(input.trace.events.size()).c_str(), device.c_str());
+  if (!results.empty() && results.front().device_lag_events != 0)
+    std::printf("device lag: %llu events (the simulated device runs behind the host)\n",
+                static_cast<unsigned long long>(results.front().device_lag_events));
+  std::printf("\n");
   print_cells(head);
   std::size_t total = 0;
   for (const std::size_t w : width) total += w + 2;
