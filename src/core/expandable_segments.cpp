@@ -50,10 +50,6 @@
 
 namespace ccalloc::detail {
 
-namespace {
-// Growth by at least this much first asks the device how much is free.
-constexpr std::size_t large_growth_check_bytes = 256 * mib;
-}  // namespace
 
 // Expandable segments need the backend's virtual memory: an explicit
 // expandable_segments:True without it is an error; the default falls back to
@@ -191,8 +187,7 @@ void device_state::consider_run(run_choice& best, segment& seg, bool foreign, bl
     for (;;) {
       const std::size_t lo = (start - seg.base) / page;
       const std::size_t hi = (start + size - seg.base + page - 1) / page;
-      const auto past = std::lower_bound(seg.retired.begin(), seg.retired.end(), hi,
-                                         [](const segment::retired_page& x, std::size_t i) { return x.index < i; });
+      const auto past = retired_from(seg, hi);
       if (past == seg.retired.begin() || std::prev(past)->index < lo) break;  // none under it
       start = seg.base + (std::prev(past)->index + 1) * page;  // past the last one under it
       if (start + size > run_end) {
@@ -498,7 +493,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   // Before a new reservation: a failed request leaves the segment counts
   // as they were.
   if (need > allowed_bytes_) return false;
-  if (need >= large_growth_check_bytes) {
+  if (need >= free_memory_check_bytes) {
     std::size_t free_pages_bytes = 0;
     for (auto& [base, up] : segments_)
       if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
@@ -654,14 +649,12 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
         physical_handle_t h = 0;
         bool fresh = false;
         stream_t from = p.stream;
-        segment* retired_in = nullptr;
         // A fresh page costs the same whether or not this request recycles:
         // its time is not recycling's (fresh_pages_us).
         const std::uint64_t fresh_start_us = recycle_started_us && recycled.empty() ? clock_reading() : 0;
         if (!recycled.empty()) {
           h = recycled.back().handle;
           from = recycled.back().from;
-          retired_in = recycled.back().retired_in;
           recycled.pop_back();
         } else if (backend_.vm_create(device_, page, &h)) {
           fresh = true;
@@ -693,7 +686,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
           if (fresh) {
             backend_.vm_release_handle(device_, h);
           } else {
-            recycled.push_back({h, from, retired_in});
+            recycled.push_back({h, from});
           }
           throw;
         }
@@ -818,7 +811,7 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
           // Mapped here until the stream's work before b's free has run
           // (segment::retired); within the capacities reserved above.
           seg.retired.push_back({i, seg.pages[i], b->pool->owner, b->free_seq, false});
-          recycled->push_back({seg.pages[i], seg.head->stream, &seg});
+          recycled->push_back({seg.pages[i], seg.head->stream});
         } else {
           backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
           if (recycled != nullptr) recycled->push_back({seg.pages[i], seg.head->stream});
@@ -919,17 +912,20 @@ std::size_t device_state::partial_page_bytes(const block& b) noexcept {
 // Free block b was last used on its stream (uses on other streams completed
 // before it became free): its pages may change hands once an event recorded
 // on that stream after it became free has completed. Never blocks.
-bool device_state::fence_completed(block* b) {
-  stream_state& ss = *b->pool->owner;
+bool device_state::fence_completed(block* b) { return fence_completed(*b->pool->owner, b->free_seq); }
+
+// Whether the stream's work before its free numbered `free_seq` has run
+// (the same rules; a deferred unmap asks with the freed block's count).
+bool device_state::fence_completed(stream_state& ss, std::uint64_t free_seq) {
   if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
-  if (b->free_seq <= ss.fenced_seq) return true;
+  if (free_seq <= ss.fenced_seq) return true;
   poll_fences(ss);
-  if (b->free_seq <= ss.fenced_seq) return true;
-  if (fenced_up_to(ss) < b->free_seq && can_record_on(ss)) {
+  if (free_seq <= ss.fenced_seq) return true;
+  if (fenced_up_to(ss) < free_seq && can_record_on(ss)) {
     record_fence(ss, ss.free_seq);
     poll_fences(ss);
   }
-  return b->free_seq <= ss.fenced_seq;
+  return free_seq <= ss.fenced_seq;
 }
 
 // Takes the stream's completed fences, oldest first, without blocking.
@@ -1022,9 +1018,14 @@ void device_state::wait_fences(stream_state& ss) {
 // in reserved bytes, at its new place. (Replayed with --device-lag, GPT-2
 // training keeps its 1.003 instead of 1.069.)
 
+std::vector<segment::retired_page>::const_iterator device_state::retired_from(const segment& seg,
+                                                                                std::size_t index) noexcept {
+  return std::lower_bound(seg.retired.begin(), seg.retired.end(), index,
+                          [](const segment::retired_page& x, std::size_t i) { return x.index < i; });
+}
+
 bool device_state::has_retired(const segment& seg, std::size_t first, std::size_t last) noexcept {
-  const auto it = std::lower_bound(seg.retired.begin(), seg.retired.end(), first,
-                                   [](const segment::retired_page& x, std::size_t i) { return x.index < i; });
+  const auto it = retired_from(seg, first);
   return it != seg.retired.end() && it->index < last;
 }
 
@@ -1035,15 +1036,12 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
       ++k;
       continue;
     }
-    stream_state& ss = *r.owner;
-    poll_fences(ss);
-    if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
-    if (r.free_seq > ss.fenced_seq) {
+    if (!fence_completed(*r.owner, r.free_seq)) {
       if (!may_wait) {
         ++k;
         continue;
       }
-      wait_fences(ss);
+      wait_fences(*r.owner);
     }
     backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
     const bool release = r.release;  // counted in num_device_free when it was given up

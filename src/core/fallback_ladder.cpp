@@ -23,12 +23,6 @@
 
 namespace ccalloc::detail {
 
-namespace {
-// Requests of at least this many bytes are checked against what returning
-// the whole cache could give before anything is tried (allocate_slow).
-constexpr std::size_t whole_cache_check_bytes = 256 * mib;
-}  // namespace
-
 // ---- the ladder ---------------------------------------------------------------------
 
 namespace {
@@ -167,7 +161,7 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
   // expandable segments, pages were mapped until the device refused, then
   // unmapped, and the cache emptied: seventh session's hostile-input trial,
   // D6). Asked of the device only for large requests (one mem_get_info).
-  if (p.size >= whole_cache_check_bytes && !(priv && p.pool->priv->custom.malloc)) {
+  if (p.size >= free_memory_check_bytes && !(priv && p.pool->priv->custom.malloc)) {
     const auto live = static_cast<std::size_t>(
         std::max<std::int64_t>(0, stats_.allocated_bytes[static_cast<std::size_t>(stat_group::all)].current));
     const std::size_t held_beyond_live = reserved_bytes_ > live ? reserved_bytes_ - live : 0;

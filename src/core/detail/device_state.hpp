@@ -85,6 +85,10 @@ inline constexpr std::size_t small_request_bytes = 1 * mib;  // largest small-po
 inline constexpr std::size_t small_segment_bytes = 2 * mib;  // small-pool segment size
 inline constexpr std::size_t min_large_alloc_bytes = 10 * mib;  // below: large_segment_size segments
 inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments round to this
+// Requests (or growth) of at least this many bytes first ask the device how
+// much is free (one mem_get_info): allocate_slow's check against what
+// returning the whole cache could give, alloc_expandable's growth check.
+inline constexpr std::size_t free_memory_check_bytes = 256 * mib;
 
 // Blocks of at least this many pages are carved so that they touch no more
 // pages than they need (page_sliver, issue 15).
@@ -823,7 +827,6 @@ class device_state {
   struct recycled_page {
     physical_handle_t handle;
     stream_t from;
-    segment* retired_in = nullptr;  // still mapped there too (segment::retired)
   };
   // may_wait: when the free pages whose fences have not completed are needed
   // (out of memory, the cap, emptyCache), wait for those fences (counted in
@@ -848,12 +851,16 @@ class device_state {
   void settle_retired(bool may_wait);
   void release_page_handle(physical_handle_t h);
   [[nodiscard]] static bool has_retired(const segment& seg, std::size_t first, std::size_t last) noexcept;
+  // The first retired page of seg at or after page `index`.
+  [[nodiscard]] static std::vector<segment::retired_page>::const_iterator retired_from(const segment& seg,
+                                                                                       std::size_t index) noexcept;
   std::size_t retired_pages_ = 0;  // retired pages of every segment [world]
   // Page fences (issue 15): whether free block b's memory has no work of its
   // stream left (its fence completed); polls the stream's fences without
   // blocking, and records a new one when none covers b and its stream may
   // be recorded on (can_record_on).
   bool fence_completed(block* b);
+  bool fence_completed(stream_state& ss, std::uint64_t free_seq);
   void poll_fences(stream_state& ss);
   void record_fence(stream_state& ss, std::uint64_t covers);
   [[nodiscard]] static std::uint64_t fenced_up_to(const stream_state& ss) noexcept;
