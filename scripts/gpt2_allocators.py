@@ -193,6 +193,12 @@ def compare(args: argparse.Namespace) -> int:
     print(f"max |loss difference| native vs ccalloc: {diff:.3g}"
           + "".join(f"; {n} vs {n}: {d:.3g}" for n, d in noise.items()))
     print(f"ccalloc / native: median step time {ratio:.3f}, peak reserved {reserved_ratio:.3f}")
+    # Round k's ccalloc run against round k's native run (run back to back,
+    # so the host's drift between rounds cancels): one ratio per round.
+    paired = [c / n for c, n in zip(rows["ccalloc"]["per_run_median_step_ms"], rows["native"]["per_run_median_step_ms"])]
+    if len(paired) > 1:
+        print(f"ccalloc / native per round: {', '.join(f'{p:.3f}' for p in paired)} "
+              f"(median {statistics.median(paired):.3f}, {sum(p <= 1.0 for p in paired)} of {len(paired)} rounds <= 1)")
     if "native-expandable" in rows:
         vs_exp = rows["ccalloc"]["peak_reserved_bytes"] / rows["native-expandable"]["peak_reserved_bytes"]
         print(f"ccalloc / native-expandable: peak reserved {vs_exp:.3f} (issue 15 target: <= 0.95)")
@@ -201,7 +207,7 @@ def compare(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "rows": rows, "max_loss_diff": diff, "loss_noise": noise, "step_time_ratio": ratio,
-            "peak_reserved_ratio": reserved_ratio, "runs": runs}, indent=1))
+            "peak_reserved_ratio": reserved_ratio, "paired_step_time_ratios": paired, "runs": runs}, indent=1))
     return 0
 
 

@@ -13,7 +13,11 @@
 #      rounds, default 2; GPT2_STEPS steps, default 30; 0 rounds skips it;
 #      GPT2_SEQ the sequence length, default 512, and GPT2_SEQ_MIN, when set,
 #      the shortest: each step's length is drawn from [GPT2_SEQ_MIN, GPT2_SEQ];
-#      GPT2_AMP=bf16 trains with bf16 autocast, as the shared GPT-2 traces were).
+#      GPT2_AMP=bf16 trains with bf16 autocast, as the shared GPT-2 traces were;
+#      GPT2_VARIANTS picks and orders the variants of each round, default
+#      "native native-expandable ccalloc"; GPT2_EXPANDABLE_ROUNDS, when set,
+#      runs native-expandable only in the first that many rounds, so more
+#      rounds go to the step-time comparison of native and ccalloc).
 # Output: the lines above and $OUT_DIR (default out/pytorch-dropin)/{install.log,
 # items.log, gpt2-*.json, gpt2-compare.txt}. Exit status 1 when any item FAILed.
 set -uo pipefail
@@ -56,8 +60,9 @@ SEQ_ARGS=(--seq "${GPT2_SEQ:-512}")
 if [ "$ROUNDS" -gt 0 ]; then
   runs=()
   for r in $(seq 1 "$ROUNDS"); do
-    for v in native native-expandable ccalloc; do
+    for v in ${GPT2_VARIANTS:-native native-expandable ccalloc}; do
       f=$OUT_DIR/gpt2-$v-$r.json
+      [ "$v" = native-expandable ] && [ -n "${GPT2_EXPANDABLE_ROUNDS:-}" ] && [ "$r" -gt "$GPT2_EXPANDABLE_ROUNDS" ] && continue
       case $v in
         native) env -u PYTORCH_CUDA_ALLOC_CONF "$PY" scripts/gpt2_allocators.py train --allocator native --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
         native-expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" scripts/gpt2_allocators.py train --allocator native --label native-expandable --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
