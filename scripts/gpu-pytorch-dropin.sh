@@ -14,6 +14,8 @@
 #      GPT2_SEQ the sequence length, default 512, and GPT2_SEQ_MIN, when set,
 #      the shortest: each step's length is drawn from [GPT2_SEQ_MIN, GPT2_SEQ];
 #      GPT2_AMP=bf16 trains with bf16 autocast, as the shared GPT-2 traces were;
+#      GPT2_BATCH the batch size, default 8 (larger: the step is bound by
+#      the GPU rather than by the host's enqueue);
 #      GPT2_VARIANTS picks and orders the variants of each round, default
 #      "native native-expandable ccalloc"; GPT2_EXPANDABLE_ROUNDS, when set,
 #      runs native-expandable only in the first that many rounds, so more
@@ -54,7 +56,7 @@ done
 cd "$REPO"
 ROUNDS=${GPT2_ROUNDS:-2}
 STEPS=${GPT2_STEPS:-30}
-SEQ_ARGS=(--seq "${GPT2_SEQ:-512}")
+SEQ_ARGS=(--seq "${GPT2_SEQ:-512}" --batch "${GPT2_BATCH:-8}")
 [ -n "${GPT2_SEQ_MIN:-}" ] && SEQ_ARGS+=(--seq-min "$GPT2_SEQ_MIN")
 [ -n "${GPT2_AMP:-}" ] && SEQ_ARGS+=(--amp "$GPT2_AMP")
 if [ "$ROUNDS" -gt 0 ]; then
