@@ -69,6 +69,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <utility>
 #include <cstring>
 #include <exception>
 #include <fstream>
@@ -959,6 +960,21 @@ int run(int argc, char** argv) {
 
   CLI::App* keys = app.add_subcommand("config-keys", "List the configuration keys.");
 
+  // A first word that is no option and no subcommand: CLI11 would say only
+  // that a subcommand is required; name the word and the subcommands.
+  if (argc >= 2 && argv[1][0] != '-') {
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : std::as_const(app).get_subcommands([](const CLI::App*) { return true; })) {
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+      known = known || sub->get_name() == argv[1];
+    }
+    if (!known) {
+      std::fprintf(stderr, "ccalloc: unknown subcommand '%s'; expected one of: %s (see ccalloc --help)\n", argv[1],
+                   names.c_str());
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
