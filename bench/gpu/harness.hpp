@@ -22,7 +22,7 @@
 //
 //   RESULT allocator=ccalloc case=pair size=512 ns_per_pair=41.2 min_ns=40.9 max_ns=43.0 reps=7 pairs_per_rep=100000
 //   RESULT allocator=ccalloc case=mixed live=64 ns_per_pair=98.1 ...
-//   RESULT allocator=ccalloc case=threads threads=8 pairs_per_s=1.2e+07 pairs=... seconds=0.50
+//   RESULT allocator=ccalloc case=threads threads=8 pairs_per_s=1.2e+07 min_pairs_per_s=... max_pairs_per_s=... windows=5 pairs=... seconds=1.0
 //   RESULT allocator=ccalloc case=churn live=8 ns_per_pair=530.2 ...
 //   RESULT allocator=ccalloc case=cross pairs_per_s=4.1e+06 pairs=200000 seconds=0.049
 //   ERROR allocator=cub case=pair size=268435456 message="..."
@@ -47,6 +47,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ccalloc::bench {
@@ -63,7 +64,8 @@ struct settings {
   double rep_seconds = 0.02;          ///< target time of one repetition (pair case)
   std::size_t max_pairs_per_rep = 1u << 20;
   std::size_t mixed_steps_per_rep = 16384;
-  double thread_seconds = 0.5;        ///< measuring window per thread count
+  double thread_seconds = 0.2;        ///< one measuring window of the threads case
+  int thread_windows = 5;             ///< windows per thread count: the median is reported
   double warm_up_seconds = 0.5;       ///< host kept busy before the first case (warm_up_host)
   int mixed_repeats = 1;              ///< times the mixed case runs in a row, each reported
   bool quick = false;
@@ -80,6 +82,9 @@ struct settings {
         s.rep_seconds = 0.002;
         s.mixed_steps_per_rep = 2048;
         s.thread_seconds = 0.05;
+        s.thread_windows = 1;
+      } else if (a.rfind("--thread-windows=", 0) == 0) {
+        s.thread_windows = std::max(1, std::atoi(a.c_str() + 17));
       } else if (a.rfind("--only=", 0) == 0) {
         s.only = a.substr(7);
       } else if (a.rfind("--cases=", 0) == 0) {
@@ -95,7 +100,7 @@ struct settings {
       } else {
         std::fprintf(stderr,
                      "usage: %s [--quick] [--only=NAME,NAME] [--cases=pair,mixed,threads,churn,cross] [--reps=N] "
-                     "[--thread-seconds=S] [--warm-up-seconds=S] [--mixed-repeats=N]\n",
+                     "[--thread-seconds=S] [--thread-windows=N] [--warm-up-seconds=S] [--mixed-repeats=N]\n",
                      argv[0]);
         std::exit(2);
       }
@@ -300,10 +305,11 @@ void run_mixed(Alloc& a, cudaStream_t stream, const settings& s) {
            s.mixed_steps_per_rep, "case=mixed live=" + std::to_string(mixed_slots));
 }
 
-/// Threads case: `nthreads` threads, thread i on streams[i], 1 MiB pairs for
-/// settings::thread_seconds; reports the pairs/s of all threads together.
+/// One window of the threads case: `nthreads` threads, thread i on
+/// streams[i], 1 MiB pairs for settings::thread_seconds; returns the pairs
+/// of all threads together and the window's seconds.
 template <class Alloc>
-void run_threads(Alloc& a, int nthreads, const stream_set& ss, const settings& s) {
+std::pair<std::uint64_t, double> threads_window(Alloc& a, int nthreads, const stream_set& ss, const settings& s) {
   struct alignas(64) counter {
     std::uint64_t pairs = 0;
   };
@@ -354,9 +360,29 @@ void run_threads(Alloc& a, int nthreads, const stream_set& ss, const settings& s
   if (!error.empty()) throw std::runtime_error(error);
   std::uint64_t total = 0;
   for (const auto& c : counts) total += c.pairs;
-  std::printf("RESULT allocator=%s case=threads threads=%d pairs_per_s=%.4g pairs=%llu seconds=%.3f\n",
-              Alloc::name, nthreads, static_cast<double>(total) / secs,
-              static_cast<unsigned long long>(total), secs);
+  return {total, secs};
+}
+
+/// Threads case: settings::thread_windows windows (threads_window); reports
+/// the median window's pairs/s of all threads together (as the other cases
+/// report the median repetition: one window is at the mercy of the host's
+/// scheduler), and the lowest and highest.
+template <class Alloc>
+void run_threads(Alloc& a, int nthreads, const stream_set& ss, const settings& s) {
+  std::vector<double> rates;
+  std::uint64_t pairs = 0;
+  double seconds = 0.0;
+  for (int w = 0; w < s.thread_windows; ++w) {
+    const auto [n, secs] = threads_window(a, nthreads, ss, s);
+    rates.push_back(static_cast<double>(n) / secs);
+    pairs += n;
+    seconds += secs;
+  }
+  std::sort(rates.begin(), rates.end());
+  std::printf("RESULT allocator=%s case=threads threads=%d pairs_per_s=%.4g min_pairs_per_s=%.4g "
+              "max_pairs_per_s=%.4g windows=%d pairs=%llu seconds=%.3f\n",
+              Alloc::name, nthreads, rates[rates.size() / 2], rates.front(), rates.back(), s.thread_windows,
+              static_cast<unsigned long long>(pairs), seconds);
   std::fflush(stdout);
 }
 
