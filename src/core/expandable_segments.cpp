@@ -887,24 +887,19 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
   // num_stream_waits): mapped at once, unmapped at the old place once the
   // fence completes (a deferred unmap). One wait per owner stream and fence.
   if (config_.reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr && got < target_bytes &&
-      !waiting.empty()) {
+      !waiting.empty() && may_wait_on_device(*same_stream)) {
     std::vector<std::pair<const stream_state*, std::uint64_t>> waited;  // owner -> fence count waited for
-    for (auto it = waiting.begin(); it != waiting.end() && got < target_bytes;) {
-      block* b = *it;
+    for (block*& entry : waiting) {
+      if (got >= target_bytes) break;
+      block* b = entry;
       stream_state& owner = *b->pool->owner;
-      if (b->pool->priv != nullptr || &owner == same_stream || !may_wait_on_device(*same_stream, owner)) {
-        ++it;
-        continue;
-      }
+      if (b->pool->priv != nullptr || &owner == same_stream || owner.gone) continue;
       const auto known = static_cast<std::size_t>(
           std::find_if(waited.begin(), waited.end(), [&](const auto& w) { return w.first == &owner; }) -
           waited.begin());
       if (known == waited.size() || waited[known].second < b->free_seq) {
         const std::optional<event_t> fence = fence_covering(owner, b->free_seq);
-        if (!fence) {
-          ++it;
-          continue;
-        }
+        if (!fence) continue;
         if (known == waited.size()) waited.emplace_back(&owner, 0);  // before the wait: nothing throws after it
         backend_.stream_wait_event(device_, same_stream->stream, *fence);
         ++stats_.num_stream_waits;
@@ -913,12 +908,13 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
       }
       const bool keep = b->seg == keep_seg;
       got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got, true);
-      it = waiting.erase(it);  // b may have merged away
+      entry = nullptr;  // taken (b may have merged away)
     }
   }
   if (!may_wait) return got;
   for (block* b : waiting) {
     if (got >= target_bytes) break;
+    if (b == nullptr) continue;  // taken behind a device-side wait
     wait_fences(*b->pool->owner);
     const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
@@ -1003,17 +999,17 @@ void device_state::record_fence(stream_state& ss, std::uint64_t covers) {
   ss.fences.emplace_back(e, covers);
 }
 
-// Whether stream `to` may be made to wait on the device for a fence of
-// `owner` (reuse_with_stream_wait): the backend can (capabilities), no graph
-// capture is underway (known to the allocator, or of `to`: the wait would
-// become a graph dependency), neither stream is known destroyed, and `to`
+// Whether stream `to` may be made to wait on the device for another
+// stream's fence (reuse_with_stream_wait): the backend can (capabilities),
+// no graph capture is underway (known to the allocator, or of `to`: the
+// wait would become a graph dependency), `to` is not known destroyed and
 // can be named on this thread (not another thread's per-thread default
-// stream). `owner` itself is never asked (it may have been destroyed
-// without the allocator being told): its fence is an event recorded outside
-// any capture the allocator knows of, and waiting on an event needs no
-// live stream.
-bool device_state::may_wait_on_device(const stream_state& to, const stream_state& owner) {
-  if (!stream_wait_supported_ || to.gone || owner.gone) return false;
+// stream). The owner of the fence is never asked (it may have been
+// destroyed without the allocator being told; the caller skips those it
+// knows gone): its fence is an event recorded outside any capture the
+// allocator knows of, and waiting on an event needs no live stream.
+bool device_state::may_wait_on_device(const stream_state& to) {
+  if (!stream_wait_supported_ || to.gone) return false;
   if (device_backend::is_per_thread_stream(to.stream) && !device_backend::is_calling_thread_stream(to.stream))
     return false;
   if (capture_underway()) return false;

@@ -843,11 +843,11 @@ class device_state {
                                const stream_state* same_stream = nullptr);
   [[nodiscard]] static std::size_t partial_page_bytes(const block& b) noexcept;
   // Cross-stream reuse with a device-side wait (reuse_with_stream_wait,
-  // issue 15): whether `to` may wait on the device for a fence of `owner`
-  // now (no capture, both streams live and nameable, the backend can wait);
+  // issue 15): whether `to` may wait on the device for another stream's
+  // fence now (no capture, `to` live and nameable, the backend can wait);
   // and the fence event of `owner` covering its free numbered free_seq,
   // recorded now where can_record_on allows; nullopt when there is none.
-  [[nodiscard]] bool may_wait_on_device(const stream_state& to, const stream_state& owner);
+  [[nodiscard]] bool may_wait_on_device(const stream_state& to);
   [[nodiscard]] std::optional<event_t> fence_covering(stream_state& owner, std::uint64_t free_seq);
   // defer: keep the old mappings (segment::retired) instead of unmapping
   // them now; only with recycled.
