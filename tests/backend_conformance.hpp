@@ -224,6 +224,18 @@ inline void streams_and_events(backend_fixture& f) {
   b.synchronize_device(0);
   CCALLOC_CONF_CHECK(f, b.query_event(0, e2));
 
+  // A device-side wait (stream_wait_event): s2's later work runs after the
+  // work s1 had queued when e1 was recorded; the host does not wait.
+  if (b.capabilities().stream_wait) {
+    f.keep_busy(s1);
+    b.record_event(0, e1, s1);
+    b.stream_wait_event(0, s2, e1);
+    b.record_event(0, e2, s2);
+    if (f.busy_is_observable()) CCALLOC_CONF_CHECK(f, !b.query_event(0, e2));
+    b.synchronize_event(0, e2);
+    CCALLOC_CONF_CHECK(f, b.query_event(0, e1));
+  }
+
   // The legacy default stream is a stream too.
   b.record_event(0, e1, default_stream);
   b.synchronize_stream(0, default_stream);

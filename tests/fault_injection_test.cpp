@@ -128,6 +128,9 @@ class counting_backend final : public device_backend {
     count(call::synchronize_event);
     sim_->synchronize_event(device, event);
   }
+  void stream_wait_event(int device, stream_t stream, event_t event) override {
+    sim_->stream_wait_event(device, stream, event);
+  }
   void synchronize_stream(int device, stream_t stream) override { sim_->synchronize_stream(device, stream); }
   void synchronize_device(int device) override { sim_->synchronize_device(device); }
 

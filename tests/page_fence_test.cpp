@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -47,11 +48,12 @@ class PageFenceTest : public ::testing::Test {
   void TearDown() override {
     if (alloc) alloc->device_allocator(0).check_invariants();
     EXPECT_EQ(sim->counters().unsafe_unmaps, 0u) << "a page was unmapped while work could still use it";
+    EXPECT_EQ(sim->counters().unsafe_reuses, 0u) << "a page was used by two streams' work at once";
   }
   device_stats st() { return alloc->get_device_stats(0); }
   // (AStreamThatKeepsABlock..., AnotherStreamsSlowPath...)
-  busy_stream_setup busy_stream_and_other() {
-    make(256 * MiB, "reuse_across_streams:False");
+  busy_stream_setup busy_stream_and_other(const std::string& conf = "reuse_across_streams:False") {
+    make(256 * MiB, conf);
     const stream_t s = sim->create_stream(0);
     const stream_t other = sim->create_stream(0);
     void* o = m(2 * MiB, other);  // both streams allocate
@@ -78,6 +80,21 @@ class PageFenceTest : public ::testing::Test {
     return s;
   }
 
+  // Stream t captures a graph into private pool `id`, known to the allocator
+  // (t allocates during it: returned, 1 MiB); end_known_capture ends it.
+  void* begin_known_capture(stream_t t, mempool_id_t id) {
+    alloc->create_or_incref_pool(0, id);
+    alloc->begin_allocate_to_pool(0, id, [t](stream_t x) { return x == t; });
+    sim->begin_capture(0, t);
+    return m(1 * MiB, t);
+  }
+  void end_known_capture(stream_t t, mempool_id_t id, void* q) {
+    sim->end_capture(0, t);
+    alloc->end_allocate_to_pool(0, id);
+    alloc->free(q);
+    alloc->release_pool(0, id);
+  }
+
   std::shared_ptr<sim_backend> sim;
   std::unique_ptr<caching_allocator> alloc;
 };
@@ -99,7 +116,10 @@ TEST_F(PageFenceTest, RecyclingForANewPeakNeverSynchronizes) {
   alloc->free(b);
 }
 
+// (reuse_with_stream_wait:False: else `other` would take the pages behind a
+// device-side wait, CrossStreamWaitTest.)
 TEST_F(PageFenceTest, PagesStillInUseStayPutAndMoveOnceTheirFenceCompleted) {
+  make(256 * MiB, "reuse_with_stream_wait:False");
   const stream_t other = sim->create_stream(0);
   use_and_free(m(20 * MiB), 20 * MiB, 0, 100);  // stream 0's kernel runs until t=100
   void* b = m(20 * MiB, other);
@@ -117,7 +137,7 @@ TEST_F(PageFenceTest, PagesStillInUseStayPutAndMoveOnceTheirFenceCompleted) {
 }
 
 TEST_F(PageFenceTest, UnderTheCapTheAllocatorWaitsForTheFenceAndCountsIt) {
-  make(256 * MiB, "per_process_memory_fraction:0.125");  // 32 MiB
+  make(256 * MiB, "per_process_memory_fraction:0.125,reuse_with_stream_wait:False");  // 32 MiB
   const stream_t other = sim->create_stream(0);
   use_and_free(m(24 * MiB), 24 * MiB, 0, 100);
   void* b = m(24 * MiB, other);  // only stream 0's pages can make room under the cap
@@ -126,6 +146,23 @@ TEST_F(PageFenceTest, UnderTheCapTheAllocatorWaitsForTheFenceAndCountsIt) {
   EXPECT_GE(sim->now(), 100u) << "the host waited for the kernel";
   EXPECT_GT(st().num_pages_remapped, 0);
   alloc->free(b);
+}
+
+// With reuse_with_stream_wait (the default) the cap is kept without the
+// host waiting: `other` waits on the device for stream 0's fence instead.
+TEST_F(PageFenceTest, UnderTheCapADeviceSideWaitReplacesTheHostWait) {
+  make(256 * MiB, "per_process_memory_fraction:0.125");  // 32 MiB
+  const stream_t other = sim->create_stream(0);
+  use_and_free(m(24 * MiB), 24 * MiB, 0, 100);
+  void* b = m(24 * MiB, other);
+  EXPECT_LE(reserved(), I(32 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0) << "the host never waited";
+  EXPECT_EQ(st().num_stream_waits, 1);
+  EXPECT_EQ(sim->now(), 0u);
+  EXPECT_GE(sim->busy_until(0, other), 100u) << "other's work on the pages runs after the kernel";
+  EXPECT_EQ(st().num_pages_remapped, 12);
+  alloc->free(b);
+  sim->advance_to(100);
 }
 
 TEST_F(PageFenceTest, EmptyCacheWaitsForBusyPagesAndUnmapsEverything) {
@@ -183,6 +220,7 @@ TEST_F(PageFenceTest, AnIdleStreamsReservationIsAdoptedWithItsPagesWhereTheyAre)
 }
 
 TEST_F(PageFenceTest, AReservationStillUsedByItsStreamIsNotAdopted) {
+  make(256 * MiB, "reuse_with_stream_wait:False");  // else other takes the pages behind a device-side wait
   const stream_t other = sim->create_stream(0);
   const stream_t third = sim->create_stream(0);
   use_and_free(m(20 * MiB), 20 * MiB, 0, 100);  // stream 0's kernel uses the block until t=100
@@ -314,7 +352,9 @@ TEST_F(PageFenceTest, AStreamDestroyedAfterItsFreesIsNeverRecordedOnAndItsPagesS
 // fenced at its free, so on the H200 such a stream gave no page away and
 // the other stream grew: GPU test expandable_recycling_time_budget.)
 TEST_F(PageFenceTest, AStreamThatKeepsABlockFencesItsFreesOfWholePagesAndTheyMove) {
-  const auto [s, other, o, keep] = busy_stream_and_other();
+  // (Without reuse_with_stream_wait: with it, other takes the pages at once
+  // behind a device-side wait, CrossStreamWaitTest.)
+  const auto [s, other, o, keep] = busy_stream_and_other("reuse_across_streams:False,reuse_with_stream_wait:False");
   use_and_free(m(20 * MiB, s), 20 * MiB, s, 10);  // s's kernel uses the block until t=10; s keeps `keep`
   void* b = m(20 * MiB, other);
   EXPECT_EQ(st().num_pages_remapped, 0) << "s's work before the free has not completed: its pages stay";
@@ -451,19 +491,155 @@ TEST_F(PageFenceTest, NoDeferredUnmapIsWaitedForDuringACapture) {
   void* e = m(202 * MiB, s);     // the rest of the device: only the retired run is left
   const stream_t t = sim->create_stream(0);
   const mempool_id_t id{0, 9};
-  alloc->create_or_incref_pool(0, id);
-  alloc->begin_allocate_to_pool(0, id, [t](stream_t x) { return x == t; });
-  sim->begin_capture(0, t);
-  void* q = m(1 * MiB, t);  // t's capture is known to the allocator
+  void* q = begin_known_capture(t, id);
   EXPECT_THROW(m(16 * MiB, s), out_of_memory_error);
   EXPECT_EQ(sim->now(), 0u) << "nothing waited";
   EXPECT_EQ(st().num_device_synchronizations, 0);
   alloc->device_allocator(0).check_invariants();
-  sim->end_capture(0, t);
-  alloc->end_allocate_to_pool(0, id);
-  alloc->free(q);
-  alloc->release_pool(0, id);
+  end_known_capture(t, id, q);
   void* d = m(16 * MiB, s);  // now the deferred unmap may wait
   EXPECT_EQ(st().num_device_synchronizations, 1);
   for (void* p : {d, c, e, keep}) alloc->free(p);
+}
+
+// ---- cross-stream reuse behind a device-side wait (issue 15, reuse_with_stream_wait) ----
+
+class CrossStreamWaitTest : public PageFenceTest {
+ protected:
+  // As busy_stream_and_other, with `conf` added; then s frees 20 MiB behind
+  // its kernel (until t=100). Returns the streams and blocks.
+  busy_stream_setup frees_beside_another_stream(const std::string& conf = "") {
+    const busy_stream_setup b = two_allocating_streams(conf);
+    use_and_free(m(20 * MiB, b.s), 20 * MiB, b.s, 100);
+    return b;
+  }
+  // Streams s and other both allocate (s then fences its frees of a page
+  // or more): other holds o, s keeps `keep` (2 MiB each).
+  busy_stream_setup two_allocating_streams(const std::string& conf = "") {
+    make(256 * MiB, "reuse_across_streams:False" + (conf.empty() ? "" : "," + conf));
+    const stream_t s = sim->create_stream(0);
+    const stream_t other = sim->create_stream(0);
+    void* o = m(2 * MiB, other);
+    return {s, other, o, m(2 * MiB, s)};
+  }
+};
+
+// The pages of s's free block go to `other` at once: `other` waits on the
+// device for s's fence (its later work starts at t=100 at the earliest),
+// the host never waits, and the old mapping stays until the kernel is done
+// (unsafe_unmaps stays 0, checked at TearDown).
+TEST_F(CrossStreamWaitTest, AnotherStreamsPagesMoveBehindADeviceSideWait) {
+  const auto [s, other, o, keep] = frees_beside_another_stream();
+  EXPECT_EQ(reserved(), I(24 * MiB));
+  void* c = m(20 * MiB, other);
+  EXPECT_EQ(st().num_stream_waits, 1) << "one device-side wait for s's fence";
+  EXPECT_EQ(sim->counters().stream_waits, 1u);
+  EXPECT_EQ(st().num_pages_remapped, 10) << "s's 10 free pages moved although its kernel still runs";
+  EXPECT_EQ(st().bytes_moved_between_streams, I(20 * MiB));
+  EXPECT_EQ(reserved(), I(24 * MiB)) << "no new peak";
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  EXPECT_EQ(sim->now(), 0u) << "the host never waited";
+  EXPECT_GE(sim->busy_until(0, other), 100u) << "other's work on the pages runs after s's kernel";
+  EXPECT_EQ(sim->counters().mapped_bytes, 44 * MiB) << "s's 10 pages stay mapped at their old place meanwhile";
+  EXPECT_EQ(sim->counters().handle_bytes, 24 * MiB) << "but are held once";
+  // Data: other's block shows what is written through it (the pages are
+  // the same physical memory at both places).
+  std::memset(c, 0x5a, 20 * MiB);
+  EXPECT_EQ(static_cast<unsigned char*>(c)[20 * MiB - 1], 0x5a);
+  alloc->device_allocator(0).check_invariants();
+  sim->advance_to(100);        // the kernel is done
+  alloc->free(m(40 * MiB, s));  // a slow path: the deferred unmaps whose fence completed happen
+  EXPECT_EQ(sim->counters().mapped_bytes, sim->counters().handle_bytes) << "every page mapped once again";
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  for (void* p : {o, keep, c}) alloc->free(p);
+  alloc->empty_cache();
+  EXPECT_EQ(sim->counters().live_handles, 0u);
+}
+
+// reuse_with_stream_wait:False: the old rule, the pages wait for their fence.
+TEST_F(CrossStreamWaitTest, OffThePagesStayUntilTheirFenceCompletes) {
+  const auto [s, other, o, keep] = frees_beside_another_stream("reuse_with_stream_wait:False");
+  void* c = m(20 * MiB, other);
+  EXPECT_EQ(st().num_stream_waits, 0);
+  EXPECT_EQ(sim->counters().stream_waits, 0u);
+  EXPECT_EQ(st().num_pages_remapped, 0);
+  EXPECT_EQ(reserved(), I(44 * MiB)) << "the peak rises instead";
+  EXPECT_EQ(sim->busy_until(0, other), 0u);
+  for (void* p : {o, keep, c}) alloc->free(p);
+}
+
+// Pages whose fence has completed come first, then a wait: stream u's free
+// pages (u is idle: its fence has completed) serve other's first request
+// without a wait; the second takes s's pages behind one.
+TEST_F(CrossStreamWaitTest, CompletedPagesComeBeforeAWait) {
+  const auto [s, other, o, keep] = two_allocating_streams();
+  const stream_t u = sim->create_stream(0);
+  void* pu = m(20 * MiB, u);
+  void* ps = m(20 * MiB, s);
+  EXPECT_EQ(reserved(), I(44 * MiB));
+  alloc->free(pu);
+  use_and_free(ps, 20 * MiB, s, 100);
+  void* c = m(20 * MiB, other);
+  EXPECT_EQ(st().num_stream_waits, 0) << "u's free pages needed no wait and were enough";
+  EXPECT_EQ(st().num_pages_remapped, 10);
+  EXPECT_EQ(sim->busy_until(0, other), 0u);
+  void* d = m(20 * MiB, other);
+  EXPECT_EQ(st().num_stream_waits, 1) << "then s's pages, behind a wait";
+  EXPECT_EQ(st().num_pages_remapped, 20);
+  EXPECT_EQ(reserved(), I(44 * MiB));
+  EXPECT_GE(sim->busy_until(0, other), 100u);
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  sim->advance_to(100);
+  for (void* p : {o, keep, c, d}) alloc->free(p);
+}
+
+// While a graph is captured nothing waits and no page of a busy stream moves.
+TEST_F(CrossStreamWaitTest, NoWaitDuringACapture) {
+  const auto [s, other, o, keep] = frees_beside_another_stream();
+  const stream_t t = sim->create_stream(0);
+  const mempool_id_t id{0, 9};
+  void* q = begin_known_capture(t, id);
+  void* c = m(20 * MiB, other);
+  EXPECT_EQ(st().num_stream_waits, 0);
+  EXPECT_EQ(sim->counters().stream_waits, 0u);
+  EXPECT_EQ(sim->busy_until(0, other), 0u);
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  end_known_capture(t, id, q);
+  for (void* p : {o, keep, c}) alloc->free(p);
+}
+
+// A private pool's free block (a graph may use it on any stream) never
+// gives its pages behind a wait.
+TEST_F(CrossStreamWaitTest, NoWaitForAPrivatePoolsBlocks) {
+  const auto [s, other, o, keep] = two_allocating_streams();
+  const mempool_id_t id{0, 7};
+  alloc->create_or_incref_pool(0, id);
+  alloc->begin_allocate_to_pool(0, id, [s](stream_t x) { return x == s; });
+  void* p = m(20 * MiB, s);  // in the private pool
+  void* pkeep = m(2 * MiB, s);
+  alloc->end_allocate_to_pool(0, id);
+  use_and_free(p, 20 * MiB, s, 100);
+  void* c = m(20 * MiB, other);
+  EXPECT_EQ(st().num_stream_waits, 0);
+  EXPECT_EQ(sim->counters().stream_waits, 0u);
+  EXPECT_EQ(sim->busy_until(0, other), 0u);
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  sim->advance_to(100);
+  for (void* x : {o, keep, c, pkeep}) alloc->free(x);
+  alloc->release_pool(0, id);
+}
+
+// Without a fence covering the free (the stream recorded none, and another
+// stream's slow path never records on it), nothing waits: the pages stay.
+TEST_F(CrossStreamWaitTest, NoFenceNoWait) {
+  make(256 * MiB, "reuse_across_streams:False");
+  const stream_t s = sim->create_stream(0);
+  const stream_t other = sim->create_stream(0);
+  void* keep = m(2 * MiB, s);
+  use_and_free(m(20 * MiB, s), 20 * MiB, s, 100);  // only s allocates so far: its free records no fence
+  void* c = m(20 * MiB, other);
+  EXPECT_EQ(st().num_stream_waits, 0);
+  EXPECT_EQ(st().num_pages_remapped, 0);
+  EXPECT_EQ(reserved(), I(42 * MiB));
+  for (void* x : {keep, c}) alloc->free(x);
 }

@@ -20,8 +20,13 @@
 //     pending block while the clock is before its T;
 //   - page fences (issue 15): work on a live block's own stream uses it
 //     (declared with sim_backend::use_memory); no allocation on another
-//     stream overlaps it, and no page of it is unmapped (the simulated
-//     device counts unsafe_unmaps), before that work ends;
+//     stream overlaps it before that work ends unless that stream's later
+//     work runs after it (a device-side wait the allocator queued,
+//     reuse_with_stream_wait: its busy-until time is at or past the end),
+//     and no page of it is unmapped (the simulated device counts
+//     unsafe_unmaps) before that work ends, nor used by another stream's
+//     work at an overlapping time through another address (a page that
+//     moved: unsafe_reuses);
 //   - requested_bytes.all.current = requested sizes of live + pending blocks;
 //     allocation.all.current = live count; active.all.current = live + pending;
 //   - reserved <= device capacity, reserved <= the fraction cap (or, right
@@ -206,6 +211,7 @@ struct run_totals {
   std::size_t bursts = 0, adoptions = 0, destroyed_streams = 0;
   std::size_t pairs = 0;  // free + malloc of the same bytes right after a malloc (do_malloc)
   std::size_t quiet_pairs = 0;  // of those, while no freed block waited for events
+  std::size_t waited_reuses = 0;  // allocations over memory another stream still uses, behind a device-side wait
 };
 
 // Memory that work on `stream` uses until `until` (do_use, or a block freed
@@ -328,6 +334,8 @@ class model_runner {
     // Page fences (issue 15): no page is unmapped while work that used it may run.
     if (sim_->counters().unsafe_unmaps != 0)
       err << sim_->counters().unsafe_unmaps << " page(s) unmapped while their stream's work could still use them; ";
+    if (sim_->counters().unsafe_reuses != 0)
+      err << sim_->counters().unsafe_reuses << " page(s) used by two streams' work at once (a use-after-reuse); ";
     if (reserved > device_capacity) err << "reserved " << reserved << " > capacity; ";
     if (reserved > bound_) err << "reserved " << reserved << " > cap " << bound_ << " (allowed " << allowed_ << "); ";
     bound_ = std::max(allowed_, reserved);
@@ -544,6 +552,10 @@ class model_runner {
     std::erase_if(uses_, [&](const memory_use& u) { return u.until <= t; });
     for (const auto& u : uses_) {
       ++totals_.reuse_checks;
+      if (u.stream != stream && a < u.ptr + u.size && u.ptr < a + size && sim_->busy_until(0, stream) >= u.until) {
+        ++totals_.waited_reuses;  // the stream's work on it runs after that use (a device-side wait)
+        continue;
+      }
       if (u.stream != stream && a < u.ptr + u.size && u.ptr < a + size) {
         std::ostringstream os;
         os << where() << "allocation [" << a << ", +" << size << ") on stream " << stream << " reuses ["
@@ -866,6 +878,7 @@ class model_runner {
 
  public:
   [[nodiscard]] std::int64_t thread_cache_hits() const { return dev_->stats().num_thread_cache_hits; }
+  [[nodiscard]] std::int64_t stream_waits() const { return dev_->stats().num_stream_waits; }
 
  private:
   std::mt19937_64 rng_;
@@ -951,6 +964,9 @@ TEST_P(PropertyTest, RandomOperationsKeepEveryInvariant) {
       std::string_view(c.name) == "plain_threads") {
     EXPECT_GT(hits, 0) << "no pair was served by the thread cache";
   }
+  std::printf("[ property ] %s: %lld device-side waits (reuse_with_stream_wait), %zu allocations over memory "
+              "another stream's work still used, behind one\n",
+              c.name, static_cast<long long>(run.stream_waits()), t.waited_reuses);
   if (c.bursts) {
     std::printf("[ property ] %s: %zu bursts on short-lived streams, %zu reservations seen changing stream, "
                 "%zu streams destroyed after their last free\n",

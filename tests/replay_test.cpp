@@ -610,8 +610,10 @@ TEST(ReplayDeviceLagTest, PagesOfTheSameStreamMoveBeforeTheDeviceHasRunTheirWork
 // stream 7, the 30 MiB request comes on stream 0. The fence recorded at
 // stream 7's first small malloc after A's free (event 4, 0-based: a slow
 // path) completes `lag` events later; the request at event 10 recycles A's
-// pages when 4 + lag <= 10, and otherwise leaves them (a new peak, still
-// no waiting).
+// pages when 4 + lag <= 10. Otherwise, with reuse_with_stream_wait (the
+// default), stream 0 waits on the device for that fence and takes them all
+// the same (one stream wait, no host wait); without it they stay (a new
+// peak, still no waiting).
 TEST(ReplayDeviceLagTest, PagesOfAnotherStreamMoveOnceTheDeviceHasRunTheirWork) {
   std::string text =
       "1 alloc 4096 20971520 7\n"
@@ -623,16 +625,20 @@ TEST(ReplayDeviceLagTest, PagesOfAnotherStreamMoveOnceTheDeviceHasRunTheirWork) 
             " free_requested 16384 512 7\n";
   text += "11 alloc 12288 31457280 0\n12 free_requested 12288 31457280 0\n13 free_requested 8192 3145728 7\n";
   const auto t = ccalloc::parse_trace_text(text, "free on 7, wait, grow on 0");
-  for (const std::uint64_t lag : {0u, 1u, 6u, 7u, 20u}) {
-    ccalloc::replay_options o;
-    o.device_lag_events = lag;
-    const auto r = ccalloc::replay_trace(t, o);
-    const bool caught_up = 4 + lag <= 10;
-    EXPECT_EQ(r.peak_reserved_bytes, (caught_up ? 36u : 54u) << 20) << "lag " << lag;
-    if (caught_up) EXPECT_EQ(r.pages_remapped, 10u) << "lag " << lag;
-    else EXPECT_LT(r.pages_remapped, 10u) << "lag " << lag;
-    EXPECT_EQ(r.device_synchronizations, 0u);
-  }
+  for (const bool wait : {true, false})
+    for (const std::uint64_t lag : {0u, 1u, 6u, 7u, 20u}) {
+      ccalloc::replay_options o;
+      o.device_lag_events = lag;
+      if (!wait) o.config = "reuse_with_stream_wait:False";
+      const auto r = ccalloc::replay_trace(t, o);
+      const bool caught_up = 4 + lag <= 10;
+      const bool moved = caught_up || wait;
+      EXPECT_EQ(r.peak_reserved_bytes, (moved ? 36u : 54u) << 20) << "lag " << lag << " wait " << wait;
+      if (moved) EXPECT_EQ(r.pages_remapped, 10u) << "lag " << lag << " wait " << wait;
+      else EXPECT_LT(r.pages_remapped, 10u) << "lag " << lag;
+      EXPECT_EQ(r.stream_waits, caught_up || !wait ? 0u : 1u) << "lag " << lag << " wait " << wait;
+      EXPECT_EQ(r.device_synchronizations, 0u);
+    }
 }
 
 TEST(ReplayDeviceLagTest, OnlyTheSimulatedDeviceModelsALag) {

@@ -590,6 +590,122 @@ TEST(SimBackend, OptionalCapabilitiesAreReported) {
 
 // ---- gates (device_backend::create_gate; replay --device cuda's driver on the CPU) ----
 
+// stream_wait_event: the waiting stream's later work completes no earlier
+// than the event as recorded at the call; the clock does not move.
+TEST(SimBackend, StreamWaitEventDelaysTheWaitingStreamsLaterWork) {
+  using ccalloc::backend_error;
+  ccalloc::sim_backend sim;
+  EXPECT_TRUE(sim.capabilities().stream_wait);
+  const ccalloc::stream_t a = sim.create_stream(0);
+  const ccalloc::stream_t b = sim.create_stream(0);
+  sim.enqueue_work(0, a, 100);
+  sim.enqueue_work(0, b, 30);
+  const ccalloc::event_t e = sim.create_event(0);
+  sim.record_event(0, e, a);
+  sim.stream_wait_event(0, b, e);
+  EXPECT_EQ(sim.busy_until(0, b), 100u) << "b's later work runs after a's work before the event";
+  EXPECT_EQ(sim.now(), 0u) << "the host did not wait";
+  EXPECT_EQ(sim.counters().stream_waits, 1u);
+  const ccalloc::event_t after = sim.create_event(0);
+  sim.record_event(0, after, b);
+  sim.advance_to(99);
+  EXPECT_FALSE(sim.query_event(0, after));
+  sim.advance_to(100);
+  EXPECT_TRUE(sim.query_event(0, after));
+  // What the stream waits for is fixed at the call: a's later work or a
+  // new record of e does not delay b.
+  sim.enqueue_work(0, a, 500);
+  sim.record_event(0, e, a);
+  EXPECT_EQ(sim.busy_until(0, b), 100u);
+  // An event already complete (or never recorded) holds nothing; a stream
+  // busy past the event keeps its own time.
+  const ccalloc::event_t fresh = sim.create_event(0);
+  sim.stream_wait_event(0, b, fresh);
+  EXPECT_EQ(sim.busy_until(0, b), 100u);
+  sim.enqueue_work(0, b, 700);
+  sim.stream_wait_event(0, b, e);
+  EXPECT_EQ(sim.busy_until(0, b), 700u);
+  // The default stream may wait too.
+  sim.stream_wait_event(0, ccalloc::default_stream, e);
+  EXPECT_EQ(sim.busy_until(0, ccalloc::default_stream), 500u);
+  // Bad handles, and a capture on the device, throw with nothing changed.
+  EXPECT_THROW(sim.stream_wait_event(0, 987654, e), ccalloc::invalid_argument_error);
+  EXPECT_THROW(sim.stream_wait_event(0, b, 987654), backend_error);
+  sim.begin_capture(0, a);
+  EXPECT_THROW(sim.stream_wait_event(0, b, e), backend_error);
+  sim.end_capture(0, a);
+  EXPECT_EQ(sim.busy_until(0, b), 700u);
+  EXPECT_EQ(sim.counters().stream_waits, 4u);
+  for (ccalloc::event_t x : {e, after, fresh}) sim.destroy_event(0, x);
+  sim.destroy_stream(0, a);
+  sim.destroy_stream(0, b);
+}
+
+// use_memory's use-after-reuse check: a physical page used by stream a's
+// work until t=100 at one address, and by stream b's work at another before
+// then, counts in unsafe_reuses; behind a stream_wait_event for a's work it
+// does not.
+TEST(SimBackend, UnsafeReusesCountAPageUsedByTwoStreamsAtOnce) {
+  ccalloc::sim_backend sim;
+  const std::size_t page = sim.vm_granularity(0);
+  void* base = sim.vm_reserve(0, 4 * page);
+  ASSERT_NE(base, nullptr);
+  auto* first = static_cast<char*>(base);
+  char* second = first + 2 * page;
+  ccalloc::physical_handle_t h = 0;
+  ASSERT_TRUE(sim.vm_create(0, page, &h));
+  const ccalloc::stream_t a = sim.create_stream(0);
+  const ccalloc::stream_t b = sim.create_stream(0);
+  sim.vm_map(0, first, page, h);
+  sim.enqueue_work(0, a, 100);
+  sim.use_memory(0, first, page, a);
+  sim.vm_map(0, second, page, h);  // the same page at a second address (a deferred unmap)
+  sim.enqueue_work(0, b, 30);
+  sim.use_memory(0, second, page, b);
+  EXPECT_EQ(sim.counters().unsafe_reuses, 1u) << "b's work ran while a's still used the page";
+  const ccalloc::stream_t c = sim.create_stream(0);
+  const ccalloc::event_t e = sim.create_event(0);
+  sim.record_event(0, e, a);
+  sim.stream_wait_event(0, c, e);
+  sim.enqueue_work(0, c, 130);
+  sim.use_memory(0, second, page, c);
+  EXPECT_EQ(sim.counters().unsafe_reuses, 1u) << "c's work starts after a's (the wait)";
+  sim.enqueue_work(0, a, 140);
+  sim.use_memory(0, first, page, a);  // the same stream again: stream order
+  EXPECT_EQ(sim.counters().unsafe_reuses, 2u) << "a's new work overlaps c's (a never waited for c)";
+  sim.advance_to(140);
+  sim.vm_unmap(0, first, page);
+  sim.vm_unmap(0, second, page);
+  sim.vm_release_handle(0, h);
+  sim.vm_release(0, base, 4 * page);
+  sim.destroy_event(0, e);
+  for (ccalloc::stream_t s : {a, b, c}) sim.destroy_stream(0, s);
+}
+
+// An event recorded behind a closed gate makes the waiting stream wait on
+// that gate too: its work runs once the gate opens.
+TEST(SimBackend, StreamWaitEventOnAGatedEventWaitsForTheGate) {
+  using ccalloc::backend_error;
+  ccalloc::sim_backend sim;
+  const ccalloc::stream_t a = sim.create_stream(0);
+  const ccalloc::stream_t b = sim.create_stream(0);
+  const ccalloc::gate_t g = sim.create_gate(0);
+  sim.wait_gate(0, a, g);
+  const ccalloc::event_t e = sim.create_event(0);
+  sim.record_event(0, e, a);
+  sim.stream_wait_event(0, b, e);
+  EXPECT_EQ(sim.busy_until(0, b), std::numeric_limits<std::uint64_t>::max());
+  EXPECT_THROW(sim.synchronize_stream(0, b), backend_error) << "would never return on a device";
+  sim.advance_to(40);
+  sim.open_gate(0, g);
+  EXPECT_EQ(sim.busy_until(0, b), 40u);
+  sim.synchronize_stream(0, b);
+  sim.destroy_gate(0, g);
+  sim.destroy_event(0, e);
+  sim.destroy_stream(0, a);
+  sim.destroy_stream(0, b);
+}
+
 TEST(SimBackend, GatesHoldStreamWorkUntilOpened) {
   using ccalloc::backend_error;
   ccalloc::sim_options two;

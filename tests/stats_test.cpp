@@ -35,7 +35,8 @@ std::set<std::string> expected_keys() {
   for (const char* name : {"num_alloc_retries", "num_ooms", "num_sync_all_streams",
                            "num_device_alloc", "num_device_free", "num_device_synchronizations",
                            "num_pages_remapped", "num_pages_mapped", "num_pages_unmapped",
-                           "bytes_moved_between_streams", "num_thread_cache_hits", "max_split_size"}) {
+                           "bytes_moved_between_streams", "num_thread_cache_hits", "num_stream_waits",
+                           "max_split_size"}) {
     keys.insert(name);
   }
   return keys;
@@ -80,13 +81,14 @@ device_stats sample_stats() {
   s.num_pages_unmapped = 9;
   s.bytes_moved_between_streams = 10;
   s.num_thread_cache_hits = 11;
+  s.num_stream_waits = 12;
   s.max_split_size = std::int64_t{128} << 20;
   return s;
 }
 
 TEST(StatsTest, DefaultMapHasEveryKeyAtZero) {
   const auto map = device_stats{}.to_map();
-  EXPECT_EQ(map.size(), 9u * 3u * 4u + 2u * 4u + 12u);  // 128
+  EXPECT_EQ(map.size(), 9u * 3u * 4u + 2u * 4u + 13u);  // 129
   EXPECT_EQ(keys_of(map), expected_keys());
   for (const auto& [key, value] : map) {
     EXPECT_EQ(value, key == "max_split_size" ? -1 : 0) << key;
@@ -149,6 +151,7 @@ TEST(StatsTest, MapValuesAfterIncreasesAndDecreases) {
   EXPECT_EQ(map.at("num_pages_unmapped"), 9);
   EXPECT_EQ(map.at("bytes_moved_between_streams"), 10);
   EXPECT_EQ(map.at("num_thread_cache_hits"), 11);
+  EXPECT_EQ(map.at("num_stream_waits"), 12);
   EXPECT_EQ(map.at("max_split_size"), 128 << 20);
 }
 
@@ -186,7 +189,8 @@ TEST(StatsTest, ResetAccumulatedZeroesAllocatedFreedAndEventCounters) {
                                           "num_sync_all_streams", "num_device_alloc",
                                           "num_device_free", "num_device_synchronizations",
                                           "num_pages_remapped", "num_pages_mapped", "num_pages_unmapped",
-                                          "bytes_moved_between_streams", "num_thread_cache_hits"};
+                                          "bytes_moved_between_streams", "num_thread_cache_hits",
+                                          "num_stream_waits"};
   for (const auto& [key, value] : after) {
     const auto dot = key.rfind('.');
     const std::string field = dot == std::string::npos ? "" : key.substr(dot + 1);

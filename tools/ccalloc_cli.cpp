@@ -396,6 +396,7 @@ void put_figures(json& out, const Figures& f) {
   out["pages_mapped"] = f.pages_mapped;
   out["pages_unmapped"] = f.pages_unmapped;
   out["bytes_moved_between_streams"] = f.bytes_moved_between_streams;
+  out["stream_waits"] = f.stream_waits;
 }
 
 json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
@@ -545,6 +546,9 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
   print_row("pages mapped", with_commas(r.pages_mapped) + "  (unmapped " + with_commas(r.pages_unmapped) +
                                 ", remapped " + with_commas(r.pages_remapped) + ")");
   print_row("moved streams", with_commas(r.bytes_moved_between_streams) + " B  (bytes that changed stream)");
+  print_row("stream waits", with_commas(r.stream_waits) +
+                                (r.stream_waits ? "  (device-side waits for another stream's work; the host did not wait)"
+                                                : ""));
   print_row("wall time", format("%.3f s  (replay; reading the trace: %.3f s)", r.wall_seconds,
                                 input.read_seconds));
   if (r.repeat > 1) {

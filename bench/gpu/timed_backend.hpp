@@ -96,6 +96,9 @@ class timed_backend final : public device_backend {
   void synchronize_event(int device, event_t event) override {
     timed(synchronize_call, [&] { inner_->synchronize_event(device, event); });
   }
+  void stream_wait_event(int device, stream_t stream, event_t event) override {
+    timed(other_call, [&] { inner_->stream_wait_event(device, stream, event); });
+  }
   void synchronize_stream(int device, stream_t stream) override {
     timed(synchronize_call, [&] { inner_->synchronize_stream(device, stream); });
   }

@@ -35,7 +35,7 @@ TORCH_KEYS = sorted(
        "max_split_size"])
 # ccalloc's own counters, next to PyTorch's (include/ccalloc/core/stats.hpp).
 CCALLOC_KEYS = ["num_device_synchronizations", "num_pages_remapped", "num_pages_mapped", "num_pages_unmapped",
-                "bytes_moved_between_streams", "num_thread_cache_hits"]
+                "bytes_moved_between_streams", "num_thread_cache_hits", "num_stream_waits"]
 
 
 @pytest.fixture

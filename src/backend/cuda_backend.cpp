@@ -326,6 +326,7 @@ backend_capabilities cuda_backend::capabilities() const {
   c.ipc = true;
   c.ipc_vm = impl_->ipc_vm;
   c.gates = impl_->gates;
+  c.stream_wait = true;
   return c;
 }
 
@@ -448,6 +449,19 @@ void cuda_backend::synchronize_event(int device, event_t event) {
   if (event == 0) throw backend_error("cuda: synchronize_event: event 0 is not an event");
   check(cudaEventSynchronize(to_cuda_event(event)), [&] {
     return "cudaEventSynchronize(" + dev_text(device) + ", event " + pointer_text(to_cuda_event(event)) + ")";
+  });
+}
+
+void cuda_backend::stream_wait_event(int device, stream_t stream, event_t event) {
+  impl_->check_device(device, "stream_wait_event");
+  if (event == 0) throw backend_error("cuda: stream_wait_event: event 0 is not an event");
+  if (foreign_per_thread(stream))
+    throw backend_error("cuda: stream_wait_event: stream " + pointer_text(reinterpret_cast<void*>(stream)) +
+                        " is another thread's per-thread default stream, which cannot be named from this thread");
+  device_guard guard(device);
+  check(cudaStreamWaitEvent(to_cuda(stream), to_cuda_event(event), 0), [&] {
+    return "cudaStreamWaitEvent(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ", event " +
+           pointer_text(to_cuda_event(event)) + ")";
   });
 }
 

@@ -43,6 +43,7 @@ void device_backend::throw_not_supported(const char* what) const {
   throw backend_error(std::string(what) + " is not supported by the '" + name() + "' backend");
 }
 
+void device_backend::stream_wait_event(int, stream_t, event_t) { throw_not_supported("stream_wait_event"); }
 std::size_t device_backend::vm_granularity(int) const { throw_not_supported("vm_granularity"); }
 void* device_backend::vm_reserve(int, std::size_t) { throw_not_supported("vm_reserve"); }
 void device_backend::vm_release(int, void*, std::size_t) { throw_not_supported("vm_release"); }

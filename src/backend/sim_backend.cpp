@@ -95,6 +95,18 @@ struct sim_backend::impl {
       std::uint64_t until;
     };
     std::vector<memory_use> in_use;
+    // Where the work enqueue_work queued last on each stream starts (the
+    // stream's busy-until before it, or the clock): use_memory's uses run
+    // from there.
+    std::unordered_map<stream_t, std::uint64_t> work_start;
+    // use_memory on mapped pages: physical handle `handle` in use by
+    // `stream`'s work over [from, until) (entries ended are dropped).
+    struct handle_use {
+      physical_handle_t handle;
+      stream_t stream;
+      std::uint64_t from, until;
+    };
+    std::vector<handle_use> handle_uses;
   };
   // Throws as CUDA does for a call not allowed while a stream captures.
   void check_not_capturing(int device_index, const char* what) {
@@ -438,6 +450,7 @@ void sim_backend::destroy_stream(int device, stream_t stream) {
                                  " is not a live stream that create_stream made on device " + std::to_string(device) +
                                  " (never created, destroyed already, a default stream, or another device's)");
   d.gated.erase(stream);
+  d.work_start.erase(stream);
   if (auto it = d.busy_until.find(stream); it != d.busy_until.end())
     d.destroyed_busy_until = std::max(d.destroyed_busy_until, it->second);  // its queued work still runs
   d.busy_until.erase(stream);
@@ -492,6 +505,27 @@ void sim_backend::synchronize_event(int, event_t event) {
   impl_->check_not_capturing(ev.device, "synchronize_event");
   if (!ev.gates.empty()) impl::throw_never("synchronize_event(event " + std::to_string(event) + ")", ev.gates.front());
   impl_->now = std::max(impl_->now, ev.complete_at);
+}
+
+void sim_backend::stream_wait_event(int device, stream_t stream, event_t event) {
+  stream = resolve_stream(device, stream);  // the special handles, on this thread
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  impl_->check_stream(device, stream, "stream_wait_event");
+  const auto& ev = impl_->ev(event);
+  if (ev.device != device)
+    throw backend_error("sim: stream_wait_event: event " + std::to_string(event) + " is of device " +
+                        std::to_string(ev.device) + ", not " + std::to_string(device));
+  impl_->check_not_capturing(device, "stream_wait_event");
+  auto& until = d.busy_until.try_emplace(stream, impl_->now).first->second;  // default streams: made on first use
+  until = std::max(until, ev.complete_at);
+  for (gate_t id : ev.gates) {  // the event's work waits on closed gates: so does the stream's from now on
+    auto& waits = d.gated[stream];
+    if (std::find(waits.begin(), waits.end(), id) != waits.end()) continue;
+    waits.push_back(id);
+    impl_->gates.at(id).streams.push_back(stream);
+  }
+  ++impl_->counters.stream_waits;
 }
 
 void sim_backend::synchronize_stream(int device, stream_t stream) {
@@ -556,6 +590,7 @@ backend_capabilities sim_backend::capabilities() const {
   c.virtual_memory = impl_->vm_supported;
   c.peer_access = impl_->options.peer_access;
   c.gates = true;
+  c.stream_wait = true;
   c.ipc = true;
   c.ipc_vm = impl_->vm_supported;
   return c;
@@ -1111,7 +1146,9 @@ void sim_backend::enqueue_work(int device, stream_t stream, std::uint64_t until)
   stream = resolve_stream(device, stream);  // the special handles, on this thread
   std::lock_guard lock(impl_->mutex);
   impl_->check_stream(device, stream, "enqueue_work");
-  auto& t = impl_->dev(device).busy_until.try_emplace(stream, impl_->now).first->second;
+  auto& d = impl_->dev(device);
+  auto& t = d.busy_until.try_emplace(stream, impl_->now).first->second;
+  d.work_start[stream] = std::max(impl_->now, t);  // after the work queued before (none: empty)
   t = std::max(t, until);
 }
 
@@ -1128,6 +1165,23 @@ void sim_backend::use_memory(int device, const void* ptr, std::size_t size_bytes
   if (until <= impl_->now || size_bytes == 0) return;
   const auto a = reinterpret_cast<std::uintptr_t>(ptr);
   d.in_use.push_back({a, a + size_bytes, until});
+  // The physical pages under the range (mapped ones): another stream's use
+  // of the same page overlapping this one in time is an unsafe reuse.
+  const auto start = d.work_start.find(stream);
+  const std::uint64_t from = start == d.work_start.end() ? impl_->now : std::min(start->second, until);
+  std::erase_if(d.handle_uses, [&](const impl::device::handle_use& u) { return u.until <= impl_->now; });
+  auto m = impl_->mappings.upper_bound(a);
+  if (m != impl_->mappings.begin()) --m;
+  for (; m != impl_->mappings.end() && m->first < a + size_bytes; ++m) {
+    if (m->first + m->second.size_bytes <= a || m->second.device != device) continue;
+    const physical_handle_t h = m->second.handle;
+    for (const auto& u : d.handle_uses)
+      if (u.handle == h && u.stream != stream && from < u.until && u.from < until) {
+        ++impl_->counters.unsafe_reuses;
+        break;
+      }
+    d.handle_uses.push_back({h, stream, from, until});
+  }
 }
 
 std::uint64_t sim_backend::busy_until(int device, stream_t stream) const {

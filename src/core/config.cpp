@@ -285,8 +285,8 @@ std::optional<std::string> print_mib_field(const allocator_config& config) {
 }
 
 // Row order is documentation order and to_string() order.
-const std::array<key_spec, 19>& key_table() {
-  static const std::array<key_spec, 19> table{{
+const std::array<key_spec, 20>& key_table() {
+  static const std::array<key_spec, 20> table{{
       {{"max_split_size_mb",
         "an integer number of MiB, at least large_segment_size_mb (20 by default)",
         "Blocks this large or larger are never split and serve only requests "
@@ -415,6 +415,14 @@ const std::array<key_spec, 19>& key_table() {
         "PyTorch does; pages recycled under trim_on_new_peak still change streams)."},
        &parse_bool_field<&allocator_config::reuse_across_streams>,
        &print_bool_field<&allocator_config::reuse_across_streams>},
+      {{"reuse_with_stream_wait", boolean_values,
+        "ccalloc's own key: with expandable segments, recycling pages for a new peak may take the "
+        "free pages of another stream's block whose work has not completed yet: the requesting stream "
+        "waits on the device for that work (cudaStreamWaitEvent; the host never blocks), the pages are "
+        "mapped at once and their old place unmapped later (default True; False: such pages stay until "
+        "their work has completed, and reserved memory grows instead)."},
+       &parse_bool_field<&allocator_config::reuse_with_stream_wait>,
+       &print_bool_field<&allocator_config::reuse_with_stream_wait>},
       {{"thread_cache", "off, small or all (also True/true/1 = all, False/false/0 = off)",
         "ccalloc's own key: each thread parks up to 4 blocks it freed and gets one back for the same "
         "bytes on the same stream without the stream's lock, only while that block is exactly what the "

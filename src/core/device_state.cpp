@@ -23,6 +23,7 @@ device_state::device_state(int device, device_backend& backend, allocator_config
   device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
   allowed_bytes_ = device_total_bytes_;
   if (backend_.capabilities().virtual_memory) page_bytes_ = backend_.vm_granularity(device_);
+  stream_wait_supported_ = backend_.capabilities().stream_wait;
   check_expandable_supported(config_);
   apply_thread_cache_setting(config_);
   stats_.max_split_size = config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max()

@@ -879,11 +879,42 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
     }
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
-  if (!may_wait) return got;
   // (Unmapping a candidate merges or splits only it and unmapped ranges: free
   // mapped blocks never neighbour each other, so the others stay valid.)
+  // Then the pages of other streams' blocks whose fence has not completed,
+  // behind a device-side wait of the request's stream for that fence
+  // (cudaMemPoolReuseAllowInternalDependencies; counted in
+  // num_stream_waits): mapped at once, unmapped at the old place once the
+  // fence completes (a deferred unmap). One wait per owner stream and fence.
+  if (config_.reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr && got < target_bytes &&
+      !waiting.empty() && may_wait_on_device(*same_stream)) {
+    std::vector<std::pair<const stream_state*, std::uint64_t>> waited;  // owner -> fence count waited for
+    for (block*& entry : waiting) {
+      if (got >= target_bytes) break;
+      block* b = entry;
+      stream_state& owner = *b->pool->owner;
+      if (b->pool->priv != nullptr || &owner == same_stream || owner.gone) continue;
+      const auto known = static_cast<std::size_t>(
+          std::find_if(waited.begin(), waited.end(), [&](const auto& w) { return w.first == &owner; }) -
+          waited.begin());
+      if (known == waited.size() || waited[known].second < b->free_seq) {
+        const std::optional<event_t> fence = fence_covering(owner, b->free_seq);
+        if (!fence) continue;
+        if (known == waited.size()) waited.emplace_back(&owner, 0);  // before the wait: nothing throws after it
+        backend_.stream_wait_event(device_, same_stream->stream, *fence);
+        ++stats_.num_stream_waits;
+        for (const auto& [e, seq] : owner.fences)
+          if (e == *fence) waited[known].second = seq;
+      }
+      const bool keep = b->seg == keep_seg;
+      got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got, true);
+      entry = nullptr;  // taken (b may have merged away)
+    }
+  }
+  if (!may_wait) return got;
   for (block* b : waiting) {
     if (got >= target_bytes) break;
+    if (b == nullptr) continue;  // taken behind a device-side wait
     wait_fences(*b->pool->owner);
     const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
@@ -966,6 +997,42 @@ void device_state::record_fence(stream_state& ss, std::uint64_t covers) {
     throw;
   }
   ss.fences.emplace_back(e, covers);
+}
+
+// Whether stream `to` may be made to wait on the device for another
+// stream's fence (reuse_with_stream_wait): the backend can (capabilities),
+// no graph capture is underway (known to the allocator, or of `to`: the
+// wait would become a graph dependency), `to` is not known destroyed and
+// can be named on this thread (not another thread's per-thread default
+// stream). The owner of the fence is never asked (it may have been
+// destroyed without the allocator being told; the caller skips those it
+// knows gone): its fence is an event recorded outside any capture the
+// allocator knows of, and waiting on an event needs no live stream.
+bool device_state::may_wait_on_device(const stream_state& to) {
+  if (!stream_wait_supported_ || to.gone) return false;
+  if (device_backend::is_per_thread_stream(to.stream) && !device_backend::is_calling_thread_stream(to.stream))
+    return false;
+  if (capture_underway()) return false;
+  try {
+    return !backend_.is_capturing(device_, to.stream);
+  } catch (...) {
+    return false;  // CUDA may refuse to say while another stream captures: stay on the safe side
+  }
+}
+
+// The oldest outstanding fence of `owner` that covers its free numbered
+// `free_seq` (its count at recording is at least free_seq), recording one
+// on the stream first where none does and can_record_on allows; nullopt
+// otherwise (another stream's slow path never records on a stream that may
+// be gone or busy elsewhere: no wait, the pages stay).
+std::optional<event_t> device_state::fence_covering(stream_state& owner, std::uint64_t free_seq) {
+  if (fenced_up_to(owner) < free_seq) {
+    if (!can_record_on(owner)) return std::nullopt;
+    record_fence(owner, owner.free_seq);
+  }
+  for (const auto& [e, seq] : owner.fences)
+    if (seq >= free_seq) return e;
+  return std::nullopt;
 }
 
 // Polls every stream's fences, and records a fence on the streams it may

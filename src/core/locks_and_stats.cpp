@@ -84,7 +84,7 @@ void publish_pending_stats(device_stats& into, stream_state& s) noexcept {
                      &device_stats::num_device_alloc, &device_stats::num_device_free,
                      &device_stats::num_device_synchronizations, &device_stats::num_pages_remapped,
                      &device_stats::num_pages_mapped, &device_stats::num_pages_unmapped,
-                     &device_stats::bytes_moved_between_streams}) {
+                     &device_stats::bytes_moved_between_streams, &device_stats::num_stream_waits}) {
     into.*field += pending.*field;
     pending.*field = 0;
   }

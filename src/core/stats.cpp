@@ -35,7 +35,7 @@ constexpr std::array<std::pair<std::string_view, stat device_stats::*>, 2> singl
 
 /// The plain event counters that reset_accumulated() zeroes (PyTorch's
 /// resetAccumulatedStats).
-constexpr std::array<std::pair<std::string_view, std::int64_t device_stats::*>, 11> event_counters{{
+constexpr std::array<std::pair<std::string_view, std::int64_t device_stats::*>, 12> event_counters{{
     {"num_alloc_retries", &device_stats::num_alloc_retries},
     {"num_ooms", &device_stats::num_ooms},
     {"num_sync_all_streams", &device_stats::num_sync_all_streams},
@@ -46,6 +46,7 @@ constexpr std::array<std::pair<std::string_view, std::int64_t device_stats::*>, 
     {"num_pages_mapped", &device_stats::num_pages_mapped},
     {"num_pages_unmapped", &device_stats::num_pages_unmapped},
     {"bytes_moved_between_streams", &device_stats::bytes_moved_between_streams},
+    {"num_stream_waits", &device_stats::num_stream_waits},
     {"num_thread_cache_hits", &device_stats::num_thread_cache_hits},
 }};
 

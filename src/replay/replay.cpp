@@ -278,6 +278,7 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
     p.pages_mapped = delta(s.num_pages_mapped, before.num_pages_mapped);
     p.pages_unmapped = delta(s.num_pages_unmapped, before.num_pages_unmapped);
     p.bytes_moved_between_streams = delta(s.bytes_moved_between_streams, before.bytes_moved_between_streams);
+    p.stream_waits = delta(s.num_stream_waits, before.num_stream_waits);
     p.ooms = r.ooms - ooms_before;
     r.passes.push_back(p);
     before = s;
@@ -299,6 +300,7 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   r.pages_mapped = static_cast<std::uint64_t>(s.num_pages_mapped);
   r.pages_unmapped = static_cast<std::uint64_t>(s.num_pages_unmapped);
   r.bytes_moved_between_streams = static_cast<std::uint64_t>(s.bytes_moved_between_streams);
+  r.stream_waits = static_cast<std::uint64_t>(s.num_stream_waits);
   r.thread_cache_hits = static_cast<std::uint64_t>(s.num_thread_cache_hits);
 
   // Give everything back (the figures are taken): what the trace still

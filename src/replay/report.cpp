@@ -471,6 +471,8 @@ std::string render_report_html(const trace& t, const report_options& options, co
            "pages unmapped at one place and mapped at another instead of new memory");
   cost_row("moved between streams", format_bytes(sum.replay.bytes_moved_between_streams),
            "bytes that went from one stream's memory to another's");
+  cost_row("stream waits", with_commas(sum.replay.stream_waits),
+           "device-side waits for another stream's work so that its free pages could move at once (the host did not wait)");
   o += "</table></section>\n";
 
   // Time chart.

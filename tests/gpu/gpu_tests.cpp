@@ -34,6 +34,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <initializer_list>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -1303,7 +1304,9 @@ void* free_behind_long_kernel(caching_allocator& alloc, stream_t s, unsigned see
 
 void test_expandable_recycles_pages_across_streams() {
   if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
-  auto alloc = make_allocator();
+  // (Without reuse_with_stream_wait, which would move the pages at once
+  // behind a device-side wait: expandable_cross_stream_pages_move_behind_a_wait.)
+  auto alloc = make_allocator("reuse_with_stream_wait:False");
   scoped_stream s1;
   scoped_stream s2;
   free_behind_long_kernel(*alloc, s1.get(), 41);
@@ -1330,6 +1333,19 @@ void test_expandable_recycles_pages_across_streams() {
   CUDA_OK(gk::launch_fill(c, 128 * mib, 43, cs(s2.get())));
   CHECK(mismatches(c, 128 * mib, 43, cs(s2.get())) == 0);
   alloc->free(c);
+}
+
+// The end of the deferred-unmap tests: once the kernel on `busy` is over, a
+// slow path on `s` makes the deferred unmaps without a synchronization (none
+// since `before`); then `blocks` are freed and emptyCache gives everything back.
+void settle_deferred_unmaps(caching_allocator& alloc, stream_t busy, stream_t s, const device_stats& before,
+                            std::initializer_list<void*> blocks) {
+  CUDA_OK(cudaStreamSynchronize(cs(busy)));
+  alloc.free(alloc.malloc(0, 300 * mib, s));  // a slow path: the deferred unmaps happen
+  CHECK(alloc.get_device_stats(0).num_device_synchronizations == before.num_device_synchronizations);
+  for (void* p : blocks) alloc.free(p);
+  alloc.empty_cache();
+  CHECK(alloc.get_device_stats(0).reserved_bytes[0].current == 0);
 }
 
 // Issue 15, deferred unmaps: a stream frees 64 MiB behind a 20 ms kernel
@@ -1360,14 +1376,51 @@ void test_expandable_same_stream_pages_move_behind_a_kernel() {
   CUDA_OK(gk::launch_fill(c, 128 * mib, 83, cs(s1.get())));
   CHECK(mismatches(c, 128 * mib, 83, cs(s1.get())) == 0);
   CHECK(mismatches(keep, 2 * mib, 81, cs(s1.get())) == 0);
-  CUDA_OK(cudaStreamSynchronize(cs(s1.get())));
-  alloc->free(alloc->malloc(0, 300 * mib, s1.get()));  // a slow path: the deferred unmaps happen
-  CHECK(alloc->get_device_stats(0).num_device_synchronizations == stats0.num_device_synchronizations);
-  for (void* p : {c, keep}) alloc->free(p);
-  alloc->empty_cache();
-  CHECK(alloc->get_device_stats(0).reserved_bytes[0].current == 0);
+  settle_deferred_unmaps(*alloc, s1.get(), s1.get(), stats0, {c, keep});
   note(std::string("same-stream pages moved behind a kernel; the kernel was ") +
        (kernel_was_running ? "still running" : "already done") + " when they moved");
+}
+
+// Issue 15, cross-stream reuse behind a device-side wait
+// (reuse_with_stream_wait, CUDA's internal dependencies): s1 frees 64 MiB
+// behind a 20 ms kernel that writes it, and s2 at once asks for 64 MiB past
+// the peak. s2 is made to wait on the device for s1's page fence
+// (cudaStreamWaitEvent) and s1's 32 pages are mapped into s2's block at
+// once: reserved does not grow and the host does not wait. s2's fill runs
+// after the kernel (stream order through the wait), so the block reads back
+// s2's value, never the kernel's late writes; s1's kept block is intact.
+// The sim test: CrossStreamWaitTest.AnotherStreamsPagesMoveBehindADeviceSideWait.
+void test_expandable_cross_stream_pages_move_behind_a_wait() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  auto alloc = make_allocator("reuse_across_streams:False");
+  scoped_stream s1;
+  scoped_stream s2;
+  void* other = alloc->malloc(0, 2 * mib, s2.get());  // both streams allocate: s1 fences its frees of pages
+  void* keep = alloc->malloc(0, 2 * mib, s1.get());
+  CUDA_OK(gk::launch_fill(keep, 2 * mib, 91, cs(s1.get())));
+  void* a = alloc->malloc(0, 64 * mib, s1.get());
+  CUDA_OK(gk::launch_spin_fill(a, 64 * mib, 92, 20'000'000, cs(s1.get())));
+  alloc->free(a);
+  const auto stats0 = alloc->get_device_stats(0);
+  const auto t0 = std::chrono::steady_clock::now();
+  void* b = alloc->malloc(0, 64 * mib, s2.get());
+  const double malloc_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const bool kernel_was_running = cudaStreamQuery(cs(s1.get())) == cudaErrorNotReady;
+  const auto stats1 = alloc->get_device_stats(0);
+  // (Still running after the malloc: its fence had not completed during it,
+  // so the pages could move only behind a wait.)
+  if (kernel_was_running) CHECK(stats1.num_stream_waits == stats0.num_stream_waits + 1);
+  else CHECK(stats1.num_stream_waits <= stats0.num_stream_waits + 1);
+  CHECK(stats1.num_pages_remapped == stats0.num_pages_remapped + 32);
+  CHECK(stats1.reserved_bytes[0].current == stats0.reserved_bytes[0].current);
+  CHECK(stats1.num_device_synchronizations == stats0.num_device_synchronizations);
+  CUDA_OK(gk::launch_fill(b, 64 * mib, 93, cs(s2.get())));
+  CHECK(mismatches(b, 64 * mib, 93, cs(s2.get())) == 0);
+  CHECK(mismatches(keep, 2 * mib, 91, cs(s1.get())) == 0);
+  settle_deferred_unmaps(*alloc, s1.get(), s2.get(), stats0, {b, keep, other});
+  note(std::string("cross-stream pages moved behind a device-side wait in ") + std::to_string(malloc_ms) +
+       " ms of host time; the kernel was " + (kernel_was_running ? "still running" : "already done") +
+       " when they moved");
 }
 
 // Issue 15: an idle stream's reservation passes whole to another stream,
@@ -1375,7 +1428,7 @@ void test_expandable_same_stream_pages_move_behind_a_kernel() {
 // stream before its frees has finished (its page fence completed).
 void test_expandable_idle_reservation_passes_whole() {
   if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
-  auto alloc = make_allocator();
+  auto alloc = make_allocator("reuse_with_stream_wait:False");  // else s2 takes s1's pages behind a wait
   scoped_stream s1;
   scoped_stream s2;
   scoped_stream s3;
@@ -1413,7 +1466,7 @@ void test_expandable_idle_reservation_passes_whole() {
 // PageFenceTest.AStreamThatKeepsABlockFencesItsFreesOfWholePagesAndTheyMove.
 void test_expandable_pages_of_a_busy_stream_move() {
   if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
-  auto alloc = make_allocator("reuse_across_streams:False");
+  auto alloc = make_allocator("reuse_across_streams:False,reuse_with_stream_wait:False");
   scoped_stream s1;
   scoped_stream s2;
   // Both streams allocate before s1's free: a stream fences its frees of a
@@ -2012,6 +2065,7 @@ const test_case all_tests[] = {
     {"expandable_idle_reservation_passes_whole", test_expandable_idle_reservation_passes_whole},
     {"expandable_pages_of_a_busy_stream_move", test_expandable_pages_of_a_busy_stream_move},
     {"expandable_same_stream_pages_move_behind_a_kernel", test_expandable_same_stream_pages_move_behind_a_kernel},
+    {"expandable_cross_stream_pages_move_behind_a_wait", test_expandable_cross_stream_pages_move_behind_a_wait},
     {"expandable_recycling_time_budget", test_expandable_recycling_time_budget},
     {"expandable_peer_mapping", test_expandable_peer_mapping},
     {"plain_segments_empty_cache", test_plain_segments_empty_cache},

@@ -145,6 +145,11 @@ class cuda_backend final : public device_backend {
   [[nodiscard]] bool query_event(int device, event_t event) override;
   /// cudaEventSynchronize. Throws backend_error.
   void synchronize_event(int device, event_t event) override;
+  /// cudaStreamWaitEvent(stream, event, 0) with `device` current; stream 0
+  /// is `device`'s legacy default stream. Throws backend_error on failure,
+  /// and for another thread's per-thread default stream (CUDA cannot name
+  /// it from here; waiting on another stream instead would not order it).
+  void stream_wait_event(int device, stream_t stream, event_t event) override;
   /// cudaStreamSynchronize; stream 0 is `device`'s legacy default stream (which
   /// also waits for the device's blocking streams). Throws backend_error.
   void synchronize_stream(int device, stream_t stream) override;

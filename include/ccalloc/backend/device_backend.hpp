@@ -43,6 +43,7 @@ struct backend_capabilities {
   bool ipc = false;             ///< ipc_export_segment / ipc_open_segment / ipc_close_segment (plain segments)
   bool ipc_vm = false;          ///< vm_export_handle / vm_import_handle (expandable segments; needs virtual_memory)
   bool gates = false;           ///< create_gate / wait_gate / open_gate / destroy_gate
+  bool stream_wait = false;     ///< stream_wait_event (cudaStreamWaitEvent)
 };
 
 /// An opaque physical-memory handle from vm_create (CUmemGenericAllocationHandle).
@@ -159,6 +160,18 @@ class device_backend {
   [[nodiscard]] virtual bool query_event(int device, event_t event) = 0;
   /// Blocks until `event` has completed (cudaEventSynchronize).
   virtual void synchronize_event(int device, event_t event) = 0;
+  /// Makes the work queued on `stream` of `device` after this call wait on
+  /// the device until `event` (of `device`) has completed, as recorded at
+  /// the time of this call: a later record_event of `event` does not change
+  /// what the stream waits for (cudaStreamWaitEvent). Never blocks the host.
+  /// An event never recorded is complete: nothing waits. Not allowed while a
+  /// stream of `device` captures a graph (it would become a graph
+  /// dependency); the allocator never calls it then. Throws backend_error on
+  /// failure (a bad handle, or a per-thread default stream of another thread
+  /// on CUDA, which cannot be named there). Optional
+  /// (capabilities().stream_wait): the default throws "not supported".
+  /// Thread safety: callable from any thread.
+  virtual void stream_wait_event(int device, stream_t stream, event_t event);
   /// Blocks until all work on `stream` has completed (cudaStreamSynchronize).
   virtual void synchronize_stream(int device, stream_t stream) = 0;
   /// Blocks until all work on `device` has completed (cudaDeviceSynchronize).

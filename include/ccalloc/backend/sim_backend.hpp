@@ -13,7 +13,9 @@
 // stream runs until `until`. An event recorded on a stream completes when the
 // clock reaches the stream's busy-until time at the moment of recording.
 // synchronize_* advance the clock to when the awaited work completes (the host
-// waited that long). segment_free waits for the device as cudaFree does: the
+// waited that long). stream_wait_event makes a stream's busy-until time at
+// least the event's completion time (a device-side wait; the clock does not
+// move). segment_free waits for the device as cudaFree does: the
 // clock advances to the latest busy-until time of the device's streams, so
 // every event recorded before it has completed afterwards (and a stream
 // behind a closed gate makes it throw, see Gates); the replay turns this off
@@ -206,6 +208,14 @@ struct sim_counters {
   /// could still run (the clock before that work's end): a use-after-unmap
   /// on a real device. Tests expect 0.
   std::uint64_t unsafe_unmaps = 0;
+  /// Mapped pages declared with use_memory by the work of one stream while
+  /// the work of another stream used the same physical page (through any
+  /// address) over an overlapping time: each use runs from where the work
+  /// enqueue_work queued last on its stream starts (that stream's busy-until
+  /// before it; a stream_wait_event pushes it past the event) until it
+  /// ends. A use-after-reuse on a real device. Tests expect 0.
+  std::uint64_t unsafe_reuses = 0;
+  std::uint64_t stream_waits = 0;  ///< successful stream_wait_event calls
 };
 
 class sim_backend final : public device_backend {
@@ -216,7 +226,7 @@ class sim_backend final : public device_backend {
   sim_backend& operator=(const sim_backend&) = delete;
 
   [[nodiscard]] std::string name() const override { return "sim"; }
-  /// gates: true; virtual_memory: true when granularity_bytes is a multiple
+  /// gates and stream_wait: true; virtual_memory: true when granularity_bytes is a multiple
   /// of the host page size; peer_access: sim_options::peer_access (also with
   /// one device: the functions work, can_access_peer just says false); ipc:
   /// true; ipc_vm: as virtual_memory.
@@ -250,6 +260,16 @@ class sim_backend final : public device_backend {
   void record_event(int device, event_t event, stream_t stream) override;
   [[nodiscard]] bool query_event(int device, event_t event) override;
   void synchronize_event(int device, event_t event) override;
+  /// The stream's later work starts no earlier than the event completes:
+  /// its busy-until time becomes max(its own, the event's completion time
+  /// as recorded now); behind closed gates the event waits on, the stream
+  /// waits on them too (busy_until says UINT64_MAX until they open). The
+  /// clock does not move. Throws invalid_argument_error for a handle that is
+  /// not a stream of `device`, backend_error for an unknown event or one of
+  /// another device, and backend_error while a stream of `device` captures
+  /// (stricter than CUDA, which would make it a graph dependency: the
+  /// allocator must not add one). Counted in sim_counters::stream_waits.
+  void stream_wait_event(int device, stream_t stream, event_t event) override;
   void synchronize_stream(int device, stream_t stream) override;
   void synchronize_device(int device) override;
   /// True between begin_capture and end_capture of `stream`.
@@ -386,8 +406,10 @@ class sim_backend final : public device_backend {
   /// Declares that the work queued on `stream` so far uses device memory
   /// [ptr, ptr + size_bytes) (a kernel reading or writing it): it is in use
   /// until that work ends (busy_until(device, stream) now). vm_unmap of a
-  /// page of it before then counts in sim_counters::unsafe_unmaps. For tests
-  /// of the allocator's page recycling; nothing else changes.
+  /// page of it before then counts in sim_counters::unsafe_unmaps, and a
+  /// mapped page of it that another stream's declared work uses at an
+  /// overlapping time counts in sim_counters::unsafe_reuses. For tests of
+  /// the allocator's page recycling; nothing else changes.
   void use_memory(int device, const void* ptr, std::size_t size_bytes, stream_t stream);
   /// Virtual time at which the work queued on `stream` so far completes;
   /// UINT64_MAX while the stream waits on a closed gate.

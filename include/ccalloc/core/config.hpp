@@ -157,6 +157,21 @@ struct allocator_config {
   /// False keeps PyTorch's rule: a block serves only the stream it was
   /// allocated on (free pages are still recycled page by page, X3).
   bool reuse_across_streams = true;
+  /// ccalloc's own key (reuse_with_stream_wait, default True; issue 15):
+  /// with expandable segments, when recycling free pages for a new peak (or
+  /// under the memory-fraction cap) finds no more pages whose page fence has
+  /// completed, nor pages of the requesting stream's own free blocks, it may
+  /// take the free pages of another stream's block whose fence has not
+  /// completed: the requesting stream is made to wait on the device for that
+  /// fence (cudaStreamWaitEvent; the host never blocks; counted in
+  /// device_stats::num_stream_waits) and the pages are mapped at their new
+  /// place at once, their old mapping unmapped once the fence completes (a
+  /// deferred unmap). CUDA's cudaMemPoolReuseAllowInternalDependencies. Not
+  /// during a graph capture, not for private pools' blocks, and only where
+  /// an event covering the block's free is recorded (or may be recorded) on
+  /// its stream. False: such pages wait for their fence (the reservation
+  /// grows instead). Needs a backend with capabilities().stream_wait.
+  bool reuse_with_stream_wait = true;
   /// ccalloc's own key (thread_cache: off, small or all; issue 18): each
   /// thread parks up to 4 blocks it freed and gets one back for the same
   /// bytes on the same stream without the stream's lock, only when the

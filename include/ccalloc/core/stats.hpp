@@ -93,6 +93,12 @@ struct device_stats {
   /// mapped into another's, and cached segments adopted by another stream
   /// (X2). ccalloc's own.
   std::int64_t bytes_moved_between_streams = 0;
+  /// Device-side waits the allocator queued (cudaStreamWaitEvent): a
+  /// stream made to wait for another stream's page fence so that the pages
+  /// of a free block of that stream could move to it at once
+  /// (reuse_with_stream_wait). The host never waits for these; they are not
+  /// in num_device_synchronizations. ccalloc's own (issue 15).
+  std::int64_t num_stream_waits = 0;
   /// Allocations a thread cache served: a free and the next malloc of the
   /// same bytes on the same stream, in one thread, that never reached the
   /// pools (the block is the one the pools would have handed out). Each

@@ -142,6 +142,7 @@ struct replay_pass {
   std::uint64_t pages_mapped = 0;             ///< num_pages_mapped
   std::uint64_t pages_unmapped = 0;           ///< num_pages_unmapped
   std::uint64_t bytes_moved_between_streams = 0;  ///< bytes_moved_between_streams
+  std::uint64_t stream_waits = 0;             ///< num_stream_waits (device-side waits; the host never waits)
   /// peak_reserved_bytes / peak_requested_bytes (0 when nothing was requested).
   [[nodiscard]] double fragmentation() const noexcept {
     return peak_requested_bytes ? double(peak_reserved_bytes) / double(peak_requested_bytes) : 0.0;
@@ -168,6 +169,7 @@ struct replay_result {
   std::uint64_t pages_mapped = 0;             ///< num_pages_mapped
   std::uint64_t pages_unmapped = 0;           ///< num_pages_unmapped
   std::uint64_t bytes_moved_between_streams = 0;  ///< bytes_moved_between_streams
+  std::uint64_t stream_waits = 0;             ///< num_stream_waits (device-side waits; the host never waits)
   /// num_thread_cache_hits: allocations the thread cache served (the
   /// replay is one thread: a free and the next malloc of the same bytes on
   /// the same stream). The same figures with thread_cache:off (issue 18).

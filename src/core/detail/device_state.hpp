@@ -834,11 +834,21 @@ class device_state {
   // same_stream (with recycled): the stream_state of the request the pages
   // go to; a free block of it whose fence has not completed gives its
   // pages anyway, their old mapping retired (a deferred unmap): the stream
-  // runs the new use after the old one.
+  // runs the new use after the old one. Then, with reuse_with_stream_wait,
+  // a free block of another stream whose fence has not completed gives its
+  // pages the same way once the request's stream waits on the device for
+  // that fence (take_with_stream_wait), before anything waits on the host.
   std::size_t unmap_free_pages(std::size_t target_bytes, const segment* keep_seg, std::uintptr_t keep_lo,
                                std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait,
                                const stream_state* same_stream = nullptr);
   [[nodiscard]] static std::size_t partial_page_bytes(const block& b) noexcept;
+  // Cross-stream reuse with a device-side wait (reuse_with_stream_wait,
+  // issue 15): whether `to` may wait on the device for another stream's
+  // fence now (no capture, `to` live and nameable, the backend can wait);
+  // and the fence event of `owner` covering its free numbered free_seq,
+  // recorded now where can_record_on allows; nullopt when there is none.
+  [[nodiscard]] bool may_wait_on_device(const stream_state& to);
+  [[nodiscard]] std::optional<event_t> fence_covering(stream_state& owner, std::uint64_t free_seq);
   // defer: keep the old mappings (segment::retired) instead of unmapping
   // them now; only with recycled.
   std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
@@ -1001,6 +1011,7 @@ class device_state {
   std::vector<oom_observer> observers_;
   std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
   std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
+  bool stream_wait_supported_ = false;  // the backend's capabilities().stream_wait
   std::uint64_t next_segment_seq_ = 0;
   bool no_address_space_ = false;   // the last expandable attempt found no address space [world]
   // The segment or reservation (by base) that the running slow path made for
