@@ -629,6 +629,31 @@ TEST_F(CrossStreamWaitTest, NoWaitForAPrivatePoolsBlocks) {
   alloc->release_pool(0, id);
 }
 
+// Garbage collection (rung 2) unmaps the pages that `other` took behind a
+// wait while their old mapping in s's segment is still retired: their
+// release waits for that deferred unmap. The waits the collection made
+// (for other's fence, recorded after other waited for s's) completed s's
+// fence too, so the deferred unmaps are done before the malloc returns:
+// reserved memory equals the snapshot's mapped bytes and the device's.
+// (Before: 40 MiB reserved, 20 MiB in the snapshot, until the next slow path.)
+TEST_F(CrossStreamWaitTest, GarbageCollectionSettlesTheRetiredPagesItReleases) {
+  const auto [s, other, o, keep] = frees_beside_another_stream(
+      "garbage_collection_threshold:0.5,per_process_memory_fraction:0.234375");  // collects above 30 MiB
+  const stream_t u = sim->create_stream(0);
+  void* c = m(20 * MiB, other);  // s's pages, behind a wait
+  EXPECT_EQ(st().num_stream_waits, 1);
+  void* d = m(10 * MiB, u);  // 34 MiB reserved
+  use_and_free(c, 20 * MiB, other, 110);
+  void* e = m(6 * MiB, s);  // a slow path above the threshold: collects c's pages
+  EXPECT_EQ(sim->now(), 110u) << "the collection waited for other's fence";
+  std::size_t in_snapshot = 0;
+  for (const auto& seg : alloc->snapshot(false).segments) in_snapshot += seg.mapped_bytes;
+  EXPECT_EQ(reserved(), I(in_snapshot));
+  EXPECT_EQ(reserved(), I(sim->counters().handle_bytes));
+  EXPECT_EQ(sim->counters().mapped_bytes, sim->counters().handle_bytes) << "no page left mapped at its old place";
+  for (void* p : {o, keep, d, e}) alloc->free(p);
+}
+
 // Without a fence covering the free (the stream recorded none, and another
 // stream's slow path never records on it), nothing waits: the pages stay.
 TEST_F(CrossStreamWaitTest, NoFenceNoWait) {

@@ -545,7 +545,17 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
       }
     }
   }
-  if (unmapped) release_empty_expandable_segments();
+  if (unmapped) {
+    // A page unmapped here may have come behind a device-side wait or from
+    // its stream's own earlier free, its old mapping still retired: its
+    // release waits for that deferred unmap, and until then it counts as
+    // reserved in no segment that a snapshot shows. Its new place's fence,
+    // completed now, was recorded after the old one's: settled here without
+    // waiting, as the next slow path would, so that reserved memory again
+    // equals the segments' mapped bytes when this malloc returns.
+    settle_retired(false);
+    release_empty_expandable_segments();
+  }
 }
 
 }  // namespace ccalloc::detail
