@@ -91,7 +91,7 @@ TEST(ConfigTest, DefaultsPrintCanonically) {
   EXPECT_EQ(allocator_config{}.to_string(),
             "max_non_split_rounding_mb:20,large_segment_size_mb:20,roundup_power2_divisions:0,"
             "release_lock_on_cudamalloc:False,trim_on_new_peak:True,reuse_across_streams:True,"
-            "reuse_with_stream_wait:True,backend:native,pinned_use_cuda_host_register:False,pinned_num_register_threads:1,"
+            "reuse_with_stream_wait:False,backend:native,pinned_use_cuda_host_register:False,pinned_num_register_threads:1,"
             "pinned_use_background_threads:False,graph_capture_record_stream_reuse:False");
 }
 
@@ -200,8 +200,8 @@ TEST(ConfigTest, EveryKeyParses) {
     EXPECT_EQ(allocator_config{}.to_string().find("expandable_segments"), std::string::npos);
     EXPECT_FALSE(parse_key("reuse_across_streams", "False").reuse_across_streams);
     EXPECT_EQ(parse_key("reuse_across_streams", "True"), allocator_config{});  // the default
-    EXPECT_FALSE(parse_key("reuse_with_stream_wait", "False").reuse_with_stream_wait);
-    EXPECT_EQ(parse_key("reuse_with_stream_wait", "True"), allocator_config{});  // the default
+    EXPECT_TRUE(parse_key("reuse_with_stream_wait", "True").reuse_with_stream_wait);
+    EXPECT_EQ(parse_key("reuse_with_stream_wait", "False"), allocator_config{});  // the default
     EXPECT_NE(parse_error("reuse_with_stream_wait:maybe").find("reuse_with_stream_wait:maybe"), std::string::npos);
   }
   {
@@ -755,7 +755,7 @@ TEST(ConfigTest, ToStringCanonicalForms) {
             "garbage_collection_threshold:0.6,roundup_power2_divisions:0,"
             "release_lock_on_cudamalloc:False,"
             "per_process_memory_fraction:0.8,trim_on_new_peak:True,reuse_across_streams:True,"
-            "reuse_with_stream_wait:True,backend:native,"
+            "reuse_with_stream_wait:False,backend:native,"
             "pinned_use_cuda_host_register:False,pinned_num_register_threads:1,"
             "pinned_use_background_threads:False,pinned_reserve_segment_size_mb:16,"
             "graph_capture_record_stream_reuse:False");

@@ -148,10 +148,10 @@ TEST_F(PageFenceTest, UnderTheCapTheAllocatorWaitsForTheFenceAndCountsIt) {
   alloc->free(b);
 }
 
-// With reuse_with_stream_wait (the default) the cap is kept without the
-// host waiting: `other` waits on the device for stream 0's fence instead.
+// With reuse_with_stream_wait the cap is kept without the host waiting:
+// `other` waits on the device for stream 0's fence instead.
 TEST_F(PageFenceTest, UnderTheCapADeviceSideWaitReplacesTheHostWait) {
-  make(256 * MiB, "per_process_memory_fraction:0.125");  // 32 MiB
+  make(256 * MiB, "per_process_memory_fraction:0.125,reuse_with_stream_wait:True");  // 32 MiB
   const stream_t other = sim->create_stream(0);
   use_and_free(m(24 * MiB), 24 * MiB, 0, 100);
   void* b = m(24 * MiB, other);
@@ -516,7 +516,7 @@ class CrossStreamWaitTest : public PageFenceTest {
   // Streams s and other both allocate (s then fences its frees of a page
   // or more): other holds o, s keeps `keep` (2 MiB each).
   busy_stream_setup two_allocating_streams(const std::string& conf = "") {
-    make(256 * MiB, "reuse_across_streams:False" + (conf.empty() ? "" : "," + conf));
+    make(256 * MiB, "reuse_across_streams:False,reuse_with_stream_wait:True" + (conf.empty() ? "" : "," + conf));
     const stream_t s = sim->create_stream(0);
     const stream_t other = sim->create_stream(0);
     void* o = m(2 * MiB, other);
@@ -657,7 +657,7 @@ TEST_F(CrossStreamWaitTest, GarbageCollectionSettlesTheRetiredPagesItReleases) {
 // Without a fence covering the free (the stream recorded none, and another
 // stream's slow path never records on it), nothing waits: the pages stay.
 TEST_F(CrossStreamWaitTest, NoFenceNoWait) {
-  make(256 * MiB, "reuse_across_streams:False");
+  make(256 * MiB, "reuse_across_streams:False,reuse_with_stream_wait:True");
   const stream_t s = sim->create_stream(0);
   const stream_t other = sim->create_stream(0);
   void* keep = m(2 * MiB, s);

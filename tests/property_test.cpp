@@ -993,7 +993,8 @@ INSTANTIATE_TEST_SUITE_P(
         prop_case{"default", "", false, false, 0x5eed0001, 400'000, false, true},
         prop_case{"oversize_rounding", "max_split_size_mb:64,roundup_power2_divisions:4", false, false, 0x5eed0002,
                   400'000},
-        prop_case{"gc_fraction", "garbage_collection_threshold:0.6,per_process_memory_fraction:0.5", false, false,
+        prop_case{"gc_fraction", "garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,"
+                  "reuse_with_stream_wait:True", false, false,
                   0x5eed0003, 300'000},
         prop_case{"no_caching", "", true, false, 0x5eed0004, 150'000},
         prop_case{"pytorch_exact", "trim_on_new_peak:False,reuse_across_streams:False", false, false, 0x5eed0005, 150'000},
@@ -1001,12 +1002,14 @@ INSTANTIATE_TEST_SUITE_P(
                   150'000},
         prop_case{"release_lock", "release_lock_on_cudamalloc:True,per_process_memory_fraction:0.75,"
                   "roundup_power2_divisions:[1:2,>:8]", false, false, 0x5eed0007, 100'000},
-        prop_case{"expandable", "expandable_segments:True", false, false, 0x5eed0008, 300'000, false, true},
+        prop_case{"expandable", "expandable_segments:True,reuse_with_stream_wait:True", false, false, 0x5eed0008,
+                  300'000, false, true},
         prop_case{"expandable_pytorch", "expandable_segments:True,trim_on_new_peak:False,reuse_across_streams:False",
                   false, false, 0x5eed0009, 150'000},
         prop_case{"expandable_toggled", "expandable_segments:True,max_split_size_mb:40,"
                   "roundup_power2_divisions:4", false, true, 0x5eed000a, 150'000},
-        prop_case{"expandable_recycle_always", "recycles_per_peak:1000000,per_process_memory_fraction:0.6", false,
+        prop_case{"expandable_recycle_always",
+                  "recycles_per_peak:1000000,per_process_memory_fraction:0.6,reuse_with_stream_wait:True", false,
                   false, 0x5eed000d, 150'000},
         prop_case{"pools_expandable", "", false, false, 0x5eed000b, 150'000, true},
         prop_case{"pools_plain", "expandable_segments:False,max_split_size_mb:40", false, false, 0x5eed000c, 100'000,
@@ -1016,7 +1019,8 @@ INSTANTIATE_TEST_SUITE_P(
         prop_case{"plain_threads", "expandable_segments:False", false, false, 0x5eed000e, 200'000, false, true},
         // Short-lived side streams whose idle reservations other streams
         // adopt (issue 15), with per-thread streams and busy frees.
-        prop_case{"side_stream_bursts", "", false, false, 0x5eed000f, 200'000, false, true, true},
+        prop_case{"side_stream_bursts", "reuse_with_stream_wait:True", false, false, 0x5eed000f, 200'000, false, true,
+                  true},
         // Recycling under a small time budget (issues 15, 18): it runs out and
         // refills, the mark rises in between, and large peaks found with the
         // bucket empty draw on the reserve (about 45 times in this run, seen
@@ -1024,7 +1028,8 @@ INSTANTIATE_TEST_SUITE_P(
         // streams and side-stream bursts. (The free-island placement,
         // lowest_fitting_block, moved a block about 6,000 times over all the
         // cases, most in default-configured ones.)
-        prop_case{"recycle_time_budget", "recycle_time_percent:2,per_process_memory_fraction:0.8", false, false,
+        prop_case{"recycle_time_budget",
+                  "recycle_time_percent:2,per_process_memory_fraction:0.8,reuse_with_stream_wait:True", false, false,
                   0x5eed0010, 150'000, false, true, true, true},
         // No recycling for a new peak (recycle_time_percent:0): only the cap
         // and out of memory recycle, with private pools and the clock running.

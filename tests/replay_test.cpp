@@ -610,10 +610,10 @@ TEST(ReplayDeviceLagTest, PagesOfTheSameStreamMoveBeforeTheDeviceHasRunTheirWork
 // stream 7, the 30 MiB request comes on stream 0. The fence recorded at
 // stream 7's first small malloc after A's free (event 4, 0-based: a slow
 // path) completes `lag` events later; the request at event 10 recycles A's
-// pages when 4 + lag <= 10. Otherwise, with reuse_with_stream_wait (the
-// default), stream 0 waits on the device for that fence and takes them all
-// the same (one stream wait, no host wait); without it they stay (a new
-// peak, still no waiting).
+// pages when 4 + lag <= 10. Otherwise, with reuse_with_stream_wait,
+// stream 0 waits on the device for that fence and takes them all
+// the same (one stream wait, no host wait); without it (the default) they
+// stay (a new peak, still no waiting).
 TEST(ReplayDeviceLagTest, PagesOfAnotherStreamMoveOnceTheDeviceHasRunTheirWork) {
   std::string text =
       "1 alloc 4096 20971520 7\n"
@@ -629,7 +629,7 @@ TEST(ReplayDeviceLagTest, PagesOfAnotherStreamMoveOnceTheDeviceHasRunTheirWork) 
     for (const std::uint64_t lag : {0u, 1u, 6u, 7u, 20u}) {
       ccalloc::replay_options o;
       o.device_lag_events = lag;
-      if (!wait) o.config = "reuse_with_stream_wait:False";
+      o.config = wait ? "reuse_with_stream_wait:True" : "reuse_with_stream_wait:False";
       const auto r = ccalloc::replay_trace(t, o);
       const bool caught_up = 4 + lag <= 10;
       const bool moved = caught_up || wait;

@@ -419,8 +419,9 @@ const std::array<key_spec, 20>& key_table() {
         "ccalloc's own key: with expandable segments, recycling pages for a new peak may take the "
         "free pages of another stream's block whose work has not completed yet: the requesting stream "
         "waits on the device for that work (cudaStreamWaitEvent; the host never blocks), the pages are "
-        "mapped at once and their old place unmapped later (default True; False: such pages stay until "
-        "their work has completed, and reserved memory grows instead)."},
+        "mapped at once and their old place unmapped later; a dependency between streams the program did "
+        "not ask for (default False, as PyTorch: such pages stay until their work has completed, and "
+        "reserved memory grows instead)."},
        &parse_bool_field<&allocator_config::reuse_with_stream_wait>,
        &print_bool_field<&allocator_config::reuse_with_stream_wait>},
       {{"thread_cache", "off, small or all (also True/true/1 = all, False/false/0 = off)",

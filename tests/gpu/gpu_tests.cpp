@@ -1392,7 +1392,7 @@ void test_expandable_same_stream_pages_move_behind_a_kernel() {
 // The sim test: CrossStreamWaitTest.AnotherStreamsPagesMoveBehindADeviceSideWait.
 void test_expandable_cross_stream_pages_move_behind_a_wait() {
   if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
-  auto alloc = make_allocator("reuse_across_streams:False");
+  auto alloc = make_allocator("reuse_across_streams:False,reuse_with_stream_wait:True");
   scoped_stream s1;
   scoped_stream s2;
   void* other = alloc->malloc(0, 2 * mib, s2.get());  // both streams allocate: s1 fences its frees of pages

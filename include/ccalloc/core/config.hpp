@@ -157,7 +157,7 @@ struct allocator_config {
   /// False keeps PyTorch's rule: a block serves only the stream it was
   /// allocated on (free pages are still recycled page by page, X3).
   bool reuse_across_streams = true;
-  /// ccalloc's own key (reuse_with_stream_wait, default True; issue 15):
+  /// ccalloc's own key (reuse_with_stream_wait, default False; issue 15):
   /// with expandable segments, when recycling free pages for a new peak (or
   /// under the memory-fraction cap) finds no more pages whose page fence has
   /// completed, nor pages of the requesting stream's own free blocks, it may
@@ -169,9 +169,16 @@ struct allocator_config {
   /// deferred unmap). CUDA's cudaMemPoolReuseAllowInternalDependencies. Not
   /// during a graph capture, not for private pools' blocks, and only where
   /// an event covering the block's free is recorded (or may be recorded) on
-  /// its stream. False: such pages wait for their fence (the reservation
-  /// grows instead). Needs a backend with capabilities().stream_wait.
-  bool reuse_with_stream_wait = true;
+  /// its stream. False (the default, PyTorch's behaviour): such pages wait
+  /// for their fence (the reservation grows instead; under the cap the host
+  /// waits), and no stream ever waits on another that the program did not
+  /// make it wait on. True adds such waits: a stream then also waits for
+  /// the other stream's work queued before the fence, which can serialize
+  /// streams the program meant to run side by side, and can hang a program
+  /// whose other stream waits for the host (a host callback, a wait on a
+  /// value, a collective waiting for a peer) to act after this stream's
+  /// work. Needs a backend with capabilities().stream_wait.
+  bool reuse_with_stream_wait = false;
   /// ccalloc's own key (thread_cache: off, small or all; issue 18): each
   /// thread parks up to 4 blocks it freed and gets one back for the same
   /// bytes on the same stream without the stream's lock, only when the
