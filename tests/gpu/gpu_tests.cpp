@@ -915,6 +915,11 @@ class cuda_fixture final : public conformance::backend_fixture {
   }
   void write(void* dst, const std::vector<unsigned char>& bytes) override {
     CUDA_OK(cudaMemcpy(dst, bytes.data(), bytes.size(), cudaMemcpyHostToDevice));
+    // From pageable memory cudaMemcpy may return once the bytes are staged,
+    // before the device has them; a copy queued next on a non-blocking
+    // stream could then read the old bytes (conformance `copies` failed
+    // once so on the H200, 2026-12-02). Wait until they have landed.
+    CUDA_OK(cudaDeviceSynchronize());
   }
   std::vector<unsigned char> read(const void* src, std::size_t n) override {
     std::vector<unsigned char> v(n);
