@@ -894,17 +894,14 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
       block* b = entry;
       stream_state& owner = *b->pool->owner;
       if (b->pool->priv != nullptr || &owner == same_stream || owner.gone) continue;
-      const auto known = static_cast<std::size_t>(
-          std::find_if(waited.begin(), waited.end(), [&](const auto& w) { return w.first == &owner; }) -
-          waited.begin());
-      if (known == waited.size() || waited[known].second < b->free_seq) {
-        const std::optional<event_t> fence = fence_covering(owner, b->free_seq);
+      auto w = std::find_if(waited.begin(), waited.end(), [&](const auto& x) { return x.first == &owner; });
+      if (w == waited.end() || w->second < b->free_seq) {
+        const auto fence = fence_covering(owner, b->free_seq);  // (event, free count it covers)
         if (!fence) continue;
-        if (known == waited.size()) waited.emplace_back(&owner, 0);  // before the wait: nothing throws after it
-        backend_.stream_wait_event(device_, same_stream->stream, *fence);
+        if (w == waited.end()) w = waited.emplace(waited.end(), &owner, 0);  // before the wait: nothing throws after it
+        backend_.stream_wait_event(device_, same_stream->stream, fence->first);
         ++stats_.num_stream_waits;
-        for (const auto& [e, seq] : owner.fences)
-          if (e == *fence) waited[known].second = seq;
+        w->second = fence->second;
       }
       const bool keep = b->seg == keep_seg;
       got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got, true);
@@ -1021,17 +1018,19 @@ bool device_state::may_wait_on_device(const stream_state& to) {
 }
 
 // The oldest outstanding fence of `owner` that covers its free numbered
-// `free_seq` (its count at recording is at least free_seq), recording one
-// on the stream first where none does and can_record_on allows; nullopt
-// otherwise (another stream's slow path never records on a stream that may
-// be gone or busy elsewhere: no wait, the pages stay).
-std::optional<event_t> device_state::fence_covering(stream_state& owner, std::uint64_t free_seq) {
+// `free_seq` (its count at recording is at least free_seq), with that
+// count, recording one on the stream first where none does and
+// can_record_on allows; nullopt otherwise (another stream's slow path never
+// records on a stream that may be gone or busy elsewhere: no wait, the
+// pages stay).
+std::optional<std::pair<event_t, std::uint64_t>> device_state::fence_covering(stream_state& owner,
+                                                                              std::uint64_t free_seq) {
   if (fenced_up_to(owner) < free_seq) {
     if (!can_record_on(owner)) return std::nullopt;
     record_fence(owner, owner.free_seq);
   }
-  for (const auto& [e, seq] : owner.fences)
-    if (seq >= free_seq) return e;
+  for (const auto& fence : owner.fences)
+    if (fence.second >= free_seq) return fence;
   return std::nullopt;
 }
 

@@ -845,10 +845,12 @@ class device_state {
   // Cross-stream reuse with a device-side wait (reuse_with_stream_wait,
   // issue 15): whether `to` may wait on the device for another stream's
   // fence now (no capture, `to` live and nameable, the backend can wait);
-  // and the fence event of `owner` covering its free numbered free_seq,
-  // recorded now where can_record_on allows; nullopt when there is none.
+  // and the fence of `owner` covering its free numbered free_seq (event,
+  // the free count it covers), recorded now where can_record_on allows;
+  // nullopt when there is none.
   [[nodiscard]] bool may_wait_on_device(const stream_state& to);
-  [[nodiscard]] std::optional<event_t> fence_covering(stream_state& owner, std::uint64_t free_seq);
+  [[nodiscard]] std::optional<std::pair<event_t, std::uint64_t>> fence_covering(stream_state& owner,
+                                                                              std::uint64_t free_seq);
   // defer: keep the old mappings (segment::retired) instead of unmapping
   // them now; only with recycled.
   std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
