@@ -350,6 +350,19 @@ class model_runner {
     if (s.active[0].current != static_cast<std::int64_t>(live_.size() + pending_.size()))
       err << "active.all.current " << s.active[0].current << " != live " << live_.size() << " + pending "
           << pending_.size() << "; ";
+    // The accumulated counts (stored in a derived form: stat_storage.hpp):
+    // every malloc that succeeded, every free (counted when called: a block
+    // that waits for events stays active, no longer allocated).
+    if (s.allocation[0].allocated != mallocs_done_ ||
+        s.allocation[0].freed != mallocs_done_ - static_cast<std::int64_t>(live_.size()))
+      err << "allocation.all allocated/freed " << s.allocation[0].allocated << "/" << s.allocation[0].freed
+          << " != mallocs " << mallocs_done_ << " / those freed; ";
+    if (s.requested_bytes[0].allocated != static_cast<std::int64_t>(requested_ever_))
+      err << "requested_bytes.all.allocated " << s.requested_bytes[0].allocated << " != requested " << requested_ever_
+          << "; ";
+    for (const stat_array* a : {&s.allocation, &s.allocated_bytes, &s.active_bytes, &s.inactive_split, &s.segment})
+      if ((*a)[0].allocated != (*a)[1].allocated + (*a)[2].allocated || (*a)[0].freed != (*a)[1].freed + (*a)[2].freed)
+        err << "a counter's all.allocated/freed is not the sum of its pools'; ";
     if (s.allocated_bytes[0].current < static_cast<std::int64_t>(live_requested_))
       err << "allocated_bytes " << s.allocated_bytes[0].current << " < live requested " << live_requested_ << "; ";
     if (static_cast<std::size_t>(s.allocated_bytes[0].current) > reserved)
@@ -431,6 +444,11 @@ class model_runner {
     }
   }
 
+  void count_malloc(std::size_t size) noexcept {
+    ++mallocs_done_;
+    requested_ever_ += size;
+  }
+
   std::string do_malloc(std::size_t size, std::optional<stream_t> forced = std::nullopt) {
     ++totals_.mallocs;
     stream_t stream = rng_() % 5 == 0 ? alloc_streams_[1] : alloc_streams_[0];
@@ -454,6 +472,7 @@ class model_runner {
         worker_.run([&] { p = alloc_->malloc(0, size, per_thread_stream_handle); });
       else
         p = alloc_->malloc(0, size, per_thread == 1 ? per_thread_stream_handle : stream);
+      count_malloc(size);
       if (released) return where() + "an allocation routed to released pool " + to_string(routed) + " succeeded";
       // One malloc in eight on the thread's own stream is followed at once
       // by its free and a malloc of the same bytes on the same stream, with
@@ -465,6 +484,7 @@ class model_runner {
         alloc_->free(p);
         p = nullptr;
         p = alloc_->malloc(0, size, stream);
+        count_malloc(size);
         ++totals_.pairs;
         if (pending_.empty()) ++totals_.quiet_pairs;
       }
@@ -898,6 +918,8 @@ class model_runner {
   std::vector<memory_use> uses_;
   std::vector<stream_t> burst_streams_;                    // do_burst's streams
   std::map<std::uintptr_t, stream_t> segment_streams_;     // expandable segment -> stream at the last burst
+  std::int64_t mallocs_done_ = 0;     // mallocs that succeeded
+  std::size_t requested_ever_ = 0;    // their requested bytes
   std::int64_t segments_freed_ = 0;                        // segment.all.freed at the last burst
   std::uint64_t seen_segment_frees_ = 0;
   std::size_t live_requested_ = 0;

@@ -127,13 +127,13 @@ bool device_caching_allocator::caching_enabled() const {
 device_stats device_caching_allocator::stats() const {
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
-  return state_->stats_;
+  return detail::stats_as_read(state_->stats_);
 }
 
 void device_caching_allocator::reset_accumulated_stats() {
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
-  state_->stats_.reset_accumulated();
+  detail::reset_accumulated_stored(state_->stats_);
 }
 
 void device_caching_allocator::reset_peak_stats() {

@@ -65,15 +65,15 @@ void device_state::pool_insert_counted(block* b) {
   b->gc_count_base = b->pool->get_free_blocks_call_count;
   b->pool->blocks.insert(b);
   const stat_group g = group_of(b->pool);
-  device_stats::increase(stats_.inactive_split, g, 1);
-  device_stats::increase(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+  count_up(stats_.inactive_split, g, 1);
+  count_up(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
 }
 
 void device_state::pool_erase_counted(block* b) {
   b->pool->blocks.erase(b);
   const stat_group g = group_of(b->pool);
-  device_stats::decrease(stats_.inactive_split, g, 1);
-  device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+  count_down(stats_.inactive_split, g, 1);
+  count_down(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
 }
 
 // Marks the page-aligned range [lo, hi) of `seg` mapped or unmapped. Every
@@ -415,7 +415,7 @@ void device_state::give_back_page(segment& seg, std::size_t i) noexcept {
   seg.pages[i] = 0;
   seg.mapped_bytes -= page;
   reserved_bytes_ -= page;
-  device_stats::decrease(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
+  count_down(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
 }
 
 // A reservation made by a request that failed (discard_made_segment): every
@@ -448,7 +448,7 @@ void device_state::discard_reservation(segment& seg) noexcept {
     backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
   } catch (...) {
   }
-  device_stats::decrease(stats_.segment, g, 1);
+  count_down(stats_.segment, g, 1);
   if (pool->priv != nullptr) --pool->priv->segment_count;
   for (block* b = seg.head; b != nullptr;) {
     block* next = b->next;
@@ -677,7 +677,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
               ++stats_.num_pages_mapped;
               seg.mapped_bytes += page;
               reserved_bytes_ += page;
-              device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+              count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
               if (fresh) ++stats_.num_device_alloc;
               ++i;
               throw;
@@ -697,7 +697,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
         seg.mapped_bytes += page;
         if (fresh) ++stats_.num_device_alloc;
         reserved_bytes_ += page;
-        device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+        count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
         if (fresh_start_us != 0) {
           if (const std::uint64_t t = clock_reading(); t > fresh_start_us) fresh_pages_us += t - fresh_start_us;
         }
@@ -790,7 +790,7 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
       CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= reserved_bytes_);
       seg.mapped_bytes -= bytes;
       reserved_bytes_ -= bytes;
-      device_stats::decrease(stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
+      count_down(stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
       set_page_state(seg, from, addr, false, hint);
       if (addr > from) hint = nullptr;
       if (history_.active() && bytes > 0) [[unlikely]]
@@ -1117,7 +1117,7 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
     // A page that moved twice is retired at two places: the last unmap releases it.
     if (release) {
       reserved_bytes_ -= seg.page_bytes;
-      device_stats::decrease(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
+      count_down(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
       release_page_handle(h);
     }
   }
@@ -1134,7 +1134,7 @@ void device_state::release_page_handle(physical_handle_t h) {
         if (r.handle == h) {
           r.release = true;
           reserved_bytes_ += up->page_bytes;
-          device_stats::increase(stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
+          count_up(stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
           return;
         }
   backend_.vm_release_handle(device_, h);
@@ -1280,7 +1280,7 @@ void device_state::release_empty_expandable_segments() {
       continue;
     }
     backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
-    device_stats::decrease(stats_.segment, group_of(seg.head->pool), 1);
+    count_down(stats_.segment, group_of(seg.head->pool), 1);
     if (seg.head->pool->priv != nullptr) --seg.head->pool->priv->segment_count;
     seg.head->pool->owner->delete_block(seg.head);
     it = segments_.erase(it);

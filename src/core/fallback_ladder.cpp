@@ -286,7 +286,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   seg.oversize = size >= config_.max_split_size_bytes;
 
   const stat_group g = group_of(p.pool);
-  device_stats::increase(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
+  count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
   if (b->seg->oversize) stats_.oversize_segments.increase(1);
   ++stats_.num_device_alloc;
   reserved_bytes_ += size;
@@ -318,7 +318,7 @@ segment& device_state::add_segment(const alloc_params& p, std::unique_ptr<segmen
     p.owner->delete_block(b);
     throw;
   }
-  device_stats::increase(stats_.segment, group_of(p.pool), 1);
+  count_up(stats_.segment, group_of(p.pool), 1);
   if (p.pool->priv != nullptr) ++p.pool->priv->segment_count;
   return *at->second;
 }
@@ -444,8 +444,8 @@ void device_state::forget_segment(block* b, device_stats& st) noexcept {
   if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
   --b->pool->plain_segments;
   const stat_group g = group_of(b->pool);
-  device_stats::decrease(st.segment, g, 1);
-  device_stats::decrease(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
+  count_down(st.segment, g, 1);
+  count_down(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
   if (b->seg->oversize) st.oversize_segments.decrease(1);
   ++st.num_device_free;
   reserved_bytes_ -= b->size;
@@ -475,12 +475,12 @@ void device_state::free_uncached(block* b, stream_state& ss) {
   device_stats& st = sink.get();
   const stat_group g = group_of(b->pool);
   const auto size = static_cast<std::int64_t>(b->size);
-  device_stats::decrease(st.allocation, g, 1);
-  device_stats::decrease(st.allocated_bytes, g, size);
+  count_down(st.allocation, g, 1);
+  count_down(st.allocated_bytes, g, size);
   if (b->counted_oversize) st.oversize_allocations.decrease(1);
-  device_stats::decrease(st.active, g, 1);
-  device_stats::decrease(st.active_bytes, g, size);
-  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
+  count_down(st.active, g, 1);
+  count_down(st.active_bytes, g, size);
+  count_down(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
   forget_segment(b, st);
 }
 

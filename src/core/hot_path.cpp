@@ -463,23 +463,23 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     if (upper != nullptr) [[unlikely]] {  // after the rekey: an insert may move the entry at `at`
       upper->gc_count_base = upper->pool->get_free_blocks_call_count;
       upper->pool->blocks.insert(upper);
-      device_stats::increase(st.inactive_split, g, 1);  // expandable: the found block was split already
+      count_up(st.inactive_split, g, 1);  // expandable: the found block was split already
     }
     if (already_split) {
-      device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
+      count_down(st.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
       b->reuse_split_blocks = upper != nullptr ? 1 : 0;  // the second remainder is one more free block
       b->reuse_split_bytes = static_cast<std::int64_t>(p.size);
     } else {
-      device_stats::increase(st.inactive_split, g, 1);
-      device_stats::increase(st.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
+      count_up(st.inactive_split, g, 1);
+      count_up(st.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
       b->reuse_split_blocks = 1;
       b->reuse_split_bytes = static_cast<std::int64_t>(remaining->size);
     }
   } else {
     if (at != block_index::end()) p.pool->blocks.erase_at(at);
     if (already_split) {
-      device_stats::decrease(st.inactive_split, g, 1);
-      device_stats::decrease(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+      count_down(st.inactive_split, g, 1);
+      count_down(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
     }
     b->reuse_split_blocks = already_split ? 1 : 0;
     b->reuse_split_bytes = already_split ? static_cast<std::int64_t>(b->size) : 0;
@@ -488,11 +488,11 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   ++b->seg->busy_blocks;
   b->requested_bytes = p.requested_bytes;
   const auto size = static_cast<std::int64_t>(b->size);
-  device_stats::increase(st.allocation, g, 1);
-  device_stats::increase(st.allocated_bytes, g, size);
-  device_stats::increase(st.active, g, 1);
-  device_stats::increase(st.active_bytes, g, size);
-  device_stats::increase(st.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
+  count_up(st.allocation, g, 1);
+  count_up(st.allocated_bytes, g, size);
+  count_up(st.active, g, 1);
+  count_up(st.active_bytes, g, size);
+  count_up(st.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
   b->counted_oversize = b->size >= config_.max_split_size_bytes;
   if (b->counted_oversize) st.oversize_allocations.increase(1);
   return b;
@@ -594,8 +594,8 @@ void device_state::release_allocation(block* b, device_stats& st, bool device_lo
   const stat_group g = group_of(b->pool);
   b->allocated = false;
   b->reuse_version = no_reuse_version;
-  device_stats::decrease(st.allocation, g, 1);
-  device_stats::decrease(st.allocated_bytes, g, static_cast<std::int64_t>(b->size));
+  count_down(st.allocation, g, 1);
+  count_down(st.allocated_bytes, g, static_cast<std::int64_t>(b->size));
   if (b->counted_oversize) st.oversize_allocations.decrease(1);
   b->counted_oversize = false;
   if (b->event_count == 0) free_block(b, st, device_locked);
@@ -637,13 +637,13 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
     net_split_blocks += 1;
     net_split_bytes += static_cast<std::int64_t>(b->size);
   }
-  if (net_split_blocks > 0) device_stats::increase(st.inactive_split, g, net_split_blocks);
-  else if (net_split_blocks < 0) device_stats::decrease(st.inactive_split, g, -net_split_blocks);
-  if (net_split_bytes > 0) device_stats::increase(st.inactive_split_bytes, g, net_split_bytes);
-  else if (net_split_bytes < 0) device_stats::decrease(st.inactive_split_bytes, g, -net_split_bytes);
-  device_stats::decrease(st.active, g, 1);
-  device_stats::decrease(st.active_bytes, g, original_size);
-  device_stats::decrease(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
+  if (net_split_blocks > 0) count_up(st.inactive_split, g, net_split_blocks);
+  else if (net_split_blocks < 0) count_down(st.inactive_split, g, -net_split_blocks);
+  if (net_split_bytes > 0) count_up(st.inactive_split_bytes, g, net_split_bytes);
+  else if (net_split_bytes < 0) count_down(st.inactive_split_bytes, g, -net_split_bytes);
+  count_down(st.active, g, 1);
+  count_down(st.active_bytes, g, original_size);
+  count_down(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
   b->requested_bytes = 0;
   // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
   if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {

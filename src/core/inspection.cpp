@@ -189,8 +189,8 @@ void device_caching_allocator::check_invariants() const {
     if (seg->head == nullptr || seg->head->ptr != base || seg->head->prev != nullptr)
       fail("segment head is not the block at the segment base");
     const stat_group g = s.group_of(seg->head->pool);
-    device_stats::increase(recount.segment, g, 1);
-    device_stats::increase(recount.reserved_bytes, g,
+    detail::count_up(recount.segment, g, 1);
+    detail::count_up(recount.reserved_bytes, g,
                            static_cast<std::int64_t>(seg->expandable ? seg->mapped_bytes : seg->size));
     const std::size_t page = seg->page_bytes;
     if (seg->expandable) {
@@ -207,7 +207,7 @@ void device_caching_allocator::check_invariants() const {
         else if (seg->pages[r.index] != 0) fail("a retired page is mapped in the books");
         if (r.owner == nullptr || r.handle == 0) fail("a retired page has no stream or handle");
         if (r.release)  // given up, held by the device until its deferred unmap: reserved
-          device_stats::increase(recount.reserved_bytes, g, static_cast<std::int64_t>(page));
+          detail::count_up(recount.reserved_bytes, g, static_cast<std::int64_t>(page));
       }
       retired_total += seg->retired.size();
     }
@@ -248,16 +248,16 @@ void device_caching_allocator::check_invariants() const {
         if (b->next != nullptr && b->next->is_free() && b->next->mapped)
           fail("two free neighbours are not merged");
         if (b->is_split()) {
-          device_stats::increase(recount.inactive_split, g, 1);
-          device_stats::increase(recount.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+          detail::count_up(recount.inactive_split, g, 1);
+          detail::count_up(recount.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
         }
       } else {
-        device_stats::increase(recount.active, g, 1);
-        device_stats::increase(recount.active_bytes, g, static_cast<std::int64_t>(b->size));
-        device_stats::increase(recount.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
+        detail::count_up(recount.active, g, 1);
+        detail::count_up(recount.active_bytes, g, static_cast<std::int64_t>(b->size));
+        detail::count_up(recount.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
         if (b->allocated) {
-          device_stats::increase(recount.allocation, g, 1);
-          device_stats::increase(recount.allocated_bytes, g, static_cast<std::int64_t>(b->size));
+          detail::count_up(recount.allocation, g, 1);
+          detail::count_up(recount.allocated_bytes, g, static_cast<std::int64_t>(b->size));
         }
       }
       expect += b->size;

@@ -186,8 +186,8 @@ block* device_state::carve_allocated(segment& seg, std::uintptr_t ptr, std::size
   const stat_group g = group_of(f->pool);
   f->pool->blocks.erase(f);
   if (f->is_split()) {
-    device_stats::decrease(stats_.inactive_split, g, 1);
-    device_stats::decrease(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(f->size));
+    count_down(stats_.inactive_split, g, 1);
+    count_down(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(f->size));
   }
   block* lo = nullptr;
   if (f->ptr < ptr) {
@@ -199,17 +199,17 @@ block* device_state::carve_allocated(segment& seg, std::uintptr_t ptr, std::size
     if (x == nullptr) continue;
     x->gc_count_base = x->pool->get_free_blocks_call_count;
     x->pool->blocks.insert(x);
-    device_stats::increase(stats_.inactive_split, g, 1);
-    device_stats::increase(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(x->size));
+    count_up(stats_.inactive_split, g, 1);
+    count_up(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(x->size));
   }
   f->allocated = true;
   ++f->seg->busy_blocks;
   f->requested_bytes = requested;
-  device_stats::increase(stats_.allocation, g, 1);
-  device_stats::increase(stats_.allocated_bytes, g, static_cast<std::int64_t>(size));
-  device_stats::increase(stats_.active, g, 1);
-  device_stats::increase(stats_.active_bytes, g, static_cast<std::int64_t>(size));
-  device_stats::increase(stats_.requested_bytes, g, static_cast<std::int64_t>(requested));
+  count_up(stats_.allocation, g, 1);
+  count_up(stats_.allocated_bytes, g, static_cast<std::int64_t>(size));
+  count_up(stats_.active, g, 1);
+  count_up(stats_.active_bytes, g, static_cast<std::int64_t>(size));
+  count_up(stats_.requested_bytes, g, static_cast<std::int64_t>(requested));
   f->counted_oversize = size >= config_.max_split_size_bytes;
   if (f->counted_oversize) stats_.oversize_allocations.increase(1);
   return f;

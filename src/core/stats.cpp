@@ -2,6 +2,8 @@
 // of device_stats.
 #include <ccalloc/core/stats.hpp>
 
+#include "detail/stat_storage.hpp"
+
 #include <string_view>
 #include <utility>
 
@@ -78,6 +80,34 @@ void device_stats::reset_peak() noexcept {
     for (auto& s : this->*member) s.reset_peak();
   }
   for (const auto& [name, member] : detail::single_stats) (this->*member).reset_peak();
+}
+
+device_stats detail::stats_as_read(const device_stats& stored) noexcept {
+  device_stats out = stored;
+  for (const auto& [name, member] : detail::pooled_stats) {
+    stat_array& a = out.*member;
+    stat& all = a[detail::all_group];
+    all.allocated = 0;
+    all.freed = 0;
+    for (const stat_group g : {stat_group::small_pool, stat_group::large_pool}) {
+      stat& s = a[static_cast<std::size_t>(g)];
+      s.freed = s.allocated - s.current + s.freed;  // stored: the current value at the last reset
+      all.allocated += s.allocated;
+      all.freed += s.freed;
+    }
+  }
+  return out;
+}
+
+void detail::reset_accumulated_stored(device_stats& stored) noexcept {
+  for (const auto& [name, member] : detail::pooled_stats) {
+    for (stat& s : stored.*member) {
+      s.allocated = 0;
+      s.freed = s.current;  // freed reads allocated - current + this: 0
+    }
+  }
+  for (const auto& [name, member] : detail::single_stats) (stored.*member).reset_accumulated();
+  for (const auto& [name, member] : detail::event_counters) stored.*member = 0;
 }
 
 std::map<std::string, std::int64_t> device_stats::to_map() const {

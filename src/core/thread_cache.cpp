@@ -42,14 +42,8 @@ void add_hits(thread_cache_hits& into, thread_cache_hits& from) noexcept {
 void count_hits(device_stats& st, thread_cache_hits& h) noexcept {
   if (!h.any) return;
   for (std::size_t k = 0; k < 2; ++k) {
-    const std::size_t g = k == 0 ? static_cast<std::size_t>(stat_group::small_pool)
-                                 : static_cast<std::size_t>(stat_group::large_pool);
-    auto both = [&](stat_array& a, std::int64_t n) {
-      for (std::size_t i : {std::size_t{0}, g}) {
-        a[i].allocated += n;
-        a[i].freed += n;
-      }
-    };
+    const stat_group g = k == 0 ? stat_group::small_pool : stat_group::large_pool;
+    auto both = [&](stat_array& a, std::int64_t n) { count_through(a, g, n); };
     both(st.allocation, h.blocks[k]);
     both(st.active, h.blocks[k]);
     both(st.allocated_bytes, h.bytes[k]);

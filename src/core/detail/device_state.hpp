@@ -57,6 +57,7 @@
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
 #include <ccalloc/core/stats.hpp>
+#include "stat_storage.hpp"
 
 #include "history_recorder.hpp"
 #include "thread_cache.hpp"
