@@ -172,7 +172,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
-    prepare(p, requested_bytes, ss);
+    prepare_search(p, requested_bytes, ss);
     // Rung 1: a cached block of this stream and pool.
     if (caching_) [[likely]] {
       if (const block_index::position at = find_free_block(p); at != block_index::end()) [[likely]] {
@@ -220,7 +220,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
-    prepare(p, requested_bytes, ss);
+    prepare_search(p, requested_bytes, ss);
     if (caching_) {
       if (const block_index::position at = find_free_block(p); at != block_index::end()) {
         stats_sink sink(*this, ss);
@@ -294,14 +294,18 @@ stream_state& device_state::stream_for(stream_t stream) {
   return registered_stream(*this, stream);
 }
 
-void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
+void device_state::prepare_search(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
   p.requested_bytes = requested_bytes;
   p.stream = ss.stream;
   p.owner = &ss;
   p.size = round_size(requested_bytes);
   p.pool = p.size <= small_request_bytes ? &ss.pools.small : &ss.pools.large;
-  p.alloc_size = allocation_size(p.size);
   p.found = nullptr;
+}
+
+void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
+  prepare_search(p, requested_bytes, ss);
+  p.alloc_size = allocation_size(p.size);
 }
 
 // B1: 512-byte multiples, or the next of `divisions` equal steps between two

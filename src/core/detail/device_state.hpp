@@ -683,6 +683,9 @@ class device_state {
   [[nodiscard]] std::size_t round_size(std::size_t size) const noexcept;       // [stream]
   [[nodiscard]] std::size_t allocation_size(std::size_t size) const noexcept;  // [stream]
   void prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;  // [stream]
+  // prepare without p.alloc_size, which only the slow path reads (rung 1 of
+  // the hot path; the slow path prepares again). [stream]
+  void prepare_search(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;
   bool get_free_block(alloc_params& p);                                        // [stream]
   block_index::position find_free_block(alloc_params& p);                     // [stream]
   block* take_found_block(alloc_params& p, device_stats& st,
