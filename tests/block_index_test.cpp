@@ -218,3 +218,77 @@ TEST(BlockIndex, ErasingKeepsEarlierPositions) {
 }
 
 }  // namespace
+
+// find() reads where the index put each block (block::index_bin, index_pos)
+// instead of searching: after random inserts, erases and rekeys, including
+// a rekey that hands an entry to another block (a free merged with its free
+// neighbour takes the neighbour's entry), every block in the index is found
+// at its own entry, and a block that left it is not found.
+TEST(BlockIndex, FindIsWhereTheIndexKeepsEachBlock) {
+  std::mt19937_64 rng(4242);
+  std::vector<std::unique_ptr<block>> blocks;
+  block_index index;
+  std::set<key> reference;
+  std::vector<block*> live, gone;
+  std::uintptr_t next_ptr = std::uintptr_t{1} << 30;
+  auto fresh = [&](std::size_t size) {
+    auto b = std::make_unique<block>();
+    b->size = size;
+    b->ptr = next_ptr;
+    next_ptr += std::uintptr_t{1} << 30;
+    blocks.push_back(std::move(b));
+    return blocks.back().get();
+  };
+  int handed_over = 0;
+  for (int step = 0; step < 20000; ++step) {
+    const unsigned op = static_cast<unsigned>(rng() % 4);
+    if (live.size() < 8 || op == 0) {
+      block* b = fresh(512 * (1 + rng() % 64));  // few bins: shifts on most inserts
+      index.insert(b);
+      reference.insert({b->size, b->ptr});
+      live.push_back(b);
+    } else if (op == 1) {
+      const std::size_t i = rng() % live.size();
+      block* b = live[i];
+      const block_index::position at = index.find(b);
+      ASSERT_NE(at, block_index::end());
+      index.erase_at(at);
+      reference.erase({b->size, b->ptr});
+      gone.push_back(b);
+      live[i] = live.back();
+      live.pop_back();
+    } else {
+      // Rekey: the same block (a split's remainder) or another one that
+      // takes over the entry with a grown key (a merge).
+      const std::size_t i = rng() % live.size();
+      block* b = live[i];
+      const block_index::position at = index.find(b);
+      ASSERT_NE(at, block_index::end());
+      reference.erase({b->size, b->ptr});
+      block* to = b;
+      if (op == 3) {
+        to = fresh(b->size + 512 * (1 + rng() % 4));
+        live[i] = to;
+        gone.push_back(b);
+        ++handed_over;
+      } else {
+        b->size = 512 * (1 + rng() % 64);
+      }
+      index.rekey_at(at, to);
+      reference.insert({to->size, to->ptr});
+    }
+    ASSERT_EQ(index.size(), reference.size());
+    if (step % 16 == 0) {
+      for (block* b : live) {
+        const block_index::position at = index.find(b);
+        ASSERT_NE(at, block_index::end()) << "step " << step;
+        ASSERT_EQ(index.at(at), b) << "step " << step;
+      }
+      for (block* b : gone) ASSERT_FALSE(index.contains(b)) << "step " << step;
+    }
+  }
+  std::vector<key> up;
+  index.for_each([&](block* x) { up.emplace_back(x->size, x->ptr); });
+  EXPECT_EQ(up, std::vector<key>(reference.begin(), reference.end()));
+  EXPECT_GT(handed_over, 1000);
+}

@@ -734,6 +734,7 @@ void block_index::place(std::uint32_t bin, block* b) noexcept {
   bump_version();
   bin_array& v = bins_[bin];
   v.insert_at(search(v, b->size, b->ptr), entry{b->size, b->ptr, b});
+  b->index_bin = static_cast<std::uint8_t>(bin);
   ++count_;
   occupied_[bin / 64] |= std::uint64_t{1} << (bin % 64);
 }
@@ -750,11 +751,13 @@ void block_index::reserve_two(std::size_t a, std::size_t c) {
   if (bin == bin_of(c) && bins_[bin].size() + 2 > bins_[bin].capacity()) bins_[bin].grow();
 }
 
-// A block is always in its own size's bin: no need to look further.
+// Where the index put b (block::index_bin, index_pos): no search. A block
+// not in this index (another pool's, or none) names a slot that does not
+// hold it.
 block_index::position block_index::find(const block* b) const noexcept {
-  const std::uint32_t bin = bin_of(b->size);
-  const std::uint32_t i = search(bins_[bin], b->size, b->ptr);
-  return i < bins_[bin].size() && bins_[bin][i].b == b ? position{bin, i} : end();
+  const std::uint32_t bin = b->index_bin;
+  const std::uint32_t i = b->index_pos;
+  return bin < bin_count && i < bins_[bin].size() && bins_[bin][i].b == b ? position{bin, i} : end();
 }
 
 void block_index::erase(const block* b) {

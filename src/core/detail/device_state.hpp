@@ -164,6 +164,10 @@ struct block {
   // free_seq was taken when it was freed with events (a fence recorded
   // then covers it); free_block keeps it. [stream]
   bool free_seq_taken = false;
+  // Where it is in its pool's index while it is there (block_index keeps
+  // them as entries move): find() reads them instead of searching. [stream]
+  std::uint8_t index_bin = 0;
+  std::uint32_t index_pos = 0;
   std::vector<stream_t> stream_uses;  // other streams that used it (record_stream)
   // The thread cache's proof that handing this block out again is what the
   // pools would do (detail/thread_cache.hpp, "Placement"): its pool index's
@@ -251,7 +255,7 @@ class block_index {
     std::uint32_t index;
     friend bool operator==(position, position) = default;
   };
-  static constexpr std::uint32_t bin_count = 216;
+  static constexpr std::uint32_t bin_count = 216;  // fits block::index_bin
 
   /// One bin: its entries in key order, in one array. Not a std::vector:
   /// its size() divides by the entry's 24 bytes and its insert is a call,
@@ -277,17 +281,19 @@ class block_index {
       capacity_ = 1;
     }
     /// Inserts `e` before index i (i <= size() < capacity: not full()).
+    /// Every entry's block learns its new index (block::index_pos).
     void insert_at(std::uint32_t i, const entry& e) noexcept {
       entry* d = data_;
-      for (std::uint32_t j = size_; j > i; --j) copy_entry(d[j], d[j - 1]);
+      for (std::uint32_t j = size_; j > i; --j) move_entry(d, j, j - 1);
       d[i] = e;
+      e.b->index_pos = i;
       ++size_;
     }
     /// Removes the entry at index i (< size()).
     void erase_at(std::uint32_t i) noexcept {
       --size_;
       entry* d = data_;
-      for (std::uint32_t j = i; j < size_; ++j) copy_entry(d[j], d[j + 1]);
+      for (std::uint32_t j = i; j < size_; ++j) move_entry(d, j, j + 1);
     }
     /// Doubles the capacity. May throw std::bad_alloc (then unchanged).
     [[gnu::noinline]] void grow() {
@@ -303,8 +309,9 @@ class block_index {
     // The shifts above move a few entries (a bin rarely holds more than a
     // few): a loop, not a call of memmove through the PLT. An asm barrier
     // keeps GCC from turning the loop back into that call.
-    static void copy_entry(entry& to, const entry& from) noexcept {
-      to = from;
+    static void move_entry(entry* d, std::uint32_t to, std::uint32_t from) noexcept {
+      d[to] = d[from];
+      d[to].b->index_pos = to;
       asm volatile("" ::: "memory");
     }
     entry* data_ = nullptr;
@@ -392,6 +399,8 @@ class block_index {
     if (stays) [[likely]] {
       bump_version();
       v[p.index] = entry{b->size, b->ptr, b};
+      b->index_bin = static_cast<std::uint8_t>(p.bin);  // b may be another block than the entry's (a merge)
+      b->index_pos = p.index;
       return;
     }
     erase_at(p);
