@@ -175,7 +175,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
     prepare_search(p, requested_bytes, ss);
     // Rung 1: a cached block of this stream and pool.
     if (caching_) [[likely]] {
-      if (const block_index::position at = find_free_block(p); at != block_index::end()) [[likely]] {
+      if (const block_index::position at = find_free_block(p); !at.is_end()) [[likely]] {
         stats_sink sink(*this, ss);
         return note_reusable(take_found_block(p, sink.get(), at), ss);
       }
@@ -222,7 +222,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
     std::lock_guard lock(ss.mutex);
     prepare_search(p, requested_bytes, ss);
     if (caching_) {
-      if (const block_index::position at = find_free_block(p); at != block_index::end()) {
+      if (const block_index::position at = find_free_block(p); !at.is_end()) {
         stats_sink sink(*this, ss);
         return note_reusable(take_found_block(p, sink.get(), at), ss);
       }
@@ -344,7 +344,7 @@ block_index::position device_state::find_free_block(alloc_params& p) {
   block_pool& pool = *p.pool;
   if (config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
   const block_index::position i = pool.blocks.lower_bound(p.size);
-  if (i == block_index::end()) return i;
+  if (i.is_end()) return i;
   block* b = pool.blocks.at(i);
   if (!oversize_rules_allow(p.size, b->size)) return block_index::end();  // b->size >= p.size (lower_bound)
   // Expandable segments: carving b, a free island (no block in use beside
@@ -361,7 +361,7 @@ block_index::position device_state::find_free_block(alloc_params& p) {
 
 bool device_state::get_free_block(alloc_params& p) {
   const block_index::position i = find_free_block(p);
-  if (i == block_index::end()) return false;
+  if (i.is_end()) return false;
   p.pool->blocks.erase_at(i);
   return true;
 }
@@ -462,7 +462,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     remaining->gc_count_base = remaining->pool->get_free_blocks_call_count;
     // The remainder is the found block's object, with a smaller size (and a
     // higher address when the caller got the front).
-    if (at != block_index::end()) remaining->pool->blocks.rekey_at(at, remaining);
+    if (!at.is_end()) remaining->pool->blocks.rekey_at(at, remaining);
     else remaining->pool->blocks.insert(remaining);
     if (upper != nullptr) [[unlikely]] {  // after the rekey: an insert may move the entry at `at`
       upper->gc_count_base = upper->pool->get_free_blocks_call_count;
@@ -480,7 +480,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
       b->reuse_split_bytes = static_cast<std::int64_t>(remaining->size);
     }
   } else {
-    if (at != block_index::end()) p.pool->blocks.erase_at(at);
+    if (!at.is_end()) p.pool->blocks.erase_at(at);
     if (already_split) {
       count_down(st.inactive_split, g, 1);
       count_down(st.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
@@ -621,7 +621,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   block_index::position slot = block_index::end();
   const auto absorb = [&](block* neighbour) {
     if (!can_merge(b, neighbour)) return;
-    if (slot != block_index::end()) index.erase_at(slot);
+    if (!slot.is_end()) index.erase_at(slot);
     slot = index.find(neighbour);
     const std::size_t subsumed = merge(b, neighbour);
     net_split_blocks -= 1;
@@ -635,7 +635,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   // After the merges: the newest of its parts (a count taken at free stays).
   if (b->free_seq_taken) b->free_seq_taken = false;
   else b->free_seq = ++b->pool->owner->free_seq;
-  if (slot != block_index::end()) index.rekey_at(slot, b);
+  if (!slot.is_end()) index.rekey_at(slot, b);
   else index.insert(b);
   if (b->is_split()) {
     net_split_blocks += 1;
@@ -757,14 +757,14 @@ void block_index::reserve_two(std::size_t a, std::size_t c) {
 block_index::position block_index::find(const block* b) const noexcept {
   const std::uint32_t bin = b->index_bin;
   const std::uint32_t i = b->index_pos;
-  return bin < bin_count && i < bins_[bin].size() && bins_[bin][i].b == b ? position{bin, i} : end();
+  return i < bins_[bin].size() && bins_[bin][i].b == b ? position{bin, i} : end();  // index_bin < bin_count always
 }
 
 void block_index::erase(const block* b) {
-  if (const position p = find(b); p != end()) erase_at(p);
+  if (const position p = find(b); !p.is_end()) erase_at(p);
 }
 
-bool block_index::contains(const block* b) const noexcept { return find(b) != end(); }
+bool block_index::contains(const block* b) const noexcept { return !find(b).is_end(); }
 
 }  // namespace detail
 }  // namespace ccalloc

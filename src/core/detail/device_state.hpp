@@ -254,6 +254,8 @@ class block_index {
     std::uint32_t bin;
     std::uint32_t index;
     friend bool operator==(position, position) = default;
+    /// Whether this is end() (one comparison: the hot path asks at every step).
+    [[nodiscard]] bool is_end() const noexcept { return bin == bin_count; }
   };
   static constexpr std::uint32_t bin_count = 216;  // fits block::index_bin
 
@@ -413,7 +415,7 @@ class block_index {
   /// f(block*) for every block in ascending order (f must not change the index).
   template <class F>
   void for_each(F f) const {
-    for (position p = lower_bound(0); p != end(); p = next(p)) f(at(p));
+    for (position p = lower_bound(0); !p.is_end(); p = next(p)) f(at(p));
   }
   /// f(block*) in descending order while f returns true (f must not change the index).
   template <class F>
