@@ -668,3 +668,47 @@ TEST_F(CrossStreamWaitTest, NoFenceNoWait) {
   EXPECT_EQ(reserved(), I(42 * MiB));
   for (void* x : {keep, c}) alloc->free(x);
 }
+
+// A device-side wait that the backend refuses (cudaStreamWaitEvent fails)
+// fails the malloc with that backend_error and changes nothing: the
+// statistics, the reservation, the device's mappings and every block are
+// as before, and the same malloc succeeds once the backend accepts the wait.
+TEST_F(CrossStreamWaitTest, ARefusedWaitFailsTheMallocAndChangesNothing) {
+  const auto [s, other, o, keep] = frees_beside_another_stream();
+  const device_stats before = st();
+  const auto mapped_before = sim->counters().mapped_bytes;
+  const auto segments_before = alloc->device_allocator(0).segments();
+  sim->fail_stream_wait_after(1);
+  try {
+    (void)m(20 * MiB, other);
+    FAIL() << "the malloc succeeded although its device-side wait failed";
+  } catch (const backend_error& e) {
+    EXPECT_NE(std::string(e.what()).find("stream_wait_event"), std::string::npos) << e.what();
+  }
+  alloc->device_allocator(0).check_invariants();
+  const device_stats after = st();
+  EXPECT_EQ(after.allocation[0].current, before.allocation[0].current);
+  EXPECT_EQ(after.allocation[0].allocated, before.allocation[0].allocated);
+  EXPECT_EQ(after.reserved_bytes[0].current, before.reserved_bytes[0].current);
+  EXPECT_EQ(after.inactive_split_bytes[0].current, before.inactive_split_bytes[0].current);
+  EXPECT_EQ(after.num_stream_waits, 0);
+  EXPECT_EQ(after.num_pages_remapped, before.num_pages_remapped);
+  EXPECT_EQ(sim->counters().mapped_bytes, mapped_before) << "no page moved";
+  const auto segments_after = alloc->device_allocator(0).segments();
+  ASSERT_EQ(segments_after.size(), segments_before.size());
+  for (std::size_t i = 0; i < segments_before.size(); ++i) {
+    EXPECT_EQ(segments_after[i].address, segments_before[i].address);
+    EXPECT_EQ(segments_after[i].total_bytes, segments_before[i].total_bytes);
+    EXPECT_EQ(segments_after[i].blocks.size(), segments_before[i].blocks.size()) << "segment " << i;
+  }
+  // The backend accepts the wait again: the same request is served as it
+  // would have been, behind one wait, without a new peak.
+  void* c = m(20 * MiB, other);
+  EXPECT_EQ(st().num_stream_waits, 1);
+  EXPECT_EQ(reserved(), I(24 * MiB));
+  EXPECT_EQ(st().num_device_synchronizations, 0);
+  alloc->device_allocator(0).check_invariants();
+  for (void* p : {o, keep, c}) alloc->free(p);
+  alloc->empty_cache();
+  EXPECT_EQ(sim->counters().live_handles, 0u);
+}

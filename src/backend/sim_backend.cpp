@@ -307,6 +307,7 @@ struct sim_backend::impl {
   std::uint64_t fail_query_countdown = 0;
   std::uint64_t fail_vm_create_countdown = 0;
   std::uint64_t fail_vm_map_countdown = 0;
+  std::uint64_t fail_stream_wait_countdown = 0;
   bool vm_supported = false;  // granularity is a multiple of the host page size
   std::map<std::uintptr_t, reservation> reservations;  // base -> reservation
   std::map<std::uintptr_t, mapping> mappings;          // address -> mapping
@@ -517,6 +518,9 @@ void sim_backend::stream_wait_event(int device, stream_t stream, event_t event) 
     throw backend_error("sim: stream_wait_event: event " + std::to_string(event) + " is of device " +
                         std::to_string(ev.device) + ", not " + std::to_string(device));
   impl_->check_not_capturing(device, "stream_wait_event");
+  if (impl_->fail_stream_wait_countdown && --impl_->fail_stream_wait_countdown == 0)
+    throw backend_error("sim: stream_wait_event(stream " + std::to_string(stream) + ", event " +
+                        std::to_string(event) + "): injected failure");
   auto& until = d.busy_until.try_emplace(stream, impl_->now).first->second;  // default streams: made on first use
   until = std::max(until, ev.complete_at);
   for (gate_t id : ev.gates) {  // the event's work waits on closed gates: so does the stream's from now on
@@ -1217,6 +1221,11 @@ void sim_backend::fail_vm_create_after(std::uint64_t n) {
 void sim_backend::fail_vm_map_after(std::uint64_t n) {
   std::lock_guard lock(impl_->mutex);
   impl_->fail_vm_map_countdown = n;
+}
+
+void sim_backend::fail_stream_wait_after(std::uint64_t n) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->fail_stream_wait_countdown = n;
 }
 
 sim_counters sim_backend::counters() const {
