@@ -109,11 +109,15 @@ struct device_stats {
   stat oversize_segments;               ///< segments >= max_split_size
   std::int64_t max_split_size = -1;     ///< bytes; -1 when unlimited (as PyTorch reports it)
 
-  /// Adds `amount` to `stat_array[all]` and `[group]`.
+  /// Adds `amount` to `stat_array[all]` and `[group]` of statistics as read
+  /// (what stats() returns; the allocator keeps its own counters in a form
+  /// that writes less, src/core/detail/stat_storage.hpp, and returns them
+  /// in this one). Not thread-safe (plain integers).
   static void increase(stat_array& s, stat_group group, std::int64_t amount) noexcept {
     s[0].increase(amount);
     s[static_cast<std::size_t>(group)].increase(amount);
   }
+  /// Takes `amount` from `stat_array[all]` and `[group]` (adds it to freed).
   static void decrease(stat_array& s, stat_group group, std::int64_t amount) noexcept {
     s[0].decrease(amount);
     s[static_cast<std::size_t>(group)].decrease(amount);
