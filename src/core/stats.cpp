@@ -100,14 +100,9 @@ device_stats detail::stats_as_read(const device_stats& stored) noexcept {
 }
 
 void detail::reset_accumulated_stored(device_stats& stored) noexcept {
-  for (const auto& [name, member] : detail::pooled_stats) {
-    for (stat& s : stored.*member) {
-      s.allocated = 0;
-      s.freed = s.current;  // freed reads allocated - current + this: 0
-    }
-  }
-  for (const auto& [name, member] : detail::single_stats) (stored.*member).reset_accumulated();
-  for (const auto& [name, member] : detail::event_counters) stored.*member = 0;
+  stored.reset_accumulated();  // the single stats and event counters are stored as read
+  for (const auto& [name, member] : detail::pooled_stats)
+    for (stat& s : stored.*member) s.freed = s.current;  // freed reads allocated (0) - current + this: 0
 }
 
 std::map<std::string, std::int64_t> device_stats::to_map() const {

@@ -43,14 +43,13 @@ void count_hits(device_stats& st, thread_cache_hits& h) noexcept {
   if (!h.any) return;
   for (std::size_t k = 0; k < 2; ++k) {
     const stat_group g = k == 0 ? stat_group::small_pool : stat_group::large_pool;
-    auto both = [&](stat_array& a, std::int64_t n) { count_through(a, g, n); };
-    both(st.allocation, h.blocks[k]);
-    both(st.active, h.blocks[k]);
-    both(st.allocated_bytes, h.bytes[k]);
-    both(st.active_bytes, h.bytes[k]);
-    both(st.requested_bytes, h.requested_bytes[k]);
-    both(st.inactive_split, h.split_blocks[k]);
-    both(st.inactive_split_bytes, h.split_bytes[k]);
+    count_through(st.allocation, g, h.blocks[k]);
+    count_through(st.active, g, h.blocks[k]);
+    count_through(st.allocated_bytes, g, h.bytes[k]);
+    count_through(st.active_bytes, g, h.bytes[k]);
+    count_through(st.requested_bytes, g, h.requested_bytes[k]);
+    count_through(st.inactive_split, g, h.split_blocks[k]);
+    count_through(st.inactive_split_bytes, g, h.split_bytes[k]);
   }
   st.num_thread_cache_hits += h.blocks[0] + h.blocks[1];
   st.oversize_allocations.allocated += h.oversize;
