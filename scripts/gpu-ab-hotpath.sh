@@ -33,7 +33,8 @@ for r in $(seq 1 "$ROUNDS"); do
   for t in a b; do
     log="$W/round$r-$t.log"
     timeout 120 "build-ab-$t/bench/gpu/bench_gpu" --only=ccalloc --cases="$CASES" --reps="$REPS" >"$log" 2>&1
-    echo "== round $r tree $t ($([ $t = a ] && echo base || echo this)) rc=$?"
+    rc=$?  # before the command substitution below, which sets $? of its own
+    echo "== round $r tree $t ($([ $t = a ] && echo base || echo this)) rc=$rc"
     grep -E '^RESULT' "$log" | sed -E 's/ (min_ns|max_ns|reps|pairs_per_rep|pairs|seconds)=[^ ]*//g'
   done
 done
