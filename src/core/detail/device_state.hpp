@@ -257,7 +257,8 @@ class block_index {
     /// Whether this is end() (one comparison: the hot path asks at every step).
     [[nodiscard]] bool is_end() const noexcept { return bin == bin_count; }
   };
-  static constexpr std::uint32_t bin_count = 216;  // fits block::index_bin
+  static constexpr std::uint32_t bin_count = 216;
+  static_assert(bin_count <= 256, "block::index_bin is one byte");
 
   /// One bin: its entries in key order, in one array. Not a std::vector:
   /// its size() divides by the entry's 24 bytes and its insert is a call,
