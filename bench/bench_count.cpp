@@ -19,6 +19,7 @@
 //
 //   stats mixed steps=4000000 pages_mapped=133 pages_unmapped=104 pages_remapped=104
 //         device_allocs=29 device_frees=0 device_synchronizations=0 reserved_bytes=1038090240
+//         ns_per_op=104.2
 //
 // (one line; with CCALLOC_CONF=recycle_time_percent:100, no time budget:
 // 18,869 pages remapped at 851,443,712 B). The simulated device's host clock
@@ -32,6 +33,7 @@
 #include "common/cases.hpp"
 
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -89,23 +91,30 @@ int main(int argc, char** argv) {
   a.init(1);
   const ccalloc::stream_t stream = backend->create_stream(0);
   // The counters' increase over the measured part, on stderr.
+  // The wall time of the measured loop (two clock reads outside it): ns a
+  // pair or step, for timing the same loop on another host (the GPU
+  // machine's, scripts/gpu-mixed-layout.sh); 0 when N = 0.
+  using clock = std::chrono::steady_clock;
+  clock::time_point started;
   auto print_stats = [&](const char* what, const char* unit, const ccalloc::device_stats& before) {
+    const double ns = std::chrono::duration<double, std::nano>(clock::now() - started).count();
     const ccalloc::device_stats after = a.device_allocator(0).stats();
     const auto all = static_cast<std::size_t>(ccalloc::stat_group::all);
     std::fprintf(stderr,
                  "stats %s %s=%ld pages_mapped=%lld pages_unmapped=%lld pages_remapped=%lld device_allocs=%lld "
-                 "device_frees=%lld device_synchronizations=%lld reserved_bytes=%lld\n",
+                 "device_frees=%lld device_synchronizations=%lld reserved_bytes=%lld ns_per_op=%.1f\n",
                  what, unit, n, static_cast<long long>(after.num_pages_mapped - before.num_pages_mapped),
                  static_cast<long long>(after.num_pages_unmapped - before.num_pages_unmapped),
                  static_cast<long long>(after.num_pages_remapped - before.num_pages_remapped),
                  static_cast<long long>(after.num_device_alloc - before.num_device_alloc),
                  static_cast<long long>(after.num_device_free - before.num_device_free),
                  static_cast<long long>(after.num_device_synchronizations - before.num_device_synchronizations),
-                 static_cast<long long>(after.reserved_bytes[all].current));
+                 static_cast<long long>(after.reserved_bytes[all].current), n > 0 ? ns / static_cast<double>(n) : 0.0);
   };
   if (std::strcmp(argv[1], "pair") == 0) {
     a.free(a.malloc(0, 512, stream));
     const ccalloc::device_stats before = a.device_allocator(0).stats();
+    started = clock::now();
     for (long i = 0; i < n; ++i) a.free(a.malloc(0, 512, stream));
     print_stats("pair", "pairs", before);
     return 0;
@@ -122,6 +131,7 @@ int main(int argc, char** argv) {
   };
   for (std::size_t i = 0; i < plan.steps.size(); ++i) step();  // warm-up: one pass
   const ccalloc::device_stats before = a.device_allocator(0).stats();
+  started = clock::now();
   for (long i = 0; i < n; ++i) step();
   print_stats("mixed", "steps", before);
   for (void* p : ring) a.free(p);
