@@ -830,6 +830,26 @@ TEST_F(ExpandableTest, IdleStreamsCachedWholeSegmentServesAnotherStream) {
   alloc->free(a);
 }
 
+// Two idle streams cache a whole segment of the same size: the one adopted
+// is the lower stream handle's, whatever order the streams' states have in
+// host memory (the world lock orders the streams by handle). Here the higher
+// handle's stream is registered first, so its state is usually made first.
+TEST_F(ExpandableTest, AmongEqualIdleSegmentsTheLowerStreamHandlesIsAdopted) {
+  make(256 * MiB, "expandable_segments:False");
+  constexpr stream_t high = 0x7000, low = 0x1000, taker = 0x4000;
+  sim->adopt_stream(0, high);
+  sim->adopt_stream(0, low);
+  sim->adopt_stream(0, taker);
+  void* on_high = m(30 * MiB, high);
+  void* on_low = m(30 * MiB, low);
+  alloc->free(on_high);
+  alloc->free(on_low);
+  EXPECT_EQ(m(30 * MiB, taker), on_low) << "the tie goes to stream 0x1000";
+  EXPECT_EQ(st().num_device_alloc, 2);
+  EXPECT_EQ(m(30 * MiB, taker), on_high) << "then the other one";
+  EXPECT_EQ(st().num_device_alloc, 2);
+}
+
 TEST_F(ExpandableTest, AnotherStreamsSegmentMovesOnlyAfterItsWorkCompleted) {
   make(256 * MiB, "expandable_segments:False");
   const stream_t other = sim->create_stream(0);

@@ -33,7 +33,10 @@ void world_lock::lock() {
     throw;
   }
   for (auto& [stream, ss] : d_.streams_) streams_.push_back(ss.get());
-  std::sort(streams_.begin(), streams_.end());
+  // By stream handle (unique per device): the lock order, and the order of
+  // every slow-path loop over the streams (streams()).
+  std::sort(streams_.begin(), streams_.end(),
+            [](const stream_state* a, const stream_state* b) { return a->stream < b->stream; });
   for (stream_state* ss : streams_) ss->mutex.lock();
   d_.device_mutex_.lock();
   d_.stats_mutex_.lock();

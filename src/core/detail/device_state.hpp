@@ -526,6 +526,12 @@ struct private_pool {
   std::atomic<int> pinned{0};
 };
 
+// Private pools by id (unique among live pools): an order that does not
+// depend on host addresses.
+struct private_pool_order {
+  bool operator()(const private_pool* a, const private_pool* b) const noexcept { return a->id < b->id; }
+};
+
 // ---- stream_state: one stream's pools, lock and pending statistics --------------------
 
 // Everything of one stream: its pools, its lock, and the statistics it could
@@ -560,8 +566,10 @@ struct alignas(64) stream_state {
   // legacy default stream and another stream allocates too; else never
   // (SIZE_MAX). Set when the stream or the second stream registers. [stream]
   std::size_t fence_free_bytes = std::numeric_limits<std::size_t>::max();
-  // This stream's pools inside private pools (F20). [world]
-  std::map<private_pool*, std::unique_ptr<stream_pools>> private_pools;
+  // This stream's pools inside private pools (F20), in the order of the
+  // pools' ids (not their host addresses: release_dead_pools returns
+  // segments in this order). [world]
+  std::map<private_pool*, std::unique_ptr<stream_pools>, private_pool_order> private_pools;
 
   block* new_block() {
     if (spare_blocks.empty()) return new block;
@@ -657,7 +665,12 @@ class world_lock {
   void unlock();
   void lock();
   [[nodiscard]] bool locked() const noexcept { return locked_; }
-  /// Every stream state of the device when the lock was taken (all locked).
+  /// Every stream state of the device when the lock was taken (all locked),
+  /// in the order of their stream handles: the slow path's loops over them
+  /// (which stream's cached segment is adopted on a tie, which segments go
+  /// back to the device first) do not depend on where the host heap put
+  /// the stream states, so a seeded program places its blocks the same way
+  /// in every run.
   [[nodiscard]] const std::vector<stream_state*>& streams() const noexcept { return streams_; }
 
  private:
