@@ -245,6 +245,39 @@ TEST_P(PoolsTest, EmptyCacheKeepsUsedPoolsAndReleasesDeadOnes) {
   EXPECT_TRUE(dev().pools().empty());
 }
 
+// Dead pools give their cached segments back in the order of their ids,
+// not of where the host heap put the pools: the pool made first (the
+// higher id here) goes back last. Plain segments (segment_free events).
+TEST(PoolsOrder, DeadPoolsGoBackInTheOrderOfTheirIds) {
+  sim_options o;
+  o.capacity_bytes = 256 * MiB;
+  auto sim = std::make_shared<sim_backend>(o);
+  adopt_test_streams(*sim);
+  caching_allocator alloc(sim, allocator_config::parse("expandable_segments:False"));
+  alloc.init(1);
+  const mempool_id_t made_first{1, 9}, made_second{1, 2};
+  std::vector<void*> blocks;
+  for (const mempool_id_t id : {made_first, made_second}) {
+    alloc.create_or_incref_pool(0, id);
+    alloc.begin_allocate_to_pool(0, id, [](stream_t s) { return s == S1; });
+    blocks.push_back(alloc.malloc(0, 3 * MiB, S1));
+    alloc.end_allocate_to_pool(0, id);
+  }
+  for (void* b : blocks) alloc.free(b);
+  for (const mempool_id_t id : {made_first, made_second}) alloc.release_pool(0, id);
+  std::vector<std::uintptr_t> freed;
+  alloc.attach_allocator_trace_tracker([&](const trace_entry& e) {
+    if (e.action == trace_entry_action::segment_free) freed.push_back(e.addr);
+  });
+  history_options h;
+  h.enabled = true;
+  h.when = record_context::never;
+  alloc.record_history(h);
+  alloc.empty_cache();
+  EXPECT_EQ(freed, (std::vector<std::uintptr_t>{U(blocks[1]), U(blocks[0])})) << "pool (1, 2) first, then (1, 9)";
+  EXPECT_TRUE(alloc.device_allocator(0).pools().empty());
+}
+
 TEST_P(PoolsTest, TheOutOfMemoryPathReleasesDeadPools) {
   make(64 * MiB);
   alloc->create_or_incref_pool(0, P);
