@@ -18,7 +18,6 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/gpu-bench.sh OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 PY=${PYTHON:-python3}
 BUILD_LOG=$OUT/bench_build.log
 GPU_LOG=$OUT/bench_gpu.log
@@ -69,29 +68,24 @@ fi
 
 # ---- bench_torch (g++ against the installed torch) ---------------------------
 torch_rc=1
-read -r TORCH_DIR ABI < <(timeout "$(left 60)" "$PY" -c \
-  "import os,torch;print(os.path.dirname(torch.__file__), int(torch._C._GLIBCXX_USE_CXX11_ABI))" 2>>"$BUILD_LOG")
-if [ -n "$TORCH_DIR" ] && [ -n "$ABI" ]; then
-  mkdir -p build-bench-torch
-  say "building bench_torch against $TORCH_DIR"
-  if timeout "$(left 120)" g++ -std=c++20 -O2 -DNDEBUG -D_GLIBCXX_USE_CXX11_ABI="$ABI" \
-       -Ibench -I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$CUDA_HOME/include" \
-       bench/gpu/bench_torch.cpp -o build-bench-torch/bench_torch \
-       -L"$TORCH_DIR/lib" -lc10_cuda -lc10 -Wl,-rpath,"$TORCH_DIR/lib" \
-       -L"$CUDA_HOME/lib64" -lcudart -Wl,-rpath,"$CUDA_HOME/lib64" -pthread >>"$BUILD_LOG" 2>&1; then
+scripts/build-bench-torch.sh "$BUILD_LOG" "$(left 60)" "$(left 120)"
+case $? in
+  0)
     say "running bench_torch"
     timeout "$(left 90)" build-bench-torch/bench_torch >"$TORCH_LOG" 2>&1
     torch_rc=$?
     ((torch_rc == 0)) || { say "bench_torch exited $torch_rc (tail of its log):"; tail -n 20 "$TORCH_LOG" >&2; echo "ERROR allocator=torch case=run message=\"bench_torch exited $torch_rc\"" >>"$TORCH_LOG"; }
-  else
+    ;;
+  3)
+    say "no torch for $PY: bench_torch skipped"
+    echo "ERROR allocator=torch case=build message=\"no torch importable by $PY\"" >"$TORCH_LOG"
+    ;;
+  *)
     say "bench_torch did not build (tail of $BUILD_LOG):"
     tail -n 20 "$BUILD_LOG" >&2
     echo "ERROR allocator=torch case=build message=\"bench_torch did not build; see bench_build.log\"" >"$TORCH_LOG"
-  fi
-else
-  say "no torch for $PY: bench_torch skipped"
-  echo "ERROR allocator=torch case=build message=\"no torch importable by $PY\"" >"$TORCH_LOG"
-fi
+    ;;
+esac
 
 # ---- table -------------------------------------------------------------------
 "$PY" bench/gpu/summarize.py --out "$OUT/bench-table.md" "$GPU_LOG" "$TORCH_LOG" ||

@@ -19,7 +19,7 @@
 #   LAYOUT_GPU     0: skip bench_gpu (default 1)
 #   LAYOUT_TORCH   1: also PyTorch's allocator on the same mixed case in
 #                  each round (bench_torch, built with g++ against the
-#                  installed torch as scripts/gpu-bench.sh does; default 0)
+#                  installed torch: scripts/build-bench-torch.sh; default 0)
 # Writes OUT_DIR/layout.log (every run), OUT_DIR/vmstat.log, OUT_DIR/host.txt
 # and prints OUT_DIR/layout-summary.md.
 set -uo pipefail
@@ -42,17 +42,8 @@ fi
 COUNT=$BUILD/bench/bench_count
 GPU=$BUILD/bench/gpu/bench_gpu
 TORCH=build-bench-torch/bench_torch
-if [ "$WITH_TORCH" != 0 ]; then
-  CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-  read -r TORCH_DIR ABI < <(python3 -c \
-    "import os,torch;print(os.path.dirname(torch.__file__), int(torch._C._GLIBCXX_USE_CXX11_ABI))" 2>>"$OUT/build.log")
-  mkdir -p build-bench-torch
-  if [ -z "${TORCH_DIR:-}" ] || ! g++ -std=c++20 -O2 -DNDEBUG -D_GLIBCXX_USE_CXX11_ABI="$ABI" \
-       -Ibench -I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$CUDA_HOME/include" \
-       bench/gpu/bench_torch.cpp -o "$TORCH" -L"$TORCH_DIR/lib" -lc10_cuda -lc10 -Wl,-rpath,"$TORCH_DIR/lib" \
-       -L"$CUDA_HOME/lib64" -lcudart -Wl,-rpath,"$CUDA_HOME/lib64" -pthread >>"$OUT/build.log" 2>&1; then
-    say "bench_torch did not build: PyTorch's column stays empty"; WITH_TORCH=0
-  fi
+if [ "$WITH_TORCH" != 0 ] && ! scripts/build-bench-torch.sh "$OUT/build.log"; then
+  say "bench_torch did not build: PyTorch's column stays empty"; WITH_TORCH=0
 fi
 
 NORAND=()
