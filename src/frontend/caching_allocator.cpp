@@ -8,11 +8,13 @@
 
 #include <ccalloc/backend/default_backend.hpp>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <iterator>
 
 namespace ccalloc {
@@ -214,7 +216,15 @@ double caching_allocator::get_memory_fraction(int device) const {
 }
 
 void caching_allocator::empty_cache() {
-  for (auto& d : devices_) d->empty_cache();
+  std::exception_ptr first_failure;  // a device that fails does not keep the others' caches
+  for (auto& d : devices_) {
+    try {
+      d->empty_cache();
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
+    }
+  }
+  if (first_failure) std::rethrow_exception(first_failure);
 }
 
 void caching_allocator::enable_peer_access(int device, int peer) {
@@ -373,7 +383,11 @@ void caching_allocator::set_config(std::string_view text) {
   std::lock_guard lock(config_mutex_);
   allocator_config next = config_;
   next.apply(text);  // throws config_error; nothing changed then
-  print_warnings(next);
+  // Only what this setting adds: the warnings of earlier settings that
+  // still hold were printed when those were made.
+  for (const std::string& w : next.warnings)
+    if (std::find(config_.warnings.begin(), config_.warnings.end(), w) == config_.warnings.end())
+      std::fprintf(stderr, "ccalloc: warning: %s\n", w.c_str());
   config_ = next;
   for (auto& d : devices_) d->set_config(config_);
 }

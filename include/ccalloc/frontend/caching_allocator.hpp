@@ -159,7 +159,10 @@ class caching_allocator {
   [[nodiscard]] double get_memory_fraction(int device) const;
 
   /// Returns every unused cached segment of every device to the device (F8;
-  /// PyTorch: emptyCache).
+  /// PyTorch: emptyCache). A device or segment free that fails does not stop
+  /// it: every other segment of every device goes back, the failing
+  /// segments stay cached, and the first failure is thrown afterwards
+  /// (backend_error; PyTorch stops at the first).
   void empty_cache();
   /// Largest cached free block of `device`, in bytes (F9; PyTorch: cacheInfo).
   [[nodiscard]] std::size_t cache_info(int device) const;
@@ -332,7 +335,9 @@ class caching_allocator {
 
   /// Replaces the configuration of every device with `text` applied on top of
   /// the current one (F30). Throws config_error; nothing changes then.
-  /// Warnings about settings without effect go to stderr.
+  /// Warnings about settings without effect go to stderr, each once: those
+  /// that the settings before this call had already printed are not
+  /// printed again.
   void set_config(std::string_view text);
   [[nodiscard]] allocator_config config() const;
 
