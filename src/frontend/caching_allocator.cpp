@@ -3,6 +3,7 @@
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/base/detail/hot_tls.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
+#include <ccalloc/base/printable_text.hpp>
 
 #include "ipc_cache.hpp"
 
@@ -34,7 +35,7 @@ bool env_flag(const char* name) {
   for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
   if (value == "0" || value == "false" || value == "no" || value == "off") return false;
-  throw config_error(std::string("ccalloc: ") + name + "=" + v +
+  throw config_error(std::string("ccalloc: ") + name + "=" + printable_text(v) +
                      " is not a boolean (accepted: 1, true, yes, on, 0, false, no, off)");
 }
 

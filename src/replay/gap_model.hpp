@@ -47,6 +47,10 @@ class gap_model {
   virtual void end_all() = 0;
   /// After the allocator is gone: releases the side streams. Never throws.
   virtual void release() noexcept = 0;
+  /// Whether the replay destroys each trace stream after its last event
+  /// (replay_events), idle() telling when its work has run: on the virtual
+  /// clock, where the trace's stream ids are the device's own streams.
+  [[nodiscard]] virtual bool ends_trace_streams() const noexcept { return false; }
 };
 
 // Side streams standing in for the program's other streams during gaps; one
@@ -87,6 +91,7 @@ class clock_gaps final : public gap_model {
   void run_behind(stream_t stream, std::uint64_t until) override { sim_.enqueue_work(0, stream, until); }
   void set_host_time_us(std::uint64_t us) override { sim_.set_host_time_us(us); }
   void end_all() override {}
+  [[nodiscard]] bool ends_trace_streams() const noexcept override { return true; }
   void release() noexcept override {
     for (stream_t s : side_streams_) try {
         sim_.destroy_stream(0, s);

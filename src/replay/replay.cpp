@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <deque>
 #include <limits>
 #include <map>
 #include <memory>
@@ -178,6 +179,26 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   for (const trace_event& e : t.events) trace_streams.insert(static_cast<stream_t>(e.stream));
   side_stream_pool side_streams(gaps, std::move(trace_streams));
   const std::vector<bool> never_freed = never_freed_allocs(t);
+  // Each trace stream is destroyed after its last event of the last pass,
+  // once its work has run (as a program that makes a stream per request
+  // destroys it): the allocator then forgets it (SPEC P10), and a trace
+  // with a stream per allocation replays in linear time, not with every
+  // slow path walking every stream the trace ever named.
+  std::vector<std::pair<std::uint64_t, stream_t>> stream_ends;  // (last event index, stream), by index
+  if (gaps.ends_trace_streams()) {
+    std::unordered_map<stream_t, std::uint64_t> last_event;
+    for (std::uint64_t i = 0; i < t.events.size(); ++i) {
+      const auto st = static_cast<stream_t>(t.events[i].stream);
+      if (st != default_stream && st != legacy_stream_handle && st != per_thread_stream_handle &&
+          !device_backend::is_per_thread_stream(st))
+        last_event[st] = i;
+    }
+    stream_ends.reserve(last_event.size());
+    for (const auto& [st, i] : last_event) stream_ends.emplace_back(i, st);
+    std::sort(stream_ends.begin(), stream_ends.end());
+  }
+  std::size_t next_end = 0;
+  std::deque<stream_t> ending;  // past their last event, waiting for their work to run
 
   const std::uint64_t n = t.events.size();
   const auto start = std::chrono::steady_clock::now();
@@ -254,6 +275,14 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
         }
         default:
           break;  // free_completed is the side stream's work ending; segment events are the recorder's
+      }
+      if (pass + 1 == repeat) {
+        while (next_end < stream_ends.size() && stream_ends[next_end].first == i)
+          ending.push_back(stream_ends[next_end++].second);
+        while (!ending.empty() && gaps.idle(ending.front(), base + i)) {
+          allocator.destroy_stream(0, streams(ending.front()));
+          ending.pop_front();
+        }
       }
       gaps.check();
       ++pass_events;
