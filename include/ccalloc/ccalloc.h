@@ -540,7 +540,9 @@ CCALLOC_API ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, i
  * for it), and blocks allocated on it or recorded on it
  * (ccalloc_record_stream) stay valid; their ccalloc_delete later succeeds
  * and records nothing on the destroyed stream. Cached blocks of the stream
- * stay cached (ccalloc_empty_cache returns them). A ccalloc_malloc on the
+ * stay cached (another stream's allocation may take them over;
+ * ccalloc_empty_cache returns them); once none is left, the allocator keeps
+ * nothing of the stream (no host memory, no time in later calls). A ccalloc_malloc on the
  * destroyed stream fails with INVALID_ARGUMENT (a thread that allocated on
  * it just before may still be served from its own cache once). Destroying
  * a stream behind the allocator's back (cudaStreamDestroy directly) while

@@ -106,7 +106,10 @@ class device_caching_allocator {
   /// recording anything on it; a malloc on it throws invalid_argument_error
   /// (checked when a thread first meets the stream: a thread that allocated
   /// on it just before may still be served from its per-thread caches). Its
-  /// cached blocks stay cached for its handle. Throws backend_error from the
+  /// cached blocks stay cached for its handle (other streams may adopt its
+  /// idle segments); once it holds no segment, its state is deleted
+  /// (nothing of it stays: SPEC P10). A malloc or record_stream on it racing
+  /// with this call is the caller's error, as on CUDA. Throws backend_error from the
   /// synchronize (then nothing changed). Locks the whole device.
   void stream_destroyed(stream_t stream);
   /// The backend made a stream `stream` (a handle a destroyed stream may have

@@ -190,7 +190,10 @@ class caching_allocator {
   /// (device_caching_allocator::stream_destroyed): the stream's queued work
   /// completes (synchronize), and blocks allocated or recorded on it stay
   /// valid and are freed as usual later, recording nothing on it. A malloc
-  /// on it then throws invalid_argument_error. Destroying a stream through
+  /// on it then throws invalid_argument_error. Once its memory has moved on
+  /// (its blocks freed, its cached segments adopted by another stream or
+  /// returned to the device), the allocator keeps nothing of it: no host
+  /// memory and no slow-path time per destroyed stream (SPEC P10). Destroying a stream through
   /// the backend directly, under the allocator, is not supported: a later
   /// free of its blocks may fail (backend_error or invalid_argument_error,
   /// the block stays allocated). Throws invalid_argument_error for a device
