@@ -26,7 +26,9 @@
 #endif
 
 #ifdef CCALLOC_TEST_ASAN
-#include <sanitizer/allocator_interface.h>
+// The sanitizer runtime's count of live heap bytes (declared here: GCC does
+// not ship <sanitizer/allocator_interface.h>; its libasan has the function).
+extern "C" std::size_t __sanitizer_get_current_allocated_bytes();
 #else
 #include <malloc.h>
 #endif
