@@ -319,9 +319,15 @@ struct sim_backend::impl {
       const std::uintptr_t base = (start + g - 1) & ~std::uintptr_t{g - 1};
       if (base > start) ::munmap(raw, base - start);
       if (const std::size_t tail = start + g - base; tail > 0) ::munmap(reinterpret_cast<void*>(base + size), tail);
+      try {
+        d.arena_free.emplace(0, size);
+      } catch (...) {
+        ::munmap(reinterpret_cast<void*>(base), size);
+        d.arena_tried = false;
+        throw;
+      }
       d.arena_base = base;
       d.arena_bytes = size;
-      d.arena_free.emplace(0, size);
       return;
     }
   }
@@ -354,9 +360,16 @@ struct sim_backend::impl {
                MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0) == MAP_FAILED)
       return nullptr;
     const std::size_t from = it->first, end = it->first + it->second;
-    d.arena_free.erase(it);
-    if (offset > from) d.arena_free.emplace(from, offset - from);
-    if (end > offset + bytes) d.arena_free.emplace(offset + bytes, end - offset - bytes);
+    // The part before stays in its entry; the part after needs one (without
+    // host memory for it, that stretch is not reused: address space only).
+    if (offset > from) it->second = offset - from;
+    else d.arena_free.erase(it);
+    if (end > offset + bytes) {
+      try {
+        d.arena_free.emplace(offset + bytes, end - offset - bytes);
+      } catch (const std::bad_alloc&) {
+      }
+    }
     return reinterpret_cast<void*>(addr);
   }
   // Whether [p, p + bytes) lies in the device's arena.
@@ -365,25 +378,30 @@ struct sim_backend::impl {
     return d.arena_bytes != 0 && a >= d.arena_base && a - d.arena_base < d.arena_bytes;
   }
   // Gives a segment's stretch back to the arena: inaccessible again (its
-  // pages gone), coalesced with free neighbours.
-  void arena_give(device& d, void* p, std::size_t bytes) {
+  // pages gone), coalesced with free neighbours. Throws nothing (a free runs
+  // also when host memory has run out): a stretch that would need a new
+  // entry then is not reused (address space only; the capacity goes back).
+  void arena_give(device& d, void* p, std::size_t bytes) noexcept {
     map_placeholder(reinterpret_cast<std::uintptr_t>(p), bytes);
-    std::size_t offset = reinterpret_cast<std::uintptr_t>(p) - d.arena_base;
-    std::size_t size = bytes;
+    const std::size_t offset = reinterpret_cast<std::uintptr_t>(p) - d.arena_base;
     auto next = d.arena_free.lower_bound(offset);
+    const bool joins_next = next != d.arena_free.end() && offset + bytes == next->first;
     if (next != d.arena_free.begin()) {
       auto prev = std::prev(next);
-      if (prev->first + prev->second == offset) {
-        offset = prev->first;
-        size += prev->second;
-        d.arena_free.erase(prev);
+      if (prev->first + prev->second == offset) {  // grows in place
+        prev->second += bytes;
+        if (joins_next) {
+          prev->second += next->second;
+          d.arena_free.erase(next);
+        }
+        return;
       }
     }
-    if (next != d.arena_free.end() && offset + size == next->first) {
-      size += next->second;
-      d.arena_free.erase(next);
+    try {
+      d.arena_free.emplace(offset, bytes + (joins_next ? next->second : 0));
+      if (joins_next) d.arena_free.erase(next);
+    } catch (const std::bad_alloc&) {
     }
-    d.arena_free.emplace(offset, size);
   }
   std::size_t charged(std::size_t size_bytes) const {
     const std::size_t g = options.granularity_bytes;
@@ -479,7 +497,13 @@ void* sim_backend::segment_malloc(int device, std::size_t size_bytes) {
                         " (the simulated device has " + std::to_string(d.capacity_bytes - d.used_bytes) +
                         " bytes free; the host's address space or memory limits, not the device, refused it)");
   }
-  d.segments.emplace(p, charged);
+  try {
+    d.segments.emplace(p, charged);
+  } catch (...) {  // no host memory for the record: the segment goes back, nothing changed
+    if (impl::in_arena(d, p)) impl_->arena_give(d, p, charged);
+    else ::munmap(p, charged);
+    throw;
+  }
   ++d.plan_next;
   d.used_bytes += charged;
   impl_->counters.used_bytes += charged;
