@@ -80,6 +80,7 @@ if [ "${CALLGRIND:-1}" != 0 ]; then
     printf '%s' "$figures" > "$dir/callgrind.txt"
   else
     while read -r c per; do
+      [ -n "$c" ] || continue
       before=$(awk -v c="$c" '$1 == c { print $2 }' "$dir/callgrind.txt")
       verdict=$(python3 -c "d = ($per - $before) / $before * 100; print(f'{d:+.2f} %', 'ok' if abs(d) <= ${CG_TOLERANCE:-1} else 'MOVED')")
       echo "callgrind $c: before $before after $per instructions a step: $verdict"

@@ -527,12 +527,12 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   // `budget`: the one that pays (recycle_budget_now), read once per request.
   std::optional<std::uint64_t> recycle_started_us;
   std::uint64_t fresh_pages_us = 0;
-  std::optional<recycle_budget> budget;
+  std::optional<recycle_budget::source> budget;
   struct spend_on_return {
     device_state& d;
     std::optional<std::uint64_t>& start;
     std::uint64_t& excluded;
-    std::optional<recycle_budget>& from;
+    std::optional<recycle_budget::source>& from;
     ~spend_on_return() {
       if (!start || !from) return;
       try {
@@ -579,7 +579,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
         const bool large_peak = reserved_bytes_ + need - reserved_high_water_bytes_ > reserved_high_water_bytes_ / 16;
         budget = recycle_budget_now(large_peak);
       }
-      return *budget != recycle_budget::none;
+      return *budget != recycle_budget::source::none;
     };
     auto over_mark = [&]() -> std::size_t {
       if (!config_.trim_on_new_peak || reserved_bytes_ + need <= reserved_high_water_bytes_ ||
@@ -1193,82 +1193,21 @@ void device_state::raise_reserved_high_water() noexcept {
   recycles_at_mark_ = 0;  // a new mark: recycling may start again (recycles_per_peak)
 }
 
-// The recycling time budget (recycle_time_percent; issues 15, 18). The
-// bucket fills at that percent (the share) of the host time passing and
-// holds the share of one second; the reserve keeps what the full bucket
-// cannot hold, up to the share of ten seconds. Recycling for a new peak
-// starts only while the bucket is not empty, or, for a large peak, while the
-// reserve is not empty, and its time is spent from the one that paid, each
-// at most its own size in debt. Both fill from the one share of the time
-// passing: over any stretch of T us, the time charged to them is at most
-// share x T + 2 x (bucket + reserve), whatever the program (one recycling
-// longer than a budget's full debt is the exception, as before the
-// reserve). A program with a large new peak at every step recycles like any
-// other: on the bucket, then the reserve, then at the rate the bucket
-// refills; then its mark rises.
-// Why a reserve: in a loop whose small new peaks keep the bucket near empty,
-// one large request found it empty and the mark took all of it
-// (gpt2_train_long at 8 passes: a 1.65 GB request, 1.003 -> 1.125 with the
-// free-island rule of lowest_fitting_block). A larger bucket would let the
-// small peaks of such a loop remap more of the time; the reserve pays for
-// large peaks only and fills only in the time recycling leaves unused.
-device_state::recycle_budget device_state::recycle_budget_now(bool large_peak) {
-  if (config_.recycle_time_percent >= 100) return recycle_budget::bucket;
-  if (config_.recycle_time_percent == 0) return recycle_budget::none;  // never, with or without a clock
-  if (!refill_recycle_budget()) return recycle_budget::bucket;  // no clock: no budget
-  if (recycle_tokens_us_ > 0.0) return recycle_budget::bucket;
-  return large_peak && recycle_reserve_us_ > 0.0 ? recycle_budget::reserve : recycle_budget::none;
+// The recycling time budget (recycle_budget.hpp; docs/design.md, "Note:
+// the recycling reserve").
+recycle_budget::source device_state::recycle_budget_now(bool large_peak) {
+  return recycle_budget_.choose(config_.recycle_time_percent, large_peak, [&] { return backend_.host_time_us(); });
 }
 
-bool device_state::refill_recycle_budget() {
-  const std::optional<std::uint64_t> now = backend_.host_time_us();
-  if (!now) return false;
-  const double share = static_cast<double>(config_.recycle_time_percent) / 100.0;
-  const double depth = recycle_bucket_depth_us();
-  const double reserve_depth = recycle_reserve_depth_us();
-  if (!recycle_clock_us_) {
-    recycle_tokens_us_ = depth;  // both start full
-    recycle_reserve_us_ = reserve_depth;
-  } else {
-    // Bounded first, even when the clock has not moved: a smaller percent
-    // (set_config) holds at once, for what is left and for a debt alike (at
-    // most one bucket's, one reserve's worth, as spend_recycle_time keeps them).
-    recycle_tokens_us_ = std::clamp(recycle_tokens_us_, -depth, depth);
-    recycle_reserve_us_ = std::clamp(recycle_reserve_us_, -reserve_depth, reserve_depth);
-    if (*now > *recycle_clock_us_) {
-      const double filled = recycle_tokens_us_ + share * static_cast<double>(*now - *recycle_clock_us_);
-      recycle_tokens_us_ = std::min(depth, filled);
-      // The reserve fills only with what the full bucket cannot hold: both
-      // together never take more than the one share of the time passing.
-      recycle_reserve_us_ = std::min(reserve_depth, recycle_reserve_us_ + (filled - recycle_tokens_us_));
-    }
-  }
-  recycle_clock_us_ = std::max(recycle_clock_us_.value_or(0), *now);
-  return true;
-}
-
-void device_state::spend_recycle_time(recycle_budget from, std::uint64_t start_us, std::uint64_t excluded_us) {
-  if (from == recycle_budget::none) return;
+void device_state::spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us) {
+  if (from == recycle_budget::source::none) return;
   const std::optional<std::uint64_t> now = backend_.host_time_us();
   if (!now || *now <= start_us || *now - start_us <= excluded_us) return;
   start_us += excluded_us;
   // Refill first up to now (the budget fills while recycling runs too), then spend.
-  (void)refill_recycle_budget();
-  const double spent = static_cast<double>(*now - start_us);
-  // At most one bucket's (one reserve's) worth of debt: one long recycling
-  // (a cap that forced it alongside) delays the next by a window at most.
-  if (from == recycle_budget::bucket)
-    recycle_tokens_us_ = std::max(-recycle_bucket_depth_us(), recycle_tokens_us_ - spent);
-  else
-    recycle_reserve_us_ = std::max(-recycle_reserve_depth_us(), recycle_reserve_us_ - spent);
-}
-
-double device_state::recycle_bucket_depth_us() const noexcept {
-  return static_cast<double>(config_.recycle_time_percent) / 100.0 * static_cast<double>(recycle_window_us);
-}
-
-double device_state::recycle_reserve_depth_us() const noexcept {
-  return static_cast<double>(config_.recycle_time_percent) / 100.0 * static_cast<double>(recycle_reserve_window_us);
+  if (const std::optional<std::uint64_t> refill_at = backend_.host_time_us())
+    recycle_budget_.refill(config_.recycle_time_percent, *refill_at);
+  recycle_budget_.spend(from, config_.recycle_time_percent, static_cast<double>(*now - start_us));
 }
 
 // Releases the reservations of expandable segments that have no mapped page.

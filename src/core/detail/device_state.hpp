@@ -60,6 +60,7 @@
 #include "stat_storage.hpp"
 
 #include "history_recorder.hpp"
+#include "recycle_budget.hpp"
 #include "thread_cache.hpp"
 
 #include <cstddef>
@@ -929,24 +930,12 @@ class device_state {
   // restarts the count of recycles_per_peak.
   void raise_reserved_high_water() noexcept;
   // [world] Which budget may pay for recycling for a new peak now
-  // (recycle_time_percent), both refilled first from the backend's host
-  // clock: the bucket while it is not empty (always at 100 percent or
-  // without a clock; never at 0); else, for a large peak (large_peak), the
-  // reserve while it is not empty; else none (the mark rises).
+  // (recycle_budget::choose, on the backend's host clock).
   // spend_recycle_time takes the host time since `start_us` (a reading of
   // that clock before the recycling), less `excluded_us` (the time of the
   // fresh pages the same request mapped), out of budget `from`.
-  enum class recycle_budget : unsigned char { none, bucket, reserve };
-  recycle_budget recycle_budget_now(bool large_peak);
-  void spend_recycle_time(recycle_budget from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
-  // Refills the bucket, and the reserve with what the full bucket cannot
-  // hold, for the host time passed since the last refill; false when the
-  // backend has no host clock. [world]
-  bool refill_recycle_budget();
-  // The bucket's size: recycle_time_percent of recycle_window_us; the
-  // reserve's: that percent of recycle_reserve_window_us. [world]
-  [[nodiscard]] double recycle_bucket_depth_us() const noexcept;
-  [[nodiscard]] double recycle_reserve_depth_us() const noexcept;
+  recycle_budget::source recycle_budget_now(bool large_peak);
+  void spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
   // Cross-stream reuse of whole reservations (issue 15).
   bool idle_reservation(segment& seg, const alloc_params& p);
   void adopt_reservation(segment& seg, const alloc_params& p);
@@ -1021,19 +1010,8 @@ class device_state {
   // Recyclings for a new peak since reserved_high_water_bytes_ last rose
   // (recycles_per_peak); raise_reserved_high_water resets it.
   std::size_t recycles_at_mark_ = 0;
-  // The recycling time budget (recycle_time_percent), a token bucket in
-  // microseconds of host time: it fills at that percent of the time that
-  // passes, up to recycle_window_us of it, and recycling for a new peak
-  // spends what it takes. recycle_clock_us_: the host clock at the last
-  // refill (nullopt: not read yet). The reserve (recycle_reserve_us_) keeps
-  // the refill that the full bucket cannot hold, up to
-  // recycle_reserve_window_us of it, and pays only for large peaks found
-  // with the bucket empty (recycle_budget_now). Both start full. [world]
-  static constexpr std::uint64_t recycle_window_us = 1'000'000;
-  static constexpr std::uint64_t recycle_reserve_window_us = 10'000'000;
-  double recycle_tokens_us_ = 0.0;
-  double recycle_reserve_us_ = 0.0;
-  std::optional<std::uint64_t> recycle_clock_us_;
+  // The recycling time budget (recycle_time_percent). [world]
+  recycle_budget recycle_budget_;
   std::map<std::uintptr_t, std::unique_ptr<segment>> segments_;  // by base address
   // Events recorded at free time, per stream that used the block, in order.
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
