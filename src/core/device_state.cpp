@@ -45,7 +45,7 @@ device_state::~device_state() {
   for (auto& [stream, queue] : pending_events_)
     for (auto& [e, b] : queue) free_events_.push_back(e);
   for (auto& [stream, ss] : streams_)
-    for (auto& [e, seq] : ss->fences) free_events_.push_back(e);
+    for (const page_fences::fence& f : ss->fences.outstanding()) free_events_.push_back(f.event);
   for (event_t e : free_events_) {
     try {
       backend_.destroy_event(device_, e);

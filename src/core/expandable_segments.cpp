@@ -896,12 +896,12 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
       if (b->pool->priv != nullptr || &owner == same_stream || owner.gone) continue;
       auto w = std::find_if(waited.begin(), waited.end(), [&](const auto& x) { return x.first == &owner; });
       if (w == waited.end() || w->second < b->free_seq) {
-        const auto fence = fence_covering(owner, b->free_seq);  // (event, free count it covers)
+        const auto fence = fence_covering(owner, b->free_seq);
         if (!fence) continue;
         if (w == waited.end()) w = waited.emplace(waited.end(), &owner, 0);  // before the wait: nothing throws after it
-        backend_.stream_wait_event(device_, same_stream->stream, fence->first);
+        backend_.stream_wait_event(device_, same_stream->stream, fence->event);
         ++stats_.num_stream_waits;
-        w->second = fence->second;
+        w->second = fence->covers;
       }
       const bool keep = b->seg == keep_seg;
       got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got, true);
@@ -912,7 +912,7 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
   for (block* b : waiting) {
     if (got >= target_bytes) break;
     if (b == nullptr) continue;  // taken behind a device-side wait
-    wait_fences(*b->pool->owner);
+    wait_fences(*b->pool->owner, page_fences::wait_reason::reclaim_pages);
     const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
@@ -935,7 +935,14 @@ std::size_t device_state::partial_page_bytes(const block& b) noexcept {
   return (page - lo % page) % page + hi % page;
 }
 
-// ---- page fences -----------------------------------------------------------------
+// ---- page fences (page_fences.hpp) -------------------------------------------------
+
+event_t device_state::fence_device::take_event() { return d.get_event(); }
+void device_state::fence_device::give_event(event_t e) { d.free_events_.push_back(e); }
+bool device_state::fence_device::query(event_t e) { return d.backend_.query_event(d.device_, e); }
+void device_state::fence_device::record(event_t e, stream_t stream) { d.backend_.record_event(d.device_, e, stream); }
+void device_state::fence_device::synchronize(event_t e) { d.backend_.synchronize_event(d.device_, e); }
+void device_state::fence_device::synchronize_device() { d.backend_.synchronize_device(d.device_); }
 
 // Free block b was last used on its stream (uses on other streams completed
 // before it became free): its pages may change hands once an event recorded
@@ -945,55 +952,13 @@ bool device_state::fence_completed(block* b) { return fence_completed(*b->pool->
 // Whether the stream's work before its free numbered `free_seq` has run
 // (the same rules; a deferred unmap asks with the freed block's count).
 bool device_state::fence_completed(stream_state& ss, std::uint64_t free_seq) {
-  if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
-  if (free_seq <= ss.fenced_seq) return true;
-  poll_fences(ss);
-  if (free_seq <= ss.fenced_seq) return true;
-  if (fenced_up_to(ss) < free_seq && can_record_on(ss)) {
-    record_fence(ss, ss.free_seq);
-    poll_fences(ss);
-  }
-  return free_seq <= ss.fenced_seq;
+  if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
+  if (free_seq <= ss.fences.completed_up_to()) return true;
+  return ss.fences.completed(fence_device_, ss.stream, free_seq, ss.free_seq, can_record_on(ss));
 }
 
-// Takes the stream's completed fences, oldest first, without blocking.
-void device_state::poll_fences(stream_state& ss) {
-  while (!ss.fences.empty()) {
-    const auto [e, seq] = ss.fences.front();
-    if (!backend_.query_event(device_, e)) break;
-    ss.fences.pop_front();
-    free_events_.push_back(e);
-    ss.fenced_seq = std::max(ss.fenced_seq, seq);
-  }
-}
-
-// The free count up to which the stream's newest fence, completed or not,
-// covers its frees (fenced_seq when none is outstanding).
-std::uint64_t device_state::fenced_up_to(const stream_state& ss) noexcept {
-  return ss.fences.empty() ? ss.fenced_seq : ss.fences.back().second;
-}
-
-// Records a fence on the stream covering its frees up to count `covers`
-// (ss.free_seq: every block freed on it so far; free passes the count of
-// the free it is about to make). With max_fences_per_stream outstanding, the newest is recorded again
-// instead (a later fence of a stream completes after the earlier ones: the
-// oldest still tells first when the earliest frees are safe).
-// The stream must still exist (as PyTorch assumes of a segment's stream when
-// it unmaps pages): a backend_error from the record is the caller's.
-void device_state::record_fence(stream_state& ss, std::uint64_t covers) {
-  if (ss.fences.size() >= max_fences_per_stream) {
-    backend_.record_event(device_, ss.fences.back().first, ss.stream);
-    ss.fences.back().second = covers;
-    return;
-  }
-  const event_t e = get_event();
-  try {
-    backend_.record_event(device_, e, ss.stream);
-  } catch (...) {
-    free_events_.push_back(e);
-    throw;
-  }
-  ss.fences.emplace_back(e, covers);
+void device_state::await_fence(block* b, page_fences::wait_reason why) {
+  if (!fence_completed(b)) wait_fences(*b->pool->owner, why);
 }
 
 // Whether stream `to` may be made to wait on the device for another
@@ -1023,15 +988,10 @@ bool device_state::may_wait_on_device(const stream_state& to) {
 // can_record_on allows; nullopt otherwise (another stream's slow path never
 // records on a stream that may be gone or busy elsewhere: no wait, the
 // pages stay).
-std::optional<std::pair<event_t, std::uint64_t>> device_state::fence_covering(stream_state& owner,
-                                                                              std::uint64_t free_seq) {
-  if (fenced_up_to(owner) < free_seq) {
-    if (!can_record_on(owner)) return std::nullopt;
-    record_fence(owner, owner.free_seq);
-  }
-  for (const auto& fence : owner.fences)
-    if (fence.second >= free_seq) return fence;
-  return std::nullopt;
+std::optional<page_fences::fence> device_state::fence_covering(stream_state& owner, std::uint64_t free_seq) {
+  if (owner.fences.recorded_up_to() >= free_seq)  // can_record_on only where a record is wanted
+    return owner.fences.covering(fence_device_, owner.stream, free_seq, owner.free_seq, false);
+  return owner.fences.covering(fence_device_, owner.stream, free_seq, owner.free_seq, can_record_on(owner));
 }
 
 // Polls every stream's fences, and records a fence on the streams it may
@@ -1042,8 +1002,9 @@ std::optional<std::pair<event_t, std::uint64_t>> device_state::fence_covering(st
 // queued up to then. Cheap: at most two event records, on the slow path only.
 void device_state::fence_streams(const world_lock& w) {
   for (stream_state* ss : w.streams()) {
-    poll_fences(*ss);
-    if (ss->free_seq > fenced_up_to(*ss) && can_record_on(*ss)) record_fence(*ss, ss->free_seq);
+    ss->fences.poll(fence_device_);
+    if (ss->free_seq > ss->fences.recorded_up_to() && can_record_on(*ss))
+      ss->fences.record(fence_device_, ss->stream, ss->free_seq);
   }
 }
 
@@ -1051,21 +1012,10 @@ void device_state::fence_streams(const world_lock& w) {
 // stream left (counted): waits for a fence covering them, recorded now if
 // the stream may be recorded on; else (the stream may be gone) synchronizes
 // the device, which covers every stream's work.
-void device_state::wait_fences(stream_state& ss) {
-  poll_fences(ss);
-  if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
-  if (ss.fenced_seq >= ss.free_seq) return;
-  ++stats_.num_device_synchronizations;
-  if (fenced_up_to(ss) >= ss.free_seq) {
-    backend_.synchronize_event(device_, ss.fences.back().first);
-  } else if (can_record_on(ss)) {
-    record_fence(ss, ss.free_seq);
-    backend_.synchronize_event(device_, ss.fences.back().first);
-  } else {
-    backend_.synchronize_device(device_);
-    ss.fenced_seq = ss.free_seq;
-  }
-  poll_fences(ss);
+void device_state::wait_fences(stream_state& ss, page_fences::wait_reason why) {
+  if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
+  if (ss.fences.wait(fence_device_, ss.stream, ss.free_seq, can_record_on(ss), why))
+    ++stats_.num_device_synchronizations;
 }
 
 // ---- deferred unmaps (issue 15) ---------------------------------------------------
@@ -1107,7 +1057,7 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
         ++k;
         continue;
       }
-      wait_fences(*r.owner);
+      wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
     }
     backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
     const bool release = r.release;  // counted in num_device_free when it was given up

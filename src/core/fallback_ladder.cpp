@@ -346,7 +346,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   if (best == nullptr) return false;
   // Its stream may still use it: wait for its fence (counted), cheaper than
   // the alternative's cudaFree, which synchronizes the whole device.
-  if (!fence_completed(best)) wait_fences(*best->pool->owner);
+  await_fence(best, page_fences::wait_reason::adopt_segment);
   stats_.bytes_moved_between_streams += static_cast<std::int64_t>(best->size);
   best->pool->blocks.erase(best);
   --best->pool->plain_segments;
@@ -533,7 +533,7 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
           // cuMemUnmap does not wait for queued work: the block's page fence
           // must have completed. The threshold is a cap, so this rung may
           // wait for it (counted in num_device_synchronizations).
-          if (!fence_completed(b)) wait_fences(*b->pool->owner);
+          await_fence(b, page_fences::wait_reason::garbage_collection);
           unmapped = true;
           reclaimed += unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
         } else {

@@ -588,7 +588,7 @@ void device_state::free(block* b) {
   if (ss.gone) return;  // destroyed: its work completed, nothing to fence
   std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
   const std::uint64_t coming = ss.free_seq + 1;  // the count the coming free takes
-  if (fenced_up_to(ss) < coming) record_fence(ss, coming);
+  if (ss.fences.recorded_up_to() < coming) ss.fences.record(fence_device_, ss.stream, coming);
 }
 
 // The caller no longer holds `b` (its events, if any, are recorded): count

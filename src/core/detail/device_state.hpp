@@ -60,6 +60,7 @@
 #include "stat_storage.hpp"
 
 #include "history_recorder.hpp"
+#include "page_fences.hpp"
 #include "recycle_budget.hpp"
 #include "thread_cache.hpp"
 
@@ -549,19 +550,15 @@ struct alignas(64) stream_state {
   bool has_pending_stats = false;
   std::uint32_t stats_backoff = 0;  // operations left before trying stats_mutex_ again
   std::vector<block*> spare_blocks;  // recycled block objects: no heap call per split
-  // Page fences: blocks of this stream that became free so far (each takes
-  // the next number as its block::free_seq) [stream]; events recorded on the
-  // stream when pages were wanted, with the count at that moment, oldest
-  // first [world]; and the count up to which a fence has completed: blocks
-  // with free_seq <= fenced_seq have no work of this stream left on them
-  // [world].
+  // Blocks of this stream that became free so far (each takes the next
+  // number as its block::free_seq): the count its page fences cover. [stream]
   std::uint64_t free_seq = 0;
   // Destroyed (device_caching_allocator::stream_destroyed): its work has
   // completed and nothing is recorded on it; malloc on it is refused. [world
   // to write; stream or device to read]
   bool gone = false;
-  std::deque<std::pair<event_t, std::uint64_t>> fences;
-  std::uint64_t fenced_seq = 0;
+  // Its page fences (page_fences.hpp). [world]; record also [stream + device]
+  page_fences fences;
   // Its frees of blocks of at least this many bytes record a page fence
   // (device_state::free_records_fence): a page, where the stream is not the
   // legacy default stream and another stream allocates too; else never
@@ -879,8 +876,7 @@ class device_state {
   // the free count it covers), recorded now where can_record_on allows;
   // nullopt when there is none.
   [[nodiscard]] bool may_wait_on_device(const stream_state& to);
-  [[nodiscard]] std::optional<std::pair<event_t, std::uint64_t>> fence_covering(stream_state& owner,
-                                                                              std::uint64_t free_seq);
+  [[nodiscard]] std::optional<page_fences::fence> fence_covering(stream_state& owner, std::uint64_t free_seq);
   // defer: keep the old mappings (segment::retired) instead of unmapping
   // them now; only with recycled.
   std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
@@ -897,19 +893,30 @@ class device_state {
   [[nodiscard]] static std::vector<segment::retired_page>::const_iterator retired_from(const segment& seg,
                                                                                        std::size_t index) noexcept;
   std::size_t retired_pages_ = 0;  // retired pages of every segment [world]
-  // Page fences (issue 15): whether free block b's memory has no work of its
-  // stream left (its fence completed); polls the stream's fences without
-  // blocking, and records a new one when none covers b and its stream may
-  // be recorded on (can_record_on).
+  // Page fences (page_fences.hpp) of the block's or stream's owner, with
+  // this device's events: whether free block b's memory (the stream's free
+  // numbered free_seq) has no work of its stream left, never blocking
+  // (records a fence where none covers it and can_record_on allows);
+  // wait_fences blocks until every free of the stream has none, counted in
+  // num_device_synchronizations and under `why`; await_fence is the two
+  // together (wait unless completed).
   bool fence_completed(block* b);
   bool fence_completed(stream_state& ss, std::uint64_t free_seq);
-  void poll_fences(stream_state& ss);
-  void record_fence(stream_state& ss, std::uint64_t covers);
-  [[nodiscard]] static std::uint64_t fenced_up_to(const stream_state& ss) noexcept;
-  void wait_fences(stream_state& ss);
+  void wait_fences(stream_state& ss, page_fences::wait_reason why);
+  void await_fence(block* b, page_fences::wait_reason why);
   void fence_streams(const world_lock& w);  // [world]
   void fence_before_free(stream_state& ss);  // [stream] takes the device lock
-  static constexpr std::size_t max_fences_per_stream = 4;  // outstanding fences of one stream
+  // page_fences::device over this device's event pool and backend.
+  struct fence_device final : page_fences::device {
+    explicit fence_device(device_state& s) noexcept : d(s) {}
+    device_state& d;
+    event_t take_event() override;
+    void give_event(event_t e) override;
+    bool query(event_t e) override;
+    void record(event_t e, stream_t stream) override;
+    void synchronize(event_t e) override;
+    void synchronize_device() override;
+  };
   // Whether the allocator may record an event on the stream now: the legacy
   // default stream, or the stream of the malloc whose slow path this thread
   // runs (the caller's stream exists). A stream that only freed blocks may have been destroyed
@@ -1017,6 +1024,7 @@ class device_state {
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
   std::vector<event_t> free_events_;  // event pool: created and reusable
+  fence_device fence_device_{*this};  // the page fences' view of it
   std::vector<oom_observer> observers_;
   std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
   std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
