@@ -183,12 +183,12 @@ void device_state::consider_run(run_choice& best, segment& seg, bool foreign, bl
   const std::uintptr_t run_end = first->ptr + run;
   std::uintptr_t start = first->ptr;
   bool retired = false;
-  if (!seg.retired.empty()) {
+  if (!seg.pages.retired().empty()) {
     for (;;) {
       const std::size_t lo = (start - seg.base) / page;
       const std::size_t hi = (start + size - seg.base + page - 1) / page;
-      const auto past = retired_from(seg, hi);
-      if (past == seg.retired.begin() || std::prev(past)->index < lo) break;  // none under it
+      const auto past = seg.pages.retired_from(hi);
+      if (past == seg.pages.retired().begin() || std::prev(past)->index < lo) break;  // none under it
       start = seg.base + (std::prev(past)->index + 1) * page;  // past the last one under it
       if (start + size > run_end) {
         start = first->ptr;
@@ -381,7 +381,7 @@ segment* device_state::new_expandable_segment(const alloc_params& p) {
   segment* added = nullptr;
   try {
     auto fresh = std::make_unique<segment>();
-    fresh->pages.assign(size / page, 0);
+    fresh->pages.reset(size / page);
     fresh->unmapped.reserve(4);
     added = &add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(base), size);
   } catch (...) {
@@ -409,10 +409,10 @@ void device_state::give_back_page(segment& seg, std::size_t i) noexcept {
     backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + i * page), page);
     ++stats_.num_pages_unmapped;
     ++stats_.num_device_free;
-    release_page_handle(seg.pages[i]);  // a recycled page may be retired elsewhere too
+    release_page_handle(seg.pages.handle(i));  // a recycled page may be retired elsewhere too
   } catch (...) {
   }
-  seg.pages[i] = 0;
+  seg.pages.set_unmapped(i);
   seg.mapped_bytes -= page;
   reserved_bytes_ -= page;
   count_down(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
@@ -429,13 +429,13 @@ void device_state::discard_reservation(segment& seg) noexcept {
   const stat_group g = group_of(pool);
   for (block* b = seg.head; b != nullptr; b = b->next)
     if (b->pool->blocks.contains(b)) pool_erase_counted(b);
-  for (std::size_t i = 0; i < seg.pages.size();) {  // run by run of mapped pages
-    if (seg.pages[i] == 0) {
+  for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
+    if (!seg.pages.mapped(i)) {
       ++i;
       continue;
     }
     std::size_t n = 1;
-    while (i + n < seg.pages.size() && seg.pages[i + n] != 0) ++n;
+    while (i + n < seg.pages.count() && seg.pages.mapped(i + n)) ++n;
     if (history_.active()) [[unlikely]] {
       try {
         history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
@@ -619,7 +619,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   // A retired page under the request (placement chose it last: nothing
   // else fits) is unmapped first, after its fence (a wait, counted); not
   // while a graph is captured (no event may be queried then): no room.
-  if (!seg.retired.empty() && has_retired(seg, first_page, end_page)) {
+  if (!seg.pages.retired().empty() && seg.pages.has_retired(first_page, end_page)) {
     if (capture_underway()) {
       drop_recycled();
       return false;
@@ -638,14 +638,14 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     for (std::size_t j = from; j < to; ++j) give_back_page(seg, j);
   };
   for (std::size_t i = first_page; i < end_page;) {
-    if (seg.pages[i] != 0) {
+    if (seg.pages.mapped(i)) {
       ++i;
       continue;
     }
     const std::size_t run_first = i;
     bool out_of_memory = false;
     try {
-      for (; i < end_page && seg.pages[i] == 0; ++i) {
+      for (; i < end_page && !seg.pages.mapped(i); ++i) {
         physical_handle_t h = 0;
         bool fresh = false;
         stream_t from = p.stream;
@@ -673,7 +673,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
             try {
               backend_.vm_unmap(device_, addr, page);  // the page must not stay mapped unknown to us
             } catch (...) {
-              seg.pages[i] = h;  // still mapped: keep it on the books (a free mapped page)
+              seg.pages.set_mapped(i, h);  // still mapped: keep it on the books (a free mapped page)
               ++stats_.num_pages_mapped;
               seg.mapped_bytes += page;
               reserved_bytes_ += page;
@@ -690,7 +690,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
           }
           throw;
         }
-        seg.pages[i] = h;
+        seg.pages.set_mapped(i, h);
         ++stats_.num_pages_mapped;
         if (!fresh) ++stats_.num_pages_remapped;
         if (!fresh && from != p.stream) stats_.bytes_moved_between_streams += static_cast<std::int64_t>(page);
@@ -781,10 +781,10 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
       const std::size_t n = (to - from) / page;
       if (recycled != nullptr) recycled->reserve(recycled->size() + n);
       else to_release.reserve(n);
-      if (defer) seg.retired.reserve(seg.retired.size() + n);
+      if (defer) seg.pages.reserve_retired(n);
       set_page_state(seg, from, to, false, hint, /*reserve_only=*/true);
     }
-    const std::size_t retired_before = seg.retired.size();
+    const std::size_t retired_before = seg.pages.retired().size();
     auto finish = [&] {
       const std::size_t bytes = addr - from;
       CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= reserved_bytes_);
@@ -797,11 +797,7 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
         history_.record_segment_unmap(from, bytes, seg.head->stream);
       done_total += bytes;
       stats_.num_device_free += to_release.size();
-      if (seg.retired.size() != retired_before) {  // keep them by page index
-        retired_pages_ += seg.retired.size() - retired_before;
-        std::sort(seg.retired.begin(), seg.retired.end(),
-                  [](const segment::retired_page& x, const segment::retired_page& y) { return x.index < y.index; });
-      }
+      retired_pages_ += seg.pages.retired().size() - retired_before;
       for (physical_handle_t h : to_release) release_page_handle(h);  // may throw: state is consistent
     };
     try {
@@ -810,15 +806,15 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
         if (defer) {
           // Mapped here until the stream's work before b's free has run
           // (segment::retired); within the capacities reserved above.
-          seg.retired.push_back({i, seg.pages[i], b->pool->owner, b->free_seq, false});
-          recycled->push_back({seg.pages[i], seg.head->stream});
+          seg.pages.retire({i, seg.pages.handle(i), b->pool->owner, b->free_seq, false});
+          recycled->push_back({seg.pages.handle(i), seg.head->stream});
         } else {
           backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
-          if (recycled != nullptr) recycled->push_back({seg.pages[i], seg.head->stream});
-          else to_release.push_back(seg.pages[i]);
+          if (recycled != nullptr) recycled->push_back({seg.pages.handle(i), seg.head->stream});
+          else to_release.push_back(seg.pages.handle(i));
         }
         ++stats_.num_pages_unmapped;
-        seg.pages[i] = 0;
+        seg.pages.set_unmapped(i);
       }
     } catch (...) {
       finish();
@@ -1034,20 +1030,9 @@ void device_state::wait_fences(stream_state& ss, page_fences::wait_reason why) {
 // in reserved bytes, at its new place. (Replayed with --device-lag, GPT-2
 // training keeps its 1.003 instead of 1.069.)
 
-std::vector<segment::retired_page>::const_iterator device_state::retired_from(const segment& seg,
-                                                                                std::size_t index) noexcept {
-  return std::lower_bound(seg.retired.begin(), seg.retired.end(), index,
-                          [](const segment::retired_page& x, std::size_t i) { return x.index < i; });
-}
-
-bool device_state::has_retired(const segment& seg, std::size_t first, std::size_t last) noexcept {
-  const auto it = retired_from(seg, first);
-  return it != seg.retired.end() && it->index < last;
-}
-
 void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait) {
-  for (std::size_t k = 0; k < seg.retired.size();) {
-    segment::retired_page& r = seg.retired[k];
+  for (std::size_t k = 0; k < seg.pages.retired().size();) {
+    const segment::retired_page& r = seg.pages.retired()[k];
     if (r.index < first || r.index >= last) {
       ++k;
       continue;
@@ -1060,9 +1045,9 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
       wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
     }
     backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
-    const bool release = r.release;  // counted in num_device_free when it was given up
-    const physical_handle_t h = r.handle;
-    seg.retired.erase(seg.retired.begin() + static_cast<std::ptrdiff_t>(k));
+    const segment::retired_page done = seg.pages.unretire(k);
+    const bool release = done.release;  // counted in num_device_free when it was given up
+    const physical_handle_t h = done.handle;
     --retired_pages_;
     // A page that moved twice is retired at two places: the last unmap releases it.
     if (release) {
@@ -1080,20 +1065,18 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
 void device_state::release_page_handle(physical_handle_t h) {
   if (retired_pages_ != 0)
     for (auto& [base, up] : segments_)
-      for (segment::retired_page& r : up->retired)
-        if (r.handle == h) {
-          r.release = true;
-          reserved_bytes_ += up->page_bytes;
-          count_up(stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
-          return;
-        }
+      if (up->pages.release_at_unmap(h)) {
+        reserved_bytes_ += up->page_bytes;
+        count_up(stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
+        return;
+      }
   backend_.vm_release_handle(device_, h);
 }
 
 void device_state::settle_retired(bool may_wait) {
   if (retired_pages_ == 0) return;
   for (auto& [base, up] : segments_)
-    if (!up->retired.empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
+    if (!up->pages.retired().empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
 }
 
 // ---- idle reservations of other streams (issue 15) ------------------------------
@@ -1113,7 +1096,7 @@ bool device_state::idle_reservation(segment& seg, const alloc_params& p) {
       p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || capture_underway())
     return false;
   if (seg.busy_blocks != 0) return false;  // a block allocated or waiting for events
-  if (!seg.retired.empty()) return false;  // its stream's work may still use them
+  if (!seg.pages.retired().empty()) return false;  // its stream's work may still use them
   for (block* x = seg.head; x != nullptr; x = x->next)
     if (x->mapped && !fence_completed(x)) return false;
   return true;
@@ -1164,7 +1147,7 @@ void device_state::spend_recycle_time(recycle_budget::source from, std::uint64_t
 void device_state::release_empty_expandable_segments() {
   for (auto it = segments_.begin(); it != segments_.end();) {
     segment& seg = *it->second;
-    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr || !seg.retired.empty()) {
+    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr || !seg.pages.retired().empty()) {
       ++it;
       continue;
     }

@@ -61,6 +61,7 @@
 
 #include "history_recorder.hpp"
 #include "page_fences.hpp"
+#include "page_table.hpp"
 #include "recycle_budget.hpp"
 #include "thread_cache.hpp"
 
@@ -200,27 +201,13 @@ struct segment {
   std::uint64_t seq = 0;  // creation order: choices among segments never depend on addresses
   std::size_t page_bytes = 0;            // mapping unit (the device's granularity)
   std::size_t mapped_bytes = 0;          // mapped pages x page_bytes
-  std::vector<physical_handle_t> pages;  // per page: its physical handle, 0 = unmapped
+  page_table pages;  // which pages are mapped, unmapped, retired (page_table.hpp) [world]
   // Its unmapped blocks, by address. They change only where pages are
   // mapped or unmapped (set_page_state, under the world lock), never on the
   // fast path. A request that maps pages looks for its free run around them
   // (device_state::best_own_run) instead of walking every block. [world]
   std::vector<block*> unmapped;
-  // Pages recycled out of this segment whose old mapping stays until the
-  // work queued before their free has run (deferred unmaps, issue 15;
-  // device_state::settle_retired): their handle is mapped again where a
-  // request of the same stream needed it, and still here. The books count
-  // the page unmapped here (pages[index] == 0, its block unmapped), but
-  // nothing may be mapped at it before the deferred unmap. By page index.
-  // [world]
-  struct retired_page {
-    std::size_t index = 0;          // page index in the segment
-    physical_handle_t handle = 0;   // mapped here and where it went
-    stream_state* owner = nullptr;  // the stream that freed it: its fence
-    std::uint64_t free_seq = 0;     // the fence count that makes the unmap safe
-    bool release = false;           // release the handle once unmapped (it went nowhere)
-  };
-  std::vector<retired_page> retired;
+  using retired_page = page_table::retired_page;
 };
 
 bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }
@@ -888,10 +875,6 @@ class device_state {
   void settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait);
   void settle_retired(bool may_wait);
   void release_page_handle(physical_handle_t h);
-  [[nodiscard]] static bool has_retired(const segment& seg, std::size_t first, std::size_t last) noexcept;
-  // The first retired page of seg at or after page `index`.
-  [[nodiscard]] static std::vector<segment::retired_page>::const_iterator retired_from(const segment& seg,
-                                                                                       std::size_t index) noexcept;
   std::size_t retired_pages_ = 0;  // retired pages of every segment [world]
   // Page fences (page_fences.hpp) of the block's or stream's owner, with
   // this device's events: whether free block b's memory (the stream's free
