@@ -21,9 +21,9 @@
 // reservation, its page fences completed) hands its reservation over whole
 // when that needs fewer new pages than the request's own placement: a new
 // side stream per step then takes the last one's mapped pages where they
-// are, instead of each page being unmapped and mapped again (issue 15).
+// are, instead of each page being unmapped and mapped again.
 //
-// Page fences (issue 15): cuMemUnmap does not wait for queued work that may
+// Page fences: cuMemUnmap does not wait for queued work that may
 // still touch the range, and the work that last used a free block was
 // queued on its stream (uses on other streams completed before the block
 // became free). Each stream numbers the blocks that become free on it
@@ -281,7 +281,7 @@ void device_state::best_own_run_by_scan(const block_pool& pool, std::size_t size
 // the blocks around it are freed and their pages recycled, it keeps that
 // extra page mapped for its whole life. A run of equal blocks carved one
 // after another drifts off page boundaries by the shortfall at each block
-// (issue 15: llama_generate's KV-cache blocks of 4 pages less 16 KiB, carved
+// (llama_generate's KV-cache blocks of 4 pages less 16 KiB, carved
 // among short-lived ones during a prompt, each held 5 pages at the peak).
 // take_found_block asks only where free pages are recycled at every new
 // peak: with recycling limited (recycles_per_peak) or off, the neighbours'
@@ -341,7 +341,7 @@ std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size
 // one after another, in few runs, and the islands stay whole for
 // recycling. A program that loads its model again (load, run, free, in a
 // loop) otherwise spreads the weights over the islands its last run left,
-// by size, each of them stranding up to a page (issue 15: llama_generate at
+// by size, each of them stranding up to a page (llama_generate at
 // 4 passes 1.024 -> 1.008; bert_copystream_infer 1.029 -> 1.024 at every
 // pass count). A request of whole pages strands nothing: best fit. Only
 // where free pages are recycled at every new peak (as page_aligned_start):
@@ -922,7 +922,7 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
 // small for most large requests, where b kept whole could still serve a
 // large request without mapping anything; a block whose ends are on page
 // boundaries leaves nothing behind. unmap_free_pages recycles the blocks
-// that leave the least first (issue 15: on the shared traces, free space
+// that leave the least first (on the shared traces, free space
 // stranded in partial pages was most of the excess over the requested peak).
 std::size_t device_state::partial_page_bytes(const block& b) noexcept {
   const std::size_t page = b.seg->page_bytes;
@@ -1014,7 +1014,7 @@ void device_state::wait_fences(stream_state& ss, page_fences::wait_reason why) {
     ++stats_.num_device_synchronizations;
 }
 
-// ---- deferred unmaps (issue 15) ---------------------------------------------------
+// ---- deferred unmaps ---------------------------------------------------
 //
 // On a GPU the work queued before a free has usually not run when a request
 // on the same stream wants that block's pages elsewhere (a free followed by
@@ -1079,7 +1079,7 @@ void device_state::settle_retired(bool may_wait) {
     if (!up->pages.retired().empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
 }
 
-// ---- idle reservations of other streams (issue 15) ------------------------------
+// ---- idle reservations of other streams ------------------------------
 
 // Whether expandable segment `seg`, of another stream, may pass to p's
 // stream and pool: reuse_across_streams and trim_on_new_peak are on (either

@@ -443,7 +443,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     } else if (start != b->ptr) {
       // Expandable segments: the caller gets the back, next to the live block
       // above; the remainder stays cached next to the free or unmapped range
-      // below, where its whole pages can be recycled (issue 15: live blocks
+      // below, where its whole pages can be recycled (live blocks
       // stay in runs, free space in one piece).
       b = split_free_block(remaining, start);
     } else {

@@ -25,9 +25,9 @@
 // block) takes only that lock. Device-wide state (segments, events, the
 // reservation) has device_mutex_; statistics have stats_mutex_. The slow path
 // (a new segment, garbage collection, the OOM ladder, emptyCache) locks the
-// whole device: the registry, every stream in address order, the device,
+// whole device: the registry, every stream in stream-handle order, the device,
 // the statistics. Lock order, never reversed:
-//     registry_mutex_ -> stream_state::mutex (by address) -> device_mutex_ -> stats_mutex_
+//     registry_mutex_ -> stream_state::mutex (by stream handle) -> device_mutex_ -> stats_mutex_
 // A block belongs to its segment's stream: its fields change only under that
 // stream's lock (event_count included). The lock each method below needs is
 // in brackets next to it; docs/design.md (section 4) lists the locks of each
@@ -95,13 +95,13 @@ inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments 
 inline constexpr std::size_t free_memory_check_bytes = 256 * mib;
 
 // Blocks of at least this many pages are carved so that they touch no more
-// pages than they need (page_sliver, issue 15).
+// pages than they need (page_sliver).
 inline constexpr std::size_t page_aligned_block_pages = 8;
 
 // Whether a block of `size` bytes, carved flush at `offset` of its segment,
 // is to be carved on page boundaries instead, in an expandable segment's
-// large pool where that costs no page now (issue 15,
-// device_state::page_aligned_start), when free pages are recycled at every
+// large pool where that costs no page now
+// (device_state::page_aligned_start), when free pages are recycled at every
 // new peak (the default). Three cases:
 // - it falls short of a whole number of `page`s by at most 1/64 of a page
 //   (and by something): packed with its like, it wastes at most that much
@@ -714,7 +714,7 @@ class device_state {
   // default stream (which any slow path may record on, can_record_on): the
   // stream keeps other blocks, and another stream's slow path never records
   // on it, so without this its freed pages stayed with it for as long as it
-  // kept a block, and the others grew instead (issue 15: on the H200, a
+  // kept a block, and the others grew instead (on the H200, a
   // stream holding weights gave no page away). A stream alone has its frees
   // fenced by its own slow path, where its pages are wanted. [stream]
   [[nodiscard]] static bool free_records_fence(const block* b, const stream_state& ss) noexcept {
@@ -856,8 +856,8 @@ class device_state {
                                std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait,
                                const stream_state* same_stream = nullptr);
   [[nodiscard]] static std::size_t partial_page_bytes(const block& b) noexcept;
-  // Cross-stream reuse with a device-side wait (reuse_with_stream_wait,
-  // issue 15): whether `to` may wait on the device for another stream's
+  // Cross-stream reuse with a device-side wait (reuse_with_stream_wait):
+  // whether `to` may wait on the device for another stream's
   // fence now (no capture, `to` live and nameable, the backend can wait);
   // and the fence of `owner` covering its free numbered free_seq (event,
   // the free count it covers), recorded now where can_record_on allows;
@@ -926,7 +926,7 @@ class device_state {
   // fresh pages the same request mapped), out of budget `from`.
   recycle_budget::source recycle_budget_now(bool large_peak);
   void spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
-  // Cross-stream reuse of whole reservations (issue 15).
+  // Cross-stream reuse of whole reservations.
   bool idle_reservation(segment& seg, const alloc_params& p);
   void adopt_reservation(segment& seg, const alloc_params& p);
 
