@@ -798,6 +798,7 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
       done_total += bytes;
       stats_.num_device_free += to_release.size();
       retired_pages_ += seg.pages.retired().size() - retired_before;
+      CCALLOC_ASSERT_EXPENSIVE(seg.pages.check());
       for (physical_handle_t h : to_release) release_page_handle(h);  // may throw: state is consistent
     };
     try {
@@ -950,7 +951,9 @@ bool device_state::fence_completed(block* b) { return fence_completed(*b->pool->
 bool device_state::fence_completed(stream_state& ss, std::uint64_t free_seq) {
   if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
   if (free_seq <= ss.fences.completed_up_to()) return true;
-  return ss.fences.completed(fence_device_, ss.stream, free_seq, ss.free_seq, can_record_on(ss));
+  const bool done = ss.fences.completed(fence_device_, ss.stream, free_seq, ss.free_seq, can_record_on(ss));
+  CCALLOC_ASSERT_EXPENSIVE(ss.fences.check());
+  return done;
 }
 
 void device_state::await_fence(block* b, page_fences::wait_reason why) {
@@ -1012,6 +1015,7 @@ void device_state::wait_fences(stream_state& ss, page_fences::wait_reason why) {
   if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
   if (ss.fences.wait(fence_device_, ss.stream, ss.free_seq, can_record_on(ss), why))
     ++stats_.num_device_synchronizations;
+  CCALLOC_ASSERT_EXPENSIVE(ss.fences.check());
 }
 
 // ---- deferred unmaps ---------------------------------------------------
@@ -1056,6 +1060,7 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
       release_page_handle(h);
     }
   }
+  CCALLOC_ASSERT_EXPENSIVE(seg.pages.check());
 }
 
 // Gives physical page h (no longer counted as reserved) back to the device,
@@ -1129,7 +1134,10 @@ void device_state::raise_reserved_high_water() noexcept {
 // The recycling time budget (recycle_budget.hpp; docs/design.md, "Note:
 // the recycling reserve").
 recycle_budget::source device_state::recycle_budget_now(bool large_peak) {
-  return recycle_budget_.choose(config_.recycle_time_percent, large_peak, [&] { return backend_.host_time_us(); });
+  const auto from =
+      recycle_budget_.choose(config_.recycle_time_percent, large_peak, [&] { return backend_.host_time_us(); });
+  CCALLOC_ASSERT_EXPENSIVE(config_.recycle_time_percent >= 100 || recycle_budget_.within_bounds(config_.recycle_time_percent));
+  return from;
 }
 
 void device_state::spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us) {
@@ -1141,6 +1149,7 @@ void device_state::spend_recycle_time(recycle_budget::source from, std::uint64_t
   if (const std::optional<std::uint64_t> refill_at = backend_.host_time_us())
     recycle_budget_.refill(config_.recycle_time_percent, *refill_at);
   recycle_budget_.spend(from, config_.recycle_time_percent, static_cast<double>(*now - start_us));
+  CCALLOC_ASSERT_EXPENSIVE(recycle_budget_.within_bounds(config_.recycle_time_percent));
 }
 
 // Releases the reservations of expandable segments that have no mapped page.

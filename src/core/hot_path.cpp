@@ -503,6 +503,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   count_up(st.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
   b->counted_oversize = b->size >= config_.max_split_size_bytes;
   if (b->counted_oversize) st.oversize_allocations.increase(1);
+  CCALLOC_ASSERT_EXPENSIVE(segment_is_valid(*b->seg));
   return b;
 }
 
@@ -653,6 +654,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   count_down(st.active_bytes, g, original_size);
   count_down(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
   b->requested_bytes = 0;
+  CCALLOC_ASSERT_EXPENSIVE(segment_is_valid(*b->seg));
   // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
   if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {
     // This free completes inside another operation (a malloc that found the

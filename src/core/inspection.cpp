@@ -17,6 +17,20 @@
 
 namespace ccalloc {
 
+bool detail::segment_is_valid(const segment& seg) noexcept {
+  if (seg.head == nullptr || seg.head->ptr != seg.base || seg.head->prev != nullptr) return false;
+  std::size_t total = 0;
+  for (const block* b = seg.head; b != nullptr; b = b->next) {
+    if (b->seg != &seg || b->size == 0) return false;
+    if (b->next != nullptr && (b->next->prev != b || b->next->ptr != b->ptr + b->size)) return false;
+    total += b->size;
+  }
+  if (total != seg.size) return false;
+  if (!seg.expandable) return true;
+  return seg.page_bytes != 0 && seg.pages.count() * seg.page_bytes == seg.size && seg.pages.check();
+}
+
+
 using detail::block;
 using detail::world_lock;
 
@@ -322,6 +336,14 @@ void device_caching_allocator::check_invariants() const {
   same(s.stats_.requested_bytes, recount.requested_bytes, "requested_bytes");
   same(s.stats_.inactive_split, recount.inactive_split, "inactive_split");
   same(s.stats_.inactive_split_bytes, recount.inactive_split_bytes, "inactive_split_bytes");
+  // The per-structure checks that CCALLOC_ASSERT_EXPENSIVE runs at state
+  // transitions, composed here (after the specific checks above, which say
+  // more about what is wrong). Not the recycling budget's bounds: a lowered
+  // recycle_time_percent holds from its next refill.
+  for (auto& [base, seg] : s.segments_)
+    if (!detail::segment_is_valid(*seg)) fail("a segment fails its own check (segment_is_valid)");
+  for (detail::stream_state* ss : w.streams())
+    if (!ss->fences.check()) fail("a stream's page fences fail their check (page_fences::check)");
 }
 
 }  // namespace ccalloc

@@ -212,6 +212,14 @@ struct segment {
 
 bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }
 
+// A segment's own invariant, checked at each of its state transitions under
+// CCALLOC_ASSERT_EXPENSIVE (inspection.cpp): its blocks tile it in address
+// order (head at base, prev/next linked both ways, each block's seg is it,
+// sizes add up to size); an expandable segment's page table covers it and
+// holds its own invariant (page_table::check). check_invariants adds what
+// ties segments to pools, statistics and each other.
+[[nodiscard]] bool segment_is_valid(const segment& seg) noexcept;
+
 // ---- block_index: a pool's free blocks, sorted (hot_path.cpp) ------------------------
 
 // The free blocks of one (stream, pool), in (size, address) order: PyTorch's
