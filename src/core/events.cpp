@@ -80,9 +80,8 @@ void device_state::set_stream_gone(stream_t stream, bool gone) {
   if (ss.gone != gone) gone ? ++gone_streams_ : --gone_streams_;
   ss.gone = gone;
   if (!gone) return;
-  for (const auto& [e, covers] : ss.fences) free_events_.push_back(e);
-  ss.fences.clear();
-  ss.fenced_seq = ss.free_seq;
+  ss.fences.drop_outstanding([&](event_t e) { free_events_.push_back(e); });
+  ss.fences.all_completed(ss.free_seq);
   forget_thread_stream();  // this thread's next malloc on it finds it gone
 }
 
@@ -97,7 +96,7 @@ void device_state::forget_gone_streams(world_lock& w) noexcept {
   const auto names_retired = [&](const stream_state* ss) {
     if (retired_pages_ == 0) return false;
     for (const auto& [base, seg] : segments_)
-      for (const segment::retired_page& r : seg->retired)
+      for (const segment::retired_page& r : seg->pages.retired())
         if (r.owner == ss) return true;
     return false;
   };
