@@ -245,8 +245,9 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
           if (has_gap(completion, i)) {
             // The block stays in use on another stream until its
             // free_completed (the end of the pass if the trace ends first).
-            const stream_t side = side_streams.acquire(base + i);
-            gaps.begin_gap(side, base + gap_end(t, completion, i));
+            const std::uint64_t end = base + gap_end(t, completion, i);
+            const stream_t side = side_streams.acquire(base + i, end);
+            gaps.begin_gap(side, end);
             allocator.record_stream(ptr, side);
           }
           allocator.free(ptr);
