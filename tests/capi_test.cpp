@@ -1374,4 +1374,20 @@ TEST(CApiPools, DestroyFreesThePoolsSegments) {
   EXPECT_TRUE(host_segments.live.empty());
 }
 
+// NULL is never a live allocation: the pointer table must not hand back one
+// of its empty slots (key 0) as an entry (get_base_allocation crashed).
+TEST(CApi, NullIsNoLiveAllocation) {
+  sim_allocator a;
+  void* p = must_malloc(a, 4096);
+  void* base = &base;
+  std::size_t size = 7;
+  EXPECT_EQ(ccalloc_get_base_allocation(a, nullptr, &base, &size), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("not a live allocation"), std::string::npos) << ccalloc_last_error();
+  EXPECT_EQ(size, 7u);
+  EXPECT_EQ(ccalloc_delete(a, nullptr), CCALLOC_OK);  // free(NULL) is a no-op
+  EXPECT_EQ(ccalloc_record_stream(a, nullptr, nullptr), CCALLOC_OK);
+  EXPECT_EQ(stat(a, "allocation.all.current"), 1);
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK) << ccalloc_last_error();
+}
+
 }  // namespace

@@ -28,6 +28,7 @@
 #endif
 
 #include <algorithm>
+#include <charconv>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -266,8 +267,9 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
           if (has_gap(completion, i)) {
             // The block stays in use on another stream until its
             // free_completed (the end of the pass if the trace ends first).
-            const stream_t side = side_streams.acquire(base + i);
-            gaps.begin_gap(side, base + gap_end(t, completion, i));
+            const std::uint64_t end = base + gap_end(t, completion, i);
+            const stream_t side = side_streams.acquire(base + i, end);
+            gaps.begin_gap(side, end);
             allocator.record_stream(ptr, side);
           }
           allocator.free(ptr);
@@ -484,10 +486,24 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
   probe.after_event = nullptr;
   probe.history.reset();
   const replay_result full = replay_trace(t, probe);
-  if (full.ooms != 0)
+  if (full.ooms != 0) {
+    // A fraction caps every device size alike: a larger device cannot help
+    // when the fraction is 0, and helps in proportion otherwise.
+    const allocator_config config = allocator_config::parse(options.config);
+    std::string why;
+    if (config.memory_fraction_set && config.per_process_memory_fraction <= 0.0)
+      why = "; per_process_memory_fraction:0 lets ccalloc use none of any device: no device size fits (raise the "
+            "fraction)";
+    else if (config.memory_fraction_set && config.per_process_memory_fraction < 1.0) {
+      char fraction[32] = {};  // the shortest text that reads back as the fraction
+      (void)std::to_chars(fraction, fraction + sizeof fraction - 1, config.per_process_memory_fraction);
+      why = "; per_process_memory_fraction:" + std::string(fraction) +
+            " lets ccalloc use only that part of it (raise the fraction or --device-memory)";
+    }
     throw error("find_min_device_memory: " + t.source + " does not fit even in " +
                 std::to_string(options.device_memory_bytes) + " bytes (" + std::to_string(full.ooms) +
-                " allocations failed)");
+                " allocations failed)" + why);
+  }
   // Multiples of precision_bytes, saturating: a value within precision_bytes
   // of 2^64 stays as it is.
   const auto round_up = [&](std::size_t v) {
