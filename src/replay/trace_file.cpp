@@ -5,7 +5,8 @@
 // the bytes start with the gzip magic 1f 8b) -> sniff_trace_format -> one
 // reader: parse_trace_text (trace_reader.cpp, ccalloc's format),
 // parse_rmm_log (rmm_reader.cpp) or convert_pytorch_snapshot
-// (snapshot_reader.cpp). The readers never call back up here.
+// (snapshot_reader.cpp; a snapshot pickle is recognized first and read as a
+// stream instead). The readers never call back up here.
 //
 // zlib is optional (CCALLOC_HAVE_ZLIB, set by CMake: a CCALLOC_MINIMAL build
 // for the GPU checks has it only if the machine does): without it,
@@ -167,7 +168,11 @@ std::string maybe_gunzip(std::string_view data, const std::string& source) {
 #endif
 }
 
-trace read_trace_file(const std::string& path) {
+trace read_trace_file(const std::string& path) { return read_trace_file(path, trace_read_options{}); }
+
+trace read_trace_file(const std::string& path, const trace_read_options& options) {
+  // A snapshot pickle is read as a stream, never whole.
+  if (is_pytorch_snapshot_file(path)) return convert_pytorch_snapshot(path, options);
   errno = 0;
   const std::unique_ptr<std::FILE, detail::file_closer> file(std::fopen(path.c_str(), "rb"));
   if (!file) {
@@ -188,7 +193,7 @@ trace read_trace_file(const std::string& path) {
   const std::string text = maybe_gunzip(data, path);
   switch (sniff_trace_format(text)) {
     case trace_format::rmm_log: return parse_rmm_log(text, path);
-    case trace_format::pytorch_snapshot: return convert_pytorch_snapshot(path);
+    case trace_format::pytorch_snapshot: return convert_pytorch_snapshot(path, options);
     case trace_format::ccalloc: break;
   }
   return parse_trace_text(text, path);
