@@ -313,6 +313,9 @@ TEST(SnapshotPickle, LimitsNameTheFlagThatRaisesThem) {
 // ---- a real snapshot: sites, the report --------------------------------------------
 
 TEST(SnapshotPickle, RealSnapshotHasSitesAndNeedsNoPython) {
+  // No Python: neither on PATH nor named by the old converter's variable.
+  const char* path_env = std::getenv("PATH");
+  const std::string saved_path = path_env != nullptr ? path_env : "/usr/bin:/bin";
   ::setenv("CCALLOC_PYTHON", "/nonexistent/python3", 1);
   ::setenv("PATH", "/nonexistent", 1);
   std::uint64_t progress_calls = 0, last_done = 0, total = 0;
@@ -324,7 +327,7 @@ TEST(SnapshotPickle, RealSnapshotHasSitesAndNeedsNoPython) {
     total = t;
   };
   const ccalloc::trace t = ccalloc::read_trace_file(snapshot_path, o);
-  ::setenv("PATH", "/usr/local/bin:/usr/bin:/bin", 1);
+  ::setenv("PATH", saved_path.c_str(), 1);
   ::unsetenv("CCALLOC_PYTHON");
   EXPECT_GE(progress_calls, 1u);
   EXPECT_EQ(last_done, total);

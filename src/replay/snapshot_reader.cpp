@@ -409,6 +409,9 @@ struct gz_closer {
 }  // namespace
 
 bool is_pytorch_snapshot_file(const std::string& path) noexcept {
+  // Not a pipe or a device: what is read from them here would be gone.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
   unsigned char head[2] = {0, 0};
   int got = 0;
 #if CCALLOC_HAVE_ZLIB

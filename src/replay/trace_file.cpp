@@ -193,7 +193,7 @@ trace read_trace_file(const std::string& path, const trace_read_options& options
   const std::string text = maybe_gunzip(data, path);
   switch (sniff_trace_format(text)) {
     case trace_format::rmm_log: return parse_rmm_log(text, path);
-    case trace_format::pytorch_snapshot: return convert_pytorch_snapshot(path, options);
+    case trace_format::pytorch_snapshot: return convert_pytorch_snapshot_data(text, path, options);  // a pipe
     case trace_format::ccalloc: break;
   }
   return parse_trace_text(text, path);

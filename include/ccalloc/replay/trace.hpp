@@ -160,8 +160,10 @@ enum class trace_format {
 /// The same for pickle bytes in memory (decompressed); `source` names them in errors.
 [[nodiscard]] trace convert_pytorch_snapshot_data(std::string_view pickle_bytes, const std::string& source,
                                                   const trace_read_options& options = {});
-/// True when the file at `path` (plain or gzip) starts as a pickle of
-/// protocol 2 to 5 does (0x80, version); false if it cannot be read.
+/// True when `path` is a regular file (plain or gzip) that starts as a
+/// pickle of protocol 2 to 5 does (0x80, version); false if it cannot be
+/// read or is not a regular file (a pipe is not read here: read_trace_file
+/// reads it whole, then converts it from memory).
 [[nodiscard]] bool is_pytorch_snapshot_file(const std::string& path) noexcept;
 
 /// Reads a trace file (plain or gzip) in any of the trace_format formats,
