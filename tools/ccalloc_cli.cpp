@@ -8,7 +8,7 @@
 //   ccalloc config-keys
 //
 // TRACE is ccalloc's trace format, an RMM logging_resource_adaptor CSV, or a
-// PyTorch snapshot pickle (converted with python3), told apart by content
+// PyTorch snapshot pickle (read without Python), told apart by content
 // (include/ccalloc/replay/trace.hpp). `replay --snapshot FILE.json` records
 // history during the replay and writes a snapshot after the last event, in
 // PyTorch's layout (python/ccalloc/snapshot.py turns it into a pickle).
@@ -296,8 +296,41 @@ struct loaded_trace {
   double read_seconds = 0.0;
 };
 
+/// Prints the progress of reading a trace on stderr once it has taken a
+/// second: redrawn in place on a terminal (at most every 1/10 s), else a
+/// line every 5 s.
+class read_progress {
+ public:
+  explicit read_progress(std::string path) : path_(std::move(path)), tty_(::isatty(STDERR_FILENO) == 1) {}
+  ~read_progress() {
+    if (shown_ && tty_) std::fprintf(stderr, "\r\x1b[K");
+  }
+  read_progress(const read_progress&) = delete;
+  read_progress& operator=(const read_progress&) = delete;
+  void operator()(std::uint64_t done, std::uint64_t total) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - start_ < std::chrono::seconds(1) || now - last_ < (tty_ ? std::chrono::milliseconds(100) : std::chrono::seconds(5)))
+      return;
+    last_ = now;
+    const double seconds = std::chrono::duration<double>(now - start_).count();
+    std::fprintf(stderr, "%sccalloc: reading %s: %3.0f%%  %s of %s bytes, %.0f s%s", tty_ ? "\r" : "",
+                 ccalloc::printable_text(path_).c_str(), total ? 100.0 * double(done) / double(total) : 0.0,
+                 with_commas(done).c_str(), with_commas(total).c_str(), seconds, tty_ ? "\x1b[K" : "\n");
+    std::fflush(stderr);
+    shown_ = true;
+  }
+
+ private:
+  std::string path_;
+  bool tty_;
+  bool shown_ = false;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_{};
+};
+
 /// Reads `path`, or the embedded default trace when `path` is empty.
-loaded_trace load_trace(const std::string& path, const ccalloc::trace_limits& limits) {
+loaded_trace load_trace(const std::string& path, ccalloc::trace_read_options read = {}) {
+  const ccalloc::trace_limits& limits = read.limits;
   const auto start = std::chrono::steady_clock::now();
   loaded_trace out;
   if (path.empty()) {
@@ -306,7 +339,11 @@ loaded_trace load_trace(const std::string& path, const ccalloc::trace_limits& li
         ccalloc::maybe_gunzip(ccalloc::embedded::default_trace_gz(), source, limits), source, limits);
     out.native = ccalloc::embedded_native_reference();
   } else {
-    out.trace = ccalloc::read_trace_file(path, limits);
+    {
+      read_progress progress(path);
+      read.progress = [&progress](std::uint64_t done, std::uint64_t total) { progress(done, total); };
+      out.trace = ccalloc::read_trace_file(path, read);
+    }
     std::string warning;
     out.native = ccalloc::native_reference_beside(path, &warning);
     if (!warning.empty()) std::cerr << "ccalloc: warning: " << ccalloc::printable_text(warning) << "\n";
@@ -703,6 +740,23 @@ struct common_options {
     return l;
   }
 
+  std::string max_pickle_objects_text;  // --max-pickle-objects; empty: the library's default
+  std::string max_pickle_bytes_text;    // --max-pickle-bytes; empty: the library's default
+
+  /// The readers' limits: the text readers' (limits()) and a PyTorch snapshot pickle's.
+  [[nodiscard]] ccalloc::trace_read_options read_options() const {
+    ccalloc::trace_read_options read;
+    read.limits = limits();
+    if (!max_pickle_objects_text.empty())
+      read.max_pickle_objects = parse_count(max_pickle_objects_text, "--max-pickle-objects", 1,
+                                            std::numeric_limits<std::uint64_t>::max(), "objects of a snapshot pickle");
+    if (!max_pickle_bytes_text.empty())
+      read.max_pickle_bytes = parse_count(max_pickle_bytes_text, "--max-pickle-bytes", 1,
+                                          std::numeric_limits<std::uint64_t>::max(),
+                                          "decompressed bytes of a snapshot pickle");
+    return read;
+  }
+
   [[nodiscard]] ccalloc::replay_options replay_options_for(const std::string& config) const {
     ccalloc::replay_options options;
     options.config = config_string(config);
@@ -775,7 +829,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
   if (min_memory && options.device != ccalloc::replay_device::sim)
     throw usage_error("--min-memory works on the simulated device only (--device sim)");
   if (!snapshot_path.empty()) check_output_file(snapshot_path, "the snapshot", common.trace_path);
-  const loaded_trace input = load_trace(common.trace_path, common.limits());
+  const loaded_trace input = load_trace(common.trace_path, common.read_options());
   progress_bar progress("replaying");
   const std::size_t total = input.trace.events.size() * options.repeat;
   std::string snapshot_json;
@@ -826,7 +880,7 @@ int run_report(const common_options& common, const std::string& config, const st
       parse_count(points_text, "--points", 2, std::numeric_limits<std::size_t>::max(), "time slices per curve"));
   check_output_file(output_path, "the report", common.trace_path);
   const auto start = std::chrono::steady_clock::now();
-  const loaded_trace input = load_trace(common.trace_path, common.limits());
+  const loaded_trace input = load_trace(common.trace_path, common.read_options());
   ccalloc::report_options options;
   options.config = replay.config;
   options.device_memory_bytes = replay.device_memory_bytes;
@@ -860,7 +914,7 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
     options.push_back(common.replay_options_for(config));
     check_config(options.back().config);  // every config checked before the first replay
   }
-  const loaded_trace input = load_trace(common.trace_path, common.limits());
+  const loaded_trace input = load_trace(common.trace_path, common.read_options());
   std::vector<ccalloc::replay_result> results;
   for (const auto& o : options) results.push_back(ccalloc::replay_trace(input.trace, o));
   if (common.json_output) {
@@ -943,14 +997,19 @@ int run(int argc, char** argv) {
   const auto add_common = [&](CLI::App* sub, bool with_json) {
     sub->add_option("trace", common.trace_path,
                     "Trace file, plain or gzip: ccalloc's format (docs/trace-format.md), an RMM "
-                    "logging_resource_adaptor CSV, or a PyTorch snapshot pickle (converted with python3), told "
-                    "apart by content. Default: the GPT-2 training trace built into the binary.");
+                    "logging_resource_adaptor CSV, or a PyTorch snapshot pickle (torch.cuda.memory._dump_snapshot), "
+                    "told apart by content. Default: the GPT-2 training trace built into the binary.");
     sub->add_option("--device", common.device_text,
                     "Where to replay: sim (the simulated device, default) or cuda / cuda:N "
                     "(a real GPU through the CUDA backend; needs a build with CUDA).");
     sub->add_option("--device-memory", common.device_memory_text,
                     "Simulated device capacity: bytes, optionally with a unit "
                     "(80GB, 80GiB, 512MiB, 1.5e9). Default: 141GB (an H200). Not with --device cuda.");
+    sub->add_option("--max-pickle-objects", common.max_pickle_objects_text,
+                    "A PyTorch snapshot pickle may make at most N objects (dicts, lists, strings, numbers). "
+                    "Default: 500000000.");
+    sub->add_option("--max-pickle-bytes", common.max_pickle_bytes_text,
+                    "A PyTorch snapshot pickle may be at most N bytes, decompressed. Default: 4294967296 (4 GiB).");
     if (with_json) sub->add_flag("--json", common.json_output, "Print the results as JSON.");
     sub->add_option("--max-input-bytes", common.max_input_text,
                     "Largest trace file, and largest text after gzip decompression, read (bytes, units as "

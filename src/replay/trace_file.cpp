@@ -5,7 +5,8 @@
 // the bytes start with the gzip magic 1f 8b) -> sniff_trace_format -> one
 // reader: parse_trace_text (trace_reader.cpp, ccalloc's format),
 // parse_rmm_log (rmm_reader.cpp) or convert_pytorch_snapshot
-// (snapshot_reader.cpp). The readers never call back up here.
+// (snapshot_reader.cpp; a snapshot pickle is recognized first and read as a
+// stream instead). The readers never call back up here.
 //
 // zlib is optional (CCALLOC_HAVE_ZLIB, set by CMake: a CCALLOC_MINIMAL build
 // for the GPU checks has it only if the machine does): without it,
@@ -225,6 +226,15 @@ std::string not_text_reason(std::string_view data) {
 }
 
 trace read_trace_file(const std::string& path, const trace_limits& limits) {
+  trace_read_options options;
+  options.limits = limits;
+  return read_trace_file(path, options);
+}
+
+trace read_trace_file(const std::string& path, const trace_read_options& options) {
+  const trace_limits& limits = options.limits;
+  // A snapshot pickle is read as a stream, never whole.
+  if (is_pytorch_snapshot_file(path)) return convert_pytorch_snapshot(path, options);
   errno = 0;
   const std::unique_ptr<std::FILE, detail::file_closer> file(std::fopen(path.c_str(), "rb"));
   if (!file) {
@@ -259,7 +269,7 @@ trace read_trace_file(const std::string& path, const trace_limits& limits) {
   data = std::string();  // the compressed bytes are no longer needed
   switch (sniff_trace_format(text)) {
     case trace_format::rmm_log: return parse_rmm_log(text, path, limits);
-    case trace_format::pytorch_snapshot: return convert_pytorch_snapshot(path);
+    case trace_format::pytorch_snapshot: return convert_pytorch_snapshot_data(text, path, options);  // a pipe
     case trace_format::ccalloc: break;
   }
   return parse_trace_text(text, path, limits);
