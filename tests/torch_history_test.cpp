@@ -42,14 +42,26 @@ std::string snapshot_json(ccalloc_allocator_t* a) {
   return text;
 }
 
+/// A simulated device with plain segments, through the C API.
+struct sim_allocator {
+  sim_allocator() {
+    ccalloc_options_t o;
+    ccalloc_options_init(&o);
+    o.backend = CCALLOC_BACKEND_SIM;
+    o.config = "expandable_segments:False";
+    if (ccalloc_create(&o, &handle) != CCALLOC_OK || ccalloc_init(handle, 1) != CCALLOC_OK)
+      ADD_FAILURE() << ccalloc_last_error();
+  }
+  ~sim_allocator() { ccalloc_destroy(handle); }
+  sim_allocator(const sim_allocator&) = delete;
+  sim_allocator& operator=(const sim_allocator&) = delete;
+  ccalloc_allocator_t* handle = nullptr;
+};
+
 TEST(TorchHistory, PyTorchsRecorderGivesFramesInSnapshotsAndEveryContextIsReleased) {
-  ccalloc_options_t o;
-  ccalloc_options_init(&o);
-  o.backend = CCALLOC_BACKEND_SIM;
-  o.config = "expandable_segments:False";
-  ccalloc_allocator_t* a = nullptr;
-  ASSERT_EQ(ccalloc_create(&o, &a), CCALLOC_OK) << ccalloc_last_error();
-  ASSERT_EQ(ccalloc_init(a, 1), CCALLOC_OK);
+  sim_allocator sim;
+  ccalloc_allocator_t* a = sim.handle;
+  ASSERT_NE(a, nullptr);
 
   cca::CreateContextFn fn = &gather;
   ccalloc_history_options_t h;
@@ -101,7 +113,6 @@ TEST(TorchHistory, PyTorchsRecorderGivesFramesInSnapshotsAndEveryContextIsReleas
   EXPECT_EQ(ccalloc_delete(a, r), CCALLOC_OK);
   ASSERT_EQ(ccalloc_record_history(a, 0, 1), CCALLOC_OK);
   EXPECT_EQ(torch::CapturedTraceback::alive, 0) << "every traceback released";
-  ccalloc_destroy(a);
 }
 
 }  // namespace
