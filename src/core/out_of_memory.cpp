@@ -129,7 +129,12 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   // Observers run outside the locks (SPEC F17): they may call back into ccalloc.
   auto observers = observers_;
   w.unlock();
-  if (!snapshot_path.empty()) msg += oom_snapshot_writer_(snapshot_path);  // never throws
+  if (!snapshot_path.empty()) {
+    try {  // the writer never throws; appending its sentence may (host out of memory): the OOM error still goes out
+      msg += oom_snapshot_writer_(snapshot_path);
+    } catch (...) {
+    }
+  }
   // Every observer runs, and the caller still gets the out-of-memory error:
   // an exception from an observer is dropped (observers are notifications).
   for (auto& o : observers) {

@@ -18,8 +18,11 @@
 //
 // Cost: with history off and no tracker, the allocator pays one relaxed
 // atomic load and a predicted branch per malloc and per free. With it on,
-// each entry takes a mutex and copies two short strings. Snapshots:
-// ccalloc/core/snapshot.hpp.
+// each entry takes a mutex and copies two short strings; with a recorder,
+// each malloc (and free, record_context::all) also calls it and keeps its
+// context in a map while the block lives. Contexts become frames only when a
+// snapshot is written (trace_context::to_frames). Figures: docs/perf.md.
+// Snapshots: ccalloc/core/snapshot.hpp.
 //
 // Thread safety: every function here and in the allocator may be called
 // concurrently. Entries of one device are in the order they were recorded.
