@@ -362,6 +362,13 @@ TEST(History, LazyContextsBecomeFramesInSnapshotsAndAreReleasedWithWhatHeldThem)
   EXPECT_EQ(alive, 1);
   f.alloc.free(p);
   f.alloc.empty_cache();
+  {
+    const auto e = f.alloc.device_allocator(0).trace_entries();
+    ASSERT_FALSE(e.empty());
+    EXPECT_EQ(e.back().action, A::segment_free);
+    ASSERT_NE(e.back().context, nullptr) << "segment_free carries the segment's context (PyTorch)";
+    EXPECT_EQ(dynamic_cast<const lazy_context&>(*e.back().context).site_, "site1");
+  }
   history_options off;
   off.enabled = false;
   f.alloc.record_history(off);
