@@ -965,6 +965,84 @@ TEST(CApiHistory, RecordHistoryAndSnapshotJson) {
   ccalloc_destroy(a);
 }
 
+// Contexts from a C recorder: handles counted in and out, frames only when a
+// snapshot is written.
+struct c_recorder_t {
+  int recorded = 0;
+  int released = 0;
+  int symbolized = 0;
+};
+
+TEST(CApiHistory, RecordHistoryExTakesContextsWhenClearAndSkipActions) {
+  ccalloc_options_t o;
+  ccalloc_options_init(&o);
+  o.backend = CCALLOC_BACKEND_SIM;
+  o.config = "expandable_segments:False";
+  ccalloc_allocator_t* a = nullptr;
+  ASSERT_EQ(ccalloc_create(&o, &a), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_init(a, 1), CCALLOC_OK);
+  c_recorder_t r;
+  ccalloc_history_options_t h;
+  ccalloc_history_options_init(&h);
+  EXPECT_EQ(h.enabled, 1);
+  EXPECT_EQ(h.when, CCALLOC_RECORD_CONTEXT_ALL);
+  EXPECT_EQ(h.max_entries, SIZE_MAX);
+  h.when = CCALLOC_RECORD_CONTEXT_ALLOC;
+  h.skip_actions = "segment_alloc, free_completed";
+  h.user_data = &r;
+  h.record = [](void* user) -> void* {
+    auto* rec = static_cast<c_recorder_t*>(user);
+    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(++rec->recorded));
+  };
+  h.release = [](void* user, void*) { ++static_cast<c_recorder_t*>(user)->released; };
+  h.frames = [](void* user, void* context, ccalloc_frame_sink_fn sink, void* sink_data) {
+    ++static_cast<c_recorder_t*>(user)->symbolized;
+    const std::string name = "site" + std::to_string(reinterpret_cast<std::uintptr_t>(context));
+    sink(sink_data, name.c_str(), "c.py", 11);
+    sink(sink_data, nullptr, nullptr, 0);
+  };
+  ASSERT_EQ(ccalloc_record_history_ex(a, &h), CCALLOC_OK) << ccalloc_last_error();
+  void* p = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a, 0, 4096, nullptr, &p), CCALLOC_OK);
+  void* q = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a, 0, 4096, nullptr, &q), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_delete(a, q), CCALLOC_OK);  // alloc mode: no context at free
+  EXPECT_EQ(r.recorded, 2);
+  EXPECT_EQ(r.symbolized, 0);
+  size_t length = 0;
+  ASSERT_EQ(ccalloc_snapshot_json(a, 1, nullptr, 0, &length), CCALLOC_OK);
+  EXPECT_GT(r.symbolized, 0);
+  std::string text(length + 4096, '\0');
+  ASSERT_EQ(ccalloc_snapshot_json(a, 1, text.data(), text.size(), &length), CCALLOC_OK);
+  text.resize(length);
+  EXPECT_NE(text.find(R"({"name":"site1","filename":"c.py","line":11},{"name":"","filename":"","line":0})"),
+            std::string::npos) << text.substr(0, 600);
+  EXPECT_NE(text.find(R"("action":"alloc")"), std::string::npos);
+  EXPECT_EQ(text.find(R"("action":"segment_alloc")"), std::string::npos) << "skipped";
+  EXPECT_EQ(text.find(R"("action":"free_completed")"), std::string::npos) << "skipped";
+  EXPECT_NE(text.find(R"("action":"free_requested")"), std::string::npos);
+  // Bad arguments change nothing.
+  ccalloc_history_options_t bad = h;
+  bad.skip_actions = "alloc,allok";
+  EXPECT_EQ(ccalloc_record_history_ex(a, &bad), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(),
+               "ccalloc: ccalloc_record_history_ex: unknown action 'allok' in skip_actions (accepted: alloc, "
+               "free_requested, free_completed, segment_alloc, segment_free, segment_map, segment_unmap, snapshot, "
+               "oom, empty_cache)");
+  bad = h;
+  bad.when = 4;
+  EXPECT_EQ(ccalloc_record_history_ex(a, &bad), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_record_history_ex(a, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  // clear drops the entries; the live block keeps its context (site1).
+  h.clear = 1;
+  ASSERT_EQ(ccalloc_record_history_ex(a, &h), CCALLOC_OK);
+  EXPECT_EQ(r.released, 1) << "site2 went with the entries; site1 is held by p";
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_record_history(a, 0, 1000), CCALLOC_OK);
+  EXPECT_EQ(r.released, r.recorded) << "every handle given back";
+  ccalloc_destroy(a);
+}
+
 }  // namespace
 
 namespace {

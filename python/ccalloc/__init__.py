@@ -157,9 +157,10 @@ def set_config(text: str) -> None:
     process_allocator().set_config(text)
 
 
-def record_history(enabled: bool = True, max_entries: int = 100000) -> None:
-    """Allocator.record_history on the process-wide allocator."""
-    process_allocator().record_history(enabled, max_entries)
+def record_history(enabled: bool = True, max_entries: int = 100000, **kwargs) -> None:
+    """Allocator.record_history on the process-wide allocator (context=,
+    when=, clear=, skip_actions= as there)."""
+    process_allocator().record_history(enabled, max_entries, **kwargs)
 
 
 def memory_snapshot(include_traces: bool = True) -> dict:

@@ -121,6 +121,54 @@ def _names() -> list:
     return _stat_names
 
 
+def _python_stack():
+    """The caller's Python stack, innermost first, without ccalloc's own frames."""
+    import traceback
+
+    frames = []
+    for f in reversed(traceback.extract_stack()):
+        if f.filename.endswith(("ccalloc/_allocator.py", "ccalloc/torch.py")):
+            continue
+        frames.append((f.name, f.filename, f.lineno or 0))
+    return frames
+
+
+def _context_callbacks(context):
+    """The C callbacks of ccalloc_record_history_ex for a Python recorder:
+    each context is a number naming the frames kept in a dict until released."""
+    import itertools
+
+    recorder = _python_stack if context == "python" else context
+    if not callable(recorder):
+        raise InvalidArgumentError(f"record_history: context must be None, 'python' or a callable, got {context!r}")
+    kept = {}
+    numbers = itertools.count(1)
+
+    def record(_user):
+        try:
+            frames = recorder()
+        except BaseException:  # must not cross into C: the call goes on without a context
+            import traceback
+
+            print("ccalloc: a context recorder raised (ignored):", file=sys.stderr)
+            traceback.print_exc()
+            return None
+        if frames is None:
+            return None
+        n = next(numbers)
+        kept[n] = [(str(name), str(filename), int(line)) for name, filename, line in frames]
+        return n
+
+    def release(_user, handle):
+        kept.pop(handle, None)
+
+    def frames(_user, handle, sink, sink_data):
+        for name, filename, line in kept.get(handle, ()):
+            sink(sink_data, name.encode(), filename.encode(), line)
+
+    return (_lib.CONTEXT_RECORD(record), _lib.CONTEXT_RELEASE(release), _lib.CONTEXT_FRAMES(frames))
+
+
 class Allocator:
     """A ccalloc allocator: the process-wide one (``Allocator.process_wide()``)
     or one with its own backend (the constructor).
@@ -367,12 +415,42 @@ class Allocator:
 
     # ---- memory history and snapshots (SPEC F13, F14, E4) ------------------------------------------
 
-    def record_history(self, enabled: bool = True, max_entries: int = 100000) -> None:
+    def record_history(self, enabled: bool = True, max_entries: int = 100000, *, context=None,
+                       when: str = "all", clear: bool = False, skip_actions=()) -> None:
         """Starts or stops recording the memory history of every device (as
         torch.cuda.memory._record_memory_history): the newest ``max_entries``
-        trace entries per device, microsecond timestamps, no stacks."""
-        _check(_lib.lib().ccalloc_record_history(self._h, 1 if enabled else 0,
-                                                 _size(max_entries, "max_entries")))
+        trace entries per device, microsecond timestamps. Stopping drops them.
+
+        ``context``: None (no stacks), ``"python"`` (the Python stack of each
+        malloc and free, as PyTorch's ``stacks="python"``), or a callable
+        returning the frames to keep, innermost first, as (name, filename,
+        line) tuples or None; it is called on the allocating thread. Frames
+        appear in snapshots as PyTorch's ``{"name", "filename", "line"}``.
+        ``when``: ``"state"`` (frames on live blocks only), ``"alloc"`` (also
+        on alloc and segment entries) or ``"all"`` (also at free), PyTorch's
+        RecordContext. ``clear``: drop what was recorded so far.
+        ``skip_actions``: action names not stored (e.g. ``["free_requested"]``).
+        Raises InvalidArgumentError for an unknown ``when`` or action."""
+        h = self._h  # refuses a closed Allocator first
+        whens = {"never": 0, "state": 1, "alloc": 2, "all": 3}
+        if when not in whens:
+            raise InvalidArgumentError(f"record_history: when must be one of {', '.join(whens)}, got {when!r}")
+        lib = _lib.lib()
+        o = _lib.ccalloc_history_options_t()
+        lib.ccalloc_history_options_init(ctypes.byref(o))
+        o.enabled = 1 if enabled else 0
+        o.max_entries = _size(max_entries, "max_entries")
+        o.when = whens[when]
+        o.clear = 1 if clear else 0
+        skip = ",".join(skip_actions)
+        o.skip_actions = skip.encode() if skip else None
+        if context is not None and enabled:
+            callbacks = _context_callbacks(context)
+            o.record, o.release, o.frames = callbacks
+            self._observers.append(callbacks)  # the C side keeps only the pointers, for the allocator's life
+            if not self._owned:
+                _process_observers.append(callbacks)
+        _check(lib.ccalloc_record_history_ex(h, ctypes.byref(o)))
 
     def snapshot_json(self, include_traces: bool = True) -> str:
         """The snapshot as JSON with the layout of torch.cuda.memory._snapshot()."""

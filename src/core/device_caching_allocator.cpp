@@ -29,6 +29,7 @@ device_caching_allocator::device_caching_allocator(int device, device_backend& b
     throw invalid_argument_error("ccalloc: device " + std::to_string(device) + " is out of range [0, " +
                                  std::to_string(backend.device_count()) + ")");
   state_ = std::make_unique<detail::device_state>(device, backend, std::move(config));
+  state_->oom_snapshot_writer_ = [this](const std::string& path) { return detail::write_oom_snapshot(*this, path); };
 }
 
 device_caching_allocator::~device_caching_allocator() = default;

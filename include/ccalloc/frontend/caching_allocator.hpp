@@ -111,7 +111,9 @@ class caching_allocator {
   /// allocator, a device out of range, or a stream that is not a live stream
   /// of the device (destroyed by destroy_stream; never created, where the
   /// backend can tell: device_backend::is_stream), out_of_memory_error when the device
-  /// cannot provide the memory (at once for sizes >= 1 EiB).
+  /// cannot provide the memory (at once for sizes >= 1 EiB); with the
+  /// setting oom_snapshot, that error first writes the device's snapshot to
+  /// its file, unlocked, on the calling thread (docs/memory-history.md).
   [[nodiscard]] void* malloc(int device, std::size_t size_bytes, stream_t stream);
   /// Frees a pointer from this allocator (F3). nullptr is a no-op. Throws
   /// invalid_argument_error naming the pointer if it is unknown (never
@@ -303,7 +305,10 @@ class caching_allocator {
   /// Starts, changes or stops recording the history of every device, also of
   /// devices init() adds later (F14; PyTorch: recordHistory, and
   /// torch.cuda.memory._record_memory_history). options.max_entries is per
-  /// device. Disabling drops what was recorded. Throws
+  /// device. Disabling drops what was recorded. options.recorder is called
+  /// outside the locks on the thread of each malloc (record_context::state
+  /// and up) and free (all); its contexts are kept with their entries and
+  /// live blocks and turned into frames when a snapshot is written. Throws
   /// invalid_argument_error for max_entries == 0 (nothing changes then).
   void record_history(const history_options& options);
   /// Whether history is being recorded (PyTorch: isHistoryEnabled).

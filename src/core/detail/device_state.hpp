@@ -73,11 +73,13 @@
 #include <bit>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -1042,6 +1044,12 @@ class device_state {
   std::vector<event_t> free_events_;  // event pool: created and reusable
   fence_device fence_device_{*this};  // the page fences' view of it
   std::vector<oom_observer> observers_;
+  // The out-of-memory snapshot (config oom_snapshot; out_of_memory.cpp):
+  // the public wrapper sets the writer (it owns the snapshot code); called
+  // with no lock held, it writes the device's snapshot to the path and
+  // returns the sentence the error message gets; it never throws.
+  std::function<std::string(const std::string& path)> oom_snapshot_writer_;
+  std::optional<std::uint64_t> last_oom_snapshot_us_;  // steady clock, when the last was written [world]
   std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
   std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
   bool stream_wait_supported_ = false;  // the backend's capabilities().stream_wait
@@ -1109,5 +1117,12 @@ std::uint64_t fresh_state_key() noexcept;
 allocation malloc_unrecorded(device_state& s, std::size_t size_bytes, stream_t stream);
 [[gnu::noinline]] allocation malloc_recorded(device_state& s, std::size_t size_bytes, stream_t stream);
 [[gnu::noinline]] void free_recorded(device_state& s, block* b);
+
+/// Writes `owner`'s snapshot (segments, its trace, annotations, settings) as
+/// PyTorch's pickle to `path` (through a temporary file renamed over it) and
+/// returns the sentence for the out-of-memory message: where it wrote, or
+/// why it could not. Never throws. Call with no lock of the device held
+/// (device_history.cpp).
+[[gnu::cold]] std::string write_oom_snapshot(device_caching_allocator& owner, const std::string& path) noexcept;
 
 }  // namespace ccalloc::detail
