@@ -53,6 +53,19 @@ using ccalloc::caching_allocator;
 
 thread_local std::string tls_last_error;
 
+/// A front-end message as a C caller reads it: the C++ calls it names
+/// (init(), init(device_count)) become the C functions to call.
+std::string c_api_message(std::string message) {
+  const auto replace = [&message](std::string_view from, std::string_view to) {
+    const std::size_t at = message.find(from);
+    if (at != std::string::npos) message.replace(at, from.size(), to);
+  };
+  replace(" before init(): call init(device_count) first",
+          " before ccalloc_init(): call ccalloc_init(alloc, device_count) first");
+  if (message.starts_with("ccalloc: init(")) message.replace(9, 5, "ccalloc_init(");
+  return message;
+}
+
 /// Runs `body` (which returns nothing) and maps what it throws to a status,
 /// storing the message for ccalloc_last_error().
 /// Inlined into each entry point: ccalloc_malloc and ccalloc_delete then make
@@ -69,7 +82,7 @@ template <typename Body>
     tls_last_error = e.what();
     return CCALLOC_ERROR_CONFIG;
   } catch (const ccalloc::invalid_argument_error& e) {
-    tls_last_error = e.what();
+    tls_last_error = c_api_message(e.what());
     return CCALLOC_ERROR_INVALID_ARGUMENT;
   } catch (const ccalloc::backend_error& e) {
     tls_last_error = e.what();
