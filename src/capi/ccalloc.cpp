@@ -147,9 +147,6 @@ ccalloc::mempool_id_t to_pool_id(ccalloc_mempool_id_t id) noexcept { return {id.
 
 // ---- pools' segment allocators --------------------------------------------------------
 
-/// The next id ccalloc_new_pool_id hands out: {n, 0}, n = 1, 2, ...
-std::atomic<std::uint64_t> next_pool_id{1};
-
 /// True once any pool got a segment allocator: only then do allocations
 /// track segment_failure (one relaxed load otherwise).
 std::atomic<bool> custom_segment_pools{false};
@@ -656,7 +653,8 @@ ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* allo
 ccalloc_status_t ccalloc_new_pool_id(ccalloc_allocator_t* /*alloc*/, ccalloc_mempool_id_t* out) {
   return guarded([&] {
     require(out, "ccalloc_new_pool_id", "out");
-    *out = ccalloc_mempool_id_t{next_pool_id.fetch_add(1, std::memory_order_relaxed), 0};
+    const ccalloc::mempool_id_t id = caching_allocator::new_pool_id();  // shared with C++
+    *out = ccalloc_mempool_id_t{id.first, id.second};
   });
 }
 
