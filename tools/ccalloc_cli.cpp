@@ -462,6 +462,11 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
   }
   out["passes"] = std::move(passes);
   if (input.native) out["native"] = native_json(*input.native, r);
+  if (const ccalloc::recorded_figures rec = ccalloc::recorded_allocator_figures(input.trace); rec.has_segments) {
+    out["recorded"] = {{"peak_reserved_bytes", rec.reserved_peak},
+                       {"peak_requested_bytes", rec.requested_peak},
+                       {"segments_created", rec.segment_allocs}};
+  }
   return out;
 }
 
@@ -608,6 +613,14 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
   if (r.repeat > 1) {
     std::printf("\nPer pass (peaks within the pass, counters during it):\n");
     print_passes(r, "  ");
+  }
+  const ccalloc::recorded_figures rec = ccalloc::recorded_allocator_figures(input.trace);
+  if (rec.has_segments) {
+    // The same figures as report's "recording allocator" row.
+    std::printf("\nRecording allocator (from the trace's segment events):\n");
+    print_row("  peak reserved", bytes_cell(rec.reserved_peak, w) +
+                                     format("  (%.3f of its peak requested)", ratio(rec.reserved_peak, rec.requested_peak)));
+    print_row("  segments made", with_commas(rec.segment_allocs) + "  (its cudaMalloc calls)");
   }
   if (input.native) {
     print_native_comparison(r, *input.native);
@@ -1008,7 +1021,7 @@ int run(int argc, char** argv) {
   bool min_memory = false;
   replay->add_flag("--min-memory", min_memory,
                    "Also find the smallest simulated device memory on which the trace replays with --config "
-                   "without out of memory (bisection to 2 MiB; SPEC P7). A per_process_memory_fraction applies "
+                   "without out of memory (bisection to 2 MiB). A per_process_memory_fraction applies "
                    "to that device: the figure is the device, not the cap.");
 
   CLI::App* compare =

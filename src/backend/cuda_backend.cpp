@@ -343,6 +343,8 @@ struct cuda_backend::impl {
   }
 };
 
+std::string cuda_backend::runtime_load_error() { return rt().error; }
+
 int cuda_backend::available_device_count() noexcept {
   int n = 0;
   if (!rt().error.empty()) return 0;  // no CUDA runtime: no devices

@@ -301,6 +301,8 @@ std::shared_ptr<ccalloc::device_backend> make_backend(const ccalloc_options_t& o
     }
     case CCALLOC_BACKEND_CUDA:
 #if CCALLOC_HAVE_CUDA_BACKEND
+      if (const std::string why = ccalloc::cuda_backend::runtime_load_error(); !why.empty())
+        throw ccalloc::backend_error("ccalloc_create: CCALLOC_BACKEND_CUDA asked, but " + why);
       if (ccalloc::cuda_backend::available_device_count() < 1)
         throw ccalloc::backend_error("ccalloc_create: CCALLOC_BACKEND_CUDA asked, but the CUDA runtime sees no GPU");
       return std::make_shared<ccalloc::cuda_backend>();

@@ -327,6 +327,8 @@ void replay_with_gates(const trace& t, const std::vector<std::uint64_t>& complet
 
 #if CCALLOC_HAVE_CUDA_BACKEND
 std::shared_ptr<device_backend> open_cuda(int device) {
+  if (const std::string why = cuda_backend::runtime_load_error(); !why.empty())
+    throw error("replay on cuda: " + why);
   if (cuda_backend::available_device_count() < 1)
     throw error("replay on cuda: no CUDA device is usable (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them)");
   std::shared_ptr<cuda_backend> b;

@@ -119,6 +119,7 @@ trace convert_pytorch_snapshot(const std::string& path) {
   }
   trace t = parse_trace_text(output, path + " (converted)");
   t.source = path;
+  t.has_source_lines = false;  // a pickle has no lines; the conversion's mean nothing to the user
   // The converter's header comments say what it added.
   std::size_t pos = 0;
   while (pos < output.size() && output[pos] == '#') {

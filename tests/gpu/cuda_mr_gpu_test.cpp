@@ -51,8 +51,9 @@ int main() try {
       !cuda_ok(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), "cudaStreamCreate a") ||
       !cuda_ok(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), "cudaStreamCreate b"))
     return 1;
-  unsigned long long* counter = nullptr;
-  if (!cuda_ok(cudaMalloc(&counter, sizeof *counter), "cudaMalloc counter")) return 1;
+  void* counter_memory = nullptr;
+  if (!cuda_ok(cudaMalloc(&counter_memory, sizeof(unsigned long long)), "cudaMalloc counter")) return 1;
+  auto* counter = static_cast<unsigned long long*>(counter_memory);
 
   constexpr std::size_t bytes = std::size_t{64} << 20;
   void* p = ref.allocate_async(bytes, 256, cuda::stream_ref{a});

@@ -6,8 +6,9 @@
 // legacy default stream (cudaStreamLegacy is 1, cudaStreamPerThread 2, the
 // same values ccalloc gives legacy_stream_handle and per_thread_stream_handle).
 // On the simulated device the handles are the simulator's own and must not
-// be passed to CUDA. Both functions are constexpr-free casts: no call into
-// CUDA, thread-safe, never throw.
+// be passed to CUDA. to_stream and to_cuda_stream are casts (no call into
+// CUDA, thread-safe, never throw); malloc and record_stream forward to the
+// allocator and throw what it throws.
 #pragma once
 
 #include <ccalloc/base/types.hpp>

@@ -85,6 +85,10 @@ struct trace {
   /// What a conversion added or dropped, for the user (e.g. "3 frees of
   /// pointers never allocated in the log were skipped"); empty for ccalloc's format.
   std::vector<std::string> notes;
+  /// False when the events were converted from a file without lines (a
+  /// PyTorch snapshot pickle): trace_event::line then counts lines of the
+  /// conversion, which the user never sees, and pages do not show it.
+  bool has_source_lines = true;
 };
 
 /// The inputs read_trace_file understands.
