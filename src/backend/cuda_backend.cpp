@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -106,7 +107,7 @@ cudart_api load_cudart() {
 }
 
 /// The runtime's functions, loaded on the first call (thread-safe).
-const cudart_api& rt() noexcept {
+const cudart_api& rt() {
   static const cudart_api api = load_cudart();
   return api;
 }
@@ -347,7 +348,11 @@ std::string cuda_backend::runtime_load_error() { return rt().error; }
 
 int cuda_backend::available_device_count() noexcept {
   int n = 0;
-  if (!rt().error.empty()) return 0;  // no CUDA runtime: no devices
+  try {
+    if (!rt().error.empty()) return 0;  // no CUDA runtime: no devices
+  } catch (const std::bad_alloc&) {     // loading it ran out of host memory
+    return 0;
+  }
   if (rt().cudaGetDeviceCount(&n) != cudaSuccess) {
     (void)rt().cudaGetLastError();
     return 0;
