@@ -150,6 +150,7 @@ TEST(RmmLog, MalformedInputNamesFileAndLine) {
 TEST(PyTorchSnapshot, RealSnapshotConvertsAndReplays) {
   const ccalloc::trace t = ccalloc::read_trace_file(snapshot_path);
   EXPECT_EQ(t.source, snapshot_path);
+  EXPECT_FALSE(t.has_source_lines) << "a pickle has no lines to point at";
   // 1791 entries: alloc 657, free_requested 532, free_completed 532, segment_alloc 39, segment_free 31.
   std::map<trace_action, std::size_t> count;
   for (const auto& e : t.events) ++count[e.action];

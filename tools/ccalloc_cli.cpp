@@ -30,7 +30,10 @@
 // Exit status: 0 success; 1 a ccalloc error (bad trace, bad configuration,
 // unreadable file), printed as "ccalloc: <message>" on stderr; 2 a usage
 // error (unknown option, missing subcommand, bad --repeat, --device or --device-memory
-// value, --device-memory with --device cuda).
+// value, --device-memory with --device cuda); 3 a replay in which
+// allocations failed with out of memory (its figures are of another program
+// than the one recorded: no ratio against PyTorch is printed), unless
+// --allow-oom is given.
 // With --json, stdout holds exactly one JSON document; warnings go to stderr.
 //
 // --repeat N (replay, compare): the trace runs N times back to back as one
@@ -412,6 +415,33 @@ void check_config(const std::string& config) {
 
 double ratio(std::uint64_t a, std::uint64_t b) { return b ? double(a) / double(b) : 0.0; }
 
+/// 2 MiB pages created for expandable segments: every page mapping that was
+/// not a remapping (num_device_alloc counts these and the cudaMallocs).
+template <class Figures>
+std::uint64_t pages_created(const Figures& f) {
+  return f.pages_mapped - f.pages_remapped;
+}
+
+/// The first lines of a replay in which allocations failed: its figures
+/// describe a program that skipped them, so they are not a result.
+void print_oom_banner(std::uint64_t ooms) {
+  std::printf("FAILED: %s allocation(s) failed with out of memory and were skipped: the figures below are of a\n"
+              "        different program than the one recorded, not a result (a larger --device-memory, or\n"
+              "        --min-memory, finds what the trace needs)\n\n",
+              with_commas(ooms).c_str());
+}
+
+/// Exit status 3 for a replay with failed allocations unless --allow-oom.
+int oom_exit_status(std::uint64_t ooms, bool allow_oom) {
+  if (ooms == 0) return 0;
+  std::fprintf(stderr,
+               "ccalloc: %llu allocation(s) failed with out of memory and were skipped; the peaks describe a "
+               "different program than the one recorded%s\n",
+               static_cast<unsigned long long>(ooms),
+               allow_oom ? "" : " (exit status 3; --allow-oom accepts such a replay)");
+  return allow_oom ? 0 : 3;
+}
+
 // ---- JSON output ----------------------------------------------------------------
 
 json native_json(const ccalloc::native_reference& native, const ccalloc::replay_result& r) {
@@ -426,6 +456,7 @@ json native_json(const ccalloc::native_reference& native, const ccalloc::replay_
           ratio(native.expandable_reserved_peak, native.requested_peak);
     }
   }
+  if (r.ooms > 0) return out;  // a replay that skipped allocations compares with nothing
   if (native.reserved_peak) {
     out["reserved_vs_native"] = ratio(r.peak_reserved_bytes, native.reserved_peak);
   }
@@ -454,6 +485,9 @@ void put_figures(json& out, const Figures& f) {
   out["fragmentation"] = f.fragmentation();
   out["device_mallocs"] = f.device_mallocs;
   out["device_frees"] = f.device_frees;
+  out["segments_created"] = f.segments_created;
+  out["pages_created"] = pages_created(f);
+  out["cuda_mallocs"] = f.device_mallocs - pages_created(f);
   out["ooms"] = f.ooms;
   out["device_synchronizations"] = f.device_synchronizations;
   out["pages_remapped"] = f.pages_remapped;
@@ -472,6 +506,10 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
   if (r.device == ccalloc::replay_device::cuda) out["cuda_device"] = cuda_device;
   out["device_memory_bytes"] = r.device_memory_bytes;
   out["events"] = r.events;
+  // A replay in which allocations failed is not a result (see print_oom_banner).
+  out["valid"] = r.ooms == 0;
+  if (r.ooms > 0)
+    out["invalid_reason"] = with_commas(r.ooms) + " allocation(s) failed with out of memory and were skipped";
   put_figures(out, r);
   out["alloc_retries"] = r.alloc_retries;
   out["thread_cache_hits"] = r.thread_cache_hits;
@@ -489,6 +527,11 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
   }
   out["passes"] = std::move(passes);
   if (input.native) out["native"] = native_json(*input.native, r);
+  if (const ccalloc::recorded_figures rec = ccalloc::recorded_allocator_figures(input.trace); rec.has_segments) {
+    out["recorded"] = {{"peak_reserved_bytes", rec.reserved_peak},
+                       {"peak_requested_bytes", rec.requested_peak},
+                       {"segments_created", rec.segment_allocs}};
+  }
   return out;
 }
 
@@ -523,17 +566,27 @@ void print_native_comparison(const ccalloc::replay_result& r, const ccalloc::nat
        "");
   line("peak reserved", gib(r.peak_reserved_bytes), or_dash(n.reserved_peak, gib(n.reserved_peak)),
        or_dash(n.expandable_reserved_peak, gib(n.expandable_reserved_peak)));
-  line("  ccalloc / PyTorch", "",
-       or_dash(n.reserved_peak, format("%.3fx", ratio(r.peak_reserved_bytes, n.reserved_peak))),
-       or_dash(n.expandable_reserved_peak,
-               format("%.3fx", ratio(r.peak_reserved_bytes, n.expandable_reserved_peak))));
+  if (r.ooms > 0) {
+    line("  ccalloc / PyTorch", "", "invalid (OOMs)", "invalid (OOMs)");
+  } else {
+    line("  ccalloc / PyTorch", "",
+         or_dash(n.reserved_peak, format("%.3fx", ratio(r.peak_reserved_bytes, n.reserved_peak))),
+         or_dash(n.expandable_reserved_peak,
+                 format("%.3fx", ratio(r.peak_reserved_bytes, n.expandable_reserved_peak))));
+  }
   line("fragmentation", format("%.3f", r.fragmentation()),
        or_dash(n.requested_peak && n.reserved_peak,
                format("%.3f", ratio(n.reserved_peak, n.requested_peak))),
        or_dash(n.requested_peak && n.expandable_reserved_peak,
                format("%.3f", ratio(n.expandable_reserved_peak, n.requested_peak))));
-  line("device mallocs", with_commas(r.device_mallocs),
-       or_dash(n.device_allocs, with_commas(n.device_allocs)), "");
+  // PyTorch's count is of cudaMalloc calls: it compares with segments made
+  // (cudaMallocs and reservations), not with pages created.
+  line("segments made", with_commas(r.segments_created), or_dash(n.device_allocs, with_commas(n.device_allocs)),
+       "");
+  line("2 MiB pages created", with_commas(pages_created(r)), "-", "");
+  std::printf("  (segments made: cudaMalloc calls, or address-space reservations of expandable segments; PyTorch\n"
+              "   native's figure is its cudaMalloc calls. Pages created: physical 2 MiB pages mapped into\n"
+              "   reservations, which PyTorch native does not make)\n");
   if (n.requested_peak && n.requested_peak != r.peak_requested_bytes) {
     std::printf("  note: the peak requested differs from the recording's (%s vs %s bytes)\n",
                 with_commas(r.peak_requested_bytes).c_str(), with_commas(n.requested_peak).c_str());
@@ -578,6 +631,7 @@ std::string device_label(const ccalloc::replay_result& r, int cuda_device) {
 void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& input,
                          const std::string& config, int cuda_device) {
   const std::uint64_t device_memory_bytes = r.device_memory_bytes;
+  if (r.ooms > 0) print_oom_banner(r.ooms);
   // Byte counts right-aligned on the widest, so their digits line up.
   std::size_t w = 0;
   for (const std::uint64_t b : {std::uint64_t{device_memory_bytes}, r.peak_requested_bytes,
@@ -604,8 +658,13 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
   print_row("peak allocated", bytes_cell(r.peak_allocated_bytes, w));
   print_row("peak reserved", bytes_cell(r.peak_reserved_bytes, w));
   print_row("fragmentation", format("%.3f  (peak reserved / peak requested)", r.fragmentation()));
-  print_row("device mallocs", with_commas(r.device_mallocs));
-  print_row("device frees", with_commas(r.device_frees));
+  print_row("segments made", with_commas(r.segments_created) + "  (" +
+                                with_commas(r.device_mallocs - pages_created(r)) + " cudaMalloc, " +
+                                with_commas(r.segments_created - (r.device_mallocs - pages_created(r))) +
+                                " address-space reservations)");
+  print_row("pages created", with_commas(pages_created(r)) + "  (2 MiB physical pages mapped into reservations)");
+  print_row("device mallocs", with_commas(r.device_mallocs) + "  (cudaMalloc calls + pages created)");
+  print_row("device frees", with_commas(r.device_frees) + "  (cudaFree calls + pages released)");
   print_row("OOMs", with_commas(r.ooms) +
                         (r.ooms ? "  (allocations that failed: the device memory is too small)" : ""));
   print_row("alloc retries", with_commas(r.alloc_retries));
@@ -624,6 +683,14 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
     std::printf("\nPer pass (peaks within the pass, counters during it):\n");
     print_passes(r, "  ");
   }
+  const ccalloc::recorded_figures rec = ccalloc::recorded_allocator_figures(input.trace);
+  if (rec.has_segments) {
+    // The same figures as report's "recording allocator" row.
+    std::printf("\nRecording allocator (from the trace's segment events):\n");
+    print_row("  peak reserved", bytes_cell(rec.reserved_peak, w) +
+                                     format("  (%.3f of its peak requested)", ratio(rec.reserved_peak, rec.requested_peak)));
+    print_row("  segments made", with_commas(rec.segment_allocs) + "  (its cudaMalloc calls)");
+  }
   if (input.native) {
     print_native_comparison(r, *input.native);
     if (r.repeat > 1) std::printf("  (PyTorch's figures are of the one recorded pass)\n");
@@ -636,14 +703,16 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
   struct row {
     std::vector<std::string> cells;
   };
-  const std::vector<std::string> head = {"config",  "peak reserved", "fragmentation", "device mallocs",
-                                         "device frees", "OOMs", "retries", "device syncs", "seconds"};
+  // "segments": cudaMallocs and address reservations (PyTorch native's
+  // figure: its cudaMalloc calls); "pages": 2 MiB pages created.
+  const std::vector<std::string> head = {"config",   "peak reserved", "fragmentation", "segments", "pages",
+                                         "OOMs",     "retries",       "syncs",         "seconds"};
   std::vector<row> rows;
   for (std::size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     rows.push_back({{config_label(configs[i]), gib(r.peak_reserved_bytes),
-                     format("%.3f", r.fragmentation()), with_commas(r.device_mallocs),
-                     with_commas(r.device_frees), with_commas(r.ooms), with_commas(r.alloc_retries),
+                     r.ooms ? "invalid" : format("%.3f", r.fragmentation()), with_commas(r.segments_created),
+                     with_commas(pages_created(r)), with_commas(r.ooms), with_commas(r.alloc_retries),
                      with_commas(r.device_synchronizations), format("%.3f", r.wall_seconds)}});
   }
   if (input.native) {
@@ -654,16 +723,33 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
                        or_dash(n.device_allocs, with_commas(n.device_allocs)), "-", "-", "-", "-", "-"}});
     }
     if (n.expandable_reserved_peak) {
-      rows.push_back({{"PyTorch native expandable", gib(n.expandable_reserved_peak),
+      rows.push_back({{"PyTorch expandable", gib(n.expandable_reserved_peak),
                        or_dash(n.requested_peak,
                                format("%.3f", ratio(n.expandable_reserved_peak, n.requested_peak))),
                        "-", "-", "-", "-", "-", "-"}});
     }
   }
-  std::vector<std::size_t> width(head.size());
-  for (std::size_t c = 0; c < head.size(); ++c) {
-    width[c] = head[c].size();
-    for (const row& r : rows) width[c] = std::max(width[c], r.cells[c].size());
+  const auto widths = [&] {
+    std::vector<std::size_t> width(head.size());
+    for (std::size_t c = 0; c < head.size(); ++c) {
+      width[c] = head[c].size();
+      for (const row& r : rows) width[c] = std::max(width[c], r.cells[c].size());
+    }
+    return width;
+  };
+  std::vector<std::size_t> width = widths();
+  // The table fits 100 columns: long configuration strings are listed
+  // above it and named #1, #2, ... in it.
+  constexpr std::size_t max_columns = 100;
+  std::size_t table_width = 0;
+  for (const std::size_t w : width) table_width += w + 2;
+  std::string legend;
+  if (table_width - 2 > max_columns) {
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      legend += format("#%zu  ", i + 1) + config_label(configs[i]) + "\n";
+      rows[i].cells[0] = format("#%zu", i + 1);
+    }
+    width = widths();
   }
   const auto print_cells = [&](const std::vector<std::string>& cells) {
     std::string text = left(cells[0], width[0]);  // config names read left-aligned
@@ -675,13 +761,19 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
   if (!results.empty() && results.front().device_lag_events != 0)
     std::printf("device lag: %llu events (the simulated device runs behind the host)\n",
                 static_cast<unsigned long long>(results.front().device_lag_events));
-  std::printf("\n");
+  std::printf("\n%s", legend.empty() ? "" : ("configurations:\n" + legend + "\n").c_str());
   print_cells(head);
   std::size_t total = 0;
   for (const std::size_t w : width) total += w + 2;
   std::printf("%s\n", std::string(total - 2, '-').c_str());
   for (const row& r : rows) print_cells(r.cells);
-  if (input.native) std::printf("\nPyTorch figures: %s\n", input.native->origin.c_str());
+  std::printf("\nsegments: cudaMalloc calls and address-space reservations (PyTorch native: its cudaMalloc\n"
+              "calls); pages: 2 MiB physical pages created for expandable segments; syncs: host waits.\n");
+  for (std::size_t i = 0; i < results.size(); ++i)
+    if (results[i].ooms)
+      std::printf("FAILED: %s: %s allocation(s) failed with out of memory: its figures are not a result\n",
+                  rows[i].cells[0].c_str(), with_commas(results[i].ooms).c_str());
+  if (input.native) std::printf("PyTorch figures: %s\n", input.native->origin.c_str());
   if (!results.empty() && results.front().repeat > 1) {
     std::printf("\n%llu passes back to back as one program (allocations the trace never frees made once); per "
                 "pass:\n",
@@ -724,6 +816,7 @@ struct common_options {
   std::string device_text = "sim";
   std::optional<std::string> device_memory_text;  ///< unset: the default; "" is a usage error
   bool json_output = false;
+  bool allow_oom = false;  ///< --allow-oom: a replay with failed allocations exits 0
   std::string repeat_text = "1";  // checked by parse_count, not CLI11 (which clamps 2^64 to 2^63 - 1)
   std::string lag_text = "0";     // --device-lag, checked by parse_count
   bool own_addresses = false;     // --own-addresses
@@ -861,12 +954,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     print_replay_report(result, input, options.config, options.cuda_device);
     if (min) print_min_memory(*min, options.config);
   }
-  if (result.ooms > 0)
-    std::fprintf(stderr,
-                 "ccalloc: warning: %llu allocation(s) failed with out of memory and were skipped; the peaks "
-                 "describe a different program than the one recorded\n",
-                 static_cast<unsigned long long>(result.ooms));
-  return 0;
+  return oom_exit_status(result.ooms, common.allow_oom);
 }
 
 /// `ccalloc report`: the HTML page (include/ccalloc/replay/report.hpp).
@@ -902,10 +990,7 @@ int run_report(const common_options& common, const std::string& config, const st
               with_commas(summary.replay.events).c_str(), gib(summary.replay.peak_reserved_bytes).c_str(),
               summary.recorded_reserved_peak ? gib(summary.recorded_reserved_peak).c_str() : "-",
               with_commas(summary.peak_event_index + 1).c_str(), summary.segments_at_peak, summary.blocks_at_peak);
-  if (summary.replay.ooms > 0)
-    std::fprintf(stderr, "ccalloc: warning: %llu allocation(s) failed with out of memory and were skipped\n",
-                 static_cast<unsigned long long>(summary.replay.ooms));
-  return 0;
+  return oom_exit_status(summary.replay.ooms, common.allow_oom);
 }
 
 int run_compare(const common_options& common, const std::vector<std::string>& configs) {
@@ -931,7 +1016,9 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
                             with_commas(first.device_memory_bytes) + " B (" + gib(first.device_memory_bytes) +
                             "), segment addresses " + segment_addresses_label(first));
   }
-  return 0;
+  std::uint64_t ooms = 0;
+  for (const ccalloc::replay_result& r : results) ooms += r.ooms;
+  return oom_exit_status(ooms, common.allow_oom);
 }
 
 /// Splits `text` into lines of at most `width` characters at spaces (a word
@@ -1011,6 +1098,9 @@ int run(int argc, char** argv) {
     sub->add_option("--max-pickle-bytes", common.max_pickle_bytes_text,
                     "A PyTorch snapshot pickle may be at most N bytes, decompressed. Default: 4294967296 (4 GiB).");
     if (with_json) sub->add_flag("--json", common.json_output, "Print the results as JSON.");
+    sub->add_flag("--allow-oom", common.allow_oom,
+                  "Exit 0 even when allocations failed with out of memory (they are skipped; the figures then "
+                  "describe another program). Without it such a replay exits with status 3.");
     sub->add_option("--max-input-bytes", common.max_input_text,
                     "Largest trace file, and largest text after gzip decompression, read (bytes, units as "
                     "--device-memory). Default: 4GiB.");
@@ -1046,7 +1136,7 @@ int run(int argc, char** argv) {
   bool min_memory = false;
   replay->add_flag("--min-memory", min_memory,
                    "Also find the smallest simulated device memory on which the trace replays with --config "
-                   "without out of memory (bisection to 2 MiB; SPEC P7). A per_process_memory_fraction applies "
+                   "without out of memory (bisection to 2 MiB). A per_process_memory_fraction applies "
                    "to that device: the figure is the device, not the cap.");
 
   CLI::App* compare =

@@ -10,11 +10,15 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <dlfcn.h>
+
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -23,13 +27,103 @@ namespace ccalloc {
 
 namespace {
 
+// The CUDA runtime, opened when the backend is first asked for (dlopen), as
+// PyTorch and NCCL open the driver: a program built with the CUDA backend
+// that only uses the simulated device loads and runs where no CUDA library
+// is installed. Each runtime function this file calls, by its own name.
+#define CCALLOC_CUDART_FUNCTIONS(X) \
+  X(cudaDeviceCanAccessPeer) \
+  X(cudaDeviceEnablePeerAccess) \
+  X(cudaDeviceGetAttribute) \
+  X(cudaDeviceSynchronize) \
+  X(cudaEventCreateWithFlags) \
+  X(cudaEventDestroy) \
+  X(cudaEventQuery) \
+  X(cudaEventRecord) \
+  X(cudaEventSynchronize) \
+  X(cudaFree) \
+  X(cudaFreeHost) \
+  X(cudaGetDevice) \
+  X(cudaGetDeviceCount) \
+  X(cudaGetDriverEntryPointByVersion) \
+  X(cudaGetErrorName) \
+  X(cudaGetErrorString) \
+  X(cudaGetLastError) \
+  X(cudaHostAlloc) \
+  X(cudaHostGetDevicePointer) \
+  X(cudaIpcCloseMemHandle) \
+  X(cudaIpcGetMemHandle) \
+  X(cudaIpcOpenMemHandle) \
+  X(cudaMalloc) \
+  X(cudaMemGetInfo) \
+  X(cudaMemcpy) \
+  X(cudaMemcpyAsync) \
+  X(cudaMemcpyPeerAsync) \
+  X(cudaSetDevice) \
+  X(cudaStreamCreateWithFlags) \
+  X(cudaStreamDestroy) \
+  X(cudaStreamIsCapturing) \
+  X(cudaStreamSynchronize) \
+  X(cudaStreamWaitEvent)
+
+struct cudart_api {
+#define CCALLOC_CUDART_POINTER(name) decltype(&::name) name = nullptr;
+  CCALLOC_CUDART_FUNCTIONS(CCALLOC_CUDART_POINTER)
+#undef CCALLOC_CUDART_POINTER
+  std::string error;  ///< why the runtime could not be loaded; empty when it was
+};
+
+/// The library CCALLOC_CUDART_LIBRARY names when it is set (only that one);
+/// else the runtime's soname for the toolkit built against
+/// (libcudart.so.13), then the toolkit's own copy (CCALLOC_CUDART_PATH, set
+/// by CMake), so a build tree runs without LD_LIBRARY_PATH. A process that
+/// loaded a libcudart of the same soname (PyTorch's) shares it.
+cudart_api load_cudart() {
+  cudart_api api;
+  const char* chosen = std::getenv("CCALLOC_CUDART_LIBRARY");
+  const std::string soname =
+      chosen != nullptr ? std::string(chosen) : "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
+  void* lib = ::dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
+  std::string why = lib == nullptr ? std::string(::dlerror()) : std::string();
+#ifdef CCALLOC_CUDART_PATH
+  if (lib == nullptr && chosen == nullptr) {
+    lib = ::dlopen(CCALLOC_CUDART_PATH, RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) why += std::string("; ") + ::dlerror();
+  }
+#endif
+  if (lib == nullptr) {
+    api.error = "cuda: the CUDA runtime (" + soname + ") could not be loaded: " + why +
+                " (install the CUDA runtime or use the simulated device)";
+    return api;
+  }
+  std::string missing;
+#define CCALLOC_CUDART_RESOLVE(name)                                          \
+  api.name = reinterpret_cast<decltype(&::name)>(::dlsym(lib, #name));       \
+  if (api.name == nullptr) missing += (missing.empty() ? "" : ", ") + std::string(#name);
+  CCALLOC_CUDART_FUNCTIONS(CCALLOC_CUDART_RESOLVE)
+#undef CCALLOC_CUDART_RESOLVE
+  if (!missing.empty()) api.error = "cuda: " + soname + " lacks " + missing + " (a CUDA runtime older than the build's)";
+  return api;  // the library stays open for the life of the process
+}
+
+/// The runtime's functions, loaded on the first call (thread-safe).
+const cudart_api& rt() {
+  static const cudart_api api = load_cudart();
+  return api;
+}
+
+/// Throws backend_error when the runtime could not be loaded.
+void require_cudart() {
+  if (!rt().error.empty()) throw backend_error(rt().error);
+}
+
 // The CUDA version whose ABI of each driver symbol we ask for. 12.0 is the
 // oldest driver API generation this backend supports; the cuMem* functions
 // have had one ABI since 10.2, which the PFN_*_v10020 types below describe.
 constexpr unsigned int driver_abi_version = 12000;
 
 std::string describe_error(cudaError_t e) {
-  return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
+  return std::string(rt().cudaGetErrorName(e)) + " (" + rt().cudaGetErrorString(e) + ")";
 }
 
 using detail::pointer_text;
@@ -39,7 +133,7 @@ using detail::pointer_text;
 [[noreturn]] void throw_cuda(const std::string& call, cudaError_t e) {
   // Clear the thread's last error so that a non-sticky failure does not
   // resurface from an unrelated later call (sticky errors stay regardless).
-  (void)cudaGetLastError();
+  (void)rt().cudaGetLastError();
   throw backend_error("cuda: " + call + " failed: " + describe_error(e));
 }
 
@@ -58,12 +152,12 @@ std::string dev_text(int device) { return "device " + std::to_string(device); }
 class device_guard {
  public:
   explicit device_guard(int device, bool activate = false) : device_(device) {
-    check(cudaGetDevice(&previous_), [] { return std::string("cudaGetDevice()"); });
+    check(rt().cudaGetDevice(&previous_), [] { return std::string("cudaGetDevice()"); });
     if (previous_ != device_ || activate)
-      check(cudaSetDevice(device_), [&] { return "cudaSetDevice(" + std::to_string(device_) + ")"; });
+      check(rt().cudaSetDevice(device_), [&] { return "cudaSetDevice(" + std::to_string(device_) + ")"; });
   }
   ~device_guard() {
-    if (previous_ != device_) (void)cudaSetDevice(previous_);
+    if (previous_ != device_) (void)rt().cudaSetDevice(previous_);
   }
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;
@@ -124,9 +218,9 @@ struct driver_api {
   static bool resolve(const char* symbol, Fn& fn) noexcept {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &p, driver_abi_version, cudaEnableDefault, &status);
+    const cudaError_t e = rt().cudaGetDriverEntryPointByVersion(symbol, &p, driver_abi_version, cudaEnableDefault, &status);
     if (e != cudaSuccess || status != cudaDriverEntryPointSuccess || p == nullptr) {
-      (void)cudaGetLastError();
+      (void)rt().cudaGetLastError();
       fn = nullptr;
       return false;
     }
@@ -196,7 +290,7 @@ CUmemAccessDesc read_write_access(int device) noexcept {
 // Release paths ignore a runtime or driver that is already shutting down.
 bool unloading(cudaError_t e) noexcept {
   if (e == cudaErrorCudartUnloading) {
-    (void)cudaGetLastError();
+    (void)rt().cudaGetLastError();
     return true;
   }
   return false;
@@ -250,20 +344,28 @@ struct cuda_backend::impl {
   }
 };
 
+std::string cuda_backend::runtime_load_error() { return rt().error; }
+
 int cuda_backend::available_device_count() noexcept {
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
+  try {
+    if (!rt().error.empty()) return 0;  // no CUDA runtime: no devices
+  } catch (const std::bad_alloc&) {     // loading it ran out of host memory
+    return 0;
+  }
+  if (rt().cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)rt().cudaGetLastError();
     return 0;
   }
   return n;
 }
 
 cuda_backend::cuda_backend() : impl_(std::make_unique<impl>()) {
+  require_cudart();
   int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
+  const cudaError_t e = rt().cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
-    (void)cudaGetLastError();
+    (void)rt().cudaGetLastError();
     throw backend_error("cuda: no usable CUDA device: cudaGetDeviceCount() failed: " + describe_error(e));
   }
   if (n < 1) throw backend_error("cuda: no usable CUDA device: cudaGetDeviceCount() reports 0 devices");
@@ -302,8 +404,8 @@ cuda_backend::cuda_backend() : impl_(std::make_unique<impl>()) {
   bool gates = driver_api::resolve("cuStreamWaitValue32", d.stream_wait_value32);
   for (int i = 0; gates && i < n; ++i) {
     int can_map = 0;
-    if (cudaDeviceGetAttribute(&can_map, cudaDevAttrCanMapHostMemory, i) != cudaSuccess) {
-      (void)cudaGetLastError();
+    if (rt().cudaDeviceGetAttribute(&can_map, cudaDevAttrCanMapHostMemory, i) != cudaSuccess) {
+      (void)rt().cudaGetLastError();
       can_map = 0;
     }
     gates = can_map != 0;
@@ -316,7 +418,7 @@ cuda_backend::~cuda_backend() {
   // Gate blocks: errors (the runtime unloading at exit, a reset device) are
   // ignored, the driver reclaims the memory with the process anyway.
   for (void* block : impl_->gate_blocks)
-    if (cudaFreeHost(block) != cudaSuccess) (void)cudaGetLastError();
+    if (rt().cudaFreeHost(block) != cudaSuccess) (void)rt().cudaGetLastError();
 }
 
 backend_capabilities cuda_backend::capabilities() const {
@@ -336,13 +438,13 @@ int cuda_backend::device_count() const { return impl_->device_count; }
 
 int cuda_backend::current_device() const {
   int device = 0;
-  check(cudaGetDevice(&device), [] { return std::string("cudaGetDevice()"); });
+  check(rt().cudaGetDevice(&device), [] { return std::string("cudaGetDevice()"); });
   return device;
 }
 
 void cuda_backend::set_device(int device) {
   impl_->check_device(device, "set_device");
-  check(cudaSetDevice(device), [&] { return "cudaSetDevice(" + std::to_string(device) + ")"; });
+  check(rt().cudaSetDevice(device), [&] { return "cudaSetDevice(" + std::to_string(device) + ")"; });
 }
 
 memory_info cuda_backend::mem_get_info(int device) const {
@@ -350,7 +452,7 @@ memory_info cuda_backend::mem_get_info(int device) const {
   device_guard guard(device);
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
-  check(cudaMemGetInfo(&free_bytes, &total_bytes), [&] { return "cudaMemGetInfo(" + dev_text(device) + ")"; });
+  check(rt().cudaMemGetInfo(&free_bytes, &total_bytes), [&] { return "cudaMemGetInfo(" + dev_text(device) + ")"; });
   return {free_bytes, total_bytes};
 }
 
@@ -361,9 +463,9 @@ void* cuda_backend::segment_malloc(int device, std::size_t size_bytes) {
   if (size_bytes == 0) throw backend_error("cuda: segment_malloc of 0 bytes on " + dev_text(device));
   device_guard guard(device);
   void* ptr = nullptr;
-  const cudaError_t e = cudaMalloc(&ptr, size_bytes);
+  const cudaError_t e = rt().cudaMalloc(&ptr, size_bytes);
   if (e == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();  // out of memory is an answer, not an error
+    (void)rt().cudaGetLastError();  // out of memory is an answer, not an error
     return nullptr;
   }
   check(e, [&] { return "cudaMalloc(" + dev_text(device) + ", " + std::to_string(size_bytes) + " bytes)"; });
@@ -373,7 +475,7 @@ void* cuda_backend::segment_malloc(int device, std::size_t size_bytes) {
 void cuda_backend::segment_free(int device, void* ptr) {
   impl_->check_device(device, "segment_free");
   device_guard guard(device);
-  const cudaError_t e = cudaFree(ptr);
+  const cudaError_t e = rt().cudaFree(ptr);
   if (unloading(e)) return;
   check(e, [&] { return "cudaFree(" + dev_text(device) + ", " + pointer_text(ptr) + ")"; });
 }
@@ -384,7 +486,7 @@ stream_t cuda_backend::create_stream(int device) {
   impl_->check_device(device, "create_stream");
   device_guard guard(device);
   cudaStream_t s = nullptr;
-  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+  check(rt().cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
         [&] { return "cudaStreamCreateWithFlags(" + dev_text(device) + ", cudaStreamNonBlocking)"; });
   return reinterpret_cast<stream_t>(s);
 }
@@ -395,7 +497,7 @@ void cuda_backend::destroy_stream(int device, stream_t stream) {
     throw backend_error("cuda: destroy_stream: stream " + std::to_string(stream) + " is a default stream of " +
                         dev_text(device) + " and cannot be destroyed");
   device_guard guard(device);
-  const cudaError_t e = cudaStreamDestroy(to_cuda(stream));
+  const cudaError_t e = rt().cudaStreamDestroy(to_cuda(stream));
   if (unloading(e)) return;
   check(e, [&] { return "cudaStreamDestroy(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ")"; });
 }
@@ -404,7 +506,7 @@ event_t cuda_backend::create_event(int device) {
   impl_->check_device(device, "create_event");
   device_guard guard(device);
   cudaEvent_t ev = nullptr;
-  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
+  check(rt().cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
         [&] { return "cudaEventCreateWithFlags(" + dev_text(device) + ", cudaEventDisableTiming)"; });
   return reinterpret_cast<event_t>(ev);
 }
@@ -413,7 +515,7 @@ void cuda_backend::destroy_event(int device, event_t event) {
   impl_->check_device(device, "destroy_event");
   if (event == 0) throw backend_error("cuda: destroy_event: event 0 is not an event");
   device_guard guard(device);
-  const cudaError_t e = cudaEventDestroy(to_cuda_event(event));
+  const cudaError_t e = rt().cudaEventDestroy(to_cuda_event(event));
   if (unloading(e)) return;
   check(e,
         [&] { return "cudaEventDestroy(" + dev_text(device) + ", event " + pointer_text(to_cuda_event(event)) + ")"; });
@@ -429,16 +531,16 @@ void cuda_backend::record_event(int device, event_t event, stream_t stream) {
   // On `device`: (cudaStream_t)0 means the legacy default stream of the
   // current device, and the event's device must be current (as PyTorch does).
   device_guard guard(device);
-  check(cudaEventRecord(to_cuda_event(event), to_cuda(stream)), describe);
+  check(rt().cudaEventRecord(to_cuda_event(event), to_cuda(stream)), describe);
 }
 
 bool cuda_backend::query_event(int device, event_t event) {
   impl_->check_device(device, "query_event");
   if (event == 0) throw backend_error("cuda: query_event: event 0 is not an event");
-  const cudaError_t e = cudaEventQuery(to_cuda_event(event));
+  const cudaError_t e = rt().cudaEventQuery(to_cuda_event(event));
   if (e == cudaSuccess) return true;
   if (e == cudaErrorNotReady) {
-    (void)cudaGetLastError();  // "not ready" is an answer, not an error
+    (void)rt().cudaGetLastError();  // "not ready" is an answer, not an error
     return false;
   }
   throw_cuda("cudaEventQuery(" + dev_text(device) + ", event " + pointer_text(to_cuda_event(event)) + ")", e);
@@ -447,7 +549,7 @@ bool cuda_backend::query_event(int device, event_t event) {
 void cuda_backend::synchronize_event(int device, event_t event) {
   impl_->check_device(device, "synchronize_event");
   if (event == 0) throw backend_error("cuda: synchronize_event: event 0 is not an event");
-  check(cudaEventSynchronize(to_cuda_event(event)), [&] {
+  check(rt().cudaEventSynchronize(to_cuda_event(event)), [&] {
     return "cudaEventSynchronize(" + dev_text(device) + ", event " + pointer_text(to_cuda_event(event)) + ")";
   });
 }
@@ -459,7 +561,7 @@ void cuda_backend::stream_wait_event(int device, stream_t stream, event_t event)
     throw backend_error("cuda: stream_wait_event: stream " + pointer_text(reinterpret_cast<void*>(stream)) +
                         " is another thread's per-thread default stream, which cannot be named from this thread");
   device_guard guard(device);
-  check(cudaStreamWaitEvent(to_cuda(stream), to_cuda_event(event), 0), [&] {
+  check(rt().cudaStreamWaitEvent(to_cuda(stream), to_cuda_event(event), 0), [&] {
     return "cudaStreamWaitEvent(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ", event " +
            pointer_text(to_cuda_event(event)) + ")";
   });
@@ -472,13 +574,13 @@ void cuda_backend::synchronize_stream(int device, stream_t stream) {
   };
   if (foreign_per_thread(stream)) {
     device_guard guard(device);
-    check(cudaDeviceSynchronize(), describe);
+    check(rt().cudaDeviceSynchronize(), describe);
   } else if (stream == default_stream || stream == legacy_stream_handle || stream == per_thread_stream_handle ||
              device_backend::is_per_thread_stream(stream)) {
     device_guard guard(device);
-    check(cudaStreamSynchronize(to_cuda(stream)), describe);
+    check(rt().cudaStreamSynchronize(to_cuda(stream)), describe);
   } else {
-    check(cudaStreamSynchronize(to_cuda(stream)), describe);
+    check(rt().cudaStreamSynchronize(to_cuda(stream)), describe);
   }
 }
 
@@ -486,7 +588,7 @@ bool cuda_backend::is_capturing(int device, stream_t stream) {
   impl_->check_device(device, "is_capturing");
   device_guard guard(device);  // (cudaStream_t)0: the current device's legacy default stream
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  check(cudaStreamIsCapturing(to_cuda(stream), &status), [&] {
+  check(rt().cudaStreamIsCapturing(to_cuda(stream), &status), [&] {
     return "cudaStreamIsCapturing(" + dev_text(device) + ", stream " + pointer_text(to_cuda(stream)) + ")";
   });
   return status != cudaStreamCaptureStatusNone;
@@ -495,7 +597,7 @@ bool cuda_backend::is_capturing(int device, stream_t stream) {
 void cuda_backend::synchronize_device(int device) {
   impl_->check_device(device, "synchronize_device");
   device_guard guard(device);
-  check(cudaDeviceSynchronize(), [&] { return "cudaDeviceSynchronize(" + dev_text(device) + ")"; });
+  check(rt().cudaDeviceSynchronize(), [&] { return "cudaDeviceSynchronize(" + dev_text(device) + ")"; });
 }
 
 // --- virtual memory --------------------------------------------------------------------------
@@ -626,7 +728,7 @@ ipc_mem_handle cuda_backend::ipc_export_segment(int device, void* base) {
   impl_->check_device(device, "ipc_export_segment");
   device_guard guard(device);
   cudaIpcMemHandle_t h{};
-  check(cudaIpcGetMemHandle(&h, base),
+  check(rt().cudaIpcGetMemHandle(&h, base),
         [&] { return "cudaIpcGetMemHandle(" + dev_text(device) + ", " + pointer_text(base) + ")"; });
   static_assert(sizeof(h) == sizeof(ipc_mem_handle::bytes), "cudaIpcMemHandle_t is 64 bytes");
   ipc_mem_handle out;
@@ -640,7 +742,7 @@ void* cuda_backend::ipc_open_segment(int device, const ipc_mem_handle& handle) {
   cudaIpcMemHandle_t h{};
   std::memcpy(&h, handle.bytes.data(), sizeof h);
   void* ptr = nullptr;
-  check(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess), [&] {
+  check(rt().cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess), [&] {
     return "cudaIpcOpenMemHandle(" + dev_text(device) +
            ", cudaIpcMemLazyEnablePeerAccess) (was the segment freed, or is this the process that exported it?)";
   });
@@ -650,7 +752,7 @@ void* cuda_backend::ipc_open_segment(int device, const ipc_mem_handle& handle) {
 void cuda_backend::ipc_close_segment(int device, void* ptr) {
   impl_->check_device(device, "ipc_close_segment");
   device_guard guard(device);
-  const cudaError_t e = cudaIpcCloseMemHandle(ptr);
+  const cudaError_t e = rt().cudaIpcCloseMemHandle(ptr);
   if (unloading(e)) return;
   check(e, [&] { return "cudaIpcCloseMemHandle(" + dev_text(device) + ", " + pointer_text(ptr) + ")"; });
 }
@@ -699,7 +801,7 @@ void cuda_backend::memcpy_async(int device, void* dst, const void* src, std::siz
   impl_->check_device(device, "memcpy_async");
   if (size_bytes == 0) return;
   device_guard guard(device);
-  check(cudaMemcpyAsync(dst, src, size_bytes, cudaMemcpyDeviceToDevice, to_cuda(stream)), [&] {
+  check(rt().cudaMemcpyAsync(dst, src, size_bytes, cudaMemcpyDeviceToDevice, to_cuda(stream)), [&] {
     return "cudaMemcpyAsync(" + pointer_text(dst) + ", " + pointer_text(src) + ", " + std::to_string(size_bytes) +
            " bytes, cudaMemcpyDeviceToDevice, " + dev_text(device) + ")";
   });
@@ -710,7 +812,7 @@ void cuda_backend::memcpy_peer_async(void* dst, int dst_device, const void* src,
   impl_->check_device(dst_device, "memcpy_peer_async (dst)");
   impl_->check_device(src_device, "memcpy_peer_async (src)");
   if (size_bytes == 0) return;
-  check(cudaMemcpyPeerAsync(dst, dst_device, src, src_device, size_bytes, to_cuda(stream)), [&] {
+  check(rt().cudaMemcpyPeerAsync(dst, dst_device, src, src_device, size_bytes, to_cuda(stream)), [&] {
     return "cudaMemcpyPeerAsync(" + pointer_text(dst) + " on " + dev_text(dst_device) + ", " + pointer_text(src) +
            " on " + dev_text(src_device) + ", " + std::to_string(size_bytes) + " bytes)";
   });
@@ -720,7 +822,7 @@ void cuda_backend::copy_data(int device, void* dst, const void* src, std::size_t
   impl_->check_device(device, "copy_data");
   if (size_bytes == 0) return;
   device_guard guard(device);
-  check(cudaMemcpy(dst, src, size_bytes, cudaMemcpyDeviceToDevice), [&] {
+  check(rt().cudaMemcpy(dst, src, size_bytes, cudaMemcpyDeviceToDevice), [&] {
     return "cudaMemcpy(" + pointer_text(dst) + ", " + pointer_text(src) + ", " + std::to_string(size_bytes) +
            " bytes, cudaMemcpyDeviceToDevice)";
   });
@@ -733,7 +835,7 @@ bool cuda_backend::can_access_peer(int device, int peer) const {
   impl_->check_device(peer, "can_access_peer (peer)");
   if (device == peer) return false;
   int can = 0;
-  check(cudaDeviceCanAccessPeer(&can, device, peer),
+  check(rt().cudaDeviceCanAccessPeer(&can, device, peer),
         [&] { return "cudaDeviceCanAccessPeer(" + dev_text(device) + ", peer " + std::to_string(peer) + ")"; });
   return can != 0;
 }
@@ -742,9 +844,9 @@ void cuda_backend::enable_peer_access(int device, int peer) {
   impl_->check_device(device, "enable_peer_access");
   impl_->check_device(peer, "enable_peer_access (peer)");
   device_guard guard(device);
-  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  const cudaError_t e = rt().cudaDeviceEnablePeerAccess(peer, 0);
   if (e == cudaErrorPeerAccessAlreadyEnabled) {
-    (void)cudaGetLastError();
+    (void)rt().cudaGetLastError();
     return;
   }
   check(e, [&] { return "cudaDeviceEnablePeerAccess(" + dev_text(device) + ", peer " + std::to_string(peer) + ")"; });
@@ -765,13 +867,13 @@ gate_t cuda_backend::create_gate(int device) {
     void* device_address = nullptr;
     {
       device_guard guard(device);
-      check(cudaHostAlloc(&block, impl::gate_block_bytes, cudaHostAllocMapped | cudaHostAllocPortable), [&] {
+      check(rt().cudaHostAlloc(&block, impl::gate_block_bytes, cudaHostAllocMapped | cudaHostAllocPortable), [&] {
         return "cudaHostAlloc(" + dev_text(device) + ", " + std::to_string(impl::gate_block_bytes) +
                " bytes, cudaHostAllocMapped | cudaHostAllocPortable)";
       });
-      const cudaError_t e = cudaHostGetDevicePointer(&device_address, block, 0);
+      const cudaError_t e = rt().cudaHostGetDevicePointer(&device_address, block, 0);
       if (e != cudaSuccess) {
-        (void)cudaFreeHost(block);
+        (void)rt().cudaFreeHost(block);
         throw_cuda("cudaHostGetDevicePointer(" + dev_text(device) + ", " + pointer_text(block) + ")", e);
       }
     }

@@ -56,6 +56,19 @@ using ccalloc::caching_allocator;
 
 thread_local std::string tls_last_error;
 
+/// A front-end message as a C caller reads it: the C++ calls it names
+/// (init(), init(device_count)) become the C functions to call.
+std::string c_api_message(std::string message) {
+  const auto replace = [&message](std::string_view from, std::string_view to) {
+    const std::size_t at = message.find(from);
+    if (at != std::string::npos) message.replace(at, from.size(), to);
+  };
+  replace(" before init(): call init(device_count) first",
+          " before ccalloc_init(): call ccalloc_init(alloc, device_count) first");
+  if (message.starts_with("ccalloc: init(")) message.replace(9, 5, "ccalloc_init(");
+  return message;
+}
+
 /// Runs `body` (which returns nothing) and maps what it throws to a status,
 /// storing the message for ccalloc_last_error().
 /// Inlined into each entry point: ccalloc_malloc and ccalloc_delete then make
@@ -72,7 +85,7 @@ template <typename Body>
     tls_last_error = e.what();
     return CCALLOC_ERROR_CONFIG;
   } catch (const ccalloc::invalid_argument_error& e) {
-    tls_last_error = e.what();
+    tls_last_error = c_api_message(e.what());
     return CCALLOC_ERROR_INVALID_ARGUMENT;
   } catch (const ccalloc::backend_error& e) {
     tls_last_error = e.what();
@@ -136,9 +149,6 @@ using ccalloc::detail::pointer_text;
 ccalloc::mempool_id_t to_pool_id(ccalloc_mempool_id_t id) noexcept { return {id.first, id.second}; }
 
 // ---- pools' segment allocators --------------------------------------------------------
-
-/// The next id ccalloc_new_pool_id hands out: {n, 0}, n = 1, 2, ...
-std::atomic<std::uint64_t> next_pool_id{1};
 
 /// True once any pool got a segment allocator: only then do allocations
 /// track segment_failure (one relaxed load otherwise).
@@ -294,6 +304,8 @@ std::shared_ptr<ccalloc::device_backend> make_backend(const ccalloc_options_t& o
     }
     case CCALLOC_BACKEND_CUDA:
 #if CCALLOC_HAVE_CUDA_BACKEND
+      if (const std::string why = ccalloc::cuda_backend::runtime_load_error(); !why.empty())
+        throw ccalloc::backend_error("ccalloc_create: CCALLOC_BACKEND_CUDA asked, but " + why);
       if (ccalloc::cuda_backend::available_device_count() < 1)
         throw ccalloc::backend_error("ccalloc_create: CCALLOC_BACKEND_CUDA asked, but the CUDA runtime sees no GPU");
       return std::make_shared<ccalloc::cuda_backend>();
@@ -743,7 +755,8 @@ ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* allo
 ccalloc_status_t ccalloc_new_pool_id(ccalloc_allocator_t* /*alloc*/, ccalloc_mempool_id_t* out) {
   return guarded([&] {
     require(out, "ccalloc_new_pool_id", "out");
-    *out = ccalloc_mempool_id_t{next_pool_id.fetch_add(1, std::memory_order_relaxed), 0};
+    const ccalloc::mempool_id_t id = caching_allocator::new_pool_id();  // shared with C++
+    *out = ccalloc_mempool_id_t{id.first, id.second};
   });
 }
 

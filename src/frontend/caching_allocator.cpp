@@ -82,6 +82,12 @@ void caching_allocator::init(int device_count) {
 
 bool caching_allocator::initialized() const noexcept { return !devices_.empty(); }
 
+mempool_id_t caching_allocator::new_pool_id() noexcept {
+  // One counter for the process: C++, the C API and Python draw from it.
+  static std::atomic<std::uint64_t> next{1};
+  return mempool_id_t{next.fetch_add(1, std::memory_order_relaxed), 0};
+}
+
 device_caching_allocator& caching_allocator::checked_device(int device, const char* what) const {
   if (devices_.empty())
     throw invalid_argument_error(std::string("ccalloc: ") + what + " before init(): call init(device_count) first");

@@ -304,6 +304,7 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
     const auto delta = [](std::int64_t now, std::int64_t then) { return static_cast<std::uint64_t>(now - then); };
     p.device_mallocs = delta(s.num_device_alloc, before.num_device_alloc);
     p.device_frees = delta(s.num_device_free, before.num_device_free);
+    p.segments_created = delta(s.segment[0].allocated, before.segment[0].allocated);
     p.device_synchronizations = delta(s.num_device_synchronizations, before.num_device_synchronizations);
     p.pages_remapped = delta(s.num_pages_remapped, before.num_pages_remapped);
     p.pages_mapped = delta(s.num_pages_mapped, before.num_pages_mapped);
@@ -325,6 +326,7 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   }
   r.device_mallocs = static_cast<std::uint64_t>(s.num_device_alloc);
   r.device_frees = static_cast<std::uint64_t>(s.num_device_free);
+  r.segments_created = static_cast<std::uint64_t>(s.segment[0].allocated);
   r.alloc_retries = static_cast<std::uint64_t>(s.num_alloc_retries);
   r.device_synchronizations = static_cast<std::uint64_t>(s.num_device_synchronizations);
   r.pages_remapped = static_cast<std::uint64_t>(s.num_pages_remapped);
@@ -356,6 +358,8 @@ void replay_with_gates(const trace& t, const std::vector<std::uint64_t>& complet
 
 #if CCALLOC_HAVE_CUDA_BACKEND
 std::shared_ptr<device_backend> open_cuda(int device) {
+  if (const std::string why = cuda_backend::runtime_load_error(); !why.empty())
+    throw error("replay on cuda: " + why);
   if (cuda_backend::available_device_count() < 1)
     throw error("replay on cuda: no CUDA device is usable (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them)");
   std::shared_ptr<cuda_backend> b;

@@ -376,7 +376,8 @@ std::string kpi(const std::string& value, const std::string& label) {
          "</div></div>";
 }
 
-std::string peaks_table(const report_summary& sum, const native_reference* native, bool has_recorded_segments) {
+std::string peaks_table(const report_summary& sum, const native_reference* native, const recorded_curves& recorded) {
+  const bool has_recorded_segments = !recorded.reserved.empty();
   struct row {
     std::string who;
     std::uint64_t reserved = 0;
@@ -384,11 +385,13 @@ std::string peaks_table(const report_summary& sum, const native_reference* nativ
     const char* color;
   };
   std::vector<row> rows;
-  rows.push_back({"ccalloc (this replay)", sum.replay.peak_reserved_bytes, with_commas(sum.replay.device_mallocs),
+  // Segments made: cudaMalloc calls and address-space reservations, the
+  // same unit for every row (PyTorch's figure is its cudaMalloc calls).
+  rows.push_back({"ccalloc (this replay)", sum.replay.peak_reserved_bytes, with_commas(sum.replay.segments_created),
                   "replay", color_reserved});
   if (has_recorded_segments)
-    rows.push_back({"recording allocator", sum.recorded_reserved_peak, "-", "the trace's segment events",
-                    color_recorded});
+    rows.push_back({"recording allocator", sum.recorded_reserved_peak, with_commas(recorded.segment_allocs),
+                    "the trace's segment events", color_recorded});
   if (native != nullptr && native->reserved_peak)
     rows.push_back({"PyTorch native", native->reserved_peak,
                     native->device_allocs ? with_commas(native->device_allocs) : "-", native->origin, color_recorded});
@@ -399,7 +402,7 @@ std::string peaks_table(const report_summary& sum, const native_reference* nativ
   std::uint64_t widest = 1;
   for (const row& r : rows) widest = std::max(widest, r.reserved);
   std::string o = "<table><tr><th class=\"l\">allocator</th><th>peak reserved</th><th>reserved / requested</th>"
-                  "<th>device mallocs</th><th class=\"l\">peak reserved, requested shaded</th>"
+                  "<th>segments made</th><th class=\"l\">peak reserved, requested shaded</th>"
                   "<th class=\"l\">source</th></tr>\n";
   for (const row& r : rows) {
     const double w = 180.0 * double(r.reserved) / double(widest), rw = 180.0 * req / double(widest);
@@ -411,7 +414,9 @@ std::string peaks_table(const report_summary& sum, const native_reference* nativ
              w, r.color, std::min(rw, w), color_requested) +
          "</td><td class=\"l src\">" + html(r.source) + "</td></tr>\n";
   }
-  return o + "</table>\n";
+  return o + "</table>\n<p class=\"note\">Segments made: cudaMalloc calls, or address-space reservations of "
+             "expandable segments (ccalloc also mapped " + with_commas(sum.replay.pages_mapped - sum.replay.pages_remapped) +
+             " 2 MiB pages into its reservations).</p>\n";
 }
 
 }  // namespace
@@ -454,7 +459,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
   if (sum.replay.ooms > 0)
     o += "<p class=\"note\"><b>" + with_commas(sum.replay.ooms) +
          " allocations failed with out of memory</b> on the simulated device and were skipped.</p>\n";
-  o += peaks_table(sum, native, !recorded.reserved.empty());
+  o += peaks_table(sum, native, recorded);
   o += "<p class=\"note\">The recording allocator's figures come from the trace itself (its segment_alloc / "
        "segment_free events); PyTorch's from native_peaks.json when the trace has an entry there.</p>\n";
   // What the policy cost: host waits and page traffic.
@@ -498,8 +503,9 @@ std::string render_report_html(const trace& t, const report_options& options, co
     peak_alloc += s.allocated_bytes;
   }
   o += "<section class=\"card\"><h2>Segment map at the peak</h2>\n<p class=\"note\">After event " +
-       with_commas(peak_index + 1) + " of " + with_commas(n) + " (line " + std::to_string(t.events[peak_index].line) +
-       "), where ccalloc's reserved bytes are highest: " + std::to_string(at_peak.size()) + " segments, " +
+       with_commas(peak_index + 1) + " of " + with_commas(n) +
+       (t.has_source_lines ? " (line " + std::to_string(t.events[peak_index].line) + ")" : std::string()) +
+       ", where ccalloc's reserved bytes are highest: " + std::to_string(at_peak.size()) + " segments, " +
        html(format_bytes(peak_reserved)) + " reserved, " + html(format_bytes(peak_alloc)) +
        " allocated. Segments are packed into rows, largest first; hover a segment for its figures.</p>\n" + map;
   o += "<div class=\"legend\"><span><i class=\"sw\" style=\"background:" + std::string(color_block) +
@@ -513,7 +519,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
   std::uint64_t widest = 1;
   for (const auto& r : rows) widest = std::max(widest, r.reserved);
   o += "<section class=\"card\"><h2>Fragmentation by pool and stream, at the peak</h2>\n"
-       "<table><tr><th class=\"l\">stream</th><th class=\"l\">pool</th><th>segments</th><th>reserved</th>"
+       "<table><tr><th class=\"l\">stream</th><th class=\"l\">pool</th><th>mapped ranges</th><th>reserved</th>"
        "<th>allocated</th><th>requested</th><th>waiting</th><th>free</th><th>largest free block</th>"
        "<th>unused</th><th class=\"l\">composition</th></tr>\n";
   for (const auto& r : rows) {
@@ -527,7 +533,12 @@ std::string render_report_html(const trace& t, const report_options& options, co
                                   : 0.0) +
          "</td><td class=\"l\">" + pool_bar(r, widest) + "</td></tr>\n";
   }
-  o += "</table>\n<p class=\"note\">unused = (reserved &minus; requested) / reserved: memory the device gave that "
+  o += "</table>\n<p class=\"note\">reserved = allocated + waiting + free. allocated: live blocks; requested: "
+       "what their requests asked for (at most allocated: blocks are rounded up); waiting: freed blocks not yet "
+       "reusable because other streams' work queued before the free has not finished. Mapped ranges: segments, "
+       "with each expandable segment (one address-space reservation per stream and pool) counted as its "
+       "contiguous mapped ranges, as PyTorch's snapshots show them. "
+       "unused = (reserved &minus; requested) / reserved: memory the device gave that "
        "no live request is using. Composition bars (one scale for all rows): requested, rounding, waiting for other "
        "streams, free (cached), in the segment map's colours.</p></section>\n";
 
@@ -536,7 +547,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
   const double end_x = sl.by_time ? sl.span : double(n - 1);
   o += "<section class=\"card\"><h2>Largest allocations</h2>\n<table><tr><th>#</th><th>size</th><th class=\"l\">"
        "stream</th><th>allocated at</th><th>freed at</th><th>lifetime</th><th class=\"l\">when, over the whole "
-       "trace</th><th>line</th></tr>\n";
+       "trace</th>" + std::string(t.has_source_lines ? "<th>line</th>" : "") + "</tr>\n";
   for (std::size_t i = 0; i < big.size(); ++i) {
     const big_allocation& b = big[i];
     const double f = b.free_x < 0 ? end_x : b.free_x;
@@ -547,7 +558,8 @@ std::string render_report_html(const trace& t, const report_options& options, co
          (b.free_x < 0 ? std::string("live at the end") : html(when(b.free_x))) + "</td><td>" +
          (sl.by_time ? html(seconds_text(f - b.alloc_x)) : with_commas(std::uint64_t(f - b.alloc_x)) + " events") +
          "</td><td class=\"l\"><div class=\"track\"><i style=\"left:" + fmt("%.2f%%;width:%.2f%%", l, std::max(w, 0.6)) +
-         "\"></i></div></td><td>" + std::to_string(b.line) + "</td></tr>\n";
+         "\"></i></div></td>" + (t.has_source_lines ? "<td>" + std::to_string(b.line) + "</td>" : std::string()) +
+         "</tr>\n";
   }
   o += "</table></section>\n";
 

@@ -128,6 +128,25 @@ std::vector<big_allocation> largest_allocations(const trace& t, const slicer& sl
   return out;
 }
 
+}  // namespace ccalloc::report_detail
+
+namespace ccalloc {
+
+recorded_figures recorded_allocator_figures(const trace& t) {
+  recorded_figures f;
+  if (t.events.empty()) return f;
+  const report_detail::recorded_curves c = report_detail::curves_from_trace(t, report_detail::slicer(t, 1));
+  f.has_segments = !c.reserved.empty();
+  f.requested_peak = c.requested_peak;
+  f.reserved_peak = c.reserved_peak;
+  f.segment_allocs = c.segment_allocs;
+  return f;
+}
+
+}  // namespace ccalloc
+
+namespace ccalloc::report_detail {
+
 std::vector<pool_row> fragmentation_rows(const std::vector<segment_info>& segments) {
   std::map<std::pair<std::uint64_t, bool>, pool_row> rows;
   for (const auto& s : segments) {
@@ -137,10 +156,13 @@ std::vector<pool_row> fragmentation_rows(const std::vector<segment_info>& segmen
     ++r.segments;
     r.reserved += s.total_bytes;
     r.allocated += s.allocated_bytes;
-    r.requested += s.requested_bytes;
     r.pending += s.active_bytes - s.allocated_bytes;
-    for (const auto& b : s.blocks)
+    for (const auto& b : s.blocks) {
+      // Requested counts live blocks only, so that requested <= allocated
+      // in every row; freed blocks waiting on other streams are `pending`.
+      if (b.state == block_state::active_allocated) r.requested += b.requested_bytes;
       if (b.state == block_state::inactive) r.largest_free = std::max<std::uint64_t>(r.largest_free, b.size_bytes);
+    }
   }
   std::vector<pool_row> out;
   for (auto& [k, r] : rows) out.push_back(r);

@@ -386,6 +386,7 @@ trace convert(const pickle::read_fn& read, const std::string& source, const trac
       t = converter(tree).run();
     }
     t.source = source;
+    t.has_source_lines = false;  // a pickle has no lines; the conversion's mean nothing to the user
     return t;
   } catch (const pickle::limit_error& e) {
     throw trace_error(source, 0, std::string("a PyTorch snapshot that cannot be read: ") + e.what() + limit_hint(e));

@@ -79,6 +79,13 @@ class cuda_backend final : public device_backend {
   /// state. Used by make_default_backend to choose a backend.
   [[nodiscard]] static int available_device_count() noexcept;
 
+  /// Empty when the CUDA runtime library was loaded (it is opened on the
+  /// first call of this, available_device_count or the constructor; see
+  /// CCALLOC_CUDART_LIBRARY in docs/install.md), else why it could not be:
+  /// "cuda: the CUDA runtime (<library>) could not be loaded: ...". Never
+  /// throws beyond std::bad_alloc; thread-safe.
+  [[nodiscard]] static std::string runtime_load_error();
+
   /// "cuda".
   [[nodiscard]] std::string name() const override { return "cuda"; }
   /// virtual_memory: the driver entry points resolved and every device

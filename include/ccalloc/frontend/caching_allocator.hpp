@@ -45,6 +45,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace ccalloc {
@@ -353,6 +354,11 @@ class caching_allocator {
   // device_caching_allocator.hpp. Each throws invalid_argument_error for a
   // bad device, plus what the device function throws. -----------------------
 
+  /// A fresh private-pool id, {n, 0} with n = 1, 2, ... (PyTorch's
+  /// MemPool ids; graph pools may use {0, n}). Process-wide and shared with
+  /// the C API's ccalloc_new_pool_id and Python's, so ids never repeat
+  /// within a process. Thread-safe, never throws.
+  [[nodiscard]] static mempool_id_t new_pool_id() noexcept;
   /// PyTorch: createOrIncrefPool.
   void create_or_incref_pool(int device, mempool_id_t id, segment_allocator custom = {});
   /// PyTorch: releasePool.
@@ -423,6 +429,41 @@ class caching_allocator {
   std::string user_metadata_;                           // likewise
   mutable std::array<pointer_shard, pointer_shard_count> shards_;
   std::unique_ptr<detail::ipc_cache> ipc_;  // opened IPC handles (src/frontend/ipc.cpp)
+};
+
+
+/// RAII scope of begin/end_allocate_to_pool (PyTorch's
+/// `with torch.cuda.use_mem_pool(pool)`): while it lives, allocations on
+/// the chosen streams of `device` come from the private pool `id`; its end
+/// calls end_allocate_to_pool. The pool must exist (create_or_incref_pool).
+/// Not copyable or movable. The constructor throws what
+/// begin_allocate_to_pool throws (invalid_argument_error for a bad device);
+/// the destructor never throws. Use it on one thread; the allocator it
+/// refers to must outlive it.
+class pool_scope {
+ public:
+  /// Routes allocations on `stream` (a handle as malloc takes it) to the pool.
+  pool_scope(caching_allocator& allocator, int device, mempool_id_t id, stream_t stream)
+      : pool_scope(allocator, device, id, stream_filter([stream](stream_t s) { return s == stream; })) {}
+  /// Routes allocations on the streams `filter` accepts (resolved handles,
+  /// see begin_allocate_to_pool) to the pool.
+  pool_scope(caching_allocator& allocator, int device, mempool_id_t id, stream_filter filter)
+      : allocator_(allocator), device_(device), id_(id) {
+    allocator_.begin_allocate_to_pool(device_, id_, std::move(filter));
+  }
+  pool_scope(const pool_scope&) = delete;
+  pool_scope& operator=(const pool_scope&) = delete;
+  ~pool_scope() {
+    try {
+      allocator_.end_allocate_to_pool(device_, id_);
+    } catch (...) {  // only for a pool that begin_allocate_to_pool accepted: not expected
+    }
+  }
+
+ private:
+  caching_allocator& allocator_;
+  int device_;
+  mempool_id_t id_;
 };
 
 // ---- the hot path's entry points, inline ----------------------------------------------

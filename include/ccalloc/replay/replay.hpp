@@ -158,6 +158,7 @@ struct replay_pass {
   std::uint64_t peak_reserved_bytes = 0;      ///< reserved_bytes.all.peak in this pass
   std::uint64_t device_mallocs = 0;           ///< num_device_alloc
   std::uint64_t device_frees = 0;             ///< num_device_free
+  std::uint64_t segments_created = 0;         ///< segment.all.allocated: cudaMallocs and address reservations
   std::uint64_t ooms = 0;                     ///< allocations that failed
   std::uint64_t device_synchronizations = 0;  ///< num_device_synchronizations
   std::uint64_t pages_remapped = 0;           ///< num_pages_remapped
@@ -182,8 +183,12 @@ struct replay_result {
   std::uint64_t peak_requested_bytes = 0;  ///< requested_bytes.all.peak
   std::uint64_t peak_allocated_bytes = 0;  ///< allocated_bytes.all.peak
   std::uint64_t peak_reserved_bytes = 0;   ///< reserved_bytes.all.peak
-  std::uint64_t device_mallocs = 0;        ///< num_device_alloc
+  std::uint64_t device_mallocs = 0;        ///< num_device_alloc: cudaMallocs plus 2 MiB pages created
   std::uint64_t device_frees = 0;          ///< num_device_free
+  /// segment.all.allocated: segments made, each a cudaMalloc (plain) or an
+  /// address-space reservation (expandable); PyTorch's cudaMalloc count
+  /// compares with this, not with device_mallocs.
+  std::uint64_t segments_created = 0;
   std::uint64_t ooms = 0;                  ///< allocations that failed
   std::uint64_t alloc_retries = 0;         ///< num_alloc_retries
   std::uint64_t device_synchronizations = 0;  ///< num_device_synchronizations (each drains the device)

@@ -64,6 +64,18 @@ struct report_summary {
   std::size_t plot_points = 0;             ///< time slices actually drawn
 };
 
+/// The recording allocator's figures, from the trace's own events: what
+/// `ccalloc report` shows next to ccalloc's and `ccalloc replay` prints.
+struct recorded_figures {
+  bool has_segments = false;          ///< the trace has segment events (else reserved_peak means nothing)
+  std::uint64_t requested_peak = 0;   ///< from alloc / free_completed
+  std::uint64_t reserved_peak = 0;    ///< from segment_alloc/map and segment_free/unmap
+  std::uint64_t segment_allocs = 0;   ///< segment_alloc events: the recording allocator's cudaMalloc calls
+};
+/// Reads them from `t` (one pass over its events). Never throws beyond
+/// std::bad_alloc.
+[[nodiscard]] recorded_figures recorded_allocator_figures(const trace& t);
+
 /// Replays `t` and returns the page. `native` may be null. Throws
 /// config_error for a bad configuration, trace_error for a trace that
 /// contradicts itself (as replay_trace), invalid_argument_error for

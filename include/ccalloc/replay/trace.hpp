@@ -92,6 +92,10 @@ struct trace {
   /// The distinct stacks of the events' `site`s, one frame a line, innermost
   /// first: "name (filename:line)".
   std::vector<std::string> sites;
+  /// False when the events were converted from a file without lines (a
+  /// PyTorch snapshot pickle): trace_event::line then counts lines of the
+  /// conversion, which the user never sees, and pages do not show it.
+  bool has_source_lines = true;
 };
 
 /// Bounds the readers enforce on their input, so that a mistaken or hostile
