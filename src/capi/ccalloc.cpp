@@ -94,19 +94,19 @@ template <typename Body>
     // Assigning a message may itself fail now; keep whatever fits.
     try {
       tls_last_error = "ccalloc: out of host memory inside the library";
-    } catch (...) {
+    } catch (...) {  // no message then; the status still says out of host memory
     }
     return CCALLOC_ERROR_INTERNAL;
   } catch (const std::exception& e) {
     try {
       tls_last_error = std::string("ccalloc: internal error: ") + e.what();
-    } catch (...) {
+    } catch (...) {  // no message then; the status still says internal error
     }
     return CCALLOC_ERROR_INTERNAL;
   } catch (...) {
     try {
       tls_last_error = "ccalloc: internal error: unknown exception";
-    } catch (...) {
+    } catch (...) {  // no message then; the status still says internal error
     }
     return CCALLOC_ERROR_INTERNAL;
   }

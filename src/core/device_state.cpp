@@ -55,7 +55,7 @@ device_state::~device_state() {
   for (event_t e : free_events_) {
     try {
       backend_.destroy_event(device_, e);
-    } catch (...) {
+    } catch (...) {  // teardown: the event stays with a device that refuses; nothing to report to
     }
   }
   // Deferred unmaps first (segment::retired): their handles may be mapped
@@ -66,13 +66,13 @@ device_state::~device_state() {
       try {
         backend_.vm_unmap(device_, reinterpret_cast<void*>(base + r.index * seg->page_bytes), seg->page_bytes);
         if (r.release) given_up.push_back(r.handle);
-      } catch (...) {
+      } catch (...) {  // teardown: the mapping stays with the device; the others still go
       }
     }
   for (physical_handle_t h : given_up) {
     try {
       backend_.vm_release_handle(device_, h);
-    } catch (...) {
+    } catch (...) {  // teardown: as above
     }
   }
   for (auto& [base, seg] : segments_) {
@@ -87,7 +87,7 @@ device_state::~device_state() {
       } else {
         release_segment_memory(*seg);  // reads the head block's pool: before the blocks go
       }
-    } catch (...) {
+    } catch (...) {  // teardown: this segment stays with the device; the others still go
     }
     for (block* b = seg->head; b != nullptr;) {
       block* next = b->next;

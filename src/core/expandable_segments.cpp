@@ -387,7 +387,7 @@ segment* device_state::new_expandable_segment(const alloc_params& p) {
   } catch (...) {
     try {
       backend_.vm_release(device_, base, size);
-    } catch (...) {
+    } catch (...) {  // the first error is the one thrown; the reservation stays with the device
     }
     throw;
   }
@@ -410,7 +410,7 @@ void device_state::give_back_page(segment& seg, std::size_t i) noexcept {
     ++stats_.num_pages_unmapped;
     ++stats_.num_device_free;
     release_page_handle(seg.pages.handle(i));  // a recycled page may be retired elsewhere too
-  } catch (...) {
+  } catch (...) {  // noexcept cleanup: the page leaves the books whatever the device says
   }
   seg.pages.set_unmapped(i);
   seg.mapped_bytes -= page;
@@ -439,14 +439,14 @@ void device_state::discard_reservation(segment& seg) noexcept {
     if (history_.active()) [[unlikely]] {
       try {
         history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
-      } catch (...) {
+      } catch (...) {  // the history misses this unmap; the cleanup goes on
       }
     }
     for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
   }
   try {
     backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
-  } catch (...) {
+  } catch (...) {  // noexcept cleanup: the reservation leaves the books whatever the device says
   }
   count_down(stats_.segment, g, 1);
   if (pool->priv != nullptr) --pool->priv->segment_count;
@@ -460,15 +460,88 @@ void device_state::discard_reservation(segment& seg) noexcept {
   segments_.erase(base);
 }
 
+// A request of alloc_expandable as its steps go: where it goes (step 1), the
+// pages freed for it (step 2) and what its recycling cost. On return, when
+// recycling ran: the host clock before it; the time up to the return, less
+// the time the fresh pages of the request took to create and map
+// (fresh_pages_us), is spent from the recycling budget (recycle_time_percent):
+// the recycling's unmaps and the remapping of the pages it freed, not the
+// pages the request would have created either way (docs/design.md, "Note:
+// what a recycling request is charged").
+struct device_state::expandable_request {
+  device_state& d;
+  // Step 1: the run chosen (best_own_run, an idle reservation or a new one).
+  segment* seg = nullptr;
+  block* first = nullptr;
+  std::uintptr_t start = 0;
+  std::uintptr_t end = 0;
+  bool foreign = false;  // an idle reservation of another stream, to adopt
+  std::size_t need = 0;  // bytes of pages to map
+  // Step 2: handles in `recycled` are unmapped (or retired: released once
+  // their deferred unmap is done) and no longer counted as reserved.
+  std::vector<recycled_page> recycled;
+  // Pages of this stream's free blocks may come before their fence has run
+  // (unmap_free_pages' same_stream): the default pools only (a private
+  // pool's blocks may be used by graphs launched on any stream).
+  const stream_state* same_stream = nullptr;
+  std::optional<std::uint64_t> recycle_started_us;
+  std::uint64_t fresh_pages_us = 0;
+  // The budget that pays (recycle_budget_now), read once per request.
+  std::optional<recycle_budget::source> budget;
+
+  explicit expandable_request(device_state& owner) : d(owner) {}
+  expandable_request(const expandable_request&) = delete;
+  expandable_request& operator=(const expandable_request&) = delete;
+  ~expandable_request() {
+    if (!recycle_started_us || !budget) return;
+    try {
+      d.spend_recycle_time(*budget, *recycle_started_us, fresh_pages_us);
+    } catch (...) {  // a clock that throws: the budget misses this spending, nothing else
+    }
+  }
+  // The recycled handles not mapped go back to the device.
+  void drop_recycled() {
+    for (const recycled_page& r : recycled) {
+      ++d.stats_.num_device_free;
+      d.release_page_handle(r.handle);
+    }
+    recycled.clear();
+  }
+  // The host clock for fresh_pages_us (0: none); a clock that throws leaves
+  // the fresh pages charged (as the spending on return, it never fails the
+  // request).
+  std::uint64_t clock_reading() noexcept {
+    try {
+      return d.backend_.host_time_us().value_or(0);
+    } catch (...) {
+      return 0;
+    }
+  }
+};
+
 bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& w) {
   if (is_retry) ++stats_.num_alloc_retries;
-  const std::size_t page = page_bytes_;
-  // 1. Placement: the free run of this (stream, pool) that needs the fewest
-  // new pages, then the shortest, then the oldest segment and lowest offset
-  // (never raw addresses: a replay must decide alike on every device). An
-  // idle reservation of another stream (idle_reservation) competes too, and
-  // wins only with strictly fewer pages to map: it is then adopted, its
-  // mapped pages used where they are instead of remapped one by one.
+  expandable_request r(*this);
+  place_expandable(p, r);                                      // 1. where: a free run, or a new reservation
+  if (!could_map(r.need)) return false;                        //    fail at once what cannot fit
+  if (!reserve_placement(p, r)) return false;                  //    adopt an idle reservation, or make one
+  if (r.need > 0 && !free_pages_for(r, w)) return false;       // 2. recycle pages below the cap and the mark
+  if (!settle_retired_under(r)) return false;                  // 3. retired pages under it unmapped, then
+  if (!map_missing_pages(p, r)) return false;                  //    the missing pages mapped
+  r.drop_recycled();  // more pages were freed than mapped (the cap counted plain segments)
+  raise_reserved_high_water();
+  p.found = take_mapped_run(r, p.size);                        // 4. the run's free block, off the pool
+  return true;
+}
+
+// Step 1. Placement: the free run of this (stream, pool) that needs the
+// fewest new pages, then the shortest, then the oldest segment and lowest
+// offset (never raw addresses: a replay must decide alike on every device).
+// An idle reservation of another stream (idle_reservation) competes too, and
+// wins only with strictly fewer pages to map: it is then adopted, its mapped
+// pages used where they are instead of remapped one by one. No run: a new
+// reservation (reserve_placement), made once the pages may fit.
+void device_state::place_expandable(alloc_params& p, expandable_request& r) {
   run_choice best;
   best_own_run(*p.pool, p.size, best);
   // An idle reservation has no block in use: one run, of few blocks (free
@@ -477,22 +550,20 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     segment& seg = *up;
     if (seg.expandable && seg.head->pool != p.pool && idle_reservation(seg, p)) scan_runs(best, seg, true, p.size);
   }
-  segment* best_seg = best.seg;
-  const bool best_foreign = best.foreign;
-  block* best_first = best.first;
-  std::uintptr_t best_start = best_seg != nullptr ? best.start : 0;
-  std::size_t best_pages = best.pages;
-  const bool new_reservation = best_seg == nullptr;  // made once the pages may fit
-  if (new_reservation) best_pages = (p.size + page - 1) / page;
+  r.seg = best.seg;
+  r.first = best.first;
+  r.start = best.seg != nullptr ? best.start : 0;
+  const std::size_t pages = best.seg != nullptr ? best.pages : (p.size + page_bytes_ - 1) / page_bytes_;
+  r.need = pages * page_bytes_;
+  r.foreign = best.foreign;
+}
 
-  // 2. Physical pages: recycle free whole pages rather than raise the peak
-  // (trim_on_new_peak) or pass the cap.
-  const std::size_t need = best_pages * page;
-  // Fail at once what cannot fit (rather than create pages until the device
-  // refuses): more than the device or the cap, or, for a large request,
-  // more than the device has free plus what this allocator could give back.
-  // Before a new reservation: a failed request leaves the segment counts
-  // as they were.
+// Whether `need` bytes of new pages may fit at all (rather than create pages
+// until the device refuses): not more than the device or the cap, nor, for a
+// large request, more than the device has free plus what this allocator
+// could give back. Checked before a new reservation: a failed request leaves
+// the segment counts as they were.
+bool device_state::could_map(std::size_t need) {
   if (need > allowed_bytes_) return false;
   if (need >= free_memory_check_bytes) {
     std::size_t free_pages_bytes = 0;
@@ -500,138 +571,115 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
       if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
     if (need > backend_.mem_get_info(device_).free_bytes + free_pages_bytes) return false;
   }
-  if (best_foreign) adopt_reservation(*best_seg, p);
-  if (new_reservation) {
-    best_seg = new_expandable_segment(p);
-    if (best_seg == nullptr) {
+  return true;
+}
+
+// The chosen reservation made the request's own: an idle one adopted, or a
+// new one reserved (false: no address space left). Sets where the request
+// ends and which stream's unfenced pages it may take.
+bool device_state::reserve_placement(const alloc_params& p, expandable_request& r) {
+  if (r.foreign) adopt_reservation(*r.seg, p);
+  if (r.seg == nullptr) {
+    r.seg = new_expandable_segment(p);
+    if (r.seg == nullptr) {
       no_address_space_ = true;
       return false;
     }
-    best_first = best_seg->head;
-    best_start = best_seg->base;
+    r.first = r.seg->head;
+    r.start = r.seg->base;
   }
-  const std::uintptr_t end = best_start + p.size;
-  std::vector<recycled_page> recycled;
-  // Pages of this stream's free blocks may come before their fence has run
-  // (unmap_free_pages' same_stream): the default pools only (a private
-  // pool's blocks may be used by graphs launched on any stream).
-  const stream_state* same_stream = p.pool->priv == nullptr ? p.pool->owner : nullptr;
-  // When recycling ran: the host clock before it; the time up to the return,
-  // less the time the fresh pages of the request took to create and map
-  // (fresh_pages_us), is spent from the recycling budget
-  // (recycle_time_percent): the recycling's unmaps and the remapping of the
-  // pages it freed. A request past the mark that recycles a few pages and
-  // creates many would map those either way: charged whole, one large
-  // request (a model's first step) emptied the bucket, and the mark then
-  // rose at the next peaks instead of recycling (gpt2_train 1 pass: 1.012,
-  // 1.003 charging the recycling only).
-  // `budget`: the one that pays (recycle_budget_now), read once per request.
-  std::optional<std::uint64_t> recycle_started_us;
-  std::uint64_t fresh_pages_us = 0;
-  std::optional<recycle_budget::source> budget;
-  struct spend_on_return {
-    device_state& d;
-    std::optional<std::uint64_t>& start;
-    std::uint64_t& excluded;
-    std::optional<recycle_budget::source>& from;
-    ~spend_on_return() {
-      if (!start || !from) return;
-      try {
-        d.spend_recycle_time(*from, *start, excluded);
-      } catch (...) {  // a clock that throws: the budget misses this spending, nothing else
-      }
-    }
-  } spend{*this, recycle_started_us, fresh_pages_us, budget};
-  // The host clock for fresh_pages_us (0: none); a clock that throws leaves
-  // the fresh pages charged (as spend_on_return, it never fails the request).
-  auto clock_reading = [&]() noexcept -> std::uint64_t {
-    try {
-      return backend_.host_time_us().value_or(0);
-    } catch (...) {
-      return 0;
-    }
-  };
-  // Handles in `recycled` are unmapped (or retired: released once their
-  // deferred unmap is done) and no longer counted as reserved.
-  auto drop_recycled = [&] {
-    for (const recycled_page& r : recycled) {
-      ++stats_.num_device_free;
-      release_page_handle(r.handle);
-    }
-    recycled.clear();
-  };
-  if (need > 0) {
-    // Bytes over the cap: these must be freed (waiting for page fences if
-    // need be), or the request fails.
-    auto over_cap = [&]() -> std::size_t {
-      return set_fraction_ && reserved_bytes_ + need > allowed_bytes_ ? reserved_bytes_ + need - allowed_bytes_ : 0;
-    };
-    // Bytes over the high-water mark: a new peak is avoided by recycling
-    // free pages whose fence has completed (never waiting), at most
-    // recycles_per_peak times per mark and within recycle_time_percent of
-    // the host's time; else the mark rises.
-    // The budget is read (a clock reading) only when the mark would pass,
-    // and once per request. A large peak, more than a sixteenth of the mark
-    // over it, may draw on the reserve when the bucket is empty: the mark it
-    // would add stays for the rest of the program, the time is spent once
-    // (recycle_budget_now).
-    auto within_time = [&] {
-      if (!budget) {
-        const bool large_peak = reserved_bytes_ + need - reserved_high_water_bytes_ > reserved_high_water_bytes_ / 16;
-        budget = recycle_budget_now(large_peak);
-      }
-      return *budget != recycle_budget::source::none;
-    };
-    auto over_mark = [&]() -> std::size_t {
-      if (!config_.trim_on_new_peak || reserved_bytes_ + need <= reserved_high_water_bytes_ ||
-          recycles_at_mark_ >= config_.recycles_per_peak || !within_time())
-        return 0;
-      return std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_);
-    };
-    if (!capture_underway() && std::max(over_cap(), over_mark()) > 0) {
-      release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
-      // The time this request's recycling and mapping take is spent from the
-      // budget when recycling was a choice (for the mark, not the cap, which
-      // must recycle whatever the budget).
-      if (over_mark() > 0 && config_.recycle_time_percent < 100) recycle_started_us = backend_.host_time_us();
-      try {
-        std::size_t got = 0;
-        if (const std::size_t target = std::max(over_cap(), over_mark()); target > 0)
-          got = unmap_free_pages(target, best_seg, best_start, end, &recycled, false, same_stream);
-        if (const std::size_t target = over_cap(); target > 0)
-          got += unmap_free_pages(target, best_seg, best_start, end, &recycled, true, same_stream);
-        if (got > 0) ++recycles_at_mark_;
-      } catch (...) {
-        drop_recycled();  // the pages unmapped before the failure go back to the device
-        throw;
-      }
-    }
-    if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) {
-      drop_recycled();
-      return false;
-    }
-  }
+  r.end = r.start + p.size;
+  r.same_stream = p.pool->priv == nullptr ? p.pool->owner : nullptr;
+  return true;
+}
 
-  // 3. Map the missing pages, run by run of unmapped pages.
-  segment& seg = *best_seg;
-  const std::size_t first_page = (best_start - seg.base) / page;
-  const std::size_t end_page = (end - seg.base + page - 1) / page;
-  const stat_group g = group_of(p.pool);
-  // A retired page under the request (placement chose it last: nothing
-  // else fits) is unmapped first, after its fence (a wait, counted); not
-  // while a graph is captured (no event may be queried then): no room.
-  if (!seg.pages.retired().empty() && seg.pages.has_retired(first_page, end_page)) {
-    if (capture_underway()) {
-      drop_recycled();
-      return false;
+// Step 2. Physical pages: free whole pages rather than raise the peak
+// (trim_on_new_peak) or pass the cap; false (nothing kept recycled) when the
+// request still does not fit under the cap.
+bool device_state::free_pages_for(expandable_request& r, world_lock& w) {
+  const std::size_t need = r.need;
+  // Bytes over the cap: these must be freed (waiting for page fences if
+  // need be), or the request fails.
+  auto over_cap = [&]() -> std::size_t {
+    return set_fraction_ && reserved_bytes_ + need > allowed_bytes_ ? reserved_bytes_ + need - allowed_bytes_ : 0;
+  };
+  // Bytes over the high-water mark: a new peak is avoided by recycling
+  // free pages whose fence has completed (never waiting), at most
+  // recycles_per_peak times per mark and within recycle_time_percent of
+  // the host's time; else the mark rises.
+  // The budget is read (a clock reading) only when the mark would pass,
+  // and once per request. A large peak, more than a sixteenth of the mark
+  // over it, may draw on the reserve when the bucket is empty: the mark it
+  // would add stays for the rest of the program, the time is spent once
+  // (recycle_budget_now).
+  auto within_time = [&] {
+    if (!r.budget) {
+      const bool large_peak = reserved_bytes_ + need - reserved_high_water_bytes_ > reserved_high_water_bytes_ / 16;
+      r.budget = recycle_budget_now(large_peak);
     }
+    return *r.budget != recycle_budget::source::none;
+  };
+  auto over_mark = [&]() -> std::size_t {
+    if (!config_.trim_on_new_peak || reserved_bytes_ + need <= reserved_high_water_bytes_ ||
+        recycles_at_mark_ >= config_.recycles_per_peak || !within_time())
+      return 0;
+    return std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_);
+  };
+  if (!capture_underway() && std::max(over_cap(), over_mark()) > 0) {
+    release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
+    // The time this request's recycling and mapping take is spent from the
+    // budget when recycling was a choice (for the mark, not the cap, which
+    // must recycle whatever the budget).
+    if (over_mark() > 0 && config_.recycle_time_percent < 100) r.recycle_started_us = backend_.host_time_us();
     try {
-      settle_retired_in(seg, first_page, end_page, true);
+      std::size_t got = 0;
+      if (const std::size_t target = std::max(over_cap(), over_mark()); target > 0)
+        got = unmap_free_pages(target, r.seg, r.start, r.end, &r.recycled, false, r.same_stream);
+      if (const std::size_t target = over_cap(); target > 0)
+        got += unmap_free_pages(target, r.seg, r.start, r.end, &r.recycled, true, r.same_stream);
+      if (got > 0) ++recycles_at_mark_;
     } catch (...) {
-      drop_recycled();
+      r.drop_recycled();  // the pages unmapped before the failure go back to the device
       throw;
     }
   }
+  if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) {
+    r.drop_recycled();
+    return false;
+  }
+  return true;
+}
+
+// Step 3a. A retired page under the request (placement chose it last:
+// nothing else fits) is unmapped first, after its fence (a wait, counted);
+// not while a graph is captured (no event may be queried then): false, no
+// room.
+bool device_state::settle_retired_under(expandable_request& r) {
+  segment& seg = *r.seg;
+  const std::size_t first_page = (r.start - seg.base) / page_bytes_;
+  const std::size_t end_page = (r.end - seg.base + page_bytes_ - 1) / page_bytes_;
+  if (seg.pages.retired().empty() || !seg.pages.has_retired(first_page, end_page)) return true;
+  if (capture_underway()) {
+    r.drop_recycled();
+    return false;
+  }
+  try {
+    settle_retired_in(seg, first_page, end_page, true);
+  } catch (...) {
+    r.drop_recycled();
+    throw;
+  }
+  return true;
+}
+
+// Step 3b. Maps the missing pages of the request, run by run of unmapped
+// pages: recycled handles first, then fresh ones. False when the device has
+// no page left (what was mapped stays, on the books, free).
+bool device_state::map_missing_pages(const alloc_params& p, expandable_request& r) {
+  segment& seg = *r.seg;
+  const std::size_t page = page_bytes_;
+  const std::size_t first_page = (r.start - seg.base) / page;
+  const std::size_t end_page = (r.end - seg.base + page - 1) / page;
   // The pages [from, to) this request mapped and has not put on its blocks'
   // books (set_page_state) go back when it fails: unmapped, released, as
   // before the call (device errors ignored).
@@ -647,98 +695,113 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     bool out_of_memory = false;
     try {
       for (; i < end_page && !seg.pages.mapped(i); ++i) {
-        physical_handle_t h = 0;
-        bool fresh = false;
-        stream_t from = p.stream;
-        // A fresh page costs the same whether or not this request recycles:
-        // its time is not recycling's (fresh_pages_us).
-        const std::uint64_t fresh_start_us = recycle_started_us && recycled.empty() ? clock_reading() : 0;
-        if (!recycled.empty()) {
-          h = recycled.back().handle;
-          from = recycled.back().from;
-          recycled.pop_back();
-        } else if (backend_.vm_create(device_, page, &h)) {
-          fresh = true;
-        } else {
+        if (!map_request_page(p, r, i)) {
           out_of_memory = true;
           break;
         }
-        void* addr = reinterpret_cast<void*>(seg.base + i * page);
-        bool mapped = false;
-        try {
-          backend_.vm_map(device_, addr, page, h);
-          mapped = true;
-          for (int peer : peers_) backend_.vm_set_access(device_, addr, page, peer);
-        } catch (...) {
-          if (mapped) {
-            try {
-              backend_.vm_unmap(device_, addr, page);  // the page must not stay mapped unknown to us
-            } catch (...) {
-              seg.pages.set_mapped(i, h);  // still mapped: keep it on the books (a free mapped page)
-              ++stats_.num_pages_mapped;
-              seg.mapped_bytes += page;
-              reserved_bytes_ += page;
-              count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
-              if (fresh) ++stats_.num_device_alloc;
-              ++i;
-              throw;
-            }
-          }
-          if (fresh) {
-            backend_.vm_release_handle(device_, h);
-          } else {
-            recycled.push_back({h, from});
-          }
-          throw;
-        }
-        seg.pages.set_mapped(i, h);
-        ++stats_.num_pages_mapped;
-        if (!fresh) ++stats_.num_pages_remapped;
-        if (!fresh && from != p.stream) stats_.bytes_moved_between_streams += static_cast<std::int64_t>(page);
-        seg.mapped_bytes += page;
-        if (fresh) ++stats_.num_device_alloc;
-        reserved_bytes_ += page;
-        count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
-        if (fresh_start_us != 0) {
-          if (const std::uint64_t t = clock_reading(); t > fresh_start_us) fresh_pages_us += t - fresh_start_us;
-        }
       }
     } catch (...) {
-      give_back_run(run_first, i);
-      drop_recycled();
+      // Page i too when an unmap that failed left it mapped (on the books).
+      give_back_run(run_first, seg.pages.mapped(i) ? i + 1 : i);
+      r.drop_recycled();
       throw;
     }
     try {
       set_page_state(seg, seg.base + run_first * page, seg.base + i * page, true);  // no host memory: unchanged
     } catch (...) {
       give_back_run(run_first, i);
-      drop_recycled();
+      r.drop_recycled();
       throw;
     }
     if (history_.active() && i > run_first) [[unlikely]]
       history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
       raise_reserved_high_water();
-      drop_recycled();
+      r.drop_recycled();
       return false;
     }
   }
-  drop_recycled();  // more pages were freed than mapped (the cap counted plain segments)
-  raise_reserved_high_water();
-
-  // 4. The run now starts with a free mapped block of at least p.size bytes:
-  // its first block, still (the block before it is in use, so no merge took
-  // it; splits and merges keep the lower block's object); or, where the
-  // request starts past a retired page (consider_run), the block there (an
-  // unmapped page below it: no merge took it either).
-  block* b = best_first;
-  while (b != nullptr && b->ptr + b->size <= best_start) b = b->next;
-  if (b == nullptr) throw std::logic_error("ccalloc: internal error: the chosen run ends before its request");
-  if (b->ptr != best_start || !b->mapped || !b->is_free() || b->size < p.size)
-    throw std::logic_error("ccalloc: internal error: mapped run does not start with a free block");
-  b->pool->blocks.erase(b);  // as get_free_block: take_found_block does the statistics
-  p.found = b;
   return true;
+}
+
+// Maps page i (unmapped) of the request's segment: a recycled handle, else a
+// fresh one; false when the device has none. On a failure the handle goes
+// back where it came from, unless its unmap failed too: then page i stays
+// mapped, on the books as a free mapped page, and the error is thrown.
+bool device_state::map_request_page(const alloc_params& p, expandable_request& r, std::size_t i) {
+  segment& seg = *r.seg;
+  const std::size_t page = page_bytes_;
+  const stat_group g = group_of(p.pool);
+  physical_handle_t h = 0;
+  bool fresh = false;
+  stream_t from = p.stream;
+  // A fresh page costs the same whether or not this request recycles:
+  // its time is not recycling's (fresh_pages_us).
+  const std::uint64_t fresh_start_us = r.recycle_started_us && r.recycled.empty() ? r.clock_reading() : 0;
+  if (!r.recycled.empty()) {
+    h = r.recycled.back().handle;
+    from = r.recycled.back().from;
+    r.recycled.pop_back();
+  } else if (backend_.vm_create(device_, page, &h)) {
+    fresh = true;
+  } else {
+    return false;
+  }
+  void* addr = reinterpret_cast<void*>(seg.base + i * page);
+  bool mapped = false;
+  try {
+    backend_.vm_map(device_, addr, page, h);
+    mapped = true;
+    for (int peer : peers_) backend_.vm_set_access(device_, addr, page, peer);
+  } catch (...) {
+    if (mapped) {
+      try {
+        backend_.vm_unmap(device_, addr, page);  // the page must not stay mapped unknown to us
+      } catch (...) {
+        seg.pages.set_mapped(i, h);  // still mapped: keep it on the books (a free mapped page)
+        ++stats_.num_pages_mapped;
+        seg.mapped_bytes += page;
+        reserved_bytes_ += page;
+        count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+        if (fresh) ++stats_.num_device_alloc;
+        throw;
+      }
+    }
+    if (fresh) {
+      backend_.vm_release_handle(device_, h);
+    } else {
+      r.recycled.push_back({h, from});
+    }
+    throw;
+  }
+  seg.pages.set_mapped(i, h);
+  ++stats_.num_pages_mapped;
+  if (!fresh) ++stats_.num_pages_remapped;
+  if (!fresh && from != p.stream) stats_.bytes_moved_between_streams += static_cast<std::int64_t>(page);
+  seg.mapped_bytes += page;
+  if (fresh) ++stats_.num_device_alloc;
+  reserved_bytes_ += page;
+  count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+  if (fresh_start_us != 0) {
+    if (const std::uint64_t t = r.clock_reading(); t > fresh_start_us) r.fresh_pages_us += t - fresh_start_us;
+  }
+  return true;
+}
+
+// Step 4. The run now starts with a free mapped block of at least `size`
+// bytes: its first block, still (the block before it is in use, so no merge
+// took it; splits and merges keep the lower block's object); or, where the
+// request starts past a retired page (consider_run), the block there (an
+// unmapped page below it: no merge took it either). Taken off its pool as
+// get_free_block does (take_found_block does the statistics).
+block* device_state::take_mapped_run(const expandable_request& r, std::size_t size) {
+  block* b = r.first;
+  while (b != nullptr && b->ptr + b->size <= r.start) b = b->next;
+  if (b == nullptr) throw std::logic_error("ccalloc: internal error: the chosen run ends before its request");
+  if (b->ptr != r.start || !b->mapped || !b->is_free() || b->size < size)
+    throw std::logic_error("ccalloc: internal error: mapped run does not start with a free block");
+  b->pool->blocks.erase(b);
+  return b;
 }
 
 // Unmaps the whole pages of free block `b` (free, mapped, in an expandable

@@ -78,7 +78,7 @@ block* device_state::take_from_rung(alloc_params& p) {
     if (!b->pool->blocks.contains(b)) {
       try {
         b->pool->blocks.insert(b);  // into the bin it left: a free slot, no allocation (a new segment's: may fail)
-      } catch (...) {
+      } catch (...) {  // no slot: the block is lost to the pool; the first error is the one thrown
       }
     }
     throw;
@@ -108,14 +108,14 @@ void device_state::discard_made_segment(const alloc_params& p) noexcept {
     } catch (...) {  // the device refuses: the segment stays cached
       try {
         if (!b->pool->blocks.contains(b)) b->pool->blocks.insert(b);
-      } catch (...) {
+      } catch (...) {  // no slot: the segment is lost to the cache; nothing to report to
       }
       return;
     }
     if (history_.active()) [[unlikely]] {
       try {
         history_.record_segment_free(b->ptr, b->size, b->stream);
-      } catch (...) {
+      } catch (...) {  // the history misses this free; the segment still leaves the books
       }
     }
     forget_segment(b, stats_);
@@ -293,7 +293,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
     try {
       if (pp != nullptr && pp->custom.free) pp->custom.free(ptr);
       else backend_.segment_free(device_, ptr);
-    } catch (...) {
+    } catch (...) {  // noexcept cleanup: the segment stays with the device; the first error is reported
     }
   };
   // Host memory first (may throw; nothing changed): the segment's record,

@@ -158,7 +158,7 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
     for (auto& o : observers) {
       try {
         o(device_, p.requested_bytes, f.device_total_bytes, f.device_free_bytes);
-      } catch (...) {
+      } catch (...) {  // dropped, as above
       }
     }
   }

@@ -108,7 +108,7 @@ bool device_state::capture_underway() noexcept {
     bool capturing = true;  // if the backend cannot tell, stay on the safe side
     try {
       capturing = backend_.is_capturing(device_, streams[i]);
-    } catch (...) {
+    } catch (...) {  // stays true, as above
     }
     if (capturing) return true;
     streams[i] = streams.back();  // the capture ended

@@ -202,7 +202,7 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
         }
         try {
           backend_->vm_release(h.device, base, e.bytes);
-        } catch (...) {
+        } catch (...) {  // keep cleaning up, as above
         }
         throw;
       }

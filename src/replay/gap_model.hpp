@@ -121,7 +121,7 @@ class clock_gaps final : public gap_model {
   void release() noexcept override {
     for (stream_t s : side_streams_) try {
         sim_.destroy_stream(0, s);
-      } catch (...) {
+      } catch (...) {  // noexcept teardown: a stream that cannot go stays; the others still go
       }
     side_streams_.clear();
   }

@@ -138,7 +138,7 @@ class gate_gaps final : public device_backend, public gap_model {
         std::lock_guard lock(gaps_mutex_);
         for (const auto& [seq, g] : open_) try {
             inner_->open_gate(device_, g.gate);
-          } catch (...) {
+          } catch (...) {  // best effort, as above
           }
         open_.clear();
         by_end_ = {};
@@ -146,13 +146,13 @@ class gate_gaps final : public device_backend, public gap_model {
       }
       try {
         flush_deferred_frees();
-      } catch (...) {
+      } catch (...) {  // best effort, as above
       }
     }
     for (stream_t s : owned_streams_) try {
         inner_->synchronize_stream(device_, s);
         inner_->destroy_stream(device_, s);
-      } catch (...) {
+      } catch (...) {  // best effort, as above
       }
     owned_streams_.clear();
   }
@@ -292,7 +292,7 @@ class gate_gaps final : public device_backend, public gap_model {
     try {
       inner_->open_gate(device_, g);
       inner_->destroy_gate(device_, g);
-    } catch (...) {
+    } catch (...) {  // noexcept: a gate that cannot be opened or destroyed stays with the device
     }
   }
 
@@ -375,7 +375,7 @@ class gate_gaps final : public device_backend, public gap_model {
       if (open_.empty()) continue;
       for (const auto& [seq, g] : open_) try {
           inner_->open_gate(device_, g.gate);
-        } catch (...) {
+        } catch (...) {  // the watchdog opens what it can
         }
       tripped_call_ = call_name_.load(std::memory_order_relaxed);
       tripped_.store(true, std::memory_order_release);

@@ -159,7 +159,7 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
     ~cleanup() {
       try {
         gaps.end_all();
-      } catch (...) {
+      } catch (...) {  // a destructor: the allocator and side streams still go
       }
       allocator.reset();
       gaps.release();

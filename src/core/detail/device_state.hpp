@@ -827,6 +827,16 @@ class device_state {
 
   // --- expandable_segments.cpp (B7, X3): every one [world] unless noted --------
   bool alloc_expandable(alloc_params& p, bool is_retry, world_lock& w);
+  // Its steps, in order, on the request's state (expandable_request).
+  struct expandable_request;
+  void place_expandable(alloc_params& p, expandable_request& r);
+  bool could_map(std::size_t need);
+  bool reserve_placement(const alloc_params& p, expandable_request& r);
+  bool free_pages_for(expandable_request& r, world_lock& w);
+  bool settle_retired_under(expandable_request& r);
+  bool map_missing_pages(const alloc_params& p, expandable_request& r);
+  bool map_request_page(const alloc_params& p, expandable_request& r, std::size_t i);
+  static block* take_mapped_run(const expandable_request& r, std::size_t size);
   segment* new_expandable_segment(const alloc_params& p);
   void discard_reservation(segment& seg) noexcept;
   void give_back_page(segment& seg, std::size_t i) noexcept;
