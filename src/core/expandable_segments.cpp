@@ -1275,7 +1275,7 @@ double device_state::recycle_reserve_depth_us() const noexcept {
 void device_state::release_empty_expandable_segments() {
   for (auto it = segments_.begin(); it != segments_.end();) {
     segment& seg = *it->second;
-    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr || !seg.retired.empty()) {
+    if (!seg.expandable || seg.paused || seg.mapped_bytes != 0 || seg.head->next != nullptr || !seg.retired.empty()) {
       ++it;
       continue;
     }

@@ -174,7 +174,11 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
     if (get_free_block(p)) return take_from_rung(p);
     // Rung 2: above the garbage-collection threshold, release old cached blocks.
     if (config_.garbage_collection_threshold > 0.0 && !capturing) garbage_collect_cached_blocks(w);
-    if (config_.expandable_segments && page_bytes_ != 0 && !(priv && p.pool->priv->custom.malloc)) {
+    // A named tag's memory is always in reservations where the backend has
+    // virtual memory, whatever expandable_segments says: pause releases
+    // its pages and resume maps them again at the same addresses.
+    const bool tagged = priv && p.pool->priv->tag != default_tag_id;
+    if ((config_.expandable_segments || tagged) && page_bytes_ != 0 && !(priv && p.pool->priv->custom.malloc)) {
       // Rung 3 (B7, X3): place the request in the stream's expandable
       // segment, mapping pages (recycled from free whole pages when the
       // peak or the cap would grow). Rung 5: wait for events, unmap every
