@@ -7,6 +7,7 @@
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/snapshot.hpp>
 #include <ccalloc/core/tags.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
@@ -454,6 +455,32 @@ TEST_F(SleepWakeTest, KeptCopiesCostModelledHostTime) {
   EXPECT_LT(without.host_time_us, with.host_time_us);
   alloc->resume({"sw_time"});
   alloc->free(w);
+}
+
+}  // namespace
+
+namespace {
+
+TEST_F(SleepWakeTest, HistoryAndSnapshotNameTagsAndRecordPauseAndResume) {
+  history_options h;
+  alloc->record_history(h);
+  void* p = m_tagged("sw_hist", 6 * MiB);
+  void* d = m(MiB);
+  alloc->pause({"sw_hist"}, false);
+  const std::string json = to_json(alloc->snapshot());
+  EXPECT_NE(json.find("\"tag\":\"sw_hist\",\"paused\":true"), std::string::npos);
+  alloc->resume({"sw_hist"});
+  alloc->free(p);
+  alloc->free(d);
+  std::vector<std::string> seen;
+  for (const trace_entry& e : dev().trace_entries())
+    if (e.tag != default_tag_id || e.action == trace_entry_action::alloc)
+      seen.push_back(std::string(to_string(e.action)) + ":" + tag_name(e.tag) + ":" + std::to_string(e.size));
+  const std::vector<std::string> expected = {
+      "segment_map:sw_hist:6291456",   "alloc:sw_hist:6291456",       "alloc:default:1048576",
+      "segment_unmap:sw_hist:6291456", "pause:sw_hist:6291456",       "segment_map:sw_hist:6291456",
+      "resume:sw_hist:6291456",        "free_requested:sw_hist:6291456", "free_completed:sw_hist:6291456"};
+  EXPECT_EQ(seen, expected);
 }
 
 }  // namespace

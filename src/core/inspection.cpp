@@ -274,7 +274,7 @@ void device_caching_allocator::check_invariants() const {
         pooled += seg->paused ? 0 : 1;
         if (b->next != nullptr && b->next->is_free() && b->next->mapped)
           fail("two free neighbours are not merged");
-        if (b->is_split()) {
+        if (b->is_split() && !seg->paused) {  // paused_free blocks left the pools' counts
           detail::count_up(recount.inactive_split, g, 1);
           detail::count_up(recount.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
         }

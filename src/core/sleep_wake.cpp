@@ -265,10 +265,15 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
             {device_, run.pages * seg->page_bytes, device_total_bytes_, 0, 0, reserved_bytes_});
       }
   }
-  for (segment* seg : segs) pause_segment(*seg, keep_contents, r);
+  for (segment* seg : segs) {
+    const tag_scope entries_tag(tag_of(*seg));  // its history entries name its tag
+    pause_segment(*seg, keep_contents, r);
+  }
   for (tag_id tag : todo) {
     paused_tags_.insert(tag);
     r.tags.push_back(tag_name(tag));
+    if (history_.active()) [[unlikely]]
+      history_.record(trace_entry_action::pause, 0, usage_of(tag).paused_bytes, 0, nullptr, tag);
   }
   any_paused_.store(true, std::memory_order_relaxed);
   if (const std::optional<std::uint64_t> end_us = backend_.host_time_us(); start_us && end_us)
@@ -415,10 +420,17 @@ sleep_result device_state::resume_tags(const std::vector<tag_id>& tags, world_lo
     }
     throw out_of_memory_error(msg, f);
   }
-  for (segment* seg : segs) restore_paused_segment(*seg, r);
-  for (tag_id tag : todo) {
+  std::vector<std::pair<tag_id, std::size_t>> resumed;  // bytes mapped again, for history
+  for (tag_id tag : todo) resumed.emplace_back(tag, usage_of(tag).paused_bytes);
+  for (segment* seg : segs) {
+    const tag_scope entries_tag(tag_of(*seg));
+    restore_paused_segment(*seg, r);
+  }
+  for (const auto& [tag, bytes] : resumed) {
     paused_tags_.erase(tag);
     r.tags.push_back(tag_name(tag));
+    if (history_.active()) [[unlikely]]
+      history_.record(trace_entry_action::resume, 0, bytes, 0, nullptr, tag);
   }
   any_paused_.store(!paused_tags_.empty(), std::memory_order_relaxed);
   raise_reserved_high_water();
