@@ -43,10 +43,9 @@
 //
 // Reproducing a failure: the model's choices depend only on the seed (never on
 // addresses); the allocator's tie-breaks depend on the order of the addresses
-// the simulated device maps, which is the same from run to run in a fresh
-// process with one thread. (A case with threads: their malloc arenas'
-// mappings move the device's under address-space randomization; rerun it
-// under `setarch -R` or MALLOC_ARENA_MAX=1.) So run the failing case alone, e.g.
+// the simulated device gives, which are its own (sim_backend.hpp,
+// "Addresses") and follow its malloc and free calls alone, whatever the
+// host's address-space randomization or threads. So run the failing case alone, e.g.
 //   ccalloc_tests --gtest_filter='Property/PropertyTest.*/gc_fraction'
 // (ctest runs each case in its own process already).
 //

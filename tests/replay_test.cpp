@@ -17,6 +17,7 @@
 #include <fstream>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -76,6 +77,7 @@ void check_fidelity(const std::vector<trace_case>& cases) {
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
     const auto r = replay(c.file, ccalloc::pytorch_policies);
+    EXPECT_TRUE(r.recorded_addresses);  // the traces carry the recording's segment_alloc events
     EXPECT_EQ(r.peak_reserved_bytes, c.native["native_reserved_peak"].get<std::uint64_t>());
     EXPECT_EQ(r.device_mallocs, c.native["native_device_allocs"].get<std::uint64_t>());
     EXPECT_EQ(r.peak_requested_bytes, c.native["requested_peak"].get<std::uint64_t>());
@@ -94,6 +96,86 @@ TEST(ReplayTest, AllSharedTracesReserveNoMoreThanPyTorch) {
 TEST(ReplayTest, AllSharedTracesMatchPyTorchExactlyWithItsPolicies) {
   if (!fs::exists(shared_dir / "native_peaks.json")) GTEST_SKIP() << "no " << shared_dir;
   check_fidelity(traces_in(shared_dir));
+}
+
+// The recording allocator's figures, from the trace's own segment events:
+// peak of the live segments' bytes, and cudaMalloc calls.
+struct recorded_figures {
+  std::uint64_t reserved_peak = 0;
+  std::uint64_t segment_allocs = 0;
+};
+recorded_figures recorded(const ccalloc::trace& t) {
+  recorded_figures f;
+  std::uint64_t live = 0;
+  std::unordered_map<std::uint64_t, std::uint64_t> sizes;
+  for (const auto& e : t.events) {
+    if (e.action == ccalloc::trace_action::segment_alloc) {
+      live += e.size;
+      sizes[e.addr] = e.size;
+      ++f.segment_allocs;
+      f.reserved_peak = std::max(f.reserved_peak, live);
+    } else if (e.action == ccalloc::trace_action::segment_free) {
+      live -= sizes.at(e.addr);
+      sizes.erase(e.addr);
+    }
+  }
+  return f;
+}
+
+// The fidelity cases (data/traces/fidelity, copied from
+// ../shared/traces/fidelity): with PyTorch's policies the replay reserves
+// exactly what the recording did, with as many device mallocs.
+void check_fidelity_cases(const fs::path& dir) {
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().string().ends_with(".trace.gz")) files.push_back(e.path());
+  ASSERT_FALSE(files.empty()) << dir;
+  for (const auto& file : files) {
+    SCOPED_TRACE(file.string());
+    const auto t = ccalloc::read_trace_file(file.string());
+    const recorded_figures want = recorded(t);
+    ASSERT_GT(want.segment_allocs, 0u);
+    ccalloc::replay_options o;
+    o.config = ccalloc::pytorch_policies;
+    const auto r = ccalloc::replay_trace(t, o);
+    EXPECT_TRUE(r.recorded_addresses);
+    EXPECT_EQ(r.peak_reserved_bytes, want.reserved_peak);
+    EXPECT_EQ(r.device_mallocs, want.segment_allocs);
+  }
+}
+
+TEST(ReplayTest, FidelityTracesMatchTheirRecordingExactlyWithPyTorchsPolicies) {
+  check_fidelity_cases(bundled_dir / "fidelity");
+}
+
+TEST(ReplayTest, SharedFidelityTracesMatchTheirRecordingExactlyWithPyTorchsPolicies) {
+  if (!fs::exists(shared_dir / "fidelity")) GTEST_SKIP() << "no " << shared_dir / "fidelity";
+  check_fidelity_cases(shared_dir / "fidelity");
+}
+
+// serve_prefix: the driver gave the older of two segments the lower address,
+// so best fit's tie went to it. The simulated device's own order (lowest
+// free address first, nothing freed here) does the same: 35 device mallocs
+// either way (the host's mmap order, falling addresses, made 36).
+TEST(ReplayTest, ServePrefixMatchesWithTheRecordedAddressesAndWithTheDevicesOwn) {
+  const auto t = ccalloc::read_trace_file((bundled_dir / "fidelity" / "serve_prefix.trace.gz").string());
+  for (const bool use_recorded : {true, false}) {
+    SCOPED_TRACE(use_recorded ? "recorded addresses" : "own addresses");
+    ccalloc::replay_options o;
+    o.config = ccalloc::pytorch_policies;
+    o.recorded_addresses = use_recorded;
+    const auto r = ccalloc::replay_trace(t, o);
+    EXPECT_EQ(r.recorded_addresses, use_recorded);
+    EXPECT_EQ(r.device_mallocs, 35u);
+    EXPECT_EQ(r.peak_reserved_bytes, 763'363'328u);
+  }
+}
+
+// A trace without segment events: nothing recorded to follow.
+TEST(ReplayTest, ATraceWithoutSegmentEventsUsesTheDevicesOwnAddresses) {
+  const auto r = ccalloc::replay_trace(ccalloc::parse_trace_text("1 alloc 4096 1000 0\n", "plain"), {});
+  EXPECT_FALSE(r.recorded_addresses);
+  EXPECT_EQ(r.device_mallocs, 1u);
 }
 
 TEST(ReplayTest, TrimOnNewPeakLowersTheReservationOfTrainingTraces) {

@@ -23,6 +23,8 @@ using ccalloc::gib;
 using ccalloc::mib;
 using ccalloc::sim_backend;
 using ccalloc::sim_options;
+using ccalloc::segment_placement;
+using ccalloc::invalid_argument_error;
 
 sim_options small_device(std::size_t capacity = 10 * mib, int devices = 1) {
   sim_options o;
@@ -115,6 +117,94 @@ TEST(SimBackend, ChargesSegmentsRoundedUpToTheGranularity) {
   EXPECT_EQ(sim.mem_get_info(0).free_bytes, 10 * mib);
   EXPECT_EQ(sim.counters().used_bytes, 0u);
   EXPECT_EQ(sim.counters().segment_frees, 3u);
+}
+
+// ---- addresses ---------------------------------------------------------------------
+
+std::uintptr_t addr(void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+// Each segment goes at the lowest free address of the device's own range, so
+// the layout follows the calls alone (host mmap hands out falling addresses).
+TEST(SimBackend, SegmentsTakeTheLowestFreeAddressOfTheDevicesOwnRange) {
+  sim_backend sim(small_device(64 * mib));
+  void* a = sim.segment_malloc(0, 4 * mib);
+  void* b = sim.segment_malloc(0, 2 * mib);
+  void* c = sim.segment_malloc(0, 6 * mib);
+  ASSERT_TRUE(a && b && c);
+  EXPECT_EQ(addr(a) % (2 * mib), 0u);
+  EXPECT_EQ(addr(b), addr(a) + 4 * mib);
+  EXPECT_EQ(addr(c), addr(b) + 2 * mib);
+  std::memset(c, 0x5a, 6 * mib);  // mapped read/write
+  sim.segment_free(0, b);
+  void* d = sim.segment_malloc(0, 4 * mib);  // does not fit b's hole: after c
+  EXPECT_EQ(addr(d), addr(c) + 6 * mib);
+  void* e = sim.segment_malloc(0, 2 * mib);  // b's hole
+  EXPECT_EQ(e, b);
+  sim.segment_free(0, a);
+  sim.segment_free(0, e);
+  void* f = sim.segment_malloc(0, 6 * mib);  // a's and b's stretches, coalesced
+  EXPECT_EQ(f, a);
+  EXPECT_EQ(static_cast<unsigned char*>(f)[0], 0) << "a reused stretch reads as new memory";
+  for (void* p : {c, d, f}) sim.segment_free(0, p);
+  EXPECT_EQ(sim.segment_malloc(0, 2 * mib), a) << "everything freed: the range starts over";
+}
+
+TEST(SimBackend, EachDeviceHasItsOwnRange) {
+  sim_options o = small_device(64 * mib);
+  o.device_count = 2;
+  sim_backend sim(o);
+  void* a0 = sim.segment_malloc(0, 2 * mib);
+  void* a1 = sim.segment_malloc(1, 2 * mib);
+  void* b0 = sim.segment_malloc(0, 2 * mib);
+  void* b1 = sim.segment_malloc(1, 2 * mib);
+  EXPECT_EQ(addr(b0), addr(a0) + 2 * mib);
+  EXPECT_EQ(addr(b1), addr(a1) + 2 * mib);
+  for (void* p : {a0, b0}) sim.segment_free(0, p);
+  for (void* p : {a1, b1}) sim.segment_free(1, p);
+}
+
+// place_segments: the k-th successful segment_malloc goes at the planned
+// offset when its size agrees and the stretch is free; else lowest free.
+TEST(SimBackend, PlaceSegmentsPutsTheNextMallocsWhereThePlanSays) {
+  sim_backend sim(small_device(64 * mib));
+  void* probe = sim.segment_malloc(0, 2 * mib);  // the range's base (lowest free)
+  ASSERT_NE(probe, nullptr);
+  const std::uintptr_t base = addr(probe);
+  sim.segment_free(0, probe);
+  sim.place_segments(0, {{10 * mib, 2 * mib}, {0, 4 * mib}, {20 * mib, 2 * mib}, {0, 2 * mib}});
+  EXPECT_EQ(sim.segment_malloc(0, 66 * mib), nullptr);  // a failed malloc takes no entry
+  void* a = sim.segment_malloc(0, 2 * mib);
+  void* b = sim.segment_malloc(0, 3 * mib + 1);  // charged 4 MiB, as planned
+  void* c = sim.segment_malloc(0, 4 * mib);      // planned 2 MiB: lowest free instead
+  void* d = sim.segment_malloc(0, 2 * mib);      // planned stretch taken by b: lowest free
+  void* e = sim.segment_malloc(0, 2 * mib);      // past the plan: lowest free
+  EXPECT_EQ(addr(a), base + 10 * mib);
+  EXPECT_EQ(addr(b), base);
+  EXPECT_EQ(addr(c), base + 4 * mib);
+  EXPECT_EQ(addr(d), base + 8 * mib);
+  EXPECT_EQ(addr(e), base + 12 * mib);
+  for (void* p : {a, b, c, d, e}) sim.segment_free(0, p);
+}
+
+TEST(SimBackend, PlaceSegmentsRejectsEntriesOffTheGranularity) {
+  sim_backend sim(small_device(64 * mib));
+  sim.place_segments(0, {{4 * mib, 2 * mib}});
+  for (const segment_placement bad : {segment_placement{mib, 2 * mib}, segment_placement{0, 3 * mib},
+                                      segment_placement{0, 0}}) {
+    try {
+      sim.place_segments(0, {{0, 2 * mib}, bad});
+      ADD_FAILURE() << "expected invalid_argument_error";
+    } catch (const invalid_argument_error& e) {
+      EXPECT_EQ(std::string(e.what()), "sim: place_segments(device 0): entry at offset " +
+                                           std::to_string(bad.offset_bytes) + " of " + std::to_string(bad.size_bytes) +
+                                           " bytes is not a nonzero multiple of the granularity (2097152 bytes)");
+    }
+  }
+  void* a = sim.segment_malloc(0, 2 * mib);  // the earlier plan holds
+  void* b = sim.segment_malloc(0, 2 * mib);
+  EXPECT_EQ(addr(a), addr(b) + 4 * mib);
+  sim.segment_free(0, a);
+  sim.segment_free(0, b);
 }
 
 TEST(SimBackend, ReturnsNullWhenCapacityWouldBeExceeded) {

@@ -1,7 +1,7 @@
 // ccalloc_cli.cpp: the `ccalloc` command line tool (SPEC X8).
 //
 //   ccalloc replay  [TRACE] [--config STR] [--device sim|cuda[:N]] [--device-memory BYTES] [--repeat N]
-//                   [--device-lag EVENTS] [--json]
+//                   [--device-lag EVENTS] [--own-addresses] [--json]
 //   ccalloc compare [TRACE] --config A [--config B ...] [--device sim|cuda[:N]] [--device-memory BYTES]
 //                   [--repeat N] [--device-lag EVENTS] [--json]
 //   ccalloc report  [TRACE] [-o OUT.html] [--config STR] [--device-memory BYTES] [--points N] [--title T]
@@ -43,6 +43,13 @@
 // runs that many trace events behind the host, as a GPU does, so an event
 // the allocator records completes EVENTS events later
 // (replay_options::device_lag_events). Default 0: the device keeps up.
+//
+// --own-addresses (replay, compare; simulated device): the simulated device
+// places every segment in its own order (lowest free address) instead of at
+// the recording's segment_alloc addresses (replay_options::recorded_addresses;
+// used by default when the trace has them). The output says which was used
+// ("segment places"; "segment_addresses" in the JSON: "recorded", "own"
+// or "driver" for a GPU).
 #include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
@@ -380,6 +387,14 @@ json native_json(const ccalloc::native_reference& native, const ccalloc::replay_
   return out;
 }
 
+/// Where the device's segments were placed: "recorded" (the recording's
+/// segment_alloc addresses), "own" (the simulated device's lowest free
+/// address) or "driver" (a GPU's cudaMalloc).
+const char* segment_addresses_label(const ccalloc::replay_result& r) {
+  if (r.device == ccalloc::replay_device::cuda) return "driver";
+  return r.recorded_addresses ? "recorded" : "own";
+}
+
 /// The figures a whole replay and each of its passes have alike
 /// (ccalloc::replay_result, ccalloc::replay_pass).
 template <class Figures>
@@ -415,6 +430,7 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
   out["read_seconds"] = input.read_seconds;
   out["repeat"] = r.repeat;
   out["device_lag_events"] = r.device_lag_events;
+  out["segment_addresses"] = segment_addresses_label(r);
   json passes = json::array();
   for (const ccalloc::replay_pass& p : r.passes) {
     json pass;
@@ -522,6 +538,10 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
   print_row("trace", ccalloc::printable_text(input.trace.source));
   print_row("config", config_label(config));
   print_row("device", device_label(r, cuda_device));
+  if (r.device == ccalloc::replay_device::sim)
+    print_row("segment places", r.recorded_addresses
+                                    ? "recorded  (the recording's segment_alloc addresses: order and gaps)"
+                                    : "own  (the simulated device's lowest free address first)");
   print_row("device memory", bytes_cell(device_memory_bytes, w));
   print_row("events", with_commas(r.events));
   if (r.repeat > 1)
@@ -657,6 +677,7 @@ struct common_options {
   bool json_output = false;
   std::string repeat_text = "1";  // checked by parse_count, not CLI11 (which clamps 2^64 to 2^63 - 1)
   std::string lag_text = "0";     // --device-lag, checked by parse_count
+  bool own_addresses = false;     // --own-addresses
 
   [[nodiscard]] ccalloc::replay_options replay_options_for(const std::string& config) const {
     ccalloc::replay_options options;
@@ -667,6 +688,7 @@ struct common_options {
     options.repeat = static_cast<std::size_t>(parse_count(repeat_text, "--repeat", 1, max_repeat, "passes of the trace"));
     options.device_lag_events =
         parse_count(lag_text, "--device-lag", 0, std::uint64_t{1} << 40, "trace events the device runs behind");
+    options.recorded_addresses = !own_addresses;
     if (options.device_lag_events != 0 && options.device != ccalloc::replay_device::sim)
       throw usage_error("--device-lag models the simulated device running behind the host: with --device " +
                         device_text + " the GPU runs behind by itself");
@@ -828,7 +850,8 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
     const ccalloc::replay_result& first = results.front();
     print_compare_table(results, configs, input,
                         device_label(first, options.front().cuda_device) + ", " +
-                            with_commas(first.device_memory_bytes) + " B (" + gib(first.device_memory_bytes) + ")");
+                            with_commas(first.device_memory_bytes) + " B (" + gib(first.device_memory_bytes) +
+                            "), segment addresses " + segment_addresses_label(first));
   }
   return 0;
 }
@@ -914,6 +937,9 @@ int run(int argc, char** argv) {
     sub->add_option("--device-lag", common.lag_text,
                     "The simulated device runs EVENTS trace events behind the host, as a GPU does: an event "
                     "recorded now (a page fence) completes EVENTS events later. Default: 0 (it keeps up).");
+    sub->add_flag("--own-addresses", common.own_addresses,
+                  "The simulated device places every segment at its own lowest free address, not at the "
+                  "recording's segment_alloc addresses (the default when the trace has them).");
   };
 
   // An output path must name a file: '' is rejected while parsing (CLI11

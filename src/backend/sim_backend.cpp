@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -76,6 +77,21 @@ struct sim_backend::impl {
     std::size_t capacity_bytes = 0;
     std::size_t used_bytes = 0;
     std::unordered_map<void*, std::size_t> segments;       // ptr -> mapped bytes
+    // The device's own address space for segments (header: "Addresses"):
+    // one host range reserved inaccessible on the first segment_malloc,
+    // [arena_base, arena_base + arena_bytes); segments are mapped into it
+    // first fit from its lowest address. arena_free holds its unused
+    // stretches (offset -> bytes, coalesced, each a multiple of the
+    // granularity). arena_bytes == 0: none (not made yet, or the host could
+    // not reserve it: segments are then host mappings wherever mmap puts them).
+    std::uintptr_t arena_base = 0;
+    std::size_t arena_bytes = 0;
+    bool arena_tried = false;
+    std::map<std::size_t, std::size_t> arena_free;
+    // place_segments: where the next successful segment_malloc calls go
+    // (arena offsets); plan_next indexes the next call's entry.
+    std::vector<segment_placement> plan;
+    std::size_t plan_next = 0;
     std::unordered_map<void*, int> shared_segments;        // exported segment -> its memory file
     std::unordered_map<void*, std::size_t> opened_segments;  // ipc_open_segment result -> bytes
     std::unordered_map<stream_t, std::uint64_t> busy_until;  // stream -> time
@@ -287,6 +303,107 @@ struct sim_backend::impl {
     } catch (const std::bad_alloc&) {  // no host memory: the range is not reused (the file grows instead)
     }
   }
+  // The device's arena, reserved on first use: twice its capacity (rounded
+  // up to the granularity), so that first fit finds room for every segment
+  // the capacity allows even when freed stretches lie between live ones;
+  // the capacity alone when the host refuses that; none when it refuses
+  // both (or the capacity is beyond any address space).
+  void make_arena(device& d) {
+    d.arena_tried = true;
+    const std::size_t g = options.granularity_bytes;
+    if (d.capacity_bytes == 0 || d.capacity_bytes > (std::size_t{1} << 52)) return;
+    const std::size_t cap = charged(d.capacity_bytes);
+    for (const std::size_t size : {2 * cap, cap}) {
+      void* raw = ::mmap(nullptr, size + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (raw == MAP_FAILED) continue;
+      const auto start = reinterpret_cast<std::uintptr_t>(raw);
+      const std::uintptr_t base = (start + g - 1) & ~std::uintptr_t{g - 1};
+      if (base > start) ::munmap(raw, base - start);
+      if (const std::size_t tail = start + g - base; tail > 0) ::munmap(reinterpret_cast<void*>(base + size), tail);
+      try {
+        d.arena_free.emplace(0, size);
+      } catch (...) {
+        ::munmap(reinterpret_cast<void*>(base), size);
+        d.arena_tried = false;
+        throw;
+      }
+      d.arena_base = base;
+      d.arena_bytes = size;
+      return;
+    }
+  }
+  // A stretch of `bytes` (a multiple of the granularity) of the device's
+  // arena, mapped read/write: at the planned offset when the call's plan
+  // entry (place_segments) has this size and its stretch is free, else from
+  // the lowest free address; nullptr when the arena has no such stretch (or
+  // no arena).
+  void* arena_take(device& d, std::size_t bytes) {
+    if (!d.arena_tried) make_arena(d);
+    if (d.plan_next < d.plan.size()) {
+      const segment_placement& want = d.plan[d.plan_next];
+      if (want.size_bytes == bytes && want.offset_bytes <= d.arena_bytes) {
+        auto it = d.arena_free.upper_bound(want.offset_bytes);
+        if (it != d.arena_free.begin()) {
+          --it;
+          if (want.offset_bytes + bytes <= it->first + it->second) return arena_map(d, it, want.offset_bytes, bytes);
+        }
+      }
+    }
+    for (auto it = d.arena_free.begin(); it != d.arena_free.end(); ++it)
+      if (it->second >= bytes) return arena_map(d, it, it->first, bytes);
+    return nullptr;
+  }
+  // Maps [offset, offset + bytes) of the free stretch `it` (which holds it)
+  // read/write and takes it out of the free stretches.
+  void* arena_map(device& d, std::map<std::size_t, std::size_t>::iterator it, std::size_t offset, std::size_t bytes) {
+    const std::uintptr_t addr = d.arena_base + offset;
+    if (::mmap(reinterpret_cast<void*>(addr), bytes, PROT_READ | PROT_WRITE,
+               MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0) == MAP_FAILED)
+      return nullptr;
+    const std::size_t from = it->first, end = it->first + it->second;
+    // The part before stays in its entry; the part after needs one (without
+    // host memory for it, that stretch is not reused: address space only).
+    if (offset > from) it->second = offset - from;
+    else d.arena_free.erase(it);
+    if (end > offset + bytes) {
+      try {
+        d.arena_free.emplace(offset + bytes, end - offset - bytes);
+      } catch (const std::bad_alloc&) {
+      }
+    }
+    return reinterpret_cast<void*>(addr);
+  }
+  // Whether [p, p + bytes) lies in the device's arena.
+  static bool in_arena(const device& d, const void* p) {
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    return d.arena_bytes != 0 && a >= d.arena_base && a - d.arena_base < d.arena_bytes;
+  }
+  // Gives a segment's stretch back to the arena: inaccessible again (its
+  // pages gone), coalesced with free neighbours. Throws nothing (a free runs
+  // also when host memory has run out): a stretch that would need a new
+  // entry then is not reused (address space only; the capacity goes back).
+  void arena_give(device& d, void* p, std::size_t bytes) noexcept {
+    map_placeholder(reinterpret_cast<std::uintptr_t>(p), bytes);
+    const std::size_t offset = reinterpret_cast<std::uintptr_t>(p) - d.arena_base;
+    auto next = d.arena_free.lower_bound(offset);
+    const bool joins_next = next != d.arena_free.end() && offset + bytes == next->first;
+    if (next != d.arena_free.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == offset) {  // grows in place
+        prev->second += bytes;
+        if (joins_next) {
+          prev->second += next->second;
+          d.arena_free.erase(next);
+        }
+        return;
+      }
+    }
+    try {
+      d.arena_free.emplace(offset, bytes + (joins_next ? next->second : 0));
+      if (joins_next) d.arena_free.erase(next);
+    } catch (const std::bad_alloc&) {
+    }
+  }
   std::size_t charged(std::size_t size_bytes) const {
     const std::size_t g = options.granularity_bytes;
     return (size_bytes + g - 1) / g * g;
@@ -342,7 +459,9 @@ sim_backend::~sim_backend() {
     if (h.fd >= 0) ::close(h.fd);
   for (auto& [ptr, bytes] : impl_->host_memory) std::free(ptr);
   for (auto& d : impl_->devices) {
-    for (auto& [ptr, bytes] : d.segments) ::munmap(ptr, bytes);
+    for (auto& [ptr, bytes] : d.segments)
+      if (!impl::in_arena(d, ptr)) ::munmap(ptr, bytes);
+    if (d.arena_bytes != 0) ::munmap(reinterpret_cast<void*>(d.arena_base), d.arena_bytes);
     for (auto& [ptr, fd] : d.shared_segments) ::close(fd);
     for (auto& [ptr, bytes] : d.opened_segments) ::munmap(ptr, bytes);
     if (d.memfd >= 0) ::close(d.memfd);  // frees the handles' memory
@@ -376,9 +495,11 @@ void* sim_backend::segment_malloc(int device, std::size_t size_bytes) {
     ++impl_->counters.failed_mallocs;
     return nullptr;
   }
-  // Address space only: pages cost memory only once touched.
-  void* p = ::mmap(nullptr, charged, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+  // Address space only: pages cost memory only once touched. In the
+  // device's arena (deterministic addresses), else wherever the host maps it.
+  void* p = impl_->arena_take(d, charged);
+  if (p == nullptr)
+    p = ::mmap(nullptr, charged, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     // The simulated device has the memory; the host could not reserve the
     // address space for it (e.g. more than the process's virtual address
@@ -389,11 +510,32 @@ void* sim_backend::segment_malloc(int device, std::size_t size_bytes) {
                         " (the simulated device has " + std::to_string(d.capacity_bytes - d.used_bytes) +
                         " bytes free; the host's address space or memory limits, not the device, refused it)");
   }
-  d.segments.emplace(p, charged);
+  try {
+    d.segments.emplace(p, charged);
+  } catch (...) {  // no host memory for the record: the segment goes back, nothing changed
+    if (impl::in_arena(d, p)) impl_->arena_give(d, p, charged);
+    else ::munmap(p, charged);
+    throw;
+  }
+  ++d.plan_next;
   d.used_bytes += charged;
   impl_->counters.used_bytes += charged;
   ++impl_->counters.segment_mallocs;
   return p;
+}
+
+void sim_backend::place_segments(int device, std::vector<segment_placement> plan) {
+  std::lock_guard lock(impl_->mutex);
+  auto& d = impl_->dev(device);
+  const std::size_t g = impl_->options.granularity_bytes;
+  for (const segment_placement& e : plan)
+    if (e.offset_bytes % g != 0 || e.size_bytes == 0 || e.size_bytes % g != 0)
+      throw invalid_argument_error("sim: place_segments(device " + std::to_string(device) + "): entry at offset " +
+                                   std::to_string(e.offset_bytes) + " of " + std::to_string(e.size_bytes) +
+                                   " bytes is not a nonzero multiple of the granularity (" + std::to_string(g) +
+                                   " bytes)");
+  d.plan = std::move(plan);
+  d.plan_next = 0;
 }
 
 void sim_backend::segment_free(int device, void* ptr) {
@@ -414,7 +556,8 @@ void sim_backend::segment_free(int device, void* ptr) {
     for (auto& [s, t] : d.busy_until) impl_->now = std::max(impl_->now, t);
     impl_->now = std::max(impl_->now, d.destroyed_busy_until);
   }
-  ::munmap(ptr, it->second);
+  if (impl::in_arena(d, ptr)) impl_->arena_give(d, ptr, it->second);
+  else ::munmap(ptr, it->second);
   if (auto shared = d.shared_segments.find(ptr); shared != d.shared_segments.end()) {
     ::close(shared->second);  // openers keep their mappings (a freed cudaMalloc would not)
     d.shared_segments.erase(shared);

@@ -165,13 +165,13 @@ void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result&
     backend_.synchronize_event(device_, e);  // the copies have read the pages
     free_events_.push_back(e);
   }
-  for (std::size_t i = 0; i < seg.pages.size();) {  // run by run of mapped pages
-    if (seg.pages[i] == 0) {
+  for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
+    if (!seg.pages.mapped(i)) {
       ++i;
       continue;
     }
     std::size_t n = 1;
-    while (i + n < seg.pages.size() && seg.pages[i + n] != 0) ++n;
+    while (i + n < seg.pages.count() && seg.pages.mapped(i + n)) ++n;
     if (history_.active()) [[unlikely]]
       history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
     for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
@@ -229,7 +229,7 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
     }
     free_events_.push_back(e);
   }
-  for (segment* seg : segs) settle_retired_in(*seg, 0, seg->pages.size(), true);
+  for (segment* seg : segs) settle_retired_in(*seg, 0, seg->pages.count(), true);
   // Step 2: the tags' cached free memory goes back to the device.
   const std::size_t reserved_before = reserved_bytes_;
   for (segment* seg : segs) {
@@ -312,7 +312,7 @@ bool device_state::map_paused_segment(segment& seg) {
         undo();
         return false;
       }
-      seg.pages[i] = h;
+      seg.pages.set_mapped(i, h);
       ++stats_.num_pages_mapped;
       ++stats_.num_device_alloc;
       seg.mapped_bytes += page;

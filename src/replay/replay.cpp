@@ -344,6 +344,26 @@ std::shared_ptr<device_backend> open_cuda(int device) {
 }
 #endif
 
+// The recording allocator's segment placement for the simulated device:
+// each segment_alloc's offset from the lowest recorded address (aligned
+// down to the granularity), in the trace's order. Empty when the trace has
+// none, or when an address or size is off the granularity (then the
+// simulated device's own order applies to all segments).
+std::vector<segment_placement> recorded_placement(const trace& t, std::size_t granularity) {
+  std::vector<segment_placement> plan;
+  std::uint64_t lowest = std::numeric_limits<std::uint64_t>::max();
+  for (const trace_event& e : t.events)
+    if (e.action == trace_action::segment_alloc) lowest = std::min(lowest, e.addr);
+  if (lowest == std::numeric_limits<std::uint64_t>::max()) return plan;
+  const std::uint64_t base = lowest / granularity * granularity;
+  for (const trace_event& e : t.events) {
+    if (e.action != trace_action::segment_alloc) continue;
+    if ((e.addr - base) % granularity != 0 || e.size == 0 || e.size % granularity != 0) return {};
+    plan.push_back({static_cast<std::size_t>(e.addr - base), static_cast<std::size_t>(e.size)});
+  }
+  return plan;
+}
+
 }  // namespace
 
 replay_result replay_trace(const trace& t, const replay_options& options) {
@@ -385,6 +405,11 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
     // The allocator's time budgets see the recording's time (replay_events).
     so.host_clock_mode = sim_options::host_clock::modeled;
     auto sim = std::make_shared<sim_backend>(so);
+    if (options.recorded_addresses) {
+      std::vector<segment_placement> plan = recorded_placement(t, so.granularity_bytes);
+      r.recorded_addresses = !plan.empty();
+      if (r.recorded_addresses) sim->place_segments(0, std::move(plan));
+    }
     // The trace's stream ids are used as they are: make each a stream of the
     // simulated device (it rejects handles it never made), before any side
     // stream is created. 0, 1 and 2 are the default streams' handles.

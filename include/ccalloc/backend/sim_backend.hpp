@@ -1,7 +1,8 @@
 // ccalloc/backend/sim_backend.hpp: a simulated device in host memory.
 //
 // What it is: a device_backend whose "device memory" is host address space
-// (anonymous mappings made with MAP_NORESERVE, so untouched pages cost no RAM),
+// (anonymous mappings made with MAP_NORESERVE, so untouched pages cost no RAM,
+// at addresses of its own: "Addresses" below),
 // with a capacity per device, CUDA's 2 MiB allocation granularity, and streams
 // and events driven by a virtual clock that the caller advances. It is the
 // embedded default for `ccalloc replay` and what every CI test runs on. All
@@ -112,6 +113,26 @@
 // devices, so enable_peer_access and vm_set_access only record the grant
 // (peer_access_enabled and peer_can_access read it back).
 //
+// Addresses (segment_malloc): each device has its own address range, one
+// host range reserved inaccessible (PROT_NONE, MAP_NORESERVE: no RAM) on the
+// device's first segment_malloc, twice its capacity, aligned to the
+// granularity. A segment is mapped into it (MAP_FIXED) at the lowest free
+// address that holds it, as a driver's first-fit virtual-address allocator
+// hands out increasing addresses while nothing is freed; segment_free makes
+// its stretch inaccessible and free again (coalesced with its neighbours).
+// So a segment's offset from the range's base depends only on the sequence
+// of segment_malloc and segment_free calls of that device: not on where the
+// host's mmap puts things, address-space randomization, other threads'
+// malloc arenas or the host's other mappings; the allocator's best fit,
+// which breaks ties between equal free blocks by address, chooses the same
+// way in every run. place_segments can give the next calls chosen offsets
+// (a recording's placement, see there). Only when the range is full (the
+// capacity raised past it with set_capacity, or address fragmentation) or
+// the host could not reserve it (a capacity beyond the address space, an
+// RLIMIT_AS) is a segment a host mapping wherever mmap puts it. Virtual
+// memory reservations (vm_reserve) are host mappings: the allocator orders
+// expandable segments by creation, not address.
+//
 // Capacity: every segment_malloc of n bytes uses n rounded up to the
 // granularity; it returns nullptr when that would pass the capacity, and
 // throws backend_error ("the host could not reserve the simulated memory:
@@ -142,6 +163,7 @@
 #include <cstdint>
 #include <optional>
 #include <memory>
+#include <vector>
 
 namespace ccalloc {
 
@@ -175,6 +197,14 @@ struct sim_options {
   ///            program on a GPU would see).
   enum class host_clock { none, modeled, steady };
   host_clock host_clock_mode = host_clock::none;
+};
+
+/// One entry of sim_backend::place_segments: an offset from the device's
+/// address range's base and a segment size, both bytes and multiples of the
+/// granularity.
+struct segment_placement {
+  std::size_t offset_bytes = 0;
+  std::size_t size_bytes = 0;
 };
 
 /// Counters the simulated device keeps (for tests and the replay report).
@@ -248,6 +278,16 @@ class sim_backend final : public device_backend {
 
   [[nodiscard]] void* segment_malloc(int device, std::size_t size_bytes) override;
   void segment_free(int device, void* ptr) override;
+  /// Gives the next successful segment_malloc calls of `device` their
+  /// addresses (see "Addresses"): the k-th from now goes at base +
+  /// plan[k].offset_bytes when its charged size equals plan[k].size_bytes
+  /// and that stretch is free; otherwise (and after the plan) at the lowest
+  /// free address. The replay passes a recording's segment addresses
+  /// (relative order and gaps), so that ties break as they did on the GPU.
+  /// Replaces an earlier plan. Throws invalid_argument_error, naming the
+  /// entry, for an offset or size off the granularity or a size of 0 (the
+  /// plan is then unchanged). Thread-safe.
+  void place_segments(int device, std::vector<segment_placement> plan);
 
   /// A new stream of `device`; its handle is never 0, 1, 2, a per-thread
   /// handle, or a handle adopt_stream gave to a live stream.

@@ -8,7 +8,24 @@
 // stream until then (record_stream in the program): the replay records the
 // block on a side stream whose work lasts until the free_completed event, so
 // the allocator cannot reuse it earlier. Segment events of the recording
-// allocator are ignored: the replayed allocator reserves on its own.
+// allocator do not drive the replay: the replayed allocator reserves on its
+// own. On the simulated device they place its segments (see "Segment
+// addresses" below).
+//
+// Segment addresses (replay_options::recorded_addresses, simulated device):
+// PyTorch's best fit, and ccalloc's, break ties between equal free blocks by
+// address, so where the driver put each segment can decide a replay. When
+// the trace carries the recording allocator's segment_alloc events (and
+// every recorded address and size is a multiple of the simulated device's
+// 2 MiB granularity), the replay gives the simulated device their addresses
+// (sim_backend::place_segments): the replay's k-th device malloc goes at
+// the k-th recorded segment's offset from the lowest recorded address, with
+// the recording's order and gaps, when the sizes agree and the stretch is
+// free; any other goes at the lowest free address (the simulated device's
+// own deterministic order). replay_result::recorded_addresses says whether
+// the recording's addresses were used. With PyTorch's policies the replay
+// then makes the recording's device mallocs in its order, so every one
+// lands where the GPU put it.
 //
 // Devices (replay_options::device):
 // - sim (default): a fresh simulated device (ccalloc::sim_backend) of
@@ -62,7 +79,7 @@
 // completed by the next event. A GPU is some kernels behind the host: an
 // event recorded now completes once the work queued before it has run. With
 // L > 0 every trace stream stays busy until L events after each of its
-// allocs and frees, so an event (a page fence, issue 15) recorded at event i
+// allocs and frees, so an event (a page fence) recorded at event i
 // completes at event i + L. The recorded lag between a block's
 // free_requested and free_completed (side streams) is modelled as before.
 // Measured on an H200 (docs/perf.md, "device lag"): GPT-2 training with bf16
@@ -125,6 +142,11 @@ struct replay_options {
   /// only, and not with use_gates_on_sim: replay_trace throws
   /// invalid_argument_error otherwise (a GPU has its own lag).
   std::uint64_t device_lag_events = 0;
+  /// Place the simulated device's segments at the recording's addresses
+  /// where the trace has them (see "Segment addresses" above); false: the
+  /// simulated device's own order (lowest free address) for every segment.
+  /// Ignored with replay_device::cuda (the driver places them).
+  bool recorded_addresses = true;
 };
 
 /// One pass of a repeated replay: its peaks (since the pass began) and what
@@ -172,11 +194,15 @@ struct replay_result {
   std::uint64_t stream_waits = 0;             ///< num_stream_waits (device-side waits; the host never waits)
   /// num_thread_cache_hits: allocations the thread cache served (the
   /// replay is one thread: a free and the next malloc of the same bytes on
-  /// the same stream). The same figures with thread_cache:off (issue 18).
+  /// the same stream). The same figures with thread_cache:off.
   std::uint64_t thread_cache_hits = 0;
   double wall_seconds = 0.0;               ///< replay time, excluding reading the trace
   std::uint64_t repeat = 1;                ///< passes asked for (replay_options::repeat)
   std::uint64_t device_lag_events = 0;     ///< replay_options::device_lag_events
+  /// Whether the simulated device placed segments at the recording's
+  /// addresses (replay_options::recorded_addresses on and the trace had
+  /// usable segment_alloc events); false: its own order, or a GPU.
+  bool recorded_addresses = false;
   /// One entry per pass replayed (fewer than `repeat` when the hook stopped
   /// the replay early). The figures above are over the whole run: peaks the
   /// highest pass's, counters the sum.
