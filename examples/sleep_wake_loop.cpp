@@ -157,8 +157,7 @@ int bench(const std::shared_ptr<device_backend>& b) {
       if (b->name() == "sim") std::memset(blocks.back(), i, 16 * MiB);  // touched: the host pages exist
     }
   }
-  std::printf("%-14s %8s %14s %14s
-", "what", "GiB", "wall_ms/GiB", "modelled_ms/GiB");
+  std::printf("%-14s %8s %14s %14s\n", "what", "GiB", "wall_ms/GiB", "modelled_ms/GiB");
   for (bool keep : {false, true}) {
     for (int rep = 0; rep < 5; ++rep) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -168,11 +167,9 @@ int bench(const std::shared_ptr<device_backend>& b) {
       const auto t2 = std::chrono::steady_clock::now();
       const double gib = static_cast<double>(p.paused_bytes) / (1024.0 * MiB);
       auto ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
-      std::printf("%-14s %8.2f %14.3f %14.3f
-", keep ? "pause+keep" : "pause", gib, ms(t1 - t0) / gib,
+      std::printf("%-14s %8.2f %14.3f %14.3f\n", keep ? "pause+keep" : "pause", gib, ms(t1 - t0) / gib,
                   static_cast<double>(p.host_time_us) / 1000.0 / gib);
-      std::printf("%-14s %8.2f %14.3f %14.3f
-", keep ? "resume+restore" : "resume", gib, ms(t2 - t1) / gib,
+      std::printf("%-14s %8.2f %14.3f %14.3f\n", keep ? "resume+restore" : "resume", gib, ms(t2 - t1) / gib,
                   static_cast<double>(r.host_time_us) / 1000.0 / gib);
     }
   }
