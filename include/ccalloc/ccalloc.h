@@ -136,7 +136,11 @@ typedef struct ccalloc_options {
 /** Called on each out-of-memory error (SPEC F17), outside the allocator's
  * locks, with the user_data given at attach time, the device, the bytes
  * asked, the bytes allowed (memory-fraction cap, else device total) and the
- * device's free bytes. It may call back into the allocator. */
+ * device's free bytes. It may call back into the allocator; an
+ * out-of-memory error inside an observer, on the thread running it (an
+ * observer that allocates), calls no observer again (it returns
+ * CCALLOC_ERROR_OUT_OF_MEMORY to the observer as usual), so an observer
+ * cannot recurse without end. */
 typedef void (*ccalloc_oom_observer_fn)(void* user_data, int device, size_t requested_bytes,
                                         size_t allowed_bytes, size_t free_bytes);
 
@@ -234,7 +238,10 @@ CCALLOC_API ccalloc_status_t ccalloc_get_base_allocation(ccalloc_allocator_t* al
 
 /** Returns every unused cached segment of every device to the device, after
  * the events it must wait for; live blocks are untouched (PyTorch:
- * emptyCache, SPEC F8). Errors: BACKEND. */
+ * emptyCache, SPEC F8). A segment free that fails (a device, a pool's
+ * segment source) does not stop it: the other segments of every device go
+ * back, that segment stays cached, and the first failure is reported.
+ * Errors: BACKEND. */
 CCALLOC_API ccalloc_status_t ccalloc_empty_cache(ccalloc_allocator_t* alloc);
 /** *out = size in bytes of `device`'s largest cached free block (PyTorch:
  * cacheInfo, SPEC F9). */
@@ -305,7 +312,8 @@ CCALLOC_API ccalloc_status_t ccalloc_snapshot_json(ccalloc_allocator_t* alloc, i
  * configuration of every device, e.g. "max_split_size_mb:128,
  * garbage_collection_threshold:0.6". Errors: CONFIG naming the key, the
  * value and what is accepted; nothing changes then. Warnings about settings
- * without effect (SPEC X6) go to stderr. */
+ * without effect (SPEC X6) go to stderr: those this call adds (a warning
+ * that earlier settings had already printed is not printed again). */
 CCALLOC_API ccalloc_status_t ccalloc_set_config(ccalloc_allocator_t* alloc, const char* text);
 /** The configuration in force as a canonical string that ccalloc_set_config
  * accepts, snprintf-style: writes at most capacity - 1 characters and a NUL
@@ -595,7 +603,9 @@ CCALLOC_API ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, i
  * for it), and blocks allocated on it or recorded on it
  * (ccalloc_record_stream) stay valid; their ccalloc_delete later succeeds
  * and records nothing on the destroyed stream. Cached blocks of the stream
- * stay cached (ccalloc_empty_cache returns them). A ccalloc_malloc on the
+ * stay cached (another stream's allocation may take them over;
+ * ccalloc_empty_cache returns them); once none is left, the allocator keeps
+ * nothing of the stream (no host memory, no time in later calls). A ccalloc_malloc on the
  * destroyed stream fails with INVALID_ARGUMENT (a thread that allocated on
  * it just before may still be served from its own cache once). Destroying
  * a stream behind the allocator's back (cudaStreamDestroy directly) while

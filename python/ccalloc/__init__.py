@@ -95,7 +95,7 @@ def _device(device) -> int:
         return _default_device()
     if hasattr(device, "index"):  # torch.device
         return 0 if device.index is None else device.index
-    return int(device)
+    return device  # checked (an int in range) by the Allocator method
 
 
 def library_path() -> str:

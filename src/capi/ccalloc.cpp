@@ -1,6 +1,8 @@
 // The C API (include/ccalloc/ccalloc.h) over the front end: every function
 // turns C++ exceptions into a status code and a thread-local message.
 #include <ccalloc/ccalloc.h>
+
+#include <ccalloc/base/printable_text.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/core/history.hpp>
 #include <ccalloc/core/snapshot.hpp>
@@ -563,7 +565,8 @@ ccalloc_status_t ccalloc_get_device_stat(ccalloc_allocator_t* alloc, int device,
     const auto map = resolve(alloc).get_device_stats(device).to_map();
     const auto it = map.find(name);
     if (it == map.end())
-      throw ccalloc::invalid_argument_error(std::string("ccalloc_get_device_stat: unknown statistic '") + name +
+      throw ccalloc::invalid_argument_error(std::string("ccalloc_get_device_stat: unknown statistic '") +
+                                            ccalloc::printable_text(name) +
                                             "' (names as torch.cuda.memory_stats(), e.g. "
                                             "'reserved_bytes.all.peak'; see ccalloc_stat_name)");
     *out = it->second;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -64,7 +65,9 @@ void device_caching_allocator::empty_cache() {
   state_->publish_all_pending_stats(w);
   if (state_->history_.active()) [[unlikely]]
     state_->history_.record(trace_entry_action::empty_cache, 0, state_->reserved_bytes_, 0, nullptr);
-  state_->release_cached_blocks(w);
+  state_->release_failure_ = nullptr;
+  state_->release_cached_blocks(w, /*for_retry=*/true);  // past a segment that fails: the others go back
+  if (std::exception_ptr failure = std::exchange(state_->release_failure_, nullptr)) std::rethrow_exception(failure);
 }
 
 void device_caching_allocator::set_memory_fraction(double fraction) {

@@ -16,6 +16,11 @@
 
 namespace ccalloc::detail {
 
+namespace {
+// The calling thread runs out-of-memory observers (of any device).
+thread_local bool tls_observing_oom = false;
+}  // namespace
+
 void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   const memory_info info = backend_.mem_get_info(device_);
   ++stats_.num_ooms;
@@ -106,15 +111,28 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   f.reserved_bytes = reserved;
   if (history_.active()) [[unlikely]]
     history_.record_oom(info.free_bytes, p.requested_bytes, p.stream);
-  // Observers run outside the locks (SPEC F17): they may call back into ccalloc.
+  // Observers run outside the locks (SPEC F17): they may call back into
+  // ccalloc. An out-of-memory error inside an observer (it allocates, on
+  // this thread) is not observed again: an observer that allocates on every
+  // call would otherwise recurse until the thread's stack ran out.
+  if (tls_observing_oom) throw out_of_memory_error(std::move(msg), f);
   auto observers = observers_;
   w.unlock();
   // Every observer runs, and the caller still gets the out-of-memory error:
   // an exception from an observer is dropped (observers are notifications).
-  for (auto& o : observers) {
-    try {
-      o(device_, p.requested_bytes, f.device_total_bytes, f.device_free_bytes);
-    } catch (...) {
+  struct observing {
+    observing() noexcept { tls_observing_oom = true; }
+    ~observing() { tls_observing_oom = false; }
+    observing(const observing&) = delete;
+    observing& operator=(const observing&) = delete;
+  };
+  {
+    const observing scope;
+    for (auto& o : observers) {
+      try {
+        o(device_, p.requested_bytes, f.device_total_bytes, f.device_free_bytes);
+      } catch (...) {
+      }
     }
   }
   throw out_of_memory_error(std::move(msg), f);

@@ -100,6 +100,33 @@ enum class trace_format {
 /// line starts with "Thread,"; anything else is read as ccalloc's format.
 [[nodiscard]] trace_format sniff_trace_format(std::string_view data) noexcept;
 
+/// Bounds the readers enforce on their input, so that a mistaken or hostile
+/// file (a gzip bomb, /dev/zero, a binary file) fails at once with a
+/// trace_error naming the bound instead of exhausting memory. The defaults
+/// are far above real traces (the largest of ../shared/traces: 44 MB of
+/// text, 0.8 million events); the CLI's --max-input-bytes, --max-events and
+/// --max-line-bytes raise them.
+struct trace_limits {
+  /// Bytes of the file as read, and again of the text after gzip
+  /// decompression: "larger than the input limit of <n> bytes ..." /
+  /// "decompresses to more than <n> bytes, the input limit ...".
+  std::uint64_t max_input_bytes = std::uint64_t{4} << 30;
+  /// Events of a trace (rows of an RMM log; two events per free): 48 bytes
+  /// of memory each. "more than <n> events, the limit ...".
+  std::uint64_t max_events = 100'000'000;
+  /// Bytes of one line, comments included (an event line is under 120):
+  /// "a line of more than <n> bytes, the limit ...".
+  std::uint64_t max_line_bytes = 65536;
+};
+
+/// Why `data`, the start of a file or of its decompressed text, cannot be a
+/// text trace or log, or "" when it may be: "not a text trace: looks like
+/// UTF-16 text ...", "... gzip data compressed twice ...", "... xz / bzip2 /
+/// zstd / zip data ...", "... binary data (byte 0x<hh> at offset <n>)" (a
+/// control character other than tab, CR, FF, VT, ESC in the first line). Looks
+/// at the first 4096 bytes only.
+[[nodiscard]] std::string not_text_reason(std::string_view data);
+
 /// Parses an RMM logging_resource_adaptor log (decompressed): a header line
 /// naming the columns Thread, Time, Action, Pointer, Size, Stream (in any
 /// order, others ignored), then one row per call. Action `allocate` becomes
@@ -112,7 +139,8 @@ enum class trace_format {
 /// `(nil)` is 0). A free of a pointer the log never allocated is skipped and
 /// counted in notes (a log started mid-run). Throws trace_error
 /// "SOURCE:LINE: reason" for a malformed row or an allocate at a live pointer.
-[[nodiscard]] trace parse_rmm_log(std::string_view text, const std::string& source);
+[[nodiscard]] trace parse_rmm_log(std::string_view text, const std::string& source,
+                                  const trace_limits& limits = {});
 
 /// Converts the PyTorch snapshot pickle at `path` (plain or gzip) by running
 /// the converter built into ccalloc (tools/snapshot_to_trace.py) with
@@ -124,12 +152,19 @@ enum class trace_format {
 
 /// Reads a trace file (plain or gzip) in any of the trace_format formats,
 /// by content. Throws trace_error for a missing or unreadable file
-/// ("FILE:0: cannot open: <reason>") or a malformed line.
-[[nodiscard]] trace read_trace_file(const std::string& path);
+/// ("FILE:0: cannot open: <reason>"), a file that is no text (not_text_reason,
+/// found in the first 64 KiB read: `/dev/zero` fails at once), one beyond
+/// `limits`, or a malformed line.
+[[nodiscard]] trace read_trace_file(const std::string& path, const trace_limits& limits = {});
 /// Parses trace text (already decompressed); `source` names it in errors.
-[[nodiscard]] trace parse_trace_text(std::string_view text, const std::string& source);
+/// Throws trace_error for text that is no text trace (not_text_reason), one
+/// beyond `limits` or a malformed line.
+[[nodiscard]] trace parse_trace_text(std::string_view text, const std::string& source,
+                                     const trace_limits& limits = {});
 /// Decompresses gzip data if it starts with the gzip magic, else returns it
-/// unchanged. Throws trace_error(source, 0, ...) on corrupt gzip data.
-[[nodiscard]] std::string maybe_gunzip(std::string_view data, const std::string& source);
+/// unchanged. Throws trace_error(source, 0, ...) on corrupt gzip data or
+/// when the text would exceed limits.max_input_bytes.
+[[nodiscard]] std::string maybe_gunzip(std::string_view data, const std::string& source,
+                                       const trace_limits& limits = {});
 
 }  // namespace ccalloc
