@@ -308,7 +308,7 @@ class Allocator:
         the contents (nothing paused)."""
         names = _tag_names(tags)
         out = _lib.ccalloc_sleep_result_t()
-        _check(_lib.lib().ccalloc_pause(self._handle, int(device), names, len(names), 1 if keep_contents else 0,
+        _check(_lib.lib().ccalloc_pause(self._h, int(device), names, len(names), 1 if keep_contents else 0,
                                         ctypes.byref(out)))
         return _sleep_dict(out)
 
@@ -320,7 +320,7 @@ class Allocator:
         succeed."""
         names = _tag_names(tags)
         out = _lib.ccalloc_sleep_result_t()
-        _check(_lib.lib().ccalloc_resume(self._handle, int(device), names, len(names), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_resume(self._h, int(device), names, len(names), ctypes.byref(out)))
         return _sleep_dict(out)
 
     def tag_usage(self, tag: str, device: int = 0) -> dict:
@@ -329,7 +329,7 @@ class Allocator:
         if not isinstance(tag, str):
             raise InvalidArgumentError(f"tag_usage: tag must be a str, not {type(tag).__name__}")
         out = _lib.ccalloc_tag_usage_t()
-        _check(_lib.lib().ccalloc_tag_usage(self._handle, int(device), tag.encode(), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_tag_usage(self._h, int(device), tag.encode(), ctypes.byref(out)))
         d = {name: getattr(out, name) for name, _ in out._fields_}
         d["paused"] = bool(d["paused"])
         return d
