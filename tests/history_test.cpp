@@ -79,7 +79,7 @@ context_ptr frames_of(std::string name) {
 TEST(History, ActionNamesRoundTrip) {
   const std::vector<std::string> names = {"alloc",       "free_requested", "free_completed", "segment_alloc",
                                           "segment_free", "segment_map",   "segment_unmap",  "snapshot",
-                                          "oom",          "empty_cache"};
+                                          "oom",          "empty_cache",    "pause",          "resume"};
   ASSERT_EQ(names.size(), trace_entry_action_count);
   for (std::size_t i = 0; i < names.size(); ++i) {
     EXPECT_EQ(to_string(static_cast<A>(i)), names[i]);
@@ -654,7 +654,7 @@ TEST(Snapshot, JsonHasPyTorchsLayout) {
   for (const auto& [k, v] : seg.items()) seg_keys.push_back(k);
   EXPECT_EQ(seg_keys, (std::vector<std::string>{"device", "address", "total_size", "allocated_size", "active_size",
                                                 "requested_size", "stream", "segment_type", "segment_pool_id",
-                                                "is_expandable", "frames", "blocks"}));
+                                                "is_expandable", "tag", "paused", "frames", "blocks"}));
   EXPECT_EQ(seg["address"].get<std::uint64_t>(), s.segments[0].address);
   EXPECT_EQ(seg["segment_pool_id"], nlohmann::json::array({0, 0}));
   EXPECT_EQ(seg["is_expandable"], false);
@@ -665,7 +665,7 @@ TEST(Snapshot, JsonHasPyTorchsLayout) {
   const auto& blk = j["segments"][0]["blocks"][0];
   std::vector<std::string> blk_keys;
   for (const auto& [k, v] : blk.items()) blk_keys.push_back(k);
-  EXPECT_EQ(blk_keys, (std::vector<std::string>{"address", "size", "requested_size", "state", "frames"}));
+  EXPECT_EQ(blk_keys, (std::vector<std::string>{"address", "size", "requested_size", "state", "tag", "frames"}));
   EXPECT_EQ(j["segments"][0]["frames"][0]["name"], "fn \"q\"\n") << "escapes round-trip";
   EXPECT_EQ(j["segments"][0]["frames"][0]["filename"], "dir\\file.py");
   EXPECT_EQ(j["segments"][0]["frames"][0]["line"], 7);
@@ -674,7 +674,7 @@ TEST(Snapshot, JsonHasPyTorchsLayout) {
   std::vector<std::string> entry_keys;
   for (const auto& [k, v] : trace[0].items()) entry_keys.push_back(k);
   EXPECT_EQ(entry_keys, (std::vector<std::string>{"action", "addr", "size", "stream", "time_us", "frames",
-                                                  "compile_context", "user_metadata"}));
+                                                  "compile_context", "user_metadata", "tag"}));
   EXPECT_EQ(trace[1]["action"], "alloc");
   EXPECT_EQ(trace[1]["addr"].get<std::uint64_t>(), addr(small));
   EXPECT_EQ(trace[1]["size"], 1000);

@@ -38,6 +38,9 @@
 // At the end everything is freed, the clock passes all work, empty_cache
 // returns every segment: reserved 0 and the device's used bytes 0.
 //
+// Tags, pause and resume from several threads (SPEC S1-S4) have their own
+// random sequences, run under ThreadSanitizer: sleep_wake_property_test.cpp.
+//
 // Reproducing a failure: the model's choices depend only on the seed (never on
 // addresses); the allocator's tie-breaks depend on the order of the addresses
 // the simulated device gives, which are its own (sim_backend.hpp,

@@ -491,6 +491,69 @@ CCALLOC_API ccalloc_status_t ccalloc_end_allocate_to_pool(ccalloc_allocator_t* a
 CCALLOC_API ccalloc_status_t ccalloc_pool_usage(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
                                                 ccalloc_pool_usage_t* out);
 
+/* ---- sleep and wake: tags, pause, resume (SPEC S1-S5) ---------------------------------------------
+ *
+ * Every allocation carries a tag: the one the calling thread's innermost
+ * ccalloc_tag_begin set ("default" outside every scope). A named tag's memory
+ * lives in reservations of its own (no page holds two tags' blocks), so that
+ * ccalloc_pause can release its device pages while keeping its addresses and
+ * ccalloc_resume can map them again. Reference: SGLang's torch_memory_saver
+ * (region / pause / resume) and vLLM's sleep mode; the semantics are in
+ * include/ccalloc/core/device_caching_allocator.hpp (pause, resume) and
+ * README "Sleep and wake". Thread safety: the scope functions are per
+ * thread; pause, resume and ccalloc_tag_usage lock the device(s). */
+
+/** What one pause or resume did (bytes; host_time_us: the backend's host
+ * clock across the call, 0 without one). */
+typedef struct {
+  size_t released_bytes;       /**< pause: device bytes unmapped (paused pages + the tags' cached pages) */
+  size_t paused_bytes;         /**< pages under live blocks unmapped (pause) or mapped again (resume) */
+  size_t copied_bytes;         /**< bytes copied to (pause) or from (resume) pinned host memory */
+  size_t cache_released_bytes; /**< resume: cached memory of active tags given back first */
+  uint64_t host_time_us;
+} ccalloc_sleep_result_t;
+
+/** One tag's memory on one device (bytes). allocated counts paused blocks
+ * (they stay their callers'); reserved counts mapped pages only. */
+typedef struct {
+  size_t allocated_bytes;
+  size_t reserved_bytes;
+  size_t paused_bytes;
+  size_t kept_bytes; /**< part of paused_bytes held in host memory */
+  size_t segments;
+  size_t blocks;
+  int paused;
+} ccalloc_tag_usage_t;
+
+/** Opens a tag scope on the calling thread: allocations it makes until the
+ * matching ccalloc_tag_end carry `tag` (1-64 characters of letters, digits
+ * and _-.:/). Scopes nest. Errors: INVALID_ARGUMENT for a NULL or bad name
+ * (nothing opened). */
+CCALLOC_API ccalloc_status_t ccalloc_tag_begin(const char* tag);
+/** Closes the calling thread's innermost scope that ccalloc_tag_begin opened.
+ * Errors: INVALID_ARGUMENT when it has none open. */
+CCALLOC_API ccalloc_status_t ccalloc_tag_end(void);
+/** The calling thread's tag ("default" outside every scope); the string
+ * lives as long as the process. */
+CCALLOC_API const char* ccalloc_current_tag(void);
+/** Pauses tags[0..tag_count) on `device`, or on every device when device is
+ * -1, keeping their contents in pinned host memory when keep_contents is
+ * nonzero. `out` may be NULL. Errors: INVALID_ARGUMENT ("default", an unknown
+ * tag, a graph capture underway, no virtual memory); OUT_OF_MEMORY when the
+ * host lacks memory for the contents (nothing paused). */
+CCALLOC_API ccalloc_status_t ccalloc_pause(ccalloc_allocator_t* alloc, int device, const char* const* tags,
+                                           size_t tag_count, int keep_contents, ccalloc_sleep_result_t* out);
+/** Resumes tags[0..tag_count) on `device` (-1: every device): pages mapped
+ * again at the same addresses, contents restored. Errors: OUT_OF_MEMORY,
+ * naming the tag and the bytes, with the tags still paused (free memory and
+ * call it again); INVALID_ARGUMENT for an unknown tag. */
+CCALLOC_API ccalloc_status_t ccalloc_resume(ccalloc_allocator_t* alloc, int device, const char* const* tags,
+                                            size_t tag_count, ccalloc_sleep_result_t* out);
+/** *out = what `tag` holds on `device` now (all zero for a tag that never
+ * allocated there). Errors: INVALID_ARGUMENT for a bad device or name. */
+CCALLOC_API ccalloc_status_t ccalloc_tag_usage(ccalloc_allocator_t* alloc, int device, const char* tag,
+                                               ccalloc_tag_usage_t* out);
+
 /* ---- pools for PyTorch's CUDAAllocator interface (SPEC F20-F24) ----------------------------------
  *
  * What an adapter implementing PyTorch's c10::cuda::CUDACachingAllocator::

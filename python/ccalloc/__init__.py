@@ -48,6 +48,7 @@ __all__ = [
     "InvalidArgumentError",
     "OutOfMemoryError",
     "built_with_cuda",
+    "current_tag",
     "dump_snapshot",
     "empty_cache",
     "get_config",
@@ -60,13 +61,17 @@ __all__ = [
     "memory_snapshot",
     "memory_stats",
     "nccl_segment_allocator",
+    "pause",
     "process_allocator",
     "record_history",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
+    "resume",
     "set_config",
     "set_memory_fraction",
     "stats",
+    "tag",
+    "tag_usage",
     "version",
 ]
 
@@ -176,3 +181,50 @@ def dump_snapshot(path: str) -> None:
 
 def get_config() -> str:
     return process_allocator().get_config()
+
+
+# ---- sleep and wake (SPEC S1-S5; README "Sleep and wake") ----------------------------------------
+
+
+class tag:
+    """``with ccalloc.tag("weights"):`` the allocations this thread makes
+    inside carry the tag (nests; "default" outside every scope). A tag's
+    memory can then be paused and resumed as one. The scope is the calling
+    thread's: enter and leave it on the same thread."""
+
+    def __init__(self, name: str):
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"ccalloc.tag: the name must be a str, not {type(name).__name__}")
+        self.name = name
+        self._open = False
+
+    def __enter__(self) -> "tag":
+        if self._open:
+            raise InvalidArgumentError(f"ccalloc.tag({self.name!r}) is already entered")
+        _check(_lib.lib().ccalloc_tag_begin(self.name.encode()))
+        self._open = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open = False
+        _check(_lib.lib().ccalloc_tag_end())
+
+
+def current_tag() -> str:
+    """The calling thread's tag ("default" outside every scope)."""
+    return _lib.lib().ccalloc_current_tag().decode()
+
+
+def pause(tags, keep_contents: bool = False, device=-1) -> dict:
+    """Pauses ``tags`` on the process-wide allocator (Allocator.pause)."""
+    return process_allocator().pause(tags, keep_contents, -1 if device == -1 else _device(device))
+
+
+def resume(tags, device=-1) -> dict:
+    """Resumes ``tags`` on the process-wide allocator (Allocator.resume)."""
+    return process_allocator().resume(tags, -1 if device == -1 else _device(device))
+
+
+def tag_usage(tag_name: str, device=None) -> dict:
+    """What ``tag_name`` holds on ``device`` (Allocator.tag_usage)."""
+    return process_allocator().tag_usage(tag_name, _device(device))

@@ -343,6 +343,45 @@ class Allocator:
                                                       ctypes.byref(size)))
         return base.value or 0, size.value
 
+    # ---- sleep and wake (SPEC S1-S5) ---------------------------------------------------------
+
+    def pause(self, tags, keep_contents: bool = False, device: int = -1) -> dict:
+        """Releases the device pages of every block of ``tags`` (a name or a
+        list of names) while keeping their addresses; with
+        ``keep_contents`` their bytes are copied to pinned host memory
+        first. ``device`` -1: every device. Returns the figures
+        (released_bytes, paused_bytes, copied_bytes, host_time_us).
+        InvalidArgumentError for "default", an unknown tag or a graph
+        capture underway; OutOfMemoryError when the host lacks memory for
+        the contents (nothing paused)."""
+        names = _tag_names(tags)
+        out = _lib.ccalloc_sleep_result_t()
+        _check(_lib.lib().ccalloc_pause(self._h, int(device), names, len(names), 1 if keep_contents else 0,
+                                        ctypes.byref(out)))
+        return _sleep_dict(out)
+
+    def resume(self, tags, device: int = -1) -> dict:
+        """Maps the paused tags' pages again at the same addresses and
+        restores kept contents. OutOfMemoryError (naming the tag and the
+        bytes) when the device lacks room even after ccalloc returned its
+        cached memory; the tags then stay paused and a later resume may
+        succeed."""
+        names = _tag_names(tags)
+        out = _lib.ccalloc_sleep_result_t()
+        _check(_lib.lib().ccalloc_resume(self._h, int(device), names, len(names), ctypes.byref(out)))
+        return _sleep_dict(out)
+
+    def tag_usage(self, tag: str, device: int = 0) -> dict:
+        """What ``tag`` holds on ``device``: allocated, reserved, paused and
+        kept bytes, segments, blocks, and whether it is paused."""
+        if not isinstance(tag, str):
+            raise InvalidArgumentError(f"tag_usage: tag must be a str, not {type(tag).__name__}")
+        out = _lib.ccalloc_tag_usage_t()
+        _check(_lib.lib().ccalloc_tag_usage(self._h, int(device), tag.encode(), ctypes.byref(out)))
+        d = {name: getattr(out, name) for name, _ in out._fields_}
+        d["paused"] = bool(d["paused"])
+        return d
+
     # ---- cache and limits -------------------------------------------------------------------
 
     def empty_cache(self) -> None:
@@ -606,3 +645,16 @@ class Allocator:
 # every Allocator wrapper.
 _process_observers: list = []
 _process_kept: list = []
+
+
+def _tag_names(tags):
+    """A tag name or a list of them as a C array of char*; InvalidArgumentError otherwise."""
+    if isinstance(tags, str):
+        tags = [tags]
+    if not isinstance(tags, (list, tuple)) or not tags or not all(isinstance(t, str) for t in tags):
+        raise InvalidArgumentError(f"tags must be a str or a non-empty list of str, not {tags!r}")
+    return (ctypes.c_char_p * len(tags))(*[t.encode() for t in tags])
+
+
+def _sleep_dict(out) -> dict:
+    return {name: getattr(out, name) for name, _ in out._fields_}

@@ -66,6 +66,32 @@ class ccalloc_pool_usage_t(ctypes.Structure):
     ]
 
 
+class ccalloc_sleep_result_t(ctypes.Structure):
+    """include/ccalloc/ccalloc.h: ccalloc_sleep_result_t."""
+
+    _fields_ = [
+        ("released_bytes", ctypes.c_size_t),
+        ("paused_bytes", ctypes.c_size_t),
+        ("copied_bytes", ctypes.c_size_t),
+        ("cache_released_bytes", ctypes.c_size_t),
+        ("host_time_us", ctypes.c_uint64),
+    ]
+
+
+class ccalloc_tag_usage_t(ctypes.Structure):
+    """include/ccalloc/ccalloc.h: ccalloc_tag_usage_t."""
+
+    _fields_ = [
+        ("allocated_bytes", ctypes.c_size_t),
+        ("reserved_bytes", ctypes.c_size_t),
+        ("paused_bytes", ctypes.c_size_t),
+        ("kept_bytes", ctypes.c_size_t),
+        ("segments", ctypes.c_size_t),
+        ("blocks", ctypes.c_size_t),
+        ("paused", ctypes.c_int),
+    ]
+
+
 # ccalloc_segment_malloc_fn / ccalloc_segment_free_fn (cudaMalloc's and
 # cudaFree's shape), for segment allocators written in Python (tests): the
 # prototypes below take them as plain addresses.
@@ -160,6 +186,14 @@ _PROTOTYPES = {
     "ccalloc_pool_checkpoint_destroy": (None, [_P]),
     "ccalloc_set_checkpoint_pool_state": (_S, [_A, ctypes.c_int, _P, _P, _P]),
     "ccalloc_enable_peer_access": (_S, [_A, ctypes.c_int, ctypes.c_int]),
+    "ccalloc_tag_begin": (_S, [ctypes.c_char_p]),
+    "ccalloc_tag_end": (_S, []),
+    "ccalloc_current_tag": (ctypes.c_char_p, []),
+    "ccalloc_pause": (_S, [_A, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), _Z, ctypes.c_int,
+                           ctypes.POINTER(ccalloc_sleep_result_t)]),
+    "ccalloc_resume": (_S, [_A, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), _Z,
+                            ctypes.POINTER(ccalloc_sleep_result_t)]),
+    "ccalloc_tag_usage": (_S, [_A, ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ccalloc_tag_usage_t)]),
     "ccalloc_stream_create": (_S, [_A, ctypes.c_int, ctypes.POINTER(_P)]),
     "ccalloc_stream_destroy": (_S, [_A, ctypes.c_int, _P]),
     "ccalloc_stream_synchronize": (_S, [_A, ctypes.c_int, _P]),

@@ -59,7 +59,10 @@ __all__ = [
     "memory_allocated",
     "memory_reserved",
     "memory_stats",
+    "pause",
+    "region",
     "reset_accumulated_memory_stats",
+    "resume",
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",
     "use_mem_pool",
@@ -245,6 +248,62 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
 
 def get_per_process_memory_fraction(device=None) -> float:
     return _ccalloc.get_memory_fraction(_device(device))
+
+
+# ---- sleep and wake (SPEC S5): torch_memory_saver's and vLLM's shapes --------------------------
+#
+# torch_memory_saver                         ccalloc.torch
+#   with saver.region(tag="kv",                with region(tag="kv", keep_contents=False):
+#                     enable_cpu_backup=False):
+#   saver.pause(tag=None)                      pause(tag=None)
+#   saver.resume(tag=None)                     resume(tag=None)
+# vLLM: llm.sleep(level=1) keeps the weights and drops the KV cache: region(tag="weights",
+# keep_contents=True) and region(tag="kv_cache") around their creation, then pause(); level 2
+# is pause(keep_contents=False) for both.
+
+# The tags entered with region(), each with the keep_contents it was given
+# (the last one wins): pause(tag=None) pauses them all, each as it asked.
+_regions: "collections.OrderedDict[str, bool]" = collections.OrderedDict()
+
+
+@contextlib.contextmanager
+def region(tag: str = "default_region", keep_contents: bool = False) -> Iterator[str]:
+    """Tensors created inside carry ``tag`` (this thread only); pause() then
+    releases their device memory and resume() gives it back at the same
+    addresses, with their contents when ``keep_contents`` (copied to pinned
+    host memory in between; otherwise the bytes after resume are undefined).
+    CUDA graphs captured over them replay after resume."""
+    if not isinstance(keep_contents, bool):
+        raise _ccalloc.InvalidArgumentError(f"region: keep_contents must be a bool, not {keep_contents!r}")
+    with _ccalloc.tag(tag):
+        _regions[tag] = keep_contents
+        yield tag
+
+
+def _tags_of(tag: Optional[str]) -> list:
+    if tag is None:
+        return list(_regions)
+    if not isinstance(tag, str):
+        raise _ccalloc.InvalidArgumentError(f"tag must be a str or None, not {tag!r}")
+    return [tag]
+
+
+def pause(tag: Optional[str] = None, keep_contents: Optional[bool] = None) -> dict:
+    """Pauses ``tag`` (None: every tag a region() used), on every device;
+    ``keep_contents`` None: what region() was given for each tag. Returns
+    the summed figures (bytes, host_time_us)."""
+    total: dict = {}
+    for t in _tags_of(tag):
+        keep = _regions.get(t, False) if keep_contents is None else bool(keep_contents)
+        for k, v in _ccalloc.pause(t, keep).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def resume(tag: Optional[str] = None) -> dict:
+    """Resumes ``tag`` (None: every tag a region() used), on every device."""
+    tags = _tags_of(tag)
+    return _ccalloc.resume(tags) if tags else {}
 
 
 # ---- private pools (SPEC F20, F21, E5) -----------------------------------------------------------

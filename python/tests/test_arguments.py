@@ -63,6 +63,9 @@ CALLS = {
     "stream_create": (),
     "stream_destroy": (0,),
     "stream_synchronize": (0,),
+    "pause": ("t",),
+    "resume": ("t",),
+    "tag_usage": ("t",),
 }
 PROPERTIES = ("initialized", "device_count", "current_device", "backend_name", "is_enabled")
 

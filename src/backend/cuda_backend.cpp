@@ -828,6 +828,46 @@ void cuda_backend::copy_data(int device, void* dst, const void* src, std::size_t
   });
 }
 
+// --- host memory and host copies -------------------------------------------------------------
+
+void* cuda_backend::host_alloc(int device, std::size_t size_bytes) {
+  impl_->check_device(device, "host_alloc");
+  if (size_bytes == 0) return nullptr;
+  device_guard guard(device);
+  void* p = nullptr;
+  if (rt().cudaHostAlloc(&p, size_bytes, cudaHostAllocPortable) != cudaSuccess) {
+    (void)rt().cudaGetLastError();  // out of pinned memory is an answer, not a sticky error
+    return nullptr;
+  }
+  return p;
+}
+
+void cuda_backend::host_free(int, void* ptr) noexcept {
+  if (ptr != nullptr) (void)rt().cudaFreeHost(ptr);
+}
+
+void cuda_backend::copy_to_host_async(int device, void* host_dst, const void* device_src, std::size_t size_bytes,
+                                      stream_t stream) {
+  impl_->check_device(device, "copy_to_host_async");
+  if (size_bytes == 0) return;
+  device_guard guard(device);
+  check(rt().cudaMemcpyAsync(host_dst, device_src, size_bytes, cudaMemcpyDeviceToHost, to_cuda(stream)), [&] {
+    return "cudaMemcpyAsync(" + pointer_text(host_dst) + ", " + pointer_text(device_src) + ", " +
+           std::to_string(size_bytes) + " bytes, cudaMemcpyDeviceToHost, " + dev_text(device) + ")";
+  });
+}
+
+void cuda_backend::copy_from_host_async(int device, void* device_dst, const void* host_src, std::size_t size_bytes,
+                                        stream_t stream) {
+  impl_->check_device(device, "copy_from_host_async");
+  if (size_bytes == 0) return;
+  device_guard guard(device);
+  check(rt().cudaMemcpyAsync(device_dst, host_src, size_bytes, cudaMemcpyHostToDevice, to_cuda(stream)), [&] {
+    return "cudaMemcpyAsync(" + pointer_text(device_dst) + ", " + pointer_text(host_src) + ", " +
+           std::to_string(size_bytes) + " bytes, cudaMemcpyHostToDevice, " + dev_text(device) + ")";
+  });
+}
+
 // --- peers -----------------------------------------------------------------------------------
 
 bool cuda_backend::can_access_peer(int device, int peer) const {

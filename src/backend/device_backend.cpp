@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 
 namespace ccalloc {
@@ -64,6 +66,18 @@ void device_backend::memcpy_peer_async(void*, int, const void*, int, std::size_t
   throw_not_supported("memcpy_peer_async");
 }
 void device_backend::copy_data(int, void*, const void*, std::size_t) { throw_not_supported("copy_data"); }
+void* device_backend::host_alloc(int, std::size_t size_bytes) {
+  return size_bytes == 0 ? nullptr : std::malloc(size_bytes);
+}
+void device_backend::host_free(int, void* ptr) noexcept { std::free(ptr); }
+void device_backend::copy_to_host_async(int, void* host_dst, const void* device_src, std::size_t size_bytes,
+                                        stream_t) {
+  if (size_bytes > 0) std::memmove(host_dst, device_src, size_bytes);
+}
+void device_backend::copy_from_host_async(int, void* device_dst, const void* host_src, std::size_t size_bytes,
+                                          stream_t) {
+  if (size_bytes > 0) std::memmove(device_dst, host_src, size_bytes);
+}
 bool device_backend::can_access_peer(int, int) const { return false; }
 bool device_backend::is_capturing(int, stream_t) { return false; }
 bool device_backend::is_stream(int, stream_t) { return true; }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <limits>
@@ -430,7 +431,18 @@ struct sim_backend::impl {
   std::map<std::uintptr_t, mapping> mappings;          // address -> mapping
   std::unordered_map<physical_handle_t, handle_state> handles;
   physical_handle_t next_handle = 1;
+  std::unordered_map<void*, std::size_t> host_memory;  // host_alloc -> bytes
   sim_counters counters;
+
+  // Pages of [a, a + size_bytes) inside a reservation with nothing mapped
+  // at them (a device access there faults on a real device). [mutex]
+  [[nodiscard]] std::uint64_t unmapped_pages(std::uintptr_t a, std::size_t size_bytes) const {
+    const std::size_t page = options.granularity_bytes;
+    std::uint64_t n = 0;
+    for (std::uintptr_t p = a / page * page; p < a + size_bytes; p += page)
+      if (containing(reservations, p) != reservations.end() && containing(mappings, p) == mappings.end()) ++n;
+    return n;
+  }
 };
 
 sim_backend::sim_backend(sim_options options) {
@@ -445,6 +457,7 @@ sim_backend::~sim_backend() {
   for (auto& [base, r] : impl_->reservations) ::munmap(reinterpret_cast<void*>(base), r.size_bytes);
   for (auto& [id, h] : impl_->handles)
     if (h.fd >= 0) ::close(h.fd);
+  for (auto& [ptr, bytes] : impl_->host_memory) std::free(ptr);
   for (auto& d : impl_->devices) {
     for (auto& [ptr, bytes] : d.segments)
       if (!impl::in_arena(d, ptr)) ::munmap(ptr, bytes);
@@ -1166,6 +1179,69 @@ void sim_backend::copy_data(int device, void* dst, const void* src, std::size_t 
   if (size_bytes > 0) std::memmove(dst, src, size_bytes);
 }
 
+// --- host memory and host copies ---------------------------------------------------------
+
+void* sim_backend::host_alloc(int device, std::size_t size_bytes) {
+  if (size_bytes == 0) return nullptr;
+  std::lock_guard lock(impl_->mutex);
+  impl_->dev(device);
+  void* p = std::malloc(size_bytes);
+  if (p == nullptr) return nullptr;
+  try {
+    impl_->host_memory.emplace(p, size_bytes);
+  } catch (...) {
+    std::free(p);
+    return nullptr;
+  }
+  ++impl_->counters.host_allocs;
+  impl_->counters.host_bytes += size_bytes;
+  return p;
+}
+
+void sim_backend::host_free(int, void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  std::lock_guard lock(impl_->mutex);
+  if (auto it = impl_->host_memory.find(ptr); it != impl_->host_memory.end()) {
+    impl_->counters.host_bytes -= it->second;
+    impl_->host_memory.erase(it);
+  }
+  std::free(ptr);
+}
+
+void sim_backend::copy_to_host_async(int device, void* host_dst, const void* device_src, std::size_t size_bytes,
+                                     stream_t stream) {
+  stream = resolve_stream(device, stream);
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->check_stream(device, stream, "copy_to_host_async");
+    if (size_bytes == 0) return;
+    if (impl_->unmapped_pages(reinterpret_cast<std::uintptr_t>(device_src), size_bytes) != 0) {
+      ++impl_->counters.unmapped_uses;
+      return;  // a fault on a real device: nothing is read
+    }
+    impl_->counters.bytes_to_host += size_bytes;
+    impl_->host_clock.charge_host_copy(size_bytes);
+  }
+  std::memmove(host_dst, device_src, size_bytes);
+}
+
+void sim_backend::copy_from_host_async(int device, void* device_dst, const void* host_src, std::size_t size_bytes,
+                                       stream_t stream) {
+  stream = resolve_stream(device, stream);
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->check_stream(device, stream, "copy_from_host_async");
+    if (size_bytes == 0) return;
+    if (impl_->unmapped_pages(reinterpret_cast<std::uintptr_t>(device_dst), size_bytes) != 0) {
+      ++impl_->counters.unmapped_uses;
+      return;
+    }
+    impl_->counters.bytes_from_host += size_bytes;
+    impl_->host_clock.charge_host_copy(size_bytes);
+  }
+  std::memmove(device_dst, host_src, size_bytes);
+}
+
 // --- peers ----------------------------------------------------------------------------
 
 bool sim_backend::can_access_peer(int device, int peer) const {
@@ -1309,6 +1385,8 @@ void sim_backend::use_memory(int device, const void* ptr, std::size_t size_bytes
                               : it == d.busy_until.end() ? impl_->now
                                                          : std::max(impl_->now, it->second);
   std::erase_if(d.in_use, [&](const impl::device::memory_use& u) { return u.until <= impl_->now; });
+  if (size_bytes != 0 && impl_->unmapped_pages(reinterpret_cast<std::uintptr_t>(ptr), size_bytes) != 0)
+    ++impl_->counters.unmapped_uses;
   if (until <= impl_->now || size_bytes == 0) return;
   const auto a = reinterpret_cast<std::uintptr_t>(ptr);
   d.in_use.push_back({a, a + size_bytes, until});

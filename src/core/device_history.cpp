@@ -30,7 +30,8 @@ allocation detail::malloc_recorded(detail::device_state& s, std::size_t size_byt
   detail::context_scope scope(detail::context_kind::malloc, context);
   const allocation a = detail::malloc_unrecorded(s, size_bytes, stream);
   h.remember_block(a.block->ptr, context);
-  h.record(trace_entry_action::alloc, a.block->ptr, size_bytes, stream, context);
+  h.record(trace_entry_action::alloc, a.block->ptr, size_bytes, stream, context,
+           detail::device_state::tag_of(*a.block->seg));
   return a;
 }
 
@@ -40,6 +41,8 @@ void detail::free_recorded(detail::device_state& s, block* b) {
   context_ptr context = h.gather(record_context::all);
   detail::context_scope scope(detail::context_kind::free, context);
   // The caller owns the live block: its fields do not change meanwhile.
+  // Entries of this free (free_completed, segment changes) carry its tag.
+  const tag_scope block_tag(detail::device_state::tag_of(*b->seg));
   h.record(trace_entry_action::free_requested, b->ptr, b->requested_bytes, b->stream, context);
   // A block used on no other stream is free at once (free_block). Its
   // free_completed is recorded here, before any segment_free that freeing it
@@ -171,9 +174,11 @@ std::vector<segment_info> device_caching_allocator::snapshot_segments() {
         run.pool = seg.pool;
         run.pool_id = seg.pool_id;  // the deprecated alias of pool, still filled in
         run.context = seg.context;
+        run.tag = seg.tag;
+        run.paused = seg.paused;  // its blocks' pages are released: shown, mapped nowhere
       }
       run.total_bytes += b.size_bytes;
-      run.mapped_bytes += b.size_bytes;
+      if (!seg.paused) run.mapped_bytes += b.size_bytes;
       if (b.state == block_state::active_allocated) run.allocated_bytes += b.size_bytes;
       if (b.state != block_state::inactive) {
         run.active_bytes += b.size_bytes;

@@ -50,6 +50,11 @@ void device_state::record_stream(block* b, stream_t stream) {
     check_recorded_stream(stream);
   }
   std::lock_guard lock(b->pool->owner->mutex);
+  if (b->seg->paused) [[unlikely]]  // written under the world lock, which holds this one
+    throw invalid_argument_error("ccalloc: record_stream of the block at " + std::to_string(b->ptr) +
+                                 " on device " + std::to_string(device_) + ": its tag '" +
+                                 tag_name(tag_of(*b->seg)) +
+                                 "' is paused (its pages are released; no stream may use it until resume)");
   if (stream == b->stream) return;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
     b->stream_uses.push_back(stream);

@@ -1222,7 +1222,8 @@ void device_state::spend_recycle_time(recycle_budget::source from, std::uint64_t
 void device_state::release_empty_expandable_segments() {
   for (auto it = segments_.begin(); it != segments_.end();) {
     segment& seg = *it->second;
-    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr || !seg.pages.retired().empty()) {
+    if (!seg.expandable || seg.paused || seg.mapped_bytes != 0 || seg.head->next != nullptr ||
+        !seg.pages.retired().empty()) {
       ++it;
       continue;
     }

@@ -266,7 +266,11 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
   if (caching_) {
     if (block* b = rung_cached_block(c)) return b;
     rung_garbage_collection(c);
-    if (config_.expandable_segments && page_bytes_ != 0 && !custom) {
+    // A named tag's memory is always in reservations where the backend has
+    // virtual memory, whatever expandable_segments says: pause releases
+    // its pages and resume maps them again at the same addresses.
+    const bool tagged = p.pool->priv != nullptr && p.pool->priv->tag != default_tag_id;
+    if ((config_.expandable_segments || tagged) && page_bytes_ != 0 && !custom) {
       if (block* b = rung_expandable(c)) return b;
       // Out of address space (a new reservation was refused, e.g. with very
       // many streams): this request gets a plain segment instead.

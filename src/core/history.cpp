@@ -13,6 +13,7 @@ namespace {
 constexpr std::array<std::string_view, trace_entry_action_count> action_names = {
     "alloc",         "free_requested", "free_completed", "segment_alloc", "segment_free",
     "segment_map",   "segment_unmap",  "snapshot",       "oom",           "empty_cache",
+    "pause",         "resume",
 };
 }  // namespace
 
@@ -100,9 +101,10 @@ context_ptr history_recorder::gather(record_context level) const {
 }
 
 void history_recorder::record(trace_entry_action action, std::uintptr_t addr, std::size_t size, stream_t stream,
-                              const context_ptr& context) {
+                              const context_ptr& context, tag_id tag) {
   trace_entry e;
   e.action = action;
+  e.tag = tag;
   e.device = device_;
   e.addr = addr;
   e.size = size;

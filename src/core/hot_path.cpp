@@ -64,6 +64,7 @@
 //   when they have completed, through the same free_block.
 #include <ccalloc/core/device_caching_allocator.hpp>
 
+#include "detail/current_tag.hpp"
 #include "detail/device_state.hpp"
 
 #include <ccalloc/base/detail/assert.hpp>
@@ -128,8 +129,11 @@ allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_b
     detail::thread_cache_flush_own(s);  // parked before recording began
     return detail::malloc_recorded(s, size_bytes, stream);
   }
-  if (block* b = detail::thread_cache_take(s, size_bytes, stream)) [[likely]]
-    return {reinterpret_cast<void*>(b->ptr), b};
+  // Under a tag other than default: never a parked block (the thread cache
+  // holds default-pool blocks only).
+  if (detail::tls_current_tag == default_tag_id) [[likely]]
+    if (block* b = detail::thread_cache_take(s, size_bytes, stream)) [[likely]]
+      return {reinterpret_cast<void*>(b->ptr), b};
   return malloc_impl(s, size_bytes, stream);
 }
 
@@ -169,8 +173,8 @@ CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 }  // namespace
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
-  if ((pending_event_count_.load(std::memory_order_relaxed) | capture_count_.load(std::memory_order_relaxed)) != 0)
-      [[unlikely]]
+  if ((pending_event_count_.load(std::memory_order_relaxed) | capture_count_.load(std::memory_order_relaxed) |
+       tls_current_tag) != 0) [[unlikely]]
     return allocate_unusual(requested_bytes, stream);
   stream_state& ss = stream_for(stream);
   alloc_params p;
@@ -208,19 +212,11 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
                                        " is routed by begin_allocate_to_pool to private pool " + to_string(pp->id) +
                                        " of device " + std::to_string(device_) +
                                        ", which was released (use count 0); end_allocate_to_pool it first");
-        struct unpin {
-          std::atomic<int>& n;
-          ~unpin() { n.fetch_sub(1, std::memory_order_release); }
-        };
-        pp->pinned.fetch_add(1, std::memory_order_relaxed);
-        unpin guard{pp->pinned};
-        alloc_params p;
-        prepare(p, requested_bytes, ss);
-        p.pool = &pool_in(*pp, ss, p.pool->is_small);
-        return allocate_slow(p, w);
+        return allocate_in_private_pool(*pp, requested_bytes, ss, w);
       }
     }
   }
+  if (const tag_id tag = tls_current_tag; tag != default_tag_id) return allocate_tagged(requested_bytes, ss, tag);
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
@@ -558,6 +554,13 @@ namespace {
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);
+  // A block of a paused tag: its pages are released, so its free (a merge,
+  // a page fence) waits for the resume (sleep_wake.cpp). paused is written
+  // under the world lock, which holds this stream's lock.
+  if (any_paused_.load(std::memory_order_relaxed) && b->seg->paused) [[unlikely]] {
+    b->seg->frees_while_paused.push_back(b);  // may throw std::bad_alloc: nothing changed
+    return;
+  }
   // Room in the pool's index for the block, before anything changes: a free
   // that runs out of host memory fails unchanged (block_index::owes).
   if (b->pool->blocks.owes()) [[unlikely]]

@@ -99,6 +99,8 @@ std::vector<segment_info> device_caching_allocator::segments() const {
     si.is_expandable = seg->expandable;
     si.mapped_bytes = seg->expandable ? seg->mapped_bytes : seg->size;
     if (s.history_.enabled()) si.context = s.history_.segment_context(base);
+    si.tag = tag_name(detail::device_state::tag_of(*seg));
+    si.paused = seg->paused;
     if (const detail::private_pool* pp = seg->head->pool->priv) {
       si.pool = pp->id;
       si.pool_id = {pp->id.first, pp->id.second};  // the deprecated alias of si.pool, still filled in
@@ -109,6 +111,7 @@ std::vector<segment_info> device_caching_allocator::segments() const {
       bi.size_bytes = b->size;
       bi.requested_bytes = b->requested_bytes;
       bi.mapped = b->mapped;
+      bi.tag = si.tag;
       bi.state = b->allocated ? block_state::active_allocated
                  : b->event_count > 0 ? block_state::active_pending_free
                                       : block_state::inactive;
@@ -159,8 +162,9 @@ template <class Fail>
 void check_expandable_placement(detail::device_state& s, const Fail& fail) {
   using run_choice = detail::device_state::run_choice;
   std::vector<detail::block_pool*> pools;
-  for (auto& [base, seg] : s.segments_)
-    if (seg->expandable && std::find(pools.begin(), pools.end(), seg->head->pool) == pools.end())
+  for (auto& [base, seg] : s.segments_)  // a paused tag's pools place nothing
+    if (seg->expandable && !s.tag_paused(detail::device_state::tag_of(*seg)) &&
+        std::find(pools.begin(), pools.end(), seg->head->pool) == pools.end())
       pools.push_back(seg->head->pool);
   for (detail::block_pool* pool : pools) {
     const std::size_t page = s.page_bytes_;
@@ -207,6 +211,22 @@ void device_caching_allocator::check_invariants() const {
     detail::count_up(recount.reserved_bytes, g,
                            static_cast<std::int64_t>(seg->expandable ? seg->mapped_bytes : seg->size));
     const std::size_t page = seg->page_bytes;
+    // Sleep and wake: a segment holds one tag's blocks (one pool); a paused
+    // one is a reservation with nothing mapped (paused bytes are mapped
+    // nowhere) and pages to map again under its allocated blocks.
+    if (seg->paused) {
+      if (!seg->expandable) fail("a plain segment is paused");
+      if (seg->mapped_bytes != 0 || !seg->pages.retired().empty()) fail("a paused reservation has mapped pages");
+      if (!s.tag_paused(detail::device_state::tag_of(*seg))) fail("a paused reservation's tag is not paused");
+      for (physical_handle_t h : seg->pages.handles())
+        if (h != 0) fail("a paused reservation has a mapped page");
+      for (const auto& run : seg->paused_runs)
+        if (run.first_page + run.pages > seg->pages.count()) fail("a paused run lies outside its reservation");
+    } else if (!seg->paused_runs.empty() || !seg->paused_free.empty() || !seg->frees_while_paused.empty()) {
+      fail("an active segment keeps paused state");
+    } else if (s.tag_paused(detail::device_state::tag_of(*seg)) && seg->mapped_bytes != 0) {
+      fail("a paused tag holds a mapped page");
+    }
     if (seg->expandable) {
       std::size_t mapped_pages = 0;
       for (physical_handle_t h : seg->pages.handles()) mapped_pages += h != 0 ? 1 : 0;
@@ -238,7 +258,14 @@ void device_caching_allocator::check_invariants() const {
       if (b->pool != seg->head->pool) fail("blocks of one segment in different pools");
       if (b->size == 0 || b->size % detail::min_block_bytes != 0) fail("block size not a positive multiple of 512");
       const bool in_pool = b->pool->blocks.contains(b);
-      if (seg->expandable) {
+      if (seg->paused) {
+        // Paused (sleep_wake.cpp): no block is in a pool; the free mapped
+        // ones wait in paused_free.
+        if (in_pool) fail("a block of a paused reservation is in a pool");
+        if (b->mapped && b->is_free() &&
+            std::find(seg->paused_free.begin(), seg->paused_free.end(), b) == seg->paused_free.end())
+          fail("a free block of a paused reservation is not in its paused_free list");
+      } else if (seg->expandable) {
         const std::size_t first = (b->ptr - base) / page;
         const std::size_t last = (b->ptr + b->size - base + page - 1) / page;
         for (std::size_t i = first; i < last; ++i)
@@ -257,12 +284,12 @@ void device_caching_allocator::check_invariants() const {
         continue;
       }
       const bool free_now = b->is_free();
-      if (in_pool != free_now) fail("pool membership does not match block state");
+      if (in_pool != free_now && !seg->paused) fail("pool membership does not match block state");
       if (free_now) {
-        ++pooled;
+        pooled += seg->paused ? 0 : 1;
         if (b->next != nullptr && b->next->is_free() && b->next->mapped)
           fail("two free neighbours are not merged");
-        if (b->is_split()) {
+        if (b->is_split() && !seg->paused) {  // paused_free blocks left the pools' counts
           detail::count_up(recount.inactive_split, g, 1);
           detail::count_up(recount.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
         }

@@ -80,7 +80,7 @@ bool device_state::try_use_on_oom_pools(alloc_params& p, const world_lock&) {
 void device_state::release_dead_pools(const world_lock& w, bool keep_going) {
   for (stream_state* ss : w.streams())
     for (auto& [pp, sp] : ss->private_pools)
-      if (pp->use_count == 0) {
+      if (pp->use_count == 0 || pp->is_tag_pool()) {  // a tag's pool caches as the default pools do
         release_blocks(sp->large, keep_going);
         release_blocks(sp->small, keep_going);
       }
@@ -244,8 +244,13 @@ void device_caching_allocator::create_or_incref_pool(mempool_id_t id, segment_al
     ++pp->use_count;
     return;
   }
+  if (id.first == detail::tag_pool_id_first)
+    throw invalid_argument_error("ccalloc: create_or_incref_pool: pool ids (" +
+                                 std::to_string(detail::tag_pool_id_first) +
+                                 ", n) are the tags' own pools; choose another id");
   auto pp = std::make_unique<detail::private_pool>();
   pp->id = id;
+  pp->tag = current_tag();  // its memory pauses and resumes with the tag in scope now
   pp->custom = std::move(custom);
   s.private_pools_.emplace(id, std::move(pp));
 }

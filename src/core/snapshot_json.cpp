@@ -217,6 +217,8 @@ void write_segment(W& w, const segment_info& s) {
   w.value(std::uint64_t{s.pool.second});
   w.end_tuple();
   w.member("is_expandable", s.is_expandable);
+  w.member("tag", std::string_view(s.tag));
+  w.member("paused", s.paused);
   write_frames(w, s.context);
   w.key("blocks");
   w.begin_array();
@@ -226,6 +228,7 @@ void write_segment(W& w, const segment_info& s) {
     w.member("size", std::uint64_t{b.size_bytes});
     w.member("requested_size", std::uint64_t{b.requested_bytes});
     w.member("state", to_string(b.state));
+    w.member("tag", std::string_view(b.tag));
     write_frames(w, b.context);
     w.end_object();
   }
@@ -244,6 +247,7 @@ void write_entry(W& w, const trace_entry& e) {
   write_frames(w, e.context);
   w.member("compile_context", std::string_view(e.compile_context));
   w.member("user_metadata", std::string_view(e.user_metadata));
+  w.member("tag", std::string_view(tag_name(e.tag)));
   w.end_object();
 }
 

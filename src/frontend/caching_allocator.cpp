@@ -222,6 +222,42 @@ double caching_allocator::get_memory_fraction(int device) const {
   return checked_device(device, "get_memory_fraction").memory_fraction();
 }
 
+namespace {
+void add_result(sleep_result& into, sleep_result&& r) {
+  for (std::string& t : r.tags)
+    if (std::find(into.tags.begin(), into.tags.end(), t) == into.tags.end()) into.tags.push_back(std::move(t));
+  into.released_bytes += r.released_bytes;
+  into.paused_bytes += r.paused_bytes;
+  into.copied_bytes += r.copied_bytes;
+  into.cache_released_bytes += r.cache_released_bytes;
+  into.host_time_us += r.host_time_us;
+}
+}  // namespace
+
+sleep_result caching_allocator::pause(const std::vector<std::string>& tags, bool keep_contents, int device) {
+  sleep_result out;
+  if (device != -1) return checked_device(device, "pause").pause(tags, keep_contents);
+  (void)checked_device(0, "pause");
+  for (auto& d : devices_) add_result(out, d->pause(tags, keep_contents));
+  return out;
+}
+
+sleep_result caching_allocator::resume(const std::vector<std::string>& tags, int device) {
+  sleep_result out;
+  if (device != -1) return checked_device(device, "resume").resume(tags);
+  (void)checked_device(0, "resume");
+  for (auto& d : devices_) add_result(out, d->resume(tags));
+  return out;
+}
+
+std::vector<tag_usage> caching_allocator::tag_stats(int device) const {
+  return checked_device(device, "tag_stats").tag_stats();
+}
+
+std::vector<std::string> caching_allocator::paused_tags(int device) const {
+  return checked_device(device, "paused_tags").paused_tags();
+}
+
 void caching_allocator::empty_cache() {
   std::exception_ptr first_failure;  // a device that fails does not keep the others' caches
   for (auto& d : devices_) {

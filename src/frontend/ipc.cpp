@@ -79,6 +79,12 @@ ipc_export caching_allocator::share_ipc_handle(void* ptr) {
     throw invalid_argument_error("ccalloc: share_ipc_handle(" + pointer_text(ptr) +
                                  "): not a live allocation of this allocator (share the pointer malloc returned)");
   device_caching_allocator& dev = *devices_[static_cast<std::size_t>(found->device)];
+  // Memory under a named tag may be paused: an importer would keep the old
+  // pages (the device memory would not be freed) and see stale bytes after
+  // the resume maps new ones. Refused rather than silently wrong.
+  if (const std::string tag = dev.block_tag(found->block); tag != default_tag_name)
+    throw invalid_argument_error("ccalloc: share_ipc_handle(" + pointer_text(ptr) + "): the block is under tag '" +
+                                 tag + "', which pause may release; share memory allocated under the default tag");
   const block_segment seg = dev.segment_of(found->block);
   ipc_handle h;
   h.device = found->device;

@@ -1298,6 +1298,98 @@ void test_expandable_empty_cache_unmaps() {
        " after; " + mib_text(end) + " at the end");
 }
 
+// ---- sleep and wake (SPEC S1-S4) ------------------------------------------------------------
+
+// A tagged 1 GiB written by a kernel is paused with its contents: the device
+// gains the memory (cudaMemGetInfo), a plain cudaMalloc of it succeeds (the
+// memory is free for other allocators), and after resume the block is at the
+// same address with the same bytes; without contents, resume maps it again
+// writable. The pause waits for the kernel queued before it (stream order).
+void test_sleep_wake_pause_resume_contents() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  auto alloc = make_allocator();
+  scoped_stream s;
+  const std::size_t n = 1024 * mib;
+  void* w = nullptr;
+  {
+    ccalloc::tag_scope scope("gpu_weights");
+    w = alloc->malloc(0, n, s.get());
+  }
+  CUDA_OK(gk::launch_spin_fill(w, n, 41, 5'000'000, cs(s.get())));  // still running at the pause
+  const std::size_t free_before = device_free_bytes();
+  const sleep_result r = alloc->pause({"gpu_weights"}, true);
+  const std::size_t free_paused = device_free_bytes();
+  CHECK_MSG(free_paused >= free_before + n - 2 * mib,
+            "pause freed only " + mib_text(static_cast<long double>(free_paused) - free_before));
+  CHECK(r.copied_bytes == n);
+  void* other = nullptr;
+  CUDA_OK(cudaMalloc(&other, n - 64 * mib));  // another allocator takes the room
+  CUDA_OK(cudaFree(other));
+  const sleep_result back = alloc->resume({"gpu_weights"});
+  CHECK(back.copied_bytes == n);
+  CHECK(mismatches(w, n, 41, cs(s.get())) == 0);
+  alloc->pause({"gpu_weights"}, false);
+  alloc->resume({"gpu_weights"});
+  CUDA_OK(gk::launch_fill(w, n, 42, cs(s.get())));
+  CHECK(mismatches(w, n, 42, cs(s.get())) == 0);
+  alloc->free(w);
+  alloc->device_allocator(0).check_invariants();
+  note("sleep and wake: 1 GiB paused with contents in " + std::to_string(r.host_time_us) + " us, resumed in " +
+       std::to_string(back.host_time_us) + " us");
+}
+
+// A CUDA graph captured over tagged memory before a pause replays after the
+// resume with the same results: its addresses are unchanged.
+void test_sleep_wake_graph_replays_after_resume() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  auto alloc = make_allocator();
+  scoped_stream s;
+  const std::size_t n = 64 * mib;
+  void* buf = nullptr;
+  {
+    ccalloc::tag_scope scope("gpu_graph");
+    buf = alloc->malloc(0, n, s.get());
+  }
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(cs(s.get()), cudaStreamCaptureModeThreadLocal));
+  CUDA_OK(gk::launch_fill(buf, n, 51, cs(s.get())));
+  CUDA_OK(cudaStreamEndCapture(cs(s.get()), &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  alloc->pause({"gpu_graph"}, false);
+  alloc->resume({"gpu_graph"});
+  CUDA_OK(cudaGraphLaunch(exec, cs(s.get())));
+  CHECK(mismatches(buf, n, 51, cs(s.get())) == 0);
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  alloc->free(buf);
+}
+
+// Resume without room fails naming the tag, leaves it paused, and succeeds
+// once the memory another allocator held is freed.
+void test_sleep_wake_resume_out_of_memory() {
+  if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
+  if (g_sanitizer) throw test_skip{"makes cuMemCreate fail on purpose"};
+  auto alloc = make_allocator();
+  const std::size_t n = 2048 * mib;
+  void* w = nullptr;
+  {
+    ccalloc::tag_scope scope("gpu_oom");
+    w = alloc->malloc(0, n, default_stream);
+  }
+  CUDA_OK(gk::launch_fill(w, n, 61, nullptr));
+  alloc->pause({"gpu_oom"}, true);
+  void* hog = nullptr;
+  CUDA_OK(cudaMalloc(&hog, device_free_bytes() - 512 * mib));
+  CHECK_THROWS_AS(out_of_memory_error, alloc->resume({"gpu_oom"}),
+                  CHECK(std::string(e.what()).find("resuming tag 'gpu_oom'") != std::string::npos));
+  CHECK(alloc->paused_tags(0).size() == 1);
+  CUDA_OK(cudaFree(hog));
+  alloc->resume({"gpu_oom"});
+  CHECK(mismatches(w, n, 61, nullptr) == 0);
+  alloc->free(w);
+}
+
 // 64 MiB on `s`, written by a long kernel on `s`, then freed (the free is
 // stream-ordered after the kernel). Returns the freed address.
 void* free_behind_long_kernel(caching_allocator& alloc, stream_t s, unsigned seed) {
@@ -2073,6 +2165,9 @@ const test_case all_tests[] = {
     {"expandable_cross_stream_pages_move_behind_a_wait", test_expandable_cross_stream_pages_move_behind_a_wait},
     {"expandable_recycling_time_budget", test_expandable_recycling_time_budget},
     {"expandable_peer_mapping", test_expandable_peer_mapping},
+    {"sleep_wake_pause_resume_contents", test_sleep_wake_pause_resume_contents},
+    {"sleep_wake_graph_replays_after_resume", test_sleep_wake_graph_replays_after_resume},
+    {"sleep_wake_resume_out_of_memory", test_sleep_wake_resume_out_of_memory},
     {"plain_segments_empty_cache", test_plain_segments_empty_cache},
     {"replay_cuda_matches_sim", test_replay_cuda_matches_sim},
     {"ipc_plain", test_ipc_plain},

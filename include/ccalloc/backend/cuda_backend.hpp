@@ -222,6 +222,14 @@ class cuda_backend final : public device_backend {
                          stream_t stream) override;
   /// cudaMemcpy(cudaMemcpyDeviceToDevice) with `device` current.
   void copy_data(int device, void* dst, const void* src, std::size_t size_bytes) override;
+  /// cudaHostAlloc (cudaHostAllocPortable) / cudaFreeHost; copies are
+  /// cudaMemcpyAsync DeviceToHost / HostToDevice on the stream.
+  [[nodiscard]] void* host_alloc(int device, std::size_t size_bytes) override;
+  void host_free(int device, void* ptr) noexcept override;
+  void copy_to_host_async(int device, void* host_dst, const void* device_src, std::size_t size_bytes,
+                          stream_t stream) override;
+  void copy_from_host_async(int device, void* device_dst, const void* host_src, std::size_t size_bytes,
+                            stream_t stream) override;
 
   // --- peers ------------------------------------------------------------------------
 

@@ -262,6 +262,29 @@ class device_backend {
   /// done (cudaMemcpy, cudaMemcpyDeviceToDevice). Size 0 does nothing.
   virtual void copy_data(int device, void* dst, const void* src, std::size_t size_bytes);
 
+  // --- host memory and host copies (optional; sleep and wake, SPEC S2-S3) ----
+
+  /// Allocates `size_bytes` of host memory for copies with `device`: pinned
+  /// (page-locked, cudaHostAlloc) on a GPU, so that the copies below run at
+  /// the bus's speed; nullptr when the host has none (never throws for lack
+  /// of memory). Free it with host_free. Size 0 returns nullptr. Default:
+  /// std::malloc (pageable memory). Thread safe.
+  [[nodiscard]] virtual void* host_alloc(int device, std::size_t size_bytes);
+  /// Frees memory from host_alloc (nullptr: nothing). The copies that use it
+  /// must have completed. Never throws.
+  virtual void host_free(int device, void* ptr) noexcept;
+  /// Queues a copy of `size_bytes` from device memory `device_src` of
+  /// `device` to host memory `host_dst` (from host_alloc) on `stream`
+  /// (cudaMemcpyAsync, cudaMemcpyDeviceToHost); the host may read `host_dst`
+  /// once an event recorded on `stream` after it completes. Size 0 does
+  /// nothing. Default: a synchronous memmove (host-addressable devices).
+  virtual void copy_to_host_async(int device, void* host_dst, const void* device_src, std::size_t size_bytes,
+                                  stream_t stream);
+  /// The other way (cudaMemcpyHostToDevice): work queued on `stream` after
+  /// it sees the bytes; `host_src` must stay until it has completed.
+  virtual void copy_from_host_async(int device, void* device_dst, const void* host_src, std::size_t size_bytes,
+                                    stream_t stream);
+
   // --- peers (optional) -----------------------------------------------------
 
   [[nodiscard]] virtual bool can_access_peer(int device, int peer) const;

@@ -248,6 +248,14 @@ struct sim_counters {
   /// ends. A use-after-reuse on a real device. Tests expect 0.
   std::uint64_t unsafe_reuses = 0;
   std::uint64_t stream_waits = 0;  ///< successful stream_wait_event calls
+  /// Device accesses (use_memory, copy_to_host_async, copy_from_host_async)
+  /// to a page of a reservation that nothing is mapped at (a paused tag's
+  /// page, say): a fault on a real device. Tests expect 0.
+  std::uint64_t unmapped_uses = 0;
+  std::uint64_t host_allocs = 0;          ///< successful host_alloc calls
+  std::size_t host_bytes = 0;             ///< bytes of live host_alloc memory
+  std::size_t bytes_to_host = 0;          ///< copy_to_host_async bytes
+  std::size_t bytes_from_host = 0;        ///< copy_from_host_async bytes
 };
 
 class sim_backend final : public device_backend {
@@ -406,6 +414,17 @@ class sim_backend final : public device_backend {
   void memcpy_peer_async(void* dst, int dst_device, const void* src, int src_device, std::size_t size_bytes,
                          stream_t stream) override;
   void copy_data(int device, void* dst, const void* src, std::size_t size_bytes) override;
+  /// Host memory from std::malloc (counted in sim_counters::host_bytes);
+  /// copies are memmoves that also charge the modelled host clock at
+  /// host_copy_bytes_per_us (a pinned PCIe 5 x16 copy on an H200's host)
+  /// and count an access to an unmapped page of a reservation in
+  /// sim_counters::unmapped_uses.
+  [[nodiscard]] void* host_alloc(int device, std::size_t size_bytes) override;
+  void host_free(int device, void* ptr) noexcept override;
+  void copy_to_host_async(int device, void* host_dst, const void* device_src, std::size_t size_bytes,
+                          stream_t stream) override;
+  void copy_from_host_async(int device, void* device_dst, const void* host_src, std::size_t size_bytes,
+                            stream_t stream) override;
 
   // --- peers --------------------------------------------------------------------
 

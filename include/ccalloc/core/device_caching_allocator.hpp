@@ -36,6 +36,7 @@
 #include <ccalloc/core/pools.hpp>
 #include <ccalloc/core/segment_info.hpp>
 #include <ccalloc/core/stats.hpp>
+#include <ccalloc/core/tags.hpp>
 
 #include <compare>
 #include <cstddef>
@@ -311,6 +312,47 @@ class device_caching_allocator {
   /// stream, kind) differ from those in `state`, when a begin_allocate_to_pool is active,
   /// or when a block to create lies in an unmapped range.
   checkpoint_restore_result set_checkpoint_pool_state(const pool_checkpoint& state);
+
+  // --- sleep and wake (SPEC S1-S4; tags.hpp) ---------------------------------
+
+  /// Releases the device memory of every block of `tags` (allocated or
+  /// cached) while keeping its virtual addresses: waits, stream-ordered, for
+  /// the work queued before the call on the streams that own or used the
+  /// tags' blocks (an event per stream, never a device synchronization);
+  /// with keep_contents, copies the pages under their allocated blocks to
+  /// host memory (the backend's host_alloc: pinned on a GPU) first; then
+  /// unmaps and releases every page of the tags' reservations (their cached
+  /// free memory too). Afterwards the memory is free for other tags and for
+  /// other allocators (mem_get_info shows it). Tags already paused are left
+  /// as they are (not in the result's tags). Blocks of a paused tag: see
+  /// Note [Paused blocks] in src/core/sleep_wake.cpp (malloc refused, free
+  /// done at resume, record_stream refused). Throws invalid_argument_error,
+  /// changing nothing, for "default", an unknown tag, a tag holding a plain
+  /// segment (a backend without virtual memory), or a graph capture
+  /// underway; out_of_memory_error, changing nothing but returning the
+  /// tags' cached memory, when the host lacks memory for the contents.
+  /// Thread safe: locks the whole device (other threads' mallocs wait).
+  sleep_result pause(const std::vector<std::string>& tags, bool keep_contents);
+  /// Maps pages again at the paused tags' addresses, restores the kept
+  /// contents (work queued on a block's stream after the call sees them;
+  /// the call returns once they are copied), and makes the tags usable;
+  /// blocks freed while paused are freed then. Where the device or the
+  /// memory-fraction cap lacks room, ccalloc's cached memory of active tags
+  /// is returned first (empty_cache's rungs); if still short, throws
+  /// out_of_memory_error naming the tags, the bytes needed and what holds
+  /// the device, after calling the OOM observers; the tags stay paused, so
+  /// a later resume may succeed. Tags not paused are left alone; an unknown
+  /// tag throws invalid_argument_error. Thread safe as pause.
+  sleep_result resume(const std::vector<std::string>& tags);
+  /// The tag of a live block (its segment's). Thread safe while the caller
+  /// owns the block.
+  [[nodiscard]] std::string block_tag(const detail::block* block) const;
+  /// The paused tags, in the order of their ids.
+  [[nodiscard]] std::vector<std::string> paused_tags() const;
+  /// Per tag ("default" first, then every tag that holds or held memory
+  /// here): allocated, reserved, paused and kept bytes (tag_usage).
+  /// Locks the whole device: O(blocks).
+  [[nodiscard]] std::vector<tag_usage> tag_stats() const;
 
   /// Segments and their blocks, sorted by address, with the contexts that
   /// history recorded. Locks the whole device while it walks: O(blocks).

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <ccalloc/base/types.hpp>
+#include <ccalloc/core/tags.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -57,8 +58,10 @@ enum class trace_entry_action : std::uint8_t {
   snapshot,        ///< a snapshot was taken; addr 0, size = active bytes then
   oom,             ///< out of memory; addr = device free bytes, size = requested bytes
   empty_cache,     ///< empty_cache was called; addr 0, size = reserved bytes then
+  pause,           ///< a tag was paused (SPEC S2); addr 0, size = its paused bytes (pages to map again)
+  resume,          ///< a tag was resumed (SPEC S3); addr 0, size = the bytes mapped again
 };
-inline constexpr std::size_t trace_entry_action_count = 10;
+inline constexpr std::size_t trace_entry_action_count = 12;
 
 /// The name used in snapshots ("free_requested"). Never fails.
 [[nodiscard]] std::string_view to_string(trace_entry_action action) noexcept;
@@ -127,6 +130,11 @@ struct trace_entry {
   context_ptr context;        ///< null unless record_context allows it
   std::string compile_context = "N/A";  ///< top of the compile-context stack, "N/A" if empty (PyTorch)
   std::string user_metadata;            ///< set_user_metadata's value then ("" by default)
+  /// The tag (SPEC S1; core/tags.hpp) of the block or segment: for alloc,
+  /// free_requested, pause and resume its own; for other entries the tag in
+  /// scope on the thread that caused them (a segment_map inside a tagged
+  /// malloc is that tag's; a free_completed after events, the thread's).
+  tag_id tag = default_tag_id;
 };
 
 /// A record_annotation call (PyTorch's AnnotationEntry).

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -28,6 +29,7 @@ struct block_info {
   block_state state = block_state::inactive;
   bool mapped = true;  ///< false: an unmapped range of an expandable segment (always inactive)
   context_ptr context;  ///< the recorder's context at malloc (history with record_context::state or more)
+  std::string tag{"default"};  ///< its segment's tag (SPEC S1; core/tags.hpp)
 };
 
 /// A segment and its blocks. Invariants: blocks tile [address, address +
@@ -54,6 +56,10 @@ struct segment_info {
   context_ptr context;  ///< context of the malloc that created it, when history recorded one
   /// The private pool holding the segment ({0, 0}: the default pool). SPEC F20.
   mempool_id_t pool{};
+  /// The tag of every block in it (SPEC S1: a segment holds one tag's
+  /// blocks); paused: its pages are released (pause), mapped_bytes 0.
+  std::string tag{"default"};
+  bool paused = false;
   std::vector<block_info> blocks;  ///< in address order; sizes sum to total_bytes
 };
 

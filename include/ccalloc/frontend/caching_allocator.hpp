@@ -389,6 +389,20 @@ class caching_allocator {
   /// the created blocks' pointers are (free each once with free()).
   checkpoint_restore_result set_checkpoint_pool_state(int device, const pool_checkpoint& state);
 
+  // --- sleep and wake (SPEC S1-S5; core/tags.hpp for tags and scopes) -----
+
+  /// device_caching_allocator::pause on `device`, or on every device when
+  /// device is -1 (the figures summed, each tag named once). Throws as that
+  /// does (devices before the failing one stay paused), and
+  /// invalid_argument_error before init() or for a bad device.
+  sleep_result pause(const std::vector<std::string>& tags, bool keep_contents, int device = -1);
+  /// device_caching_allocator::resume on `device`, or every device (-1).
+  sleep_result resume(const std::vector<std::string>& tags, int device = -1);
+  /// device_caching_allocator::tag_stats of `device`.
+  [[nodiscard]] std::vector<tag_usage> tag_stats(int device) const;
+  /// The tags paused on `device`.
+  [[nodiscard]] std::vector<std::string> paused_tags(int device) const;
+
   /// The device allocator of `device` (for snapshots and tests). Throws
   /// invalid_argument_error for a bad device.
   [[nodiscard]] device_caching_allocator& device_allocator(int device) const;

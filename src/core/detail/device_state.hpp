@@ -57,6 +57,7 @@
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
 #include <ccalloc/core/stats.hpp>
+#include <ccalloc/core/tags.hpp>
 #include "stat_storage.hpp"
 
 #include "history_recorder.hpp"
@@ -79,6 +80,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -211,6 +213,26 @@ struct segment {
   // (device_state::best_own_run) instead of walking every block. [world]
   std::vector<block*> unmapped;
   using retired_page = page_table::retired_page;
+  // --- sleep and wake (sleep_wake.cpp; SPEC S2-S3) ---
+  // Paused: every page unmapped and released (pages all 0, mapped_bytes 0,
+  // retired empty) while its blocks keep their addresses; the block
+  // invariants about mapping hold again at resume. [world]
+  bool paused = false;
+  // The page runs resume maps again (those under blocks allocated at the
+  // pause), each with its kept contents in host memory from the backend's
+  // host_alloc (nullptr: not kept). [world]
+  struct paused_run {
+    std::size_t first_page = 0;
+    std::size_t pages = 0;
+    void* host = nullptr;
+  };
+  std::vector<paused_run> paused_runs;
+  // Free mapped blocks (partial pages beside blocks in use) taken out of
+  // their pool while paused: put back at resume. [world]
+  std::vector<block*> paused_free;
+  // Blocks freed by their callers while paused: freed at resume, once their
+  // pages are mapped again (a free never touches a released page). [stream]
+  std::vector<block*> frees_while_paused;
 };
 
 bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }
@@ -510,12 +532,18 @@ struct stream_pools {
 
 // ---- private_pool (private_pools.cpp) --------------------------------------------------
 
+// The first half of the id of a tag's own private pool (sleep_wake.cpp).
+inline constexpr std::uint64_t tag_pool_id_first = ~std::uint64_t{0};
+
 // A private pool (F20-F24): its id, users and options. Each stream that
 // allocates to it gets its own stream_pools in stream_state::private_pools
 // (blocks stay bound to their stream). Deleted (with those stream_pools) when
 // its use count is 0 and it holds no segment. [world]
 struct private_pool {
   mempool_id_t id;
+  // The tag its memory carries (tags.hpp): the tag in scope at its creation;
+  // a tag's own pool (device_state::tag_pool) has id {tag_pool_id_first, tag}.
+  tag_id tag = default_tag_id;
   int use_count = 1;
   segment_allocator custom;     // empty: the backend's segments
   bool use_on_oom = false;
@@ -524,6 +552,7 @@ struct private_pool {
   // Allocations in flight to it (they may drop the world lock): not deleted
   // meanwhile. Incremented under the world lock, decremented without it.
   std::atomic<int> pinned{0};
+  [[nodiscard]] bool is_tag_pool() const noexcept { return id.first == tag_pool_id_first && tag != default_tag_id; }
 };
 
 // Private pools by id (unique among live pools): an order that does not
@@ -990,8 +1019,10 @@ class device_state {
   // Called for each allocation while a pool scope is active: remembers
   // `stream` if it captures. [none] takes capturing_mutex_
   void note_if_capturing(stream_t stream);
+  // A tag's own pool is never live in this sense: its cache is ordinary
+  // cached memory (recycled, returned by empty_cache), as the default pools'.
   [[nodiscard]] bool pool_is_live(const block_pool* pool) const noexcept {
-    return pool->priv != nullptr && pool->priv->use_count > 0;
+    return pool->priv != nullptr && pool->priv->use_count > 0 && !pool->priv->is_tag_pool();
   }
   bool try_use_on_oom_pools(alloc_params& p, const world_lock& w);
   void release_dead_pools(const world_lock& w, bool keep_going = false);
@@ -1001,6 +1032,30 @@ class device_state {
   bool any_stream_capturing(const block* b);                                  // [stream]
   block* carve_allocated(segment& seg, std::uintptr_t ptr, std::size_t size, std::size_t requested);
   void free_allocated_locked(block* b);
+
+  // --- sleep_wake.cpp (SPEC S1-S4): every one [world] unless noted -----------
+  // A named tag's own private pool, made on first use (never deleted).
+  private_pool& tag_pool(tag_id tag);
+  // The tag of a segment: its private pool's, else default.
+  [[nodiscard]] static tag_id tag_of(const segment& seg) noexcept {
+    return seg.head->pool->priv != nullptr ? seg.head->pool->priv->tag : default_tag_id;
+  }
+  [[nodiscard]] bool tag_paused(tag_id tag) const noexcept { return paused_tags_.count(tag) != 0; }
+  // An allocation under the calling thread's tag (not default), routed to
+  // its pool. [none] takes the world lock; throws for a paused tag.
+  block* allocate_tagged(std::size_t requested_bytes, stream_state& ss, tag_id tag);
+  // allocate_slow in private pool pp (routed by a capture scope or a tag),
+  // pinning it meanwhile. [world]
+  block* allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss, world_lock& w);
+  sleep_result pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock& w);
+  sleep_result resume_tags(const std::vector<tag_id>& tags, world_lock& w);
+  void pause_segment(segment& seg, bool keep_contents, sleep_result& r);
+  // Maps seg's paused runs again; on failure every page this call mapped
+  // goes back and seg stays paused (returns false).
+  bool map_paused_segment(segment& seg);
+  void restore_paused_segment(segment& seg, sleep_result& r);
+  [[nodiscard]] std::vector<segment*> segments_of(tag_id tag) const;
+  [[nodiscard]] tag_usage usage_of(tag_id tag) const;
 
   // --- locks_and_stats.cpp, device_state.cpp -----------------------------------
   void publish_all_pending_stats(const world_lock& w);                        // [world]
@@ -1105,6 +1160,14 @@ class device_state {
   // Frees of blocks used on other streams while a capture was underway:
   // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
   std::vector<block*> deferred_frees_;
+
+  // Tags (sleep_wake.cpp): each named tag's own pool, and the paused tags.
+  // [world]
+  std::map<tag_id, private_pool*> tag_pools_;
+  std::set<tag_id> paused_tags_;
+  // paused_tags_ is not empty: the free path looks at a block's segment
+  // (a relaxed load on every free). [world to write]
+  std::atomic<bool> any_paused_{false};
 
   // Blocks parked in threads' caches (thread_cache.hpp).
   thread_cache_registry thread_caches_;

@@ -21,6 +21,8 @@
 // free_completed) take it from there.
 #pragma once
 
+#include "current_tag.hpp"
+
 #include <ccalloc/core/history.hpp>
 
 #include <atomic>
@@ -101,7 +103,7 @@ class history_recorder {
   /// Records one entry (stored unless skipped; queued for the trackers).
   /// `context` is kept only with record_context::alloc or more.
   void record(trace_entry_action action, std::uintptr_t addr, std::size_t size, stream_t stream,
-              const context_ptr& context);
+              const context_ptr& context, tag_id tag = tls_current_tag);
 
   // The core's hooks, one out-of-line call each so that the hot functions
   // that contain them stay small (only called when active()).

@@ -1,0 +1,507 @@
+// Sleep and wake (SPEC S1-S4): tagged memory, pause and resume.
+//
+// A named tag's memory lives in its own private pool (tag_pool), whose
+// segments are expandable reservations of their own: no page ever holds
+// blocks of two tags, and a tag's pages can be released and mapped again
+// without touching another tag's.
+//
+// pause(tags, keep_contents), under the world lock, for each tag not paused:
+//   1. wait, stream-ordered, for the work queued before the pause on the
+//      streams that used the tag's blocks: the events of its blocks freed
+//      with record_stream, then one event recorded on each live stream that
+//      owns or used one (event synchronizes, never the device);
+//   2. return its cached free memory: every whole free page is unmapped and
+//      released (unmap_block_pages), empty reservations go;
+//   3. for each reservation left (blocks in use): host memory for the pages
+//      under its live blocks first (keep_contents; nothing has changed if
+//      there is none), copies on the owning stream, an event after them,
+//      then every page unmapped and released; the reservation keeps its
+//      addresses (segment::paused, segment::paused_runs).
+// resume(tags): the pages of the paused runs are created and mapped at the
+// same addresses (after the cached free memory of active tags is given
+// back, when the device or the memory-fraction cap lacks room), contents
+// copied back on the owning stream, so that work queued there after resume
+// sees them; blocks freed while paused are freed then.
+//
+// Note [Paused blocks]: a paused tag's blocks stay allocated to their
+// callers (allocated bytes keep them; reserved bytes do not). malloc under
+// a paused tag is refused; free of a paused block is accepted and done at
+// resume; record_stream of one is refused; empty_cache, garbage collection
+// and page recycling never touch a paused reservation (its blocks are in no
+// pool); pause during a graph capture is refused.
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include <ccalloc/base/detail/bytes_text.hpp>
+
+#include "detail/device_state.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ccalloc {
+namespace detail {
+
+private_pool& device_state::tag_pool(tag_id tag) {
+  if (auto it = tag_pools_.find(tag); it != tag_pools_.end()) return *it->second;
+  const mempool_id_t id{tag_pool_id_first, tag};
+  auto pp = std::make_unique<private_pool>();
+  pp->id = id;
+  pp->tag = tag;
+  private_pool* raw = pp.get();
+  tag_pools_.emplace(tag, raw);  // first: on a throw below, the map holds a key to nothing yet
+  try {
+    private_pools_.emplace(id, std::move(pp));
+  } catch (...) {
+    tag_pools_.erase(tag);
+    throw;
+  }
+  return *raw;
+}
+
+block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss,
+                                              world_lock& w) {
+  if (pp.tag != default_tag_id && tag_paused(pp.tag))
+    throw invalid_argument_error("ccalloc: malloc of " + std::to_string(requested_bytes) + " bytes under tag '" +
+                                 tag_name(pp.tag) + "' on device " + std::to_string(device_) +
+                                 ": the tag is paused; resume it first (or allocate under another tag)");
+  struct unpin {
+    std::atomic<int>& n;
+    ~unpin() { n.fetch_sub(1, std::memory_order_release); }
+  };
+  pp.pinned.fetch_add(1, std::memory_order_relaxed);
+  unpin guard{pp.pinned};
+  alloc_params p;
+  prepare(p, requested_bytes, ss);
+  p.pool = &pool_in(pp, ss, p.pool->is_small);
+  return allocate_slow(p, w);
+}
+
+block* device_state::allocate_tagged(std::size_t requested_bytes, stream_state& ss, tag_id tag) {
+  world_lock w(*this);
+  return allocate_in_private_pool(tag_pool(tag), requested_bytes, ss, w);
+}
+
+std::vector<segment*> device_state::segments_of(tag_id tag) const {
+  std::vector<segment*> out;
+  for (const auto& [base, seg] : segments_)
+    if (tag_of(*seg) == tag) out.push_back(seg.get());
+  return out;
+}
+
+tag_usage device_state::usage_of(tag_id tag) const {
+  tag_usage u;
+  u.tag = tag_name(tag);
+  u.paused = tag_paused(tag);
+  for (const segment* seg : segments_of(tag)) {
+    ++u.segments;
+    u.reserved_bytes += seg->expandable ? seg->mapped_bytes : seg->size;
+    for (const block* b = seg->head; b != nullptr; b = b->next)
+      if (b->allocated) {
+        u.allocated_bytes += b->size;
+        ++u.blocks;
+      }
+    for (const auto& run : seg->paused_runs) {
+      u.paused_bytes += run.pages * seg->page_bytes;
+      if (run.host != nullptr) u.kept_bytes += run.pages * seg->page_bytes;
+    }
+  }
+  return u;
+}
+
+namespace {
+
+// The page runs under the allocated blocks of seg (sorted, merged).
+std::vector<segment::paused_run> live_runs(const segment& seg) {
+  std::vector<segment::paused_run> runs;
+  const std::size_t page = seg.page_bytes;
+  for (const block* b = seg.head; b != nullptr; b = b->next) {
+    if (!b->allocated) continue;
+    const std::size_t first = (b->ptr - seg.base) / page;
+    const std::size_t last = (b->ptr + b->size - seg.base + page - 1) / page;  // exclusive
+    if (!runs.empty() && runs.back().first_page + runs.back().pages >= first) {
+      const std::size_t end = std::max(runs.back().first_page + runs.back().pages, last);
+      runs.back().pages = end - runs.back().first_page;
+    } else {
+      runs.push_back({first, last - first, nullptr});
+    }
+  }
+  return runs;
+}
+
+// The stream that queues a segment's copies: its owner, or the legacy
+// default stream when the owner was destroyed.
+stream_t copy_stream(const segment& seg) noexcept {
+  const stream_state* owner = seg.head->pool->owner;
+  return owner->gone ? default_stream : owner->stream;
+}
+
+}  // namespace
+
+void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result& r) {
+  const std::size_t page = seg.page_bytes;
+  // Blocks in their pools (free partial pages beside blocks in use) leave
+  // them: nothing may place a block there, nor unmap a page of it.
+  for (block* b = seg.head; b != nullptr; b = b->next)
+    if (b->mapped && b->is_free() && b->pool->blocks.contains(b)) {
+      seg.paused_free.push_back(b);
+      pool_erase_counted(b);
+    }
+  const stream_t stream = copy_stream(seg);
+  if (keep_contents) {
+    for (auto& run : seg.paused_runs) {
+      backend_.copy_to_host_async(device_, run.host, reinterpret_cast<const void*>(seg.base + run.first_page * page),
+                                  run.pages * page, stream);
+      r.copied_bytes += run.pages * page;
+    }
+    const event_t e = get_event();
+    backend_.record_event(device_, e, stream);
+    backend_.synchronize_event(device_, e);  // the copies have read the pages
+    free_events_.push_back(e);
+  }
+  for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
+    if (!seg.pages.mapped(i)) {
+      ++i;
+      continue;
+    }
+    std::size_t n = 1;
+    while (i + n < seg.pages.count() && seg.pages.mapped(i + n)) ++n;
+    if (history_.active()) [[unlikely]]
+      history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
+    for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
+    r.released_bytes += n * page;
+  }
+  for (const auto& run : seg.paused_runs) r.paused_bytes += run.pages * page;
+  seg.paused = true;
+}
+
+sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock&) {
+  sleep_result r;
+  const std::optional<std::uint64_t> start_us = backend_.host_time_us();
+  const std::string where = "ccalloc: pause on device " + std::to_string(device_);
+  std::vector<tag_id> todo;
+  for (tag_id tag : tags) {
+    if (tag == default_tag_id)
+      throw invalid_argument_error(where + ": the default tag is never paused; allocate what is to sleep under a "
+                                           "named tag (tag_scope, ccalloc_tag_begin, ccalloc.tag)");
+    if (!tag_paused(tag) && std::find(todo.begin(), todo.end(), tag) == todo.end()) todo.push_back(tag);
+  }
+  if (todo.empty()) return r;
+  if (capture_underway())
+    throw invalid_argument_error(where + ": refused while a CUDA graph capture is underway (pages may not be "
+                                         "unmapped during a capture); pause after the capture ends");
+  std::vector<segment*> segs;
+  for (tag_id tag : todo)
+    for (segment* seg : segments_of(tag)) {
+      if (!seg->expandable || page_bytes_ == 0)
+        throw invalid_argument_error(where + ": tag '" + tag_name(tag) + "' holds a segment at " +
+                                     std::to_string(seg->base) +
+                                     " that is not a reservation of pages (the backend '" + backend_.name() +
+                                     "' has no virtual memory, or a private pool has its own segment allocator); "
+                                     "it cannot be paused");
+      segs.push_back(seg);
+    }
+  const std::set<const segment*> mine(segs.begin(), segs.end());
+  // Step 1: the events of the tags' blocks freed with record_stream, then
+  // the work queued on the streams that own or used their blocks.
+  for (auto& [stream, queue] : pending_events_)
+    for (auto& [e, b] : queue)
+      if (mine.count(b->seg) != 0) backend_.synchronize_event(device_, e);
+  process_events_locked();
+  std::set<stream_t> streams;
+  for (const segment* seg : segs) {
+    streams.insert(copy_stream(*seg));
+    for (const block* b = seg->head; b != nullptr; b = b->next)
+      if (b->allocated)
+        for (stream_t s : b->stream_uses) streams.insert(s);
+  }
+  if (!streams.empty()) {
+    const event_t e = get_event();
+    for (stream_t s : streams) {
+      backend_.record_event(device_, e, s);
+      backend_.synchronize_event(device_, e);
+    }
+    free_events_.push_back(e);
+  }
+  for (segment* seg : segs) settle_retired_in(*seg, 0, seg->pages.count(), true);
+  // Step 2: the tags' cached free memory goes back to the device.
+  const std::size_t reserved_before = reserved_bytes_;
+  for (segment* seg : segs) {
+    std::vector<block*> free_mapped;
+    for (block* b = seg->head; b != nullptr; b = b->next)
+      if (b->mapped && b->is_free()) free_mapped.push_back(b);
+    // From the highest address down: a block's unmapping merges only with
+    // blocks at or above it, so the ones below stay valid.
+    for (auto it = free_mapped.rbegin(); it != free_mapped.rend(); ++it)
+      unmap_block_pages(*it, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
+  }
+  release_empty_expandable_segments();
+  r.released_bytes += reserved_before - reserved_bytes_;
+  // Step 3: host memory for every kept run first; then copies and unmaps.
+  segs.clear();
+  for (tag_id tag : todo)
+    for (segment* seg : segments_of(tag)) segs.push_back(seg);
+  for (segment* seg : segs) seg->paused_runs = live_runs(*seg);
+  if (keep_contents) {
+    for (segment* seg : segs)
+      for (auto& run : seg->paused_runs) {
+        run.host = backend_.host_alloc(device_, run.pages * seg->page_bytes);
+        if (run.host != nullptr) continue;
+        for (segment* s2 : segs)
+          for (auto& run2 : s2->paused_runs) {
+            backend_.host_free(device_, run2.host);
+            run2.host = nullptr;
+          }
+        throw out_of_memory_error(
+            where + ": the host has no " + format_bytes(run.pages * seg->page_bytes) +
+                " of pinned memory to keep the contents of tag '" + tag_name(tag_of(*seg)) +
+                "'; nothing was paused (pause without keep_contents drops the contents)",
+            {device_, run.pages * seg->page_bytes, device_total_bytes_, 0, 0, reserved_bytes_});
+      }
+  }
+  for (segment* seg : segs) {
+    const tag_scope entries_tag(tag_of(*seg));  // its history entries name its tag
+    pause_segment(*seg, keep_contents, r);
+  }
+  for (tag_id tag : todo) {
+    paused_tags_.insert(tag);
+    r.tags.push_back(tag_name(tag));
+    if (history_.active()) [[unlikely]]
+      history_.record(trace_entry_action::pause, 0, usage_of(tag).paused_bytes, 0, nullptr, tag);
+  }
+  any_paused_.store(true, std::memory_order_relaxed);
+  if (const std::optional<std::uint64_t> end_us = backend_.host_time_us(); start_us && end_us)
+    r.host_time_us = *end_us - *start_us;
+  return r;
+}
+
+bool device_state::map_paused_segment(segment& seg) {
+  const std::size_t page = seg.page_bytes;
+  const stat_group g = group_of(seg.head->pool);
+  std::vector<std::size_t> done;
+  auto undo = [&]() noexcept {
+    for (std::size_t i : done) give_back_page(seg, i);
+  };
+  for (const auto& run : seg.paused_runs)
+    for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) {
+      physical_handle_t h = 0;
+      bool ok = false;
+      try {
+        ok = backend_.vm_create(device_, page, &h);
+        if (ok) {
+          void* addr = reinterpret_cast<void*>(seg.base + i * page);
+          try {
+            backend_.vm_map(device_, addr, page, h);
+            for (int peer : peers_) backend_.vm_set_access(device_, addr, page, peer);
+          } catch (...) {
+            backend_.vm_release_handle(device_, h);
+            throw;
+          }
+        }
+      } catch (...) {
+        undo();
+        throw;
+      }
+      if (!ok) {
+        undo();
+        return false;
+      }
+      seg.pages.set_mapped(i, h);
+      ++stats_.num_pages_mapped;
+      ++stats_.num_device_alloc;
+      seg.mapped_bytes += page;
+      reserved_bytes_ += page;
+      count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+      done.push_back(i);
+    }
+  return true;
+}
+
+void device_state::restore_paused_segment(segment& seg, sleep_result& r) {
+  const std::size_t page = seg.page_bytes;
+  const stream_t stream = copy_stream(seg);
+  bool copied = false;
+  for (auto& run : seg.paused_runs) {
+    if (history_.active()) [[unlikely]]
+      history_.record_segment_map(seg.base + run.first_page * page, run.pages * page, seg.head->stream);
+    r.paused_bytes += run.pages * page;
+    if (run.host == nullptr) continue;
+    backend_.copy_from_host_async(device_, reinterpret_cast<void*>(seg.base + run.first_page * page), run.host,
+                                  run.pages * page, stream);
+    r.copied_bytes += run.pages * page;
+    copied = true;
+  }
+  if (copied) {  // the host copies must have been read before they go
+    const event_t e = get_event();
+    backend_.record_event(device_, e, stream);
+    backend_.synchronize_event(device_, e);
+    free_events_.push_back(e);
+  }
+  for (auto& run : seg.paused_runs) backend_.host_free(device_, run.host);
+  seg.paused_runs.clear();
+  seg.paused = false;
+  for (block* b : seg.paused_free) pool_insert_counted(b);
+  seg.paused_free.clear();
+}
+
+sleep_result device_state::resume_tags(const std::vector<tag_id>& tags, world_lock& w) {
+  sleep_result r;
+  const std::optional<std::uint64_t> start_us = backend_.host_time_us();
+  std::vector<tag_id> todo;
+  for (tag_id tag : tags)
+    if (tag_paused(tag) && std::find(todo.begin(), todo.end(), tag) == todo.end()) todo.push_back(tag);
+  if (todo.empty()) return r;
+  std::vector<segment*> segs;
+  std::size_t need = 0;
+  for (tag_id tag : todo)
+    for (segment* seg : segments_of(tag))
+      if (seg->paused) {
+        segs.push_back(seg);
+        for (const auto& run : seg->paused_runs) need += run.pages * seg->page_bytes;
+      }
+  // Room first: ccalloc's own cached memory of active tags goes back when
+  // the device or the cap lacks it.
+  const auto lacks_room = [&] {
+    if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) return true;
+    return need > backend_.mem_get_info(device_).free_bytes;
+  };
+  if (need > 0 && lacks_room()) {
+    const std::size_t before = reserved_bytes_;
+    release_cached_blocks(w, /*for_retry=*/true);
+    r.cache_released_bytes = before - std::min(before, reserved_bytes_);
+  }
+  std::vector<segment*> mapped;
+  bool ok = !(need > 0 && set_fraction_ && reserved_bytes_ + need > allowed_bytes_);
+  for (segment* seg : segs) {
+    if (!ok) break;
+    ok = map_paused_segment(*seg);
+    if (ok) mapped.push_back(seg);
+  }
+  if (!ok) {
+    for (segment* seg : mapped)
+      for (const auto& run : seg->paused_runs)
+        for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) give_back_page(*seg, i);
+    std::string names;
+    for (tag_id tag : todo) names += (names.empty() ? "'" : ", '") + tag_name(tag) + "'";
+    const memory_info info = backend_.mem_get_info(device_);
+    const std::size_t outside = info.total_bytes - std::min(info.total_bytes, info.free_bytes + reserved_bytes_);
+    std::string msg = "ccalloc: out of memory resuming tag " + names + " on device " + std::to_string(device_) +
+                      ": it needs " + format_bytes(need) + " of pages mapped again; the device has " +
+                      format_bytes(info.free_bytes) + " free of " + format_bytes(info.total_bytes) +
+                      "; ccalloc holds " + format_bytes(reserved_bytes_) + " reserved (";
+    bool first = true;
+    std::set<tag_id> seen;
+    for (const auto& [base, seg] : segments_) seen.insert(tag_of(*seg));
+    for (tag_id tag : seen) {
+      const tag_usage u = usage_of(tag);
+      if (u.reserved_bytes == 0) continue;
+      msg += (first ? "" : ", ") + u.tag + " " + format_bytes(u.reserved_bytes);
+      first = false;
+    }
+    msg += std::string(first ? "nothing" : "") + ") after returning " + format_bytes(r.cache_released_bytes) +
+           " of its cached memory; " + format_bytes(outside) + " is held outside ccalloc (other allocators, processes)";
+    if (set_fraction_) msg += "; the memory-fraction cap allows " + format_bytes(allowed_bytes_);
+    msg += ". The tag stays paused: free memory and call resume again";
+    const out_of_memory_error::figures f{device_, need, set_fraction_ ? allowed_bytes_ : info.total_bytes,
+                                          info.free_bytes, 0, reserved_bytes_};
+    const auto observers = observers_;
+    w.unlock();
+    for (const auto& o : observers) {
+      try {
+        o(device_, need, f.device_total_bytes, f.device_free_bytes);
+      } catch (...) {
+      }
+    }
+    throw out_of_memory_error(msg, f);
+  }
+  std::vector<std::pair<tag_id, std::size_t>> resumed;  // bytes mapped again, for history
+  for (tag_id tag : todo) resumed.emplace_back(tag, usage_of(tag).paused_bytes);
+  for (segment* seg : segs) {
+    const tag_scope entries_tag(tag_of(*seg));
+    restore_paused_segment(*seg, r);
+  }
+  for (const auto& [tag, bytes] : resumed) {
+    paused_tags_.erase(tag);
+    r.tags.push_back(tag_name(tag));
+    if (history_.active()) [[unlikely]]
+      history_.record(trace_entry_action::resume, 0, bytes, 0, nullptr, tag);
+  }
+  any_paused_.store(!paused_tags_.empty(), std::memory_order_relaxed);
+  raise_reserved_high_water();
+  if (const std::optional<std::uint64_t> end_us = backend_.host_time_us(); start_us && end_us)
+    r.host_time_us = *end_us - *start_us;
+  return r;
+}
+
+}  // namespace detail
+
+namespace {
+std::vector<tag_id> tag_ids(const std::vector<std::string>& names, const char* what) {
+  std::vector<tag_id> ids;
+  for (const std::string& n : names) {
+    const std::optional<tag_id> id = find_tag(n);
+    if (!id)
+      throw invalid_argument_error(std::string("ccalloc: ") + what + ": no tag named '" +
+                                   n + "' (unknown tag)");
+    ids.push_back(*id);
+  }
+  return ids;
+}
+}  // namespace
+
+sleep_result device_caching_allocator::pause(const std::vector<std::string>& tags, bool keep_contents) {
+  auto& s = *state_;
+  const std::vector<tag_id> ids = tag_ids(tags, "pause");
+  detail::world_lock w(s);
+  return s.pause_tags(ids, keep_contents, w);
+}
+
+sleep_result device_caching_allocator::resume(const std::vector<std::string>& tags) {
+  auto& s = *state_;
+  const std::vector<tag_id> ids = tag_ids(tags, "resume");
+  std::vector<detail::block*> frees;
+  sleep_result r;
+  {
+    detail::world_lock w(s);
+    r = s.resume_tags(ids, w);
+    for (tag_id id : ids)
+      for (detail::segment* seg : s.segments_of(id)) {
+        frees.insert(frees.end(), seg->frees_while_paused.begin(), seg->frees_while_paused.end());
+        seg->frees_while_paused.clear();
+      }
+  }
+  for (detail::block* b : frees) s.free(b);  // their pages are mapped again
+  return r;
+}
+
+std::string device_caching_allocator::block_tag(const detail::block* block) const {
+  return tag_name(detail::device_state::tag_of(*block->seg));  // fixed for the segment's life
+}
+
+std::vector<std::string> device_caching_allocator::paused_tags() const {
+  auto& s = *state_;
+  detail::world_lock w(s);
+  std::vector<std::string> out;
+  for (tag_id t : s.paused_tags_) out.push_back(tag_name(t));
+  return out;
+}
+
+std::vector<tag_usage> device_caching_allocator::tag_stats() const {
+  auto& s = *state_;
+  detail::world_lock w(s);
+  s.publish_all_pending_stats(w);
+  std::set<tag_id> tags{default_tag_id};
+  for (const auto& [base, seg] : s.segments_) tags.insert(detail::device_state::tag_of(*seg));
+  for (const auto& [tag, pp] : s.tag_pools_) tags.insert(tag);
+  std::vector<tag_usage> out;
+  for (tag_id t : tags) out.push_back(s.usage_of(t));
+  return out;
+}
+
+}  // namespace ccalloc

@@ -1,0 +1,87 @@
+// The C API of sleep and wake (ccalloc.h: ccalloc_tag_begin/end, ccalloc_pause,
+// ccalloc_resume, ccalloc_tag_usage) on the simulated device.
+#include <ccalloc/ccalloc.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+struct c_allocator {
+  ccalloc_allocator_t* handle = nullptr;
+  explicit c_allocator(std::size_t capacity_bytes) {
+    ccalloc_options_t o;
+    ccalloc_options_init(&o);
+    o.backend = CCALLOC_BACKEND_SIM;
+    o.sim_capacity_bytes = capacity_bytes;
+    o.config = "";
+    EXPECT_EQ(ccalloc_create(&o, &handle), CCALLOC_OK) << ccalloc_last_error();
+    EXPECT_EQ(ccalloc_init(handle, 1), CCALLOC_OK) << ccalloc_last_error();
+  }
+  ~c_allocator() { ccalloc_destroy(handle); }
+  c_allocator(const c_allocator&) = delete;
+  c_allocator& operator=(const c_allocator&) = delete;
+};
+
+TEST(CapiSleepWake, TagScopePauseResumeAndUsage) {
+  c_allocator a(64 * MiB);
+  EXPECT_STREQ(ccalloc_current_tag(), "default");
+  ASSERT_EQ(ccalloc_tag_begin("capi_weights"), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_STREQ(ccalloc_current_tag(), "capi_weights");
+  void* w = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a.handle, 0, 24 * MiB, nullptr, &w), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_tag_end(), CCALLOC_OK);
+  EXPECT_STREQ(ccalloc_current_tag(), "default");
+  std::memset(w, 0x5a, 24 * MiB);
+
+  const char* tags[] = {"capi_weights"};
+  size_t free_before = 0, total = 0, free_after = 0;
+  ASSERT_EQ(ccalloc_mem_get_info(a.handle, 0, &free_before, &total), CCALLOC_OK);
+  ccalloc_sleep_result_t r{};
+  ASSERT_EQ(ccalloc_pause(a.handle, -1, tags, 1, 1, &r), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_mem_get_info(a.handle, 0, &free_after, &total), CCALLOC_OK);
+  EXPECT_EQ(free_after - free_before, 24 * MiB);
+  EXPECT_EQ(r.paused_bytes, 24 * MiB);
+  EXPECT_EQ(r.copied_bytes, 24 * MiB);
+  ccalloc_tag_usage_t u{};
+  ASSERT_EQ(ccalloc_tag_usage(a.handle, 0, "capi_weights", &u), CCALLOC_OK);
+  EXPECT_EQ(u.paused, 1);
+  EXPECT_EQ(u.allocated_bytes, 24 * MiB);
+  EXPECT_EQ(u.reserved_bytes, 0u);
+  EXPECT_EQ(u.kept_bytes, 24 * MiB);
+
+  // Another allocator's worth of memory (here: the default tag) fills the room.
+  void* other = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a.handle, 0, 56 * MiB, nullptr, &other), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_resume(a.handle, 0, tags, 1, &r), CCALLOC_ERROR_OUT_OF_MEMORY);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("resuming tag 'capi_weights'"), std::string::npos)
+      << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_delete(a.handle, other), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_resume(a.handle, 0, tags, 1, &r), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(w)[24 * MiB - 1], 0x5a);
+  EXPECT_EQ(static_cast<unsigned char*>(w)[0], 0x5a);
+  ASSERT_EQ(ccalloc_delete(a.handle, w), CCALLOC_OK);
+}
+
+TEST(CapiSleepWake, BadCallsAreRefused) {
+  c_allocator a(16 * MiB);
+  EXPECT_EQ(ccalloc_tag_end(), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_tag_begin(nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_tag_begin("bad tag"), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_current_tag(), "default");
+  const char* def[] = {"default"};
+  EXPECT_EQ(ccalloc_pause(a.handle, 0, def, 1, 0, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  const char* null_tag[] = {nullptr};
+  EXPECT_EQ(ccalloc_pause(a.handle, 0, null_tag, 1, 0, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_pause(a.handle, 0, nullptr, 1, 0, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  ccalloc_tag_usage_t u{};
+  EXPECT_EQ(ccalloc_tag_usage(a.handle, 0, "never_seen_here", &u), CCALLOC_OK);
+  EXPECT_EQ(u.segments, 0u);
+}
+
+}  // namespace

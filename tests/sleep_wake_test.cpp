@@ -1,0 +1,486 @@
+// Sleep and wake (SPEC S1-S4): tags, pause and resume on the simulated
+// device, whose reservations keep their addresses while nothing is mapped
+// (an access there counts in sim_counters::unmapped_uses) and whose clock
+// runs the streams' work (a page unmapped before that work ends counts in
+// unsafe_unmaps).
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/config.hpp>
+#include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/snapshot.hpp>
+#include <ccalloc/core/tags.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace ccalloc;  // NOLINT: test file
+
+constexpr std::size_t MiB = mib;
+constexpr std::size_t page = 2 * MiB;
+
+class SleepWakeTest : public ::testing::Test {
+ protected:
+  void make(std::size_t capacity = 256 * MiB, const std::string& conf = "", sim_options o = {}) {
+    alloc.reset();
+    o.capacity_bytes = capacity;
+    sim = std::make_shared<sim_backend>(o);
+    alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(conf));
+    alloc->init(1);
+  }
+  void SetUp() override { make(); }
+  void TearDown() override {
+    if (alloc) alloc->device_allocator(0).check_invariants();
+    EXPECT_EQ(sim->counters().unsafe_unmaps, 0u) << "a page was unmapped while work could still use it";
+    EXPECT_EQ(sim->counters().unmapped_uses, 0u) << "the device touched a page with nothing mapped";
+  }
+  device_caching_allocator& dev() { return alloc->device_allocator(0); }
+  void* m(std::size_t n, stream_t s = 0) { return alloc->malloc(0, n, s); }
+  void* m_tagged(const char* tag, std::size_t n, stream_t s = 0) {
+    tag_scope scope(tag);
+    return m(n, s);
+  }
+  std::size_t free_bytes() { return sim->mem_get_info(0).free_bytes; }
+  tag_usage usage(const std::string& tag) {
+    for (const tag_usage& u : dev().tag_stats())
+      if (u.tag == tag) return u;
+    ADD_FAILURE() << "no tag " << tag;
+    return {};
+  }
+  static void fill(void* p, std::size_t n, unsigned char seed) {
+    auto* b = static_cast<unsigned char*>(p);
+    for (std::size_t i = 0; i < n; i += 4096) b[i] = static_cast<unsigned char>(seed + i / 4096);
+    b[n - 1] = seed;
+  }
+  static bool holds(const void* p, std::size_t n, unsigned char seed) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (std::size_t i = 0; i < n; i += 4096)
+      if (b[i] != static_cast<unsigned char>(seed + i / 4096)) return false;
+    return b[n - 1] == seed;
+  }
+  // The tag of the segment holding p, from segments() ("" if none).
+  std::string tag_at(const void* p) {
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    for (const segment_info& si : dev().segments())
+      if (a >= si.address && a < si.address + si.total_bytes) return si.tag;
+    return "";
+  }
+  // Every page an allocated block touches holds blocks of one tag only.
+  void expect_pages_of_one_tag() {
+    std::map<std::uintptr_t, std::string> owner;
+    for (const segment_info& si : dev().segments())
+      for (const block_info& b : si.blocks) {
+        if (b.state != block_state::active_allocated) continue;
+        EXPECT_EQ(b.tag, si.tag);
+        for (std::uintptr_t pg = b.address / page; pg <= (b.address + b.size_bytes - 1) / page; ++pg) {
+          auto [it, fresh] = owner.emplace(pg, b.tag);
+          EXPECT_EQ(it->second, b.tag) << "page " << pg << " holds blocks of two tags";
+        }
+      }
+  }
+  std::shared_ptr<sim_backend> sim;
+  std::unique_ptr<caching_allocator> alloc;
+};
+
+TEST(TagsTest, ScopesNestAndRestore) {
+  EXPECT_EQ(current_tag(), default_tag_id);
+  {
+    tag_scope a("weights");
+    EXPECT_EQ(tag_name(current_tag()), "weights");
+    {
+      tag_scope b("kv_cache");
+      EXPECT_EQ(tag_name(current_tag()), "kv_cache");
+    }
+    EXPECT_EQ(tag_name(current_tag()), "weights");
+    EXPECT_EQ(intern_tag("weights"), a.id());
+  }
+  EXPECT_EQ(current_tag(), default_tag_id);
+  EXPECT_EQ(tag_name(default_tag_id), "default");
+}
+
+TEST(TagsTest, BadNamesAreRefusedNamingTheRule) {
+  EXPECT_THROW((void)intern_tag(""), invalid_argument_error);
+  EXPECT_THROW((void)intern_tag(std::string(65, 'a')), invalid_argument_error);
+  try {
+    (void)intern_tag("kv cache");
+    FAIL() << "a space was accepted";
+  } catch (const invalid_argument_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'kv cache' has a character outside"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(find_tag("never-made-zz").has_value());
+  EXPECT_EQ(current_tag(), default_tag_id);
+}
+
+TEST_F(SleepWakeTest, EveryAllocationCarriesItsTagAndTagsNeverSharePages) {
+  std::vector<void*> ps;
+  for (int i = 0; i < 6; ++i) {
+    ps.push_back(m(300 * 1024));                 // default, small pool
+    ps.push_back(m_tagged("sw_a", 300 * 1024));  // sw_a, small pool
+    ps.push_back(m_tagged("sw_b", 5 * MiB));     // sw_b, large pool
+    ps.push_back(m_tagged("sw_a", 3 * MiB));     // sw_a, large pool
+  }
+  const std::vector<std::string> expected = {"default", "sw_a", "sw_b", "sw_a"};
+  for (std::size_t i = 0; i < ps.size(); ++i) EXPECT_EQ(tag_at(ps[i]), expected[i % 4]) << i;
+  expect_pages_of_one_tag();
+  const tag_usage a = usage("sw_a");
+  EXPECT_EQ(a.allocated_bytes, 6 * (300 * 1024 + 3 * MiB));
+  EXPECT_EQ(a.blocks, 12u);
+  EXPECT_GE(a.reserved_bytes, a.allocated_bytes);
+  EXPECT_EQ(a.paused_bytes, 0u);
+  EXPECT_EQ(usage("default").allocated_bytes, 6u * 300 * 1024);
+  for (void* p : ps) alloc->free(p);
+  EXPECT_EQ(usage("sw_a").allocated_bytes, 0u);
+}
+
+TEST_F(SleepWakeTest, PauseReleasesThePagesAndResumeMapsThemAtTheSameAddressesWithTheirContents) {
+  make(64 * MiB);
+  std::vector<void*> w;
+  for (int i = 0; i < 3; ++i) {
+    w.push_back(m_tagged("sw_weights", 10 * MiB + 4096 * i));
+    fill(w.back(), 10 * MiB, static_cast<unsigned char>(i + 1));
+  }
+  void* other = m(6 * MiB);  // default: untouched by the pause
+  fill(other, 6 * MiB, 9);
+  const std::size_t reserved = usage("sw_weights").reserved_bytes;
+  const std::size_t before = free_bytes();
+  const sleep_result r = alloc->pause({"sw_weights"}, /*keep_contents=*/true);
+  EXPECT_EQ(r.tags, std::vector<std::string>{"sw_weights"});
+  // Free memory rises by at least the tag's reserved bytes less a page per block.
+  EXPECT_GE(free_bytes() - before, reserved - 3 * page);
+  EXPECT_EQ(free_bytes() - before, r.released_bytes);
+  const tag_usage u = usage("sw_weights");
+  EXPECT_TRUE(u.paused);
+  EXPECT_EQ(u.reserved_bytes, 0u);
+  EXPECT_EQ(u.allocated_bytes, 30 * MiB + 4096 + 8192);  // paused blocks stay allocated
+  EXPECT_GE(u.paused_bytes, 30 * MiB);
+  EXPECT_EQ(u.kept_bytes, u.paused_bytes);
+  EXPECT_EQ(r.copied_bytes, u.paused_bytes);
+  EXPECT_EQ(dev().paused_tags(), std::vector<std::string>{"sw_weights"});
+  for (const segment_info& si : dev().segments())
+    if (si.tag == "sw_weights") {
+      EXPECT_TRUE(si.paused);
+      EXPECT_EQ(si.mapped_bytes, 0u);
+    }
+  // Another tag takes the freed memory and scribbles on it.
+  void* scratch = m_tagged("sw_train", 50 * MiB);  // fits only in the paused pages
+  std::memset(scratch, 0xee, 50 * MiB);
+  alloc->free(scratch);
+  const std::size_t train_reserved = usage("sw_train").reserved_bytes;
+  EXPECT_GE(train_reserved, 50 * MiB);  // cached: the resume gives it back for room
+  const sleep_result back = alloc->resume({"sw_weights"});
+  EXPECT_EQ(back.tags, std::vector<std::string>{"sw_weights"});
+  EXPECT_EQ(back.paused_bytes, u.paused_bytes);
+  EXPECT_EQ(back.copied_bytes, u.paused_bytes);
+  EXPECT_GT(back.cache_released_bytes, 0u);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(holds(w[i], 10 * MiB, static_cast<unsigned char>(i + 1))) << i;
+  EXPECT_TRUE(holds(other, 6 * MiB, 9));
+  EXPECT_FALSE(usage("sw_weights").paused);
+  EXPECT_GE(usage("sw_weights").reserved_bytes, 30 * MiB);
+  EXPECT_TRUE(dev().paused_tags().empty());
+  for (void* p : w) alloc->free(p);
+  alloc->free(other);
+  expect_pages_of_one_tag();
+}
+
+TEST_F(SleepWakeTest, WithoutContentsPauseCopiesNothingAndCachedMemoryOfTheTagGoesToo) {
+  void* kv = m_tagged("sw_kv", 20 * MiB);
+  void* gone = m_tagged("sw_kv", 10 * MiB);
+  alloc->free(gone);  // cached under sw_kv
+  const std::size_t reserved = usage("sw_kv").reserved_bytes;
+  EXPECT_GE(reserved, 30 * MiB);
+  const std::size_t before = free_bytes();
+  const sleep_result r = alloc->pause({"sw_kv"}, false);
+  EXPECT_EQ(r.copied_bytes, 0u);
+  EXPECT_EQ(sim->counters().bytes_to_host, 0u);
+  EXPECT_EQ(sim->counters().host_bytes, 0u);
+  EXPECT_GE(free_bytes() - before, reserved - page);
+  EXPECT_EQ(usage("sw_kv").paused_bytes, 20 * MiB);
+  EXPECT_EQ(usage("sw_kv").kept_bytes, 0u);
+  const sleep_result back = alloc->resume({"sw_kv"});
+  EXPECT_EQ(back.paused_bytes, 20 * MiB);
+  EXPECT_EQ(back.copied_bytes, 0u);
+  EXPECT_EQ(usage("sw_kv").reserved_bytes, 20 * MiB);
+  std::memset(kv, 1, 20 * MiB);  // mapped again: writable
+  alloc->free(kv);
+}
+
+TEST_F(SleepWakeTest, PausingTwiceOrResumingAnActiveTagChangesNothing) {
+  void* p = m_tagged("sw_twice", 10 * MiB);
+  EXPECT_TRUE(alloc->resume({"sw_twice"}).tags.empty());
+  EXPECT_EQ(alloc->pause({"sw_twice"}, false).tags.size(), 1u);
+  const sleep_result again = alloc->pause({"sw_twice", "sw_twice"}, true);
+  EXPECT_TRUE(again.tags.empty());
+  EXPECT_EQ(again.released_bytes, 0u);
+  EXPECT_EQ(alloc->resume({"sw_twice"}).tags.size(), 1u);
+  alloc->free(p);
+}
+
+TEST_F(SleepWakeTest, BadPausesAreRefusedAndChangeNothing) {
+  void* p = m_tagged("sw_bad", 4 * MiB);
+  EXPECT_THROW(alloc->pause({"default"}, false), invalid_argument_error);
+  try {
+    alloc->pause({"sw_never_used_tag"}, false);
+    FAIL();
+  } catch (const invalid_argument_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no tag named 'sw_never_used_tag' (unknown tag)"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(alloc->resume({"sw_never_used_tag"}), invalid_argument_error);
+  EXPECT_TRUE(dev().paused_tags().empty());
+  EXPECT_EQ(usage("sw_bad").reserved_bytes, 4 * MiB);
+  alloc->free(p);
+}
+
+TEST_F(SleepWakeTest, MallocUnderAPausedTagIsRefusedAndFreeIsDoneAtResume) {
+  void* a = m_tagged("sw_paused", 8 * MiB);
+  void* b = m_tagged("sw_paused", 8 * MiB);
+  alloc->pause({"sw_paused"}, true);
+  try {
+    (void)m_tagged("sw_paused", MiB);
+    FAIL() << "malloc under a paused tag succeeded";
+  } catch (const invalid_argument_error& e) {
+    EXPECT_NE(std::string(e.what()).find("under tag 'sw_paused' on device 0: the tag is paused"), std::string::npos)
+        << e.what();
+  }
+  void* d = m(MiB);  // other tags allocate as usual
+  alloc->free(a);    // accepted; done at resume
+  EXPECT_EQ(usage("sw_paused").allocated_bytes, 16 * MiB);
+  EXPECT_THROW(alloc->record_stream(b, sim->create_stream(0)), invalid_argument_error);
+  alloc->resume({"sw_paused"});
+  EXPECT_EQ(usage("sw_paused").allocated_bytes, 8 * MiB);
+  void* again = m_tagged("sw_paused", MiB);
+  alloc->free(again);
+  alloc->free(b);
+  alloc->free(d);
+  EXPECT_EQ(usage("sw_paused").allocated_bytes, 0u);
+}
+
+TEST_F(SleepWakeTest, PauseWaitsForTheWorkOnTheTagsStreamsWithoutSynchronizingTheDevice) {
+  const stream_t s = sim->create_stream(0);
+  const stream_t other = sim->create_stream(0);
+  void* p = m_tagged("sw_work", 6 * MiB, s);
+  void* q = m(6 * MiB, other);
+  sim->enqueue_work(0, s, 1000);
+  sim->use_memory(0, p, 6 * MiB, s);
+  sim->enqueue_work(0, other, 5000);  // another stream's work: not waited for
+  const std::int64_t syncs = alloc->get_device_stats(0).num_device_synchronizations;
+  alloc->pause({"sw_work"}, true);
+  EXPECT_EQ(sim->now(), 1000u);  // waited for s's work only
+  EXPECT_EQ(alloc->get_device_stats(0).num_device_synchronizations, syncs);
+  alloc->resume({"sw_work"});
+  alloc->free(p);
+  alloc->free(q);
+}
+
+TEST_F(SleepWakeTest, ABlockFreedWithRecordStreamIsWaitedForAndItsMemoryReleased) {
+  const stream_t s = sim->create_stream(0);
+  const stream_t side = sim->create_stream(0);
+  void* p = m_tagged("sw_rs", 20 * MiB, s);
+  alloc->record_stream(p, side);
+  sim->enqueue_work(0, side, 700);
+  sim->use_memory(0, p, 20 * MiB, side);
+  alloc->free(p);  // waits for an event on side
+  const sleep_result r = alloc->pause({"sw_rs"}, false);
+  EXPECT_GE(sim->now(), 700u);
+  EXPECT_GE(r.released_bytes, 20 * MiB);
+  EXPECT_EQ(usage("sw_rs").paused_bytes, 0u);  // nothing live: nothing to map again
+  alloc->resume({"sw_rs"});
+}
+
+TEST_F(SleepWakeTest, TheDeviceTouchingAPausedBlockIsReportedUnsafe) {
+  void* p = m_tagged("sw_touch", 4 * MiB);
+  alloc->pause({"sw_touch"}, false);
+  sim->use_memory(0, p, 4 * MiB, 0);
+  EXPECT_EQ(sim->counters().unmapped_uses, 1u);
+  alloc->resume({"sw_touch"});
+  sim->use_memory(0, p, 4 * MiB, 0);
+  EXPECT_EQ(sim->counters().unmapped_uses, 1u);  // mapped again
+  alloc->free(p);
+  // TearDown's check expects 0: this test's one unsafe use is on purpose.
+  sim = std::make_shared<sim_backend>();
+}
+
+TEST_F(SleepWakeTest, ResumeReturnsCachedMemoryOfActiveTagsFirst) {
+  make(64 * MiB);
+  void* w = m_tagged("sw_room", 36 * MiB);
+  fill(w, 36 * MiB, 3);
+  alloc->pause({"sw_room"}, true);
+  void* t = m_tagged("sw_trainer", 48 * MiB);
+  alloc->free(t);  // cached: 400 MiB held by ccalloc, free for nobody else
+  EXPECT_LT(free_bytes(), 36 * MiB);
+  const sleep_result r = alloc->resume({"sw_room"});
+  EXPECT_GE(r.cache_released_bytes, 36 * MiB - 28 * MiB);
+  EXPECT_TRUE(holds(w, 36 * MiB, 3));
+  alloc->free(w);
+}
+
+TEST_F(SleepWakeTest, ResumeWithoutRoomFailsNamingTheTagAndStaysPausedThenSucceeds) {
+  make(64 * MiB);
+  void* w = m_tagged("sw_oom", 36 * MiB);
+  fill(w, 36 * MiB, 5);
+  alloc->pause({"sw_oom"}, true);
+  int observed = 0;
+  alloc->attach_out_of_memory_observer([&](int, std::size_t need, std::size_t, std::size_t) {
+    ++observed;
+    EXPECT_EQ(need, 36 * MiB);
+  });
+  void* live = m(48 * MiB);  // live memory of another tag: not given back
+  try {
+    alloc->resume({"sw_oom"});
+    FAIL() << "resume succeeded without room";
+  } catch (const out_of_memory_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("out of memory resuming tag 'sw_oom' on device 0: it needs 36.00 MiB"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("default 48.00 MiB"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("The tag stays paused"), std::string::npos) << msg;
+    EXPECT_EQ(e.requested_bytes, 36 * MiB);
+  }
+  EXPECT_EQ(observed, 1);
+  EXPECT_EQ(dev().paused_tags(), std::vector<std::string>{"sw_oom"});
+  EXPECT_EQ(usage("sw_oom").reserved_bytes, 0u);
+  dev().check_invariants();
+  alloc->free(live);
+  alloc->resume({"sw_oom"});
+  EXPECT_TRUE(holds(w, 36 * MiB, 5));
+  alloc->free(w);
+}
+
+TEST_F(SleepWakeTest, ResumeHonoursTheMemoryFraction) {
+  void* w = m_tagged("sw_frac", 100 * MiB);
+  alloc->pause({"sw_frac"}, false);
+  void* d = m(100 * MiB);
+  alloc->set_memory_fraction(150.0 / 256.0, 0);  // 150 MiB allowed, 100 live
+  EXPECT_THROW(alloc->resume({"sw_frac"}), out_of_memory_error);
+  EXPECT_EQ(dev().paused_tags().size(), 1u);
+  alloc->free(d);
+  alloc->resume({"sw_frac"});
+  alloc->free(w);
+}
+
+TEST_F(SleepWakeTest, PauseDuringAGraphCaptureIsRefused) {
+  const stream_t s = sim->create_stream(0);
+  void* p = m_tagged("sw_cap", 4 * MiB, s);
+  const mempool_id_t pool{7, 7};
+  alloc->create_or_incref_pool(0, pool);
+  alloc->begin_allocate_to_pool(0, pool, [s](stream_t x) { return x == s; });
+  sim->begin_capture(0, s);
+  void* in_graph = m(MiB, s);
+  try {
+    alloc->pause({"sw_cap"}, false);
+    FAIL();
+  } catch (const invalid_argument_error& e) {
+    EXPECT_NE(std::string(e.what()).find("refused while a CUDA graph capture is underway"), std::string::npos);
+  }
+  sim->end_capture(0, s);
+  alloc->end_allocate_to_pool(0, pool);
+  alloc->free(in_graph);
+  alloc->release_pool(0, pool);
+  EXPECT_TRUE(dev().paused_tags().empty());
+  alloc->free(p);
+}
+
+TEST_F(SleepWakeTest, AGraphPoolCreatedUnderATagPausesWithItAtUnchangedAddresses) {
+  const stream_t s = sim->create_stream(0);
+  const mempool_id_t pool{9, 1};
+  {
+    tag_scope scope("sw_graph");
+    alloc->create_or_incref_pool(0, pool);
+  }
+  alloc->begin_allocate_to_pool(0, pool, [s](stream_t x) { return x == s; });
+  void* g = m(12 * MiB, s);  // the graph's memory; tag from the pool
+  alloc->end_allocate_to_pool(0, pool);
+  fill(g, 12 * MiB, 7);
+  EXPECT_EQ(tag_at(g), "sw_graph");
+  alloc->pause({"sw_graph"}, true);
+  EXPECT_EQ(usage("sw_graph").reserved_bytes, 0u);
+  alloc->resume({"sw_graph"});
+  EXPECT_EQ(tag_at(g), "sw_graph");  // same address, same segment
+  EXPECT_TRUE(holds(g, 12 * MiB, 7));
+  alloc->free(g);
+  alloc->release_pool(0, pool);
+}
+
+TEST_F(SleepWakeTest, WithExpandableSegmentsOffTaggedMemoryIsStillInReservations) {
+  make(256 * MiB, "expandable_segments:False");
+  void* d = m(4 * MiB);
+  void* t = m_tagged("sw_plain", 4 * MiB);
+  for (const segment_info& si : dev().segments()) EXPECT_EQ(si.is_expandable, si.tag == "sw_plain") << si.tag;
+  const std::size_t before = free_bytes();
+  alloc->pause({"sw_plain"}, false);
+  EXPECT_EQ(free_bytes() - before, 4 * MiB);
+  alloc->resume({"sw_plain"});
+  alloc->free(t);
+  alloc->free(d);
+}
+
+TEST_F(SleepWakeTest, EmptyCacheWhilePausedLeavesThePausedTagAlone) {
+  void* w = m_tagged("sw_ec", 30 * MiB);
+  fill(w, 30 * MiB, 11);
+  alloc->free(m(50 * MiB));
+  alloc->pause({"sw_ec"}, true);
+  alloc->empty_cache();
+  EXPECT_EQ(usage("default").reserved_bytes, 0u);
+  EXPECT_EQ(usage("sw_ec").paused_bytes, 30 * MiB);
+  alloc->resume({"sw_ec"});
+  EXPECT_TRUE(holds(w, 30 * MiB, 11));
+  alloc->free(w);
+}
+
+TEST_F(SleepWakeTest, SharingABlockOfANamedTagIsRefused) {
+  void* t = m_tagged("sw_ipc", 4 * MiB);
+  EXPECT_THROW((void)alloc->share_ipc_handle(t), invalid_argument_error);
+  alloc->free(t);
+}
+
+TEST_F(SleepWakeTest, KeptCopiesCostModelledHostTime) {
+  sim_options o;
+  o.host_clock_mode = sim_options::host_clock::modeled;
+  make(256 * MiB, "", o);
+  void* w = m_tagged("sw_time", 50 * MiB);
+  const sleep_result with = alloc->pause({"sw_time"}, true);
+  // 50 MiB at 50 GB/s: 1,049 us of copies, plus unmapping 25 pages.
+  EXPECT_GE(with.host_time_us, 1'049u + 25 * 18);
+  const sleep_result back = alloc->resume({"sw_time"});
+  EXPECT_GE(back.host_time_us, 1'049u);
+  const sleep_result without = alloc->pause({"sw_time"}, false);
+  EXPECT_LT(without.host_time_us, with.host_time_us);
+  alloc->resume({"sw_time"});
+  alloc->free(w);
+}
+
+}  // namespace
+
+namespace {
+
+TEST_F(SleepWakeTest, HistoryAndSnapshotNameTagsAndRecordPauseAndResume) {
+  history_options h;
+  alloc->record_history(h);
+  void* p = m_tagged("sw_hist", 6 * MiB);
+  void* d = m(MiB);
+  alloc->pause({"sw_hist"}, false);
+  const std::string json = to_json(alloc->snapshot());
+  EXPECT_NE(json.find("\"tag\":\"sw_hist\",\"paused\":true"), std::string::npos);
+  alloc->resume({"sw_hist"});
+  alloc->free(p);
+  alloc->free(d);
+  std::vector<std::string> seen;
+  for (const trace_entry& e : dev().trace_entries())
+    if (e.tag != default_tag_id || e.action == trace_entry_action::alloc)
+      seen.push_back(std::string(to_string(e.action)) + ":" + tag_name(e.tag) + ":" + std::to_string(e.size));
+  const std::vector<std::string> expected = {
+      "segment_map:sw_hist:6291456",   "alloc:sw_hist:6291456",       "alloc:default:1048576",
+      "segment_unmap:sw_hist:6291456", "pause:sw_hist:6291456",       "segment_map:sw_hist:6291456",
+      "resume:sw_hist:6291456",        "free_requested:sw_hist:6291456", "free_completed:sw_hist:6291456"};
+  EXPECT_EQ(seen, expected);
+}
+
+}  // namespace
