@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
   // The counters' increase over the measured part, on stderr.
   // The wall time of the measured loop (two clock reads outside it): ns a
   // pair or step, for timing the same loop on another host (the GPU
-  // machine's, scripts/gpu-mixed-layout.sh); 0 when N = 0.
+  // machine's, scripts/gpu.sh mixed-layout); 0 when N = 0.
   using clock = std::chrono::steady_clock;
   clock::time_point started;
   auto print_stats = [&](const char* what, const char* unit, const ccalloc::device_stats& before) {

@@ -42,9 +42,10 @@ plain() {
 }
 
 asan() {
-  # Internal invariants (CCALLOC_ASSERT) are checked here too.
+  # Internal invariants (CCALLOC_ASSERT) and the per-structure checks at
+  # state transitions (CCALLOC_ASSERT_EXPENSIVE) are checked here too.
   cmake -S . -B build-asan "${CONFIGURE[@]}" -DCCALLOC_SANITIZE=address,undefined -DCCALLOC_BUILD_BENCH=OFF \
-    -DCCALLOC_ENABLE_ASSERTS=ON >/dev/null
+    -DCCALLOC_ENABLE_ASSERTS=ON -DCCALLOC_ENABLE_EXPENSIVE_ASSERTS=ON >/dev/null
   cmake --build build-asan -j "$JOBS"
   # Not the install and Python tests: they load the instrumented library into
   # programs built without the sanitizers (an outside project, python3); the

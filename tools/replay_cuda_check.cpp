@@ -2,7 +2,7 @@
 // GPU (`ccalloc replay --device sim` and `--device cuda`, SPEC X8) and
 // compares the two. A standalone program with nothing but the standard
 // library (the GPU machine's minimal build has no CLI11 or nlohmann-json);
-// scripts/gpu-check.sh runs it.
+// scripts/gpu.sh check runs it.
 //
 // Usage: ccalloc_replay_cuda_check [--config STR] [--cuda-device N] [--repeat N] [TRACE...]
 //   Without TRACE: the bundled gpt2_train and bert_copystream_infer traces

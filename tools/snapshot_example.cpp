@@ -2,7 +2,7 @@
 // on the default device (the GPU when there is one, else the simulated
 // device), then writes a snapshot as JSON in PyTorch's layout (SPEC F13-F16,
 // E4). A standalone program with nothing but the standard library and CUDA,
-// so the GPU machine's minimal build has it; scripts/gpu-snapshots.sh turns
+// so the GPU machine's minimal build has it; scripts/gpu.sh snapshots turns
 // its output into a pickle (python/ccalloc/snapshot.py) and opens it with
 // torch.cuda._memory_viz.
 //

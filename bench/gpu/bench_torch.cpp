@@ -4,7 +4,7 @@
 // raw_delete(ptr). Same cases and output as bench_gpu (harness.hpp), with
 // allocator=torch.
 //
-// Not built by CMake: scripts/gpu-bench.sh compiles it with g++ against the
+// Not built by CMake: scripts/gpu.sh bench compiles it with g++ against the
 // installed torch (c10 and c10_cuda only; no libtorch, no Python):
 //
 //   T=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))")
@@ -12,7 +12,7 @@
 //       -I$T/include/torch/csrc/api/include -I/usr/local/cuda/include
 //       bench/gpu/bench_torch.cpp -L$T/lib -lc10_cuda -lc10 -Wl,-rpath,$T/lib
 //       -L/usr/local/cuda/lib64 -lcudart -Wl,-rpath,/usr/local/cuda/lib64 -pthread
-//   (one command; see scripts/gpu-bench.sh)
+//   (one command; see scripts/gpu.sh bench)
 //
 // The allocator backend is whatever PYTORCH_CUDA_ALLOC_CONF selects (the
 // native one by default); it is printed as an INFO line.

@@ -2,7 +2,7 @@
 
 Each check runs in its own Python process: ccalloc must become PyTorch's
 allocator before CUDA is initialized, which a pytest process may already
-have done. scripts/gpu-integrations.sh runs this file on the GPU machine,
+have done. scripts/gpu.sh integrations runs this file on the GPU machine,
 with pytest, or as `python3 test_gpu.py` where pytest is not installed."""
 
 import json
@@ -32,7 +32,7 @@ HAVE_TORCH_GPU = _has("torch", "torch.cuda.is_available()")
 HAVE_CUPY_GPU = _has("cupy", "cupy.cuda.runtime.getDeviceCount() > 0")
 
 
-# Set by scripts/gpu-integrations.sh: on the GPU machine a missing torch or
+# Set by scripts/gpu.sh integrations: on the GPU machine a missing torch or
 # CuPy is a failure, not a skip.
 REQUIRED = os.environ.get("CCALLOC_REQUIRE_GPU_TESTS") == "1"
 
@@ -179,7 +179,7 @@ def test_torch_mem_pool_with_cudamalloc_segments():
 @_skip_unless(HAVE_TORCH_GPU, "needs PyTorch with a GPU (and its NCCL)")
 def test_torch_mem_pool_with_nccl_segments():
     """SPEC E5 on one GPU: segments from ncclMemAlloc (the two-GPU
-    all-reduce is scripts/nccl_allreduce.py)."""
+    all-reduce is scripts/gpu/nccl_allreduce.py)."""
     r = run(_POOL_RUN.replace("SEGMENTS", "functions = ccalloc.nccl_segment_allocator()"))
     _check_pool_run(r)
 

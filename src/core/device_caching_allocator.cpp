@@ -161,8 +161,8 @@ void device_caching_allocator::enable_peer_access(int peer) {
   if (std::find(s.peers_.begin(), s.peers_.end(), peer) != s.peers_.end()) return;
   for (auto& [base, seg] : s.segments_) {
     if (!seg->expandable) continue;
-    for (std::size_t i = 0; i < seg->pages.size(); ++i)
-      if (seg->pages[i] != 0)
+    for (std::size_t i = 0; i < seg->pages.count(); ++i)
+      if (seg->pages.mapped(i))
         s.backend_.vm_set_access(device_, reinterpret_cast<void*>(base + i * seg->page_bytes), seg->page_bytes, peer);
   }
   s.peers_.push_back(peer);

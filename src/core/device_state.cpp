@@ -45,7 +45,7 @@ device_state::~device_state() {
   for (auto& [stream, queue] : pending_events_)
     for (auto& [e, b] : queue) free_events_.push_back(e);
   for (auto& [stream, ss] : streams_)
-    for (auto& [e, seq] : ss->fences) free_events_.push_back(e);
+    for (const page_fences::fence& f : ss->fences.outstanding()) free_events_.push_back(f.event);
   for (event_t e : free_events_) {
     try {
       backend_.destroy_event(device_, e);
@@ -56,7 +56,7 @@ device_state::~device_state() {
   // in another segment too, released there (unless nothing took them).
   std::vector<physical_handle_t> given_up;  // released once every retired mapping is gone
   for (auto& [base, seg] : segments_)
-    for (const segment::retired_page& r : seg->retired) {
+    for (const segment::retired_page& r : seg->pages.retired()) {
       try {
         backend_.vm_unmap(device_, reinterpret_cast<void*>(base + r.index * seg->page_bytes), seg->page_bytes);
         if (r.release) given_up.push_back(r.handle);
@@ -72,10 +72,10 @@ device_state::~device_state() {
   for (auto& [base, seg] : segments_) {
     try {
       if (seg->expandable) {
-        for (std::size_t i = 0; i < seg->pages.size(); ++i) {
-          if (seg->pages[i] == 0) continue;
+        for (std::size_t i = 0; i < seg->pages.count(); ++i) {
+          if (!seg->pages.mapped(i)) continue;
           backend_.vm_unmap(device_, reinterpret_cast<void*>(base + i * seg->page_bytes), seg->page_bytes);
-          backend_.vm_release_handle(device_, seg->pages[i]);
+          backend_.vm_release_handle(device_, seg->pages.handle(i));
         }
         backend_.vm_release(device_, reinterpret_cast<void*>(base), seg->size);
       } else {

@@ -77,9 +77,8 @@ void device_state::set_stream_gone(stream_t stream, bool gone) {
   stream_state& ss = *it->second;
   ss.gone = gone;
   if (!gone) return;
-  for (const auto& [e, covers] : ss.fences) free_events_.push_back(e);
-  ss.fences.clear();
-  ss.fenced_seq = ss.free_seq;
+  ss.fences.drop_outstanding([&](event_t e) { free_events_.push_back(e); });
+  ss.fences.all_completed(ss.free_seq);
   forget_thread_stream();  // this thread's next malloc on it finds it gone
 }
 

@@ -21,9 +21,9 @@
 // reservation, its page fences completed) hands its reservation over whole
 // when that needs fewer new pages than the request's own placement: a new
 // side stream per step then takes the last one's mapped pages where they
-// are, instead of each page being unmapped and mapped again (issue 15).
+// are, instead of each page being unmapped and mapped again.
 //
-// Page fences (issue 15): cuMemUnmap does not wait for queued work that may
+// Page fences: cuMemUnmap does not wait for queued work that may
 // still touch the range, and the work that last used a free block was
 // queued on its stream (uses on other streams completed before the block
 // became free). Each stream numbers the blocks that become free on it
@@ -183,12 +183,12 @@ void device_state::consider_run(run_choice& best, segment& seg, bool foreign, bl
   const std::uintptr_t run_end = first->ptr + run;
   std::uintptr_t start = first->ptr;
   bool retired = false;
-  if (!seg.retired.empty()) {
+  if (!seg.pages.retired().empty()) {
     for (;;) {
       const std::size_t lo = (start - seg.base) / page;
       const std::size_t hi = (start + size - seg.base + page - 1) / page;
-      const auto past = retired_from(seg, hi);
-      if (past == seg.retired.begin() || std::prev(past)->index < lo) break;  // none under it
+      const auto past = seg.pages.retired_from(hi);
+      if (past == seg.pages.retired().begin() || std::prev(past)->index < lo) break;  // none under it
       start = seg.base + (std::prev(past)->index + 1) * page;  // past the last one under it
       if (start + size > run_end) {
         start = first->ptr;
@@ -281,7 +281,7 @@ void device_state::best_own_run_by_scan(const block_pool& pool, std::size_t size
 // the blocks around it are freed and their pages recycled, it keeps that
 // extra page mapped for its whole life. A run of equal blocks carved one
 // after another drifts off page boundaries by the shortfall at each block
-// (issue 15: llama_generate's KV-cache blocks of 4 pages less 16 KiB, carved
+// (llama_generate's KV-cache blocks of 4 pages less 16 KiB, carved
 // among short-lived ones during a prompt, each held 5 pages at the peak).
 // take_found_block asks only where free pages are recycled at every new
 // peak: with recycling limited (recycles_per_peak) or off, the neighbours'
@@ -341,7 +341,7 @@ std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size
 // one after another, in few runs, and the islands stay whole for
 // recycling. A program that loads its model again (load, run, free, in a
 // loop) otherwise spreads the weights over the islands its last run left,
-// by size, each of them stranding up to a page (issue 15: llama_generate at
+// by size, each of them stranding up to a page (llama_generate at
 // 4 passes 1.024 -> 1.008; bert_copystream_infer 1.029 -> 1.024 at every
 // pass count). A request of whole pages strands nothing: best fit. Only
 // where free pages are recycled at every new peak (as page_aligned_start):
@@ -381,7 +381,7 @@ segment* device_state::new_expandable_segment(const alloc_params& p) {
   segment* added = nullptr;
   try {
     auto fresh = std::make_unique<segment>();
-    fresh->pages.assign(size / page, 0);
+    fresh->pages.reset(size / page);
     fresh->unmapped.reserve(4);
     added = &add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(base), size);
   } catch (...) {
@@ -409,10 +409,10 @@ void device_state::give_back_page(segment& seg, std::size_t i) noexcept {
     backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + i * page), page);
     ++stats_.num_pages_unmapped;
     ++stats_.num_device_free;
-    release_page_handle(seg.pages[i]);  // a recycled page may be retired elsewhere too
+    release_page_handle(seg.pages.handle(i));  // a recycled page may be retired elsewhere too
   } catch (...) {
   }
-  seg.pages[i] = 0;
+  seg.pages.set_unmapped(i);
   seg.mapped_bytes -= page;
   reserved_bytes_ -= page;
   count_down(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
@@ -429,13 +429,12 @@ void device_state::discard_reservation(segment& seg) noexcept {
   const stat_group g = group_of(pool);
   for (block* b = seg.head; b != nullptr; b = b->next)
     if (b->pool->blocks.contains(b)) pool_erase_counted(b);
-  for (std::size_t i = 0; i < seg.pages.size();) {  // run by run of mapped pages
-    if (seg.pages[i] == 0) {
+  for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
+    const std::size_t n = seg.pages.mapped_run(i);
+    if (n == 0) {
       ++i;
       continue;
     }
-    std::size_t n = 1;
-    while (i + n < seg.pages.size() && seg.pages[i + n] != 0) ++n;
     announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page, seg.head->stream,
              true);
     if (history_.active()) [[unlikely]] {
@@ -529,12 +528,12 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   // `budget`: the one that pays (recycle_budget_now), read once per request.
   std::optional<std::uint64_t> recycle_started_us;
   std::uint64_t fresh_pages_us = 0;
-  std::optional<recycle_budget> budget;
+  std::optional<recycle_budget::source> budget;
   struct spend_on_return {
     device_state& d;
     std::optional<std::uint64_t>& start;
     std::uint64_t& excluded;
-    std::optional<recycle_budget>& from;
+    std::optional<recycle_budget::source>& from;
     ~spend_on_return() {
       if (!start || !from) return;
       try {
@@ -581,7 +580,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
         const bool large_peak = reserved_bytes_ + need - reserved_high_water_bytes_ > reserved_high_water_bytes_ / 16;
         budget = recycle_budget_now(large_peak);
       }
-      return *budget != recycle_budget::none;
+      return *budget != recycle_budget::source::none;
     };
     auto over_mark = [&]() -> std::size_t {
       if (!config_.trim_on_new_peak || reserved_bytes_ + need <= reserved_high_water_bytes_ ||
@@ -621,7 +620,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   // A retired page under the request (placement chose it last: nothing
   // else fits) is unmapped first, after its fence (a wait, counted); not
   // while a graph is captured (no event may be queried then): no room.
-  if (!seg.retired.empty() && has_retired(seg, first_page, end_page)) {
+  if (!seg.pages.retired().empty() && seg.pages.has_retired(first_page, end_page)) {
     if (capture_underway()) {
       drop_recycled();
       return false;
@@ -640,14 +639,14 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
     for (std::size_t j = from; j < to; ++j) give_back_page(seg, j);
   };
   for (std::size_t i = first_page; i < end_page;) {
-    if (seg.pages[i] != 0) {
+    if (seg.pages.mapped(i)) {
       ++i;
       continue;
     }
     const std::size_t run_first = i;
     bool out_of_memory = false;
     try {
-      for (; i < end_page && seg.pages[i] == 0; ++i) {
+      for (; i < end_page && !seg.pages.mapped(i); ++i) {
         physical_handle_t h = 0;
         bool fresh = false;
         stream_t from = p.stream;
@@ -675,7 +674,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
             try {
               backend_.vm_unmap(device_, addr, page);  // the page must not stay mapped unknown to us
             } catch (...) {
-              seg.pages[i] = h;  // still mapped: keep it on the books (a free mapped page)
+              seg.pages.set_mapped(i, h);  // still mapped: keep it on the books (a free mapped page)
               ++stats_.num_pages_mapped;
               seg.mapped_bytes += page;
               reserved_bytes_ += page;
@@ -692,7 +691,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
           }
           throw;
         }
-        seg.pages[i] = h;
+        seg.pages.set_mapped(i, h);
         ++stats_.num_pages_mapped;
         if (!fresh) ++stats_.num_pages_remapped;
         if (!fresh && from != p.stream) stats_.bytes_moved_between_streams += static_cast<std::int64_t>(page);
@@ -786,10 +785,10 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
       const std::size_t n = (to - from) / page;
       if (recycled != nullptr) recycled->reserve(recycled->size() + n);
       else to_release.reserve(n);
-      if (defer) seg.retired.reserve(seg.retired.size() + n);
+      if (defer) seg.pages.reserve_retired(n);
       set_page_state(seg, from, to, false, hint, /*reserve_only=*/true);
     }
-    const std::size_t retired_before = seg.retired.size();
+    const std::size_t retired_before = seg.pages.retired().size();
     // Announced before the device unmaps; what a failure leaves mapped is
     // announced mapped again (finish).
     const mapping_reason reason = defer                ? mapping_reason::pages_retired
@@ -809,11 +808,8 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
         history_.record_segment_unmap(from, bytes, seg.head->stream);
       done_total += bytes;
       stats_.num_device_free += to_release.size();
-      if (seg.retired.size() != retired_before) {  // keep them by page index
-        retired_pages_ += seg.retired.size() - retired_before;
-        std::sort(seg.retired.begin(), seg.retired.end(),
-                  [](const segment::retired_page& x, const segment::retired_page& y) { return x.index < y.index; });
-      }
+      retired_pages_ += seg.pages.retired().size() - retired_before;
+      CCALLOC_ASSERT_EXPENSIVE(seg.pages.check());
       for (physical_handle_t h : to_release) release_page_handle(h);  // may throw: state is consistent
     };
     try {
@@ -822,15 +818,15 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
         if (defer) {
           // Mapped here until the stream's work before b's free has run
           // (segment::retired); within the capacities reserved above.
-          seg.retired.push_back({i, seg.pages[i], b->pool->owner, b->free_seq, false});
-          recycled->push_back({seg.pages[i], seg.head->stream});
+          seg.pages.retire({i, seg.pages.handle(i), b->pool->owner, b->free_seq, false});
+          recycled->push_back({seg.pages.handle(i), seg.head->stream});
         } else {
           backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
-          if (recycled != nullptr) recycled->push_back({seg.pages[i], seg.head->stream});
-          else to_release.push_back(seg.pages[i]);
+          if (recycled != nullptr) recycled->push_back({seg.pages.handle(i), seg.head->stream});
+          else to_release.push_back(seg.pages.handle(i));
         }
         ++stats_.num_pages_unmapped;
-        seg.pages[i] = 0;
+        seg.pages.set_unmapped(i);
       }
     } catch (...) {
       finish();
@@ -908,12 +904,12 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
       if (b->pool->priv != nullptr || &owner == same_stream || owner.gone) continue;
       auto w = std::find_if(waited.begin(), waited.end(), [&](const auto& x) { return x.first == &owner; });
       if (w == waited.end() || w->second < b->free_seq) {
-        const auto fence = fence_covering(owner, b->free_seq);  // (event, free count it covers)
+        const auto fence = fence_covering(owner, b->free_seq);
         if (!fence) continue;
         if (w == waited.end()) w = waited.emplace(waited.end(), &owner, 0);  // before the wait: nothing throws after it
-        backend_.stream_wait_event(device_, same_stream->stream, fence->first);
+        backend_.stream_wait_event(device_, same_stream->stream, fence->event);
         ++stats_.num_stream_waits;
-        w->second = fence->second;
+        w->second = fence->covers;
       }
       const bool keep = b->seg == keep_seg;
       got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got, true);
@@ -924,7 +920,7 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
   for (block* b : waiting) {
     if (got >= target_bytes) break;
     if (b == nullptr) continue;  // taken behind a device-side wait
-    wait_fences(*b->pool->owner);
+    wait_fences(*b->pool->owner, page_fences::wait_reason::reclaim_pages);
     const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
@@ -938,7 +934,7 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
 // small for most large requests, where b kept whole could still serve a
 // large request without mapping anything; a block whose ends are on page
 // boundaries leaves nothing behind. unmap_free_pages recycles the blocks
-// that leave the least first (issue 15: on the shared traces, free space
+// that leave the least first (on the shared traces, free space
 // stranded in partial pages was most of the excess over the requested peak).
 std::size_t device_state::partial_page_bytes(const block& b) noexcept {
   const std::size_t page = b.seg->page_bytes;
@@ -947,7 +943,14 @@ std::size_t device_state::partial_page_bytes(const block& b) noexcept {
   return (page - lo % page) % page + hi % page;
 }
 
-// ---- page fences -----------------------------------------------------------------
+// ---- page fences (page_fences.hpp) -------------------------------------------------
+
+event_t device_state::fence_device::take_event() { return d.get_event(); }
+void device_state::fence_device::give_event(event_t e) { d.free_events_.push_back(e); }
+bool device_state::fence_device::query(event_t e) { return d.backend_.query_event(d.device_, e); }
+void device_state::fence_device::record(event_t e, stream_t stream) { d.backend_.record_event(d.device_, e, stream); }
+void device_state::fence_device::synchronize(event_t e) { d.backend_.synchronize_event(d.device_, e); }
+void device_state::fence_device::synchronize_device() { d.backend_.synchronize_device(d.device_); }
 
 // Free block b was last used on its stream (uses on other streams completed
 // before it became free): its pages may change hands once an event recorded
@@ -957,55 +960,15 @@ bool device_state::fence_completed(block* b) { return fence_completed(*b->pool->
 // Whether the stream's work before its free numbered `free_seq` has run
 // (the same rules; a deferred unmap asks with the freed block's count).
 bool device_state::fence_completed(stream_state& ss, std::uint64_t free_seq) {
-  if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
-  if (free_seq <= ss.fenced_seq) return true;
-  poll_fences(ss);
-  if (free_seq <= ss.fenced_seq) return true;
-  if (fenced_up_to(ss) < free_seq && can_record_on(ss)) {
-    record_fence(ss, ss.free_seq);
-    poll_fences(ss);
-  }
-  return free_seq <= ss.fenced_seq;
+  if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
+  if (free_seq <= ss.fences.completed_up_to()) return true;
+  const bool done = ss.fences.completed(fence_device_, ss.stream, free_seq, ss.free_seq, can_record_on(ss));
+  CCALLOC_ASSERT_EXPENSIVE(ss.fences.check());
+  return done;
 }
 
-// Takes the stream's completed fences, oldest first, without blocking.
-void device_state::poll_fences(stream_state& ss) {
-  while (!ss.fences.empty()) {
-    const auto [e, seq] = ss.fences.front();
-    if (!backend_.query_event(device_, e)) break;
-    ss.fences.pop_front();
-    free_events_.push_back(e);
-    ss.fenced_seq = std::max(ss.fenced_seq, seq);
-  }
-}
-
-// The free count up to which the stream's newest fence, completed or not,
-// covers its frees (fenced_seq when none is outstanding).
-std::uint64_t device_state::fenced_up_to(const stream_state& ss) noexcept {
-  return ss.fences.empty() ? ss.fenced_seq : ss.fences.back().second;
-}
-
-// Records a fence on the stream covering its frees up to count `covers`
-// (ss.free_seq: every block freed on it so far; free passes the count of
-// the free it is about to make). With max_fences_per_stream outstanding, the newest is recorded again
-// instead (a later fence of a stream completes after the earlier ones: the
-// oldest still tells first when the earliest frees are safe).
-// The stream must still exist (as PyTorch assumes of a segment's stream when
-// it unmaps pages): a backend_error from the record is the caller's.
-void device_state::record_fence(stream_state& ss, std::uint64_t covers) {
-  if (ss.fences.size() >= max_fences_per_stream) {
-    backend_.record_event(device_, ss.fences.back().first, ss.stream);
-    ss.fences.back().second = covers;
-    return;
-  }
-  const event_t e = get_event();
-  try {
-    backend_.record_event(device_, e, ss.stream);
-  } catch (...) {
-    free_events_.push_back(e);
-    throw;
-  }
-  ss.fences.emplace_back(e, covers);
+void device_state::await_fence(block* b, page_fences::wait_reason why) {
+  if (!fence_completed(b)) wait_fences(*b->pool->owner, why);
 }
 
 // Whether stream `to` may be made to wait on the device for another
@@ -1035,15 +998,10 @@ bool device_state::may_wait_on_device(const stream_state& to) {
 // can_record_on allows; nullopt otherwise (another stream's slow path never
 // records on a stream that may be gone or busy elsewhere: no wait, the
 // pages stay).
-std::optional<std::pair<event_t, std::uint64_t>> device_state::fence_covering(stream_state& owner,
-                                                                              std::uint64_t free_seq) {
-  if (fenced_up_to(owner) < free_seq) {
-    if (!can_record_on(owner)) return std::nullopt;
-    record_fence(owner, owner.free_seq);
-  }
-  for (const auto& fence : owner.fences)
-    if (fence.second >= free_seq) return fence;
-  return std::nullopt;
+std::optional<page_fences::fence> device_state::fence_covering(stream_state& owner, std::uint64_t free_seq) {
+  if (owner.fences.recorded_up_to() >= free_seq)  // can_record_on only where a record is wanted
+    return owner.fences.covering(fence_device_, owner.stream, free_seq, owner.free_seq, false);
+  return owner.fences.covering(fence_device_, owner.stream, free_seq, owner.free_seq, can_record_on(owner));
 }
 
 // Polls every stream's fences, and records a fence on the streams it may
@@ -1054,8 +1012,9 @@ std::optional<std::pair<event_t, std::uint64_t>> device_state::fence_covering(st
 // queued up to then. Cheap: at most two event records, on the slow path only.
 void device_state::fence_streams(const world_lock& w) {
   for (stream_state* ss : w.streams()) {
-    poll_fences(*ss);
-    if (ss->free_seq > fenced_up_to(*ss) && can_record_on(*ss)) record_fence(*ss, ss->free_seq);
+    ss->fences.poll(fence_device_);
+    if (ss->free_seq > ss->fences.recorded_up_to() && can_record_on(*ss))
+      ss->fences.record(fence_device_, ss->stream, ss->free_seq);
   }
 }
 
@@ -1063,24 +1022,14 @@ void device_state::fence_streams(const world_lock& w) {
 // stream left (counted): waits for a fence covering them, recorded now if
 // the stream may be recorded on; else (the stream may be gone) synchronizes
 // the device, which covers every stream's work.
-void device_state::wait_fences(stream_state& ss) {
-  poll_fences(ss);
-  if (ss.gone) ss.fenced_seq = ss.free_seq;  // no work left on a destroyed stream
-  if (ss.fenced_seq >= ss.free_seq) return;
-  ++stats_.num_device_synchronizations;
-  if (fenced_up_to(ss) >= ss.free_seq) {
-    backend_.synchronize_event(device_, ss.fences.back().first);
-  } else if (can_record_on(ss)) {
-    record_fence(ss, ss.free_seq);
-    backend_.synchronize_event(device_, ss.fences.back().first);
-  } else {
-    backend_.synchronize_device(device_);
-    ss.fenced_seq = ss.free_seq;
-  }
-  poll_fences(ss);
+void device_state::wait_fences(stream_state& ss, page_fences::wait_reason why) {
+  if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
+  if (ss.fences.wait(fence_device_, ss.stream, ss.free_seq, can_record_on(ss), why))
+    ++stats_.num_device_synchronizations;
+  CCALLOC_ASSERT_EXPENSIVE(ss.fences.check());
 }
 
-// ---- deferred unmaps (issue 15) ---------------------------------------------------
+// ---- deferred unmaps ---------------------------------------------------
 //
 // On a GPU the work queued before a free has usually not run when a request
 // on the same stream wants that block's pages elsewhere (a free followed by
@@ -1096,20 +1045,9 @@ void device_state::wait_fences(stream_state& ss) {
 // in reserved bytes, at its new place. (Replayed with --device-lag, GPT-2
 // training keeps its 1.003 instead of 1.069.)
 
-std::vector<segment::retired_page>::const_iterator device_state::retired_from(const segment& seg,
-                                                                                std::size_t index) noexcept {
-  return std::lower_bound(seg.retired.begin(), seg.retired.end(), index,
-                          [](const segment::retired_page& x, std::size_t i) { return x.index < i; });
-}
-
-bool device_state::has_retired(const segment& seg, std::size_t first, std::size_t last) noexcept {
-  const auto it = retired_from(seg, first);
-  return it != seg.retired.end() && it->index < last;
-}
-
 void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait) {
-  for (std::size_t k = 0; k < seg.retired.size();) {
-    segment::retired_page& r = seg.retired[k];
+  for (std::size_t k = 0; k < seg.pages.retired().size();) {
+    const segment::retired_page& r = seg.pages.retired()[k];
     if (r.index < first || r.index >= last) {
       ++k;
       continue;
@@ -1119,14 +1057,14 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
         ++k;
         continue;
       }
-      wait_fences(*r.owner);
+      wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
     }
     backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
     announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap, seg.base + r.index * seg.page_bytes,
              seg.page_bytes, r.owner->stream, true);
-    const bool release = r.release;  // counted in num_device_free when it was given up
-    const physical_handle_t h = r.handle;
-    seg.retired.erase(seg.retired.begin() + static_cast<std::ptrdiff_t>(k));
+    const segment::retired_page done = seg.pages.unretire(k);
+    const bool release = done.release;  // counted in num_device_free when it was given up
+    const physical_handle_t h = done.handle;
     --retired_pages_;
     // A page that moved twice is retired at two places: the last unmap releases it.
     if (release) {
@@ -1135,6 +1073,7 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
       release_page_handle(h);
     }
   }
+  CCALLOC_ASSERT_EXPENSIVE(seg.pages.check());
 }
 
 // Gives physical page h (no longer counted as reserved) back to the device,
@@ -1144,23 +1083,21 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
 void device_state::release_page_handle(physical_handle_t h) {
   if (retired_pages_ != 0)
     for (auto& [base, up] : segments_)
-      for (segment::retired_page& r : up->retired)
-        if (r.handle == h) {
-          r.release = true;
-          reserved_bytes_ += up->page_bytes;
-          count_up(stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
-          return;
-        }
+      if (up->pages.release_at_unmap(h)) {
+        reserved_bytes_ += up->page_bytes;
+        count_up(stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
+        return;
+      }
   backend_.vm_release_handle(device_, h);
 }
 
 void device_state::settle_retired(bool may_wait) {
   if (retired_pages_ == 0) return;
   for (auto& [base, up] : segments_)
-    if (!up->retired.empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
+    if (!up->pages.retired().empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
 }
 
-// ---- idle reservations of other streams (issue 15) ------------------------------
+// ---- idle reservations of other streams ------------------------------
 
 // Whether expandable segment `seg`, of another stream, may pass to p's
 // stream and pool: reuse_across_streams and trim_on_new_peak are on (either
@@ -1177,7 +1114,7 @@ bool device_state::idle_reservation(segment& seg, const alloc_params& p) {
       p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || capture_underway())
     return false;
   if (seg.busy_blocks != 0) return false;  // a block allocated or waiting for events
-  if (!seg.retired.empty()) return false;  // its stream's work may still use them
+  if (!seg.pages.retired().empty()) return false;  // its stream's work may still use them
   for (block* x = seg.head; x != nullptr; x = x->next)
     if (x->mapped && !fence_completed(x)) return false;
   return true;
@@ -1200,15 +1137,11 @@ void device_state::adopt_reservation(segment& seg, const alloc_params& p) {
   }
   stats_.bytes_moved_between_streams += static_cast<std::int64_t>(seg.mapped_bytes);
   if (mapping_.active()) [[unlikely]] {
-    for (std::size_t i = 0; i < seg.pages.size();) {  // run by run of mapped pages
-      if (seg.pages[i] == 0) {
-        ++i;
-        continue;
-      }
-      std::size_t n = 1;
-      while (i + n < seg.pages.size() && seg.pages[i + n] != 0) ++n;
-      announce(mapping_change::move, mapping_reason::reservation_moved, seg.base + i * seg.page_bytes,
-               n * seg.page_bytes, p.stream, true);
+    for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
+      const std::size_t n = std::max<std::size_t>(seg.pages.mapped_run(i), 1);
+      if (seg.pages.mapped(i))
+        announce(mapping_change::move, mapping_reason::reservation_moved, seg.base + i * seg.page_bytes,
+                 n * seg.page_bytes, p.stream, true);
       i += n;
     }
   }
@@ -1220,89 +1153,32 @@ void device_state::raise_reserved_high_water() noexcept {
   recycles_at_mark_ = 0;  // a new mark: recycling may start again (recycles_per_peak)
 }
 
-// The recycling time budget (recycle_time_percent; issues 15, 18). The
-// bucket fills at that percent (the share) of the host time passing and
-// holds the share of one second; the reserve keeps what the full bucket
-// cannot hold, up to the share of ten seconds. Recycling for a new peak
-// starts only while the bucket is not empty, or, for a large peak, while the
-// reserve is not empty, and its time is spent from the one that paid, each
-// at most its own size in debt. Both fill from the one share of the time
-// passing: over any stretch of T us, the time charged to them is at most
-// share x T + 2 x (bucket + reserve), whatever the program (one recycling
-// longer than a budget's full debt is the exception, as before the
-// reserve). A program with a large new peak at every step recycles like any
-// other: on the bucket, then the reserve, then at the rate the bucket
-// refills; then its mark rises.
-// Why a reserve: in a loop whose small new peaks keep the bucket near empty,
-// one large request found it empty and the mark took all of it
-// (gpt2_train_long at 8 passes: a 1.65 GB request, 1.003 -> 1.125 with the
-// free-island rule of lowest_fitting_block). A larger bucket would let the
-// small peaks of such a loop remap more of the time; the reserve pays for
-// large peaks only and fills only in the time recycling leaves unused.
-device_state::recycle_budget device_state::recycle_budget_now(bool large_peak) {
-  if (config_.recycle_time_percent >= 100) return recycle_budget::bucket;
-  if (config_.recycle_time_percent == 0) return recycle_budget::none;  // never, with or without a clock
-  if (!refill_recycle_budget()) return recycle_budget::bucket;  // no clock: no budget
-  if (recycle_tokens_us_ > 0.0) return recycle_budget::bucket;
-  return large_peak && recycle_reserve_us_ > 0.0 ? recycle_budget::reserve : recycle_budget::none;
+// The recycling time budget (recycle_budget.hpp; docs/design.md, "Note:
+// the recycling reserve").
+recycle_budget::source device_state::recycle_budget_now(bool large_peak) {
+  const auto from =
+      recycle_budget_.choose(config_.recycle_time_percent, large_peak, [&] { return backend_.host_time_us(); });
+  CCALLOC_ASSERT_EXPENSIVE(config_.recycle_time_percent >= 100 || recycle_budget_.within_bounds(config_.recycle_time_percent));
+  return from;
 }
 
-bool device_state::refill_recycle_budget() {
-  const std::optional<std::uint64_t> now = backend_.host_time_us();
-  if (!now) return false;
-  const double share = static_cast<double>(config_.recycle_time_percent) / 100.0;
-  const double depth = recycle_bucket_depth_us();
-  const double reserve_depth = recycle_reserve_depth_us();
-  if (!recycle_clock_us_) {
-    recycle_tokens_us_ = depth;  // both start full
-    recycle_reserve_us_ = reserve_depth;
-  } else {
-    // Bounded first, even when the clock has not moved: a smaller percent
-    // (set_config) holds at once, for what is left and for a debt alike (at
-    // most one bucket's, one reserve's worth, as spend_recycle_time keeps them).
-    recycle_tokens_us_ = std::clamp(recycle_tokens_us_, -depth, depth);
-    recycle_reserve_us_ = std::clamp(recycle_reserve_us_, -reserve_depth, reserve_depth);
-    if (*now > *recycle_clock_us_) {
-      const double filled = recycle_tokens_us_ + share * static_cast<double>(*now - *recycle_clock_us_);
-      recycle_tokens_us_ = std::min(depth, filled);
-      // The reserve fills only with what the full bucket cannot hold: both
-      // together never take more than the one share of the time passing.
-      recycle_reserve_us_ = std::min(reserve_depth, recycle_reserve_us_ + (filled - recycle_tokens_us_));
-    }
-  }
-  recycle_clock_us_ = std::max(recycle_clock_us_.value_or(0), *now);
-  return true;
-}
-
-void device_state::spend_recycle_time(recycle_budget from, std::uint64_t start_us, std::uint64_t excluded_us) {
-  if (from == recycle_budget::none) return;
+void device_state::spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us) {
+  if (from == recycle_budget::source::none) return;
   const std::optional<std::uint64_t> now = backend_.host_time_us();
   if (!now || *now <= start_us || *now - start_us <= excluded_us) return;
   start_us += excluded_us;
   // Refill first up to now (the budget fills while recycling runs too), then spend.
-  (void)refill_recycle_budget();
-  const double spent = static_cast<double>(*now - start_us);
-  // At most one bucket's (one reserve's) worth of debt: one long recycling
-  // (a cap that forced it alongside) delays the next by a window at most.
-  if (from == recycle_budget::bucket)
-    recycle_tokens_us_ = std::max(-recycle_bucket_depth_us(), recycle_tokens_us_ - spent);
-  else
-    recycle_reserve_us_ = std::max(-recycle_reserve_depth_us(), recycle_reserve_us_ - spent);
-}
-
-double device_state::recycle_bucket_depth_us() const noexcept {
-  return static_cast<double>(config_.recycle_time_percent) / 100.0 * static_cast<double>(recycle_window_us);
-}
-
-double device_state::recycle_reserve_depth_us() const noexcept {
-  return static_cast<double>(config_.recycle_time_percent) / 100.0 * static_cast<double>(recycle_reserve_window_us);
+  if (const std::optional<std::uint64_t> refill_at = backend_.host_time_us())
+    recycle_budget_.refill(config_.recycle_time_percent, *refill_at);
+  recycle_budget_.spend(from, config_.recycle_time_percent, static_cast<double>(*now - start_us));
+  CCALLOC_ASSERT_EXPENSIVE(recycle_budget_.within_bounds(config_.recycle_time_percent));
 }
 
 // Releases the reservations of expandable segments that have no mapped page.
 void device_state::release_empty_expandable_segments() {
   for (auto it = segments_.begin(); it != segments_.end();) {
     segment& seg = *it->second;
-    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr || !seg.retired.empty()) {
+    if (!seg.expandable || seg.mapped_bytes != 0 || seg.head->next != nullptr || !seg.pages.retired().empty()) {
       ++it;
       continue;
     }

@@ -128,102 +128,156 @@ void device_state::discard_made_segment(const alloc_params& p) noexcept {
   }
 }
 
-// allocate_slow's rungs.
+// allocate_slow's rungs, each a function below, in the order of the picture
+// in hot_path.cpp. A rung returns the block that serves the request
+// (take_from_rung), or nullptr to go on to the next.
+namespace {
+
+// What the rungs share: the request, the world lock, and two facts read
+// once at the start of the slow path.
+struct climb {
+  device_state& d;
+  alloc_params& p;
+  world_lock& w;
+  bool capturing;  // a graph capture is underway: no event queries or waits, no device frees
+  bool custom;     // a private pool with its own segment allocator: its memory is its own
+};
+
+// Before any rung: statistics published; whether a capture is underway;
+// completed events, deferred frees,
+// page fences and deferred unmaps settled (not while capturing); room in
+// the pool's index for a remainder (block_index::owes; may throw).
+void prepare_climb(climb& c) {
+  device_state& d = c.d;
+  d.publish_all_pending_stats(c.w);
+  c.capturing = d.capture_underway();
+  if (!c.capturing) {
+    d.process_events_locked();
+    if (!d.deferred_frees_.empty()) d.flush_deferred_frees();
+    if (d.page_bytes_ != 0 && d.config_.expandable_segments) d.fence_streams(c.w);
+    d.settle_retired(false);  // deferred unmaps whose fence has completed
+  }
+  if (c.p.pool->blocks.owes()) c.p.pool->blocks.repay();
+}
+
+// Rung 0: requests that cannot fit fail at once, the cache kept. More than
+// the whole device (or than the memory fraction allows); or a large request
+// that needs more than the device's free memory and all this allocator
+// holds beyond its live blocks (what returning the whole cache could give).
+// PyTorch returns the cache and retries first; here that only cost (docs/
+// design.md, "Note: hopeless requests fail at once"). The device is asked
+// only for large requests (one mem_get_info).
+bool cannot_fit(climb& c) {
+  device_state& d = c.d;
+  if (c.custom) return false;
+  if (c.p.size > (d.set_fraction_ ? d.allowed_bytes_ : d.device_total_bytes_)) return true;
+  if (c.p.size < free_memory_check_bytes) return false;
+  const auto live = static_cast<std::size_t>(
+      std::max<std::int64_t>(0, d.stats_.allocated_bytes[static_cast<std::size_t>(stat_group::all)].current));
+  const std::size_t held_beyond_live = d.reserved_bytes_ > live ? d.reserved_bytes_ - live : 0;
+  std::size_t could_get = d.backend_.mem_get_info(d.device_).free_bytes + held_beyond_live;
+  if (d.set_fraction_) could_get = std::min(could_get, d.allowed_bytes_ > live ? d.allowed_bytes_ - live : 0);
+  return c.p.size > could_get;
+}
+
+// Rung 1 again: another thread may have freed a block meanwhile.
+block* rung_cached_block(climb& c) { return c.d.get_free_block(c.p) ? c.d.take_from_rung(c.p) : nullptr; }
+
+// Rung 2: above the garbage-collection threshold, release old cached blocks.
+void rung_garbage_collection(climb& c) {
+  if (c.d.config_.garbage_collection_threshold > 0.0 && !c.capturing) c.d.garbage_collect_cached_blocks(c.w);
+}
+
+// Rungs 3 and 5 with expandable segments (B7, X3): place the request in the
+// stream's expandable segment, mapping pages (recycled from free whole
+// pages when the peak or the cap would grow); else wait for events, unmap
+// every free page, retry. Then (no block) every free page goes back.
+block* rung_expandable(climb& c) {
+  device_state& d = c.d;
+  d.no_address_space_ = false;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1 && d.get_free_block(c.p)) return d.take_from_rung(c.p);
+    if (d.alloc_expandable(c.p, false, c.w) ||
+        (d.release_cached_blocks(c.w, /*for_retry=*/true) &&
+         (d.get_free_block(c.p) || d.alloc_expandable(c.p, true, c.w))))
+      return d.take_from_rung(c.p);
+    if (d.no_address_space_) break;
+    if (!d.wait_for_completions_in_flight(c.w)) break;  // X7
+  }
+  // The retry kept the pages of the chosen run mapped: give them back too.
+  if (!c.capturing) {
+    d.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
+    d.settle_retired(true);
+  }
+  d.release_empty_expandable_segments();
+  return nullptr;
+}
+
+// Rung 3a (trim_on_new_peak): a request that would raise reserved memory
+// above its high-water mark first takes (X2) a cached whole segment of
+// another stream that fits; else cached whole segments (none fits) go back
+// to the device: the peak grows by less.
+block* rung_trim_on_new_peak(climb& c) {
+  device_state& d = c.d;
+  if (!d.config_.trim_on_new_peak || c.capturing || d.reserved_bytes_ + c.p.alloc_size <= d.reserved_high_water_bytes_)
+    return nullptr;
+  if (d.config_.reuse_across_streams && c.p.pool->priv == nullptr && d.adopt_idle_segment(c.p, c.w))
+    return d.take_from_rung(c.p);
+  d.release_unused_segments(c.w, /*keep_going=*/true);
+  return nullptr;
+}
+
+// Rung 3: a new segment. Rung 4: free oversize cached blocks and retry.
+// Rung 5: wait for pending events, free every cached segment, retry (after
+// the wait the blocks they held are free and merged: one may fit now, so
+// the pool is searched before the device malloc).
+block* rung_new_segment(climb& c) {
+  device_state& d = c.d;
+  const bool priv = c.p.pool->priv != nullptr;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1 && d.caching_ && d.get_free_block(c.p)) return d.take_from_rung(c.p);
+    if (d.alloc_segment(c.p, false, c.w) ||
+        (d.caching_ && !priv && !c.capturing && d.release_available_cached_blocks(c.p) &&
+         d.alloc_segment(c.p, false, c.w)) ||
+        (d.release_cached_blocks(c.w, /*for_retry=*/true) &&
+         ((d.caching_ && d.get_free_block(c.p)) || d.alloc_segment(c.p, true, c.w))))
+      return d.take_from_rung(c.p);
+    if (!d.wait_for_completions_in_flight(c.w)) break;  // X7: blocks another thread is returning
+  }
+  return nullptr;
+}
+
+// Rung 5b (F22): a free block of a pool that lends on OOM. Rung 6: the
+// out-of-memory error (observers run unlocked).
+block* rung_out_of_memory(climb& c) {
+  c.d.made_ = {};  // released by now
+  if (c.d.try_use_on_oom_pools(c.p, c.w)) return c.d.take_from_rung(c.p);
+  c.d.throw_out_of_memory(c.p, c.w);
+}
+
+}  // namespace
+
 block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
   // Events may be recorded on the malloc's own stream (it exists: the caller
   // passed it), never on other streams (can_record_on).
   const fence_stream_scope fence_scope(this, p.stream);
-  publish_all_pending_stats(w);
-  const bool capturing = capture_underway();
-  if (!capturing) {
-    process_events_locked();
-    if (!deferred_frees_.empty()) flush_deferred_frees();
-    if (page_bytes_ != 0 && config_.expandable_segments) fence_streams(w);
-    settle_retired(false);  // deferred unmaps whose fence has completed
-  }
-  // Room in the pool's index for a remainder, before a rung takes a block
-  // out of it (block_index::owes: host memory ran out; may throw).
-  if (p.pool->blocks.owes()) p.pool->blocks.repay();
-  const bool priv = p.pool->priv != nullptr;
-  auto out_of_memory = [&]() {
-    made_ = {};  // released by now; the observers run unlocked
-    // Rung 5b (F22): a free block of a pool that lends on OOM.
-    if (try_use_on_oom_pools(p, w)) return take_from_rung(p);
-    throw_out_of_memory(p, w);
-  };
-  // More than the whole device (or than the memory fraction allows) never
-  // fits: out of memory at once, the cache kept (PyTorch would empty it
-  // first, for nothing). A custom segment allocator's memory is its own.
-  if (p.size > (set_fraction_ ? allowed_bytes_ : device_total_bytes_) && !(priv && p.pool->priv->custom.malloc))
-    return out_of_memory();
-  // Nor does a large request that needs more than the device's free memory
-  // and all this allocator holds beyond its live blocks (what returning the
-  // whole cache could give): out of memory at once, the cache kept. PyTorch
-  // returns the cache and retries first; here that only cost (with
-  // expandable segments, pages were mapped until the device refused, then
-  // unmapped, and the cache emptied: seventh session's hostile-input trial,
-  // D6). Asked of the device only for large requests (one mem_get_info).
-  if (p.size >= free_memory_check_bytes && !(priv && p.pool->priv->custom.malloc)) {
-    const auto live = static_cast<std::size_t>(
-        std::max<std::int64_t>(0, stats_.allocated_bytes[static_cast<std::size_t>(stat_group::all)].current));
-    const std::size_t held_beyond_live = reserved_bytes_ > live ? reserved_bytes_ - live : 0;
-    std::size_t could_get = backend_.mem_get_info(device_).free_bytes + held_beyond_live;
-    if (set_fraction_) could_get = std::min(could_get, allowed_bytes_ > live ? allowed_bytes_ - live : 0);
-    if (p.size > could_get) return out_of_memory();
-  }
+  const bool custom = p.pool->priv != nullptr && p.pool->priv->custom.malloc;
+  climb c{*this, p, w, false, custom};
+  prepare_climb(c);
+  if (cannot_fit(c)) return rung_out_of_memory(c);
   if (caching_) {
-    // Rung 1 again: another thread may have freed a block meanwhile.
-    if (get_free_block(p)) return take_from_rung(p);
-    // Rung 2: above the garbage-collection threshold, release old cached blocks.
-    if (config_.garbage_collection_threshold > 0.0 && !capturing) garbage_collect_cached_blocks(w);
-    if (config_.expandable_segments && page_bytes_ != 0 && !(priv && p.pool->priv->custom.malloc)) {
-      // Rung 3 (B7, X3): place the request in the stream's expandable
-      // segment, mapping pages (recycled from free whole pages when the
-      // peak or the cap would grow). Rung 5: wait for events, unmap every
-      // free page, retry.
-      no_address_space_ = false;
-      for (int attempt = 0; attempt < 2; ++attempt) {
-        if (attempt == 1 && get_free_block(p)) return take_from_rung(p);
-        if (alloc_expandable(p, false, w) ||
-            (release_cached_blocks(w, /*for_retry=*/true) && (get_free_block(p) || alloc_expandable(p, true, w))))
-          return take_from_rung(p);
-        if (no_address_space_) break;
-        if (!wait_for_completions_in_flight(w)) break;  // X7
-      }
-      // The retry kept the pages of the chosen run mapped: give them back too.
-      if (!capturing) {
-        unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
-        settle_retired(true);
-      }
-      release_empty_expandable_segments();
+    if (block* b = rung_cached_block(c)) return b;
+    rung_garbage_collection(c);
+    if (config_.expandable_segments && page_bytes_ != 0 && !custom) {
+      if (block* b = rung_expandable(c)) return b;
       // Out of address space (a new reservation was refused, e.g. with very
       // many streams): this request gets a plain segment instead.
-      if (!no_address_space_) return out_of_memory();
+      if (!no_address_space_) return rung_out_of_memory(c);
     }
-    // Rung 3a (ccalloc, trim_on_new_peak): this request would raise reserved
-    // memory above its high-water mark. First (X2) a cached whole segment of
-    // another stream that fits moves to this stream; else cached whole
-    // segments (none fits) go back to the device: the peak grows by less.
-    if (config_.trim_on_new_peak && !capturing && reserved_bytes_ + p.alloc_size > reserved_high_water_bytes_) {
-      if (config_.reuse_across_streams && !priv && adopt_idle_segment(p, w)) return take_from_rung(p);
-      release_unused_segments(w, /*keep_going=*/true);
-    }
+    if (block* b = rung_trim_on_new_peak(c)) return b;
   }
-  // Rung 3: a new segment. Rung 4: free oversize cached blocks and retry.
-  // Rung 5: wait for pending events, free every cached segment, retry.
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    if (attempt == 1 && caching_ && get_free_block(p)) return take_from_rung(p);
-    // After waiting for the events (rung 5) the blocks they held are free
-    // and merged: one of them may fit now (search before the device malloc).
-    if (alloc_segment(p, false, w) ||
-        (caching_ && !priv && !capturing && release_available_cached_blocks(p) && alloc_segment(p, false, w)) ||
-        (release_cached_blocks(w, /*for_retry=*/true) && ((caching_ && get_free_block(p)) || alloc_segment(p, true, w))))
-      return take_from_rung(p);
-    // X7: blocks another thread is returning may be what is missing.
-    if (!wait_for_completions_in_flight(w)) break;
-  }
-  // Rung 6: out of memory.
-  return out_of_memory();
+  if (block* b = rung_new_segment(c)) return b;
+  return rung_out_of_memory(c);
 }
 
 // ---- rung 3: a new segment ----------------------------------------------------------
@@ -349,7 +403,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   if (best == nullptr) return false;
   // Its stream may still use it: wait for its fence (counted), cheaper than
   // the alternative's cudaFree, which synchronizes the whole device.
-  if (!fence_completed(best)) wait_fences(*best->pool->owner);
+  await_fence(best, page_fences::wait_reason::adopt_segment);
   stats_.bytes_moved_between_streams += static_cast<std::int64_t>(best->size);
   best->pool->blocks.erase(best);
   --best->pool->plain_segments;
@@ -555,7 +609,7 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
           // cuMemUnmap does not wait for queued work: the block's page fence
           // must have completed. The threshold is a cap, so this rung may
           // wait for it (counted in num_device_synchronizations).
-          if (!fence_completed(b)) wait_fences(*b->pool->owner);
+          await_fence(b, page_fences::wait_reason::garbage_collection);
           unmapped = true;
           reclaimed += unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
         } else {

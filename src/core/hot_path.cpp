@@ -22,17 +22,21 @@
 //       get_free_block            -- rung 1: best fit in (stream, pool)       [likely]
 //       take_found_block          split if worth it, stats via stats_sink
 //     allocate_slow             (fallback_ladder.cpp)                  [world lock]
-//       get_free_block            -- rung 1 again (another thread may have freed)
-//       garbage_collect_cached_blocks -- rung 2: above the GC threshold
-//       alloc_expandable          -- rung 3 with expandable segments (expandable_segments.cpp)
-//       adopt_idle_segment, release_unused_segments -- rung 3a: trim_on_new_peak
-//       alloc_segment             -- rung 3: a new segment from the device
-//       release_available_cached_blocks + alloc_segment
-//                                 -- rung 4: free oversize cached blocks, retry
-//       release_cached_blocks + alloc_segment
-//                                 -- rung 5: sync events, free every cached segment, retry
-//       try_use_on_oom_pools      -- rung 5b: free blocks of set_use_on_oom pools (F22; private_pools.cpp)
-//       throw_out_of_memory       -- rung 6: B6 (out_of_memory.cpp; observers called unlocked)
+//       climb_ladder: one chain of named rungs, each returns a block or goes on
+//       prepare_climb             events, deferred frees, page fences, deferred unmaps
+//       cannot_fit                -- rung 0: more than the device could give: rung 6 at once
+//       rung_cached_block         -- rung 1 again (another thread may have freed)
+//       rung_garbage_collection   -- rung 2: above the GC threshold
+//       rung_expandable           -- rungs 3 and 5 with expandable segments:
+//                                    alloc_expandable (expandable_segments.cpp), then
+//                                    release_cached_blocks + alloc_expandable
+//       rung_trim_on_new_peak     -- rung 3a: adopt_idle_segment, release_unused_segments
+//       rung_new_segment          -- rung 3: alloc_segment; rung 4:
+//                                    release_available_cached_blocks + alloc_segment;
+//                                    rung 5: release_cached_blocks + alloc_segment
+//       rung_out_of_memory        -- rung 5b: try_use_on_oom_pools (F22; private_pools.cpp);
+//                                    rung 6: throw_out_of_memory (B6, out_of_memory.cpp;
+//                                    observers called unlocked)
 //   While a capture is underway (a begin_allocate_to_pool active and a stream
 //   seen allocating during it capturing: capture_underway) the ladder
 //   neither queries nor waits for events nor frees device memory: rungs 2,
@@ -439,7 +443,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
     } else if (start != b->ptr) {
       // Expandable segments: the caller gets the back, next to the live block
       // above; the remainder stays cached next to the free or unmapped range
-      // below, where its whole pages can be recycled (issue 15: live blocks
+      // below, where its whole pages can be recycled (live blocks
       // stay in runs, free space in one piece).
       b = split_free_block(remaining, start);
     } else {
@@ -499,6 +503,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   count_up(st.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
   b->counted_oversize = b->size >= config_.max_split_size_bytes;
   if (b->counted_oversize) st.oversize_allocations.increase(1);
+  CCALLOC_ASSERT_EXPENSIVE(segment_is_valid(*b->seg));
   return b;
 }
 
@@ -588,7 +593,7 @@ void device_state::free(block* b) {
   if (ss.gone) return;  // destroyed: its work completed, nothing to fence
   std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
   const std::uint64_t coming = ss.free_seq + 1;  // the count the coming free takes
-  if (fenced_up_to(ss) < coming) record_fence(ss, coming);
+  if (ss.fences.recorded_up_to() < coming) ss.fences.record(fence_device_, ss.stream, coming);
 }
 
 // The caller no longer holds `b` (its events, if any, are recorded): count
@@ -649,6 +654,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   count_down(st.active_bytes, g, original_size);
   count_down(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
   b->requested_bytes = 0;
+  CCALLOC_ASSERT_EXPENSIVE(segment_is_valid(*b->seg));
   // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
   if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {
     // This free completes inside another operation (a malloc that found the

@@ -17,6 +17,20 @@
 
 namespace ccalloc {
 
+bool detail::segment_is_valid(const segment& seg) noexcept {
+  if (seg.head == nullptr || seg.head->ptr != seg.base || seg.head->prev != nullptr) return false;
+  std::size_t total = 0;
+  for (const block* b = seg.head; b != nullptr; b = b->next) {
+    if (b->seg != &seg || b->size == 0) return false;
+    if (b->next != nullptr && (b->next->prev != b || b->next->ptr != b->ptr + b->size)) return false;
+    total += b->size;
+  }
+  if (total != seg.size) return false;
+  if (!seg.expandable) return true;
+  return seg.page_bytes != 0 && seg.pages.count() * seg.page_bytes == seg.size && seg.pages.check();
+}
+
+
 using detail::block;
 using detail::world_lock;
 
@@ -47,8 +61,8 @@ block_segment device_caching_allocator::segment_of(const block* b) const {
     out.page_bytes = seg.page_bytes;
     out.first_page = (b->ptr - seg.base) / seg.page_bytes;
     const std::size_t end_page = (b->ptr + b->size - seg.base + seg.page_bytes - 1) / seg.page_bytes;
-    out.page_handles.assign(seg.pages.begin() + static_cast<std::ptrdiff_t>(out.first_page),
-                            seg.pages.begin() + static_cast<std::ptrdiff_t>(end_page));
+    out.page_handles.assign(seg.pages.handles().begin() + static_cast<std::ptrdiff_t>(out.first_page),
+                            seg.pages.handles().begin() + static_cast<std::ptrdiff_t>(end_page));
   }
   return out;
 }
@@ -195,21 +209,22 @@ void device_caching_allocator::check_invariants() const {
     const std::size_t page = seg->page_bytes;
     if (seg->expandable) {
       std::size_t mapped_pages = 0;
-      for (physical_handle_t h : seg->pages) mapped_pages += h != 0 ? 1 : 0;
+      for (physical_handle_t h : seg->pages.handles()) mapped_pages += h != 0 ? 1 : 0;
       if (mapped_pages * page != seg->mapped_bytes) fail("expandable segment's mapped_bytes differs from its pages");
-      if (seg->pages.size() * page != seg->size) fail("expandable segment's page table does not cover it");
+      if (seg->pages.count() * page != seg->size) fail("expandable segment's page table does not cover it");
       // Deferred unmaps (segment::retired): by index, each page unmapped
       // in the books, its handle mapped nowhere else in this segment.
-      for (std::size_t k = 0; k < seg->retired.size(); ++k) {
-        const auto& r = seg->retired[k];
-        if (k > 0 && seg->retired[k - 1].index >= r.index) fail("retired pages are not sorted by index");
-        if (r.index >= seg->pages.size()) fail("a retired page lies outside its segment");
-        else if (seg->pages[r.index] != 0) fail("a retired page is mapped in the books");
+      const auto& retired = seg->pages.retired();
+      for (std::size_t k = 0; k < retired.size(); ++k) {
+        const auto& r = retired[k];
+        if (k > 0 && retired[k - 1].index >= r.index) fail("retired pages are not sorted by index");
+        if (r.index >= seg->pages.count()) fail("a retired page lies outside its segment");
+        else if (seg->pages.mapped(r.index)) fail("a retired page is mapped in the books");
         if (r.owner == nullptr || r.handle == 0) fail("a retired page has no stream or handle");
         if (r.release)  // given up, held by the device until its deferred unmap: reserved
           detail::count_up(recount.reserved_bytes, g, static_cast<std::int64_t>(page));
       }
-      retired_total += seg->retired.size();
+      retired_total += retired.size();
     }
     std::uintptr_t expect = base;
     std::size_t sum = 0;
@@ -227,7 +242,7 @@ void device_caching_allocator::check_invariants() const {
         const std::size_t first = (b->ptr - base) / page;
         const std::size_t last = (b->ptr + b->size - base + page - 1) / page;
         for (std::size_t i = first; i < last; ++i)
-          if ((seg->pages[i] != 0) != b->mapped)
+          if ((seg->pages.mapped(i)) != b->mapped)
             fail(b->mapped ? "a mapped block touches an unmapped page" : "an unmapped block covers a mapped page");
       } else if (!b->mapped) {
         fail("unmapped block in a plain segment");
@@ -321,6 +336,14 @@ void device_caching_allocator::check_invariants() const {
   same(s.stats_.requested_bytes, recount.requested_bytes, "requested_bytes");
   same(s.stats_.inactive_split, recount.inactive_split, "inactive_split");
   same(s.stats_.inactive_split_bytes, recount.inactive_split_bytes, "inactive_split_bytes");
+  // The per-structure checks that CCALLOC_ASSERT_EXPENSIVE runs at state
+  // transitions, composed here (after the specific checks above, which say
+  // more about what is wrong). Not the recycling budget's bounds: a lowered
+  // recycle_time_percent holds from its next refill.
+  for (auto& [base, seg] : s.segments_)
+    if (!detail::segment_is_valid(*seg)) fail("a segment fails its own check (segment_is_valid)");
+  for (detail::stream_state* ss : w.streams())
+    if (!ss->fences.check()) fail("a stream's page fences fail their check (page_fences::check)");
 }
 
 }  // namespace ccalloc

@@ -405,7 +405,7 @@ checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(co
       const std::size_t page = seg.page_bytes;
       for (std::size_t p = (cb.address - seg.base) / page; p < (cb.address + cb.size_bytes - seg.base + page - 1) / page;
            ++p)
-        if (seg.pages[p] == 0)
+        if (!seg.pages.mapped(p))
           throw invalid_argument_error(where + "block " + std::to_string(cb.address) + " of the checkpoint lies in " +
                                        "an unmapped range of expandable segment " + std::to_string(i));
     }

@@ -457,7 +457,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
   o += peaks_table(sum, native, !recorded.reserved.empty());
   o += "<p class=\"note\">The recording allocator's figures come from the trace itself (its segment_alloc / "
        "segment_free events); PyTorch's from native_peaks.json when the trace has an entry there.</p>\n";
-  // What the policy cost (issue 15): host waits and page traffic.
+  // What the policy cost: host waits and page traffic.
   o += "<table><tr><th class=\"l\">ccalloc's cost</th><th>count</th><th class=\"l\">meaning</th></tr>\n";
   const auto cost_row = [&](const char* what, const std::string& value, const char* meaning) {
     o += std::string("<tr><td class=\"l\">") + what + "</td><td>" + html(value) + "</td><td class=\"l src\">" +

@@ -126,7 +126,7 @@ class CcallocSnapshotAsPyTorchPickle(unittest.TestCase):
     def test_pytorch_viewers_read_it(self):
         try:
             from torch.cuda import _memory_viz  # noqa: F401
-        except Exception:  # torch absent here; scripts/gpu-snapshots.sh runs this on the GPU machine
+        except Exception:  # torch absent here; scripts/gpu.sh snapshots runs this on the GPU machine
             self.skipTest("torch is not installed")
         from torch.cuda import _memory_viz
         self.assertIn("<html", _memory_viz.trace_plot(self.ours).lower())

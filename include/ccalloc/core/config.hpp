@@ -123,8 +123,8 @@ struct allocator_config {
   /// expandable growth). The memory fraction cap and out of memory recycle
   /// regardless, waiting for fences if they must.
   std::size_t recycles_per_peak = std::numeric_limits<std::size_t>::max();
-  /// ccalloc's own key (recycle_time_percent, default 5, 0-100; issues 15
-  /// and 18): a time budget for that recycling. Remapping a page costs tens
+  /// ccalloc's own key (recycle_time_percent, default 5, 0-100):
+  /// a time budget for that recycling. Remapping a page costs tens
   /// of microseconds of driver calls (about 48 us on an H200; docs/perf.md),
   /// the time of hundreds of cached allocations. Recycling for a new peak
   /// (the unmaps and the mapping of the pages they free; not the fresh pages
@@ -153,11 +153,11 @@ struct allocator_config {
   /// idle reservation of another stream (no block allocated or waiting, its
   /// page fences completed) moves whole, its pages mapped where they are,
   /// when that maps fewer new pages than the requesting stream's own
-  /// placement (issue 15: short-lived side streams stop remapping pages).
+  /// placement (short-lived side streams stop remapping pages).
   /// False keeps PyTorch's rule: a block serves only the stream it was
   /// allocated on (free pages are still recycled page by page, X3).
   bool reuse_across_streams = true;
-  /// ccalloc's own key (reuse_with_stream_wait, default False; issue 15):
+  /// ccalloc's own key (reuse_with_stream_wait, default False):
   /// with expandable segments, when recycling free pages for a new peak (or
   /// under the memory-fraction cap) finds no more pages whose page fence has
   /// completed, nor pages of the requesting stream's own free blocks, it may
@@ -179,7 +179,7 @@ struct allocator_config {
   /// value, a collective waiting for a peer) to act after this stream's
   /// work. Needs a backend with capabilities().stream_wait.
   bool reuse_with_stream_wait = false;
-  /// ccalloc's own key (thread_cache: off, small or all; issue 18): each
+  /// ccalloc's own key (thread_cache: off, small or all): each
   /// thread parks up to 4 blocks it freed and gets one back for the same
   /// bytes on the same stream without the stream's lock, only when the
   /// block's pool has not changed since the block was handed out, so that a

@@ -150,7 +150,7 @@ class device_caching_allocator {
   /// backend_error, the mode is unchanged.
   void set_caching_enabled(bool enabled);
   [[nodiscard]] bool caching_enabled() const;
-  /// Turns this device's thread cache on or off at run time (issue 18). The
+  /// Turns this device's thread cache on or off at run time. The
   /// thread cache is on by default: the configuration key
   /// thread_cache:off|small|all sets it when the device is created and at a
   /// set_config that changes the key; when the key is not given,

@@ -46,7 +46,7 @@ struct segment_allocator {
 /// must not call into the allocator.
 using stream_filter = std::function<bool(stream_t)>;
 
-/// Bytes a private pool holds (per-pool statistics, SPEC issue 6).
+/// Bytes a private pool holds (per-pool statistics).
 struct pool_usage {
   std::size_t segment_count = 0;
   std::size_t reserved_bytes = 0;   ///< plain segment sizes + mapped bytes of expandable ones

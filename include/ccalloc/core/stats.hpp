@@ -97,13 +97,13 @@ struct device_stats {
   /// stream made to wait for another stream's page fence so that the pages
   /// of a free block of that stream could move to it at once
   /// (reuse_with_stream_wait). The host never waits for these; they are not
-  /// in num_device_synchronizations. ccalloc's own (issue 15).
+  /// in num_device_synchronizations. ccalloc's own.
   std::int64_t num_stream_waits = 0;
   /// Allocations a thread cache served: a free and the next malloc of the
   /// same bytes on the same stream, in one thread, that never reached the
   /// pools (the block is the one the pools would have handed out). Each
   /// also counts in allocation, active and the byte statistics' allocated
-  /// and freed. ccalloc's own (issue 18).
+  /// and freed. ccalloc's own.
   std::int64_t num_thread_cache_hits = 0;
   stat oversize_allocations;            ///< allocations of blocks >= max_split_size
   stat oversize_segments;               ///< segments >= max_split_size

@@ -79,7 +79,7 @@
 // completed by the next event. A GPU is some kernels behind the host: an
 // event recorded now completes once the work queued before it has run. With
 // L > 0 every trace stream stays busy until L events after each of its
-// allocs and frees, so an event (a page fence, issue 15) recorded at event i
+// allocs and frees, so an event (a page fence) recorded at event i
 // completes at event i + L. The recorded lag between a block's
 // free_requested and free_completed (side streams) is modelled as before.
 // Measured on an H200 (docs/perf.md, "device lag"): GPT-2 training with bf16
@@ -194,7 +194,7 @@ struct replay_result {
   std::uint64_t stream_waits = 0;             ///< num_stream_waits (device-side waits; the host never waits)
   /// num_thread_cache_hits: allocations the thread cache served (the
   /// replay is one thread: a free and the next malloc of the same bytes on
-  /// the same stream). The same figures with thread_cache:off (issue 18).
+  /// the same stream). The same figures with thread_cache:off.
   std::uint64_t thread_cache_hits = 0;
   double wall_seconds = 0.0;               ///< replay time, excluding reading the trace
   std::uint64_t repeat = 1;                ///< passes asked for (replay_options::repeat)

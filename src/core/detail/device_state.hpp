@@ -25,9 +25,9 @@
 // block) takes only that lock. Device-wide state (segments, events, the
 // reservation) has device_mutex_; statistics have stats_mutex_. The slow path
 // (a new segment, garbage collection, the OOM ladder, emptyCache) locks the
-// whole device: the registry, every stream in address order, the device,
+// whole device: the registry, every stream in stream-handle order, the device,
 // the statistics. Lock order, never reversed:
-//     registry_mutex_ -> stream_state::mutex (by address) -> device_mutex_ -> stats_mutex_
+//     registry_mutex_ -> stream_state::mutex (by stream handle) -> device_mutex_ -> stats_mutex_
 // A block belongs to its segment's stream: its fields change only under that
 // stream's lock (event_count included). The lock each method below needs is
 // in brackets next to it; docs/design.md (section 4) lists the locks of each
@@ -61,6 +61,9 @@
 
 #include "history_recorder.hpp"
 #include "mapping_notifier.hpp"
+#include "page_fences.hpp"
+#include "page_table.hpp"
+#include "recycle_budget.hpp"
 #include "thread_cache.hpp"
 
 #include <cstddef>
@@ -93,13 +96,13 @@ inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments 
 inline constexpr std::size_t free_memory_check_bytes = 256 * mib;
 
 // Blocks of at least this many pages are carved so that they touch no more
-// pages than they need (page_sliver, issue 15).
+// pages than they need (page_sliver).
 inline constexpr std::size_t page_aligned_block_pages = 8;
 
 // Whether a block of `size` bytes, carved flush at `offset` of its segment,
 // is to be carved on page boundaries instead, in an expandable segment's
-// large pool where that costs no page now (issue 15,
-// device_state::page_aligned_start), when free pages are recycled at every
+// large pool where that costs no page now
+// (device_state::page_aligned_start), when free pages are recycled at every
 // new peak (the default). Three cases:
 // - it falls short of a whole number of `page`s by at most 1/64 of a page
 //   (and by something): packed with its like, it wastes at most that much
@@ -199,30 +202,24 @@ struct segment {
   std::uint64_t seq = 0;  // creation order: choices among segments never depend on addresses
   std::size_t page_bytes = 0;            // mapping unit (the device's granularity)
   std::size_t mapped_bytes = 0;          // mapped pages x page_bytes
-  std::vector<physical_handle_t> pages;  // per page: its physical handle, 0 = unmapped
+  page_table pages;  // which pages are mapped, unmapped, retired (page_table.hpp) [world]
   // Its unmapped blocks, by address. They change only where pages are
   // mapped or unmapped (set_page_state, under the world lock), never on the
   // fast path. A request that maps pages looks for its free run around them
   // (device_state::best_own_run) instead of walking every block. [world]
   std::vector<block*> unmapped;
-  // Pages recycled out of this segment whose old mapping stays until the
-  // work queued before their free has run (deferred unmaps, issue 15;
-  // device_state::settle_retired): their handle is mapped again where a
-  // request of the same stream needed it, and still here. The books count
-  // the page unmapped here (pages[index] == 0, its block unmapped), but
-  // nothing may be mapped at it before the deferred unmap. By page index.
-  // [world]
-  struct retired_page {
-    std::size_t index = 0;          // page index in the segment
-    physical_handle_t handle = 0;   // mapped here and where it went
-    stream_state* owner = nullptr;  // the stream that freed it: its fence
-    std::uint64_t free_seq = 0;     // the fence count that makes the unmap safe
-    bool release = false;           // release the handle once unmapped (it went nowhere)
-  };
-  std::vector<retired_page> retired;
+  using retired_page = page_table::retired_page;
 };
 
 bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }
+
+// A segment's own invariant, checked at each of its state transitions under
+// CCALLOC_ASSERT_EXPENSIVE (inspection.cpp): its blocks tile it in address
+// order (head at base, prev/next linked both ways, each block's seg is it,
+// sizes add up to size); an expandable segment's page table covers it and
+// holds its own invariant (page_table::check). check_invariants adds what
+// ties segments to pools, statistics and each other.
+[[nodiscard]] bool segment_is_valid(const segment& seg) noexcept;
 
 // ---- block_index: a pool's free blocks, sorted (hot_path.cpp) ------------------------
 
@@ -549,19 +546,15 @@ struct alignas(64) stream_state {
   bool has_pending_stats = false;
   std::uint32_t stats_backoff = 0;  // operations left before trying stats_mutex_ again
   std::vector<block*> spare_blocks;  // recycled block objects: no heap call per split
-  // Page fences: blocks of this stream that became free so far (each takes
-  // the next number as its block::free_seq) [stream]; events recorded on the
-  // stream when pages were wanted, with the count at that moment, oldest
-  // first [world]; and the count up to which a fence has completed: blocks
-  // with free_seq <= fenced_seq have no work of this stream left on them
-  // [world].
+  // Blocks of this stream that became free so far (each takes the next
+  // number as its block::free_seq): the count its page fences cover. [stream]
   std::uint64_t free_seq = 0;
   // Destroyed (device_caching_allocator::stream_destroyed): its work has
   // completed and nothing is recorded on it; malloc on it is refused. [world
   // to write; stream or device to read]
   bool gone = false;
-  std::deque<std::pair<event_t, std::uint64_t>> fences;
-  std::uint64_t fenced_seq = 0;
+  // Its page fences (page_fences.hpp). [world]; record also [stream + device]
+  page_fences fences;
   // Its frees of blocks of at least this many bytes record a page fence
   // (device_state::free_records_fence): a page, where the stream is not the
   // legacy default stream and another stream allocates too; else never
@@ -730,7 +723,7 @@ class device_state {
   // default stream (which any slow path may record on, can_record_on): the
   // stream keeps other blocks, and another stream's slow path never records
   // on it, so without this its freed pages stayed with it for as long as it
-  // kept a block, and the others grew instead (issue 15: on the H200, a
+  // kept a block, and the others grew instead (on the H200, a
   // stream holding weights gave no page away). A stream alone has its frees
   // fenced by its own slow path, where its pages are wanted. [stream]
   [[nodiscard]] static bool free_records_fence(const block* b, const stream_state& ss) noexcept {
@@ -873,15 +866,14 @@ class device_state {
                                std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait,
                                const stream_state* same_stream = nullptr);
   [[nodiscard]] static std::size_t partial_page_bytes(const block& b) noexcept;
-  // Cross-stream reuse with a device-side wait (reuse_with_stream_wait,
-  // issue 15): whether `to` may wait on the device for another stream's
+  // Cross-stream reuse with a device-side wait (reuse_with_stream_wait):
+  // whether `to` may wait on the device for another stream's
   // fence now (no capture, `to` live and nameable, the backend can wait);
   // and the fence of `owner` covering its free numbered free_seq (event,
   // the free count it covers), recorded now where can_record_on allows;
   // nullopt when there is none.
   [[nodiscard]] bool may_wait_on_device(const stream_state& to);
-  [[nodiscard]] std::optional<std::pair<event_t, std::uint64_t>> fence_covering(stream_state& owner,
-                                                                              std::uint64_t free_seq);
+  [[nodiscard]] std::optional<page_fences::fence> fence_covering(stream_state& owner, std::uint64_t free_seq);
   // defer: keep the old mappings (segment::retired) instead of unmapping
   // them now; only with recycled.
   std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
@@ -893,24 +885,31 @@ class device_state {
   void settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait);
   void settle_retired(bool may_wait);
   void release_page_handle(physical_handle_t h);
-  [[nodiscard]] static bool has_retired(const segment& seg, std::size_t first, std::size_t last) noexcept;
-  // The first retired page of seg at or after page `index`.
-  [[nodiscard]] static std::vector<segment::retired_page>::const_iterator retired_from(const segment& seg,
-                                                                                       std::size_t index) noexcept;
   std::size_t retired_pages_ = 0;  // retired pages of every segment [world]
-  // Page fences (issue 15): whether free block b's memory has no work of its
-  // stream left (its fence completed); polls the stream's fences without
-  // blocking, and records a new one when none covers b and its stream may
-  // be recorded on (can_record_on).
+  // Page fences (page_fences.hpp) of the block's or stream's owner, with
+  // this device's events: whether free block b's memory (the stream's free
+  // numbered free_seq) has no work of its stream left, never blocking
+  // (records a fence where none covers it and can_record_on allows);
+  // wait_fences blocks until every free of the stream has none, counted in
+  // num_device_synchronizations and under `why`; await_fence is the two
+  // together (wait unless completed).
   bool fence_completed(block* b);
   bool fence_completed(stream_state& ss, std::uint64_t free_seq);
-  void poll_fences(stream_state& ss);
-  void record_fence(stream_state& ss, std::uint64_t covers);
-  [[nodiscard]] static std::uint64_t fenced_up_to(const stream_state& ss) noexcept;
-  void wait_fences(stream_state& ss);
+  void wait_fences(stream_state& ss, page_fences::wait_reason why);
+  void await_fence(block* b, page_fences::wait_reason why);
   void fence_streams(const world_lock& w);  // [world]
   void fence_before_free(stream_state& ss);  // [stream] takes the device lock
-  static constexpr std::size_t max_fences_per_stream = 4;  // outstanding fences of one stream
+  // page_fences::device over this device's event pool and backend.
+  struct fence_device final : page_fences::device {
+    explicit fence_device(device_state& s) noexcept : d(s) {}
+    device_state& d;
+    event_t take_event() override;
+    void give_event(event_t e) override;
+    bool query(event_t e) override;
+    void record(event_t e, stream_t stream) override;
+    void synchronize(event_t e) override;
+    void synchronize_device() override;
+  };
   // Whether the allocator may record an event on the stream now: the legacy
   // default stream, or the stream of the malloc whose slow path this thread
   // runs (the caller's stream exists). A stream that only freed blocks may have been destroyed
@@ -931,25 +930,13 @@ class device_state {
   // restarts the count of recycles_per_peak.
   void raise_reserved_high_water() noexcept;
   // [world] Which budget may pay for recycling for a new peak now
-  // (recycle_time_percent), both refilled first from the backend's host
-  // clock: the bucket while it is not empty (always at 100 percent or
-  // without a clock; never at 0); else, for a large peak (large_peak), the
-  // reserve while it is not empty; else none (the mark rises).
+  // (recycle_budget::choose, on the backend's host clock).
   // spend_recycle_time takes the host time since `start_us` (a reading of
   // that clock before the recycling), less `excluded_us` (the time of the
   // fresh pages the same request mapped), out of budget `from`.
-  enum class recycle_budget : unsigned char { none, bucket, reserve };
-  recycle_budget recycle_budget_now(bool large_peak);
-  void spend_recycle_time(recycle_budget from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
-  // Refills the bucket, and the reserve with what the full bucket cannot
-  // hold, for the host time passed since the last refill; false when the
-  // backend has no host clock. [world]
-  bool refill_recycle_budget();
-  // The bucket's size: recycle_time_percent of recycle_window_us; the
-  // reserve's: that percent of recycle_reserve_window_us. [world]
-  [[nodiscard]] double recycle_bucket_depth_us() const noexcept;
-  [[nodiscard]] double recycle_reserve_depth_us() const noexcept;
-  // Cross-stream reuse of whole reservations (issue 15).
+  recycle_budget::source recycle_budget_now(bool large_peak);
+  void spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
+  // Cross-stream reuse of whole reservations.
   bool idle_reservation(segment& seg, const alloc_params& p);
   void adopt_reservation(segment& seg, const alloc_params& p);
 
@@ -1023,24 +1010,14 @@ class device_state {
   // Recyclings for a new peak since reserved_high_water_bytes_ last rose
   // (recycles_per_peak); raise_reserved_high_water resets it.
   std::size_t recycles_at_mark_ = 0;
-  // The recycling time budget (recycle_time_percent), a token bucket in
-  // microseconds of host time: it fills at that percent of the time that
-  // passes, up to recycle_window_us of it, and recycling for a new peak
-  // spends what it takes. recycle_clock_us_: the host clock at the last
-  // refill (nullopt: not read yet). The reserve (recycle_reserve_us_) keeps
-  // the refill that the full bucket cannot hold, up to
-  // recycle_reserve_window_us of it, and pays only for large peaks found
-  // with the bucket empty (recycle_budget_now). Both start full. [world]
-  static constexpr std::uint64_t recycle_window_us = 1'000'000;
-  static constexpr std::uint64_t recycle_reserve_window_us = 10'000'000;
-  double recycle_tokens_us_ = 0.0;
-  double recycle_reserve_us_ = 0.0;
-  std::optional<std::uint64_t> recycle_clock_us_;
+  // The recycling time budget (recycle_time_percent). [world]
+  recycle_budget recycle_budget_;
   std::map<std::uintptr_t, std::unique_ptr<segment>> segments_;  // by base address
   // Events recorded at free time, per stream that used the block, in order.
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
   std::vector<event_t> free_events_;  // event pool: created and reusable
+  fence_device fence_device_{*this};  // the page fences' view of it
   std::vector<oom_observer> observers_;
   std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
   std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0

@@ -1,4 +1,4 @@
-// The thread cache (issue 18): each thread parks the blocks it frees, up to
+// The thread cache: each thread parks the blocks it frees, up to
 // thread_cache_slots of them per device, and hands one back when the same
 // thread asks for the same number of bytes on the same stream. A cached
 // alloc+free pair then takes no stream lock, no statistics lock and no

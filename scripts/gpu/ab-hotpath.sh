@@ -4,7 +4,7 @@
 # seventh session), so a change is judged against the tree it replaces in
 # the same call, with the two builds' runs interleaved (A B A B ...).
 #
-# Usage: scripts/gpu-ab-hotpath.sh BASE_SRC OUT_DIR
+# Usage: scripts/gpu/ab-hotpath.sh BASE_SRC OUT_DIR
 #   BASE_SRC  a source tree of the base revision (e.g. `git archive REV | tar
 #             -x -C build-ab-base`, carried to the device as an ignored path)
 #   AB_ROUNDS rounds of (base, this tree) (default 4)
@@ -13,9 +13,9 @@
 # Prints one line per run: which tree, then bench_gpu's RESULT lines; the
 # logs go to OUT_DIR/ab-logs.tar.xz.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
-BASE=${1:?usage: scripts/gpu-ab-hotpath.sh BASE_SRC OUT_DIR}
-OUT_DIR=${2:?usage: scripts/gpu-ab-hotpath.sh BASE_SRC OUT_DIR}
+cd "$(dirname "$0")/../.." || exit 1
+BASE=${1:?usage: scripts/gpu/ab-hotpath.sh BASE_SRC OUT_DIR}
+OUT_DIR=${2:?usage: scripts/gpu/ab-hotpath.sh BASE_SRC OUT_DIR}
 ROUNDS=${AB_ROUNDS:-4}
 CASES=${AB_CASES:-pair,mixed}
 REPS=${AB_REPS:-7}

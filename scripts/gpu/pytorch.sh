@@ -5,10 +5,10 @@
 #      integration) into python3's environment (PYTHON=...; DROPIN_VENV=DIR
 #      makes a fresh venv over its packages first: only where python3 is not
 #      a venv itself, else torch is not seen there);
-#   2. runs every item of scripts/pytorch_dropin.py in its own process: one
+#   2. runs every item of scripts/gpu/pytorch_dropin.py in its own process: one
 #      line `PASS item (...)` / `FAIL item: reason` / `SKIP item: reason` each
 #      (DROPIN_ITEMS="a b" runs only those, DROPIN_ITEMS=none none of them);
-#   3. GPT-2 (scripts/gpt2_allocators.py) on PyTorch's allocator, PyTorch's
+#   3. GPT-2 (scripts/gpu/gpt2_allocators.py) on PyTorch's allocator, PyTorch's
 #      with expandable_segments:True, and ccalloc, interleaved (GPT2_ROUNDS
 #      rounds, default 2; GPT2_STEPS steps, default 30; 0 rounds skips it;
 #      GPT2_SEQ the sequence length, default 512, and GPT2_SEQ_MIN, when set,
@@ -23,7 +23,7 @@
 # Output: the lines above and $OUT_DIR (default out/pytorch-dropin)/{install.log,
 # items.log, gpt2-*.json, gpt2-compare.txt}. Exit status 1 when any item FAILed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REPO=$(pwd)
 OUT_DIR=${OUT_DIR:-out/pytorch-dropin}
 mkdir -p "$OUT_DIR"
@@ -66,13 +66,13 @@ if [ "$ROUNDS" -gt 0 ]; then
       f=$OUT_DIR/gpt2-$v-$r.json
       [ "$v" = native-expandable ] && [ -n "${GPT2_EXPANDABLE_ROUNDS:-}" ] && [ "$r" -gt "$GPT2_EXPANDABLE_ROUNDS" ] && continue
       case $v in
-        native) env -u PYTORCH_CUDA_ALLOC_CONF "$PY" scripts/gpt2_allocators.py train --allocator native --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
-        native-expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" scripts/gpt2_allocators.py train --allocator native --label native-expandable --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
+        native) env -u PYTORCH_CUDA_ALLOC_CONF "$PY" scripts/gpu/gpt2_allocators.py train --allocator native --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
+        native-expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" scripts/gpu/gpt2_allocators.py train --allocator native --label native-expandable --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f" >>"$OUT_DIR/gpt2.log" 2>&1 ;;
         ccalloc) (cd /tmp && env -u PYTORCH_CUDA_ALLOC_CONF "$PY" "$SCRIPTS/gpt2_allocators.py" train --allocator ccalloc --steps "$STEPS" "${SEQ_ARGS[@]}" --out "$f") >>"$OUT_DIR/gpt2.log" 2>&1 ;;
       esac
       [ -s "$f" ] && runs+=("$f") || echo "gpt2: run $v $r failed (see $OUT_DIR/gpt2.log)"
     done
   done
-  "$PY" scripts/gpt2_allocators.py compare "${runs[@]}" --json "$OUT_DIR/gpt2-compare.json" | tee "$OUT_DIR/gpt2-compare.txt"
+  "$PY" scripts/gpu/gpt2_allocators.py compare "${runs[@]}" --json "$OUT_DIR/gpt2-compare.json" | tee "$OUT_DIR/gpt2-compare.txt"
 fi
 exit $FAILED

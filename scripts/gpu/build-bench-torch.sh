@@ -2,9 +2,9 @@
 # Builds build-bench-torch/bench_torch (PyTorch's allocator on the benchmark
 # cases, bench/gpu/bench_torch.cpp) with g++ against the installed torch:
 # its headers, libc10 / libc10_cuda and its C++ ABI. Used by
-# scripts/gpu-bench.sh and scripts/gpu-mixed-layout.sh.
+# scripts/gpu/bench.sh and scripts/gpu/mixed-layout.sh.
 #
-# Usage: scripts/build-bench-torch.sh LOG [PROBE_SECONDS [BUILD_SECONDS]]
+# Usage: scripts/gpu/build-bench-torch.sh LOG [PROBE_SECONDS [BUILD_SECONDS]]
 #   LOG            the probe's and the compiler's output are appended here
 #   PROBE_SECONDS  limit for importing torch (default 60)
 #   BUILD_SECONDS  limit for the compile (default 120)
@@ -12,8 +12,8 @@
 #   CUDA_HOME      the CUDA toolkit (default /usr/local/cuda)
 # Exit status: 0 built; 3 no torch importable by PYTHON; 1 the build failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-LOG=${1:?usage: scripts/build-bench-torch.sh LOG [PROBE_SECONDS [BUILD_SECONDS]]}
+cd "$(dirname "$0")/../.."
+LOG=${1:?usage: scripts/gpu/build-bench-torch.sh LOG [PROBE_SECONDS [BUILD_SECONDS]]}
 PROBE_S=${2:-60}
 BUILD_S=${3:-120}
 PY=${PYTHON:-python3}

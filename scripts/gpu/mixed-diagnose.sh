@@ -7,14 +7,14 @@
 # (bench/gpu/timed_backend.hpp: INFO lines), and the host's CPU layout;
 # each run under the default configuration and with plain segments.
 #
-# Usage: scripts/gpu-mixed-diagnose.sh OUT_DIR
+# Usage: scripts/gpu/mixed-diagnose.sh OUT_DIR
 #   DIAG_RUNS  runs per placement (default 3)
 #   DIAG_CPU   the CPU to pin to (default 2)
 #   DIAG_SETTINGS  gpu-hotpath.sh's HOTPATH_SETTINGS (default: the default
 #                  configuration, then expandable_segments:False)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${1:?usage: scripts/gpu-mixed-diagnose.sh OUT_DIR}
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: scripts/gpu/mixed-diagnose.sh OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 RUNS=${DIAG_RUNS:-3}
@@ -33,7 +33,7 @@ for placement in free pinned; do
     pin=""
     [ "$placement" = pinned ] && pin=$CPU
     HOTPATH_SETTINGS=${DIAG_SETTINGS:-'|;expandable_segments:False|'} HOTPATH_CASES=pair,mixed HOTPATH_PIN=$pin HOTPATH_REPS=7 \
-      scripts/gpu-hotpath.sh "$OUT/$placement-$r" >/dev/null 2>"$OUT/$placement-$r.err"
+      scripts/gpu/hotpath.sh "$OUT/$placement-$r" >/dev/null 2>"$OUT/$placement-$r.err"
     echo "### $placement run $r"
     for f in "$OUT/$placement-$r"/hotpath-*.log; do
       head -1 "$f"

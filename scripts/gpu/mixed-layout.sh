@@ -10,7 +10,7 @@
 # each plainly and under `setarch -R` (no randomization), while vmstat
 # records the host's steal time (st: a virtual CPU waiting for the host).
 #
-# Usage: scripts/gpu-mixed-layout.sh OUT_DIR
+# Usage: scripts/gpu/mixed-layout.sh OUT_DIR
 #   LAYOUT_ROUNDS  rounds (default 6)
 #   LAYOUT_STEPS   bench_count mixed steps per run (default 3000000)
 #   LAYOUT_CONF    CCALLOC_CONF for bench_count (e.g. recycle_time_percent:100:
@@ -19,12 +19,12 @@
 #   LAYOUT_GPU     0: skip bench_gpu (default 1)
 #   LAYOUT_TORCH   1: also PyTorch's allocator on the same mixed case in
 #                  each round (bench_torch, built with g++ against the
-#                  installed torch: scripts/build-bench-torch.sh; default 0)
+#                  installed torch: scripts/gpu/build-bench-torch.sh; default 0)
 # Writes OUT_DIR/layout.log (every run), OUT_DIR/vmstat.log, OUT_DIR/host.txt
 # and prints OUT_DIR/layout-summary.md.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${1:?usage: scripts/gpu-mixed-layout.sh OUT_DIR}
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: scripts/gpu/mixed-layout.sh OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 ROUNDS=${LAYOUT_ROUNDS:-6}
@@ -42,7 +42,7 @@ fi
 COUNT=$BUILD/bench/bench_count
 GPU=$BUILD/bench/gpu/bench_gpu
 TORCH=build-bench-torch/bench_torch
-if [ "$WITH_TORCH" != 0 ] && ! scripts/build-bench-torch.sh "$OUT/build.log"; then
+if [ "$WITH_TORCH" != 0 ] && ! scripts/gpu/build-bench-torch.sh "$OUT/build.log"; then
   say "bench_torch did not build: PyTorch's column stays empty"; WITH_TORCH=0
 fi
 

@@ -12,7 +12,7 @@
 #       (ccalloc_replay_cuda_check reads the pickle directly: the replay
 #       library sniffs it and runs the bundled converter with python3).
 #
-# Usage: scripts/gpu-snapshots.sh [OUT_DIR] [CCALLOC_BIN]
+# Usage: scripts/gpu/snapshots.sh [OUT_DIR] [CCALLOC_BIN]
 #   OUT_DIR defaults to $OUT, else out/gpu-snapshots.
 #   CCALLOC_BIN (optional): a prebuilt `ccalloc` CLI (built where CLI11 and
 #   nlohmann-json exist, e.g. the development machine's build/ccalloc); with
@@ -26,7 +26,7 @@
 #   torch_snapshot.trace, and with CCALLOC_BIN report.html.
 # Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 OUT_DIR=${1:-${OUT:-out/gpu-snapshots}}
 CCALLOC_BIN=${2:-}
 mkdir -p "$OUT_DIR"

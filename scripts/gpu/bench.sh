@@ -3,7 +3,7 @@
 # CUB, cudaMalloc) and bench_torch (PyTorch's native allocator), then merges
 # their output into one markdown table (bench/gpu/summarize.py).
 #
-# Usage: scripts/gpu-bench.sh OUT_DIR
+# Usage: scripts/gpu/bench.sh OUT_DIR
 #   Writes to OUT_DIR: bench_build.log, bench_gpu.log, bench_torch.log,
 #   bench-table.md (also printed last).
 # Needs: a GPU, the CUDA toolkit (CUDA_HOME, default /usr/local/cuda), cmake,
@@ -13,9 +13,9 @@
 # Exit status: bench_gpu's (0 when it built and every case ran); bench_torch's
 # outcome is reported in the table but does not change it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
-OUT=${1:?usage: scripts/gpu-bench.sh OUT_DIR}
+OUT=${1:?usage: scripts/gpu/bench.sh OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
@@ -68,7 +68,7 @@ fi
 
 # ---- bench_torch (g++ against the installed torch) ---------------------------
 torch_rc=1
-scripts/build-bench-torch.sh "$BUILD_LOG" "$(left 60)" "$(left 120)"
+scripts/gpu/build-bench-torch.sh "$BUILD_LOG" "$(left 60)" "$(left 120)"
 case $? in
   0)
     say "running bench_torch"

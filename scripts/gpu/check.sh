@@ -5,14 +5,14 @@
 # and compare them (ccalloc_replay_cuda_check: `ccalloc replay --device cuda`
 # vs `--device sim`; the CLI itself needs CLI11 and nlohmann-json, which the
 # GPU machine lacks), run the GPU tests again under compute-sanitizer
-# memcheck, then the benchmarks (scripts/gpu-bench.sh), and print a summary
+# memcheck, then the benchmarks (scripts/gpu/bench.sh), and print a summary
 # table.
 #
-# Usage: scripts/gpu-check.sh [OUT_DIR]
+# Usage: scripts/gpu/check.sh [OUT_DIR]
 #   OUT_DIR defaults to $OUT (the device tool's output folder), else
 #   out/gpu-check. Runs from the repository root whatever the cwd.
 # Writes to OUT_DIR: build.log (environment, configure, build), gpu-tests.log,
-#   replay-cuda.log, sanitizer.log, and whatever scripts/gpu-bench.sh writes
+#   replay-cuda.log, sanitizer.log, and whatever scripts/gpu/bench.sh writes
 #   there (bench_*.log, bench-table.md) -- at most 8 files, the device tool's limit.
 # Needs: an NVIDIA GPU, the CUDA toolkit (nvcc; /usr/local/cuda or on PATH),
 #   cmake >= 3.22, ninja, g++. compute-sanitizer for the sanitizer step.
@@ -21,7 +21,7 @@
 # Exit status: 0 when every step passed, 1 otherwise. A failing step does not
 #   stop the later ones.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 
 OUT_DIR=${1:-${OUT:-out/gpu-check}}
 mkdir -p "$OUT_DIR"
@@ -64,8 +64,8 @@ record() {  # name rc seconds log [detail]
 }
 
 # ---- environment ---------------------------------------------------------------
-# shellcheck source=scripts/cuda-env.sh
-. scripts/cuda-env.sh  # NVCC, CUDA_ROOT
+# shellcheck source=scripts/gpu/cuda-env.sh
+. scripts/gpu/cuda-env.sh  # NVCC, CUDA_ROOT
 SANITIZER=$(command -v compute-sanitizer || true)
 if [ -z "$SANITIZER" ]; then
   for c in "$CUDA_ROOT/bin/compute-sanitizer" "$CUDA_ROOT/compute-sanitizer/compute-sanitizer" \
@@ -209,19 +209,19 @@ else
 fi
 
 # ---- benchmarks ----------------------------------------------------------------------
-if [ -x scripts/gpu-bench.sh ]; then
+if [ -x scripts/gpu/bench.sh ]; then
   if (($(left 600) < 60)); then
     record "benchmarks" 1 0 "-" "no time left (budget ${BUDGET_S} s)"
   else
-    say "running scripts/gpu-bench.sh $OUT_DIR"
+    say "running scripts/gpu/bench.sh $OUT_DIR"
     t0=$(date +%s)
-    timeout "$(left 270)" scripts/gpu-bench.sh "$OUT_DIR"
+    timeout "$(left 270)" scripts/gpu/bench.sh "$OUT_DIR"
     record "benchmarks (gpu-bench.sh)" $? $(($(date +%s) - t0)) "bench_*.log, bench-table.md"
   fi
 else
   benches=$(find "$BUILD/bench" -type f -perm -u+x -name 'bench_*' 2>/dev/null | sort)
   if [ -z "$benches" ]; then
-    record "benchmarks" skip 0 "-" "no scripts/gpu-bench.sh and no binaries under $BUILD/bench"
+    record "benchmarks" skip 0 "-" "no scripts/gpu/bench.sh and no binaries under $BUILD/bench"
   else
     for b in $benches; do
       say "running $b"

@@ -5,7 +5,7 @@
 # unmapped, remapped; device synchronizations: bench_gpu's INFO lines), then
 # profiles the mixed case with perf when the machine has it.
 #
-# Usage: scripts/gpu-hotpath.sh OUT_DIR
+# Usage: scripts/gpu/hotpath.sh OUT_DIR
 #   HOTPATH_SETTINGS  ';'-separated settings, each "CONF|THREAD_CACHE" where
 #                     CONF goes to CCALLOC_CONF and THREAD_CACHE to
 #                     CCALLOC_THREAD_CACHE (empty: unset). Default: the
@@ -22,8 +22,8 @@
 # OUT_DIR/bench_vm.log (bench_vm: driver virtual memory calls per page), and a
 # summary (printed last) in OUT_DIR/hotpath-summary.md.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${1:?usage: scripts/gpu-hotpath.sh OUT_DIR}
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: scripts/gpu/hotpath.sh OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 SETTINGS=${HOTPATH_SETTINGS:-"|;|1;recycles_per_peak:4|;recycles_per_peak:4|1"}

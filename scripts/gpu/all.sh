@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: scripts/gpu-check.sh (GPU tests, memcheck,
+# One call on the GPU machine: scripts/gpu/check.sh (GPU tests, memcheck,
 # replay on cuda vs sim, benchmarks), an A/B of ccalloc's hot path with
 # expandable segments (the default) and plain segments, then
-# scripts/gpu-integrations.sh (GPT-2 on ccalloc vs native, CuPy, Python
-# tests) and scripts/gpu-snapshots.sh (snapshots both ways with PyTorch), and
-# scripts/gpu-ipc.sh when present, within the device tool's limit of 8 files
+# scripts/gpu/integrations.sh (GPT-2 on ccalloc vs native, CuPy, Python
+# tests) and scripts/gpu/snapshots.sh (snapshots both ways with PyTorch), and
+# scripts/gpu/ipc.sh when present, within the device tool's limit of 8 files
 # back: the summaries, the benchmark tables and one archive of every log.
-# Usage: [GPU_ALL_STAGES="check ab integrations snapshots ipc"] scripts/gpu-all.sh [OUT_DIR]
+# Usage: [GPU_ALL_STAGES="check ab integrations snapshots ipc"] scripts/gpu/all.sh [OUT_DIR]
 #   (default $OUT, else out/gpu-all); GPU_ALL_STAGES picks a subset (two calls
 #   fit the device tool's 10-minute limit better than one).
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 OUT_DIR=${1:-${OUT:-out/gpu-all}}
 mkdir -p "$OUT_DIR"
 WORK=$(mktemp -d)
@@ -18,7 +18,7 @@ STAGES=" ${GPU_ALL_STAGES:-check ab integrations snapshots ipc} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 rc1=0; rc2=0; rc3=0; rc4=0
 if want check; then
-  GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-300} scripts/gpu-check.sh "$WORK/check" >"$WORK/check.out" 2>&1
+  GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-300} scripts/gpu/check.sh "$WORK/check" >"$WORK/check.out" 2>&1
   rc1=$?
 fi
 # A/B: the same ccalloc benchmark with both kinds of segment, alternating.
@@ -34,15 +34,15 @@ if want ab && [ -x build-gpu/bench/gpu/bench_gpu ]; then
   done
 fi
 if want integrations; then
-  scripts/gpu-integrations.sh "$WORK/integrations" >"$WORK/integrations.out" 2>&1
+  scripts/gpu/integrations.sh "$WORK/integrations" >"$WORK/integrations.out" 2>&1
   rc2=$?
 fi
 if want snapshots; then
-  scripts/gpu-snapshots.sh "$WORK/snapshots" >"$WORK/snapshots.out" 2>&1
+  scripts/gpu/snapshots.sh "$WORK/snapshots" >"$WORK/snapshots.out" 2>&1
   rc3=$?
 fi
-if want ipc && [ -x scripts/gpu-ipc.sh ]; then
-  scripts/gpu-ipc.sh "$WORK/ipc" >"$WORK/ipc.out" 2>&1
+if want ipc && [ -x scripts/gpu/ipc.sh ]; then
+  scripts/gpu/ipc.sh "$WORK/ipc" >"$WORK/ipc.out" 2>&1
   rc4=$?
 fi
 [ -f "$WORK/check.out" ] && tail -n 40 "$WORK/check.out" >"$OUT_DIR/check-summary.txt"

@@ -9,7 +9,7 @@ Each item installs ccalloc (`ccalloc.torch.install()`, the installed
 package: `python3 -m pip install --no-build-isolation .`) first thing, then
 uses only PyTorch's own API, and checks what PyTorch reports against
 ccalloc's own view (`ccalloc.memory_stats()`, `ccalloc.memory_snapshot()`).
-scripts/gpu-pytorch-dropin.sh runs them all. The distributed items (ddp,
+scripts/gpu/pytorch.sh runs them all. The distributed items (ddp,
 fsdp2, nccl_pool_collective) start torchrun on 2 GPUs and SKIP with fewer.
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One rank of a distributed drop-in check (scripts/pytorch_dropin.py starts
+"""One rank of a distributed drop-in check (scripts/gpu/pytorch_dropin.py starts
 it with torchrun on 2 GPUs): MODE ddp | fsdp2 | nccl_pool. DROPIN_ALLOCATOR
 ccalloc | native picks the allocator; rank 0 writes the per-step losses to
 DROPIN_OUT (one a line)."""

@@ -6,16 +6,16 @@
 #       20 AdamW steps on batch 8 x 512 random tokens, on PyTorch's native
 #       allocator and on ccalloc, each in its own process, in the order
 #       native, ccalloc, ccalloc, native (ABBA, to cancel drift), and
-#       scripts/gpt2_allocators.py compare prints median step time (steps
+#       scripts/gpu/gpt2_allocators.py compare prints median step time (steps
 #       3..19), peak reserved and the largest loss difference;
 #   (b) a CuPy array workload on ccalloc printing ccalloc's statistics
-#       (scripts/cupy_workload.py);
+#       (scripts/gpu/cupy_workload.py);
 #   (c) the Python tests (python/tests) with their torch and CuPy parts;
 #   (d) when 2 GPUs are visible (SKIP otherwise): a torch.distributed NCCL
 #       all-reduce across them on tensors from a ccalloc pool whose segments
-#       come from ncclMemAlloc (SPEC E5; scripts/nccl_allreduce.py).
+#       come from ncclMemAlloc (SPEC E5; scripts/gpu/nccl_allreduce.py).
 #
-# Usage: scripts/gpu-integrations.sh [OUT_DIR]
+# Usage: scripts/gpu/integrations.sh [OUT_DIR]
 #   OUT_DIR defaults to $OUT, else out/gpu-integrations. Runs from the
 #   repository root whatever the cwd. PYTHON (default python3) must have
 #   torch, transformers and cupy. GPT2_ROUNDS=1 runs native and ccalloc once
@@ -31,7 +31,7 @@
 #   step has a time cap. Exit status 0 when every step passed, 1 otherwise;
 #   a failing step does not stop the later ones.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 OUT_DIR=${1:-${OUT:-out/gpu-integrations}}
 mkdir -p "$OUT_DIR"
@@ -83,8 +83,8 @@ run_step() {
 }
 
 # ---- environment -------------------------------------------------------------------
-# shellcheck source=scripts/cuda-env.sh
-. scripts/cuda-env.sh  # NVCC, CUDA_ROOT
+# shellcheck source=scripts/gpu/cuda-env.sh
+. scripts/gpu/cuda-env.sh  # NVCC, CUDA_ROOT
 {
   echo "== gpu-integrations $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(pwd)"
   nvidia-smi -L 2>&1 || echo "(nvidia-smi failed)"
@@ -147,21 +147,21 @@ for variant in "${ORDER[@]}"; do
     *) say "unknown GPT-2 variant '$variant' (native, ccalloc, ccalloc-plain, native-expandable, ccalloc@CONF)"; exit 2 ;;
   esac
   run_step "GPT-2 run $n on $variant" "$GPT2_LOG" 240 \
-    env "${env_args[@]}" "$PYTHON" scripts/gpt2_allocators.py train --allocator "$allocator" --label "$variant" \
+    env "${env_args[@]}" "$PYTHON" scripts/gpu/gpt2_allocators.py train --allocator "$allocator" --label "$variant" \
     --steps "${GPT2_STEPS:-20}" --seq "${GPT2_SEQ:-512}" ${GPT2_SEQ_MIN:+--seq-min "$GPT2_SEQ_MIN"} --out "$file"
   record "GPT-2 run $n ($variant)" "$STEP_RC" "$STEP_SECONDS"
   if [ "$STEP_RC" -eq 0 ] && [ -f "$file" ]; then RUN_FILES+=("$file"); else GPT2_FAILED=1; fi
 done
 if [ "${#RUN_FILES[@]}" -ge 2 ]; then
   run_step "GPT-2 comparison" "$GPT2_LOG" 60 \
-    "$PYTHON" scripts/gpt2_allocators.py compare "${RUN_FILES[@]}" --json "$OUT_DIR/gpt2.json"
+    "$PYTHON" scripts/gpu/gpt2_allocators.py compare "${RUN_FILES[@]}" --json "$OUT_DIR/gpt2.json"
   record "GPT-2 comparison" "$STEP_RC" "$STEP_SECONDS" "$(grep -E '^ccalloc / native' "$GPT2_LOG" | tail -n 1 || true)"
 else
   record "GPT-2 comparison" skip 0 "fewer than two runs finished"
 fi
 
 # ---- (b) CuPy workload -----------------------------------------------------------------------
-run_step "CuPy workload on ccalloc" "$CUPY_LOG" 180 "$PYTHON" scripts/cupy_workload.py
+run_step "CuPy workload on ccalloc" "$CUPY_LOG" 180 "$PYTHON" scripts/gpu/cupy_workload.py
 record "CuPy workload" "$STEP_RC" "$STEP_SECONDS" "$(grep -E '^ccalloc served' "$CUPY_LOG" | tail -n 1 || true)"
 
 # ---- (c) Python tests, torch and CuPy parts included ---------------------------------------------
@@ -180,7 +180,7 @@ record "Python tests" "$STEP_RC" "$STEP_SECONDS" \
 GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1 || echo 0)
 if [ "$GPUS" -ge 2 ] 2>/dev/null; then
   run_step "NCCL all-reduce on 2 GPUs (ccalloc pool from ncclMemAlloc)" "$NCCL_LOG" 360 \
-    "$PYTHON" scripts/nccl_allreduce.py --world-size 2 --timeout 300 --json "$OUT_DIR/nccl.json"
+    "$PYTHON" scripts/gpu/nccl_allreduce.py --world-size 2 --timeout 300 --json "$OUT_DIR/nccl.json"
   if [ "$STEP_RC" -eq 77 ]; then STEP_RC=skip; fi
   record "NCCL all-reduce (2 GPUs)" "$STEP_RC" "$STEP_SECONDS" \
     "$(grep -E '^nccl_allreduce: (PASS|FAIL|SKIP)' "$NCCL_LOG" | tail -n 1 || true)"

@@ -13,22 +13,22 @@
 #   ipc_errors, copy_data, peer_copies (memcpy_async between plain and
 #                      expandable memory of GPUs 0 and 1, P2P off and on;
 #                      skips with one GPU).
-# scripts/gpu-check.sh runs these tests too (with the rest, and under
+# scripts/gpu/check.sh runs these tests too (with the rest, and under
 # compute-sanitizer); this script is the quick check of them alone.
 #
-# Usage: scripts/gpu-ipc.sh [OUT_DIR]   (default: $OUT, else out/gpu-ipc)
+# Usage: scripts/gpu/ipc.sh [OUT_DIR]   (default: $OUT, else out/gpu-ipc)
 # Writes OUT_DIR/build.log and OUT_DIR/gpu-ipc.log.
 # Time: build about 2 minutes, the tests a few seconds; capped at 5 minutes.
 # Exit status: 0 when the build and the tests passed.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 
 OUT_DIR=${1:-${OUT:-out/gpu-ipc}}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 BUILD=build-gpu-ipc
-# shellcheck source=scripts/cuda-env.sh
-. scripts/cuda-env.sh  # NVCC, CUDA_ROOT
+# shellcheck source=scripts/gpu/cuda-env.sh
+. scripts/gpu/cuda-env.sh  # NVCC, CUDA_ROOT
 
 CMAKE_ARGS=(-S . -B "$BUILD" -G Ninja -DCCALLOC_MINIMAL=ON -DCCALLOC_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release)
 [ -n "$CUDA_ROOT" ] && CMAKE_ARGS+=("-DCUDAToolkit_ROOT=$CUDA_ROOT")
