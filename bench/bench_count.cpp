@@ -12,6 +12,9 @@
 //   plain segments, or BENCH_COUNT_CAPACITY_GB=8 for a smaller device with
 //   the default configuration's expandable segments.)
 //
+// BENCH_COUNT_HISTORY=on (history recorded) or =context (history with a
+// context recorder at every malloc and free) counts the history's cost.
+//
 // After the run it prints one line to stderr: what the allocator did during
 // the N measured pairs or steps (the counters' increase; the warm-up is not
 // counted), e.g. for the mixed case's steady state (N = 65536: its second
@@ -27,6 +30,7 @@
 // recycling time budget acts as on a GPU. Reading the statistics happens after the measured loop: with
 // N = 0 subtracted, the instruction count per pair is unchanged.
 #include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/core/history.hpp>
 #include <ccalloc/core/stats.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
@@ -89,6 +93,21 @@ int main(int argc, char** argv) {
   auto backend = std::make_shared<ccalloc::sim_backend>(so);
   ccalloc::caching_allocator a{backend};
   a.init(1);
+  // BENCH_COUNT_HISTORY=on records the memory history (a ring of 100,000
+  // entries), =context also a context at every malloc and free (one shared
+  // context: ccalloc's own cost of keeping it); unset: history off.
+  if (const char* history = std::getenv("BENCH_COUNT_HISTORY")) {
+    ccalloc::history_options h;
+    h.max_entries = 100000;
+    h.when = ccalloc::record_context::never;
+    if (std::strcmp(history, "context") == 0) {
+      h.when = ccalloc::record_context::all;
+      auto context = std::make_shared<const ccalloc::trace_context>(
+          std::vector<ccalloc::stack_frame>{{"step", "bench_count.cpp", 1}});
+      h.recorder = [context] { return context; };
+    }
+    a.record_history(h);
+  }
   const ccalloc::stream_t stream = backend->create_stream(0);
   // The counters' increase over the measured part, on stderr.
   // The wall time of the measured loop (two clock reads outside it): ns a

@@ -12,6 +12,13 @@
 //                         iteration frees a random slot and allocates a new
 //                         random size there (bench/common/cases.hpp);
 //                         Time = ns per pair (SPEC P2).
+//   BM_mixed_history/context:C  BM_mixed with the memory history recorded
+//                         (a ring of 100,000 entries): C = 0 without contexts,
+//                         C = 1 with a context recorder at every malloc and
+//                         free (record_context::all; the recorder hands back
+//                         one shared context, so this is ccalloc's own cost of
+//                         keeping contexts, not a stack walk's); Time = ns per
+//                         pair, to compare with BM_mixed (history off).
 //   BM_threads/threads:T  1 MiB pairs, T threads, each on its own stream;
 //                         items_per_second = pairs/s of all threads (SPEC P3).
 //   BM_churn              8 live blocks of 1-128 MiB, each iteration frees the
@@ -39,6 +46,7 @@
 // llama_generate.trace.gz when present; CCALLOC_BENCH_TRACES (paths separated
 // by ':') replaces that list.
 #include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/core/history.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 #ifdef CCALLOC_BENCH_HAVE_REPLAY
 #include <ccalloc/replay/replay.hpp>
@@ -102,7 +110,7 @@ void BM_pair(benchmark::State& state) {
 }
 BENCHMARK(BM_pair)->ArgName("size")->Arg(512)->Arg(4 << 10)->Arg(1 << 20)->Arg(16 << 20)->Arg(256 << 20);
 
-void BM_mixed(benchmark::State& state) {
+void run_mixed(benchmark::State& state) {
   static const cb::mixed_plan plan = cb::make_mixed_plan();
   auto& e = env();
   const ccalloc::stream_t stream = e.streams[0];
@@ -126,7 +134,27 @@ void BM_mixed(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());
   for (void* ptr : ring) e.allocator.free(ptr);
 }
+
+void BM_mixed(benchmark::State& state) { run_mixed(state); }
 BENCHMARK(BM_mixed);
+
+void BM_mixed_history(benchmark::State& state) {
+  auto& e = env();
+  ccalloc::history_options on;
+  on.max_entries = 100000;
+  on.when = state.range(0) != 0 ? ccalloc::record_context::all : ccalloc::record_context::never;
+  if (state.range(0) != 0) {
+    auto context = std::make_shared<const ccalloc::trace_context>(
+        std::vector<ccalloc::stack_frame>{{"step", "bench_sim.cpp", 1}, {"main", "bench_sim.cpp", 2}});
+    on.recorder = [context] { return context; };
+  }
+  e.allocator.record_history(on);
+  run_mixed(state);
+  ccalloc::history_options off;
+  off.enabled = false;
+  e.allocator.record_history(off);  // the other benchmarks share this allocator
+}
+BENCHMARK(BM_mixed_history)->ArgName("context")->Arg(0)->Arg(1);
 
 void BM_threads(benchmark::State& state) {
   auto& e = env();

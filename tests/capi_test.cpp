@@ -389,6 +389,39 @@ TEST(CApi, OutOfMemoryReportsAndCallsObservers) {
   EXPECT_EQ(stat(a, "allocation.all.allocated"), 0);
 }
 
+// An observer that allocates, and fails again, is not called for its own
+// out-of-memory error: one call per failing request, not a recursion that
+// ends when the stack does (the observer below stops itself at depth 8 so
+// that the old behaviour fails the test instead of crashing it).
+TEST(CApi, AnObserverThatRunsOutOfMemoryIsNotCalledAgain) {
+  sim_allocator a(64 * MiB);
+  struct seen_t {
+    ccalloc_allocator_t* alloc = nullptr;
+    int calls = 0;
+    int depth = 0;
+    std::vector<ccalloc_status_t> inner;
+  } seen;
+  seen.alloc = a;
+  const auto observer = [](void* user, int, std::size_t, std::size_t, std::size_t) {
+    auto* s = static_cast<seen_t*>(user);
+    ++s->calls;
+    if (s->depth == 8) return;
+    ++s->depth;
+    void* q = nullptr;
+    s->inner.push_back(ccalloc_malloc(s->alloc, 0, 100 * MiB, nullptr, &q));
+    --s->depth;
+  };
+  ASSERT_EQ(ccalloc_attach_out_of_memory_observer(a, observer, &seen), CCALLOC_OK);
+  void* p = nullptr;
+  EXPECT_EQ(ccalloc_malloc(a, 0, 100 * MiB, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(seen.calls, 1);
+  EXPECT_EQ(seen.inner, std::vector<ccalloc_status_t>{CCALLOC_ERROR_OUT_OF_MEMORY}) << "the observer's own malloc fails";
+  EXPECT_EQ(stat(a, "num_ooms"), 2) << "both errors count";
+  // The next failing request is observed again.
+  EXPECT_EQ(ccalloc_malloc(a, 0, 100 * MiB, nullptr, &p), CCALLOC_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(seen.calls, 2);
+}
+
 TEST(CApi, MemoryFractionCapsReservedBytes) {
   sim_allocator a(64 * MiB);
   double f = -1;
@@ -466,6 +499,26 @@ TEST(CApi, ConfigurationWarningsUseTheCcallocWarningPrefix) {
   { const sim_allocator a(0, "garbage_collection_threshold:0.6"); }
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_EQ(err.rfind(expected, 0), 0u) << err;
+}
+
+// Each set_config prints the warnings it adds, not again those of the
+// settings before it.
+TEST(CApi, SetConfigPrintsOnlyTheWarningsItAdds) {
+  const sim_allocator a(0, "");
+  const std::string gc = "ccalloc: warning: ccalloc config: garbage_collection_threshold:0.6 is set without";
+  const std::string pinned = "ccalloc: warning: ccalloc config: pinned_num_register_threads:2 has no effect";
+  const auto set = [&](const char* text) {
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(ccalloc_set_config(a, text), CCALLOC_OK) << ccalloc_last_error();
+    return testing::internal::GetCapturedStderr();
+  };
+  std::string err = set("garbage_collection_threshold:0.6");
+  EXPECT_EQ(err.rfind(gc, 0), 0u) << err;
+  err = set("pinned_num_register_threads:2");
+  EXPECT_EQ(err.rfind(pinned, 0), 0u) << err;
+  EXPECT_EQ(err.find("garbage_collection_threshold"), std::string::npos) << "printed again: " << err;
+  err = set("roundup_power2_divisions:4");
+  EXPECT_EQ(err, "") << "nothing new to warn about";
 }
 
 TEST(CApi, NoCachingMode) {
@@ -630,7 +683,7 @@ TEST(CApi, RecordStreamOnAStreamThatIsNotLiveIsRefused) {
     void* q = must_malloc(a, 3 * MiB);
     const auto before = all_stats(a);
     const std::pair<ccalloc_stream_t, const char*> bad[] = {
-        {gone, "(destroyed)"},
+        {gone, "(never created, destroyed, or of another device)"},
         {never, "(never created, destroyed, or of another device)"},
         {other, "(never created, destroyed, or of another device)"}};
     for (const auto& [s, why] : bad) {
@@ -909,6 +962,84 @@ TEST(CApiHistory, RecordHistoryAndSnapshotJson) {
   EXPECT_EQ(ccalloc_snapshot_json(a, 1, nullptr, 16, &length), CCALLOC_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
   EXPECT_EQ(ccalloc_record_history(a, 0, 1000), CCALLOC_OK);
+  ccalloc_destroy(a);
+}
+
+// Contexts from a C recorder: handles counted in and out, frames only when a
+// snapshot is written.
+struct c_recorder_t {
+  int recorded = 0;
+  int released = 0;
+  int symbolized = 0;
+};
+
+TEST(CApiHistory, RecordHistoryExTakesContextsWhenClearAndSkipActions) {
+  ccalloc_options_t o;
+  ccalloc_options_init(&o);
+  o.backend = CCALLOC_BACKEND_SIM;
+  o.config = "expandable_segments:False";
+  ccalloc_allocator_t* a = nullptr;
+  ASSERT_EQ(ccalloc_create(&o, &a), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_init(a, 1), CCALLOC_OK);
+  c_recorder_t r;
+  ccalloc_history_options_t h;
+  ccalloc_history_options_init(&h);
+  EXPECT_EQ(h.enabled, 1);
+  EXPECT_EQ(h.when, CCALLOC_RECORD_CONTEXT_ALL);
+  EXPECT_EQ(h.max_entries, SIZE_MAX);
+  h.when = CCALLOC_RECORD_CONTEXT_ALLOC;
+  h.skip_actions = "segment_alloc, free_completed";
+  h.user_data = &r;
+  h.record = [](void* user) -> void* {
+    auto* rec = static_cast<c_recorder_t*>(user);
+    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(++rec->recorded));
+  };
+  h.release = [](void* user, void*) { ++static_cast<c_recorder_t*>(user)->released; };
+  h.frames = [](void* user, void* context, ccalloc_frame_sink_fn sink, void* sink_data) {
+    ++static_cast<c_recorder_t*>(user)->symbolized;
+    const std::string name = "site" + std::to_string(reinterpret_cast<std::uintptr_t>(context));
+    sink(sink_data, name.c_str(), "c.py", 11);
+    sink(sink_data, nullptr, nullptr, 0);
+  };
+  ASSERT_EQ(ccalloc_record_history_ex(a, &h), CCALLOC_OK) << ccalloc_last_error();
+  void* p = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a, 0, 4096, nullptr, &p), CCALLOC_OK);
+  void* q = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a, 0, 4096, nullptr, &q), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_delete(a, q), CCALLOC_OK);  // alloc mode: no context at free
+  EXPECT_EQ(r.recorded, 2);
+  EXPECT_EQ(r.symbolized, 0);
+  size_t length = 0;
+  ASSERT_EQ(ccalloc_snapshot_json(a, 1, nullptr, 0, &length), CCALLOC_OK);
+  EXPECT_GT(r.symbolized, 0);
+  std::string text(length + 4096, '\0');
+  ASSERT_EQ(ccalloc_snapshot_json(a, 1, text.data(), text.size(), &length), CCALLOC_OK);
+  text.resize(length);
+  EXPECT_NE(text.find(R"({"name":"site1","filename":"c.py","line":11},{"name":"","filename":"","line":0})"),
+            std::string::npos) << text.substr(0, 600);
+  EXPECT_NE(text.find(R"("action":"alloc")"), std::string::npos);
+  EXPECT_EQ(text.find(R"("action":"segment_alloc")"), std::string::npos) << "skipped";
+  EXPECT_EQ(text.find(R"("action":"free_completed")"), std::string::npos) << "skipped";
+  EXPECT_NE(text.find(R"("action":"free_requested")"), std::string::npos);
+  // Bad arguments change nothing.
+  ccalloc_history_options_t bad = h;
+  bad.skip_actions = "alloc,allok";
+  EXPECT_EQ(ccalloc_record_history_ex(a, &bad), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(),
+               "ccalloc: ccalloc_record_history_ex: unknown action 'allok' in skip_actions (accepted: alloc, "
+               "free_requested, free_completed, segment_alloc, segment_free, segment_map, segment_unmap, snapshot, "
+               "oom, empty_cache)");
+  bad = h;
+  bad.when = 4;
+  EXPECT_EQ(ccalloc_record_history_ex(a, &bad), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_record_history_ex(a, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  // clear drops the entries; the live block keeps its context (site1).
+  h.clear = 1;
+  ASSERT_EQ(ccalloc_record_history_ex(a, &h), CCALLOC_OK);
+  EXPECT_EQ(r.released, 1) << "site2 went with the entries; site1 is held by p";
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_record_history(a, 0, 1000), CCALLOC_OK);
+  EXPECT_EQ(r.released, r.recorded) << "every handle given back";
   ccalloc_destroy(a);
 }
 
@@ -1201,6 +1332,39 @@ TEST(CApiPools, TorchHookOutOfMemoryCarriesTheSegmentAllocatorsCode) {
   EXPECT_EQ(ccalloc_stream_destroy(nullptr, 0, s), CCALLOC_OK);
 }
 
+// A segment free that fails does not stop empty_cache: the other pools of
+// the device and the other devices give their cached segments back, and
+// the first failure is reported.
+TEST(CApiPools, EmptyCacheGoesOnPastASegmentFreeThatFails) {
+  sim_allocator a(0, "expandable_segments:False", 2);
+  use_host_segments(a);
+  const ccalloc_mempool_id_t failing = new_pool(a);
+  const ccalloc_mempool_id_t fine = new_pool(a);  // a larger id: released after `failing`
+  void* p = pool_with_a_cached_segment(a, failing);
+  ASSERT_EQ(ccalloc_create_pool(a, 0, fine, nullptr, nullptr), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_begin_allocate_to_pool(a, 0, fine, nullptr, 0), CCALLOC_OK) << ccalloc_last_error();
+  void* q = must_malloc(a, 3 * MiB);
+  ASSERT_EQ(ccalloc_end_allocate_to_pool(a, 0, fine), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_delete(a, q), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_release_pool(a, 0, failing), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_release_pool(a, 0, fine), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_delete(a, must_malloc(a, MiB, nullptr, 1)), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(stat(a, "reserved_bytes.all.current", 0), static_cast<std::int64_t>(40 * MiB));
+  ASSERT_EQ(stat(a, "reserved_bytes.all.current", 1), static_cast<std::int64_t>(2 * MiB));
+  host_segments.free_code = 5;
+  EXPECT_EQ(ccalloc_empty_cache(a), CCALLOC_ERROR_BACKEND);
+  const std::string message = ccalloc_last_error();
+  EXPECT_TRUE(contains(message, "failed to free " + pointer_text(p) + ": its free returned 5")) << message;
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current", 0), static_cast<std::int64_t>(20 * MiB))
+      << "only the segment whose free failed stays";
+  EXPECT_EQ(usage(a, 0, failing).reserved_bytes, 20 * MiB);
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current", 1), 0) << "the next device's cache went back too";
+  host_segments.free_code = 0;
+  ASSERT_EQ(ccalloc_empty_cache(a), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(stat(a, "reserved_bytes.all.current", 0), 0);
+  EXPECT_TRUE(host_segments.live.empty());
+}
+
 // A failing segment free is a backend error naming the code; the segment
 // stays in the pool until a free succeeds.
 TEST(CApiPools, FailingSegmentFreeIsReportedAndTheSegmentStays) {
@@ -1286,6 +1450,22 @@ TEST(CApiPools, DestroyFreesThePoolsSegments) {
   }
   EXPECT_EQ(host_segments.frees, 1);
   EXPECT_TRUE(host_segments.live.empty());
+}
+
+// NULL is never a live allocation: the pointer table must not hand back one
+// of its empty slots (key 0) as an entry (get_base_allocation crashed).
+TEST(CApi, NullIsNoLiveAllocation) {
+  sim_allocator a;
+  void* p = must_malloc(a, 4096);
+  void* base = &base;
+  std::size_t size = 7;
+  EXPECT_EQ(ccalloc_get_base_allocation(a, nullptr, &base, &size), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("not a live allocation"), std::string::npos) << ccalloc_last_error();
+  EXPECT_EQ(size, 7u);
+  EXPECT_EQ(ccalloc_delete(a, nullptr), CCALLOC_OK);  // free(NULL) is a no-op
+  EXPECT_EQ(ccalloc_record_stream(a, nullptr, nullptr), CCALLOC_OK);
+  EXPECT_EQ(stat(a, "allocation.all.current"), 1);
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK) << ccalloc_last_error();
 }
 
 }  // namespace

@@ -277,6 +277,21 @@ TEST(ConfigTest, EveryKeyParses) {
   EXPECT_NE(parse_error("recycle_time_percent:101").find("recycle_time_percent:101"), std::string::npos);
   EXPECT_NE(parse_error("recycle_time_percent:-1").find("recycle_time_percent:-1"), std::string::npos);
   EXPECT_NE(parse_error("recycle_time_percent:2.5").find("recycle_time_percent:2.5"), std::string::npos);
+  // oom_snapshot: a path, printed only when set; oom_snapshot_interval_s: seconds, default 60.
+  EXPECT_EQ(parse_key("oom_snapshot", "/tmp/oom.pickle").oom_snapshot_path, "/tmp/oom.pickle");
+  EXPECT_EQ(allocator_config{}.oom_snapshot_path, "");
+  EXPECT_EQ(allocator_config{}.to_string().find("oom_snapshot"), std::string::npos);
+  EXPECT_NE(allocator_config::parse("oom_snapshot:a/b.pickle").to_string().find("oom_snapshot:a/b.pickle"),
+            std::string::npos);
+  EXPECT_EQ(allocator_config::parse(allocator_config::parse("oom_snapshot: x.pickle ").to_string()).oom_snapshot_path,
+            "x.pickle");
+  EXPECT_EQ(allocator_config{}.oom_snapshot_interval_s, 60u);
+  EXPECT_EQ(parse_key("oom_snapshot_interval_s", "0").oom_snapshot_interval_s, 0u);
+  EXPECT_EQ(parse_key("oom_snapshot_interval_s", "60"), allocator_config{});
+  EXPECT_NE(allocator_config::parse("oom_snapshot_interval_s:5").to_string().find("oom_snapshot_interval_s:5"),
+            std::string::npos);
+  EXPECT_NE(parse_error("oom_snapshot_interval_s:-1").find("oom_snapshot_interval_s:-1"), std::string::npos);
+  EXPECT_NE(parse_error("oom_snapshot_interval_s:1.5").find("oom_snapshot_interval_s:1.5"), std::string::npos);
   EXPECT_EQ(parse_key("backend", "native").backend, "native");
   EXPECT_EQ(parse_key("backend", "cudaMallocAsync").backend, "cudaMallocAsync");
   EXPECT_EQ(parse_key("pinned_num_register_threads", "1").pinned_num_register_threads, 1u);
@@ -319,7 +334,7 @@ TEST(ConfigTest, HugeMibValuesClampLikePyTorchAndWarn) {
 
 TEST(ConfigTest, ConfigKeysTable) {
   const auto& keys = config_keys();
-  ASSERT_EQ(keys.size(), 20u);
+  ASSERT_EQ(keys.size(), 22u);
   std::set<std::string_view> unique;
   for (const auto& info : keys) {
     EXPECT_FALSE(info.accepted.empty()) << info.key;

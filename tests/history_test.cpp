@@ -301,6 +301,80 @@ TEST(History, ContextRecorderFollowsWhen) {
   }
 }
 
+// A context that turns into frames only when a snapshot is written (as
+// PyTorch's CapturedTraceback symbolizes only then), counting both.
+struct lazy_context final : trace_context {
+  lazy_context(std::string site, int* symbolized, int* alive) : site_(std::move(site)), symbolized_(symbolized),
+                                                                alive_(alive) {
+    ++*alive_;
+  }
+  ~lazy_context() override { --*alive_; }
+  lazy_context(const lazy_context&) = delete;
+  lazy_context& operator=(const lazy_context&) = delete;
+  [[nodiscard]] std::vector<stack_frame> to_frames() const override {
+    ++*symbolized_;
+    return {{site_, "lazy.py", 3}};
+  }
+  std::string site_;
+  int* symbolized_;
+  int* alive_;
+};
+
+TEST(History, LazyContextsBecomeFramesInSnapshotsAndAreReleasedWithWhatHeldThem) {
+  fixture f;
+  int symbolized = 0;
+  int alive = 0;
+  int calls = 0;
+  history_options o = on();
+  o.when = record_context::all;
+  o.skip_actions = {A::free_completed};
+  o.recorder = [&] { return std::make_shared<lazy_context>("site" + std::to_string(++calls), &symbolized, &alive); };
+  f.alloc.record_history(o);
+  void* p = f.alloc.malloc(0, 4096, 0);  // site1: segment_alloc, alloc, the block
+  void* q = f.alloc.malloc(0, 4096, 0);  // site2
+  f.alloc.free(q);                       // site3: free_requested (free_completed skipped)
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(symbolized, 0) << "no frames until a snapshot is written";
+  EXPECT_EQ(alive, 3);
+  {
+    const auto e = f.alloc.device_allocator(0).trace_entries();
+    ASSERT_EQ(actions(e), (std::vector<A>{A::segment_alloc, A::alloc, A::alloc, A::free_requested}));
+    EXPECT_EQ(dynamic_cast<const lazy_context&>(*e[3].context).site_, "site3") << "the caller may downcast its own";
+  }
+
+  const auto j = nlohmann::json::parse(to_json(f.alloc.snapshot()));
+  EXPECT_GT(symbolized, 0);
+  const auto& block = j["segments"][0]["blocks"][0];
+  ASSERT_EQ(block["frames"].size(), 1u);
+  EXPECT_EQ(block["frames"][0]["name"], "site1");
+  EXPECT_EQ(block["frames"][0]["filename"], "lazy.py");
+  EXPECT_EQ(block["frames"][0]["line"], 3);
+  EXPECT_EQ(j["segments"][0]["frames"][0]["name"], "site1");
+  EXPECT_EQ(j["device_traces"][0][3]["frames"][0]["name"], "site3");
+  const std::string pickle = to_pickle(f.alloc.snapshot());
+  EXPECT_NE(pickle.find("site3"), std::string::npos);
+
+  // clear_history drops the entries (and with them site2 and site3); the
+  // live block and its segment keep site1.
+  history_options clear = o;
+  clear.clear = true;
+  f.alloc.record_history(clear);
+  EXPECT_EQ(alive, 1);
+  f.alloc.free(p);
+  f.alloc.empty_cache();
+  {
+    const auto e = f.alloc.device_allocator(0).trace_entries();
+    ASSERT_FALSE(e.empty());
+    EXPECT_EQ(e.back().action, A::segment_free);
+    ASSERT_NE(e.back().context, nullptr) << "segment_free carries the segment's context (PyTorch)";
+    EXPECT_EQ(dynamic_cast<const lazy_context&>(*e.back().context).site_, "site1");
+  }
+  history_options off;
+  off.enabled = false;
+  f.alloc.record_history(off);
+  EXPECT_EQ(alive, 0) << "every context released once nothing holds it";
+}
+
 TEST(History, PendingFreeKeepsItsContextUntilCompleted) {
   fixture f;
   history_options o = on();

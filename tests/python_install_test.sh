@@ -36,6 +36,7 @@ assert lib.startswith(venv) and lib.endswith("ccalloc/libccalloc.so"), lib
 pkg = os.path.dirname(ccalloc.__file__)
 assert os.path.isfile(os.path.join(pkg, "include", "ccalloc", "ccalloc.h"))
 assert os.path.isfile(os.path.join(pkg, "csrc", "torch_allocator.cpp"))
+assert os.path.isfile(os.path.join(pkg, "csrc", "torch_history.hpp")), "the header torch_allocator.cpp includes"
 with ccalloc.Allocator("sim", capacity_bytes=1 << 30, config="") as a:
     p = a.malloc(3 << 20)
     assert p % 512 == 0 and a.memory_stats()["allocated_bytes.all.current"] == 3 << 20

@@ -1,6 +1,7 @@
 // Regression tests for problems found by adversarial testing (each test names
 // the problem it guards against).
 #include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/ccalloc.h>
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/replay/replay.hpp>
 
@@ -8,6 +9,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -235,6 +237,34 @@ TEST(RegressionTest, NoCachingEnvironmentVariableAcceptsCommonBooleans) {
   ::setenv("CCALLOC_NO_CACHING", "maybe", 1);
   EXPECT_THROW(caching_allocator{sim}, ccalloc::config_error);
   ::unsetenv("CCALLOC_NO_CACHING");
+}
+
+// Input echoed in a message has its control bytes escaped (printable_text):
+// an environment value or a statistic's name cannot clear the terminal.
+TEST(RegressionTest, EchoedEnvironmentValuesAndStatNamesAreEscaped) {
+  auto sim = std::make_shared<sim_backend>();
+  ::setenv("CCALLOC_NO_CACHING", "\x1b[2Jon\a", 1);
+  try {
+    caching_allocator a(sim);
+    ADD_FAILURE() << "accepted";
+  } catch (const ccalloc::config_error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "ccalloc: CCALLOC_NO_CACHING=\\x1b[2Jon\\x07 is not a boolean (accepted: 1, true, yes, on, 0, false, "
+              "no, off)");
+  }
+  ::unsetenv("CCALLOC_NO_CACHING");
+  ccalloc_options_t o;
+  ccalloc_options_init(&o);
+  o.backend = CCALLOC_BACKEND_SIM;
+  o.config = "";
+  ccalloc_allocator_t* c = nullptr;
+  ASSERT_EQ(ccalloc_create(&o, &c), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_init(c, 1), CCALLOC_OK) << ccalloc_last_error();
+  std::int64_t v = 0;
+  EXPECT_EQ(ccalloc_get_device_stat(c, 0, "\x1b[2Jx", &v), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(ccalloc_last_error()).rfind("ccalloc_get_device_stat: unknown statistic '\\x1b[2Jx' (", 0), 0u)
+      << ccalloc_last_error();
+  ccalloc_destroy(c);
 }
 
 }  // namespace

@@ -11,6 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
 #include <cstdlib>
 #include <limits>
 #include <filesystem>
@@ -209,6 +212,43 @@ TEST(ReplayTest, SideStreamGapKeepsRequestedBytesUntilFreeCompleted) {
   EXPECT_EQ(r.peak_requested_bytes, 2000u);
   EXPECT_EQ(r.peak_allocated_bytes, 1024u);  // A is no longer allocated at line 3
   EXPECT_EQ(r.device_mallocs, 1u);           // one 2 MiB small segment
+}
+
+// A trace with a stream per allocation (a server making a stream per
+// request) replays in linear time: each trace stream is destroyed after its
+// last event and the allocator forgets it. 4x the streams may take at most
+// 8x the time, plus 20 ms for a busy machine (the fastest of five runs
+// each; was quadratic: 2,500 streams 2.1 s, 10,000 streams 117 s on the
+// development VM).
+TEST(ReplayTest, AStreamPerAllocationReplaysInLinearTime) {
+  const auto trace_of = [](int streams) {
+    std::string text;
+    for (int i = 0; i < streams; ++i) {
+      const std::string s = std::to_string(1000 + i);
+      for (const char* action : {"alloc", "free_requested", "free_completed"})
+        text += std::to_string(3 * i + 1) + " " + action + " 1099511627776 1048576 " + s + "\n";
+    }
+    return ccalloc::parse_trace_text(text, "streams");
+  };
+  const auto seconds = [](const ccalloc::trace& t) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto r = ccalloc::replay_trace(t, {});
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(r.ooms, 0u);
+    EXPECT_EQ(r.peak_requested_bytes, 1048576u);
+    EXPECT_EQ(r.peak_reserved_bytes, 2u * 1048576u) << "one page, handed from stream to stream";
+    return elapsed;
+  };
+  // Runs alternate, so that both sizes meet the same load on a busy machine.
+  const auto small_trace = trace_of(4'000);
+  const auto large_trace = trace_of(16'000);
+  double small = std::numeric_limits<double>::max();
+  double large = std::numeric_limits<double>::max();
+  for (int run = 0; run < 5; ++run) {
+    small = std::min(small, seconds(small_trace));
+    large = std::min(large, seconds(large_trace));
+  }
+  EXPECT_LE(large, 8 * small + 0.02) << "4,000 streams: " << small << " s; 16,000 streams: " << large << " s";
 }
 
 TEST(ReplayTest, ImmediateFreeReleasesRequestedBytesAtOnce) {
@@ -738,3 +778,61 @@ TEST(ReplayDeviceLagTest, OnlyTheSimulatedDeviceModelsALag) {
   o.device = ccalloc::replay_device::cuda;
   EXPECT_THROW((void)ccalloc::replay_trace(t, o), ccalloc::invalid_argument_error);
 }
+
+// ---- scaling: record_stream gaps that all overlap ---------------------------------------
+
+namespace {
+
+// N allocations, then N free_requested, then N free_completed: N gaps open at
+// once, each on its own side stream. Finding an idle side stream, ending the
+// gaps due and looking up a stream's gap must not scan every side stream or
+// gap (that made 40,000 take 22 s).
+ccalloc::trace overlapping_gaps_trace(std::size_t n) {
+  std::string text;
+  text.reserve(n * 3 * 40);
+  std::uint64_t time = 0;
+  for (const char* action : {"alloc", "free_requested", "free_completed"})
+    for (std::size_t i = 0; i < n; ++i)
+      text += std::to_string(time++) + " " + action + " " + std::to_string((i + 1) << 22) + " 1024 0\n";
+  return ccalloc::parse_trace_text(text, "overlapping_gaps");
+}
+
+// CPU seconds of this process (not wall time: the machine may be shared).
+double cpu_seconds() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+// CPU seconds to replay `t`.
+double replay_seconds(const ccalloc::trace& t, bool gates) {
+  ccalloc::replay_options o;
+  o.use_gates_on_sim = gates;
+  const double start = cpu_seconds();
+  const auto r = ccalloc::replay_trace(t, o);
+  const double seconds = cpu_seconds() - start;
+  EXPECT_EQ(r.events, t.events.size());
+  EXPECT_EQ(r.ooms, 0u);
+  return seconds;
+}
+
+TEST(ReplayScaling, OverlappingGapsReplayInNearLinearTime) {
+  // 4x the gaps may cost at most 8x the time (quadratic: 16x; 10,000 took
+  // 1.3 s). Each figure is the fastest of up to three runs (a 2-core
+  // machine shared with other work), which stop once within bounds.
+  const ccalloc::trace small = overlapping_gaps_trace(15000), large = overlapping_gaps_trace(60000);
+  for (const bool gates : {false, true}) {
+    SCOPED_TRACE(gates ? "gates on the simulated device" : "the virtual clock");
+    // Interleaved, so that both sizes see the same state of the heap.
+    double t1 = std::numeric_limits<double>::infinity(), t4 = t1;
+    for (int run = 0; run < 3 && (run == 0 || t4 > 8 * t1); ++run) {
+      t4 = std::min(t4, replay_seconds(large, gates));
+      t1 = std::min(t1, replay_seconds(small, gates));
+    }
+    const double bound = 8 * std::max(t1, 0.005);
+    std::printf("%s: 15,000 gaps %.3f s, 60,000 gaps %.3f s (x%.1f)\n", gates ? "gates" : "clock", t1, t4, t4 / t1);
+    EXPECT_LE(t4, bound) << "60,000 overlapping gaps took " << t4 << " s, 15,000 took " << t1 << " s";
+  }
+}
+
+}  // namespace

@@ -48,8 +48,6 @@ std::string error_of(F f) {
   return "";
 }
 
-bool have_python3() { return std::system("python3 -c 'import pickle, gzip' >/dev/null 2>&1") == 0; }
-
 // ---- sniffing ------------------------------------------------------------------------
 
 TEST(TraceFormats, SniffedByContentNotName) {
@@ -150,7 +148,6 @@ TEST(RmmLog, MalformedInputNamesFileAndLine) {
 // ---- PyTorch snapshots -----------------------------------------------------------------
 
 TEST(PyTorchSnapshot, RealSnapshotConvertsAndReplays) {
-  if (!have_python3()) GTEST_SKIP() << "python3 is not available";
   const ccalloc::trace t = ccalloc::read_trace_file(snapshot_path);
   EXPECT_EQ(t.source, snapshot_path);
   // 1791 entries: alloc 657, free_requested 532, free_completed 532, segment_alloc 39, segment_free 31.
@@ -169,11 +166,11 @@ TEST(PyTorchSnapshot, RealSnapshotConvertsAndReplays) {
 }
 
 TEST(PyTorchSnapshot, MalformedPicklesGiveClearErrors) {
-  if (!have_python3()) GTEST_SKIP() << "python3 is not available";
   // Truncated: a pickle header and nothing else.
   temp_file truncated("truncated.pickle", std::string("\x80\x04\x95\x10\x00\x00", 6));
   std::string e = error_of([&] { (void)ccalloc::read_trace_file(truncated.path()); });
-  EXPECT_EQ(e.rfind(truncated.path() + ": a PyTorch snapshot that could not be converted: corrupt pickle", 0), 0u) << e;
+  EXPECT_EQ(e, truncated.path() + ": a PyTorch snapshot that cannot be read: corrupt pickle at byte 2: it ends inside "
+                                  "an argument (truncated)");
   // A pickle of something else (a list of ints: protocol 2).
   // (split literal: "\x02e" would be one hex escape)
   temp_file list("list.pickle", std::string("\x80\x02]q\x00(K\x01K\x02" "e.", 12));
@@ -183,18 +180,6 @@ TEST(PyTorchSnapshot, MalformedPicklesGiveClearErrors) {
   temp_file cls("class.pickle", std::string("\x80\x02") + "cos\nsystem\nq\x00.");
   e = error_of([&] { (void)ccalloc::read_trace_file(cls.path()); });
   EXPECT_NE(e.find("not a plain-data snapshot: it refers to os.system"), std::string::npos) << e;
-}
-
-TEST(PyTorchSnapshot, WithoutPythonSaysHowToConvert) {
-  ::setenv("CCALLOC_PYTHON", "/nonexistent/python3", 1);
-  const std::string e = error_of([&] { (void)ccalloc::read_trace_file(snapshot_path); });
-  ::unsetenv("CCALLOC_PYTHON");
-  EXPECT_EQ(e.rfind(snapshot_path + ": a PyTorch snapshot: converting it needs /nonexistent/python3, which was "
-                                    "not found",
-                    0),
-            0u)
-      << e;
-  EXPECT_NE(e.find("python3 tools/snapshot_to_trace.py"), std::string::npos) << e;
 }
 
 // ---- the HTML report -------------------------------------------------------------------
@@ -286,6 +271,112 @@ TEST(Report, TraceWithoutTimesOrSegmentsUsesEventIndex) {
   EXPECT_EQ(count(page, "<polyline class=\"curve\""), 2u) << "no recording-allocator curve without segment events";
   EXPECT_NE(page.find(">event</text>"), std::string::npos);
   EXPECT_EQ(s.peak_event_index, 1u);
+}
+
+// ---- input that is no text trace, and the readers' limits ------------------------------
+
+// What a file is when it is no text trace is named, at line 0.
+TEST(TraceInput, NotATextTraceSaysWhatItLooksLike) {
+  const std::string events = "1 alloc 4096 512 0\n2 free_requested 4096 512 0\n";
+  std::string utf16 = "\xFF\xFE";
+  for (const char c : events) utf16 += std::string{c, '\0'};
+  temp_file u("u16.trace", utf16);
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(u.path()); }),
+            u.path() + ": not a text trace: looks like UTF-16 text; convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)");
+  temp_file junk("junk.bin", std::string("\x0f\x93\x01\x00zz 1 2 3\n", 11));
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(junk.path()); }),
+            junk.path() + ": not a text trace: looks like binary data (byte 0x0f at offset 0)");
+  temp_file xz("t.xz", "\xFD" "7zXZ\0\0\x04\xE6\xD6\xB4\x46");
+  EXPECT_NE(error_of([&] { (void)ccalloc::read_trace_file(xz.path()); }).find("looks like xz data"), std::string::npos);
+  // gzip inside gzip: the decompressed text starts with the gzip magic.
+  const std::string once = std::string("\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03", 10) + "rest";
+  EXPECT_EQ(error_of([&] { (void)ccalloc::parse_trace_text(once, "twice.gz"); }),
+            "twice.gz: not a text trace: looks like gzip data compressed twice (gzip data again after "
+            "decompressing); decompress it once (gunzip) and read the result");
+  // Plain text still reads, and a control character past the first line
+  // gets the line's own message.
+  EXPECT_EQ(ccalloc::parse_trace_text(events, "ok").events.size(), 2u);
+  EXPECT_EQ(ccalloc::not_text_reason(events), "");
+}
+
+// /dev/zero never ends: it must fail on its first block, not read until
+// memory runs out.
+TEST(TraceInput, DevZeroFailsAtOnce) {
+  if (!fs::exists("/dev/zero")) GTEST_SKIP() << "no /dev/zero";
+  EXPECT_EQ(error_of([] { (void)ccalloc::read_trace_file("/dev/zero"); }),
+            "/dev/zero: not a text trace: looks like binary data (byte 0x00 at offset 0)");
+}
+
+TEST(TraceInput, LimitsAreNamedWithTheFlagThatRaisesThem) {
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += std::to_string(i) + " alloc " + std::to_string((i + 1) * 4096) + " 512 0\n";
+  temp_file f("limits.trace", text);
+  ccalloc::trace_limits limits;
+  limits.max_events = 10;
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(f.path(), limits); }),
+            f.path() + ":11: more than 10 events, the limit (trace_limits::max_events; raise it with --max-events)");
+  limits = {};
+  limits.max_input_bytes = 1000;
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(f.path(), limits); }),
+            f.path() + ": larger than the input limit of 1000 bytes (trace_limits::max_input_bytes; raise it with "
+                       "--max-input-bytes)");
+  limits = {};
+  limits.max_line_bytes = 100;
+  EXPECT_EQ(error_of([&] { (void)ccalloc::parse_trace_text(text + "#" + std::string(200, 'x') + "\n", "long", limits); }),
+            "long:101: a line of more than 100 bytes, the limit (trace_limits::max_line_bytes; raise it with "
+            "--max-line-bytes)");
+  // The same limits for an RMM log.
+  std::string rmm = "Thread,Time,Action,Pointer,Size,Stream\n";
+  for (int i = 0; i < 20; ++i) rmm += "1,10:00:00.000001,allocate,0x" + std::to_string(i + 1) + "000,8,0x0\n";
+  limits = {};
+  limits.max_events = 5;
+  EXPECT_NE(error_of([&] { (void)ccalloc::parse_rmm_log(rmm, "r.csv", limits); }).find("r.csv:6: more than 5 events"),
+            std::string::npos);
+  // Under the limits, the same input reads.
+  EXPECT_EQ(ccalloc::read_trace_file(f.path()).events.size(), 100u);
+}
+
+// A gzip bomb (a small file of newlines) stops at the input limit instead
+// of ending in std::bad_alloc.
+TEST(TraceInput, DecompressionStopsAtTheInputLimit) {
+  temp_file plain("newlines.txt", std::string(4 << 20, '\n'));
+  const std::string gz = plain.path() + ".gz";
+  if (std::system(("gzip -kf '" + plain.path() + "' 2>/dev/null").c_str()) != 0) GTEST_SKIP() << "no gzip";
+  ccalloc::trace_limits limits;
+  limits.max_input_bytes = 1 << 20;
+  const std::string why = error_of([&] { (void)ccalloc::read_trace_file(gz, limits); });
+  std::remove(gz.c_str());
+  EXPECT_EQ(why, gz + ": decompresses to more than 1048576 bytes, the input limit (trace_limits::max_input_bytes; "
+                      "raise it with --max-input-bytes)");
+}
+
+TEST(RmmLog, DoubleFreeIsNamedAsSuch) {
+  const std::string log =
+      "Thread,Time,Action,Pointer,Size,Stream\n"
+      "1,10:00:00.000001,allocate,0x7f0000000000,4096,0x0\n"
+      "1,10:00:00.000002,free,0x7f0000000000,4096,0x0\n"
+      "1,10:00:00.000003,free,0x7f0000000000,4096,0x0\n"
+      "1,10:00:00.000004,free,0x7f0000001000,4096,0x0\n";
+  const ccalloc::trace t = ccalloc::parse_rmm_log(log, "df.csv");
+  ASSERT_EQ(t.notes.size(), 2u);
+  EXPECT_EQ(t.notes[0], "1 free(s) of pointers the log never allocated were skipped (the log started after them)");
+  EXPECT_EQ(t.notes[1],
+            "1 double free(s) were skipped: pointers freed again without an allocate between (the first: line 4 "
+            "frees 0x7f0000000000, already freed at line 3)");
+}
+
+TEST(MinDeviceMemory, AFractionOfZeroIsNamed) {
+  const ccalloc::trace t = ccalloc::parse_trace_text("1 alloc 4096 512 0\n2 free_requested 4096 512 0\n", "f0");
+  ccalloc::replay_options o;
+  o.config = "per_process_memory_fraction:0";
+  try {
+    (void)ccalloc::find_min_device_memory(t, o);
+    FAIL() << "no error";
+  } catch (const ccalloc::error& e) {
+    EXPECT_NE(std::string(e.what()).find("per_process_memory_fraction:0 lets ccalloc use none of any device"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -8,7 +8,7 @@
 //   ccalloc config-keys
 //
 // TRACE is ccalloc's trace format, an RMM logging_resource_adaptor CSV, or a
-// PyTorch snapshot pickle (converted with python3), told apart by content
+// PyTorch snapshot pickle (read without Python), told apart by content
 // (include/ccalloc/replay/trace.hpp). `replay --snapshot FILE.json` records
 // history during the replay and writes a snapshot after the last event, in
 // PyTorch's layout (python/ccalloc/snapshot.py turns it into a pickle).
@@ -296,17 +296,54 @@ struct loaded_trace {
   double read_seconds = 0.0;
 };
 
+/// Prints the progress of reading a trace on stderr once it has taken a
+/// second: redrawn in place on a terminal (at most every 1/10 s), else a
+/// line every 5 s.
+class read_progress {
+ public:
+  explicit read_progress(std::string path) : path_(std::move(path)), tty_(::isatty(STDERR_FILENO) == 1) {}
+  ~read_progress() {
+    if (shown_ && tty_) std::fprintf(stderr, "\r\x1b[K");
+  }
+  read_progress(const read_progress&) = delete;
+  read_progress& operator=(const read_progress&) = delete;
+  void operator()(std::uint64_t done, std::uint64_t total) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - start_ < std::chrono::seconds(1) || now - last_ < (tty_ ? std::chrono::milliseconds(100) : std::chrono::seconds(5)))
+      return;
+    last_ = now;
+    const double seconds = std::chrono::duration<double>(now - start_).count();
+    std::fprintf(stderr, "%sccalloc: reading %s: %3.0f%%  %s of %s bytes, %.0f s%s", tty_ ? "\r" : "",
+                 ccalloc::printable_text(path_).c_str(), total ? 100.0 * double(done) / double(total) : 0.0,
+                 with_commas(done).c_str(), with_commas(total).c_str(), seconds, tty_ ? "\x1b[K" : "\n");
+    std::fflush(stderr);
+    shown_ = true;
+  }
+
+ private:
+  std::string path_;
+  bool tty_;
+  bool shown_ = false;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_{};
+};
+
 /// Reads `path`, or the embedded default trace when `path` is empty.
-loaded_trace load_trace(const std::string& path) {
+loaded_trace load_trace(const std::string& path, ccalloc::trace_read_options read = {}) {
+  const ccalloc::trace_limits& limits = read.limits;
   const auto start = std::chrono::steady_clock::now();
   loaded_trace out;
   if (path.empty()) {
     const std::string source = "<embedded:" + std::string(ccalloc::embedded::default_trace_name()) + ">";
     out.trace = ccalloc::parse_trace_text(
-        ccalloc::maybe_gunzip(ccalloc::embedded::default_trace_gz(), source), source);
+        ccalloc::maybe_gunzip(ccalloc::embedded::default_trace_gz(), source, limits), source, limits);
     out.native = ccalloc::embedded_native_reference();
   } else {
-    out.trace = ccalloc::read_trace_file(path);
+    {
+      read_progress progress(path);
+      read.progress = [&progress](std::uint64_t done, std::uint64_t total) { progress(done, total); };
+      out.trace = ccalloc::read_trace_file(path, read);
+    }
     std::string warning;
     out.native = ccalloc::native_reference_beside(path, &warning);
     if (!warning.empty()) std::cerr << "ccalloc: warning: " << ccalloc::printable_text(warning) << "\n";
@@ -337,15 +374,27 @@ void write_output_file(const std::string& path, const std::string& content, cons
 }
 
 /// Checks, before a long replay, that write_output_file(path, ...) can create
-/// or replace `path`: opens it for writing without truncating, and removes
-/// it again when this call created it. Throws the same error as
-/// write_output_file ("cannot write <what> to <path>: <errno text>").
-void check_output_file(const std::string& path, const std::string& what) {
+/// or replace `path` and that `path` is not the trace `input` (the same
+/// file under any name: writing would destroy it): opens it for writing
+/// without truncating, and without waiting (a FIFO with no reader is
+/// refused rather than waited for), and removes it again when this call
+/// created it. Throws usage_error "<what> would overwrite the trace
+/// <input> ..." or the error of write_output_file ("cannot write <what> to
+/// <path>: <errno text>"; "...: a FIFO with no reader ..." for a FIFO).
+void check_output_file(const std::string& path, const std::string& what, const std::string& input) {
   struct stat before {};
   const bool existed = ::stat(path.c_str(), &before) == 0;
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
+  struct stat trace_stat {};
+  if (existed && !input.empty() && ::stat(input.c_str(), &trace_stat) == 0 && trace_stat.st_dev == before.st_dev &&
+      trace_stat.st_ino == before.st_ino)
+    throw usage_error(what + " would overwrite the trace " + input + " (" + path +
+                      " is the same file); write it to another file");
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0666);
   if (fd < 0) {
     const int err = errno;
+    if (err == ENXIO && existed && S_ISFIFO(before.st_mode))
+      throw ccalloc::error("cannot write " + what + " to " + path +
+                           ": a FIFO with no reader (start the reader first; ccalloc does not wait for one)");
     throw ccalloc::error("cannot write " + what + " to " + path + ": " + std::strerror(err));
   }
   ::close(fd);
@@ -678,6 +727,35 @@ struct common_options {
   std::string repeat_text = "1";  // checked by parse_count, not CLI11 (which clamps 2^64 to 2^63 - 1)
   std::string lag_text = "0";     // --device-lag, checked by parse_count
   bool own_addresses = false;     // --own-addresses
+  // The readers' limits (ccalloc::trace_limits); unset: the defaults.
+  std::optional<std::string> max_input_text, max_events_text, max_line_text;
+
+  [[nodiscard]] ccalloc::trace_limits limits() const {
+    ccalloc::trace_limits l;
+    if (max_input_text) l.max_input_bytes = parse_byte_count(*max_input_text, "--max-input-bytes");
+    if (max_events_text)
+      l.max_events = parse_count(*max_events_text, "--max-events", 1, std::numeric_limits<std::uint64_t>::max(),
+                                 "events a trace may hold");
+    if (max_line_text) l.max_line_bytes = parse_byte_count(*max_line_text, "--max-line-bytes");
+    return l;
+  }
+
+  std::string max_pickle_objects_text;  // --max-pickle-objects; empty: the library's default
+  std::string max_pickle_bytes_text;    // --max-pickle-bytes; empty: the library's default
+
+  /// The readers' limits: the text readers' (limits()) and a PyTorch snapshot pickle's.
+  [[nodiscard]] ccalloc::trace_read_options read_options() const {
+    ccalloc::trace_read_options read;
+    read.limits = limits();
+    if (!max_pickle_objects_text.empty())
+      read.max_pickle_objects = parse_count(max_pickle_objects_text, "--max-pickle-objects", 1,
+                                            std::numeric_limits<std::uint64_t>::max(), "objects of a snapshot pickle");
+    if (!max_pickle_bytes_text.empty())
+      read.max_pickle_bytes = parse_count(max_pickle_bytes_text, "--max-pickle-bytes", 1,
+                                          std::numeric_limits<std::uint64_t>::max(),
+                                          "decompressed bytes of a snapshot pickle");
+    return read;
+  }
 
   [[nodiscard]] ccalloc::replay_options replay_options_for(const std::string& config) const {
     ccalloc::replay_options options;
@@ -750,8 +828,8 @@ int run_replay(const common_options& common, const std::string& config, bool min
   check_config(options.config);
   if (min_memory && options.device != ccalloc::replay_device::sim)
     throw usage_error("--min-memory works on the simulated device only (--device sim)");
-  if (!snapshot_path.empty()) check_output_file(snapshot_path, "the snapshot");
-  const loaded_trace input = load_trace(common.trace_path);
+  if (!snapshot_path.empty()) check_output_file(snapshot_path, "the snapshot", common.trace_path);
+  const loaded_trace input = load_trace(common.trace_path, common.read_options());
   progress_bar progress("replaying");
   const std::size_t total = input.trace.events.size() * options.repeat;
   std::string snapshot_json;
@@ -800,9 +878,9 @@ int run_report(const common_options& common, const std::string& config, const st
   check_config(replay.config);
   const auto points = static_cast<std::size_t>(
       parse_count(points_text, "--points", 2, std::numeric_limits<std::size_t>::max(), "time slices per curve"));
-  check_output_file(output_path, "the report");
+  check_output_file(output_path, "the report", common.trace_path);
   const auto start = std::chrono::steady_clock::now();
-  const loaded_trace input = load_trace(common.trace_path);
+  const loaded_trace input = load_trace(common.trace_path, common.read_options());
   ccalloc::report_options options;
   options.config = replay.config;
   options.device_memory_bytes = replay.device_memory_bytes;
@@ -836,7 +914,7 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
     options.push_back(common.replay_options_for(config));
     check_config(options.back().config);  // every config checked before the first replay
   }
-  const loaded_trace input = load_trace(common.trace_path);
+  const loaded_trace input = load_trace(common.trace_path, common.read_options());
   std::vector<ccalloc::replay_result> results;
   for (const auto& o : options) results.push_back(ccalloc::replay_trace(input.trace, o));
   if (common.json_output) {
@@ -919,15 +997,26 @@ int run(int argc, char** argv) {
   const auto add_common = [&](CLI::App* sub, bool with_json) {
     sub->add_option("trace", common.trace_path,
                     "Trace file, plain or gzip: ccalloc's format (docs/trace-format.md), an RMM "
-                    "logging_resource_adaptor CSV, or a PyTorch snapshot pickle (converted with python3), told "
-                    "apart by content. Default: the GPT-2 training trace built into the binary.");
+                    "logging_resource_adaptor CSV, or a PyTorch snapshot pickle (torch.cuda.memory._dump_snapshot), "
+                    "told apart by content. Default: the GPT-2 training trace built into the binary.");
     sub->add_option("--device", common.device_text,
                     "Where to replay: sim (the simulated device, default) or cuda / cuda:N "
                     "(a real GPU through the CUDA backend; needs a build with CUDA).");
     sub->add_option("--device-memory", common.device_memory_text,
                     "Simulated device capacity: bytes, optionally with a unit "
                     "(80GB, 80GiB, 512MiB, 1.5e9). Default: 141GB (an H200). Not with --device cuda.");
+    sub->add_option("--max-pickle-objects", common.max_pickle_objects_text,
+                    "A PyTorch snapshot pickle may make at most N objects (dicts, lists, strings, numbers). "
+                    "Default: 500000000.");
+    sub->add_option("--max-pickle-bytes", common.max_pickle_bytes_text,
+                    "A PyTorch snapshot pickle may be at most N bytes, decompressed. Default: 4294967296 (4 GiB).");
     if (with_json) sub->add_flag("--json", common.json_output, "Print the results as JSON.");
+    sub->add_option("--max-input-bytes", common.max_input_text,
+                    "Largest trace file, and largest text after gzip decompression, read (bytes, units as "
+                    "--device-memory). Default: 4GiB.");
+    sub->add_option("--max-events", common.max_events_text, "Most events a trace may hold. Default: 100000000.");
+    sub->add_option("--max-line-bytes", common.max_line_text,
+                    "Longest line of a trace or RMM log (bytes). Default: 65536.");
   };
   const auto add_repeat = [&](CLI::App* sub) {
     sub->add_option("--repeat", common.repeat_text,

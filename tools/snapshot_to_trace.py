@@ -7,7 +7,8 @@ The input is what ``torch.cuda.memory._dump_snapshot()`` writes (gzip
 allowed). Its ``device_traces[N]`` (default: the first device with entries)
 becomes one event per line, ``time_us action addr size stream``
 (docs/trace-format.md), which ``ccalloc replay`` and ``ccalloc report`` read.
-``ccalloc replay SNAPSHOT.pickle`` runs this script itself (python3).
+``ccalloc replay SNAPSHOT.pickle`` does the same conversion itself, in C++
+(src/replay/snapshot_reader.cpp): this script shows the converted trace as text.
 
 A snapshot's trace often starts after the program did (history was turned on
 later, or the ring buffer dropped the oldest entries). So that the trace
@@ -69,13 +70,15 @@ def load_snapshot(path):
     except Exception as e:  # truncated or corrupt pickle: many exception types
         raise ConvertError(f"corrupt pickle: {type(e).__name__}: {e}") from None
     if not isinstance(snapshot, dict) or "device_traces" not in snapshot:
-        keys = sorted(snapshot)[:6] if isinstance(snapshot, dict) else type(snapshot).__name__
+        keys = sorted(map(repr, snapshot))[:6] if isinstance(snapshot, dict) else type(snapshot).__name__
         raise ConvertError(f"not a PyTorch memory snapshot (no 'device_traces'; found {keys})")
     return snapshot
 
 
 def _field(entry, key, where, kind=int):
-    if not isinstance(entry, dict) or key not in entry:
+    if not isinstance(entry, dict):
+        raise ConvertError(f"{where}: expected a dict, got {type(entry).__name__}")
+    if key not in entry:
         raise ConvertError(f"{where}: missing {key!r}")
     value = entry[key]
     if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -90,12 +93,29 @@ def convert(snapshot, device=None):
     traces = snapshot["device_traces"]
     if not isinstance(traces, list):
         raise ConvertError("device_traces is not a list")
+    for d, t in enumerate(traces):
+        if not isinstance(t, list):
+            raise ConvertError(f"device_traces[{d}]: expected a list, got {type(t).__name__}")
     if device is None:
         device = next((d for d, t in enumerate(traces) if t), 0)
     if not 0 <= device < max(len(traces), 1):
         raise ConvertError(f"--device {device}: the snapshot has {len(traces)} device trace(s)")
     entries = traces[device] if traces else []
-    segments = [s for s in snapshot.get("segments", []) if isinstance(s, dict) and s.get("device", 0) == device]
+    all_segments = snapshot.get("segments", [])
+    if not isinstance(all_segments, list):
+        raise ConvertError(f"segments: expected a list, got {type(all_segments).__name__}")
+    segments, seen = [], set()
+    for i, s in enumerate(all_segments):
+        if not isinstance(s, dict):
+            raise ConvertError(f"segments[{i}]: expected a dict, got {type(s).__name__}")
+        # A segment referenced many times (pickle memo) is walked once.
+        if id(s) in seen:
+            continue
+        seen.add(id(s))
+        _field(s, "address", f"segments[{i}]")
+        _field(s, "total_size", f"segments[{i}]")
+        if s.get("device", 0) == device:
+            segments.append((i, s))
 
     events = []            # (time_us, action, addr, size, stream)
     start_allocs = {}      # addr -> (size, stream): blocks alive before the trace
@@ -104,7 +124,7 @@ def convert(snapshot, device=None):
     pending = set()        # addrs between free_requested and free_completed
     segment_seen = set()   # segment addrs with a segment_alloc in the trace
     mapped_net = {}        # expandable segment addr -> bytes mapped minus unmapped in the trace
-    expandable = sorted(s["address"] for s in segments if s.get("is_expandable"))
+    expandable = sorted(s["address"] for _, s in segments if s.get("is_expandable"))
     dropped = {}
     repaired = 0
     last_time = None
@@ -169,7 +189,7 @@ def convert(snapshot, device=None):
         events.append((t, action, addr, size, stream))
 
     # Blocks and segments alive at the end that the trace never allocated.
-    for s in segments:
+    for i, s in segments:
         stream = s.get("stream", 0)
         if s.get("is_expandable"):
             before = s["total_size"] - mapped_net.get(s["address"], 0)
@@ -178,7 +198,11 @@ def convert(snapshot, device=None):
         elif s["address"] not in segment_seen:
             start_segments.setdefault(s["address"], ("segment_alloc", s["total_size"], stream))
         addr = s["address"]
-        for b in s.get("blocks", []):
+        blocks = s.get("blocks", [])
+        if not isinstance(blocks, list):
+            raise ConvertError(f"segments[{i}].blocks: expected a list, got {type(blocks).__name__}")
+        for j, b in enumerate(blocks):
+            _field(b, "size", f"segments[{i}].blocks[{j}]")
             if b.get("state") in ("active_allocated", "active_pending_free") and addr not in live \
                     and addr not in pending:
                 start_allocs.setdefault(addr, (b.get("requested_size", b["size"]), stream))

@@ -136,7 +136,11 @@ typedef struct ccalloc_options {
 /** Called on each out-of-memory error (SPEC F17), outside the allocator's
  * locks, with the user_data given at attach time, the device, the bytes
  * asked, the bytes allowed (memory-fraction cap, else device total) and the
- * device's free bytes. It may call back into the allocator. */
+ * device's free bytes. It may call back into the allocator; an
+ * out-of-memory error inside an observer, on the thread running it (an
+ * observer that allocates), calls no observer again (it returns
+ * CCALLOC_ERROR_OUT_OF_MEMORY to the observer as usual), so an observer
+ * cannot recurse without end. */
 typedef void (*ccalloc_oom_observer_fn)(void* user_data, int device, size_t requested_bytes,
                                         size_t allowed_bytes, size_t free_bytes);
 
@@ -301,7 +305,10 @@ CCALLOC_API ccalloc_status_t ccalloc_get_base_allocation(ccalloc_allocator_t* al
 
 /** Returns every unused cached segment of every device to the device, after
  * the events it must wait for; live blocks are untouched (PyTorch:
- * emptyCache, SPEC F8). Errors: BACKEND. */
+ * emptyCache, SPEC F8). A segment free that fails (a device, a pool's
+ * segment source) does not stop it: the other segments of every device go
+ * back, that segment stays cached, and the first failure is reported.
+ * Errors: BACKEND. */
 CCALLOC_API ccalloc_status_t ccalloc_empty_cache(ccalloc_allocator_t* alloc);
 /** *out = size in bytes of `device`'s largest cached free block (PyTorch:
  * cacheInfo, SPEC F9). */
@@ -351,10 +358,61 @@ CCALLOC_API ccalloc_status_t ccalloc_reset_peak_stats(ccalloc_allocator_t* alloc
  * of every device (PyTorch: torch.cuda.memory._record_memory_history): a
  * ring buffer that keeps the newest `max_entries` (> 0) trace entries per
  * device (alloc, free_requested, free_completed, segment_alloc/free/map/unmap,
- * snapshot, oom, empty_cache), timestamps in microseconds. No context (stack)
- * is recorded from C. Stopping keeps the entries; starting again clears them.
+ * snapshot, oom, empty_cache), timestamps in microseconds. No context (stack):
+ * ccalloc_record_history_ex takes a recorder. Stopping drops the entries.
  * Errors: INVALID_ARGUMENT for max_entries 0. Thread safe. */
 CCALLOC_API ccalloc_status_t ccalloc_record_history(ccalloc_allocator_t* alloc, int enabled, size_t max_entries);
+
+/** When the context recorder of ccalloc_record_history_ex is called
+ * (PyTorch's RecordContext; the `when` of torch.cuda.memory._record_memory_history). */
+typedef enum {
+  CCALLOC_RECORD_CONTEXT_NEVER = 0, /**< never */
+  CCALLOC_RECORD_CONTEXT_STATE = 1, /**< at malloc; kept with the live block (snapshot frames only) */
+  CCALLOC_RECORD_CONTEXT_ALLOC = 2, /**< also on the alloc and segment entries of the trace */
+  CCALLOC_RECORD_CONTEXT_ALL = 3    /**< also called at free, on the free entries */
+} ccalloc_record_context_t;
+
+/** Receives one frame of a context, innermost first (PyTorch's frame: name,
+ * filename, line). The strings are copied before it returns; NULL reads as "". */
+typedef void (*ccalloc_frame_sink_fn)(void* sink_data, const char* name, const char* filename, int64_t line);
+
+/** Arguments of ccalloc_record_history_ex (PyTorch's recordHistory). Fill
+ * it with ccalloc_history_options_init, then set what differs.
+ * Contexts: `record` (may be NULL: no contexts) is called on the thread of
+ * each malloc (when >= STATE) and free (when == ALL) outside the
+ * allocator's locks, and returns an opaque context handle (NULL: none).
+ * The allocator keeps the handle with the entries and live blocks it
+ * belongs to and calls `release` (may be NULL) once the last of them is
+ * dropped, on whatever thread drops it. `frames` (may be NULL: no frames)
+ * is called only when a snapshot is written (ccalloc_snapshot_json, the
+ * oom_snapshot file), once per entry or block that holds the handle, and
+ * emits its frames through `sink`. The three must not call into this
+ * allocator; `user_data` is passed to each and must outlive every handle. */
+typedef struct {
+  int enabled;            /**< nonzero: record (default 1); 0: stop and drop what was recorded */
+  size_t max_entries;     /**< ring-buffer capacity per device, > 0 (default SIZE_MAX) */
+  int when;               /**< a ccalloc_record_context_t (default ALL) */
+  int clear;              /**< nonzero: drop what was recorded so far (default 0) */
+  const char* skip_actions; /**< comma-separated action names not stored, e.g. "free_requested,segment_map"
+                                 (NULL or "": none; default NULL) */
+  void* (*record)(void* user_data);
+  void (*release)(void* user_data, void* context);
+  void (*frames)(void* user_data, void* context, ccalloc_frame_sink_fn sink, void* sink_data);
+  void* user_data;
+} ccalloc_history_options_t;
+
+/** Sets `options` to its defaults (see each field). NULL does nothing. */
+CCALLOC_API void ccalloc_history_options_init(ccalloc_history_options_t* options);
+
+/** ccalloc_record_history with PyTorch's full recordHistory arguments:
+ * contexts (stacks) through the caller's recorder, `when`, `clear` and
+ * `skip_actions` (see ccalloc_history_options_t). With history off the
+ * recorder is never called and malloc/free pay nothing for it. Errors:
+ * INVALID_ARGUMENT for NULL options, max_entries 0, `when` out of range or
+ * an unknown action name in skip_actions (named in the message); nothing
+ * changes then. Thread safe. */
+CCALLOC_API ccalloc_status_t ccalloc_record_history_ex(ccalloc_allocator_t* alloc,
+                                                       const ccalloc_history_options_t* options);
 /** The allocator's snapshot (SPEC F13) as UTF-8 JSON with the keys and
  * nesting of PyTorch's torch.cuda.memory._snapshot() (segments with their
  * blocks, device_traces when include_traces != 0, allocator_settings,
@@ -372,7 +430,8 @@ CCALLOC_API ccalloc_status_t ccalloc_snapshot_json(ccalloc_allocator_t* alloc, i
  * configuration of every device, e.g. "max_split_size_mb:128,
  * garbage_collection_threshold:0.6". Errors: CONFIG naming the key, the
  * value and what is accepted; nothing changes then. Warnings about settings
- * without effect (SPEC X6) go to stderr. */
+ * without effect (SPEC X6) go to stderr: those this call adds (a warning
+ * that earlier settings had already printed is not printed again). */
 CCALLOC_API ccalloc_status_t ccalloc_set_config(ccalloc_allocator_t* alloc, const char* text);
 /** The configuration in force as a canonical string that ccalloc_set_config
  * accepts, snprintf-style: writes at most capacity - 1 characters and a NUL
@@ -615,7 +674,9 @@ CCALLOC_API ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, i
  * for it), and blocks allocated on it or recorded on it
  * (ccalloc_record_stream) stay valid; their ccalloc_delete later succeeds
  * and records nothing on the destroyed stream. Cached blocks of the stream
- * stay cached (ccalloc_empty_cache returns them). A ccalloc_malloc on the
+ * stay cached (another stream's allocation may take them over;
+ * ccalloc_empty_cache returns them); once none is left, the allocator keeps
+ * nothing of the stream (no host memory, no time in later calls). A ccalloc_malloc on the
  * destroyed stream fails with INVALID_ARGUMENT (a thread that allocated on
  * it just before may still be served from its own cache once). Destroying
  * a stream behind the allocator's back (cudaStreamDestroy directly) while

@@ -90,7 +90,7 @@ def _device(device) -> int:
         return _default_device()
     if hasattr(device, "index"):  # torch.device
         return 0 if device.index is None else device.index
-    return int(device)
+    return device  # checked (an int in range) by the Allocator method
 
 
 def library_path() -> str:
@@ -157,9 +157,10 @@ def set_config(text: str) -> None:
     process_allocator().set_config(text)
 
 
-def record_history(enabled: bool = True, max_entries: int = 100000) -> None:
-    """Allocator.record_history on the process-wide allocator."""
-    process_allocator().record_history(enabled, max_entries)
+def record_history(enabled: bool = True, max_entries: int = 100000, **kwargs) -> None:
+    """Allocator.record_history on the process-wide allocator (context=,
+    when=, clear=, skip_actions= as there)."""
+    process_allocator().record_history(enabled, max_entries, **kwargs)
 
 
 def memory_snapshot(include_traces: bool = True) -> dict:

@@ -6,11 +6,72 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import math
+import numbers
+import operator
 import sys
 from typing import Callable, Optional
 
 from . import _lib
 from ._errors import InvalidArgumentError, _check
+
+
+# The ranges of the C API's integer types (ctypes would wrap larger values
+# silently: malloc(2**64 + 4096) would ask for 4096 bytes).
+_U64_MAX = (1 << 64) - 1
+_INT_MAX = (1 << 31) - 1
+
+
+def _integer(value, name: str, low: int = 0, high: int = _U64_MAX) -> int:
+    """``value`` as an int in [low, high]. TypeError for anything that is not
+    an integer (float, bool, None, str), InvalidArgumentError for one out of
+    range; both name the argument."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)  # int, numpy integers: whatever __index__ makes an int
+    except TypeError:
+        raise TypeError(f"ccalloc: {name} must be an integer, got {type(value).__name__} {value!r:.60}") from None
+    if not low <= value <= high:
+        raise InvalidArgumentError(f"ccalloc: {name} must be an integer from {low} to {high}, got {value}")
+    return value
+
+
+def _size(value, name: str = "size_bytes") -> int:
+    """A byte count for a size_t parameter."""
+    return _integer(value, name)
+
+
+def _device_index(value, name: str = "device") -> int:
+    """A device index for an int parameter."""
+    return _integer(value, name, 0, _INT_MAX)
+
+
+def _address(value, name: str = "ptr") -> Optional[int]:
+    """A pointer argument: None or 0 (null) or an address that fits in 64 bits."""
+    if value is None:
+        return None
+    return _integer(value, name) or None
+
+
+def _text(value, name: str) -> bytes:
+    """A str for a const char* parameter: no NUL (C would stop reading there)."""
+    if not isinstance(value, str):
+        raise TypeError(f"ccalloc: {name} must be a str, got {type(value).__name__} {value!r:.60}")
+    if "\0" in value:
+        raise InvalidArgumentError(f"ccalloc: {name} contains a NUL character at index {value.index(chr(0))} "
+                                   f"(C strings end there): {value!r:.80}")
+    return value.encode()
+
+
+def _real(value, name: str) -> float:
+    """A finite real number for a double parameter."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"ccalloc: {name} must be a real number, got {type(value).__name__} {value!r:.60}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"ccalloc: {name} must be a finite number, got {value}")
+    return value
 
 
 def _stream(stream) -> Optional[int]:
@@ -21,8 +82,7 @@ def _stream(stream) -> Optional[int]:
         if hasattr(stream, attr):
             stream = getattr(stream, attr)
             break
-    stream = int(stream)
-    return stream or None
+    return _integer(stream, "stream") or None
 
 
 def _pool_id(id) -> "_lib.ccalloc_mempool_id_t":
@@ -61,6 +121,54 @@ def _names() -> list:
     return _stat_names
 
 
+def _python_stack():
+    """The caller's Python stack, innermost first, without ccalloc's own frames."""
+    import traceback
+
+    frames = []
+    for f in reversed(traceback.extract_stack()):
+        if f.filename.endswith(("ccalloc/_allocator.py", "ccalloc/torch.py")):
+            continue
+        frames.append((f.name, f.filename, f.lineno or 0))
+    return frames
+
+
+def _context_callbacks(context):
+    """The C callbacks of ccalloc_record_history_ex for a Python recorder:
+    each context is a number naming the frames kept in a dict until released."""
+    import itertools
+
+    recorder = _python_stack if context == "python" else context
+    if not callable(recorder):
+        raise InvalidArgumentError(f"record_history: context must be None, 'python' or a callable, got {context!r}")
+    kept = {}
+    numbers = itertools.count(1)
+
+    def record(_user):
+        try:
+            frames = recorder()
+        except BaseException:  # must not cross into C: the call goes on without a context
+            import traceback
+
+            print("ccalloc: a context recorder raised (ignored):", file=sys.stderr)
+            traceback.print_exc()
+            return None
+        if frames is None:
+            return None
+        n = next(numbers)
+        kept[n] = [(str(name), str(filename), int(line)) for name, filename, line in frames]
+        return n
+
+    def release(_user, handle):
+        kept.pop(handle, None)
+
+    def frames(_user, handle, sink, sink_data):
+        for name, filename, line in kept.get(handle, ()):
+            sink(sink_data, name.encode(), filename.encode(), line)
+
+    return (_lib.CONTEXT_RECORD(record), _lib.CONTEXT_RELEASE(release), _lib.CONTEXT_FRAMES(frames))
+
+
 class Allocator:
     """A ccalloc allocator: the process-wide one (``Allocator.process_wide()``)
     or one with its own backend (the constructor).
@@ -71,7 +179,14 @@ class Allocator:
     configuration string in PyTorch's syntax; None reads ``CCALLOC_CONF`` and
     ``CCALLOC_NO_CACHING`` as the process-wide allocator does. Close it with
     ``close()`` (or use it as a context manager): its memory goes back to the
-    device and its pointers become invalid.
+    device and its pointers become invalid, and every later call raises
+    InvalidArgumentError ("this Allocator is closed").
+
+    Arguments are checked before they reach the C library: integers
+    (sizes, addresses, devices, streams, capacities, history limits) must
+    be ints in the C type's range (TypeError for a float, bool, None or
+    str; InvalidArgumentError, a ValueError, for a negative or too large
+    value), strings must be str without NUL characters.
 
     Thread safety: the methods may be called from any thread, except
     ``close``.
@@ -83,10 +198,11 @@ class Allocator:
                  config: Optional[str] = None, *, _handle: Optional[int] = None, _owned: bool = True):
         self._observers: list = []
         self._kept: list = []  # ctypes segment functions of this allocator's pools
-        self._handle: Optional[int] = None
+        self._h: Optional[int] = None
         self._owned = False
+        self._closed = False
         if not _owned:
-            self._handle = _handle
+            self._h = _handle
             self._owned = False
             return
         if backend not in self._KINDS:
@@ -95,12 +211,12 @@ class Allocator:
         options = _lib.ccalloc_options_t()
         lib.ccalloc_options_init(ctypes.byref(options))
         options.backend = self._KINDS[backend]
-        options.sim_device_count = int(devices)
-        options.sim_capacity_bytes = int(capacity_bytes or 0)
-        options.config = None if config is None else config.encode()
+        options.sim_device_count = _device_index(devices, "devices")
+        options.sim_capacity_bytes = 0 if capacity_bytes is None else _size(capacity_bytes, "capacity_bytes")
+        options.config = None if config is None else _text(config, "config")
         handle = ctypes.c_void_p()
         _check(lib.ccalloc_create(ctypes.byref(options), ctypes.byref(handle)))
-        self._handle = handle.value
+        self._h = handle.value
         self._owned = True
         try:
             count = devices if backend == "sim" else self.device_count
@@ -119,10 +235,26 @@ class Allocator:
     def close(self) -> None:
         """Destroys an allocator made by the constructor (no-op for the
         process-wide one and when closed already)."""
-        if self._owned and self._handle is not None:
-            _lib.lib().ccalloc_destroy(self._handle)
-            self._handle = None
+        if self._owned and self._h is not None:
+            _lib.lib().ccalloc_destroy(self._h)
+            self._h = None
             self._owned = False
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() destroyed this allocator (never for the process-wide one)."""
+        return self._closed
+
+    @property
+    def _h(self) -> Optional[int]:
+        """The C handle for a call (None: the process-wide allocator). Raises
+        InvalidArgumentError once closed: a null handle would reach the
+        process-wide allocator instead."""
+        if self._closed:
+            raise InvalidArgumentError("ccalloc: this Allocator is closed (close() or the end of its with block); "
+                                       "create a new one")
+        return self._h
 
     def __enter__(self) -> "Allocator":
         return self
@@ -140,11 +272,11 @@ class Allocator:
 
     def init(self, device_count: int) -> None:
         """Initializes devices [0, device_count) (PyTorch: init)."""
-        _check(_lib.lib().ccalloc_init(self._handle, int(device_count)))
+        _check(_lib.lib().ccalloc_init(self._h, _device_index(device_count, "device_count")))
 
     def _int(self, fn, *args) -> int:
         out = ctypes.c_int()
-        _check(fn(self._handle, *args, ctypes.byref(out)))
+        _check(fn(self._h, *args, ctypes.byref(out)))
         return out.value
 
     @property
@@ -164,13 +296,13 @@ class Allocator:
     def backend_name(self) -> str:
         """"cuda" or "sim"."""
         out = ctypes.c_char_p()
-        _check(_lib.lib().ccalloc_backend_name(self._handle, ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_backend_name(self._h, ctypes.byref(out)))
         return out.value.decode()
 
     def mem_get_info(self, device: int = 0) -> tuple:
         """(free bytes, total bytes) of ``device`` (cudaMemGetInfo)."""
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        _check(_lib.lib().ccalloc_mem_get_info(self._handle, int(device), ctypes.byref(free), ctypes.byref(total)))
+        _check(_lib.lib().ccalloc_mem_get_info(self._h, _device_index(device), ctypes.byref(free), ctypes.byref(total)))
         return free.value, total.value
 
     # ---- allocation ----------------------------------------------------------------------
@@ -179,35 +311,35 @@ class Allocator:
         """Allocates ``size_bytes`` on ``device`` for ``stream``; returns the
         address (0 for size 0). Raises OutOfMemoryError, InvalidArgumentError."""
         out = ctypes.c_void_p()
-        _check(_lib.lib().ccalloc_malloc(self._handle, int(device), int(size_bytes), _stream(stream),
+        _check(_lib.lib().ccalloc_malloc(self._h, _device_index(device), _size(size_bytes), _stream(stream),
                                          ctypes.byref(out)))
         return out.value or 0
 
     def free(self, ptr: int) -> None:
         """Frees an address from malloc (0 is a no-op). Raises
         InvalidArgumentError naming the pointer if it is not live here."""
-        _check(_lib.lib().ccalloc_delete(self._handle, ptr or None))
+        _check(_lib.lib().ccalloc_delete(self._h, _address(ptr)))
 
     def raw_alloc(self, size_bytes: int, stream=None) -> int:
         """malloc on the current device; on ``stream``, else the thread's
         current stream (PyTorch: raw_alloc / raw_alloc_with_stream)."""
         out = ctypes.c_void_p()
         if stream is None:
-            _check(_lib.lib().ccalloc_raw_alloc(self._handle, int(size_bytes), ctypes.byref(out)))
+            _check(_lib.lib().ccalloc_raw_alloc(self._h, _size(size_bytes), ctypes.byref(out)))
         else:
-            _check(_lib.lib().ccalloc_raw_alloc_with_stream(self._handle, int(size_bytes), _stream(stream),
+            _check(_lib.lib().ccalloc_raw_alloc_with_stream(self._h, _size(size_bytes), _stream(stream),
                                                             ctypes.byref(out)))
         return out.value or 0
 
     def record_stream(self, ptr: int, stream) -> None:
         """The block holding ``ptr`` is not reused before the work queued on
         ``stream`` up to its free has completed (PyTorch: recordStream)."""
-        _check(_lib.lib().ccalloc_record_stream(self._handle, ptr or None, _stream(stream)))
+        _check(_lib.lib().ccalloc_record_stream(self._h, _address(ptr), _stream(stream)))
 
     def get_base_allocation(self, ptr: int) -> tuple:
         """(base address, size in bytes) of the segment holding ``ptr``."""
         base, size = ctypes.c_void_p(), ctypes.c_size_t()
-        _check(_lib.lib().ccalloc_get_base_allocation(self._handle, ptr or None, ctypes.byref(base),
+        _check(_lib.lib().ccalloc_get_base_allocation(self._h, _address(ptr), ctypes.byref(base),
                                                       ctypes.byref(size)))
         return base.value or 0, size.value
 
@@ -215,27 +347,27 @@ class Allocator:
 
     def empty_cache(self) -> None:
         """Returns every unused cached segment to the device (PyTorch: emptyCache)."""
-        _check(_lib.lib().ccalloc_empty_cache(self._handle))
+        _check(_lib.lib().ccalloc_empty_cache(self._h))
 
     def cache_info(self, device: int = 0) -> int:
         """Size in bytes of ``device``'s largest cached free block."""
         out = ctypes.c_size_t()
-        _check(_lib.lib().ccalloc_cache_info(self._handle, int(device), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_cache_info(self._h, _device_index(device), ctypes.byref(out)))
         return out.value
 
     def set_memory_fraction(self, fraction: float, device: int = 0) -> None:
         """Caps ``device``'s reserved bytes at fraction x total (PyTorch:
         set_per_process_memory_fraction); InvalidArgumentError outside [0, 1]."""
-        _check(_lib.lib().ccalloc_set_memory_fraction(self._handle, int(device), float(fraction)))
+        _check(_lib.lib().ccalloc_set_memory_fraction(self._h, _device_index(device), _real(fraction, "fraction")))
 
     def get_memory_fraction(self, device: int = 0) -> float:
         out = ctypes.c_double()
-        _check(_lib.lib().ccalloc_get_memory_fraction(self._handle, int(device), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_get_memory_fraction(self._h, _device_index(device), ctypes.byref(out)))
         return out.value
 
     def enable(self, enabled: bool = True) -> None:
         """Caching on or off (off: every allocation goes to the device and back)."""
-        _check(_lib.lib().ccalloc_enable(self._handle, 1 if enabled else 0))
+        _check(_lib.lib().ccalloc_enable(self._h, 1 if enabled else 0))
 
     @property
     def is_enabled(self) -> bool:
@@ -250,56 +382,87 @@ class Allocator:
         ``"num_device_alloc"``. Bytes for *_bytes keys, counts otherwise."""
         names = _names()
         values = (ctypes.c_int64 * len(names))()
-        _check(_lib.lib().ccalloc_get_device_stats(self._handle, int(device), values, len(names)))
+        _check(_lib.lib().ccalloc_get_device_stats(self._h, _device_index(device), values, len(names)))
         return collections.OrderedDict(zip(names, values))
 
     def stat(self, name: str, device: int = 0) -> int:
         """One statistic by its torch.cuda.memory_stats() name."""
         out = ctypes.c_int64()
-        _check(_lib.lib().ccalloc_get_device_stat(self._handle, int(device), name.encode(), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_get_device_stat(self._h, _device_index(device), _text(name, "name"), ctypes.byref(out)))
         return out.value
 
     def reset_peak_stats(self, device: int = 0) -> None:
-        _check(_lib.lib().ccalloc_reset_peak_stats(self._handle, int(device)))
+        _check(_lib.lib().ccalloc_reset_peak_stats(self._h, _device_index(device)))
 
     def reset_accumulated_stats(self, device: int = 0) -> None:
-        _check(_lib.lib().ccalloc_reset_accumulated_stats(self._handle, int(device)))
+        _check(_lib.lib().ccalloc_reset_accumulated_stats(self._h, _device_index(device)))
 
     # ---- configuration and observers -------------------------------------------------------------
 
     def set_config(self, text: str) -> None:
         """Applies a configuration string in PyTorch's syntax on top of the
         current one; ConfigError names a bad key or value (nothing changes)."""
-        _check(_lib.lib().ccalloc_set_config(self._handle, text.encode()))
+        _check(_lib.lib().ccalloc_set_config(self._h, _text(text, "config")))
 
     def get_config(self) -> str:
         """The configuration in force, as a string set_config accepts."""
         length = ctypes.c_size_t()
         lib = _lib.lib()
-        _check(lib.ccalloc_get_config(self._handle, None, 0, ctypes.byref(length)))
+        _check(lib.ccalloc_get_config(self._h, None, 0, ctypes.byref(length)))
         buffer = ctypes.create_string_buffer(length.value + 1)
-        _check(lib.ccalloc_get_config(self._handle, buffer, len(buffer), ctypes.byref(length)))
+        _check(lib.ccalloc_get_config(self._h, buffer, len(buffer), ctypes.byref(length)))
         return buffer.value.decode()
 
     # ---- memory history and snapshots (SPEC F13, F14, E4) ------------------------------------------
 
-    def record_history(self, enabled: bool = True, max_entries: int = 100000) -> None:
+    def record_history(self, enabled: bool = True, max_entries: int = 100000, *, context=None,
+                       when: str = "all", clear: bool = False, skip_actions=()) -> None:
         """Starts or stops recording the memory history of every device (as
         torch.cuda.memory._record_memory_history): the newest ``max_entries``
-        trace entries per device, microsecond timestamps, no stacks."""
-        _check(_lib.lib().ccalloc_record_history(self._handle, 1 if enabled else 0, max_entries))
+        trace entries per device, microsecond timestamps. Stopping drops them.
+
+        ``context``: None (no stacks), ``"python"`` (the Python stack of each
+        malloc and free, as PyTorch's ``stacks="python"``), or a callable
+        returning the frames to keep, innermost first, as (name, filename,
+        line) tuples or None; it is called on the allocating thread. Frames
+        appear in snapshots as PyTorch's ``{"name", "filename", "line"}``.
+        ``when``: ``"state"`` (frames on live blocks only), ``"alloc"`` (also
+        on alloc and segment entries) or ``"all"`` (also at free), PyTorch's
+        RecordContext. ``clear``: drop what was recorded so far.
+        ``skip_actions``: action names not stored (e.g. ``["free_requested"]``).
+        Raises InvalidArgumentError for an unknown ``when`` or action."""
+        h = self._h  # refuses a closed Allocator first
+        whens = {"never": 0, "state": 1, "alloc": 2, "all": 3}
+        if when not in whens:
+            raise InvalidArgumentError(f"record_history: when must be one of {', '.join(whens)}, got {when!r}")
+        lib = _lib.lib()
+        o = _lib.ccalloc_history_options_t()
+        lib.ccalloc_history_options_init(ctypes.byref(o))
+        o.enabled = 1 if enabled else 0
+        o.max_entries = _size(max_entries, "max_entries")
+        o.when = whens[when]
+        o.clear = 1 if clear else 0
+        skip = ",".join(skip_actions)
+        o.skip_actions = skip.encode() if skip else None
+        if context is not None and enabled:
+            callbacks = _context_callbacks(context)
+            o.record, o.release, o.frames = callbacks
+            self._observers.append(callbacks)  # the C side keeps only the pointers, for the allocator's life
+            if not self._owned:
+                _process_observers.append(callbacks)
+        _check(lib.ccalloc_record_history_ex(h, ctypes.byref(o)))
 
     def snapshot_json(self, include_traces: bool = True) -> str:
         """The snapshot as JSON with the layout of torch.cuda.memory._snapshot()."""
         length = ctypes.c_size_t()
         lib = _lib.lib()
         flag = 1 if include_traces else 0
-        _check(lib.ccalloc_snapshot_json(self._handle, flag, None, 0, ctypes.byref(length)))
+        _check(lib.ccalloc_snapshot_json(self._h, flag, None, 0, ctypes.byref(length)))
         while True:
             # Room to spare: with history on, each call records a `snapshot`
             # entry, so the text grows a little between two calls.
             buffer = ctypes.create_string_buffer(2 * length.value + 65536)
-            _check(lib.ccalloc_snapshot_json(self._handle, flag, buffer, len(buffer), ctypes.byref(length)))
+            _check(lib.ccalloc_snapshot_json(self._h, flag, buffer, len(buffer), ctypes.byref(length)))
             if length.value < len(buffer):
                 return buffer.value.decode()
 
@@ -327,7 +490,7 @@ class Allocator:
                            (device, requested, allowed, free))
 
         callback = _lib.OOM_OBSERVER(trampoline)
-        _check(_lib.lib().ccalloc_attach_out_of_memory_observer(self._handle, callback, None))
+        _check(_lib.lib().ccalloc_attach_out_of_memory_observer(self._h, callback, None))
         self._keep_callback(callback)
 
     def _keep_callback(self, callback) -> None:
@@ -350,7 +513,7 @@ class Allocator:
                 "size": e.size_bytes, "stream": e.stream or 0, "time_us": e.time_us})
 
         callback = _lib.TRACE_TRACKER(trampoline)
-        _check(_lib.lib().ccalloc_attach_trace_tracker(self._handle, callback, None))
+        _check(_lib.lib().ccalloc_attach_trace_tracker(self._h, callback, None))
         self._keep_callback(callback)
 
     def attach_mapping_listener(self, listener: Callable[[dict], None]) -> None:
@@ -369,7 +532,7 @@ class Allocator:
                 "expandable": bool(e.expandable)})
 
         callback = _lib.MAPPING_LISTENER(trampoline)
-        _check(_lib.lib().ccalloc_attach_mapping_listener(self._handle, callback, None))
+        _check(_lib.lib().ccalloc_attach_mapping_listener(self._h, callback, None))
         self._keep_callback(callback)
 
     # ---- private pools (SPEC F20, F21, E5; PyTorch's MemPool) -----------------------------------
@@ -387,7 +550,7 @@ class Allocator:
         """A pool id no earlier call of this process returned: ``(n, 0)``,
         n = 1, 2, ... (PyTorch: MemPool's id counter). Creates nothing."""
         out = _lib.ccalloc_mempool_id_t()
-        _check(_lib.lib().ccalloc_new_pool_id(self._handle, ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_new_pool_id(self._h, ctypes.byref(out)))
         return (out.first, out.second)
 
     def create_pool(self, id, device: int = 0, segment_allocator=None) -> None:
@@ -417,20 +580,20 @@ class Allocator:
                     f"function addresses, got {segment_allocator!r:.80}") from None
             malloc_fn, free_fn = _function_address(malloc_obj, "malloc"), _function_address(free_obj, "free")
             keep = (malloc_obj, free_obj)
-        _check(_lib.lib().ccalloc_create_pool(self._handle, int(device), pool, malloc_fn, free_fn))
+        _check(_lib.lib().ccalloc_create_pool(self._h, _device_index(device), pool, malloc_fn, free_fn))
         if keep:
             (self._kept if self._owned else _process_kept).append(keep)
 
     def release_pool(self, id, device: int = 0) -> None:
         """Subtracts 1 from pool ``id``'s use count (PyTorch: releasePool).
         InvalidArgumentError for an unknown pool or one already at 0."""
-        _check(_lib.lib().ccalloc_release_pool(self._handle, int(device), _pool_id(id)))
+        _check(_lib.lib().ccalloc_release_pool(self._h, _device_index(device), _pool_id(id)))
 
     def pool_use_count(self, id, device: int = 0) -> int:
         """Pool ``id``'s use count; 0 for a released or unknown pool
         (PyTorch: getPoolUseCount)."""
         out = ctypes.c_int()
-        _check(_lib.lib().ccalloc_pool_use_count(self._handle, int(device), _pool_id(id), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_pool_use_count(self._h, _device_index(device), _pool_id(id), ctypes.byref(out)))
         return out.value
 
     def begin_allocate_to_pool(self, id, device: int = 0, stream=None, all_streams: bool = False) -> None:
@@ -442,13 +605,13 @@ class Allocator:
         is queried or waited for and no memory is returned (not even on out
         of memory), so end it promptly. InvalidArgumentError for an unknown
         or released pool."""
-        _check(_lib.lib().ccalloc_begin_allocate_to_pool(self._handle, int(device), _pool_id(id),
+        _check(_lib.lib().ccalloc_begin_allocate_to_pool(self._h, _device_index(device), _pool_id(id),
                                                          _stream(stream), 1 if all_streams else 0))
 
     def end_allocate_to_pool(self, id, device: int = 0) -> None:
         """Ends the most recent begin_allocate_to_pool of pool ``id``
         (PyTorch: endAllocateToPool); InvalidArgumentError if none is active."""
-        _check(_lib.lib().ccalloc_end_allocate_to_pool(self._handle, int(device), _pool_id(id)))
+        _check(_lib.lib().ccalloc_end_allocate_to_pool(self._h, _device_index(device), _pool_id(id)))
 
     def pool_usage(self, id, device: int = 0) -> dict:
         """What pool ``id`` holds now: ``segment_count``, ``reserved_bytes``,
@@ -457,7 +620,7 @@ class Allocator:
         (0, 0) gives the default pool. InvalidArgumentError for an unknown
         pool."""
         out = _lib.ccalloc_pool_usage_t()
-        _check(_lib.lib().ccalloc_pool_usage(self._handle, int(device), _pool_id(id), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_pool_usage(self._h, _device_index(device), _pool_id(id), ctypes.byref(out)))
         return {name: getattr(out, name) for name, _ in out._fields_}
 
     # ---- streams of the backend ------------------------------------------------------------------
@@ -465,14 +628,14 @@ class Allocator:
     def stream_create(self, device: int = 0) -> int:
         """A new stream of the backend (CUDA: non-blocking); destroy it with stream_destroy."""
         out = ctypes.c_void_p()
-        _check(_lib.lib().ccalloc_stream_create(self._handle, int(device), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_stream_create(self._h, _device_index(device), ctypes.byref(out)))
         return out.value or 0
 
     def stream_destroy(self, stream, device: int = 0) -> None:
-        _check(_lib.lib().ccalloc_stream_destroy(self._handle, int(device), _stream(stream)))
+        _check(_lib.lib().ccalloc_stream_destroy(self._h, _device_index(device), _stream(stream)))
 
     def stream_synchronize(self, stream, device: int = 0) -> None:
-        _check(_lib.lib().ccalloc_stream_synchronize(self._handle, int(device), _stream(stream)))
+        _check(_lib.lib().ccalloc_stream_synchronize(self._h, _device_index(device), _stream(stream)))
 
 
 # Observers and segment functions of the process-wide allocator outlive

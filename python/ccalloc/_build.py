@@ -29,6 +29,7 @@ from typing import Optional
 MODULE = "ccalloc_torch_allocator"
 PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE = PACKAGE_DIR / "csrc" / "torch_allocator.cpp"
+HEADERS = (PACKAGE_DIR / "csrc" / "torch_history.hpp",)  # included by SOURCE
 
 
 def include_dir() -> Path:
@@ -43,7 +44,7 @@ def include_dir() -> Path:
 def key(torch) -> str:
     """The build's identity for this torch and this source (see the module doc)."""
     digest = hashlib.sha256()
-    for path in (SOURCE, include_dir() / "ccalloc" / "ccalloc.h"):
+    for path in (SOURCE, *HEADERS, include_dir() / "ccalloc" / "ccalloc.h"):
         digest.update(path.read_bytes())
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     parts = [f"torch{torch.__version__}", f"cuda{torch.version.cuda}", f"abi{abi}",

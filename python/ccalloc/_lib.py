@@ -118,6 +118,19 @@ MAPPING_CHANGES = ("map", "unmap", "move", "unmap_completed")
 MAPPING_REASONS = ("segment_alloc", "segment_free", "pages_mapped", "pages_recycled", "pages_released",
                    "pages_retired", "reservation_moved", "deferred_unmap")
 
+# ccalloc_record_history_ex's context callbacks and its options.
+CONTEXT_RECORD = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+CONTEXT_RELEASE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+FRAME_SINK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64)
+CONTEXT_FRAMES = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, FRAME_SINK, ctypes.c_void_p)
+
+
+class ccalloc_history_options_t(ctypes.Structure):
+    _fields_ = [("enabled", ctypes.c_int), ("max_entries", ctypes.c_size_t), ("when", ctypes.c_int),
+                ("clear", ctypes.c_int), ("skip_actions", ctypes.c_char_p), ("record", CONTEXT_RECORD),
+                ("release", CONTEXT_RELEASE), ("frames", CONTEXT_FRAMES), ("user_data", ctypes.c_void_p)]
+
+
 _S = ctypes.c_int  # ccalloc_status_t
 _A = ctypes.c_void_p  # ccalloc_allocator_t*
 _P = ctypes.c_void_p  # void* and ccalloc_stream_t
@@ -162,6 +175,8 @@ _PROTOTYPES = {
     "ccalloc_set_config": (_S, [_A, ctypes.c_char_p]),
     "ccalloc_get_config": (_S, [_A, ctypes.c_char_p, _Z, ctypes.POINTER(_Z)]),
     "ccalloc_record_history": (_S, [_A, ctypes.c_int, _Z]),
+    "ccalloc_history_options_init": (None, [ctypes.POINTER(ccalloc_history_options_t)]),
+    "ccalloc_record_history_ex": (_S, [_A, ctypes.POINTER(ccalloc_history_options_t)]),
     "ccalloc_snapshot_json": (_S, [_A, ctypes.c_int, ctypes.c_char_p, _Z, ctypes.POINTER(_Z)]),
     "ccalloc_attach_out_of_memory_observer": (_S, [_A, OOM_OBSERVER, ctypes.c_void_p]),
     "ccalloc_attach_trace_tracker": (_S, [_A, TRACE_TRACKER, ctypes.c_void_p]),

@@ -359,6 +359,70 @@ def test_history_and_snapshot_in_pytorchs_layout(tmp_path):
             a.record_history(True, 0)
 
 
+def test_history_with_python_stacks_per_mode_cleared_and_skipped():
+    def here():
+        return a.malloc(MiB)  # the line the frames must name
+
+    line = here.__code__.co_firstlineno + 1
+    for when in ("state", "alloc", "all"):
+        with ccalloc.Allocator("sim", capacity_bytes=1 << 30, config="") as a:
+            a.record_history(True, 1000, context="python", when=when, skip_actions=["segment_map"])
+            p = here()
+            a.free(p)
+            q = here()
+            snap = a.snapshot()
+            block = [b for s in snap["segments"] for b in s["blocks"] if b["address"] == q][0]
+            assert block["frames"][0] == {"name": "here", "filename": __file__, "line": line}, block["frames"][:2]
+            assert any(f["name"] == "test_history_with_python_stacks_per_mode_cleared_and_skipped"
+                       for f in block["frames"])
+            trace = snap["device_traces"][0]
+            assert "segment_map" not in [e["action"] for e in trace]
+            by_action = {e["action"]: e for e in trace}
+            alloc_frames = by_action["alloc"]["frames"]
+            free_frames = by_action["free_requested"]["frames"]
+            assert bool(alloc_frames) == (when != "state"), (when, alloc_frames[:1])
+            assert bool(free_frames) == (when == "all"), (when, free_frames[:1])
+            if when == "all":
+                assert free_frames[0]["name"] == "test_history_with_python_stacks_per_mode_cleared_and_skipped"
+            a.record_history(True, 1000, context="python", when=when, clear=True)
+            assert {e["action"] for e in a.snapshot()["device_traces"][0]} == {"snapshot"}  # (one per C call)
+            a.free(q)
+    with ccalloc.Allocator("sim", capacity_bytes=1 << 30, config="") as a:
+        a.record_history(True, 1000, context=lambda: [("fn", "f.py", 3)])
+        p = a.malloc(MiB)
+        assert [b["frames"] for s in a.snapshot()["segments"] for b in s["blocks"] if b["address"] == p] == \
+            [[{"name": "fn", "filename": "f.py", "line": 3}]]
+        a.free(p)
+        with pytest.raises(ccalloc.InvalidArgumentError, match="unknown action 'allok'"):
+            a.record_history(True, 1000, skip_actions=["allok"])
+        with pytest.raises(ccalloc.InvalidArgumentError, match="when must be one of"):
+            a.record_history(True, 1000, when="sometimes")
+
+
+def test_oom_snapshot_is_pytorchs_pickle_of_the_snapshot(tmp_path):
+    import pickle
+    from ccalloc import snapshot as snapshot_module
+    path = tmp_path / "oom.pickle"
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config=f"oom_snapshot:{path}") as a:
+        a.record_history(True, 1000, context=lambda: [("fn", "f.py", 3)])
+        p = a.malloc(5 * MiB)
+        with pytest.raises(ccalloc.OutOfMemoryError, match="was written to " + str(path)):
+            a.malloc(100 * MiB)
+        with open(path, "rb") as f:
+            written = pickle.load(f)
+        now = snapshot_module.from_json(a.snapshot_json())
+        assert written["segments"] == now["segments"]
+        assert written["allocator_settings"] == now["allocator_settings"]
+        assert written["external_annotations"] == now["external_annotations"]
+        trace = written["device_traces"][0]
+        assert [e["action"] for e in trace][-2:] == ["oom", "snapshot"]
+        assert trace[-2]["size"] == 100 * MiB and trace[-2]["frames"] == [{"name": "fn", "filename": "f.py",
+                                                                             "line": 3}]
+        # The entries up to the OOM are the ones the live snapshot has.
+        assert trace[:-1] == now["device_traces"][0][:len(trace) - 1]
+        a.free(p)
+
+
 # ---- private pools (SPEC F20, F21, E5) ---------------------------------------------------------
 
 def test_pool_ids_are_fresh_user_ids(sim):

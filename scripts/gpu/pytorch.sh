@@ -20,6 +20,8 @@
 #      "native native-expandable ccalloc"; GPT2_EXPANDABLE_ROUNDS, when set,
 #      runs native-expandable only in the first that many rounds, so more
 #      rounds go to the step-time comparison of native and ccalloc).
+#   4. scripts/gpu/history_stacks.py: frames of _record_memory_history(stacks=...)
+#      and _memory_viz on ccalloc against PyTorch's allocator (HISTORY_STACKS=0 skips it).
 # Output: the lines above and $OUT_DIR (default out/pytorch-dropin)/{install.log,
 # items.log, gpt2-*.json, gpt2-compare.txt}. Exit status 1 when any item FAILed.
 set -uo pipefail
@@ -53,6 +55,10 @@ for item in $ITEMS; do
   echo "$line"
   case $line in FAIL*) FAILED=1 ;; esac
 done
+# Stacks in the memory history against PyTorch's own allocator (HISTORY_STACKS=0 skips it).
+if [ "${HISTORY_STACKS:-1}" != 0 ]; then
+  timeout 600 "$PY" "$REPO/scripts/gpu/history_stacks.py" --out "$OUT_DIR/history-stacks" 2>>"$OUT_DIR/items.log" || FAILED=1
+fi
 cd "$REPO"
 ROUNDS=${GPT2_ROUNDS:-2}
 STEPS=${GPT2_STEPS:-30}

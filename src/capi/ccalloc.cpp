@@ -1,6 +1,8 @@
 // The C API (include/ccalloc/ccalloc.h) over the front end: every function
 // turns C++ exceptions into a status code and a thread-local message.
 #include <ccalloc/ccalloc.h>
+
+#include <ccalloc/base/printable_text.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/core/history.hpp>
 #include <ccalloc/core/snapshot.hpp>
@@ -32,6 +34,7 @@
 #include <unordered_set>
 #include <new>
 #include <string>
+#include <string_view>
 #include <vector>
 
 /// What ccalloc_allocator_t points to: an allocator with the backend it owns.
@@ -559,7 +562,8 @@ ccalloc_status_t ccalloc_get_device_stat(ccalloc_allocator_t* alloc, int device,
     const auto map = resolve(alloc).get_device_stats(device).to_map();
     const auto it = map.find(name);
     if (it == map.end())
-      throw ccalloc::invalid_argument_error(std::string("ccalloc_get_device_stat: unknown statistic '") + name +
+      throw ccalloc::invalid_argument_error(std::string("ccalloc_get_device_stat: unknown statistic '") +
+                                            ccalloc::printable_text(name) +
                                             "' (names as torch.cuda.memory_stats(), e.g. "
                                             "'reserved_bytes.all.peak'; see ccalloc_stat_name)");
     *out = it->second;
@@ -605,6 +609,102 @@ ccalloc_status_t ccalloc_record_history(ccalloc_allocator_t* alloc, int enabled,
     o.enabled = enabled != 0;
     o.max_entries = max_entries;
     o.when = ccalloc::record_context::never;
+    resolve(alloc).record_history(o);
+  });
+}
+
+namespace {
+
+/// A context handle that a C recorder returned: given back through the
+/// recorder's release function with the last entry or block holding it,
+/// turned into frames through its frames function when a snapshot is written.
+class c_context final : public ccalloc::trace_context {
+ public:
+  c_context(void* handle, const ccalloc_history_options_t& fns) noexcept
+      : handle_(handle), release_(fns.release), frames_(fns.frames), user_data_(fns.user_data) {}
+  ~c_context() override {
+    if (release_ != nullptr) release_(user_data_, handle_);
+  }
+  c_context(const c_context&) = delete;
+  c_context& operator=(const c_context&) = delete;
+  [[nodiscard]] std::vector<ccalloc::stack_frame> to_frames() const override {
+    std::vector<ccalloc::stack_frame> out;
+    if (frames_ != nullptr) frames_(user_data_, handle_, &sink, &out);
+    return out;
+  }
+
+ private:
+  static void sink(void* sink_data, const char* name, const char* filename, int64_t line) noexcept {
+    try {  // nothing may unwind through the caller's C frames: a frame that does not fit is dropped
+      static_cast<std::vector<ccalloc::stack_frame>*>(sink_data)->push_back(
+          {name != nullptr ? name : "", filename != nullptr ? filename : "", line});
+    } catch (...) {
+    }
+  }
+  void* handle_;
+  void (*release_)(void*, void*);
+  void (*frames_)(void*, void*, ccalloc_frame_sink_fn, void*);
+  void* user_data_;
+};
+
+/// "alloc,free_requested" as actions; throws invalid_argument_error naming an unknown one.
+std::vector<ccalloc::trace_entry_action> parse_skip_actions(const char* text) {
+  std::vector<ccalloc::trace_entry_action> out;
+  if (text == nullptr) return out;
+  std::string_view rest(text);
+  while (!rest.empty()) {
+    const std::size_t comma = rest.find(',');
+    std::string_view name = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
+    while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
+    if (name.empty()) continue;
+    const auto action = ccalloc::parse_trace_entry_action(name);
+    if (!action)
+      throw ccalloc::invalid_argument_error(
+          "ccalloc: ccalloc_record_history_ex: unknown action '" + std::string(name) +
+          "' in skip_actions (accepted: alloc, free_requested, free_completed, segment_alloc, segment_free, "
+          "segment_map, segment_unmap, snapshot, oom, empty_cache)");
+    out.push_back(*action);
+  }
+  return out;
+}
+
+}  // namespace
+
+void ccalloc_history_options_init(ccalloc_history_options_t* options) {
+  if (options == nullptr) return;
+  *options = ccalloc_history_options_t{};
+  options->enabled = 1;
+  options->max_entries = SIZE_MAX;
+  options->when = CCALLOC_RECORD_CONTEXT_ALL;
+}
+
+ccalloc_status_t ccalloc_record_history_ex(ccalloc_allocator_t* alloc, const ccalloc_history_options_t* options) {
+  return guarded([&] {
+    require(options, "ccalloc_record_history_ex", "options");
+    const ccalloc_history_options_t c = *options;
+    if (c.when < CCALLOC_RECORD_CONTEXT_NEVER || c.when > CCALLOC_RECORD_CONTEXT_ALL)
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_record_history_ex: when must be 0 (never) to 3 (all), got " +
+                                            std::to_string(c.when));
+    ccalloc::history_options o;
+    o.enabled = c.enabled != 0;
+    o.max_entries = c.max_entries;
+    o.when = static_cast<ccalloc::record_context>(c.when);
+    o.clear = c.clear != 0;
+    o.skip_actions = parse_skip_actions(c.skip_actions);
+    if (c.record != nullptr) {
+      o.recorder = [c]() -> ccalloc::context_ptr {
+        void* handle = c.record(c.user_data);
+        if (handle == nullptr) return nullptr;
+        try {
+          return std::make_shared<const c_context>(handle, c);
+        } catch (...) {
+          if (c.release != nullptr) c.release(c.user_data, handle);
+          throw;
+        }
+      };
+    }
     resolve(alloc).record_history(o);
   });
 }

@@ -285,8 +285,8 @@ std::optional<std::string> print_mib_field(const allocator_config& config) {
 }
 
 // Row order is documentation order and to_string() order.
-const std::array<key_spec, 20>& key_table() {
-  static const std::array<key_spec, 20> table{{
+const std::array<key_spec, 22>& key_table() {
+  static const std::array<key_spec, 22> table{{
       {{"max_split_size_mb",
         "an integer number of MiB, at least large_segment_size_mb (20 by default)",
         "Blocks this large or larger are never split and serve only requests "
@@ -444,6 +444,24 @@ const std::array<key_spec, 20>& key_table() {
            case thread_cache_mode::all: return "all";
          }
          return std::nullopt;
+       }},
+      {{"oom_snapshot", "a file path without commas",
+        "ccalloc's own key: an out-of-memory error first writes a snapshot of its device to this file "
+        "(PyTorch's memory snapshot pickle, with the memory history when it is recorded; readable by "
+        "torch.cuda._memory_viz, pytorch.org/memory_viz and ccalloc report) and its message says "
+        "where (default: none)."},
+       [](allocator_config& c, std::string_view value) { c.oom_snapshot_path = std::string(value); },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (c.oom_snapshot_path.empty()) return std::nullopt;
+         return c.oom_snapshot_path;
+       }},
+      {{"oom_snapshot_interval_s", "an integer number of seconds >= 0",
+        "ccalloc's own key: oom_snapshot writes at most one snapshot per device in this many seconds; "
+        "out-of-memory errors in between say that none was written (default 60; 0: every time)."},
+       [](allocator_config& c, std::string_view value) { c.oom_snapshot_interval_s = parse_unsigned(value); },
+       [](const allocator_config& c) -> std::optional<std::string> {
+         if (c.oom_snapshot_interval_s == allocator_config{}.oom_snapshot_interval_s) return std::nullopt;
+         return format_unsigned(c.oom_snapshot_interval_s);
        }},
       {{"backend", "native or cudaMallocAsync",
         "PyTorch's allocator choice; ccalloc is always the native-style allocator."},

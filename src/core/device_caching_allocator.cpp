@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -28,6 +29,7 @@ device_caching_allocator::device_caching_allocator(int device, device_backend& b
     throw invalid_argument_error("ccalloc: device " + std::to_string(device) + " is out of range [0, " +
                                  std::to_string(backend.device_count()) + ")");
   state_ = std::make_unique<detail::device_state>(device, backend, std::move(config));
+  state_->oom_snapshot_writer_ = [this](const std::string& path) { return detail::write_oom_snapshot(*this, path); };
 }
 
 device_caching_allocator::~device_caching_allocator() = default;
@@ -64,7 +66,9 @@ void device_caching_allocator::empty_cache() {
   state_->publish_all_pending_stats(w);
   if (state_->history_.active()) [[unlikely]]
     state_->history_.record(trace_entry_action::empty_cache, 0, state_->reserved_bytes_, 0, nullptr);
-  state_->release_cached_blocks(w);
+  state_->release_failure_ = nullptr;
+  state_->release_cached_blocks(w, /*for_retry=*/true);  // past a segment that fails: the others go back
+  if (std::exception_ptr failure = std::exchange(state_->release_failure_, nullptr)) std::rethrow_exception(failure);
 }
 
 void device_caching_allocator::set_memory_fraction(double fraction) {

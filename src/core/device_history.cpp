@@ -3,10 +3,15 @@
 // hot_path.cpp so that the hot path's translation unit, and
 // with it the compiler's inlining there, does not change with history.
 #include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/snapshot.hpp>
 
 #include "detail/device_state.hpp"
 
+#include <cerrno>
+#include <cstdio>
+#include <exception>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -43,6 +48,46 @@ void detail::free_recorded(detail::device_state& s, block* b) {
   if (b->stream_uses.empty() && b->event_count == 0)
     h.record_free_completed(b->ptr, b->requested_bytes, b->stream);
   s.free(b);
+}
+
+std::string detail::write_oom_snapshot(device_caching_allocator& owner, const std::string& path) noexcept {
+  const std::string where = " (oom_snapshot)";
+  try {
+    memory_snapshot snapshot;
+    snapshot.config = owner.config();
+    snapshot.segments = owner.snapshot_segments();
+    // device_traces is indexed by device, as in PyTorch's snapshot.
+    snapshot.device_traces.resize(static_cast<std::size_t>(owner.device()) + 1);
+    snapshot.device_traces.back() = owner.trace_entries();
+    snapshot.external_annotations = owner.annotations();
+    const std::string bytes = to_pickle(snapshot);
+    const std::string temporary = path + ".tmp";
+    std::FILE* f = std::fopen(temporary.c_str(), "wb");
+    if (f == nullptr) {
+      const int error = errno;
+      return " The snapshot" + where + " could not be written to " + path + ": cannot create " + temporary +
+             " (" + std::generic_category().message(error) + ").";
+    }
+    const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+    const int write_error = errno;
+    const bool closed = std::fclose(f) == 0;
+    if (!written || !closed || std::rename(temporary.c_str(), path.c_str()) != 0) {
+      const int error = !written ? write_error : errno;
+      std::remove(temporary.c_str());
+      return " The snapshot" + where + " could not be written to " + path + " (" +
+             std::generic_category().message(error) + ").";
+    }
+    return " A snapshot of device " + std::to_string(owner.device()) + "'s memory" + where + " was written to " +
+           path + ".";
+  } catch (const std::exception& e) {
+    try {
+      return " The snapshot" + where + " could not be written to " + path + " (" + e.what() + ").";
+    } catch (...) {
+      return {};
+    }
+  } catch (...) {
+    return {};
+  }
 }
 
 std::string_view to_string(block_state state) noexcept {

@@ -18,8 +18,14 @@ namespace {
 std::atomic<std::uint64_t> next_state_id{1};
 }  // namespace
 
+std::uint64_t fresh_state_key() noexcept { return next_state_id.fetch_add(1, std::memory_order_relaxed); }
+
 device_state::device_state(int device, device_backend& backend, allocator_config config)
-    : device_(device), backend_(backend), id_(next_state_id.fetch_add(1)), config_(std::move(config)) {
+    : device_(device),
+      backend_(backend),
+      id_(fresh_state_key()),
+      stream_cache_key_(id_),
+      config_(std::move(config)) {
   device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
   allowed_bytes_ = device_total_bytes_;
   if (backend_.capabilities().virtual_memory) page_bytes_ = backend_.vm_granularity(device_);

@@ -33,13 +33,15 @@ struct retired_events {
 // device's) is refused: the block's free would record an event on it, fail
 // and keep the block. The block's own stream is ignored below, gone or not.
 void device_state::check_recorded_stream(stream_t stream) const {
+  // One message whether or not the allocator still has the stream's state
+  // (a destroyed stream's goes once its memory moved on: forget_gone_streams).
   const auto known = streams_.find(stream);
-  const bool met = known != streams_.end();
-  if (met && !known->second->gone) return;
+  if (known != streams_.end() && !known->second->gone) return;
   if (backend_.is_stream(device_, stream)) return;  // a destroyed handle made again is a new stream
   throw invalid_argument_error("ccalloc: record_stream on stream " + std::to_string(stream) + " of device " +
-                               std::to_string(device_) + ", which is not a live stream of that device (" +
-                               (met ? "destroyed" : "never created, destroyed, or of another device") + ")");
+                               std::to_string(device_) +
+                               ", which is not a live stream of that device (never created, destroyed, or of "
+                               "another device)");
 }
 
 void device_state::record_stream(block* b, stream_t stream) {
@@ -75,11 +77,44 @@ void device_state::set_stream_gone(stream_t stream, bool gone) {
   const auto it = streams_.find(stream);
   if (it == streams_.end()) return;
   stream_state& ss = *it->second;
+  if (ss.gone != gone) gone ? ++gone_streams_ : --gone_streams_;
   ss.gone = gone;
   if (!gone) return;
   ss.fences.drop_outstanding([&](event_t e) { free_events_.push_back(e); });
   ss.fences.all_completed(ss.free_seq);
   forget_thread_stream();  // this thread's next malloc on it finds it gone
+}
+
+// A gone stream's state goes once it holds no segment: nothing refers to it
+// then (blocks belong to segments; parked blocks count as allocated; its
+// fences went when it was destroyed; a retired page names the stream that
+// freed it, and such a page keeps its segment, so none names it unless the
+// segment moved: checked).
+void device_state::forget_gone_streams(world_lock& w) noexcept {
+  if (gone_streams_ == 0) [[likely]]
+    return;
+  const auto names_retired = [&](const stream_state* ss) {
+    if (retired_pages_ == 0) return false;
+    for (const auto& [base, seg] : segments_)
+      for (const segment::retired_page& r : seg->pages.retired())
+        if (r.owner == ss) return true;
+    return false;
+  };
+  bool forgot = false;
+  for (std::size_t i = 0; i < w.streams().size();) {
+    stream_state* ss = w.streams()[i];
+    if (!ss->gone || ss->segments != 0 || !ss->fences.empty() || names_retired(ss)) {
+      ++i;
+      continue;
+    }
+    publish_pending_stats(stats_, *ss);
+    w.drop(ss);  // streams()[i] is the next one now
+    --gone_streams_;
+    streams_.erase(ss->stream);  // deletes the state
+    forgot = true;
+  }
+  if (!forgot) return;
+  stream_cache_key_.store(fresh_state_key(), std::memory_order_relaxed);
 }
 
 event_t device_state::get_event() {

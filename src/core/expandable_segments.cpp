@@ -451,6 +451,7 @@ void device_state::discard_reservation(segment& seg) noexcept {
   }
   count_down(stats_.segment, g, 1);
   if (pool->priv != nullptr) --pool->priv->segment_count;
+  --pool->owner->segments;
   for (block* b = seg.head; b != nullptr;) {
     block* next = b->next;
     b->pool->owner->delete_block(b);
@@ -1125,6 +1126,8 @@ bool device_state::idle_reservation(segment& seg, const alloc_params& p) {
 // stream's work on it has completed (its fences), so the blocks start with
 // no fence to wait for on the new stream (free_seq 0).
 void device_state::adopt_reservation(segment& seg, const alloc_params& p) {
+  --seg.head->pool->owner->segments;
+  ++p.pool->owner->segments;
   for (block* x = seg.head; x != nullptr; x = x->next) {
     if (x->mapped) x->pool->blocks.erase(x);
     x->pool = p.pool;
@@ -1185,6 +1188,7 @@ void device_state::release_empty_expandable_segments() {
     backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
     count_down(stats_.segment, group_of(seg.head->pool), 1);
     if (seg.head->pool->priv != nullptr) --seg.head->pool->priv->segment_count;
+    --seg.head->pool->owner->segments;
     seg.head->pool->owner->delete_block(seg.head);
     it = segments_.erase(it);
   }

@@ -377,6 +377,7 @@ segment& device_state::add_segment(const alloc_params& p, std::unique_ptr<segmen
   }
   count_up(stats_.segment, group_of(p.pool), 1);
   if (p.pool->priv != nullptr) ++p.pool->priv->segment_count;
+  ++p.pool->owner->segments;
   return *at->second;
 }
 
@@ -407,7 +408,9 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   stats_.bytes_moved_between_streams += static_cast<std::int64_t>(best->size);
   best->pool->blocks.erase(best);
   --best->pool->plain_segments;
+  --best->pool->owner->segments;
   ++p.pool->plain_segments;
+  ++p.pool->owner->segments;
   best->pool = p.pool;
   best->stream = p.stream;
   p.found = best;
@@ -482,6 +485,7 @@ void device_state::release_blocks(block_pool& pool, bool keep_going) {
       release_block(b, stats_);
     } catch (...) {
       if (!keep_going) throw;  // else the segment stays cached (release_block changed nothing)
+      if (!release_failure_) release_failure_ = std::current_exception();
     }
   }
 }
@@ -500,6 +504,7 @@ void device_state::forget_segment(block* b, device_stats& st) noexcept {
   CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= reserved_bytes_);
   if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
   --b->pool->plain_segments;
+  --b->pool->owner->segments;
   const stat_group g = group_of(b->pool);
   count_down(st.segment, g, 1);
   count_down(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));

@@ -136,8 +136,10 @@ void history_recorder::record_segment_alloc(std::uintptr_t addr, std::size_t siz
 }
 
 void history_recorder::record_segment_free(std::uintptr_t addr, std::size_t size, stream_t stream) {
-  record(trace_entry_action::segment_free, addr, size, stream, nullptr);
-  forget_segment(addr);
+  // As PyTorch: the context of the call that frees it, else the segment's own.
+  const context_ptr allocated_with = forget_segment(addr);
+  const context_ptr& freed_with = current_context(context_kind::free);
+  record(trace_entry_action::segment_free, addr, size, stream, freed_with ? freed_with : allocated_with);
 }
 
 void history_recorder::record_segment_map(std::uintptr_t addr, std::size_t size, stream_t stream) {
@@ -145,7 +147,10 @@ void history_recorder::record_segment_map(std::uintptr_t addr, std::size_t size,
 }
 
 void history_recorder::record_segment_unmap(std::uintptr_t addr, std::size_t size, stream_t stream) {
-  record(trace_entry_action::segment_unmap, addr, size, stream, nullptr);
+  // The context of the call that unmaps the pages: a free, or a malloc recycling them.
+  const context_ptr& freed_with = current_context(context_kind::free);
+  record(trace_entry_action::segment_unmap, addr, size, stream,
+         freed_with ? freed_with : current_context(context_kind::malloc));
 }
 
 void history_recorder::record_oom(std::size_t device_free_bytes, std::size_t requested_bytes, stream_t stream) {
@@ -183,9 +188,13 @@ void history_recorder::remember_segment(std::uintptr_t addr, context_ptr context
   remember(segment_contexts_, addr, std::move(context));
 }
 
-void history_recorder::forget_segment(std::uintptr_t addr) {
+context_ptr history_recorder::forget_segment(std::uintptr_t addr) {
   std::lock_guard lock(mutex_);
-  segment_contexts_.erase(addr);
+  auto it = segment_contexts_.find(addr);
+  if (it == segment_contexts_.end()) return nullptr;
+  context_ptr c = std::move(it->second);
+  segment_contexts_.erase(it);
+  return c;
 }
 
 context_ptr history_recorder::block_context(std::uintptr_t addr) const { return find(block_contexts_, addr); }

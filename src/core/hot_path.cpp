@@ -261,7 +261,7 @@ stream_state& registered_slot(device_state& d, stream_t stream) {
       }
     }
   }
-  tls_stream_cache = {d.id_, stream, it->second.get()};
+  tls_stream_cache = {d.stream_cache_key_.load(std::memory_order_relaxed), stream, it->second.get()};
   return *it->second;
 }
 
@@ -277,10 +277,10 @@ stream_state& registered_slot(device_state& d, stream_t stream) {
     const auto known = d.streams_.find(stream);
     const bool met = known != d.streams_.end();
     if (met && !known->second->gone) return registered_slot(d, stream);
-    if (!d.backend_.is_stream(d.device_, stream))
+    if (!d.backend_.is_stream(d.device_, stream))  // one message, remembered or forgotten (forget_gone_streams)
       throw invalid_argument_error("ccalloc: malloc on stream " + std::to_string(stream) + " of device " +
-                                   std::to_string(d.device_) + ", which is not a live stream of that device (" +
-                                   (met ? "destroyed" : "never created, or destroyed") + ")");
+                                   std::to_string(d.device_) +
+                                   ", which is not a live stream of that device (never created, or destroyed)");
     if (!met) return registered_slot(d, stream);
   }
   d.set_stream_gone(stream, false);  // made again; the world lock takes the registry's lock
@@ -293,7 +293,7 @@ void device_state::forget_thread_stream() noexcept { tls_stream_cache = {}; }
 
 stream_state& device_state::stream_for(stream_t stream) {
   const stream_cache_entry& c = tls_stream_cache;
-  if (c.owner_id == id_ && c.stream == stream) [[likely]]
+  if (c.owner_id == stream_cache_key_.load(std::memory_order_relaxed) && c.stream == stream) [[likely]]
     return *c.state;
   return registered_stream(*this, stream);
 }

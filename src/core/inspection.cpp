@@ -293,6 +293,16 @@ void device_caching_allocator::check_invariants() const {
     if (pool.plain_segments != (it == plain.end() ? 0 : it->second))
       fail("a pool's plain_segments differs from its plain segments");
   };
+  std::map<const detail::stream_state*, std::size_t> held_by;
+  for (auto& [base, seg] : s.segments_) ++held_by[seg->head->pool->owner];
+  std::size_t gone = 0;
+  for (detail::stream_state* ss : w.streams()) {
+    const auto it = held_by.find(ss);
+    if (ss->segments != (it == held_by.end() ? 0 : it->second))
+      fail("stream " + std::to_string(ss->stream) + "'s segment count differs from its segments");
+    gone += ss->gone ? 1 : 0;
+  }
+  if (gone != s.gone_streams_) fail("gone_streams_ differs from the gone stream states");
   std::size_t in_pools = 0;
   for (detail::stream_state* ss : w.streams()) {
     in_pools += ss->pools.small.blocks.size() + ss->pools.large.blocks.size();

@@ -20,7 +20,14 @@ world_lock::world_lock(device_state& d) : d_(d) {
   drain_thread_caches(d_, *this);  // the world sees no parked block (detail/thread_cache.hpp)
 }
 world_lock::~world_lock() {
-  if (locked_) unlock();
+  if (!locked_) return;
+  d_.forget_gone_streams(*this);
+  unlock();
+}
+
+void world_lock::drop(stream_state* ss) noexcept {
+  ss->mutex.unlock();
+  std::erase(streams_, ss);
 }
 
 void world_lock::lock() {

@@ -1,13 +1,15 @@
 // Rung 6 of the fallback ladder (B6): the out-of-memory error. Builds the
 // message (what was asked, what the device and the cache hold, a hint),
-// records the OOM in the history, calls the OOM observers outside the locks
-// (F17) and throws out_of_memory_error.
+// records the OOM in the history, writes the out-of-memory snapshot
+// (oom_snapshot), calls the OOM observers outside the locks (F17) and throws
+// out_of_memory_error.
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include "detail/device_state.hpp"
 #include "detail/format.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <limits>
 #include <string>
@@ -15,6 +17,11 @@
 #include <vector>
 
 namespace ccalloc::detail {
+
+namespace {
+// The calling thread runs out-of-memory observers (of any device).
+thread_local bool tls_observing_oom = false;
+}  // namespace
 
 void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   const memory_info info = backend_.mem_get_info(device_);
@@ -106,15 +113,53 @@ void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
   f.reserved_bytes = reserved;
   if (history_.active()) [[unlikely]]
     history_.record_oom(info.free_bytes, p.requested_bytes, p.stream);
-  // Observers run outside the locks (SPEC F17): they may call back into ccalloc.
+  // Observers run outside the locks (SPEC F17): they may call back into
+  // ccalloc. An out-of-memory error inside an observer (it allocates, on
+  // this thread) is not observed again: an observer that allocates on every
+  // call would otherwise recurse until the thread's stack ran out.
+  // Nor does it write another oom_snapshot: the outer error writes one.
+  if (tls_observing_oom) throw out_of_memory_error(std::move(msg), f);
+  // The out-of-memory snapshot (oom_snapshot): at most one per
+  // oom_snapshot_interval_s per device, decided here under the lock so that
+  // threads failing together write one; written below, unlocked.
+  std::string snapshot_path;
+  if (!config_.oom_snapshot_path.empty() && oom_snapshot_writer_) {
+    const auto now_us = static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count());
+    const std::uint64_t since_s = last_oom_snapshot_us_ ? (now_us - *last_oom_snapshot_us_) / 1'000'000 : 0;
+    if (!last_oom_snapshot_us_ || since_s >= config_.oom_snapshot_interval_s) {
+      last_oom_snapshot_us_ = now_us;
+      snapshot_path = config_.oom_snapshot_path;
+    } else {
+      msg += " No snapshot was written (oom_snapshot): the last one went to " + config_.oom_snapshot_path + " " +
+             std::to_string(since_s) + " s ago, and oom_snapshot_interval_s is " +
+             std::to_string(config_.oom_snapshot_interval_s) + ".";
+    }
+  }
   auto observers = observers_;
   w.unlock();
+  if (!snapshot_path.empty()) {
+    try {  // the writer never throws; appending its sentence may (host out of memory): the OOM error still goes out
+      msg += oom_snapshot_writer_(snapshot_path);
+    } catch (...) {
+    }
+  }
   // Every observer runs, and the caller still gets the out-of-memory error:
   // an exception from an observer is dropped (observers are notifications).
-  for (auto& o : observers) {
-    try {
-      o(device_, p.requested_bytes, f.device_total_bytes, f.device_free_bytes);
-    } catch (...) {
+  struct observing {
+    observing() noexcept { tls_observing_oom = true; }
+    ~observing() { tls_observing_oom = false; }
+    observing(const observing&) = delete;
+    observing& operator=(const observing&) = delete;
+  };
+  {
+    const observing scope;
+    for (auto& o : observers) {
+      try {
+        o(device_, p.requested_bytes, f.device_total_bytes, f.device_free_bytes);
+      } catch (...) {
+      }
     }
   }
   throw out_of_memory_error(std::move(msg), f);

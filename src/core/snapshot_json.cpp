@@ -1,8 +1,12 @@
-// to_json(memory_snapshot): PyTorch's snapshot dictionary as JSON
+// to_json and to_pickle(memory_snapshot): PyTorch's snapshot dictionary as
+// JSON and as the pickle torch.cuda.memory._dump_snapshot writes
 // (include/ccalloc/core/snapshot.hpp). Written by hand: the core depends on
-// the standard library only, and the C API calls this.
+// the standard library only, and the C API and the out-of-memory snapshot
+// call this. One walk over the snapshot (write_snapshot) drives either
+// writer; both have the same member functions.
 #include <ccalloc/core/snapshot.hpp>
 
+#include <bit>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
@@ -24,6 +28,9 @@ class json_writer {
   void end_object() { close('}'); }
   void begin_array() { open('['); }
   void end_array() { close(']'); }
+  /// A tuple in the pickle; an array in JSON.
+  void begin_tuple() { begin_array(); }
+  void end_tuple() { end_array(); }
   /// The key of the next value in the current object.
   void key(std::string_view k) {
     separate();
@@ -115,11 +122,74 @@ class json_writer {
   bool after_key_ = false;
 };
 
-void write_frames(json_writer& w, const context_ptr& context) {
+/// Appends a pickle (protocol 2, no memo) to a string: dictionaries, lists
+/// and tuples as MARK ... SETITEMS / APPENDS / TUPLE, strings as BINUNICODE,
+/// integers as BININT or LONG1, floats as BINFLOAT, booleans as NEWTRUE /
+/// NEWFALSE. Python's pickle.load reads it as the objects PyTorch pickles.
+class pickle_writer {
+ public:
+  explicit pickle_writer(std::string& out) : out_(out) { out_ += "\x80\x02"; }  // PROTO 2
+
+  void begin_object() { out_ += "}("; }  // EMPTY_DICT MARK
+  void end_object() { out_ += 'u'; }     // SETITEMS
+  void begin_array() { out_ += "]("; }   // EMPTY_LIST MARK
+  void end_array() { out_ += 'e'; }      // APPENDS
+  void begin_tuple() { out_ += '('; }    // MARK
+  void end_tuple() { out_ += 't'; }      // TUPLE
+  void key(std::string_view k) { value(k); }
+  void value(std::string_view v) {
+    out_ += 'X';  // BINUNICODE: 4-byte little-endian length, UTF-8 bytes
+    little_endian(static_cast<std::uint64_t>(v.size()), 4);
+    out_ += v;
+  }
+  void value(const char* v) { value(std::string_view(v)); }
+  void value(bool v) { out_ += v ? '\x88' : '\x89'; }
+  void value(std::uint64_t v) {
+    if (v <= 0x7fffffffu) return int32(static_cast<std::int64_t>(v));
+    // LONG1: two's complement, little-endian, with a 0 byte when the top bit is set.
+    const auto bytes = static_cast<std::size_t>((std::bit_width(v) + 8) / 8);
+    out_ += '\x8a';
+    out_ += static_cast<char>(bytes);
+    little_endian(v, bytes);
+  }
+  void value(std::int64_t v) {
+    if (v >= 0) return value(static_cast<std::uint64_t>(v));
+    if (v >= -0x80000000LL) return int32(v);
+    out_ += '\x8a';  // LONG1, 8 bytes of two's complement
+    out_ += '\x08';
+    little_endian(static_cast<std::uint64_t>(v), 8);
+  }
+  void value(int v) { value(static_cast<std::int64_t>(v)); }
+  void value(double v) {
+    out_ += 'G';  // BINFLOAT: IEEE 754, big-endian
+    const auto bits = std::bit_cast<std::uint64_t>(v);
+    for (int shift = 56; shift >= 0; shift -= 8) out_ += static_cast<char>((bits >> shift) & 0xff);
+  }
+  template <class K, class V>
+  void member(K k, V v) {
+    key(k);
+    value(v);
+  }
+  void finish() { out_ += '.'; }  // STOP
+
+ private:
+  void int32(std::int64_t v) {
+    out_ += 'J';  // BININT: 4-byte little-endian two's complement
+    little_endian(static_cast<std::uint64_t>(v), 4);
+  }
+  void little_endian(std::uint64_t v, std::size_t bytes) {
+    for (std::size_t i = 0; i < bytes; ++i) out_ += static_cast<char>(i < 8 ? (v >> (8 * i)) & 0xff : 0);
+  }
+
+  std::string& out_;
+};
+
+template <class W>
+void write_frames(W& w, const context_ptr& context) {
   w.key("frames");
   w.begin_array();
   if (context) {
-    for (const stack_frame& f : context->frames) {
+    for (const stack_frame& f : context->to_frames()) {
       w.begin_object();
       w.member("name", std::string_view(f.name));
       w.member("filename", std::string_view(f.filename));
@@ -130,7 +200,8 @@ void write_frames(json_writer& w, const context_ptr& context) {
   w.end_array();
 }
 
-void write_segment(json_writer& w, const segment_info& s) {
+template <class W>
+void write_segment(W& w, const segment_info& s) {
   w.begin_object();
   w.member("device", s.device);
   w.member("address", std::uint64_t{s.address});
@@ -141,10 +212,10 @@ void write_segment(json_writer& w, const segment_info& s) {
   w.member("stream", std::uint64_t{s.stream});
   w.member("segment_type", s.is_small_pool ? "small" : "large");
   w.key("segment_pool_id");
-  w.begin_array();
+  w.begin_tuple();
   w.value(std::uint64_t{s.pool.first});
   w.value(std::uint64_t{s.pool.second});
-  w.end_array();
+  w.end_tuple();
   w.member("is_expandable", s.is_expandable);
   write_frames(w, s.context);
   w.key("blocks");
@@ -162,7 +233,8 @@ void write_segment(json_writer& w, const segment_info& s) {
   w.end_object();
 }
 
-void write_entry(json_writer& w, const trace_entry& e) {
+template <class W>
+void write_entry(W& w, const trace_entry& e) {
   w.begin_object();
   w.member("action", to_string(e.action));
   w.member(e.action == trace_entry_action::oom ? "device_free" : "addr", std::uint64_t{e.addr});
@@ -175,7 +247,8 @@ void write_entry(json_writer& w, const trace_entry& e) {
   w.end_object();
 }
 
-void write_settings(json_writer& w, const allocator_config& c) {
+template <class W>
+void write_settings(W& w, const allocator_config& c) {
   constexpr std::size_t unlimited = std::numeric_limits<std::size_t>::max();
   w.begin_object();
   // PyTorch's keys, in its order (PyTorch 2.11's snapshot).
@@ -202,12 +275,8 @@ void write_settings(json_writer& w, const allocator_config& c) {
   w.end_object();
 }
 
-}  // namespace
-
-std::string to_json(const memory_snapshot& snapshot) {
-  std::string out;
-  out.reserve(256 + snapshot.segments.size() * 512);
-  json_writer w(out);
+template <class W>
+void write_snapshot(W& w, const memory_snapshot& snapshot) {
   w.begin_object();
   w.key("segments");
   w.begin_array();
@@ -234,6 +303,24 @@ std::string to_json(const memory_snapshot& snapshot) {
   }
   w.end_array();
   w.end_object();
+}
+
+}  // namespace
+
+std::string to_json(const memory_snapshot& snapshot) {
+  std::string out;
+  out.reserve(256 + snapshot.segments.size() * 512);
+  json_writer w(out);
+  write_snapshot(w, snapshot);
+  return out;
+}
+
+std::string to_pickle(const memory_snapshot& snapshot) {
+  std::string out;
+  out.reserve(256 + snapshot.segments.size() * 512);
+  pickle_writer w(out);
+  write_snapshot(w, snapshot);
+  w.finish();
   return out;
 }
 

@@ -3,16 +3,19 @@
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/base/detail/hot_tls.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
+#include <ccalloc/base/printable_text.hpp>
 
 #include "ipc_cache.hpp"
 
 #include <ccalloc/backend/default_backend.hpp>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <iterator>
 
 namespace ccalloc {
@@ -32,7 +35,7 @@ bool env_flag(const char* name) {
   for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
   if (value == "0" || value == "false" || value == "no" || value == "off") return false;
-  throw config_error(std::string("ccalloc: ") + name + "=" + v +
+  throw config_error(std::string("ccalloc: ") + name + "=" + printable_text(v) +
                      " is not a boolean (accepted: 1, true, yes, on, 0, false, no, off)");
 }
 
@@ -215,7 +218,15 @@ double caching_allocator::get_memory_fraction(int device) const {
 }
 
 void caching_allocator::empty_cache() {
-  for (auto& d : devices_) d->empty_cache();
+  std::exception_ptr first_failure;  // a device that fails does not keep the others' caches
+  for (auto& d : devices_) {
+    try {
+      d->empty_cache();
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
+    }
+  }
+  if (first_failure) std::rethrow_exception(first_failure);
 }
 
 void caching_allocator::enable_peer_access(int device, int peer) {
@@ -381,7 +392,11 @@ void caching_allocator::set_config(std::string_view text) {
   std::lock_guard lock(config_mutex_);
   allocator_config next = config_;
   next.apply(text);  // throws config_error; nothing changed then
-  print_warnings(next);
+  // Only what this setting adds: the warnings of earlier settings that
+  // still hold were printed when those were made.
+  for (const std::string& w : next.warnings)
+    if (std::find(config_.warnings.begin(), config_.warnings.end(), w) == config_.warnings.end())
+      std::fprintf(stderr, "ccalloc: warning: %s\n", w.c_str());
   config_ = next;
   for (auto& d : devices_) d->set_config(config_);
 }

@@ -10,6 +10,9 @@
 #include <ccalloc/base/types.hpp>
 
 #include <cstdint>
+#include <functional>
+#include <queue>
+#include <set>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -47,10 +50,18 @@ class gap_model {
   virtual void end_all() = 0;
   /// After the allocator is gone: releases the side streams. Never throws.
   virtual void release() noexcept = 0;
+  /// Whether the replay destroys each trace stream after its last event
+  /// (replay_events), idle() telling when its work has run: on the virtual
+  /// clock, where the trace's stream ids are the device's own streams.
+  [[nodiscard]] virtual bool ends_trace_streams() const noexcept { return false; }
 };
 
 // Side streams standing in for the program's other streams during gaps; one
-// is reused once its gap is over.
+// is reused once its gap is over: the first one made that is idle, as a scan
+// of every side stream would find, without the scan (N overlapping gaps
+// would cost N^2 idle() calls). A stream whose last gap ends after `index`
+// cannot be idle (the model's end is at least the one noted here), so only
+// the streams whose noted end has passed are asked, lowest first.
 class side_stream_pool {
  public:
   /// `trace_streams`: stream ids the trace itself uses; a side stream must
@@ -58,19 +69,38 @@ class side_stream_pool {
   /// as they are, and a created stream could carry the same number).
   side_stream_pool(gap_model& gaps, std::unordered_set<stream_t> trace_streams)
       : gaps_(gaps), trace_streams_(std::move(trace_streams)) {}
-  stream_t acquire(std::uint64_t index) {
-    for (stream_t s : streams_)
-      if (gaps_.idle(s, index)) return s;
-    stream_t s = gaps_.create_side_stream();
-    while (trace_streams_.count(s) != 0) s = gaps_.create_side_stream();  // skip a clashing id
-    streams_.push_back(s);
-    return s;
+  /// A side stream idle at trace index `index` (made if none is) for a gap
+  /// that will end at `end`. `index` never decreases from call to call.
+  stream_t acquire(std::uint64_t index, std::uint64_t end) {
+    while (!busy_.empty() && busy_.top().first <= index) {
+      maybe_idle_.insert(busy_.top().second);
+      busy_.pop();
+    }
+    std::size_t chosen = streams_.size();
+    for (const std::size_t i : maybe_idle_) {
+      if (gaps_.idle(streams_[i], index)) {
+        chosen = i;
+        break;
+      }
+    }
+    if (chosen == streams_.size()) {
+      stream_t s = gaps_.create_side_stream();
+      while (trace_streams_.count(s) != 0) s = gaps_.create_side_stream();  // skip a clashing id
+      streams_.push_back(s);
+    } else {
+      maybe_idle_.erase(chosen);
+    }
+    busy_.emplace(end, chosen);
+    return streams_[chosen];
   }
 
  private:
+  using noted_end = std::pair<std::uint64_t, std::size_t>;  // (end of its last gap, index in streams_)
   gap_model& gaps_;
   std::unordered_set<stream_t> trace_streams_;
-  std::vector<stream_t> streams_;
+  std::vector<stream_t> streams_;  // in the order they were made
+  std::priority_queue<noted_end, std::vector<noted_end>, std::greater<>> busy_;  // gaps not yet past
+  std::set<std::size_t> maybe_idle_;  // streams whose noted gap is past, in the order they were made
 };
 
 // Gaps as work on the simulated device's virtual clock (one unit per event).
@@ -87,6 +117,7 @@ class clock_gaps final : public gap_model {
   void run_behind(stream_t stream, std::uint64_t until) override { sim_.enqueue_work(0, stream, until); }
   void set_host_time_us(std::uint64_t us) override { sim_.set_host_time_us(us); }
   void end_all() override {}
+  [[nodiscard]] bool ends_trace_streams() const noexcept override { return true; }
   void release() noexcept override {
     for (stream_t s : side_streams_) try {
         sim_.destroy_stream(0, s);

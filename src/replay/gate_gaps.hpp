@@ -13,9 +13,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <queue>
+#include <set>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -107,7 +110,7 @@ class gate_gaps final : public device_backend, public gap_model {
     }
     {
       std::lock_guard lock(gaps_mutex_);
-      open_.push_back({end, side, g});
+      add_open({end, side, g, next_seq_++});
     }
     auto& e = side_end_[side];
     e = std::max(e, end);
@@ -133,11 +136,13 @@ class gate_gaps final : public device_backend, public gap_model {
       // Best effort: open what is left so nothing stays blocked.
       {
         std::lock_guard lock(gaps_mutex_);
-        for (const open_gap& g : open_) try {
+        for (const auto& [seq, g] : open_) try {
             inner_->open_gate(device_, g.gate);
           } catch (...) {
           }
         open_.clear();
+        by_end_ = {};
+        by_stream_.clear();
       }
       try {
         flush_deferred_frees();
@@ -258,7 +263,15 @@ class gate_gaps final : public device_backend, public gap_model {
     std::uint64_t end = 0;  // trace index where the gap ends
     stream_t side = 0;
     gate_t gate = 0;
+    std::uint64_t seq = 0;  // order of begin_gap calls
   };
+
+  // Books an open gap (gaps_mutex_ held).
+  void add_open(const open_gap& g) {
+    open_.emplace(g.seq, g);
+    by_end_.emplace(g.end, g.seq);
+    by_stream_.emplace(g.side, g.seq);
+  }
 
   int map(int device) const {
     if (device != 0)
@@ -267,10 +280,11 @@ class gate_gaps final : public device_backend, public gap_model {
   }
 
   // The open gap of `stream`, or nullptr.
+  // (The earliest one begun, as a scan of open_ in order would find.)
   const open_gap* gap_of(stream_t stream) const {
-    for (const open_gap& g : open_)
-      if (g.side == stream) return &g;
-    return nullptr;
+    const auto it = by_stream_.lower_bound({stream, 0});
+    if (it == by_stream_.end() || it->first != stream) return nullptr;
+    return &open_.at(it->second);
   }
 
   // A gate nobody waits on: open it and give it back.
@@ -289,15 +303,21 @@ class gate_gaps final : public device_backend, public gap_model {
     now_ = std::max(now_, index);
     std::vector<open_gap> ending;
     {
+      // The gaps ending, in the order they began (by_end_'s top has the
+      // earliest end: no scan of every open gap at each event).
       std::lock_guard lock(gaps_mutex_);
-      std::size_t kept = 0;
-      for (const open_gap& g : open_) {
-        if (g.end > now_)
-          open_[kept++] = g;
-        else
-          ending.push_back(g);
+      std::vector<std::uint64_t> seqs;
+      while (!by_end_.empty() && by_end_.top().first <= now_) {
+        seqs.push_back(by_end_.top().second);
+        by_end_.pop();
       }
-      open_.resize(kept);
+      std::sort(seqs.begin(), seqs.end());
+      for (const std::uint64_t seq : seqs) {
+        const auto it = open_.find(seq);
+        ending.push_back(it->second);
+        by_stream_.erase({it->second.side, seq});
+        open_.erase(it);
+      }
     }
     if (ending.empty()) return;
     std::size_t opened = 0;
@@ -306,7 +326,7 @@ class gate_gaps final : public device_backend, public gap_model {
     } catch (...) {
       // Keep the gates not opened on the books, so that release() opens them.
       std::lock_guard lock(gaps_mutex_);
-      open_.insert(open_.end(), ending.begin() + static_cast<std::ptrdiff_t>(opened), ending.end());
+      for (std::size_t i = opened; i < ending.size(); ++i) add_open(ending[i]);
       throw;
     }
     for (const open_gap& g : ending) {
@@ -353,7 +373,7 @@ class gate_gaps final : public device_backend, public gap_model {
       if (since == 0 || now_ns() - since < std::chrono::nanoseconds(watchdog_limit).count()) continue;
       std::lock_guard gaps_lock(gaps_mutex_);
       if (open_.empty()) continue;
-      for (const open_gap& g : open_) try {
+      for (const auto& [seq, g] : open_) try {
           inner_->open_gate(device_, g.gate);
         } catch (...) {
         }
@@ -370,7 +390,12 @@ class gate_gaps final : public device_backend, public gap_model {
   int device_;
   std::uint64_t now_ = 0;                                 // trace index the replay has reached
   std::mutex gaps_mutex_;                                 // guards open_'s changes (the watchdog reads it)
-  std::vector<open_gap> open_;                            // gaps whose gate is closed
+  std::map<std::uint64_t, open_gap> open_;                // gaps whose gate is closed, by seq
+  std::priority_queue<std::pair<std::uint64_t, std::uint64_t>, std::vector<std::pair<std::uint64_t, std::uint64_t>>,
+                      std::greater<>>
+      by_end_;                                            // (end, seq) of each gap in open_
+  std::set<std::pair<stream_t, std::uint64_t>> by_stream_;  // (side, seq) of each gap in open_
+  std::uint64_t next_seq_ = 0;
   std::unordered_map<stream_t, std::uint64_t> side_end_;  // side stream -> end of its last gap
   std::unordered_map<event_t, std::uint64_t> event_end_;  // event -> end of the gap it was recorded in
   std::vector<void*> deferred_frees_;

@@ -28,10 +28,12 @@
 #endif
 
 #include <algorithm>
+#include <charconv>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <deque>
 #include <limits>
 #include <map>
 #include <memory>
@@ -178,6 +180,26 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   for (const trace_event& e : t.events) trace_streams.insert(static_cast<stream_t>(e.stream));
   side_stream_pool side_streams(gaps, std::move(trace_streams));
   const std::vector<bool> never_freed = never_freed_allocs(t);
+  // Each trace stream is destroyed after its last event of the last pass,
+  // once its work has run (as a program that makes a stream per request
+  // destroys it): the allocator then forgets it (SPEC P10), and a trace
+  // with a stream per allocation replays in linear time, not with every
+  // slow path walking every stream the trace ever named.
+  std::vector<std::pair<std::uint64_t, stream_t>> stream_ends;  // (last event index, stream), by index
+  if (gaps.ends_trace_streams()) {
+    std::unordered_map<stream_t, std::uint64_t> last_event;
+    for (std::uint64_t i = 0; i < t.events.size(); ++i) {
+      const auto st = static_cast<stream_t>(t.events[i].stream);
+      if (st != default_stream && st != legacy_stream_handle && st != per_thread_stream_handle &&
+          !device_backend::is_per_thread_stream(st))
+        last_event[st] = i;
+    }
+    stream_ends.reserve(last_event.size());
+    for (const auto& [st, i] : last_event) stream_ends.emplace_back(i, st);
+    std::sort(stream_ends.begin(), stream_ends.end());
+  }
+  std::size_t next_end = 0;
+  std::deque<stream_t> ending;  // past their last event, waiting for their work to run
 
   const std::uint64_t n = t.events.size();
   const auto start = std::chrono::steady_clock::now();
@@ -245,8 +267,9 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
           if (has_gap(completion, i)) {
             // The block stays in use on another stream until its
             // free_completed (the end of the pass if the trace ends first).
-            const stream_t side = side_streams.acquire(base + i);
-            gaps.begin_gap(side, base + gap_end(t, completion, i));
+            const std::uint64_t end = base + gap_end(t, completion, i);
+            const stream_t side = side_streams.acquire(base + i, end);
+            gaps.begin_gap(side, end);
             allocator.record_stream(ptr, side);
           }
           allocator.free(ptr);
@@ -254,6 +277,14 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
         }
         default:
           break;  // free_completed is the side stream's work ending; segment events are the recorder's
+      }
+      if (pass + 1 == repeat) {
+        while (next_end < stream_ends.size() && stream_ends[next_end].first == i)
+          ending.push_back(stream_ends[next_end++].second);
+        while (!ending.empty() && gaps.idle(ending.front(), base + i)) {
+          allocator.destroy_stream(0, streams(ending.front()));
+          ending.pop_front();
+        }
       }
       gaps.check();
       ++pass_events;
@@ -455,10 +486,24 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
   probe.after_event = nullptr;
   probe.history.reset();
   const replay_result full = replay_trace(t, probe);
-  if (full.ooms != 0)
+  if (full.ooms != 0) {
+    // A fraction caps every device size alike: a larger device cannot help
+    // when the fraction is 0, and helps in proportion otherwise.
+    const allocator_config config = allocator_config::parse(options.config);
+    std::string why;
+    if (config.memory_fraction_set && config.per_process_memory_fraction <= 0.0)
+      why = "; per_process_memory_fraction:0 lets ccalloc use none of any device: no device size fits (raise the "
+            "fraction)";
+    else if (config.memory_fraction_set && config.per_process_memory_fraction < 1.0) {
+      char fraction[32] = {};  // the shortest text that reads back as the fraction
+      (void)std::to_chars(fraction, fraction + sizeof fraction - 1, config.per_process_memory_fraction);
+      why = "; per_process_memory_fraction:" + std::string(fraction) +
+            " lets ccalloc use only that part of it (raise the fraction or --device-memory)";
+    }
     throw error("find_min_device_memory: " + t.source + " does not fit even in " +
                 std::to_string(options.device_memory_bytes) + " bytes (" + std::to_string(full.ooms) +
-                " allocations failed)");
+                " allocations failed)" + why);
+  }
   // Multiples of precision_bytes, saturating: a value within precision_bytes
   // of 2^64 stays as it is.
   const auto round_up = [&](std::size_t v) {

@@ -550,10 +550,45 @@ std::string render_report_html(const trace& t, const report_options& options, co
          "\"></i></div></td><td>" + std::to_string(b.line) + "</td></tr>\n";
   }
   o += "</table></section>\n";
+
+  // Allocation sites at the peak (PyTorch snapshots with frames).
+  const std::vector<site_row> sites = sites_at_peak(t, peak_index, options.top_sites);
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> top_sites;
+  if (!sites.empty()) {
+    std::uint64_t live_total = 0;
+    for (const site_row& r : sites_at_peak(t, peak_index, t.sites.size() + 1)) live_total += r.bytes;
+    o += "<section class=\"card\"><h2>Allocation sites at the peak</h2>\n<p class=\"note\">Requested bytes live "
+         "after event " + with_commas(peak_index + 1) + ", by the stack that allocated them (innermost frame "
+         "first; hover for the whole stack). " + html(format_bytes(live_total)) + " live in all.</p>\n"
+         "<table><tr><th>#</th><th>bytes</th><th>share</th><th>blocks</th><th class=\"l\">stack</th></tr>\n";
+    for (std::size_t i = 0; i < sites.size(); ++i) {
+      const site_row& r = sites[i];
+      top_sites.emplace_back(r.site, r.bytes);
+      const std::string stack = r.site == 0 ? std::string("(no frames recorded)") : t.sites[r.site - 1];
+      // The first three frames, the rest on hover.
+      std::string shown;
+      std::size_t from = 0;
+      for (int k = 0; k < 3 && from <= stack.size(); ++k) {
+        const std::size_t nl = stack.find('\n', from);
+        shown += (k ? "<br>" : "") + html(stack.substr(from, nl == std::string::npos ? std::string::npos : nl - from));
+        if (nl == std::string::npos) break;
+        from = nl + 1;
+        if (k == 2) shown += "<br>&hellip;";
+      }
+      o += "<tr><td>" + std::to_string(i + 1) + "</td><td>" + format_bytes(r.bytes) + "</td><td>" +
+           fmt("%.1f%%", live_total ? 100.0 * double(r.bytes) / double(live_total) : 0.0) + "</td><td>" +
+           with_commas(r.blocks) + "</td><td class=\"l src\" title=\"" + html(stack) + "\">" + shown +
+           "</td></tr>\n";
+    }
+    o += "</table></section>\n";
+  }
   o += "<p class=\"note\">Written by ccalloc report. The replay runs on ccalloc's simulated device; see "
        "docs/trace-format.md for the inputs.</p>\n";
   o += std::string("</main><script>") + page_script + "</script></body></html>\n";
-  if (summary_out != nullptr) *summary_out = sum;
+  if (summary_out != nullptr) {
+    *summary_out = sum;
+    summary_out->top_sites = std::move(top_sites);
+  }
   return o;
 }
 

@@ -21,6 +21,32 @@
 
 namespace ccalloc::report_detail {
 
+std::vector<site_row> sites_at_peak(const trace& t, std::size_t peak_index, std::size_t n) {
+  if (t.sites.empty() || t.events.empty()) return {};
+  std::unordered_map<std::uint64_t, std::pair<std::uint64_t, std::uint32_t>> live;  // addr -> size, site
+  const std::size_t last = std::min(peak_index, t.events.size() - 1);
+  for (std::size_t i = 0; i <= last; ++i) {
+    const trace_event& e = t.events[i];
+    if (e.action == trace_action::alloc) live[e.addr] = {e.size, e.site};
+    else if (e.action == trace_action::free_completed) live.erase(e.addr);
+  }
+  std::vector<site_row> rows(t.sites.size() + 1);
+  for (const auto& [addr, a] : live) {
+    rows[a.second].bytes += a.first;
+    ++rows[a.second].blocks;
+  }
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i].site = static_cast<std::uint32_t>(i);
+  // Site 0 (allocations without frames) is listed too when it holds bytes.
+  std::vector<site_row> out;
+  for (const site_row& r : rows)
+    if (r.blocks != 0) out.push_back(r);
+  std::sort(out.begin(), out.end(), [](const site_row& a, const site_row& b) {
+    return a.bytes != b.bytes ? a.bytes > b.bytes : a.site < b.site;
+  });
+  if (out.size() > n) out.resize(n);
+  return out;
+}
+
 recorded_curves curves_from_trace(const trace& t, const slicer& sl) {
   sliced_series requested(sl.n), reserved(sl.n);
   std::unordered_map<std::uint64_t, std::uint64_t> live;  // addr -> requested bytes (until free_completed)

@@ -86,6 +86,19 @@ struct big_allocation {
 /// The `n` largest allocations of `t`, largest first.
 std::vector<big_allocation> largest_allocations(const trace& t, const slicer& sl, std::size_t n);
 
+/// Bytes live at one allocation site (trace::sites).
+struct site_row {
+  std::uint32_t site = 0;  // 1-based index into trace::sites
+  std::uint64_t bytes = 0;
+  std::size_t blocks = 0;
+};
+
+/// The `n` sites with the most requested bytes live (alloc to
+/// free_completed) after event `peak_index`, most bytes first (ties: lower
+/// site first); empty when `t` has no sites. One pass over the events up to
+/// the peak.
+std::vector<site_row> sites_at_peak(const trace& t, std::size_t peak_index, std::size_t n);
+
 /// The time chart's curves (ccalloc's replay and the recording allocator).
 struct chart_data {
   std::vector<double> x;  // slice start, seconds or events

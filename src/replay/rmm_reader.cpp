@@ -11,6 +11,8 @@
 // the pointer as %p, the size in bytes, the stream as a hex pointer).
 #include <ccalloc/replay/trace.hpp>
 
+#include "reader_limits.hpp"
+
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -110,7 +112,7 @@ enum class rmm_action { allocate, free, allocate_failure };
 
 }  // namespace
 
-trace parse_rmm_log(std::string_view text, const std::string& source) {
+trace parse_rmm_log(std::string_view text, const std::string& source, const trace_limits& limits) {
   trace t;
   t.source = source;
   constexpr std::array<std::string_view, 6> columns = {"Thread", "Time", "Action", "Pointer", "Size", "Stream"};
@@ -118,8 +120,12 @@ trace parse_rmm_log(std::string_view text, const std::string& source) {
   std::size_t header_fields = 0;
   bool have_header = false;
 
-  std::unordered_map<std::uint64_t, std::size_t> live;  // pointer -> line of its allocate
+  std::unordered_map<std::uint64_t, std::size_t> live;   // pointer -> line of its allocate
+  std::unordered_map<std::uint64_t, std::size_t> freed;  // pointer -> line of its last free (not allocated since)
   std::uint64_t skipped_frees = 0;
+  std::uint64_t double_frees = 0;
+  std::size_t first_double_free_line = 0, first_double_free_earlier_line = 0;
+  std::string first_double_free_pointer;
   std::uint64_t last_time_us = 0;
   std::uint64_t day_offset_us = 0;
   std::uint64_t previous_raw_us = 0;
@@ -133,6 +139,8 @@ trace parse_rmm_log(std::string_view text, const std::string& source) {
     const std::string_view line = trim(text.substr(pos, nl == std::string_view::npos ? nl : nl - pos));
     pos = nl == std::string_view::npos ? text.size() : nl + 1;
     ++line_number;
+    if (line.size() > limits.max_line_bytes) throw trace_error(source, line_number, detail::line_limit_reason(limits.max_line_bytes));
+    if (t.events.size() + 2 > limits.max_events) throw trace_error(source, line_number, detail::event_limit_reason(limits.max_events));
     if (line.empty()) continue;
     const std::vector<std::string_view> f = split_commas(line);
     if (!have_header) {
@@ -194,6 +202,7 @@ trace parse_rmm_log(std::string_view text, const std::string& source) {
           if (size == 0) continue;
           throw trace_error(source, line_number, "allocate of " + std::to_string(size) + " bytes returned a null Pointer");
         }
+        freed.erase(pointer);
         const auto [it, fresh] = live.try_emplace(pointer, line_number);
         if (!fresh)
           throw trace_error(source, line_number,
@@ -206,10 +215,19 @@ trace parse_rmm_log(std::string_view text, const std::string& source) {
       case rmm_action::free: {
         const auto it = live.find(pointer);
         if (it == live.end()) {
-          if (pointer != 0) ++skipped_frees;
+          if (const auto before = freed.find(pointer); before != freed.end()) {
+            if (double_frees++ == 0) {
+              first_double_free_line = line_number;
+              first_double_free_earlier_line = before->second;
+              first_double_free_pointer = std::string(pointer_f.substr(0, 40));
+            }
+          } else if (pointer != 0) {
+            ++skipped_frees;
+          }
           continue;
         }
         live.erase(it);
+        freed[pointer] = line_number;
         e.action = trace_action::free_requested;
         t.events.push_back(e);
         e.action = trace_action::free_completed;
@@ -227,6 +245,11 @@ trace parse_rmm_log(std::string_view text, const std::string& source) {
   if (skipped_frees > 0)
     t.notes.push_back(std::to_string(skipped_frees) +
                       " free(s) of pointers the log never allocated were skipped (the log started after them)");
+  if (double_frees > 0)
+    t.notes.push_back(std::to_string(double_frees) + " double free(s) were skipped: pointers freed again without " +
+                      "an allocate between (the first: line " + std::to_string(first_double_free_line) + " frees " +
+                      first_double_free_pointer + ", already freed at line " +
+                      std::to_string(first_double_free_earlier_line) + ")");
   return t;
 }
 

@@ -14,6 +14,8 @@
 //
 #include <ccalloc/replay/trace.hpp>
 
+#include "reader_limits.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -121,11 +123,12 @@ std::size_t split_fields(std::string_view line, std::array<std::string_view, 5>&
 /// Number of lines in `text` (a last line without '\n' counts). memchr per
 /// line: several times faster than std::count at -O2, which GCC does not
 /// vectorize.
-std::size_t count_lines(std::string_view text) noexcept {
+/// The number of lines of `text`, counting up to `most` (then `most`).
+std::size_t count_lines(std::string_view text, std::size_t most) noexcept {
   std::size_t lines = 0;
   const char* p = text.data();
   const char* const end = p + text.size();
-  while (p != end) {
+  while (p != end && lines < most) {
     ++lines;
     const void* nl = std::memchr(p, '\n', static_cast<std::size_t>(end - p));
     if (!nl) break;
@@ -234,11 +237,14 @@ std::string_view to_string(trace_action action) noexcept {
   return index < detail::action_names.size() ? detail::action_names[index] : "unknown";
 }
 
-trace parse_trace_text(std::string_view text, const std::string& source) {
+trace parse_trace_text(std::string_view text, const std::string& source, const trace_limits& limits) {
   trace result;
   result.source = source;
-  // One event per line at most: reserving by the line count avoids regrowth.
-  result.events.reserve(detail::count_lines(text));
+  if (std::string why = not_text_reason(text); !why.empty()) throw trace_error(source, 0, why);
+  // One event per line at most: reserving by the line count avoids regrowth
+  // (up to a million events: text of empty lines must not reserve memory).
+  result.events.reserve(detail::count_lines(
+      text, static_cast<std::size_t>(std::min<std::uint64_t>(limits.max_events, std::uint64_t{1} << 20))));
 
   const char* const text_end = text.data() + text.size();
   std::uint64_t previous_time_us = 0;
@@ -246,6 +252,10 @@ trace parse_trace_text(std::string_view text, const std::string& source) {
   const char* p = text.data();
   while (p != text_end) {
     ++line_number;
+    if (*p == '\n') {  // a blank line (a run of them must not cost a full parse each)
+      ++p;
+      continue;
+    }
     trace_event event;
     if (const char* next = detail::parse_line_fast(p, text_end, event)) [[likely]] {
       p = next;
@@ -255,6 +265,8 @@ trace parse_trace_text(std::string_view text, const std::string& source) {
       const char* const line_end = nl ? static_cast<const char*>(nl) : text_end;
       const std::string_view line(p, static_cast<std::size_t>(line_end - p));
       p = nl ? line_end + 1 : text_end;
+      if (line.size() > limits.max_line_bytes) [[unlikely]]
+        throw trace_error(source, line_number, detail::line_limit_reason(limits.max_line_bytes));
       if (!detail::parse_line_checked(line, source, line_number, nl == nullptr, event)) continue;
     }
     event.line = line_number;
@@ -264,6 +276,8 @@ trace parse_trace_text(std::string_view text, const std::string& source) {
                             std::to_string(previous_time_us) + ")");
     }
     previous_time_us = event.time_us;
+    if (result.events.size() >= limits.max_events) [[unlikely]]
+      throw trace_error(source, line_number, detail::event_limit_reason(limits.max_events));
     result.events.push_back(event);
   }
   return result;

@@ -252,6 +252,50 @@ class SnapshotToTrace(unittest.TestCase):
         out, path = self.run_cli(pickle.dumps({"device_traces": [[]]}), "--device", "3")
         self.assertIn("--device 3: the snapshot has 1 device trace(s)", out.stderr)
 
+    def test_memo_references_are_walked_once(self):
+        # One segment referenced 3,000 times whose blocks list references one
+        # block 3,000 times: 9 million blocks if walked per reference.
+        block = {"size": 512, "state": "active_allocated"}
+        segment = {"device": 0, "address": 1 << 20, "total_size": 3000 * 512, "blocks": [block] * 3000}
+        data = pickle.dumps({"device_traces": [[]], "segments": [segment] * 3000})
+        self.assertLess(len(data), 20000)
+        import time
+        start = time.perf_counter()
+        lines, notes = snapshot_to_trace.convert(pickle.loads(data))
+        self.assertLess(time.perf_counter() - start, 1.0)
+        self.assertEqual(len(lines), 3001)
+        self.assertEqual(notes[1], "3000 alloc and 1 segment events added at the start (allocated before the trace)")
+
+    MALFORMED = [
+        ({1: 2, "a": 3}, "not a PyTorch memory snapshot (no 'device_traces'"),
+        ({"device_traces": [5]}, "device_traces[0]: expected a list, got int"),
+        ({"device_traces": [[]], "segments": [{"address": 4096}]}, "segments[0]: missing 'total_size'"),
+        ({"device_traces": [[]], "segments": 7}, "segments: expected a list, got int"),
+        ({"device_traces": [[]], "segments": [{"address": 0, "total_size": 8, "blocks": [{"size": 4}, "x"]}]},
+         "segments[0].blocks[1]: expected a dict, got str"),
+    ]
+
+    def test_malformed_snapshots_give_one_line(self):
+        for snap, want in self.MALFORMED:
+            out, path = self.run_cli(pickle.dumps(snap))
+            self.assertEqual(out.returncode, 1, out.stderr)
+            self.assertEqual(out.stderr.count("\n"), 1, out.stderr)
+            self.assertIn(f"snapshot_to_trace: {path}: {want}", out.stderr)
+
+    @unittest.skipUnless(os.path.exists(BIN), "ccalloc not built (set CCALLOC_BIN)")
+    def test_ccalloc_names_what_is_wrong_in_one_line(self):
+        cpp = ["not a PyTorch memory snapshot (no 'device_traces'; found keys an int, 'a')",
+               "device_traces[0]: expected a list, got an int", "segments[0]: missing 'total_size'",
+               "segments: expected a list, got an int", "segments[0].blocks[1]: expected a dict, got a str"]
+        for (snap, _), want in zip(self.MALFORMED, cpp):
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "bad.pickle")
+                with open(path, "wb") as f:
+                    f.write(pickle.dumps(snap))
+                out = subprocess.run([BIN, "replay", path], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 1, out.stderr)
+            self.assertEqual(out.stderr, f"ccalloc: {path}: a PyTorch snapshot that cannot be read: {want}\n")
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -196,6 +196,17 @@ struct allocator_config {
   /// thread_cache == off.
   bool thread_cache_set = false;
 
+  /// ccalloc's own key oom_snapshot: where an out-of-memory error writes a
+  /// snapshot of its device (PyTorch's pickle, with the history when it is
+  /// recorded) before it is raised; "" (the default) writes none. The path
+  /// is used as given (relative to the working directory), overwritten each
+  /// time; it cannot contain a comma (the item separator).
+  std::string oom_snapshot_path;
+  /// ccalloc's own key oom_snapshot_interval_s: an out-of-memory error
+  /// writes a snapshot only if the device's last one was written at least
+  /// this many seconds before (default 60; 0: every time).
+  std::uint64_t oom_snapshot_interval_s = 60;
+
   // Accepted for compatibility with PyTorch's config strings; they configure
   // PyTorch's pinned host allocator, its backend choice or its CUDA-graph
   // capture and have no effect on ccalloc's device memory (each adds a

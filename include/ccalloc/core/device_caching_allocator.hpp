@@ -57,8 +57,11 @@ class device_state;
 
 /// Called on each out-of-memory error, outside the allocator's locks, with
 /// (device, bytes asked, bytes allowed (the fraction cap, else device total),
-/// device free bytes). SPEC F17. It may call back into the allocator (an
-/// allocation that fails again calls the observers again). An exception it
+/// device free bytes). SPEC F17. It may call back into the allocator; an
+/// out-of-memory error inside an observer, on the thread that runs it (an
+/// observer that allocates), does not call the observers again: it is
+/// thrown to the observer as usual, without notification, so that an
+/// observer cannot recurse without end. An exception it
 /// throws is dropped: the other observers still run and the caller still gets
 /// the out_of_memory_error.
 using oom_observer = std::function<void(int device, std::size_t requested_bytes,
@@ -104,7 +107,10 @@ class device_caching_allocator {
   /// recording anything on it; a malloc on it throws invalid_argument_error
   /// (checked when a thread first meets the stream: a thread that allocated
   /// on it just before may still be served from its per-thread caches). Its
-  /// cached blocks stay cached for its handle. Throws backend_error from the
+  /// cached blocks stay cached for its handle (other streams may adopt its
+  /// idle segments); once it holds no segment, its state is deleted
+  /// (nothing of it stays: SPEC P10). A malloc or record_stream on it racing
+  /// with this call is the caller's error, as on CUDA. Throws backend_error from the
   /// synchronize (then nothing changed). Locks the whole device.
   void stream_destroyed(stream_t stream);
   /// The backend made a stream `stream` (a handle a destroyed stream may have
@@ -120,7 +126,9 @@ class device_caching_allocator {
   /// Returns cached segments that hold no live block to the device, after
   /// waiting for pending events (PyTorch: emptyCache). Live blocks are
   /// untouched. Throws backend_error from the device (synchronizing an event,
-  /// freeing a segment); what was returned before the failure stays returned.
+  /// freeing a segment): a segment whose free fails stays cached, the
+  /// others still go back, and the first such failure is thrown at the end;
+  /// a failed synchronize stops it (what was returned before stays returned).
   void empty_cache();
   /// Size in bytes of the largest cached free block (PyTorch: cacheInfo).
   [[nodiscard]] std::size_t largest_free_block() const;

@@ -18,8 +18,11 @@
 //
 // Cost: with history off and no tracker, the allocator pays one relaxed
 // atomic load and a predicted branch per malloc and per free. With it on,
-// each entry takes a mutex and copies two short strings. Snapshots:
-// ccalloc/core/snapshot.hpp.
+// each entry takes a mutex and copies two short strings; with a recorder,
+// each malloc (and free, record_context::all) also calls it and keeps its
+// context in a map while the block lives. Contexts become frames only when a
+// snapshot is written (trace_context::to_frames). Figures: docs/perf.md.
+// Snapshots: ccalloc/core/snapshot.hpp.
 //
 // Thread safety: every function here and in the allocator may be called
 // concurrently. Entries of one device are in the order they were recorded.
@@ -70,17 +73,39 @@ struct stack_frame {
   friend bool operator==(const stack_frame&, const stack_frame&) = default;
 };
 
-/// What a context recorder returns: frames, innermost first (as PyTorch writes
-/// them). Shared and immutable once returned.
+/// What a context recorder returns (PyTorch's GatheredContext): an opaque,
+/// shared, immutable object that the allocator keeps with the entries and
+/// blocks it belongs to and turns into frames only when a snapshot is
+/// written (to_json, to_pickle). Two ways to fill it:
+/// - eagerly: set `frames` (innermost first, as PyTorch writes them);
+/// - lazily: derive and override to_frames(), e.g. to keep raw instruction
+///   pointers and symbolize them only for the snapshot (what PyTorch's
+///   CapturedTraceback does). A derived context is freed by its own
+///   destructor when the last entry or block holding it is dropped.
+/// The allocator never looks inside: code that gave the context may downcast
+/// it (the PyTorch integration hands its own contexts back to PyTorch).
 struct trace_context {
   std::vector<stack_frame> frames;
+
+  trace_context() = default;
+  explicit trace_context(std::vector<stack_frame> eager_frames) : frames(std::move(eager_frames)) {}
+  trace_context(const trace_context&) = default;
+  trace_context& operator=(const trace_context&) = default;
+  virtual ~trace_context() = default;
+  /// The frames a snapshot writes; by default `frames`. Called by the
+  /// snapshot writers, outside the allocator's locks, on the thread that
+  /// writes the snapshot, once per entry or block that holds the context.
+  /// An exception it throws propagates to the caller of to_json/to_pickle.
+  [[nodiscard]] virtual std::vector<stack_frame> to_frames() const { return frames; }
 };
 using context_ptr = std::shared_ptr<const trace_context>;
 
 /// Called by the allocator, outside its locks, on the calling thread, to
 /// attach a context to what is being recorded (PyTorch's CreateContextFn).
 /// May return nullptr. An exception it throws propagates to the caller of
-/// malloc/free, before the allocator changed anything.
+/// malloc/free, before the allocator changed anything. Its cost is paid on
+/// every malloc (state and up) and free (all) while history is on; with
+/// history off it is never called.
 using context_recorder = std::function<context_ptr()>;
 
 /// When the recorder is called (PyTorch's RecordContext).

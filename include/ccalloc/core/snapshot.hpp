@@ -1,5 +1,5 @@
 // ccalloc/core/snapshot.hpp: a snapshot of the allocator's memory (SPEC F13)
-// and its JSON form (SPEC E4).
+// and its JSON and pickle forms (SPEC E4).
 //
 // caching_allocator::snapshot() fills a memory_snapshot: the segments of
 // every device with their blocks, each device's trace (history), the
@@ -44,5 +44,14 @@ struct memory_snapshot {
 /// Frames are [{name, filename, line}]. Integers are exact decimals; strings
 /// are UTF-8 with JSON escapes (RFC 8259). Pure function.
 [[nodiscard]] std::string to_json(const memory_snapshot& snapshot);
+
+/// The snapshot as the bytes of the pickle torch.cuda.memory._dump_snapshot
+/// writes (protocol 2): the dictionary to_json describes, with
+/// segment_pool_id a tuple (what python/ccalloc/snapshot.py makes of the
+/// JSON). torch.cuda._memory_viz, the memory_viz web page and `ccalloc
+/// report` read it. Strings must be UTF-8 (Python's unpickler rejects
+/// others, as json.loads does). Frames come from each context's to_frames()
+/// (exceptions it throws propagate). Pure function otherwise.
+[[nodiscard]] std::string to_pickle(const memory_snapshot& snapshot);
 
 }  // namespace ccalloc

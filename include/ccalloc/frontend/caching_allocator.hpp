@@ -111,7 +111,9 @@ class caching_allocator {
   /// allocator, a device out of range, or a stream that is not a live stream
   /// of the device (destroyed by destroy_stream; never created, where the
   /// backend can tell: device_backend::is_stream), out_of_memory_error when the device
-  /// cannot provide the memory (at once for sizes >= 1 EiB).
+  /// cannot provide the memory (at once for sizes >= 1 EiB); with the
+  /// setting oom_snapshot, that error first writes the device's snapshot to
+  /// its file, unlocked, on the calling thread (docs/memory-history.md).
   [[nodiscard]] void* malloc(int device, std::size_t size_bytes, stream_t stream);
   /// Frees a pointer from this allocator (F3). nullptr is a no-op. Throws
   /// invalid_argument_error naming the pointer if it is unknown (never
@@ -159,7 +161,10 @@ class caching_allocator {
   [[nodiscard]] double get_memory_fraction(int device) const;
 
   /// Returns every unused cached segment of every device to the device (F8;
-  /// PyTorch: emptyCache).
+  /// PyTorch: emptyCache). A device or segment free that fails does not stop
+  /// it: every other segment of every device goes back, the failing
+  /// segments stay cached, and the first failure is thrown afterwards
+  /// (backend_error; PyTorch stops at the first).
   void empty_cache();
   /// Largest cached free block of `device`, in bytes (F9; PyTorch: cacheInfo).
   [[nodiscard]] std::size_t cache_info(int device) const;
@@ -187,7 +192,10 @@ class caching_allocator {
   /// (device_caching_allocator::stream_destroyed): the stream's queued work
   /// completes (synchronize), and blocks allocated or recorded on it stay
   /// valid and are freed as usual later, recording nothing on it. A malloc
-  /// on it then throws invalid_argument_error. Destroying a stream through
+  /// on it then throws invalid_argument_error. Once its memory has moved on
+  /// (its blocks freed, its cached segments adopted by another stream or
+  /// returned to the device), the allocator keeps nothing of it: no host
+  /// memory and no slow-path time per destroyed stream (SPEC P10). Destroying a stream through
   /// the backend directly, under the allocator, is not supported: a later
   /// free of its blocks may fail (backend_error or invalid_argument_error,
   /// the block stays allocated). Throws invalid_argument_error for a device
@@ -297,7 +305,10 @@ class caching_allocator {
   /// Starts, changes or stops recording the history of every device, also of
   /// devices init() adds later (F14; PyTorch: recordHistory, and
   /// torch.cuda.memory._record_memory_history). options.max_entries is per
-  /// device. Disabling drops what was recorded. Throws
+  /// device. Disabling drops what was recorded. options.recorder is called
+  /// outside the locks on the thread of each malloc (record_context::state
+  /// and up) and free (all); its contexts are kept with their entries and
+  /// live blocks and turned into frames when a snapshot is written. Throws
   /// invalid_argument_error for max_entries == 0 (nothing changes then).
   void record_history(const history_options& options);
   /// Whether history is being recorded (PyTorch: isHistoryEnabled).
@@ -340,7 +351,9 @@ class caching_allocator {
 
   /// Replaces the configuration of every device with `text` applied on top of
   /// the current one (F30). Throws config_error; nothing changes then.
-  /// Warnings about settings without effect go to stderr.
+  /// Warnings about settings without effect go to stderr, each once: those
+  /// that the settings before this call had already printed are not
+  /// printed again.
   void set_config(std::string_view text);
   [[nodiscard]] allocator_config config() const;
 

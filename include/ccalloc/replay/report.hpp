@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace ccalloc {
 
@@ -38,6 +40,9 @@ struct report_options {
   std::size_t device_memory_bytes = std::size_t{141} * 1000 * 1000 * 1000;
   std::size_t plot_points = 1200;           ///< time slices per curve (>= 2)
   std::size_t largest_allocations = 20;     ///< rows of the largest-allocations table
+  /// Rows of the allocation-sites table (bytes live at the peak by stack),
+  /// drawn when the trace has sites (a PyTorch snapshot with frames).
+  std::size_t top_sites = 10;
   std::string title;                        ///< page title; default: the trace's source
   /// Optional: told the progress of each replay pass (pass 1 or 2 of 2,
   /// events done, events in the pass), at most a few hundred times per pass.
@@ -52,6 +57,10 @@ struct report_summary {
   std::uint64_t recorded_requested_peak = 0;  ///< from its alloc / free_completed events
   std::size_t segments_at_peak = 0;
   std::size_t blocks_at_peak = 0;
+  /// The allocation-sites table: (site, requested bytes live at the peak),
+  /// most first; site is 1-based into trace::sites, 0 for allocations
+  /// without frames. Empty when the trace has no sites.
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> top_sites;
   std::size_t plot_points = 0;             ///< time slices actually drawn
 };
 

@@ -15,8 +15,8 @@
 // - RMM's logging_resource_adaptor CSV (`Thread,Time,Action,Pointer,Size,
 //   Stream`; parse_rmm_log);
 // - PyTorch memory snapshot pickles (torch.cuda.memory._dump_snapshot),
-//   converted by the bundled tools/snapshot_to_trace.py run with python3
-//   (convert_pytorch_snapshot).
+//   read by ccalloc's own plain-data pickle reader (no Python;
+//   convert_pytorch_snapshot), with the allocation sites of their frames.
 #pragma once
 
 #include <ccalloc/base/errors.hpp>
@@ -24,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -73,6 +74,9 @@ enum class trace_action : std::uint8_t {
 struct trace_event {
   std::uint64_t time_us = 0;  ///< wall-clock microseconds of the recording
   trace_action action = trace_action::alloc;
+  /// The allocation site: trace::sites[site - 1], or 0 when the input has
+  /// none (only PyTorch snapshots recorded with stacks have sites).
+  std::uint32_t site = 0;
   std::uint64_t addr = 0;     ///< address the recording allocator used
   std::uint64_t size = 0;     ///< bytes: requested size (alloc, frees) or segment size
   std::uint64_t stream = 0;   ///< stream handle as recorded (0 = legacy default)
@@ -85,6 +89,46 @@ struct trace {
   /// What a conversion added or dropped, for the user (e.g. "3 frees of
   /// pointers never allocated in the log were skipped"); empty for ccalloc's format.
   std::vector<std::string> notes;
+  /// The distinct stacks of the events' `site`s, one frame a line, innermost
+  /// first: "name (filename:line)".
+  std::vector<std::string> sites;
+};
+
+/// Bounds the readers enforce on their input, so that a mistaken or hostile
+/// file (a gzip bomb, /dev/zero, a binary file) fails at once with a
+/// trace_error naming the bound instead of exhausting memory. The defaults
+/// are far above real traces (the largest of ../shared/traces: 44 MB of
+/// text, 0.8 million events); the CLI's --max-input-bytes, --max-events and
+/// --max-line-bytes raise them.
+struct trace_limits {
+  /// Bytes of the file as read, and again of the text after gzip
+  /// decompression: "larger than the input limit of <n> bytes ..." /
+  /// "decompresses to more than <n> bytes, the input limit ...".
+  std::uint64_t max_input_bytes = std::uint64_t{4} << 30;
+  /// Events of a trace (rows of an RMM log; two events per free): 48 bytes
+  /// of memory each. "more than <n> events, the limit ...".
+  std::uint64_t max_events = 100'000'000;
+  /// Bytes of one line, comments included (an event line is under 120):
+  /// "a line of more than <n> bytes, the limit ...".
+  std::uint64_t max_line_bytes = 65536;
+};
+
+/// Limits and progress for read_trace_file and convert_pytorch_snapshot.
+/// A limit exceeded throws trace_error naming the limit and the flag that
+/// raises it (docs/errors.md).
+struct trace_read_options {
+  /// Objects a snapshot pickle may make (each dict, list, string, number...;
+  /// a memo reference is not counted). About 85 million for 1.5 million
+  /// trace entries of 12 distinct frame objects each. ccalloc
+  /// --max-pickle-objects.
+  std::uint64_t max_pickle_objects = 500'000'000;
+  /// Decompressed bytes of a snapshot pickle. ccalloc --max-pickle-bytes.
+  std::uint64_t max_pickle_bytes = std::uint64_t{4} << 30;
+  /// Optional: told the bytes of the file read so far and the file's size
+  /// (compressed bytes for gzip), every 16 MiB of pickle and once at the end.
+  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  /// The text readers' bounds (ccalloc traces and RMM logs).
+  trace_limits limits;
 };
 
 /// The inputs read_trace_file understands.
@@ -100,6 +144,15 @@ enum class trace_format {
 /// line starts with "Thread,"; anything else is read as ccalloc's format.
 [[nodiscard]] trace_format sniff_trace_format(std::string_view data) noexcept;
 
+
+/// Why `data`, the start of a file or of its decompressed text, cannot be a
+/// text trace or log, or "" when it may be: "not a text trace: looks like
+/// UTF-16 text ...", "... gzip data compressed twice ...", "... xz / bzip2 /
+/// zstd / zip data ...", "... binary data (byte 0x<hh> at offset <n>)" (a
+/// control character other than tab, CR, FF, VT, ESC in the first line). Looks
+/// at the first 4096 bytes only.
+[[nodiscard]] std::string not_text_reason(std::string_view data);
+
 /// Parses an RMM logging_resource_adaptor log (decompressed): a header line
 /// naming the columns Thread, Time, Action, Pointer, Size, Stream (in any
 /// order, others ignored), then one row per call. Action `allocate` becomes
@@ -112,24 +165,56 @@ enum class trace_format {
 /// `(nil)` is 0). A free of a pointer the log never allocated is skipped and
 /// counted in notes (a log started mid-run). Throws trace_error
 /// "SOURCE:LINE: reason" for a malformed row or an allocate at a live pointer.
-[[nodiscard]] trace parse_rmm_log(std::string_view text, const std::string& source);
+[[nodiscard]] trace parse_rmm_log(std::string_view text, const std::string& source,
+                                  const trace_limits& limits = {});
 
-/// Converts the PyTorch snapshot pickle at `path` (plain or gzip) by running
-/// the converter built into ccalloc (tools/snapshot_to_trace.py) with
-/// `python3` (found on PATH; the environment variable CCALLOC_PYTHON
-/// overrides it), and parses its output. Throws trace_error(path, 0, ...)
-/// with the converter's message, or saying how to convert by hand when
-/// python3 cannot be run.
-[[nodiscard]] trace convert_pytorch_snapshot(const std::string& path);
+/// Converts the PyTorch snapshot pickle at `path` (plain or gzip, read as a
+/// stream): the entries of device_traces[D], D the first device with
+/// entries, become events in order (unknown actions are dropped and counted
+/// in notes), with allocs and segments added at the start for what the
+/// snapshot's segments hold that the trace never allocated, and missing
+/// frees added (the rules of tools/snapshot_to_trace.py, which does the same
+/// conversion to text). An event's `line` is its 1-based position in the
+/// converted trace. Entries' and blocks' `frames` become `site`s.
+///
+/// Only plain data is read (dicts, lists, tuples, strings, bytes, numbers,
+/// booleans, None, pickle protocols 2 to 5); nothing in the file is run.
+/// Time and memory are linear in the pickle's size: equal strings and equal
+/// containers are stored once, memo references are not copied, each
+/// distinct segment is walked once. Throws trace_error(path, 0,
+/// "a PyTorch snapshot that cannot be read: REASON"): a corrupt or truncated
+/// pickle (REASON names the byte offset), an opcode that is not plain data,
+/// a field missing or of the wrong type (REASON names it, e.g.
+/// "device_traces[0][5]: missing 'addr'"), a limit of `options` exceeded,
+/// or the host out of memory.
+[[nodiscard]] trace convert_pytorch_snapshot(const std::string& path, const trace_read_options& options = {});
+/// The same for pickle bytes in memory (decompressed); `source` names them in errors.
+[[nodiscard]] trace convert_pytorch_snapshot_data(std::string_view pickle_bytes, const std::string& source,
+                                                  const trace_read_options& options = {});
+/// True when `path` is a regular file (plain or gzip) that starts as a
+/// pickle of protocol 2 to 5 does (0x80, version); false if it cannot be
+/// read or is not a regular file (a pipe is not read here: read_trace_file
+/// reads it whole, then converts it from memory).
+[[nodiscard]] bool is_pytorch_snapshot_file(const std::string& path) noexcept;
 
 /// Reads a trace file (plain or gzip) in any of the trace_format formats,
 /// by content. Throws trace_error for a missing or unreadable file
-/// ("FILE:0: cannot open: <reason>") or a malformed line.
-[[nodiscard]] trace read_trace_file(const std::string& path);
+/// ("FILE:0: cannot open: <reason>"), a file that is no text (not_text_reason,
+/// found in the first 64 KiB read: `/dev/zero` fails at once), one beyond
+/// `options.limits` (or, for a PyTorch snapshot, its pickle limits), or a
+/// malformed line.
+[[nodiscard]] trace read_trace_file(const std::string& path, const trace_read_options& options = {});
+/// The same with only the text readers' bounds set.
+[[nodiscard]] trace read_trace_file(const std::string& path, const trace_limits& limits);
 /// Parses trace text (already decompressed); `source` names it in errors.
-[[nodiscard]] trace parse_trace_text(std::string_view text, const std::string& source);
+/// Throws trace_error for text that is no text trace (not_text_reason), one
+/// beyond `limits` or a malformed line.
+[[nodiscard]] trace parse_trace_text(std::string_view text, const std::string& source,
+                                     const trace_limits& limits = {});
 /// Decompresses gzip data if it starts with the gzip magic, else returns it
-/// unchanged. Throws trace_error(source, 0, ...) on corrupt gzip data.
-[[nodiscard]] std::string maybe_gunzip(std::string_view data, const std::string& source);
+/// unchanged. Throws trace_error(source, 0, ...) on corrupt gzip data or
+/// when the text would exceed limits.max_input_bytes.
+[[nodiscard]] std::string maybe_gunzip(std::string_view data, const std::string& source,
+                                       const trace_limits& limits = {});
 
 }  // namespace ccalloc

@@ -18,6 +18,8 @@
 // Thread safety: as ccalloc's C API (any thread); install() once, from Python.
 #include <ccalloc/ccalloc.h>
 
+#include "torch_history.hpp"
+
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -76,6 +78,8 @@ using c10::CachingAllocator::Stat;
   X(ccalloc_reset_accumulated_stats)        \
   X(ccalloc_reset_peak_stats)               \
   X(ccalloc_record_history)                 \
+  X(ccalloc_history_options_init)           \
+  X(ccalloc_record_history_ex)              \
   X(ccalloc_attach_out_of_memory_observer)  \
   X(ccalloc_attach_trace_tracker)           \
   X(ccalloc_attach_mapping_listener)        \
@@ -522,11 +526,25 @@ class ccalloc_cuda_allocator final : public cca::CUDAAllocator {
 
   // ---- history --------------------------------------------------------------------------------------------
   bool isHistoryEnabled() override { return history_.load(); }
-  void recordHistory(bool enabled, cca::CreateContextFn /*context_recorder*/, size_t max_entries,
-                     cca::RecordContext /*when*/, bool /*clear_history*/,
-                     const std::vector<std::string>& /*skip_actions*/) override {
-    // No stack traces: the C API records allocator events only.
-    check(api.ccalloc_record_history(nullptr, enabled ? 1 : 0, max_entries == 0 ? 1 : max_entries));
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t max_entries,
+                     cca::RecordContext when, bool clear_history,
+                     const std::vector<std::string>& skip_actions) override {
+    ccalloc_history_options_t o;
+    api.ccalloc_history_options_init(&o);
+    o.enabled = enabled ? 1 : 0;
+    o.max_entries = max_entries == 0 ? 1 : max_entries;
+    o.when = static_cast<int>(when);  // RecordContext NEVER..ALL = ccalloc_record_context_t 0..3
+    o.clear = clear_history ? 1 : 0;
+    const std::string skip = ccalloc_torch::join_actions(skip_actions);
+    o.skip_actions = skip.empty() ? nullptr : skip.c_str();
+    if (enabled && context_recorder != nullptr) {
+      // Kept for the process: handles recorded under it may outlive any later call.
+      o.user_data = new cca::CreateContextFn(context_recorder);
+      o.record = &ccalloc_torch::record_context;
+      o.release = &ccalloc_torch::release_context;
+      o.frames = &ccalloc_torch::context_frames;
+    }
+    check(api.ccalloc_record_history_ex(nullptr, &o));
     history_.store(enabled);
   }
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {

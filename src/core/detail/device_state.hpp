@@ -73,11 +73,14 @@
 #include <atomic>
 #include <bit>
 #include <deque>
+#include <exception>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -553,6 +556,11 @@ struct alignas(64) stream_state {
   // completed and nothing is recorded on it; malloc on it is refused. [world
   // to write; stream or device to read]
   bool gone = false;
+  // Segments whose blocks are in its pools, default and private (plain and
+  // expandable). A gone stream that holds none is forgotten: its state is
+  // deleted when the world lock that saw it empty is released
+  // (device_state::forget_gone_streams). [stream to write; world to read]
+  std::size_t segments = 0;
   // Its page fences (page_fences.hpp). [world]; record also [stream + device]
   page_fences fences;
   // Its frees of blocks of at least this many bytes record a page fence
@@ -666,6 +674,9 @@ class world_lock {
   /// the stream states, so a seeded program places its blocks the same way
   /// in every run.
   [[nodiscard]] const std::vector<stream_state*>& streams() const noexcept { return streams_; }
+  /// Unlocks `ss` and drops it from streams() (its state is about to be
+  /// deleted: device_state::forget_gone_streams).
+  void drop(stream_state* ss) noexcept;
 
  private:
   device_state& d_;
@@ -770,6 +781,13 @@ class device_state {
   // of this device (registry, then backend_.is_stream), for record_stream.
   void check_recorded_stream(stream_t stream) const;  // [registry]
   void set_stream_gone(stream_t stream, bool gone);  // [none] takes the world lock
+  // Deletes the state of every gone stream that holds no segment (its
+  // pending statistics published first), so that a destroyed stream costs
+  // no host memory and no slow-path time once its memory has moved on
+  // (adopted by another stream, or returned to the device). Changes
+  // stream_cache_key_: no thread's cached entry can name a deleted state.
+  // world_lock's destructor calls it. [world]
+  void forget_gone_streams(world_lock& w) noexcept;
   static void forget_thread_stream() noexcept;       // the calling thread's stream_for cache (hot_path.cpp)
   void process_events();  // [none] takes device, then (device released) each block's stream
   void process_events_locked();                                               // [world]
@@ -793,8 +811,9 @@ class device_state {
   bool adopt_idle_segment(alloc_params& p, const world_lock& w);              // [world]
   bool release_available_cached_blocks(const alloc_params& p);                // [world]
   // for_retry: a segment whose free throws stays cached and the others go
-  // on (an allocation retrying must not fail on another pool's segment);
-  // else the first such error is thrown (emptyCache reports it).
+  // on (an allocation retrying must not fail on another pool's segment),
+  // the first such error kept in release_failure_ (emptyCache reports it
+  // at the end); else the first such error is thrown.
   bool release_cached_blocks(const world_lock& w, bool for_retry = false);    // [world]
   void release_unused_segments(const world_lock& w, bool keep_going = false);  // [world]
   void release_blocks(block_pool& pool, bool keep_going = false);             // [world]
@@ -886,6 +905,9 @@ class device_state {
   void settle_retired(bool may_wait);
   void release_page_handle(physical_handle_t h);
   std::size_t retired_pages_ = 0;  // retired pages of every segment [world]
+  // The first failure of a segment free that release_blocks went on past
+  // (keep_going), until its reader clears it. [world]
+  std::exception_ptr release_failure_;
   // Page fences (page_fences.hpp) of the block's or stream's owner, with
   // this device's events: whether free block b's memory (the stream's free
   // numbered free_seq) has no work of its stream left, never blocking
@@ -986,11 +1008,16 @@ class device_state {
 
   const int device_;
   device_backend& backend_;
-  const std::uint64_t id_;  // unique per instance: keys the thread-local stream cache
+  const std::uint64_t id_;  // unique per instance: keys the threads' block caches
 
   // [registry_mutex_]
   spin_mutex registry_mutex_;
   std::unordered_map<stream_t, std::unique_ptr<stream_state>> streams_;
+  std::size_t gone_streams_ = 0;  // states in streams_ with gone set
+  // Keys the thread-local stream cache (stream_for): unique per instance,
+  // and drawn again whenever a stream state is deleted. Written under the
+  // registry lock; read on the fast path (relaxed).
+  std::atomic<std::uint64_t> stream_cache_key_;
 
   // Read on the fast path under a stream lock; written under the world lock.
   allocator_config config_;
@@ -1019,6 +1046,12 @@ class device_state {
   std::vector<event_t> free_events_;  // event pool: created and reusable
   fence_device fence_device_{*this};  // the page fences' view of it
   std::vector<oom_observer> observers_;
+  // The out-of-memory snapshot (config oom_snapshot; out_of_memory.cpp):
+  // the public wrapper sets the writer (it owns the snapshot code); called
+  // with no lock held, it writes the device's snapshot to the path and
+  // returns the sentence the error message gets; it never throws.
+  std::function<std::string(const std::string& path)> oom_snapshot_writer_;
+  std::optional<std::uint64_t> last_oom_snapshot_us_;  // steady clock, when the last was written [world]
   std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
   std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
   bool stream_wait_supported_ = false;  // the backend's capabilities().stream_wait
@@ -1086,11 +1119,22 @@ class device_state {
   const void* last_stats_thread_ = nullptr;  // the thread that published last
 };
 
+// A number never returned before in this process (device_state::id_,
+// device_state::stream_cache_key_).
+std::uint64_t fresh_state_key() noexcept;
+
 // malloc and free behind device_caching_allocator's public ones: without
 // history (hot_path.cpp) and with it (device_history.cpp:
 // contexts gathered outside the locks, entries recorded, trackers run after).
 allocation malloc_unrecorded(device_state& s, std::size_t size_bytes, stream_t stream);
 [[gnu::noinline]] allocation malloc_recorded(device_state& s, std::size_t size_bytes, stream_t stream);
 [[gnu::noinline]] void free_recorded(device_state& s, block* b);
+
+/// Writes `owner`'s snapshot (segments, its trace, annotations, settings) as
+/// PyTorch's pickle to `path` (through a temporary file renamed over it) and
+/// returns the sentence for the out-of-memory message: where it wrote, or
+/// why it could not. Never throws. Call with no lock of the device held
+/// (device_history.cpp).
+[[gnu::cold]] std::string write_oom_snapshot(device_caching_allocator& owner, const std::string& path) noexcept;
 
 }  // namespace ccalloc::detail

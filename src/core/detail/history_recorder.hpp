@@ -111,6 +111,8 @@ class history_recorder {
   [[gnu::cold]] void record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream);
   /// A segment came from the device (inside a malloc: its context).
   [[gnu::cold]] void record_segment_alloc(std::uintptr_t addr, std::size_t size, stream_t stream);
+  /// A segment went back to the device: the entry carries the freeing
+  /// call's context (inside a free), else the segment's own (PyTorch).
   [[gnu::cold]] void record_segment_free(std::uintptr_t addr, std::size_t size, stream_t stream);
   /// Pages of an expandable segment mapped (inside a malloc: its context) /
   /// unmapped; for the expandable-segment code (SPEC B7).
@@ -124,7 +126,8 @@ class history_recorder {
   /// Forgets the block at `addr` and returns its context.
   context_ptr forget_block(std::uintptr_t addr);
   void remember_segment(std::uintptr_t addr, context_ptr context);
-  void forget_segment(std::uintptr_t addr);
+  /// Forgets the segment at `addr` and returns its context.
+  context_ptr forget_segment(std::uintptr_t addr);
   [[nodiscard]] context_ptr block_context(std::uintptr_t addr) const;
   [[nodiscard]] context_ptr segment_context(std::uintptr_t addr) const;
 

@@ -35,16 +35,20 @@ class pointer_map {
     return true;
   }
 
-  /// The value of key, or nullptr.
+  /// The value of key, or nullptr (always for key 0, the empty slots' key).
   [[nodiscard]] Value* find(std::uintptr_t key) noexcept {
+    if (key == 0) [[unlikely]]
+      return nullptr;
     for (std::size_t i = slot_of(key);; i = (i + 1) & mask_) {
       if (slots_[i].key == key) return &slots_[i].value;
       if (slots_[i].key == 0) return nullptr;
     }
   }
 
-  /// Removes key and stores its value in *out; false if absent.
+  /// Removes key and stores its value in *out; false if absent (always for key 0).
   [[gnu::always_inline]] bool erase(std::uintptr_t key, Value* out) noexcept {
+    if (key == 0) [[unlikely]]
+      return false;
     std::size_t i = slot_of(key);
     for (;; i = (i + 1) & mask_) {
       if (slots_[i].key == key) break;

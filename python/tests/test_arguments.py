@@ -1,0 +1,239 @@
+"""The Python API's argument handling: a closed Allocator refuses every call,
+and every integer, string and number is checked before ctypes converts it
+(ctypes wraps out-of-range integers silently and stops C strings at a NUL).
+
+The property test draws arguments at random (seeded: a failure names its
+seed and repeats) from values that ctypes mishandles and checks that each
+call either succeeds with a value in range or raises TypeError /
+InvalidArgumentError naming the argument, leaving the allocator's
+statistics as they were."""
+import random
+
+import pytest
+
+import ccalloc
+
+MiB = 1 << 20
+U64 = 1 << 64
+
+
+class Index:
+    """An integer-like object (as numpy's integers are): accepted through __index__."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __index__(self):
+        return self.value
+
+
+# ---- a closed Allocator ------------------------------------------------------------------
+
+# Every public method with arguments it would accept while open.
+CALLS = {
+    "init": (1,),
+    "mem_get_info": (),
+    "malloc": (MiB,),
+    "free": (0,),
+    "raw_alloc": (MiB,),
+    "record_stream": (0, 0),
+    "get_base_allocation": (4096,),
+    "empty_cache": (),
+    "cache_info": (),
+    "set_memory_fraction": (0.5,),
+    "get_memory_fraction": (),
+    "enable": (True,),
+    "memory_stats": (),
+    "stat": ("allocated_bytes.all.current",),
+    "reset_peak_stats": (),
+    "reset_accumulated_stats": (),
+    "set_config": ("max_split_size_mb:64",),
+    "get_config": (),
+    "record_history": (True, 10),
+    "snapshot_json": (),
+    "snapshot": (),
+    "attach_out_of_memory_observer": (lambda *a: None,),
+    "new_pool_id": (),
+    "create_pool": ((7, 0),),
+    "release_pool": ((7, 0),),
+    "pool_use_count": ((7, 0),),
+    "begin_allocate_to_pool": ((7, 0),),
+    "end_allocate_to_pool": ((7, 0),),
+    "pool_usage": ((0, 0),),
+    "stream_create": (),
+    "stream_destroy": (0,),
+    "stream_synchronize": (0,),
+}
+PROPERTIES = ("initialized", "device_count", "current_device", "backend_name", "is_enabled")
+
+
+def test_every_public_method_is_listed():
+    public = {n for n in dir(ccalloc.Allocator) if not n.startswith("_")}
+    unlisted = public - set(CALLS) - set(PROPERTIES) - {"close", "closed", "process_wide", "dump_snapshot"}
+    assert not unlisted, f"add {sorted(unlisted)} to CALLS"
+
+
+def test_a_closed_allocator_refuses_every_call(tmp_path):
+    process_wide = ccalloc.process_allocator()
+    before = process_wide.memory_stats(0)
+    config_before = process_wide.get_config()
+    a = ccalloc.Allocator("sim", config="")
+    p = a.malloc(MiB)
+    a.close()
+    assert a.closed and not process_wide.closed
+    for name, args in CALLS.items():
+        with pytest.raises(ccalloc.InvalidArgumentError, match="this Allocator is closed"):
+            getattr(a, name)(*args)
+    for name in PROPERTIES:
+        with pytest.raises(ccalloc.InvalidArgumentError, match="this Allocator is closed"):
+            getattr(a, name)
+    with pytest.raises(ccalloc.InvalidArgumentError, match="this Allocator is closed"):
+        a.dump_snapshot(str(tmp_path / "s.pickle"))
+    with pytest.raises(ccalloc.InvalidArgumentError, match="this Allocator is closed"):
+        a.free(p)  # its own pointer: not "not a live allocation" of the process-wide one
+    a.close()  # closing twice stays a no-op
+    # Nothing reached the process-wide allocator.
+    assert process_wide.memory_stats(0) == before
+    assert process_wide.get_config() == config_before
+
+
+def test_leaving_with_closes():
+    with ccalloc.Allocator("sim", config="") as a:
+        a.malloc(MiB)
+    with pytest.raises(ccalloc.InvalidArgumentError, match="closed"):
+        a.malloc(MiB)
+
+
+# ---- the values ctypes would wrap or truncate ---------------------------------------------
+
+def test_the_reproducers_raise_naming_the_argument():
+    with ccalloc.Allocator("sim", config="") as a:
+        cases = [
+            (lambda: a.malloc(U64 + 4096), ccalloc.InvalidArgumentError, "size_bytes .* got 18446744073709555712"),
+            (lambda: a.malloc(U64), ccalloc.InvalidArgumentError, "size_bytes"),
+            (lambda: a.malloc(-1), ccalloc.InvalidArgumentError, "size_bytes .* got -1"),
+            (lambda: a.malloc(1.9), TypeError, "size_bytes must be an integer, got float"),
+            (lambda: a.malloc(4096, device=1 << 32), ccalloc.InvalidArgumentError, "device .* got 4294967296"),
+            (lambda: a.record_history(True, -1), ccalloc.InvalidArgumentError, "max_entries .* got -1"),
+            (lambda: a.set_config("max_split_size_mb:128\0bogus:1"), ccalloc.InvalidArgumentError,
+             "config contains a NUL character at index 21"),
+            (lambda: a.set_config(None), TypeError, "config must be a str, got NoneType"),
+            (lambda: a.set_memory_fraction(float("nan")), ccalloc.InvalidArgumentError, "fraction must be a finite"),
+            (lambda: a.set_memory_fraction("0.5"), TypeError, "fraction must be a real number"),
+            (lambda: a.stat("allocated_bytes.all.current\0x"), ccalloc.InvalidArgumentError, "name contains a NUL"),
+            (lambda: a.stream_synchronize(-1), ccalloc.InvalidArgumentError, "stream .* got -1"),
+            (lambda: ccalloc.Allocator("sim", capacity_bytes=-1), ccalloc.InvalidArgumentError,
+             "capacity_bytes .* got -1"),
+            (lambda: ccalloc.Allocator("sim", devices=1 << 32), ccalloc.InvalidArgumentError, "devices .* got"),
+            (lambda: ccalloc.Allocator("sim", config="a\0b"), ccalloc.InvalidArgumentError, "config contains a NUL"),
+        ]
+        for call, error, pattern in cases:
+            with pytest.raises(error, match=pattern):
+                call()
+        p = a.malloc(4096)
+        with pytest.raises(ccalloc.InvalidArgumentError, match="ptr"):
+            a.free(p + U64)  # would have freed p
+        assert a.stat("allocation.all.current") == 1
+        a.free(Index(p))
+        assert a.stat("allocation.all.current") == 0
+        assert a.stat("allocation.all.allocated") == 1  # none of the refused calls allocated
+
+
+# ---- property test: random arguments --------------------------------------------------------
+
+def bad_integers(rng, low, high):
+    """Integers out of [low, high] and things that are no integers."""
+    values = [
+        low - 1, low - rng.randrange(1, 1 << 70), high + 1, high + rng.randrange(1, 1 << 70), U64, U64 + 4096,
+        -U64, 1 << 32, 1 << 31, 1.0, 1.9, float("nan"), float("inf"), True, False, None, "1", b"1", [1],
+        Index(high + 1), Index(low - 1),
+    ]
+    return rng.choice([v for v in values if type(v) is not int or not low <= v <= high])
+
+
+INT_ARGS = {  # (method, argument position or keyword, low, high, make the other arguments)
+    "malloc.size_bytes": (lambda a, v: a.malloc(v), 0, U64 - 1),
+    "malloc.device": (lambda a, v: a.malloc(4096, device=v), 0, (1 << 31) - 1),
+    "malloc.stream": (lambda a, v: a.malloc(4096, stream=v), 0, U64 - 1),
+    "raw_alloc.size_bytes": (lambda a, v: a.raw_alloc(v), 0, U64 - 1),
+    "free.ptr": (lambda a, v: a.free(v), 0, U64 - 1),
+    "get_base_allocation.ptr": (lambda a, v: a.get_base_allocation(v), 0, U64 - 1),
+    "record_stream.ptr": (lambda a, v: a.record_stream(v, 0), 0, U64 - 1),
+    "cache_info.device": (lambda a, v: a.cache_info(v), 0, (1 << 31) - 1),
+    "mem_get_info.device": (lambda a, v: a.mem_get_info(v), 0, (1 << 31) - 1),
+    "memory_stats.device": (lambda a, v: a.memory_stats(v), 0, (1 << 31) - 1),
+    "stat.device": (lambda a, v: a.stat("allocated_bytes.all.current", v), 0, (1 << 31) - 1),
+    "set_memory_fraction.device": (lambda a, v: a.set_memory_fraction(1.0, v), 0, (1 << 31) - 1),
+    "record_history.max_entries": (lambda a, v: a.record_history(True, v), 0, U64 - 1),
+    "create_pool.device": (lambda a, v: a.create_pool((99, 0), v), 0, (1 << 31) - 1),
+    "stream_create.device": (lambda a, v: a.stream_create(v), 0, (1 << 31) - 1),
+    "stream_synchronize.stream": (lambda a, v: a.stream_synchronize(v), 0, U64 - 1),
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_bad_integers_are_refused_naming_the_argument(seed):
+    rng = random.Random(seed)
+    with ccalloc.Allocator("sim", devices=2, capacity_bytes=256 * MiB, config="") as a:
+        before = a.memory_stats(0)
+        for _ in range(300):
+            label = rng.choice(sorted(INT_ARGS))
+            call, low, high = INT_ARGS[label]
+            name = label.split(".")[1]
+            value = bad_integers(rng, low, high)
+            while value is None and name in ("ptr", "stream"):  # None: NULL, the default stream
+                value = bad_integers(rng, low, high)
+            with pytest.raises((TypeError, ccalloc.InvalidArgumentError)) as info:
+                call(a, value)
+            assert type(info.value) in (TypeError, ccalloc.InvalidArgumentError), (seed, label, value)
+            assert f"ccalloc: {name} must be" in str(info.value), (seed, label, value, str(info.value))
+        a.record_history(False)
+        after = a.memory_stats(0)
+        for key in ("allocation.all.allocated", "reserved_bytes.all.current", "num_device_alloc"):
+            assert after[key] == before[key], (seed, key)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_good_integers_work(seed):
+    """In-range sizes (as int or __index__ objects) allocate exactly that much
+    or raise OutOfMemoryError; the statistics add up."""
+    rng = random.Random(seed)
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        live = {}
+        for _ in range(200):
+            if live and rng.random() < 0.4:
+                p = rng.choice(sorted(live))
+                a.free(Index(p) if rng.random() < 0.5 else p)
+                del live[p]
+                continue
+            size = rng.choice([0, 1, 511, 512, 4096, MiB, 3 * MiB, rng.randrange(1, 96 * MiB), U64 - 1])
+            try:
+                p = a.malloc(Index(size) if rng.random() < 0.5 else size)
+            except ccalloc.OutOfMemoryError:
+                assert size > 8 * MiB, size
+                continue
+            if size:
+                assert p and p not in live
+                live[p] = size
+            else:
+                assert p == 0
+        assert a.stat("allocation.all.current") == len(live)
+        assert a.stat("requested_bytes.all.current") == sum(live.values())
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_strings_and_numbers(seed):
+    rng = random.Random(seed)
+    with ccalloc.Allocator("sim", config="") as a:
+        config = a.get_config()
+        for _ in range(100):
+            bad = rng.choice([None, 5, 1.5, b"max_split_size_mb:64", ["x"], "max_split_size_mb:64\0" + "x" * rng.randrange(5)])
+            with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="ccalloc: config "):
+                a.set_config(bad)
+            with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="ccalloc: name "):
+                a.stat(bad)
+            fraction = rng.choice([None, "0.5", float("nan"), float("inf"), -float("inf"), True, [0.5]])
+            with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="ccalloc: fraction "):
+                a.set_memory_fraction(fraction)
+        assert a.get_config() == config
+        assert a.get_memory_fraction() == 1.0

@@ -1,0 +1,181 @@
+// oom_snapshot_test.cpp: the snapshot written at an out-of-memory error
+// (config keys oom_snapshot, oom_snapshot_interval_s; src/core/out_of_memory.cpp)
+// and the snapshot pickle writer (to_pickle, include/ccalloc/core/snapshot.hpp),
+// on the simulated device.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/history.hpp>
+#include <ccalloc/core/snapshot.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+#include <ccalloc/replay/trace.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace ccalloc;  // NOLINT: test file
+namespace fs = std::filesystem;
+
+struct fixture {
+  explicit fixture(const std::string& conf) : sim(std::make_shared<sim_backend>(options())),
+                                              alloc(sim, allocator_config::parse(conf)) {
+    alloc.init(sim->device_count());
+  }
+  static sim_options options() {
+    sim_options o;
+    o.capacity_bytes = 64 * mib;
+    return o;
+  }
+  /// The message of the out-of-memory error of a 100 MiB request.
+  std::string oom_message() {
+    try {
+      (void)alloc.malloc(0, 100 * mib, 0);
+    } catch (const out_of_memory_error& e) {
+      return e.what();
+    }
+    ADD_FAILURE() << "no out-of-memory error";
+    return {};
+  }
+  std::shared_ptr<sim_backend> sim;
+  caching_allocator alloc;
+};
+
+/// A fresh path in a fresh directory under the test's temporary directory.
+std::string temp_path(const std::string& name) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("ccalloc-oom-snapshot-" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return (dir / "oom.pickle").string();
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+TEST(OomSnapshot, WrittenOnceBeforeTheErrorWhichSaysWhere) {
+  const std::string path = temp_path("once");
+  fixture f("expandable_segments:False,oom_snapshot:" + path);
+  f.alloc.record_history({});
+  void* live = f.alloc.malloc(0, 30 * mib, 0);
+  const std::string first = f.oom_message();
+  EXPECT_TRUE(contains(first, "ccalloc: out of memory on device 0")) << first;
+  EXPECT_TRUE(contains(first, "A snapshot of device 0's memory (oom_snapshot) was written to " + path + "."))
+      << first;
+  const std::string bytes = read_file(path);
+  ASSERT_GT(bytes.size(), 2u);
+  EXPECT_EQ(bytes.substr(0, 2), std::string("\x80\x02", 2)) << "a pickle, protocol 2";
+  EXPECT_EQ(bytes.back(), '.') << "ends with STOP";
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+
+  // Within oom_snapshot_interval_s (60 s by default): the error is raised,
+  // no file written, and the message says why.
+  fs::remove(path);
+  const std::string second = f.oom_message();
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_TRUE(contains(second, "No snapshot was written (oom_snapshot): the last one went to " + path))
+      << second;
+  EXPECT_TRUE(contains(second, "oom_snapshot_interval_s is 60.")) << second;
+  EXPECT_EQ(f.alloc.get_device_stats(0).num_ooms, 2);
+  f.alloc.free(live);
+}
+
+TEST(OomSnapshot, ReadableByTheReportReaderWithTheHistory) {
+  const std::string path = temp_path("readable");
+  fixture f("expandable_segments:False,oom_snapshot:" + path);
+  f.alloc.record_history({});
+  void* a = f.alloc.malloc(0, 4 * mib, 0);
+  void* b = f.alloc.malloc(0, 1000, 0);
+  f.alloc.free(b);
+  (void)f.oom_message();
+  trace t;
+  try {
+    t = read_trace_file(path);  // what `ccalloc report` and `ccalloc replay` read
+  } catch (const trace_error& e) {
+    if (contains(e.what(), "python3")) GTEST_SKIP() << "no python3 to convert snapshots: " << e.what();
+    throw;
+  }
+  std::vector<std::string> seen;
+  for (const trace_event& e : t.events) seen.emplace_back(to_string(e.action));
+  // alloc 4 MiB, alloc 1000, free_requested + free_completed 1000, oom 100 MiB.
+  const std::vector<std::string> want = {"alloc", "alloc", "free_requested", "free_completed", "oom"};
+  std::vector<std::string> got;
+  for (const std::string& s : seen)
+    if (s == "alloc" || s == "free_requested" || s == "free_completed" || s == "oom") got.push_back(s);
+  EXPECT_EQ(got, want);
+  for (const trace_event& e : t.events) {
+    if (to_string(e.action) == "oom") {
+      EXPECT_EQ(e.size, 100 * mib);
+    }
+  }
+  f.alloc.free(a);
+}
+
+TEST(OomSnapshot, IntervalZeroWritesEveryTime) {
+  const std::string path = temp_path("every");
+  fixture f("expandable_segments:False,oom_snapshot_interval_s:0,oom_snapshot:" + path);
+  for (int i = 0; i < 3; ++i) {
+    fs::remove(path);
+    const std::string m = f.oom_message();
+    EXPECT_TRUE(fs::exists(path)) << i;
+    EXPECT_TRUE(contains(m, "was written to " + path)) << m;
+  }
+}
+
+TEST(OomSnapshot, AFailedWriteStillRaisesTheErrorAndSaysWhy) {
+  const std::string path = temp_path("fails") + ".missing/oom.pickle";  // its directory does not exist
+  fixture f("expandable_segments:False,oom_snapshot:" + path);
+  const std::string m = f.oom_message();
+  EXPECT_TRUE(contains(m, "The snapshot (oom_snapshot) could not be written to " + path + ": cannot create " +
+                              path + ".tmp (No such file or directory).")) << m;
+  EXPECT_FALSE(fs::exists(path));
+  // The allocator still works.
+  f.alloc.free(f.alloc.malloc(0, mib, 0));
+}
+
+TEST(OomSnapshot, OffByDefault) {
+  fixture f("expandable_segments:False");
+  const std::string m = f.oom_message();
+  EXPECT_FALSE(contains(m, "snapshot")) << m;
+}
+
+TEST(Snapshot, PickleEncodesEveryKindOfValue) {
+  memory_snapshot s;
+  segment_info seg;
+  seg.address = 0x7f0000000000;  // needs LONG1 (> 2^31)
+  seg.total_bytes = 2 * mib;
+  seg.pool = {1, 0};
+  block_info b;
+  b.address = seg.address;
+  b.size_bytes = 2 * mib;
+  b.state = block_state::active_allocated;
+  auto context = std::make_shared<trace_context>();
+  context->frames.push_back({"f", "x.py", 7});
+  b.context = context;
+  seg.blocks.push_back(b);
+  s.segments.push_back(seg);
+  s.device_traces.resize(1);
+  const std::string p = to_pickle(s);
+  EXPECT_EQ(p.substr(0, 3), std::string("\x80\x02}", 3));
+  // 0x7f0000000000 as LONG1: 6 bytes little-endian (the top byte 0x7f has its high bit clear).
+  EXPECT_TRUE(contains(p, std::string("\x8a\x06\x00\x00\x00\x00\x00\x7f", 8)));
+  // segment_pool_id as a tuple: MARK, BININT 1, BININT 0, TUPLE.
+  EXPECT_TRUE(contains(p, std::string("(J\x01\x00\x00\x00J\x00\x00\x00\x00t", 12)));
+  // A frame's strings as BINUNICODE.
+  EXPECT_TRUE(contains(p, std::string("X\x04\x00\x00\x00x.py", 9)));
+  // garbage_collection_threshold 0.0 as BINFLOAT, per_process_memory_fraction 1.0.
+  EXPECT_TRUE(contains(p, std::string("G\x3f\xf0\x00\x00\x00\x00\x00\x00", 9)));
+  EXPECT_EQ(p.back(), '.');
+}
+
+}  // namespace
