@@ -3,11 +3,16 @@
 // (empty_cache, memory fraction, stats) racing with the fast path.
 // Invariants are checked at the quiescent point after the threads join.
 #include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/config.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
+
+#include "mapping_table.hpp"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -256,6 +261,49 @@ TEST(ConcurrencyTest, ThreadCacheParksWhileCachingIsSwitched) {
   alloc.empty_cache();
   EXPECT_EQ(alloc.get_device_stats(0).reserved_bytes[0].current, 0);
   EXPECT_EQ(sim->counters().used_bytes, 0u);
+}
+
+}  // namespace
+
+namespace {
+
+// Mapping announcements (SPEC C1) while threads on their own streams map,
+// recycle and release pages at once: a table kept from them equals the
+// mapped ranges at the end, and no announcement contradicted the table.
+TEST(ConcurrencyTest, MappingAnnouncementsStayInStepAcrossThreads) {
+  ccalloc::sim_options o;
+  o.capacity_bytes = 256 * mib;
+  auto sim = std::make_shared<ccalloc::sim_backend>(o);
+  ccalloc::caching_allocator alloc(sim, ccalloc::allocator_config::parse("trim_on_new_peak:True"));
+  alloc.init(1);
+  ccalloc::testing::mapping_table table;
+  alloc.attach_mapping_listener([&](const ccalloc::mapping_event& e) { table.apply(e); });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t)
+    threads.emplace_back([&, t] {
+      const ccalloc::stream_t s = sim->create_stream(0);
+      std::mt19937_64 rng(static_cast<unsigned>(t) + 1);
+      std::vector<void*> live;
+      for (int i = 0; i < 300; ++i) {
+        if (live.size() < 4 && rng() % 3 != 0) {
+          try {
+            live.push_back(alloc.malloc(0, (1 + rng() % 12) * mib, s));
+          } catch (const ccalloc::out_of_memory_error&) {
+          }
+        } else if (!live.empty()) {
+          alloc.free(live.back());
+          live.pop_back();
+        }
+        if (i % 50 == 49) alloc.empty_cache();
+      }
+      for (void* p : live) alloc.free(p);
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(table.error(), "");
+  EXPECT_EQ(table.ranges(), ccalloc::testing::mapped_ranges(alloc.device_allocator(0)));
+  EXPECT_GT(table.events(), 0u);
+  alloc.empty_cache();
+  EXPECT_EQ(table.bytes(), 0u);
 }
 
 }  // namespace

@@ -61,6 +61,8 @@
 #include <ccalloc/core/stats.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
+#include "mapping_table.hpp"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -242,6 +244,14 @@ class model_runner {
     caching_ = !c.no_caching;
     ever_uncached_ = c.no_caching;
     dev_ = &alloc_->device_allocator(0);
+    // SPEC C1: a registration table kept from the mapping announcements. At
+    // each announcement, what the table holds is mapped on the device (an
+    // unmap comes before the device unmaps, a map after it maps).
+    alloc_->attach_mapping_listener([this](const mapping_event& e) {
+      if (e.change == mapping_change::unmap) check_registered_is_mapped(e);
+      table_.apply(e);
+      if (e.change == mapping_change::map) check_registered_is_mapped(e);
+    });
     fraction_set_ = config_.memory_fraction_set;
     allowed_ = fraction_set_ ? static_cast<std::size_t>(config_.per_process_memory_fraction *
                                                         static_cast<double>(device_capacity))
@@ -335,6 +345,11 @@ class model_runner {
     const auto reserved = static_cast<std::size_t>(s.reserved_bytes[0].current);
     const std::size_t used = sim_->counters().used_bytes;
     std::ostringstream err;
+    // SPEC C1: the table built from the announcements is what is mapped.
+    if (const std::string e = table_.error(); !e.empty()) err << "mapping announcements: " << e << "; ";
+    if (!late_announcement_.empty()) err << late_announcement_ << "; ";
+    if (table_.ranges() != ccalloc::testing::mapped_ranges(*dev_))
+      err << "the table of mapping announcements differs from the mapped ranges; ";
     // Page fences (issue 15): no page is unmapped while work that used it may run.
     if (sim_->counters().unsafe_unmaps != 0)
       err << sim_->counters().unsafe_unmaps << " page(s) unmapped while their stream's work could still use them; ";
@@ -906,7 +921,18 @@ class model_runner {
 
  private:
   std::mt19937_64 rng_;
+  // The device holds at least the table's bytes: mapped pages (expandable)
+  // and live segments (plain; the property test has no custom allocators).
+  void check_registered_is_mapped(const mapping_event& e) {
+    const sim_counters c = sim_->counters();
+    if (c.mapped_bytes + (c.used_bytes - c.handle_bytes) < table_.bytes() && late_announcement_.empty())
+      late_announcement_ = std::string(to_string(e.change)) + " (" + std::string(to_string(e.reason)) +
+                           ") announced while the device did not map what the table holds";
+  }
+
   std::shared_ptr<sim_backend> sim_;
+  ccalloc::testing::mapping_table table_;
+  std::string late_announcement_;
   allocator_config config_;
   std::unique_ptr<caching_allocator> alloc_;
   device_caching_allocator* dev_ = nullptr;

@@ -144,6 +144,75 @@ typedef struct ccalloc_options {
 typedef void (*ccalloc_oom_observer_fn)(void* user_data, int device, size_t requested_bytes,
                                         size_t allowed_bytes, size_t free_bytes);
 
+/** What a trace entry records (PyTorch's TraceEntry::Action, in its order;
+ * CCALLOC_TRACE_EMPTY_CACHE is ccalloc's own). */
+typedef enum ccalloc_trace_action {
+  CCALLOC_TRACE_ALLOC = 0,
+  CCALLOC_TRACE_FREE_REQUESTED = 1,
+  CCALLOC_TRACE_FREE_COMPLETED = 2,
+  CCALLOC_TRACE_SEGMENT_ALLOC = 3,
+  CCALLOC_TRACE_SEGMENT_FREE = 4,
+  CCALLOC_TRACE_SEGMENT_MAP = 5,
+  CCALLOC_TRACE_SEGMENT_UNMAP = 6,
+  CCALLOC_TRACE_SNAPSHOT = 7,
+  CCALLOC_TRACE_OOM = 8,
+  CCALLOC_TRACE_EMPTY_CACHE = 9
+} ccalloc_trace_action_t;
+
+/** One trace entry (ccalloc/core/history.hpp: trace_entry). */
+typedef struct ccalloc_trace_entry {
+  ccalloc_trace_action_t action;
+  int device;
+  uintptr_t addr;     /**< for CCALLOC_TRACE_OOM: the device's free bytes */
+  size_t size_bytes;  /**< requested bytes for alloc/free entries, else segment or page bytes */
+  ccalloc_stream_t stream;
+  uint64_t time_us;   /**< microseconds since the Unix epoch */
+} ccalloc_trace_entry_t;
+
+/** Called with every trace entry of every device, recorded or not, on the
+ * thread that caused it, after the allocator released its locks (it may call
+ * back into the allocator). `entry` is valid during the call only. */
+typedef void (*ccalloc_trace_tracker_fn)(void* user_data, const ccalloc_trace_entry_t* entry);
+
+/** What changed in a mapping announcement (ccalloc/core/mapping_events.hpp). */
+typedef enum ccalloc_mapping_change {
+  CCALLOC_MAPPING_MAP = 0,             /**< the range is mapped (announced after) */
+  CCALLOC_MAPPING_UNMAP = 1,           /**< the range stops being mapped (announced before) */
+  CCALLOC_MAPPING_MOVE = 2,            /**< the range stays mapped, now owned by `stream` */
+  CCALLOC_MAPPING_UNMAP_COMPLETED = 3  /**< a deferred unmap was done; no change of what is mapped */
+} ccalloc_mapping_change_t;
+
+/** Why (mapping_reason in ccalloc/core/mapping_events.hpp, same order). */
+typedef enum ccalloc_mapping_reason {
+  CCALLOC_MAPPING_SEGMENT_ALLOC = 0,
+  CCALLOC_MAPPING_SEGMENT_FREE = 1,
+  CCALLOC_MAPPING_PAGES_MAPPED = 2,
+  CCALLOC_MAPPING_PAGES_RECYCLED = 3,
+  CCALLOC_MAPPING_PAGES_RELEASED = 4,
+  CCALLOC_MAPPING_PAGES_RETIRED = 5,
+  CCALLOC_MAPPING_RESERVATION_MOVED = 6,
+  CCALLOC_MAPPING_DEFERRED_UNMAP = 7,
+  CCALLOC_MAPPING_PAGES_PAUSED = 8,
+  CCALLOC_MAPPING_PAGES_RESUMED = 9
+} ccalloc_mapping_reason_t;
+
+/** One mapping announcement: [addr, addr + size_bytes) on `device`. */
+typedef struct ccalloc_mapping_event {
+  ccalloc_mapping_change_t change;
+  ccalloc_mapping_reason_t reason;
+  int device;
+  int expandable; /**< 1: pages of an expandable segment; 0: a whole plain segment */
+  uintptr_t addr;
+  size_t size_bytes;
+  ccalloc_stream_t stream;
+} ccalloc_mapping_event_t;
+
+/** Called at every change of what is mapped, synchronously, under the
+ * device's locks: a map after it, an unmap before it. It must not call into
+ * the allocator (deadlock) and should return quickly. `event` is valid
+ * during the call only. */
+typedef void (*ccalloc_mapping_listener_fn)(void* user_data, const ccalloc_mapping_event_t* event);
+
 /* ---- errors and identity ------------------------------------------------------ */
 
 /** The message of the last failed call on this thread ("" if none failed
@@ -380,6 +449,22 @@ CCALLOC_API ccalloc_status_t ccalloc_get_config(ccalloc_allocator_t* alloc, char
  * must stay valid as long as the allocator. Observers cannot be detached. */
 CCALLOC_API ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* alloc,
                                                                    ccalloc_oom_observer_fn fn, void* user_data);
+
+/** Registers `fn` for every trace entry of every device, current and future,
+ * whether history is recorded or not (SPEC F18; PyTorch's
+ * attachAllocatorTraceTracker; see ccalloc_trace_tracker_fn). `user_data`
+ * must stay valid as long as the allocator. Trackers cannot be detached.
+ * CCALLOC_ERROR_INVALID_ARGUMENT for a NULL fn. */
+CCALLOC_API ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* alloc, ccalloc_trace_tracker_fn fn,
+                                                          void* user_data);
+/** Registers `fn` for every change of what any device has mapped from now
+ * on (SPEC C1; see ccalloc_mapping_listener_fn and
+ * ccalloc/core/mapping_events.hpp for the order and the reasons). Nothing is
+ * announced for what was mapped before. `user_data` must stay valid as long
+ * as the allocator. Listeners cannot be detached.
+ * CCALLOC_ERROR_INVALID_ARGUMENT for a NULL fn. */
+CCALLOC_API ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc,
+                                                             ccalloc_mapping_listener_fn fn, void* user_data);
 
 /* ---- private pools (SPEC F20, F21, E5; PyTorch's MemPool) ---------------------------------------
  *

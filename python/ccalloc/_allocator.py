@@ -198,11 +198,11 @@ class Allocator:
                  config: Optional[str] = None, *, _handle: Optional[int] = None, _owned: bool = True):
         self._observers: list = []
         self._kept: list = []  # ctypes segment functions of this allocator's pools
-        self._handle: Optional[int] = None
+        self._h: Optional[int] = None
         self._owned = False
         self._closed = False
         if not _owned:
-            self._handle = _handle
+            self._h = _handle
             self._owned = False
             return
         if backend not in self._KINDS:
@@ -216,7 +216,7 @@ class Allocator:
         options.config = None if config is None else _text(config, "config")
         handle = ctypes.c_void_p()
         _check(lib.ccalloc_create(ctypes.byref(options), ctypes.byref(handle)))
-        self._handle = handle.value
+        self._h = handle.value
         self._owned = True
         try:
             count = devices if backend == "sim" else self.device_count
@@ -235,9 +235,9 @@ class Allocator:
     def close(self) -> None:
         """Destroys an allocator made by the constructor (no-op for the
         process-wide one and when closed already)."""
-        if self._owned and self._handle is not None:
-            _lib.lib().ccalloc_destroy(self._handle)
-            self._handle = None
+        if self._owned and self._h is not None:
+            _lib.lib().ccalloc_destroy(self._h)
+            self._h = None
             self._owned = False
             self._closed = True
 
@@ -254,7 +254,7 @@ class Allocator:
         if self._closed:
             raise InvalidArgumentError("ccalloc: this Allocator is closed (close() or the end of its with block); "
                                        "create a new one")
-        return self._handle
+        return self._h
 
     def __enter__(self) -> "Allocator":
         return self
@@ -524,19 +524,55 @@ class Allocator:
         allocator's life."""
 
         def trampoline(_user, device, requested, allowed, free):
-            try:
-                observer(device, requested, allowed, free)
-            except BaseException:  # must not cross into C; the caller still gets its OOM
-                import traceback
-
-                print("ccalloc: an out-of-memory observer raised (ignored):", file=sys.stderr)
-                traceback.print_exc()
+            # the caller still gets its OOM
+            _call_dropping("an out-of-memory observer", lambda args: observer(*args),
+                           (device, requested, allowed, free))
 
         callback = _lib.OOM_OBSERVER(trampoline)
         _check(_lib.lib().ccalloc_attach_out_of_memory_observer(self._h, callback, None))
+        self._keep_callback(callback)
+
+    def _keep_callback(self, callback) -> None:
         self._observers.append(callback)  # the C side keeps only the pointer
         if not self._owned:
             _process_observers.append(callback)
+
+    def attach_trace_tracker(self, tracker: Callable[[dict], None]) -> None:
+        """Calls ``tracker(entry)`` with every trace entry of every device,
+        recorded or not (SPEC F18; PyTorch's attachAllocatorTraceTracker):
+        a dict with ``action`` ("alloc", "free_requested", ...), ``device``,
+        ``addr``, ``size``, ``stream``, ``time_us``. It runs after the
+        allocator's locks are released and may call back into it. An
+        exception it raises is printed and dropped."""
+
+        def trampoline(_user, entry):
+            e = entry.contents
+            _call_dropping("a trace tracker", tracker, {
+                "action": _lib.TRACE_ACTIONS[e.action], "device": e.device, "addr": e.addr,
+                "size": e.size_bytes, "stream": e.stream or 0, "time_us": e.time_us})
+
+        callback = _lib.TRACE_TRACKER(trampoline)
+        _check(_lib.lib().ccalloc_attach_trace_tracker(self._h, callback, None))
+        self._keep_callback(callback)
+
+    def attach_mapping_listener(self, listener: Callable[[dict], None]) -> None:
+        """Calls ``listener(event)`` at every change of what a device has
+        mapped (SPEC C1): a dict with ``change`` ("map" after the device
+        mapped, "unmap" before it unmaps, "move", "unmap_completed"),
+        ``reason``, ``device``, ``addr``, ``size``, ``stream``,
+        ``expandable``. It runs under the device's locks: it must not call
+        into the allocator. An exception it raises is printed and dropped."""
+
+        def trampoline(_user, event):
+            e = event.contents
+            _call_dropping("a mapping listener", listener, {
+                "change": _lib.MAPPING_CHANGES[e.change], "reason": _lib.MAPPING_REASONS[e.reason],
+                "device": e.device, "addr": e.addr, "size": e.size_bytes, "stream": e.stream or 0,
+                "expandable": bool(e.expandable)})
+
+        callback = _lib.MAPPING_LISTENER(trampoline)
+        _check(_lib.lib().ccalloc_attach_mapping_listener(self._h, callback, None))
+        self._keep_callback(callback)
 
     # ---- private pools (SPEC F20, F21, E5; PyTorch's MemPool) -----------------------------------
     #
@@ -644,6 +680,17 @@ class Allocator:
 # Observers and segment functions of the process-wide allocator outlive
 # every Allocator wrapper.
 _process_observers: list = []
+
+
+def _call_dropping(what: str, fn, arg) -> None:
+    """Calls fn(arg); an exception must not cross into C: printed and dropped."""
+    try:
+        fn(arg)
+    except BaseException:
+        import traceback
+
+        print(f"ccalloc: {what} raised (ignored):", file=sys.stderr)
+        traceback.print_exc()
 _process_kept: list = []
 
 

@@ -108,6 +108,42 @@ CHECKPOINT_BLOCK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctyp
 OOM_OBSERVER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t,
                                 ctypes.c_size_t)
 
+
+
+class ccalloc_trace_entry_t(ctypes.Structure):
+    _fields_ = [
+        ("action", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("addr", ctypes.c_size_t),
+        ("size_bytes", ctypes.c_size_t),
+        ("stream", ctypes.c_void_p),
+        ("time_us", ctypes.c_uint64),
+    ]
+
+
+class ccalloc_mapping_event_t(ctypes.Structure):
+    _fields_ = [
+        ("change", ctypes.c_int),
+        ("reason", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("expandable", ctypes.c_int),
+        ("addr", ctypes.c_size_t),
+        ("size_bytes", ctypes.c_size_t),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+TRACE_TRACKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ccalloc_trace_entry_t))
+MAPPING_LISTENER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ccalloc_mapping_event_t))
+
+# The names of ccalloc_trace_action_t, ccalloc_mapping_change_t and
+# ccalloc_mapping_reason_t, by value.
+TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+                 "segment_unmap", "snapshot", "oom", "empty_cache")
+MAPPING_CHANGES = ("map", "unmap", "move", "unmap_completed")
+MAPPING_REASONS = ("segment_alloc", "segment_free", "pages_mapped", "pages_recycled", "pages_released",
+                   "pages_retired", "reservation_moved", "deferred_unmap", "pages_paused", "pages_resumed")
+
 # ccalloc_record_history_ex's context callbacks and its options.
 CONTEXT_RECORD = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 CONTEXT_RELEASE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
@@ -169,6 +205,8 @@ _PROTOTYPES = {
     "ccalloc_record_history_ex": (_S, [_A, ctypes.POINTER(ccalloc_history_options_t)]),
     "ccalloc_snapshot_json": (_S, [_A, ctypes.c_int, ctypes.c_char_p, _Z, ctypes.POINTER(_Z)]),
     "ccalloc_attach_out_of_memory_observer": (_S, [_A, OOM_OBSERVER, ctypes.c_void_p]),
+    "ccalloc_attach_trace_tracker": (_S, [_A, TRACE_TRACKER, ctypes.c_void_p]),
+    "ccalloc_attach_mapping_listener": (_S, [_A, MAPPING_LISTENER, ctypes.c_void_p]),
     "ccalloc_new_pool_id": (_S, [_A, ctypes.POINTER(ccalloc_mempool_id_t)]),
     "ccalloc_create_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, _P, _P]),
     "ccalloc_release_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t]),

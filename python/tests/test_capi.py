@@ -678,3 +678,27 @@ def test_pool_source_with_user_data_and_checkpoints(sim):
 def test_enable_peer_access_needs_two_devices(sim):
     lib = ccalloc._lib.lib()
     assert lib.ccalloc_enable_peer_access(sim._handle, 0, 0) == 1
+
+
+def test_mapping_listener_and_trace_tracker_see_every_change(sim):
+    events, entries = [], []
+    sim.attach_mapping_listener(events.append)
+    sim.attach_trace_tracker(entries.append)
+    p = sim.malloc(5 << 20)
+    assert [(e["change"], e["reason"], e["size"]) for e in events] == [("map", "pages_mapped", 6 << 20)]
+    assert events[0]["expandable"] and events[0]["addr"] <= p
+    sim.free(p)
+    sim.empty_cache()
+    assert [(e["change"], e["reason"]) for e in events[1:]] == [("unmap", "pages_released")]
+    actions = [e["action"] for e in entries]
+    assert actions[:2] == ["segment_map", "alloc"], actions  # recorded or not: history is off here
+    assert "free_requested" in actions and "segment_unmap" in actions
+
+
+def test_a_raising_mapping_listener_is_dropped(sim, capfd):
+    def bad(_event):
+        raise ValueError("listener failed")
+
+    sim.attach_mapping_listener(bad)
+    sim.free(sim.malloc(1 << 20))
+    assert "a mapping listener raised (ignored)" in capfd.readouterr().err

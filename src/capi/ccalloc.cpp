@@ -753,6 +753,42 @@ ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* allo
   });
 }
 
+ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* alloc, ccalloc_trace_tracker_fn fn,
+                                              void* user_data) {
+  return guarded([&] {
+    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc_attach_trace_tracker: fn is NULL");
+    resolve(alloc).attach_allocator_trace_tracker([fn, user_data](const ccalloc::trace_entry& e) {
+      const ccalloc_trace_entry_t c{static_cast<ccalloc_trace_action_t>(e.action), e.device, e.addr, e.size,
+                                    from_stream(e.stream), e.time_us};
+      fn(user_data, &c);
+    });
+  });
+}
+
+ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc, ccalloc_mapping_listener_fn fn,
+                                                 void* user_data) {
+  return guarded([&] {
+    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc_attach_mapping_listener: fn is NULL");
+    resolve(alloc).attach_mapping_listener([fn, user_data](const ccalloc::mapping_event& e) {
+      const ccalloc_mapping_event_t c{static_cast<ccalloc_mapping_change_t>(e.change),
+                                      static_cast<ccalloc_mapping_reason_t>(e.reason),
+                                      e.device,
+                                      e.expandable ? 1 : 0,
+                                      e.addr,
+                                      e.size_bytes,
+                                      from_stream(e.stream)};
+      fn(user_data, &c);
+    });
+  });
+}
+// The C enums follow the C++ ones value for value.
+static_assert(static_cast<int>(ccalloc::trace_entry_action::empty_cache) == CCALLOC_TRACE_EMPTY_CACHE);
+static_assert(static_cast<int>(ccalloc::trace_entry_action::segment_unmap) == CCALLOC_TRACE_SEGMENT_UNMAP);
+static_assert(static_cast<int>(ccalloc::mapping_change::unmap_completed) == CCALLOC_MAPPING_UNMAP_COMPLETED);
+static_assert(static_cast<int>(ccalloc::mapping_reason::deferred_unmap) == CCALLOC_MAPPING_DEFERRED_UNMAP);
+static_assert(static_cast<int>(ccalloc::mapping_reason::pages_resumed) == CCALLOC_MAPPING_PAGES_RESUMED);
+static_assert(static_cast<int>(ccalloc::mapping_reason::pages_retired) == CCALLOC_MAPPING_PAGES_RETIRED);
+
 // ---- private pools ---------------------------------------------------------------------------------------
 
 ccalloc_status_t ccalloc_new_pool_id(ccalloc_allocator_t* /*alloc*/, ccalloc_mempool_id_t* out) {

@@ -128,6 +128,11 @@ void device_caching_allocator::attach_trace_tracker(trace_tracker tracker) {
   state_->history_.attach_tracker(std::move(tracker));
 }
 
+void device_caching_allocator::attach_mapping_listener(mapping_listener listener) {
+  if (!listener) throw invalid_argument_error("ccalloc: attach_mapping_listener: the listener is empty");
+  state_->mapping_.attach(std::move(listener));
+}
+
 std::vector<trace_entry> device_caching_allocator::trace_entries() const { return state_->history_.entries(); }
 
 std::vector<annotation_entry> device_caching_allocator::annotations() const {

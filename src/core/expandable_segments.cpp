@@ -430,12 +430,13 @@ void device_state::discard_reservation(segment& seg) noexcept {
   for (block* b = seg.head; b != nullptr; b = b->next)
     if (b->pool->blocks.contains(b)) pool_erase_counted(b);
   for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
-    if (!seg.pages.mapped(i)) {
+    const std::size_t n = seg.pages.mapped_run(i);
+    if (n == 0) {
       ++i;
       continue;
     }
-    std::size_t n = 1;
-    while (i + n < seg.pages.count() && seg.pages.mapped(i + n)) ++n;
+    announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page, seg.head->stream,
+             true);
     if (history_.active()) [[unlikely]] {
       try {
         history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
@@ -713,6 +714,9 @@ bool device_state::map_missing_pages(const alloc_params& p, expandable_request& 
       r.drop_recycled();
       throw;
     }
+    if (i > run_first)
+      announce(mapping_change::map, mapping_reason::pages_mapped, seg.base + run_first * page, (i - run_first) * page,
+               p.stream, true);
     if (history_.active() && i > run_first) [[unlikely]]
       history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
@@ -849,7 +853,14 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
       set_page_state(seg, from, to, false, hint, /*reserve_only=*/true);
     }
     const std::size_t retired_before = seg.pages.retired().size();
+    // Announced before the device unmaps; what a failure leaves mapped is
+    // announced mapped again (finish).
+    const mapping_reason reason = defer                ? mapping_reason::pages_retired
+                                  : recycled != nullptr ? mapping_reason::pages_recycled
+                                                        : mapping_reason::pages_released;
+    if (from < to) announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
     auto finish = [&] {
+      if (addr < to) announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream, true);
       const std::size_t bytes = addr - from;
       CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= reserved_bytes_);
       seg.mapped_bytes -= bytes;
@@ -1113,6 +1124,8 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
       wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
     }
     backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
+    announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap, seg.base + r.index * seg.page_bytes,
+             seg.page_bytes, r.owner->stream, true);
     const segment::retired_page done = seg.pages.unretire(k);
     const bool release = done.release;  // counted in num_device_free when it was given up
     const physical_handle_t h = done.handle;
@@ -1189,6 +1202,15 @@ void device_state::adopt_reservation(segment& seg, const alloc_params& p) {
     }
   }
   stats_.bytes_moved_between_streams += static_cast<std::int64_t>(seg.mapped_bytes);
+  if (mapping_.active()) [[unlikely]] {
+    for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
+      const std::size_t n = std::max<std::size_t>(seg.pages.mapped_run(i), 1);
+      if (seg.pages.mapped(i))
+        announce(mapping_change::move, mapping_reason::reservation_moved, seg.base + i * seg.page_bytes,
+                 n * seg.page_bytes, p.stream, true);
+      i += n;
+    }
+  }
 }
 
 void device_state::raise_reserved_high_water() noexcept {

@@ -103,9 +103,11 @@ void device_state::discard_made_segment(const alloc_params& p) noexcept {
   } else {
     block* b = seg.head;
     if (b->next != nullptr) return;  // split (never: take_found_block failed before)
+    announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
     try {
       release_segment_memory(seg);
     } catch (...) {  // the device refuses: the segment stays cached
+      announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
       try {
         if (!b->pool->blocks.contains(b)) b->pool->blocks.insert(b);
       } catch (...) {  // no slot: the segment is lost to the cache; nothing to report to
@@ -350,6 +352,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   reserved_bytes_ += size;
   raise_reserved_high_water();
   p.found = b;
+  announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, size, p.stream, false);
   if (history_.active()) [[unlikely]]
     history_.record_segment_alloc(b->ptr, size, p.stream);
   return true;
@@ -494,7 +497,7 @@ void device_state::release_blocks(block_pool& pool, bool keep_going) {
 // Returns a cached whole-segment block to the device. If the device refuses
 // (segment_free throws), nothing has changed.
 void device_state::release_block(block* b, device_stats& st) {
-  release_segment_memory(*b->seg);
+  release_segment_memory_announced(*b->seg);
   if (history_.active()) [[unlikely]]
     history_.record_segment_free(b->ptr, b->size, b->stream);
   forget_segment(b, st);
@@ -525,13 +528,32 @@ void device_state::release_segment_memory(segment& seg) {
   else backend_.segment_free(device_, reinterpret_cast<void*>(seg.base));
 }
 
+// release_segment_memory, announced to the mapping listeners: unmapped
+// before, mapped again if the device refuses (then nothing has changed).
+void device_state::release_segment_memory_announced(segment& seg) {
+  const block& b = *seg.head;
+  announce(mapping_change::unmap, mapping_reason::segment_free, seg.base, seg.size, b.stream, false);
+  try {
+    release_segment_memory(seg);
+  } catch (...) {
+    announce(mapping_change::map, mapping_reason::segment_alloc, seg.base, seg.size, b.stream, false);
+    throw;
+  }
+}
+
 // No-caching mode (F6), a block that is a whole segment and waits on no
 // event: the segment goes back to the device before anything else changes,
 // so a failing device free leaves the block allocated and the caller's
 // pointer live (the caller gets the backend_error).
 void device_state::free_uncached(block* b, stream_state& ss) {
   std::lock_guard device_lock(device_mutex_);
-  backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
+  try {
+    backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
+  } catch (...) {
+    announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
+    throw;
+  }
   if (history_.active()) [[unlikely]]
     history_.record_segment_free(b->ptr, b->size, b->stream);
   stats_sink sink(*this, ss);

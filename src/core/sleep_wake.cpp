@@ -174,6 +174,8 @@ void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result&
     while (i + n < seg.pages.count() && seg.pages.mapped(i + n)) ++n;
     if (history_.active()) [[unlikely]]
       history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
+    announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page, seg.head->stream,
+             true);
     for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
     r.released_bytes += n * page;
   }
@@ -320,6 +322,11 @@ bool device_state::map_paused_segment(segment& seg) {
       count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
       done.push_back(i);
     }
+  // Announced once every page is mapped: a segment that fails part-way gives
+  // its new pages back unannounced, and listeners never see it mapped.
+  for (const auto& run : seg.paused_runs)
+    announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page, run.pages * page,
+             seg.head->stream, true);
   return true;
 }
 

@@ -75,6 +75,7 @@ void caching_allocator::init(int device_count) {
     for (auto& o : observers_) dev->attach_oom_observer(o);
     if (history_options_.enabled) dev->record_history(history_options_);
     for (auto& t : trackers_) dev->attach_trace_tracker(t);
+    for (auto& l : mapping_listeners_) dev->attach_mapping_listener(l);
     if (!user_metadata_.empty()) dev->set_user_metadata(user_metadata_);
     devices_.push_back(std::move(dev));
   }
@@ -405,6 +406,13 @@ void caching_allocator::attach_allocator_trace_tracker(trace_tracker tracker) {
   std::lock_guard lock(config_mutex_);
   trackers_.push_back(tracker);
   for (auto& d : devices_) d->attach_trace_tracker(tracker);
+}
+
+void caching_allocator::attach_mapping_listener(mapping_listener listener) {
+  if (!listener) throw invalid_argument_error("ccalloc: attach_mapping_listener: the listener is empty");
+  std::lock_guard lock(config_mutex_);
+  mapping_listeners_.push_back(listener);
+  for (auto& d : devices_) d->attach_mapping_listener(listener);
 }
 
 memory_snapshot caching_allocator::snapshot(bool include_traces) const {

@@ -26,6 +26,7 @@
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/frontend/ipc_handle.hpp>
 #include <ccalloc/frontend/ipc_socket.hpp>
+#include <ccalloc/frontend/nccl_registration.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -47,6 +48,7 @@
 #include <vector>
 
 #include "../backend_conformance.hpp"
+#include "../mapping_table.hpp"
 #include "gpu_kernels.hpp"
 
 // The replay library (replay --device cuda), when the build has it
@@ -1266,6 +1268,60 @@ void test_expandable_growth() {
   }
 }
 
+// ---- mapping announcements (SPEC C1, C2) ------------------------------------------------------
+
+// True when both ends of [addr, addr + size) are device memory the driver knows now.
+bool range_is_device_memory(std::uintptr_t addr, std::size_t size) {
+  for (const std::uintptr_t p : {addr, addr + size - 1}) {
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(p)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    if (attr.type != cudaMemoryTypeDevice) return false;
+  }
+  return true;
+}
+
+// Every map is announced after the driver maps the range and every unmap
+// before it unmaps it (the range is device memory at each announcement), on
+// plain segments, expandable pages, recycling between streams and
+// empty_cache; the table kept from the announcements equals the mapped ranges.
+void test_mapping_announcements_on_the_gpu() {
+  for (const char* conf : {"", "expandable_segments:False", "reuse_across_streams:False"}) {
+    if (*conf == '\0' && !has_virtual_memory()) continue;
+    auto alloc = make_allocator(conf);
+    ccalloc::testing::mapping_table table;
+    std::vector<std::string> late;
+    alloc->attach_mapping_listener([&](const mapping_event& e) {
+      if ((e.change == mapping_change::map || e.change == mapping_change::unmap) &&
+          !range_is_device_memory(e.addr, e.size_bytes))
+        late.push_back(std::string(to_string(e.change)) + " (" + std::string(to_string(e.reason)) +
+                       ") of a range the driver does not map");
+      table.apply(e);
+    });
+    scoped_stream other;
+    std::vector<void*> live;
+    for (int i = 0; i < 40; ++i)
+      live.push_back(alloc->malloc(0, (1 + static_cast<std::size_t>(i) % 9) * mib, default_stream));
+    for (std::size_t i = 0; i < live.size(); i += 2) alloc->free(live[i]);
+    CUDA_OK(cudaDeviceSynchronize());
+    void* moved = alloc->malloc(0, 64 * mib, other.get());  // recycles stream 0's free pages (expandable)
+    CUDA_OK(gk::launch_fill(moved, 64 * mib, 31, cs(other.get())));
+    CHECK(mismatches(moved, 64 * mib, 31, cs(other.get())) == 0);
+    alloc->free(moved);
+    for (std::size_t i = 1; i < live.size(); i += 2) alloc->free(live[i]);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_MSG(table.ranges() == ccalloc::testing::mapped_ranges(alloc->device_allocator(0)), conf);
+    alloc->empty_cache();
+    CHECK_MSG(table.error().empty(), table.error());
+    CHECK_MSG(late.empty(), late.empty() ? "" : late.front());
+    CHECK_MSG(table.bytes() == 0, conf);
+    note(std::string("mapping announcements, ") + (*conf ? conf : "expandable (default)") + ": " +
+         std::to_string(table.events()) + " announcements, each in time");
+  }
+}
+
 void test_expandable_empty_cache_unmaps() {
   if (!has_virtual_memory()) throw test_skip{"no virtual memory management"};
   auto alloc = make_allocator();
@@ -2131,6 +2187,7 @@ void test_peer_copies() {
 }
 
 const test_case all_tests[] = {
+    {"mapping_announcements", test_mapping_announcements_on_the_gpu},
     {"backend_basics", test_backend_basics},
     {"backend_conformance", test_backend_conformance},
     {"backend_streams_and_events", test_backend_streams_and_events},

@@ -33,6 +33,7 @@
 #include <ccalloc/core/checkpoint.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/history.hpp>
+#include <ccalloc/core/mapping_events.hpp>
 #include <ccalloc/core/pools.hpp>
 #include <ccalloc/core/segment_info.hpp>
 #include <ccalloc/core/stats.hpp>
@@ -217,6 +218,12 @@ class device_caching_allocator {
   /// Calls `tracker` with every trace entry from now on (PyTorch:
   /// attachAllocatorTraceTracker). See trace_tracker.
   void attach_trace_tracker(trace_tracker tracker);
+  /// Calls `listener` at every change of what this device has mapped from
+  /// now on, under the device's locks (SPEC C1; ccalloc/core/mapping_events.hpp
+  /// says when, in which order, and what a listener must not do). Changes
+  /// made before attaching are not replayed: segments() lists what is
+  /// mapped. Throws invalid_argument_error for an empty listener. Thread-safe.
+  void attach_mapping_listener(mapping_listener listener);
   /// The recorded trace entries, oldest first.
   [[nodiscard]] std::vector<trace_entry> trace_entries() const;
   /// The recorded annotations, oldest first.

@@ -334,6 +334,14 @@ class caching_allocator {
   /// attachAllocatorTraceTracker). See trace_tracker for when it runs and what
   /// its exceptions do. Throws invalid_argument_error for an empty tracker.
   void attach_allocator_trace_tracker(trace_tracker tracker);
+  /// Calls `listener` at every change of what any device has mapped from now
+  /// on (devices initialized later too): a map after it, an unmap before it,
+  /// synchronously under that device's locks (SPEC C1; see
+  /// ccalloc/core/mapping_events.hpp for the order, the reasons and what a
+  /// listener must not do: call into the allocator). Nothing is announced
+  /// for what was mapped before; segments() lists it. Throws
+  /// invalid_argument_error for an empty listener. Thread-safe.
+  void attach_mapping_listener(mapping_listener listener);
   /// Segments with their blocks, each device's trace (when include_traces
   /// and history is recorded; PyTorch records a `snapshot` entry first),
   /// the annotations and the settings in force (F13; PyTorch: snapshot).
@@ -439,6 +447,7 @@ class caching_allocator {
   std::vector<std::unique_ptr<device_caching_allocator>> devices_;
   std::vector<oom_observer> observers_;
   history_options history_options_ = disabled_history();  // applied to devices init() adds
+  std::vector<mapping_listener> mapping_listeners_;     // [config_mutex_]
   std::vector<trace_tracker> trackers_;                 // likewise
   std::string user_metadata_;                           // likewise
   mutable std::array<pointer_shard, pointer_shard_count> shards_;

@@ -8,8 +8,8 @@
 // allocator gives: statistics (torch.cuda.memory_stats and friends), OOM as
 // torch.cuda.OutOfMemoryError, private pools for CUDA graphs, graph trees
 // (torch.compile mode="reduce-overhead") and torch.cuda.MemPool,
-// history for torch.cuda.memory._record_memory_history, and CUDA IPC of
-// plain segments.
+// history for torch.cuda.memory._record_memory_history, trace trackers
+// (ProcessGroupNCCL's registration hook), and CUDA IPC of plain segments.
 //
 // The C API is not linked: install(path) dlopens the libccalloc.so that the
 // Python package loaded (one copy, one process-wide allocator) and looks up
@@ -26,6 +26,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/extension.h>
@@ -80,6 +81,8 @@ using c10::CachingAllocator::Stat;
   X(ccalloc_history_options_init)           \
   X(ccalloc_record_history_ex)              \
   X(ccalloc_attach_out_of_memory_observer)  \
+  X(ccalloc_attach_trace_tracker)           \
+  X(ccalloc_attach_mapping_listener)        \
   X(ccalloc_create_pool)                    \
   X(ccalloc_create_pool_with_source)        \
   X(ccalloc_release_pool)                   \
@@ -243,6 +246,70 @@ struct checkpoint_state final : cca::AllocatorState {
 void call_oom_observer(void* user_data, int device, size_t requested, size_t allowed, size_t free_bytes) {
   // PyTorch's observer: (device, allocated bytes, device total, device free).
   (*static_cast<cca::OutOfMemoryObserver*>(user_data))(device, requested, allowed, free_bytes);
+}
+
+// ---- trace trackers (attachAllocatorTraceTracker) ------------------------------------------------------
+//
+// PyTorch's trackers (ProcessGroupNCCL's and torchcomms' registration hooks,
+// the CUDA sanitizer) get TraceEntry values from two C callbacks:
+//   - history entries (ALLOC, FREE_REQUESTED, FREE_COMPLETED, SNAPSHOT, OOM)
+//     from ccalloc_attach_trace_tracker, after the allocator's locks are
+//     released;
+//   - changes of what is mapped from ccalloc_attach_mapping_listener, at the
+//     change, under the device's locks: SEGMENT_ALLOC / SEGMENT_FREE for
+//     plain segments, SEGMENT_MAP / SEGMENT_UNMAP for pages of expandable
+//     segments; a SEGMENT_FREE or SEGMENT_UNMAP comes before the memory is
+//     unmapped, so a hook that deregisters does so in time.
+// The history's own segment entries are not forwarded (the mapping listener
+// gives them, in time). A tracker that throws is skipped (ccalloc drops it).
+// Trackers are kept for the life of the process (PyTorch cannot detach them).
+struct trace_tracker_list {
+  std::mutex mutex;
+  std::shared_ptr<const std::vector<cca::AllocatorTraceTracker>> trackers;
+};
+trace_tracker_list& trace_trackers() {
+  static auto* list = new trace_tracker_list;  // never destroyed: callbacks may run at exit
+  return *list;
+}
+
+void deliver_trace_entry(cca::TraceEntry::Action action, int device, std::uintptr_t addr, std::size_t size,
+                         ccalloc_stream_t stream) {
+  std::shared_ptr<const std::vector<cca::AllocatorTraceTracker>> trackers;
+  {
+    std::lock_guard<std::mutex> lock(trace_trackers().mutex);
+    trackers = trace_trackers().trackers;
+  }
+  if (!trackers) return;
+  const cca::TraceEntry entry(action, static_cast<c10::DeviceIndex>(device), addr, size,
+                              reinterpret_cast<cudaStream_t>(stream), c10::MempoolId_t{0, 0},
+                              c10::getApproximateTime());
+  for (const auto& tracker : *trackers) tracker(entry);
+}
+
+void forward_trace_entry(void* /*user_data*/, const ccalloc_trace_entry_t* e) {
+  using action = cca::TraceEntry::Action;
+  switch (e->action) {
+    case CCALLOC_TRACE_ALLOC: return deliver_trace_entry(action::ALLOC, e->device, e->addr, e->size_bytes, e->stream);
+    case CCALLOC_TRACE_FREE_REQUESTED:
+      return deliver_trace_entry(action::FREE_REQUESTED, e->device, e->addr, e->size_bytes, e->stream);
+    case CCALLOC_TRACE_FREE_COMPLETED:
+      return deliver_trace_entry(action::FREE_COMPLETED, e->device, e->addr, e->size_bytes, e->stream);
+    case CCALLOC_TRACE_SNAPSHOT:
+      return deliver_trace_entry(action::SNAPSHOT, e->device, e->addr, e->size_bytes, e->stream);
+    case CCALLOC_TRACE_OOM: return deliver_trace_entry(action::OOM, e->device, e->addr, e->size_bytes, e->stream);
+    default: return;  // segment entries: from the mapping listener; empty_cache is not PyTorch's
+  }
+}
+
+void forward_mapping_event(void* /*user_data*/, const ccalloc_mapping_event_t* e) {
+  using action = cca::TraceEntry::Action;
+  if (e->change == CCALLOC_MAPPING_MAP)
+    deliver_trace_entry(e->expandable ? action::SEGMENT_MAP : action::SEGMENT_ALLOC, e->device, e->addr,
+                        e->size_bytes, e->stream);
+  else if (e->change == CCALLOC_MAPPING_UNMAP)
+    deliver_trace_entry(e->expandable ? action::SEGMENT_UNMAP : action::SEGMENT_FREE, e->device, e->addr,
+                        e->size_bytes, e->stream);
+  // move and unmap_completed change no registration: PyTorch has no action for them
 }
 
 // ---- the allocator ------------------------------------------------------------------------------------
@@ -484,9 +551,22 @@ class ccalloc_cuda_allocator final : public cca::CUDAAllocator {
     auto* kept = new cca::OutOfMemoryObserver(std::move(observer));  // observers cannot be detached
     check(api.ccalloc_attach_out_of_memory_observer(nullptr, &call_oom_observer, kept));
   }
-  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker /*tracker*/) override {
-    // Not in the C API. PyTorch attaches one only for its own tools
-    // (e.g. the CUDA sanitizer's memory tracking), which then see nothing.
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    // See "trace trackers" above: the C callbacks are attached with the first tracker.
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(trace_trackers().mutex);
+      const auto& now = trace_trackers().trackers;
+      auto next = now ? std::make_shared<std::vector<cca::AllocatorTraceTracker>>(*now)
+                      : std::make_shared<std::vector<cca::AllocatorTraceTracker>>();
+      next->push_back(std::move(tracker));
+      first = !now;
+      trace_trackers().trackers = std::move(next);
+    }
+    if (first) {
+      check(api.ccalloc_attach_trace_tracker(nullptr, &forward_trace_entry, nullptr));
+      check(api.ccalloc_attach_mapping_listener(nullptr, &forward_mapping_event, nullptr));
+    }
   }
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
     check(api.ccalloc_enable_peer_access(nullptr, dev, dev_to_access));

@@ -61,6 +61,7 @@
 #include "stat_storage.hpp"
 
 #include "history_recorder.hpp"
+#include "mapping_notifier.hpp"
 #include "page_fences.hpp"
 #include "page_table.hpp"
 #include "recycle_budget.hpp"
@@ -848,6 +849,7 @@ class device_state {
   void release_block(block* b, device_stats& st);                             // [stream, device]
   void forget_segment(block* b, device_stats& st) noexcept;                   // [stream, device]
   void release_segment_memory(segment& seg);                                  // [stream, device] or [world]
+  void release_segment_memory_announced(segment& seg);                        // [stream, device] or [world]
   void free_uncached(block* b, stream_state& ss);                             // [stream] takes device
   void garbage_collect_cached_blocks(const world_lock& w);                    // [world]
 
@@ -1138,6 +1140,16 @@ class device_state {
   // Memory history (SPEC F14-F18): its own lock, innermost. The allocator
   // records only when history_.active() (one relaxed load).
   history_recorder history_{device_};
+
+  // Mapping listeners (SPEC C1, ccalloc/core/mapping_events.hpp): every
+  // change of what is mapped is announced where it happens, under the locks
+  // that make it; one relaxed load when none is attached.
+  mapping_notifier mapping_{device_};
+  void announce(mapping_change change, mapping_reason reason, std::uintptr_t addr, std::size_t size_bytes,
+                stream_t stream, bool expandable) const noexcept {
+    if (mapping_.active()) [[unlikely]]
+      mapping_.announce({change, reason, device_, addr, size_bytes, stream, expandable});
+  }
 
   // True while the device has at most one stream state: its statistics then
   // stay in its pending deltas without any lock and are published by readers

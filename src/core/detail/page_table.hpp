@@ -44,6 +44,12 @@ class page_table {
   void reset(std::size_t count) { handles_.assign(count, 0); }
   [[nodiscard]] std::size_t count() const noexcept { return handles_.size(); }
   [[nodiscard]] bool mapped(std::size_t i) const noexcept { return handles_[i] != 0; }
+  /// The number of mapped pages from page i on (0 if page i is not mapped).
+  [[nodiscard]] std::size_t mapped_run(std::size_t i) const noexcept {
+    std::size_t n = 0;
+    while (i + n < handles_.size() && handles_[i + n] != 0) ++n;
+    return n;
+  }
   /// The physical handle mapped at page i in the books; 0: none.
   [[nodiscard]] physical_handle_t handle(std::size_t i) const noexcept { return handles_[i]; }
   [[nodiscard]] const std::vector<physical_handle_t>& handles() const noexcept { return handles_; }

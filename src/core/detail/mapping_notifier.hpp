@@ -1,0 +1,39 @@
+// The mapping listeners of one device (SPEC C1; ccalloc/core/mapping_events.hpp).
+//
+// Used by device_state (a member): the code that maps or unmaps calls
+// announce() at the change, with the device's locks held, when active().
+// The listener list is copied on write: attach() takes mutex_, announce()
+// takes it only to copy the list's pointer, then calls the listeners with
+// no lock of its own held (a listener may attach another).
+#pragma once
+
+#include <ccalloc/core/mapping_events.hpp>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace ccalloc::detail {
+
+class mapping_notifier {
+ public:
+  explicit mapping_notifier(int device) : device_(device) {}
+
+  /// A listener is attached: the allocator must call announce(). One relaxed load.
+  [[nodiscard]] bool active() const noexcept { return active_.load(std::memory_order_relaxed); }
+
+  void attach(mapping_listener listener);
+
+  /// Calls every listener with `e` (device filled in). Never throws:
+  /// listeners' exceptions are dropped, as is a failure to copy the list.
+  [[gnu::cold]] void announce(mapping_event e) const noexcept;
+
+ private:
+  int device_;
+  std::atomic<bool> active_{false};
+  mutable std::mutex mutex_;
+  std::shared_ptr<const std::vector<mapping_listener>> listeners_;  // [mutex_]
+};
+
+}  // namespace ccalloc::detail
