@@ -47,6 +47,11 @@ def _device_index(value, name: str = "device") -> int:
     return _integer(value, name, 0, _INT_MAX)
 
 
+def _device_or_all(value, name: str = "device") -> int:
+    """A device index, or -1 for every device."""
+    return _integer(value, name, -1, _INT_MAX)
+
+
 def _address(value, name: str = "ptr") -> Optional[int]:
     """A pointer argument: None or 0 (null) or an address that fits in 64 bits."""
     if value is None:
@@ -198,11 +203,11 @@ class Allocator:
                  config: Optional[str] = None, *, _handle: Optional[int] = None, _owned: bool = True):
         self._observers: list = []
         self._kept: list = []  # ctypes segment functions of this allocator's pools
-        self._h: Optional[int] = None
+        self._handle: Optional[int] = None
         self._owned = False
         self._closed = False
         if not _owned:
-            self._h = _handle
+            self._handle = _handle
             self._owned = False
             return
         if backend not in self._KINDS:
@@ -216,7 +221,7 @@ class Allocator:
         options.config = None if config is None else _text(config, "config")
         handle = ctypes.c_void_p()
         _check(lib.ccalloc_create(ctypes.byref(options), ctypes.byref(handle)))
-        self._h = handle.value
+        self._handle = handle.value
         self._owned = True
         try:
             count = devices if backend == "sim" else self.device_count
@@ -235,9 +240,9 @@ class Allocator:
     def close(self) -> None:
         """Destroys an allocator made by the constructor (no-op for the
         process-wide one and when closed already)."""
-        if self._owned and self._h is not None:
-            _lib.lib().ccalloc_destroy(self._h)
-            self._h = None
+        if self._owned and self._handle is not None:
+            _lib.lib().ccalloc_destroy(self._handle)
+            self._handle = None
             self._owned = False
             self._closed = True
 
@@ -254,7 +259,7 @@ class Allocator:
         if self._closed:
             raise InvalidArgumentError("ccalloc: this Allocator is closed (close() or the end of its with block); "
                                        "create a new one")
-        return self._h
+        return self._handle
 
     def __enter__(self) -> "Allocator":
         return self
@@ -356,7 +361,7 @@ class Allocator:
         the contents (nothing paused)."""
         names = _tag_names(tags)
         out = _lib.ccalloc_sleep_result_t()
-        _check(_lib.lib().ccalloc_pause(self._h, int(device), names, len(names), 1 if keep_contents else 0,
+        _check(_lib.lib().ccalloc_pause(self._h, _device_or_all(device), names, len(names), 1 if keep_contents else 0,
                                         ctypes.byref(out)))
         return _sleep_dict(out)
 
@@ -368,7 +373,7 @@ class Allocator:
         succeed."""
         names = _tag_names(tags)
         out = _lib.ccalloc_sleep_result_t()
-        _check(_lib.lib().ccalloc_resume(self._h, int(device), names, len(names), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_resume(self._h, _device_or_all(device), names, len(names), ctypes.byref(out)))
         return _sleep_dict(out)
 
     def tag_usage(self, tag: str, device: int = 0) -> dict:
@@ -377,7 +382,7 @@ class Allocator:
         if not isinstance(tag, str):
             raise InvalidArgumentError(f"tag_usage: tag must be a str, not {type(tag).__name__}")
         out = _lib.ccalloc_tag_usage_t()
-        _check(_lib.lib().ccalloc_tag_usage(self._h, int(device), tag.encode(), ctypes.byref(out)))
+        _check(_lib.lib().ccalloc_tag_usage(self._h, _device_index(device), _text(tag, "tag"), ctypes.byref(out)))
         d = {name: getattr(out, name) for name, _ in out._fields_}
         d["paused"] = bool(d["paused"])
         return d
@@ -700,7 +705,7 @@ def _tag_names(tags):
         tags = [tags]
     if not isinstance(tags, (list, tuple)) or not tags or not all(isinstance(t, str) for t in tags):
         raise InvalidArgumentError(f"tags must be a str or a non-empty list of str, not {tags!r}")
-    return (ctypes.c_char_p * len(tags))(*[t.encode() for t in tags])
+    return (ctypes.c_char_p * len(tags))(*[_text(t, "tag") for t in tags])
 
 
 def _sleep_dict(out) -> dict:

@@ -66,6 +66,8 @@ CALLS = {
     "pause": ("t",),
     "resume": ("t",),
     "tag_usage": ("t",),
+    "attach_trace_tracker": (lambda *a: None,),
+    "attach_mapping_listener": (lambda *a: None,),
 }
 PROPERTIES = ("initialized", "device_count", "current_device", "backend_name", "is_enabled")
 
