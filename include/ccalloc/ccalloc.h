@@ -145,7 +145,7 @@ typedef void (*ccalloc_oom_observer_fn)(void* user_data, int device, size_t requ
                                         size_t allowed_bytes, size_t free_bytes);
 
 /** What a trace entry records (PyTorch's TraceEntry::Action, in its order;
- * CCALLOC_TRACE_EMPTY_CACHE is ccalloc's own). */
+ * CCALLOC_TRACE_EMPTY_CACHE, PAUSE and RESUME are ccalloc's own). */
 typedef enum ccalloc_trace_action {
   CCALLOC_TRACE_ALLOC = 0,
   CCALLOC_TRACE_FREE_REQUESTED = 1,
@@ -156,7 +156,9 @@ typedef enum ccalloc_trace_action {
   CCALLOC_TRACE_SEGMENT_UNMAP = 6,
   CCALLOC_TRACE_SNAPSHOT = 7,
   CCALLOC_TRACE_OOM = 8,
-  CCALLOC_TRACE_EMPTY_CACHE = 9
+  CCALLOC_TRACE_EMPTY_CACHE = 9,
+  CCALLOC_TRACE_PAUSE = 10,  /**< a tag paused (ccalloc_pause) */
+  CCALLOC_TRACE_RESUME = 11  /**< a tag resumed (ccalloc_resume) */
 } ccalloc_trace_action_t;
 
 /** One trace entry (ccalloc/core/history.hpp: trace_entry). */

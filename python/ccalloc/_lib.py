@@ -139,7 +139,7 @@ MAPPING_LISTENER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ccallo
 # The names of ccalloc_trace_action_t, ccalloc_mapping_change_t and
 # ccalloc_mapping_reason_t, by value.
 TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
-                 "segment_unmap", "snapshot", "oom", "empty_cache")
+                 "segment_unmap", "snapshot", "oom", "empty_cache", "pause", "resume")
 MAPPING_CHANGES = ("map", "unmap", "move", "unmap_completed")
 MAPPING_REASONS = ("segment_alloc", "segment_free", "pages_mapped", "pages_recycled", "pages_released",
                    "pages_retired", "reservation_moved", "deferred_unmap", "pages_paused", "pages_resumed")

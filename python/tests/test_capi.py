@@ -705,6 +705,21 @@ def test_mapping_listener_and_trace_tracker_see_every_change(sim):
     assert "free_requested" in actions and "segment_unmap" in actions
 
 
+def test_trackers_see_pause_and_resume_when_they_happen(sim):
+    events, entries = [], []
+    sim.attach_mapping_listener(events.append)
+    sim.attach_trace_tracker(entries.append)
+    with ccalloc.tag("kv"):
+        p = sim.malloc(1 << 20)
+    sim.pause("kv")
+    assert [e["action"] for e in entries][-2:] == ["segment_unmap", "pause"], entries
+    assert events[-1]["change"] == "unmap" and events[-1]["reason"] == "pages_paused"
+    sim.resume("kv")
+    assert [e["action"] for e in entries][-2:] == ["segment_map", "resume"], entries
+    assert events[-1]["change"] == "map" and events[-1]["reason"] == "pages_resumed"
+    sim.free(p)
+
+
 def test_a_raising_mapping_listener_is_dropped(sim, capfd):
     def bad(_event):
         raise ValueError("listener failed")

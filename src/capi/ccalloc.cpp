@@ -783,6 +783,8 @@ ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc, cca
 }
 // The C enums follow the C++ ones value for value.
 static_assert(static_cast<int>(ccalloc::trace_entry_action::empty_cache) == CCALLOC_TRACE_EMPTY_CACHE);
+static_assert(static_cast<int>(ccalloc::trace_entry_action::pause) == CCALLOC_TRACE_PAUSE);
+static_assert(static_cast<int>(ccalloc::trace_entry_action::resume) == CCALLOC_TRACE_RESUME);
 static_assert(static_cast<int>(ccalloc::trace_entry_action::segment_unmap) == CCALLOC_TRACE_SEGMENT_UNMAP);
 static_assert(static_cast<int>(ccalloc::mapping_change::unmap_completed) == CCALLOC_MAPPING_UNMAP_COMPLETED);
 static_assert(static_cast<int>(ccalloc::mapping_reason::deferred_unmap) == CCALLOC_MAPPING_DEFERRED_UNMAP);

@@ -465,6 +465,7 @@ std::vector<tag_id> tag_ids(const std::vector<std::string>& names, const char* w
 sleep_result device_caching_allocator::pause(const std::vector<std::string>& tags, bool keep_contents) {
   auto& s = *state_;
   const std::vector<tag_id> ids = tag_ids(tags, "pause");
+  detail::tracker_delivery deliver;  // the pause's entries reach trackers after the locks
   detail::world_lock w(s);
   return s.pause_tags(ids, keep_contents, w);
 }
@@ -472,6 +473,7 @@ sleep_result device_caching_allocator::pause(const std::vector<std::string>& tag
 sleep_result device_caching_allocator::resume(const std::vector<std::string>& tags) {
   auto& s = *state_;
   const std::vector<tag_id> ids = tag_ids(tags, "resume");
+  detail::tracker_delivery deliver;  // the resume's entries reach trackers after the locks
   std::vector<detail::block*> frees;
   sleep_result r;
   {
