@@ -47,6 +47,12 @@ def _device_index(value, name: str = "device") -> int:
     return _integer(value, name, 0, _INT_MAX)
 
 
+def _callable(value, name: str) -> None:
+    """A callback argument: refused at once when it cannot be called (it would fail only when called)."""
+    if not callable(value):
+        raise TypeError(f"ccalloc: {name} must be callable, got {type(value).__name__} {value!r:.60}")
+
+
 def _device_or_all(value, name: str = "device") -> int:
     """A device index, or -1 for every device."""
     return _integer(value, name, -1, _INT_MAX)
@@ -527,6 +533,7 @@ class Allocator:
         free_bytes)`` on each out-of-memory error (SPEC F17). An exception it
         raises is printed and dropped. Observers stay attached for the
         allocator's life."""
+        _callable(observer, "observer")
 
         def trampoline(_user, device, requested, allowed, free):
             # the caller still gets its OOM
@@ -549,6 +556,7 @@ class Allocator:
         ``addr``, ``size``, ``stream``, ``time_us``. It runs after the
         allocator's locks are released and may call back into it. An
         exception it raises is printed and dropped."""
+        _callable(tracker, "tracker")
 
         def trampoline(_user, entry):
             e = entry.contents
@@ -567,6 +575,7 @@ class Allocator:
         ``reason``, ``device``, ``addr``, ``size``, ``stream``,
         ``expandable``. It runs under the device's locks: it must not call
         into the allocator. An exception it raises is printed and dropped."""
+        _callable(listener, "listener")
 
         def trampoline(_user, event):
             e = event.contents

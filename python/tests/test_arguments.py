@@ -242,3 +242,10 @@ def test_random_strings_and_numbers(seed):
                 a.set_memory_fraction(fraction)
         assert a.get_config() == config
         assert a.get_memory_fraction() == 1.0
+
+
+def test_callbacks_must_be_callable():
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB) as a:
+        for method in ("attach_out_of_memory_observer", "attach_trace_tracker", "attach_mapping_listener"):
+            with pytest.raises(TypeError, match="must be callable, got int 5"):
+                getattr(a, method)(5)
