@@ -817,6 +817,12 @@ double replay_seconds(const ccalloc::trace& t, bool gates) {
 }
 
 TEST(ReplayScaling, OverlappingGapsReplayInNearLinearTime) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // Timed in the plain build only: under AddressSanitizer 4x the gaps took
+  // 15x the time (docs/perf.md), which the plain build's 8x bound does not
+  // describe; a sanitizer run checks the replay's memory safety here.
+  GTEST_SKIP() << "a timing bound, checked in the plain build";
+#endif
   // 4x the gaps may cost at most 8x the time (quadratic: 16x; 10,000 took
   // 1.3 s). Each figure is the fastest of up to three runs (a 2-core
   // machine shared with other work), which stop once within bounds.
