@@ -1224,7 +1224,10 @@ void device_state::raise_reserved_high_water() noexcept {
 recycle_budget::source device_state::recycle_budget_now(bool large_peak) {
   const auto from =
       recycle_budget_.choose(config_.recycle_time_percent, large_peak, [&] { return backend_.host_time_us(); });
-  CCALLOC_ASSERT_EXPENSIVE(config_.recycle_time_percent >= 100 || recycle_budget_.within_bounds(config_.recycle_time_percent));
+  // choose() bounds the budget (refills) only between 1 and 99 percent: at 0
+  // (recycling off, e.g. lowered by set_config) it holds what it held.
+  CCALLOC_ASSERT_EXPENSIVE(config_.recycle_time_percent >= 100 || config_.recycle_time_percent == 0 ||
+                           recycle_budget_.within_bounds(config_.recycle_time_percent));
   return from;
 }
 
@@ -1237,7 +1240,8 @@ void device_state::spend_recycle_time(recycle_budget::source from, std::uint64_t
   if (const std::optional<std::uint64_t> refill_at = backend_.host_time_us())
     recycle_budget_.refill(config_.recycle_time_percent, *refill_at);
   recycle_budget_.spend(from, config_.recycle_time_percent, static_cast<double>(*now - start_us));
-  CCALLOC_ASSERT_EXPENSIVE(recycle_budget_.within_bounds(config_.recycle_time_percent));
+  CCALLOC_ASSERT_EXPENSIVE(config_.recycle_time_percent == 0 ||
+                           recycle_budget_.within_bounds(config_.recycle_time_percent));
 }
 
 // Releases the reservations of expandable segments that have no mapped page.
