@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "peak_rss.hpp"
 #include "temp_file.hpp"
 #include <nlohmann/json.hpp>
 
@@ -389,32 +390,9 @@ TEST(MinDeviceMemory, AFractionOfZeroIsNamed) {
 
 namespace {
 
-/// The `key` line of /proc/self/status in bytes (VmHWM, VmRSS), or 0.
-std::uint64_t proc_status_bytes(const std::string& key) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind(key + ":", 0) == 0) return std::stoull(line.substr(key.size() + 1)) * 1024;
-  return 0;
-}
-
-/// Resets the peak resident size (VmHWM) to the current one; false when the
-/// kernel does not let it.
-bool reset_peak_rss() {
-  std::ofstream clear("/proc/self/clear_refs");
-  clear << "5";
-  clear.flush();
-  return clear.good() && proc_status_bytes("VmHWM") != 0;
-}
-
-/// How far the resident size rose above its level before `f` ran.
-template <class F>
-std::uint64_t peak_rss_growth(F f) {
-  const std::uint64_t before = proc_status_bytes("VmRSS");
-  f();
-  const std::uint64_t peak = proc_status_bytes("VmHWM");
-  return peak > before ? peak - before : 0;
-}
+using ccalloc::testing::MiB;
+using ccalloc::testing::peak_rss_growth;
+using ccalloc::testing::reset_peak_rss;
 
 /// `text` gzipped by the gzip program, or "" without one.
 std::string gzip_of(const std::string& name, const std::string& text) {
@@ -426,8 +404,6 @@ std::string gzip_of(const std::string& name, const std::string& text) {
   std::remove(gz.c_str());
   return out;
 }
-
-constexpr std::uint64_t MiB = std::uint64_t{1} << 20;
 
 }  // namespace
 

@@ -372,14 +372,17 @@ class converter {
 };
 
 std::string limit_hint(const pickle::limit_error& e) {
-  return e.which == 0 ? " (raise it with ccalloc's --max-pickle-objects N, or trace_read_options::max_pickle_objects)"
-                      : " (raise it with ccalloc's --max-pickle-bytes N, or trace_read_options::max_pickle_bytes)";
+  if (e.which == 0)
+    return " (raise it with ccalloc's --max-pickle-objects N, or trace_read_options::max_pickle_objects)";
+  if (e.which == 2)
+    return " (raise it with ccalloc's --max-pickle-memory SIZE, or trace_read_options::max_pickle_memory_bytes)";
+  return " (raise it with ccalloc's --max-pickle-bytes N, or trace_read_options::max_pickle_bytes)";
 }
 
 trace convert(const pickle::read_fn& read, const std::string& source, const trace_read_options& options,
               const std::function<void(std::uint64_t)>& on_bytes) {
   try {
-    const pickle::limits lim{options.max_pickle_objects, options.max_pickle_bytes};
+    const pickle::limits lim{options.max_pickle_objects, options.max_pickle_bytes, options.max_pickle_memory_bytes};
     trace t;
     {
       const pickle::tree tree = pickle::read(read, lim, on_bytes);

@@ -128,6 +128,13 @@ struct trace_read_options {
   std::uint64_t max_pickle_objects = 500'000'000;
   /// Decompressed bytes of a snapshot pickle. ccalloc --max-pickle-bytes.
   std::uint64_t max_pickle_bytes = std::uint64_t{4} << 30;
+  /// Bytes of memory the pickle reader may build (8 per value on its stack
+  /// or in its memo, a container's items plus 24, a distinct string's text
+  /// plus 64; counted as built, so an upper bound of its peak). A real
+  /// snapshot takes about 2x its pickle bytes (docs/trace-format.md);
+  /// a hostile one fails here instead of exhausting the host.
+  /// ccalloc --max-pickle-memory.
+  std::uint64_t max_pickle_memory_bytes = std::uint64_t{8} << 30;
   /// Optional: told the bytes of the file read so far and the file's size
   /// (compressed bytes for gzip), every 16 MiB of pickle and once at the end.
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
