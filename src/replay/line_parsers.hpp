@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -32,6 +33,12 @@ class line_parser {
                                                                   const trace_limits& limits);
 /// RMM logging_resource_adaptor logs (rmm_reader.cpp).
 [[nodiscard]] std::unique_ptr<line_parser> make_rmm_log_parser(const std::string& source, const trace_limits& limits);
+
+/// Converts the snapshot pickle that `read` yields (decompressed; it fills a
+/// buffer and returns how many bytes, 0 at the end) as
+/// convert_pytorch_snapshot does, reading it as a stream (snapshot_reader.cpp).
+[[nodiscard]] trace convert_pytorch_snapshot_stream(const std::function<std::size_t(char*, std::size_t)>& read,
+                                                    const std::string& source, const trace_read_options& options);
 
 /// Feeds `parser` the whole of `text`: parse_trace_text and parse_rmm_log.
 [[nodiscard]] inline trace parse_whole(line_parser& parser, std::string_view text) {

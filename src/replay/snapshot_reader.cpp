@@ -23,6 +23,7 @@
 // pickle refers to one segment or one block many times.
 #include <ccalloc/replay/trace.hpp>
 
+#include "line_parsers.hpp"
 #include "pickle_reader.hpp"
 
 #ifndef CCALLOC_HAVE_ZLIB
@@ -36,6 +37,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -468,6 +470,13 @@ trace convert_pytorch_snapshot(const std::string& path, const trace_read_options
   if (options.progress) options.progress(file_size, file_size);
   return t;
 }
+
+namespace detail {
+trace convert_pytorch_snapshot_stream(const std::function<std::size_t(char*, std::size_t)>& read,
+                                      const std::string& source, const trace_read_options& options) {
+  return convert(read, source, options, {});
+}
+}  // namespace detail
 
 trace convert_pytorch_snapshot_data(std::string_view data, const std::string& source,
                                     const trace_read_options& options) {

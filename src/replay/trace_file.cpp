@@ -364,16 +364,17 @@ trace read_trace_file(const std::string& path, const trace_read_options& options
       return parse_lines(source, std::move(first), *parser, path, limits);
     }
     case trace_format::pytorch_snapshot: {
-      // A pickle from a pipe: read whole (within max_input_bytes), then converted from memory.
-      std::string data = std::move(first);
-      while (true) {
-        const std::size_t kept = data.size();
-        data.resize(kept + first_block);
-        const std::size_t got = source.read(data.data() + kept, first_block);
-        data.resize(kept + got);
-        if (got < first_block) break;
-      }
-      return convert_pytorch_snapshot_data(data, path, options);
+      // A pickle from a pipe (a file is read above): converted as it is read, the first block first.
+      std::size_t at = 0;
+      return detail::convert_pytorch_snapshot_stream(
+          [&](char* buffer, std::size_t size) {
+            if (at == first.size()) return source.read(buffer, size);
+            const std::size_t n = std::min(size, first.size() - at);
+            std::memcpy(buffer, first.data() + at, n);
+            at += n;
+            return n;
+          },
+          path, options);
     }
     case trace_format::ccalloc: break;
   }

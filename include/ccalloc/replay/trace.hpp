@@ -205,7 +205,7 @@ enum class trace_format {
 /// True when `path` is a regular file (plain or gzip) that starts as a
 /// pickle of protocol 2 to 5 does (0x80, version); false if it cannot be
 /// read or is not a regular file (a pipe is not read here: read_trace_file
-/// reads it whole, then converts it from memory).
+/// tells it by its first block and converts it as it reads on).
 [[nodiscard]] bool is_pytorch_snapshot_file(const std::string& path) noexcept;
 
 /// Reads a trace file (plain or gzip) in any of the trace_format formats,
