@@ -274,8 +274,10 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
   for (tag_id tag : todo) {
     paused_tags_.insert(tag);
     r.tags.push_back(tag_name(tag));
-    if (history_.active()) [[unlikely]]
-      history_.record(trace_entry_action::pause, 0, usage_of(tag).paused_bytes, 0, nullptr, tag);
+    if (history_.active()) [[unlikely]] {
+      const tag_usage u = usage_of(tag);
+      history_.record(trace_entry_action::pause, u.kept_bytes, u.paused_bytes, 0, nullptr, tag);
+    }
   }
   any_paused_.store(true, std::memory_order_relaxed);
   if (const std::optional<std::uint64_t> end_us = backend_.host_time_us(); start_us && end_us)

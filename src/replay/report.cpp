@@ -421,6 +421,28 @@ std::string peaks_table(const report_summary& sum, const native_reference* nativ
 
 }  // namespace
 
+// Sleep and wake: paused bytes over the trace's pauses and resumes, and
+// what each pause freed ("" for a trace without them).
+std::string sleep_table(const replay_result& r) {
+  if (r.sleep_events.empty()) return {};
+  std::string o = "<section class=\"card\"><h2>Sleep and wake</h2>\n<p class=\"note\">Every pause and resume of "
+                  "the trace as ccalloc replayed it; peak paused " +
+                  html(format_bytes(r.peak_paused_bytes)) +
+                  ". A pause frees its tag's pages under live blocks (paused, mapped again at resume) and its "
+                  "cached free pages; a resume first gives back ccalloc's cached memory of active tags when the "
+                  "device lacks room.</p>\n";
+  o += "<table><tr><th>line</th><th class=\"l\">action</th><th class=\"l\">tag</th><th>paused</th><th>freed / "
+       "cache given back</th><th>copied to/from host</th><th>paused, all tags</th><th>reserved after</th></tr>\n";
+  for (const replay_sleep_event& e : r.sleep_events)
+    o += "<tr><td>" + with_commas(e.line) + "</td><td class=\"l\">" +
+         (e.pause ? (e.keep_contents ? "pause (keep)" : "pause (drop)") : "resume") + "</td><td class=\"l\">" +
+         html(e.tag) + "</td><td>" + html(format_bytes(e.paused_bytes)) + "</td><td>" +
+         html(format_bytes(e.released_bytes)) + "</td><td>" + html(format_bytes(e.copied_bytes)) + "</td><td>" +
+         html(format_bytes(e.paused_total_bytes)) + "</td><td>" + html(format_bytes(e.reserved_bytes)) +
+         "</td></tr>\n";
+  return o + "</table></section>\n";
+}
+
 std::string render_report_html(const trace& t, const report_options& options, const native_reference* native,
                                report_summary* summary_out) {
   const report_model m = build_report_model(t, options);
@@ -493,6 +515,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
          ";border-top-style:dashed\"></i>recording allocator reserved</span>";
   o += "</div><div id=\"readout\"></div>\n<script type=\"application/json\" id=\"chartdata\">" + chart_json(c) +
        "</script></section>\n";
+  o += sleep_table(sum.replay);
 
   // Segment map.
   std::size_t rects = 0;

@@ -58,7 +58,7 @@ enum class trace_entry_action : std::uint8_t {
   snapshot,        ///< a snapshot was taken; addr 0, size = active bytes then
   oom,             ///< out of memory; addr = device free bytes, size = requested bytes
   empty_cache,     ///< empty_cache was called; addr 0, size = reserved bytes then
-  pause,           ///< a tag was paused (SPEC S2); addr 0, size = its paused bytes (pages to map again)
+  pause,           ///< a tag was paused (SPEC S2); addr = bytes of its contents kept in host memory (0: dropped), size = its paused bytes (pages to map again)
   resume,          ///< a tag was resumed (SPEC S3); addr 0, size = the bytes mapped again
 };
 inline constexpr std::size_t trace_entry_action_count = 12;
