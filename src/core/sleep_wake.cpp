@@ -166,12 +166,11 @@ void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result&
     free_events_.push_back(e);
   }
   for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
-    if (!seg.pages.mapped(i)) {
+    const std::size_t n = seg.pages.mapped_run(i);
+    if (n == 0) {
       ++i;
       continue;
     }
-    std::size_t n = 1;
-    while (i + n < seg.pages.count() && seg.pages.mapped(i + n)) ++n;
     if (history_.active()) [[unlikely]]
       history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
     announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page, seg.head->stream,
