@@ -164,7 +164,7 @@ TEST(SleepWakeTrace, AnAllocationUnderAPausedTagFailsNamingItsLine) {
   }
 }
 
-// data/traces/rl_sleep_wake.trace.gz: `ccalloc_sleep_wake_loop --rounds 2
+// data/traces/sleep_wake/rl_sleep_wake.trace.gz: `ccalloc_sleep_wake_loop --rounds 2
 // --trace FILE` (then gzip -9n), on the simulated device of 1 GiB: the
 // first round, which allocates the weights, KV cache and optimizer state,
 // and one round as every later one runs. The program printed:
@@ -177,7 +177,7 @@ TEST(SleepWakeTrace, AnAllocationUnderAPausedTagFailsNamingItsLine) {
 // copies (640 MiB a round).
 TEST(SleepWakeTrace, BundledRlTraceReplaysToTheFiguresTheProgramPrinted) {
   const std::filesystem::path file =
-      std::filesystem::path(CCALLOC_SOURCE_DIR) / "data" / "traces" / "rl_sleep_wake.trace.gz";
+      std::filesystem::path(CCALLOC_SOURCE_DIR) / "data" / "traces" / "sleep_wake" / "rl_sleep_wake.trace.gz";
   const trace t = read_trace_file(file.string());
   const replay_result r = replay_trace(t, on_device_of(1024 * MiB));
   EXPECT_EQ(r.ooms, 0u);

@@ -157,10 +157,13 @@ class sleep_replay {
     const std::string name = e.tag == 0 ? std::string(default_tag_name) : t_.tags.at(e.tag - 1);
     if (e.action == trace_action::tag) {
       scope_.reset();
-      if (e.tag != 0) scope_.emplace(name);
+      try {
+        if (e.tag != 0) scope_.emplace(name);
+      } catch (const invalid_argument_error& x) {  // a name the reader let through but tags refuse
+        throw trace_error(t_.source, e.line, x.what());
+      }
       return;
     }
-    (void)intern_tag(name);  // a tag the replay never allocated under may still be paused
     replay_sleep_event s;
     s.index = index;
     s.line = e.line;
@@ -169,6 +172,7 @@ class sleep_replay {
     s.keep_contents = e.keep_contents;
     s.recorded_bytes = e.size;
     try {
+      (void)intern_tag(name);  // a tag the replay never allocated under may still be paused
       if (s.pause) {
         const sleep_result p = a_.pause({name}, e.keep_contents, 0);
         s.paused_bytes = p.paused_bytes;
@@ -183,7 +187,8 @@ class sleep_replay {
         paused_ -= std::min(paused_, static_cast<std::uint64_t>(w.paused_bytes));
       }
     } catch (const out_of_memory_error&) {
-      if (s.pause) throw;  // only host memory for kept contents fails a pause
+      // A resume without room on the device, or a pause without host memory
+      // for the kept contents: nothing changed, the tag stays as it was.
       ++r_.ooms;
     } catch (const invalid_argument_error& x) {
       throw trace_error(t_.source, e.line, x.what());

@@ -78,8 +78,9 @@
 // the replaying thread), a `pause` calls caching_allocator::pause on its tag
 // with its keep_contents, a `resume` calls resume; each is recorded in
 // replay_result::sleep_events with what it paused and freed. A resume that
-// finds no room counts in `ooms` (the tag stays paused; an allocation under
-// it then fails with a trace_error naming the line). At the end, tags still
+// finds no room (or a pause without host memory for the kept contents)
+// counts in `ooms` and changes nothing (a tag left paused: an allocation
+// under it then fails with a trace_error naming the line). At the end, tags still
 // paused are resumed before everything is freed. A trace without these
 // events replays as before, figure for figure.
 //
