@@ -7,6 +7,7 @@
 #include <ccalloc/core/tags.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/replay/replay.hpp>
+#include <ccalloc/replay/report.hpp>
 #include <ccalloc/replay/trace.hpp>
 #include <ccalloc/replay/trace_writer.hpp>
 
@@ -162,6 +163,43 @@ TEST(SleepWakeTrace, AnAllocationUnderAPausedTagFailsNamingItsLine) {
     EXPECT_EQ(e.line, 4u);
     EXPECT_NE(std::string(e.what()).find("the tag is paused"), std::string::npos) << e.what();
   }
+}
+
+// The report page draws paused bytes over time and lists every pause and
+// resume; a trace without them gets neither.
+TEST(SleepWakeTrace, TheReportShowsPausedBytesOverTimeAndEveryPause) {
+  const std::string plain_text =
+      "2 alloc 4194304 5000000 0\n"
+      "4 alloc 16777216 9000000 0\n"
+      "6 alloc 33554432 100 0\n"
+      "9 free_requested 33554432 100 0\n"
+      "10 free_completed 33554432 100 0\n";
+  const trace tagged = parse_trace_text(
+      "1 tag 0 0 0 rp_weights\n"
+      "2 alloc 4194304 5000000 0\n"
+      "3 tag 0 0 0 rp_kv\n"
+      "4 alloc 16777216 9000000 0\n"
+      "5 tag 0 0 0 default\n"
+      "6 alloc 33554432 100 0\n"
+      "9 free_requested 33554432 100 0\n"
+      "10 free_completed 33554432 100 0\n"
+      "11 pause 0 6291456 0 rp_weights keep\n"
+      "12 pause 0 10485760 0 rp_kv drop\n"
+      "13 resume 0 10485760 0 rp_kv\n",
+      "tagged");
+  report_options o;
+  o.device_memory_bytes = 256 * MiB;
+  report_summary sum;
+  const std::string page = render_report_html(tagged, o, nullptr, &sum);
+  EXPECT_EQ(sum.replay.sleep_events.size(), 3u);
+  EXPECT_EQ(sum.replay.peak_paused_bytes, 16 * MiB);
+  EXPECT_NE(page.find("<h2>Sleep and wake</h2>"), std::string::npos);
+  EXPECT_NE(page.find("paused (all tags)"), std::string::npos);
+  EXPECT_NE(page.find("\"paused\":["), std::string::npos);
+  EXPECT_NE(page.find("pause (keep)"), std::string::npos);
+  const std::string plain = render_report_html(parse_trace_text(plain_text, "plain"), o, nullptr);
+  EXPECT_EQ(plain.find("Sleep and wake"), std::string::npos);
+  EXPECT_EQ(plain.find("\"paused\""), std::string::npos);
 }
 
 // data/traces/sleep_wake/rl_sleep_wake.trace.gz: `ccalloc_sleep_wake_loop --rounds 2
