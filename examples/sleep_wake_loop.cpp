@@ -17,14 +17,22 @@
 //     alone on a fresh allocator) + 2%: nothing stranded between phases;
 //   - the weights and the optimizer state hold their bytes after every
 //     resume (simulated device: the bytes are host-addressable).
-// Usage: sleep_wake_loop [--device sim|cuda] [--rounds N] [--trace FILE] [--bench]
-//   --trace writes the loop's memory history (ccalloc's snapshot JSON, with
-//   pause and resume entries) for `ccalloc report`.
+// Then one line of exact figures that a replay of the loop's trace
+// reproduces: "replay figures: peak_reserved_bytes=... device_mallocs=...
+// peak_paused_bytes=... pauses=...".
+// Usage: sleep_wake_loop [--device sim|cuda] [--rounds N] [--trace FILE]
+//                        [--snapshot FILE] [--bench]
+//   --trace writes the loop as a trace in ccalloc's format (trace_writer:
+//   allocations, tag changes, pauses and resumes), which `ccalloc replay
+//   --device-memory 1GiB FILE` replays to the same figures;
+//   --snapshot writes its memory history (ccalloc's snapshot JSON, with
+//   pause and resume entries).
 #include <ccalloc/backend/default_backend.hpp>
 #include <ccalloc/backend/sim_backend.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/snapshot.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
+#include <ccalloc/replay/trace_writer.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -181,7 +189,7 @@ int bench(const std::shared_ptr<device_backend>& b) {
 
 int main(int argc, char** argv) {
   std::string device = "sim";
-  std::string trace_path;
+  std::string trace_path, snapshot_path;
   int rounds = 20;
   bool bench_only = false;
   for (int i = 1; i < argc; ++i) {
@@ -190,8 +198,10 @@ int main(int argc, char** argv) {
     else if (arg == "--device" && i + 1 < argc) device = argv[++i];
     else if (arg == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
     else if (arg == "--trace" && i + 1 < argc) trace_path = argv[++i];
+    else if (arg == "--snapshot" && i + 1 < argc) snapshot_path = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--device sim|cuda] [--rounds N] [--trace FILE] [--bench]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--device sim|cuda] [--rounds N] [--trace FILE] [--snapshot FILE] [--bench]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -219,8 +229,12 @@ int main(int argc, char** argv) {
     const std::size_t training_peak = phase_alone_peak(b, sim, false);
     caching_allocator a(b, allocator_config{});
     a.init(1);
-    if (!trace_path.empty()) a.record_history(history_options{});
+    if (!snapshot_path.empty()) a.record_history(history_options{});
+    std::unique_ptr<trace_writer> writer;
+    if (!trace_path.empty()) writer = std::make_unique<trace_writer>(a, 0);
     loop l{a, *b, sim, {}, {}, {}, {}, false};
+    std::size_t peak_paused = 0;
+    int pauses = 0;
     std::printf("device %s; alone: inference peak %zu MiB, training peak %zu MiB\n", device.c_str(),
                 inference_peak / MiB, training_peak / MiB);
     std::printf("%5s %-10s %12s %10s %12s %10s %10s\n", "round", "phase", "reserved_MiB", "paused_MiB",
@@ -228,6 +242,7 @@ int main(int argc, char** argv) {
     auto paused_mib = [&] {
       std::size_t n = 0;
       for (const tag_usage& u : a.tag_stats(0)) n += u.paused_bytes;
+      peak_paused = std::max(peak_paused, n);
       return n / MiB;
     };
     for (int round = 0; round < rounds; ++round) {
@@ -238,6 +253,7 @@ int main(int argc, char** argv) {
       l.generation(first);
       const std::size_t reserved_gen = l.reserved();
       const std::uint64_t pause_us = l.pause({"weights"}, true) + l.pause({"kv_cache"}, false);
+      pauses += 2;
       std::printf("%5d %-10s %12zu %10zu %12zu %10llu %10llu\n", round, "generation", reserved_gen / MiB,
                   paused_mib(), l.free_bytes() / MiB, static_cast<unsigned long long>(pause_us),
                   static_cast<unsigned long long>(resume_us));
@@ -247,6 +263,7 @@ int main(int argc, char** argv) {
       l.training(first);
       const std::size_t reserved_train = l.reserved();
       const std::uint64_t train_pause_us = l.pause({"train_state"}, true) + l.pause({"train_scratch"}, false);
+      pauses += 2;
       std::printf("%5d %-10s %12zu %10zu %12zu %10llu %10llu\n", round, "training", reserved_train / MiB,
                   paused_mib(), l.free_bytes() / MiB, static_cast<unsigned long long>(train_pause_us),
                   static_cast<unsigned long long>(train_resume_us));
@@ -259,10 +276,13 @@ int main(int argc, char** argv) {
       std::printf("FAIL: memory was stranded between phases\n");
       l.failed = true;
     }
-    if (!trace_path.empty()) {
-      std::ofstream out(trace_path);
+    std::printf("replay figures: peak_reserved_bytes=%zu device_mallocs=%lld peak_paused_bytes=%zu pauses=%d\n",
+                peak, static_cast<long long>(a.get_device_stats(0).num_device_alloc), peak_paused, pauses);
+    if (writer) writer->write(trace_path);  // the loop as it ends: every tag asleep
+    if (!snapshot_path.empty()) {
+      std::ofstream out(snapshot_path);
       out << to_json(a.snapshot());
-      if (!out) throw std::runtime_error("cannot write " + trace_path);
+      if (!out) throw std::runtime_error("cannot write " + snapshot_path);
     }
     a.resume({"weights", "kv_cache", "train_state", "train_scratch"});
     for (void* p : l.weights) a.free(p);

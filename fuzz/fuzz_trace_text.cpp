@@ -37,6 +37,15 @@ std::string write_events(const ccalloc::trace& t, bool padded) {
       std::snprintf(line, sizeof line, "%" PRIu64 " %s %" PRIu64 " %" PRIu64 " %" PRIu64 "\n", e.time_us,
                     action.c_str(), e.addr, e.size, e.stream);
     out += line;
+    // tag, pause and resume lines end with their tag (and pause's keep|drop).
+    if (e.action == ccalloc::trace_action::tag || e.action == ccalloc::trace_action::pause ||
+        e.action == ccalloc::trace_action::resume) {
+      out.pop_back();
+      out += ' ';
+      out += e.tag == 0 ? std::string("default") : t.tags.at(e.tag - 1);
+      if (e.action == ccalloc::trace_action::pause) out += e.keep_contents ? " keep" : " drop";
+      out += '\n';
+    }
   }
   return out;
 }
@@ -54,7 +63,9 @@ void check_round_trip(const ccalloc::trace& t, bool padded) {
     const auto& a = t.events[i];
     const auto& b = again.events[i];
     if (a.time_us != b.time_us || a.action != b.action || a.addr != b.addr || a.size != b.size ||
-        a.stream != b.stream || b.line != i + 1)
+        a.stream != b.stream || b.line != i + 1 || a.keep_contents != b.keep_contents ||
+        (a.tag == 0 ? std::string("default") : t.tags.at(a.tag - 1)) !=
+            (b.tag == 0 ? std::string("default") : again.tags.at(b.tag - 1)))
       violated("round trip (" + std::string(padded ? "padded" : "plain") + ") changed event " + std::to_string(i) +
                " (line " + std::to_string(a.line) + ")");
   }

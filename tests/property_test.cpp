@@ -38,8 +38,14 @@
 // At the end everything is freed, the clock passes all work, empty_cache
 // returns every segment: reserved 0 and the device's used bytes 0.
 //
-// Tags, pause and resume from several threads (SPEC S1-S4) have their own
-// random sequences, run under ThreadSanitizer: sleep_wake_property_test.cpp.
+// Tags, pause and resume (SPEC S1-S4): Property.TaggedScopesPausesAndResumes
+// FromSeveralThreads below runs the sleep-and-wake property
+// (sleep_wake_property.hpp: tagged scopes, pauses with and without kept
+// contents and resumes from four threads, with the invariants "no page
+// holds blocks of two tags", "paused bytes are mapped nowhere", "a resumed
+// block's contents equal what was kept" and "no unsafe use"). The
+// concurrent test program runs the same code under ThreadSanitizer
+// (sleep_wake_property_test.cpp).
 //
 // Reproducing a failure: the model's choices depend only on the seed (never on
 // addresses); the allocator's tie-breaks depend on the order of the addresses
@@ -62,6 +68,7 @@
 #include <ccalloc/frontend/caching_allocator.hpp>
 
 #include "mapping_table.hpp"
+#include "sleep_wake_property.hpp"
 
 #include <gtest/gtest.h>
 
@@ -1088,5 +1095,10 @@ INSTANTIATE_TEST_SUITE_P(
         prop_case{"recycle_time_zero", "recycle_time_percent:0,per_process_memory_fraction:0.6", false, false,
                   0x5eed0011, 100'000, true, true, false, true}),
     [](const ::testing::TestParamInfo<prop_case>& param_info) { return std::string(param_info.param.name); });
+
+// The sleep-and-wake property (sleep_wake_property.hpp): about 1 s.
+TEST(Property, TaggedScopesPausesAndResumesFromSeveralThreads) {
+  ccalloc_test::sleep_wake_property::check_tagged_pauses_and_resumes_from_several_threads();
+}
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -544,6 +545,29 @@ TEST_F(SleepWakeTest, KeptCopiesCostModelledHostTime) {
 }  // namespace
 
 namespace {
+
+// A free that waits for another stream's work completes later, inside
+// whatever call processes the events: here a malloc under another tag on
+// another thread. Its free_completed entry names the block's tag.
+TEST_F(SleepWakeTest, AFreeCompletedLaterCarriesTheBlocksTagNotTheCompletingThreads) {
+  history_options h;
+  alloc->record_history(h);
+  const stream_t side = sim->create_stream(0);
+  void* p = m_tagged("sw_late_free", 4 * MiB);
+  alloc->record_stream(p, side);
+  sim->enqueue_work(0, side, 500);
+  sim->use_memory(0, p, 4 * MiB, side);
+  alloc->free(p);  // pending: side's work has not run
+  sim->advance_to(1000);
+  void* q = nullptr;
+  std::thread other([&] { q = m_tagged("sw_late_other", 4 * MiB); });  // processes the completed event
+  other.join();
+  std::vector<std::string> completed;
+  for (const trace_entry& e : dev().trace_entries())
+    if (e.action == trace_entry_action::free_completed) completed.push_back(tag_name(e.tag));
+  EXPECT_EQ(completed, std::vector<std::string>{"sw_late_free"});
+  alloc->free(q);
+}
 
 TEST_F(SleepWakeTest, HistoryAndSnapshotNameTagsAndRecordPauseAndResume) {
   history_options h;

@@ -285,7 +285,7 @@ TEST(TraceReaderErrors, UnknownAction) {
   EXPECT_EQ(f.what,
             "t.trace:3: unknown action 'alocc' (accepted: alloc, free_requested, "
             "free_completed, segment_alloc, segment_free, segment_map, segment_unmap, "
-            "snapshot, oom)");
+            "snapshot, oom, tag, pause, resume)");
   // Case matters: PyTorch's names are lower case.
   EXPECT_EQ(failure_of_text("1 ALLOC 2 3 0\n").line, 1u);
 }

@@ -497,6 +497,35 @@ void put_figures(json& out, const Figures& f) {
   out["stream_waits"] = f.stream_waits;
 }
 
+/// Sleep and wake: the peak of paused bytes and every pause and resume
+/// (only for a trace with pause or resume events, so that other traces'
+/// documents do not change).
+json sleep_json(const ccalloc::replay_result& r) {
+  json events = json::array();
+  std::uint64_t pauses = 0;
+  for (const ccalloc::replay_sleep_event& e : r.sleep_events) {
+    pauses += e.pause;
+    json one;
+    one["line"] = e.line;
+    one["action"] = e.pause ? "pause" : "resume";
+    one["tag"] = e.tag;
+    if (e.pause) one["keep_contents"] = e.keep_contents;
+    one["recorded_bytes"] = e.recorded_bytes;
+    one["paused_bytes"] = e.paused_bytes;
+    one[e.pause ? "released_bytes" : "cache_released_bytes"] = e.released_bytes;
+    one["copied_bytes"] = e.copied_bytes;
+    one["paused_total_bytes"] = e.paused_total_bytes;
+    one["reserved_bytes"] = e.reserved_bytes;
+    events.push_back(std::move(one));
+  }
+  json out;
+  out["pauses"] = pauses;
+  out["resumes"] = r.sleep_events.size() - pauses;
+  out["peak_paused_bytes"] = r.peak_paused_bytes;
+  out["events"] = std::move(events);
+  return out;
+}
+
 json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
                  const std::string& config, int cuda_device) {
   json out;
@@ -526,6 +555,7 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
     passes.push_back(std::move(pass));
   }
   out["passes"] = std::move(passes);
+  if (!r.sleep_events.empty()) out["sleep"] = sleep_json(r);
   if (input.native) out["native"] = native_json(*input.native, r);
   if (const ccalloc::recorded_figures rec = ccalloc::recorded_allocator_figures(input.trace); rec.has_segments) {
     out["recorded"] = {{"peak_reserved_bytes", rec.reserved_peak},
@@ -595,6 +625,23 @@ void print_native_comparison(const ccalloc::replay_result& r, const ccalloc::nat
 
 /// The per-pass table of a repeated replay (--repeat N > 1), each line
 /// prefixed by `indent`.
+/// A table of right-aligned columns, two blanks apart, each line after `indent`.
+void print_table(const std::vector<std::string>& head, const std::vector<std::vector<std::string>>& rows,
+                 const char* indent) {
+  std::vector<std::size_t> width(head.size());
+  for (std::size_t c = 0; c < head.size(); ++c) {
+    width[c] = head[c].size();
+    for (const auto& row : rows) width[c] = std::max(width[c], row[c].size());
+  }
+  const auto print_cells = [&](const std::vector<std::string>& cells) {
+    std::string text = indent;
+    for (std::size_t c = 0; c < cells.size(); ++c) text += (c ? "  " : "") + right(cells[c], width[c]);
+    std::printf("%s\n", text.c_str());
+  };
+  print_cells(head);
+  for (const auto& row : rows) print_cells(row);
+}
+
 void print_passes(const ccalloc::replay_result& r, const char* indent) {
   if (r.repeat <= 1) return;
   const std::vector<std::string> head = {"pass",           "peak requested", "peak reserved",
@@ -608,18 +655,22 @@ void print_passes(const ccalloc::replay_result& r, const char* indent) {
                     with_commas(p.pages_mapped), with_commas(p.pages_remapped),
                     gib(p.bytes_moved_between_streams), with_commas(p.device_mallocs)});
   }
-  std::vector<std::size_t> width(head.size());
-  for (std::size_t c = 0; c < head.size(); ++c) {
-    width[c] = head[c].size();
-    for (const auto& row : rows) width[c] = std::max(width[c], row[c].size());
-  }
-  const auto print_cells = [&](const std::vector<std::string>& cells) {
-    std::string text = indent;
-    for (std::size_t c = 0; c < cells.size(); ++c) text += (c ? "  " : "") + right(cells[c], width[c]);
-    std::printf("%s\n", text.c_str());
-  };
-  print_cells(head);
-  for (const auto& row : rows) print_cells(row);
+  print_table(head, rows, indent);
+}
+
+/// Sleep and wake: the peak of paused bytes and one row per pause and
+/// resume (nothing for a trace without them).
+void print_sleep_events(const ccalloc::replay_result& r, const char* indent) {
+  if (r.sleep_events.empty()) return;
+  std::printf("\nSleep and wake (peak paused %s):\n", gib(r.peak_paused_bytes).c_str());
+  const std::vector<std::string> head = {"line",   "action", "tag",    "paused",        "freed / cache given",
+                                         "copied", "paused now", "reserved after"};
+  std::vector<std::vector<std::string>> rows;
+  for (const ccalloc::replay_sleep_event& e : r.sleep_events)
+    rows.push_back({with_commas(e.line), e.pause ? (e.keep_contents ? "pause+keep" : "pause") : "resume", e.tag,
+                    gib(e.paused_bytes), gib(e.released_bytes), gib(e.copied_bytes), gib(e.paused_total_bytes),
+                    gib(e.reserved_bytes)});
+  print_table(head, rows, indent);
 }
 
 /// "sim (simulated device)" or "cuda:0 (GPU, CUDA backend)".
@@ -683,6 +734,7 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
     std::printf("\nPer pass (peaks within the pass, counters during it):\n");
     print_passes(r, "  ");
   }
+  print_sleep_events(r, "  ");
   const ccalloc::recorded_figures rec = ccalloc::recorded_allocator_figures(input.trace);
   if (rec.has_segments) {
     // The same figures as report's "recording allocator" row.
@@ -993,6 +1045,7 @@ int run_report(const common_options& common, const std::string& config, const st
               with_commas(summary.replay.events).c_str(), gib(summary.replay.peak_reserved_bytes).c_str(),
               summary.recorded_reserved_peak ? gib(summary.recorded_reserved_peak).c_str() : "-",
               with_commas(summary.peak_event_index + 1).c_str(), summary.segments_at_peak, summary.blocks_at_peak);
+  print_sleep_events(summary.replay, "  ");
   return oom_exit_status(summary.replay.ooms, common.allow_oom);
 }
 

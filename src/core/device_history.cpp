@@ -49,7 +49,7 @@ void detail::free_recorded(detail::device_state& s, block* b) {
   // causes (no-caching mode); one that waits for events is recorded where
   // its events complete (device_state::process_events and friends).
   if (b->stream_uses.empty() && b->event_count == 0)
-    h.record_free_completed(b->ptr, b->requested_bytes, b->stream);
+    h.record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::device_state::tag_of(*b->seg));
   s.free(b);
 }
 

@@ -203,7 +203,7 @@ void device_state::process_events() {
       std::lock_guard lock(ss.mutex);
       if (--b->event_count == 0) {
         if (history_.active()) [[unlikely]]
-          history_.record_free_completed(b->ptr, b->requested_bytes, b->stream);
+          history_.record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
         stats_sink sink(*this, ss);
         free_block(b, sink.get(), false);
       }
@@ -217,7 +217,7 @@ void device_state::process_events_locked() {
   take_completed_events([&](block* b) {
     if (--b->event_count != 0) return;
     if (history_.active()) [[unlikely]]
-      history_.record_free_completed(b->ptr, b->requested_bytes, b->stream);
+      history_.record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
     free_block(b, stats_, true);
   });
 }
@@ -235,7 +235,7 @@ void device_state::synchronize_and_free_events() {
       ++retired.count;
       if (--b->event_count != 0) continue;
       if (history_.active()) [[unlikely]]
-        history_.record_free_completed(b->ptr, b->requested_bytes, b->stream);
+        history_.record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
       free_block(b, stats_, true);
     }
   }

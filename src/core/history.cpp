@@ -125,10 +125,12 @@ void history_recorder::record(trace_entry_action action, std::uintptr_t addr, st
   if (trackers && !trackers->empty()) tls_pending.push_back({std::move(trackers), std::move(e)});
 }
 
-void history_recorder::record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream) {
+void history_recorder::record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream,
+                                             tag_id tag) {
   const context_ptr allocated_with = forget_block(addr);
   const context_ptr& freed_with = current_context(context_kind::free);
-  record(trace_entry_action::free_completed, addr, requested_bytes, stream, freed_with ? freed_with : allocated_with);
+  record(trace_entry_action::free_completed, addr, requested_bytes, stream, freed_with ? freed_with : allocated_with,
+         tag);
 }
 
 void history_recorder::record_segment_alloc(std::uintptr_t addr, std::size_t size, stream_t stream) {

@@ -184,12 +184,11 @@ void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result&
     free_events_.push_back(e);
   }
   for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
-    if (!seg.pages.mapped(i)) {
+    const std::size_t n = seg.pages.mapped_run(i);
+    if (n == 0) {
       ++i;
       continue;
     }
-    std::size_t n = 1;
-    while (i + n < seg.pages.count() && seg.pages.mapped(i + n)) ++n;
     if (history_.active()) [[unlikely]]
       history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
     announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page, seg.head->stream,
@@ -293,8 +292,10 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
   for (tag_id tag : todo) {
     paused_tags_.insert(tag);
     r.tags.push_back(tag_name(tag));
-    if (history_.active()) [[unlikely]]
-      history_.record(trace_entry_action::pause, 0, usage_of(tag).paused_bytes, 0, nullptr, tag);
+    if (history_.active()) [[unlikely]] {
+      const tag_usage u = usage_of(tag);
+      history_.record(trace_entry_action::pause, u.kept_bytes, u.paused_bytes, 0, nullptr, tag);
+    }
   }
   any_paused_.store(true, std::memory_order_relaxed);
   if (const std::optional<std::uint64_t> end_us = backend_.host_time_us(); start_us && end_us)

@@ -15,6 +15,7 @@
 
 #include <ccalloc/backend/sim_backend.hpp>
 #include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/tags.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
 #include "gap_model.hpp"
@@ -38,6 +39,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -159,6 +161,91 @@ stream_map make_streams(const trace& t, gate_gaps& gates) {
   return m;
 }
 
+// ---- tags, pause and resume ----------------------------------------------------------
+
+// The trace's tag, pause and resume events on the replaying thread: the tag
+// in scope for its allocations, and the record of every pause and resume.
+class sleep_replay {
+ public:
+  sleep_replay(const trace& t, caching_allocator& allocator, replay_result& r) : t_(t), a_(allocator), r_(r) {}
+  sleep_replay(const sleep_replay&) = delete;
+  sleep_replay& operator=(const sleep_replay&) = delete;
+
+  // Each pass starts under the default tag, as the trace does.
+  void begin_pass() { scope_.reset(); }
+
+  void replay(const trace_event& e, std::uint64_t index) {
+    const std::string name = e.tag == 0 ? std::string(default_tag_name) : t_.tags.at(e.tag - 1);
+    if (e.action == trace_action::tag) {
+      scope_.reset();
+      try {
+        if (e.tag != 0) scope_.emplace(name);
+      } catch (const invalid_argument_error& x) {  // a name the reader let through but tags refuse
+        throw trace_error(t_.source, e.line, x.what());
+      }
+      return;
+    }
+    replay_sleep_event s;
+    s.index = index;
+    s.line = e.line;
+    s.tag = name;
+    s.pause = e.action == trace_action::pause;
+    s.keep_contents = e.keep_contents;
+    s.recorded_bytes = e.size;
+    try {
+      (void)intern_tag(name);  // a tag the replay never allocated under may still be paused
+      if (s.pause) {
+        const sleep_result p = a_.pause({name}, e.keep_contents, 0);
+        s.paused_bytes = p.paused_bytes;
+        s.released_bytes = p.released_bytes;
+        s.copied_bytes = p.copied_bytes;
+        paused_ += p.paused_bytes;
+      } else {
+        const sleep_result w = a_.resume({name}, 0);
+        s.paused_bytes = w.paused_bytes;
+        s.released_bytes = w.cache_released_bytes;
+        s.copied_bytes = w.copied_bytes;
+        paused_ -= std::min(paused_, static_cast<std::uint64_t>(w.paused_bytes));
+      }
+    } catch (const out_of_memory_error&) {
+      // A resume without room on the device, or a pause without host memory
+      // for the kept contents: nothing changed, the tag stays as it was.
+      ++r_.ooms;
+    } catch (const invalid_argument_error& x) {
+      throw trace_error(t_.source, e.line, x.what());
+    }
+    s.paused_total_bytes = paused_;
+    s.reserved_bytes = static_cast<std::uint64_t>(a_.get_device_stats(0).reserved_bytes[0].current);
+    r_.peak_paused_bytes = std::max(r_.peak_paused_bytes, paused_);
+    r_.sleep_events.push_back(std::move(s));
+  }
+
+  // An allocation refused because its tag is paused: the trace allocates
+  // under a tag it paused, or a resume found no room.
+  [[noreturn]] void rethrow_paused(const trace_event& e, const invalid_argument_error& x) const {
+    throw trace_error(t_.source, e.line, x.what());
+  }
+
+  // The end: back to the default tag, every tag awake (so that its blocks
+  // can be freed).
+  void finish() {
+    scope_.reset();
+    for (const std::string& name : a_.paused_tags(0)) {
+      try {
+        (void)a_.resume({name}, 0);
+      } catch (const out_of_memory_error&) {  // its blocks then stay until the allocator goes
+      }
+    }
+  }
+
+ private:
+  const trace& t_;
+  caching_allocator& a_;
+  replay_result& r_;
+  std::optional<tag_scope> scope_;
+  std::uint64_t paused_ = 0;
+};
+
 // ---- the event loop ----------------------------------------------------------------
 
 [[noreturn]] void throw_still_live(const trace& t, const trace_event& e, std::uint64_t allocated_line) {
@@ -238,8 +325,10 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   // not wrap the clock back to its start.
   constexpr std::uint64_t max_us = std::numeric_limits<std::uint64_t>::max();
   const std::uint64_t pass_us = n == 0 ? 0 : t_end - t0 == max_us ? max_us : t_end - t0 + 1;
+  sleep_replay sleep(t, allocator, r);
   for (std::size_t pass = 0; pass < repeat && !stopped; ++pass) {
     const std::uint64_t base = pass * n;
+    sleep.begin_pass();
     const std::uint64_t ooms_before = r.ooms;
     std::uint64_t pass_events = 0;
     for (std::size_t i = 0; i < n; ++i) {
@@ -262,6 +351,8 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
               ptr = allocator.malloc(0, e.size, streams(e.stream));
             } catch (const out_of_memory_error&) {
               ++r.ooms;
+            } catch (const invalid_argument_error& x) {
+              sleep.rethrow_paused(e, x);
             }
             if (ptr != nullptr) kept.push_back(ptr);
             break;
@@ -274,9 +365,17 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
           } catch (const out_of_memory_error&) {
             ++r.ooms;
             it->second.ptr = nullptr;
+          } catch (const invalid_argument_error& x) {
+            live.erase(it);
+            sleep.rethrow_paused(e, x);
           }
           break;
         }
+        case trace_action::tag:
+        case trace_action::pause:
+        case trace_action::resume:
+          sleep.replay(e, base + i);
+          break;
         case trace_action::free_requested: {
           auto it = live.find(e.addr);
           if (it == live.end())
@@ -357,8 +456,9 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   r.stream_waits = static_cast<std::uint64_t>(s.num_stream_waits);
   r.thread_cache_hits = static_cast<std::uint64_t>(s.num_thread_cache_hits);
 
-  // Give everything back (the figures are taken): what the trace still
-  // holds, then the gaps, then the cache.
+  // Give everything back (the figures are taken): paused tags wake, what
+  // the trace still holds goes, then the gaps, then the cache.
+  sleep.finish();
   for (auto& [addr, a] : live)
     if (a.ptr != nullptr) allocator.free(a.ptr);
   for (void* ptr : kept) allocator.free(ptr);

@@ -118,6 +118,7 @@ constexpr const char* color_requested = "#bac8d6";
 constexpr const char* color_allocated = "#59a14f";
 constexpr const char* color_reserved = "#2f6db5";
 constexpr const char* color_recorded = "#e8772e";
+constexpr const char* color_paused = "#8e44ad";
 constexpr const char* color_block = "#4e79a7";
 constexpr const char* color_rounding = "#a0cbe8";
 constexpr const char* color_pending = "#f28e2c";
@@ -147,7 +148,7 @@ std::string time_chart_svg(const chart_data& c) {
   constexpr double W = 1040, H = 360, L = 72, R = 16, T = 16, B = 44;
   const double plot_w = W - L - R, plot_h = H - T - B;
   std::int64_t max_v = 1;
-  for (const auto* s : {&c.requested, &c.allocated, &c.reserved, &c.recorded_reserved})
+  for (const auto* s : {&c.requested, &c.allocated, &c.reserved, &c.recorded_reserved, &c.paused})
     for (const std::int64_t v : *s) max_v = std::max(max_v, v);
   const byte_axis unit{static_cast<double>(max_v)};
   // Headroom above the highest curve, so that it does not run along the frame.
@@ -184,6 +185,10 @@ std::string time_chart_svg(const chart_data& c) {
            polyline_points(c.allocated, c.x, xs, ys, L, bottom, false).c_str(), color_allocated);
   o += fmt("<polyline class=\"curve\" points=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"2.2\"/>\n",
            polyline_points(c.reserved, c.x, xs, ys, L, bottom, false).c_str(), color_reserved);
+  if (!c.paused.empty())
+    o += fmt("<polyline class=\"curve\" points=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.8\" "
+             "stroke-dasharray=\"2 3\"/>\n",
+             polyline_points(c.paused, c.x, xs, ys, L, bottom, false).c_str(), color_paused);
   const double px = L + c.peak_x * xs;
   o += fmt("<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.0f\" y2=\"%.0f\" stroke=\"#c0392b\" stroke-dasharray=\"3 3\"/>"
            "<text x=\"%.1f\" y=\"%.0f\" class=\"tick\" fill=\"#c0392b\" text-anchor=\"%s\">segment map</text>\n",
@@ -207,7 +212,8 @@ std::string chart_json(const chart_data& c) {
   };
   std::string s = "{\"by_time\":" + std::string(c.by_time ? "true" : "false") + fmt(",\"span\":%.6g", c.span) +
                   ",\"requested\":" + arr(c.requested) + ",\"allocated\":" + arr(c.allocated) +
-                  ",\"reserved\":" + arr(c.reserved) + ",\"recorded\":" + arr(c.recorded_reserved) + "}";
+                  ",\"reserved\":" + arr(c.reserved) + ",\"recorded\":" + arr(c.recorded_reserved) +
+                  (c.paused.empty() ? std::string() : ",\"paused\":" + arr(c.paused)) + "}";
   return s;
 }
 
@@ -421,6 +427,28 @@ std::string peaks_table(const report_summary& sum, const native_reference* nativ
 
 }  // namespace
 
+// Sleep and wake: paused bytes over the trace's pauses and resumes, and
+// what each pause freed ("" for a trace without them).
+std::string sleep_table(const replay_result& r) {
+  if (r.sleep_events.empty()) return {};
+  std::string o = "<section class=\"card\"><h2>Sleep and wake</h2>\n<p class=\"note\">Every pause and resume of "
+                  "the trace as ccalloc replayed it; peak paused " +
+                  html(format_bytes(r.peak_paused_bytes)) +
+                  ". A pause frees its tag's pages under live blocks (paused, mapped again at resume) and its "
+                  "cached free pages; a resume first gives back ccalloc's cached memory of active tags when the "
+                  "device lacks room.</p>\n";
+  o += "<table><tr><th>line</th><th class=\"l\">action</th><th class=\"l\">tag</th><th>paused</th><th>freed / "
+       "cache given back</th><th>copied to/from host</th><th>paused, all tags</th><th>reserved after</th></tr>\n";
+  for (const replay_sleep_event& e : r.sleep_events)
+    o += "<tr><td>" + with_commas(e.line) + "</td><td class=\"l\">" +
+         (e.pause ? (e.keep_contents ? "pause (keep)" : "pause (drop)") : "resume") + "</td><td class=\"l\">" +
+         html(e.tag) + "</td><td>" + html(format_bytes(e.paused_bytes)) + "</td><td>" +
+         html(format_bytes(e.released_bytes)) + "</td><td>" + html(format_bytes(e.copied_bytes)) + "</td><td>" +
+         html(format_bytes(e.paused_total_bytes)) + "</td><td>" + html(format_bytes(e.reserved_bytes)) +
+         "</td></tr>\n";
+  return o + "</table></section>\n";
+}
+
 std::string render_report_html(const trace& t, const report_options& options, const native_reference* native,
                                report_summary* summary_out) {
   const report_model m = build_report_model(t, options);
@@ -491,8 +519,12 @@ std::string render_report_html(const trace& t, const report_options& options, co
   if (!recorded.reserved.empty())
     o += "<span><i class=\"swl\" style=\"border-color:" + std::string(color_recorded) +
          ";border-top-style:dashed\"></i>recording allocator reserved</span>";
+  if (!c.paused.empty())
+    o += "<span><i class=\"swl\" style=\"border-color:" + std::string(color_paused) +
+         ";border-top-style:dotted\"></i>paused (all tags)</span>";
   o += "</div><div id=\"readout\"></div>\n<script type=\"application/json\" id=\"chartdata\">" + chart_json(c) +
        "</script></section>\n";
+  o += sleep_table(sum.replay);
 
   // Segment map.
   std::size_t rects = 0;

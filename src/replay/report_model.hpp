@@ -103,6 +103,8 @@ std::vector<site_row> sites_at_peak(const trace& t, std::size_t peak_index, std:
 struct chart_data {
   std::vector<double> x;  // slice start, seconds or events
   std::vector<std::int64_t> requested, allocated, reserved, recorded_reserved;
+  /// Paused bytes of all tags (sleep and wake); empty for a trace without pauses.
+  std::vector<std::int64_t> paused;
   bool by_time = true;
   double span = 1;
   double peak_x = 0;

@@ -241,7 +241,10 @@ class converter {
       case trace_action::segment_map:
       case trace_action::segment_unmap: unmapped_.push_back({addr, size, *action == trace_action::segment_map}); break;
       case trace_action::snapshot:
-      case trace_action::oom: break;
+      case trace_action::oom:
+      case trace_action::tag:  // not in a snapshot's entries (action_of never names them)
+      case trace_action::pause:
+      case trace_action::resume: break;
     }
     events_.push_back({time, addr, size, stream, *action, site});
     ++entries_;

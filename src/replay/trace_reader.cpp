@@ -30,6 +30,7 @@
 #include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 namespace ccalloc {
 
@@ -37,10 +38,14 @@ namespace detail {
 namespace {
 
 /// Every action, indexed by its enumerator value (the order of trace_action).
-constexpr std::array<std::string_view, 9> action_names = {
+constexpr std::array<std::string_view, 12> action_names = {
     "alloc",        "free_requested", "free_completed", "segment_alloc", "segment_free",
-    "segment_map",  "segment_unmap",  "snapshot",       "oom",
+    "segment_map",  "segment_unmap",  "snapshot",       "oom",           "tag",
+    "pause",        "resume",
 };
+/// The actions of five columns only (the fast path's); tag, pause and
+/// resume add a tag name (and pause its keep/drop) after them.
+constexpr std::size_t plain_action_count = 9;
 
 /// "alloc, free_requested, ..., oom": what an unknown action message lists.
 std::string accepted_actions() {
@@ -106,7 +111,7 @@ trace_action parse_action(std::string_view field, const std::string& source, std
 
 /// Splits `line` into at most `out.size()` blank-separated fields; returns the
 /// total number of fields on the line (which may exceed out.size()).
-std::size_t split_fields(std::string_view line, std::array<std::string_view, 5>& out) noexcept {
+std::size_t split_fields(std::string_view line, std::array<std::string_view, 7>& out) noexcept {
   std::size_t count = 0;
   std::size_t i = 0;
   const std::size_t n = line.size();
@@ -177,8 +182,8 @@ inline const char* parse_line_fast(const char* p, const char* end, trace_event& 
   while (p != end && *p != '\n' && !is_blank(*p)) ++p;
   const std::string_view action(action_begin, static_cast<std::size_t>(p - action_begin));
   std::size_t index = 0;
-  while (index < action_names.size() && action != action_names[index]) ++index;
-  if (index == action_names.size()) return nullptr;
+  while (index < plain_action_count && action != action_names[index]) ++index;
+  if (index == plain_action_count) return nullptr;
   event.action = static_cast<trace_action>(index);
   skip_blanks(p, end);
   if (!read_u64_fast(p, end, event.addr)) return nullptr;
@@ -207,12 +212,69 @@ std::string missing_columns(std::size_t count) {
 /// event line, and throws trace_error naming `source`:`line_number` and the
 /// first thing wrong otherwise. `unterminated`: the line is the text's last
 /// and has no '\n' (a short one then says the text may be truncated).
+/// The index (trace_event::tag) of the tag named `name` in `tags`, added
+/// on first use; 0 for "default". Throws trace_error for a name that is no
+/// tag name (tags.hpp: 1 to 64 of letters, digits and "_-.:/").
+std::uint16_t tag_index(std::string_view name, std::vector<std::string>& tags, const std::string& source,
+                        std::size_t line) {
+  if (name == "default") return 0;
+  const bool valid = name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           std::string_view("_-.:/").find(c) != std::string_view::npos;
+  });
+  if (!valid)
+    throw trace_error(source, line,
+                      "bad tag " + quote_field(name) +
+                          ": a tag name is 1 to 64 ASCII letters, digits and the characters _-.:/");
+  for (std::size_t i = 0; i < tags.size(); ++i)
+    if (tags[i] == name) return static_cast<std::uint16_t>(i + 1);
+  if (tags.size() >= std::numeric_limits<std::uint16_t>::max())
+    throw trace_error(source, line, "more than 65535 distinct tags");
+  tags.emplace_back(name);
+  return static_cast<std::uint16_t>(tags.size());
+}
+
+/// The sixth and seventh columns of tag, pause and resume lines (`fields`
+/// holds `count` of them): the tag's name, and for pause `keep` or `drop`.
+void parse_tag_columns(const std::array<std::string_view, 7>& fields, std::size_t count,
+                       std::vector<std::string>& tags, const std::string& source, std::size_t line,
+                       trace_event& event) {
+  const bool is_pause = event.action == trace_action::pause;
+  const std::size_t expected = is_pause ? 7 : 6;
+  if (count != expected)
+    throw trace_error(source, line,
+                      std::string(action_names[static_cast<std::size_t>(event.action)]) + " needs " +
+                          (is_pause ? "7 fields (time_us pause addr size stream tag keep|drop)"
+                                    : "6 fields (time_us action addr size stream tag)") +
+                          ", got " + std::to_string(count));
+  event.tag = tag_index(fields[5], tags, source, line);
+  if (is_pause) {
+    if (fields[6] != "keep" && fields[6] != "drop")
+      throw trace_error(source, line, "bad keep|drop " + quote_field(fields[6]) + ": pause ends with keep or drop");
+    event.keep_contents = fields[6] == "keep";
+  }
+}
+
 bool parse_line_checked(std::string_view line, const std::string& source, std::size_t line_number,
-                        bool unterminated, trace_event& event) {
-  std::array<std::string_view, 5> fields;
+                        bool unterminated, trace_event& event, std::vector<std::string>& tags) {
+  std::array<std::string_view, 7> fields;
   const std::size_t count = split_fields(line, fields);
   if (count == 0) return false;                // blank line
   if (fields[0].front() == '#') return false;  // comment
+  if (count >= 2 && std::find(action_names.begin() + plain_action_count, action_names.end(), fields[1]) !=
+                        action_names.end()) {
+    {
+      event.action = parse_action(fields[1], source, line_number);
+      if (count >= 5) {
+        event.time_us = parse_u64(fields[0], 0, source, line_number);
+        event.addr = parse_u64(fields[2], 2, source, line_number);
+        event.size = parse_u64(fields[3], 3, source, line_number);
+        event.stream = parse_u64(fields[4], 4, source, line_number);
+      }
+      parse_tag_columns(fields, count, tags, source, line_number, event);
+      return true;
+    }
+  }
   if (count != 5) {
     std::string why = "expected 5 fields (time_us action addr size stream), got " + std::to_string(count);
     if (count < 5) {
@@ -276,7 +338,7 @@ class trace_text_parser final : public line_parser {
         p = nl ? line_end + 1 : text_end;
         if (line.size() > limits_.max_line_bytes) [[unlikely]]
           throw trace_error(source_, line_number_, line_limit_reason(limits_.max_line_bytes));
-        if (!parse_line_checked(line, source_, line_number_, nl == nullptr, event)) continue;
+        if (!parse_line_checked(line, source_, line_number_, nl == nullptr, event, result_.tags)) continue;
       }
       event.line = line_number_;
       if (event.time_us < previous_time_us_) [[unlikely]] {

@@ -58,7 +58,7 @@ enum class trace_entry_action : std::uint8_t {
   snapshot,        ///< a snapshot was taken; addr 0, size = active bytes then
   oom,             ///< out of memory; addr = device free bytes, size = requested bytes
   empty_cache,     ///< empty_cache was called; addr 0, size = reserved bytes then
-  pause,           ///< a tag was paused (SPEC S2); addr 0, size = its paused bytes (pages to map again)
+  pause,           ///< a tag was paused (SPEC S2); addr = bytes of its contents kept in host memory (0: dropped), size = its paused bytes (pages to map again)
   resume,          ///< a tag was resumed (SPEC S3); addr 0, size = the bytes mapped again
 };
 inline constexpr std::size_t trace_entry_action_count = 12;
@@ -131,9 +131,10 @@ struct trace_entry {
   std::string compile_context = "N/A";  ///< top of the compile-context stack, "N/A" if empty (PyTorch)
   std::string user_metadata;            ///< set_user_metadata's value then ("" by default)
   /// The tag (SPEC S1; core/tags.hpp) of the block or segment: for alloc,
-  /// free_requested, pause and resume its own; for other entries the tag in
-  /// scope on the thread that caused them (a segment_map inside a tagged
-  /// malloc is that tag's; a free_completed after events, the thread's).
+  /// free_requested, free_completed (also one completed later, after its
+  /// events, on whatever thread), pause and resume its own; for segment
+  /// entries the tag in scope on the thread that caused them (a segment_map
+  /// inside a tagged malloc is that tag's).
   tag_id tag = default_tag_id;
 };
 

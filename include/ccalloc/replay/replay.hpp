@@ -73,6 +73,17 @@
 //   replay_result are the maxima (peaks) and sums (counters) over passes.
 // With N = 1 the replay is the plain one, event for event.
 //
+// Tags, pause and resume (the trace's `tag`, `pause` and `resume` events):
+// a `tag` event puts the following allocations under its tag (tag_scope on
+// the replaying thread), a `pause` calls caching_allocator::pause on its tag
+// with its keep_contents, a `resume` calls resume; each is recorded in
+// replay_result::sleep_events with what it paused and freed. A resume that
+// finds no room (or a pause without host memory for the kept contents)
+// counts in `ooms` and changes nothing (a tag left paused: an allocation
+// under it then fails with a trace_error naming the line). At the end, tags still
+// paused are resumed before everything is freed. A trace without these
+// events replays as before, figure for figure.
+//
 // A device that runs behind the host (replay_options::device_lag_events = L,
 // simulated device only): by default the simulated device finishes the
 // program's work at once, so an event recorded on a trace stream has
@@ -172,6 +183,27 @@ struct replay_pass {
   }
 };
 
+/// One pause or resume of a trace, as replayed (the trace's `pause` and
+/// `resume` events; docs/trace-format.md, "Tags, pause and resume").
+struct replay_sleep_event {
+  std::uint64_t index = 0;  ///< the event's index, counted over all passes
+  std::uint64_t line = 0;   ///< its line in the trace
+  std::string tag;
+  bool pause = true;            ///< false: a resume
+  bool keep_contents = false;   ///< pause: contents kept in host memory
+  std::uint64_t recorded_bytes = 0;  ///< the trace's size: what the recording paused / mapped again
+  /// This replay's: bytes of pages under live blocks unmapped (pause) or
+  /// mapped again (resume); sleep_result::paused_bytes.
+  std::uint64_t paused_bytes = 0;
+  /// Pause: device bytes it gave back (its paused pages plus the tag's
+  /// cached free pages; sleep_result::released_bytes). Resume: ccalloc's
+  /// cached memory of active tags it gave back first (cache_released_bytes).
+  std::uint64_t released_bytes = 0;
+  std::uint64_t copied_bytes = 0;        ///< bytes copied to (pause) or from (resume) host memory
+  std::uint64_t paused_total_bytes = 0;  ///< paused bytes of every tag after the event
+  std::uint64_t reserved_bytes = 0;      ///< ccalloc's reserved bytes after the event
+};
+
 struct replay_result {
   std::string source;
   std::string config;
@@ -212,6 +244,10 @@ struct replay_result {
   /// the replay early). The figures above are over the whole run: peaks the
   /// highest pass's, counters the sum.
   std::vector<replay_pass> passes;
+  /// Sleep and wake: the trace's pauses and resumes in order (empty for a
+  /// trace without them), and the most bytes paused at once (all tags).
+  std::vector<replay_sleep_event> sleep_events;
+  std::uint64_t peak_paused_bytes = 0;
   /// peak_reserved_bytes / peak_requested_bytes (0 when nothing was requested).
   [[nodiscard]] double fragmentation() const noexcept {
     return peak_requested_bytes ? double(peak_reserved_bytes) / double(peak_requested_bytes) : 0.0;

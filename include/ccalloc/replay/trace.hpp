@@ -66,6 +66,15 @@ enum class trace_action : std::uint8_t {
   segment_unmap,
   snapshot,
   oom,
+  /// Sleep and wake (docs/trace-format.md, "Tags, pause and resume"): the
+  /// allocations from here on are made under trace::tags[tag - 1] (tag 0:
+  /// the default tag).
+  tag,
+  /// trace::tags[tag - 1] was paused, its contents kept when keep_contents;
+  /// size = the bytes the recording paused.
+  pause,
+  /// trace::tags[tag - 1] was resumed; size = the bytes mapped again.
+  resume,
 };
 
 /// PyTorch's name of an action ("free_requested").
@@ -74,6 +83,10 @@ enum class trace_action : std::uint8_t {
 struct trace_event {
   std::uint64_t time_us = 0;  ///< wall-clock microseconds of the recording
   trace_action action = trace_action::alloc;
+  /// pause: the recording kept the tag's contents in host memory.
+  bool keep_contents = false;
+  /// tag, pause, resume: trace::tags[tag - 1], or 0 for the default tag.
+  std::uint16_t tag = 0;
   /// The allocation site: trace::sites[site - 1], or 0 when the input has
   /// none (only PyTorch snapshots recorded with stacks have sites).
   std::uint32_t site = 0;
@@ -96,6 +109,9 @@ struct trace {
   /// PyTorch snapshot pickle): trace_event::line then counts lines of the
   /// conversion, which the user never sees, and pages do not show it.
   bool has_source_lines = true;
+  /// The names of the tags that `tag`, `pause` and `resume` events name
+  /// (trace_event::tag - 1), in the order of their first line.
+  std::vector<std::string> tags;
 };
 
 /// Bounds the readers enforce on their input, so that a mistaken or hostile

@@ -108,9 +108,12 @@ class history_recorder {
   // The core's hooks, one out-of-line call each so that the hot functions
   // that contain them stay small (only called when active()).
   /// A block becomes free (free_block): forgets its context; the entry
-  /// carries the free's context if inside a free, else the block's own.
+  /// carries the free's context if inside a free, else the block's own,
+  /// and the block's tag (not the tag in scope on the thread that
+  /// completes it: events may complete inside another tag's malloc).
   /// Called before free_block merges it (b->ptr still the block's).
-  [[gnu::cold]] void record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream);
+  [[gnu::cold]] void record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream,
+                                           tag_id tag);
   /// A segment came from the device (inside a malloc: its context).
   [[gnu::cold]] void record_segment_alloc(std::uintptr_t addr, std::size_t size, stream_t stream);
   /// A segment went back to the device: the entry carries the freeing

@@ -1,0 +1,236 @@
+// Traces with tags, pauses and resumes (docs/trace-format.md, "Tags, pause
+// and resume"): reading their lines, recording them (trace_writer),
+// replaying them, and the bundled RL-style trace recorded from
+// examples/sleep_wake_loop.cpp.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/tags.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
+#include <ccalloc/replay/replay.hpp>
+#include <ccalloc/replay/report.hpp>
+#include <ccalloc/replay/trace.hpp>
+#include <ccalloc/replay/trace_writer.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace ccalloc;  // NOLINT: test file
+
+constexpr std::uint64_t MiB = mib;
+
+replay_options on_device_of(std::size_t bytes) {
+  replay_options o;
+  o.device_memory_bytes = bytes;
+  return o;
+}
+
+TEST(SleepWakeTrace, ReadsTagPauseAndResumeLines) {
+  const trace t = parse_trace_text(
+      "# time_us action addr size stream [tag [keep|drop]]\n"
+      "1 tag 0 0 0 weights\n"
+      "2 alloc 4096 100 0\n"
+      "3 tag 0 0 0 default\n"
+      "4 pause 0 2097152 0 weights keep\n"
+      "5 pause 0 0 0 kv.cache/1 drop\n"
+      "6 resume 0 2097152 0 weights\n",
+      "t");
+  ASSERT_EQ(t.events.size(), 6u);
+  EXPECT_EQ(t.tags, (std::vector<std::string>{"weights", "kv.cache/1"}));
+  EXPECT_EQ(t.events[0].action, trace_action::tag);
+  EXPECT_EQ(t.events[0].tag, 1);
+  EXPECT_EQ(t.events[1].action, trace_action::alloc);
+  EXPECT_EQ(t.events[2].tag, 0) << "default is tag 0";
+  EXPECT_EQ(t.events[3].action, trace_action::pause);
+  EXPECT_TRUE(t.events[3].keep_contents);
+  EXPECT_EQ(t.events[3].size, 2097152u);
+  EXPECT_EQ(t.events[3].line, 5u);
+  EXPECT_EQ(t.events[4].tag, 2);
+  EXPECT_FALSE(t.events[4].keep_contents);
+  EXPECT_EQ(t.events[5].action, trace_action::resume);
+  EXPECT_EQ(t.events[5].tag, 1);
+  EXPECT_EQ(to_string(trace_action::pause), "pause");
+}
+
+TEST(SleepWakeTrace, MalformedTagLinesNameTheLineAndTheFault) {
+  const auto error_of = [](const std::string& text) {
+    try {
+      (void)parse_trace_text(text, "t");
+    } catch (const trace_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error_of("1 alloc 0 1 0\n2 pause 0 0 0 w\n"),
+            "t:2: pause needs 7 fields (time_us pause addr size stream tag keep|drop), got 6");
+  EXPECT_EQ(error_of("1 tag 0 0 0\n"), "t:1: tag needs 6 fields (time_us action addr size stream tag), got 5");
+  EXPECT_EQ(error_of("1 resume 0 0 0 w x\n"),
+            "t:1: resume needs 6 fields (time_us action addr size stream tag), got 7");
+  EXPECT_EQ(error_of("1 pause 0 0 0 w maybe\n"), "t:1: bad keep|drop 'maybe': pause ends with keep or drop");
+  EXPECT_EQ(error_of("1 tag 0 0 0 we!ghts\n"),
+            "t:1: bad tag 'we!ghts': a tag name is 1 to 64 ASCII letters, digits and the characters _-.:/");
+  EXPECT_EQ(error_of("1 tag x 0 0 w\n"), "t:1: bad addr 'x': not an unsigned integer");
+  // The five-column actions keep their messages.
+  EXPECT_EQ(error_of("1 alloc 0 1 0 w\n"), "t:1: expected 5 fields (time_us action addr size stream), got 6");
+}
+
+// A trace whose tag lines all name the default tag replays to the figures
+// of the same trace without them: tag lines change only the tag.
+TEST(SleepWakeTrace, DefaultTagLinesChangeNoFigure) {
+  std::string plain, tagged;
+  for (int i = 0; i < 40; ++i) {
+    const std::string addr = std::to_string((i % 7 + 1) * 64 * MiB);
+    const std::string size = std::to_string((i * 37 % 11 + 1) * 300000);
+    const std::string t = std::to_string(10 * i);
+    const std::string lines = t + " alloc " + addr + " " + size + " 0\n" + t + " free_requested " + addr + " " +
+                              size + " 0\n" + t + " free_completed " + addr + " " + size + " 0\n";
+    plain += lines;
+    tagged += t + " tag 0 0 0 default\n" + lines;
+  }
+  const replay_result a = replay_trace(parse_trace_text(plain, "plain"), on_device_of(1024 * MiB));
+  const replay_result b = replay_trace(parse_trace_text(tagged, "tagged"), on_device_of(1024 * MiB));
+  EXPECT_EQ(a.peak_reserved_bytes, b.peak_reserved_bytes);
+  EXPECT_EQ(a.device_mallocs, b.device_mallocs);
+  EXPECT_EQ(a.pages_mapped, b.pages_mapped);
+  EXPECT_TRUE(b.sleep_events.empty());
+  EXPECT_EQ(b.peak_paused_bytes, 0u);
+}
+
+// A program recorded with trace_writer replays to its own figures: what
+// each pause paused, the peak of paused bytes, peak reserved.
+TEST(SleepWakeTrace, RecordedProgramReplaysToItsOwnFigures) {
+  sim_options so;
+  so.capacity_bytes = 512 * MiB;
+  caching_allocator a(std::make_shared<sim_backend>(so), allocator_config{});
+  a.init(1);
+  trace_writer writer(a, 0);
+  std::vector<void*> kept, dropped;
+  {
+    tag_scope w("rw_weights");
+    for (int i = 0; i < 6; ++i) kept.push_back(a.malloc(0, 5 * MiB + 1000, default_stream));
+  }
+  {
+    tag_scope k("rw_kv");
+    for (int i = 0; i < 4; ++i) dropped.push_back(a.malloc(0, 9 * MiB, default_stream));
+  }
+  void* temp = a.malloc(0, 3 * MiB, default_stream);
+  std::vector<std::size_t> paused;
+  paused.push_back(a.pause({"rw_weights"}, true).paused_bytes);
+  paused.push_back(a.pause({"rw_kv"}, false).paused_bytes);
+  a.free(temp);
+  paused.push_back(a.resume({"rw_kv"}).paused_bytes);
+  paused.push_back(a.resume({"rw_weights"}).paused_bytes);
+  const auto peak_reserved = static_cast<std::uint64_t>(a.get_device_stats(0).reserved_bytes[0].peak);
+  const std::string text = writer.text();
+  for (void* p : kept) a.free(p);
+  for (void* p : dropped) a.free(p);
+
+  const trace t = parse_trace_text(text, "recorded");
+  const replay_result r = replay_trace(t, on_device_of(512 * MiB));
+  ASSERT_EQ(r.sleep_events.size(), 4u) << text;
+  EXPECT_TRUE(r.sleep_events[0].pause && r.sleep_events[0].keep_contents);
+  EXPECT_TRUE(r.sleep_events[1].pause && !r.sleep_events[1].keep_contents);
+  EXPECT_EQ(r.sleep_events[2].tag, "rw_kv");
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(r.sleep_events[i].paused_bytes, paused[i]) << i;
+    EXPECT_EQ(r.sleep_events[i].recorded_bytes, paused[i]) << i;
+  }
+  EXPECT_EQ(r.sleep_events[0].copied_bytes, paused[0]) << "kept contents are copied";
+  EXPECT_EQ(r.peak_paused_bytes, paused[0] + paused[1]);
+  EXPECT_EQ(r.sleep_events[1].paused_total_bytes, paused[0] + paused[1]);
+  EXPECT_EQ(r.sleep_events[3].paused_total_bytes, 0u);
+  EXPECT_EQ(r.peak_reserved_bytes, peak_reserved);
+  EXPECT_EQ(r.ooms, 0u);
+}
+
+TEST(SleepWakeTrace, AnAllocationUnderAPausedTagFailsNamingItsLine) {
+  const trace t = parse_trace_text(
+      "1 tag 0 0 0 rw_paused\n"
+      "2 alloc 4194304 1000 0\n"
+      "3 pause 0 2097152 0 rw_paused drop\n"
+      "4 alloc 8388608 1000 0\n",
+      "t");
+  try {
+    (void)replay_trace(t, on_device_of(256 * MiB));
+    FAIL() << "replayed an allocation under a paused tag";
+  } catch (const trace_error& e) {
+    EXPECT_EQ(e.line, 4u);
+    EXPECT_NE(std::string(e.what()).find("the tag is paused"), std::string::npos) << e.what();
+  }
+}
+
+// The report page draws paused bytes over time and lists every pause and
+// resume; a trace without them gets neither.
+TEST(SleepWakeTrace, TheReportShowsPausedBytesOverTimeAndEveryPause) {
+  const std::string plain_text =
+      "2 alloc 4194304 5000000 0\n"
+      "4 alloc 16777216 9000000 0\n"
+      "6 alloc 33554432 100 0\n"
+      "9 free_requested 33554432 100 0\n"
+      "10 free_completed 33554432 100 0\n";
+  const trace tagged = parse_trace_text(
+      "1 tag 0 0 0 rp_weights\n"
+      "2 alloc 4194304 5000000 0\n"
+      "3 tag 0 0 0 rp_kv\n"
+      "4 alloc 16777216 9000000 0\n"
+      "5 tag 0 0 0 default\n"
+      "6 alloc 33554432 100 0\n"
+      "9 free_requested 33554432 100 0\n"
+      "10 free_completed 33554432 100 0\n"
+      "11 pause 0 6291456 0 rp_weights keep\n"
+      "12 pause 0 10485760 0 rp_kv drop\n"
+      "13 resume 0 10485760 0 rp_kv\n",
+      "tagged");
+  report_options o;
+  o.device_memory_bytes = 256 * MiB;
+  report_summary sum;
+  const std::string page = render_report_html(tagged, o, nullptr, &sum);
+  EXPECT_EQ(sum.replay.sleep_events.size(), 3u);
+  EXPECT_EQ(sum.replay.peak_paused_bytes, 16 * MiB);
+  EXPECT_NE(page.find("<h2>Sleep and wake</h2>"), std::string::npos);
+  EXPECT_NE(page.find("paused (all tags)"), std::string::npos);
+  EXPECT_NE(page.find("\"paused\":["), std::string::npos);
+  EXPECT_NE(page.find("pause (keep)"), std::string::npos);
+  const std::string plain = render_report_html(parse_trace_text(plain_text, "plain"), o, nullptr);
+  EXPECT_EQ(plain.find("Sleep and wake"), std::string::npos);
+  EXPECT_EQ(plain.find("\"paused\""), std::string::npos);
+}
+
+// data/traces/sleep_wake/rl_sleep_wake.trace.gz: `ccalloc_sleep_wake_loop --rounds 2
+// --trace FILE` (then gzip -9n), on the simulated device of 1 GiB: the
+// first round, which allocates the weights, KV cache and optimizer state,
+// and one round as every later one runs. The program printed:
+//   paused_MiB after each phase's pauses: 512 640 640 640
+//   replay figures: peak_reserved_bytes=603979776 device_mallocs=1056
+//                   peak_paused_bytes=671088640 pauses=8
+// The replay is deterministic: the same figures, exactly. (Rerecord the
+// trace and these figures together when the allocator's policy changes.)
+// About 2.5 s: the simulated memory's host pages and the kept contents'
+// copies (640 MiB a round).
+TEST(SleepWakeTrace, BundledRlTraceReplaysToTheFiguresTheProgramPrinted) {
+  const std::filesystem::path file =
+      std::filesystem::path(CCALLOC_SOURCE_DIR) / "data" / "traces" / "sleep_wake" / "rl_sleep_wake.trace.gz";
+  const trace t = read_trace_file(file.string());
+  const replay_result r = replay_trace(t, on_device_of(1024 * MiB));
+  EXPECT_EQ(r.ooms, 0u);
+  EXPECT_EQ(r.peak_reserved_bytes, 603979776u);
+  EXPECT_EQ(r.device_mallocs, 1056u);
+  EXPECT_EQ(r.peak_paused_bytes, 671088640u);
+  std::vector<std::uint64_t> after_phase;
+  std::size_t pauses = 0;
+  for (const replay_sleep_event& e : r.sleep_events) {
+    if (!e.pause) continue;
+    EXPECT_EQ(e.paused_bytes, e.recorded_bytes) << "line " << e.line;
+    if (++pauses % 2 == 0) after_phase.push_back(e.paused_total_bytes / MiB);
+  }
+  EXPECT_EQ(pauses, 8u);
+  EXPECT_EQ(after_phase, (std::vector<std::uint64_t>{512, 640, 640, 640}));
+}
+
+}  // namespace
