@@ -856,7 +856,7 @@ class device_state {
   // --- out_of_memory.cpp -------------------------------------------------------
   [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);  // [world] drops it for observers
 
-  // --- expandable_segments.cpp (B7, X3): every one [world] unless noted --------
+  // --- expandable_segments.cpp, page_recycling.cpp (B7, X3): every one [world] unless noted
   bool alloc_expandable(alloc_params& p, bool is_retry, world_lock& w);
   // Its steps, in order, on the request's state (expandable_request).
   struct expandable_request;
