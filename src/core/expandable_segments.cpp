@@ -271,13 +271,12 @@ void device_state::best_own_run_by_scan(const block_pool& pool, std::size_t size
 // page boundary, such a block straddles one page more than it needs: when
 // the blocks around it are freed and their pages recycled, it keeps that
 // extra page mapped for its whole life. A run of equal blocks carved one
-// after another drifts off page boundaries by the shortfall at each block
-// (llama_generate's KV-cache blocks of 4 pages less 16 KiB, carved
-// among short-lived ones during a prompt, each held 5 pages at the peak).
+// after another drifts off page boundaries by the shortfall at each block.
 // take_found_block asks only where free pages are recycled at every new
 // peak: with recycling limited (recycles_per_peak) or off, the neighbours'
 // pages stay mapped, the page is not saved, and the pieces left beside such
-// blocks only cost (llama_generate with recycles_per_peak:0: 1.067 -> 1.083).
+// blocks only cost. The replays behind this: docs/design.md, "Note: why
+// blocks are carved on page boundaries".
 std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size, bool back) noexcept {
   const segment& seg = *b.seg;
   const std::size_t page = seg.page_bytes;
@@ -332,9 +331,9 @@ std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size
 // one after another, in few runs, and the islands stay whole for
 // recycling. A program that loads its model again (load, run, free, in a
 // loop) otherwise spreads the weights over the islands its last run left,
-// by size, each of them stranding up to a page (llama_generate at
-// 4 passes 1.024 -> 1.008; bert_copystream_infer 1.029 -> 1.024 at every
-// pass count). A request of whole pages strands nothing: best fit. Only
+// by size, each of them stranding up to a page (the replays: docs/design.md,
+// "Note: why blocks are carved on page boundaries"). A request of whole
+// pages strands nothing: best fit. Only
 // where free pages are recycled at every new peak (as page_aligned_start):
 // otherwise the islands stay mapped, and best fit keeps PyTorch's rule. The
 // scan goes over the pool's larger free blocks, in this case only.

@@ -325,8 +325,8 @@ void device_state::wait_fences(stream_state& ss, page_fences::wait_reason why) {
 // completed: polled on the slow path, waited for only where an address must
 // be mapped again (placement puts such runs last) or the cache is emptied.
 // The same physical page is then mapped twice for a while: it counts once
-// in reserved bytes, at its new place. (Replayed with --device-lag, GPT-2
-// training keeps its 1.003 instead of 1.069.)
+// in reserved bytes, at its new place (what this saves: docs/perf.md, "A
+// device that runs behind").
 
 void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait) {
   for (std::size_t k = 0; k < seg.pages.retired().size();) {
