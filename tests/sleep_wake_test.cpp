@@ -409,6 +409,41 @@ TEST_F(SleepWakeTest, AGraphPoolCreatedUnderATagPausesWithItAtUnchangedAddresses
   alloc->release_pool(0, pool);
 }
 
+// A graph replays into the blocks freed during its capture: a graph pool
+// under a tag pauses whole, its free blocks mapped again at the resume (on
+// a GPU, dropping them made the replay after the resume an illegal access).
+TEST_F(SleepWakeTest, AGraphPoolsFreeBlocksPauseAndResumeWithItsLiveOnes) {
+  const stream_t s = sim->create_stream(0);
+  const mempool_id_t pool{9, 2};
+  {
+    tag_scope scope("sw_graph_free");
+    alloc->create_or_incref_pool(0, pool);
+  }
+  alloc->begin_allocate_to_pool(0, pool, [s](stream_t x) { return x == s; });
+  void* out = m(12 * MiB, s);          // the graph's output, alive
+  void* scratch = m(8 * MiB, s);       // an intermediate, freed during the capture
+  alloc->free(scratch);
+  alloc->end_allocate_to_pool(0, pool);
+  const std::size_t reserved = usage("sw_graph_free").reserved_bytes;
+  EXPECT_EQ(reserved, 20 * MiB);
+  const sleep_result r = alloc->pause({"sw_graph_free"}, false);
+  EXPECT_EQ(r.paused_bytes, 20 * MiB);  // the free intermediate too
+  EXPECT_EQ(usage("sw_graph_free").reserved_bytes, 0u);
+  alloc->resume({"sw_graph_free"});
+  EXPECT_EQ(usage("sw_graph_free").reserved_bytes, reserved);
+  sim->use_memory(0, scratch, 8 * MiB, s);  // the replay writes its intermediate
+  sim->use_memory(0, out, 12 * MiB, s);
+  EXPECT_EQ(sim->counters().unmapped_uses, 0u);
+  // The freed intermediate is a free block of the graph's pool again.
+  alloc->begin_allocate_to_pool(0, pool, [s](stream_t x) { return x == s; });
+  void* again = m(8 * MiB, s);
+  alloc->end_allocate_to_pool(0, pool);
+  EXPECT_EQ(again, scratch);
+  alloc->free(again);
+  alloc->free(out);
+  alloc->release_pool(0, pool);
+}
+
 TEST_F(SleepWakeTest, WithExpandableSegmentsOffTaggedMemoryIsStillInReservations) {
   make(256 * MiB, "expandable_segments:False");
   void* d = m(4 * MiB);
