@@ -15,7 +15,7 @@
 //     device_state::allocate
 //     allocate_unusual          only if events are pending or a pool is active:
 //       process_events            (events.cpp; not while a capture is underway) device lock, then stream locks
-//       routed_pool               (private_pools.cpp) begin_allocate_to_pool's newest matching filter [device lock]
+//       scopes_.routed            (pool_scopes.hpp) begin_allocate_to_pool's newest matching filter [device lock]
 //         -> allocate_slow with the private pool's (stream, pool)       [world lock]
 //       stream_for                the stream's state (thread-local cache, else registry)
 //       prepare                   round_size, pool, allocation_size: B1, B2   [stream lock]
@@ -173,7 +173,7 @@ CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 }  // namespace
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
-  if ((pending_event_count_.load(std::memory_order_relaxed) | capture_count_.load(std::memory_order_relaxed) |
+  if ((pending_event_count_.load(std::memory_order_relaxed) | scopes_.depth() |
        tls_current_tag) != 0) [[unlikely]]
     return allocate_unusual(requested_bytes, stream);
   stream_state& ss = stream_for(stream);
@@ -195,18 +195,18 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 // allocate when events are pending or a begin_allocate_to_pool is active.
 [[gnu::noinline]] block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
   stream_state& ss = stream_for(stream);  // first: a stream it refuses leaves everything as it was
-  const bool scoped = pool_scope_active();
+  const bool scoped = scopes_.active();
   if (scoped) note_if_capturing(stream);
   if (!capture_underway()) process_events();  // never while capturing: event queries are not allowed then
   if (scoped) {
     bool routed = false;
     {
       std::lock_guard device_lock(device_mutex_);
-      routed = routed_pool(stream) != nullptr;
+      routed = scopes_.routed(stream) != nullptr;
     }
     if (routed) {
       world_lock w(*this);
-      if (private_pool* pp = routed_pool(stream)) {  // again: it may have ended meanwhile
+      if (private_pool* pp = scopes_.routed(stream)) {  // again: it may have ended meanwhile
         if (pp->use_count == 0)
           throw invalid_argument_error("ccalloc: allocation on stream " + std::to_string(stream) +
                                        " is routed by begin_allocate_to_pool to private pool " + to_string(pp->id) +

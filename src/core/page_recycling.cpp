@@ -18,6 +18,7 @@
 #include <ccalloc/base/detail/assert.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -26,6 +27,55 @@
 #include <vector>
 
 namespace ccalloc::detail {
+
+namespace {
+using page_range = std::pair<std::uintptr_t, std::uintptr_t>;
+
+// The whole pages [lo, hi) of a block of seg less the pages overlapping
+// [keep_lo, keep_hi) (rounded outward): up to two pieces, empty ones {x, x}.
+std::array<page_range, 2> pieces_outside(const segment& seg, std::uintptr_t lo, std::uintptr_t hi,
+                                         std::uintptr_t keep_lo, std::uintptr_t keep_hi) noexcept {
+  std::array<page_range, 2> pieces = {page_range{lo, hi}, page_range{0, 0}};
+  if (keep_lo < keep_hi && keep_lo < hi && keep_hi > lo) {
+    const std::size_t page = seg.page_bytes;
+    const std::uintptr_t klo = (keep_lo - seg.base) / page * page + seg.base;
+    const std::uintptr_t khi = (keep_hi - seg.base + page - 1) / page * page + seg.base;
+    pieces[0] = {lo, std::max(lo, std::min(hi, klo))};
+    pieces[1] = {std::min(hi, std::max(lo, khi)), hi};
+  }
+  return pieces;
+}
+
+// The free mapped blocks of a whole page or more of every expandable
+// segment whose pool is not live, each with the bytes its unmapping would
+// leave behind in partial pages (partial_page_bytes), in the order pages
+// are taken: fewest such bytes first, then the smallest free block (large
+// free runs stay whole for large requests), then the oldest segment, then
+// by offset: the same order on every device. Read from the pools' indexes
+// from a page up, not from every block of every segment.
+std::vector<std::pair<std::size_t, block*>> recycling_candidates(const device_state& d) {
+  std::vector<block_pool*> pools;
+  for (const auto& [base, up] : d.segments_) {
+    block_pool* pool = up->head->pool;
+    if (up->expandable && up->mapped_bytes != 0 && !d.pool_is_live(pool) &&
+        std::find(pools.begin(), pools.end(), pool) == pools.end())
+      pools.push_back(pool);
+  }
+  std::vector<std::pair<std::size_t, block*>> candidates;
+  for (block_pool* pool : pools)
+    for (auto j = pool->blocks.lower_bound(d.page_bytes_); j != block_index::end(); j = pool->blocks.next(j)) {
+      block* b = pool->blocks.at(j);
+      if (b->seg->expandable) candidates.emplace_back(device_state::partial_page_bytes(*b), b);
+    }
+  std::sort(candidates.begin(), candidates.end(), [](const auto& x, const auto& y) {
+    if (x.first != y.first) return x.first < y.first;
+    if (x.second->size != y.second->size) return x.second->size < y.second->size;
+    return x.second->seg->seq != y.second->seg->seq ? x.second->seg->seq < y.second->seg->seq
+                                                    : x.second->ptr < y.second->ptr;
+  });
+  return candidates;
+}
+}  // namespace
 
 // Unmaps the whole pages of free block `b` (free, mapped, in an expandable
 // segment), except those overlapping [keep_lo, keep_hi), at most `max_bytes`.
@@ -40,21 +90,13 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
   const std::uintptr_t lo = (b->ptr - seg.base + page - 1) / page * page + seg.base;
   const std::uintptr_t hi = (b->ptr + b->size - seg.base) / page * page + seg.base;
   if (lo >= hi) return 0;
-  // The pieces of [lo, hi) outside the kept range (its pages rounded outward).
-  std::pair<std::uintptr_t, std::uintptr_t> pieces[2] = {{lo, hi}, {0, 0}};
-  if (keep_lo < keep_hi && keep_lo < hi && keep_hi > lo) {
-    const std::uintptr_t klo = (keep_lo - seg.base) / page * page + seg.base;
-    const std::uintptr_t khi = (keep_hi - seg.base + page - 1) / page * page + seg.base;
-    pieces[0] = {lo, std::max(lo, std::min(hi, klo))};
-    pieces[1] = {std::min(hi, std::max(lo, khi)), hi};
-  }
   const stat_group g = group_of(b->pool);
   std::size_t done_total = 0;
   // Where set_page_state starts its walk: b, until a piece has changed the
   // blocks (b may have merged into an unmapped block below it); then the
   // unmapped block the first piece made, right below the second.
   block* hint = b;
-  for (const auto& piece : pieces) {
+  for (const auto& piece : pieces_outside(seg, lo, hi, keep_lo, keep_hi)) {
     const std::uintptr_t from = piece.first;  // named copies: lambdas below capture them
     std::uintptr_t to = piece.second;
     if (done_total >= max_bytes) break;
@@ -127,33 +169,8 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
                                            std::uintptr_t keep_lo, std::uintptr_t keep_hi,
                                            std::vector<recycled_page>* recycled, bool may_wait,
                                            const stream_state* same_stream) {
-  // Each candidate with the bytes its unmapping would leave behind as
-  // pieces of partial pages (partial_page_bytes).
-  // The free mapped blocks of a whole page or more are in their pools'
-  // indexes (read from that size up, not every block of every segment).
-  std::vector<block_pool*> pools;
-  for (auto& [base, up] : segments_) {
-    block_pool* pool = up->head->pool;
-    if (up->expandable && up->mapped_bytes != 0 && !pool_is_live(pool) &&
-        std::find(pools.begin(), pools.end(), pool) == pools.end())
-      pools.push_back(pool);
-  }
-  std::vector<std::pair<std::size_t, block*>> candidates;
-  for (block_pool* pool : pools)
-    for (auto j = pool->blocks.lower_bound(page_bytes_); j != block_index::end(); j = pool->blocks.next(j)) {
-      block* b = pool->blocks.at(j);
-      if (b->seg->expandable) candidates.emplace_back(partial_page_bytes(*b), b);
-    }
+  const auto candidates = recycling_candidates(*this);
   if (candidates.empty()) return 0;
-  // Fewest bytes left in partial pages first, then the smallest free block
-  // (large free runs stay whole for large requests), then the oldest
-  // segment, then by offset: the same order on every device.
-  std::sort(candidates.begin(), candidates.end(), [](const auto& x, const auto& y) {
-    if (x.first != y.first) return x.first < y.first;
-    if (x.second->size != y.second->size) return x.second->size < y.second->size;
-    return x.second->seg->seq != y.second->seg->seq ? x.second->seg->seq < y.second->seg->seq
-                                                    : x.second->ptr < y.second->ptr;
-  });
   std::size_t got = 0;
   std::vector<block*> waiting;  // candidates whose fence has not completed
   for (const auto& [partial_bytes, b] : candidates) {

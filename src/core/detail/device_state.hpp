@@ -60,6 +60,7 @@
 #include <ccalloc/core/tags.hpp>
 #include "block.hpp"
 #include "block_index.hpp"
+#include "pool_scopes.hpp"
 #include "pools.hpp"
 #include "stat_storage.hpp"
 
@@ -441,11 +442,7 @@ class device_state {
   // --- private_pools.cpp (F20-F24): every one [world] unless noted -------------
   private_pool* find_pool(mempool_id_t id) const noexcept;                   // [device] or [world]
   private_pool& checked_pool(mempool_id_t id, const char* what) const;        // [device] or [world]
-  private_pool* routed_pool(stream_t stream) const;                           // [device]
   block_pool& pool_in(private_pool& pp, stream_state& ss, bool small);
-  // A begin_allocate_to_pool is active: allocations may be routed to a
-  // private pool (allocate_unusual). [none]: one relaxed load, on the hot path.
-  [[nodiscard]] bool pool_scope_active() const noexcept { return capture_count_.load(std::memory_order_relaxed) != 0; }
   // A graph capture runs where the allocator can see it: a pool scope is
   // active and a stream seen allocating during it still captures
   // (device_backend::is_capturing). Only then may the allocator not query or
@@ -453,10 +450,10 @@ class device_state {
   // capture mode). A scoped pool outside a capture is ordinary allocation
   // (PyTorch has the opposite behaviour: pytorch/pytorch#159674). A capture
   // on a stream that has not allocated through this device since the scope
-  // began is not seen. [none] takes capturing_mutex_ while a scope is active
+  // began is not seen. [none] takes the scopes' leaf lock while one is open
   [[nodiscard]] bool capture_underway() noexcept;
   // Called for each allocation while a pool scope is active: remembers
-  // `stream` if it captures. [none] takes capturing_mutex_
+  // `stream` if it captures. [none] takes the scopes' leaf lock
   void note_if_capturing(stream_t stream);
   // A tag's own pool is never live in this sense: its cache is ordinary
   // cached memory (recycled, returned by empty_cache), as the default pools'.
@@ -596,16 +593,7 @@ class device_state {
 
   // Private pools (F20-F24). [device_mutex_; world to change the set]
   std::map<mempool_id_t, std::unique_ptr<private_pool>> private_pools_;
-  struct capture_entry {
-    private_pool* pool;
-    stream_filter filter;
-  };
-  std::vector<capture_entry> captures_underway_;  // begin_allocate_to_pool stack, oldest first
-  std::atomic<std::size_t> capture_count_{0};    // captures_underway_.size(): read on the hot path
-  // Streams seen capturing while a pool scope was active; pruned when they
-  // stop, cleared when the last scope ends. [capturing_mutex_, a leaf lock]
-  std::mutex capturing_mutex_;
-  std::vector<stream_t> capturing_streams_;
+  pool_scopes scopes_;  // begin_allocate_to_pool scopes and the streams seen capturing (pool_scopes.hpp)
   // Frees of blocks used on other streams while a capture was underway:
   // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
   std::vector<block*> deferred_frees_;
