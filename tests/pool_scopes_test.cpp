@@ -13,12 +13,20 @@ using ccalloc::stream_t;
 using ccalloc::detail::pool_scopes;
 using ccalloc::detail::private_pool;
 
-TEST(PoolScopes, RouteToTheNewestScopeWhoseFilterAccepts) {
+// Two private pools (ids {1, 1} and {1, 2}) and no scope open.
+struct pools_and_scopes {
+  pools_and_scopes() {
+    a.id = {1, 1};
+    b.id = {1, 2};
+  }
   private_pool a;
-  a.id = {1, 1};
   private_pool b;
-  b.id = {1, 2};
   pool_scopes s;
+};
+
+TEST(PoolScopes, RouteToTheNewestScopeWhoseFilterAccepts) {
+  pools_and_scopes f;
+  auto& [a, b, s] = f;
   EXPECT_FALSE(s.active());
   EXPECT_EQ(s.routed(stream_t{7}), nullptr);
   s.open(&a, [](stream_t) { return true; });
@@ -39,11 +47,8 @@ TEST(PoolScopes, RouteToTheNewestScopeWhoseFilterAccepts) {
 }
 
 TEST(PoolScopes, CloseTakesTheNewestScopeOfThePool) {
-  private_pool a;
-  a.id = {1, 1};
-  private_pool b;
-  b.id = {1, 2};
-  pool_scopes s;
+  pools_and_scopes f;
+  auto& [a, b, s] = f;
   s.open(&a, [](stream_t st) { return st == stream_t{1}; });
   s.open(&b, [](stream_t) { return true; });
   s.open(&a, [](stream_t st) { return st == stream_t{2}; });
