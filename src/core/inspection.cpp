@@ -153,14 +153,14 @@ pool_usage device_caching_allocator::pool_stats(mempool_id_t id) const {
 }
 
 namespace {
-// The placement of a request that maps pages (device_state::best_own_run,
+// The placement of a request that maps pages (best_own_run,
 // from the unmapped blocks and the pool's index) is the one a walk over every
 // block finds (best_own_run_by_scan), for each pool with expandable segments,
 // at sizes around a page and around the lengths of its free runs.
 // fail(what): reports a violation (check_invariants' own).
 template <class Fail>
 void check_expandable_placement(detail::device_state& s, const Fail& fail) {
-  using run_choice = detail::device_state::run_choice;
+  using run_choice = detail::run_choice;
   std::vector<detail::block_pool*> pools;
   for (auto& [base, seg] : s.segments_)  // a paused tag's pools place nothing
     if (seg->expandable && !s.tag_paused(detail::device_state::tag_of(*seg)) &&
@@ -184,8 +184,8 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
     for (std::size_t size : sizes) {
       run_choice indexed;
       run_choice scanned;
-      s.best_own_run(*pool, size, indexed);
-      s.best_own_run_by_scan(*pool, size, scanned);
+      detail::best_own_run(s.segments_, *pool, size, indexed);
+      detail::best_own_run_by_scan(s.segments_, *pool, size, scanned);
       if (indexed.seg != scanned.seg || indexed.first != scanned.first || indexed.pages != scanned.pages ||
           indexed.run != scanned.run || indexed.start != scanned.start || indexed.retired != scanned.retired)
         fail("the placement of a " + std::to_string(size) +

@@ -124,7 +124,7 @@ struct segment {
   // Its unmapped blocks, by address. They change only where pages are
   // mapped or unmapped (set_page_state, under the world lock), never on the
   // fast path. A request that maps pages looks for its free run around them
-  // (device_state::best_own_run) instead of walking every block. [world]
+  // (best_own_run, run_placement.hpp) instead of walking every block. [world]
   std::vector<block*> unmapped;
   using retired_page = page_table::retired_page;
   // --- sleep and wake (sleep_wake.cpp; SPEC S2-S3) ---

@@ -69,6 +69,7 @@
 #include "page_fences.hpp"
 #include "page_table.hpp"
 #include "recycle_budget.hpp"
+#include "run_placement.hpp"
 #include "thread_cache.hpp"
 
 #include <cstddef>
@@ -317,31 +318,6 @@ class device_state {
   void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint = nullptr,
                       bool reserve_only = false);
   [[nodiscard]] static block* unmapped_block_at_or_below(const segment& seg, std::uintptr_t addr) noexcept;
-  // Placement of a request that maps pages (alloc_expandable, step 1): a free
-  // run (free blocks between blocks in use) of at least `size` bytes, the
-  // best by fewest pages to map, then own reservation before an idle one of
-  // another stream (foreign), then the shortest run, then the oldest segment
-  // and lowest offset: a total order, so the runs may be offered in any order.
-  struct run_choice {
-    segment* seg = nullptr;
-    block* first = nullptr;  // the run's first block
-    std::uintptr_t start = 0;  // where the request starts in the run (first->ptr unless past a retired page)
-    bool foreign = false;
-    bool retired = true;     // the request would map over a retired page (a wait)
-    std::size_t pages = std::numeric_limits<std::size_t>::max();  // to map for the request
-    std::size_t run = std::numeric_limits<std::size_t>::max();    // the run's bytes
-  };
-  static void consider_run(run_choice& best, segment& seg, bool foreign, block* first, std::size_t run,
-                           std::size_t size) noexcept;
-  // Offers every free run of seg, walking all its blocks.
-  static void scan_runs(run_choice& best, segment& seg, bool foreign, std::size_t size) noexcept;
-  // Offers the free runs of pool's expandable segments that can be the best:
-  // those around an unmapped block (seg.unmapped), and the free mapped blocks
-  // of at least `size` bytes without a free neighbour (pool's index). O(unmapped
-  // blocks + the pool's free blocks of `size` or more), not O(blocks).
-  void best_own_run(block_pool& pool, std::size_t size, run_choice& best) const noexcept;
-  // The same by scan_runs over every block (check_invariants compares them).
-  void best_own_run_by_scan(const block_pool& pool, std::size_t size, run_choice& best) const noexcept;
   // A page taken off one place to be mapped at another, with the stream
   // whose segment it left (bytes_moved_between_streams).
   struct recycled_page {
@@ -538,7 +514,7 @@ class device_state {
   std::size_t recycles_at_mark_ = 0;
   // The recycling time budget (recycle_time_percent). [world]
   recycle_budget recycle_budget_;
-  std::map<std::uintptr_t, std::unique_ptr<segment>> segments_;  // by base address
+  segment_map segments_;  // by base address
   // Events recorded at free time, per stream that used the block, in order.
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
