@@ -191,6 +191,33 @@ TEST_F(SleepWakeTest, PauseReleasesThePagesAndResumeMapsThemAtTheSameAddressesWi
   expect_pages_of_one_tag();
 }
 
+// The host buffers of kept contents outlive the resume for the next pause
+// (pinning host memory costs more than the copy on a GPU host), and
+// empty_cache gives them back.
+TEST_F(SleepWakeTest, KeptContentsReuseTheirHostBuffersUntilEmptyCache) {
+  void* w = m_tagged("sw_reuse", 12 * MiB);
+  fill(w, 12 * MiB, 5);
+  alloc->pause({"sw_reuse"}, true);
+  const std::uint64_t allocs = sim->counters().host_allocs;
+  const std::size_t bytes = sim->counters().host_bytes;
+  EXPECT_GE(allocs, 1u);
+  EXPECT_GE(bytes, 12 * MiB);
+  alloc->resume({"sw_reuse"});
+  EXPECT_EQ(sim->counters().host_bytes, bytes);  // kept for the next pause
+  EXPECT_TRUE(holds(w, 12 * MiB, 5));
+  for (int round = 0; round < 3; ++round) {
+    fill(w, 12 * MiB, static_cast<unsigned char>(20 + round));
+    alloc->pause({"sw_reuse"}, true);
+    alloc->resume({"sw_reuse"});
+    EXPECT_TRUE(holds(w, 12 * MiB, static_cast<unsigned char>(20 + round))) << round;
+  }
+  EXPECT_EQ(sim->counters().host_allocs, allocs);  // no new host buffer after the first pause
+  EXPECT_EQ(sim->counters().host_bytes, bytes);
+  alloc->empty_cache();
+  EXPECT_EQ(sim->counters().host_bytes, 0u);
+  alloc->free(w);
+}
+
 TEST_F(SleepWakeTest, WithoutContentsPauseCopiesNothingAndCachedMemoryOfTheTagGoesToo) {
   void* kv = m_tagged("sw_kv", 20 * MiB);
   void* gone = m_tagged("sw_kv", 10 * MiB);

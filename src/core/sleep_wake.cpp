@@ -272,11 +272,11 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
   if (keep_contents) {
     for (segment* seg : segs)
       for (auto& run : seg->paused_runs) {
-        run.host = backend_.host_alloc(device_, run.pages * seg->page_bytes);
+        run.host = host_copies_.take(run.pages * seg->page_bytes);
         if (run.host != nullptr) continue;
         for (segment* s2 : segs)
           for (auto& run2 : s2->paused_runs) {
-            backend_.host_free(device_, run2.host);
+            host_copies_.give(run2.host);
             run2.host = nullptr;
           }
         throw out_of_memory_error(
@@ -369,7 +369,7 @@ void device_state::restore_paused_segment(segment& seg, sleep_result& r) {
     backend_.synchronize_event(device_, e);
     free_events_.push_back(e);
   }
-  for (auto& run : seg.paused_runs) backend_.host_free(device_, run.host);
+  for (auto& run : seg.paused_runs) host_copies_.give(run.host);
   seg.paused_runs.clear();
   seg.paused = false;
   for (block* b : seg.paused_free) pool_insert_counted(b);
