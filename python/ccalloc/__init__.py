@@ -35,7 +35,7 @@ from typing import Callable, Optional
 # public names, and the private helpers the submodules and tests use, stay
 # reachable as ccalloc.NAME.
 from . import _lib
-from ._allocator import Allocator, _function_address, _names, _pool_id, _stream  # noqa: F401
+from ._allocator import MAX_DEVICE_COUNT, Allocator, _function_address, _names, _pool_id, _stream  # noqa: F401
 from ._errors import (BackendError, CcallocError, ConfigError, InvalidArgumentError,  # noqa: F401
                       OutOfMemoryError, _check, _ERRORS)
 from ._nccl import _nccl_libraries, _nccl_wheel_dirs, nccl_segment_allocator  # noqa: F401
@@ -46,6 +46,7 @@ __all__ = [
     "CcallocError",
     "ConfigError",
     "InvalidArgumentError",
+    "MAX_DEVICE_COUNT",
     "OutOfMemoryError",
     "built_with_cuda",
     "current_tag",

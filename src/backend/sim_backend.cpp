@@ -12,6 +12,9 @@ thread_local int tls_current_device = 0;
 
 sim_backend::sim_backend(sim_options options) {
   if (options.device_count < 1) throw backend_error("sim: device_count must be >= 1");
+  if (options.device_count > max_device_count)
+    throw backend_error("sim: device_count is " + std::to_string(options.device_count) + "; at most " +
+                        std::to_string(max_device_count) + " devices (ccalloc::max_device_count)");
   if (options.granularity_bytes == 0 || (options.granularity_bytes & (options.granularity_bytes - 1)))
     throw backend_error("sim: granularity_bytes must be a power of two");
   impl_ = std::make_unique<impl>(options);

@@ -472,6 +472,7 @@ void sim_backend::copy_to_host_async(int device, void* host_dst, const void* dev
     impl_->host_clock.charge_host_copy(size_bytes);
   }
   std::memmove(host_dst, device_src, size_bytes);
+  use_memory(device, device_src, size_bytes, stream);  // the copy is stream work reading the range
 }
 
 void sim_backend::copy_from_host_async(int device, void* device_dst, const void* host_src, std::size_t size_bytes,
@@ -489,6 +490,7 @@ void sim_backend::copy_from_host_async(int device, void* device_dst, const void*
     impl_->host_clock.charge_host_copy(size_bytes);
   }
   std::memmove(device_dst, host_src, size_bytes);
+  use_memory(device, device_dst, size_bytes, stream);  // the copy is stream work writing the range
 }
 
 // --- peers ----------------------------------------------------------------------------

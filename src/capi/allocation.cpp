@@ -127,17 +127,18 @@ std::shared_ptr<ccalloc::device_backend> make_backend(const ccalloc_options_t& o
     case CCALLOC_BACKEND_CUDA:
 #if CCALLOC_HAVE_CUDA_BACKEND
       if (const std::string why = ccalloc::cuda_backend::runtime_load_error(); !why.empty())
-        throw ccalloc::backend_error("ccalloc_create: CCALLOC_BACKEND_CUDA asked, but " + why);
+        throw ccalloc::backend_error("ccalloc: ccalloc_create: CCALLOC_BACKEND_CUDA asked, but " + why);
       if (ccalloc::cuda_backend::available_device_count() < 1)
-        throw ccalloc::backend_error("ccalloc_create: CCALLOC_BACKEND_CUDA asked, but the CUDA runtime sees no GPU");
+        throw ccalloc::backend_error(
+            "ccalloc: ccalloc_create: CCALLOC_BACKEND_CUDA asked, but the CUDA runtime sees no GPU");
       return std::make_shared<ccalloc::cuda_backend>();
 #else
       throw ccalloc::backend_error(
-          "ccalloc_create: CCALLOC_BACKEND_CUDA asked, but this library was built without the CUDA backend "
+          "ccalloc: ccalloc_create: CCALLOC_BACKEND_CUDA asked, but this library was built without the CUDA backend "
           "(CCALLOC_WITH_CUDA=OFF)");
 #endif
   }
-  throw ccalloc::invalid_argument_error("ccalloc_create: unknown backend kind " +
+  throw ccalloc::invalid_argument_error("ccalloc: ccalloc_create: unknown backend kind " +
                                         std::to_string(kind) +
                                         " (accepted: CCALLOC_BACKEND_DEFAULT 0, _SIM 1, _CUDA 2)");
 }
@@ -168,14 +169,16 @@ ccalloc_status_t ccalloc_create(const ccalloc_options_t* options, ccalloc_alloca
       if (options->struct_size < offsetof(ccalloc_options_t, backend) + sizeof(o.backend) ||
           options->struct_size > sizeof(ccalloc_options_t))
         throw ccalloc::invalid_argument_error(
-            "ccalloc_create: options->struct_size is " + std::to_string(options->struct_size) +
+            "ccalloc: ccalloc_create: options->struct_size is " + std::to_string(options->struct_size) +
             "; call ccalloc_options_init(&options) before setting fields (expected up to " +
             std::to_string(sizeof(ccalloc_options_t)) + ")");
       std::memcpy(&o, options, options->struct_size);
     }
-    if (o.sim_device_count < 1)
-      throw ccalloc::invalid_argument_error("ccalloc_create: sim_device_count is " +
-                                            std::to_string(o.sim_device_count) + "; it must be >= 1");
+    if (o.sim_device_count < 1 || o.sim_device_count > CCALLOC_MAX_DEVICE_COUNT)
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_create: sim_device_count is " +
+                                            std::to_string(o.sim_device_count) + "; it must be from 1 to " +
+                                            std::to_string(CCALLOC_MAX_DEVICE_COUNT) +
+                                            " (CCALLOC_MAX_DEVICE_COUNT)");
     auto handle = std::make_unique<ccalloc_allocator>();
     handle->backend = make_backend(o);
     handle->backend_name = handle->backend->name();
@@ -236,7 +239,7 @@ ccalloc_status_t ccalloc_mem_get_info(ccalloc_allocator_t* alloc, int device, si
     require(total_bytes, "ccalloc_mem_get_info", "total_bytes");
     caching_allocator& a = resolve(alloc);
     if (device < 0 || device >= a.backend().device_count())
-      throw ccalloc::invalid_argument_error("ccalloc_mem_get_info: device " + std::to_string(device) +
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_mem_get_info: device " + std::to_string(device) +
                                             " is out of range (the backend has " +
                                             std::to_string(a.backend().device_count()) + " device(s))");
     const ccalloc::memory_info info = a.backend().mem_get_info(device);
@@ -361,7 +364,8 @@ ccalloc_status_t ccalloc_get_device_stats(ccalloc_allocator_t* alloc, int device
     require(values, "ccalloc_get_device_stats", "values");
     const std::size_t count = stat_names().size();
     if (capacity < count)
-      throw ccalloc::invalid_argument_error("ccalloc_get_device_stats: capacity " + std::to_string(capacity) +
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_get_device_stats: capacity " +
+                                            std::to_string(capacity) +
                                             " is less than ccalloc_stat_count() = " + std::to_string(count));
     const auto map = resolve(alloc).get_device_stats(device).to_map();
     std::size_t i = 0;
@@ -376,7 +380,7 @@ ccalloc_status_t ccalloc_get_device_stat(ccalloc_allocator_t* alloc, int device,
     const auto map = resolve(alloc).get_device_stats(device).to_map();
     const auto it = map.find(name);
     if (it == map.end())
-      throw ccalloc::invalid_argument_error(std::string("ccalloc_get_device_stat: unknown statistic '") +
+      throw ccalloc::invalid_argument_error(std::string("ccalloc: ccalloc_get_device_stat: unknown statistic '") +
                                             ccalloc::printable_text(name) +
                                             "' (names as torch.cuda.memory_stats(), e.g. "
                                             "'reserved_bytes.all.peak'; see ccalloc_stat_name)");

@@ -35,6 +35,13 @@ using ccalloc::caching_allocator;
 /// The message ccalloc_last_error() returns (errors.cpp).
 extern thread_local std::string tls_last_error;
 
+/// `message` with the prefix every C API message has, "ccalloc: " (the
+/// backends' own messages start "sim: " or "cuda: ").
+inline std::string with_prefix(std::string message) {
+  if (!message.starts_with("ccalloc")) message.insert(0, "ccalloc: ");
+  return message;
+}
+
 /// A front-end message as a C caller reads it: the C++ calls it names
 /// (init(), init(device_count)) become the C functions to call.
 std::string c_api_message(std::string message);
@@ -49,16 +56,16 @@ template <typename Body>
     body();
     return CCALLOC_OK;
   } catch (const ccalloc::out_of_memory_error& e) {
-    tls_last_error = e.what();
+    tls_last_error = with_prefix(e.what());
     return CCALLOC_ERROR_OUT_OF_MEMORY;
   } catch (const ccalloc::config_error& e) {
-    tls_last_error = e.what();
+    tls_last_error = with_prefix(e.what());
     return CCALLOC_ERROR_CONFIG;
   } catch (const ccalloc::invalid_argument_error& e) {
     tls_last_error = c_api_message(e.what());
     return CCALLOC_ERROR_INVALID_ARGUMENT;
   } catch (const ccalloc::backend_error& e) {
-    tls_last_error = e.what();
+    tls_last_error = with_prefix(e.what());
     return CCALLOC_ERROR_BACKEND;
   } catch (const std::bad_alloc&) {
     // Assigning a message may itself fail now; keep whatever fits.

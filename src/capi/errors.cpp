@@ -24,7 +24,7 @@ std::string c_api_message(std::string message) {
   replace(" before init(): call init(device_count) first",
           " before ccalloc_init(): call ccalloc_init(alloc, device_count) first");
   if (message.starts_with("ccalloc: init(")) message.replace(9, 5, "ccalloc_init(");
-  return message;
+  return with_prefix(std::move(message));
 }
 
 /// Throws invalid_argument_error naming `function` and `what` (a NULL argument).

@@ -145,7 +145,7 @@ ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* allo
                                                        void* user_data) {
   return guarded([&] {
     if (fn == nullptr)
-      throw ccalloc::invalid_argument_error("ccalloc_attach_out_of_memory_observer: fn is NULL");
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_out_of_memory_observer: fn is NULL");
     resolve(alloc).attach_out_of_memory_observer(
         [fn, user_data](int device, std::size_t requested, std::size_t allowed, std::size_t free_bytes) {
           fn(user_data, device, requested, allowed, free_bytes);
@@ -156,7 +156,7 @@ ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* allo
 ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* alloc, ccalloc_trace_tracker_fn fn,
                                               void* user_data) {
   return guarded([&] {
-    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc_attach_trace_tracker: fn is NULL");
+    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_trace_tracker: fn is NULL");
     resolve(alloc).attach_allocator_trace_tracker([fn, user_data](const ccalloc::trace_entry& e) {
       const ccalloc_trace_entry_t c{static_cast<ccalloc_trace_action_t>(e.action), e.device, e.addr, e.size,
                                     from_stream(e.stream), e.time_us};
@@ -168,7 +168,7 @@ ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* alloc, ccallo
 ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc, ccalloc_mapping_listener_fn fn,
                                                  void* user_data) {
   return guarded([&] {
-    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc_attach_mapping_listener: fn is NULL");
+    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_mapping_listener: fn is NULL");
     resolve(alloc).attach_mapping_listener([fn, user_data](const ccalloc::mapping_event& e) {
       const ccalloc_mapping_event_t c{static_cast<ccalloc_mapping_change_t>(e.change),
                                       static_cast<ccalloc_mapping_reason_t>(e.reason),
@@ -181,6 +181,8 @@ ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc, cca
     });
   });
 }
+// The device bound of ccalloc.h is the C++ one.
+static_assert(CCALLOC_MAX_DEVICE_COUNT == ccalloc::max_device_count, "ccalloc.h and types.hpp disagree");
 // The C enums follow the C++ ones value for value.
 static_assert(static_cast<int>(ccalloc::trace_entry_action::empty_cache) == CCALLOC_TRACE_EMPTY_CACHE);
 static_assert(static_cast<int>(ccalloc::trace_entry_action::pause) == CCALLOC_TRACE_PAUSE);
@@ -245,6 +247,5 @@ ccalloc_status_t ccalloc_mapped_segments(ccalloc_allocator_t* alloc, int device,
     *count = ranges.size();
   });
 }
-
 
 }  // extern "C"

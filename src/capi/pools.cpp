@@ -108,7 +108,7 @@ ccalloc_status_t ccalloc_create_pool(ccalloc_allocator_t* alloc, int device, cca
                                      ccalloc_segment_malloc_fn malloc_fn, ccalloc_segment_free_fn free_fn) {
   return guarded([&] {
     if ((malloc_fn == nullptr) != (free_fn == nullptr))
-      throw ccalloc::invalid_argument_error(std::string("ccalloc_create_pool: ") +
+      throw ccalloc::invalid_argument_error(std::string("ccalloc: ccalloc_create_pool: ") +
                                             (malloc_fn == nullptr ? "malloc_fn" : "free_fn") +
                                             " is NULL but the other segment function is not; give both or neither");
     caching_allocator& a = resolve(alloc);

@@ -23,7 +23,8 @@ std::vector<std::string> tag_list(const char* const* tags, size_t tag_count, con
   std::vector<std::string> out;
   for (size_t i = 0; i < tag_count; ++i) {
     if (tags[i] == nullptr)
-      throw ccalloc::invalid_argument_error(std::string(fn) + ": tags[" + std::to_string(i) + "] is NULL");
+      throw ccalloc::invalid_argument_error(std::string("ccalloc: ") + fn + ": tags[" + std::to_string(i) +
+                                            "] is NULL");
     out.emplace_back(tags[i]);
   }
   return out;
@@ -47,7 +48,8 @@ ccalloc_status_t ccalloc_tag_begin(const char* tag) {
 ccalloc_status_t ccalloc_tag_end(void) {
   return guarded([&] {
     if (tls_tag_scopes.empty())
-      throw ccalloc::invalid_argument_error("ccalloc_tag_end: no scope of ccalloc_tag_begin is open on this thread");
+      throw ccalloc::invalid_argument_error(
+          "ccalloc: ccalloc_tag_end: no scope of ccalloc_tag_begin is open on this thread");
     tls_tag_scopes.pop_back();
   });
 }
