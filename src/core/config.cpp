@@ -592,12 +592,14 @@ std::vector<std::string_view> split_items(std::string_view text) {
   return items;
 }
 
-/// The warnings (SPEC X6) that `config` deserves: a function of its fields.
-std::vector<std::string> warnings_for(const allocator_config& config) {
-  std::vector<std::string> warnings;
-  const auto setting = [&](std::string_view key) {
-    return concat({default_prefix, ": ", key, ":", *spec_of(key).print(config)});
-  };
+/// "<prefix>: key:value" of `key` in `config`, as a warning starts.
+std::string setting_text(const allocator_config& config, std::string_view key) {
+  return concat({default_prefix, ": ", key, ":", *spec_of(key).print(config)});
+}
+
+/// Warnings for settings that another setting makes inert or changes.
+void warn_interactions(const allocator_config& config, std::vector<std::string>& warnings) {
+  const auto setting = [&](std::string_view key) { return setting_text(config, key); };
   if (config.garbage_collection_threshold > 0.0 && !config.memory_fraction_set) {
     warnings.push_back(
         setting("garbage_collection_threshold") +
@@ -636,6 +638,12 @@ std::vector<std::string> warnings_for(const allocator_config& config) {
                                                      : "with expandable_segments:False: it limits the recycling of "
                                                        "free pages, which plain segments do not have"));
   }
+}
+
+/// Warnings for settings ccalloc ignores: at the clamp ceiling, or PyTorch's
+/// settings that configure what ccalloc does not have.
+void warn_ignored(const allocator_config& config, std::vector<std::string>& warnings) {
+  const auto setting = [&](std::string_view key) { return setting_text(config, key); };
   // MiB counts at the clamp ceiling (a larger value was clamped there, or
   // the ceiling itself was given): 16 EiB, more than any device.
   const auto at_ceiling = [&](std::string_view key, std::size_t bytes, std::uint64_t ceiling_mib) {
@@ -676,6 +684,13 @@ std::vector<std::string> warnings_for(const allocator_config& config) {
                        "blocks used on other streams until the capture ends, rather than reusing "
                        "them as PyTorch can");
   }
+}
+
+/// The warnings (SPEC X6) that `config` deserves: a function of its fields.
+std::vector<std::string> warnings_for(const allocator_config& config) {
+  std::vector<std::string> warnings;
+  warn_interactions(config, warnings);
+  warn_ignored(config, warnings);
   return warnings;
 }
 

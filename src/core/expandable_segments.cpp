@@ -22,17 +22,8 @@
 // when that needs fewer new pages than the request's own placement: a new
 // side stream per step then takes the last one's mapped pages where they
 // are, instead of each page being unmapped and mapped again.
-//
-// Page fences: cuMemUnmap does not wait for queued work that may
-// still touch the range, and the work that last used a free block was
-// queued on its stream (uses on other streams completed before the block
-// became free). Each stream numbers the blocks that become free on it
-// (block::free_seq); before its pages change hands, an event recorded on the
-// stream after that free must have completed (stream_state::fences, checked
-// with a query, never waited for on the way to a new peak). Pages whose
-// fence has not completed stay where they are; the reservation grows
-// instead. Only out of memory, the memory-fraction cap and emptyCache wait
-// for fences (unmap_free_pages' may_wait; num_device_synchronizations).
+// Page recycling (unmapping free pages), page fences and deferred unmaps:
+// page_recycling.cpp.
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include "detail/device_state.hpp"
@@ -169,105 +160,6 @@ block* device_state::unmapped_block_at_or_below(const segment& seg, std::uintptr
   return above == seg.unmapped.begin() ? seg.head : *std::prev(above);
 }
 
-// Offers the free run of seg starting with block `first`, `run` bytes long,
-// to a request of `size` bytes (run_choice). An idle reservation of another
-// stream (foreign) is offered only when it saves pages: it is adopted whole.
-// The request starts at the run's start, or, where it would cover a retired
-// page (a deferred unmap), on the page after it, if the run is long enough;
-// else the run is offered at its start, marked retired (chosen last: mapping
-// there waits for the deferred unmap).
-void device_state::consider_run(run_choice& best, segment& seg, bool foreign, block* first, std::size_t run,
-                                std::size_t size) noexcept {
-  if (run < size) return;
-  const std::size_t page = seg.page_bytes;
-  const std::uintptr_t run_end = first->ptr + run;
-  std::uintptr_t start = first->ptr;
-  bool retired = false;
-  if (!seg.pages.retired().empty()) {
-    for (;;) {
-      const std::size_t lo = (start - seg.base) / page;
-      const std::size_t hi = (start + size - seg.base + page - 1) / page;
-      const auto past = seg.pages.retired_from(hi);
-      if (past == seg.pages.retired().begin() || std::prev(past)->index < lo) break;  // none under it
-      start = seg.base + (std::prev(past)->index + 1) * page;  // past the last one under it
-      if (start + size > run_end) {
-        start = first->ptr;
-        retired = true;
-        break;
-      }
-    }
-  }
-  const std::uintptr_t end = start + size;
-  std::size_t n = 0;  // pages to map: those of the unmapped blocks under the request
-  for (const block* x = first; x != nullptr && x->ptr < end; x = x->next) {
-    const std::uintptr_t lo = std::max(x->ptr, start);
-    const std::uintptr_t hi = std::min(end, x->ptr + x->size);
-    if (!x->mapped && lo < hi) n += (hi - lo + page - 1) / page;  // unmapped blocks and start: on page boundaries
-  }
-  if (foreign && n >= (size + page - 1) / page) return;  // adopting would save nothing
-  const bool better = retired != best.retired ? !retired
-                      : n != best.pages         ? n < best.pages
-                      : foreign != best.foreign ? !foreign
-                      : run != best.run         ? run < best.run
-                      : best.seg != nullptr &&
-                            (seg.seq != best.seg->seq ? seg.seq < best.seg->seq
-                                                      : start - seg.base < best.start - best.seg->base);
-  if (best.seg == nullptr || better) best = {&seg, first, start, foreign, retired, n, run};
-}
-
-void device_state::scan_runs(run_choice& best, segment& seg, bool foreign, std::size_t size) noexcept {
-  for (block* x = seg.head; x != nullptr;) {
-    if (!x->is_free()) {
-      x = x->next;
-      continue;
-    }
-    block* first = x;
-    std::size_t run = 0;
-    for (; x != nullptr && x->is_free(); x = x->next) run += x->size;
-    consider_run(best, seg, foreign, first, run, size);
-  }
-}
-
-// Which runs can be the best (issue D4: walking every block made a malloc
-// that maps pages cost O(live blocks), 0.8 ms at 32k blocks): a run with an
-// unmapped block is found from that block; a run without one is a single
-// free mapped block (free mapped neighbours merge), in the pool's index, and
-// only one of at least `size` bytes can take the request. Among those the
-// smallest wins (no page to map, the shortest run), so the index is read
-// from `size` up to the first size that has one. Free mapped blocks alternate
-// with unmapped ones inside a run, so the runs found from seg.unmapped have
-// at most twice as many blocks as it has entries.
-void device_state::best_own_run(block_pool& pool, std::size_t size, run_choice& best) const noexcept {
-  for (const auto& [base, up] : segments_) {
-    segment& seg = *up;
-    if (!seg.expandable || seg.head->pool != &pool) continue;
-    std::uintptr_t offered_up_to = seg.base;  // the end of the last run offered
-    for (block* u : seg.unmapped) {
-      if (u->ptr < offered_up_to) continue;  // in that run
-      block* first = u;
-      while (first->prev != nullptr && first->prev->is_free()) first = first->prev;
-      std::size_t run = 0;
-      for (const block* x = first; x != nullptr && x->is_free(); x = x->next) run += x->size;
-      offered_up_to = first->ptr + run;
-      consider_run(best, seg, false, first, run, size);
-    }
-  }
-  std::size_t offered_size = 0;
-  for (auto j = pool.blocks.lower_bound(size); j != block_index::end(); j = pool.blocks.next(j)) {
-    block* c = pool.blocks.at(j);
-    if (offered_size != 0 && c->size > offered_size) break;  // longer: loses to the one offered
-    const bool alone = (c->prev == nullptr || !c->prev->is_free()) && (c->next == nullptr || !c->next->is_free());
-    if (!c->seg->expandable || !alone) continue;
-    consider_run(best, *c->seg, false, c, c->size, size);
-    offered_size = c->size;
-  }
-}
-
-void device_state::best_own_run_by_scan(const block_pool& pool, std::size_t size, run_choice& best) const noexcept {
-  for (const auto& [base, up] : segments_)
-    if (up->expandable && up->head->pool == &pool) scan_runs(best, *up, false, size);
-}
-
 // Where a block of `size` bytes that falls just short of a whole number of
 // pages, or reaches just past a page boundary, or is 8 pages or more and
 // would touch a page more than it needs (page_sliver), starts in free
@@ -280,13 +172,12 @@ void device_state::best_own_run_by_scan(const block_pool& pool, std::size_t size
 // page boundary, such a block straddles one page more than it needs: when
 // the blocks around it are freed and their pages recycled, it keeps that
 // extra page mapped for its whole life. A run of equal blocks carved one
-// after another drifts off page boundaries by the shortfall at each block
-// (llama_generate's KV-cache blocks of 4 pages less 16 KiB, carved
-// among short-lived ones during a prompt, each held 5 pages at the peak).
+// after another drifts off page boundaries by the shortfall at each block.
 // take_found_block asks only where free pages are recycled at every new
 // peak: with recycling limited (recycles_per_peak) or off, the neighbours'
 // pages stay mapped, the page is not saved, and the pieces left beside such
-// blocks only cost (llama_generate with recycles_per_peak:0: 1.067 -> 1.083).
+// blocks only cost. The replays behind this: docs/design.md, "Note: why
+// blocks are carved on page boundaries".
 std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size, bool back) noexcept {
   const segment& seg = *b.seg;
   const std::size_t page = seg.page_bytes;
@@ -341,9 +232,9 @@ std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size
 // one after another, in few runs, and the islands stay whole for
 // recycling. A program that loads its model again (load, run, free, in a
 // loop) otherwise spreads the weights over the islands its last run left,
-// by size, each of them stranding up to a page (llama_generate at
-// 4 passes 1.024 -> 1.008; bert_copystream_infer 1.029 -> 1.024 at every
-// pass count). A request of whole pages strands nothing: best fit. Only
+// by size, each of them stranding up to a page (the replays: docs/design.md,
+// "Note: why blocks are carved on page boundaries"). A request of whole
+// pages strands nothing: best fit. Only
 // where free pages are recycled at every new peak (as page_aligned_start):
 // otherwise the islands stay mapped, and best fit keeps PyTorch's rule. The
 // scan goes over the pool's larger free blocks, in this case only.
@@ -544,7 +435,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
 // reservation (reserve_placement), made once the pages may fit.
 void device_state::place_expandable(alloc_params& p, expandable_request& r) {
   run_choice best;
-  best_own_run(*p.pool, p.size, best);
+  best_own_run(segments_, *p.pool, p.size, best);
   // An idle reservation has no block in use: one run, of few blocks (free
   // mapped and unmapped ones alternate), walked whole.
   for (auto& [base, up] : segments_) {
@@ -806,359 +697,6 @@ block* device_state::take_mapped_run(const expandable_request& r, std::size_t si
     throw std::logic_error("ccalloc: internal error: mapped run does not start with a free block");
   b->pool->blocks.erase(b);
   return b;
-}
-
-// Unmaps the whole pages of free block `b` (free, mapped, in an expandable
-// segment), except those overlapping [keep_lo, keep_hi), at most `max_bytes`.
-// Handles go to `recycled` (then no longer counted as reserved) or back to
-// the device.
-std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                             std::vector<recycled_page>* recycled, std::size_t max_bytes,
-                                             bool defer) {
-  CCALLOC_ASSERT(!defer || recycled != nullptr);
-  segment& seg = *b->seg;
-  const std::size_t page = seg.page_bytes;
-  const std::uintptr_t lo = (b->ptr - seg.base + page - 1) / page * page + seg.base;
-  const std::uintptr_t hi = (b->ptr + b->size - seg.base) / page * page + seg.base;
-  if (lo >= hi) return 0;
-  // The pieces of [lo, hi) outside the kept range (its pages rounded outward).
-  std::pair<std::uintptr_t, std::uintptr_t> pieces[2] = {{lo, hi}, {0, 0}};
-  if (keep_lo < keep_hi && keep_lo < hi && keep_hi > lo) {
-    const std::uintptr_t klo = (keep_lo - seg.base) / page * page + seg.base;
-    const std::uintptr_t khi = (keep_hi - seg.base + page - 1) / page * page + seg.base;
-    pieces[0] = {lo, std::max(lo, std::min(hi, klo))};
-    pieces[1] = {std::min(hi, std::max(lo, khi)), hi};
-  }
-  const stat_group g = group_of(b->pool);
-  std::size_t done_total = 0;
-  // Where set_page_state starts its walk: b, until a piece has changed the
-  // blocks (b may have merged into an unmapped block below it); then the
-  // unmapped block the first piece made, right below the second.
-  block* hint = b;
-  for (const auto& piece : pieces) {
-    const std::uintptr_t from = piece.first;  // named copies: lambdas below capture them
-    std::uintptr_t to = piece.second;
-    if (done_total >= max_bytes) break;
-    if (to - from > max_bytes - done_total) to = from + (max_bytes - done_total + page - 1) / page * page;
-    std::uintptr_t addr = from;
-    std::vector<physical_handle_t> to_release;
-    // Host memory first (may throw; this piece unchanged): the handles' list,
-    // the retired pages' room and what set_page_state needs, before the
-    // device unmaps anything.
-    if (from < to) {
-      const std::size_t n = (to - from) / page;
-      if (recycled != nullptr) recycled->reserve(recycled->size() + n);
-      else to_release.reserve(n);
-      if (defer) seg.pages.reserve_retired(n);
-      set_page_state(seg, from, to, false, hint, /*reserve_only=*/true);
-    }
-    const std::size_t retired_before = seg.pages.retired().size();
-    // Announced before the device unmaps; what a failure leaves mapped is
-    // announced mapped again (finish).
-    const mapping_reason reason = defer                ? mapping_reason::pages_retired
-                                  : recycled != nullptr ? mapping_reason::pages_recycled
-                                                        : mapping_reason::pages_released;
-    if (from < to) announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
-    auto finish = [&] {
-      if (addr < to) announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream, true);
-      const std::size_t bytes = addr - from;
-      CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= reserved_bytes_);
-      seg.mapped_bytes -= bytes;
-      reserved_bytes_ -= bytes;
-      count_down(stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
-      set_page_state(seg, from, addr, false, hint);
-      if (addr > from) hint = nullptr;
-      if (history_.active() && bytes > 0) [[unlikely]]
-        history_.record_segment_unmap(from, bytes, seg.head->stream);
-      done_total += bytes;
-      stats_.num_device_free += to_release.size();
-      retired_pages_ += seg.pages.retired().size() - retired_before;
-      CCALLOC_ASSERT_EXPENSIVE(seg.pages.check());
-      for (physical_handle_t h : to_release) release_page_handle(h);  // may throw: state is consistent
-    };
-    try {
-      for (; addr < to; addr += page) {
-        const std::size_t i = (addr - seg.base) / page;
-        if (defer) {
-          // Mapped here until the stream's work before b's free has run
-          // (segment::retired); within the capacities reserved above.
-          seg.pages.retire({i, seg.pages.handle(i), b->pool->owner, b->free_seq, false});
-          recycled->push_back({seg.pages.handle(i), seg.head->stream});
-        } else {
-          backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
-          if (recycled != nullptr) recycled->push_back({seg.pages.handle(i), seg.head->stream});
-          else to_release.push_back(seg.pages.handle(i));
-        }
-        ++stats_.num_pages_unmapped;
-        seg.pages.set_unmapped(i);
-      }
-    } catch (...) {
-      finish();
-      throw;
-    }
-    finish();
-  }
-  return done_total;
-}
-
-// Unmaps free whole pages of every expandable segment until `target_bytes`
-// are freed: first the pages whose page fence has completed (no waiting);
-// then, with may_wait, the others after waiting for their fences.
-std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
-                                           std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                           std::vector<recycled_page>* recycled, bool may_wait,
-                                           const stream_state* same_stream) {
-  // Each candidate with the bytes its unmapping would leave behind as
-  // pieces of partial pages (partial_page_bytes).
-  // The free mapped blocks of a whole page or more are in their pools'
-  // indexes (read from that size up, not every block of every segment).
-  std::vector<block_pool*> pools;
-  for (auto& [base, up] : segments_) {
-    block_pool* pool = up->head->pool;
-    if (up->expandable && up->mapped_bytes != 0 && !pool_is_live(pool) &&
-        std::find(pools.begin(), pools.end(), pool) == pools.end())
-      pools.push_back(pool);
-  }
-  std::vector<std::pair<std::size_t, block*>> candidates;
-  for (block_pool* pool : pools)
-    for (auto j = pool->blocks.lower_bound(page_bytes_); j != block_index::end(); j = pool->blocks.next(j)) {
-      block* b = pool->blocks.at(j);
-      if (b->seg->expandable) candidates.emplace_back(partial_page_bytes(*b), b);
-    }
-  if (candidates.empty()) return 0;
-  // Fewest bytes left in partial pages first, then the smallest free block
-  // (large free runs stay whole for large requests), then the oldest
-  // segment, then by offset: the same order on every device.
-  std::sort(candidates.begin(), candidates.end(), [](const auto& x, const auto& y) {
-    if (x.first != y.first) return x.first < y.first;
-    if (x.second->size != y.second->size) return x.second->size < y.second->size;
-    return x.second->seg->seq != y.second->seg->seq ? x.second->seg->seq < y.second->seg->seq
-                                                    : x.second->ptr < y.second->ptr;
-  });
-  std::size_t got = 0;
-  std::vector<block*> waiting;  // candidates whose fence has not completed
-  for (const auto& [partial_bytes, b] : candidates) {
-    if (got >= target_bytes) return got;
-    const bool keep = b->seg == keep_seg;
-    if (!fence_completed(b)) {
-      // The request's own stream runs its use of these pages after the
-      // work before b's free: map them there now, unmap them here later.
-      if (same_stream != nullptr && recycled != nullptr && b->pool->owner == same_stream && b->pool->priv == nullptr)
-        got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got, true);
-      else
-        waiting.push_back(b);
-      continue;
-    }
-    got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
-  }
-  // (Unmapping a candidate merges or splits only it and unmapped ranges: free
-  // mapped blocks never neighbour each other, so the others stay valid.)
-  // Then the pages of other streams' blocks whose fence has not completed,
-  // behind a device-side wait of the request's stream for that fence
-  // (cudaMemPoolReuseAllowInternalDependencies; counted in
-  // num_stream_waits): mapped at once, unmapped at the old place once the
-  // fence completes (a deferred unmap). One wait per owner stream and fence.
-  if (config_.reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr && got < target_bytes &&
-      !waiting.empty() && may_wait_on_device(*same_stream)) {
-    std::vector<std::pair<const stream_state*, std::uint64_t>> waited;  // owner -> fence count waited for
-    for (block*& entry : waiting) {
-      if (got >= target_bytes) break;
-      block* b = entry;
-      stream_state& owner = *b->pool->owner;
-      if (b->pool->priv != nullptr || &owner == same_stream || owner.gone) continue;
-      auto w = std::find_if(waited.begin(), waited.end(), [&](const auto& x) { return x.first == &owner; });
-      if (w == waited.end() || w->second < b->free_seq) {
-        const auto fence = fence_covering(owner, b->free_seq);
-        if (!fence) continue;
-        if (w == waited.end()) w = waited.emplace(waited.end(), &owner, 0);  // before the wait: nothing throws after it
-        backend_.stream_wait_event(device_, same_stream->stream, fence->event);
-        ++stats_.num_stream_waits;
-        w->second = fence->covers;
-      }
-      const bool keep = b->seg == keep_seg;
-      got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got, true);
-      entry = nullptr;  // taken (b may have merged away)
-    }
-  }
-  if (!may_wait) return got;
-  for (block* b : waiting) {
-    if (got >= target_bytes) break;
-    if (b == nullptr) continue;  // taken behind a device-side wait
-    wait_fences(*b->pool->owner, page_fences::wait_reason::reclaim_pages);
-    const bool keep = b->seg == keep_seg;
-    got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
-  }
-  return got;
-}
-
-// The bytes of free block `b` (mapped, in an expandable segment) outside its
-// whole pages: its first and last pages when they are partly in use by the
-// blocks beside it. Unmapping b's whole pages leaves these behind as
-// separate free pieces, mapped as long as their neighbours live and too
-// small for most large requests, where b kept whole could still serve a
-// large request without mapping anything; a block whose ends are on page
-// boundaries leaves nothing behind. unmap_free_pages recycles the blocks
-// that leave the least first (on the shared traces, free space
-// stranded in partial pages was most of the excess over the requested peak).
-std::size_t device_state::partial_page_bytes(const block& b) noexcept {
-  const std::size_t page = b.seg->page_bytes;
-  const std::size_t lo = b.ptr - b.seg->base;
-  const std::size_t hi = lo + b.size;
-  return (page - lo % page) % page + hi % page;
-}
-
-// ---- page fences (page_fences.hpp) -------------------------------------------------
-
-event_t device_state::fence_device::take_event() { return d.get_event(); }
-void device_state::fence_device::give_event(event_t e) { d.free_events_.push_back(e); }
-bool device_state::fence_device::query(event_t e) { return d.backend_.query_event(d.device_, e); }
-void device_state::fence_device::record(event_t e, stream_t stream) { d.backend_.record_event(d.device_, e, stream); }
-void device_state::fence_device::synchronize(event_t e) { d.backend_.synchronize_event(d.device_, e); }
-void device_state::fence_device::synchronize_device() { d.backend_.synchronize_device(d.device_); }
-
-// Free block b was last used on its stream (uses on other streams completed
-// before it became free): its pages may change hands once an event recorded
-// on that stream after it became free has completed. Never blocks.
-bool device_state::fence_completed(block* b) { return fence_completed(*b->pool->owner, b->free_seq); }
-
-// Whether the stream's work before its free numbered `free_seq` has run
-// (the same rules; a deferred unmap asks with the freed block's count).
-bool device_state::fence_completed(stream_state& ss, std::uint64_t free_seq) {
-  if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
-  if (free_seq <= ss.fences.completed_up_to()) return true;
-  const bool done = ss.fences.completed(fence_device_, ss.stream, free_seq, ss.free_seq, can_record_on(ss));
-  CCALLOC_ASSERT_EXPENSIVE(ss.fences.check());
-  return done;
-}
-
-void device_state::await_fence(block* b, page_fences::wait_reason why) {
-  if (!fence_completed(b)) wait_fences(*b->pool->owner, why);
-}
-
-// Whether stream `to` may be made to wait on the device for another
-// stream's fence (reuse_with_stream_wait): the backend can (capabilities),
-// no graph capture is underway (known to the allocator, or of `to`: the
-// wait would become a graph dependency), `to` is not known destroyed and
-// can be named on this thread (not another thread's per-thread default
-// stream). The owner of the fence is never asked (it may have been
-// destroyed without the allocator being told; the caller skips those it
-// knows gone): its fence is an event recorded outside any capture the
-// allocator knows of, and waiting on an event needs no live stream.
-bool device_state::may_wait_on_device(const stream_state& to) {
-  if (!stream_wait_supported_ || to.gone) return false;
-  if (device_backend::is_per_thread_stream(to.stream) && !device_backend::is_calling_thread_stream(to.stream))
-    return false;
-  if (capture_underway()) return false;
-  try {
-    return !backend_.is_capturing(device_, to.stream);
-  } catch (...) {
-    return false;  // CUDA may refuse to say while another stream captures: stay on the safe side
-  }
-}
-
-// The oldest outstanding fence of `owner` that covers its free numbered
-// `free_seq` (its count at recording is at least free_seq), with that
-// count, recording one on the stream first where none does and
-// can_record_on allows; nullopt otherwise (another stream's slow path never
-// records on a stream that may be gone or busy elsewhere: no wait, the
-// pages stay).
-std::optional<page_fences::fence> device_state::fence_covering(stream_state& owner, std::uint64_t free_seq) {
-  if (owner.fences.recorded_up_to() >= free_seq)  // can_record_on only where a record is wanted
-    return owner.fences.covering(fence_device_, owner.stream, free_seq, owner.free_seq, false);
-  return owner.fences.covering(fence_device_, owner.stream, free_seq, owner.free_seq, can_record_on(owner));
-}
-
-// Polls every stream's fences, and records a fence on the streams it may
-// record on (can_record_on: the malloc's own stream, the legacy default
-// stream) with blocks freed since their newest fence, so that the pages freed now are known
-// safe at a later recycling even where the device runs behind the host: a
-// fence recorded only when the pages are wanted would cover all the work
-// queued up to then. Cheap: at most two event records, on the slow path only.
-void device_state::fence_streams(const world_lock& w) {
-  for (stream_state* ss : w.streams()) {
-    ss->fences.poll(fence_device_);
-    if (ss->free_seq > ss->fences.recorded_up_to() && can_record_on(*ss))
-      ss->fences.record(fence_device_, ss->stream, ss->free_seq);
-  }
-}
-
-// Blocks until every block freed on the stream so far has no work of the
-// stream left (counted): waits for a fence covering them, recorded now if
-// the stream may be recorded on; else (the stream may be gone) synchronizes
-// the device, which covers every stream's work.
-void device_state::wait_fences(stream_state& ss, page_fences::wait_reason why) {
-  if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
-  if (ss.fences.wait(fence_device_, ss.stream, ss.free_seq, can_record_on(ss), why))
-    ++stats_.num_device_synchronizations;
-  CCALLOC_ASSERT_EXPENSIVE(ss.fences.check());
-}
-
-// ---- deferred unmaps ---------------------------------------------------
-//
-// On a GPU the work queued before a free has usually not run when a request
-// on the same stream wants that block's pages elsewhere (a free followed by
-// a larger request: most of what recycling moves). The stream runs the new
-// use after the old one, so the pages may be used at their new address at
-// once; only unmapping the old address must wait until the work before the
-// free has run (cuMemUnmap does not wait for queued work). So the handle is
-// mapped at the new address now and the old mapping is retired
-// (segment::retired), unmapped here once the fence covering the free has
-// completed: polled on the slow path, waited for only where an address must
-// be mapped again (placement puts such runs last) or the cache is emptied.
-// The same physical page is then mapped twice for a while: it counts once
-// in reserved bytes, at its new place. (Replayed with --device-lag, GPT-2
-// training keeps its 1.003 instead of 1.069.)
-
-void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait) {
-  for (std::size_t k = 0; k < seg.pages.retired().size();) {
-    const segment::retired_page& r = seg.pages.retired()[k];
-    if (r.index < first || r.index >= last) {
-      ++k;
-      continue;
-    }
-    if (!fence_completed(*r.owner, r.free_seq)) {
-      if (!may_wait) {
-        ++k;
-        continue;
-      }
-      wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
-    }
-    backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
-    announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap, seg.base + r.index * seg.page_bytes,
-             seg.page_bytes, r.owner->stream, true);
-    const segment::retired_page done = seg.pages.unretire(k);
-    const bool release = done.release;  // counted in num_device_free when it was given up
-    const physical_handle_t h = done.handle;
-    --retired_pages_;
-    // A page that moved twice is retired at two places: the last unmap releases it.
-    if (release) {
-      reserved_bytes_ -= seg.page_bytes;
-      count_down(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
-      release_page_handle(h);
-    }
-  }
-  CCALLOC_ASSERT_EXPENSIVE(seg.pages.check());
-}
-
-// Gives physical page h (no longer counted as reserved) back to the device,
-// or, while a retired mapping of it remains, leaves that to its deferred
-// unmap (settle_retired_in); the page counts as reserved until then, in the
-// segment it is retired in: the device still holds it.
-void device_state::release_page_handle(physical_handle_t h) {
-  if (retired_pages_ != 0)
-    for (auto& [base, up] : segments_)
-      if (up->pages.release_at_unmap(h)) {
-        reserved_bytes_ += up->page_bytes;
-        count_up(stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
-        return;
-      }
-  backend_.vm_release_handle(device_, h);
-}
-
-void device_state::settle_retired(bool may_wait) {
-  if (retired_pages_ == 0) return;
-  for (auto& [base, up] : segments_)
-    if (!up->pages.retired().empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
 }
 
 // ---- idle reservations of other streams ------------------------------

@@ -15,7 +15,7 @@
 //     device_state::allocate
 //     allocate_unusual          only if events are pending or a pool is active:
 //       process_events            (events.cpp; not while a capture is underway) device lock, then stream locks
-//       routed_pool               (private_pools.cpp) begin_allocate_to_pool's newest matching filter [device lock]
+//       scopes_.routed            (pool_scopes.hpp) begin_allocate_to_pool's newest matching filter [device lock]
 //         -> allocate_slow with the private pool's (stream, pool)       [world lock]
 //       stream_for                the stream's state (thread-local cache, else registry)
 //       prepare                   round_size, pool, allocation_size: B1, B2   [stream lock]
@@ -173,7 +173,7 @@ CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 }  // namespace
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
-  if ((pending_event_count_.load(std::memory_order_relaxed) | capture_count_.load(std::memory_order_relaxed) |
+  if ((pending_event_count_.load(std::memory_order_relaxed) | scopes_.depth() |
        tls_current_tag) != 0) [[unlikely]]
     return allocate_unusual(requested_bytes, stream);
   stream_state& ss = stream_for(stream);
@@ -195,18 +195,18 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 // allocate when events are pending or a begin_allocate_to_pool is active.
 [[gnu::noinline]] block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
   stream_state& ss = stream_for(stream);  // first: a stream it refuses leaves everything as it was
-  const bool scoped = pool_scope_active();
+  const bool scoped = scopes_.active();
   if (scoped) note_if_capturing(stream);
   if (!capture_underway()) process_events();  // never while capturing: event queries are not allowed then
   if (scoped) {
     bool routed = false;
     {
       std::lock_guard device_lock(device_mutex_);
-      routed = routed_pool(stream) != nullptr;
+      routed = scopes_.routed(stream) != nullptr;
     }
     if (routed) {
       world_lock w(*this);
-      if (private_pool* pp = routed_pool(stream)) {  // again: it may have ended meanwhile
+      if (private_pool* pp = scopes_.routed(stream)) {  // again: it may have ended meanwhile
         if (pp->use_count == 0)
           throw invalid_argument_error("ccalloc: allocation on stream " + std::to_string(stream) +
                                        " is routed by begin_allocate_to_pool to private pool " + to_string(pp->id) +
@@ -406,6 +406,92 @@ bool device_state::place_at_back(const block* b) const noexcept {
   return next_in_use && !prev_in_use;
 }
 
+namespace {
+// take_found_block's steps, inlined into it (it is on the hot path).
+
+// The caller gets the front of free block `remaining` (p.size bytes, a new
+// block object); the remainder, the same object, stays cached above it.
+[[gnu::always_inline]] inline block* carve_front(const alloc_params& p, block* remaining) {
+  block* b = p.owner->new_block();
+  b->ptr = remaining->ptr;
+  b->size = p.size;
+  b->stream = remaining->stream;
+  b->pool = remaining->pool;
+  b->seg = remaining->seg;
+  b->prev = remaining->prev;
+  if (b->prev != nullptr) b->prev->next = b;
+  else b->seg->head = b;
+  b->next = remaining;
+  remaining->prev = b;
+  remaining->ptr += p.size;
+  remaining->size -= p.size;
+  return b;
+}
+
+// Splits p.found (at `at` in its pool's index, or not in it: end()) and
+// returns the caller's block; the remainder (p.found's object) and, on a
+// page boundary inside the block, a second remainder above the caller's
+// stay cached. Counts the inactive splits and notes them on the caller's
+// block (reuse_split_*).
+[[gnu::always_inline]] inline block* split_found_block(device_state& d, alloc_params& p, device_stats& st,
+                                                       block_index::position at, bool already_split) {
+  block* b = p.found;
+  const stat_group g = d.group_of(p.pool);
+  // Room for the remainder in the pool's index, before anything changes
+  // (block_index::owes: host memory ran out).
+  if (p.pool->blocks.owes()) [[unlikely]]
+    p.pool->blocks.repay();
+  block* remaining = b;
+  const bool back = d.place_at_back(b);
+  std::uintptr_t start = back ? b->ptr + b->size - p.size : b->ptr;
+  // Only where free pages are recycled at every new peak (the default):
+  // the page it saves is the one its neighbours' recycling frees.
+  if (b->seg->expandable && !b->pool->is_small && d.recycles_at_every_peak() &&
+      page_sliver(p.size, start - b->seg->base, b->seg->page_bytes)) [[unlikely]]
+    start = device_state::page_aligned_start(*b, p.size, back);
+  block* upper = nullptr;  // a second remainder, above the caller's block
+  if (start != b->ptr && start + p.size != b->ptr + b->size) {
+    // On a page boundary inside the block (page_aligned_start): the
+    // caller gets the middle; both ends stay cached. Two remainders: room
+    // for both and their block objects first (may throw; nothing changed).
+    p.pool->blocks.reserve_two(start - b->ptr, b->ptr + b->size - start - p.size);
+    p.owner->reserve_spare_blocks(2);
+    upper = d.split_free_block(remaining, start + p.size);
+    b = d.split_free_block(remaining, start);
+  } else if (start != b->ptr) {
+    // Expandable segments: the caller gets the back, next to the live block
+    // above; the remainder stays cached next to the free or unmapped range
+    // below, where its whole pages can be recycled (live blocks
+    // stay in runs, free space in one piece).
+    b = d.split_free_block(remaining, start);
+  } else {
+    b = carve_front(p, remaining);
+  }
+  CCALLOC_ASSERT(remaining->size >= min_block_bytes && remaining->size % min_block_bytes == 0);
+  remaining->gc_count_base = remaining->pool->get_free_blocks_call_count;
+  // The remainder is the found block's object, with a smaller size (and a
+  // higher address when the caller got the front).
+  if (!at.is_end()) remaining->pool->blocks.rekey_at(at, remaining);
+  else remaining->pool->blocks.insert(remaining);
+  if (upper != nullptr) [[unlikely]] {  // after the rekey: an insert may move the entry at `at`
+    upper->gc_count_base = upper->pool->get_free_blocks_call_count;
+    upper->pool->blocks.insert(upper);
+    count_up(st.inactive_split, g, 1);  // expandable: the found block was split already
+  }
+  if (already_split) {
+    count_down(st.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
+    b->reuse_split_blocks = upper != nullptr ? 1 : 0;  // the second remainder is one more free block
+    b->reuse_split_bytes = static_cast<std::int64_t>(p.size);
+  } else {
+    count_up(st.inactive_split, g, 1);
+    count_up(st.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
+    b->reuse_split_blocks = 1;
+    b->reuse_split_bytes = static_cast<std::int64_t>(remaining->size);
+  }
+  return b;
+}
+}  // namespace
+
 // Hands out p.found: split off the remainder if worth keeping, update stats.
 // `at`: p.found's position in its pool's index, or end() when it is not in it.
 block* device_state::take_found_block(alloc_params& p, device_stats& st, block_index::position at) {
@@ -415,70 +501,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   const stat_group g = group_of(p.pool);
   const bool already_split = b->is_split();
   if (should_split(b, p.size)) {
-    // Room for the remainder in the pool's index, before anything changes
-    // (block_index::owes: host memory ran out).
-    if (p.pool->blocks.owes()) [[unlikely]]
-      p.pool->blocks.repay();
-    block* remaining = b;
-    const bool back = place_at_back(b);
-    std::uintptr_t start = back ? b->ptr + b->size - p.size : b->ptr;
-    // Only where free pages are recycled at every new peak (the default):
-    // the page it saves is the one its neighbours' recycling frees.
-    if (b->seg->expandable && !b->pool->is_small && recycles_at_every_peak() &&
-        page_sliver(p.size, start - b->seg->base, b->seg->page_bytes)) [[unlikely]]
-      start = page_aligned_start(*b, p.size, back);
-    block* upper = nullptr;  // a second remainder, above the caller's block
-    if (start != b->ptr && start + p.size != b->ptr + b->size) {
-      // On a page boundary inside the block (page_aligned_start): the
-      // caller gets the middle; both ends stay cached. Two remainders: room
-      // for both and their block objects first (may throw; nothing changed).
-      p.pool->blocks.reserve_two(start - b->ptr, b->ptr + b->size - start - p.size);
-      p.owner->reserve_spare_blocks(2);
-      upper = split_free_block(remaining, start + p.size);
-      b = split_free_block(remaining, start);
-    } else if (start != b->ptr) {
-      // Expandable segments: the caller gets the back, next to the live block
-      // above; the remainder stays cached next to the free or unmapped range
-      // below, where its whole pages can be recycled (live blocks
-      // stay in runs, free space in one piece).
-      b = split_free_block(remaining, start);
-    } else {
-      // The caller gets the front; the remainder stays cached.
-      b = p.owner->new_block();
-      b->ptr = remaining->ptr;
-      b->size = p.size;
-      b->stream = remaining->stream;
-      b->pool = remaining->pool;
-      b->seg = remaining->seg;
-      b->prev = remaining->prev;
-      if (b->prev != nullptr) b->prev->next = b;
-      else b->seg->head = b;
-      b->next = remaining;
-      remaining->prev = b;
-      remaining->ptr += p.size;
-      remaining->size -= p.size;
-    }
-    CCALLOC_ASSERT(remaining->size >= min_block_bytes && remaining->size % min_block_bytes == 0);
-    remaining->gc_count_base = remaining->pool->get_free_blocks_call_count;
-    // The remainder is the found block's object, with a smaller size (and a
-    // higher address when the caller got the front).
-    if (!at.is_end()) remaining->pool->blocks.rekey_at(at, remaining);
-    else remaining->pool->blocks.insert(remaining);
-    if (upper != nullptr) [[unlikely]] {  // after the rekey: an insert may move the entry at `at`
-      upper->gc_count_base = upper->pool->get_free_blocks_call_count;
-      upper->pool->blocks.insert(upper);
-      count_up(st.inactive_split, g, 1);  // expandable: the found block was split already
-    }
-    if (already_split) {
-      count_down(st.inactive_split_bytes, g, static_cast<std::int64_t>(p.size));
-      b->reuse_split_blocks = upper != nullptr ? 1 : 0;  // the second remainder is one more free block
-      b->reuse_split_bytes = static_cast<std::int64_t>(p.size);
-    } else {
-      count_up(st.inactive_split, g, 1);
-      count_up(st.inactive_split_bytes, g, static_cast<std::int64_t>(remaining->size));
-      b->reuse_split_blocks = 1;
-      b->reuse_split_bytes = static_cast<std::int64_t>(remaining->size);
-    }
+    b = split_found_block(*this, p, st, at, already_split);
   } else {
     if (!at.is_end()) p.pool->blocks.erase_at(at);
     if (already_split) {

@@ -153,14 +153,14 @@ pool_usage device_caching_allocator::pool_stats(mempool_id_t id) const {
 }
 
 namespace {
-// The placement of a request that maps pages (device_state::best_own_run,
+// The placement of a request that maps pages (best_own_run,
 // from the unmapped blocks and the pool's index) is the one a walk over every
 // block finds (best_own_run_by_scan), for each pool with expandable segments,
 // at sizes around a page and around the lengths of its free runs.
 // fail(what): reports a violation (check_invariants' own).
 template <class Fail>
 void check_expandable_placement(detail::device_state& s, const Fail& fail) {
-  using run_choice = detail::device_state::run_choice;
+  using run_choice = detail::run_choice;
   std::vector<detail::block_pool*> pools;
   for (auto& [base, seg] : s.segments_)  // a paused tag's pools place nothing
     if (seg->expandable && !s.tag_paused(detail::device_state::tag_of(*seg)) &&
@@ -184,8 +184,8 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
     for (std::size_t size : sizes) {
       run_choice indexed;
       run_choice scanned;
-      s.best_own_run(*pool, size, indexed);
-      s.best_own_run_by_scan(*pool, size, scanned);
+      detail::best_own_run(s.segments_, *pool, size, indexed);
+      detail::best_own_run_by_scan(s.segments_, *pool, size, scanned);
       if (indexed.seg != scanned.seg || indexed.first != scanned.first || indexed.pages != scanned.pages ||
           indexed.run != scanned.run || indexed.start != scanned.start || indexed.retired != scanned.retired)
         fail("the placement of a " + std::to_string(size) +
@@ -193,145 +193,172 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
     }
   }
 }
-}  // namespace
+[[noreturn]] void fail(const std::string& what) { throw std::logic_error("ccalloc invariant violated: " + what); }
 
-void device_caching_allocator::check_invariants() const {
-  auto& s = *state_;
-  world_lock w(s);
-  s.publish_all_pending_stats(w);
-  auto fail = [](const std::string& what) { throw std::logic_error("ccalloc invariant violated: " + what); };
-  device_stats recount;
-  std::size_t pooled = 0;
-  std::size_t retired_total = 0;
-  for (auto& [base, seg] : s.segments_) {
-    if (seg->head == nullptr || seg->head->ptr != base || seg->head->prev != nullptr)
-      fail("segment head is not the block at the segment base");
-    const stat_group g = s.group_of(seg->head->pool);
-    detail::count_up(recount.segment, g, 1);
-    detail::count_up(recount.reserved_bytes, g,
-                           static_cast<std::int64_t>(seg->expandable ? seg->mapped_bytes : seg->size));
-    const std::size_t page = seg->page_bytes;
-    // Sleep and wake: a segment holds one tag's blocks (one pool); a paused
-    // one is a reservation with nothing mapped (paused bytes are mapped
-    // nowhere) and pages to map again under its allocated blocks.
-    if (seg->paused) {
-      if (!seg->expandable) fail("a plain segment is paused");
-      if (seg->mapped_bytes != 0 || !seg->pages.retired().empty()) fail("a paused reservation has mapped pages");
-      if (!s.tag_paused(detail::device_state::tag_of(*seg))) fail("a paused reservation's tag is not paused");
-      for (physical_handle_t h : seg->pages.handles())
-        if (h != 0) fail("a paused reservation has a mapped page");
-      for (const auto& run : seg->paused_runs)
-        if (run.first_page + run.pages > seg->pages.count()) fail("a paused run lies outside its reservation");
-    } else if (!seg->paused_runs.empty() || !seg->paused_free.empty() || !seg->frees_while_paused.empty()) {
-      fail("an active segment keeps paused state");
-    } else if (s.tag_paused(detail::device_state::tag_of(*seg)) && seg->mapped_bytes != 0) {
-      fail("a paused tag holds a mapped page");
-    }
-    if (seg->expandable) {
-      std::size_t mapped_pages = 0;
-      for (physical_handle_t h : seg->pages.handles()) mapped_pages += h != 0 ? 1 : 0;
-      if (mapped_pages * page != seg->mapped_bytes) fail("expandable segment's mapped_bytes differs from its pages");
-      if (seg->pages.count() * page != seg->size) fail("expandable segment's page table does not cover it");
-      // Deferred unmaps (segment::retired): by index, each page unmapped
-      // in the books, its handle mapped nowhere else in this segment.
-      const auto& retired = seg->pages.retired();
-      for (std::size_t k = 0; k < retired.size(); ++k) {
-        const auto& r = retired[k];
-        if (k > 0 && retired[k - 1].index >= r.index) fail("retired pages are not sorted by index");
-        if (r.index >= seg->pages.count()) fail("a retired page lies outside its segment");
-        else if (seg->pages.mapped(r.index)) fail("a retired page is mapped in the books");
-        if (r.owner == nullptr || r.handle == 0) fail("a retired page has no stream or handle");
-        if (r.release)  // given up, held by the device until its deferred unmap: reserved
-          detail::count_up(recount.reserved_bytes, g, static_cast<std::int64_t>(page));
-      }
-      retired_total += retired.size();
-    }
-    std::uintptr_t expect = base;
-    std::size_t sum = 0;
-    std::size_t busy = 0;
-    for (const block* b = seg->head; b != nullptr; b = b->next) busy += b->is_free() ? 0 : 1;
-    if (busy != seg->busy_blocks) fail("segment's busy_blocks differs from its blocks that are not free");
-    for (const block* b = seg->head; b != nullptr; b = b->next) {
-      if (b->ptr != expect) fail("blocks do not tile segment " + std::to_string(base));
-      if (b->seg != seg.get()) fail("block points to the wrong segment");
-      if (b->next != nullptr && b->next->prev != b) fail("next->prev link broken");
-      if (b->pool != seg->head->pool) fail("blocks of one segment in different pools");
-      if (b->size == 0 || b->size % detail::min_block_bytes != 0) fail("block size not a positive multiple of 512");
-      const bool in_pool = b->pool->blocks.contains(b);
-      if (seg->paused) {
-        // Paused (sleep_wake.cpp): no block is in a pool; the free mapped
-        // ones wait in paused_free.
-        if (in_pool) fail("a block of a paused reservation is in a pool");
-        if (b->mapped && b->is_free() &&
-            std::find(seg->paused_free.begin(), seg->paused_free.end(), b) == seg->paused_free.end())
-          fail("a free block of a paused reservation is not in its paused_free list");
-      } else if (seg->expandable) {
-        const std::size_t first = (b->ptr - base) / page;
-        const std::size_t last = (b->ptr + b->size - base + page - 1) / page;
-        for (std::size_t i = first; i < last; ++i)
-          if ((seg->pages.mapped(i)) != b->mapped)
-            fail(b->mapped ? "a mapped block touches an unmapped page" : "an unmapped block covers a mapped page");
-      } else if (!b->mapped) {
-        fail("unmapped block in a plain segment");
-      }
-      if (!b->mapped) {
-        if (!b->is_free()) fail("an unmapped block is in use");
-        if ((b->ptr - base) % page != 0 || b->size % page != 0) fail("an unmapped block is not page-aligned");
-        if (in_pool) fail("an unmapped block is in a pool");
-        if (b->next != nullptr && !b->next->mapped) fail("two unmapped neighbours are not merged");
-        expect += b->size;
-        sum += b->size;
-        continue;
-      }
-      const bool free_now = b->is_free();
-      if (in_pool != free_now && !seg->paused) fail("pool membership does not match block state");
-      if (free_now) {
-        pooled += seg->paused ? 0 : 1;
-        if (b->next != nullptr && b->next->is_free() && b->next->mapped)
-          fail("two free neighbours are not merged");
-        if (b->is_split() && !seg->paused) {  // paused_free blocks left the pools' counts
-          detail::count_up(recount.inactive_split, g, 1);
-          detail::count_up(recount.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
-        }
-      } else {
-        detail::count_up(recount.active, g, 1);
-        detail::count_up(recount.active_bytes, g, static_cast<std::int64_t>(b->size));
-        detail::count_up(recount.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
-        if (b->allocated) {
-          detail::count_up(recount.allocation, g, 1);
-          detail::count_up(recount.allocated_bytes, g, static_cast<std::int64_t>(b->size));
-        }
-      }
-      expect += b->size;
-      sum += b->size;
-    }
-    if (sum != seg->size) fail("block sizes do not sum to the segment size");
-    std::vector<block*> unmapped;
-    for (block* b = seg->head; b != nullptr; b = b->next)
-      if (!b->mapped) unmapped.push_back(b);
-    if (unmapped != seg->unmapped) fail("segment's list of unmapped blocks differs from its blocks");
+// Sleep and wake: a segment holds one tag's blocks (one pool); a paused one
+// is a reservation with nothing mapped (paused bytes are mapped nowhere) and
+// pages to map again under its allocated blocks.
+void check_paused_state(const detail::device_state& s, const detail::segment& seg) {
+  if (seg.paused) {
+    if (!seg.expandable) fail("a plain segment is paused");
+    if (seg.mapped_bytes != 0 || !seg.pages.retired().empty()) fail("a paused reservation has mapped pages");
+    if (!s.tag_paused(detail::device_state::tag_of(seg))) fail("a paused reservation's tag is not paused");
+    for (physical_handle_t h : seg.pages.handles())
+      if (h != 0) fail("a paused reservation has a mapped page");
+    for (const auto& run : seg.paused_runs)
+      if (run.first_page + run.pages > seg.pages.count()) fail("a paused run lies outside its reservation");
+  } else if (!seg.paused_runs.empty() || !seg.paused_free.empty() || !seg.frees_while_paused.empty()) {
+    fail("an active segment keeps paused state");
+  } else if (s.tag_paused(detail::device_state::tag_of(seg)) && seg.mapped_bytes != 0) {
+    fail("a paused tag holds a mapped page");
   }
-  if (retired_total != s.retired_pages_) fail("retired_pages_ differs from the segments' retired pages");
-  check_expandable_placement(s, fail);
+}
+
+// An expandable segment's page table against its mapped bytes and size;
+// deferred unmaps (segment::retired) by index, each page unmapped in the
+// books, its handle mapped nowhere else in this segment. Returns the
+// number of retired pages; counts the given-up ones as reserved.
+std::size_t check_page_table(const detail::segment& seg, stat_group g, device_stats& recount) {
+  const std::size_t page = seg.page_bytes;
+  std::size_t mapped_pages = 0;
+  for (physical_handle_t h : seg.pages.handles()) mapped_pages += h != 0 ? 1 : 0;
+  if (mapped_pages * page != seg.mapped_bytes) fail("expandable segment's mapped_bytes differs from its pages");
+  if (seg.pages.count() * page != seg.size) fail("expandable segment's page table does not cover it");
+  const auto& retired = seg.pages.retired();
+  for (std::size_t k = 0; k < retired.size(); ++k) {
+    const auto& r = retired[k];
+    if (k > 0 && retired[k - 1].index >= r.index) fail("retired pages are not sorted by index");
+    if (r.index >= seg.pages.count()) fail("a retired page lies outside its segment");
+    else if (seg.pages.mapped(r.index)) fail("a retired page is mapped in the books");
+    if (r.owner == nullptr || r.handle == 0) fail("a retired page has no stream or handle");
+    if (r.release)  // given up, held by the device until its deferred unmap: reserved
+      detail::count_up(recount.reserved_bytes, g, static_cast<std::int64_t>(page));
+  }
+  return retired.size();
+}
+
+// Block b's place against its segment's mapping: a paused reservation's
+// blocks are in no pool (its free mapped ones wait in paused_free); an
+// expandable segment's block is mapped or not as a whole; a plain
+// segment's block is mapped.
+void check_block_mapping(const detail::segment& seg, const block* b, bool in_pool) {
+  if (seg.paused) {
+    if (in_pool) fail("a block of a paused reservation is in a pool");
+    if (b->mapped && b->is_free() &&
+        std::find(seg.paused_free.begin(), seg.paused_free.end(), b) == seg.paused_free.end())
+      fail("a free block of a paused reservation is not in its paused_free list");
+  } else if (seg.expandable) {
+    const std::size_t page = seg.page_bytes;
+    const std::size_t first = (b->ptr - seg.base) / page;
+    const std::size_t last = (b->ptr + b->size - seg.base + page - 1) / page;
+    for (std::size_t i = first; i < last; ++i)
+      if ((seg.pages.mapped(i)) != b->mapped)
+        fail(b->mapped ? "a mapped block touches an unmapped page" : "an unmapped block covers a mapped page");
+  } else if (!b->mapped) {
+    fail("unmapped block in a plain segment");
+  }
+}
+
+// An unmapped block: free, page-aligned, in no pool, merged with unmapped neighbours.
+void check_unmapped_block(const detail::segment& seg, const block* b, bool in_pool) {
+  if (!b->is_free()) fail("an unmapped block is in use");
+  if ((b->ptr - seg.base) % seg.page_bytes != 0 || b->size % seg.page_bytes != 0)
+    fail("an unmapped block is not page-aligned");
+  if (in_pool) fail("an unmapped block is in a pool");
+  if (b->next != nullptr && !b->next->mapped) fail("two unmapped neighbours are not merged");
+}
+
+// A mapped block: in its pool exactly when free, merged with free
+// neighbours; counted into `recount`. Returns whether it is a pooled block.
+bool check_mapped_block(const detail::segment& seg, const block* b, bool in_pool, stat_group g,
+                        device_stats& recount) {
+  const bool free_now = b->is_free();
+  if (in_pool != free_now && !seg.paused) fail("pool membership does not match block state");
+  if (free_now) {
+    if (b->next != nullptr && b->next->is_free() && b->next->mapped) fail("two free neighbours are not merged");
+    if (b->is_split() && !seg.paused) {  // paused_free blocks left the pools' counts
+      detail::count_up(recount.inactive_split, g, 1);
+      detail::count_up(recount.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+    }
+    return !seg.paused;
+  }
+  detail::count_up(recount.active, g, 1);
+  detail::count_up(recount.active_bytes, g, static_cast<std::int64_t>(b->size));
+  detail::count_up(recount.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
+  if (b->allocated) {
+    detail::count_up(recount.allocation, g, 1);
+    detail::count_up(recount.allocated_bytes, g, static_cast<std::int64_t>(b->size));
+  }
+  return false;
+}
+
+// The blocks of seg tile it in address order, link both ways, share its
+// pool; busy_blocks and the unmapped list match them. Returns the number of
+// its blocks that are in a pool.
+std::size_t check_segment_blocks(const detail::segment& seg, stat_group g, device_stats& recount) {
+  std::uintptr_t expect = seg.base;
+  std::size_t pooled = 0;
+  std::size_t busy = 0;
+  for (const block* b = seg.head; b != nullptr; b = b->next) busy += b->is_free() ? 0 : 1;
+  if (busy != seg.busy_blocks) fail("segment's busy_blocks differs from its blocks that are not free");
+  std::vector<block*> unmapped;
+  for (block* b = seg.head; b != nullptr; b = b->next) {
+    if (b->ptr != expect) fail("blocks do not tile segment " + std::to_string(seg.base));
+    if (b->seg != &seg) fail("block points to the wrong segment");
+    if (b->next != nullptr && b->next->prev != b) fail("next->prev link broken");
+    if (b->pool != seg.head->pool) fail("blocks of one segment in different pools");
+    if (b->size == 0 || b->size % detail::min_block_bytes != 0) fail("block size not a positive multiple of 512");
+    const bool in_pool = b->pool->blocks.contains(b);
+    check_block_mapping(seg, b, in_pool);
+    if (!b->mapped) {
+      check_unmapped_block(seg, b, in_pool);
+      unmapped.push_back(b);
+    } else {
+      pooled += check_mapped_block(seg, b, in_pool, g, recount) ? 1 : 0;
+    }
+    expect += b->size;
+  }
+  if (expect - seg.base != seg.size) fail("block sizes do not sum to the segment size");
+  if (unmapped != seg.unmapped) fail("segment's list of unmapped blocks differs from its blocks");
+  return pooled;
+}
+
+// One segment: its head, paused state, page table and blocks, counted into
+// `recount`. Returns its pooled blocks; adds its retired pages to `retired`.
+std::size_t check_segment(const detail::device_state& s, std::uintptr_t base, const detail::segment& seg,
+                          device_stats& recount, std::size_t& retired) {
+  if (seg.head == nullptr || seg.head->ptr != base || seg.head->prev != nullptr)
+    fail("segment head is not the block at the segment base");
+  const stat_group g = s.group_of(seg.head->pool);
+  detail::count_up(recount.segment, g, 1);
+  detail::count_up(recount.reserved_bytes, g, static_cast<std::int64_t>(seg.expandable ? seg.mapped_bytes : seg.size));
+  check_paused_state(s, seg);
+  if (seg.expandable) retired += check_page_table(seg, g, recount);
+  return check_segment_blocks(seg, g, recount);
+}
+
+// The streams' and pools' books against the segments: segment counts per
+// stream and private pool, plain_segments per pool, gone streams, the
+// private pools' stream pools. Returns the number of blocks the pools hold.
+std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
   std::map<const detail::block_pool*, std::size_t> plain;
-  for (auto& [base, seg] : s.segments_) plain[seg->head->pool] += seg->expandable ? 0 : 1;
+  std::map<const detail::stream_state*, std::size_t> held_by;
+  for (auto& [base, seg] : s.segments_) {
+    plain[seg->head->pool] += seg->expandable ? 0 : 1;
+    ++held_by[seg->head->pool->owner];
+  }
   const auto check_plain = [&](const detail::block_pool& pool) {
     const auto it = plain.find(&pool);
     if (pool.plain_segments != (it == plain.end() ? 0 : it->second))
       fail("a pool's plain_segments differs from its plain segments");
   };
-  std::map<const detail::stream_state*, std::size_t> held_by;
-  for (auto& [base, seg] : s.segments_) ++held_by[seg->head->pool->owner];
   std::size_t gone = 0;
+  std::size_t in_pools = 0;
   for (detail::stream_state* ss : w.streams()) {
     const auto it = held_by.find(ss);
     if (ss->segments != (it == held_by.end() ? 0 : it->second))
       fail("stream " + std::to_string(ss->stream) + "'s segment count differs from its segments");
     gone += ss->gone ? 1 : 0;
-  }
-  if (gone != s.gone_streams_) fail("gone_streams_ differs from the gone stream states");
-  std::size_t in_pools = 0;
-  for (detail::stream_state* ss : w.streams()) {
     in_pools += ss->pools.small.blocks.size() + ss->pools.large.blocks.size();
     check_plain(ss->pools.small);
     check_plain(ss->pools.large);
@@ -344,21 +371,27 @@ void device_caching_allocator::check_invariants() const {
       in_pools += sp->small.blocks.size() + sp->large.blocks.size();
     }
   }
+  if (gone != s.gone_streams_) fail("gone_streams_ differs from the gone stream states");
   for (auto& [id, pp] : s.private_pools_) {
     std::size_t held = 0;
     for (auto& [base, seg] : s.segments_) held += seg->head->pool->priv == pp.get() ? 1 : 0;
     if (held != pp->segment_count) fail("private pool " + to_string(id) + "'s segment_count differs from its segments");
     if (pp->use_count < 0) fail("negative pool use count");
   }
+  return in_pools;
+}
+
+// The device's counters (reservation, pending events, statistics) against
+// a recount from the segments.
+void check_counters(const detail::device_state& s, const device_stats& recount) {
   for (const block* b : s.deferred_frees_)
     if (b->allocated || b->event_count != 1) fail("a deferred free is allocated or lacks its placeholder event");
-  if (in_pools != pooled) fail("pools hold blocks that are not free blocks of live segments");
   if (static_cast<std::int64_t>(s.reserved_bytes_) != recount.reserved_bytes[0].current)
     fail("the reservation counter differs from the sum of segment sizes");
   std::size_t queued = 0;
-  for (auto& [stream, queue] : s.pending_events_) queued += queue.size();
+  for (const auto& [stream, queue] : s.pending_events_) queued += queue.size();
   if (queued != s.pending_event_count_.load()) fail("pending_event_count_ differs from the queued events");
-  auto same = [&](const stat_array& a, const stat_array& b, const char* name) {
+  const auto same = [](const stat_array& a, const stat_array& b, const char* name) {
     for (std::size_t i = 0; i < stat_group_count; ++i)
       if (a[i].current != b[i].current)
         fail(std::string(name) + "[" + std::to_string(i) + "].current is " + std::to_string(a[i].current) +
@@ -373,6 +406,21 @@ void device_caching_allocator::check_invariants() const {
   same(s.stats_.requested_bytes, recount.requested_bytes, "requested_bytes");
   same(s.stats_.inactive_split, recount.inactive_split, "inactive_split");
   same(s.stats_.inactive_split_bytes, recount.inactive_split_bytes, "inactive_split_bytes");
+}
+}  // namespace
+
+void device_caching_allocator::check_invariants() const {
+  auto& s = *state_;
+  world_lock w(s);
+  s.publish_all_pending_stats(w);
+  device_stats recount;
+  std::size_t pooled = 0;
+  std::size_t retired_total = 0;
+  for (auto& [base, seg] : s.segments_) pooled += check_segment(s, base, *seg, recount, retired_total);
+  if (retired_total != s.retired_pages_) fail("retired_pages_ differs from the segments' retired pages");
+  check_expandable_placement(s, fail);
+  if (check_stream_books(s, w) != pooled) fail("pools hold blocks that are not free blocks of live segments");
+  check_counters(s, recount);
   // The per-structure checks that CCALLOC_ASSERT_EXPENSIVE runs at state
   // transitions, composed here (after the specific checks above, which say
   // more about what is wrong). Not the recycling budget's bounds: a lowered

@@ -37,14 +37,6 @@ private_pool& device_state::checked_pool(mempool_id_t id, const char* what) cons
   return *pp;
 }
 
-// The pool the newest active begin_allocate_to_pool whose filter accepts
-// `stream` names, or nullptr.
-private_pool* device_state::routed_pool(stream_t stream) const {
-  for (auto it = captures_underway_.rbegin(); it != captures_underway_.rend(); ++it)
-    if (it->filter(stream)) return it->pool;
-  return nullptr;
-}
-
 block_pool& device_state::pool_in(private_pool& pp, stream_state& ss, bool small) {
   auto& slot = ss.private_pools[&pp];
   if (!slot) {
@@ -89,8 +81,7 @@ void device_state::release_dead_pools(const world_lock& w, bool keep_going) {
 void device_state::delete_empty_dead_pools(const world_lock& w) {
   for (auto it = private_pools_.begin(); it != private_pools_.end();) {
     private_pool* pp = it->second.get();
-    const bool active = std::any_of(captures_underway_.begin(), captures_underway_.end(),
-                                    [&](const capture_entry& c) { return c.pool == pp; });
+    const bool active = scopes_.routes_to(pp);
     if (pp->use_count != 0 || pp->segment_count != 0 || active || pp->pinned.load(std::memory_order_acquire) != 0) {
       ++it;
       continue;
@@ -101,20 +92,14 @@ void device_state::delete_empty_dead_pools(const world_lock& w) {
 }
 
 bool device_state::capture_underway() noexcept {
-  if (!pool_scope_active()) return false;
-  std::lock_guard lock(capturing_mutex_);
-  auto& streams = capturing_streams_;
-  for (std::size_t i = 0; i < streams.size();) {
-    bool capturing = true;  // if the backend cannot tell, stay on the safe side
+  if (!scopes_.active()) return false;
+  return scopes_.any_capturing([&](stream_t stream) {
     try {
-      capturing = backend_.is_capturing(device_, streams[i]);
-    } catch (...) {  // stays true, as above
+      return backend_.is_capturing(device_, stream);
+    } catch (...) {  // if the backend cannot tell, stay on the safe side
+      return true;
     }
-    if (capturing) return true;
-    streams[i] = streams.back();  // the capture ended
-    streams.pop_back();
-  }
-  return false;
+  });
 }
 
 void device_state::note_if_capturing(stream_t stream) {
@@ -125,9 +110,7 @@ void device_state::note_if_capturing(stream_t stream) {
     // captures (cudaErrorStreamCaptureImplicit): a capture runs, so stay on
     // the safe side until the scope ends.
   }
-  std::lock_guard lock(capturing_mutex_);
-  if (std::find(capturing_streams_.begin(), capturing_streams_.end(), stream) == capturing_streams_.end())
-    capturing_streams_.push_back(stream);
+  scopes_.note_capturing(stream);
 }
 
 bool device_state::any_stream_capturing(const block* b) {
@@ -283,25 +266,16 @@ void device_caching_allocator::begin_allocate_to_pool(mempool_id_t id, stream_fi
   if (pp.use_count == 0)
     throw invalid_argument_error("ccalloc: begin_allocate_to_pool: private pool " + to_string(id) + " of device " +
                                  std::to_string(device_) + " was released (use count 0); it takes no allocations");
-  s.captures_underway_.push_back({&pp, std::move(filter)});
-  s.capture_count_.store(s.captures_underway_.size(), std::memory_order_relaxed);
+  s.scopes_.open(&pp, std::move(filter));
 }
 
 void device_caching_allocator::end_allocate_to_pool(mempool_id_t id) {
   auto& s = *state_;
   world_lock w(s);
-  auto& stack = s.captures_underway_;
-  auto it = std::find_if(stack.rbegin(), stack.rend(), [&](const auto& c) { return c.pool->id == id; });
-  if (it == stack.rend())
+  if (!s.scopes_.close(id))
     throw invalid_argument_error("ccalloc: end_allocate_to_pool: private pool " + to_string(id) + " of device " +
                                  std::to_string(device_) + " is not active (no begin_allocate_to_pool to end)");
-  stack.erase(std::next(it).base());
-  s.capture_count_.store(stack.size(), std::memory_order_relaxed);
-  if (stack.empty()) {
-    {
-      std::lock_guard lock(s.capturing_mutex_);
-      s.capturing_streams_.clear();  // their handles may be destroyed from now on
-    }
+  if (!s.scopes_.active()) {
     s.publish_all_pending_stats(w);
     s.flush_deferred_frees();
   }
@@ -371,6 +345,37 @@ pool_checkpoint device_caching_allocator::get_checkpoint_state(mempool_id_t id) 
   return cp;
 }
 
+namespace {
+// Throws invalid_argument_error (prefix `where`) unless segment i of the
+// pool (seg) is the checkpoint's segment cs: same address, size, stream and
+// kind, its blocks tiling it, each allocated one in mapped pages.
+void check_checkpoint_segment(const std::string& where, const std::string& pool_text, std::size_t i,
+                              const detail::segment& seg, const checkpoint_segment& cs) {
+  if (seg.base != cs.address || seg.size != cs.total_bytes || seg.head->stream != cs.stream ||
+      seg.head->pool->is_small != cs.is_small_pool || seg.expandable != cs.is_expandable)
+    throw invalid_argument_error(where + "segment " + std::to_string(i) + " of " + pool_text + " (address " +
+                                 std::to_string(seg.base) + ", " + std::to_string(seg.size) +
+                                 " bytes) differs from the checkpoint's (address " + std::to_string(cs.address) +
+                                 ", " + std::to_string(cs.total_bytes) + " bytes) or its stream or kind");
+  std::uintptr_t expect = cs.address;
+  for (const checkpoint_block& cb : cs.blocks) {
+    if (cb.address != expect || cb.size_bytes == 0 || cb.size_bytes % detail::min_block_bytes != 0)
+      throw invalid_argument_error(where + "the checkpoint's blocks do not tile segment " + std::to_string(i) +
+                                   " (block at " + std::to_string(cb.address) + ")");
+    expect += cb.size_bytes;
+    if (!cb.allocated || !seg.expandable) continue;
+    const std::size_t page = seg.page_bytes;
+    for (std::size_t p = (cb.address - seg.base) / page; p < (cb.address + cb.size_bytes - seg.base + page - 1) / page;
+         ++p)
+      if (!seg.pages.mapped(p))
+        throw invalid_argument_error(where + "block " + std::to_string(cb.address) + " of the checkpoint lies in " +
+                                     "an unmapped range of expandable segment " + std::to_string(i));
+  }
+  if (expect != cs.address + cs.total_bytes)
+    throw invalid_argument_error(where + "the checkpoint's blocks do not cover segment " + std::to_string(i));
+}
+}  // namespace
+
 checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(const pool_checkpoint& state) {
   auto& s = *state_;
   const std::string where = "ccalloc: set_checkpoint_pool_state: ";
@@ -379,7 +384,7 @@ checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(co
                                  ", not of device " + std::to_string(device_));
   world_lock w(s);
   detail::private_pool& pp = s.checked_pool(state.pool, "set_checkpoint_pool_state");
-  if (s.pool_scope_active())
+  if (s.scopes_.active())
     throw invalid_argument_error(where + "a begin_allocate_to_pool is active on device " + std::to_string(device_) +
                                  " (a capture is underway); restore after end_allocate_to_pool");
   // 1. Validate everything before changing anything.
@@ -391,32 +396,8 @@ checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(co
     throw invalid_argument_error(where + pool_text + " holds " + std::to_string(segs.size()) +
                                  " segments but the checkpoint has " + std::to_string(state.segments.size()) +
                                  " (a checkpoint of another pool, or segments were freed or added since)");
-  for (std::size_t i = 0; i < segs.size(); ++i) {
-    const detail::segment& seg = *segs[i];
-    const checkpoint_segment& cs = state.segments[i];
-    if (seg.base != cs.address || seg.size != cs.total_bytes || seg.head->stream != cs.stream ||
-        seg.head->pool->is_small != cs.is_small_pool || seg.expandable != cs.is_expandable)
-      throw invalid_argument_error(where + "segment " + std::to_string(i) + " of " + pool_text + " (address " +
-                                   std::to_string(seg.base) + ", " + std::to_string(seg.size) +
-                                   " bytes) differs from the checkpoint's (address " + std::to_string(cs.address) +
-                                   ", " + std::to_string(cs.total_bytes) + " bytes) or its stream or kind");
-    std::uintptr_t expect = cs.address;
-    for (const checkpoint_block& cb : cs.blocks) {
-      if (cb.address != expect || cb.size_bytes == 0 || cb.size_bytes % detail::min_block_bytes != 0)
-        throw invalid_argument_error(where + "the checkpoint's blocks do not tile segment " + std::to_string(i) +
-                                     " (block at " + std::to_string(cb.address) + ")");
-      expect += cb.size_bytes;
-      if (!cb.allocated || !seg.expandable) continue;
-      const std::size_t page = seg.page_bytes;
-      for (std::size_t p = (cb.address - seg.base) / page; p < (cb.address + cb.size_bytes - seg.base + page - 1) / page;
-           ++p)
-        if (!seg.pages.mapped(p))
-          throw invalid_argument_error(where + "block " + std::to_string(cb.address) + " of the checkpoint lies in " +
-                                       "an unmapped range of expandable segment " + std::to_string(i));
-    }
-    if (expect != cs.address + cs.total_bytes)
-      throw invalid_argument_error(where + "the checkpoint's blocks do not cover segment " + std::to_string(i));
-  }
+  for (std::size_t i = 0; i < segs.size(); ++i)
+    check_checkpoint_segment(where, pool_text, i, *segs[i], state.segments[i]);
   // 2. Free what the checkpoint does not hold allocated, wait for events.
   s.publish_all_pending_stats(w);
   checkpoint_restore_result result;

@@ -217,6 +217,64 @@ std::string chart_json(const chart_data& c) {
   return s;
 }
 
+/// Where segment_map_svg draws a segment: the map's left margin (pixels),
+/// the segment's offset in its row (bytes), its top (pixels), pixels per
+/// byte, and the row's height.
+struct segment_place {
+  double pad;
+  double x;
+  double y;
+  double scale;
+  double row_h;
+};
+
+/// The blocks of segment s inside its rectangle: each block of 3 pixels or
+/// more with its requested bytes and rounding; runs of tiny blocks of one
+/// kind merged into one rectangle. Counts the rectangles in drawn_rects.
+void draw_blocks(std::string& o, const segment_info& s, const segment_place& at, std::size_t& drawn_rects) {
+  double run_x = -1, run_end = 0;
+  const char* run_color = nullptr;
+  auto flush = [&] {
+    if (run_color != nullptr && run_end > run_x) {
+      o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"/>", run_x, at.y + 1,
+               std::max(0.3, run_end - run_x), at.row_h - 2, run_color);
+      ++drawn_rects;
+    }
+    run_color = nullptr;
+  };
+  for (const block_info& b : s.blocks) {
+    if (b.state == block_state::inactive) {
+      flush();
+      continue;
+    }
+    const double bx = at.pad + (at.x + double(b.address - s.address)) * at.scale;
+    const double bw = double(b.size_bytes) * at.scale;
+    const char* color = b.state == block_state::active_pending_free ? color_pending : color_block;
+    if (bw >= 3) {
+      flush();
+      const double rw = b.state == block_state::active_allocated ? double(b.requested_bytes) * at.scale : bw;
+      o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"><title>block %s (%s "
+               "requested), %s</title></rect>",
+               bx, at.y + 1, std::max(0.3, rw), at.row_h - 2, color, format_bytes(b.size_bytes).c_str(),
+               format_bytes(b.requested_bytes).c_str(), std::string(to_string(b.state)).c_str());
+      ++drawn_rects;
+      if (bw - rw >= 0.5) {
+        o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"/>", bx + rw, at.y + 1,
+                 bw - rw, at.row_h - 2, color_rounding);
+        ++drawn_rects;
+      }
+      continue;
+    }
+    if (run_color != color || std::fabs(bx - run_end) > 0.05 || run_end - run_x >= 3) {
+      flush();
+      run_x = bx;
+      run_color = color;
+    }
+    run_end = bx + bw;
+  }
+  flush();
+}
+
 /// Segments packed into rows (largest first), blocks drawn inside.
 std::string segment_map_svg(std::vector<segment_info> segments, std::size_t& drawn_rects) {
   constexpr double W = 1040, pad = 8, row_h = 18, gap = 6;
@@ -263,48 +321,7 @@ std::string segment_map_svg(std::vector<segment_info> segments, std::size_t& dra
              format_bytes(s.allocated_bytes).c_str(), format_bytes(s.requested_bytes).c_str(), x0, y, w,
              row_h, color_free);
     ++drawn_rects;
-    // Blocks: runs of tiny blocks of one kind are merged into one rectangle.
-    double run_x = -1, run_end = 0;
-    const char* run_color = nullptr;
-    auto flush = [&] {
-      if (run_color != nullptr && run_end > run_x) {
-        o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"/>", run_x, y + 1,
-                 std::max(0.3, run_end - run_x), row_h - 2, run_color);
-        ++drawn_rects;
-      }
-      run_color = nullptr;
-    };
-    for (const block_info& b : s.blocks) {
-      if (b.state == block_state::inactive) {
-        flush();
-        continue;
-      }
-      const double bx = pad + (p.x + double(b.address - s.address)) * scale;
-      const double bw = double(b.size_bytes) * scale;
-      const char* color = b.state == block_state::active_pending_free ? color_pending : color_block;
-      if (bw >= 3) {
-        flush();
-        const double rw = b.state == block_state::active_allocated ? double(b.requested_bytes) * scale : bw;
-        o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"><title>block %s (%s "
-                 "requested), %s</title></rect>",
-                 bx, y + 1, std::max(0.3, rw), row_h - 2, color, format_bytes(b.size_bytes).c_str(),
-                 format_bytes(b.requested_bytes).c_str(), std::string(to_string(b.state)).c_str());
-        ++drawn_rects;
-        if (bw - rw >= 0.5) {
-          o += fmt("<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"/>", bx + rw, y + 1,
-                   bw - rw, row_h - 2, color_rounding);
-          ++drawn_rects;
-        }
-        continue;
-      }
-      if (run_color != color || std::fabs(bx - run_end) > 0.05 || run_end - run_x >= 3) {
-        flush();
-        run_x = bx;
-        run_color = color;
-      }
-      run_end = bx + bw;
-    }
-    flush();
+    draw_blocks(o, s, {pad, p.x, y, scale, row_h}, drawn_rects);
     o += "</g>\n";
   }
   o += "</svg>\n";
@@ -449,35 +466,12 @@ std::string sleep_table(const replay_result& r) {
   return o + "</table></section>\n";
 }
 
-std::string render_report_html(const trace& t, const report_options& options, const native_reference* native,
-                               report_summary* summary_out) {
-  const report_model m = build_report_model(t, options);
-  const std::size_t n = t.events.size();
-  const slicer& sl = m.sl;
-  const recorded_curves& recorded = m.recorded;
-  const chart_data& c = m.chart;
-  const std::vector<segment_info>& at_peak = m.at_peak;
-  const report_summary& sum = m.sum;
-  const std::size_t peak_index = m.peak_index;
+namespace {
+// render_report_html's sections, in page order; each appends to `o`.
 
-  // ---- the page ----
-  const std::string title = options.title.empty() ? t.source : options.title;
-  std::set<std::uint64_t> streams;
-  for (const auto& e : t.events) streams.insert(e.stream);
-  const double duration = sl.by_time ? sl.span : 0;
-  std::string o;
-  o.reserve(1 << 20);
-  o += "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>ccalloc report: " + html(title) +
-       "</title>\n<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<style>" + page_style +
-       "</style></head>\n<body><main>\n";
-  o += "<h1>ccalloc memory report</h1>\n<p class=\"sub\">" + html(title) + " &middot; " + with_commas(n) +
-       " events &middot; " + std::to_string(streams.size()) + (streams.size() == 1 ? " stream" : " streams") +
-       (duration > 0 ? " &middot; " + html(seconds_text(duration)) + " recorded" : std::string()) +
-       " &middot; replayed with " + html(options.config.empty() ? "the default configuration" : options.config) +
-       " on a simulated device of " + html(format_bytes(options.device_memory_bytes)) + "</p>\n";
-  for (const std::string& note : t.notes) o += "<p class=\"note\">Input: " + html(note) + "</p>\n";
-
-  // Summary.
+// Summary: the peaks, the OOMs, and what the policy cost (host waits and page traffic).
+void summary_section(std::string& o, const report_summary& sum, const native_reference* native,
+                     const recorded_curves& recorded) {
   o += "<section class=\"card\"><h2>Summary</h2>\n<div class=\"kpis\">";
   o += kpi(format_bytes(sum.replay.peak_requested_bytes), "peak requested (what the program asked for)");
   o += kpi(format_bytes(sum.replay.peak_allocated_bytes), "ccalloc peak allocated (rounded blocks)");
@@ -507,8 +501,9 @@ std::string render_report_html(const trace& t, const report_options& options, co
   cost_row("stream waits", with_commas(sum.replay.stream_waits),
            "device-side waits for another stream's work so that its free pages could move at once (the host did not wait)");
   o += "</table></section>\n";
+}
 
-  // Time chart.
+void time_chart_section(std::string& o, const slicer& sl, const chart_data& c, const recorded_curves& recorded) {
   o += "<section class=\"card\"><h2>Memory over time</h2>\n<p class=\"note\">Each point is the highest value in its "
        "slice of time (" + with_commas(sl.n) + " slices), so no peak is lost. Hover for values.</p>\n";
   o += time_chart_svg(c);
@@ -524,9 +519,11 @@ std::string render_report_html(const trace& t, const report_options& options, co
          ";border-top-style:dotted\"></i>paused (all tags)</span>";
   o += "</div><div id=\"readout\"></div>\n<script type=\"application/json\" id=\"chartdata\">" + chart_json(c) +
        "</script></section>\n";
-  o += sleep_table(sum.replay);
+}
 
-  // Segment map.
+void segment_map_section(std::string& o, const trace& t, const std::vector<segment_info>& at_peak,
+                         std::size_t peak_index) {
+  const std::size_t n = t.events.size();
   std::size_t rects = 0;
   const std::string map = segment_map_svg(at_peak, rects);
   std::uint64_t peak_reserved = 0, peak_alloc = 0;
@@ -546,7 +543,10 @@ std::string render_report_html(const trace& t, const report_options& options, co
        "\"></i>freed, waiting for other streams</span><span><i class=\"sw\" style=\"background:" + color_free +
        ";border:1px solid #8795a5\"></i>free (cached)</span></div></section>\n";
 
-  // Fragmentation by pool and stream.
+}
+
+// Fragmentation by pool and stream.
+void fragmentation_section(std::string& o, const std::vector<segment_info>& at_peak) {
   const std::vector<pool_row> rows = fragmentation_rows(at_peak);
   std::uint64_t widest = 1;
   for (const auto& r : rows) widest = std::max(widest, r.reserved);
@@ -574,7 +574,10 @@ std::string render_report_html(const trace& t, const report_options& options, co
        "no live request is using. Composition bars (one scale for all rows): requested, rounding, waiting for other "
        "streams, free (cached), in the segment map's colours.</p></section>\n";
 
-  // Largest allocations.
+}
+
+void largest_allocations_section(std::string& o, const trace& t, const slicer& sl, const report_options& options) {
+  const std::size_t n = t.events.size();
   const std::vector<big_allocation> big = largest_allocations(t, sl, options.largest_allocations);
   const double end_x = sl.by_time ? sl.span : double(n - 1);
   o += "<section class=\"card\"><h2>Largest allocations</h2>\n<table><tr><th>#</th><th>size</th><th class=\"l\">"
@@ -594,8 +597,13 @@ std::string render_report_html(const trace& t, const report_options& options, co
          "</tr>\n";
   }
   o += "</table></section>\n";
+}
 
-  // Allocation sites at the peak (PyTorch snapshots with frames).
+// Allocation sites at the peak (PyTorch snapshots with frames); returns the
+// top sites with their bytes (the summary's top_sites).
+std::vector<std::pair<std::uint32_t, std::uint64_t>> sites_section(std::string& o, const trace& t,
+                                                                   std::size_t peak_index,
+                                                                   const report_options& options) {
   const std::vector<site_row> sites = sites_at_peak(t, peak_index, options.top_sites);
   std::vector<std::pair<std::uint32_t, std::uint64_t>> top_sites;
   if (!sites.empty()) {
@@ -626,6 +634,45 @@ std::string render_report_html(const trace& t, const report_options& options, co
     }
     o += "</table></section>\n";
   }
+  return top_sites;
+}
+}  // namespace
+
+std::string render_report_html(const trace& t, const report_options& options, const native_reference* native,
+                               report_summary* summary_out) {
+  const report_model m = build_report_model(t, options);
+  const std::size_t n = t.events.size();
+  const slicer& sl = m.sl;
+  const recorded_curves& recorded = m.recorded;
+  const chart_data& c = m.chart;
+  const std::vector<segment_info>& at_peak = m.at_peak;
+  const report_summary& sum = m.sum;
+  const std::size_t peak_index = m.peak_index;
+
+  // ---- the page ----
+  const std::string title = options.title.empty() ? t.source : options.title;
+  std::set<std::uint64_t> streams;
+  for (const auto& e : t.events) streams.insert(e.stream);
+  const double duration = sl.by_time ? sl.span : 0;
+  std::string o;
+  o.reserve(1 << 20);
+  o += "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>ccalloc report: " + html(title) +
+       "</title>\n<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<style>" + page_style +
+       "</style></head>\n<body><main>\n";
+  o += "<h1>ccalloc memory report</h1>\n<p class=\"sub\">" + html(title) + " &middot; " + with_commas(n) +
+       " events &middot; " + std::to_string(streams.size()) + (streams.size() == 1 ? " stream" : " streams") +
+       (duration > 0 ? " &middot; " + html(seconds_text(duration)) + " recorded" : std::string()) +
+       " &middot; replayed with " + html(options.config.empty() ? "the default configuration" : options.config) +
+       " on a simulated device of " + html(format_bytes(options.device_memory_bytes)) + "</p>\n";
+  for (const std::string& note : t.notes) o += "<p class=\"note\">Input: " + html(note) + "</p>\n";
+
+  summary_section(o, sum, native, recorded);
+  time_chart_section(o, sl, c, recorded);
+  o += sleep_table(sum.replay);
+  segment_map_section(o, t, at_peak, peak_index);
+  fragmentation_section(o, at_peak);
+  largest_allocations_section(o, t, sl, options);
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> top_sites = sites_section(o, t, peak_index, options);
   o += "<p class=\"note\">Written by ccalloc report. The replay runs on ccalloc's simulated device; see "
        "docs/trace-format.md for the inputs.</p>\n";
   o += std::string("</main><script>") + page_script + "</script></body></html>\n";

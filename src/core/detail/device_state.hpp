@@ -58,6 +58,10 @@
 #include <ccalloc/core/device_caching_allocator.hpp>
 #include <ccalloc/core/stats.hpp>
 #include <ccalloc/core/tags.hpp>
+#include "block.hpp"
+#include "block_index.hpp"
+#include "pool_scopes.hpp"
+#include "pools.hpp"
 #include "stat_storage.hpp"
 
 #include "history_recorder.hpp"
@@ -66,6 +70,7 @@
 #include "page_fences.hpp"
 #include "page_table.hpp"
 #include "recycle_budget.hpp"
+#include "run_placement.hpp"
 #include "thread_cache.hpp"
 
 #include <cstddef>
@@ -89,572 +94,6 @@
 #include <vector>
 
 namespace ccalloc::detail {
-
-// Sizes of PyTorch's allocator (B1, B2).
-inline constexpr std::size_t min_block_bytes = 512;        // rounding unit and smallest block
-inline constexpr std::size_t small_request_bytes = 1 * mib;  // largest small-pool request
-inline constexpr std::size_t small_segment_bytes = 2 * mib;  // small-pool segment size
-inline constexpr std::size_t min_large_alloc_bytes = 10 * mib;  // below: large_segment_size segments
-inline constexpr std::size_t large_round_bytes = 2 * mib;    // larger segments round to this
-// Requests (or growth) of at least this many bytes first ask the device how
-// much is free (one mem_get_info): allocate_slow's check against what
-// returning the whole cache could give, alloc_expandable's growth check.
-inline constexpr std::size_t free_memory_check_bytes = 256 * mib;
-
-// Blocks of at least this many pages are carved so that they touch no more
-// pages than they need (page_sliver).
-inline constexpr std::size_t page_aligned_block_pages = 8;
-
-// Whether a block of `size` bytes, carved flush at `offset` of its segment,
-// is to be carved on page boundaries instead, in an expandable segment's
-// large pool where that costs no page now
-// (device_state::page_aligned_start), when free pages are recycled at every
-// new peak (the default). Three cases:
-// - it falls short of a whole number of `page`s by at most 1/64 of a page
-//   (and by something): packed with its like, it wastes at most that much
-//   per block, where carved flush a run of them drifts off the boundaries;
-// - it reaches past a page boundary by at most that much (and by
-//   something): a block of whole pages after a neighbour that ends just
-//   past one keeps that whole page mapped for the sliver once its
-//   neighbours are gone (bert_copystream_infer: a 32 MiB block 15 KiB past
-//   a boundary held 17 pages instead of 16);
-// - it is page_aligned_block_pages pages or more and, flush, would touch one
-//   page more than it needs (its offset in its first page plus its bytes
-//   in its last page pass a page). Flush against a neighbour that is freed
-//   before it (a large activation, gradient or workspace carved after a
-//   temporary), it keeps that page mapped for the neighbour's leftover
-//   bytes for the rest of its life; on a boundary it touches the fewest
-//   pages, and the gap left in the neighbour's page (less than a page)
-//   costs at most 1/page_aligned_block_pages of the block's pages where the
-//   neighbours live as long. Smaller blocks stay flush: a model's small
-//   parameters loaded one after another ([2 MiB][2 MiB][5.5 MiB] per
-//   layer) each left a gap on every layer (aligning every block that would
-//   touch a page more: llama_generate 1.006 -> 1.022, bert_varlen 1.021 ->
-//   1.051; from 4, 8, 16 or 32 pages up: geometric mean at 4 passes
-//   1.0110, 1.0100, 1.0124, 1.0129, from 1.0121).
-[[nodiscard]] constexpr bool page_sliver(std::size_t size, std::size_t offset, std::size_t page) noexcept {
-  // Masks for the usual power-of-two page (a division takes tens of cycles:
-  // this runs at every split of a large block in an expandable segment).
-  const bool pow2 = (page & (page - 1)) == 0;
-  const auto in_page = [&](std::size_t bytes) { return pow2 ? bytes & (page - 1) : bytes % page; };
-  const std::size_t past = in_page(size);
-  if (past != 0 && page - past <= page / 64) return true;
-  const std::size_t over = in_page(offset + size);
-  if (over != 0 && over <= page / 64) return true;
-  return size >= page_aligned_block_pages * page && in_page(offset) + (past == 0 ? page : past) > page;
-}
-
-struct block_pool;
-struct segment;
-struct stream_state;
-
-// block::reuse_version of a block the thread cache may not hand out again.
-inline constexpr std::uint64_t no_reuse_version = ~std::uint64_t{0};
-
-// ---- block: a piece of a segment -------------------------------------------------------
-
-struct block {
-  std::uintptr_t ptr = 0;
-  std::size_t size = 0;             // bytes, multiple of 512
-  std::size_t requested_bytes = 0;  // caller's bytes while active, else 0
-  stream_t stream = 0;              // the stream it was allocated on (the segment's)
-  block_pool* pool = nullptr;
-  segment* seg = nullptr;
-  block* prev = nullptr;            // neighbour at lower address in the segment
-  block* next = nullptr;            // neighbour at higher address
-  bool allocated = false;
-  bool mapped = true;               // false: an unmapped free range of an expandable segment
-  bool counted_oversize = false;    // counted in oversize_allocations (max_split_size may change)
-  int event_count = 0;              // events still to complete before reuse
-  std::uint64_t gc_count_base = 0;  // pool's get-free-block count when cached
-  // Its stream's free count (stream_state::free_seq) when it last became
-  // free; a merge keeps the larger. Its pages may change hands once a fence
-  // of that stream at or after this count has completed (page fences).
-  std::uint64_t free_seq = 0;
-  // free_seq was taken when it was freed with events (a fence recorded
-  // then covers it); free_block keeps it. [stream]
-  bool free_seq_taken = false;
-  // Where it is in its pool's index while it is there (block_index keeps
-  // them as entries move): find() reads them instead of searching. [stream]
-  std::uint8_t index_bin = 0;
-  std::uint32_t index_pos = 0;
-  std::vector<stream_t> stream_uses;  // other streams that used it (record_stream)
-  // The thread cache's proof that handing this block out again is what the
-  // pools would do (detail/thread_cache.hpp, "Placement"): its pool index's
-  // version right after the best fit that handed it out (allocate's rung
-  // 1), or no_reuse_version (every free block, and a block from the slow
-  // path). [stream] to write; the owner thread reads it while it holds the
-  // block. The inactive-split statistics that handing it out changed
-  // (counts; a free that undoes the split changes them back).
-  std::uint64_t reuse_version = no_reuse_version;
-  std::int64_t reuse_split_blocks = 0;
-  std::int64_t reuse_split_bytes = 0;
-
-  [[nodiscard]] inline bool is_split() const noexcept;
-  // Free and not waiting for events (unmapped blocks are always free).
-  [[nodiscard]] bool is_free() const noexcept { return !allocated && event_count == 0; }
-};
-
-// ---- segment: one device malloc or one expandable reservation -------------------------
-
-struct segment {
-  std::uintptr_t base = 0;
-  std::size_t size = 0;   // bytes: the allocation, or the whole reservation when expandable
-  block* head = nullptr;  // block at `base`
-  bool oversize = false;  // counted in oversize_segments when it was obtained
-  std::size_t busy_blocks = 0;  // blocks not free (allocated, or waiting for events) [stream]
-  // --- expandable segments only ---
-  bool expandable = false;
-  std::uint64_t seq = 0;  // creation order: choices among segments never depend on addresses
-  std::size_t page_bytes = 0;            // mapping unit (the device's granularity)
-  std::size_t mapped_bytes = 0;          // mapped pages x page_bytes
-  page_table pages;  // which pages are mapped, unmapped, retired (page_table.hpp) [world]
-  // Its unmapped blocks, by address. They change only where pages are
-  // mapped or unmapped (set_page_state, under the world lock), never on the
-  // fast path. A request that maps pages looks for its free run around them
-  // (device_state::best_own_run) instead of walking every block. [world]
-  std::vector<block*> unmapped;
-  using retired_page = page_table::retired_page;
-  // --- sleep and wake (sleep_wake.cpp; SPEC S2-S3) ---
-  // Paused: every page unmapped and released (pages all 0, mapped_bytes 0,
-  // retired empty) while its blocks keep their addresses; the block
-  // invariants about mapping hold again at resume. [world]
-  bool paused = false;
-  // The page runs resume maps again (those under blocks allocated at the
-  // pause), each with its kept contents in host memory from the backend's
-  // host_alloc (nullptr: not kept). [world]
-  struct paused_run {
-    std::size_t first_page = 0;
-    std::size_t pages = 0;
-    void* host = nullptr;
-  };
-  std::vector<paused_run> paused_runs;
-  // Free mapped blocks (partial pages beside blocks in use) taken out of
-  // their pool while paused: put back at resume. [world]
-  std::vector<block*> paused_free;
-  // Blocks freed by their callers while paused: freed at resume, once their
-  // pages are mapped again (a free never touches a released page). [stream]
-  std::vector<block*> frees_while_paused;
-};
-
-bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }
-
-// A segment's own invariant, checked at each of its state transitions under
-// CCALLOC_ASSERT_EXPENSIVE (inspection.cpp): its blocks tile it in address
-// order (head at base, prev/next linked both ways, each block's seg is it,
-// sizes add up to size); an expandable segment's page table covers it and
-// holds its own invariant (page_table::check). check_invariants adds what
-// ties segments to pools, statistics and each other.
-[[nodiscard]] bool segment_is_valid(const segment& seg) noexcept;
-
-// ---- block_index: a pool's free blocks, sorted (hot_path.cpp) ------------------------
-
-// The free blocks of one (stream, pool), in (size, address) order: PyTorch's
-// order (BlockComparatorSize), so best fit chooses the same block.
-//
-// Segregated by size: bin_of(size) splits every power of two of (the size in
-// 512-byte units - 1) into four bins (units 1-8 have a bin each), 216 bins in
-// all, in key order. A bin's sizes are a range (lo, hi]: a whole segment (2 MiB,
-// 20 MiB: a bin's upper end) shares its bin with itself split by a small
-// allocation, so a split and the merge that undoes it usually only rewrite
-// the block's entry in place (rekey_at). Each bin is a flat sorted array of {size, ptr, block}
-// entries; a bitmap says which bins hold any. Best fit is a binary search in
-// the request's bin, else the first entry of the next bin that holds any (a
-// bit scan); insert and erase shift only their bin's tail. Pools hold one to
-// a few thousand free blocks: a flat array for the whole pool made every
-// insert and erase of a mixed-size workload move the tail (a tenth of the
-// mixed benchmark's instructions); a bin rarely holds more than a few.
-//
-// Positions are {bin, index}; erasing at a position leaves every earlier
-// position valid (a loop downwards may erase as it goes).
-class block_index {
- public:
-  struct entry {
-    std::size_t size;
-    std::uintptr_t ptr;
-    block* b;
-  };
-  struct position {
-    std::uint32_t bin;
-    std::uint32_t index;
-    friend bool operator==(position, position) = default;
-    /// Whether this is end() (one comparison: the hot path asks at every step).
-    [[nodiscard]] bool is_end() const noexcept { return bin == bin_count; }
-  };
-  static constexpr std::uint32_t bin_count = 216;
-  static_assert(bin_count <= 256, "block::index_bin is one byte");
-
-  /// One bin: its entries in key order, in one array. Not a std::vector:
-  /// its size() divides by the entry's 24 bytes and its insert is a call,
-  /// on every best fit, split and merge; this keeps its count and shifts
-  /// inline (growing, rare, is out of line).
-  ///
-  /// A spare slot (SPEC R5: a free never fails half done): an insert
-  /// grows the bin when it fills it, after the insert, so the next insert
-  /// finds room without allocating. A bin starts with one slot, in the
-  /// index's first_slots_ (not owned); a grown bin owns its array.
-  class bin_array {
-   public:
-    [[nodiscard]] std::uint32_t size() const noexcept { return size_; }
-    [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
-    [[nodiscard]] bool full() const noexcept { return size_ == capacity_; }
-    [[nodiscard]] std::uint32_t capacity() const noexcept { return capacity_; }
-    [[nodiscard]] entry& operator[](std::uint32_t i) noexcept { return data_[i]; }
-    [[nodiscard]] const entry& operator[](std::uint32_t i) const noexcept { return data_[i]; }
-    [[nodiscard]] const entry& back() const noexcept { return data_[size_ - 1]; }
-    /// Starts with the one slot `slot` (owned by the caller, kept while this lives).
-    void attach(entry* slot) noexcept {
-      data_ = slot;
-      capacity_ = 1;
-    }
-    /// Inserts `e` before index i (i <= size() < capacity: not full()).
-    /// Every entry's block learns its new index (block::index_pos).
-    void insert_at(std::uint32_t i, const entry& e) noexcept {
-      entry* d = data_;
-      for (std::uint32_t j = size_; j > i; --j) move_entry(d, j, j - 1);
-      d[i] = e;
-      e.b->index_pos = i;
-      ++size_;
-    }
-    /// Removes the entry at index i (< size()).
-    void erase_at(std::uint32_t i) noexcept {
-      --size_;
-      entry* d = data_;
-      for (std::uint32_t j = i; j < size_; ++j) move_entry(d, j, j + 1);
-    }
-    /// Doubles the capacity. May throw std::bad_alloc (then unchanged).
-    [[gnu::noinline]] void grow() {
-      const std::uint32_t capacity = capacity_ < 4 ? 4 : capacity_ * 2;
-      auto data = std::make_unique_for_overwrite<entry[]>(capacity);
-      if (size_ != 0) std::memcpy(data.get(), data_, size_ * sizeof(entry));
-      owned_ = std::move(data);
-      data_ = owned_.get();
-      capacity_ = capacity;
-    }
-
-   private:
-    // The shifts above move a few entries (a bin rarely holds more than a
-    // few): a loop, not a call of memmove through the PLT. An asm barrier
-    // keeps GCC from turning the loop back into that call.
-    static void move_entry(entry* d, std::uint32_t to, std::uint32_t from) noexcept {
-      d[to] = d[from];
-      d[to].b->index_pos = to;
-      asm volatile("" ::: "memory");
-    }
-    entry* data_ = nullptr;
-    std::uint32_t size_ = 0;
-    std::uint32_t capacity_ = 0;
-    std::unique_ptr<entry[]> owned_;  // data_ once grown
-  };
-
-  /// Every bin starts with one slot (one allocation: may throw std::bad_alloc).
-  block_index() : first_slots_(std::make_unique_for_overwrite<entry[]>(bin_count)) {
-    for (std::uint32_t bin = 0; bin < bin_count; ++bin) bins_[bin].attach(&first_slots_[bin]);
-  }
-  block_index(const block_index&) = delete;
-  block_index& operator=(const block_index&) = delete;
-
-  /// The bin of a block of `size_bytes`: non-decreasing in the size.
-  /// Without a branch: with s = max(bit_width(u) - 3, 0), the bin is 4 s +
-  /// (u >> s), where u >> s is u's top three bits (4..7) once u >= 8.
-  [[nodiscard]] static constexpr std::uint32_t bin_of(std::size_t size_bytes) noexcept {
-    std::size_t u = size_bytes >> 9;  // 512-byte units
-    u -= u != 0 ? 1 : 0;
-    const auto shift = static_cast<std::uint32_t>(std::bit_width(u | 4)) - 3;
-    return 4 * shift + static_cast<std::uint32_t>(u >> shift);
-  }
-
-  [[nodiscard]] std::size_t size() const noexcept { return count_; }
-  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
-  [[nodiscard]] static constexpr position end() noexcept { return {bin_count, 0}; }
-  [[nodiscard]] block* at(position p) const noexcept { return bins_[p.bin][p.index].b; }
-  [[nodiscard]] block* largest() const noexcept {
-    const std::uint32_t bin = last_bin();
-    return bin == bin_count ? nullptr : bins_[bin].back().b;
-  }
-  /// The first block with (size, ptr) >= (size_bytes, ptr); end() if none.
-  [[nodiscard]] position lower_bound(std::size_t size_bytes, std::uintptr_t ptr = 0) const noexcept {
-    const std::uint32_t bin = bin_of(size_bytes);
-    const std::size_t i = search(bins_[bin], size_bytes, ptr);
-    if (i < bins_[bin].size()) return {bin, static_cast<std::uint32_t>(i)};
-    return {next_bin(bin + 1), 0};
-  }
-  /// The position after `p` (not end()).
-  [[nodiscard]] position next(position p) const noexcept {
-    if (p.index + 1 < bins_[p.bin].size()) return {p.bin, p.index + 1};
-    return {next_bin(p.bin + 1), 0};
-  }
-  /// Inserts b (not in the index). Does not throw while the index owes
-  /// nothing (owes(): every bin has a spare slot); a bin that it fills and
-  /// cannot grow (no host memory) is owed, and the insert still succeeds.
-  /// Into an owed bin it grows first: may throw std::bad_alloc (unchanged).
-  void insert(block* b);
-  /// Whether a bin is full (its growth failed): the next insert into it
-  /// would have to allocate. An operation that inserts calls repay() first,
-  /// before it changes anything.
-  [[nodiscard]] bool owes() const noexcept { return owes_; }
-  /// Grows every full bin. Throws std::bad_alloc (host memory), before
-  /// anything changed; then owes() stays true.
-  [[gnu::noinline]] void repay();
-  /// Room for two inserts, of blocks of sizes a and c, with owes() false
-  /// (one insert into each bin is covered by its spare slot): may throw
-  /// std::bad_alloc, before anything changed.
-  void reserve_two(std::size_t a, std::size_t c);
-  /// Changes at every insert, erase and rekey (and bump_version): equal
-  /// readings mean the index did not change in between. Written under the
-  /// pool's stream lock; read without it (a relaxed load, never torn).
-  [[nodiscard]] std::uint64_t version() const noexcept { return version_.load(std::memory_order_relaxed); }
-  /// A change the index does not see that may change what best fit or a
-  /// free does (a world lock: configuration, page fences, the slow path).
-  void bump_version() noexcept { version_.store(version_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
-  void erase_at(position p) {
-    bump_version();
-    bin_array& v = bins_[p.bin];
-    v.erase_at(p.index);
-    --count_;
-    if (v.empty()) occupied_[p.bin / 64] &= ~(std::uint64_t{1} << (p.bin % 64));
-  }
-  /// The entry at `p` (block b, in the index) takes b's new size and address:
-  /// the same as erase_at(p) then insert(b), in place when the new key stays
-  /// in p's bin between the same neighbours (a split, or a merge with a free
-  /// neighbour, rarely moves it).
-  void rekey_at(position p, block* b) {
-    bin_array& v = bins_[p.bin];
-    const bool stays = bin_of(b->size) == p.bin &&
-                       (p.index == 0 || key_less(v[p.index - 1], b->size, b->ptr)) &&
-                       (p.index + 1 == v.size() || !key_less(v[p.index + 1], b->size, b->ptr));
-    if (stays) [[likely]] {
-      bump_version();
-      v[p.index] = entry{b->size, b->ptr, b};
-      b->index_bin = static_cast<std::uint8_t>(p.bin);  // b may be another block than the entry's (a merge)
-      b->index_pos = p.index;
-      return;
-    }
-    erase_at(p);
-    insert(b);
-  }
-  void erase(const block* b);
-  [[nodiscard]] bool contains(const block* b) const noexcept;
-  /// The position of `b` (in the index), else end().
-  [[nodiscard]] position find(const block* b) const noexcept;
-  /// f(block*) for every block in ascending order (f must not change the index).
-  template <class F>
-  void for_each(F f) const {
-    for (position p = lower_bound(0); !p.is_end(); p = next(p)) f(at(p));
-  }
-  /// f(block*) in descending order while f returns true (f must not change the index).
-  template <class F>
-  void for_each_descending(F f) const {
-    for (std::uint32_t bin = last_bin(); bin != bin_count; bin = prev_bin(bin))
-      for (std::uint32_t i = bins_[bin].size(); i-- > 0;)
-        if (!f(bins_[bin][i].b)) return;
-  }
-
- private:
-  static constexpr std::uint32_t words = (bin_count + 63) / 64;
-  // Whether e's key (size, ptr) is below (size_bytes, ptr); keys are unique.
-  [[nodiscard]] static bool key_less(const entry& e, std::size_t size_bytes, std::uintptr_t ptr) noexcept {
-    return e.size < size_bytes || (e.size == size_bytes && e.ptr < ptr);
-  }
-  // The index in `v` of the first entry with (size, ptr) >= (size_bytes, ptr).
-  [[nodiscard]] static std::uint32_t search(const bin_array& v, std::size_t size_bytes,
-                                            std::uintptr_t ptr) noexcept {
-    std::uint32_t lo = 0, n = v.size();
-    while (n > 0) {  // branch-light binary search
-      const std::uint32_t half = n / 2;
-      const entry& e = v[lo + half];
-      const bool less = key_less(e, size_bytes, ptr);
-      lo = less ? lo + half + 1 : lo;
-      n = less ? n - half - 1 : half;
-    }
-    return lo;
-  }
-  // The first bin >= `from` that holds a block; bin_count if none.
-  [[nodiscard]] std::uint32_t next_bin(std::uint32_t from) const noexcept {
-    std::uint32_t w = from / 64;
-    if (w >= words) return bin_count;
-    std::uint64_t bits = occupied_[w] & (~std::uint64_t{0} << (from % 64));
-    while (bits == 0) {
-      if (++w == words) return bin_count;
-      bits = occupied_[w];
-    }
-    return w * 64 + static_cast<std::uint32_t>(std::countr_zero(bits));
-  }
-  // The last bin < `below` that holds a block; bin_count if none.
-  [[nodiscard]] std::uint32_t prev_bin(std::uint32_t below) const noexcept {
-    for (std::uint32_t w = below / 64 + 1; w-- > 0;) {
-      std::uint64_t bits = occupied_[w];
-      if (w == below / 64) bits &= below % 64 == 0 ? 0 : ~std::uint64_t{0} >> (64 - below % 64);
-      if (bits != 0) return w * 64 + 63 - static_cast<std::uint32_t>(std::countl_zero(bits));
-    }
-    return bin_count;
-  }
-  [[nodiscard]] std::uint32_t last_bin() const noexcept { return prev_bin(bin_count); }
-
-  void insert_filling(std::uint32_t bin, block* b);
-  void place(std::uint32_t bin, block* b) noexcept;
-
-  std::unique_ptr<entry[]> first_slots_;  // one per bin, until it grows
-  std::array<bin_array, bin_count> bins_;
-  std::array<std::uint64_t, words> occupied_{};
-  bool owes_ = false;  // a bin is full: see owes() [stream]
-  std::size_t count_ = 0;
-  std::atomic<std::uint64_t> version_{0};  // [stream] to write (version())
-};
-
-struct stream_state;
-struct private_pool;
-
-// ---- pools: one (stream, small or large, default or private) ----------------------------
-
-struct block_pool {
-  explicit block_pool(bool small) : is_small(small) {}
-  block_index blocks;
-  bool is_small;
-  bool no_split = false;          // the private pool's set_no_split (F22); false for default pools
-  stream_state* owner = nullptr;  // the stream whose pool this is
-  private_pool* priv = nullptr;   // the private pool it belongs to; nullptr: the default pool
-  std::uint64_t get_free_blocks_call_count = 0;  // age clock for garbage collection
-  std::size_t plain_segments = 0;  // plain (not expandable) segments whose blocks are in this pool [world]
-
-  [[nodiscard]] std::uint64_t age(const block* b) const noexcept {
-    return get_free_blocks_call_count - b->gc_count_base;
-  }
-};
-
-// The two pools of one stream.
-struct stream_pools {
-  explicit stream_pools(stream_state* o) {
-    small.owner = o;
-    large.owner = o;
-  }
-  block_pool small{true};
-  block_pool large{false};
-};
-
-// ---- private_pool (private_pools.cpp) --------------------------------------------------
-
-// The first half of the id of a tag's own private pool (sleep_wake.cpp).
-inline constexpr std::uint64_t tag_pool_id_first = ~std::uint64_t{0};
-
-// A private pool (F20-F24): its id, users and options. Each stream that
-// allocates to it gets its own stream_pools in stream_state::private_pools
-// (blocks stay bound to their stream). Deleted (with those stream_pools) when
-// its use count is 0 and it holds no segment. [world]
-struct private_pool {
-  mempool_id_t id;
-  // The tag its memory carries (tags.hpp): the tag in scope at its creation;
-  // a tag's own pool (device_state::tag_pool) has id {tag_pool_id_first, tag}.
-  tag_id tag = default_tag_id;
-  int use_count = 1;
-  segment_allocator custom;     // empty: the backend's segments
-  bool use_on_oom = false;
-  bool no_split = false;
-  std::size_t segment_count = 0;  // segments it holds
-  // Allocations in flight to it (they may drop the world lock): not deleted
-  // meanwhile. Incremented under the world lock, decremented without it.
-  std::atomic<int> pinned{0};
-  [[nodiscard]] bool is_tag_pool() const noexcept { return id.first == tag_pool_id_first && tag != default_tag_id; }
-};
-
-// Private pools by id (unique among live pools): an order that does not
-// depend on host addresses.
-struct private_pool_order {
-  bool operator()(const private_pool* a, const private_pool* b) const noexcept { return a->id < b->id; }
-};
-
-// ---- stream_state: one stream's pools, lock and pending statistics --------------------
-
-// Everything of one stream: its pools, its lock, and the statistics it could
-// not publish because stats_mutex_ was busy (merged on the next publish).
-// Cache-line aligned: each stream's hot fields (its lock, its spare-block
-// list) are written by that stream's thread only; alignment keeps them off
-// the lines of the stream states allocated next to it (no false sharing).
-struct alignas(64) stream_state {
-  explicit stream_state(stream_t s) : stream(s), pools(this) {}
-  nap_lock mutex;  // one exchange and one store per uncontended lock + unlock
-  stream_t stream;
-  stream_pools pools;
-  device_stats pending_stats;  // deltas: current may be negative; peak = max prefix
-  bool has_pending_stats = false;
-  std::uint32_t stats_backoff = 0;  // operations left before trying stats_mutex_ again
-  std::vector<block*> spare_blocks;  // recycled block objects: no heap call per split
-  // Blocks of this stream that became free so far (each takes the next
-  // number as its block::free_seq): the count its page fences cover. [stream]
-  std::uint64_t free_seq = 0;
-  // Destroyed (device_caching_allocator::stream_destroyed): its work has
-  // completed and nothing is recorded on it; malloc on it is refused. [world
-  // to write; stream or device to read]
-  bool gone = false;
-  // Segments whose blocks are in its pools, default and private (plain and
-  // expandable). A gone stream that holds none is forgotten: its state is
-  // deleted when the world lock that saw it empty is released
-  // (device_state::forget_gone_streams). [stream to write; world to read]
-  std::size_t segments = 0;
-  // Its page fences (page_fences.hpp). [world]; record also [stream + device]
-  page_fences fences;
-  // Its frees of blocks of at least this many bytes record a page fence
-  // (device_state::free_records_fence): a page, where the stream is not the
-  // legacy default stream and another stream allocates too; else never
-  // (SIZE_MAX). Set when the stream or the second stream registers. [stream]
-  std::size_t fence_free_bytes = std::numeric_limits<std::size_t>::max();
-  // This stream's pools inside private pools (F20), in the order of the
-  // pools' ids (not their host addresses: release_dead_pools returns
-  // segments in this order). [world]
-  std::map<private_pool*, std::unique_ptr<stream_pools>, private_pool_order> private_pools;
-
-  block* new_block() {
-    if (spare_blocks.empty()) return new block;
-    block* b = spare_blocks.back();
-    spare_blocks.pop_back();
-    return b;
-  }
-  /// At least n block objects spare: new_block will not allocate for the
-  /// next n. May throw std::bad_alloc (then nothing else changed).
-  void reserve_spare_blocks(std::size_t n) {
-    spare_blocks.reserve(n);
-    while (spare_blocks.size() < n) {
-      auto b = std::make_unique<block>();
-      spare_blocks.push_back(b.release());
-    }
-  }
-  /// Never throws: a merge (inside a free) calls it.
-  void delete_block(block* b) noexcept {
-    // Reset what new_block's callers do not set (stream_uses keeps its capacity).
-    b->requested_bytes = 0;
-    b->prev = b->next = nullptr;
-    b->allocated = false;
-    b->mapped = true;
-    b->counted_oversize = false;
-    b->event_count = 0;
-    b->gc_count_base = 0;
-    b->free_seq = 0;
-    b->free_seq_taken = false;
-    b->reuse_version = no_reuse_version;
-    b->stream_uses.clear();
-    try {
-      spare_blocks.push_back(b);
-    } catch (const std::bad_alloc&) {
-      delete b;  // no host memory for the list: the next new_block allocates
-    }
-  }
-  ~stream_state() {
-    for (block* b : spare_blocks) delete b;
-  }
-};
-
-// ---- alloc_params: one request (hot_path.cpp, fallback_ladder.cpp) ----------------------
-
-// A request in flight through the fallback ladder.
-struct alloc_params {
-  std::size_t requested_bytes = 0;  // caller's size
-  std::size_t size = 0;             // rounded block size
-  std::size_t alloc_size = 0;       // segment size if a new segment is needed
-  stream_t stream = 0;
-  stream_state* owner = nullptr;
-  block_pool* pool = nullptr;
-  block* found = nullptr;
-};
 
 class device_state;
 
@@ -857,7 +296,7 @@ class device_state {
   // --- out_of_memory.cpp -------------------------------------------------------
   [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);  // [world] drops it for observers
 
-  // --- expandable_segments.cpp (B7, X3): every one [world] unless noted --------
+  // --- expandable_segments.cpp, page_recycling.cpp (B7, X3): every one [world] unless noted
   bool alloc_expandable(alloc_params& p, bool is_retry, world_lock& w);
   // Its steps, in order, on the request's state (expandable_request).
   struct expandable_request;
@@ -880,31 +319,6 @@ class device_state {
   void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint = nullptr,
                       bool reserve_only = false);
   [[nodiscard]] static block* unmapped_block_at_or_below(const segment& seg, std::uintptr_t addr) noexcept;
-  // Placement of a request that maps pages (alloc_expandable, step 1): a free
-  // run (free blocks between blocks in use) of at least `size` bytes, the
-  // best by fewest pages to map, then own reservation before an idle one of
-  // another stream (foreign), then the shortest run, then the oldest segment
-  // and lowest offset: a total order, so the runs may be offered in any order.
-  struct run_choice {
-    segment* seg = nullptr;
-    block* first = nullptr;  // the run's first block
-    std::uintptr_t start = 0;  // where the request starts in the run (first->ptr unless past a retired page)
-    bool foreign = false;
-    bool retired = true;     // the request would map over a retired page (a wait)
-    std::size_t pages = std::numeric_limits<std::size_t>::max();  // to map for the request
-    std::size_t run = std::numeric_limits<std::size_t>::max();    // the run's bytes
-  };
-  static void consider_run(run_choice& best, segment& seg, bool foreign, block* first, std::size_t run,
-                           std::size_t size) noexcept;
-  // Offers every free run of seg, walking all its blocks.
-  static void scan_runs(run_choice& best, segment& seg, bool foreign, std::size_t size) noexcept;
-  // Offers the free runs of pool's expandable segments that can be the best:
-  // those around an unmapped block (seg.unmapped), and the free mapped blocks
-  // of at least `size` bytes without a free neighbour (pool's index). O(unmapped
-  // blocks + the pool's free blocks of `size` or more), not O(blocks).
-  void best_own_run(block_pool& pool, std::size_t size, run_choice& best) const noexcept;
-  // The same by scan_runs over every block (check_invariants compares them).
-  void best_own_run_by_scan(const block_pool& pool, std::size_t size, run_choice& best) const noexcept;
   // A page taken off one place to be mapped at another, with the stream
   // whose segment it left (bytes_moved_between_streams).
   struct recycled_page {
@@ -1005,11 +419,7 @@ class device_state {
   // --- private_pools.cpp (F20-F24): every one [world] unless noted -------------
   private_pool* find_pool(mempool_id_t id) const noexcept;                   // [device] or [world]
   private_pool& checked_pool(mempool_id_t id, const char* what) const;        // [device] or [world]
-  private_pool* routed_pool(stream_t stream) const;                           // [device]
   block_pool& pool_in(private_pool& pp, stream_state& ss, bool small);
-  // A begin_allocate_to_pool is active: allocations may be routed to a
-  // private pool (allocate_unusual). [none]: one relaxed load, on the hot path.
-  [[nodiscard]] bool pool_scope_active() const noexcept { return capture_count_.load(std::memory_order_relaxed) != 0; }
   // A graph capture runs where the allocator can see it: a pool scope is
   // active and a stream seen allocating during it still captures
   // (device_backend::is_capturing). Only then may the allocator not query or
@@ -1017,10 +427,10 @@ class device_state {
   // capture mode). A scoped pool outside a capture is ordinary allocation
   // (PyTorch has the opposite behaviour: pytorch/pytorch#159674). A capture
   // on a stream that has not allocated through this device since the scope
-  // began is not seen. [none] takes capturing_mutex_ while a scope is active
+  // began is not seen. [none] takes the scopes' leaf lock while one is open
   [[nodiscard]] bool capture_underway() noexcept;
   // Called for each allocation while a pool scope is active: remembers
-  // `stream` if it captures. [none] takes capturing_mutex_
+  // `stream` if it captures. [none] takes the scopes' leaf lock
   void note_if_capturing(stream_t stream);
   // A tag's own pool is never live in this sense: its cache is ordinary
   // cached memory (recycled, returned by empty_cache), as the default pools'.
@@ -1105,7 +515,7 @@ class device_state {
   std::size_t recycles_at_mark_ = 0;
   // The recycling time budget (recycle_time_percent). [world]
   recycle_budget recycle_budget_;
-  std::map<std::uintptr_t, std::unique_ptr<segment>> segments_;  // by base address
+  segment_map segments_;  // by base address
   // Events recorded at free time, per stream that used the block, in order.
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
@@ -1161,16 +571,7 @@ class device_state {
 
   // Private pools (F20-F24). [device_mutex_; world to change the set]
   std::map<mempool_id_t, std::unique_ptr<private_pool>> private_pools_;
-  struct capture_entry {
-    private_pool* pool;
-    stream_filter filter;
-  };
-  std::vector<capture_entry> captures_underway_;  // begin_allocate_to_pool stack, oldest first
-  std::atomic<std::size_t> capture_count_{0};    // captures_underway_.size(): read on the hot path
-  // Streams seen capturing while a pool scope was active; pruned when they
-  // stop, cleared when the last scope ends. [capturing_mutex_, a leaf lock]
-  std::mutex capturing_mutex_;
-  std::vector<stream_t> capturing_streams_;
+  pool_scopes scopes_;  // begin_allocate_to_pool scopes and the streams seen capturing (pool_scopes.hpp)
   // Frees of blocks used on other streams while a capture was underway:
   // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
   std::vector<block*> deferred_frees_;

@@ -1,0 +1,251 @@
+// The C API: memory history, snapshots, mapped segments and observers (OOM,
+// trace, mapping).
+#include "capi.hpp"
+
+#include <ccalloc/core/history.hpp>
+#include <ccalloc/core/snapshot.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+using namespace ccalloc::capi_detail;  // NOLINT(google-build-using-namespace)
+
+extern "C" {
+
+// ---- history and snapshots -------------------------------------------------------------------------------
+
+ccalloc_status_t ccalloc_record_history(ccalloc_allocator_t* alloc, int enabled, size_t max_entries) {
+  return guarded([&] {
+    ccalloc::history_options o;
+    o.enabled = enabled != 0;
+    o.max_entries = max_entries;
+    o.when = ccalloc::record_context::never;
+    resolve(alloc).record_history(o);
+  });
+}
+
+namespace {
+
+/// A context handle that a C recorder returned: given back through the
+/// recorder's release function with the last entry or block holding it,
+/// turned into frames through its frames function when a snapshot is written.
+class c_context final : public ccalloc::trace_context {
+ public:
+  c_context(void* handle, const ccalloc_history_options_t& fns) noexcept
+      : handle_(handle), release_(fns.release), frames_(fns.frames), user_data_(fns.user_data) {}
+  ~c_context() override {
+    if (release_ != nullptr) release_(user_data_, handle_);
+  }
+  c_context(const c_context&) = delete;
+  c_context& operator=(const c_context&) = delete;
+  [[nodiscard]] std::vector<ccalloc::stack_frame> to_frames() const override {
+    std::vector<ccalloc::stack_frame> out;
+    if (frames_ != nullptr) frames_(user_data_, handle_, &sink, &out);
+    return out;
+  }
+
+ private:
+  static void sink(void* sink_data, const char* name, const char* filename, int64_t line) noexcept {
+    try {  // nothing may unwind through the caller's C frames: a frame that does not fit is dropped
+      static_cast<std::vector<ccalloc::stack_frame>*>(sink_data)->push_back(
+          {name != nullptr ? name : "", filename != nullptr ? filename : "", line});
+    } catch (...) {
+    }
+  }
+  void* handle_;
+  void (*release_)(void*, void*);
+  void (*frames_)(void*, void*, ccalloc_frame_sink_fn, void*);
+  void* user_data_;
+};
+
+/// "alloc,free_requested" as actions; throws invalid_argument_error naming an unknown one.
+std::vector<ccalloc::trace_entry_action> parse_skip_actions(const char* text) {
+  std::vector<ccalloc::trace_entry_action> out;
+  if (text == nullptr) return out;
+  std::string_view rest(text);
+  while (!rest.empty()) {
+    const std::size_t comma = rest.find(',');
+    std::string_view name = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
+    while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
+    if (name.empty()) continue;
+    const auto action = ccalloc::parse_trace_entry_action(name);
+    if (!action)
+      throw ccalloc::invalid_argument_error(
+          "ccalloc: ccalloc_record_history_ex: unknown action '" + std::string(name) +
+          "' in skip_actions (accepted: alloc, free_requested, free_completed, segment_alloc, segment_free, "
+          "segment_map, segment_unmap, snapshot, oom, empty_cache)");
+    out.push_back(*action);
+  }
+  return out;
+}
+
+}  // namespace
+
+void ccalloc_history_options_init(ccalloc_history_options_t* options) {
+  if (options == nullptr) return;
+  *options = ccalloc_history_options_t{};
+  options->enabled = 1;
+  options->max_entries = SIZE_MAX;
+  options->when = CCALLOC_RECORD_CONTEXT_ALL;
+}
+
+ccalloc_status_t ccalloc_record_history_ex(ccalloc_allocator_t* alloc, const ccalloc_history_options_t* options) {
+  return guarded([&] {
+    require(options, "ccalloc_record_history_ex", "options");
+    const ccalloc_history_options_t c = *options;
+    if (c.when < CCALLOC_RECORD_CONTEXT_NEVER || c.when > CCALLOC_RECORD_CONTEXT_ALL)
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_record_history_ex: when must be 0 (never) to 3 (all), got " +
+                                            std::to_string(c.when));
+    ccalloc::history_options o;
+    o.enabled = c.enabled != 0;
+    o.max_entries = c.max_entries;
+    o.when = static_cast<ccalloc::record_context>(c.when);
+    o.clear = c.clear != 0;
+    o.skip_actions = parse_skip_actions(c.skip_actions);
+    if (c.record != nullptr) {
+      o.recorder = [c]() -> ccalloc::context_ptr {
+        void* handle = c.record(c.user_data);
+        if (handle == nullptr) return nullptr;
+        try {
+          return std::make_shared<const c_context>(handle, c);
+        } catch (...) {
+          if (c.release != nullptr) c.release(c.user_data, handle);
+          throw;
+        }
+      };
+    }
+    resolve(alloc).record_history(o);
+  });
+}
+
+ccalloc_status_t ccalloc_snapshot_json(ccalloc_allocator_t* alloc, int include_traces, char* buffer,
+                                       size_t capacity, size_t* length) {
+  return guarded([&] {
+    require(length, "ccalloc_snapshot_json", "length");
+    if (capacity > 0) require(buffer, "ccalloc_snapshot_json", "buffer (with capacity > 0)");
+    const std::string text = ccalloc::to_json(resolve(alloc).snapshot(include_traces != 0));
+    if (capacity > 0) {
+      const std::size_t n = std::min(text.size(), capacity - 1);
+      std::memcpy(buffer, text.data(), n);
+      buffer[n] = '\0';
+    }
+    *length = text.size();
+  });
+}
+
+// ---- observers -------------------------------------------------------------------------------------------
+
+ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* alloc, ccalloc_oom_observer_fn fn,
+                                                       void* user_data) {
+  return guarded([&] {
+    if (fn == nullptr)
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_out_of_memory_observer: fn is NULL");
+    resolve(alloc).attach_out_of_memory_observer(
+        [fn, user_data](int device, std::size_t requested, std::size_t allowed, std::size_t free_bytes) {
+          fn(user_data, device, requested, allowed, free_bytes);
+        });
+  });
+}
+
+ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* alloc, ccalloc_trace_tracker_fn fn,
+                                              void* user_data) {
+  return guarded([&] {
+    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_trace_tracker: fn is NULL");
+    resolve(alloc).attach_allocator_trace_tracker([fn, user_data](const ccalloc::trace_entry& e) {
+      const ccalloc_trace_entry_t c{static_cast<ccalloc_trace_action_t>(e.action), e.device, e.addr, e.size,
+                                    from_stream(e.stream), e.time_us};
+      fn(user_data, &c);
+    });
+  });
+}
+
+ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc, ccalloc_mapping_listener_fn fn,
+                                                 void* user_data) {
+  return guarded([&] {
+    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_mapping_listener: fn is NULL");
+    resolve(alloc).attach_mapping_listener([fn, user_data](const ccalloc::mapping_event& e) {
+      const ccalloc_mapping_event_t c{static_cast<ccalloc_mapping_change_t>(e.change),
+                                      static_cast<ccalloc_mapping_reason_t>(e.reason),
+                                      e.device,
+                                      e.expandable ? 1 : 0,
+                                      e.addr,
+                                      e.size_bytes,
+                                      from_stream(e.stream)};
+      fn(user_data, &c);
+    });
+  });
+}
+// The device bound of ccalloc.h is the C++ one.
+static_assert(CCALLOC_MAX_DEVICE_COUNT == ccalloc::max_device_count, "ccalloc.h and types.hpp disagree");
+// The C enums follow the C++ ones value for value.
+static_assert(static_cast<int>(ccalloc::trace_entry_action::empty_cache) == CCALLOC_TRACE_EMPTY_CACHE);
+static_assert(static_cast<int>(ccalloc::trace_entry_action::pause) == CCALLOC_TRACE_PAUSE);
+static_assert(static_cast<int>(ccalloc::trace_entry_action::resume) == CCALLOC_TRACE_RESUME);
+static_assert(static_cast<int>(ccalloc::trace_entry_action::segment_unmap) == CCALLOC_TRACE_SEGMENT_UNMAP);
+static_assert(static_cast<int>(ccalloc::mapping_change::unmap_completed) == CCALLOC_MAPPING_UNMAP_COMPLETED);
+static_assert(static_cast<int>(ccalloc::mapping_reason::deferred_unmap) == CCALLOC_MAPPING_DEFERRED_UNMAP);
+static_assert(static_cast<int>(ccalloc::mapping_reason::pages_resumed) == CCALLOC_MAPPING_PAGES_RESUMED);
+static_assert(static_cast<int>(ccalloc::mapping_reason::pages_retired) == CCALLOC_MAPPING_PAGES_RETIRED);
+
+// ---- mapped segments (snapshots) -------------------------------------------------------------------------
+
+namespace {
+// The mapped ranges of one segment: the whole of a plain one, each run of
+// mapped blocks of an expandable one.
+void add_mapped_ranges(const ccalloc::segment_info& si, std::vector<ccalloc_mapped_segment_t>& out) {
+  bool open = false;
+  for (const ccalloc::block_info& b : si.blocks) {
+    if (si.is_expandable && !b.mapped) {
+      open = false;
+      continue;
+    }
+    if (!open) {
+      ccalloc_mapped_segment_t r{};
+      r.device = si.device;
+      r.address = static_cast<uintptr_t>(b.address);
+      r.stream = from_stream(si.stream);
+      r.is_large = si.is_small_pool ? 0 : 1;
+      r.is_expandable = si.is_expandable ? 1 : 0;
+      r.pool_id = ccalloc_mempool_id_t{si.pool.first, si.pool.second};
+      out.push_back(r);
+      open = true;
+    }
+    ccalloc_mapped_segment_t& r = out.back();
+    r.total_bytes += b.size_bytes;
+    if (b.state == ccalloc::block_state::active_allocated) r.allocated_bytes += b.size_bytes;
+    if (b.state != ccalloc::block_state::inactive) {
+      r.active_bytes += b.size_bytes;
+      r.requested_bytes += b.requested_bytes;
+    }
+  }
+}
+}  // namespace
+
+ccalloc_status_t ccalloc_mapped_segments(ccalloc_allocator_t* alloc, int device, ccalloc_mapped_segment_t* out,
+                                         size_t* count) {
+  return guarded([&] {
+    require(count, "ccalloc_mapped_segments", "count");
+    if (*count > 0) require(out, "ccalloc_mapped_segments", "out");
+    ccalloc::caching_allocator& a = resolve(alloc);
+    const int devices = a.initialized_device_count();
+    if (devices == 0) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_mapped_segments before ccalloc_init()");
+    if (device < -1 || device >= devices)
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_mapped_segments: device " + std::to_string(device) +
+                                            " is out of range (-1 for every device, or 0.." +
+                                            std::to_string(devices - 1) + ")");
+    std::vector<ccalloc_mapped_segment_t> ranges;
+    for (int d = device < 0 ? 0 : device; d < (device < 0 ? devices : device + 1); ++d)
+      for (const ccalloc::segment_info& si : a.device_allocator(d).segments())
+        if (!si.paused) add_mapped_ranges(si, ranges);
+    std::copy_n(ranges.begin(), std::min(*count, ranges.size()), out);
+    *count = ranges.size();
+  });
+}
+
+}  // extern "C"
