@@ -18,15 +18,22 @@ namespace {
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
 
-TEST(CapiIpc, ShareSendOpenDeferredFreeCloseReclaim) {
+// A 64 MiB simulated device with expandable segments, initialized.
+ccalloc_allocator_t* make_allocator() {
   ccalloc_options_t o;
   ccalloc_options_init(&o);
   o.backend = CCALLOC_BACKEND_SIM;
   o.sim_capacity_bytes = 64 * MiB;
   o.config = "expandable_segments:True";
   ccalloc_allocator_t* a = nullptr;
-  ASSERT_EQ(ccalloc_create(&o, &a), CCALLOC_OK) << ccalloc_last_error();
-  ASSERT_EQ(ccalloc_init(a, 1), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_create(&o, &a), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_init(a, 1), CCALLOC_OK);
+  return a;
+}
+
+TEST(CapiIpc, ShareSendOpenDeferredFreeCloseReclaim) {
+  ccalloc_allocator_t* a = make_allocator();
+  ASSERT_NE(a, nullptr);
   void* p = nullptr;
   ASSERT_EQ(ccalloc_malloc(a, 0, 3 * MiB, nullptr, &p), CCALLOC_OK);
   std::memset(p, 0x5a, 3 * MiB);
@@ -75,6 +82,36 @@ TEST(CapiIpc, ShareSendOpenDeferredFreeCloseReclaim) {
   EXPECT_EQ(ccalloc_ipc_export_status(a, p, &importers, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(ccalloc_last_error()).find("not an exported expandable block"), std::string::npos);
   EXPECT_EQ(ccalloc_close_ipc_handle(a, q), CCALLOC_ERROR_INVALID_ARGUMENT);
+  ccalloc_destroy(a);
+}
+
+TEST(CapiIpc, HandleAsBytesAloneSizesThenOpens) {
+  ccalloc_allocator_t* a = make_allocator();
+  ASSERT_NE(a, nullptr);
+  void* p = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a, 0, MiB, nullptr, &p), CCALLOC_OK);
+  std::memset(p, 0x4d, MiB);
+  std::size_t length = 0;
+  ASSERT_EQ(ccalloc_share_ipc_handle_pidfd(a, p, nullptr, 0, &length), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_GT(length, 8u + 4u);
+  std::string bytes(length, '\0');
+  std::size_t again = 0;
+  ASSERT_EQ(ccalloc_share_ipc_handle_pidfd(a, p, bytes.data(), bytes.size(), &again), CCALLOC_OK);
+  EXPECT_EQ(again, length);
+  EXPECT_EQ(bytes.substr(0, 8), "ccIPCpfd");
+  void* q = nullptr;
+  const ccalloc_status_t opened = ccalloc_open_ipc_handle_pidfd(a, bytes.data(), bytes.size(), -1, &q);
+  if (opened != CCALLOC_OK && std::string(ccalloc_last_error()).find("pidfd") != std::string::npos) {
+    ccalloc_destroy(a);
+    GTEST_SKIP() << "pidfd refused here: " << ccalloc_last_error();
+  }
+  ASSERT_EQ(opened, CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(q)[MiB - 1], 0x4d);
+  EXPECT_EQ(ccalloc_close_ipc_handle(a, q), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_share_ipc_handle_pidfd(a, p, nullptr, 4, &length), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc: ccalloc_share_ipc_handle_pidfd: buffer (with capacity > 0) is NULL");
+  EXPECT_EQ(ccalloc_open_ipc_handle_pidfd(a, "xy", 2, -1, &q), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
   ccalloc_destroy(a);
 }
 

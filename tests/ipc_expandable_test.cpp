@@ -248,6 +248,28 @@ TEST_F(IpcExpandableTest, ImporterKilledWithoutClosingGivesItsHoldBack) {
   EXPECT_EQ(sim->counters().used_bytes, 0u);
 }
 
+// Forks an exporter: the child makes an allocator with a 5 MiB block and
+// then a `bytes`-byte block filled from `seed`, runs
+// body(sock, alloc, p, before) and exits with its result. Returns the
+// child's pid (-1 when fork failed); *sock is this process's end.
+template <class Body>
+pid_t fork_exporter(int* sock, std::size_t bytes, unsigned char seed, Body body) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) != 0) return -1;
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(sv[0]);
+    auto alloc = make_allocator(std::make_shared<sim_backend>());
+    void* before = alloc->malloc(0, 5 * MiB, 0);
+    void* p = alloc->malloc(0, bytes, 0);
+    fill(p, bytes, seed);
+    ::_exit(body(sv[1], alloc, p, before));
+  }
+  ::close(sv[1]);
+  *sock = sv[0];
+  return child;
+}
+
 // The exporter ends while the importer has the block open: the importer's
 // mapping stays valid, bytes included (CUDA keeps exported memory alive
 // while an importer holds it), and it closes without error. Two ways to
@@ -257,38 +279,28 @@ class IpcExporterExitTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(IpcExporterExitTest, ImportersMappingOutlivesTheExporter) {
   const bool killed = GetParam();
-  int sv[2];
-  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv), 0);
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {  // the exporter
-    ::close(sv[0]);
-    auto sim = std::make_shared<sim_backend>();
-    auto alloc = make_allocator(sim);
-    void* before = alloc->malloc(0, 5 * MiB, 0);
-    void* p = alloc->malloc(0, 6 * MiB, 0);
-    fill(p, 6 * MiB, 7);
+  int sock = -1;
+  const pid_t child = fork_exporter(&sock, 6 * MiB, 7, [killed](int s, auto& alloc, void* p, void* before) {
     ipc_export ex = alloc->share_ipc_handle(p);
-    send_ipc_handle(sv[1], ex);
+    send_ipc_handle(s, ex);
     close_all(ex.fds);
-    if (!wait_peer(sv[1], 'o')) ::_exit(16);
+    if (!wait_peer(s, 'o')) return 16;
     if (killed) ::raise(SIGKILL);
     alloc->free(p);
     alloc->free(before);
     alloc.reset();  // releases every page, the exported ones too
-    sim.reset();
-    ::_exit(0);
-  }
-  ::close(sv[1]);
+    return 0;
+  });
+  ASSERT_GE(child, 0);
   auto sim = std::make_shared<sim_backend>();
   auto alloc = make_allocator(sim);
-  ipc_export got = receive_ipc_handle(sv[0]);
+  ipc_export got = receive_ipc_handle(sock);
   void* q = alloc->open_ipc_handle(got.handle, got.fds);
   close_all(got.fds);
-  signal_peer(sv[0], 'o');
+  signal_peer(sock, 'o');
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ::close(sv[0]);
+  ::close(sock);
   if (killed) {
     EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
   } else {
@@ -302,6 +314,65 @@ TEST_P(IpcExporterExitTest, ImportersMappingOutlivesTheExporter) {
   EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
   EXPECT_EQ(sim->counters().live_handles, 0u);
   EXPECT_EQ(sim->counters().live_reservations, 0u);
+}
+
+// The handle as bytes alone (share_ipc_handle_pidfd): the importer takes
+// the exporter's descriptors with pidfd_getfd. The exporter is the child
+// (an ancestor may take a descendant's descriptors under every ptrace
+// policy); once it has freed the block, the same bytes are refused.
+TEST(IpcPidfd, HandleAsBytesAloneOpensInAnotherProcessUntilTheBlockIsFreed) {
+  int sock = -1;
+  const pid_t child = fork_exporter(&sock, 3 * MiB, 21, [](int s, auto& alloc, void* p, void* before) {
+    const std::string bytes = alloc->share_ipc_handle_pidfd(p);
+    if (alloc->share_ipc_handle_pidfd(p) != bytes) return 2;  // stable too
+    if (::send(s, bytes.data(), bytes.size(), 0) != static_cast<ssize_t>(bytes.size())) return 3;
+    if (!wait_peer(s, 'o')) return 4;  // opened, checked and closed
+    alloc->free(p);                    // nobody holds it: freed, its descriptors closed
+    alloc->free(before);
+    signal_peer(s, 'f');
+    return wait_peer(s, 'x') ? 0 : 5;
+  });
+  ASSERT_GE(child, 0);
+  std::string bytes(64 * 1024, '\0');
+  const ssize_t got = ::recv(sock, bytes.data(), bytes.size(), 0);
+  ASSERT_GT(got, 0);
+  bytes.resize(static_cast<std::size_t>(got));
+  EXPECT_EQ(bytes.substr(0, 8), "ccIPCpfd");
+  auto sim = std::make_shared<sim_backend>();
+  auto alloc = make_allocator(sim);
+  void* q = nullptr;
+  try {
+    q = alloc->open_ipc_handle_pidfd(bytes);
+  } catch (const backend_error& e) {
+    signal_peer(sock, 'o');
+    signal_peer(sock, 'x');
+    ::waitpid(child, nullptr, 0);
+    if (std::string(e.what()).find("pidfd_open") != std::string::npos ||
+        std::string(e.what()).find("Operation not permitted") != std::string::npos)
+      GTEST_SKIP() << "this kernel or sandbox refuses pidfd: " << e.what();
+    FAIL() << e.what();
+  }
+  EXPECT_TRUE(filled(q, 3 * MiB, 21));
+  EXPECT_EQ(sim->counters().reserved_address_bytes, 2 * page) << "only the block's pages";
+  EXPECT_EQ(alloc->open_ipc_handle_pidfd(bytes), q) << "the cached mapping";
+  alloc->close_ipc_handle(q);
+  alloc->close_ipc_handle(q);
+  signal_peer(sock, 'o');
+  ASSERT_TRUE(wait_peer(sock, 'f'));
+  try {
+    (void)alloc->open_ipc_handle_pidfd(bytes);
+    ADD_FAILURE() << "opened the bytes of a freed block";
+  } catch (const backend_error& e) {
+    EXPECT_NE(std::string(e.what()).find("the exporter has freed the block"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(alloc->ipc_open_mappings(), 0u);
+  EXPECT_THROW((void)alloc->open_ipc_handle_pidfd("ccIPCpfd"), invalid_argument_error);
+  EXPECT_THROW((void)alloc->open_ipc_handle_pidfd(bytes.substr(0, 20)), invalid_argument_error);
+  signal_peer(sock, 'x');
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ::close(sock);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 
 INSTANTIATE_TEST_SUITE_P(FreedOrKilled, IpcExporterExitTest, ::testing::Values(false, true),

@@ -835,6 +835,22 @@ CCALLOC_API ccalloc_status_t ccalloc_receive_ipc_handle(int socket, ccalloc_ipc_
 CCALLOC_API ccalloc_status_t ccalloc_open_ipc_handle(ccalloc_allocator_t* alloc, const void* handle,
                                                      size_t handle_bytes, const int* fds, size_t fd_count,
                                                      int access_device, void** out);
+/** The handle of the block at `ptr` as bytes alone, for transports that
+ * carry no descriptors (C++: share_ipc_handle_pidfd): the importer takes the
+ * descriptors from this process with pidfd_getfd. Binary (may hold NUL
+ * bytes): writes min(*length, capacity) bytes to `buffer` (NULL when
+ * capacity is 0; no NUL added) and sets *length to the full size; the bytes
+ * are the same on every call for one block, so a first call with capacity 0
+ * sizes the buffer. Errors: as ccalloc_share_ipc_handle. */
+CCALLOC_API ccalloc_status_t ccalloc_share_ipc_handle_pidfd(ccalloc_allocator_t* alloc, void* ptr, char* buffer,
+                                                            size_t capacity, size_t* length);
+/** Opens bytes from ccalloc_share_ipc_handle_pidfd of another process
+ * (C++: open_ipc_handle_pidfd): *out = the block's first byte here. Errors:
+ * INVALID_ARGUMENT for malformed bytes; BACKEND when the exporter is gone,
+ * ptrace permission is refused (the message says what to do), or the
+ * exporter has freed the block; as ccalloc_open_ipc_handle otherwise. */
+CCALLOC_API ccalloc_status_t ccalloc_open_ipc_handle_pidfd(ccalloc_allocator_t* alloc, const void* bytes,
+                                                           size_t byte_count, int access_device, void** out);
 /** Drops one reference to a pointer from ccalloc_open_ipc_handle; the last
  * unmaps it and lets the producer reclaim the pages. Errors:
  * INVALID_ARGUMENT for any other pointer. */

@@ -436,6 +436,28 @@ class Allocator:
                                                   ctypes.byref(out)))
         return out.value or 0
 
+    def share_ipc_handle_bytes(self, ptr: int) -> bytes:
+        """The handle of the block at ``ptr`` as bytes alone (picklable: no
+        descriptors travel); the importer's ``open_ipc_handle_bytes`` takes
+        the descriptors from this process with pidfd_getfd (Linux 5.6, ptrace
+        permission over this process). The same bytes every time."""
+        lib, length = _lib.lib(), ctypes.c_size_t()
+        _check(lib.ccalloc_share_ipc_handle_pidfd(self._h, _address(ptr), None, 0, ctypes.byref(length)))
+        buffer = ctypes.create_string_buffer(max(1, length.value))
+        _check(lib.ccalloc_share_ipc_handle_pidfd(self._h, _address(ptr), buffer, length.value,
+                                                  ctypes.byref(length)))
+        return buffer.raw[:length.value]
+
+    def open_ipc_handle_bytes(self, data: bytes, access_device: int = -1) -> int:
+        """Opens bytes from ``share_ipc_handle_bytes`` of another process and
+        returns the block's address here (close it with ``close_ipc_handle``)."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"ccalloc: open_ipc_handle_bytes: data must be bytes, got {type(data).__name__}")
+        out = ctypes.c_void_p()
+        device = _integer(access_device, "access_device", -_INT_MAX - 1, _INT_MAX)
+        _check(_lib.lib().ccalloc_open_ipc_handle_pidfd(self._h, bytes(data), len(data), device, ctypes.byref(out)))
+        return out.value or 0
+
     def close_ipc_handle(self, ptr: int) -> None:
         """Drops one reference to an address from ``open_ipc_handle``; the
         last one unmaps it and lets the producer reclaim the block."""

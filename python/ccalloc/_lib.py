@@ -249,6 +249,8 @@ _PROTOTYPES = {
     "ccalloc_receive_ipc_handle": (_S, [ctypes.c_int, ctypes.POINTER(ccalloc_ipc_export_t)]),
     "ccalloc_open_ipc_handle": (_S, [_A, ctypes.c_char_p, _Z, ctypes.POINTER(ctypes.c_int), _Z, ctypes.c_int,
                                      ctypes.POINTER(_P)]),
+    "ccalloc_share_ipc_handle_pidfd": (_S, [_A, _P, ctypes.c_void_p, _Z, ctypes.POINTER(_Z)]),
+    "ccalloc_open_ipc_handle_pidfd": (_S, [_A, ctypes.c_char_p, _Z, ctypes.c_int, ctypes.POINTER(_P)]),
     "ccalloc_close_ipc_handle": (_S, [_A, _P]),
     "ccalloc_reclaim_ipc_exports": (_S, [_A, ctypes.POINTER(_Z)]),
     "ccalloc_ipc_export_status": (_S, [_A, _P, ctypes.POINTER(_Z), ctypes.POINTER(ctypes.c_int)]),

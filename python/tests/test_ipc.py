@@ -104,3 +104,49 @@ def test_a_second_process_holds_the_block_until_it_closes_or_dies(killed):
     assert a.stat("allocated_bytes.all.current") == 0
     assert a.stat("reserved_bytes.all.current") == 0
     a.close()
+
+
+def test_handle_as_bytes_alone_opens_in_the_parent_of_the_exporter():
+    """The exporter is the child (an ancestor may take its descriptors under
+    every ptrace policy); the bytes travel through a plain pipe."""
+    read_end, write_end = os.pipe()
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_end)
+            os.close(go_write)
+            a = _allocator()
+            p = a.malloc(3 * MiB)
+            ctypes.memset(p, 0x6b, 3 * MiB)
+            data = a.share_ipc_handle_bytes(p)
+            code = 2 if a.share_ipc_handle_bytes(p) != data else 0
+            os.write(write_end, len(data).to_bytes(4, "little") + data)
+            os.read(go_read, 1)  # the parent has opened and closed it
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    os.close(go_read)
+    size = int.from_bytes(os.read(read_end, 4), "little")
+    data = b""
+    while len(data) < size:
+        data += os.read(read_end, size - len(data))
+    with _allocator() as b:
+        try:
+            q = b.open_ipc_handle_bytes(data)
+        except ccalloc.BackendError as e:
+            os.write(go_write, b"x")
+            os.waitpid(pid, 0)
+            if "pidfd" in str(e) or "not permitted" in str(e):
+                pytest.skip(f"pidfd refused here: {e}")
+            raise
+        assert ctypes.string_at(q, 8) == b"\x6b" * 8
+        assert b.open_ipc_handle_bytes(data) == q
+        b.close_ipc_handle(q)
+        b.close_ipc_handle(q)
+        with pytest.raises(ccalloc.InvalidArgumentError, match="not bytes from share_ipc_handle_pidfd"):
+            b.open_ipc_handle_bytes(b"xx")
+    os.write(go_write, b"x")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

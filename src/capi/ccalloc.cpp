@@ -583,6 +583,27 @@ ccalloc_status_t ccalloc_open_ipc_handle(ccalloc_allocator_t* alloc, const void*
   });
 }
 
+ccalloc_status_t ccalloc_share_ipc_handle_pidfd(ccalloc_allocator_t* alloc, void* ptr, char* buffer,
+                                                size_t capacity, size_t* length) {
+  return guarded([&] {
+    require(length, "ccalloc_share_ipc_handle_pidfd", "length");
+    if (capacity > 0) require(buffer, "ccalloc_share_ipc_handle_pidfd", "buffer (with capacity > 0)");
+    const std::string bytes = resolve(alloc).share_ipc_handle_pidfd(ptr);
+    if (capacity > 0) std::memcpy(buffer, bytes.data(), std::min(bytes.size(), capacity));
+    *length = bytes.size();
+  });
+}
+
+ccalloc_status_t ccalloc_open_ipc_handle_pidfd(ccalloc_allocator_t* alloc, const void* bytes, size_t byte_count,
+                                               int access_device, void** out) {
+  return guarded([&] {
+    require(out, "ccalloc_open_ipc_handle_pidfd", "out");
+    require(bytes, "ccalloc_open_ipc_handle_pidfd", "bytes");
+    *out = resolve(alloc).open_ipc_handle_pidfd(std::string_view(static_cast<const char*>(bytes), byte_count),
+                                                access_device);
+  });
+}
+
 ccalloc_status_t ccalloc_close_ipc_handle(ccalloc_allocator_t* alloc, void* ptr) {
   return guarded([&] { resolve(alloc).close_ipc_handle(ptr); });
 }

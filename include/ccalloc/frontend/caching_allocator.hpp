@@ -298,6 +298,26 @@ class caching_allocator {
   void close_ipc_handle(void* ptr);
   /// Mappings opened by open_ipc_handle and not yet closed (for tests).
   [[nodiscard]] std::size_t ipc_open_mappings() const;
+  /// share_ipc_handle as bytes alone, for transports that carry no file
+  /// descriptors (a pickle, torch.multiprocessing's queues): the handle plus
+  /// the numbers and inode numbers of this process's own descriptors of the
+  /// export, which stay open until the block is really freed. The importer
+  /// takes them with pidfd_getfd (open_ipc_handle_pidfd). Layout: "ccIPCpfd",
+  /// u32 descriptor count n, n x {i32 descriptor, u64 inode}, then the
+  /// handle (little-endian). Throws what share_ipc_handle throws. Thread-safe.
+  [[nodiscard]] std::string share_ipc_handle_pidfd(void* ptr);
+  /// Opens bytes from share_ipc_handle_pidfd of another process: takes the
+  /// exporter's descriptors with pidfd_open + pidfd_getfd (Linux 5.6; needs
+  /// ptrace permission over the exporter: the same user, and under Yama
+  /// ptrace_scope 1 an exporter that is a descendant or that allowed it with
+  /// prctl(PR_SET_PTRACER)), checks that they are still the export's (same
+  /// inodes), then open_ipc_handle. Throws invalid_argument_error for
+  /// malformed bytes; backend_error naming the call and errno's text when the
+  /// exporter is gone, permission is refused, or the descriptors no longer
+  /// are the export's ("the exporter has freed the block"); what
+  /// open_ipc_handle throws. The taken descriptors are closed before it
+  /// returns. Thread-safe.
+  [[nodiscard]] void* open_ipc_handle_pidfd(std::string_view bytes, int access_device = -1);
   /// Frees the exported blocks whose owner freed them while importers held
   /// them and that no live process holds any more (their importers closed
   /// them or ended). Returns how many blocks it freed. empty_cache calls it
