@@ -15,6 +15,7 @@
 #                   scripts/gpu/pytorch_dropin.py, GPT-2 on each allocator   (OUT_DIR in env)
 #   integrations    GPT-2 on ccalloc vs native, CuPy, the Python GPU tests, NCCL  [OUT_DIR]
 #   ipc             IPC and multi-GPU tests (SPEC F25-F28)                     [OUT_DIR]
+#   sleep-wake      the RL-style loop and pause/resume per GiB vs pinned copies  [OUT_DIR]
 #   snapshots       snapshots both ways with PyTorch (SPEC E4, X8)   [OUT_DIR] [CCALLOC_BIN]
 #   hotpath         the hot path's time under several settings                  OUT_DIR
 #   ab-hotpath      A/B of the hot path against a base source tree     BASE_SRC OUT_DIR
@@ -25,7 +26,7 @@
 #   all             check, ab, integrations, snapshots, ipc in one call        [OUT_DIR]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-stages="check bench pytorch integrations ipc snapshots hotpath ab-hotpath mixed-layout mixed-diagnose session closing-check all"
+stages="check bench pytorch integrations ipc sleep-wake snapshots hotpath ab-hotpath mixed-layout mixed-diagnose session closing-check all"
 stage=${1:-}
 if [ -z "$stage" ] || [[ " $stages " != *" $stage "* ]]; then
   echo "usage: scripts/gpu.sh STAGE [ARGS...]; stages: $stages" >&2

@@ -1472,3 +1472,98 @@ TEST(CApi, NullIsNoLiveAllocation) {
 }
 
 }  // namespace
+
+namespace {
+std::vector<ccalloc_mapped_segment_t> mapped_segments(ccalloc_allocator_t* a, int device) {
+  size_t n = 0;
+  EXPECT_EQ(ccalloc_mapped_segments(a, device, nullptr, &n), CCALLOC_OK) << ccalloc_last_error();
+  std::vector<ccalloc_mapped_segment_t> out(n + 1);  // one more than needed: *count says how many
+  size_t m = out.size();
+  EXPECT_EQ(ccalloc_mapped_segments(a, device, out.data(), &m), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_EQ(m, n);
+  out.resize(m);
+  return out;
+}
+std::size_t total_of(const std::vector<ccalloc_mapped_segment_t>& v) {
+  std::size_t n = 0;
+  for (const auto& r : v) n += r.total_bytes;
+  return n;
+}
+bool covers(const std::vector<ccalloc_mapped_segment_t>& v, const void* p, std::size_t bytes) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  for (const auto& r : v)
+    if (a >= r.address && a + bytes <= r.address + r.total_bytes) return true;
+  return false;
+}
+}  // namespace
+
+// What a registration hook reads (PyTorch's snapshot() segments): the
+// mapped ranges, one per run of mapped pages of an expandable reservation,
+// summing to the reserved bytes; paused ranges are not mapped.
+TEST(CApi, MappedSegmentsAreTheMappedRangesAndSumToReserved) {
+  sim_allocator a(1024 * MiB, "", 2);
+  void* small = must_malloc(a, 1 * MiB);
+  void* big = must_malloc(a, 40 * MiB);
+  void* cached = must_malloc(a, 6 * MiB);
+  void* other = must_malloc(a, 4 * MiB, nullptr, 1);
+  ASSERT_EQ(ccalloc_delete(a, cached), CCALLOC_OK);  // stays mapped: cached
+  const auto d0 = mapped_segments(a, 0);
+  EXPECT_EQ(total_of(d0), static_cast<std::size_t>(stat(a, "reserved_bytes.all.current", 0)));
+  EXPECT_TRUE(covers(d0, small, 1 * MiB));
+  EXPECT_TRUE(covers(d0, big, 40 * MiB));
+  EXPECT_TRUE(covers(d0, cached, 6 * MiB));
+  EXPECT_FALSE(covers(d0, other, 4 * MiB));
+  std::size_t allocated = 0;
+  for (const auto& r : d0) {
+    EXPECT_EQ(r.device, 0);
+    EXPECT_EQ(r.is_expandable, 1);
+    EXPECT_EQ(r.address % page_bytes, 0u);
+    EXPECT_EQ(r.total_bytes % page_bytes, 0u);
+    EXPECT_LE(r.allocated_bytes, r.active_bytes);
+    EXPECT_LE(r.active_bytes, r.total_bytes);
+    allocated += r.allocated_bytes;
+  }
+  EXPECT_EQ(allocated, static_cast<std::size_t>(stat(a, "allocated_bytes.all.current", 0)));
+  const auto all = mapped_segments(a, -1);
+  EXPECT_EQ(all.size(), d0.size() + mapped_segments(a, 1).size());
+  EXPECT_TRUE(covers(all, other, 4 * MiB));
+  EXPECT_EQ(all.back().device, 1);
+
+  ASSERT_EQ(ccalloc_tag_begin("capi_mapped"), CCALLOC_OK);
+  void* tagged = must_malloc(a, 8 * MiB);
+  ASSERT_EQ(ccalloc_tag_end(), CCALLOC_OK);
+  EXPECT_TRUE(covers(mapped_segments(a, 0), tagged, 8 * MiB));
+  const char* tags[] = {"capi_mapped"};
+  ccalloc_sleep_result_t r{};
+  ASSERT_EQ(ccalloc_pause(a, 0, tags, 1, 0, &r), CCALLOC_OK) << ccalloc_last_error();
+  const auto paused = mapped_segments(a, 0);
+  EXPECT_FALSE(covers(paused, tagged, 1));
+  EXPECT_EQ(total_of(paused), static_cast<std::size_t>(stat(a, "reserved_bytes.all.current", 0)));
+  ASSERT_EQ(ccalloc_resume(a, 0, tags, 1, &r), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_TRUE(covers(mapped_segments(a, 0), tagged, 8 * MiB));
+
+  size_t n = 1;
+  EXPECT_EQ(ccalloc_mapped_segments(a, 0, nullptr, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_mapped_segments(a, 0, nullptr, &n), CCALLOC_ERROR_INVALID_ARGUMENT);
+  ccalloc_mapped_segment_t one{};
+  EXPECT_EQ(ccalloc_mapped_segments(a, 2, &one, &n), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("ccalloc: ccalloc_mapped_segments: device 2 is out of range"),
+            std::string::npos)
+      << ccalloc_last_error();
+  for (void* p : {small, big, tagged, other}) EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+}
+
+TEST(CApi, MappedSegmentsOfPlainSegmentsAreWholeSegments) {
+  sim_allocator a(1024 * MiB, "expandable_segments:False");
+  void* p = must_malloc(a, 30 * MiB);
+  void* q = must_malloc(a, 100);
+  const auto v = mapped_segments(a, 0);
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_EQ(total_of(v), static_cast<std::size_t>(stat(a, "reserved_bytes.all.current")));
+  for (const auto& r : v) EXPECT_EQ(r.is_expandable, 0);
+  EXPECT_EQ(v[0].is_large + v[1].is_large, 1);
+  EXPECT_TRUE(covers(v, p, 30 * MiB));
+  EXPECT_TRUE(covers(v, q, 100));
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_delete(a, q), CCALLOC_OK);
+}

@@ -191,6 +191,33 @@ TEST_F(SleepWakeTest, PauseReleasesThePagesAndResumeMapsThemAtTheSameAddressesWi
   expect_pages_of_one_tag();
 }
 
+// The host buffers of kept contents outlive the resume for the next pause
+// (pinning host memory costs more than the copy on a GPU host), and
+// empty_cache gives them back.
+TEST_F(SleepWakeTest, KeptContentsReuseTheirHostBuffersUntilEmptyCache) {
+  void* w = m_tagged("sw_reuse", 12 * MiB);
+  fill(w, 12 * MiB, 5);
+  alloc->pause({"sw_reuse"}, true);
+  const std::uint64_t allocs = sim->counters().host_allocs;
+  const std::size_t bytes = sim->counters().host_bytes;
+  EXPECT_GE(allocs, 1u);
+  EXPECT_GE(bytes, 12 * MiB);
+  alloc->resume({"sw_reuse"});
+  EXPECT_EQ(sim->counters().host_bytes, bytes);  // kept for the next pause
+  EXPECT_TRUE(holds(w, 12 * MiB, 5));
+  for (int round = 0; round < 3; ++round) {
+    fill(w, 12 * MiB, static_cast<unsigned char>(20 + round));
+    alloc->pause({"sw_reuse"}, true);
+    alloc->resume({"sw_reuse"});
+    EXPECT_TRUE(holds(w, 12 * MiB, static_cast<unsigned char>(20 + round))) << round;
+  }
+  EXPECT_EQ(sim->counters().host_allocs, allocs);  // no new host buffer after the first pause
+  EXPECT_EQ(sim->counters().host_bytes, bytes);
+  alloc->empty_cache();
+  EXPECT_EQ(sim->counters().host_bytes, 0u);
+  alloc->free(w);
+}
+
 TEST_F(SleepWakeTest, WithoutContentsPauseCopiesNothingAndCachedMemoryOfTheTagGoesToo) {
   void* kv = m_tagged("sw_kv", 20 * MiB);
   void* gone = m_tagged("sw_kv", 10 * MiB);
@@ -406,6 +433,41 @@ TEST_F(SleepWakeTest, AGraphPoolCreatedUnderATagPausesWithItAtUnchangedAddresses
   EXPECT_EQ(tag_at(g), "sw_graph");  // same address, same segment
   EXPECT_TRUE(holds(g, 12 * MiB, 7));
   alloc->free(g);
+  alloc->release_pool(0, pool);
+}
+
+// A graph replays into the blocks freed during its capture: a graph pool
+// under a tag pauses whole, its free blocks mapped again at the resume (on
+// a GPU, dropping them made the replay after the resume an illegal access).
+TEST_F(SleepWakeTest, AGraphPoolsFreeBlocksPauseAndResumeWithItsLiveOnes) {
+  const stream_t s = sim->create_stream(0);
+  const mempool_id_t pool{9, 2};
+  {
+    tag_scope scope("sw_graph_free");
+    alloc->create_or_incref_pool(0, pool);
+  }
+  alloc->begin_allocate_to_pool(0, pool, [s](stream_t x) { return x == s; });
+  void* out = m(12 * MiB, s);          // the graph's output, alive
+  void* scratch = m(8 * MiB, s);       // an intermediate, freed during the capture
+  alloc->free(scratch);
+  alloc->end_allocate_to_pool(0, pool);
+  const std::size_t reserved = usage("sw_graph_free").reserved_bytes;
+  EXPECT_EQ(reserved, 20 * MiB);
+  const sleep_result r = alloc->pause({"sw_graph_free"}, false);
+  EXPECT_EQ(r.paused_bytes, 20 * MiB);  // the free intermediate too
+  EXPECT_EQ(usage("sw_graph_free").reserved_bytes, 0u);
+  alloc->resume({"sw_graph_free"});
+  EXPECT_EQ(usage("sw_graph_free").reserved_bytes, reserved);
+  sim->use_memory(0, scratch, 8 * MiB, s);  // the replay writes its intermediate
+  sim->use_memory(0, out, 12 * MiB, s);
+  EXPECT_EQ(sim->counters().unmapped_uses, 0u);
+  // The freed intermediate is a free block of the graph's pool again.
+  alloc->begin_allocate_to_pool(0, pool, [s](stream_t x) { return x == s; });
+  void* again = m(8 * MiB, s);
+  alloc->end_allocate_to_pool(0, pool);
+  EXPECT_EQ(again, scratch);
+  alloc->free(again);
+  alloc->free(out);
   alloc->release_pool(0, pool);
 }
 

@@ -578,6 +578,35 @@ CCALLOC_API ccalloc_status_t ccalloc_end_allocate_to_pool(ccalloc_allocator_t* a
 CCALLOC_API ccalloc_status_t ccalloc_pool_usage(ccalloc_allocator_t* alloc, int device, ccalloc_mempool_id_t id,
                                                 ccalloc_pool_usage_t* out);
 
+/** One range of device memory a segment has mapped now (ccalloc_mapped_segments):
+ * a whole plain segment, or one contiguous mapped range of an expandable
+ * reservation, as PyTorch's CUDACachingAllocator::snapshot() reports
+ * expandable segments. */
+typedef struct {
+  int device;               /**< the device it is on */
+  uintptr_t address;        /**< first byte of the range */
+  size_t total_bytes;       /**< bytes of the range (a multiple of 2 MiB for expandable ones) */
+  size_t allocated_bytes;   /**< bytes of the blocks allocated in the range now */
+  size_t active_bytes;      /**< allocated + blocks freed but waiting on events of other streams */
+  size_t requested_bytes;   /**< bytes asked for by the callers of the active blocks */
+  ccalloc_stream_t stream;  /**< the stream whose pool holds the segment */
+  int is_large;             /**< 1: large pool (blocks > 1 MiB); 0: small pool */
+  int is_expandable;        /**< 1: a range of an expandable reservation; 0: a plain segment */
+  ccalloc_mempool_id_t pool_id; /**< the private pool holding it; {0, 0}: the default pool */
+} ccalloc_mapped_segment_t;
+
+/** The ranges of device memory mapped now on `device` (-1: every device),
+ * ordered by device then address: what a communication library registers
+ * (NCCL's ncclCommRegister, ProcessGroupNCCL's register hook reads PyTorch's
+ * snapshot the same way). Writes min(*count, needed) entries to `out` (out may
+ * be NULL when *count is 0) and sets *count to the number of ranges there
+ * are: call with *count 0 first to size `out`. Paused ranges are not mapped
+ * and not listed. Thread-safe; locks each device while it walks its
+ * segments: O(segments + blocks). Errors: INVALID_ARGUMENT for a NULL count,
+ * a NULL out with *count > 0, or a device out of range. */
+CCALLOC_API ccalloc_status_t ccalloc_mapped_segments(ccalloc_allocator_t* alloc, int device,
+                                                     ccalloc_mapped_segment_t* out, size_t* count);
+
 /* ---- sleep and wake: tags, pause, resume (SPEC S1-S5) ---------------------------------------------
  *
  * Every allocation carries a tag: the one the calling thread's innermost

@@ -45,7 +45,7 @@ if ! "$PY" -m pip install -v --no-build-isolation . >"$OUT_DIR/install.log" 2>&1
 fi
 echo "PASS install ($(( $(date +%s) - t0 )) s; $(grep -c 'built the PyTorch integration' "$OUT_DIR/install.log") C++ integration build(s))"
 cd /tmp  # import the installed package, not the checkout's python/
-SCRIPTS=$REPO/scripts
+SCRIPTS=$REPO/scripts/gpu
 FAILED=0
 ITEMS=${DROPIN_ITEMS:-$("$PY" "$SCRIPTS/pytorch_dropin.py" --list)}
 [ "$ITEMS" = none ] && ITEMS=""

@@ -375,6 +375,90 @@ def pluggable_fallback():
     return "CCALLOC_TORCH_INTEGRATION=pluggable still serves tensors"
 
 
+# ---- sleep and wake (SPEC S1-S5) -----------------------------------------------------------------
+
+@item
+def sleep_wake_region():
+    torch, ccalloc = setup()
+    import ccalloc.torch as ct
+
+    with ct.region(tag="dropin_weights", keep_contents=True):
+        w = torch.arange(256 * MiB // 4, device="cuda", dtype=torch.float32)
+    with ct.region(tag="dropin_kv", keep_contents=False):
+        kv = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+    ptr_w, ptr_kv = w.data_ptr(), kv.data_ptr()
+    torch.cuda.synchronize()
+    free0, _ = torch.cuda.mem_get_info()
+    r = ct.pause()
+    free1, _ = torch.cuda.mem_get_info()
+    assert free1 - free0 >= 768 * MiB - 4 * MiB, f"pause freed only {(free1 - free0) / MiB:.1f} MiB ({r})"
+    other = torch.empty(700 * MiB, dtype=torch.uint8, device="cuda")  # the freed memory is usable
+    del other
+    torch.cuda.empty_cache()
+    ct.resume()
+    assert w.data_ptr() == ptr_w and kv.data_ptr() == ptr_kv
+    expected = torch.arange(256 * MiB // 4, device="cuda", dtype=torch.float32)
+    assert torch.equal(w, expected), "kept contents differ after resume"
+    kv.fill_(3)
+    torch.cuda.synchronize()
+    return (f"pause freed {(free1 - free0) / MiB:.0f} MiB (tags 768 MiB), host {r.get('host_time_us', 0)} us; "
+            "weights equal after resume")
+
+
+@item
+def sleep_wake_graph():
+    torch, ccalloc = setup()
+    import ccalloc.torch as ct
+
+    with ct.region(tag="dropin_graph", keep_contents=True):
+        x = torch.randn(1 << 22, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            y = x * 3 - 1  # warm-up
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = x * 3 - 1
+    g.replay()
+    torch.cuda.synchronize()
+    before = y.clone()
+    ct.pause("dropin_graph", keep_contents=True)
+    ct.resume("dropin_graph")
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, before), "the graph captured before the pause replays differently after the resume"
+    return "a graph captured before pause replays after resume with the same output"
+
+
+@item
+def nccl_register_hook():
+    # ProcessGroupNCCL registers the allocator's segments from its trace
+    # hook (SEGMENT_ALLOC/FREE, SEGMENT_MAP/UNMAP for expandable pages).
+    os.environ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
+    torch, ccalloc = setup()
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        sums = []
+        for n in (1 << 20, 40 << 20, 3 << 20):  # grows the expandable reservation in between
+            t = torch.ones(n, device="cuda")
+            dist.all_reduce(t)
+            torch.cuda.synchronize()
+            sums.append(float(t.sum()))
+            del t
+        torch.cuda.empty_cache()
+        t = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        assert sums == [float(1 << 20), float(40 << 20), float(3 << 20)], sums
+    finally:
+        dist.destroy_process_group()
+    return "all_reduce on expandable memory with the register hook, across growth and empty_cache"
+
+
 # ---- scope 3: distributed ---------------------------------------------------------------------------
 
 def _torchrun(mode, allocator):

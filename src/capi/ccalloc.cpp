@@ -1078,6 +1078,59 @@ ccalloc_status_t ccalloc_pool_usage(ccalloc_allocator_t* alloc, int device, ccal
   });
 }
 
+namespace {
+// The mapped ranges of one segment: the whole of a plain one, each run of
+// mapped blocks of an expandable one.
+void add_mapped_ranges(const ccalloc::segment_info& si, std::vector<ccalloc_mapped_segment_t>& out) {
+  bool open = false;
+  for (const ccalloc::block_info& b : si.blocks) {
+    if (si.is_expandable && !b.mapped) {
+      open = false;
+      continue;
+    }
+    if (!open) {
+      ccalloc_mapped_segment_t r{};
+      r.device = si.device;
+      r.address = static_cast<uintptr_t>(b.address);
+      r.stream = from_stream(si.stream);
+      r.is_large = si.is_small_pool ? 0 : 1;
+      r.is_expandable = si.is_expandable ? 1 : 0;
+      r.pool_id = ccalloc_mempool_id_t{si.pool.first, si.pool.second};
+      out.push_back(r);
+      open = true;
+    }
+    ccalloc_mapped_segment_t& r = out.back();
+    r.total_bytes += b.size_bytes;
+    if (b.state == ccalloc::block_state::active_allocated) r.allocated_bytes += b.size_bytes;
+    if (b.state != ccalloc::block_state::inactive) {
+      r.active_bytes += b.size_bytes;
+      r.requested_bytes += b.requested_bytes;
+    }
+  }
+}
+}  // namespace
+
+ccalloc_status_t ccalloc_mapped_segments(ccalloc_allocator_t* alloc, int device, ccalloc_mapped_segment_t* out,
+                                         size_t* count) {
+  return guarded([&] {
+    require(count, "ccalloc_mapped_segments", "count");
+    if (*count > 0) require(out, "ccalloc_mapped_segments", "out");
+    ccalloc::caching_allocator& a = resolve(alloc);
+    const int devices = a.initialized_device_count();
+    if (devices == 0) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_mapped_segments before ccalloc_init()");
+    if (device < -1 || device >= devices)
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_mapped_segments: device " + std::to_string(device) +
+                                            " is out of range (-1 for every device, or 0.." +
+                                            std::to_string(devices - 1) + ")");
+    std::vector<ccalloc_mapped_segment_t> ranges;
+    for (int d = device < 0 ? 0 : device; d < (device < 0 ? devices : device + 1); ++d)
+      for (const ccalloc::segment_info& si : a.device_allocator(d).segments())
+        if (!si.paused) add_mapped_ranges(si, ranges);
+    std::copy_n(ranges.begin(), std::min(*count, ranges.size()), out);
+    *count = ranges.size();
+  });
+}
+
 // ---- sleep and wake ---------------------------------------------------------------------------------------
 
 namespace {

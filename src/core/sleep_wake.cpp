@@ -117,10 +117,28 @@ tag_usage device_state::usage_of(tag_id tag) const {
 
 namespace {
 
-// The page runs under the allocated blocks of seg (sorted, merged).
+// A segment of a private pool other than a tag's own (a CUDA graph's pool,
+// a MemPool) made under a tag pauses whole: its free blocks are not a cache
+// to give back, since a graph replays into the blocks freed during its
+// capture. Only a tag's own pool returns its free memory at a pause.
+bool pauses_whole(const segment& seg) noexcept {
+  const private_pool* pp = seg.head->pool->priv;
+  return pp != nullptr && !pp->is_tag_pool();
+}
+
+// The page runs to pause in seg (sorted, merged): under its allocated
+// blocks, or every mapped page when the segment pauses whole.
 std::vector<segment::paused_run> live_runs(const segment& seg) {
   std::vector<segment::paused_run> runs;
   const std::size_t page = seg.page_bytes;
+  if (pauses_whole(seg)) {
+    for (std::size_t i = 0; i < seg.pages.count(); ++i) {
+      if (!seg.pages.mapped(i)) continue;
+      if (!runs.empty() && runs.back().first_page + runs.back().pages == i) ++runs.back().pages;
+      else runs.push_back({i, 1, nullptr});
+    }
+    return runs;
+  }
   for (const block* b = seg.head; b != nullptr; b = b->next) {
     if (!b->allocated) continue;
     const std::size_t first = (b->ptr - seg.base) / page;
@@ -235,6 +253,7 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
   // Step 2: the tags' cached free memory goes back to the device.
   const std::size_t reserved_before = reserved_bytes_;
   for (segment* seg : segs) {
+    if (pauses_whole(*seg)) continue;
     std::vector<block*> free_mapped;
     for (block* b = seg->head; b != nullptr; b = b->next)
       if (b->mapped && b->is_free()) free_mapped.push_back(b);
@@ -253,11 +272,11 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
   if (keep_contents) {
     for (segment* seg : segs)
       for (auto& run : seg->paused_runs) {
-        run.host = backend_.host_alloc(device_, run.pages * seg->page_bytes);
+        run.host = host_copies_.take(run.pages * seg->page_bytes);
         if (run.host != nullptr) continue;
         for (segment* s2 : segs)
           for (auto& run2 : s2->paused_runs) {
-            backend_.host_free(device_, run2.host);
+            host_copies_.give(run2.host);
             run2.host = nullptr;
           }
         throw out_of_memory_error(
@@ -350,7 +369,7 @@ void device_state::restore_paused_segment(segment& seg, sleep_result& r) {
     backend_.synchronize_event(device_, e);
     free_events_.push_back(e);
   }
-  for (auto& run : seg.paused_runs) backend_.host_free(device_, run.host);
+  for (auto& run : seg.paused_runs) host_copies_.give(run.host);
   seg.paused_runs.clear();
   seg.paused = false;
   for (block* b : seg.paused_free) pool_insert_counted(b);

@@ -114,6 +114,9 @@ class caching_allocator {
   /// a larger count adds devices.
   void init(int device_count);
   [[nodiscard]] bool initialized() const noexcept;
+  /// The devices init() created: [0, initialized_device_count()); 0 before
+  /// init(). Thread-safe against everything but a concurrent init().
+  [[nodiscard]] int initialized_device_count() const noexcept { return static_cast<int>(devices_.size()); }
   /// "ccalloc" (PyTorch: name(), F29).
   [[nodiscard]] std::string name() const { return "ccalloc"; }
   [[nodiscard]] device_backend& backend() const noexcept { return *backend_; }

@@ -34,6 +34,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -44,6 +45,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -95,7 +97,8 @@ using c10::CachingAllocator::Stat;
   X(ccalloc_get_checkpoint_state)           \
   X(ccalloc_pool_checkpoint_destroy)        \
   X(ccalloc_set_checkpoint_pool_state)      \
-  X(ccalloc_enable_peer_access)
+  X(ccalloc_enable_peer_access)             \
+  X(ccalloc_mapped_segments)
 
 struct api_table {
 #define CCALLOC_TORCH_DECLARE(name) decltype(&::name) name = nullptr;
@@ -405,11 +408,43 @@ class ccalloc_cuda_allocator final : public cca::CUDAAllocator {
     if (ptr.get() == nullptr) return;
     check(api.ccalloc_record_stream(nullptr, ptr.get(), stream.stream()));
   }
-  cca::SnapshotInfo snapshot(c10::MempoolId_t /*mempool_id*/, bool /*include_traces*/) override {
-    // The Python package routes torch.cuda.memory._snapshot() and
-    // memory_snapshot() to ccalloc's own snapshot (same keys) instead.
-    TORCH_CHECK(false, "ccalloc: the C++ snapshot is not available; torch.cuda.memory._snapshot() and "
-                       "torch.cuda.memory_snapshot() give ccalloc's snapshot once ccalloc.torch.install() ran");
+  // The segments only: what ProcessGroupNCCL's register hook reads when a
+  // communicator is made (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK), one
+  // entry per mapped range of an expandable reservation as PyTorch reports
+  // its expandable segments. Blocks, traces and stack frames come from
+  // torch.cuda.memory._snapshot(), which the Python package routes to
+  // ccalloc's full snapshot.
+  cca::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool /*include_traces*/) override {
+    size_t n = 0;
+    check(api.ccalloc_mapped_segments(nullptr, -1, nullptr, &n));
+    std::vector<ccalloc_mapped_segment_t> ranges(n + 16);  // room for segments made meanwhile
+    n = ranges.size();
+    check(api.ccalloc_mapped_segments(nullptr, -1, ranges.data(), &n));
+    ranges.resize(std::min(n, ranges.size()));
+    cca::SnapshotInfo out;
+    const bool one_pool = mempool_id.first != 0 || mempool_id.second != 0;
+    for (const ccalloc_mapped_segment_t& r : ranges) {
+      using id_part = decltype(c10::MempoolId_t{}.first);
+      const c10::MempoolId_t pool{static_cast<id_part>(r.pool_id.first), static_cast<id_part>(r.pool_id.second)};
+      if (one_pool && pool != mempool_id) continue;
+      auto& seg = out.segments.emplace_back();
+      seg.device = static_cast<decltype(seg.device)>(r.device);
+      seg.address = static_cast<decltype(seg.address)>(r.address);
+      seg.total_size = r.total_bytes;
+      seg.requested_size = r.requested_bytes;
+      seg.allocated_size = r.allocated_bytes;
+      seg.active_size = r.active_bytes;
+      seg.is_large = r.is_large != 0;
+      seg.is_expandable = r.is_expandable != 0;
+      seg.owner_private_pool_id = pool;
+      // The stream's field is a pointer (cudaStream_t or void*) in the
+      // PyTorch releases this builds against; left at its default otherwise.
+      [](auto& field, ccalloc_stream_t stream) {
+        using field_t = std::remove_reference_t<decltype(field)>;
+        if constexpr (std::is_pointer_v<field_t>) field = reinterpret_cast<field_t>(stream);
+      }(seg.stream, r.stream);
+    }
+    return out;
   }
 
   // ---- private pools (CUDA graphs, MemPool) -----------------------------------------------------

@@ -61,6 +61,7 @@
 #include "stat_storage.hpp"
 
 #include "history_recorder.hpp"
+#include "host_copy_cache.hpp"
 #include "mapping_notifier.hpp"
 #include "page_fences.hpp"
 #include "page_table.hpp"
@@ -1109,6 +1110,7 @@ class device_state {
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
   std::vector<event_t> free_events_;  // event pool: created and reusable
+  host_copy_cache host_copies_{backend_, device_};  // kept contents' host buffers (sleep_wake.cpp) [world]
   fence_device fence_device_{*this};  // the page fences' view of it
   std::vector<oom_observer> observers_;
   // The out-of-memory snapshot (config oom_snapshot; out_of_memory.cpp):
