@@ -262,7 +262,7 @@ TEST(RegressionTest, EchoedEnvironmentValuesAndStatNamesAreEscaped) {
   ASSERT_EQ(ccalloc_init(c, 1), CCALLOC_OK) << ccalloc_last_error();
   std::int64_t v = 0;
   EXPECT_EQ(ccalloc_get_device_stat(c, 0, "\x1b[2Jx", &v), CCALLOC_ERROR_INVALID_ARGUMENT);
-  EXPECT_EQ(std::string(ccalloc_last_error()).rfind("ccalloc_get_device_stat: unknown statistic '\\x1b[2Jx' (", 0), 0u)
+  EXPECT_EQ(std::string(ccalloc_last_error()).rfind("ccalloc: ccalloc_get_device_stat: unknown statistic '\\x1b[2Jx' (", 0), 0u)
       << ccalloc_last_error();
   ccalloc_destroy(c);
 }

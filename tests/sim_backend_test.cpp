@@ -5,6 +5,7 @@
 #include <ccalloc/backend/sim_backend.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/base/types.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
 
 #include <gtest/gtest.h>
 
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -885,6 +887,33 @@ TEST(SimBackend, SynchronizeDeviceWaitsForTheWorkOfDestroyedStreams) {
   EXPECT_EQ(sim.now(), 0u);
   sim.synchronize_device(0);
   EXPECT_EQ(sim.now(), 100u);
+}
+
+// The device count is bounded (ccalloc::max_device_count): 2^20 simulated
+// devices would need a peer table of 2^40 entries; the allocator's init
+// refuses as many devices whatever its backend reports.
+TEST(SimBackend, DeviceCountIsBounded) {
+  sim_options o;
+  for (const int count : {ccalloc::max_device_count + 1, 1 << 20}) {
+    o.device_count = count;
+    try {
+      sim_backend sim(o);
+      FAIL() << "no error";  // and no 2^20 devices: a failure before the bound stops here
+    } catch (const backend_error& e) {
+      EXPECT_EQ(std::string(e.what()), "sim: device_count is " + std::to_string(count) +
+                                           "; at most 1024 devices (ccalloc::max_device_count)");
+    }
+  }
+  o.device_count = ccalloc::max_device_count;
+  EXPECT_EQ(sim_backend(o).device_count(), 1024);
+  ccalloc::caching_allocator a(std::make_shared<sim_backend>(sim_options{}));
+  try {
+    a.init(ccalloc::max_device_count + 1);
+    FAIL() << "no error";
+  } catch (const invalid_argument_error& e) {
+    EXPECT_STREQ(e.what(), "ccalloc: init(1025): at most 1024 devices (ccalloc::max_device_count)");
+  }
+  EXPECT_FALSE(a.initialized());
 }
 
 }  // namespace

@@ -381,6 +381,28 @@ TEST_F(SleepWakeTest, ResumeWithoutRoomFailsNamingTheTagAndStaysPausedThenSuccee
   alloc->free(w);
 }
 
+// Kept contents are copied back chunk by chunk as the pages are mapped; a
+// resume that runs out of room part-way waits for the copies already queued
+// before it gives those pages back (TearDown: no unsafe unmap), and the
+// contents are whole at the later resume.
+TEST_F(SleepWakeTest, AResumeThatFailsPartWayWaitsForItsCopiesAndKeepsTheContents) {
+  make(256 * MiB);
+  void* w = m_tagged("sw_chunks", 100 * MiB);  // 50 pages: more than one chunk of copies
+  fill(w, 100 * MiB, 7);
+  alloc->pause({"sw_chunks"}, true);
+  void* live = m(180 * MiB);  // room for 38 of the 50 pages
+  sim->enqueue_work(0, 0, sim->busy_until(0, 0) + 1'000'000);  // the copies queue behind a long kernel
+  const std::size_t copied_before = sim->counters().bytes_from_host;
+  EXPECT_THROW(alloc->resume({"sw_chunks"}), out_of_memory_error);
+  EXPECT_GT(sim->counters().bytes_from_host, copied_before);  // a chunk was copied in before the failure
+  EXPECT_TRUE(usage("sw_chunks").paused);
+  alloc->free(live);
+  alloc->empty_cache();
+  alloc->resume({"sw_chunks"});
+  EXPECT_TRUE(holds(w, 100 * MiB, 7));
+  alloc->free(w);
+}
+
 TEST_F(SleepWakeTest, ResumeHonoursTheMemoryFraction) {
   void* w = m_tagged("sw_frac", 100 * MiB);
   alloc->pause({"sw_frac"}, false);

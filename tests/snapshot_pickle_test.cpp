@@ -7,6 +7,7 @@
 #include <ccalloc/replay/report.hpp>
 #include <ccalloc/replay/trace.hpp>
 
+#include "peak_rss.hpp"
 #include "pickle_writer.hpp"
 #include "temp_file.hpp"
 
@@ -294,9 +295,10 @@ TEST(SnapshotPickle, LimitsNameTheFlagThatRaisesThem) {
   EXPECT_EQ(ccalloc::convert_pytorch_snapshot_data(bytes, "snap", o).events.size(), 30u);
   // A string longer than the byte limit is refused before it is read.
   o.max_pickle_bytes = 1000;
-  EXPECT_NE(error_of(std::string("\x80\x04\x8d\xff\xff\xff\xff\xff\xff\x00\x00", 11), o)
-                .find("the pickle is larger than the limit of 1000 bytes"),
-            std::string::npos);
+  EXPECT_EQ(error_of(std::string("\x80\x04\x8d\xff\xff\xff\xff\xff\xff\x00\x00", 11), o),
+            "snap: a PyTorch snapshot that cannot be read: a string at byte 2 claims 281474976710655 bytes, more than "
+            "the pickle's limit of 1000 bytes (raise it with ccalloc's --max-pickle-bytes N, or "
+            "trace_read_options::max_pickle_bytes)");
   // Through read_trace_file, gzip included: the file's name, no temporary file.
   temp_file f("limit.pickle", bytes);
   o.max_pickle_bytes = 1000;
@@ -388,3 +390,60 @@ TEST(SnapshotPickle, SameEventsAsTheScriptConverter) {
 }
 
 }  // namespace
+
+// A string or bytes object claiming 2^63 bytes in an 11-byte pickle names
+// itself and the byte limit it cannot fit in (not "the pickle is larger").
+TEST(SnapshotPickle, AHugeStringClaimNamesTheString) {
+  const std::string prefix = "snap: a PyTorch snapshot that cannot be read: ";
+  const std::string hint = " (raise it with ccalloc's --max-pickle-bytes N, or trace_read_options::max_pickle_bytes)";
+  EXPECT_EQ(error_of(std::string("\x80\x04\x8d\x00\x00\x00\x00\x00\x00\x00\x80" "abc", 14)),
+            prefix + "a string at byte 2 claims 9223372036854775808 bytes, more than the pickle's limit of 4294967296 "
+                     "bytes" + hint);
+  EXPECT_EQ(error_of(std::string("\x80\x04\x8e\x00\x00\x00\x00\x00\x00\x00\x80" "abc", 14)),
+            prefix + "a bytes object at byte 2 claims 9223372036854775808 bytes, more than the pickle's limit of "
+                     "4294967296 bytes" + hint);
+  ccalloc::trace_read_options o;
+  o.max_pickle_bytes = 100;
+  EXPECT_EQ(error_of(std::string("\x80\x04\x8b\xff\x00\x00\x00" "abc", 10), o),
+            prefix + "an integer at byte 2 claims 255 bytes, more than the pickle's limit of 100 bytes" + hint);
+}
+
+// Memo indices far apart (each BINPUT 20,000 past the last: 8 KB of pickle)
+// cost one entry each, not the gap: before, 8 bytes per index skipped
+// (1,600 puts made a 256 MB memo).
+TEST(SnapshotPickle, SparseMemoIndicesCostNoMemoryForTheGap) {
+  std::string bytes = std::string("\x80\x04N", 3);
+  for (std::uint32_t i = 1; i <= 1600; ++i) {
+    const std::uint32_t index = i * 20000;
+    bytes += 'r';
+    for (int b = 0; b < 4; ++b) bytes += static_cast<char>((index >> (8 * b)) & 0xff);
+  }
+  bytes += std::string("h\x00.", 3);  // BINGET 0: never stored
+  if (!ccalloc::testing::reset_peak_rss()) GTEST_SKIP() << "no /proc/self/clear_refs";
+  std::string why;
+  const std::uint64_t growth = ccalloc::testing::peak_rss_growth([&] { why = error_of(bytes); });
+  EXPECT_EQ(why, "snap: a PyTorch snapshot that cannot be read: corrupt pickle at byte 8003: memo index 0 was never "
+                 "stored");
+  EXPECT_LT(growth, 16 * ccalloc::testing::MiB);
+  // An entry stored ahead is found, and joins the dense part when it is reached.
+  const std::string ahead = std::string("\x80\x04K\x07q\x02K\x05q\x00K\x06q\x01" "000h\x02.", 20);
+  EXPECT_EQ(error_of(ahead), "snap: a PyTorch snapshot that cannot be read: not a PyTorch memory snapshot (no "
+                             "'device_traces'; found an int)");
+}
+
+// The memory the reader builds is bounded by max_pickle_memory_bytes: 15 KB
+// of EMPTY_LIST opcodes (48 bytes of memory each) fail at a 100 KB budget,
+// naming the limit and the flag.
+TEST(SnapshotPickle, MemoryLimitNamesTheFlag) {
+  const std::string lists = std::string("\x80\x04(", 3) + std::string(15000, ']') + "l.";
+  ccalloc::trace_read_options o;
+  o.max_pickle_memory_bytes = 100000;
+  EXPECT_EQ(error_of(lists, o),
+            "snap: a PyTorch snapshot that cannot be read: reading the pickle takes more than the limit of 100000 "
+            "bytes of memory (raise it with ccalloc's --max-pickle-memory SIZE, or "
+            "trace_read_options::max_pickle_memory_bytes)");
+  // The default reads it (and the snapshot of the test data, 0.7 MB, within 2x its size).
+  EXPECT_NE(error_of(lists).find("not a PyTorch memory snapshot"), std::string::npos);
+  o.max_pickle_memory_bytes = 1400000;
+  EXPECT_GT(ccalloc::convert_pytorch_snapshot(snapshot_path, o).events.size(), 0u);
+}

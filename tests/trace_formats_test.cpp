@@ -12,12 +12,16 @@
 
 #include <gtest/gtest.h>
 
+#include "peak_rss.hpp"
 #include "temp_file.hpp"
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <string_view>
@@ -381,3 +385,108 @@ TEST(MinDeviceMemory, AFractionOfZeroIsNamed) {
 }
 
 }  // namespace
+
+// ---- memory while reading ----------------------------------------------------------------
+
+namespace {
+
+using ccalloc::testing::MiB;
+using ccalloc::testing::peak_rss_growth;
+using ccalloc::testing::reset_peak_rss;
+
+/// `text` gzipped by the gzip program, or "" without one.
+std::string gzip_of(const std::string& name, const std::string& text) {
+  temp_file plain(name, text);
+  const std::string gz = plain.path() + ".gz";
+  if (std::system(("gzip -kf '" + plain.path() + "' 2>/dev/null").c_str()) != 0) return "";
+  std::ifstream in(gz, std::ios::binary);
+  std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(gz.c_str());
+  return out;
+}
+
+}  // namespace
+
+// A gzip bomb (64 MiB of newlines in 64 gzip members of 1 MiB each, 65 KB)
+// is read a block at a time: memory stays far below the text's size.
+TEST(TraceInput, GzipBombIsReadInBoundedMemory) {
+  const std::string member = gzip_of("nl1m.txt", std::string(MiB, '\n'));
+  if (member.empty()) GTEST_SKIP() << "no gzip";
+  std::string bomb;
+  for (int i = 0; i < 64; ++i) bomb += member;
+  temp_file gz("bomb.gz", bomb);
+  if (!reset_peak_rss()) GTEST_SKIP() << "no /proc/self/clear_refs";
+  std::size_t events = 1;
+  const std::uint64_t growth = peak_rss_growth([&] { events = ccalloc::read_trace_file(gz.path()).events.size(); });
+  EXPECT_EQ(events, 0u);
+  EXPECT_LT(growth, 16 * MiB) << "the reader held the decompressed text";
+  // Over the limit it fails naming it, having held no more.
+  ccalloc::trace_limits limits;
+  limits.max_input_bytes = 32 * MiB;
+  ASSERT_TRUE(reset_peak_rss());
+  std::string why;
+  const std::uint64_t over = peak_rss_growth([&] { why = error_of([&] { (void)ccalloc::read_trace_file(gz.path(), limits); }); });
+  EXPECT_EQ(why, gz.path() + ": decompresses to more than 33554432 bytes, the input limit "
+                             "(trace_limits::max_input_bytes; raise it with --max-input-bytes)");
+  EXPECT_LT(over, 8 * MiB);
+}
+
+// One huge line (plain or gzip) fails at the line limit once that many of
+// its bytes are read, not after reading the whole file.
+TEST(TraceInput, HugeLineFailsWithoutReadingItWhole) {
+  const std::string line = "1 alloc " + std::string(16 * MiB, '7') + " 512 0\n";
+  temp_file plain("hugeline.trace", line);
+  const std::string limit_error = ":1: a line of more than 65536 bytes, the limit (trace_limits::max_line_bytes; "
+                                  "raise it with --max-line-bytes)";
+  if (!reset_peak_rss()) GTEST_SKIP() << "no /proc/self/clear_refs";
+  std::string why;
+  std::uint64_t growth = peak_rss_growth([&] { why = error_of([&] { (void)ccalloc::read_trace_file(plain.path()); }); });
+  EXPECT_EQ(why, plain.path() + limit_error);
+  EXPECT_LT(growth, 8 * MiB) << "the reader held the whole line";
+  const std::string compressed = gzip_of("hugeline.txt", line);
+  if (compressed.empty()) GTEST_SKIP() << "no gzip";
+  temp_file gz("hugeline.trace.gz", compressed);
+  ASSERT_TRUE(reset_peak_rss());
+  growth = peak_rss_growth([&] { why = error_of([&] { (void)ccalloc::read_trace_file(gz.path()); }); });
+  EXPECT_EQ(why, gz.path() + limit_error);
+  EXPECT_LT(growth, 8 * MiB) << "the reader held the whole line";
+  // A long line within a raised limit reads; the line after it keeps its number.
+  ccalloc::trace_limits limits;
+  limits.max_line_bytes = 3 * MiB;
+  temp_file ok("longcomment.trace", "#" + std::string(2 * MiB + 5, 'c') + "\n1 alloc 4096 512 0\n2 bogus 1 1 0\n");
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(ok.path(), limits); }),
+            ok.path() + ":3: unknown action 'bogus' (accepted: alloc, free_requested, free_completed, segment_alloc, "
+                        "segment_free, segment_map, segment_unmap, snapshot, oom)");
+}
+
+// ---- frees of another size -----------------------------------------------------------------
+
+// PyTorch and RMM record a free with the size of its allocation: another
+// size is a corrupt trace, named with its line, address and both sizes.
+TEST(FreeSize, ATextTraceFreeOfAnotherSizeIsAnError) {
+  const auto replay_error = [](const std::string& text) {
+    return error_of([&] { (void)ccalloc::replay_trace(ccalloc::parse_trace_text(text, "fs"), {}); });
+  };
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 8192 100 0\n3 free_requested 4096 1024 0\n"
+                         "4 free_completed 4096 1024 0\n"),
+            "fs:3: free_requested of address 4096 with size 1024, but its alloc (line 1) has size 512");
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 free_requested 4096 512 0\n3 alloc 8192 8 0\n"
+                         "4 free_completed 4096 511 0\n"),
+            "fs:4: free_completed of address 4096 with size 511, but its free_requested (line 2) has size 512");
+  // Matching sizes replay; an address reused with another size is no mismatch.
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 free_requested 4096 512 0\n3 free_completed 4096 512 0\n"
+                         "4 alloc 4096 64 0\n5 free_requested 4096 64 0\n6 free_completed 4096 64 0\n"),
+            "");
+}
+
+TEST(FreeSize, AnRmmFreeOfAnotherSizeIsAnError) {
+  const std::string log =
+      "Thread,Time,Action,Pointer,Size,Stream\n"
+      "1,10:00:00.000001,allocate,0x7f0000000000,4096,0x0\n"
+      "1,10:00:00.000002,free,0x7f0000000000,4096,0x0\n"
+      "1,10:00:00.000003,allocate,0x7f0000000000,2048,0x0\n"
+      "1,10:00:00.000004,free,0x7f0000000000,4096,0x0\n";
+  EXPECT_EQ(error_of([&] { (void)ccalloc::parse_rmm_log(log, "fs.csv"); }),
+            "fs.csv:5: free of Pointer 0x7f0000000000 with Size 4096, but its allocate (line 4) has Size 2048");
+  EXPECT_EQ(ccalloc::parse_rmm_log(log.substr(0, log.rfind("1,10")), "fs.csv").events.size(), 4u);
+}

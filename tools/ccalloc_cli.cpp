@@ -835,6 +835,7 @@ struct common_options {
 
   std::string max_pickle_objects_text;  // --max-pickle-objects; empty: the library's default
   std::string max_pickle_bytes_text;    // --max-pickle-bytes; empty: the library's default
+  std::optional<std::string> max_pickle_memory_text;  // --max-pickle-memory
 
   /// The readers' limits: the text readers' (limits()) and a PyTorch snapshot pickle's.
   [[nodiscard]] ccalloc::trace_read_options read_options() const {
@@ -847,6 +848,8 @@ struct common_options {
       read.max_pickle_bytes = parse_count(max_pickle_bytes_text, "--max-pickle-bytes", 1,
                                           std::numeric_limits<std::uint64_t>::max(),
                                           "decompressed bytes of a snapshot pickle");
+    if (max_pickle_memory_text)
+      read.max_pickle_memory_bytes = parse_byte_count(*max_pickle_memory_text, "--max-pickle-memory");
     return read;
   }
 
@@ -1097,6 +1100,9 @@ int run(int argc, char** argv) {
                     "Default: 500000000.");
     sub->add_option("--max-pickle-bytes", common.max_pickle_bytes_text,
                     "A PyTorch snapshot pickle may be at most N bytes, decompressed. Default: 4294967296 (4 GiB).");
+    sub->add_option("--max-pickle-memory", common.max_pickle_memory_text,
+                    "Reading a PyTorch snapshot pickle may build at most SIZE of values (bytes, units as "
+                    "--device-memory; a real snapshot takes about 2x its pickle bytes). Default: 8GiB.");
     if (with_json) sub->add_flag("--json", common.json_output, "Print the results as JSON.");
     sub->add_flag("--allow-oom", common.allow_oom,
                   "Exit 0 even when allocations failed with out of memory (they are skipped; the figures then "

@@ -119,13 +119,17 @@ typedef enum ccalloc_backend_kind {
   CCALLOC_BACKEND_CUDA = 2
 } ccalloc_backend_kind_t;
 
+/** The most devices an allocator drives (ccalloc_init) and a simulated
+ * backend makes (sim_device_count): 1024. */
+#define CCALLOC_MAX_DEVICE_COUNT 1024
+
 /** Options of ccalloc_create. Fill with ccalloc_options_init first: fields
  * may be added at the end in later versions, and struct_size tells the
  * library which ones the caller knows. */
 typedef struct ccalloc_options {
   size_t struct_size;             /**< sizeof(ccalloc_options_t), set by ccalloc_options_init */
   ccalloc_backend_kind_t backend; /**< default CCALLOC_BACKEND_DEFAULT */
-  int sim_device_count;           /**< simulated devices, default 1 (>= 1) */
+  int sim_device_count;           /**< simulated devices, default 1 (1 to CCALLOC_MAX_DEVICE_COUNT) */
   size_t sim_capacity_bytes;      /**< bytes per simulated device; 0 = 141 GB (an H200's) */
   /** NULL (default): configuration from the environment, as the process-wide
    * allocator (CCALLOC_CONF, CCALLOC_NO_CACHING). Otherwise this string in

@@ -43,6 +43,15 @@ def _size(value, name: str = "size_bytes") -> int:
     return _integer(value, name)
 
 
+# The most devices an allocator drives (CCALLOC_MAX_DEVICE_COUNT of ccalloc.h).
+MAX_DEVICE_COUNT = 1024
+
+
+def _device_count(value, name: str) -> int:
+    """A number of devices: 1 to MAX_DEVICE_COUNT."""
+    return _integer(value, name, 1, MAX_DEVICE_COUNT)
+
+
 def _device_index(value, name: str = "device") -> int:
     """A device index for an int parameter."""
     return _integer(value, name, 0, _INT_MAX)
@@ -238,7 +247,8 @@ class Allocator:
 
     ``Allocator(backend="sim", devices=1, capacity_bytes=None, config=None)``
     creates and initializes an allocator on a simulated device (``"sim"``),
-    CUDA (``"cuda"``) or whichever is there (``"default"``). ``config`` is a
+    CUDA (``"cuda"``) or whichever is there (``"default"``); ``devices`` is 1
+    to MAX_DEVICE_COUNT (1024) simulated devices. ``config`` is a
     configuration string in PyTorch's syntax; None reads ``CCALLOC_CONF`` and
     ``CCALLOC_NO_CACHING`` as the process-wide allocator does. Close it with
     ``close()`` (or use it as a context manager): its memory goes back to the
@@ -274,7 +284,7 @@ class Allocator:
         options = _lib.ccalloc_options_t()
         lib.ccalloc_options_init(ctypes.byref(options))
         options.backend = self._KINDS[backend]
-        options.sim_device_count = _device_index(devices, "devices")
+        options.sim_device_count = _device_count(devices, "devices")
         options.sim_capacity_bytes = 0 if capacity_bytes is None else _size(capacity_bytes, "capacity_bytes")
         options.config = None if config is None else _text(config, "config")
         handle = ctypes.c_void_p()
@@ -335,7 +345,7 @@ class Allocator:
 
     def init(self, device_count: int) -> None:
         """Initializes devices [0, device_count) (PyTorch: init)."""
-        _check(_lib.lib().ccalloc_init(self._h, _device_index(device_count, "device_count")))
+        _check(_lib.lib().ccalloc_init(self._h, _device_count(device_count, "device_count")))
 
     def _int(self, fn, *args) -> int:
         out = ctypes.c_int()

@@ -7,6 +7,7 @@ seed and repeats) from values that ctypes mishandles and checks that each
 call either succeeds with a value in range or raises TypeError /
 InvalidArgumentError naming the argument, leaving the allocator's
 statistics as they were."""
+import ctypes
 import random
 
 import pytest
@@ -256,3 +257,32 @@ def test_callbacks_must_be_callable():
         for method in ("attach_out_of_memory_observer", "attach_trace_tracker", "attach_mapping_listener"):
             with pytest.raises(TypeError, match="must be callable, got int 5"):
                 getattr(a, method)(5)
+
+
+def test_a_device_count_is_bounded_at_once():
+    # 2**20 simulated devices used to be accepted and exhaust the host (the
+    # peer table alone is devices**2); now refused before the C call.
+    assert ccalloc.MAX_DEVICE_COUNT == 1024
+    for count in (1025, 0, 1 << 20):  # 1025 first: without the bound, 2**20 would exhaust the host
+        with pytest.raises(ccalloc.InvalidArgumentError,
+                           match=f"ccalloc: devices must be an integer from 1 to 1024, got {count}$"):
+            ccalloc.Allocator("sim", devices=count)
+    with ccalloc.Allocator("sim") as a:
+        with pytest.raises(ccalloc.InvalidArgumentError,
+                           match="ccalloc: device_count must be an integer from 1 to 1024, got 1048576$"):
+            a.init(1 << 20)
+        with pytest.raises(ccalloc.InvalidArgumentError, match="ccalloc: ccalloc_init\\(2\\): the 'sim' backend"):
+            a.init(2)
+
+
+def test_record_stream_of_a_pointer_not_allocated_is_ignored_as_in_c():
+    # SPEC F11: a pointer the allocator did not hand out is ignored (PyTorch's
+    # recordStream does the same); Python, C and C++ agree: no error.
+    from ccalloc import _lib
+    with ccalloc.Allocator("sim") as a:
+        assert _lib.lib().ccalloc_record_stream(a._h, ctypes.c_void_p(999), None) == 0
+        assert a.record_stream(999, 0) is None
+        p = a.malloc(4096)
+        a.record_stream(p + 999 * 4096 * 1024, 0)  # far past any block: ignored too
+        a.free(p)
+        assert a.stat("allocated_bytes.all.current") == 0

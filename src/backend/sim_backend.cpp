@@ -448,6 +448,9 @@ struct sim_backend::impl {
 
 sim_backend::sim_backend(sim_options options) {
   if (options.device_count < 1) throw backend_error("sim: device_count must be >= 1");
+  if (options.device_count > max_device_count)
+    throw backend_error("sim: device_count is " + std::to_string(options.device_count) + "; at most " +
+                        std::to_string(max_device_count) + " devices (ccalloc::max_device_count)");
   if (options.granularity_bytes == 0 || (options.granularity_bytes & (options.granularity_bytes - 1)))
     throw backend_error("sim: granularity_bytes must be a power of two");
   impl_ = std::make_unique<impl>(options);
@@ -1230,6 +1233,7 @@ void sim_backend::copy_to_host_async(int device, void* host_dst, const void* dev
     impl_->host_clock.charge_host_copy(size_bytes);
   }
   std::memmove(host_dst, device_src, size_bytes);
+  use_memory(device, device_src, size_bytes, stream);  // the copy is stream work reading the range
 }
 
 void sim_backend::copy_from_host_async(int device, void* device_dst, const void* host_src, std::size_t size_bytes,
@@ -1247,6 +1251,7 @@ void sim_backend::copy_from_host_async(int device, void* device_dst, const void*
     impl_->host_clock.charge_host_copy(size_bytes);
   }
   std::memmove(device_dst, host_src, size_bytes);
+  use_memory(device, device_dst, size_bytes, stream);  // the copy is stream work writing the range
 }
 
 // --- peers ----------------------------------------------------------------------------

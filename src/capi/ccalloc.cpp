@@ -64,6 +64,13 @@ using ccalloc::caching_allocator;
 
 thread_local std::string tls_last_error;
 
+/// `message` with the prefix every C API message has, "ccalloc: " (the
+/// backends' own messages start "sim: " or "cuda: ").
+std::string with_prefix(std::string message) {
+  if (!message.starts_with("ccalloc")) message.insert(0, "ccalloc: ");
+  return message;
+}
+
 /// A front-end message as a C caller reads it: the C++ calls it names
 /// (init(), init(device_count)) become the C functions to call.
 std::string c_api_message(std::string message) {
@@ -74,7 +81,7 @@ std::string c_api_message(std::string message) {
   replace(" before init(): call init(device_count) first",
           " before ccalloc_init(): call ccalloc_init(alloc, device_count) first");
   if (message.starts_with("ccalloc: init(")) message.replace(9, 5, "ccalloc_init(");
-  return message;
+  return with_prefix(std::move(message));
 }
 
 /// Runs `body` (which returns nothing) and maps what it throws to a status,
@@ -87,16 +94,16 @@ template <typename Body>
     body();
     return CCALLOC_OK;
   } catch (const ccalloc::out_of_memory_error& e) {
-    tls_last_error = e.what();
+    tls_last_error = with_prefix(e.what());
     return CCALLOC_ERROR_OUT_OF_MEMORY;
   } catch (const ccalloc::config_error& e) {
-    tls_last_error = e.what();
+    tls_last_error = with_prefix(e.what());
     return CCALLOC_ERROR_CONFIG;
   } catch (const ccalloc::invalid_argument_error& e) {
     tls_last_error = c_api_message(e.what());
     return CCALLOC_ERROR_INVALID_ARGUMENT;
   } catch (const ccalloc::backend_error& e) {
-    tls_last_error = e.what();
+    tls_last_error = with_prefix(e.what());
     return CCALLOC_ERROR_BACKEND;
   } catch (const std::bad_alloc&) {
     // Assigning a message may itself fail now; keep whatever fits.
@@ -313,17 +320,18 @@ std::shared_ptr<ccalloc::device_backend> make_backend(const ccalloc_options_t& o
     case CCALLOC_BACKEND_CUDA:
 #if CCALLOC_HAVE_CUDA_BACKEND
       if (const std::string why = ccalloc::cuda_backend::runtime_load_error(); !why.empty())
-        throw ccalloc::backend_error("ccalloc_create: CCALLOC_BACKEND_CUDA asked, but " + why);
+        throw ccalloc::backend_error("ccalloc: ccalloc_create: CCALLOC_BACKEND_CUDA asked, but " + why);
       if (ccalloc::cuda_backend::available_device_count() < 1)
-        throw ccalloc::backend_error("ccalloc_create: CCALLOC_BACKEND_CUDA asked, but the CUDA runtime sees no GPU");
+        throw ccalloc::backend_error(
+            "ccalloc: ccalloc_create: CCALLOC_BACKEND_CUDA asked, but the CUDA runtime sees no GPU");
       return std::make_shared<ccalloc::cuda_backend>();
 #else
       throw ccalloc::backend_error(
-          "ccalloc_create: CCALLOC_BACKEND_CUDA asked, but this library was built without the CUDA backend "
+          "ccalloc: ccalloc_create: CCALLOC_BACKEND_CUDA asked, but this library was built without the CUDA backend "
           "(CCALLOC_WITH_CUDA=OFF)");
 #endif
   }
-  throw ccalloc::invalid_argument_error("ccalloc_create: unknown backend kind " +
+  throw ccalloc::invalid_argument_error("ccalloc: ccalloc_create: unknown backend kind " +
                                         std::to_string(kind) +
                                         " (accepted: CCALLOC_BACKEND_DEFAULT 0, _SIM 1, _CUDA 2)");
 }
@@ -408,14 +416,16 @@ ccalloc_status_t ccalloc_create(const ccalloc_options_t* options, ccalloc_alloca
       if (options->struct_size < offsetof(ccalloc_options_t, backend) + sizeof(o.backend) ||
           options->struct_size > sizeof(ccalloc_options_t))
         throw ccalloc::invalid_argument_error(
-            "ccalloc_create: options->struct_size is " + std::to_string(options->struct_size) +
+            "ccalloc: ccalloc_create: options->struct_size is " + std::to_string(options->struct_size) +
             "; call ccalloc_options_init(&options) before setting fields (expected up to " +
             std::to_string(sizeof(ccalloc_options_t)) + ")");
       std::memcpy(&o, options, options->struct_size);
     }
-    if (o.sim_device_count < 1)
-      throw ccalloc::invalid_argument_error("ccalloc_create: sim_device_count is " +
-                                            std::to_string(o.sim_device_count) + "; it must be >= 1");
+    if (o.sim_device_count < 1 || o.sim_device_count > CCALLOC_MAX_DEVICE_COUNT)
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_create: sim_device_count is " +
+                                            std::to_string(o.sim_device_count) + "; it must be from 1 to " +
+                                            std::to_string(CCALLOC_MAX_DEVICE_COUNT) +
+                                            " (CCALLOC_MAX_DEVICE_COUNT)");
     auto handle = std::make_unique<ccalloc_allocator>();
     handle->backend = make_backend(o);
     handle->backend_name = handle->backend->name();
@@ -476,7 +486,7 @@ ccalloc_status_t ccalloc_mem_get_info(ccalloc_allocator_t* alloc, int device, si
     require(total_bytes, "ccalloc_mem_get_info", "total_bytes");
     caching_allocator& a = resolve(alloc);
     if (device < 0 || device >= a.backend().device_count())
-      throw ccalloc::invalid_argument_error("ccalloc_mem_get_info: device " + std::to_string(device) +
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_mem_get_info: device " + std::to_string(device) +
                                             " is out of range (the backend has " +
                                             std::to_string(a.backend().device_count()) + " device(s))");
     const ccalloc::memory_info info = a.backend().mem_get_info(device);
@@ -690,7 +700,8 @@ ccalloc_status_t ccalloc_get_device_stats(ccalloc_allocator_t* alloc, int device
     require(values, "ccalloc_get_device_stats", "values");
     const std::size_t count = stat_names().size();
     if (capacity < count)
-      throw ccalloc::invalid_argument_error("ccalloc_get_device_stats: capacity " + std::to_string(capacity) +
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_get_device_stats: capacity " +
+                                            std::to_string(capacity) +
                                             " is less than ccalloc_stat_count() = " + std::to_string(count));
     const auto map = resolve(alloc).get_device_stats(device).to_map();
     std::size_t i = 0;
@@ -705,7 +716,7 @@ ccalloc_status_t ccalloc_get_device_stat(ccalloc_allocator_t* alloc, int device,
     const auto map = resolve(alloc).get_device_stats(device).to_map();
     const auto it = map.find(name);
     if (it == map.end())
-      throw ccalloc::invalid_argument_error(std::string("ccalloc_get_device_stat: unknown statistic '") +
+      throw ccalloc::invalid_argument_error(std::string("ccalloc: ccalloc_get_device_stat: unknown statistic '") +
                                             ccalloc::printable_text(name) +
                                             "' (names as torch.cuda.memory_stats(), e.g. "
                                             "'reserved_bytes.all.peak'; see ccalloc_stat_name)");
@@ -873,7 +884,7 @@ ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* allo
                                                        void* user_data) {
   return guarded([&] {
     if (fn == nullptr)
-      throw ccalloc::invalid_argument_error("ccalloc_attach_out_of_memory_observer: fn is NULL");
+      throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_out_of_memory_observer: fn is NULL");
     resolve(alloc).attach_out_of_memory_observer(
         [fn, user_data](int device, std::size_t requested, std::size_t allowed, std::size_t free_bytes) {
           fn(user_data, device, requested, allowed, free_bytes);
@@ -884,7 +895,7 @@ ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* allo
 ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* alloc, ccalloc_trace_tracker_fn fn,
                                               void* user_data) {
   return guarded([&] {
-    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc_attach_trace_tracker: fn is NULL");
+    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_trace_tracker: fn is NULL");
     resolve(alloc).attach_allocator_trace_tracker([fn, user_data](const ccalloc::trace_entry& e) {
       const ccalloc_trace_entry_t c{static_cast<ccalloc_trace_action_t>(e.action), e.device, e.addr, e.size,
                                     from_stream(e.stream), e.time_us};
@@ -896,7 +907,7 @@ ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* alloc, ccallo
 ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc, ccalloc_mapping_listener_fn fn,
                                                  void* user_data) {
   return guarded([&] {
-    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc_attach_mapping_listener: fn is NULL");
+    if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_mapping_listener: fn is NULL");
     resolve(alloc).attach_mapping_listener([fn, user_data](const ccalloc::mapping_event& e) {
       const ccalloc_mapping_event_t c{static_cast<ccalloc_mapping_change_t>(e.change),
                                       static_cast<ccalloc_mapping_reason_t>(e.reason),
@@ -909,6 +920,8 @@ ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc, cca
     });
   });
 }
+// The device bound of ccalloc.h is the C++ one.
+static_assert(CCALLOC_MAX_DEVICE_COUNT == ccalloc::max_device_count, "ccalloc.h and types.hpp disagree");
 // The C enums follow the C++ ones value for value.
 static_assert(static_cast<int>(ccalloc::trace_entry_action::empty_cache) == CCALLOC_TRACE_EMPTY_CACHE);
 static_assert(static_cast<int>(ccalloc::trace_entry_action::pause) == CCALLOC_TRACE_PAUSE);
@@ -933,7 +946,7 @@ ccalloc_status_t ccalloc_create_pool(ccalloc_allocator_t* alloc, int device, cca
                                      ccalloc_segment_malloc_fn malloc_fn, ccalloc_segment_free_fn free_fn) {
   return guarded([&] {
     if ((malloc_fn == nullptr) != (free_fn == nullptr))
-      throw ccalloc::invalid_argument_error(std::string("ccalloc_create_pool: ") +
+      throw ccalloc::invalid_argument_error(std::string("ccalloc: ccalloc_create_pool: ") +
                                             (malloc_fn == nullptr ? "malloc_fn" : "free_fn") +
                                             " is NULL but the other segment function is not; give both or neither");
     caching_allocator& a = resolve(alloc);
@@ -1142,7 +1155,8 @@ std::vector<std::string> tag_list(const char* const* tags, size_t tag_count, con
   std::vector<std::string> out;
   for (size_t i = 0; i < tag_count; ++i) {
     if (tags[i] == nullptr)
-      throw ccalloc::invalid_argument_error(std::string(fn) + ": tags[" + std::to_string(i) + "] is NULL");
+      throw ccalloc::invalid_argument_error(std::string("ccalloc: ") + fn + ": tags[" + std::to_string(i) +
+                                            "] is NULL");
     out.emplace_back(tags[i]);
   }
   return out;
@@ -1166,7 +1180,8 @@ ccalloc_status_t ccalloc_tag_begin(const char* tag) {
 ccalloc_status_t ccalloc_tag_end(void) {
   return guarded([&] {
     if (tls_tag_scopes.empty())
-      throw ccalloc::invalid_argument_error("ccalloc_tag_end: no scope of ccalloc_tag_begin is open on this thread");
+      throw ccalloc::invalid_argument_error(
+          "ccalloc: ccalloc_tag_end: no scope of ccalloc_tag_begin is open on this thread");
     tls_tag_scopes.pop_back();
   });
 }

@@ -302,14 +302,31 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
   return r;
 }
 
+// Kept contents are copied back chunk by chunk as their pages are mapped,
+// so that the device copies one chunk while the host maps the next (on an
+// H200 both take about 20 ms per GiB; docs/perf.md). 32 pages: 64 MiB.
+constexpr std::size_t restore_chunk_pages = 32;
+
 bool device_state::map_paused_segment(segment& seg) {
   const std::size_t page = seg.page_bytes;
   const stat_group g = group_of(seg.head->pool);
+  const stream_t stream = copy_stream(seg);
   std::vector<std::size_t> done;
+  bool copying = false;  // copies queued into the pages mapped so far
   auto undo = [&]() noexcept {
+    if (copying) {
+      try {
+        const event_t e = get_event();
+        backend_.record_event(device_, e, stream);
+        backend_.synchronize_event(device_, e);  // no copy may still write a page given back
+        free_events_.push_back(e);
+      } catch (...) {  // the device refused the wait: its error is the one being reported
+      }
+    }
     for (std::size_t i : done) give_back_page(seg, i);
   };
-  for (const auto& run : seg.paused_runs)
+  for (const auto& run : seg.paused_runs) {
+    std::size_t chunk_first = run.first_page;
     for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) {
       physical_handle_t h = 0;
       bool ok = false;
@@ -340,7 +357,22 @@ bool device_state::map_paused_segment(segment& seg) {
       reserved_bytes_ += page;
       count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
       done.push_back(i);
+      const std::size_t end = i + 1;
+      if (end != run.first_page + run.pages && end - chunk_first < restore_chunk_pages) continue;
+      if (run.host != nullptr) {
+        try {
+          backend_.copy_from_host_async(device_, reinterpret_cast<void*>(seg.base + chunk_first * page),
+                                        static_cast<const char*>(run.host) + (chunk_first - run.first_page) * page,
+                                        (end - chunk_first) * page, stream);
+        } catch (...) {
+          undo();
+          throw;
+        }
+        copying = true;
+      }
+      chunk_first = end;
     }
+  }
   // Announced once every page is mapped: a segment that fails part-way gives
   // its new pages back unannounced, and listeners never see it mapped.
   for (const auto& run : seg.paused_runs)
@@ -353,13 +385,11 @@ void device_state::restore_paused_segment(segment& seg, sleep_result& r) {
   const std::size_t page = seg.page_bytes;
   const stream_t stream = copy_stream(seg);
   bool copied = false;
-  for (auto& run : seg.paused_runs) {
+  for (auto& run : seg.paused_runs) {  // the copies were queued as the pages were mapped
     if (history_.active()) [[unlikely]]
       history_.record_segment_map(seg.base + run.first_page * page, run.pages * page, seg.head->stream);
     r.paused_bytes += run.pages * page;
     if (run.host == nullptr) continue;
-    backend_.copy_from_host_async(device_, reinterpret_cast<void*>(seg.base + run.first_page * page), run.host,
-                                  run.pages * page, stream);
     r.copied_bytes += run.pages * page;
     copied = true;
   }
@@ -410,6 +440,14 @@ sleep_result device_state::resume_tags(const std::vector<tag_id>& tags, world_lo
     if (ok) mapped.push_back(seg);
   }
   if (!ok) {
+    for (segment* seg : mapped) {  // their kept contents are being copied in: wait before the pages go
+      if (std::none_of(seg->paused_runs.begin(), seg->paused_runs.end(), [](const auto& run) { return run.host != nullptr; }))
+        continue;
+      const event_t e = get_event();
+      backend_.record_event(device_, e, copy_stream(*seg));
+      backend_.synchronize_event(device_, e);
+      free_events_.push_back(e);
+    }
     for (segment* seg : mapped)
       for (const auto& run : seg->paused_runs)
         for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) give_back_page(*seg, i);

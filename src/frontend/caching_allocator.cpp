@@ -67,6 +67,9 @@ void caching_allocator::print_warnings(const allocator_config& config) {
 caching_allocator::~caching_allocator() = default;
 
 void caching_allocator::init(int device_count) {
+  if (device_count > max_device_count)
+    throw invalid_argument_error("ccalloc: init(" + std::to_string(device_count) + "): at most " +
+                                 std::to_string(max_device_count) + " devices (ccalloc::max_device_count)");
   if (device_count < 1 || device_count > backend_->device_count())
     throw invalid_argument_error("ccalloc: init(" + std::to_string(device_count) + "): the '" +
                                  backend_->name() + "' backend has " +

@@ -252,8 +252,19 @@ class reader {
     if (++objects_ > lim_.max_objects)
       throw limit_error("the pickle has more than the limit of " + std::to_string(lim_.max_objects) + " objects", 0);
   }
+  /// Counts `bytes` of memory built (values on the stack, in containers, in
+  /// the memo, strings) against the memory limit; what is freed is not
+  /// given back, so the count bounds the peak from above.
+  void charge(std::uint64_t bytes) {
+    memory_ += bytes;
+    if (memory_ > lim_.max_memory)
+      throw limit_error("reading the pickle takes more than the limit of " + std::to_string(lim_.max_memory) +
+                            " bytes of memory",
+                        2);
+  }
   void push(value v) {
     count_object();
+    charge(sizeof(value));
     stack_.push_back(v);
   }
   value pop() {
@@ -273,6 +284,7 @@ class reader {
   value intern_string(tag t, const std::string& s) {
     auto it = string_ids_.find(std::string_view(s));
     if (it != string_ids_.end()) return make(t, it->second);
+    charge(s.size() + 64);  // the text, its deque slot and its hash entry
     const std::uint64_t id = t_.strings_.size();
     t_.strings_.push_back(s);
     string_ids_.emplace(std::string_view(t_.strings_.back()), id);
@@ -298,6 +310,7 @@ class reader {
   }
   value from_uint(std::uint64_t u) {
     if (u <= static_cast<std::uint64_t>(small_max)) return make(t_int, u);
+    charge(sizeof u);
     t_.wide_.push_back(u);
     return make(t_wide, t_.wide_.size() - 1);
   }
@@ -307,6 +320,7 @@ class reader {
 
   // ---- containers ----
   value open_container(bool is_dict) {
+    charge(sizeof(value) + (free_slots_.empty() ? sizeof(slot) : 0));
     std::uint64_t index = 0;
     if (!free_slots_.empty()) {
       index = free_slots_.back();
@@ -339,6 +353,7 @@ class reader {
       if (id == empty_entry) {
         const std::uint64_t new_id = t_.containers_.size();
         if (new_id >= empty_entry) fail("more than 2^32 distinct containers");
+        charge(sizeof(tree::container) + sizeof(std::uint64_t) + 2 * sizeof(std::uint32_t) + n * sizeof(value));
         t_.containers_.push_back({t_.items_.size(), static_cast<std::uint32_t>(n), kind_of_tag(t)});
         t_.items_.insert(t_.items_.end(), first, first + n);
         hashes_.push_back(h);
@@ -407,20 +422,54 @@ class reader {
     if (stack_.size() <= floor()) fail("an opcode needs a value and the stack is empty");
     return stack_.back();
   }
+  /// Memo entries are stored densely from 0 (pickle.dump numbers them in
+  /// order); an entry beyond the dense end waits in `sparse_memo_` until the dense
+  /// part reaches it, so an index far ahead costs one entry, not the gap.
   void memo_put(std::uint64_t index) {
     const value v = top();
-    if (index > memo_.size() + 65536) fail("memo index " + std::to_string(index) + " far beyond the " +
-                                           std::to_string(memo_.size()) + " entries stored");
-    if (index >= memo_.size()) memo_.resize(index + 1, make(t_unset, 0));
-    memo_[index] = v;
+    if (index > memo_end_ + 65536) fail("memo index " + std::to_string(index) + " far beyond the " +
+                                        std::to_string(memo_end_) + " entries stored");
+    memo_end_ = std::max(memo_end_, index + 1);
+    if (index < memo_.size()) {
+      memo_[index] = v;
+      return;
+    }
+    if (index > memo_.size()) {
+      if (sparse_memo_.insert_or_assign(index, v).second) charge(64);  // a hash node
+      return;
+    }
+    charge(sizeof(value));
+    memo_.push_back(v);
+    // Entries stored ahead join the dense part as it reaches them.
+    while (!sparse_memo_.empty()) {
+      const auto it = sparse_memo_.find(memo_.size());
+      if (it == sparse_memo_.end()) break;
+      charge(sizeof(value));
+      memo_.push_back(it->second);
+      sparse_memo_.erase(it);
+    }
   }
   void memo_get(std::uint64_t index) {
-    if (index >= memo_.size() || tag_of(memo_[index]) == t_unset)
-      fail("memo index " + std::to_string(index) + " was never stored");
-    stack_.push_back(memo_[index]);
+    value v = make(t_unset, 0);
+    if (index < memo_.size()) {
+      v = memo_[index];
+    } else if (const auto it = sparse_memo_.find(index); it != sparse_memo_.end()) {
+      v = it->second;
+    }
+    if (tag_of(v) == t_unset) fail("memo index " + std::to_string(index) + " was never stored");
+    charge(sizeof(value));
+    stack_.push_back(v);
+  }
+  /// A string or integer argument of `n` bytes: one longer than the pickle
+  /// may be is refused before it is read.
+  void check_length(std::uint64_t n, const char* what) const {
+    if (n > lim_.max_bytes)
+      throw limit_error(std::string(what) + " at byte " + std::to_string(op_at_) + " claims " + std::to_string(n) +
+                            " bytes, more than the pickle's limit of " + std::to_string(lim_.max_bytes) + " bytes",
+                        1);
   }
   void string_op(tag t, std::uint64_t n) {
-    if (n > lim_.max_bytes) throw limit_error("the pickle is larger than the limit of " + std::to_string(lim_.max_bytes) + " bytes", 1);
+    check_length(n, t == t_str ? "a string" : "a bytes object");
     take(n, scratch_);
     push(intern_string(t, scratch_));
   }
@@ -465,8 +514,7 @@ class reader {
       case 0x8b: {  // LONG4
         const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
         if (n < 0) fail("LONG4 with a negative length");
-        if (static_cast<std::uint64_t>(n) > lim_.max_bytes)
-          throw limit_error("the pickle is larger than the limit of " + std::to_string(lim_.max_bytes) + " bytes", 1);
+        check_length(static_cast<std::uint64_t>(n), "an integer");
         take(static_cast<std::uint64_t>(n), scratch_);
         push(integer_le(scratch_));
         return false;
@@ -480,6 +528,7 @@ class reader {
         }
         double d = 0;
         std::memcpy(&d, &bits, sizeof d);
+        charge(sizeof d);
         t_.floats_.push_back(d);
         push(make(t_float, t_.floats_.size() - 1));
         return false;
@@ -586,12 +635,15 @@ class reader {
   std::uint64_t consumed_ = 0;  // bytes of the input before buf_
   std::uint64_t op_at_ = 0;
   std::uint64_t objects_ = 0;
+  std::uint64_t memory_ = 0;  // bytes charged (charge)
   std::string scratch_;
 
   tree t_;
   std::vector<value> stack_;
   std::vector<std::size_t> marks_;
   std::vector<value> memo_;
+  std::unordered_map<std::uint64_t, value> sparse_memo_;  // entries beyond memo_'s end
+  std::uint64_t memo_end_ = 0;                            // 1 + the largest index stored
   std::vector<slot> slots_;     // the items of open lists and dicts
   std::vector<value> state_;    // per list or dict made: t_open and its slot, or what it froze into
   std::vector<std::uint64_t> free_slots_;

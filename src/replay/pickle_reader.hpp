@@ -17,7 +17,8 @@
 //
 // Memory: the memo (8 bytes per memoized object), the distinct strings, 8
 // bytes per item of each distinct container plus 24 bytes per container,
-// and a 1 MiB input buffer. The input is read as a stream (read_fn), never
+// and a 1 MiB input buffer; every opcode adds at most about 50 bytes per
+// byte of its own, and limits::max_memory bounds the total. The input is read as a stream (read_fn), never
 // whole.
 #pragma once
 
@@ -87,13 +88,17 @@ class tree {
 struct limits {
   std::uint64_t max_objects = 0;  ///< values made by opcodes (memo gets are not counted)
   std::uint64_t max_bytes = 0;    ///< pickle bytes read
+  /// Bytes of memory built: 8 per value pushed or memoized, a container's
+  /// items and 24 bytes, a distinct string's text and 64 bytes (freed
+  /// memory is not given back, so this bounds the peak from above).
+  std::uint64_t max_memory = 0;
 };
 
 /// Fills `buffer` with up to `size` bytes of the (decompressed) pickle;
 /// returns how many, 0 at the end. May throw pickle_error.
 using read_fn = std::function<std::size_t(char* buffer, std::size_t size)>;
 
-/// Thrown for an exceeded limit; `which` is 0 for objects, 1 for bytes.
+/// Thrown for an exceeded limit; `which` is 0 for objects, 1 for bytes, 2 for memory.
 class limit_error : public pickle_error {
  public:
   limit_error(const std::string& what, int which_limit) : pickle_error(what), which(which_limit) {}

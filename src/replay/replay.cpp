@@ -54,21 +54,42 @@ namespace {
 
 using namespace replay_detail;
 
+// A free of `e.size` bytes at an address whose `earlier` event (its alloc,
+// or its free_requested) has another size: the trace is corrupt (PyTorch
+// and RMM record a free with the size of its allocation).
+void check_free_size(const trace& t, const trace_event& e, const trace_event& earlier) {
+  if (e.size == earlier.size) return;
+  throw trace_error(t.source, e.line,
+                    std::string(to_string(e.action)) + " of address " + std::to_string(e.addr) + " with size " +
+                        std::to_string(e.size) + ", but its " + std::string(to_string(earlier.action)) +
+                        " (line " + std::to_string(earlier.line) + ") has size " + std::to_string(earlier.size));
+}
+
 // For each free_requested event, the index of its free_completed event
-// (`never` if the trace ends first). Also validates the pairing.
+// (`never` if the trace ends first). Also validates the pairing, and that a
+// free has the size of its alloc.
 std::vector<std::uint64_t> completion_indices(const trace& t) {
   std::vector<std::uint64_t> completion(t.events.size(), never);
+  std::unordered_map<std::uint64_t, std::uint64_t> allocated_at;  // addr -> alloc index
   std::unordered_map<std::uint64_t, std::uint64_t> requested_at;  // addr -> free_requested index
+  allocated_at.reserve(1024);
   requested_at.reserve(1024);
   for (std::size_t i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
-    if (e.action == trace_action::free_requested) {
+    if (e.action == trace_action::alloc) {
+      allocated_at[e.addr] = i;  // an alloc at a live address is the event loop's error, naming both lines
+    } else if (e.action == trace_action::free_requested) {
+      if (auto it = allocated_at.find(e.addr); it != allocated_at.end()) {
+        check_free_size(t, e, t.events[it->second]);
+        allocated_at.erase(it);
+      }
       requested_at[e.addr] = i;
     } else if (e.action == trace_action::free_completed) {
       auto it = requested_at.find(e.addr);
       if (it == requested_at.end())
         throw trace_error(t.source, e.line,
                           "free_completed of address " + std::to_string(e.addr) + " with no free_requested before it");
+      check_free_size(t, e, t.events[it->second]);
       completion[it->second] = i;
       requested_at.erase(it);
     }

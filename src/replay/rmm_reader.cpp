@@ -11,6 +11,7 @@
 // the pointer as %p, the size in bytes, the stream as a hex pointer).
 #include <ccalloc/replay/trace.hpp>
 
+#include "line_parsers.hpp"
 #include "reader_limits.hpp"
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace ccalloc {
@@ -112,145 +114,193 @@ enum class rmm_action { allocate, free, allocate_failure };
 
 }  // namespace
 
-trace parse_rmm_log(std::string_view text, const std::string& source, const trace_limits& limits) {
-  trace t;
-  t.source = source;
-  constexpr std::array<std::string_view, 6> columns = {"Thread", "Time", "Action", "Pointer", "Size", "Stream"};
-  std::array<std::size_t, 6> index{};  // column position of each of `columns`
-  std::size_t header_fields = 0;
-  bool have_header = false;
+namespace detail {
+namespace {
 
-  std::unordered_map<std::uint64_t, std::size_t> live;   // pointer -> line of its allocate
-  std::unordered_map<std::uint64_t, std::size_t> freed;  // pointer -> line of its last free (not allocated since)
-  std::uint64_t skipped_frees = 0;
-  std::uint64_t double_frees = 0;
-  std::size_t first_double_free_line = 0, first_double_free_earlier_line = 0;
-  std::string first_double_free_pointer;
-  std::uint64_t last_time_us = 0;
-  std::uint64_t day_offset_us = 0;
-  std::uint64_t previous_raw_us = 0;
-  bool time_of_day = false;
+class rmm_log_parser final : public line_parser {
+ public:
+  rmm_log_parser(const std::string& source, const trace_limits& limits) : source_(source), limits_(limits) {
+    t_.source = source;
+  }
 
-  std::size_t line_number = 0;
-  std::size_t pos = 0;
-  if (text.substr(0, 3) == "\xEF\xBB\xBF") pos = 3;  // a UTF-8 byte-order mark
-  while (pos < text.size()) {
-    const std::size_t nl = text.find('\n', pos);
-    const std::string_view line = trim(text.substr(pos, nl == std::string_view::npos ? nl : nl - pos));
-    pos = nl == std::string_view::npos ? text.size() : nl + 1;
-    ++line_number;
-    if (line.size() > limits.max_line_bytes) throw trace_error(source, line_number, detail::line_limit_reason(limits.max_line_bytes));
-    if (t.events.size() + 2 > limits.max_events) throw trace_error(source, line_number, detail::event_limit_reason(limits.max_events));
-    if (line.empty()) continue;
-    const std::vector<std::string_view> f = split_commas(line);
-    if (!have_header) {
-      for (std::size_t c = 0; c < columns.size(); ++c) {
-        std::size_t at = 0;
-        while (at < f.size() && f[at] != columns[c]) ++at;
-        if (at == f.size())
-          throw trace_error(source, line_number,
-                            "RMM log header lacks the column '" + std::string(columns[c]) +
-                                "' (expected Thread,Time,Action,Pointer,Size,Stream)");
-        index[c] = at;
-      }
-      header_fields = f.size();
-      have_header = true;
-      continue;
-    }
-    if (f.size() != header_fields)
-      throw trace_error(source, line_number,
-                        "expected " + std::to_string(header_fields) + " comma-separated fields as in the header, got " +
-                            std::to_string(f.size()));
-    const std::string_view time_f = f[index[1]], action_f = f[index[2]], pointer_f = f[index[3]],
-                           size_f = f[index[4]], stream_f = f[index[5]];
-    rmm_action action;
-    if (action_f == "allocate") action = rmm_action::allocate;
-    else if (action_f == "free" || action_f == "deallocate") action = rmm_action::free;
-    else if (action_f == "allocate failure") action = rmm_action::allocate_failure;
-    else
-      throw trace_error(source, line_number,
-                        "unknown Action " + quoted(action_f) + " (accepted: allocate, free, allocate failure)");
-    std::uint64_t raw_us = 0, pointer = 0, size = 0, stream = 0;
-    if (!parse_time(time_f, raw_us))
-      throw trace_error(source, line_number,
-                        "bad Time " + quoted(time_f) + " (expected HH:MM:SS.ffffff or seconds since the epoch)");
-    if (!parse_hex(pointer_f, pointer))
-      throw trace_error(source, line_number, "bad Pointer " + quoted(pointer_f) + " (expected hex, e.g. 0x7f8a40000000)");
-    if (!parse_number(size_f, 10, size))
-      throw trace_error(source, line_number, "bad Size " + quoted(size_f) + " (expected a decimal byte count)");
-    if (!parse_hex(stream_f, stream))
-      throw trace_error(source, line_number, "bad Stream " + quoted(stream_f) + " (expected hex, e.g. 0x5581c0a0)");
-
-    // Time: a time of day that jumps back by more than 12 hours crossed
-    // midnight; a smaller step back is threads logging out of order.
-    if (t.events.empty() && live.empty()) time_of_day = time_f.find(':') != std::string_view::npos;
-    if (time_of_day && raw_us + us_per_day / 2 < previous_raw_us) day_offset_us += us_per_day;
-    previous_raw_us = raw_us;
-    const std::uint64_t time_us = std::max(last_time_us, raw_us + day_offset_us);
-    last_time_us = time_us;
-
-    trace_event e;
-    e.time_us = time_us;
-    e.addr = pointer;
-    e.size = size;
-    e.stream = stream;
-    e.line = line_number;
-    switch (action) {
-      case rmm_action::allocate: {
-        if (pointer == 0 || size == 0) {
-          // RMM returns nullptr for 0 bytes: nothing was allocated.
-          if (size == 0) continue;
-          throw trace_error(source, line_number, "allocate of " + std::to_string(size) + " bytes returned a null Pointer");
-        }
-        freed.erase(pointer);
-        const auto [it, fresh] = live.try_emplace(pointer, line_number);
-        if (!fresh)
-          throw trace_error(source, line_number,
-                            "allocate at Pointer " + std::string(pointer_f) + ", which is still live (allocated at line " +
-                                std::to_string(it->second) + ")");
-        e.action = trace_action::alloc;
-        t.events.push_back(e);
-        break;
-      }
-      case rmm_action::free: {
-        const auto it = live.find(pointer);
-        if (it == live.end()) {
-          if (const auto before = freed.find(pointer); before != freed.end()) {
-            if (double_frees++ == 0) {
-              first_double_free_line = line_number;
-              first_double_free_earlier_line = before->second;
-              first_double_free_pointer = std::string(pointer_f.substr(0, 40));
-            }
-          } else if (pointer != 0) {
-            ++skipped_frees;
-          }
-          continue;
-        }
-        live.erase(it);
-        freed[pointer] = line_number;
-        e.action = trace_action::free_requested;
-        t.events.push_back(e);
-        e.action = trace_action::free_completed;
-        t.events.push_back(e);
-        break;
-      }
-      case rmm_action::allocate_failure:
-        e.action = trace_action::oom;
-        e.addr = 0;
-        t.events.push_back(e);
-        break;
+  void feed(std::string_view text) override {
+    std::size_t pos = 0;
+    if (line_number_ == 0 && text.substr(0, 3) == "\xEF\xBB\xBF") pos = 3;  // a UTF-8 byte-order mark
+    while (pos < text.size()) {
+      const std::size_t nl = text.find('\n', pos);
+      const std::string_view line = trim(text.substr(pos, nl == std::string_view::npos ? nl : nl - pos));
+      pos = nl == std::string_view::npos ? text.size() : nl + 1;
+      ++line_number_;
+      read_line(line);
     }
   }
-  if (!have_header) throw trace_error(source, 0, "empty RMM log: no header line");
-  if (skipped_frees > 0)
-    t.notes.push_back(std::to_string(skipped_frees) +
+
+  [[nodiscard]] std::size_t lines() const noexcept override { return line_number_; }
+
+  [[nodiscard]] trace finish() override;
+
+ private:
+  void read_line(std::string_view line);
+
+  static constexpr std::array<std::string_view, 6> columns = {"Thread", "Time", "Action", "Pointer", "Size", "Stream"};
+  const std::string& source_;
+  trace_limits limits_;
+  trace t_;
+  std::array<std::size_t, 6> index_{};  // column position of each of `columns`
+  std::size_t header_fields_ = 0;
+  bool have_header_ = false;
+
+  struct allocation {
+    std::size_t line;     // of its allocate
+    std::uint64_t size;   // bytes
+  };
+  std::unordered_map<std::uint64_t, allocation> live_;    // pointer -> its allocate
+  std::unordered_map<std::uint64_t, std::size_t> freed_;  // pointer -> line of its last free (not allocated since)
+  std::uint64_t skipped_frees_ = 0;
+  std::uint64_t double_frees_ = 0;
+  std::size_t first_double_free_line_ = 0, first_double_free_earlier_line_ = 0;
+  std::string first_double_free_pointer_;
+  std::uint64_t last_time_us_ = 0;
+  std::uint64_t day_offset_us_ = 0;
+  std::uint64_t previous_raw_us_ = 0;
+  bool time_of_day_ = false;
+  std::size_t line_number_ = 0;
+};
+
+void rmm_log_parser::read_line(std::string_view line) {
+  if (line.size() > limits_.max_line_bytes) throw trace_error(source_, line_number_, detail::line_limit_reason(limits_.max_line_bytes));
+  if (t_.events.size() + 2 > limits_.max_events) throw trace_error(source_, line_number_, detail::event_limit_reason(limits_.max_events));
+  if (line.empty()) return;
+  const std::vector<std::string_view> f = split_commas(line);
+  if (!have_header_) {
+    for (std::size_t c = 0; c < columns.size(); ++c) {
+      std::size_t at = 0;
+      while (at < f.size() && f[at] != columns[c]) ++at;
+      if (at == f.size())
+        throw trace_error(source_, line_number_,
+                          "RMM log header lacks the column '" + std::string(columns[c]) +
+                              "' (expected Thread,Time,Action,Pointer,Size,Stream)");
+      index_[c] = at;
+    }
+    header_fields_ = f.size();
+    have_header_ = true;
+    return;
+  }
+  if (f.size() != header_fields_)
+    throw trace_error(source_, line_number_,
+                      "expected " + std::to_string(header_fields_) + " comma-separated fields as in the header, got " +
+                          std::to_string(f.size()));
+  const std::string_view time_f = f[index_[1]], action_f = f[index_[2]], pointer_f = f[index_[3]],
+                         size_f = f[index_[4]], stream_f = f[index_[5]];
+  rmm_action action;
+  if (action_f == "allocate") action = rmm_action::allocate;
+  else if (action_f == "free" || action_f == "deallocate") action = rmm_action::free;
+  else if (action_f == "allocate failure") action = rmm_action::allocate_failure;
+  else
+    throw trace_error(source_, line_number_,
+                      "unknown Action " + quoted(action_f) + " (accepted: allocate, free, allocate failure)");
+  std::uint64_t raw_us = 0, pointer = 0, size = 0, stream = 0;
+  if (!parse_time(time_f, raw_us))
+    throw trace_error(source_, line_number_,
+                      "bad Time " + quoted(time_f) + " (expected HH:MM:SS.ffffff or seconds since the epoch)");
+  if (!parse_hex(pointer_f, pointer))
+    throw trace_error(source_, line_number_, "bad Pointer " + quoted(pointer_f) + " (expected hex, e.g. 0x7f8a40000000)");
+  if (!parse_number(size_f, 10, size))
+    throw trace_error(source_, line_number_, "bad Size " + quoted(size_f) + " (expected a decimal byte count)");
+  if (!parse_hex(stream_f, stream))
+    throw trace_error(source_, line_number_, "bad Stream " + quoted(stream_f) + " (expected hex, e.g. 0x5581c0a0)");
+
+  // Time: a time of day that jumps back by more than 12 hours crossed
+  // midnight; a smaller step back is threads logging out of order.
+  if (t_.events.empty() && live_.empty()) time_of_day_ = time_f.find(':') != std::string_view::npos;
+  if (time_of_day_ && raw_us + us_per_day / 2 < previous_raw_us_) day_offset_us_ += us_per_day;
+  previous_raw_us_ = raw_us;
+  const std::uint64_t time_us = std::max(last_time_us_, raw_us + day_offset_us_);
+  last_time_us_ = time_us;
+
+  trace_event e;
+  e.time_us = time_us;
+  e.addr = pointer;
+  e.size = size;
+  e.stream = stream;
+  e.line = line_number_;
+  switch (action) {
+    case rmm_action::allocate: {
+      if (pointer == 0 || size == 0) {
+        // RMM returns nullptr for 0 bytes: nothing was allocated.
+        if (size == 0) return;
+        throw trace_error(source_, line_number_, "allocate of " + std::to_string(size) + " bytes returned a null Pointer");
+      }
+      freed_.erase(pointer);
+      const auto [it, fresh] = live_.try_emplace(pointer, allocation{line_number_, size});
+      if (!fresh)
+        throw trace_error(source_, line_number_,
+                          "allocate at Pointer " + std::string(pointer_f) + ", which is still live (allocated at line " +
+                              std::to_string(it->second.line) + ")");
+      e.action = trace_action::alloc;
+      t_.events.push_back(e);
+      break;
+    }
+    case rmm_action::free: {
+      const auto it = live_.find(pointer);
+      if (it == live_.end()) {
+        if (const auto before = freed_.find(pointer); before != freed_.end()) {
+          if (double_frees_++ == 0) {
+            first_double_free_line_ = line_number_;
+            first_double_free_earlier_line_ = before->second;
+            first_double_free_pointer_ = std::string(pointer_f.substr(0, 40));
+          }
+        } else if (pointer != 0) {
+          ++skipped_frees_;
+        }
+        return;
+      }
+      // RMM's deallocate takes the size of the allocation: another size is a corrupt log.
+      if (it->second.size != size)
+        throw trace_error(source_, line_number_,
+                          "free of Pointer " + std::string(pointer_f.substr(0, 40)) + " with Size " +
+                              std::to_string(size) + ", but its allocate (line " + std::to_string(it->second.line) +
+                              ") has Size " + std::to_string(it->second.size));
+      live_.erase(it);
+      freed_[pointer] = line_number_;
+      e.action = trace_action::free_requested;
+      t_.events.push_back(e);
+      e.action = trace_action::free_completed;
+      t_.events.push_back(e);
+      break;
+    }
+    case rmm_action::allocate_failure:
+      e.action = trace_action::oom;
+      e.addr = 0;
+      t_.events.push_back(e);
+      break;
+  }
+}
+
+trace rmm_log_parser::finish() {
+  if (!have_header_) throw trace_error(source_, 0, "empty RMM log: no header line");
+  if (skipped_frees_ > 0)
+    t_.notes.push_back(std::to_string(skipped_frees_) +
                       " free(s) of pointers the log never allocated were skipped (the log started after them)");
-  if (double_frees > 0)
-    t.notes.push_back(std::to_string(double_frees) + " double free(s) were skipped: pointers freed again without " +
-                      "an allocate between (the first: line " + std::to_string(first_double_free_line) + " frees " +
-                      first_double_free_pointer + ", already freed at line " +
-                      std::to_string(first_double_free_earlier_line) + ")");
-  return t;
+  if (double_frees_ > 0)
+    t_.notes.push_back(std::to_string(double_frees_) + " double free(s) were skipped: pointers freed again without " +
+                      "an allocate between (the first: line " + std::to_string(first_double_free_line_) + " frees " +
+                      first_double_free_pointer_ + ", already freed at line " +
+                      std::to_string(first_double_free_earlier_line_) + ")");
+  return std::move(t_);
+}
+
+
+}  // namespace
+
+std::unique_ptr<line_parser> make_rmm_log_parser(const std::string& source, const trace_limits& limits) {
+  return std::make_unique<rmm_log_parser>(source, limits);
+}
+
+}  // namespace detail
+
+trace parse_rmm_log(std::string_view text, const std::string& source, const trace_limits& limits) {
+  return detail::parse_whole(*detail::make_rmm_log_parser(source, limits), text);
 }
 
 }  // namespace ccalloc

@@ -23,6 +23,7 @@
 // pickle refers to one segment or one block many times.
 #include <ccalloc/replay/trace.hpp>
 
+#include "line_parsers.hpp"
 #include "pickle_reader.hpp"
 
 #ifndef CCALLOC_HAVE_ZLIB
@@ -36,6 +37,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -372,14 +374,17 @@ class converter {
 };
 
 std::string limit_hint(const pickle::limit_error& e) {
-  return e.which == 0 ? " (raise it with ccalloc's --max-pickle-objects N, or trace_read_options::max_pickle_objects)"
-                      : " (raise it with ccalloc's --max-pickle-bytes N, or trace_read_options::max_pickle_bytes)";
+  if (e.which == 0)
+    return " (raise it with ccalloc's --max-pickle-objects N, or trace_read_options::max_pickle_objects)";
+  if (e.which == 2)
+    return " (raise it with ccalloc's --max-pickle-memory SIZE, or trace_read_options::max_pickle_memory_bytes)";
+  return " (raise it with ccalloc's --max-pickle-bytes N, or trace_read_options::max_pickle_bytes)";
 }
 
 trace convert(const pickle::read_fn& read, const std::string& source, const trace_read_options& options,
               const std::function<void(std::uint64_t)>& on_bytes) {
   try {
-    const pickle::limits lim{options.max_pickle_objects, options.max_pickle_bytes};
+    const pickle::limits lim{options.max_pickle_objects, options.max_pickle_bytes, options.max_pickle_memory_bytes};
     trace t;
     {
       const pickle::tree tree = pickle::read(read, lim, on_bytes);
@@ -465,6 +470,13 @@ trace convert_pytorch_snapshot(const std::string& path, const trace_read_options
   if (options.progress) options.progress(file_size, file_size);
   return t;
 }
+
+namespace detail {
+trace convert_pytorch_snapshot_stream(const std::function<std::size_t(char*, std::size_t)>& read,
+                                      const std::string& source, const trace_read_options& options) {
+  return convert(read, source, options, {});
+}
+}  // namespace detail
 
 trace convert_pytorch_snapshot_data(std::string_view data, const std::string& source,
                                     const trace_read_options& options) {

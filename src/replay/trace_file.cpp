@@ -1,12 +1,17 @@
 // trace_file.cpp: reading a trace file (include/ccalloc/replay/trace.hpp),
 // above the three readers.
 //
-// Pipeline: read_trace_file = read the whole file -> maybe_gunzip (zlib, when
-// the bytes start with the gzip magic 1f 8b) -> sniff_trace_format -> one
-// reader: parse_trace_text (trace_reader.cpp, ccalloc's format),
-// parse_rmm_log (rmm_reader.cpp) or convert_pytorch_snapshot
-// (snapshot_reader.cpp; a snapshot pickle is recognized first and read as a
-// stream instead). The readers never call back up here.
+// Pipeline: read_trace_file = a PyTorch snapshot file goes to
+// convert_pytorch_snapshot (snapshot_reader.cpp, read as a stream); any
+// other file is read a block at a time (text_source: plain, or gzip through
+// zlib when the bytes start with the gzip magic 1f 8b, counting the bytes
+// against trace_limits::max_input_bytes as they come), its first block tells
+// the format (sniff_trace_format), and whole lines go to one reader
+// (line_parsers.hpp): ccalloc's format (trace_reader.cpp) or an RMM log
+// (rmm_reader.cpp). Memory: one 1 MiB block, one partial line (at most
+// max_line_bytes) and the events; never the whole file or text. maybe_gunzip
+// decompresses data in memory with the same inflater. The readers never call
+// back up here.
 //
 // zlib is optional (CCALLOC_HAVE_ZLIB, set by CMake: a CCALLOC_MINIMAL build
 // for the GPU checks has it only if the machine does): without it,
@@ -25,10 +30,15 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+
+#include "line_parsers.hpp"
+#include "reader_limits.hpp"
 
 namespace ccalloc {
 
@@ -54,27 +64,18 @@ namespace detail {
 namespace {
 
 #if CCALLOC_HAVE_ZLIB
-/// Initial output buffer size for decompressing `data`: the ISIZE field of
-/// the last gzip member (uncompressed size mod 2^32) when it is plausible for
-/// a text trace (1x to 32x the compressed size), else 8x the compressed size.
-/// The trailer of truncated or corrupt data is arbitrary bytes, hence the
-/// plausibility bound (it would otherwise ask for up to 4 GiB up front).
-std::size_t gzip_output_guess(std::string_view data) noexcept {
-  constexpr std::size_t min_guess = 4096;
-  constexpr std::size_t max_ratio = 32;
-  const std::size_t fallback = std::max(min_guess, data.size() * 8);
-  if (data.size() < 18) return min_guess;  // smaller than any gzip header + trailer
-  const auto* tail = reinterpret_cast<const unsigned char*>(data.data() + data.size() - 4);
-  const std::size_t isize = std::size_t{tail[0]} | std::size_t{tail[1]} << 8 |
-                            std::size_t{tail[2]} << 16 | std::size_t{tail[3]} << 24;
-  if (isize < data.size() || isize / max_ratio > data.size()) return fallback;
-  return std::max(min_guess, isize + 64);  // + slack: a full buffer costs one more turn
-}
-
-/// Owns a zlib inflate stream; inflateEnd on destruction.
+/// A zlib inflate stream over gzip data pulled from `read_raw`: decompresses
+/// all gzip members (concatenated members, as `cat a.gz b.gz` makes, decode
+/// to the concatenation of their contents) a buffer at a time, counting the
+/// bytes it produces against `max_bytes`: memory stays at its buffers
+/// (64 KiB of input, zlib's 32 KiB window) whatever the data expands to.
 class inflater {
  public:
-  inflater(const std::string& source, std::uint64_t max_bytes) : source_(source), max_bytes_(max_bytes) {
+  /// Fills `buffer` with up to `size` bytes of gzip data; 0 at the end.
+  using read_fn = std::function<std::size_t(char* buffer, std::size_t size)>;
+
+  inflater(const std::string& source, std::uint64_t max_bytes, read_fn read_raw)
+      : source_(source), max_bytes_(max_bytes), read_raw_(std::move(read_raw)) {
     // 16 + MAX_WBITS: expect a gzip header and trailer (checks the CRC).
     if (inflateInit2(&stream_, 16 + MAX_WBITS) != Z_OK) {
       throw trace_error(source_, 0, "cannot start gzip decompression (zlib out of memory)");
@@ -84,68 +85,57 @@ class inflater {
   inflater(const inflater&) = delete;
   inflater& operator=(const inflater&) = delete;
 
-  /// Decompresses all gzip members of `data` (concatenated members, as
-  /// `cat a.gz b.gz` makes, decode to the concatenation of their contents).
-  std::string run(std::string_view data) {
-    // At most max_bytes_ + 1 bytes of room: one byte more than allowed shows
-    // that the text goes beyond the limit.
-    const std::uint64_t room_limit = max_bytes_ + 1;
-    std::string out;
-    out.resize(static_cast<std::size_t>(std::min<std::uint64_t>(gzip_output_guess(data), room_limit)));
-    std::size_t produced = 0;
-    const auto* in = reinterpret_cast<const unsigned char*>(data.data());
-    std::size_t in_left = data.size();
-    // zlib counts in uInt; feed and drain in chunks that fit.
-    constexpr std::size_t max_chunk = std::numeric_limits<uInt>::max();
-    while (true) {
-      if (stream_.avail_in == 0 && in_left > 0) {
-        const std::size_t chunk = std::min(in_left, max_chunk);
-        stream_.next_in = const_cast<Bytef*>(in);  // zlib's API is not const-correct
-        stream_.avail_in = static_cast<uInt>(chunk);
-        in += chunk;
-        in_left -= chunk;
-      }
-      if (produced == out.size()) {
-        if (produced >= room_limit) too_large();
-        // Doubling up to 256 MiB, then 256 MiB more at a time: the buffer
-        // stays within 1.25x of the text (resize writes every byte).
-        const std::uint64_t grown = out.size() + std::min<std::uint64_t>(out.size(), std::uint64_t{256} << 20);
-        out.resize(static_cast<std::size_t>(std::min<std::uint64_t>(grown, room_limit)));
-      }
-      const std::size_t room = std::min(out.size() - produced, max_chunk);
-      stream_.next_out = reinterpret_cast<Bytef*>(out.data() + produced);
-      stream_.avail_out = static_cast<uInt>(room);
+  /// Decompresses up to `size` bytes into `out`; returns how many, fewer
+  /// only at the end of the data (then 0 on every later call). Throws
+  /// trace_error for corrupt or truncated data and when the total goes
+  /// beyond max_bytes.
+  std::size_t read(char* out, std::size_t size) {
+    size = std::min<std::size_t>(size, std::numeric_limits<uInt>::max());
+    stream_.next_out = reinterpret_cast<Bytef*>(out);
+    stream_.avail_out = static_cast<uInt>(size);
+    while (stream_.avail_out != 0 && !done_) {
+      if (stream_.avail_in == 0) refill();
+      const uInt room = stream_.avail_out;
       const int rc = inflate(&stream_, Z_NO_FLUSH);
-      produced += room - stream_.avail_out;
+      total_ += room - stream_.avail_out;
+      if (total_ > max_bytes_) too_large();
       if (rc == Z_STREAM_END) {
         // Another member may follow; anything else after the end is garbage.
-        if (stream_.avail_in == 0 && in_left == 0) break;
+        if (stream_.avail_in < 2) refill();
+        if (stream_.avail_in == 0) {
+          done_ = true;
+          break;
+        }
         if (stream_.avail_in < 2 || stream_.next_in[0] != 0x1f || stream_.next_in[1] != 0x8b) {
           throw trace_error(source_, 0, "corrupt gzip data: trailing bytes after the gzip stream");
         }
         if (inflateReset(&stream_) != Z_OK) fail("inflateReset failed");
         continue;
       }
-      if (rc == Z_BUF_ERROR) {
-        // No progress possible: either more output room is needed (handled
-        // by the resize above on the next turn) or the input ended early.
-        if (stream_.avail_out != 0 && stream_.avail_in == 0 && in_left == 0) {
+      if (rc == Z_BUF_ERROR || rc == Z_OK) {
+        // No progress without more input: at the end of the input, truncated.
+        if (stream_.avail_in == 0 && input_ended_ && stream_.avail_out != 0) {
           throw trace_error(source_, 0, "corrupt gzip data: truncated (unexpected end of data)");
         }
         continue;
       }
-      if (rc != Z_OK) fail(rc == Z_MEM_ERROR ? "out of memory" : nullptr);
-      if (stream_.avail_in == 0 && in_left == 0 && stream_.avail_out != 0) {
-        // All input consumed, output room left, but no stream end: truncated.
-        throw trace_error(source_, 0, "corrupt gzip data: truncated (unexpected end of data)");
-      }
+      fail(rc == Z_MEM_ERROR ? "out of memory" : nullptr);
     }
-    if (produced > max_bytes_) too_large();
-    out.resize(produced);
-    return out;
+    return size - stream_.avail_out;
   }
 
  private:
+  /// Moves the unread input to the front of the buffer and reads more after it.
+  void refill() {
+    if (input_ended_) return;
+    const std::size_t left = stream_.avail_in;
+    if (left != 0) std::memmove(in_.data(), stream_.next_in, left);
+    const std::size_t got = read_raw_(in_.data() + left, in_.size() - left);
+    if (got == 0) input_ended_ = true;
+    stream_.next_in = reinterpret_cast<Bytef*>(in_.data());
+    stream_.avail_in = static_cast<uInt>(left + got);
+  }
+
   [[noreturn]] void too_large() const {
     throw trace_error(source_, 0,
                       "decompresses to more than " + std::to_string(max_bytes_) +
@@ -160,7 +150,12 @@ class inflater {
 
   const std::string& source_;
   std::uint64_t max_bytes_;
+  read_fn read_raw_;
   z_stream stream_{};
+  std::array<char, 1 << 16> in_{};
+  std::uint64_t total_ = 0;
+  bool input_ended_ = false;
+  bool done_ = false;
 };
 #endif  // CCALLOC_HAVE_ZLIB
 
@@ -181,8 +176,23 @@ bool looks_like_gzip(std::string_view data) noexcept {
 std::string maybe_gunzip(std::string_view data, const std::string& source, const trace_limits& limits) {
   if (!looks_like_gzip(data)) return std::string(data);
 #if CCALLOC_HAVE_ZLIB
-  detail::inflater inflater(source, limits.max_input_bytes);
-  return inflater.run(data);
+  detail::inflater inflater(source, limits.max_input_bytes, [&data](char* buffer, std::size_t size) {
+    const std::size_t n = std::min(size, data.size());
+    std::memcpy(buffer, data.data(), n);
+    data.remove_prefix(n);
+    return n;
+  });
+  // Doubling from 4x the gzip data (text compresses 5-10x), then 256 MiB at
+  // a time: the buffer stays within 1.25x of the text.
+  std::string out(std::max<std::size_t>(4096, data.size() * 4), '\0');
+  std::size_t produced = 0;
+  while (true) {
+    produced += inflater.read(out.data() + produced, out.size() - produced);
+    if (produced < out.size()) break;
+    out.resize(out.size() + std::min<std::size_t>(out.size(), std::size_t{256} << 20));
+  }
+  out.resize(produced);
+  return out;
 #else
   throw trace_error(source, 0,
                     "gzip-compressed, but this build of ccalloc has no zlib: decompress it first (gunzip -k)");
@@ -231,48 +241,145 @@ trace read_trace_file(const std::string& path, const trace_limits& limits) {
   return read_trace_file(path, options);
 }
 
+namespace {
+
+/// The text of a trace file (plain or gzip), a buffer at a time, with
+/// trace_limits::max_input_bytes checked as it is read: the file and its
+/// text are never held whole.
+class text_source {
+ public:
+  text_source(const std::string& path, const trace_limits& limits) : path_(path), limits_(limits) {
+    errno = 0;
+    file_.reset(std::fopen(path.c_str(), "rb"));
+    if (!file_) throw trace_error(path, 0, std::string("cannot open: ") + std::strerror(errno));
+    // The first block tells a file that is no text (/dev/zero, a program)
+    // before more is read; gzip data and pickles are checked after.
+    head_.resize(1 << 16);
+    head_.resize(read_file(head_.data(), head_.size()));
+    gzip_ = looks_like_gzip(head_);
+    if (!gzip_ && sniff_trace_format(head_) != trace_format::pytorch_snapshot) {
+      if (std::string why = not_text_reason(head_); !why.empty()) throw trace_error(path, 0, why);
+    }
+#if CCALLOC_HAVE_ZLIB
+    if (gzip_)
+      inflater_ = std::make_unique<detail::inflater>(
+          path_, limits.max_input_bytes, [this](char* buffer, std::size_t size) { return read_raw(buffer, size); });
+#else
+    if (gzip_) (void)maybe_gunzip(head_, path_, limits_);  // throws: no zlib
+#endif
+  }
+
+  /// Fills `buffer` with up to `size` bytes of text; fewer only at the end.
+  std::size_t read(char* buffer, std::size_t size) {
+#if CCALLOC_HAVE_ZLIB
+    if (inflater_) return inflater_->read(buffer, size);
+#endif
+    return read_raw(buffer, size);
+  }
+
+ private:
+  /// The file's bytes: the head first, then the rest of the file.
+  std::size_t read_raw(char* buffer, std::size_t size) {
+    std::size_t n = std::min(size, head_.size() - head_used_);
+    std::memcpy(buffer, head_.data() + head_used_, n);
+    head_used_ += n;
+    if (n < size) n += read_file(buffer + n, size - n);
+    return n;
+  }
+
+  std::size_t read_file(char* buffer, std::size_t size) {
+    std::size_t n = 0;
+    while (n < size) {
+      const std::size_t got = std::fread(buffer + n, 1, size - n, file_.get());
+      if (got == 0) {
+        if (std::ferror(file_.get())) throw trace_error(path_, 0, std::string("cannot read: ") + std::strerror(errno));
+        break;
+      }
+      n += got;
+    }
+    file_bytes_ += n;
+    if (file_bytes_ > limits_.max_input_bytes)
+      throw trace_error(path_, 0,
+                        "larger than the input limit of " + std::to_string(limits_.max_input_bytes) +
+                            " bytes (trace_limits::max_input_bytes; raise it with --max-input-bytes)");
+    return n;
+  }
+
+  const std::string& path_;
+  const trace_limits& limits_;
+  std::unique_ptr<std::FILE, detail::file_closer> file_;
+  std::string head_;
+  std::size_t head_used_ = 0;
+  std::uint64_t file_bytes_ = 0;
+  bool gzip_ = false;
+#if CCALLOC_HAVE_ZLIB
+  std::unique_ptr<detail::inflater> inflater_;
+#endif
+};
+
+/// Feeds `parser` the text of `source` a block of whole lines at a time,
+/// `first` (already read) first. Holds at most one block plus one line:
+/// a line longer than trace_limits::max_line_bytes fails as soon as that
+/// many of its bytes are read.
+trace parse_lines(text_source& source, std::string first, detail::line_parser& parser, const std::string& path,
+                  const trace_limits& limits) {
+  constexpr std::size_t block = std::size_t{1} << 20;
+  std::string buffer = std::move(first);
+  bool at_end = buffer.empty();
+  while (!at_end) {
+    const std::size_t last_newline = buffer.rfind('\n');
+    const std::size_t whole = last_newline == std::string::npos ? 0 : last_newline + 1;
+    if (whole != 0) parser.feed(std::string_view(buffer).substr(0, whole));
+    buffer.erase(0, whole);
+    if (buffer.size() > limits.max_line_bytes)
+      throw trace_error(path, parser.lines() + 1, detail::line_limit_reason(limits.max_line_bytes));
+    const std::size_t kept = buffer.size();
+    buffer.resize(kept + block);
+    const std::size_t got = source.read(buffer.data() + kept, block);
+    buffer.resize(kept + got);
+    at_end = got < block && buffer.find('\n', kept) == std::string::npos;
+    if (at_end && !buffer.empty()) {
+      if (buffer.size() > limits.max_line_bytes)
+        throw trace_error(path, parser.lines() + 1, detail::line_limit_reason(limits.max_line_bytes));
+      parser.feed(buffer);
+    }
+  }
+  return parser.finish();
+}
+
+}  // namespace
+
 trace read_trace_file(const std::string& path, const trace_read_options& options) {
   const trace_limits& limits = options.limits;
   // A snapshot pickle is read as a stream, never whole.
   if (is_pytorch_snapshot_file(path)) return convert_pytorch_snapshot(path, options);
-  errno = 0;
-  const std::unique_ptr<std::FILE, detail::file_closer> file(std::fopen(path.c_str(), "rb"));
-  if (!file) {
-    throw trace_error(path, 0, std::string("cannot open: ") + std::strerror(errno));
-  }
-  std::string data;
-  std::array<char, 1 << 16> buffer;
-  while (true) {
-    const std::size_t got = std::fread(buffer.data(), 1, buffer.size(), file.get());
-    // The first block tells a file that is no text (/dev/zero, a program)
-    // before the rest is read; gzip data and pickles are checked after.
-    if (data.empty() && got > 0) {
-      const std::string_view head(buffer.data(), got);
-      if (!looks_like_gzip(head) && sniff_trace_format(head) != trace_format::pytorch_snapshot) {
-        std::string why = not_text_reason(head);
-        if (!why.empty()) throw trace_error(path, 0, why);
-      }
+  text_source source(path, limits);
+  // The first block of text tells the format.
+  constexpr std::size_t first_block = std::size_t{1} << 20;
+  std::string first(first_block, '\0');
+  first.resize(source.read(first.data(), first.size()));
+  switch (sniff_trace_format(first)) {
+    case trace_format::rmm_log: {
+      const auto parser = detail::make_rmm_log_parser(path, limits);
+      return parse_lines(source, std::move(first), *parser, path, limits);
     }
-    if (data.size() + got > limits.max_input_bytes)
-      throw trace_error(path, 0,
-                        "larger than the input limit of " + std::to_string(limits.max_input_bytes) +
-                            " bytes (trace_limits::max_input_bytes; raise it with --max-input-bytes)");
-    data.append(buffer.data(), got);
-    if (got < buffer.size()) {
-      if (std::ferror(file.get())) {
-        throw trace_error(path, 0, std::string("cannot read: ") + std::strerror(errno));
-      }
-      break;
+    case trace_format::pytorch_snapshot: {
+      // A pickle from a pipe (a file is read above): converted as it is read, the first block first.
+      std::size_t at = 0;
+      return detail::convert_pytorch_snapshot_stream(
+          [&](char* buffer, std::size_t size) {
+            if (at == first.size()) return source.read(buffer, size);
+            const std::size_t n = std::min(size, first.size() - at);
+            std::memcpy(buffer, first.data() + at, n);
+            at += n;
+            return n;
+          },
+          path, options);
     }
-  }
-  const std::string text = maybe_gunzip(data, path, limits);
-  data = std::string();  // the compressed bytes are no longer needed
-  switch (sniff_trace_format(text)) {
-    case trace_format::rmm_log: return parse_rmm_log(text, path, limits);
-    case trace_format::pytorch_snapshot: return convert_pytorch_snapshot_data(text, path, options);  // a pipe
     case trace_format::ccalloc: break;
   }
-  return parse_trace_text(text, path, limits);
+  const auto parser = detail::make_trace_text_parser(path, limits);
+  return parse_lines(source, std::move(first), *parser, path, limits);
 }
 
 }  // namespace ccalloc

@@ -14,6 +14,7 @@
 //
 #include <ccalloc/replay/trace.hpp>
 
+#include "line_parsers.hpp"
 #include "reader_limits.hpp"
 
 #include <algorithm>
@@ -237,50 +238,85 @@ std::string_view to_string(trace_action action) noexcept {
   return index < detail::action_names.size() ? detail::action_names[index] : "unknown";
 }
 
-trace parse_trace_text(std::string_view text, const std::string& source, const trace_limits& limits) {
-  trace result;
-  result.source = source;
-  if (std::string why = not_text_reason(text); !why.empty()) throw trace_error(source, 0, why);
-  // One event per line at most: reserving by the line count avoids regrowth
-  // (up to a million events: text of empty lines must not reserve memory).
-  result.events.reserve(detail::count_lines(
-      text, static_cast<std::size_t>(std::min<std::uint64_t>(limits.max_events, std::uint64_t{1} << 20))));
+namespace detail {
+namespace {
 
-  const char* const text_end = text.data() + text.size();
-  std::uint64_t previous_time_us = 0;
-  std::size_t line_number = 0;
-  const char* p = text.data();
-  while (p != text_end) {
-    ++line_number;
-    if (*p == '\n') {  // a blank line (a run of them must not cost a full parse each)
-      ++p;
-      continue;
-    }
-    trace_event event;
-    if (const char* next = detail::parse_line_fast(p, text_end, event)) [[likely]] {
-      p = next;
-    } else {
-      // Not a plain event line: a blank line, a comment, or an error to name.
-      const void* nl = std::memchr(p, '\n', static_cast<std::size_t>(text_end - p));
-      const char* const line_end = nl ? static_cast<const char*>(nl) : text_end;
-      const std::string_view line(p, static_cast<std::size_t>(line_end - p));
-      p = nl ? line_end + 1 : text_end;
-      if (line.size() > limits.max_line_bytes) [[unlikely]]
-        throw trace_error(source, line_number, detail::line_limit_reason(limits.max_line_bytes));
-      if (!detail::parse_line_checked(line, source, line_number, nl == nullptr, event)) continue;
-    }
-    event.line = line_number;
-    if (event.time_us < previous_time_us) [[unlikely]] {
-      throw trace_error(source, line_number,
-                        "time_us goes backwards (" + std::to_string(event.time_us) + " after " +
-                            std::to_string(previous_time_us) + ")");
-    }
-    previous_time_us = event.time_us;
-    if (result.events.size() >= limits.max_events) [[unlikely]]
-      throw trace_error(source, line_number, detail::event_limit_reason(limits.max_events));
-    result.events.push_back(event);
+class trace_text_parser final : public line_parser {
+ public:
+  trace_text_parser(const std::string& source, const trace_limits& limits) : source_(source), limits_(limits) {
+    result_.source = source;
   }
-  return result;
+
+  void feed(std::string_view text) override {
+    if (first_) {
+      first_ = false;
+      if (std::string why = not_text_reason(text); !why.empty()) throw trace_error(source_, 0, why);
+      // One event per line at most: reserving by the first block's line count
+      // avoids most regrowth (up to a million events: text of empty lines
+      // must not reserve memory).
+      result_.events.reserve(count_lines(
+          text, static_cast<std::size_t>(std::min<std::uint64_t>(limits_.max_events, std::uint64_t{1} << 20))));
+    }
+    const char* const text_end = text.data() + text.size();
+    const char* p = text.data();
+    while (p != text_end) {
+      ++line_number_;
+      if (*p == '\n') {  // a blank line (a run of them must not cost a full parse each)
+        ++p;
+        continue;
+      }
+      trace_event event;
+      if (const char* next = parse_line_fast(p, text_end, event)) [[likely]] {
+        p = next;
+      } else {
+        // Not a plain event line: a blank line, a comment, or an error to name.
+        const void* nl = std::memchr(p, '\n', static_cast<std::size_t>(text_end - p));
+        const char* const line_end = nl ? static_cast<const char*>(nl) : text_end;
+        const std::string_view line(p, static_cast<std::size_t>(line_end - p));
+        p = nl ? line_end + 1 : text_end;
+        if (line.size() > limits_.max_line_bytes) [[unlikely]]
+          throw trace_error(source_, line_number_, line_limit_reason(limits_.max_line_bytes));
+        if (!parse_line_checked(line, source_, line_number_, nl == nullptr, event)) continue;
+      }
+      event.line = line_number_;
+      if (event.time_us < previous_time_us_) [[unlikely]] {
+        throw trace_error(source_, line_number_,
+                          "time_us goes backwards (" + std::to_string(event.time_us) + " after " +
+                              std::to_string(previous_time_us_) + ")");
+      }
+      previous_time_us_ = event.time_us;
+      if (result_.events.size() >= limits_.max_events) [[unlikely]]
+        throw trace_error(source_, line_number_, event_limit_reason(limits_.max_events));
+      result_.events.push_back(event);
+    }
+  }
+
+  [[nodiscard]] std::size_t lines() const noexcept override { return line_number_; }
+
+  [[nodiscard]] trace finish() override {
+    if (first_) feed({});
+    return std::move(result_);
+  }
+
+ private:
+  const std::string& source_;
+  trace_limits limits_;
+  trace result_;
+  std::uint64_t previous_time_us_ = 0;
+  std::size_t line_number_ = 0;
+  bool first_ = true;
+};
+
+}  // namespace
+
+std::unique_ptr<line_parser> make_trace_text_parser(const std::string& source, const trace_limits& limits) {
+  return std::make_unique<trace_text_parser>(source, limits);
+}
+
+}  // namespace detail
+
+trace parse_trace_text(std::string_view text, const std::string& source, const trace_limits& limits) {
+  return detail::parse_whole(*detail::make_trace_text_parser(source, limits), text);
 }
 
 

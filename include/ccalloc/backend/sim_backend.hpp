@@ -421,7 +421,9 @@ class sim_backend final : public device_backend {
   /// copies are memmoves that also charge the modelled host clock at
   /// host_copy_bytes_per_us (a pinned PCIe 5 x16 copy on an H200's host)
   /// and count an access to an unmapped page of a reservation in
-  /// sim_counters::unmapped_uses.
+  /// sim_counters::unmapped_uses. Each copy is also declared as a use of its
+  /// device range by the work queued on `stream` (use_memory): unmapping a
+  /// page of it before that work ends counts as unsafe.
   [[nodiscard]] void* host_alloc(int device, std::size_t size_bytes) override;
   void host_free(int device, void* ptr) noexcept override;
   void copy_to_host_async(int device, void* host_dst, const void* device_src, std::size_t size_bytes,

@@ -35,6 +35,11 @@ inline constexpr std::size_t gib = std::size_t{1} << 30;
 
 /// Requests of this many bytes or more fail with out_of_memory_error at once
 /// (SPEC F2): no device has an exbibyte.
+/// The most devices an allocator drives, and a simulated device backend
+/// makes (sim_options::device_count): CUDA numbers devices with an int and
+/// no host holds a thousand GPUs; per-device state (peer grants are a
+/// matrix) must stay small. The C API's CCALLOC_MAX_DEVICE_COUNT.
+inline constexpr int max_device_count = 1024;
 inline constexpr std::size_t max_request_bytes = std::size_t{1} << 60;
 
 }  // namespace ccalloc

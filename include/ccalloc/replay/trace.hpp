@@ -128,6 +128,13 @@ struct trace_read_options {
   std::uint64_t max_pickle_objects = 500'000'000;
   /// Decompressed bytes of a snapshot pickle. ccalloc --max-pickle-bytes.
   std::uint64_t max_pickle_bytes = std::uint64_t{4} << 30;
+  /// Bytes of memory the pickle reader may build (8 per value on its stack
+  /// or in its memo, a container's items plus 24, a distinct string's text
+  /// plus 64; counted as built, so an upper bound of its peak). A real
+  /// snapshot takes about 2x its pickle bytes (docs/trace-format.md);
+  /// a hostile one fails here instead of exhausting the host.
+  /// ccalloc --max-pickle-memory.
+  std::uint64_t max_pickle_memory_bytes = std::uint64_t{8} << 30;
   /// Optional: told the bytes of the file read so far and the file's size
   /// (compressed bytes for gzip), every 16 MiB of pickle and once at the end.
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
@@ -198,7 +205,7 @@ enum class trace_format {
 /// True when `path` is a regular file (plain or gzip) that starts as a
 /// pickle of protocol 2 to 5 does (0x80, version); false if it cannot be
 /// read or is not a regular file (a pipe is not read here: read_trace_file
-/// reads it whole, then converts it from memory).
+/// tells it by its first block and converts it as it reads on).
 [[nodiscard]] bool is_pytorch_snapshot_file(const std::string& path) noexcept;
 
 /// Reads a trace file (plain or gzip) in any of the trace_format formats,
