@@ -67,6 +67,7 @@ ipc_handle expandable_handle() {
   h.size_bytes = 4 * MiB;
   h.first_page = 1;
   h.pages = {{0, 0}, {1, 2 * page}, {2, 8 * page}};
+  h.lease_fd_index = 3;  // version 2: the lease's descriptor follows the pages'
   return h;
 }
 
@@ -76,18 +77,29 @@ TEST(IpcHandle, RoundTripsBothKinds) {
   for (const ipc_handle& h : {plain_handle(), expandable_handle()}) {
     const std::string bytes = encode_ipc_handle(h);
     EXPECT_EQ(bytes.substr(0, 8), "ccIPChdl");
-    EXPECT_EQ(bytes.size(), h.kind == ipc_kind::plain ? 128u : 64u + 24u + 12u * 3u);
+    EXPECT_EQ(bytes.size(), h.kind == ipc_kind::plain ? 128u : 64u + 24u + 12u * 3u + 8u);
     EXPECT_EQ(parse_ipc_handle(bytes), h);
   }
   EXPECT_EQ(plain_handle().fd_count(), 0u);
-  EXPECT_EQ(expandable_handle().fd_count(), 3u);
+  EXPECT_EQ(expandable_handle().fd_count(), 4u);
+  // Version 1 (no lease) still reads and writes as it was.
+  ipc_handle v1 = expandable_handle();
+  v1.version = 1;
+  v1.lease_fd_index = 0;
+  const std::string bytes = encode_ipc_handle(v1);
+  EXPECT_EQ(bytes.size(), 64u + 24u + 12u * 3u);
+  EXPECT_EQ(parse_ipc_handle(bytes), v1);
+  EXPECT_FALSE(v1.has_lease());
+  EXPECT_EQ(v1.fd_count(), 3u);
+  v1.lease_fd_index = 3;
+  EXPECT_THROW((void)encode_ipc_handle(v1), invalid_argument_error) << "a version 1 handle has no lease";
 }
 
 TEST(IpcHandle, FutureVersionAsksToUpgradeTheReader) {
   std::string bytes = encode_ipc_handle(plain_handle());
   bytes[8] = 9;  // version, little-endian
   EXPECT_EQ(parse_error(bytes),
-            "ipc handle: ipc handle version 9 is newer than this ccalloc (1); upgrade the reader");
+            "ipc handle: ipc handle version 9 is newer than this ccalloc (2); upgrade the reader");
   bytes.resize(12);  // a newer layout may be shorter: the version is checked first
   EXPECT_NE(parse_error(bytes).find("version 9 is newer"), std::string::npos);
   bytes[8] = 0;
@@ -107,7 +119,7 @@ TEST(IpcHandle, MalformedInputsNameWhatIsWrong) {
   EXPECT_EQ(with(10, 7), "ipc handle: unknown kind 7 (accepted: 1 plain, 2 expandable)");
   EXPECT_EQ(with(11, 1), "ipc handle: reserved byte 11 is not 0");
   EXPECT_EQ(with(15, '\x80'), "ipc handle: device -2147483647 is negative");
-  EXPECT_NE(parse_error(good + "x").find("payload size 60 differs from the 61 bytes"), std::string::npos);
+  EXPECT_NE(parse_error(good + "x").find("payload size 68 differs from the 69 bytes"), std::string::npos);
   EXPECT_NE(parse_error(good.substr(0, good.size() - 1)).find("truncated or trailing"), std::string::npos);
   // Page size 3 MiB: not a power of two.
   EXPECT_NE(with(64 + 2, 0x30).find("is not a power of two"), std::string::npos);
@@ -115,6 +127,9 @@ TEST(IpcHandle, MalformedInputsNameWhatIsWrong) {
   EXPECT_NE(with(72, 2).find("do not cover the block exactly"), std::string::npos);
   // fd index 3 of 3 pages.
   EXPECT_NE(with(88, 3).find("page 0: fd index 3 is not below the page count 3"), std::string::npos);
+  // Lease fd index 9 of 3 pages (at most the page count), reserved lease bytes.
+  EXPECT_EQ(with(124, 9), "ipc handle: lease fd index 9 is above the page count 3");
+  EXPECT_EQ(with(128, 1), "ipc handle: reserved lease bytes are not 0");
   // Block passes the end of its segment.
   ipc_handle h = plain_handle();
   h.offset_bytes = h.segment_bytes;
@@ -224,7 +239,8 @@ TEST_F(IpcTest, ExpandableBlockRoundTripsAndIsCached) {
   EXPECT_EQ(h.size_bytes, 3 * MiB);
   EXPECT_EQ(h.first_page, 1u);
   ASSERT_EQ(h.pages.size(), 2u);
-  ASSERT_EQ(ex.fds.size(), 2u);
+  ASSERT_EQ(ex.fds.size(), 3u) << "two pages and the lease";
+  EXPECT_EQ(h.lease_fd_index, 2u);
   EXPECT_EQ(h.producer_pid, static_cast<std::uint32_t>(::getpid()));
 
   void* q = alloc->open_ipc_handle(ex.handle, ex.fds);
@@ -236,8 +252,9 @@ TEST_F(IpcTest, ExpandableBlockRoundTripsAndIsCached) {
   EXPECT_EQ(alloc->ipc_open_mappings(), 1u);
   const auto imports = sim->counters().vm_imports;
 
-  // A second handle of the same block: the cached mapping, no new import.
+  // A second share of the same block: the same handle, the cached mapping, no new import.
   ipc_export again = alloc->share_ipc_handle(p);
+  EXPECT_EQ(again.handle, ex.handle);
   EXPECT_EQ(alloc->open_ipc_handle(again.handle, again.fds), q);
   EXPECT_EQ(sim->counters().vm_imports, imports);
   EXPECT_EQ(alloc->ipc_open_mappings(), 1u);
@@ -357,14 +374,14 @@ TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
   void* p = alloc->malloc(0, 5 * MiB, 0);
   EXPECT_THROW((void)alloc->share_ipc_handle(static_cast<char*>(p) + 512), invalid_argument_error);
   ipc_export ex = alloc->share_ipc_handle(p);
-  ASSERT_EQ(ex.fds.size(), 3u);
+  ASSERT_EQ(ex.fds.size(), 4u);
   const auto before = sim->counters();
   // Wrong number of descriptors.
   try {
     (void)alloc->open_ipc_handle(ex.handle, std::span<const int>(ex.fds).first(2));
     ADD_FAILURE();
   } catch (const invalid_argument_error& e) {
-    EXPECT_STREQ(e.what(), "ccalloc: open_ipc_handle: the handle needs 3 file descriptor(s), got 2");
+    EXPECT_STREQ(e.what(), "ccalloc: open_ipc_handle: the handle needs 4 file descriptor(s), got 2");
   }
   // A descriptor that is not the memory file: the third page fails after two imports.
   int pipefd[2];
@@ -372,6 +389,15 @@ TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
   std::vector<int> bad = ex.fds;
   bad[2] = pipefd[0];
   EXPECT_THROW((void)alloc->open_ipc_handle(ex.handle, bad), backend_error);
+  // A descriptor that is not a lease file where the lease goes.
+  bad = ex.fds;
+  bad[3] = pipefd[0];
+  try {
+    (void)alloc->open_ipc_handle(ex.handle, bad);
+    ADD_FAILURE();
+  } catch (const backend_error& e) {
+    EXPECT_NE(std::string(e.what()).find("is not an ipc lease file"), std::string::npos) << e.what();
+  }
   ::close(pipefd[0]);
   ::close(pipefd[1]);
   // A device this allocator has not initialized.
@@ -385,8 +411,11 @@ TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {
   EXPECT_EQ(after.live_handles, before.live_handles);
   EXPECT_EQ(after.live_reservations, before.live_reservations);
   EXPECT_EQ(after.mapped_bytes, before.mapped_bytes);
+  ASSERT_EQ(alloc->ipc_exports().size(), 1u);
+  EXPECT_EQ(alloc->ipc_exports()[0].importers, 0u) << "a failed open gives its lease slot back";
   close_all(ex.fds);
   alloc->free(p);
+  EXPECT_TRUE(alloc->ipc_exports().empty());
 }
 
 // The child: its own device and allocator; receives the handle, opens it
@@ -461,7 +490,7 @@ TEST_P(IpcForkTest, SecondProcessReadsTheBytesAndAnswers) {
   ipc_export ex = alloc->share_ipc_handle(p);
   const bool expandable = parse_ipc_handle(ex.handle).kind == ipc_kind::expandable;
   EXPECT_EQ(expandable, alloc->config().expandable_segments);
-  EXPECT_EQ(ex.fds.size(), expandable ? 4u : 0u);
+  EXPECT_EQ(ex.fds.size(), expandable ? 5u : 0u) << "expandable: four pages and the lease";
   send_ipc_handle(sv[0], ex);
   close_all(ex.fds);
   int status = 0;

@@ -812,6 +812,92 @@ CCALLOC_API CCALLOC_DEPRECATED("use ccalloc_delete to free a ccalloc_malloc poin
                                "free_fn") void ccalloc_free(void* ptr, size_t size, int device,
                                                             ccalloc_stream_t stream);
 
+/* ---- inter-process sharing (SPEC F25, C3) ----------------------------------------------
+ *
+ * The producer shares a live block (ccalloc_share_ipc_handle), sends the
+ * handle's bytes and descriptors to another process (ccalloc_send_ipc_handle
+ * over a connected AF_UNIX SOCK_SEQPACKET socket, or any SCM_RIGHTS
+ * transport), which opens it (ccalloc_open_ipc_handle) and later closes it
+ * (ccalloc_close_ipc_handle). Blocks of expandable segments: every share of
+ * a block returns the same handle; the consumer maps only the block's pages;
+ * the producer's ccalloc_delete of a block that a live consumer holds is
+ * deferred (the block stays allocated, its pages mapped) until no live
+ * process holds it, then freed by the next ccalloc_empty_cache or
+ * ccalloc_reclaim_ipc_exports; a consumer that dies without closing stops
+ * holding. Blocks of plain segments: the producer must keep the block until
+ * every consumer has closed it. docs/design.md, "IPC of expandable memory". */
+
+/** A shared block: the handle's bytes (binary, may hold NUL bytes) and the
+ * file descriptors that go with it, in order. Filled in by
+ * ccalloc_share_ipc_handle and ccalloc_receive_ipc_handle; the memory is the
+ * library's (release it with ccalloc_ipc_export_free), the descriptors the
+ * caller's. */
+typedef struct ccalloc_ipc_export_t {
+  char* handle;
+  size_t handle_bytes;
+  int* fds;
+  size_t fd_count;
+} ccalloc_ipc_export_t;
+
+/** Shares the live block at `ptr` (a pointer ccalloc_malloc returned) into
+ * *out (PyTorch: shareIpcHandle). Errors: INVALID_ARGUMENT naming the
+ * pointer when it is not a live block's start, or when the block is under a
+ * named tag; BACKEND when the backend cannot share its kind of segment. */
+CCALLOC_API ccalloc_status_t ccalloc_share_ipc_handle(ccalloc_allocator_t* alloc, void* ptr,
+                                                      ccalloc_ipc_export_t* out);
+/** Frees the memory of *ex (from ccalloc_share_ipc_handle or
+ * ccalloc_receive_ipc_handle) and, when `close_fds` is nonzero, closes its
+ * descriptors; then zeroes *ex. NULL does nothing. Never fails. */
+CCALLOC_API void ccalloc_ipc_export_free(ccalloc_ipc_export_t* ex, int close_fds);
+/** Sends *ex on the connected Unix socket `socket` (the descriptors as
+ * SCM_RIGHTS; they stay the caller's). Errors: INVALID_ARGUMENT for a
+ * handle over 64 KiB; BACKEND naming errno's text when sending fails. */
+CCALLOC_API ccalloc_status_t ccalloc_send_ipc_handle(int socket, const ccalloc_ipc_export_t* ex);
+/** Receives one handle sent by ccalloc_send_ipc_handle into *out (blocks
+ * until it arrives); the received descriptors are the caller's. Errors:
+ * BACKEND when receiving fails or the peer closed the socket. */
+CCALLOC_API ccalloc_status_t ccalloc_receive_ipc_handle(int socket, ccalloc_ipc_export_t* out);
+/** Opens a handle of another process (PyTorch: getIpcDevPtr): *out = the
+ * block's first byte in this process. `fds` (`fd_count` of them, NULL when
+ * 0) stay the caller's. `access_device`: the device whose kernels use the
+ * mapping, -1 for the handle's device. Opening the same block again returns
+ * the same pointer with one more reference. Errors: INVALID_ARGUMENT for a
+ * malformed handle (the parser's message), a wrong descriptor count, a
+ * device not initialized here; BACKEND when the backend refuses or the
+ * producer freed the block before this open. */
+CCALLOC_API ccalloc_status_t ccalloc_open_ipc_handle(ccalloc_allocator_t* alloc, const void* handle,
+                                                     size_t handle_bytes, const int* fds, size_t fd_count,
+                                                     int access_device, void** out);
+/** The handle of the block at `ptr` as bytes alone, for transports that
+ * carry no descriptors (C++: share_ipc_handle_pidfd): the importer takes the
+ * descriptors from this process with pidfd_getfd. Binary (may hold NUL
+ * bytes): writes min(*length, capacity) bytes to `buffer` (NULL when
+ * capacity is 0; no NUL added) and sets *length to the full size; the bytes
+ * are the same on every call for one block, so a first call with capacity 0
+ * sizes the buffer. Errors: as ccalloc_share_ipc_handle. */
+CCALLOC_API ccalloc_status_t ccalloc_share_ipc_handle_pidfd(ccalloc_allocator_t* alloc, void* ptr, char* buffer,
+                                                            size_t capacity, size_t* length);
+/** Opens bytes from ccalloc_share_ipc_handle_pidfd of another process
+ * (C++: open_ipc_handle_pidfd): *out = the block's first byte here. Errors:
+ * INVALID_ARGUMENT for malformed bytes; BACKEND when the exporter is gone,
+ * ptrace permission is refused (the message says what to do), or the
+ * exporter has freed the block; as ccalloc_open_ipc_handle otherwise. */
+CCALLOC_API ccalloc_status_t ccalloc_open_ipc_handle_pidfd(ccalloc_allocator_t* alloc, const void* bytes,
+                                                           size_t byte_count, int access_device, void** out);
+/** Drops one reference to a pointer from ccalloc_open_ipc_handle; the last
+ * unmaps it and lets the producer reclaim the pages. Errors:
+ * INVALID_ARGUMENT for any other pointer. */
+CCALLOC_API ccalloc_status_t ccalloc_close_ipc_handle(ccalloc_allocator_t* alloc, void* ptr);
+/** Frees the exported blocks whose free was deferred and that no live
+ * process holds any more; *freed (may be NULL) = how many. Errors: BACKEND. */
+CCALLOC_API ccalloc_status_t ccalloc_reclaim_ipc_exports(ccalloc_allocator_t* alloc, size_t* freed);
+/** For the exported expandable block at `ptr` (shared and not yet really
+ * freed, deferred frees included): *importers = live processes holding it,
+ * *owner_freed = 1 when the producer's free is waiting for them (either
+ * output may be NULL). Errors: INVALID_ARGUMENT when `ptr` is not such a block. */
+CCALLOC_API ccalloc_status_t ccalloc_ipc_export_status(ccalloc_allocator_t* alloc, void* ptr, size_t* importers,
+                                                       int* owner_freed);
+
 /* ---- hooks for PyTorch (C++ callers only) -----------------------------------------------------
  *
  * What python/ccalloc (ccalloc.torch.install) hands to

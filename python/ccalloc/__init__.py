@@ -35,7 +35,8 @@ from typing import Callable, Optional
 # public names, and the private helpers the submodules and tests use, stay
 # reachable as ccalloc.NAME.
 from . import _lib
-from ._allocator import MAX_DEVICE_COUNT, Allocator, _function_address, _names, _pool_id, _stream  # noqa: F401
+from ._allocator import (MAX_DEVICE_COUNT, Allocator, IpcHandle, _function_address, _names, _pool_id,  # noqa: F401
+                         _stream, receive_ipc_handle, send_ipc_handle)
 from ._errors import (BackendError, CcallocError, ConfigError, InvalidArgumentError,  # noqa: F401
                       OutOfMemoryError, _check, _ERRORS)
 from ._nccl import _nccl_libraries, _nccl_wheel_dirs, nccl_segment_allocator  # noqa: F401
@@ -46,6 +47,7 @@ __all__ = [
     "CcallocError",
     "ConfigError",
     "InvalidArgumentError",
+    "IpcHandle",
     "MAX_DEVICE_COUNT",
     "OutOfMemoryError",
     "built_with_cuda",
@@ -64,10 +66,12 @@ __all__ = [
     "nccl_segment_allocator",
     "pause",
     "process_allocator",
+    "receive_ipc_handle",
     "record_history",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "resume",
+    "send_ipc_handle",
     "set_config",
     "set_memory_fraction",
     "stats",

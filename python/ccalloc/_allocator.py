@@ -9,8 +9,9 @@ import ctypes
 import math
 import numbers
 import operator
+import os
 import sys
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from . import _lib
 from ._errors import InvalidArgumentError, _check
@@ -189,6 +190,57 @@ def _context_callbacks(context):
     return (_lib.CONTEXT_RECORD(record), _lib.CONTEXT_RELEASE(release), _lib.CONTEXT_FRAMES(frames))
 
 
+class IpcHandle(NamedTuple):
+    """A shared block (SPEC F25, C3): the handle's bytes and the file
+    descriptors that go with it, in order (this process owns them: close
+    them with ``close()`` once sent or opened)."""
+
+    handle: bytes
+    fds: tuple
+
+    def close(self) -> None:
+        """Closes the descriptors."""
+        for fd in self.fds:
+            os.close(fd)
+
+
+def _take_export(ex: "_lib.ccalloc_ipc_export_t") -> IpcHandle:
+    """The IpcHandle of a filled ccalloc_ipc_export_t, whose memory is then
+    freed (the descriptors move to the result)."""
+    try:
+        handle = ctypes.string_at(ex.handle, ex.handle_bytes) if ex.handle_bytes else b""
+        fds = tuple(ex.fds[i] for i in range(ex.fd_count))
+    finally:
+        _lib.lib().ccalloc_ipc_export_free(ctypes.byref(ex), 0)
+    return IpcHandle(handle, fds)
+
+
+def _fd_of(sock) -> int:
+    fileno = getattr(sock, "fileno", None)
+    return _integer(fileno() if callable(fileno) else sock, "socket", 0, _INT_MAX)
+
+
+def send_ipc_handle(sock, shared: IpcHandle) -> None:
+    """Sends ``shared`` (from ``Allocator.share_ipc_handle``) on a connected
+    AF_UNIX SOCK_SEQPACKET socket (an object with ``fileno()`` or a
+    descriptor); the descriptors travel as SCM_RIGHTS and stay this
+    process's. BackendError when sending fails."""
+    handle = bytes(shared.handle)
+    fds = (ctypes.c_int * max(1, len(shared.fds)))(*shared.fds)
+    ex = _lib.ccalloc_ipc_export_t(ctypes.cast(ctypes.c_char_p(handle), ctypes.c_void_p), len(handle),
+                                   ctypes.cast(fds, ctypes.POINTER(ctypes.c_int)), len(shared.fds))
+    _check(_lib.lib().ccalloc_send_ipc_handle(_fd_of(sock), ctypes.byref(ex)))
+
+
+def receive_ipc_handle(sock) -> IpcHandle:
+    """Receives one handle sent by ``send_ipc_handle`` (blocks); the
+    descriptors are new in this process. BackendError when receiving fails
+    or the peer closed the socket."""
+    ex = _lib.ccalloc_ipc_export_t()
+    _check(_lib.lib().ccalloc_receive_ipc_handle(_fd_of(sock), ctypes.byref(ex)))
+    return _take_export(ex)
+
+
 class Allocator:
     """A ccalloc allocator: the process-wide one (``Allocator.process_wide()``)
     or one with its own backend (the constructor).
@@ -363,6 +415,80 @@ class Allocator:
         _check(_lib.lib().ccalloc_get_base_allocation(self._h, _address(ptr), ctypes.byref(base),
                                                       ctypes.byref(size)))
         return base.value or 0, size.value
+
+    # ---- inter-process sharing (SPEC F25, C3) --------------------------------------------------
+
+    def share_ipc_handle(self, ptr: int) -> IpcHandle:
+        """Shares the live block at ``ptr`` with other processes (PyTorch:
+        shareIpcHandle). A block of an expandable segment gets the same
+        handle every time; while another process has it open, this
+        allocator's ``free`` of it waits (the block stays allocated) until
+        that process closes it or ends. Send the result with
+        ``send_ipc_handle``, then ``close()`` it."""
+        ex = _lib.ccalloc_ipc_export_t()
+        _check(_lib.lib().ccalloc_share_ipc_handle(self._h, _address(ptr), ctypes.byref(ex)))
+        return _take_export(ex)
+
+    def open_ipc_handle(self, handle: bytes, fds=(), access_device: int = -1) -> int:
+        """Opens a handle of another process (PyTorch: getIpcDevPtr) and
+        returns the block's address here; ``fds`` (the descriptors received
+        with it) stay the caller's. ``access_device`` -1: the handle's
+        device. Opening the same block again returns the same address."""
+        if isinstance(handle, IpcHandle):
+            handle, fds = handle.handle, handle.fds
+        if not isinstance(handle, (bytes, bytearray)):
+            raise InvalidArgumentError(f"ccalloc: open_ipc_handle: handle must be bytes, got {type(handle).__name__}")
+        fds = [_integer(fd, "fds", 0, _INT_MAX) for fd in fds]
+        array = (ctypes.c_int * max(1, len(fds)))(*fds)
+        out = ctypes.c_void_p()
+        device = _integer(access_device, "access_device", -_INT_MAX - 1, _INT_MAX)
+        _check(_lib.lib().ccalloc_open_ipc_handle(self._h, bytes(handle), len(handle), array, len(fds), device,
+                                                  ctypes.byref(out)))
+        return out.value or 0
+
+    def share_ipc_handle_bytes(self, ptr: int) -> bytes:
+        """The handle of the block at ``ptr`` as bytes alone (picklable: no
+        descriptors travel); the importer's ``open_ipc_handle_bytes`` takes
+        the descriptors from this process with pidfd_getfd (Linux 5.6, ptrace
+        permission over this process). The same bytes every time."""
+        lib, length = _lib.lib(), ctypes.c_size_t()
+        _check(lib.ccalloc_share_ipc_handle_pidfd(self._h, _address(ptr), None, 0, ctypes.byref(length)))
+        buffer = ctypes.create_string_buffer(max(1, length.value))
+        _check(lib.ccalloc_share_ipc_handle_pidfd(self._h, _address(ptr), buffer, length.value,
+                                                  ctypes.byref(length)))
+        return buffer.raw[:length.value]
+
+    def open_ipc_handle_bytes(self, data: bytes, access_device: int = -1) -> int:
+        """Opens bytes from ``share_ipc_handle_bytes`` of another process and
+        returns the block's address here (close it with ``close_ipc_handle``)."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"ccalloc: open_ipc_handle_bytes: data must be bytes, got {type(data).__name__}")
+        out = ctypes.c_void_p()
+        device = _integer(access_device, "access_device", -_INT_MAX - 1, _INT_MAX)
+        _check(_lib.lib().ccalloc_open_ipc_handle_pidfd(self._h, bytes(data), len(data), device, ctypes.byref(out)))
+        return out.value or 0
+
+    def close_ipc_handle(self, ptr: int) -> None:
+        """Drops one reference to an address from ``open_ipc_handle``; the
+        last one unmaps it and lets the producer reclaim the block."""
+        _check(_lib.lib().ccalloc_close_ipc_handle(self._h, _address(ptr)))
+
+    def reclaim_ipc_exports(self) -> int:
+        """Frees the shared blocks whose free waited for other processes
+        and that no live process holds any more; returns how many
+        (``empty_cache`` does this first too)."""
+        out = ctypes.c_size_t()
+        _check(_lib.lib().ccalloc_reclaim_ipc_exports(self._h, ctypes.byref(out)))
+        return out.value
+
+    def ipc_export_status(self, ptr: int) -> dict:
+        """For a shared expandable block not yet really freed:
+        ``{"importers": live processes holding it, "owner_freed": whether
+        this allocator's free of it is waiting}``."""
+        importers, freed = ctypes.c_size_t(), ctypes.c_int()
+        _check(_lib.lib().ccalloc_ipc_export_status(self._h, _address(ptr), ctypes.byref(importers),
+                                                    ctypes.byref(freed)))
+        return {"importers": importers.value, "owner_freed": bool(freed.value)}
 
     # ---- sleep and wake (SPEC S1-S5) ---------------------------------------------------------
 

@@ -66,6 +66,17 @@ class ccalloc_pool_usage_t(ctypes.Structure):
     ]
 
 
+class ccalloc_ipc_export_t(ctypes.Structure):
+    """include/ccalloc/ccalloc.h: ccalloc_ipc_export_t."""
+
+    _fields_ = [
+        ("handle", ctypes.c_void_p),
+        ("handle_bytes", ctypes.c_size_t),
+        ("fds", ctypes.POINTER(ctypes.c_int)),
+        ("fd_count", ctypes.c_size_t),
+    ]
+
+
 class ccalloc_sleep_result_t(ctypes.Structure):
     """include/ccalloc/ccalloc.h: ccalloc_sleep_result_t."""
 
@@ -232,6 +243,17 @@ _PROTOTYPES = {
     "ccalloc_resume": (_S, [_A, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), _Z,
                             ctypes.POINTER(ccalloc_sleep_result_t)]),
     "ccalloc_tag_usage": (_S, [_A, ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ccalloc_tag_usage_t)]),
+    "ccalloc_share_ipc_handle": (_S, [_A, _P, ctypes.POINTER(ccalloc_ipc_export_t)]),
+    "ccalloc_ipc_export_free": (None, [ctypes.POINTER(ccalloc_ipc_export_t), ctypes.c_int]),
+    "ccalloc_send_ipc_handle": (_S, [ctypes.c_int, ctypes.POINTER(ccalloc_ipc_export_t)]),
+    "ccalloc_receive_ipc_handle": (_S, [ctypes.c_int, ctypes.POINTER(ccalloc_ipc_export_t)]),
+    "ccalloc_open_ipc_handle": (_S, [_A, ctypes.c_char_p, _Z, ctypes.POINTER(ctypes.c_int), _Z, ctypes.c_int,
+                                     ctypes.POINTER(_P)]),
+    "ccalloc_share_ipc_handle_pidfd": (_S, [_A, _P, ctypes.c_void_p, _Z, ctypes.POINTER(_Z)]),
+    "ccalloc_open_ipc_handle_pidfd": (_S, [_A, ctypes.c_char_p, _Z, ctypes.c_int, ctypes.POINTER(_P)]),
+    "ccalloc_close_ipc_handle": (_S, [_A, _P]),
+    "ccalloc_reclaim_ipc_exports": (_S, [_A, ctypes.POINTER(_Z)]),
+    "ccalloc_ipc_export_status": (_S, [_A, _P, ctypes.POINTER(_Z), ctypes.POINTER(ctypes.c_int)]),
     "ccalloc_stream_create": (_S, [_A, ctypes.c_int, ctypes.POINTER(_P)]),
     "ccalloc_stream_destroy": (_S, [_A, ctypes.c_int, _P]),
     "ccalloc_stream_synchronize": (_S, [_A, ctypes.c_int, _P]),

@@ -69,6 +69,13 @@ CALLS = {
     "tag_usage": ("t",),
     "attach_trace_tracker": (lambda *a: None,),
     "attach_mapping_listener": (lambda *a: None,),
+    "share_ipc_handle": (4096,),
+    "share_ipc_handle_bytes": (4096,),
+    "open_ipc_handle": (b"x",),
+    "open_ipc_handle_bytes": (b"x",),
+    "close_ipc_handle": (4096,),
+    "reclaim_ipc_exports": (),
+    "ipc_export_status": (4096,),
 }
 PROPERTIES = ("initialized", "device_count", "current_device", "backend_name", "is_enabled")
 

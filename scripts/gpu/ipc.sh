@@ -10,6 +10,14 @@
 #                      over a Unix socket with SCM_RIGHTS);
 #   ipc_to_second_gpu  both kinds with the consumer's kernel on GPU 1 (skips
 #                      with one GPU or without peer access);
+#   ipc_expandable_lease  (SPEC C3) a holder process opens an expandable
+#                      block; the producer's free waits and empty_cache keeps
+#                      the pages (the holder reads its bytes after); the
+#                      holder closes, or is killed, and the producer
+#                      reclaims the block (reserved bytes back to 0);
+#   ipc_exporter_exit  the exporting process frees everything and exits, or
+#                      is killed, while this process has its block open: the
+#                      mapping keeps its bytes and takes a kernel's writes;
 #   ipc_errors, copy_data, peer_copies (memcpy_async between plain and
 #                      expandable memory of GPUs 0 and 1, P2P off and on;
 #                      skips with one GPU).

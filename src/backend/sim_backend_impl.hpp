@@ -159,6 +159,7 @@ struct sim_backend::impl {
     std::size_t offset = 0;  // in the device's memory file, or in `fd`'s file when imported
     std::uint64_t map_count = 0;
     int fd = -1;  // imported (vm_import_handle): this process's own descriptor of the exporter's file
+    bool exported = false;  // vm_export_handle gave it out: its range of the file is never reused
   };
   struct event {
     int device = 0;

@@ -143,11 +143,16 @@ void sim_backend::vm_release_handle(int device, physical_handle_t handle) {
     impl_->handles.erase(it);
     return;
   }
-  // Give the pages back now; the range stays in the file for reuse.
-  if (::fallocate(d.memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(h.offset),
-                  static_cast<off_t>(h.size_bytes)) != 0)
-    throw backend_error(call + "): " + errno_text("fallocate(FALLOC_FL_PUNCH_HOLE)", errno));
-  impl::free_range(d, h.offset, h.size_bytes);
+  // As on CUDA, an importer's mapping keeps exported memory alive: an
+  // exported range stays as it is in the file (never punched out, never
+  // handed out again; its pages go when every process has closed the
+  // file). Other ranges give their pages back now and stay for reuse.
+  if (!h.exported) {
+    if (::fallocate(d.memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(h.offset),
+                    static_cast<off_t>(h.size_bytes)) != 0)
+      throw backend_error(call + "): " + errno_text("fallocate(FALLOC_FL_PUNCH_HOLE)", errno));
+    impl::free_range(d, h.offset, h.size_bytes);
+  }
   d.used_bytes -= h.size_bytes;
   impl_->counters.used_bytes -= h.size_bytes;
   impl_->counters.handle_bytes -= h.size_bytes;
@@ -264,10 +269,11 @@ shareable_handle sim_backend::vm_export_handle(int device, physical_handle_t han
   auto it = impl_->handles.find(handle);
   if (it == impl_->handles.end())
     throw backend_error(call + "): unknown handle (never created or already released)");
-  const impl::handle_state& h = it->second;
+  impl::handle_state& h = it->second;
   if (h.device != device) throw backend_error(call + "): the handle belongs to device " + std::to_string(h.device));
   const int fd = ::fcntl(h.fd >= 0 ? h.fd : d.memfd, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) throw backend_error(call + "): " + errno_text("fcntl(F_DUPFD_CLOEXEC)", errno));
+  h.exported = true;
   ++impl_->counters.vm_exports;
   return shareable_handle{fd, h.offset, h.size_bytes};
 }

@@ -6,6 +6,7 @@
 #include <ccalloc/base/printable_text.hpp>
 
 #include "ipc_cache.hpp"
+#include "ipc_export.hpp"
 
 #include <ccalloc/backend/default_backend.hpp>
 
@@ -55,6 +56,8 @@ caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend, al
     : backend_(std::move(backend)), config_(std::move(config)) {
   if (!backend_) throw invalid_argument_error("ccalloc: caching_allocator needs a backend, got null");
   ipc_ = std::make_unique<detail::ipc_cache>(*backend_);
+  exports_ = std::make_unique<detail::ipc_exports>();
+  exports_->count = &ipc_export_count_;
 }
 
 void caching_allocator::print_warnings(const allocator_config& config) {
@@ -264,6 +267,13 @@ std::vector<std::string> caching_allocator::paused_tags(int device) const {
 
 void caching_allocator::empty_cache() {
   std::exception_ptr first_failure;  // a device that fails does not keep the others' caches
+  // Exported blocks freed by their owner and no longer held go back first,
+  // so that their pages are released with the rest.
+  try {
+    (void)reclaim_ipc_exports();
+  } catch (...) {
+    first_failure = std::current_exception();
+  }
   for (auto& d : devices_) {
     try {
       d->empty_cache();

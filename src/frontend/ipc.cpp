@@ -2,6 +2,7 @@
 // The handle format is in ipc_handle.cpp; the cache of opened handles is
 // described in ipc_cache.hpp.
 #include "ipc_cache.hpp"
+#include "ipc_export.hpp"
 
 #include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
@@ -42,7 +43,7 @@ ipc_cache::~ipc_cache() {
   for (auto& [key, e] : entries) close(e, /*quiet=*/true);
 }
 
-void ipc_cache::close(const entry& e, bool quiet) {
+void ipc_cache::close(entry& e, bool quiet) {
   try {
     if (e.kind == ipc_kind::plain) {
       backend.ipc_close_segment(e.open_device, reinterpret_cast<void*>(e.base));
@@ -55,6 +56,8 @@ void ipc_cache::close(const entry& e, bool quiet) {
       backend.vm_unmap(e.device, reinterpret_cast<void*>(e.base + i * e.page_bytes), e.page_bytes);
     for (physical_handle_t h : e.imported) backend.vm_release_handle(e.device, h);
     backend.vm_release(e.device, base, e.bytes);
+    // Nothing of the producer's pages is mapped here any more: let it reclaim them.
+    if (e.lease.valid()) e.lease.release(e.lease_slot);
   } catch (...) {
     if (!quiet) throw;
   }
@@ -109,21 +112,7 @@ ipc_export caching_allocator::share_ipc_handle(void* ptr) {
   if (!caps.ipc_vm)
     throw backend_error("ccalloc: share_ipc_handle(" + pointer_text(ptr) + "): the block is in an expandable segment and the '" +
                         backend_->name() + "' backend cannot export its pages (capabilities().ipc_vm is false)");
-  h.kind = ipc_kind::expandable;
-  h.page_bytes = seg.page_bytes;
-  h.first_page = seg.first_page;
-  try {
-    for (std::size_t i = 0; i < seg.page_handles.size(); ++i) {
-      const shareable_handle s = backend_->vm_export_handle(found->device, seg.page_handles[i]);
-      out.fds.push_back(s.fd);
-      h.pages.push_back(ipc_page{static_cast<std::uint32_t>(i), s.offset_bytes});
-    }
-    out.handle = encode_ipc_handle(h);
-  } catch (...) {
-    for (int fd : out.fds) ::close(fd);
-    throw;
-  }
-  return out;
+  return detail::share_expandable(*exports_, *backend_, found->device, found->block, ptr, std::move(h), seg);
 }
 
 void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const int> fds, int access_device) {
@@ -178,6 +167,12 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
         throw backend_error("ccalloc: open_ipc_handle: no address space for " + std::to_string(e.bytes) + " bytes");
       e.base = reinterpret_cast<std::uintptr_t>(base);
       try {
+        // The slot first: from here on the producer keeps the pages.
+        if (h.has_lease()) {
+          detail::ipc_lease lease = detail::ipc_lease::open(fds[h.lease_fd_index]);
+          e.lease_slot = lease.acquire();
+          e.lease = std::move(lease);  // valid from here: the slot is held
+        }
         for (const ipc_page& p : h.pages) {
           const physical_handle_t ph = backend_->vm_import_handle(
               h.device, shareable_handle{fds[p.fd_index], p.file_offset, h.page_bytes});
@@ -210,6 +205,7 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
           backend_->vm_release(h.device, base, e.bytes);
         } catch (...) {  // keep cleaning up, as above
         }
+        if (e.lease.valid()) e.lease.release(e.lease_slot);
         throw;
       }
     }
@@ -226,7 +222,7 @@ void caching_allocator::close_ipc_handle(void* ptr) {
   detail::ipc_cache& cache = *ipc_;
   std::lock_guard lock(cache.mutex);
   for (auto it = cache.entries.begin(); it != cache.entries.end(); ++it) {
-    const auto& e = it->second;
+    auto& e = it->second;
     if (a < e.base || a - e.base >= e.bytes) continue;
     if (--it->second.refs > 0) return;
     try {

@@ -9,6 +9,8 @@
 #include <ccalloc/backend/device_backend.hpp>
 #include <ccalloc/frontend/ipc_handle.hpp>
 
+#include "ipc_lease.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -29,6 +31,8 @@ struct ipc_cache {
     std::size_t page_bytes = 0;
     std::vector<physical_handle_t> imported;  // expandable: one per page, mapped in order
     std::uint64_t refs = 0;
+    ipc_lease lease;            // expandable, version >= 2: the producer's lease, mapped here
+    std::size_t lease_slot = 0;  // the slot this process holds in it while the entry is open
   };
 
   explicit ipc_cache(device_backend& b) : backend(b) {}
@@ -39,8 +43,9 @@ struct ipc_cache {
   /// Gives `device` read/write access to every imported page of the
   /// expandable mapping `e` (cuMemSetAccess). Throws backend_error.
   void grant_pages(const entry& e, int device);
-  /// Unmaps and releases what `e` holds (errors are dropped when `quiet`).
-  void close(const entry& e, bool quiet);
+  /// Unmaps and releases what `e` holds, then gives its lease slot back
+  /// (errors are dropped when `quiet`; the slot is kept when a step throws).
+  void close(entry& e, bool quiet);
   /// True when `device` has an open expandable mapping (mutex held).
   [[nodiscard]] bool has_expandable(int device) const;
 

@@ -14,6 +14,7 @@ constexpr std::string_view magic = "ccIPChdl";
 constexpr std::size_t header_bytes = 64;
 constexpr std::size_t expandable_fixed_bytes = 24;
 constexpr std::size_t page_entry_bytes = 12;
+constexpr std::size_t lease_entry_bytes = 8;  // version 2, expandable
 // A bound on the page count that keeps sizes far from overflow (2^32 pages
 // of 2 MiB are 8 PiB).
 constexpr std::uint64_t max_pages = std::uint64_t{1} << 32;
@@ -56,13 +57,16 @@ class reader {
 
 // The rules shared by the encoder and the parser.
 void validate(const ipc_handle& h) {
+  if (h.version == 0 || h.version > ipc_handle_version)
+    fail("version " + std::to_string(h.version) + " is not in [1, " + std::to_string(ipc_handle_version) + "]");
   if (h.device < 0) fail("device " + std::to_string(h.device) + " is negative");
   if (h.size_bytes == 0) fail("block size is 0");
   if (h.offset_bytes > h.segment_bytes || h.size_bytes > h.segment_bytes - h.offset_bytes)
     fail("block [offset " + std::to_string(h.offset_bytes) + ", +" + std::to_string(h.size_bytes) +
          " bytes) passes the end of its segment (" + std::to_string(h.segment_bytes) + " bytes)");
   if (h.kind == ipc_kind::plain) {
-    if (!h.pages.empty() || h.page_bytes != 0 || h.first_page != 0) fail("a plain handle has pages");
+    if (!h.pages.empty() || h.page_bytes != 0 || h.first_page != 0 || h.lease_fd_index != 0)
+      fail("a plain handle has pages");
     return;
   }
   if (h.kind != ipc_kind::expandable)
@@ -86,6 +90,10 @@ void validate(const ipc_handle& h) {
       fail("page " + std::to_string(i) + ": file offset " + std::to_string(h.pages[i].file_offset) +
            " is not a multiple of the page size");
   }
+  if (!h.has_lease() && h.lease_fd_index != 0) fail("a version 1 handle has no lease");
+  if (h.has_lease() && h.lease_fd_index > h.pages.size())
+    fail("lease fd index " + std::to_string(h.lease_fd_index) + " is above the page count " +
+         std::to_string(h.pages.size()));
 }
 
 }  // namespace
@@ -93,6 +101,7 @@ void validate(const ipc_handle& h) {
 std::size_t ipc_handle::fd_count() const noexcept {
   std::size_t n = 0;
   for (const ipc_page& p : pages) n = std::max<std::size_t>(n, std::size_t{p.fd_index} + 1);
+  if (has_lease()) n = std::max<std::size_t>(n, std::size_t{lease_fd_index} + 1);
   return n;
 }
 
@@ -100,7 +109,7 @@ std::string encode_ipc_handle(const ipc_handle& h) {
   validate(h);
   writer w;
   w.bytes(magic.data(), magic.size());
-  w.put<std::uint16_t>(ipc_handle_version);
+  w.put<std::uint16_t>(h.version);
   w.put<std::uint8_t>(static_cast<std::uint8_t>(h.kind));
   w.put<std::uint8_t>(0);
   w.put<std::uint32_t>(static_cast<std::uint32_t>(h.device));
@@ -114,7 +123,8 @@ std::string encode_ipc_handle(const ipc_handle& h) {
     w.put<std::uint64_t>(ipc_mem_handle_bytes);
     w.bytes(h.mem_handle.data(), h.mem_handle.size());
   } else {
-    w.put<std::uint64_t>(expandable_fixed_bytes + page_entry_bytes * h.pages.size());
+    w.put<std::uint64_t>(expandable_fixed_bytes + page_entry_bytes * h.pages.size() +
+                         (h.has_lease() ? lease_entry_bytes : 0));
     w.put<std::uint64_t>(h.page_bytes);
     w.put<std::uint64_t>(h.first_page);
     w.put<std::uint32_t>(static_cast<std::uint32_t>(h.pages.size()));
@@ -122,6 +132,10 @@ std::string encode_ipc_handle(const ipc_handle& h) {
     for (const ipc_page& p : h.pages) {
       w.put<std::uint32_t>(p.fd_index);
       w.put<std::uint64_t>(p.file_offset);
+    }
+    if (h.has_lease()) {
+      w.put<std::uint32_t>(h.lease_fd_index);
+      w.put<std::uint32_t>(0);
     }
   }
   return w.take();
@@ -174,13 +188,19 @@ ipc_handle parse_ipc_handle(std::string_view bytes) {
     const std::uint64_t count = r.get<std::uint32_t>();
     if (r.get<std::uint32_t>() != 0) fail("reserved bytes 84..87 are not 0");
     if (count == 0 || count >= max_pages) fail("page count " + std::to_string(count) + " is not in [1, 2^32)");
-    if (payload != expandable_fixed_bytes + page_entry_bytes * count)
+    const std::uint64_t expected =
+        expandable_fixed_bytes + page_entry_bytes * count + (h.version >= 2 ? lease_entry_bytes : 0);
+    if (payload != expected)
       fail("payload size " + std::to_string(payload) + " does not match " + std::to_string(count) + " page(s) (" +
-           std::to_string(expandable_fixed_bytes + page_entry_bytes * count) + " bytes)");
+           std::to_string(expected) + " bytes)");
     h.pages.resize(count);
     for (ipc_page& p : h.pages) {
       p.fd_index = r.get<std::uint32_t>();
       p.file_offset = r.get<std::uint64_t>();
+    }
+    if (h.version >= 2) {
+      h.lease_fd_index = r.get<std::uint32_t>();
+      if (r.get<std::uint32_t>() != 0) fail("reserved lease bytes are not 0");
     }
   }
   validate(h);

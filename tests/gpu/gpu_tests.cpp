@@ -36,6 +36,7 @@
 #include <exception>
 #include <functional>
 #include <initializer_list>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -2039,18 +2040,19 @@ int ipc_consumer_main(int sock, int device) {
   }
 }
 
-/// Starts a consumer on `device`, sends it `ex` and returns its exit code.
-int run_ipc_consumer(const ipc_export& ex, int device) {
+/// Starts this program again as `flag SOCKET_FD ARG` with the other end of
+/// a new socket pair; returns the child's pid and sets *sock to this end.
+pid_t spawn_self(const char* flag, int arg, int* sock) {
   int sv[2];
   REQUIRE(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0);
   const std::string fd_arg = std::to_string(sv[1]);
-  const std::string device_arg = std::to_string(device);
+  const std::string second = std::to_string(arg);
   char exe[] = "/proc/self/exe";
-  char flag[] = "--ipc-consumer";
-  std::vector<char> a1(fd_arg.begin(), fd_arg.end()), a2(device_arg.begin(), device_arg.end());
+  std::vector<char> f(flag, flag + std::strlen(flag) + 1);
+  std::vector<char> a1(fd_arg.begin(), fd_arg.end()), a2(second.begin(), second.end());
   a1.push_back('\0');
   a2.push_back('\0');
-  char* argv[] = {exe, flag, a1.data(), a2.data(), nullptr};
+  char* argv[] = {exe, f.data(), a1.data(), a2.data(), nullptr};
   pid_t pid = 0;
   const int spawned = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, environ);
   ::close(sv[1]);
@@ -2059,14 +2061,22 @@ int run_ipc_consumer(const ipc_export& ex, int device) {
     report_failure(__FILE__, __LINE__, std::string("posix_spawn: ") + std::strerror(spawned));
     throw test_abort{};
   }
+  *sock = sv[0];
+  return pid;
+}
+
+/// Starts a consumer on `device`, sends it `ex` and returns its exit code.
+int run_ipc_consumer(const ipc_export& ex, int device) {
+  int sock = -1;
+  const pid_t pid = spawn_self("--ipc-consumer", device, &sock);
   try {
-    send_ipc_handle(sv[0], ex);
+    send_ipc_handle(sock, ex);
   } catch (const std::exception& e) {
     report_failure(__FILE__, __LINE__, std::string("send_ipc_handle: ") + e.what());
   }
   int status = 0;
   const pid_t waited = ::waitpid(pid, &status, 0);
-  ::close(sv[0]);
+  ::close(sock);
   REQUIRE(waited == pid);
   REQUIRE(WIFEXITED(status));
   return WEXITSTATUS(status);
@@ -2088,7 +2098,7 @@ void ipc_round_trip(const char* conf, ipc_kind kind, int consumer_device) {
   CHECK(h.kind == kind);
   CHECK(h.offset_bytes >= 3 * mib);
   CHECK(h.size_bytes >= n);
-  if (kind == ipc_kind::expandable) CHECK(ex.fds.size() == h.pages.size() && h.pages.size() >= 3);
+  if (kind == ipc_kind::expandable) CHECK(ex.fds.size() == h.pages.size() + 1 && h.pages.size() >= 3);  // + the lease
   const int code = run_ipc_consumer(ex, consumer_device);
   for (int fd : ex.fds) ::close(fd);
   CHECK_MSG(code == consumer_ok, std::string(kind == ipc_kind::plain ? "plain" : "expandable") +
@@ -2131,6 +2141,159 @@ void test_ipc_errors() {
   }
   CHECK(alloc->ipc_open_mappings() == 0);
   alloc->free(p);
+}
+
+// ---- expandable IPC: the lease (SPEC C3) -------------------------------------------------
+//
+// --ipc-holder SOCKET_FD MODE: receives a handle, opens it, overwrites the
+// block with pattern ipc_seed + 1 from a kernel, sends 'o', then (MODE 0)
+// waits for 'w', checks its bytes again, closes and sends 'c'; or (MODE 1)
+// waits to be killed. --ipc-exporter SOCKET_FD MODE: allocates an
+// expandable block, fills it with pattern ipc_seed, shares it, waits for
+// 'o', then ends: MODE 0 frees the block and destroys its allocator (every
+// page released) and exits 0; MODE 1 kills itself.
+
+void send_byte(int sock, char c) { (void)!::write(sock, &c, 1); }
+bool receive_byte(int sock, char expected) {
+  char c = 0;
+  return ::read(sock, &c, 1) == 1 && c == expected;
+}
+
+int ipc_holder_main(int sock, int mode) {
+  try {
+    ipc_export got = receive_ipc_handle(sock);
+    const ipc_handle h = parse_ipc_handle(got.handle);
+    if (cudaSetDevice(h.device) != cudaSuccess) return consumer_peer;
+    auto backend = std::make_shared<cuda_backend>();
+    caching_allocator alloc(backend, allocator_config::parse(""));
+    alloc.init(backend->device_count());
+    void* q = alloc.open_ipc_handle(got.handle, got.fds);
+    for (int fd : got.fds) ::close(fd);
+    if (gk::launch_fill(q, h.size_bytes, ipc_seed + 1, nullptr) != cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess)
+      return consumer_write;
+    send_byte(sock, 'o');
+    if (mode == 1)
+      for (;;) ::pause();
+    if (!receive_byte(sock, 'w')) return consumer_receive;
+    std::vector<unsigned char> host(h.size_bytes);
+    if (cudaMemcpy(host.data(), q, h.size_bytes, cudaMemcpyDefault) != cudaSuccess) return consumer_bytes;
+    for (std::size_t i = 0; i < host.size(); ++i)
+      if (host[i] != gk::pattern_byte(i, ipc_seed + 1)) return consumer_bytes;
+    alloc.close_ipc_handle(q);
+    send_byte(sock, 'c');
+    return alloc.ipc_open_mappings() == 0 ? consumer_ok : consumer_close;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "    holder: %s\n", e.what());
+    return consumer_open;
+  }
+}
+
+int ipc_exporter_main(int sock, int mode) {
+  try {
+    auto backend = std::make_shared<cuda_backend>();
+    auto alloc = std::make_unique<caching_allocator>(backend, allocator_config::parse("expandable_segments:True"));
+    alloc->init(1);
+    void* before = alloc->malloc(0, 3 * mib, 0);
+    const std::size_t n = 5 * mib + 512;
+    void* p = alloc->malloc(0, n, 0);
+    if (gk::launch_fill(p, n, ipc_seed, nullptr) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+      return consumer_write;
+    ipc_export ex = alloc->share_ipc_handle(p);
+    send_ipc_handle(sock, ex);
+    for (int fd : ex.fds) ::close(fd);
+    if (!receive_byte(sock, 'o')) return consumer_receive;
+    if (mode == 1) ::raise(SIGKILL);
+    alloc->free(p);
+    alloc->free(before);
+    alloc.reset();  // every page released, the exported ones too
+    backend.reset();
+    return consumer_ok;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "    exporter: %s\n", e.what());
+    return consumer_open;
+  }
+}
+
+/// The producer frees a block a holder has open (the free waits; empty_cache
+/// keeps the pages: the holder still reads its bytes), then the holder
+/// closes (mode 0) or is killed (mode 1) and the producer reclaims it.
+void ipc_lease_round(int mode) {
+  auto alloc = make_allocator("expandable_segments:True");
+  void* before = alloc->malloc(0, 3 * mib, 0);
+  const std::size_t n = 5 * mib + 512;
+  void* p = alloc->malloc(0, n, 0);
+  CUDA_OK(gk::launch_fill(p, n, ipc_seed, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  int sock = -1;
+  const pid_t pid = spawn_self("--ipc-holder", mode, &sock);
+  ipc_export ex = alloc->share_ipc_handle(p);
+  send_ipc_handle(sock, ex);
+  for (int fd : ex.fds) ::close(fd);
+  CHECK_MSG(receive_byte(sock, 'o'), "the holder did not open the handle");
+  CHECK(host_mismatches(p, n, ipc_seed + 1) == 0);
+  alloc->free(p);
+  alloc->free(before);
+  alloc->empty_cache();
+  std::vector<ipc_export_info> exports = alloc->ipc_exports();
+  CHECK(exports.size() == 1 && exports[0].owner_freed && exports[0].importers == 1);
+  const std::int64_t kept = alloc->get_device_stats(0).reserved_bytes[0].current;
+  CHECK_MSG(kept > 0, "empty_cache released the pages a holder has open");
+  int status = 0;
+  if (mode == 0) {
+    send_byte(sock, 'w');
+    CHECK_MSG(receive_byte(sock, 'c'), "the holder did not close");
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    CHECK_MSG(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "holder exit status " + std::to_string(status) + " (14 bytes, 15 write, 16 close)");
+  } else {
+    ::kill(pid, SIGKILL);
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+  }
+  ::close(sock);
+  CHECK(alloc->reclaim_ipc_exports() == 1);
+  alloc->empty_cache();
+  CHECK(alloc->get_device_stats(0).reserved_bytes[0].current == 0);
+  note(std::string("holder ") + (mode == 0 ? "closed" : "killed") + ": " + std::to_string(kept) +
+       " B kept while held, reclaimed after");
+}
+
+void test_ipc_expandable_lease() {
+  if (g_sanitizer) throw test_skip{"starts a second process, which the sanitizer would follow"};
+  if (!g_backend->capabilities().ipc_vm) throw test_skip{"no POSIX file descriptor export (capabilities().ipc_vm)"};
+  ipc_lease_round(0);
+  ipc_lease_round(1);
+}
+
+/// The exporter ends while this process has its block open: the mapping
+/// stays valid with its bytes (CUDA frees exported memory when the last
+/// reference, an importer's included, is released).
+void test_ipc_exporter_exit() {
+  if (g_sanitizer) throw test_skip{"starts a second process, which the sanitizer would follow"};
+  if (!g_backend->capabilities().ipc_vm) throw test_skip{"no POSIX file descriptor export (capabilities().ipc_vm)"};
+  for (int mode : {0, 1}) {
+    auto alloc = make_allocator("expandable_segments:True");
+    int sock = -1;
+    const pid_t pid = spawn_self("--ipc-exporter", mode, &sock);
+    ipc_export got = receive_ipc_handle(sock);
+    const ipc_handle h = parse_ipc_handle(got.handle);
+    void* q = alloc->open_ipc_handle(got.handle, got.fds);
+    for (int fd : got.fds) ::close(fd);
+    send_byte(sock, 'o');
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    ::close(sock);
+    CHECK_MSG(mode == 1 ? WIFSIGNALED(status) : (WIFEXITED(status) && WEXITSTATUS(status) == 0),
+              "exporter exit status " + std::to_string(status));
+    CHECK_MSG(host_mismatches(q, h.size_bytes, ipc_seed) == 0, "the bytes after the exporter's end");
+    CUDA_OK(gk::launch_fill(q, h.size_bytes, ipc_seed + 2, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK(host_mismatches(q, h.size_bytes, ipc_seed + 2) == 0);
+    alloc->close_ipc_handle(q);
+    CHECK(alloc->ipc_open_mappings() == 0);
+    note(std::string("exporter ") + (mode == 0 ? "freed everything and exited" : "killed") +
+         ": the importer's mapping kept its bytes");
+  }
 }
 
 void test_copy_data() {
@@ -2231,6 +2394,8 @@ const test_case all_tests[] = {
     {"ipc_expandable", test_ipc_expandable},
     {"ipc_to_second_gpu", test_ipc_to_second_gpu},
     {"ipc_errors", test_ipc_errors},
+    {"ipc_expandable_lease", test_ipc_expandable_lease},
+    {"ipc_exporter_exit", test_ipc_exporter_exit},
     {"per_thread_default_streams", test_per_thread_default_streams},
     {"copy_data", test_copy_data},
     {"peer_copies", test_peer_copies},
@@ -2261,6 +2426,10 @@ void print_device() {
 int main(int argc, char** argv) {
   if (argc == 4 && std::strcmp(argv[1], "--ipc-consumer") == 0)
     return ipc_consumer_main(std::atoi(argv[2]), std::atoi(argv[3]));
+  if (argc == 4 && std::strcmp(argv[1], "--ipc-holder") == 0)
+    return ipc_holder_main(std::atoi(argv[2]), std::atoi(argv[3]));
+  if (argc == 4 && std::strcmp(argv[1], "--ipc-exporter") == 0)
+    return ipc_exporter_main(std::atoi(argv[2]), std::atoi(argv[3]));
   std::vector<std::string> filters;
   bool list = false;
   for (int i = 1; i < argc; ++i) {

@@ -49,8 +49,8 @@
 // - Capture: only begin_capture / end_capture exist; nothing is recorded.
 // - Out of memory is a capacity count; there is no fragmentation of the
 //   physical memory, no context overhead, no driver reserve.
-// - IPC: opening a segment exported by this process is refused as on CUDA,
-//   but an import does not keep the exporter's memory alive (below).
+// - IPC: opening a segment exported by this process is refused as on CUDA;
+//   exported pages stay alive for importers by never being reused (below).
 //
 // Gates (capabilities().gates): a gate is an id. wait_gate on a closed gate
 // makes the stream's work wait until the gate opens: its busy-until time is
@@ -389,11 +389,14 @@ class sim_backend final : public device_backend {
   // Expandable pages: a handle is a range of the device's memory file, so an export is a
   // duplicate of that file's descriptor plus the range's offset; another
   // process (fork, or one that received the fd over a Unix socket) imports
-  // it and maps it MAP_SHARED: both see the same bytes. Differences from
-  // CUDA: the import does not keep the memory alive (vm_release_handle in
-  // the exporter punches the range out, the importer then reads zeros, and a
-  // later vm_create may reuse the range); imported handles draw on no
-  // capacity. vm_release_handle of an imported handle closes its descriptor.
+  // it and maps it MAP_SHARED: both see the same bytes. As on CUDA, the
+  // importer's mapping stays valid after the exporter releases the handle
+  // or exits: vm_release_handle of a handle ever exported gives the
+  // capacity back but leaves its range of the file as it is, never handed
+  // out again (the file's pages go when every process has closed the file;
+  // CUDA frees them when the last importer releases its handle). Imported
+  // handles draw on no capacity. vm_release_handle of an imported handle
+  // closes its descriptor.
 
   [[nodiscard]] ipc_mem_handle ipc_export_segment(int device, void* base) override;
   [[nodiscard]] void* ipc_open_segment(int device, const ipc_mem_handle& handle) override;

@@ -53,6 +53,7 @@ namespace ccalloc {
 class caching_allocator;
 namespace detail {
 struct ipc_cache;
+struct ipc_exports;
 }  // namespace detail
 
 /// What share_ipc_handle returns (SPEC F25).
@@ -65,6 +66,20 @@ struct ipc_export {
   /// send them over a Unix socket with SCM_RIGHTS (or let the other process
   /// take them with pidfd_getfd), then close them here.
   std::vector<int> fds;
+};
+
+/// One exported expandable block, as ipc_exports() reports it (SPEC C3).
+struct ipc_export_info {
+  void* ptr = nullptr;         ///< the block's pointer in this process
+  int device = 0;
+  std::size_t size_bytes = 0;  ///< the block's size
+  /// Live processes that have the range open now (slots of the lease held
+  /// by running processes; a process that ended without closing is not
+  /// counted and its slot is freed by this call).
+  std::size_t importers = 0;
+  /// True when free() came while importers held the block: it stays
+  /// allocated (its pages mapped and counted as allocated) until they are gone.
+  bool owner_freed = false;
 };
 
 /// Deleter of the owning handle returned by allocate(): frees through the
@@ -228,13 +243,21 @@ class caching_allocator {
   // through cudaIpcGetMemHandle / cudaIpcOpenMemHandle (backend
   // capabilities().ipc), expandable segments through file descriptors of
   // their pages (capabilities().ipc_vm; the simulated device supports only
-  // these). The producer must keep the block live (not free it) while any
-  // consumer has it open: nothing tells the producer about consumers
-  // (PyTorch keeps the block alive with a reference count in shared memory;
-  // ccalloc leaves that to the caller).
+  // these). Plain segments: the producer must keep the block live (not free
+  // it) while any consumer has it open; nothing tells the producer about
+  // consumers. Expandable blocks (SPEC C3; docs/design.md, "IPC of
+  // expandable memory") carry a lease: the consumer holds a slot in it while
+  // it has the range open, and the producer's free() of the block waits for
+  // the slots to clear (the block stays allocated; its pages are neither
+  // recycled, unmapped nor released by empty_cache) and frees it at the next
+  // empty_cache or reclaim_ipc_exports once no live process holds it. A
+  // consumer that dies without closing stops holding (its process is gone).
 
   /// Shares the live block that starts at `ptr` (a pointer malloc returned).
-  /// Throws invalid_argument_error for any other pointer, and backend_error
+  /// An expandable block is exported once: every share of it, until it is
+  /// really freed, returns the same handle bytes and duplicates of the same
+  /// descriptors (one per page it touches, then the lease's). Throws
+  /// invalid_argument_error for any other pointer, and backend_error
   /// when the backend cannot share the block's kind of segment (the message
   /// says which). The returned descriptors are the caller's. Thread-safe.
   [[nodiscard]] ipc_export share_ipc_handle(void* ptr);
@@ -278,6 +301,35 @@ class caching_allocator {
   void close_ipc_handle(void* ptr);
   /// Mappings opened by open_ipc_handle and not yet closed (for tests).
   [[nodiscard]] std::size_t ipc_open_mappings() const;
+  /// share_ipc_handle as bytes alone, for transports that carry no file
+  /// descriptors (a pickle, torch.multiprocessing's queues): the handle plus
+  /// the numbers and inode numbers of this process's own descriptors of the
+  /// export, which stay open until the block is really freed. The importer
+  /// takes them with pidfd_getfd (open_ipc_handle_pidfd). Layout: "ccIPCpfd",
+  /// u32 descriptor count n, n x {i32 descriptor, u64 inode}, then the
+  /// handle (little-endian). Throws what share_ipc_handle throws. Thread-safe.
+  [[nodiscard]] std::string share_ipc_handle_pidfd(void* ptr);
+  /// Opens bytes from share_ipc_handle_pidfd of another process: takes the
+  /// exporter's descriptors with pidfd_open + pidfd_getfd (Linux 5.6; needs
+  /// ptrace permission over the exporter: the same user, and under Yama
+  /// ptrace_scope 1 an exporter that is a descendant or that allowed it with
+  /// prctl(PR_SET_PTRACER)), checks that they are still the export's (same
+  /// inodes), then open_ipc_handle. Throws invalid_argument_error for
+  /// malformed bytes; backend_error naming the call and errno's text when the
+  /// exporter is gone, permission is refused, or the descriptors no longer
+  /// are the export's ("the exporter has freed the block"); what
+  /// open_ipc_handle throws. The taken descriptors are closed before it
+  /// returns. Thread-safe.
+  [[nodiscard]] void* open_ipc_handle_pidfd(std::string_view bytes, int access_device = -1);
+  /// Frees the exported blocks whose owner freed them while importers held
+  /// them and that no live process holds any more (their importers closed
+  /// them or ended). Returns how many blocks it freed. empty_cache calls it
+  /// first. Throws what free() throws. Thread-safe.
+  std::size_t reclaim_ipc_exports();
+  /// The exported expandable blocks of this allocator, by pointer (a block
+  /// is listed from its first share_ipc_handle until it is really freed).
+  /// Clears the lease slots of importers that have ended. Thread-safe.
+  [[nodiscard]] std::vector<ipc_export_info> ipc_exports() const;
 
   // --- copies (F27, F28) -------------------------------------------------------
 
@@ -442,6 +494,10 @@ class caching_allocator {
   device_caching_allocator& checked_device(int device, const char* what) const;
   /// The entry of a pointer this allocator handed out, or nullopt.
   std::optional<pointer_entry> find_entry(void* ptr) const;
+  /// free() of `ptr` (just removed from the pointer map) when blocks are
+  /// exported: true when `ptr` is an exported block that importers hold
+  /// (the free is deferred); false when the caller is to free it now.
+  [[gnu::cold]] bool defer_exported_free(void* ptr);
 
   std::shared_ptr<device_backend> backend_;
   mutable std::mutex config_mutex_;
@@ -455,6 +511,10 @@ class caching_allocator {
   std::string user_metadata_;                           // likewise
   mutable std::array<pointer_shard, pointer_shard_count> shards_;
   std::unique_ptr<detail::ipc_cache> ipc_;  // opened IPC handles (src/frontend/ipc.cpp)
+  std::atomic<std::size_t> ipc_export_count_{0};  // exports_->entries.size(), for free()'s test
+  // Exported expandable blocks (src/frontend/ipc_export.cpp); declared last:
+  // destroyed first, before the devices whose blocks it names.
+  std::unique_ptr<detail::ipc_exports> exports_;
 };
 
 
@@ -537,6 +597,17 @@ inline caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr)
   }
   if (!found) [[unlikely]]
     throw_not_live(ptr);
+  if (ipc_export_count_.load(std::memory_order_relaxed) != 0) [[unlikely]] {
+    bool deferred = false;
+    try {
+      deferred = defer_exported_free(ptr);
+    } catch (...) {
+      std::lock_guard lock(shard.mutex);
+      shard.blocks.insert(key, entry);
+      throw;
+    }
+    if (deferred) return;
+  }
   try {
     devices_[static_cast<std::size_t>(entry.device)]->free(entry.block);
   } catch (...) {

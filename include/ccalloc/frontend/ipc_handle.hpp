@@ -16,8 +16,8 @@
 //    the caller sends them beside the handle (a Unix socket with SCM_RIGHTS,
 //    or pidfd_getfd).
 //
-// Encoding, version 1 (all integers little-endian, no padding; 64 + 64 bytes
-// for plain, 64 + 24 + 12 per page for expandable):
+// Encoding, versions 1 and 2 (all integers little-endian, no padding; 64 + 64
+// bytes for plain, 64 + 24 + 12 per page (+ 8 in version 2) for expandable):
 //
 //   offset size  field
 //   0      8     magic "ccIPChdl"
@@ -39,6 +39,11 @@
 //                 {4 fd index, 8 offset in that file (a multiple of the page size)}.
 //                 The pages must cover [offset, offset + size) exactly:
 //                 first page = offset / page size, last = (offset + size - 1) / page size.
+//                 Version 2 adds, after the pages: 4 index of the lease descriptor
+//                 (<= page count), 4 reserved 0. The lease is a small shared memory
+//                 file of the producer in which each importing process holds a slot
+//                 while it has the range mapped (docs/design.md, "IPC of expandable
+//                 memory"); a version 1 expandable handle has none.
 //
 // Compatibility: a reader accepts versions <= its own; a newer version is
 // rejected with a message that says to upgrade the reader. New fields go into
@@ -63,7 +68,7 @@ enum class ipc_kind : std::uint8_t {
 };
 
 /// The format version this ccalloc writes and the newest it reads.
-inline constexpr std::uint16_t ipc_handle_version = 1;
+inline constexpr std::uint16_t ipc_handle_version = 2;
 /// Size in bytes of a cudaIpcMemHandle_t (CUDA_IPC_HANDLE_SIZE).
 inline constexpr std::size_t ipc_mem_handle_bytes = 64;
 
@@ -90,13 +95,19 @@ struct ipc_handle {
   std::uint64_t page_bytes = 0;
   std::uint64_t first_page = 0;      ///< index of pages[0] in the segment
   std::vector<ipc_page> pages;       ///< the pages covering the block, in order
+  /// Version >= 2, expandable: index of the lease file's descriptor among
+  /// those sent with the handle (<= pages.size()).
+  std::uint32_t lease_fd_index = 0;
 
-  /// Number of file descriptors the handle needs: max fd_index + 1 (0 for plain).
+  /// True for an expandable handle of version >= 2 (it carries a lease).
+  [[nodiscard]] bool has_lease() const noexcept { return kind == ipc_kind::expandable && version >= 2; }
+  /// Number of file descriptors the handle needs: max fd_index (and
+  /// lease_fd_index) + 1 (0 for plain).
   [[nodiscard]] std::size_t fd_count() const noexcept;
   friend bool operator==(const ipc_handle&, const ipc_handle&) = default;
 };
 
-/// Encodes `handle` (version 1, whatever handle.version says). Throws
+/// Encodes `handle` in the layout of handle.version (1 or 2). Throws
 /// invalid_argument_error when the handle breaks a rule of the format (the
 /// same rules parse_ipc_handle checks), so that every encoded handle parses.
 [[nodiscard]] std::string encode_ipc_handle(const ipc_handle& handle);
@@ -109,7 +120,7 @@ struct ipc_handle {
 /// negative device, a block outside its segment, a payload size that does
 /// not match the kind or the bytes present, a page size that is not a power
 /// of two, pages that do not cover the block, an fd index above the page
-/// count. Never reads past `bytes`.
+/// count, a lease fd index above the page count. Never reads past `bytes`.
 [[nodiscard]] ipc_handle parse_ipc_handle(std::string_view bytes);
 
 }  // namespace ccalloc
