@@ -456,7 +456,7 @@ TEST(TraceInput, HugeLineFailsWithoutReadingItWhole) {
   temp_file ok("longcomment.trace", "#" + std::string(2 * MiB + 5, 'c') + "\n1 alloc 4096 512 0\n2 bogus 1 1 0\n");
   EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(ok.path(), limits); }),
             ok.path() + ":3: unknown action 'bogus' (accepted: alloc, free_requested, free_completed, segment_alloc, "
-                        "segment_free, segment_map, segment_unmap, snapshot, oom)");
+                        "segment_free, segment_map, segment_unmap, snapshot, oom, tag, pause, resume)");
 }
 
 // ---- frees of another size -----------------------------------------------------------------
