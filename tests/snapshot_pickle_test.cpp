@@ -419,7 +419,7 @@ TEST(SnapshotPickle, SparseMemoIndicesCostNoMemoryForTheGap) {
     for (int b = 0; b < 4; ++b) bytes += static_cast<char>((index >> (8 * b)) & 0xff);
   }
   bytes += std::string("h\x00.", 3);  // BINGET 0: never stored
-  if (!ccalloc::testing::reset_peak_rss()) GTEST_SKIP() << "no /proc/self/clear_refs";
+  if (!ccalloc::testing::reset_peak_rss()) GTEST_SKIP() << "no peak resident size (clear_refs, or ASan)";
   std::string why;
   const std::uint64_t growth = ccalloc::testing::peak_rss_growth([&] { why = error_of(bytes); });
   EXPECT_EQ(why, "snap: a PyTorch snapshot that cannot be read: corrupt pickle at byte 8003: memo index 0 was never "

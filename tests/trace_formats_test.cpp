@@ -415,7 +415,7 @@ TEST(TraceInput, GzipBombIsReadInBoundedMemory) {
   std::string bomb;
   for (int i = 0; i < 64; ++i) bomb += member;
   temp_file gz("bomb.gz", bomb);
-  if (!reset_peak_rss()) GTEST_SKIP() << "no /proc/self/clear_refs";
+  if (!reset_peak_rss()) GTEST_SKIP() << "no peak resident size (clear_refs, or ASan)";
   std::size_t events = 1;
   const std::uint64_t growth = peak_rss_growth([&] { events = ccalloc::read_trace_file(gz.path()).events.size(); });
   EXPECT_EQ(events, 0u);
@@ -438,7 +438,7 @@ TEST(TraceInput, HugeLineFailsWithoutReadingItWhole) {
   temp_file plain("hugeline.trace", line);
   const std::string limit_error = ":1: a line of more than 65536 bytes, the limit (trace_limits::max_line_bytes; "
                                   "raise it with --max-line-bytes)";
-  if (!reset_peak_rss()) GTEST_SKIP() << "no /proc/self/clear_refs";
+  if (!reset_peak_rss()) GTEST_SKIP() << "no peak resident size (clear_refs, or ASan)";
   std::string why;
   std::uint64_t growth = peak_rss_growth([&] { why = error_of([&] { (void)ccalloc::read_trace_file(plain.path()); }); });
   EXPECT_EQ(why, plain.path() + limit_error);
