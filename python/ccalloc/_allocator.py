@@ -11,6 +11,7 @@ import numbers
 import operator
 import os
 import sys
+import threading
 from typing import Callable, NamedTuple, Optional
 
 from . import _lib
@@ -241,6 +242,70 @@ def receive_ipc_handle(sock) -> IpcHandle:
     return _take_export(ex)
 
 
+_CLOSED_MESSAGE = "ccalloc: this Allocator is closed (close() or the end of its with block); create a new one"
+
+
+class _CallGate:
+    """Counts the calls in progress on one Allocator so that close() waits
+    for them: ctypes releases the GIL during a C call, and destroying the C
+    allocator under a call running on another thread would free what that
+    call uses. After close() begins, new calls raise InvalidArgumentError."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._calls = 0
+        self._closing = False
+        self._depth = threading.local()  # this thread's calls in progress
+
+    def enter(self) -> None:
+        with self._cv:
+            if self._closing:
+                raise InvalidArgumentError(_CLOSED_MESSAGE)
+            self._calls += 1
+        self._depth.n = getattr(self._depth, "n", 0) + 1
+
+    def leave(self) -> None:
+        self._depth.n -= 1
+        with self._cv:
+            self._calls -= 1
+            if self._calls == 0:
+                self._cv.notify_all()
+
+    def close(self) -> bool:
+        """Stops new calls and waits for those in progress; False when
+        closing began already. InvalidArgumentError when this thread is
+        inside a call on the same Allocator (a callback), which would wait
+        for itself."""
+        if getattr(self._depth, "n", 0) > 0:
+            raise InvalidArgumentError("ccalloc: close() of an Allocator from inside one of its own calls "
+                                       "(a callback); close it after the call returns")
+        with self._cv:
+            if self._closing:
+                return False
+            self._closing = True
+            while self._calls:
+                self._cv.wait()
+        return True
+
+
+def _gated(fn):
+    """Runs an Allocator method inside its call gate."""
+
+    def call(self, *args, **kwargs):
+        gate = self._gate
+        gate.enter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            gate.leave()
+
+    call.__name__ = fn.__name__
+    call.__qualname__ = fn.__qualname__
+    call.__doc__ = fn.__doc__
+    call.__wrapped__ = fn
+    return call
+
+
 class Allocator:
     """A ccalloc allocator: the process-wide one (``Allocator.process_wide()``)
     or one with its own backend (the constructor).
@@ -261,14 +326,16 @@ class Allocator:
     str; InvalidArgumentError, a ValueError, for a negative or too large
     value), strings must be str without NUL characters.
 
-    Thread safety: the methods may be called from any thread, except
-    ``close``.
+    Thread safety: every method may be called from any thread. ``close``
+    waits for the calls in progress on other threads; calls that start
+    after it began raise InvalidArgumentError.
     """
 
     _KINDS = {"default": _lib.BACKEND_DEFAULT, "sim": _lib.BACKEND_SIM, "cuda": _lib.BACKEND_CUDA}
 
     def __init__(self, backend: str = "sim", devices: int = 1, capacity_bytes: Optional[int] = None,
                  config: Optional[str] = None, *, _handle: Optional[int] = None, _owned: bool = True):
+        self._gate = _CallGate()
         self._observers: list = []
         self._kept: list = []  # ctypes segment functions of this allocator's pools
         self._handle: Optional[int] = None
@@ -307,12 +374,17 @@ class Allocator:
 
     def close(self) -> None:
         """Destroys an allocator made by the constructor (no-op for the
-        process-wide one and when closed already)."""
-        if self._owned and self._handle is not None:
-            _lib.lib().ccalloc_destroy(self._handle)
-            self._handle = None
-            self._owned = False
-            self._closed = True
+        process-wide one and when closed already). Calls in progress on
+        other threads finish first; later ones raise InvalidArgumentError.
+        InvalidArgumentError from inside a callback of this allocator."""
+        if not (self._owned and self._handle is not None):
+            return
+        if not self._gate.close():
+            return
+        _lib.lib().ccalloc_destroy(self._handle)
+        self._handle = None
+        self._owned = False
+        self._closed = True
 
     @property
     def closed(self) -> bool:
@@ -325,8 +397,7 @@ class Allocator:
         InvalidArgumentError once closed: a null handle would reach the
         process-wide allocator instead."""
         if self._closed:
-            raise InvalidArgumentError("ccalloc: this Allocator is closed (close() or the end of its with block); "
-                                       "create a new one")
+            raise InvalidArgumentError(_CLOSED_MESSAGE)
         return self._handle
 
     def __enter__(self) -> "Allocator":
@@ -337,7 +408,8 @@ class Allocator:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            if getattr(self, "_gate", None) is not None:
+                self.close()
         except Exception:  # interpreter shutdown: the library may be gone
             pass
 
@@ -826,6 +898,16 @@ class Allocator:
     def stream_synchronize(self, stream, device: int = 0) -> None:
         _check(_lib.lib().ccalloc_stream_synchronize(self._h, _device_index(device), _stream(stream)))
 
+
+_UNGATED = {"__init__", "close", "closed", "_h", "__enter__", "__exit__", "__del__", "process_wide", "_KINDS"}
+for _name, _member in list(vars(Allocator).items()):
+    if _name in _UNGATED or _name.startswith("__") and _name.endswith("__"):
+        continue
+    if isinstance(_member, property) and _member.fget is not None:
+        setattr(Allocator, _name, property(_gated(_member.fget), _member.fset, _member.fdel, _member.__doc__))
+    elif callable(_member) and not isinstance(_member, (classmethod, staticmethod, type)):
+        setattr(Allocator, _name, _gated(_member))
+del _name, _member
 
 # Observers and segment functions of the process-wide allocator outlive
 # every Allocator wrapper.

@@ -117,6 +117,56 @@ def test_leaving_with_closes():
         a.malloc(MiB)
 
 
+def test_close_waits_for_calls_on_other_threads():
+    """close() while other threads malloc and free: they finish or get the
+    closed error; nothing uses the destroyed allocator (a segfault under
+    ctypes, which releases the GIL during each call)."""
+    import threading
+    import time
+
+    for _ in range(3):
+        a = ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="")
+        errors = []
+        done = []
+
+        def work():
+            try:
+                while True:
+                    a.free(a.malloc(4096))
+            except ccalloc.InvalidArgumentError as e:
+                errors.append(str(e))
+            done.append(1)
+
+        threads = [threading.Thread(target=work) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        a.close()
+        for t in threads:
+            t.join(30)
+        assert len(done) == 3
+        assert errors and all("this Allocator is closed" in e for e in errors), errors
+
+
+def test_close_inside_a_callback_is_refused():
+    a = ccalloc.Allocator("sim", capacity_bytes=8 * MiB, config="")
+    seen = []
+
+    def observer(device, size, total, free):
+        try:
+            a.close()
+        except ccalloc.InvalidArgumentError as e:
+            seen.append(str(e))
+
+    a.attach_out_of_memory_observer(observer)
+    with pytest.raises(ccalloc.OutOfMemoryError):
+        a.malloc(64 * MiB)
+    assert seen and "from inside one of its own calls" in seen[0]
+    assert not a.closed
+    a.close()
+    assert a.closed
+
+
 # ---- the values ctypes would wrap or truncate ---------------------------------------------
 
 def test_the_reproducers_raise_naming_the_argument():
