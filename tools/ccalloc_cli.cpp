@@ -1260,9 +1260,24 @@ int run(int argc, char** argv) {
 }  // namespace detail
 }  // namespace
 
+namespace {
+// Output that did not reach stdout (a full disk, a closed pipe) fails the
+// command: a replay whose report was lost is not a success.
+int checked_output(int rc) {
+  std::cout.flush();
+  errno = 0;
+  const bool flush_failed = std::fflush(stdout) != 0;
+  const int err = errno;
+  if (!flush_failed && std::ferror(stdout) == 0 && std::cout) return rc;
+  std::fprintf(stderr, "ccalloc: cannot write the output to stdout: %s\n",
+               flush_failed && err != 0 ? std::strerror(err) : "a write failed (a full disk or a closed pipe)");
+  return rc != 0 ? rc : 1;
+}
+}  // namespace
+
 int main(int argc, char** argv) {
   try {
-    return detail::run(argc, argv);
+    return checked_output(detail::run(argc, argv));
   } catch (const detail::usage_error& e) {
     // Messages may quote the command line or a trace: no raw control bytes.
     std::fprintf(stderr, "ccalloc: %s\n", ccalloc::printable_text(e.what()).c_str());
