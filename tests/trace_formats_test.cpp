@@ -288,6 +288,10 @@ TEST(TraceInput, NotATextTraceSaysWhatItLooksLike) {
   temp_file u("u16.trace", utf16);
   EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(u.path()); }),
             u.path() + ": not a text trace: looks like UTF-16 text; convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)");
+  temp_file bom("bom.trace", "\xEF\xBB\xBF" + events);
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(bom.path()); }),
+            bom.path() + ": not a text trace as it is: it starts with a UTF-8 byte-order mark; remove it "
+                         "(sed -i '1s/^\\xEF\\xBB\\xBF//' FILE)");
   temp_file junk("junk.bin", std::string("\x0f\x93\x01\x00zz 1 2 3\n", 11));
   EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(junk.path()); }),
             junk.path() + ": not a text trace: looks like binary data (byte 0x0f at offset 0)");

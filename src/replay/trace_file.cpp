@@ -221,6 +221,9 @@ std::string not_text_reason(std::string_view data) {
                                                 (byte(0) == 0 && byte(1) != 0 && byte(2) == 0 && byte(3) != 0));
   if (bom || interleaved)
     return "not a text trace: looks like UTF-16 text; convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)";
+  if (starts("\xEF\xBB\xBF"))
+    return "not a text trace as it is: it starts with a UTF-8 byte-order mark; remove it "
+           "(sed -i '1s/^\\xEF\\xBB\\xBF//' FILE)";
   // Control characters in the first line (a later line with one, or an
   // escape sequence, gets the usual message naming its line, escaped).
   for (std::size_t i = 0; i < data.size() && data[i] != '\n'; ++i) {
