@@ -162,6 +162,15 @@ stream_t copy_stream(const segment& seg) noexcept {
 
 }  // namespace
 
+// Waits on the host for the work queued on `stream` so far (an event
+// recorded there; never the whole device).
+void device_state::wait_for_stream(stream_t stream) {
+  const event_t e = get_event();
+  backend_.record_event(device_, e, stream);
+  backend_.synchronize_event(device_, e);
+  free_events_.push_back(e);
+}
+
 void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result& r) {
   const std::size_t page = seg.page_bytes;
   // Blocks in their pools (free partial pages beside blocks in use) leave
@@ -178,10 +187,7 @@ void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result&
                                   run.pages * page, stream);
       r.copied_bytes += run.pages * page;
     }
-    const event_t e = get_event();
-    backend_.record_event(device_, e, stream);
-    backend_.synchronize_event(device_, e);  // the copies have read the pages
-    free_events_.push_back(e);
+    wait_for_stream(stream);  // the copies have read the pages
   }
   for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
     const std::size_t n = seg.pages.mapped_run(i);
@@ -317,10 +323,7 @@ bool device_state::map_paused_segment(segment& seg) {
   auto undo = [&]() noexcept {
     if (copying) {
       try {
-        const event_t e = get_event();
-        backend_.record_event(device_, e, stream);
-        backend_.synchronize_event(device_, e);  // no copy may still write a page given back
-        free_events_.push_back(e);
+        wait_for_stream(stream);  // no copy may still write a page given back
       } catch (...) {  // the device refused the wait: its error is the one being reported
       }
     }
@@ -394,12 +397,7 @@ void device_state::restore_paused_segment(segment& seg, sleep_result& r) {
     r.copied_bytes += run.pages * page;
     copied = true;
   }
-  if (copied) {  // the host copies must have been read before they go
-    const event_t e = get_event();
-    backend_.record_event(device_, e, stream);
-    backend_.synchronize_event(device_, e);
-    free_events_.push_back(e);
-  }
+  if (copied) wait_for_stream(stream);  // the host copies must have been read before they go
   for (auto& run : seg.paused_runs) host_copies_.give(run.host);
   seg.paused_runs.clear();
   seg.paused = false;
@@ -444,10 +442,7 @@ sleep_result device_state::resume_tags(const std::vector<tag_id>& tags, world_lo
     for (segment* seg : mapped) {  // their kept contents are being copied in: wait before the pages go
       if (std::none_of(seg->paused_runs.begin(), seg->paused_runs.end(), [](const auto& run) { return run.host != nullptr; }))
         continue;
-      const event_t e = get_event();
-      backend_.record_event(device_, e, copy_stream(*seg));
-      backend_.synchronize_event(device_, e);
-      free_events_.push_back(e);
+      wait_for_stream(copy_stream(*seg));
     }
     for (segment* seg : mapped)
       for (const auto& run : seg->paused_runs)

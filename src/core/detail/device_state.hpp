@@ -462,6 +462,7 @@ class device_state {
   block* allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss, world_lock& w);
   sleep_result pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock& w);
   sleep_result resume_tags(const std::vector<tag_id>& tags, world_lock& w);
+  void wait_for_stream(stream_t stream);  // host waits for the work queued on it so far [world]
   void pause_segment(segment& seg, bool keep_contents, sleep_result& r);
   // Maps seg's paused runs again; on failure every page this call mapped
   // goes back and seg stays paused (returns false).
