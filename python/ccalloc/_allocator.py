@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import math
 import numbers
 import operator
@@ -291,6 +292,7 @@ class _CallGate:
 def _gated(fn):
     """Runs an Allocator method inside its call gate."""
 
+    @functools.wraps(fn)
     def call(self, *args, **kwargs):
         gate = self._gate
         gate.enter()
@@ -299,10 +301,6 @@ def _gated(fn):
         finally:
             gate.leave()
 
-    call.__name__ = fn.__name__
-    call.__qualname__ = fn.__qualname__
-    call.__doc__ = fn.__doc__
-    call.__wrapped__ = fn
     return call
 
 
