@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The user-facing texts speak of the product, not of how it was made: no
+"""README.md has the sections a new user looks for, the two commands first.
+The user-facing texts speak of the product, not of how it was made: no
 'session', 'issue N' or 'breaker' in README.md, python/README.md,
 docs/README.md and every --help text of the CLI, and no requirement id
 (F20, X3, ...) in them, python/README.md and docs/errors.md unless the
@@ -26,6 +27,14 @@ def main():
         texts[" ".join(["ccalloc", sub, "--help"])] = subprocess.run(args, capture_output=True, text=True,
                                                                        timeout=60).stdout
     bad = []
+    # README's sections a new user looks for.
+    for heading in ["## Why", "## Install", "## Quick start: PyTorch", "## Quick start: C++", "## Quick start: C",
+                    "## Quick start: replay a trace", "## Configuration", "## Compared with PyTorch's allocator",
+                    "## Known limitations", "## Documentation"]:
+        if heading + "\n" not in texts["README.md"]:
+            bad.append(f"README.md: no heading '{heading}'")
+    if not texts["README.md"].startswith("# ccalloc\n\n<!-- commands -->\n```sh\nscripts/main.sh"):
+        bad.append("README.md: the two commands are not at the top")
     for name, text in texts.items():
         for n, line in enumerate(text.splitlines(), 1):
             if HISTORY.search(line):
