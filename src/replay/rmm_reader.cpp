@@ -128,10 +128,13 @@ class rmm_log_parser final : public line_parser {
     if (line_number_ == 0 && text.substr(0, 3) == "\xEF\xBB\xBF") pos = 3;  // a UTF-8 byte-order mark
     while (pos < text.size()) {
       const std::size_t nl = text.find('\n', pos);
-      const std::string_view line = trim(text.substr(pos, nl == std::string_view::npos ? nl : nl - pos));
+      const std::string_view line = text.substr(pos, nl == std::string_view::npos ? nl : nl - pos);
       pos = nl == std::string_view::npos ? text.size() : nl + 1;
       ++line_number_;
-      read_line(line);
+      // The limit holds for the line as written, blanks around it included.
+      if (line.size() > limits_.max_line_bytes)
+        throw trace_error(source_, line_number_, detail::line_limit_reason(limits_.max_line_bytes));
+      read_line(trim(line));
     }
   }
 
@@ -168,7 +171,6 @@ class rmm_log_parser final : public line_parser {
 };
 
 void rmm_log_parser::read_line(std::string_view line) {
-  if (line.size() > limits_.max_line_bytes) throw trace_error(source_, line_number_, detail::line_limit_reason(limits_.max_line_bytes));
   if (t_.events.size() + 2 > limits_.max_events) throw trace_error(source_, line_number_, detail::event_limit_reason(limits_.max_events));
   if (line.empty()) return;
   const std::vector<std::string_view> f = split_commas(line);

@@ -329,6 +329,10 @@ class trace_text_parser final : public line_parser {
       }
       trace_event event;
       if (const char* next = parse_line_fast(p, text_end, event)) [[likely]] {
+        // The fast path skips blanks around the fields: a line padded with
+        // them is held to the limit too (its length without the '\n').
+        if (static_cast<std::size_t>(next - p) - (next[-1] == '\n' ? 1 : 0) > limits_.max_line_bytes) [[unlikely]]
+          throw trace_error(source_, line_number_, line_limit_reason(limits_.max_line_bytes));
         p = next;
       } else {
         // Not a plain event line: a blank line, a comment, or an error to name.
