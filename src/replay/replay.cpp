@@ -615,7 +615,7 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
     // A fraction caps every device size alike: a larger device cannot help
     // when the fraction is 0, and helps in proportion otherwise.
     const allocator_config config = allocator_config::parse(options.config);
-    std::string why;
+    std::string why = "; a larger device may fit (raise --device-memory)";
     if (config.memory_fraction_set && config.per_process_memory_fraction <= 0.0)
       why = "; per_process_memory_fraction:0 lets ccalloc use none of any device: no device size fits (raise the "
             "fraction)";
