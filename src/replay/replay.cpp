@@ -185,6 +185,7 @@ class sleep_replay {
       }
       return;
     }
+    check_pause_order(e, name);
     replay_sleep_event s;
     s.index = index;
     s.line = e.line;
@@ -220,6 +221,28 @@ class sleep_replay {
     r_.sleep_events.push_back(std::move(s));
   }
 
+  // A pause of a tag the trace already paused, or a resume of one it has
+  // not paused, is an error naming the line: the allocator would do
+  // nothing (it changes only tags not yet in the asked state), and its
+  // recorder writes a pause or resume line only for a tag that changed, so
+  // such a line comes from no recorded program. The order is the trace's
+  // own (not the allocator's state, which a refused resume leaves paused):
+  // the verdict does not depend on the device's size.
+  void check_pause_order(const trace_event& e, const std::string& name) {
+    const bool pause = e.action == trace_action::pause;
+    const auto it = paused_at_.find(name);
+    if (pause && it != paused_at_.end())
+      throw trace_error(t_.source, e.line,
+                        "pause of tag '" + name + "', which the trace already paused at line " +
+                            std::to_string(it->second) + " (no resume between)");
+    if (!pause && it == paused_at_.end())
+      throw trace_error(t_.source, e.line,
+                        "resume of tag '" + name + "', which the trace has not paused (no pause of it before, "
+                                                   "or already resumed)");
+    if (pause) paused_at_.emplace(name, e.line);
+    else paused_at_.erase(it);
+  }
+
   // An allocation refused because its tag is paused: the trace allocates
   // under a tag it paused, or a resume found no room.
   [[noreturn]] void rethrow_paused(const trace_event& e, const invalid_argument_error& x) const {
@@ -244,6 +267,7 @@ class sleep_replay {
   replay_result& r_;
   std::optional<tag_scope> scope_;
   std::uint64_t paused_ = 0;
+  std::unordered_map<std::string, std::size_t> paused_at_;  // tag the trace paused -> line of its pause
 };
 
 // ---- the event loop ----------------------------------------------------------------
