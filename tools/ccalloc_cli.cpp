@@ -955,9 +955,24 @@ struct min_memory_result {
   std::uint64_t native_expandable_bytes = 0;  ///< 0: unknown
 };
 
+/// ccalloc::find_min_device_memory with its errors worded for the command
+/// line: they name the flag that asked for the search (--min-memory), not
+/// the library function (whose messages start with its name).
+std::size_t min_device_memory(const ccalloc::trace& t, const ccalloc::replay_options& options) {
+  try {
+    return ccalloc::find_min_device_memory(t, options);
+  } catch (const ccalloc::error& e) {
+    constexpr std::string_view library_prefix = "find_min_device_memory: ";
+    std::string_view what = e.what();
+    if (!what.starts_with(library_prefix)) throw;
+    what.remove_prefix(library_prefix.size());
+    throw ccalloc::error("--min-memory: " + std::string(what));
+  }
+}
+
 min_memory_result find_min_memory(const loaded_trace& input, const ccalloc::replay_options& options) {
   min_memory_result m;
-  m.ccalloc_bytes = ccalloc::find_min_device_memory(input.trace, options);
+  m.ccalloc_bytes = min_device_memory(input.trace, options);
   if (input.native) {
     m.native_bytes = input.native->min_capacity_bytes;
     m.native_expandable_bytes = input.native->expandable_min_capacity_bytes;
