@@ -18,6 +18,55 @@ namespace ccalloc {
 
 namespace {
 
+/// Length of the valid UTF-8 sequence (RFC 3629) that starts s[i], or 0 when
+/// the bytes there are not one: a lone continuation byte, a truncated
+/// sequence, an overlong encoding, a surrogate or a code point above U+10FFFF.
+std::size_t utf8_sequence_length(std::string_view s, std::size_t i) {
+  const auto byte = [&](std::size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char lead = byte(i);
+  if (lead < 0x80) return 1;
+  std::size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xbf;  // range of the second byte
+  if (lead >= 0xc2 && lead <= 0xdf) {
+    n = 2;
+  } else if (lead >= 0xe0 && lead <= 0xef) {
+    n = 3;
+    if (lead == 0xe0) lo = 0xa0;  // overlong below U+0800
+    if (lead == 0xed) hi = 0x9f;  // UTF-16 surrogates
+  } else if (lead >= 0xf0 && lead <= 0xf4) {
+    n = 4;
+    if (lead == 0xf0) lo = 0x90;  // overlong below U+10000
+    if (lead == 0xf4) hi = 0x8f;  // above U+10FFFF
+  } else {
+    return 0;  // continuation byte, 0xc0/0xc1 (overlong) or 0xf5..0xff
+  }
+  if (s.size() - i < n) return 0;
+  if (byte(i + 1) < lo || byte(i + 1) > hi) return 0;
+  for (std::size_t k = 2; k < n; ++k)
+    if (byte(i + k) < 0x80 || byte(i + k) > 0xbf) return 0;
+  return n;
+}
+
+}  // namespace
+
+std::string valid_utf8(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8_sequence_length(s, i);
+    if (n == 0) {
+      out += "\xef\xbf\xbd";  // U+FFFD REPLACEMENT CHARACTER, for one byte
+      ++i;
+    } else {
+      out.append(s.substr(i, n));
+      i += n;
+    }
+  }
+  return out;
+}
+
+namespace {
+
 /// Appends JSON text to a string: objects and arrays with commas placed by a
 /// "first item" flag per nesting level.
 class json_writer {
@@ -92,9 +141,9 @@ class json_writer {
     if (!first_.back()) out_ += ',';
     first_.back() = false;
   }
-  void string_literal(std::string_view s) {
+  void string_literal(std::string_view text) {
     out_ += '"';
-    for (const char ch : s) {
+    for (const char ch : valid_utf8(text)) {
       const auto c = static_cast<unsigned char>(ch);
       switch (c) {
         case '"': out_ += "\\\""; break;
@@ -110,7 +159,7 @@ class json_writer {
             std::snprintf(buf, sizeof buf, "\\u%04x", c);
             out_ += buf;
           } else {
-            out_ += ch;  // UTF-8 passes through
+            out_ += ch;  // valid UTF-8 (valid_utf8) passes through
           }
       }
     }
@@ -137,7 +186,8 @@ class pickle_writer {
   void begin_tuple() { out_ += '('; }    // MARK
   void end_tuple() { out_ += 't'; }      // TUPLE
   void key(std::string_view k) { value(k); }
-  void value(std::string_view v) {
+  void value(std::string_view text) {
+    const std::string v = valid_utf8(text);  // pickle.load decodes BINUNICODE as strict UTF-8
     out_ += 'X';  // BINUNICODE: 4-byte little-endian length, UTF-8 bytes
     little_endian(static_cast<std::uint64_t>(v.size()), 4);
     out_ += v;

@@ -16,6 +16,7 @@
 #include <ccalloc/core/history.hpp>
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace ccalloc {
@@ -42,15 +43,26 @@ struct memory_snapshot {
 ///   per_process_memory_fraction, trim_on_new_peak)
 /// - "external_annotations": [{device, time_us, <key>: <value>...}]
 /// Frames are [{name, filename, line}]. Integers are exact decimals; strings
-/// are UTF-8 with JSON escapes (RFC 8259). Pure function.
+/// are UTF-8 with JSON escapes (RFC 8259): control characters as \uXXXX or
+/// their short escapes, and each byte that does not start a valid UTF-8
+/// sequence replaced by U+FFFD (valid_utf8), so that the text is valid UTF-8
+/// whatever bytes a frame, tag or metadata string holds. Pure function.
 [[nodiscard]] std::string to_json(const memory_snapshot& snapshot);
+
+/// `text` with each byte that does not start a valid UTF-8 sequence (RFC
+/// 3629: lone continuation bytes, truncated sequences, overlong encodings,
+/// surrogates, code points above U+10FFFF) replaced by U+FFFD, one per
+/// byte that is not part of a valid sequence;
+/// valid text is returned unchanged. to_json and to_pickle write every
+/// string through it. Pure function.
+[[nodiscard]] std::string valid_utf8(std::string_view text);
 
 /// The snapshot as the bytes of the pickle torch.cuda.memory._dump_snapshot
 /// writes (protocol 2): the dictionary to_json describes, with
 /// segment_pool_id a tuple (what python/ccalloc/snapshot.py makes of the
 /// JSON). torch.cuda._memory_viz, the memory_viz web page and `ccalloc
-/// report` read it. Strings must be UTF-8 (Python's unpickler rejects
-/// others, as json.loads does). Frames come from each context's to_frames()
+/// report` read it. Strings go through valid_utf8 (Python's unpickler
+/// rejects invalid UTF-8). Frames come from each context's to_frames()
 /// (exceptions it throws propagate). Pure function otherwise.
 [[nodiscard]] std::string to_pickle(const memory_snapshot& snapshot);
 
