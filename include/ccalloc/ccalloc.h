@@ -428,7 +428,14 @@ CCALLOC_API ccalloc_status_t ccalloc_record_history_ex(ccalloc_allocator_t* allo
  * PyTorch's viewers read. snprintf-style, as ccalloc_get_config: writes at
  * most capacity - 1 bytes and a NUL to `buffer` (NULL when capacity is 0)
  * and sets *length to the full length without the NUL; call once with
- * capacity 0 to learn the size. Locks each device while it walks it. */
+ * capacity 0 to learn the size, then with capacity *length + 1. With
+ * history recorded, the `snapshot` entry PyTorch records for each snapshot
+ * is recorded only by a call whose buffer held the whole text, after the
+ * text was made: it shows in the next snapshot, and the size query changes
+ * nothing, so the second call fits unless other threads allocate or free
+ * in between (then call again while *length >= capacity). Errors:
+ * INVALID_ARGUMENT for a NULL length or a NULL buffer with capacity > 0.
+ * Thread safe; locks each device while it walks it. */
 CCALLOC_API ccalloc_status_t ccalloc_snapshot_json(ccalloc_allocator_t* alloc, int include_traces, char* buffer,
                                                    size_t capacity, size_t* length);
 

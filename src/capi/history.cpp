@@ -129,13 +129,19 @@ ccalloc_status_t ccalloc_snapshot_json(ccalloc_allocator_t* alloc, int include_t
   return guarded([&] {
     require(length, "ccalloc_snapshot_json", "length");
     if (capacity > 0) require(buffer, "ccalloc_snapshot_json", "buffer (with capacity > 0)");
-    const std::string text = ccalloc::to_json(resolve(alloc).snapshot(include_traces != 0));
+    // The `snapshot` history entry is recorded after the text is made and
+    // only by a call that returns all of it: a size query (or a too small
+    // buffer) leaves the history as it was, so the next call's text has the
+    // length this one reported.
+    auto& a = resolve(alloc);
+    const std::string text = ccalloc::to_json(a.snapshot(include_traces != 0, /*record_entry=*/false));
     if (capacity > 0) {
       const std::size_t n = std::min(text.size(), capacity - 1);
       std::memcpy(buffer, text.data(), n);
       buffer[n] = '\0';
     }
     *length = text.size();
+    if (capacity > text.size()) a.record_snapshot_entry();
   });
 }
 

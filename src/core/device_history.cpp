@@ -139,18 +139,18 @@ std::vector<annotation_entry> device_caching_allocator::annotations() const {
   return state_->history_.annotations();
 }
 
-std::vector<segment_info> device_caching_allocator::snapshot_segments() {
+void device_caching_allocator::record_snapshot_entry() {
   auto& s = *state_;
-  if (s.history_.active()) {
-    detail::tracker_delivery deliver;
-    std::size_t active_bytes = 0;
-    {
-      world_lock w(s);
-      s.publish_all_pending_stats(w);
-      active_bytes = static_cast<std::size_t>(s.stats_.active_bytes[0].current);
-      s.history_.record(trace_entry_action::snapshot, 0, active_bytes, 0, nullptr);
-    }
-  }
+  if (!s.history_.active()) return;
+  detail::tracker_delivery deliver;
+  world_lock w(s);
+  s.publish_all_pending_stats(w);
+  const auto active_bytes = static_cast<std::size_t>(s.stats_.active_bytes[0].current);
+  s.history_.record(trace_entry_action::snapshot, 0, active_bytes, 0, nullptr);
+}
+
+std::vector<segment_info> device_caching_allocator::snapshot_segments(bool record_entry) {
+  if (record_entry) record_snapshot_entry();
   // PyTorch's layout for expandable segments: each run of mapped pages is a
   // segment of its own (total_size = the run's bytes), unmapped ranges are
   // left out (torch.cuda.memory._snapshot() does the same).

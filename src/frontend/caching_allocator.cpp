@@ -428,11 +428,15 @@ void caching_allocator::attach_mapping_listener(mapping_listener listener) {
   for (auto& d : devices_) d->attach_mapping_listener(listener);
 }
 
-memory_snapshot caching_allocator::snapshot(bool include_traces) const {
+void caching_allocator::record_snapshot_entry() const {
+  for (auto& d : devices_) d->record_snapshot_entry();
+}
+
+memory_snapshot caching_allocator::snapshot(bool include_traces, bool record_entry) const {
   memory_snapshot out;
   out.config = config();
   for (auto& d : devices_) {
-    std::vector<segment_info> segments = d->snapshot_segments();
+    std::vector<segment_info> segments = d->snapshot_segments(record_entry);
     out.segments.insert(out.segments.end(), std::make_move_iterator(segments.begin()),
                         std::make_move_iterator(segments.end()));
     out.device_traces.push_back(include_traces ? d->trace_entries() : std::vector<trace_entry>{});

@@ -228,9 +228,13 @@ class device_caching_allocator {
   [[nodiscard]] std::vector<trace_entry> trace_entries() const;
   /// The recorded annotations, oldest first.
   [[nodiscard]] std::vector<annotation_entry> annotations() const;
-  /// Records a `snapshot` entry (size = active bytes) if history is enabled,
-  /// then returns segments(); what caching_allocator::snapshot calls.
-  [[nodiscard]] std::vector<segment_info> snapshot_segments();
+  /// Records a `snapshot` entry (size = active bytes) if history is enabled
+  /// and `record_entry`, then returns segments() with each mapped run of an
+  /// expandable segment as a segment of its own; what
+  /// caching_allocator::snapshot calls.
+  [[nodiscard]] std::vector<segment_info> snapshot_segments(bool record_entry = true);
+  /// Records a `snapshot` entry (size = active bytes) if history is enabled.
+  void record_snapshot_entry();
 
 
 

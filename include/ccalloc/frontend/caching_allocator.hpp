@@ -402,8 +402,14 @@ class caching_allocator {
   /// the annotations and the settings in force (F13; PyTorch: snapshot).
   /// Each device is walked under its own locks: with concurrent allocations
   /// the devices are not captured at one instant. Before init(): empty.
-  /// to_json() writes it for python/ccalloc/snapshot.py.
-  [[nodiscard]] memory_snapshot snapshot(bool include_traces = true) const;
+  /// to_json() writes it for python/ccalloc/snapshot.py. With
+  /// record_entry false no `snapshot` entry is recorded (what
+  /// ccalloc_snapshot_json uses so that a size query and the call that
+  /// fills the buffer see the same history).
+  [[nodiscard]] memory_snapshot snapshot(bool include_traces = true, bool record_entry = true) const;
+  /// Records a `snapshot` history entry on every device whose history is
+  /// recorded, as snapshot() does first. Thread-safe.
+  void record_snapshot_entry() const;
 
   /// Replaces the configuration of every device with `text` applied on top of
   /// the current one (F30). Throws config_error; nothing changes then.
