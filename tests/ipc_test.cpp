@@ -125,10 +125,10 @@ TEST(IpcHandle, MalformedInputsNameWhatIsWrong) {
   EXPECT_NE(with(64 + 2, 0x30).find("is not a power of two"), std::string::npos);
   // First page 2 instead of 1.
   EXPECT_NE(with(72, 2).find("do not cover the block exactly"), std::string::npos);
-  // fd index 3 of 3 pages.
-  EXPECT_NE(with(88, 3).find("page 0: fd index 3 is not below the page count 3"), std::string::npos);
-  // Lease fd index 9 of 3 pages (at most the page count), reserved lease bytes.
-  EXPECT_EQ(with(124, 9), "ipc handle: lease fd index 9 is above the page count 3");
+  // fd index 3 for page 0.
+  EXPECT_EQ(with(88, 3), "ipc handle: page 0: fd index 3 is not 0 (page i's descriptor is the i-th sent)");
+  // Lease fd index 9 of 3 pages (it is the page count), reserved lease bytes.
+  EXPECT_EQ(with(124, 9), "ipc handle: lease fd index 9 is not the page count 3 (the lease's descriptor follows the pages')");
   EXPECT_EQ(with(128, 1), "ipc handle: reserved lease bytes are not 0");
   // Block passes the end of its segment.
   ipc_handle h = plain_handle();
@@ -142,6 +142,79 @@ TEST(IpcHandle, MalformedInputsNameWhatIsWrong) {
   p.pop_back();
   p[56] = 63;
   EXPECT_EQ(parse_error(p), "ipc handle: a plain handle's payload is 64 bytes, not 63");
+}
+
+// Every single-bit flip of a valid 120-byte expandable handle (two pages,
+// version 2) is refused naming a field, or lies in a field the header
+// documents as not checkable without the producer.
+TEST(IpcHandle, EveryBitFlipIsRefusedOrInADocumentedUncheckedField) {
+  ipc_handle h = expandable_handle();
+  h.producer_pid = 31337;
+  h.offset_bytes = page - 4096;  // pages 0..1
+  h.size_bytes = 8192;
+  h.first_page = 0;
+  h.pages = {{0, 4 * page}, {1, 9 * page}};
+  h.lease_fd_index = 2;
+  const std::string good = encode_ipc_handle(h);
+  ASSERT_EQ(good.size(), 120u);
+  // [first, last] byte ranges whose flips may still parse (ipc_handle.hpp,
+  // "Not checkable without the producer").
+  struct field {
+    std::size_t first, last;
+    const char* name;
+  };
+  const std::vector<field> unchecked = {
+      {12, 15, "device"},          {16, 19, "producer pid"}, {24, 31, "segment id"},
+      {32, 39, "segment size"},    {40, 47, "block offset"}, {48, 55, "block size"},
+      {92, 99, "page 0's file offset"}, {104, 111, "page 1's file offset"}};
+  std::size_t refused = 0, accepted = 0;
+  std::vector<std::size_t> refused_per_byte(good.size(), 0);
+  for (std::size_t at = 0; at < good.size(); ++at) {
+    for (int bit = 0; bit < 8; ++bit) {
+      std::string b = good;
+      b[at] = static_cast<char>(b[at] ^ (1 << bit));
+      try {
+        (void)parse_ipc_handle(b);
+        ++accepted;
+        const bool documented = std::any_of(unchecked.begin(), unchecked.end(),
+                                            [&](const field& f) { return at >= f.first && at <= f.last; });
+        EXPECT_TRUE(documented) << "byte " << at << " bit " << bit << " parsed: not a documented unchecked field";
+      } catch (const invalid_argument_error& e) {
+        ++refused;
+        ++refused_per_byte[at];
+        EXPECT_EQ(std::string(e.what()).rfind("ipc handle: ", 0), 0u) << e.what();
+      }
+    }
+  }
+  // The flips the hostile-input trial opened: refused now, each naming its field.
+  auto flip = [&](std::size_t at, int bit) {
+    std::string b = good;
+    b[at] = static_cast<char>(b[at] ^ (1 << bit));
+    return parse_error(b);
+  };
+  EXPECT_EQ(refused_per_byte[19], 8u) << "pid above 2^22";
+  EXPECT_NE(flip(19, 0).find("producer pid"), std::string::npos);
+  EXPECT_EQ(refused_per_byte[24], 8u) << "segment id below the page size's alignment";
+  EXPECT_NE(flip(24, 3).find("segment id"), std::string::npos);
+  EXPECT_EQ(refused_per_byte[31], 7u) << "segment id outside 57 bits (bit 56 stays inside)";
+  EXPECT_EQ(refused_per_byte[39], 7u) << "segment size outside 57 bits (bit 56 stays inside)";
+  EXPECT_NE(flip(34, 0).find("segment size"), std::string::npos);
+  EXPECT_EQ(refused_per_byte[88], 8u);
+  EXPECT_NE(flip(88, 0).find("page 0: fd index 1 is not 0"), std::string::npos);
+  EXPECT_EQ(refused_per_byte[100], 8u);
+  EXPECT_NE(flip(100, 0).find("page 1: fd index 0 is not 1"), std::string::npos);
+  for (std::size_t at : {0u, 8u, 10u, 11u, 20u, 56u, 64u, 72u, 80u, 84u, 112u, 116u})
+    EXPECT_EQ(refused_per_byte[at], 8u) << "byte " << at;
+  EXPECT_EQ(refused + accepted, 960u);
+  EXPECT_GT(refused, 650u) << refused << " refused, " << accepted << " accepted";
+  // A pid of 0 names the field too.
+  h.producer_pid = 0;
+  try {
+    (void)encode_ipc_handle(h);
+    ADD_FAILURE() << "pid 0 was encoded";
+  } catch (const invalid_argument_error& e) {
+    EXPECT_STREQ(e.what(), "ipc handle: producer pid 0 is not in [1, 4194304]");
+  }
 }
 
 TEST(IpcHandle, SeedCorpusParsesAsExpected) {

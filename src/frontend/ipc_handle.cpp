@@ -55,11 +55,22 @@ class reader {
   std::size_t at_ = 0;
 };
 
+// The largest process id Linux hands out (PID_MAX_LIMIT on 64-bit systems).
+constexpr std::uint32_t max_pid = std::uint32_t{1} << 22;
+// Device addresses lie in a process's address space: 57 bits at most (x86-64
+// with 5-level paging; 48 otherwise).
+constexpr std::uint64_t address_limit = std::uint64_t{1} << 57;
+
 // The rules shared by the encoder and the parser.
 void validate(const ipc_handle& h) {
   if (h.version == 0 || h.version > ipc_handle_version)
     fail("version " + std::to_string(h.version) + " is not in [1, " + std::to_string(ipc_handle_version) + "]");
   if (h.device < 0) fail("device " + std::to_string(h.device) + " is negative");
+  if (h.producer_pid == 0 || h.producer_pid > max_pid)
+    fail("producer pid " + std::to_string(h.producer_pid) + " is not in [1, " + std::to_string(max_pid) + "]");
+  if (h.segment_id == 0 || h.segment_id >= address_limit || h.segment_bytes > address_limit - h.segment_id)
+    fail("segment id " + std::to_string(h.segment_id) + " (the segment's base address) with segment size " +
+         std::to_string(h.segment_bytes) + " is not inside a 57-bit address space");
   if (h.size_bytes == 0) fail("block size is 0");
   if (h.offset_bytes > h.segment_bytes || h.size_bytes > h.segment_bytes - h.offset_bytes)
     fail("block [offset " + std::to_string(h.offset_bytes) + ", +" + std::to_string(h.size_bytes) +
@@ -76,6 +87,9 @@ void validate(const ipc_handle& h) {
   if (h.segment_bytes % p != 0)
     fail("segment size " + std::to_string(h.segment_bytes) + " is not a multiple of the page size " +
          std::to_string(p));
+  if (h.segment_id % p != 0)
+    fail("segment id " + std::to_string(h.segment_id) + " (the segment's base address) is not a multiple of the page size " +
+         std::to_string(p));
   const std::uint64_t first = h.offset_bytes / p;
   const std::uint64_t last = (h.offset_bytes + h.size_bytes - 1) / p;
   if (h.first_page != first || h.pages.size() != last - first + 1)
@@ -83,17 +97,18 @@ void validate(const ipc_handle& h) {
          ") do not cover the block exactly (it needs pages [" + std::to_string(first) + ", +" +
          std::to_string(last - first + 1) + ") of " + std::to_string(p) + " bytes)");
   for (std::size_t i = 0; i < h.pages.size(); ++i) {
-    if (h.pages[i].fd_index >= h.pages.size())
-      fail("page " + std::to_string(i) + ": fd index " + std::to_string(h.pages[i].fd_index) +
-           " is not below the page count " + std::to_string(h.pages.size()));
+    // Each page has a descriptor of its own, sent in page order.
+    if (h.pages[i].fd_index != i)
+      fail("page " + std::to_string(i) + ": fd index " + std::to_string(h.pages[i].fd_index) + " is not " +
+           std::to_string(i) + " (page i's descriptor is the i-th sent)");
     if (h.pages[i].file_offset % p != 0)
       fail("page " + std::to_string(i) + ": file offset " + std::to_string(h.pages[i].file_offset) +
            " is not a multiple of the page size");
   }
   if (!h.has_lease() && h.lease_fd_index != 0) fail("a version 1 handle has no lease");
-  if (h.has_lease() && h.lease_fd_index > h.pages.size())
-    fail("lease fd index " + std::to_string(h.lease_fd_index) + " is above the page count " +
-         std::to_string(h.pages.size()));
+  if (h.has_lease() && h.lease_fd_index != h.pages.size())
+    fail("lease fd index " + std::to_string(h.lease_fd_index) + " is not the page count " +
+         std::to_string(h.pages.size()) + " (the lease's descriptor follows the pages')");
 }
 
 }  // namespace

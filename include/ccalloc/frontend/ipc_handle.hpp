@@ -25,7 +25,7 @@
 //   10     1     kind: 1 plain, 2 expandable
 //   11     1     reserved, 0
 //   12     4     device (int32, >= 0)
-//   16     4     producer process id (uint32; informational, part of the cache key)
+//   16     4     producer process id (uint32, 1..2^22; the cache key, pidfd_getfd)
 //   20     4     reserved, 0
 //   24     8     segment id: the producer's segment base address
 //   32     8     segment size in bytes (plain: the allocation; expandable: the reservation)
@@ -36,14 +36,37 @@
 //     plain:      64 bytes cudaIpcMemHandle_t
 //     expandable: 8 page size (power of two), 8 index of the first page in the
 //                 segment, 4 page count n (>= 1), 4 reserved 0, then n x
-//                 {4 fd index, 8 offset in that file (a multiple of the page size)}.
+//                 {4 fd index (= the page's position i), 8 offset in that file (a multiple
+//                 of the page size)}.
 //                 The pages must cover [offset, offset + size) exactly:
 //                 first page = offset / page size, last = (offset + size - 1) / page size.
 //                 Version 2 adds, after the pages: 4 index of the lease descriptor
-//                 (<= page count), 4 reserved 0. The lease is a small shared memory
+//                 (= page count), 4 reserved 0. The lease is a small shared memory
 //                 file of the producer in which each importing process holds a slot
 //                 while it has the range mapped (docs/design.md, "IPC of expandable
 //                 memory"); a version 1 expandable handle has none.
+//
+// What the parser checks, field by field (a handle that breaks a rule is
+// refused with a message naming the field): magic, version (1..2), kind
+// (1, 2), every reserved byte 0, device >= 0, producer pid in [1, 2^22]
+// (Linux's PID_MAX_LIMIT), segment id != 0 and segment id + segment size
+// inside a 57-bit address space, block size > 0 and offset + size <= segment
+// size, the payload size matching the kind and the bytes present; for
+// expandable handles also: page size a power of two, segment id and segment
+// size multiples of it, the first page and the page count exactly those
+// covering [offset, offset + size), page i's fd index = i, file offsets
+// multiples of the page size, and (version 2) the lease fd index = the page
+// count. open_ipc_handle checks the number of descriptors received against
+// fd_count() and the backend checks each descriptor (the simulated device:
+// a memory file the page's range lies inside).
+// Not checkable without the producer, so taken as given: which process the
+// pid names (pidfd_open fails for one that does not exist), the segment id's
+// and the segment size's other bits (the segment id is the producer's
+// address, used here only as part of the cache key; the segment size is
+// informational beyond the rules above), the device index (the opening
+// allocator refuses one it does not have), the block offset and size inside
+// the pages the rules fix, the file offsets inside their files, and the
+// 64 bytes of a plain handle's cudaIpcMemHandle_t (CUDA checks them).
 //
 // Compatibility: a reader accepts versions <= its own; a newer version is
 // rejected with a message that says to upgrade the reader. New fields go into
@@ -96,7 +119,7 @@ struct ipc_handle {
   std::uint64_t first_page = 0;      ///< index of pages[0] in the segment
   std::vector<ipc_page> pages;       ///< the pages covering the block, in order
   /// Version >= 2, expandable: index of the lease file's descriptor among
-  /// those sent with the handle (<= pages.size()).
+  /// those sent with the handle (= pages.size()).
   std::uint32_t lease_fd_index = 0;
 
   /// True for an expandable handle of version >= 2 (it carries a lease).
@@ -119,8 +142,9 @@ struct ipc_handle {
 /// upgrade the reader"), version 0, unknown kind, nonzero reserved fields, a
 /// negative device, a block outside its segment, a payload size that does
 /// not match the kind or the bytes present, a page size that is not a power
-/// of two, pages that do not cover the block, an fd index above the page
-/// count, a lease fd index above the page count. Never reads past `bytes`.
+/// of two, pages that do not cover the block, an fd index that is not the
+/// page's position, a lease fd index that is not the page count, a producer
+/// pid or segment outside the ranges above. Never reads past `bytes`.
 [[nodiscard]] ipc_handle parse_ipc_handle(std::string_view bytes);
 
 }  // namespace ccalloc
