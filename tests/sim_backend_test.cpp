@@ -917,3 +917,48 @@ TEST(SimBackend, DeviceCountIsBounded) {
 }
 
 }  // namespace
+
+namespace {
+
+// Handles with the per-thread bit: only the calling thread's resolved
+// per-thread stream is one (another thread's, or a made-up handle, is not).
+TEST(SimBackend, OnlyTheCallingThreadsPerThreadStreamIsAStream) {
+  auto sim = std::make_shared<sim_backend>(sim_options{});
+  const ccalloc::stream_t mine = sim->resolve_stream(0, ccalloc::per_thread_stream_handle);
+  ccalloc::stream_t theirs = 0;
+  std::thread([&] { theirs = sim->resolve_stream(0, ccalloc::per_thread_stream_handle); }).join();
+  EXPECT_TRUE(sim->is_stream(0, mine));
+  EXPECT_FALSE(sim->is_stream(0, theirs));
+  EXPECT_FALSE(sim->is_stream(0, std::numeric_limits<ccalloc::stream_t>::max()));
+  ccalloc::caching_allocator a(sim);
+  a.init(1);
+  try {
+    (void)a.malloc(0, 10, std::numeric_limits<ccalloc::stream_t>::max());
+    ADD_FAILURE() << "a made-up per-thread handle was accepted";
+  } catch (const ccalloc::invalid_argument_error& e) {
+    EXPECT_NE(std::string(e.what()).find("which is not a live stream of that device"), std::string::npos) << e.what();
+  }
+  void* p = a.malloc(0, 10, ccalloc::per_thread_stream_handle);
+  EXPECT_NE(p, nullptr);
+  a.free(p);
+}
+
+// set_memory_fraction(-0.0) is refused as the configuration key
+// per_process_memory_fraction:-0 is, and the fraction stays.
+TEST(SimBackend, NegativeZeroMemoryFractionIsRefusedLikeTheConfigKey) {
+  ccalloc::caching_allocator a(std::make_shared<sim_backend>(sim_options{}));
+  a.init(1);
+  a.set_memory_fraction(0.5, 0);
+  try {
+    a.set_memory_fraction(-0.0, 0);
+    ADD_FAILURE() << "-0 was accepted";
+  } catch (const ccalloc::invalid_argument_error& e) {
+    EXPECT_STREQ(e.what(), "ccalloc: memory fraction -0 for device 0 is a negative zero; write 0");
+  }
+  EXPECT_EQ(a.device_allocator(0).memory_fraction(), 0.5);
+  EXPECT_THROW(a.set_config("per_process_memory_fraction:-0"), ccalloc::config_error);
+  a.set_memory_fraction(0.0, 0);
+  EXPECT_EQ(a.device_allocator(0).memory_fraction(), 0.0);
+}
+
+}  // namespace

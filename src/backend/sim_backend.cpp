@@ -279,7 +279,7 @@ void sim_backend::synchronize_device(int device) {
 
 bool sim_backend::is_stream(int device, stream_t stream) {
   std::lock_guard lock(impl_->mutex);
-  return stream == default_stream || is_per_thread_stream(stream) || impl::created(impl_->dev(device), stream);
+  return stream == default_stream || is_calling_thread_stream(stream) || impl::created(impl_->dev(device), stream);
 }
 
 bool sim_backend::is_capturing(int device, stream_t stream) {

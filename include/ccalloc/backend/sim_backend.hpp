@@ -307,8 +307,11 @@ class sim_backend final : public device_backend {
   /// Throws invalid_argument_error for a handle that is not a live stream
   /// create_stream or adopt_stream made on `device`.
   void destroy_stream(int device, stream_t stream) override;
-  /// The default stream, a per-thread default stream, or a live stream
-  /// create_stream or adopt_stream made on `device`. Thread-safe.
+  /// The default stream, the calling thread's per-thread default stream
+  /// (resolve_stream of per_thread_stream_handle on this thread; another
+  /// thread's, or any other handle with the per-thread bit, is not: no
+  /// thread can name it, as in CUDA), or a live stream create_stream or
+  /// adopt_stream made on `device`. Thread-safe.
   [[nodiscard]] bool is_stream(int device, stream_t stream) override;
   [[nodiscard]] event_t create_event(int device) override;
   void destroy_event(int device, event_t event) override;
