@@ -411,9 +411,6 @@ TEST(ConfigTest, BadValuesNameKeyValueAndAcceptedRange) {
       {"per_process_memory_fraction:-0.5",
        "ccalloc config: per_process_memory_fraction:-0.5 is out of range (accepted: a number "
        "in [0, 1])"},
-      {"per_process_memory_fraction:-0",
-       "ccalloc config: per_process_memory_fraction:-0 is not a valid value: a negative zero; write 0 "
-       "(accepted: a number in [0, 1])"},
       {"expandable_segments:yes",
        "ccalloc config: expandable_segments:yes is not a valid value (accepted: True or False "
        "(also true/false, 1/0))"},

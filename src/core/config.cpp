@@ -374,8 +374,7 @@ const std::array<key_spec, 22>& key_table() {
        [](allocator_config& c, std::string_view value) {
          const double fraction = parse_double(value);
          if (!(fraction >= 0.0 && fraction <= 1.0)) throw_out_of_range();
-         if (std::signbit(fraction)) throw_malformed("a negative zero; write 0");
-         c.per_process_memory_fraction = fraction;
+         c.per_process_memory_fraction = fraction + 0.0;  // -0 is 0, as set_memory_fraction takes it
          c.memory_fraction_set = true;
        },
        [](const allocator_config& c) -> std::optional<std::string> {

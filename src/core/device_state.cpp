@@ -6,7 +6,6 @@
 #include "detail/format.hpp"
 
 #include <atomic>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -102,9 +101,6 @@ void device_state::set_memory_fraction(double fraction, const world_lock& w) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
     throw invalid_argument_error("ccalloc: memory fraction " + format_double(fraction) +
                                  " for device " + std::to_string(device_) + " is outside [0, 1]");
-  if (std::signbit(fraction))  // as the configuration key refuses per_process_memory_fraction:-0
-    throw invalid_argument_error("ccalloc: memory fraction -0 for device " + std::to_string(device_) +
-                                 " is a negative zero; write 0");
   // fraction x total in double: at 2^64 bytes and above (a huge simulated
   // device) the conversion would overflow; the cap is then no cap.
   const double allowed_real = fraction * static_cast<double>(device_total_bytes_);
