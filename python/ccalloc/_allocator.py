@@ -715,9 +715,9 @@ class Allocator:
         flag = 1 if include_traces else 0
         _check(lib.ccalloc_snapshot_json(self._h, flag, None, 0, ctypes.byref(length)))
         while True:
-            # Room to spare: with history on, each call records a `snapshot`
-            # entry, so the text grows a little between two calls.
-            buffer = ctypes.create_string_buffer(2 * length.value + 65536)
+            # The size query records nothing, so length + 1 fits unless other
+            # threads allocate in between; then the loop asks again.
+            buffer = ctypes.create_string_buffer(length.value + 1)
             _check(lib.ccalloc_snapshot_json(self._h, flag, buffer, len(buffer), ctypes.byref(length)))
             if length.value < len(buffer):
                 return buffer.value.decode()
