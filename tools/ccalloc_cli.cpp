@@ -377,21 +377,32 @@ void write_output_file(const std::string& path, const std::string& content, cons
 }
 
 /// Checks, before a long replay, that write_output_file(path, ...) can create
-/// or replace `path` and that `path` is not the trace `input` (the same
-/// file under any name: writing would destroy it): opens it for writing
+/// or replace `path` and that `path` is no file the command reads: the trace
+/// `input` or the native_peaks.json beside it (the same file under any name:
+/// writing would destroy it): opens it for writing
 /// without truncating, and without waiting (a FIFO with no reader is
 /// refused rather than waited for), and removes it again when this call
 /// created it. Throws usage_error "<what> would overwrite the trace
-/// <input> ..." or the error of write_output_file ("cannot write <what> to
-/// <path>: <errno text>"; "...: a FIFO with no reader ..." for a FIFO).
+/// <input> ..." (or "... the native figures <file> ...") or the error of
+/// write_output_file ("cannot write <what> to <path>: <errno text>"; "...: a
+/// FIFO with no reader ..." for a FIFO).
 void check_output_file(const std::string& path, const std::string& what, const std::string& input) {
   struct stat before {};
   const bool existed = ::stat(path.c_str(), &before) == 0;
-  struct stat trace_stat {};
-  if (existed && !input.empty() && ::stat(input.c_str(), &trace_stat) == 0 && trace_stat.st_dev == before.st_dev &&
-      trace_stat.st_ino == before.st_ino)
+  const auto same_file = [&](const std::string& other) {
+    struct stat other_stat {};
+    return existed && !other.empty() && ::stat(other.c_str(), &other_stat) == 0 &&
+           other_stat.st_dev == before.st_dev && other_stat.st_ino == before.st_ino;
+  };
+  if (same_file(input))
     throw usage_error(what + " would overwrite the trace " + input + " (" + path +
                       " is the same file); write it to another file");
+  if (!input.empty()) {
+    const std::string native = ccalloc::native_peaks_path_beside(input);
+    if (same_file(native))
+      throw usage_error(what + " would overwrite the native figures " + native + " (" + path +
+                        " is the same file), which the command reads beside the trace; write it to another file");
+  }
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0666);
   if (fd < 0) {
     const int err = errno;
@@ -667,7 +678,7 @@ void print_sleep_events(const ccalloc::replay_result& r, const char* indent) {
                                          "copied", "paused now", "reserved after"};
   std::vector<std::vector<std::string>> rows;
   for (const ccalloc::replay_sleep_event& e : r.sleep_events)
-    rows.push_back({with_commas(e.line), e.pause ? (e.keep_contents ? "pause+keep" : "pause") : "resume", e.tag,
+    rows.push_back({e.line ? with_commas(e.line) : std::string("pass end"), e.pause ? (e.keep_contents ? "pause+keep" : "pause") : "resume", e.tag,
                     gib(e.paused_bytes), gib(e.released_bytes), gib(e.copied_bytes), gib(e.paused_total_bytes),
                     gib(e.reserved_bytes)});
   print_table(head, rows, indent);
@@ -1022,7 +1033,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
   options.after_event = [&](std::size_t i, ccalloc::caching_allocator& allocator) {
     if ((i & 4095) == 0) progress.update(i, total);
     if (!snapshot_path.empty() && i + 1 == total) snapshot_json = ccalloc::to_json(allocator.snapshot());
-    if (has_pauses) peak_unpaused = std::max(peak_unpaused, ccalloc::unpaused_allocated_bytes(allocator));
+    if (has_pauses) ccalloc::raise_peak_unpaused_allocated_bytes(peak_unpaused, allocator);
     return true;
   };
   const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
