@@ -1282,6 +1282,12 @@ int run(int argc, char** argv) {
 
   CLI::App* keys = app.add_subcommand("config-keys", "List the configuration keys.");
 
+  // --version prints the version and exits 0 before CLI11 looks at the
+  // other arguments: with any of them it is a usage error, not a success.
+  if (argc > 2 && std::any_of(argv + 1, argv + argc, [](const char* a) { return std::string_view(a) == "--version"; })) {
+    std::fprintf(stderr, "ccalloc: --version takes no other arguments (see ccalloc --help)\n");
+    return 2;
+  }
   // A first word that is no option and no subcommand: CLI11 would say only
   // that a subcommand is required; name the word and the subcommands.
   if (argc >= 2 && argv[1][0] != '-') {
