@@ -317,7 +317,7 @@ class read_progress {
     last_ = now;
     const double seconds = std::chrono::duration<double>(now - start_).count();
     std::fprintf(stderr, "%sccalloc: reading %s: %3.0f%%  %s of %s bytes, %.0f s%s", tty_ ? "\r" : "",
-                 ccalloc::printable_text(path_).c_str(), total ? 100.0 * double(done) / double(total) : 0.0,
+                 ccalloc::printable_name(path_).c_str(), total ? 100.0 * double(done) / double(total) : 0.0,
                  with_commas(done).c_str(), with_commas(total).c_str(), seconds, tty_ ? "\x1b[K" : "\n");
     std::fflush(stderr);
     shown_ = true;
@@ -351,7 +351,7 @@ loaded_trace load_trace(const std::string& path, ccalloc::trace_read_options rea
     out.native = ccalloc::native_reference_beside(path, &warning);
     if (!warning.empty()) std::cerr << "ccalloc: warning: " << ccalloc::printable_text(warning) << "\n";
     for (const std::string& note : out.trace.notes)
-      std::cerr << "ccalloc: note: " << ccalloc::printable_text(path + ": " + note) << "\n";
+      std::cerr << "ccalloc: note: " << ccalloc::printable_name(path) << ": " << ccalloc::printable_text(note) << "\n";
   }
   out.read_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -700,7 +700,7 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
                                 r.peak_allocated_bytes, r.peak_reserved_bytes}) {
     w = std::max(w, with_commas(b).size());
   }
-  print_row("trace", ccalloc::printable_text(input.trace.source));
+  print_row("trace", ccalloc::printable_name(input.trace.source));
   print_row("config", config_label(config));
   print_row("device", device_label(r, cuda_device));
   if (r.device == ccalloc::replay_device::sim)
@@ -836,7 +836,7 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
     for (std::size_t c = 1; c < cells.size(); ++c) text += "  " + right(cells[c], width[c]);
     std::printf("%s\n", text.c_str());
   };
-  std::printf("trace: %s (%s events)\ndevice: %s\n", ccalloc::printable_text(input.trace.source).c_str(),
+  std::printf("trace: %s (%s events)\ndevice: %s\n", ccalloc::printable_name(input.trace.source).c_str(),
               with_commas(input.trace.events.size()).c_str(), device.c_str());
   if (!results.empty() && results.front().device_lag_events != 0)
     std::printf("device lag: %llu events (the simulated device runs behind the host)\n",

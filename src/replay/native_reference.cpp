@@ -3,6 +3,7 @@
 #include <ccalloc/replay/native_reference.hpp>
 
 #include <ccalloc/replay/embedded.hpp>
+#include <ccalloc/replay/trace.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -99,13 +100,13 @@ std::optional<native_reference> native_reference_beside(const std::string& trace
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (json_nesting_depth(text, max_native_peaks_depth) > max_native_peaks_depth) {
     if (warning != nullptr)
-      *warning = "ignoring " + peaks_path.string() + ": nested more than " + std::to_string(max_native_peaks_depth) +
-                 " levels deep";
+      *warning = "ignoring " + printable_name(peaks_path.string()) + ": nested more than " +
+                 std::to_string(max_native_peaks_depth) + " levels deep";
     return std::nullopt;
   }
   json all = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (all.is_discarded() || !all.is_object()) {
-    if (warning != nullptr) *warning = "ignoring " + peaks_path.string() + ": not a JSON object";
+    if (warning != nullptr) *warning = "ignoring " + printable_name(peaks_path.string()) + ": not a JSON object";
     return std::nullopt;
   }
   const std::string name = trace_base_name(trace_file);
