@@ -87,7 +87,7 @@ double device_caching_allocator::memory_fraction() const {
 void device_caching_allocator::set_config(const allocator_config& config) {
   detail::tracker_delivery deliver;  // a new fraction may release segments
   auto& s = *state_;
-  s.check_expandable_supported(config);
+  s.expandable_.check_supported(config);
   world_lock w(s);
   s.publish_all_pending_stats(w);
   // A fraction set at run time (set_memory_fraction) stays unless the new
@@ -163,19 +163,20 @@ void device_caching_allocator::enable_peer_access(int peer) {
     throw backend_error("ccalloc: enable_peer_access: device " + std::to_string(peer) + " cannot access device " +
                         std::to_string(device_) + " on the '" + s.backend_.name() + "' backend (no peer-to-peer path)");
   world_lock w(s);
-  if (std::find(s.peers_.begin(), s.peers_.end(), peer) != s.peers_.end()) return;
+  const std::vector<int>& peers = s.expandable_.peers();
+  if (std::find(peers.begin(), peers.end(), peer) != peers.end()) return;
   for (auto& [base, seg] : s.segments_) {
     if (!seg->expandable) continue;
     for (std::size_t i = 0; i < seg->pages.count(); ++i)
       if (seg->pages.mapped(i))
         s.backend_.vm_set_access(device_, reinterpret_cast<void*>(base + i * seg->page_bytes), seg->page_bytes, peer);
   }
-  s.peers_.push_back(peer);
+  s.expandable_.add_peer(peer);
 }
 
 std::vector<int> device_caching_allocator::peers() const {
   world_lock w(*state_);
-  return state_->peers_;
+  return state_->expandable_.peers();
 }
 
 }  // namespace ccalloc

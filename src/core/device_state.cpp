@@ -28,9 +28,7 @@ device_state::device_state(int device, device_backend& backend, allocator_config
       config_(std::move(config)) {
   device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
   allowed_bytes_ = device_total_bytes_;
-  if (backend_.capabilities().virtual_memory) page_bytes_ = backend_.vm_granularity(device_);
-  stream_wait_supported_ = backend_.capabilities().stream_wait;
-  check_expandable_supported(config_);
+  expandable_.check_supported(config_);
   apply_thread_cache_setting(config_);
   stats_.max_split_size = config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                               ? -1
@@ -95,25 +93,6 @@ device_state::~device_state() {
       b = next;
     }
   }
-}
-
-void device_state::set_memory_fraction(double fraction, const world_lock& w) {
-  if (!(fraction >= 0.0 && fraction <= 1.0))
-    throw invalid_argument_error("ccalloc: memory fraction " + format_double(fraction) +
-                                 " for device " + std::to_string(device_) + " is outside [0, 1]");
-  // fraction x total in double: at 2^64 bytes and above (a huge simulated
-  // device) the conversion would overflow; the cap is then no cap.
-  const double allowed_real = fraction * static_cast<double>(device_total_bytes_);
-  constexpr auto max_bytes = std::numeric_limits<std::size_t>::max();
-  const std::size_t allowed = allowed_real >= static_cast<double>(max_bytes)  // 2^64 once a double
-                                  ? max_bytes
-                                  : static_cast<std::size_t>(allowed_real);
-  // Keep reserved <= the new cap where cached memory allows it. Before the
-  // cap changes: if the device fails meanwhile, the old cap stays in force.
-  if (reserved_bytes_ > allowed) release_cached_blocks(w);
-  fraction_ = fraction == 0.0 ? 0.0 : fraction;  // -0.0 becomes 0
-  set_fraction_ = true;
-  allowed_bytes_ = allowed;
 }
 
 }  // namespace ccalloc::detail

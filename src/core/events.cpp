@@ -99,7 +99,7 @@ void device_state::forget_gone_streams(world_lock& w) noexcept {
   if (gone_streams_ == 0) [[likely]]
     return;
   const auto names_retired = [&](const stream_state* ss) {
-    if (retired_pages_ == 0) return false;
+    if (expandable_.retired_pages() == 0) return false;
     for (const auto& [base, seg] : segments_)
       for (const segment::retired_page& r : seg->pages.retired())
         if (r.owner == ss) return true;

@@ -46,9 +46,9 @@ struct fence_stream_scope {
 };
 }  // namespace
 
-bool device_state::can_record_on(const stream_state& ss) const noexcept {
+bool device_fences::can_record_on(const stream_state& ss) const noexcept {
   if (ss.gone) return false;  // destroyed: stream_destroyed
-  return ss.stream == default_stream || (tls_fence_stream.device == this && tls_fence_stream.stream == ss.stream);
+  return ss.stream == default_stream || (tls_fence_stream.device == &d_ && tls_fence_stream.stream == ss.stream);
 }
 
 // The slow path, with the whole device locked. A request that fails (host
@@ -99,7 +99,7 @@ void device_state::discard_made_segment(const alloc_params& p) noexcept {
   for (const block* b = seg.head; b != nullptr; b = b->next)
     if (!b->is_free()) return;  // in use (never: the request failed)
   if (seg.expandable) {
-    discard_reservation(seg);
+    expandable_.discard_reservation(seg);
   } else {
     block* b = seg.head;
     if (b->next != nullptr) return;  // split (never: take_found_block failed before)
@@ -154,8 +154,8 @@ void prepare_climb(climb& c) {
   if (!c.capturing) {
     d.process_events_locked();
     if (!d.deferred_frees_.empty()) d.flush_deferred_frees();
-    if (d.page_bytes_ != 0 && d.config_.expandable_segments) d.fence_streams(c.w);
-    d.settle_retired(false);  // deferred unmaps whose fence has completed
+    if (d.expandable_.page_bytes() != 0 && d.config_.expandable_segments) d.fences_.fence_streams(c.w);
+    d.expandable_.settle_retired(false);  // deferred unmaps whose fence has completed
   }
   if (c.p.pool->blocks.owes()) c.p.pool->blocks.repay();
 }
@@ -194,22 +194,22 @@ void rung_garbage_collection(climb& c) {
 // every free page, retry. Then (no block) every free page goes back.
 block* rung_expandable(climb& c) {
   device_state& d = c.d;
-  d.no_address_space_ = false;
+  d.expandable_.clear_no_address_space();
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt == 1 && d.get_free_block(c.p)) return d.take_from_rung(c.p);
-    if (d.alloc_expandable(c.p, false, c.w) ||
+    if (d.expandable_.alloc_expandable(c.p, false, c.w) ||
         (d.release_cached_blocks(c.w, /*for_retry=*/true) &&
-         (d.get_free_block(c.p) || d.alloc_expandable(c.p, true, c.w))))
+         (d.get_free_block(c.p) || d.expandable_.alloc_expandable(c.p, true, c.w))))
       return d.take_from_rung(c.p);
-    if (d.no_address_space_) break;
+    if (d.expandable_.no_address_space()) break;
     if (!d.wait_for_completions_in_flight(c.w)) break;  // X7
   }
   // The retry kept the pages of the chosen run mapped: give them back too.
   if (!c.capturing) {
-    d.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
-    d.settle_retired(true);
+    d.expandable_.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
+    d.expandable_.settle_retired(true);
   }
-  d.release_empty_expandable_segments();
+  d.expandable_.release_empty_expandable_segments();
   return nullptr;
 }
 
@@ -272,11 +272,11 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
     // virtual memory, whatever expandable_segments says: pause releases
     // its pages and resume maps them again at the same addresses.
     const bool tagged = p.pool->priv != nullptr && p.pool->priv->tag != default_tag_id;
-    if ((config_.expandable_segments || tagged) && page_bytes_ != 0 && !custom) {
+    if ((config_.expandable_segments || tagged) && expandable_.page_bytes() != 0 && !custom) {
       if (block* b = rung_expandable(c)) return b;
       // Out of address space (a new reservation was refused, e.g. with very
       // many streams): this request gets a plain segment instead.
-      if (!no_address_space_) return rung_out_of_memory(c);
+      if (!expandable_.no_address_space()) return rung_out_of_memory(c);
     }
     if (block* b = rung_trim_on_new_peak(c)) return b;
   }
@@ -408,7 +408,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   if (best == nullptr) return false;
   // Its stream may still use it: wait for its fence (counted), cheaper than
   // the alternative's cudaFree, which synchronizes the whole device.
-  await_fence(best, page_fences::wait_reason::adopt_segment);
+  fences_.await_fence(best, page_fences::wait_reason::adopt_segment);
   stats_.bytes_moved_between_streams += static_cast<std::int64_t>(best->size);
   best->pool->blocks.erase(best);
   --best->pool->plain_segments;
@@ -461,9 +461,9 @@ bool device_state::release_cached_blocks(const world_lock& w, bool for_retry) {
   synchronize_and_free_events();
   release_unused_segments(w, for_retry);
   release_dead_pools(w, for_retry);
-  unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
-  settle_retired(true);  // deferred unmaps: the reservations may go
-  release_empty_expandable_segments();
+  expandable_.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
+  expandable_.settle_retired(true);  // deferred unmaps: the reservations may go
+  expandable_.release_empty_expandable_segments();
   delete_empty_dead_pools(w);
   return true;
 }
@@ -618,9 +618,9 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
           // cuMemUnmap does not wait for queued work: the block's page fence
           // must have completed. The threshold is a cap, so this rung may
           // wait for it (counted in num_device_synchronizations).
-          await_fence(b, page_fences::wait_reason::garbage_collection);
+          fences_.await_fence(b, page_fences::wait_reason::garbage_collection);
           unmapped = true;
-          reclaimed += unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
+          reclaimed += expandable_.unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
         } else {
           reclaimed += b->size;
           release_block(b, stats_);
@@ -638,8 +638,8 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
     // completed now, was recorded after the old one's: settled here without
     // waiting, as the next slow path would, so that reserved memory again
     // equals the segments' mapped bytes when this malloc returns.
-    settle_retired(false);
-    release_empty_expandable_segments();
+    expandable_.settle_retired(false);
+    expandable_.release_empty_expandable_segments();
   }
 }
 

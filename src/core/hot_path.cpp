@@ -241,8 +241,8 @@ stream_state& registered_slot(device_state& d, stream_t stream) {
     auto fresh = std::make_unique<stream_state>(stream);
     it = d.streams_.emplace(stream, std::move(fresh)).first;
     auto& slot = it->second;
-    if (stream != default_stream && d.streams_.size() >= 2 && d.page_bytes_ != 0)
-      slot->fence_free_bytes = d.page_bytes_;
+    if (stream != default_stream && d.streams_.size() >= 2 && d.expandable_.page_bytes() != 0)
+      slot->fence_free_bytes = d.expandable_.page_bytes();
     if (d.streams_.size() == 2) {
       // The first stream kept its statistics pending without a lock; publish
       // them before two streams can publish independently. Its frees of
@@ -252,7 +252,7 @@ stream_state& registered_slot(device_state& d, stream_t stream) {
         std::lock_guard other_lock(other->mutex);
         std::lock_guard stats_lock(d.stats_mutex_);
         publish_pending_stats(d.stats_, *other);
-        if (other_stream != default_stream && d.page_bytes_ != 0) other->fence_free_bytes = d.page_bytes_;
+        if (other_stream != default_stream && d.expandable_.page_bytes() != 0) other->fence_free_bytes = d.expandable_.page_bytes();
         d.single_stream_.store(false, std::memory_order_relaxed);
       }
     }
@@ -560,7 +560,7 @@ namespace {
   // own stream recorded now have completed: the block takes the fence's
   // count now (free_block keeps it), not when its events complete.
   const bool fence = b->seg->expandable;
-  if (fence) d.fence_before_free(ss);  // may throw: nothing changed yet
+  if (fence) d.fences_.fence_before_free(ss);  // may throw: nothing changed yet
   try {
     d.insert_events(b);
   } catch (...) {
@@ -601,7 +601,7 @@ void device_state::free(block* b) {
     // stream that goes idle at every free, an alloc+free loop, records one
     // fence per slow path at most, not one per free). May throw: nothing
     // changed yet.
-    fence_before_free(ss);
+    fences_.fence_before_free(ss);
   }
   stats_sink sink(*this, ss);
   release_allocation(b, sink.get(), false);
@@ -615,11 +615,11 @@ void device_state::free(block* b) {
 // those pages can pass to another stream without waiting once the stream's
 // work before the free has completed. Throws backend_error from the record,
 // before anything changed.
-[[gnu::noinline]] void device_state::fence_before_free(stream_state& ss) {
+[[gnu::noinline]] void device_fences::fence_before_free(stream_state& ss) {
   if (ss.gone) return;  // destroyed: its work completed, nothing to fence
-  std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
+  std::lock_guard device_lock(d_.device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
   const std::uint64_t coming = ss.free_seq + 1;  // the count the coming free takes
-  if (ss.fences.recorded_up_to() < coming) ss.fences.record(fence_device_, ss.stream, coming);
+  if (ss.fences.recorded_up_to() < coming) ss.fences.record(events_, ss.stream, coming);
 }
 
 // The caller no longer holds `b` (its events, if any, are recorded): count

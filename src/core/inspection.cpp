@@ -167,7 +167,7 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
         std::find(pools.begin(), pools.end(), seg->head->pool) == pools.end())
       pools.push_back(seg->head->pool);
   for (detail::block_pool* pool : pools) {
-    const std::size_t page = s.page_bytes_;
+    const std::size_t page = s.expandable_.page_bytes();
     std::vector<std::size_t> sizes = {detail::min_block_bytes, page - detail::min_block_bytes, page,
                                       page + detail::min_block_bytes, 3 * page};
     for (auto& [base, seg] : s.segments_) {
@@ -417,7 +417,7 @@ void device_caching_allocator::check_invariants() const {
   std::size_t pooled = 0;
   std::size_t retired_total = 0;
   for (auto& [base, seg] : s.segments_) pooled += check_segment(s, base, *seg, recount, retired_total);
-  if (retired_total != s.retired_pages_) fail("retired_pages_ differs from the segments' retired pages");
+  if (retired_total != s.expandable_.retired_pages()) fail("expandable_.retired_pages() differs from the segments' retired pages");
   check_expandable_placement(s, fail);
   if (check_stream_books(s, w) != pooled) fail("pools hold blocks that are not free blocks of live segments");
   check_counters(s, recount);

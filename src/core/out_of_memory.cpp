@@ -45,11 +45,11 @@ oom_facts gather_oom_facts(const device_state& d, const alloc_params& p, const w
     for (block_pool* pool : {&ss->pools.small, &ss->pools.large})
       if (!pool->blocks.empty()) f.largest_free = std::max(f.largest_free, pool->blocks.largest()->size);
   f.custom_segments = p.pool != nullptr && p.pool->priv != nullptr && p.pool->priv->custom.malloc;
-  f.pages = d.caching_ && d.config_.expandable_segments && d.page_bytes_ != 0 && !d.no_address_space_ &&
+  f.pages = d.caching_ && d.config_.expandable_segments && d.expandable_.page_bytes() != 0 && !d.expandable_.no_address_space() &&
             !f.custom_segments;
   f.too_large = p.pool == nullptr;
   // (Rounded up to pages without wrapping past SIZE_MAX: a refused request may be that large.)
-  const std::size_t page = d.page_bytes_;
+  const std::size_t page = d.expandable_.page_bytes();
   f.needed = !f.pages || f.too_large ? p.alloc_size
              : p.size > std::numeric_limits<std::size_t>::max() - page + 1
                  ? p.size
@@ -93,7 +93,7 @@ std::string oom_advice(const device_state& d, const oom_facts& f) {
   std::vector<std::string> settings;
   if (f.fragmented && !f.pages) {
     // Free pages of partly used segments could go back to the device.
-    if (d.page_bytes_ != 0 && !f.custom_segments)
+    if (d.expandable_.page_bytes() != 0 && !f.custom_segments)
       settings.emplace_back("expandable_segments:True so that the free pages of partly used segments are returned");
     // Large cached blocks would not be split for small requests (blocks of
     // expandable segments are never returned whole: no use there).

@@ -178,7 +178,7 @@ void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result&
   for (block* b = seg.head; b != nullptr; b = b->next)
     if (b->mapped && b->is_free() && b->pool->blocks.contains(b)) {
       seg.paused_free.push_back(b);
-      pool_erase_counted(b);
+      expandable_.pool_erase_counted(b);
     }
   const stream_t stream = copy_stream(seg);
   if (keep_contents) {
@@ -199,7 +199,7 @@ void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result&
       history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
     announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page, seg.head->stream,
              true);
-    for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
+    for (const std::size_t end = i + n; i < end; ++i) expandable_.give_back_page(seg, i);
     r.released_bytes += n * page;
   }
   for (const auto& run : seg.paused_runs) r.paused_bytes += run.pages * page;
@@ -224,7 +224,7 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
   std::vector<segment*> segs;
   for (tag_id tag : todo)
     for (segment* seg : segments_of(tag)) {
-      if (!seg->expandable || page_bytes_ == 0)
+      if (!seg->expandable || expandable_.page_bytes() == 0)
         throw invalid_argument_error(where + ": tag '" + tag_name(tag) + "' holds a segment at " +
                                      std::to_string(seg->base) +
                                      " that is not a reservation of pages (the backend '" + backend_.name() +
@@ -254,7 +254,7 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
     }
     free_events_.push_back(e);
   }
-  for (segment* seg : segs) settle_retired_in(*seg, 0, seg->pages.count(), true);
+  for (segment* seg : segs) expandable_.settle_retired_in(*seg, 0, seg->pages.count(), true);
   // Step 2: the tags' cached free memory goes back to the device.
   const std::size_t reserved_before = reserved_bytes_;
   for (segment* seg : segs) {
@@ -265,9 +265,9 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
     // From the highest address down: a block's unmapping merges only with
     // blocks at or above it, so the ones below stay valid.
     for (auto it = free_mapped.rbegin(); it != free_mapped.rend(); ++it)
-      unmap_block_pages(*it, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
+      expandable_.unmap_block_pages(*it, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
   }
-  release_empty_expandable_segments();
+  expandable_.release_empty_expandable_segments();
   r.released_bytes += reserved_before - reserved_bytes_;
   // Step 3: host memory for every kept run first; then copies and unmaps.
   segs.clear();
@@ -327,7 +327,7 @@ bool device_state::map_paused_segment(segment& seg) {
       } catch (...) {  // the device refused the wait: its error is the one being reported
       }
     }
-    for (std::size_t i : done) give_back_page(seg, i);
+    for (std::size_t i : done) expandable_.give_back_page(seg, i);
   };
   for (const auto& run : seg.paused_runs) {
     std::size_t chunk_first = run.first_page;
@@ -340,7 +340,7 @@ bool device_state::map_paused_segment(segment& seg) {
           void* addr = reinterpret_cast<void*>(seg.base + i * page);
           try {
             backend_.vm_map(device_, addr, page, h);
-            for (int peer : peers_) backend_.vm_set_access(device_, addr, page, peer);
+            for (int peer : expandable_.peers()) backend_.vm_set_access(device_, addr, page, peer);
           } catch (...) {
             backend_.vm_release_handle(device_, h);
             throw;
@@ -401,7 +401,7 @@ void device_state::restore_paused_segment(segment& seg, sleep_result& r) {
   for (auto& run : seg.paused_runs) host_copies_.give(run.host);
   seg.paused_runs.clear();
   seg.paused = false;
-  for (block* b : seg.paused_free) pool_insert_counted(b);
+  for (block* b : seg.paused_free) expandable_.pool_insert_counted(b);
   seg.paused_free.clear();
 }
 
@@ -446,7 +446,7 @@ sleep_result device_state::resume_tags(const std::vector<tag_id>& tags, world_lo
     }
     for (segment* seg : mapped)
       for (const auto& run : seg->paused_runs)
-        for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) give_back_page(*seg, i);
+        for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) expandable_.give_back_page(*seg, i);
     std::string names;
     for (tag_id tag : todo) names += (names.empty() ? "'" : ", '") + tag_name(tag) + "'";
     const memory_info info = backend_.mem_get_info(device_);

@@ -67,6 +67,8 @@
 #include "history_recorder.hpp"
 #include "host_copy_cache.hpp"
 #include "mapping_notifier.hpp"
+#include "device_fences.hpp"
+#include "expandable_segments.hpp"
 #include "page_fences.hpp"
 #include "page_table.hpp"
 #include "recycle_budget.hpp"
@@ -243,6 +245,8 @@ class device_state {
   void free_block(block* b, device_stats& st, bool device_locked);            // [stream] (+device if device_locked)
   [[nodiscard]] static bool can_merge(const block* dst, const block* src) noexcept;  // [stream]
   std::size_t merge(block* dst, block* src);                                   // [stream]
+  // Splits free block b at `at` (inside it): the upper part, a new free block. [stream]
+  block* split_free_block(block* b, std::uintptr_t at);
 
   // --- events.cpp: record_stream, events, returning blocks ----------------------
   void record_stream(block* b, stream_t stream);  // [none] takes the block's stream
@@ -296,106 +300,10 @@ class device_state {
   // --- out_of_memory.cpp -------------------------------------------------------
   [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);  // [world] drops it for observers
 
-  // --- expandable_segments.cpp, page_recycling.cpp (B7, X3): every one [world] unless noted
-  bool alloc_expandable(alloc_params& p, bool is_retry, world_lock& w);
-  // Its steps, in order, on the request's state (expandable_request).
-  struct expandable_request;
-  void place_expandable(alloc_params& p, expandable_request& r);
-  bool could_map(std::size_t need);
-  bool reserve_placement(const alloc_params& p, expandable_request& r);
-  bool free_pages_for(expandable_request& r, world_lock& w);
-  bool settle_retired_under(expandable_request& r);
-  bool map_missing_pages(const alloc_params& p, expandable_request& r);
-  bool map_request_page(const alloc_params& p, expandable_request& r, std::size_t i);
-  static block* take_mapped_run(const expandable_request& r, std::size_t size);
-  segment* new_expandable_segment(const alloc_params& p);
-  void discard_reservation(segment& seg) noexcept;
-  void give_back_page(segment& seg, std::size_t i) noexcept;
-  block* split_free_block(block* b, std::uintptr_t at);
-  void pool_insert_counted(block* b);
-  void pool_erase_counted(block* b);
-  // hint: a block of seg at or below lo (the walk to lo starts there), or
-  // nullptr: the nearest unmapped block at or below lo (seg.unmapped).
-  void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint = nullptr,
-                      bool reserve_only = false);
-  [[nodiscard]] static block* unmapped_block_at_or_below(const segment& seg, std::uintptr_t addr) noexcept;
-  // A page taken off one place to be mapped at another, with the stream
-  // whose segment it left (bytes_moved_between_streams).
-  struct recycled_page {
-    physical_handle_t handle;
-    stream_t from;
-  };
-  // may_wait: when the free pages whose fences have not completed are needed
-  // (out of memory, the cap, emptyCache), wait for those fences (counted in
-  // num_device_synchronizations); else leave those pages where they are.
-  // same_stream (with recycled): the stream_state of the request the pages
-  // go to; a free block of it whose fence has not completed gives its
-  // pages anyway, their old mapping retired (a deferred unmap): the stream
-  // runs the new use after the old one. Then, with reuse_with_stream_wait,
-  // a free block of another stream whose fence has not completed gives its
-  // pages the same way once the request's stream waits on the device for
-  // that fence (take_with_stream_wait), before anything waits on the host.
-  std::size_t unmap_free_pages(std::size_t target_bytes, const segment* keep_seg, std::uintptr_t keep_lo,
-                               std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait,
-                               const stream_state* same_stream = nullptr);
-  [[nodiscard]] static std::size_t partial_page_bytes(const block& b) noexcept;
-  // Cross-stream reuse with a device-side wait (reuse_with_stream_wait):
-  // whether `to` may wait on the device for another stream's
-  // fence now (no capture, `to` live and nameable, the backend can wait);
-  // and the fence of `owner` covering its free numbered free_seq (event,
-  // the free count it covers), recorded now where can_record_on allows;
-  // nullopt when there is none.
-  [[nodiscard]] bool may_wait_on_device(const stream_state& to);
-  [[nodiscard]] std::optional<page_fences::fence> fence_covering(stream_state& owner, std::uint64_t free_seq);
-  // defer: keep the old mappings (segment::retired) instead of unmapping
-  // them now; only with recycled.
-  std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                std::vector<recycled_page>* recycled, std::size_t max_bytes, bool defer = false);
-  // Deferred unmaps (segment::retired): unmaps the retired pages of seg
-  // with index in [first, last) whose fence has completed, and with
-  // may_wait the others after waiting for their fence (counted in
-  // num_device_synchronizations). settle_retired: every segment. [world]
-  void settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait);
-  void settle_retired(bool may_wait);
-  void release_page_handle(physical_handle_t h);
-  std::size_t retired_pages_ = 0;  // retired pages of every segment [world]
+  bool could_map(std::size_t need);  // [world] memory_accounting.cpp
   // The first failure of a segment free that release_blocks went on past
   // (keep_going), until its reader clears it. [world]
   std::exception_ptr release_failure_;
-  // Page fences (page_fences.hpp) of the block's or stream's owner, with
-  // this device's events: whether free block b's memory (the stream's free
-  // numbered free_seq) has no work of its stream left, never blocking
-  // (records a fence where none covers it and can_record_on allows);
-  // wait_fences blocks until every free of the stream has none, counted in
-  // num_device_synchronizations and under `why`; await_fence is the two
-  // together (wait unless completed).
-  bool fence_completed(block* b);
-  bool fence_completed(stream_state& ss, std::uint64_t free_seq);
-  void wait_fences(stream_state& ss, page_fences::wait_reason why);
-  void await_fence(block* b, page_fences::wait_reason why);
-  void fence_streams(const world_lock& w);  // [world]
-  void fence_before_free(stream_state& ss);  // [stream] takes the device lock
-  // page_fences::device over this device's event pool and backend.
-  struct fence_device final : page_fences::device {
-    explicit fence_device(device_state& s) noexcept : d(s) {}
-    device_state& d;
-    event_t take_event() override;
-    void give_event(event_t e) override;
-    bool query(event_t e) override;
-    void record(event_t e, stream_t stream) override;
-    void synchronize(event_t e) override;
-    void synchronize_device() override;
-  };
-  // Whether the allocator may record an event on the stream now: the legacy
-  // default stream, or the stream of the malloc whose slow path this thread
-  // runs (the caller's stream exists). A stream that only freed blocks may have been destroyed
-  // since (legal in CUDA: the frees are stream-ordered), and recording on a
-  // destroyed stream is undefined behaviour (a crash on an H200), so other
-  // streams' fences are only polled; waiting on such a stream synchronizes
-  // the device instead. [world]; per thread, race-free (a thread_local).
-  [[nodiscard]] bool can_record_on(const stream_state& ss) const noexcept;  // fallback_ladder.cpp
-  void release_empty_expandable_segments();
-  void check_expandable_supported(const allocator_config& config) const;  // [none]: page_bytes_ is fixed
   // [world, or in the constructor] The thread_cache key, when given
   // (config.thread_cache_set), switches the thread cache (enabled,
   // small_only); otherwise it stays as CCALLOC_THREAD_CACHE or
@@ -412,9 +320,6 @@ class device_state {
   // fresh pages the same request mapped), out of budget `from`.
   recycle_budget::source recycle_budget_now(bool large_peak);
   void spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
-  // Cross-stream reuse of whole reservations.
-  bool idle_reservation(segment& seg, const alloc_params& p);
-  void adopt_reservation(segment& seg, const alloc_params& p);
 
   // --- private_pools.cpp (F20-F24): every one [world] unless noted -------------
   private_pool* find_pool(mempool_id_t id) const noexcept;                   // [device] or [world]
@@ -522,7 +427,8 @@ class device_state {
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
   std::vector<event_t> free_events_;  // event pool: created and reusable
   host_copy_cache host_copies_{backend_, device_};  // kept contents' host buffers (sleep_wake.cpp) [world]
-  fence_device fence_device_{*this};  // the page fences' view of it
+  expandable_segments expandable_{*this};  // reservations and their pages (expandable_segments.hpp)
+  device_fences fences_{*this};  // the page fences of its streams (device_fences.hpp)
   std::vector<oom_observer> observers_;
   // The out-of-memory snapshot (config oom_snapshot; out_of_memory.cpp):
   // the public wrapper sets the writer (it owns the snapshot code); called
@@ -530,11 +436,6 @@ class device_state {
   // returns the sentence the error message gets; it never throws.
   std::function<std::string(const std::string& path)> oom_snapshot_writer_;
   std::optional<std::uint64_t> last_oom_snapshot_us_;  // steady clock, when the last was written [world]
-  std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
-  std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
-  bool stream_wait_supported_ = false;  // the backend's capabilities().stream_wait
-  std::uint64_t next_segment_seq_ = 0;
-  bool no_address_space_ = false;   // the last expandable attempt found no address space [world]
   // The segment or reservation (by base) that the running slow path made for
   // request `owner` (alloc_segment, new_expandable_segment): if the request
   // fails (host out of memory on the way), it goes back whole
