@@ -68,7 +68,7 @@ void device_caching_allocator::empty_cache() {
     state_->history_.record(trace_entry_action::empty_cache, 0, state_->reserved_bytes_, 0, nullptr);
   state_->release_failure_ = nullptr;
   state_->release_cached_blocks(w, /*for_retry=*/true);  // past a segment that fails: the others go back
-  state_->host_copies_.release_all();                      // host buffers kept for the next pause
+  state_->tags_.release_host_copies();                      // host buffers kept for the next pause
   if (std::exception_ptr failure = std::exchange(state_->release_failure_, nullptr)) std::rethrow_exception(failure);
 }
 

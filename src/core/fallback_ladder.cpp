@@ -643,4 +643,27 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   }
 }
 
+block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss,
+                                              world_lock& w) {
+  if (pp.tag != default_tag_id && tags_.tag_paused(pp.tag))
+    throw invalid_argument_error("ccalloc: malloc of " + std::to_string(requested_bytes) + " bytes under tag '" +
+                                 tag_name(pp.tag) + "' on device " + std::to_string(device_) +
+                                 ": the tag is paused; resume it first (or allocate under another tag)");
+  struct unpin {
+    std::atomic<int>& n;
+    ~unpin() { n.fetch_sub(1, std::memory_order_release); }
+  };
+  pp.pinned.fetch_add(1, std::memory_order_relaxed);
+  unpin guard{pp.pinned};
+  alloc_params p;
+  prepare(p, requested_bytes, ss);
+  p.pool = &pool_in(pp, ss, p.pool->is_small);
+  return allocate_slow(p, w);
+}
+
+block* device_state::allocate_tagged(std::size_t requested_bytes, stream_state& ss, tag_id tag) {
+  world_lock w(*this);
+  return allocate_in_private_pool(tags_.tag_pool(tag), requested_bytes, ss, w);
+}
+
 }  // namespace ccalloc::detail

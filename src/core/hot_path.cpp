@@ -580,7 +580,7 @@ void device_state::free(block* b) {
   // A block of a paused tag: its pages are released, so its free (a merge,
   // a page fence) waits for the resume (sleep_wake.cpp). paused is written
   // under the world lock, which holds this stream's lock.
-  if (any_paused_.load(std::memory_order_relaxed) && b->seg->paused) [[unlikely]] {
+  if (tags_.any_paused() && b->seg->paused) [[unlikely]] {
     b->seg->frees_while_paused.push_back(b);  // may throw std::bad_alloc: nothing changed
     return;
   }

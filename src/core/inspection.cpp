@@ -99,7 +99,7 @@ std::vector<segment_info> device_caching_allocator::segments() const {
     si.is_expandable = seg->expandable;
     si.mapped_bytes = seg->expandable ? seg->mapped_bytes : seg->size;
     if (s.history_.enabled()) si.context = s.history_.segment_context(base);
-    si.tag = tag_name(detail::device_state::tag_of(*seg));
+    si.tag = tag_name(detail::tag_of(*seg));
     si.paused = seg->paused;
     if (const detail::private_pool* pp = seg->head->pool->priv) {
       si.pool = pp->id;
@@ -163,7 +163,7 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
   using run_choice = detail::run_choice;
   std::vector<detail::block_pool*> pools;
   for (auto& [base, seg] : s.segments_)  // a paused tag's pools place nothing
-    if (seg->expandable && !s.tag_paused(detail::device_state::tag_of(*seg)) &&
+    if (seg->expandable && !s.tags_.tag_paused(detail::tag_of(*seg)) &&
         std::find(pools.begin(), pools.end(), seg->head->pool) == pools.end())
       pools.push_back(seg->head->pool);
   for (detail::block_pool* pool : pools) {
@@ -202,14 +202,14 @@ void check_paused_state(const detail::device_state& s, const detail::segment& se
   if (seg.paused) {
     if (!seg.expandable) fail("a plain segment is paused");
     if (seg.mapped_bytes != 0 || !seg.pages.retired().empty()) fail("a paused reservation has mapped pages");
-    if (!s.tag_paused(detail::device_state::tag_of(seg))) fail("a paused reservation's tag is not paused");
+    if (!s.tags_.tag_paused(detail::tag_of(seg))) fail("a paused reservation's tag is not paused");
     for (physical_handle_t h : seg.pages.handles())
       if (h != 0) fail("a paused reservation has a mapped page");
     for (const auto& run : seg.paused_runs)
       if (run.first_page + run.pages > seg.pages.count()) fail("a paused run lies outside its reservation");
   } else if (!seg.paused_runs.empty() || !seg.paused_free.empty() || !seg.frees_while_paused.empty()) {
     fail("an active segment keeps paused state");
-  } else if (s.tag_paused(detail::device_state::tag_of(seg)) && seg.mapped_bytes != 0) {
+  } else if (s.tags_.tag_paused(detail::tag_of(seg)) && seg.mapped_bytes != 0) {
     fail("a paused tag holds a mapped page");
   }
 }

@@ -69,6 +69,7 @@
 #include "mapping_notifier.hpp"
 #include "device_fences.hpp"
 #include "expandable_segments.hpp"
+#include "tag_sleep.hpp"
 #include "page_fences.hpp"
 #include "page_table.hpp"
 #include "recycle_budget.hpp"
@@ -351,30 +352,13 @@ class device_state {
   block* carve_allocated(segment& seg, std::uintptr_t ptr, std::size_t size, std::size_t requested);
   void free_allocated_locked(block* b);
 
-  // --- sleep_wake.cpp (SPEC S1-S4): every one [world] unless noted -----------
-  // A named tag's own private pool, made on first use (never deleted).
-  private_pool& tag_pool(tag_id tag);
-  // The tag of a segment: its private pool's, else default.
-  [[nodiscard]] static tag_id tag_of(const segment& seg) noexcept {
-    return seg.head->pool->priv != nullptr ? seg.head->pool->priv->tag : default_tag_id;
-  }
-  [[nodiscard]] bool tag_paused(tag_id tag) const noexcept { return paused_tags_.count(tag) != 0; }
+  // --- tagged allocation (fallback_ladder.cpp; tags: tag_sleep.hpp) -------------
   // An allocation under the calling thread's tag (not default), routed to
   // its pool. [none] takes the world lock; throws for a paused tag.
   block* allocate_tagged(std::size_t requested_bytes, stream_state& ss, tag_id tag);
   // allocate_slow in private pool pp (routed by a capture scope or a tag),
   // pinning it meanwhile. [world]
   block* allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss, world_lock& w);
-  sleep_result pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock& w);
-  sleep_result resume_tags(const std::vector<tag_id>& tags, world_lock& w);
-  void wait_for_stream(stream_t stream);  // host waits for the work queued on it so far [world]
-  void pause_segment(segment& seg, bool keep_contents, sleep_result& r);
-  // Maps seg's paused runs again; on failure every page this call mapped
-  // goes back and seg stays paused (returns false).
-  bool map_paused_segment(segment& seg);
-  void restore_paused_segment(segment& seg, sleep_result& r);
-  [[nodiscard]] std::vector<segment*> segments_of(tag_id tag) const;
-  [[nodiscard]] tag_usage usage_of(tag_id tag) const;
 
   // --- locks_and_stats.cpp, device_state.cpp -----------------------------------
   void publish_all_pending_stats(const world_lock& w);                        // [world]
@@ -426,8 +410,8 @@ class device_state {
   std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
   std::vector<event_t> free_events_;  // event pool: created and reusable
-  host_copy_cache host_copies_{backend_, device_};  // kept contents' host buffers (sleep_wake.cpp) [world]
   expandable_segments expandable_{*this};  // reservations and their pages (expandable_segments.hpp)
+  tag_sleep tags_{*this};  // tags' pools, pause and resume (tag_sleep.hpp)
   device_fences fences_{*this};  // the page fences of its streams (device_fences.hpp)
   std::vector<oom_observer> observers_;
   // The out-of-memory snapshot (config oom_snapshot; out_of_memory.cpp):
@@ -478,13 +462,6 @@ class device_state {
   // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
   std::vector<block*> deferred_frees_;
 
-  // Tags (sleep_wake.cpp): each named tag's own pool, and the paused tags.
-  // [world]
-  std::map<tag_id, private_pool*> tag_pools_;
-  std::set<tag_id> paused_tags_;
-  // paused_tags_ is not empty: the free path looks at a block's segment
-  // (a relaxed load on every free). [world to write]
-  std::atomic<bool> any_paused_{false};
 
   // Blocks parked in threads' caches (thread_cache.hpp).
   thread_cache_registry thread_caches_;
