@@ -51,7 +51,7 @@ bool device_fences::may_wait_on_device(const stream_state& to) {
   if (!stream_wait_supported_ || to.gone) return false;
   if (device_backend::is_per_thread_stream(to.stream) && !device_backend::is_calling_thread_stream(to.stream))
     return false;
-  if (d_.capture_underway()) return false;
+  if (d_.pools_.capture_underway()) return false;
   try {
     return !d_.backend_.is_capturing(d_.device_, to.stream);
   } catch (...) {

@@ -223,7 +223,7 @@ void device_state::process_events_locked() {
 }
 
 void device_state::synchronize_and_free_events() {
-  if (capture_underway()) return;  // waiting is not allowed while capturing
+  if (pools_.capture_underway()) return;  // waiting is not allowed while capturing
   ++stats_.num_sync_all_streams;
   retired_events retired{pending_event_count_};
   for (auto& [stream, queue] : pending_events_) {

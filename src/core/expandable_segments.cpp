@@ -407,7 +407,7 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
       return 0;
     return std::min(need, d_.reserved_bytes_ + need - d_.reserved_high_water_bytes_);
   };
-  if (!d_.capture_underway() && std::max(over_cap(), over_mark()) > 0) {
+  if (!d_.pools_.capture_underway() && std::max(over_cap(), over_mark()) > 0) {
     d_.release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
     // The time this request's recycling and mapping take is spent from the
     // budget when recycling was a choice (for the mark, not the cap, which
@@ -441,7 +441,7 @@ bool expandable_segments::settle_retired_under(expandable_request& r) {
   const std::size_t first_page = (r.start - seg.base) / page_bytes_;
   const std::size_t end_page = (r.end - seg.base + page_bytes_ - 1) / page_bytes_;
   if (seg.pages.retired().empty() || !seg.pages.has_retired(first_page, end_page)) return true;
-  if (d_.capture_underway()) {
+  if (d_.pools_.capture_underway()) {
     r.drop_recycled();
     return false;
   }
@@ -603,7 +603,7 @@ block* expandable_segments::take_mapped_run(const expandable_request& r, std::si
 bool expandable_segments::idle_reservation(segment& seg, const alloc_params& p) {
   const block_pool* pool = seg.head->pool;
   if (!d_.config_.reuse_across_streams || !d_.config_.trim_on_new_peak || pool == p.pool || pool->priv != nullptr ||
-      p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || d_.capture_underway())
+      p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || d_.pools_.capture_underway())
     return false;
   if (seg.busy_blocks != 0) return false;  // a block allocated or waiting for events
   if (!seg.pages.retired().empty()) return false;  // its stream's work may still use them

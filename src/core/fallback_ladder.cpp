@@ -150,10 +150,10 @@ struct climb {
 void prepare_climb(climb& c) {
   device_state& d = c.d;
   d.publish_all_pending_stats(c.w);
-  c.capturing = d.capture_underway();
+  c.capturing = d.pools_.capture_underway();
   if (!c.capturing) {
     d.process_events_locked();
-    if (!d.deferred_frees_.empty()) d.flush_deferred_frees();
+    if (!d.pools_.deferred_frees().empty()) d.pools_.flush_deferred_frees();
     if (d.expandable_.page_bytes() != 0 && d.config_.expandable_segments) d.fences_.fence_streams(c.w);
     d.expandable_.settle_retired(false);  // deferred unmaps whose fence has completed
   }
@@ -251,7 +251,7 @@ block* rung_new_segment(climb& c) {
 // out-of-memory error (observers run unlocked).
 block* rung_out_of_memory(climb& c) {
   c.d.made_ = {};  // released by now
-  if (c.d.try_use_on_oom_pools(c.p, c.w)) return c.d.take_from_rung(c.p);
+  if (c.d.pools_.try_use_on_oom_pools(c.p, c.w)) return c.d.take_from_rung(c.p);
   c.d.throw_out_of_memory(c.p, c.w);
 }
 
@@ -456,15 +456,15 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
 // Private pools without users give back their cached segments too. Nothing
 // while a capture is underway (waiting and freeing are not allowed then).
 bool device_state::release_cached_blocks(const world_lock& w, bool for_retry) {
-  if (capture_underway()) return false;
-  flush_deferred_frees();
+  if (pools_.capture_underway()) return false;
+  pools_.flush_deferred_frees();
   synchronize_and_free_events();
   release_unused_segments(w, for_retry);
-  release_dead_pools(w, for_retry);
+  pools_.release_dead_pools(w, for_retry);
   expandable_.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
   expandable_.settle_retired(true);  // deferred unmaps: the reservations may go
   expandable_.release_empty_expandable_segments();
-  delete_empty_dead_pools(w);
+  pools_.delete_empty_dead_pools(w);
   return true;
 }
 
@@ -657,7 +657,7 @@ block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requ
   unpin guard{pp.pinned};
   alloc_params p;
   prepare(p, requested_bytes, ss);
-  p.pool = &pool_in(pp, ss, p.pool->is_small);
+  p.pool = &pools_.pool_in(pp, ss, p.pool->is_small);
   return allocate_slow(p, w);
 }
 

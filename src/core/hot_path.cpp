@@ -173,7 +173,7 @@ CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 }  // namespace
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
-  if ((pending_event_count_.load(std::memory_order_relaxed) | scopes_.depth() |
+  if ((pending_event_count_.load(std::memory_order_relaxed) | pools_.scopes().depth() |
        tls_current_tag) != 0) [[unlikely]]
     return allocate_unusual(requested_bytes, stream);
   stream_state& ss = stream_for(stream);
@@ -195,18 +195,18 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 // allocate when events are pending or a begin_allocate_to_pool is active.
 [[gnu::noinline]] block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
   stream_state& ss = stream_for(stream);  // first: a stream it refuses leaves everything as it was
-  const bool scoped = scopes_.active();
-  if (scoped) note_if_capturing(stream);
-  if (!capture_underway()) process_events();  // never while capturing: event queries are not allowed then
+  const bool scoped = pools_.scopes().active();
+  if (scoped) pools_.note_if_capturing(stream);
+  if (!pools_.capture_underway()) process_events();  // never while capturing: event queries are not allowed then
   if (scoped) {
     bool routed = false;
     {
       std::lock_guard device_lock(device_mutex_);
-      routed = scopes_.routed(stream) != nullptr;
+      routed = pools_.scopes().routed(stream) != nullptr;
     }
     if (routed) {
       world_lock w(*this);
-      if (private_pool* pp = scopes_.routed(stream)) {  // again: it may have ended meanwhile
+      if (private_pool* pp = pools_.scopes().routed(stream)) {  // again: it may have ended meanwhile
         if (pp->use_count == 0)
           throw invalid_argument_error("ccalloc: allocation on stream " + std::to_string(stream) +
                                        " is routed by begin_allocate_to_pool to private pool " + to_string(pp->id) +
@@ -552,8 +552,8 @@ namespace {
 // changed then.
 [[gnu::noinline]] void free_used_on_other_streams(device_state& d, block* b, stream_state& ss) {
   // No events while capturing (cudaEventQuery is not allowed): decide later.
-  if (d.capture_underway() || d.any_stream_capturing(b)) {
-    d.defer_free(b);
+  if (d.pools_.capture_underway() || d.pools_.any_stream_capturing(b)) {
+    d.pools_.defer_free(b);
     return;
   }
   // Its pages may move once the other streams' events and a fence of its
@@ -593,10 +593,10 @@ void device_state::free(block* b) {
   // stream's slow path never records on this stream (can_record_on).
   if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
     free_used_on_other_streams(*this, b, ss);
-  } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) [[unlikely]] {
+  } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway()) [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
-  } else if (free_records_fence(b, ss) && !capture_underway()) [[unlikely]] {
+  } else if (free_records_fence(b, ss) && !pools_.capture_underway()) [[unlikely]] {
     // No fence of the stream outstanding (one already is: skip, so that a
     // stream that goes idle at every free, an alloc+free loop, records one
     // fence per slow path at most, not one per free). May throw: nothing
@@ -682,7 +682,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   b->requested_bytes = 0;
   CCALLOC_ASSERT_EXPENSIVE(segment_is_valid(*b->seg));
   // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
-  if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {
+  if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway()) {
     // This free completes inside another operation (a malloc that found the
     // block's events done, empty_cache, a neighbour's free): if the device
     // refuses the segment, the block stays cached, consistent, and the next

@@ -134,7 +134,7 @@ pool_usage device_caching_allocator::pool_stats(mempool_id_t id) const {
   const detail::private_pool* pp = nullptr;
   pool_usage u;
   if (id != mempool_id_t{}) {
-    pp = &s.checked_pool(id, "pool_stats");
+    pp = &s.pools_.checked_pool(id, "pool_stats");
     u.use_count = pp->use_count;
   }
   for (auto& [base, seg] : s.segments_) {
@@ -365,14 +365,14 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
     for (auto& [pp, sp] : ss->private_pools) {
       check_plain(sp->small);
       check_plain(sp->large);
-      if (s.find_pool(pp->id) != pp) fail("a stream holds pools of a deleted private pool");
+      if (s.pools_.find_pool(pp->id) != pp) fail("a stream holds pools of a deleted private pool");
       if (sp->small.priv != pp || sp->large.priv != pp || sp->small.owner != ss || sp->large.owner != ss)
         fail("a private pool's stream pools point to the wrong pool or stream");
       in_pools += sp->small.blocks.size() + sp->large.blocks.size();
     }
   }
   if (gone != s.gone_streams_) fail("gone_streams_ differs from the gone stream states");
-  for (auto& [id, pp] : s.private_pools_) {
+  for (auto& [id, pp] : s.pools_.all()) {
     std::size_t held = 0;
     for (auto& [base, seg] : s.segments_) held += seg->head->pool->priv == pp.get() ? 1 : 0;
     if (held != pp->segment_count) fail("private pool " + to_string(id) + "'s segment_count differs from its segments");
@@ -384,7 +384,7 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
 // The device's counters (reservation, pending events, statistics) against
 // a recount from the segments.
 void check_counters(const detail::device_state& s, const device_stats& recount) {
-  for (const block* b : s.deferred_frees_)
+  for (const block* b : s.pools_.deferred_frees())
     if (b->allocated || b->event_count != 1) fail("a deferred free is allocated or lacks its placeholder event");
   if (static_cast<std::int64_t>(s.reserved_bytes_) != recount.reserved_bytes[0].current)
     fail("the reservation counter differs from the sum of segment sizes");

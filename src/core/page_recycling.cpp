@@ -57,7 +57,7 @@ std::vector<std::pair<std::size_t, block*>> recycling_candidates(const device_st
   std::vector<block_pool*> pools;
   for (const auto& [base, up] : d.segments_) {
     block_pool* pool = up->head->pool;
-    if (up->expandable && up->mapped_bytes != 0 && !d.pool_is_live(pool) &&
+    if (up->expandable && up->mapped_bytes != 0 && !pool_is_live(pool) &&
         std::find(pools.begin(), pools.end(), pool) == pools.end())
       pools.push_back(pool);
   }

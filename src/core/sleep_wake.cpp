@@ -60,7 +60,7 @@ private_pool& tag_sleep::tag_pool(tag_id tag) {
   private_pool* raw = pp.get();
   tag_pools_.emplace(tag, raw);  // first: on a throw below, the map holds a key to nothing yet
   try {
-    d_.private_pools_.emplace(id, std::move(pp));
+    d_.pools_.add(std::move(pp));
   } catch (...) {
     tag_pools_.erase(tag);
     throw;
@@ -285,7 +285,7 @@ sleep_result tag_sleep::pause_tags(const std::vector<tag_id>& tags, bool keep_co
   const std::string where = "ccalloc: pause on device " + std::to_string(d_.device_);
   const std::vector<tag_id> todo = tags_to_pause(tags, where);
   if (todo.empty()) return r;
-  if (d_.capture_underway())
+  if (d_.pools_.capture_underway())
     throw invalid_argument_error(where + ": refused while a CUDA graph capture is underway (pages may not be "
                                          "unmapped during a capture); pause after the capture ends");
   std::vector<segment*> segs = pausable_segments(todo, where);

@@ -69,6 +69,7 @@
 #include "mapping_notifier.hpp"
 #include "device_fences.hpp"
 #include "expandable_segments.hpp"
+#include "private_pool_registry.hpp"
 #include "tag_sleep.hpp"
 #include "page_fences.hpp"
 #include "page_table.hpp"
@@ -322,35 +323,6 @@ class device_state {
   recycle_budget::source recycle_budget_now(bool large_peak);
   void spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
 
-  // --- private_pools.cpp (F20-F24): every one [world] unless noted -------------
-  private_pool* find_pool(mempool_id_t id) const noexcept;                   // [device] or [world]
-  private_pool& checked_pool(mempool_id_t id, const char* what) const;        // [device] or [world]
-  block_pool& pool_in(private_pool& pp, stream_state& ss, bool small);
-  // A graph capture runs where the allocator can see it: a pool scope is
-  // active and a stream seen allocating during it still captures
-  // (device_backend::is_capturing). Only then may the allocator not query or
-  // wait for events, synchronize, or free device memory (CUDA's global
-  // capture mode). A scoped pool outside a capture is ordinary allocation
-  // (PyTorch has the opposite behaviour: pytorch/pytorch#159674). A capture
-  // on a stream that has not allocated through this device since the scope
-  // began is not seen. [none] takes the scopes' leaf lock while one is open
-  [[nodiscard]] bool capture_underway() noexcept;
-  // Called for each allocation while a pool scope is active: remembers
-  // `stream` if it captures. [none] takes the scopes' leaf lock
-  void note_if_capturing(stream_t stream);
-  // A tag's own pool is never live in this sense: its cache is ordinary
-  // cached memory (recycled, returned by empty_cache), as the default pools'.
-  [[nodiscard]] bool pool_is_live(const block_pool* pool) const noexcept {
-    return pool->priv != nullptr && pool->priv->use_count > 0 && !pool->priv->is_tag_pool();
-  }
-  bool try_use_on_oom_pools(alloc_params& p, const world_lock& w);
-  void release_dead_pools(const world_lock& w, bool keep_going = false);
-  void delete_empty_dead_pools(const world_lock& w);
-  void defer_free(block* b);                                                   // [stream] takes device
-  void flush_deferred_frees();
-  bool any_stream_capturing(const block* b);                                  // [stream]
-  block* carve_allocated(segment& seg, std::uintptr_t ptr, std::size_t size, std::size_t requested);
-  void free_allocated_locked(block* b);
 
   // --- tagged allocation (fallback_ladder.cpp; tags: tag_sleep.hpp) -------------
   // An allocation under the calling thread's tag (not default), routed to
@@ -411,6 +383,7 @@ class device_state {
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
   std::vector<event_t> free_events_;  // event pool: created and reusable
   expandable_segments expandable_{*this};  // reservations and their pages (expandable_segments.hpp)
+  private_pool_registry pools_{*this};  // private pools, capture scopes, deferred frees
   tag_sleep tags_{*this};  // tags' pools, pause and resume (tag_sleep.hpp)
   device_fences fences_{*this};  // the page fences of its streams (device_fences.hpp)
   std::vector<oom_observer> observers_;
@@ -455,12 +428,6 @@ class device_state {
   // after publishing, when a second stream appears. Read under a stream lock.
   std::atomic<bool> single_stream_{true};
 
-  // Private pools (F20-F24). [device_mutex_; world to change the set]
-  std::map<mempool_id_t, std::unique_ptr<private_pool>> private_pools_;
-  pool_scopes scopes_;  // begin_allocate_to_pool scopes and the streams seen capturing (pool_scopes.hpp)
-  // Frees of blocks used on other streams while a capture was underway:
-  // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
-  std::vector<block*> deferred_frees_;
 
 
   // Blocks parked in threads' caches (thread_cache.hpp).
