@@ -12,8 +12,8 @@ namespace ccalloc::detail {
 device_fences::device_fences(device_state& d) noexcept
     : d_(d), events_(d), stream_wait_supported_(d.backend_.capabilities().stream_wait) {}
 
-event_t device_fences::event_source::take_event() { return d.get_event(); }
-void device_fences::event_source::give_event(event_t e) { d.free_events_.push_back(e); }
+event_t device_fences::event_source::take_event() { return d.events_.get_event(); }
+void device_fences::event_source::give_event(event_t e) { d.events_.give_event(e); }
 bool device_fences::event_source::query(event_t e) { return d.backend_.query_event(d.device_, e); }
 void device_fences::event_source::record(event_t e, stream_t stream) { d.backend_.record_event(d.device_, e, stream); }
 void device_fences::event_source::synchronize(event_t e) { d.backend_.synchronize_event(d.device_, e); }

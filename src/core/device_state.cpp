@@ -46,16 +46,10 @@ void device_state::apply_thread_cache_setting(const allocator_config& config) {
 }
 
 device_state::~device_state() {
-  for (auto& [stream, queue] : pending_events_)
-    for (auto& [e, b] : queue) free_events_.push_back(e);
+  std::vector<event_t> fence_events;
   for (auto& [stream, ss] : streams_)
-    for (const page_fences::fence& f : ss->fences.outstanding()) free_events_.push_back(f.event);
-  for (event_t e : free_events_) {
-    try {
-      backend_.destroy_event(device_, e);
-    } catch (...) {  // teardown: the event stays with a device that refuses; nothing to report to
-    }
-  }
+    for (const page_fences::fence& f : ss->fences.outstanding()) fence_events.push_back(f.event);
+  events_.destroy_all(fence_events);
   // Deferred unmaps first (segment::retired): their handles may be mapped
   // in another segment too, released there (unless nothing took them).
   std::vector<physical_handle_t> given_up;  // released once every retired mapping is gone

@@ -152,7 +152,7 @@ void prepare_climb(climb& c) {
   d.publish_all_pending_stats(c.w);
   c.capturing = d.pools_.capture_underway();
   if (!c.capturing) {
-    d.process_events_locked();
+    d.events_.process_events_locked();
     if (!d.pools_.deferred_frees().empty()) d.pools_.flush_deferred_frees();
     if (d.expandable_.page_bytes() != 0 && d.config_.expandable_segments) d.fences_.fence_streams(c.w);
     d.expandable_.settle_retired(false);  // deferred unmaps whose fence has completed
@@ -202,7 +202,7 @@ block* rung_expandable(climb& c) {
          (d.get_free_block(c.p) || d.expandable_.alloc_expandable(c.p, true, c.w))))
       return d.take_from_rung(c.p);
     if (d.expandable_.no_address_space()) break;
-    if (!d.wait_for_completions_in_flight(c.w)) break;  // X7
+    if (!d.events_.wait_for_completions_in_flight(c.w)) break;  // X7
   }
   // The retry kept the pages of the chosen run mapped: give them back too.
   if (!c.capturing) {
@@ -242,7 +242,7 @@ block* rung_new_segment(climb& c) {
         (d.release_cached_blocks(c.w, /*for_retry=*/true) &&
          ((d.caching_ && d.get_free_block(c.p)) || d.alloc_segment(c.p, true, c.w))))
       return d.take_from_rung(c.p);
-    if (!d.wait_for_completions_in_flight(c.w)) break;  // X7: blocks another thread is returning
+    if (!d.events_.wait_for_completions_in_flight(c.w)) break;  // X7: blocks another thread is returning
   }
   return nullptr;
 }
@@ -458,7 +458,7 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
 bool device_state::release_cached_blocks(const world_lock& w, bool for_retry) {
   if (pools_.capture_underway()) return false;
   pools_.flush_deferred_frees();
-  synchronize_and_free_events();
+  events_.synchronize_and_free_events();
   release_unused_segments(w, for_retry);
   pools_.release_dead_pools(w, for_retry);
   expandable_.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);

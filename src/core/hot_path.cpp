@@ -173,7 +173,7 @@ CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 }  // namespace
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
-  if ((pending_event_count_.load(std::memory_order_relaxed) | pools_.scopes().depth() |
+  if ((events_.pending_count() | pools_.scopes().depth() |
        tls_current_tag) != 0) [[unlikely]]
     return allocate_unusual(requested_bytes, stream);
   stream_state& ss = stream_for(stream);
@@ -197,7 +197,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   stream_state& ss = stream_for(stream);  // first: a stream it refuses leaves everything as it was
   const bool scoped = pools_.scopes().active();
   if (scoped) pools_.note_if_capturing(stream);
-  if (!pools_.capture_underway()) process_events();  // never while capturing: event queries are not allowed then
+  if (!pools_.capture_underway()) events_.process_events();  // never while capturing: event queries are not allowed then
   if (scoped) {
     bool routed = false;
     {
@@ -562,7 +562,7 @@ namespace {
   const bool fence = b->seg->expandable;
   if (fence) d.fences_.fence_before_free(ss);  // may throw: nothing changed yet
   try {
-    d.insert_events(b);
+    d.events_.insert_events(b);
   } catch (...) {
     if (fence) ++ss.free_seq;  // the fence's count goes unused: no later free may take it
     throw;

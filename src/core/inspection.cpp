@@ -388,9 +388,7 @@ void check_counters(const detail::device_state& s, const device_stats& recount) 
     if (b->allocated || b->event_count != 1) fail("a deferred free is allocated or lacks its placeholder event");
   if (static_cast<std::int64_t>(s.reserved_bytes_) != recount.reserved_bytes[0].current)
     fail("the reservation counter differs from the sum of segment sizes");
-  std::size_t queued = 0;
-  for (const auto& [stream, queue] : s.pending_events_) queued += queue.size();
-  if (queued != s.pending_event_count_.load()) fail("pending_event_count_ differs from the queued events");
+  if (!s.events_.count_matches()) fail("pending_event_count_ differs from the queued events");
   const auto same = [](const stat_array& a, const stat_array& b, const char* name) {
     for (std::size_t i = 0; i < stat_group_count; ++i)
       if (a[i].current != b[i].current)

@@ -150,7 +150,7 @@ void private_pool_registry::flush_deferred_frees() {
         continue;
       }
       b->event_count = 0;
-      d_.insert_events_locked(b);  // on a throw: nothing recorded, stream_uses kept
+      d_.events_.insert_events_locked(b);  // on a throw: nothing recorded, stream_uses kept
     } catch (...) {
       b->event_count = 1;
       deferred_frees_.insert(deferred_frees_.end(), todo.begin() + static_cast<std::ptrdiff_t>(i), todo.end());
@@ -162,7 +162,7 @@ void private_pool_registry::flush_deferred_frees() {
 
 // Frees allocated block `b` as free() does, with the world lock held.
 void private_pool_registry::free_allocated_locked(block* b) {
-  if (!b->stream_uses.empty()) d_.insert_events_locked(b);
+  if (!b->stream_uses.empty()) d_.events_.insert_events_locked(b);
   d_.release_allocation(b, d_.stats_, true);
 }
 
@@ -432,7 +432,7 @@ checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(co
     }
   }
   s.pools_.flush_deferred_frees();
-  s.synchronize_and_free_events();
+  s.events_.synchronize_and_free_events();
   // 3. Create the blocks the checkpoint holds allocated.
   for (std::size_t i = 0; i < segs.size(); ++i)
     for (const checkpoint_block* cb : to_create[i]) {

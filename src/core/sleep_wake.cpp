@@ -143,10 +143,10 @@ stream_t copy_stream(const segment& seg) noexcept {
 }  // namespace
 
 void tag_sleep::wait_for_stream(stream_t stream) {
-  const event_t e = d_.get_event();
+  const event_t e = d_.events_.get_event();
   d_.backend_.record_event(d_.device_, e, stream);
   d_.backend_.synchronize_event(d_.device_, e);
-  d_.free_events_.push_back(e);
+  d_.events_.give_event(e);
 }
 
 // ---- pause --------------------------------------------------------------------------
@@ -183,10 +183,10 @@ std::vector<segment*> tag_sleep::pausable_segments(const std::vector<tag_id>& to
 // the work queued on the streams that own or used their blocks.
 void tag_sleep::wait_for_tag_work(const std::vector<segment*>& segs) {
   const std::set<const segment*> mine(segs.begin(), segs.end());
-  for (auto& [stream, queue] : d_.pending_events_)
-    for (auto& [e, b] : queue)
-      if (mine.count(b->seg) != 0) d_.backend_.synchronize_event(d_.device_, e);
-  d_.process_events_locked();
+  d_.events_.for_each_pending([&](event_t e, const block* b) {
+    if (mine.count(b->seg) != 0) d_.backend_.synchronize_event(d_.device_, e);
+  });
+  d_.events_.process_events_locked();
   std::set<stream_t> streams;
   for (const segment* seg : segs) {
     streams.insert(copy_stream(*seg));
@@ -195,12 +195,12 @@ void tag_sleep::wait_for_tag_work(const std::vector<segment*>& segs) {
         for (stream_t s : b->stream_uses) streams.insert(s);
   }
   if (!streams.empty()) {
-    const event_t e = d_.get_event();
+    const event_t e = d_.events_.get_event();
     for (stream_t s : streams) {
       d_.backend_.record_event(d_.device_, e, s);
       d_.backend_.synchronize_event(d_.device_, e);
     }
-    d_.free_events_.push_back(e);
+    d_.events_.give_event(e);
   }
   for (segment* seg : segs) d_.expandable_.settle_retired_in(*seg, 0, seg->pages.count(), true);
 }

@@ -201,7 +201,7 @@ block* thread_cache_take_slow(device_state& s, thread_cache_record* r, std::size
   if (r->count.load(std::memory_order_relaxed) == 0) return nullptr;
   // Pending events and captures go the normal way (events are processed
   // there; a capture may route to a private pool).
-  if ((s.pending_event_count_.load(std::memory_order_relaxed) | s.pools_.scopes().depth()) !=
+  if ((s.events_.pending_count() | s.pools_.scopes().depth()) !=
       0) [[unlikely]] {
     thread_cache_drain_own(s, *r);
     return nullptr;

@@ -68,6 +68,7 @@
 #include "host_copy_cache.hpp"
 #include "mapping_notifier.hpp"
 #include "device_fences.hpp"
+#include "event_queue.hpp"
 #include "expandable_segments.hpp"
 #include "private_pool_registry.hpp"
 #include "tag_sleep.hpp"
@@ -264,15 +265,6 @@ class device_state {
   // world_lock's destructor calls it. [world]
   void forget_gone_streams(world_lock& w) noexcept;
   static void forget_thread_stream() noexcept;       // the calling thread's stream_for cache (hot_path.cpp)
-  void process_events();  // [none] takes device, then (device released) each block's stream
-  void process_events_locked();                                               // [world]
-  void insert_events(block* b);                                                // [stream] takes device
-  void insert_events_locked(block* b);                                        // [stream, device]
-  template <class OnCompleted>
-  void take_completed_events(OnCompleted on_completed);                      // [device]
-  void synchronize_and_free_events();                                         // [world]
-  event_t get_event();                                                        // [device]
-  bool wait_for_completions_in_flight(world_lock& w);                         // [world] drops it while waiting
 
   // --- fallback_ladder.cpp: the slow path, new segments, releases, GC ---------
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
@@ -378,11 +370,8 @@ class device_state {
   // The recycling time budget (recycle_time_percent). [world]
   recycle_budget recycle_budget_;
   segment_map segments_;  // by base address
-  // Events recorded at free time, per stream that used the block, in order.
-  std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
-  std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
-  std::vector<event_t> free_events_;  // event pool: created and reusable
   expandable_segments expandable_{*this};  // reservations and their pages (expandable_segments.hpp)
+  event_queue events_{*this};  // the event pool and the events of cross-stream frees
   private_pool_registry pools_{*this};  // private pools, capture scopes, deferred frees
   tag_sleep tags_{*this};  // tags' pools, pause and resume (tag_sleep.hpp)
   device_fences fences_{*this};  // the page fences of its streams (device_fences.hpp)
@@ -403,10 +392,6 @@ class device_state {
     std::size_t high_water_bytes = 0;  // reserved_high_water_bytes_ and recycles_at_mark_ before it
     std::size_t recycles_at_mark = 0;
   } made_;
-  // Blocks whose completed events process_events took but has not yet
-  // returned to their pools (it drops the device lock in between). The OOM
-  // path waits for them (X7).
-  std::atomic<std::size_t> completions_in_flight_{0};
 
   // Memory history (SPEC F14-F18): its own lock, innermost. The allocator
   // records only when history_.active() (one relaxed load).

@@ -58,7 +58,7 @@ inline block* thread_cache_take(device_state& s, std::size_t requested_bytes, st
     // The slots are this thread's to write: read without the lock. The
     // block is not: a world lock may free it meanwhile (then count is 0).
     if (newest.stream == stream && newest.requested == requested_bytes &&
-        (s.pending_event_count_.load(std::memory_order_relaxed) |
+        (s.events_.pending_count() |
          s.pools_.scopes().depth()) == 0) [[likely]] {
       r->lock.lock();
       if (r->count.load(std::memory_order_relaxed) == n && thread_cache_still_reusable(newest.b)) [[likely]]
