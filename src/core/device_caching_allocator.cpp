@@ -36,9 +36,9 @@ device_caching_allocator::~device_caching_allocator() = default;
 
 void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
 
-void device_caching_allocator::stream_destroyed(stream_t stream) { state_->set_stream_gone(stream, true); }
+void device_caching_allocator::stream_destroyed(stream_t stream) { state_->registry_.set_stream_gone(stream, true); }
 
-void device_caching_allocator::stream_created(stream_t stream) { state_->set_stream_gone(stream, false); }
+void device_caching_allocator::stream_created(stream_t stream) { state_->registry_.set_stream_gone(stream, false); }
 
 bool device_caching_allocator::record_stream_containing(std::uintptr_t address, stream_t stream) {
   auto& s = *state_;
@@ -51,7 +51,7 @@ bool device_caching_allocator::record_stream_containing(std::uintptr_t address, 
   for (block* b = seg.head; b != nullptr; b = b->next) {
     if (address < b->ptr || address >= b->ptr + b->size) continue;
     if (!b->allocated) return false;
-    if (stream != b->stream) s.check_recorded_stream(stream);  // the world lock holds the registry's
+    if (stream != b->stream) s.registry_.check_recorded_stream(stream);  // the world lock holds the registry's
     if (stream != b->stream &&
         std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
       b->stream_uses.push_back(stream);

@@ -24,7 +24,7 @@ device_state::device_state(int device, device_backend& backend, allocator_config
     : device_(device),
       backend_(backend),
       id_(fresh_state_key()),
-      stream_cache_key_(id_),
+      registry_(*this, id_),
       config_(std::move(config)) {
   device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
   allowed_bytes_ = device_total_bytes_;
@@ -47,7 +47,7 @@ void device_state::apply_thread_cache_setting(const allocator_config& config) {
 
 device_state::~device_state() {
   std::vector<event_t> fence_events;
-  for (auto& [stream, ss] : streams_)
+  for (auto& [stream, ss] : registry_.all())
     for (const page_fences::fence& f : ss->fences.outstanding()) fence_events.push_back(f.event);
   events_.destroy_all(fence_events);
   // Deferred unmaps first (segment::retired): their handles may be mapped
@@ -87,6 +87,23 @@ device_state::~device_state() {
       b = next;
     }
   }
+}
+
+void device_state::record_stream(block* b, stream_t stream) {
+  if (stream != b->stream) {  // the block's stream is fixed while it is allocated
+    std::lock_guard registry(registry_.mutex());
+    registry_.check_recorded_stream(stream);
+  }
+  std::lock_guard lock(b->pool->owner->mutex);
+  if (b->seg->paused) [[unlikely]]  // written under the world lock, which holds this one
+    throw invalid_argument_error("ccalloc: record_stream of the block at " + std::to_string(b->ptr) +
+                                 " on device " + std::to_string(device_) + ": its tag '" +
+                                 tag_name(tag_of(*b->seg)) +
+                                 "' is paused (its pages are released; no stream may use it until resume)");
+  if (stream == b->stream) return;
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+    b->stream_uses.push_back(stream);
+  b->reuse_version = no_reuse_version;  // its free waits for events: never parked
 }
 
 }  // namespace ccalloc::detail

@@ -176,7 +176,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   if ((events_.pending_count() | pools_.scopes().depth() |
        tls_current_tag) != 0) [[unlikely]]
     return allocate_unusual(requested_bytes, stream);
-  stream_state& ss = stream_for(stream);
+  stream_state& ss = registry_.stream_for(stream);
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
@@ -194,7 +194,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 
 // allocate when events are pending or a begin_allocate_to_pool is active.
 [[gnu::noinline]] block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
-  stream_state& ss = stream_for(stream);  // first: a stream it refuses leaves everything as it was
+  stream_state& ss = registry_.stream_for(stream);  // first: a stream it refuses leaves everything as it was
   const bool scoped = pools_.scopes().active();
   if (scoped) pools_.note_if_capturing(stream);
   if (!pools_.capture_underway()) events_.process_events();  // never while capturing: event queries are not allowed then
@@ -231,33 +231,32 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   return allocate_locked(*this, requested_bytes, ss);
 }
 
-namespace {
 // The registry's entry of `stream`, made if new; cached for this thread. [registry]
-stream_state& registered_slot(device_state& d, stream_t stream) {
-  auto it = d.streams_.find(stream);
-  if (it == d.streams_.end()) {
+stream_state& stream_registry::registered_slot(stream_t stream) {
+  auto it = streams_.find(stream);
+  if (it == streams_.end()) {
     // Made before it is entered: out of host memory, the registry stays as
     // it was (an empty entry left behind was dereferenced later).
     auto fresh = std::make_unique<stream_state>(stream);
-    it = d.streams_.emplace(stream, std::move(fresh)).first;
+    it = streams_.emplace(stream, std::move(fresh)).first;
     auto& slot = it->second;
-    if (stream != default_stream && d.streams_.size() >= 2 && d.expandable_.page_bytes() != 0)
-      slot->fence_free_bytes = d.expandable_.page_bytes();
-    if (d.streams_.size() == 2) {
+    const std::size_t page = d_.expandable_.page_bytes();
+    if (stream != default_stream && streams_.size() >= 2 && page != 0) slot->fence_free_bytes = page;
+    if (streams_.size() == 2) {
       // The first stream kept its statistics pending without a lock; publish
       // them before two streams can publish independently. Its frees of
       // pages may now be wanted by another stream (free_records_fence).
-      for (auto& [other_stream, other] : d.streams_) {
+      for (auto& [other_stream, other] : streams_) {
         if (other.get() == slot.get()) continue;
         std::lock_guard other_lock(other->mutex);
-        std::lock_guard stats_lock(d.stats_mutex_);
-        publish_pending_stats(d.stats_, *other);
-        if (other_stream != default_stream && d.expandable_.page_bytes() != 0) other->fence_free_bytes = d.expandable_.page_bytes();
-        d.single_stream_.store(false, std::memory_order_relaxed);
+        std::lock_guard stats_lock(d_.stats_mutex_);
+        publish_pending_stats(d_.stats_, *other);
+        if (other_stream != default_stream && page != 0) other->fence_free_bytes = page;
+        single_stream_.store(false, std::memory_order_relaxed);
       }
     }
   }
-  tls_stream_cache = {d.stream_cache_key_.load(std::memory_order_relaxed), stream, it->second.get()};
+  tls_stream_cache = {cache_key_.load(std::memory_order_relaxed), stream, it->second.get()};
   return *it->second;
 }
 
@@ -267,31 +266,30 @@ stream_state& registered_slot(device_state& d, stream_t stream) {
 // free. A destroyed stream's handle that the backend reports live again is
 // a new stream (CUDA reuses handles; the CUDA backend cannot tell, and says
 // live).
-[[gnu::noinline]] stream_state& registered_stream(device_state& d, stream_t stream) {
+[[gnu::noinline]] stream_state& stream_registry::registered_stream(stream_t stream) {
   {
-    std::lock_guard lock(d.registry_mutex_);
-    const auto known = d.streams_.find(stream);
-    const bool met = known != d.streams_.end();
-    if (met && !known->second->gone) return registered_slot(d, stream);
-    if (!d.backend_.is_stream(d.device_, stream))  // one message, remembered or forgotten (forget_gone_streams)
+    std::lock_guard lock(registry_mutex_);
+    const auto known = streams_.find(stream);
+    const bool met = known != streams_.end();
+    if (met && !known->second->gone) return registered_slot(stream);
+    if (!d_.backend_.is_stream(d_.device_, stream))  // one message, remembered or forgotten (forget_gone_streams)
       throw invalid_argument_error("ccalloc: malloc on stream " + std::to_string(stream) + " of device " +
-                                   std::to_string(d.device_) +
+                                   std::to_string(d_.device_) +
                                    ", which is not a live stream of that device (never created, or destroyed)");
-    if (!met) return registered_slot(d, stream);
+    if (!met) return registered_slot(stream);
   }
-  d.set_stream_gone(stream, false);  // made again; the world lock takes the registry's lock
-  std::lock_guard lock(d.registry_mutex_);
-  return registered_slot(d, stream);
+  set_stream_gone(stream, false);  // made again; the world lock takes the registry's lock
+  std::lock_guard lock(registry_mutex_);
+  return registered_slot(stream);
 }
-}  // namespace
 
-void device_state::forget_thread_stream() noexcept { tls_stream_cache = {}; }
+void stream_registry::forget_thread_stream() noexcept { tls_stream_cache = {}; }
 
-stream_state& device_state::stream_for(stream_t stream) {
+stream_state& stream_registry::stream_for(stream_t stream) {
   const stream_cache_entry& c = tls_stream_cache;
-  if (c.owner_id == stream_cache_key_.load(std::memory_order_relaxed) && c.stream == stream) [[likely]]
+  if (c.owner_id == cache_key_.load(std::memory_order_relaxed) && c.stream == stream) [[likely]]
     return *c.state;
-  return registered_stream(*this, stream);
+  return registered_stream(stream);
 }
 
 void device_state::prepare_search(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {

@@ -371,7 +371,7 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
       in_pools += sp->small.blocks.size() + sp->large.blocks.size();
     }
   }
-  if (gone != s.gone_streams_) fail("gone_streams_ differs from the gone stream states");
+  if (gone != s.registry_.gone_count()) fail("gone_streams_ differs from the gone stream states");
   for (auto& [id, pp] : s.pools_.all()) {
     std::size_t held = 0;
     for (auto& [base, seg] : s.segments_) held += seg->head->pool->priv == pp.get() ? 1 : 0;

@@ -15,33 +15,16 @@ namespace ccalloc::detail {
 // A use on a stream that is not live (destroyed, never created, another
 // device's) is refused: the block's free would record an event on it, fail
 // and keep the block. The block's own stream is ignored below, gone or not.
-void device_state::check_recorded_stream(stream_t stream) const {
+void stream_registry::check_recorded_stream(stream_t stream) const {
   // One message whether or not the allocator still has the stream's state
   // (a destroyed stream's goes once its memory moved on: forget_gone_streams).
   const auto known = streams_.find(stream);
   if (known != streams_.end() && !known->second->gone) return;
-  if (backend_.is_stream(device_, stream)) return;  // a destroyed handle made again is a new stream
+  if (d_.backend_.is_stream(d_.device_, stream)) return;  // a destroyed handle made again is a new stream
   throw invalid_argument_error("ccalloc: record_stream on stream " + std::to_string(stream) + " of device " +
-                               std::to_string(device_) +
+                               std::to_string(d_.device_) +
                                ", which is not a live stream of that device (never created, destroyed, or of "
                                "another device)");
-}
-
-void device_state::record_stream(block* b, stream_t stream) {
-  if (stream != b->stream) {  // the block's stream is fixed while it is allocated
-    std::lock_guard registry(registry_mutex_);
-    check_recorded_stream(stream);
-  }
-  std::lock_guard lock(b->pool->owner->mutex);
-  if (b->seg->paused) [[unlikely]]  // written under the world lock, which holds this one
-    throw invalid_argument_error("ccalloc: record_stream of the block at " + std::to_string(b->ptr) +
-                                 " on device " + std::to_string(device_) + ": its tag '" +
-                                 tag_name(tag_of(*b->seg)) +
-                                 "' is paused (its pages are released; no stream may use it until resume)");
-  if (stream == b->stream) return;
-  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
-    b->stream_uses.push_back(stream);
-  b->reuse_version = no_reuse_version;  // its free waits for events: never parked
 }
 
 // stream_destroyed (gone) and stream_created (not gone). A stream that
@@ -49,16 +32,16 @@ void device_state::record_stream(block* b, stream_t stream) {
 // changes), so its fences, every free on it so far and every use of a live
 // block on it (record_stream) are complete: the uses are dropped (their
 // frees record nothing on it), and frees of its own blocks fence nothing.
-void device_state::set_stream_gone(stream_t stream, bool gone) {
+void stream_registry::set_stream_gone(stream_t stream, bool gone) {
   if (!gone) {  // nothing to do (the usual case: a new handle) without the world lock
     std::lock_guard lock(registry_mutex_);
     const auto it = streams_.find(stream);
     if (it == streams_.end() || !it->second->gone) return;
   }
-  world_lock w(*this);
+  world_lock w(d_);
   if (gone) {
-    backend_.synchronize_stream(device_, stream);  // may throw: nothing changed
-    for (auto& [base, seg] : segments_)
+    d_.backend_.synchronize_stream(d_.device_, stream);  // may throw: nothing changed
+    for (auto& [base, seg] : d_.segments_)
       for (block* b = seg->head; b != nullptr; b = b->next)
         std::erase(b->stream_uses, stream);
   }
@@ -68,7 +51,7 @@ void device_state::set_stream_gone(stream_t stream, bool gone) {
   if (ss.gone != gone) gone ? ++gone_streams_ : --gone_streams_;
   ss.gone = gone;
   if (!gone) return;
-  ss.fences.drop_outstanding([&](event_t e) { events_.give_event(e); });
+  ss.fences.drop_outstanding([&](event_t e) { d_.events_.give_event(e); });
   ss.fences.all_completed(ss.free_seq);
   forget_thread_stream();  // this thread's next malloc on it finds it gone
 }
@@ -78,12 +61,12 @@ void device_state::set_stream_gone(stream_t stream, bool gone) {
 // fences went when it was destroyed; a retired page names the stream that
 // freed it, and such a page keeps its segment, so none names it unless the
 // segment moved: checked).
-void device_state::forget_gone_streams(world_lock& w) noexcept {
+void stream_registry::forget_gone_streams(world_lock& w) noexcept {
   if (gone_streams_ == 0) [[likely]]
     return;
   const auto names_retired = [&](const stream_state* ss) {
-    if (expandable_.retired_pages() == 0) return false;
-    for (const auto& [base, seg] : segments_)
+    if (d_.expandable_.retired_pages() == 0) return false;
+    for (const auto& [base, seg] : d_.segments_)
       for (const segment::retired_page& r : seg->pages.retired())
         if (r.owner == ss) return true;
     return false;
@@ -95,14 +78,14 @@ void device_state::forget_gone_streams(world_lock& w) noexcept {
       ++i;
       continue;
     }
-    publish_pending_stats(stats_, *ss);
+    publish_pending_stats(d_.stats_, *ss);
     w.drop(ss);  // streams()[i] is the next one now
     --gone_streams_;
     streams_.erase(ss->stream);  // deletes the state
     forgot = true;
   }
   if (!forgot) return;
-  stream_cache_key_.store(fresh_state_key(), std::memory_order_relaxed);
+  cache_key_.store(fresh_state_key(), std::memory_order_relaxed);
 }
 
 }  // namespace ccalloc::detail

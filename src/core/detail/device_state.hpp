@@ -71,6 +71,7 @@
 #include "event_queue.hpp"
 #include "expandable_segments.hpp"
 #include "private_pool_registry.hpp"
+#include "stream_registry.hpp"
 #include "tag_sleep.hpp"
 #include "page_fences.hpp"
 #include "page_table.hpp"
@@ -183,7 +184,6 @@ class device_state {
   // then stream or world
   block* allocate_unusual(std::size_t requested_bytes, stream_t stream);
   void free(block* b);                      // [none] takes the block's stream (+device for events)
-  stream_state& stream_for(stream_t stream);  // [none] takes registry_mutex_ on a thread-cache miss
   [[nodiscard]] std::size_t round_size(std::size_t size) const noexcept;       // [stream]
   [[nodiscard]] std::size_t allocation_size(std::size_t size) const noexcept;  // [stream]
   void prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;  // [stream]
@@ -253,18 +253,6 @@ class device_state {
 
   // --- events.cpp: record_stream, events, returning blocks ----------------------
   void record_stream(block* b, stream_t stream);  // [none] takes the block's stream
-  // Throws invalid_argument_error naming `stream` unless it is a live stream
-  // of this device (registry, then backend_.is_stream), for record_stream.
-  void check_recorded_stream(stream_t stream) const;  // [registry]
-  void set_stream_gone(stream_t stream, bool gone);  // [none] takes the world lock
-  // Deletes the state of every gone stream that holds no segment (its
-  // pending statistics published first), so that a destroyed stream costs
-  // no host memory and no slow-path time once its memory has moved on
-  // (adopted by another stream, or returned to the device). Changes
-  // stream_cache_key_: no thread's cached entry can name a deleted state.
-  // world_lock's destructor calls it. [world]
-  void forget_gone_streams(world_lock& w) noexcept;
-  static void forget_thread_stream() noexcept;       // the calling thread's stream_for cache (hot_path.cpp)
 
   // --- fallback_ladder.cpp: the slow path, new segments, releases, GC ---------
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
@@ -340,14 +328,7 @@ class device_state {
   device_backend& backend_;
   const std::uint64_t id_;  // unique per instance: keys the threads' block caches
 
-  // [registry_mutex_]
-  spin_mutex registry_mutex_;
-  std::unordered_map<stream_t, std::unique_ptr<stream_state>> streams_;
-  std::size_t gone_streams_ = 0;  // states in streams_ with gone set
-  // Keys the thread-local stream cache (stream_for): unique per instance,
-  // and drawn again whenever a stream state is deleted. Written under the
-  // registry lock; read on the fast path (relaxed).
-  std::atomic<std::uint64_t> stream_cache_key_;
+  stream_registry registry_;  // the stream states (stream_registry.hpp) [registry_mutex_]
 
   // Read on the fast path under a stream lock; written under the world lock.
   allocator_config config_;
@@ -407,11 +388,6 @@ class device_state {
       mapping_.announce({change, reason, device_, addr, size_bytes, stream, expandable});
   }
 
-  // True while the device has at most one stream state: its statistics then
-  // stay in its pending deltas without any lock and are published by readers
-  // (exact: nothing else changes the device's values meanwhile). Cleared,
-  // after publishing, when a second stream appears. Read under a stream lock.
-  std::atomic<bool> single_stream_{true};
 
 
 
