@@ -93,16 +93,16 @@ void device_caching_allocator::set_config(const allocator_config& config) {
   // A fraction set at run time (set_memory_fraction) stays unless the new
   // configuration changes per_process_memory_fraction itself.
   const bool fraction_changed =
-      config.memory_fraction_set && (!s.config_.memory_fraction_set ||
-                                     config.per_process_memory_fraction != s.config_.per_process_memory_fraction);
+      config.memory_fraction_set && (!s.policy_.config().memory_fraction_set ||
+                                     config.per_process_memory_fraction != s.policy_.config().per_process_memory_fraction);
   // The fraction first: if returning cached memory fails, nothing changes.
   if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
   // The thread_cache key applies when it changes (set_thread_cache_enabled
   // stays in force across configurations that keep it); the world lock
   // emptied every thread's cache.
   const bool thread_cache_changed =
-      config.thread_cache_set != s.config_.thread_cache_set || config.thread_cache != s.config_.thread_cache;
-  s.config_ = config;
+      config.thread_cache_set != s.policy_.config().thread_cache_set || config.thread_cache != s.policy_.config().thread_cache;
+  s.policy_.set_config(config);
   if (thread_cache_changed) s.apply_thread_cache_setting(config);
   s.stats_.max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                                 ? -1
@@ -111,7 +111,7 @@ void device_caching_allocator::set_config(const allocator_config& config) {
 
 allocator_config device_caching_allocator::config() const {
   world_lock w(*state_);
-  return state_->config_;
+  return state_->policy_.config();
 }
 
 void device_caching_allocator::set_caching_enabled(bool enabled) {
@@ -121,12 +121,12 @@ void device_caching_allocator::set_caching_enabled(bool enabled) {
   s.publish_all_pending_stats(w);
   // The cache first: if returning it fails, the mode does not change.
   if (!enabled) s.release_cached_blocks(w);
-  s.caching_ = enabled;
+  s.policy_.set_caching(enabled);
 }
 
 bool device_caching_allocator::caching_enabled() const {
   world_lock w(*state_);
-  return state_->caching_.load(std::memory_order_relaxed);
+  return state_->policy_.caching();
 }
 
 device_stats device_caching_allocator::stats() const {

@@ -25,17 +25,17 @@ device_state::device_state(int device, device_backend& backend, allocator_config
       backend_(backend),
       id_(fresh_state_key()),
       registry_(*this, id_),
-      config_(std::move(config)) {
+      policy_(std::move(config)) {
   device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
   allowed_bytes_ = device_total_bytes_;
-  expandable_.check_supported(config_);
-  apply_thread_cache_setting(config_);
-  stats_.max_split_size = config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
+  expandable_.check_supported(policy_.config());
+  apply_thread_cache_setting(policy_.config());
+  stats_.max_split_size = policy_.config().max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                               ? -1
-                              : static_cast<std::int64_t>(config_.max_split_size_bytes);
-  if (config_.memory_fraction_set) {
+                              : static_cast<std::int64_t>(policy_.config().max_split_size_bytes);
+  if (policy_.config().memory_fraction_set) {
     world_lock w(*this);
-    set_memory_fraction(config_.per_process_memory_fraction, w);
+    set_memory_fraction(policy_.config().per_process_memory_fraction, w);
   }
 }
 

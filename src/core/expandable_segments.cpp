@@ -402,8 +402,8 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
     return *r.budget != recycle_budget::source::none;
   };
   auto over_mark = [&]() -> std::size_t {
-    if (!d_.config_.trim_on_new_peak || d_.reserved_bytes_ + need <= d_.reserved_high_water_bytes_ ||
-        d_.recycles_at_mark_ >= d_.config_.recycles_per_peak || !within_time())
+    if (!d_.policy_.config().trim_on_new_peak || d_.reserved_bytes_ + need <= d_.reserved_high_water_bytes_ ||
+        d_.recycles_at_mark_ >= d_.policy_.config().recycles_per_peak || !within_time())
       return 0;
     return std::min(need, d_.reserved_bytes_ + need - d_.reserved_high_water_bytes_);
   };
@@ -412,7 +412,7 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
     // The time this request's recycling and mapping take is spent from the
     // budget when recycling was a choice (for the mark, not the cap, which
     // must recycle whatever the budget).
-    if (over_mark() > 0 && d_.config_.recycle_time_percent < 100) r.recycle_started_us = d_.backend_.host_time_us();
+    if (over_mark() > 0 && d_.policy_.config().recycle_time_percent < 100) r.recycle_started_us = d_.backend_.host_time_us();
     try {
       std::size_t got = 0;
       if (const std::size_t target = std::max(over_cap(), over_mark()); target > 0)
@@ -602,7 +602,7 @@ block* expandable_segments::take_mapped_run(const expandable_request& r, std::si
 // mapped pages over whole.
 bool expandable_segments::idle_reservation(segment& seg, const alloc_params& p) {
   const block_pool* pool = seg.head->pool;
-  if (!d_.config_.reuse_across_streams || !d_.config_.trim_on_new_peak || pool == p.pool || pool->priv != nullptr ||
+  if (!d_.policy_.config().reuse_across_streams || !d_.policy_.config().trim_on_new_peak || pool == p.pool || pool->priv != nullptr ||
       p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || d_.pools_.capture_underway())
     return false;
   if (seg.busy_blocks != 0) return false;  // a block allocated or waiting for events

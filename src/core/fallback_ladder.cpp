@@ -154,7 +154,7 @@ void prepare_climb(climb& c) {
   if (!c.capturing) {
     d.events_.process_events_locked();
     if (!d.pools_.deferred_frees().empty()) d.pools_.flush_deferred_frees();
-    if (d.expandable_.page_bytes() != 0 && d.config_.expandable_segments) d.fences_.fence_streams(c.w);
+    if (d.expandable_.page_bytes() != 0 && d.policy_.config().expandable_segments) d.fences_.fence_streams(c.w);
     d.expandable_.settle_retired(false);  // deferred unmaps whose fence has completed
   }
   if (c.p.pool->blocks.owes()) c.p.pool->blocks.repay();
@@ -185,7 +185,7 @@ block* rung_cached_block(climb& c) { return c.d.get_free_block(c.p) ? c.d.take_f
 
 // Rung 2: above the garbage-collection threshold, release old cached blocks.
 void rung_garbage_collection(climb& c) {
-  if (c.d.config_.garbage_collection_threshold > 0.0 && !c.capturing) c.d.garbage_collect_cached_blocks(c.w);
+  if (c.d.policy_.config().garbage_collection_threshold > 0.0 && !c.capturing) c.d.garbage_collect_cached_blocks(c.w);
 }
 
 // Rungs 3 and 5 with expandable segments (B7, X3): place the request in the
@@ -219,9 +219,9 @@ block* rung_expandable(climb& c) {
 // to the device: the peak grows by less.
 block* rung_trim_on_new_peak(climb& c) {
   device_state& d = c.d;
-  if (!d.config_.trim_on_new_peak || c.capturing || d.reserved_bytes_ + c.p.alloc_size <= d.reserved_high_water_bytes_)
+  if (!d.policy_.config().trim_on_new_peak || c.capturing || d.reserved_bytes_ + c.p.alloc_size <= d.reserved_high_water_bytes_)
     return nullptr;
-  if (d.config_.reuse_across_streams && c.p.pool->priv == nullptr && d.adopt_idle_segment(c.p, c.w))
+  if (d.policy_.config().reuse_across_streams && c.p.pool->priv == nullptr && d.adopt_idle_segment(c.p, c.w))
     return d.take_from_rung(c.p);
   d.release_unused_segments(c.w, /*keep_going=*/true);
   return nullptr;
@@ -235,12 +235,12 @@ block* rung_new_segment(climb& c) {
   device_state& d = c.d;
   const bool priv = c.p.pool->priv != nullptr;
   for (int attempt = 0; attempt < 2; ++attempt) {
-    if (attempt == 1 && d.caching_ && d.get_free_block(c.p)) return d.take_from_rung(c.p);
+    if (attempt == 1 && d.policy_.caching() && d.get_free_block(c.p)) return d.take_from_rung(c.p);
     if (d.alloc_segment(c.p, false, c.w) ||
-        (d.caching_ && !priv && !c.capturing && d.release_available_cached_blocks(c.p) &&
+        (d.policy_.caching() && !priv && !c.capturing && d.release_available_cached_blocks(c.p) &&
          d.alloc_segment(c.p, false, c.w)) ||
         (d.release_cached_blocks(c.w, /*for_retry=*/true) &&
-         ((d.caching_ && d.get_free_block(c.p)) || d.alloc_segment(c.p, true, c.w))))
+         ((d.policy_.caching() && d.get_free_block(c.p)) || d.alloc_segment(c.p, true, c.w))))
       return d.take_from_rung(c.p);
     if (!d.events_.wait_for_completions_in_flight(c.w)) break;  // X7: blocks another thread is returning
   }
@@ -265,14 +265,14 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
   climb c{*this, p, w, false, custom};
   prepare_climb(c);
   if (cannot_fit(c)) return rung_out_of_memory(c);
-  if (caching_) {
+  if (policy_.caching()) {
     if (block* b = rung_cached_block(c)) return b;
     rung_garbage_collection(c);
     // A named tag's memory is always in reservations where the backend has
     // virtual memory, whatever expandable_segments says: pause releases
     // its pages and resume maps them again at the same addresses.
     const bool tagged = p.pool->priv != nullptr && p.pool->priv->tag != default_tag_id;
-    if ((config_.expandable_segments || tagged) && expandable_.page_bytes() != 0 && !custom) {
+    if ((policy_.config().expandable_segments || tagged) && expandable_.page_bytes() != 0 && !custom) {
       if (block* b = rung_expandable(c)) return b;
       // Out of address space (a new reservation was refused, e.g. with very
       // many streams): this request gets a plain segment instead.
@@ -306,7 +306,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   // its block and the remainder's (take_found_block splits it).
   auto fresh = std::make_unique<segment>();
   p.owner->reserve_spare_blocks(2);
-  if (config_.release_lock_on_cudamalloc) {
+  if (policy_.config().release_lock_on_cudamalloc) {
     // B8: other threads may use the cache while the device mallocs.
     w.unlock();
     try {
@@ -343,7 +343,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   made_ = {&p, seg.base, reserved_high_water_bytes_, recycles_at_mark_};
   ++p.pool->plain_segments;
   block* b = seg.head;
-  seg.oversize = size >= config_.max_split_size_bytes;
+  seg.oversize = size >= policy_.config().max_split_size_bytes;
 
   const stat_group g = group_of(p.pool);
   count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
@@ -400,7 +400,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
     for (auto i = pool.blocks.lower_bound(p.size); i != block_index::end(); i = pool.blocks.next(i)) {
       block* b = pool.blocks.at(i);
       if (b->is_split()) continue;
-      if (!oversize_rules_allow(p.size, b->size)) break;
+      if (!policy_.oversize_rules_allow(p.size, b->size)) break;
       if (best == nullptr || b->size < best->size) best = b;
       break;  // the smallest whole segment of this pool that fits
     }
@@ -426,7 +426,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
 // Rung 4 (only with max_split_size set): free the smallest cached oversize
 // block that covers the request, else the largest ones until enough is freed.
 bool device_state::release_available_cached_blocks(const alloc_params& p) {
-  const std::size_t max_split = config_.max_split_size_bytes;
+  const std::size_t max_split = policy_.config().max_split_size_bytes;
   if (max_split == std::numeric_limits<std::size_t>::max()) return false;
   block_pool& pool = *p.pool;
   const std::size_t wanted = std::max(p.size, max_split);
@@ -580,7 +580,7 @@ void device_state::free_uncached(block* b, stream_state& ss) {
 // ignores it then; SPEC X6).
 void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   const auto threshold =
-      static_cast<std::size_t>(config_.garbage_collection_threshold * static_cast<double>(allowed_bytes_));
+      static_cast<std::size_t>(policy_.config().garbage_collection_threshold * static_cast<double>(allowed_bytes_));
   if (reserved_bytes_ <= threshold) return;
   const std::size_t target = reserved_bytes_ - threshold;
 
@@ -656,7 +656,7 @@ block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requ
   pp.pinned.fetch_add(1, std::memory_order_relaxed);
   unpin guard{pp.pinned};
   alloc_params p;
-  prepare(p, requested_bytes, ss);
+  policy_.prepare(p, requested_bytes, ss);
   p.pool = &pools_.pool_in(pp, ss, p.pool->is_small);
   return allocate_slow(p, w);
 }

@@ -167,7 +167,7 @@ CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 [[gnu::noinline]] block* allocate_locked(device_state& d, std::size_t requested_bytes, stream_state& ss) {
   world_lock w(d);
   alloc_params p;
-  d.prepare(p, requested_bytes, ss);
+  d.policy_.prepare(p, requested_bytes, ss);
   return d.allocate_slow(p, w);
 }
 }  // namespace
@@ -180,9 +180,9 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
-    prepare_search(p, requested_bytes, ss);
+    policy_.prepare_search(p, requested_bytes, ss);
     // Rung 1: a cached block of this stream and pool.
-    if (caching_) [[likely]] {
+    if (policy_.caching()) [[likely]] {
       if (const block_index::position at = find_free_block(p); !at.is_end()) [[likely]] {
         stats_sink sink(*this, ss);
         return note_reusable(take_found_block(p, sink.get(), at), ss);
@@ -220,8 +220,8 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
-    prepare_search(p, requested_bytes, ss);
-    if (caching_) {
+    policy_.prepare_search(p, requested_bytes, ss);
+    if (policy_.caching()) {
       if (const block_index::position at = find_free_block(p); !at.is_end()) {
         stats_sink sink(*this, ss);
         return note_reusable(take_found_block(p, sink.get(), at), ss);
@@ -292,7 +292,7 @@ stream_state& stream_registry::stream_for(stream_t stream) {
   return registered_stream(stream);
 }
 
-void device_state::prepare_search(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
+void placement_policy::prepare_search(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
   p.requested_bytes = requested_bytes;
   p.stream = ss.stream;
   p.owner = &ss;
@@ -301,14 +301,14 @@ void device_state::prepare_search(alloc_params& p, std::size_t requested_bytes, 
   p.found = nullptr;
 }
 
-void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
+void placement_policy::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
   prepare_search(p, requested_bytes, ss);
   p.alloc_size = allocation_size(p.size);
 }
 
 // B1: 512-byte multiples, or the next of `divisions` equal steps between two
 // powers of two (roundup_power2_divisions).
-std::size_t device_state::round_size(std::size_t size) const noexcept {
+std::size_t placement_policy::round_size(std::size_t size) const noexcept {
   if (size < min_block_bytes) return min_block_bytes;
   const std::size_t divisions = config_.divisions_for(size);  // 0 when none are set
   // size / 512 > divisions, written so that no product can overflow.
@@ -323,7 +323,7 @@ std::size_t device_state::round_size(std::size_t size) const noexcept {
 }
 
 // B2: segment size for a new segment serving a block of `size` bytes.
-std::size_t device_state::allocation_size(std::size_t size) const noexcept {
+std::size_t placement_policy::allocation_size(std::size_t size) const noexcept {
   if (!caching_) return size;  // no-caching mode (F6): exactly the block
   if (size <= small_request_bytes) return small_segment_bytes;
   if (size < min_large_alloc_bytes) return config_.large_segment_size_bytes;
@@ -340,16 +340,16 @@ std::size_t device_state::allocation_size(std::size_t size) const noexcept {
 // index in between, so the position stays valid.
 block_index::position device_state::find_free_block(alloc_params& p) {
   block_pool& pool = *p.pool;
-  if (config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
+  if (policy_.config().garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
   const block_index::position i = pool.blocks.lower_bound(p.size);
   if (i.is_end()) return i;
   block* b = pool.blocks.at(i);
-  if (!oversize_rules_allow(p.size, b->size)) return block_index::end();  // b->size >= p.size (lower_bound)
+  if (!policy_.oversize_rules_allow(p.size, b->size)) return block_index::end();  // b->size >= p.size (lower_bound)
   // Expandable segments: carving b, a free island (no block in use beside
   // it), would start a new run of live blocks (lowest_fitting_block; rare).
   if (b->size != p.size && !pool.is_small && b->seg->expandable && (b->prev == nullptr || !b->prev->mapped) &&
       (b->next == nullptr || !b->next->mapped)) [[unlikely]] {
-    const block_index::position lowest = lowest_fitting_block(p, i);
+    const block_index::position lowest = policy_.lowest_fitting_block(p, i);
     p.found = pool.blocks.at(lowest);
     return lowest;
   }
@@ -364,7 +364,7 @@ bool device_state::get_free_block(alloc_params& p) {
   return true;
 }
 
-bool device_state::should_split(const block* b, std::size_t size) const noexcept {
+bool placement_policy::should_split(const block* b, std::size_t size) const noexcept {
   if (b->pool->no_split) [[unlikely]]
     return false;  // F22
   const std::size_t remaining = b->size - size;
@@ -397,7 +397,7 @@ block* device_state::split_free_block(block* b, std::uintptr_t at) {
 // Whether a split of free block b hands out its back: in an expandable
 // segment, when the block above is in use (allocated or waiting for events)
 // and the one below is not (unmapped, or the segment's start).
-bool device_state::place_at_back(const block* b) const noexcept {
+bool placement_policy::place_at_back(const block* b) const noexcept {
   if (!b->seg->expandable || b->pool->is_small) return false;
   const bool next_in_use = b->next != nullptr && b->next->mapped && !b->next->is_free();
   const bool prev_in_use = b->prev != nullptr && b->prev->mapped && !b->prev->is_free();
@@ -440,13 +440,13 @@ namespace {
   if (p.pool->blocks.owes()) [[unlikely]]
     p.pool->blocks.repay();
   block* remaining = b;
-  const bool back = d.place_at_back(b);
+  const bool back = d.policy_.place_at_back(b);
   std::uintptr_t start = back ? b->ptr + b->size - p.size : b->ptr;
   // Only where free pages are recycled at every new peak (the default):
   // the page it saves is the one its neighbours' recycling frees.
-  if (b->seg->expandable && !b->pool->is_small && d.recycles_at_every_peak() &&
+  if (b->seg->expandable && !b->pool->is_small && d.policy_.recycles_at_every_peak() &&
       page_sliver(p.size, start - b->seg->base, b->seg->page_bytes)) [[unlikely]]
-    start = device_state::page_aligned_start(*b, p.size, back);
+    start = placement_policy::page_aligned_start(*b, p.size, back);
   block* upper = nullptr;  // a second remainder, above the caller's block
   if (start != b->ptr && start + p.size != b->ptr + b->size) {
     // On a page boundary inside the block (page_aligned_start): the
@@ -498,7 +498,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   CCALLOC_ASSERT(b->size >= p.size && p.size % min_block_bytes == 0);
   const stat_group g = group_of(p.pool);
   const bool already_split = b->is_split();
-  if (should_split(b, p.size)) {
+  if (policy_.should_split(b, p.size)) {
     b = split_found_block(*this, p, st, at, already_split);
   } else {
     if (!at.is_end()) p.pool->blocks.erase_at(at);
@@ -518,7 +518,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   count_up(st.active, g, 1);
   count_up(st.active_bytes, g, size);
   count_up(st.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
-  b->counted_oversize = b->size >= config_.max_split_size_bytes;
+  b->counted_oversize = b->size >= policy_.config().max_split_size_bytes;
   if (b->counted_oversize) st.oversize_allocations.increase(1);
   CCALLOC_ASSERT_EXPENSIVE(segment_is_valid(*b->seg));
   return b;
@@ -536,7 +536,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
 // and private pools, no-caching mode and thread_cache:small change only
 // under the world lock, which changes every version. [stream]
 block* device_state::note_reusable(block* b, const stream_state& ss) const noexcept {
-  const bool kept_out = free_records_fence(b, ss) || config_.garbage_collection_threshold > 0.0 ||
+  const bool kept_out = policy_.free_records_fence(b, ss) || policy_.config().garbage_collection_threshold > 0.0 ||
                         (!b->pool->is_small && thread_caches_.small_only.load(std::memory_order_relaxed));
   b->reuse_version = kept_out ? no_reuse_version : b->pool->blocks.version();
   return b;
@@ -591,10 +591,10 @@ void device_state::free(block* b) {
   // stream's slow path never records on this stream (can_record_on).
   if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
     free_used_on_other_streams(*this, b, ss);
-  } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway()) [[unlikely]] {
+  } else if (!policy_.caching() && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway()) [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
-  } else if (free_records_fence(b, ss) && !pools_.capture_underway()) [[unlikely]] {
+  } else if (policy_.free_records_fence(b, ss) && !pools_.capture_underway()) [[unlikely]] {
     // No fence of the stream outstanding (one already is: skip, so that a
     // stream that goes idle at every free, an alloc+free loop, records one
     // fence per slow path at most, not one per free). May throw: nothing
@@ -649,7 +649,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   block_index& index = b->pool->blocks;
   block_index::position slot = block_index::end();
   const auto absorb = [&](block* neighbour) {
-    if (!can_merge(b, neighbour)) return;
+    if (!policy_.can_merge(b, neighbour)) return;
     if (!slot.is_end()) index.erase_at(slot);
     slot = index.find(neighbour);
     const std::size_t subsumed = merge(b, neighbour);
@@ -680,7 +680,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   b->requested_bytes = 0;
   CCALLOC_ASSERT_EXPENSIVE(segment_is_valid(*b->seg));
   // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
-  if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway()) {
+  if (!policy_.caching() && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway()) {
     // This free completes inside another operation (a malloc that found the
     // block's events done, empty_cache, a neighbour's free): if the device
     // refuses the segment, the block stays cached, consistent, and the next
@@ -700,7 +700,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
 }
 
 // Whether `src`, a neighbour of `dst` (or nullptr), is free and may merge into it.
-bool device_state::can_merge(const block* dst, const block* src) noexcept {
+bool placement_policy::can_merge(const block* dst, const block* src) noexcept {
   return src != nullptr && src->is_free() && src->stream_uses.empty() && src->mapped == dst->mapped;
 }
 

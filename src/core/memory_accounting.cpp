@@ -41,11 +41,11 @@ void device_state::raise_reserved_high_water() noexcept {
 // the recycling reserve").
 recycle_budget::source device_state::recycle_budget_now(bool large_peak) {
   const auto from =
-      recycle_budget_.choose(config_.recycle_time_percent, large_peak, [&] { return backend_.host_time_us(); });
+      recycle_budget_.choose(policy_.config().recycle_time_percent, large_peak, [&] { return backend_.host_time_us(); });
   // choose() bounds the budget (refills) only between 1 and 99 percent: at 0
   // (recycling off, e.g. lowered by set_config) it holds what it held.
-  CCALLOC_ASSERT_EXPENSIVE(config_.recycle_time_percent >= 100 || config_.recycle_time_percent == 0 ||
-                           recycle_budget_.within_bounds(config_.recycle_time_percent));
+  CCALLOC_ASSERT_EXPENSIVE(policy_.config().recycle_time_percent >= 100 || policy_.config().recycle_time_percent == 0 ||
+                           recycle_budget_.within_bounds(policy_.config().recycle_time_percent));
   return from;
 }
 
@@ -56,10 +56,10 @@ void device_state::spend_recycle_time(recycle_budget::source from, std::uint64_t
   start_us += excluded_us;
   // Refill first up to now (the budget fills while recycling runs too), then spend.
   if (const std::optional<std::uint64_t> refill_at = backend_.host_time_us())
-    recycle_budget_.refill(config_.recycle_time_percent, *refill_at);
-  recycle_budget_.spend(from, config_.recycle_time_percent, static_cast<double>(*now - start_us));
-  CCALLOC_ASSERT_EXPENSIVE(config_.recycle_time_percent == 0 ||
-                           recycle_budget_.within_bounds(config_.recycle_time_percent));
+    recycle_budget_.refill(policy_.config().recycle_time_percent, *refill_at);
+  recycle_budget_.spend(from, policy_.config().recycle_time_percent, static_cast<double>(*now - start_us));
+  CCALLOC_ASSERT_EXPENSIVE(policy_.config().recycle_time_percent == 0 ||
+                           recycle_budget_.within_bounds(policy_.config().recycle_time_percent));
 }
 
 void device_state::set_memory_fraction(double fraction, const world_lock& w) {

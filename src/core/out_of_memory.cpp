@@ -45,7 +45,7 @@ oom_facts gather_oom_facts(const device_state& d, const alloc_params& p, const w
     for (block_pool* pool : {&ss->pools.small, &ss->pools.large})
       if (!pool->blocks.empty()) f.largest_free = std::max(f.largest_free, pool->blocks.largest()->size);
   f.custom_segments = p.pool != nullptr && p.pool->priv != nullptr && p.pool->priv->custom.malloc;
-  f.pages = d.caching_ && d.config_.expandable_segments && d.expandable_.page_bytes() != 0 && !d.expandable_.no_address_space() &&
+  f.pages = d.policy_.caching() && d.policy_.config().expandable_segments && d.expandable_.page_bytes() != 0 && !d.expandable_.no_address_space() &&
             !f.custom_segments;
   f.too_large = p.pool == nullptr;
   // (Rounded up to pages without wrapping past SIZE_MAX: a refused request may be that large.)
@@ -97,7 +97,7 @@ std::string oom_advice(const device_state& d, const oom_facts& f) {
       settings.emplace_back("expandable_segments:True so that the free pages of partly used segments are returned");
     // Large cached blocks would not be split for small requests (blocks of
     // expandable segments are never returned whole: no use there).
-    if (d.config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max())
+    if (d.policy_.config().max_split_size_bytes == std::numeric_limits<std::size_t>::max())
       settings.emplace_back("max_split_size_mb:<MiB> so that large cached blocks are not split for small requests");
   }
   const std::string or_fraction = d.set_fraction_ ? ", or raise the memory fraction." : ".";
@@ -128,18 +128,18 @@ std::string oom_advice(const device_state& d, const oom_facts& f) {
 // threads failing together write one. Returns the path to write (empty:
 // none); says in `msg` why none is written when the interval holds it back.
 std::string claim_oom_snapshot(device_state& d, std::string& msg) {
-  if (d.config_.oom_snapshot_path.empty() || !d.oom_snapshot_writer_) return {};
+  if (d.policy_.config().oom_snapshot_path.empty() || !d.oom_snapshot_writer_) return {};
   const auto now_us = static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
           .count());
   const std::uint64_t since_s = d.last_oom_snapshot_us_ ? (now_us - *d.last_oom_snapshot_us_) / 1'000'000 : 0;
-  if (!d.last_oom_snapshot_us_ || since_s >= d.config_.oom_snapshot_interval_s) {
+  if (!d.last_oom_snapshot_us_ || since_s >= d.policy_.config().oom_snapshot_interval_s) {
     d.last_oom_snapshot_us_ = now_us;
-    return d.config_.oom_snapshot_path;
+    return d.policy_.config().oom_snapshot_path;
   }
-  msg += " No snapshot was written (oom_snapshot): the last one went to " + d.config_.oom_snapshot_path + " " +
+  msg += " No snapshot was written (oom_snapshot): the last one went to " + d.policy_.config().oom_snapshot_path + " " +
          std::to_string(since_s) + " s ago, and oom_snapshot_interval_s is " +
-         std::to_string(d.config_.oom_snapshot_interval_s) + ".";
+         std::to_string(d.policy_.config().oom_snapshot_interval_s) + ".";
   return {};
 }
 

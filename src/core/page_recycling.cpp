@@ -194,7 +194,7 @@ std::size_t expandable_segments::unmap_free_pages(std::size_t target_bytes, cons
   // (cudaMemPoolReuseAllowInternalDependencies; counted in
   // num_stream_waits): mapped at once, unmapped at the old place once the
   // fence completes (a deferred unmap). One wait per owner stream and fence.
-  if (d_.config_.reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr && got < target_bytes &&
+  if (d_.policy_.config().reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr && got < target_bytes &&
       !waiting.empty() && d_.fences_.may_wait_on_device(*same_stream)) {
     std::vector<std::pair<const stream_state*, std::uint64_t>> waited;  // owner -> fence count waited for
     for (block*& entry : waiting) {

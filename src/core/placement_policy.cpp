@@ -29,7 +29,7 @@ namespace ccalloc::detail {
 // pages stay mapped, the page is not saved, and the pieces left beside such
 // blocks only cost. The replays behind this: docs/design.md, "Note: why
 // blocks are carved on page boundaries".
-std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size, bool back) noexcept {
+std::uintptr_t placement_policy::page_aligned_start(const block& b, std::size_t size, bool back) noexcept {
   const segment& seg = *b.seg;
   const std::size_t page = seg.page_bytes;
   const std::uintptr_t lo = b.ptr;
@@ -89,7 +89,7 @@ std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size
 // where free pages are recycled at every new peak (as page_aligned_start):
 // otherwise the islands stay mapped, and best fit keeps PyTorch's rule. The
 // scan goes over the pool's larger free blocks, in this case only.
-block_index::position device_state::lowest_fitting_block(const alloc_params& p,
+block_index::position placement_policy::lowest_fitting_block(const alloc_params& p,
                                                          block_index::position at) const noexcept {
   if (!recycles_at_every_peak()) return at;
   if (p.size % p.pool->blocks.at(at)->seg->page_bytes == 0) return at;  // strands nothing: best fit

@@ -59,7 +59,7 @@ block_pool& private_pool_registry::pool_in(private_pool& pp, stream_state& ss, b
 // Rung 5b (F22): a request of the default pool takes a free block of a
 // set_use_on_oom pool (same stream and size class). The block stays in that pool.
 bool private_pool_registry::try_use_on_oom_pools(alloc_params& p, const world_lock&) {
-  if (p.pool->priv != nullptr || !d_.caching_) return false;
+  if (p.pool->priv != nullptr || !d_.policy_.caching()) return false;
   for (auto& [id, pp] : pools_) {
     if (!pp->use_on_oom) continue;
     auto it = p.owner->private_pools.find(pp.get());
@@ -200,7 +200,7 @@ block* private_pool_registry::carve_allocated(segment& seg, std::uintptr_t ptr, 
   count_up(d_.stats_.active, g, 1);
   count_up(d_.stats_.active_bytes, g, static_cast<std::int64_t>(size));
   count_up(d_.stats_.requested_bytes, g, static_cast<std::int64_t>(requested));
-  f->counted_oversize = size >= d_.config_.max_split_size_bytes;
+  f->counted_oversize = size >= d_.policy_.config().max_split_size_bytes;
   if (f->counted_oversize) d_.stats_.oversize_allocations.increase(1);
   return f;
 }

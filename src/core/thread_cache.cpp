@@ -234,7 +234,7 @@ bool thread_cache_park_slow(device_state& s, block* b) {
   // it out (block::reuse_version), so that a hit is what the pools would do.
   const bool parkable =
       thread_cache_still_reusable(b) && b->stream_uses.empty() && b->pool->priv == nullptr &&
-      s.caching_.load(std::memory_order_relaxed) && !s.pools_.capture_underway() &&
+      s.policy_.caching() && !s.pools_.capture_underway() &&
       !(s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small) &&
       !(r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) &&
       r->count.load(std::memory_order_relaxed) != thread_cache_slots;

@@ -70,6 +70,7 @@
 #include "device_fences.hpp"
 #include "event_queue.hpp"
 #include "expandable_segments.hpp"
+#include "placement_policy.hpp"
 #include "private_pool_registry.hpp"
 #include "stream_registry.hpp"
 #include "tag_sleep.hpp"
@@ -184,69 +185,13 @@ class device_state {
   // then stream or world
   block* allocate_unusual(std::size_t requested_bytes, stream_t stream);
   void free(block* b);                      // [none] takes the block's stream (+device for events)
-  [[nodiscard]] std::size_t round_size(std::size_t size) const noexcept;       // [stream]
-  [[nodiscard]] std::size_t allocation_size(std::size_t size) const noexcept;  // [stream]
-  void prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;  // [stream]
-  // prepare without p.alloc_size, which only the slow path reads (rung 1 of
-  // the hot path; the slow path prepares again). [stream]
-  void prepare_search(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;
   bool get_free_block(alloc_params& p);                                        // [stream]
   block_index::position find_free_block(alloc_params& p);                     // [stream]
   block* take_found_block(alloc_params& p, device_stats& st,
                           block_index::position at = block_index::end());      // [stream]
   block* note_reusable(block* b, const stream_state& ss) const noexcept;       // [stream]
-  // Whether free records a page fence on b's stream before freeing b (a
-  // block used on no other stream; fence_before_free), so that the pages the
-  // free leaves whole can pass to another stream, without waiting, once the
-  // stream's work up to the free has completed. Only while no fence of the
-  // stream is outstanding: one per stream between two polls of its fences
-  // (the slow path polls them), not one per free. And only where no other
-  // fence would cover the free: b is its expandable segment's last busy
-  // block (the stream stopped using it: a short-lived side stream, a stream
-  // between bursts; it may be destroyed next), or b spans a page, while
-  // more than one stream allocates, on a stream other than the legacy
-  // default stream (which any slow path may record on, can_record_on): the
-  // stream keeps other blocks, and another stream's slow path never records
-  // on it, so without this its freed pages stayed with it for as long as it
-  // kept a block, and the others grew instead (on the H200, a
-  // stream holding weights gave no page away). A stream alone has its frees
-  // fenced by its own slow path, where its pages are wanted. [stream]
-  [[nodiscard]] static bool free_records_fence(const block* b, const stream_state& ss) noexcept {
-    // The rare cases first: one stream, or blocks in use beside b, end it.
-    return b->seg->expandable &&
-           (b->seg->busy_blocks == 1 || b->size >= ss.fence_free_bytes) &&
-           ss.fences.empty();
-  }
-  [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
-  // B3's oversize rules: whether a request of `size` bytes may take a free
-  // block of `block_size` >= size bytes (a small request never takes an
-  // oversize block; an oversize request one at most max_non_split_rounding
-  // larger). Walking a pool upwards, a false answer holds for every larger
-  // block too.
-  [[nodiscard]] bool oversize_rules_allow(std::size_t size, std::size_t block_size) const noexcept {
-    const std::size_t max_split = config_.max_split_size_bytes;
-    if (size < max_split) return block_size < max_split;
-    return block_size - size < config_.max_non_split_rounding_bytes;
-  }
-  // Whether free pages are recycled at every new peak (the default:
-  // trim_on_new_peak, recycles_per_peak unlimited), where expandable
-  // segments place blocks to free whole pages (page_sliver, lowest_fitting_block).
-  [[nodiscard]] bool recycles_at_every_peak() const noexcept {
-    return config_.trim_on_new_peak && config_.recycles_per_peak == std::numeric_limits<std::size_t>::max();
-  }
-  [[nodiscard]] bool place_at_back(const block* b) const noexcept;            // [stream]
-  // Where in free block b a block of `size` bytes (page_sliver of an
-  // expandable segment's page) starts (expandable_segments.cpp). [stream]
-  [[nodiscard]] static std::uintptr_t page_aligned_start(const block& b, std::size_t size, bool back) noexcept;
-  // find_free_block's best fit `at` for p, a free island of an expandable
-  // segment's large pool: the fitting free block at the lowest address
-  // instead, where free pages are recycled at every new peak
-  // (expandable_segments.cpp). [stream]
-  [[nodiscard]] block_index::position lowest_fitting_block(const alloc_params& p,
-                                                           block_index::position at) const noexcept;
   void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream] (+device if device_locked)
   void free_block(block* b, device_stats& st, bool device_locked);            // [stream] (+device if device_locked)
-  [[nodiscard]] static bool can_merge(const block* dst, const block* src) noexcept;  // [stream]
   std::size_t merge(block* dst, block* src);                                   // [stream]
   // Splits free block b at `at` (inside it): the upper part, a new free block. [stream]
   block* split_free_block(block* b, std::uintptr_t at);
@@ -330,11 +275,8 @@ class device_state {
 
   stream_registry registry_;  // the stream states (stream_registry.hpp) [registry_mutex_]
 
-  // Read on the fast path under a stream lock; written under the world lock.
-  allocator_config config_;
-  // Also read without a lock (the thread cache's park, is_caching_enabled):
-  // atomic, relaxed there.
-  std::atomic<bool> caching_{true};
+  // The configuration and the placement rules over it (placement_policy.hpp).
+  placement_policy policy_;
 
   // [device_mutex_]
   spin_mutex device_mutex_;
