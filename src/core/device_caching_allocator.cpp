@@ -65,7 +65,7 @@ void device_caching_allocator::empty_cache() {
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
   if (state_->history_.active()) [[unlikely]]
-    state_->history_.record(trace_entry_action::empty_cache, 0, state_->reserved_bytes_, 0, nullptr);
+    state_->history_.record(trace_entry_action::empty_cache, 0, state_->memory_.reserved(), 0, nullptr);
   state_->release_failure_ = nullptr;
   state_->release_cached_blocks(w, /*for_retry=*/true);  // past a segment that fails: the others go back
   state_->tags_.release_host_copies();                      // host buffers kept for the next pause
@@ -81,7 +81,7 @@ void device_caching_allocator::set_memory_fraction(double fraction) {
 
 double device_caching_allocator::memory_fraction() const {
   std::lock_guard lock(state_->device_mutex_);
-  return state_->set_fraction_ ? state_->fraction_ : 1.0;
+  return state_->memory_.fraction();
 }
 
 void device_caching_allocator::set_config(const allocator_config& config) {

@@ -26,8 +26,7 @@ device_state::device_state(int device, device_backend& backend, allocator_config
       id_(fresh_state_key()),
       registry_(*this, id_),
       policy_(std::move(config)) {
-  device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
-  allowed_bytes_ = device_total_bytes_;
+  memory_.set_total(backend_.mem_get_info(device_).total_bytes);
   expandable_.check_supported(policy_.config());
   apply_thread_cache_setting(policy_.config());
   stats_.max_split_size = policy_.config().max_split_size_bytes == std::numeric_limits<std::size_t>::max()

@@ -166,7 +166,7 @@ block* expandable_segments::unmapped_block_at_or_below(const segment& seg, std::
 
 segment* expandable_segments::new_expandable_segment(const alloc_params& p) {
   const std::size_t page = page_bytes_;
-  const std::size_t want = std::max(d_.device_total_bytes_, p.size);
+  const std::size_t want = std::max(d_.memory_.total(), p.size);
   if (want > std::numeric_limits<std::size_t>::max() - page) return nullptr;  // no such address range
   const std::size_t size = (want + page - 1) / page * page;
   // The address range first (a device that has none left says so before
@@ -188,7 +188,7 @@ segment* expandable_segments::new_expandable_segment(const alloc_params& p) {
     throw;
   }
   segment& seg = *added;
-  d_.made_ = {&p, seg.base, d_.reserved_high_water_bytes_, d_.recycles_at_mark_};  // a failed request gives it back
+  d_.memory_.note_made(&p, seg.base);  // a failed request gives it back
   seg.head->mapped = false;
   seg.expandable = true;
   seg.seq = next_segment_seq_++;
@@ -210,7 +210,7 @@ void expandable_segments::give_back_page(segment& seg, std::size_t i) noexcept {
   }
   seg.pages.set_unmapped(i);
   seg.mapped_bytes -= page;
-  d_.reserved_bytes_ -= page;
+  d_.memory_.remove_reserved(page);
   count_down(d_.stats_.reserved_bytes, d_.group_of(seg.head->pool), static_cast<std::int64_t>(page));
 }
 
@@ -293,7 +293,7 @@ struct expandable_segments::expandable_request {
   ~expandable_request() {
     if (!recycle_started_us || !budget) return;
     try {
-      d.spend_recycle_time(*budget, *recycle_started_us, fresh_pages_us);
+      x.spend_recycle_time(*budget, *recycle_started_us, fresh_pages_us);
     } catch (...) {  // a clock that throws: the budget misses this spending, nothing else
     }
   }
@@ -321,13 +321,13 @@ bool expandable_segments::alloc_expandable(alloc_params& p, bool is_retry, world
   if (is_retry) ++d_.stats_.num_alloc_retries;
   expandable_request r(*this);
   place_expandable(p, r);                                      // 1. where: a free run, or a new reservation
-  if (!d_.could_map(r.need)) return false;                        //    fail at once what cannot fit
+  if (!could_map(r.need)) return false;                        //    fail at once what cannot fit
   if (!reserve_placement(p, r)) return false;                  //    adopt an idle reservation, or make one
   if (r.need > 0 && !free_pages_for(r, w)) return false;       // 2. recycle pages below the cap and the mark
   if (!settle_retired_under(r)) return false;                  // 3. retired pages under it unmapped, then
   if (!map_missing_pages(p, r)) return false;                  //    the missing pages mapped
   r.drop_recycled();  // more pages were freed than mapped (the cap counted plain segments)
-  d_.raise_reserved_high_water();
+  d_.memory_.raise_high_water();
   p.found = take_mapped_run(r, p.size);                        // 4. the run's free block, off the pool
   return true;
 }
@@ -383,7 +383,7 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
   // Bytes over the cap: these must be freed (waiting for page fences if
   // need be), or the request fails.
   auto over_cap = [&]() -> std::size_t {
-    return d_.set_fraction_ && d_.reserved_bytes_ + need > d_.allowed_bytes_ ? d_.reserved_bytes_ + need - d_.allowed_bytes_ : 0;
+    return d_.memory_.capped() && d_.memory_.reserved() + need > d_.memory_.allowed() ? d_.memory_.reserved() + need - d_.memory_.allowed() : 0;
   };
   // Bytes over the high-water mark: a new peak is avoided by recycling
   // free pages whose fence has completed (never waiting), at most
@@ -396,16 +396,16 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
   // (recycle_budget_now).
   auto within_time = [&] {
     if (!r.budget) {
-      const bool large_peak = d_.reserved_bytes_ + need - d_.reserved_high_water_bytes_ > d_.reserved_high_water_bytes_ / 16;
-      r.budget = d_.recycle_budget_now(large_peak);
+      const bool large_peak = d_.memory_.reserved() + need - d_.memory_.high_water() > d_.memory_.high_water() / 16;
+      r.budget = recycle_budget_now(large_peak);
     }
     return *r.budget != recycle_budget::source::none;
   };
   auto over_mark = [&]() -> std::size_t {
-    if (!d_.policy_.config().trim_on_new_peak || d_.reserved_bytes_ + need <= d_.reserved_high_water_bytes_ ||
-        d_.recycles_at_mark_ >= d_.policy_.config().recycles_per_peak || !within_time())
+    if (!d_.policy_.config().trim_on_new_peak || d_.memory_.reserved() + need <= d_.memory_.high_water() ||
+        d_.memory_.recycles_at_mark() >= d_.policy_.config().recycles_per_peak || !within_time())
       return 0;
-    return std::min(need, d_.reserved_bytes_ + need - d_.reserved_high_water_bytes_);
+    return std::min(need, d_.memory_.reserved() + need - d_.memory_.high_water());
   };
   if (!d_.pools_.capture_underway() && std::max(over_cap(), over_mark()) > 0) {
     d_.release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
@@ -419,13 +419,13 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
         got = unmap_free_pages(target, r.seg, r.start, r.end, &r.recycled, false, r.same_stream);
       if (const std::size_t target = over_cap(); target > 0)
         got += unmap_free_pages(target, r.seg, r.start, r.end, &r.recycled, true, r.same_stream);
-      if (got > 0) ++d_.recycles_at_mark_;
+      if (got > 0) d_.memory_.note_recycle();
     } catch (...) {
       r.drop_recycled();  // the pages unmapped before the failure go back to the device
       throw;
     }
   }
-  if (d_.set_fraction_ && d_.reserved_bytes_ + need > d_.allowed_bytes_) {
+  if (d_.memory_.capped() && d_.memory_.reserved() + need > d_.memory_.allowed()) {
     r.drop_recycled();
     return false;
   }
@@ -501,7 +501,7 @@ bool expandable_segments::map_missing_pages(const alloc_params& p, expandable_re
     if (d_.history_.active() && i > run_first) [[unlikely]]
       d_.history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
-      d_.raise_reserved_high_water();
+      d_.memory_.raise_high_water();
       r.drop_recycled();
       return false;
     }
@@ -546,7 +546,7 @@ bool expandable_segments::map_request_page(const alloc_params& p, expandable_req
         seg.pages.set_mapped(i, h);  // still mapped: keep it on the books (a free mapped page)
         ++d_.stats_.num_pages_mapped;
         seg.mapped_bytes += page;
-        d_.reserved_bytes_ += page;
+        d_.memory_.add_reserved(page);
         count_up(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
         if (fresh) ++d_.stats_.num_device_alloc;
         throw;
@@ -565,7 +565,7 @@ bool expandable_segments::map_request_page(const alloc_params& p, expandable_req
   if (!fresh && from != p.stream) d_.stats_.bytes_moved_between_streams += static_cast<std::int64_t>(page);
   seg.mapped_bytes += page;
   if (fresh) ++d_.stats_.num_device_alloc;
-  d_.reserved_bytes_ += page;
+  d_.memory_.add_reserved(page);
   count_up(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
   if (fresh_start_us != 0) {
     if (const std::uint64_t t = r.clock_reading(); t > fresh_start_us) r.fresh_pages_us += t - fresh_start_us;
@@ -657,6 +657,46 @@ void expandable_segments::release_empty_expandable_segments() {
     seg.head->pool->owner->delete_block(seg.head);
     it = d_.segments_.erase(it);
   }
+}
+
+// Whether `need` bytes of new pages may fit at all (rather than create pages
+// until the device refuses): not more than the device or the cap, nor, for a
+// large request, more than the device has free plus what this allocator
+// could give back. Checked before a new reservation: a failed request leaves
+// the segment counts as they were.
+bool expandable_segments::could_map(std::size_t need) {
+  if (need > d_.memory_.allowed()) return false;
+  if (need >= free_memory_check_bytes) {
+    std::size_t free_pages_bytes = 0;
+    for (auto& [base, up] : d_.segments_)
+      if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
+    if (need > d_.backend_.mem_get_info(d_.device_).free_bytes + free_pages_bytes) return false;
+  }
+  return true;
+}
+
+// The recycling time budget (recycle_budget.hpp; docs/design.md, "Note:
+// the recycling reserve").
+recycle_budget::source expandable_segments::recycle_budget_now(bool large_peak) {
+  const auto percent = d_.policy_.config().recycle_time_percent;
+  const auto from = recycle_budget_.choose(percent, large_peak, [&] { return d_.backend_.host_time_us(); });
+  // choose() bounds the budget (refills) only between 1 and 99 percent: at 0
+  // (recycling off, e.g. lowered by set_config) it holds what it held.
+  CCALLOC_ASSERT_EXPENSIVE(percent >= 100 || percent == 0 || recycle_budget_.within_bounds(percent));
+  return from;
+}
+
+void expandable_segments::spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us) {
+  if (from == recycle_budget::source::none) return;
+  const auto percent = d_.policy_.config().recycle_time_percent;
+  const std::optional<std::uint64_t> now = d_.backend_.host_time_us();
+  if (!now || *now <= start_us || *now - start_us <= excluded_us) return;
+  start_us += excluded_us;
+  // Refill first up to now (the budget fills while recycling runs too), then spend.
+  if (const std::optional<std::uint64_t> refill_at = d_.backend_.host_time_us())
+    recycle_budget_.refill(percent, *refill_at);
+  recycle_budget_.spend(from, percent, static_cast<double>(*now - start_us));
+  CCALLOC_ASSERT_EXPENSIVE(percent == 0 || recycle_budget_.within_bounds(percent));
 }
 
 }  // namespace ccalloc::detail

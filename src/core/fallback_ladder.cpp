@@ -54,11 +54,11 @@ bool device_fences::can_record_on(const stream_state& ss) const noexcept {
 // The slow path, with the whole device locked. A request that fails (host
 // out of memory on the way: std::bad_alloc from any host allocation, the
 // backend's included) gives back the segment or reservation it made, with
-// its pages (made_, discard_made_segment): the segment counts, reserved
+// its pages (device_memory::made_segment, discard_made_segment): the segment counts, reserved
 // memory, pools and page tables are as before (SPEC R5). Pages it recycled
 // from other free blocks on the way stay returned to the device.
 block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
-  made_ = {};
+  memory_.clear_made();
   try {
     return climb_ladder(p, w);
   } catch (...) {
@@ -85,13 +85,12 @@ block* device_state::take_from_rung(alloc_params& p) {
   }
 }
 
-// What the failed request `p` made (made_): a segment or reservation with no
+// What the failed request `p` made (device_memory::take_made): a segment or reservation with no
 // block in use goes back to the device, off the books; the reserved-memory
 // mark comes back down. Device errors on the way are ignored (the request
 // reports its own failure).
 void device_state::discard_made_segment(const alloc_params& p) noexcept {
-  const made_segment made = made_;
-  made_ = {};
+  const device_memory::made_segment made = memory_.take_made();
   if (made.owner != &p) return;
   const auto it = segments_.find(made.base);
   if (it == segments_.end()) return;  // released on the way (rung 5)
@@ -122,10 +121,7 @@ void device_state::discard_made_segment(const alloc_params& p) noexcept {
     }
     forget_segment(b, stats_);
   }
-  if (reserved_high_water_bytes_ > made.high_water_bytes) {
-    reserved_high_water_bytes_ = std::max(made.high_water_bytes, reserved_bytes_);
-    if (reserved_high_water_bytes_ == made.high_water_bytes) recycles_at_mark_ = made.recycles_at_mark;
-  }
+  memory_.restore_mark(made);
 }
 
 // allocate_slow's rungs, each a function below, in the order of the picture
@@ -170,13 +166,13 @@ void prepare_climb(climb& c) {
 bool cannot_fit(climb& c) {
   device_state& d = c.d;
   if (c.custom) return false;
-  if (c.p.size > (d.set_fraction_ ? d.allowed_bytes_ : d.device_total_bytes_)) return true;
+  if (c.p.size > (d.memory_.capped() ? d.memory_.allowed() : d.memory_.total())) return true;
   if (c.p.size < free_memory_check_bytes) return false;
   const auto live = static_cast<std::size_t>(
       std::max<std::int64_t>(0, d.stats_.allocated_bytes[static_cast<std::size_t>(stat_group::all)].current));
-  const std::size_t held_beyond_live = d.reserved_bytes_ > live ? d.reserved_bytes_ - live : 0;
+  const std::size_t held_beyond_live = d.memory_.reserved() > live ? d.memory_.reserved() - live : 0;
   std::size_t could_get = d.backend_.mem_get_info(d.device_).free_bytes + held_beyond_live;
-  if (d.set_fraction_) could_get = std::min(could_get, d.allowed_bytes_ > live ? d.allowed_bytes_ - live : 0);
+  if (d.memory_.capped()) could_get = std::min(could_get, d.memory_.allowed() > live ? d.memory_.allowed() - live : 0);
   return c.p.size > could_get;
 }
 
@@ -219,7 +215,7 @@ block* rung_expandable(climb& c) {
 // to the device: the peak grows by less.
 block* rung_trim_on_new_peak(climb& c) {
   device_state& d = c.d;
-  if (!d.policy_.config().trim_on_new_peak || c.capturing || d.reserved_bytes_ + c.p.alloc_size <= d.reserved_high_water_bytes_)
+  if (!d.policy_.config().trim_on_new_peak || c.capturing || d.memory_.reserved() + c.p.alloc_size <= d.memory_.high_water())
     return nullptr;
   if (d.policy_.config().reuse_across_streams && c.p.pool->priv == nullptr && d.adopt_idle_segment(c.p, c.w))
     return d.take_from_rung(c.p);
@@ -250,7 +246,7 @@ block* rung_new_segment(climb& c) {
 // Rung 5b (F22): a free block of a pool that lends on OOM. Rung 6: the
 // out-of-memory error (observers run unlocked).
 block* rung_out_of_memory(climb& c) {
-  c.d.made_ = {};  // released by now
+  c.d.memory_.clear_made();  // released by now
   if (c.d.pools_.try_use_on_oom_pools(c.p, c.w)) return c.d.take_from_rung(c.p);
   c.d.throw_out_of_memory(c.p, c.w);
 }
@@ -289,7 +285,7 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
 bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) {
   if (is_retry) ++stats_.num_alloc_retries;
   const std::size_t size = p.alloc_size;
-  if (set_fraction_ && reserved_bytes_ + size > allowed_bytes_) return false;
+  if (memory_.capped() && memory_.reserved() + size > memory_.allowed()) return false;
   void* ptr = nullptr;
   private_pool* const pp = p.pool->priv;
   auto device_malloc = [&] {
@@ -323,7 +319,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
     }
     publish_all_pending_stats(w);
     // The cap may have been reached meanwhile by another thread.
-    if (ptr != nullptr && set_fraction_ && reserved_bytes_ + size > allowed_bytes_) {
+    if (ptr != nullptr && memory_.capped() && memory_.reserved() + size > memory_.allowed()) {
       device_free();
       return false;
     }
@@ -340,7 +336,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
     throw;
   }
   segment& seg = *added;
-  made_ = {&p, seg.base, reserved_high_water_bytes_, recycles_at_mark_};
+  memory_.note_made(&p, seg.base);
   ++p.pool->plain_segments;
   block* b = seg.head;
   seg.oversize = size >= policy_.config().max_split_size_bytes;
@@ -349,8 +345,8 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
   if (b->seg->oversize) stats_.oversize_segments.increase(1);
   ++stats_.num_device_alloc;
-  reserved_bytes_ += size;
-  raise_reserved_high_water();
+  memory_.add_reserved(size);
+  memory_.raise_high_water();
   p.found = b;
   announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, size, p.stream, false);
   if (history_.active()) [[unlikely]]
@@ -505,7 +501,7 @@ void device_state::release_block(block* b, device_stats& st) {
 
 // The books of a segment the device has taken back; `b` is its only block.
 void device_state::forget_segment(block* b, device_stats& st) noexcept {
-  CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= reserved_bytes_);
+  CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= memory_.reserved());
   if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
   --b->pool->plain_segments;
   --b->pool->owner->segments;
@@ -514,7 +510,7 @@ void device_state::forget_segment(block* b, device_stats& st) noexcept {
   count_down(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
   if (b->seg->oversize) st.oversize_segments.decrease(1);
   ++st.num_device_free;
-  reserved_bytes_ -= b->size;
+  memory_.remove_reserved(b->size);
   b->pool->blocks.erase(b);
   segments_.erase(b->seg->base);
   b->pool->owner->delete_block(b);
@@ -580,9 +576,9 @@ void device_state::free_uncached(block* b, stream_state& ss) {
 // ignores it then; SPEC X6).
 void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   const auto threshold =
-      static_cast<std::size_t>(policy_.config().garbage_collection_threshold * static_cast<double>(allowed_bytes_));
-  if (reserved_bytes_ <= threshold) return;
-  const std::size_t target = reserved_bytes_ - threshold;
+      static_cast<std::size_t>(policy_.config().garbage_collection_threshold * static_cast<double>(memory_.allowed()));
+  if (memory_.reserved() <= threshold) return;
+  const std::size_t target = memory_.reserved() - threshold;
 
   // A free mapped block of an expandable segment holding at least one whole page.
   const auto has_whole_page = [](const block* b) {

@@ -386,7 +386,7 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
 void check_counters(const detail::device_state& s, const device_stats& recount) {
   for (const block* b : s.pools_.deferred_frees())
     if (b->allocated || b->event_count != 1) fail("a deferred free is allocated or lacks its placeholder event");
-  if (static_cast<std::int64_t>(s.reserved_bytes_) != recount.reserved_bytes[0].current)
+  if (static_cast<std::int64_t>(s.memory_.reserved()) != recount.reserved_bytes[0].current)
     fail("the reservation counter differs from the sum of segment sizes");
   if (!s.events_.count_matches()) fail("pending_event_count_ differs from the queued events");
   const auto same = [](const stat_array& a, const stat_array& b, const char* name) {

@@ -40,7 +40,7 @@ oom_facts gather_oom_facts(const device_state& d, const alloc_params& p, const w
   oom_facts f;
   f.info = d.backend_.mem_get_info(d.device_);
   f.allocated = static_cast<std::size_t>(d.stats_.allocated_bytes[0].current);
-  f.reserved = d.reserved_bytes_;
+  f.reserved = d.memory_.reserved();
   for (stream_state* ss : w.streams())
     for (block_pool* pool : {&ss->pools.small, &ss->pools.large})
       if (!pool->blocks.empty()) f.largest_free = std::max(f.largest_free, pool->blocks.largest()->size);
@@ -54,7 +54,7 @@ oom_facts gather_oom_facts(const device_state& d, const alloc_params& p, const w
              : p.size > std::numeric_limits<std::size_t>::max() - page + 1
                  ? p.size
                  : (p.size + page - 1) / page * page;
-  f.limit = d.set_fraction_ ? d.allowed_bytes_ : f.info.total_bytes;
+  f.limit = d.memory_.capped() ? d.memory_.allowed() : f.info.total_bytes;
   f.fragmented = f.reserved > f.allocated && f.reserved - f.allocated > f.reserved / 10;
   return f;
 }
@@ -68,13 +68,13 @@ std::string oom_situation(const device_state& d, const alloc_params& p, const oo
                                  : "needed a new segment of " + format_bytes(f.needed)) +
                     "). Device " + std::to_string(d.device_) + " has a total capacity of " +
                     format_bytes(f.info.total_bytes) + " of which " + format_bytes(f.info.free_bytes) + " is free.";
-  if (d.set_fraction_)
-    msg += " The per-process memory fraction " + format_double(d.fraction_) + " allows " +
-           format_bytes(d.allowed_bytes_) + ".";
+  if (d.memory_.capped())
+    msg += " The per-process memory fraction " + format_double(d.memory_.fraction()) + " allows " +
+           format_bytes(d.memory_.allowed()) + ".";
   // The device may refuse memory it reports free (another process took it
   // meanwhile, its free memory is fragmented, an injected fault): say so
   // rather than leave "X is free" unexplained.
-  const bool under_fraction = !d.set_fraction_ || d.reserved_bytes_ + f.needed <= d.allowed_bytes_;
+  const bool under_fraction = !d.memory_.capped() || d.memory_.reserved() + f.needed <= d.memory_.allowed();
   if (f.info.free_bytes >= f.needed && under_fraction)
     msg += std::string(" The device refused the ") + (f.pages ? "pages" : "segment") +
            " although it reports that much free (its free memory may be fragmented or taken meanwhile by "
@@ -100,10 +100,10 @@ std::string oom_advice(const device_state& d, const oom_facts& f) {
     if (d.policy_.config().max_split_size_bytes == std::numeric_limits<std::size_t>::max())
       settings.emplace_back("max_split_size_mb:<MiB> so that large cached blocks are not split for small requests");
   }
-  const std::string or_fraction = d.set_fraction_ ? ", or raise the memory fraction." : ".";
+  const std::string or_fraction = d.memory_.capped() ? ", or raise the memory fraction." : ".";
   if (f.needed > f.limit)
     return " The request alone is larger than the " +
-           std::string(d.set_fraction_ ? "memory the fraction allows" : "device's memory") + ".";
+           std::string(d.memory_.capped() ? "memory the fraction allows" : "device's memory") + ".";
   if (f.fragmented && f.needed > std::min(f.info.free_bytes + (f.reserved - f.allocated),
                                           f.limit - std::min(f.limit, f.allocated)))
     // (Refused at once, the cache kept: allocate_slow.)

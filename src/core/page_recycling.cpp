@@ -123,9 +123,9 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
     auto finish = [&] {
       if (addr < to) d_.announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream, true);
       const std::size_t bytes = addr - from;
-      CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= d_.reserved_bytes_);
+      CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= d_.memory_.reserved());
       seg.mapped_bytes -= bytes;
-      d_.reserved_bytes_ -= bytes;
+      d_.memory_.remove_reserved(bytes);
       count_down(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
       set_page_state(seg, from, addr, false, hint);
       if (addr > from) hint = nullptr;
@@ -282,7 +282,7 @@ void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std
     --retired_pages_;
     // A page that moved twice is retired at two places: the last unmap releases it.
     if (release) {
-      d_.reserved_bytes_ -= seg.page_bytes;
+      d_.memory_.remove_reserved(seg.page_bytes);
       count_down(d_.stats_.reserved_bytes, d_.group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
       release_page_handle(h);
     }
@@ -298,7 +298,7 @@ void expandable_segments::release_page_handle(physical_handle_t h) {
   if (retired_pages_ != 0)
     for (auto& [base, up] : d_.segments_)
       if (up->pages.release_at_unmap(h)) {
-        d_.reserved_bytes_ += up->page_bytes;
+        d_.memory_.add_reserved(up->page_bytes);
         count_up(d_.stats_.reserved_bytes, d_.group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
         return;
       }

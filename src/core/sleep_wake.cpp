@@ -207,7 +207,7 @@ void tag_sleep::wait_for_tag_work(const std::vector<segment*>& segs) {
 
 // Step 2: the tags' cached free memory goes back to the device.
 void tag_sleep::return_tag_cache(const std::vector<segment*>& segs, sleep_result& r) {
-  const std::size_t reserved_before = d_.reserved_bytes_;
+  const std::size_t reserved_before = d_.memory_.reserved();
   for (segment* seg : segs) {
     if (pauses_whole(*seg)) continue;
     std::vector<block*> free_mapped;
@@ -219,7 +219,7 @@ void tag_sleep::return_tag_cache(const std::vector<segment*>& segs, sleep_result
       d_.expandable_.unmap_block_pages(*it, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
   }
   d_.expandable_.release_empty_expandable_segments();
-  r.released_bytes += reserved_before - d_.reserved_bytes_;
+  r.released_bytes += reserved_before - d_.memory_.reserved();
 }
 
 // Step 3a: host memory for every kept run, before anything is copied; on
@@ -238,7 +238,7 @@ void tag_sleep::take_host_copies(const std::vector<segment*>& segs, const std::s
           where + ": the host has no " + format_bytes(run.pages * seg->page_bytes) +
               " of pinned memory to keep the contents of tag '" + tag_name(tag_of(*seg)) +
               "'; nothing was paused (pause without keep_contents drops the contents)",
-          {d_.device_, run.pages * seg->page_bytes, d_.device_total_bytes_, 0, 0, d_.reserved_bytes_});
+          {d_.device_, run.pages * seg->page_bytes, d_.memory_.total(), 0, 0, d_.memory_.reserved()});
     }
 }
 
@@ -325,13 +325,13 @@ constexpr std::size_t restore_chunk_pages = 32;
 // the device or the cap lacks `need` bytes.
 void tag_sleep::make_room(std::size_t need, sleep_result& r, world_lock& w) {
   const auto lacks_room = [&] {
-    if (d_.set_fraction_ && d_.reserved_bytes_ + need > d_.allowed_bytes_) return true;
+    if (d_.memory_.capped() && d_.memory_.reserved() + need > d_.memory_.allowed()) return true;
     return need > d_.backend_.mem_get_info(d_.device_).free_bytes;
   };
   if (need > 0 && lacks_room()) {
-    const std::size_t before = d_.reserved_bytes_;
+    const std::size_t before = d_.memory_.reserved();
     d_.release_cached_blocks(w, /*for_retry=*/true);
-    r.cache_released_bytes = before - std::min(before, d_.reserved_bytes_);
+    r.cache_released_bytes = before - std::min(before, d_.memory_.reserved());
   }
 }
 bool tag_sleep::map_paused_segment(segment& seg) {
@@ -378,7 +378,7 @@ bool tag_sleep::map_paused_segment(segment& seg) {
       ++d_.stats_.num_pages_mapped;
       ++d_.stats_.num_device_alloc;
       seg.mapped_bytes += page;
-      d_.reserved_bytes_ += page;
+      d_.memory_.add_reserved(page);
       count_up(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
       done.push_back(i);
       const std::size_t end = i + 1;
@@ -422,11 +422,11 @@ void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<s
   std::string names;
   for (tag_id tag : todo) names += (names.empty() ? "'" : ", '") + tag_name(tag) + "'";
   const memory_info info = d_.backend_.mem_get_info(d_.device_);
-  const std::size_t outside = info.total_bytes - std::min(info.total_bytes, info.free_bytes + d_.reserved_bytes_);
+  const std::size_t outside = info.total_bytes - std::min(info.total_bytes, info.free_bytes + d_.memory_.reserved());
   std::string msg = "ccalloc: out of memory resuming tag " + names + " on device " + std::to_string(d_.device_) +
                     ": it needs " + format_bytes(need) + " of pages mapped again; the device has " +
                     format_bytes(info.free_bytes) + " free of " + format_bytes(info.total_bytes) +
-                    "; ccalloc holds " + format_bytes(d_.reserved_bytes_) + " reserved (";
+                    "; ccalloc holds " + format_bytes(d_.memory_.reserved()) + " reserved (";
   bool first = true;
   std::set<tag_id> seen;
   for (const auto& [base, seg] : d_.segments_) seen.insert(tag_of(*seg));
@@ -438,10 +438,10 @@ void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<s
   }
   msg += std::string(first ? "nothing" : "") + ") after returning " + format_bytes(r.cache_released_bytes) +
          " of its cached memory; " + format_bytes(outside) + " is held outside ccalloc (other allocators, processes)";
-  if (d_.set_fraction_) msg += "; the memory-fraction cap allows " + format_bytes(d_.allowed_bytes_);
+  if (d_.memory_.capped()) msg += "; the memory-fraction cap allows " + format_bytes(d_.memory_.allowed());
   msg += ". The tag stays paused: free memory and call resume again";
-  const out_of_memory_error::figures f{d_.device_, need, d_.set_fraction_ ? d_.allowed_bytes_ : info.total_bytes,
-                                        info.free_bytes, 0, d_.reserved_bytes_};
+  const out_of_memory_error::figures f{d_.device_, need, d_.memory_.capped() ? d_.memory_.allowed() : info.total_bytes,
+                                        info.free_bytes, 0, d_.memory_.reserved()};
   const auto observers = d_.observers_;
   w.unlock();
   for (const auto& o : observers) {
@@ -490,7 +490,7 @@ sleep_result tag_sleep::resume_tags(const std::vector<tag_id>& tags, world_lock&
       }
   make_room(need, r, w);
   std::vector<segment*> mapped;
-  bool ok = !(need > 0 && d_.set_fraction_ && d_.reserved_bytes_ + need > d_.allowed_bytes_);
+  bool ok = !(need > 0 && d_.memory_.capped() && d_.memory_.reserved() + need > d_.memory_.allowed());
   for (segment* seg : segs) {
     if (!ok) break;
     ok = map_paused_segment(*seg);
@@ -510,7 +510,7 @@ sleep_result tag_sleep::resume_tags(const std::vector<tag_id>& tags, world_lock&
       d_.history_.record(trace_entry_action::resume, 0, bytes, 0, nullptr, tag);
   }
   any_paused_.store(!paused_tags_.empty(), std::memory_order_relaxed);
-  d_.raise_reserved_high_water();
+  d_.memory_.raise_high_water();
   if (const std::optional<std::uint64_t> end_us = d_.backend_.host_time_us(); start_us && end_us)
     r.host_time_us = *end_us - *start_us;
   return r;

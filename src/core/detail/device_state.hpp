@@ -68,6 +68,7 @@
 #include "host_copy_cache.hpp"
 #include "mapping_notifier.hpp"
 #include "device_fences.hpp"
+#include "device_memory.hpp"
 #include "event_queue.hpp"
 #include "expandable_segments.hpp"
 #include "placement_policy.hpp"
@@ -227,7 +228,6 @@ class device_state {
   // --- out_of_memory.cpp -------------------------------------------------------
   [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);  // [world] drops it for observers
 
-  bool could_map(std::size_t need);  // [world] memory_accounting.cpp
   // The first failure of a segment free that release_blocks went on past
   // (keep_going), until its reader clears it. [world]
   std::exception_ptr release_failure_;
@@ -237,17 +237,6 @@ class device_state {
   // set_thread_cache_enabled left it. small_only is an atomic written
   // under the world lock and read (relaxed) by the park path.
   void apply_thread_cache_setting(const allocator_config& config);
-  // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
-  // restarts the count of recycles_per_peak.
-  void raise_reserved_high_water() noexcept;
-  // [world] Which budget may pay for recycling for a new peak now
-  // (recycle_budget::choose, on the backend's host clock).
-  // spend_recycle_time takes the host time since `start_us` (a reading of
-  // that clock before the recycling), less `excluded_us` (the time of the
-  // fresh pages the same request mapped), out of budget `from`.
-  recycle_budget::source recycle_budget_now(bool large_peak);
-  void spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
-
 
   // --- tagged allocation (fallback_ladder.cpp; tags: tag_sleep.hpp) -------------
   // An allocation under the calling thread's tag (not default), routed to
@@ -280,18 +269,7 @@ class device_state {
 
   // [device_mutex_]
   spin_mutex device_mutex_;
-  bool set_fraction_ = false;
-  double fraction_ = 1.0;
-  std::size_t allowed_bytes_ = 0;  // fraction x total when set_fraction_, else device total
-  std::size_t device_total_bytes_ = 0;
-  std::size_t reserved_bytes_ = 0;  // sum of segment sizes
-  // Highest reserved bytes ever (unlike the stats' peaks, reset_peak_stats keeps it).
-  std::size_t reserved_high_water_bytes_ = 0;
-  // Recyclings for a new peak since reserved_high_water_bytes_ last rose
-  // (recycles_per_peak); raise_reserved_high_water resets it.
-  std::size_t recycles_at_mark_ = 0;
-  // The recycling time budget (recycle_time_percent). [world]
-  recycle_budget recycle_budget_;
+  device_memory memory_;  // total, cap, reserved bytes and their mark (device_memory.hpp)
   segment_map segments_;  // by base address
   expandable_segments expandable_{*this};  // reservations and their pages (expandable_segments.hpp)
   event_queue events_{*this};  // the event pool and the events of cross-stream frees
@@ -305,16 +283,6 @@ class device_state {
   // returns the sentence the error message gets; it never throws.
   std::function<std::string(const std::string& path)> oom_snapshot_writer_;
   std::optional<std::uint64_t> last_oom_snapshot_us_;  // steady clock, when the last was written [world]
-  // The segment or reservation (by base) that the running slow path made for
-  // request `owner` (alloc_segment, new_expandable_segment): if the request
-  // fails (host out of memory on the way), it goes back whole
-  // (discard_made_segment), as its reserved-memory mark. [world]
-  struct made_segment {
-    const alloc_params* owner = nullptr;
-    std::uintptr_t base = 0;
-    std::size_t high_water_bytes = 0;  // reserved_high_water_bytes_ and recycles_at_mark_ before it
-    std::size_t recycles_at_mark = 0;
-  } made_;
 
   // Memory history (SPEC F14-F18): its own lock, innermost. The allocator
   // records only when history_.active() (one relaxed load).

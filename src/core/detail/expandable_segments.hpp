@@ -15,6 +15,7 @@
 #include "block.hpp"
 #include "block_index.hpp"
 #include "pools.hpp"
+#include "recycle_budget.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -100,6 +101,16 @@ class expandable_segments {
   void release_page_handle(physical_handle_t h);
 
  private:
+  // Whether `need` bytes of new pages may fit at all (not past the device,
+  // the cap, or what the device has free plus what unmapping could give).
+  bool could_map(std::size_t need);
+  // Which budget may pay for recycling for a new peak now
+  // (recycle_budget::choose, on the backend's host clock).
+  // spend_recycle_time takes the host time since `start_us` (a reading of
+  // that clock before the recycling), less `excluded_us` (the time of the
+  // fresh pages the same request mapped), out of budget `from`.
+  recycle_budget::source recycle_budget_now(bool large_peak);
+  void spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
   // Its steps, in order, on the request's state (expandable_request).
   struct expandable_request;
   void place_expandable(alloc_params& p, expandable_request& r);
@@ -116,6 +127,7 @@ class expandable_segments {
   std::vector<int> peers_;
   std::uint64_t next_segment_seq_ = 0;
   bool no_address_space_ = false;
+  recycle_budget recycle_budget_;  // the recycling time budget (recycle_time_percent)
 };
 
 }  // namespace ccalloc::detail
