@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -183,6 +185,42 @@ TEST(SimVm, TheModelledHostClockSaturatesAtTheLargestTime) {
   sim.vm_release_handle(0, h);
   EXPECT_EQ(sim.host_time_us(), max);
   sim.vm_release(0, base, granule);
+}
+
+// Reservations go top down in the backend's own order: below the lowest it
+// placed, stepping over another mapping of the process that sits there, or
+// into the slot a released one left; never into a gap that opened above
+// because of another mapping. So which of two reservations is lower (the
+// best fit's tie-break between equal free blocks) depends on this backend's
+// calls alone: two replays in one process place their blocks as one alone
+// does (ReplayLayout).
+TEST(SimVm, ReservationsGoTopDownInTheBackendsOwnOrder) {
+  sim_backend sim(vm_device());
+  const std::size_t size = 64 * granule;
+  const auto addr = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  void* r1 = sim.vm_reserve(0, size);
+  ASSERT_NE(r1, nullptr);
+  // Another thread's mapping, 16 GiB right below r1.
+  constexpr std::size_t foreign_bytes = std::size_t{16} << 30;
+  void* foreign = ::mmap(reinterpret_cast<void*>(addr(r1) - foreign_bytes), foreign_bytes, PROT_NONE,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+  if (foreign != reinterpret_cast<void*>(addr(r1) - foreign_bytes)) {
+    if (foreign != MAP_FAILED) ::munmap(foreign, foreign_bytes);
+    sim.vm_release(0, r1, size);
+    GTEST_SKIP() << "the host has a mapping right below the first reservation";
+  }
+  void* r2 = sim.vm_reserve(0, size);
+  void* r3 = sim.vm_reserve(0, size);
+  ::munmap(foreign, foreign_bytes);  // a gap above r2 now
+  EXPECT_LT(addr(r2) + size, addr(r1) - foreign_bytes) << "below the other mapping";
+  EXPECT_LT(addr(r3) + size, addr(r2));
+  sim.vm_release(0, r2, size);
+  void* r4 = sim.vm_reserve(0, size);
+  EXPECT_EQ(r4, r2) << "into the released slot";
+  void* r5 = sim.vm_reserve(0, size);
+  EXPECT_LT(addr(r5) + size, addr(r3)) << "below the lowest, not into the gap the other mapping left";
+  for (void* r : {r1, r3, r4, r5}) sim.vm_release(0, r, size);
+  EXPECT_EQ(sim.counters().live_reservations, 0u);
 }
 
 TEST(SimVm, ReservationsAreAlignedInaccessibleAndCostNoCapacity) {

@@ -346,6 +346,57 @@ def ipc():
     return "child read and wrote a ccalloc tensor through CUDA IPC"
 
 
+def _ipc_expandable_child(queue, done):
+    # The child opens ccalloc's handle of an expandable block: it must use
+    # ccalloc's integration too, installed before the tensor is unpickled.
+    torch, ccalloc = setup()
+    t = queue.get()
+    total = float(t.sum())
+    t.fill_(5.0)
+    torch.cuda.synchronize()
+    mapped = sum(s["total_size"] for s in ccalloc.memory_snapshot(include_traces=False)["segments"])
+    del t
+    torch.cuda.synchronize()
+    done.put((total, mapped))
+
+
+@item
+def ipc_expandable():
+    # torch.multiprocessing with ccalloc's default expandable segments: the
+    # block is shared as ccalloc's own handle (its pages only), and the
+    # producer's free of it waits while the child holds it.
+    os.environ.pop("CCALLOC_CONF", None)
+    torch, ccalloc = setup()
+    import ctypes
+    import torch.multiprocessing as mp
+
+    # The child takes this process's page descriptors with pidfd_getfd: under
+    # Yama ptrace_scope 1 a child may do that only if its parent allows it.
+    ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    n = 3 << 20  # 12 MiB of float32: a large-pool block of an expandable segment
+    t = torch.full((n,), 7.0, device="cuda")
+    p = ctx.Process(target=_ipc_expandable_child, args=(queue, done))
+    p.start()
+    queue.put(t)
+    total, child_segments = done.get(timeout=180)
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    assert total == 7.0 * n, total
+    torch.cuda.synchronize()
+    assert float(t.sum()) == 5.0 * n, "the child's write is not visible"
+    # Sharing twice gives one handle (one export), whatever the number of shares.
+    h1 = t.untyped_storage()._share_cuda_()[1]
+    h2 = t.untyped_storage()._share_cuda_()[1]
+    assert h1 == h2, "two shares of one block gave different handles"
+    del t
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return (f"child read and wrote an expandable block through torch.multiprocessing "
+            f"(child's own segments {child_segments >> 20} MiB); one handle per block")
+
+
 @item
 def pytorch_alloc_conf():
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") is None:

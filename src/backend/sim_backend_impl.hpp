@@ -437,6 +437,65 @@ struct sim_backend::impl {
   std::uint64_t fail_stream_wait_countdown = 0;
   bool vm_supported = false;  // granularity is a multiple of the host page size
   std::map<std::uintptr_t, reservation> reservations;  // base -> reservation
+  // Where this backend's reservations go (place_reservation): below
+  // reservation_floor (the lowest it has placed; 0 before the first), or
+  // in a slot a released reservation left (base -> bytes). [mutex]
+  std::uintptr_t reservation_floor = 0;
+  std::map<std::uintptr_t, std::size_t> released_slots;
+
+  // Where vm_reserve puts `size_bytes` (a multiple of the granularity), as a
+  // driver's top-down virtual-address allocator would from its own books:
+  // the highest slot a released reservation of this backend left that
+  // holds it, else below the lowest reservation this backend placed (with
+  // a guard: the host's small mappings, such as the allocator's page
+  // tables, land top down just below the lowest mapping; larger guards
+  // step over another backend's range). Each place is taken with
+  // MAP_FIXED_NOREPLACE; returns the base, reserved, or 0 when there is no
+  // such place yet (the first reservation) or every try found another
+  // mapping there: the caller then takes whatever mmap gives. So which of
+  // two reservations is lower (the best fit's tie-break between equal free
+  // blocks) follows this backend's own calls, not other threads' mappings
+  // (two replays at once in one process place their blocks the same way as
+  // one alone). [mutex]
+  [[nodiscard]] std::uintptr_t place_reservation(std::size_t size_bytes) const noexcept {
+    const std::uintptr_t g = options.granularity_bytes;
+    const auto take = [&](std::uintptr_t at) {
+      void* p = ::mmap(reinterpret_cast<void*>(at), size_bytes, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+      if (p == reinterpret_cast<void*>(at)) return true;
+      if (p != MAP_FAILED) ::munmap(p, size_bytes);  // a kernel without MAP_FIXED_NOREPLACE took it as a hint
+      return false;
+    };
+    if (reservation_floor == 0 || size_bytes == 0) return 0;
+    for (auto it = released_slots.rbegin(); it != released_slots.rend(); ++it)
+      if (it->second >= size_bytes) {
+        const std::uintptr_t at = (it->first + it->second - size_bytes) & ~(g - 1);
+        if (at >= it->first && take(at)) return at;
+      }
+    for (const int shift : {30, 33, 36, 39, 41}) {
+      const std::uintptr_t guard = std::uintptr_t{1} << shift;
+      if (reservation_floor < size_bytes + guard + g) break;
+      const std::uintptr_t at = (reservation_floor - size_bytes - guard) & ~(g - 1);
+      if (take(at)) return at;
+    }
+    return 0;
+  }
+  // Books a reservation at [base, base + size_bytes): off the released
+  // slots it overlaps (what is left of a slot stays one), and the floor.
+  void note_reserved(std::uintptr_t base, std::size_t size_bytes) {
+    const std::uintptr_t end = base + size_bytes;
+    for (auto it = released_slots.begin(); it != released_slots.end();) {
+      const std::uintptr_t lo = it->first, hi = it->first + it->second;
+      if (hi <= base || lo >= end) {
+        ++it;
+        continue;
+      }
+      it = released_slots.erase(it);
+      if (lo < base) released_slots.emplace(lo, base - lo);
+      if (hi > end) released_slots.emplace(end, hi - end);
+    }
+    if (reservation_floor == 0 || base < reservation_floor) reservation_floor = base;
+  }
   std::map<std::uintptr_t, mapping> mappings;          // address -> mapping
   std::unordered_map<physical_handle_t, handle_state> handles;
   physical_handle_t next_handle = 1;

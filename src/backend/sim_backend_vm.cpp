@@ -23,17 +23,21 @@ void* sim_backend::vm_reserve(int device, std::size_t size_bytes) {
   impl_->check_granular(call, 0, size_bytes);
   const std::size_t g = impl_->options.granularity_bytes;
   if (size_bytes > std::numeric_limits<std::size_t>::max() - g) return nullptr;  // no address space that large
-  // Over-reserve by one granule, then trim both ends to an aligned range.
-  void* raw = ::mmap(nullptr, size_bytes + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (raw == MAP_FAILED) {
-    const int err = errno;
-    if (err == ENOMEM) return nullptr;
-    throw backend_error(call + "): " + errno_text("mmap", err));
+  std::uintptr_t base = impl_->place_reservation(size_bytes);
+  if (base == 0) {
+    // Over-reserve by one granule, then trim both ends to an aligned range.
+    void* raw = ::mmap(nullptr, size_bytes + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) {
+      const int err = errno;
+      if (err == ENOMEM) return nullptr;
+      throw backend_error(call + "): " + errno_text("mmap", err));
+    }
+    const auto start = reinterpret_cast<std::uintptr_t>(raw);
+    base = (start + g - 1) & ~std::uintptr_t{g - 1};
+    if (base > start) ::munmap(raw, base - start);
+    if (const std::size_t tail = start + g - base; tail > 0) ::munmap(reinterpret_cast<void*>(base + size_bytes), tail);
   }
-  const auto start = reinterpret_cast<std::uintptr_t>(raw);
-  const std::uintptr_t base = (start + g - 1) & ~std::uintptr_t{g - 1};
-  if (base > start) ::munmap(raw, base - start);
-  if (const std::size_t tail = start + g - base; tail > 0) ::munmap(reinterpret_cast<void*>(base + size_bytes), tail);
+  impl_->note_reserved(base, size_bytes);
   impl_->reservations.emplace(base, impl::reservation{device, size_bytes});
   ++impl_->counters.live_reservations;
   impl_->counters.reserved_address_bytes += size_bytes;
@@ -68,6 +72,7 @@ void sim_backend::vm_release(int device, void* base, std::size_t size_bytes) {
                         pointer_text(first->first) + " (vm_unmap them first)");
   }
   if (::munmap(base, size_bytes) != 0) throw backend_error(call + "): " + errno_text("munmap", errno));
+  impl_->released_slots.emplace(addr, size_bytes);
   impl_->reservations.erase(it);
   --impl_->counters.live_reservations;
   impl_->counters.reserved_address_bytes -= size_bytes;

@@ -54,13 +54,17 @@ std::array<page_range, 2> pieces_outside(const segment& seg, std::uintptr_t lo, 
 // by offset: the same order on every device. Read from the pools' indexes
 // from a page up, not from every block of every segment.
 std::vector<std::pair<std::size_t, block*>> recycling_candidates(const device_state& d, std::size_t page_bytes) {
+  // Each pool once: sorted and deduplicated, not searched per segment (with
+  // thousands of streams, each with its reservation, a search per segment
+  // made every slow path quadratic). The pools' order does not matter: the
+  // candidates are sorted below on keys that do not depend on it.
   std::vector<block_pool*> pools;
   for (const auto& [base, up] : d.segments_) {
     block_pool* pool = up->head->pool;
-    if (up->expandable && up->mapped_bytes != 0 && !pool_is_live(pool) &&
-        std::find(pools.begin(), pools.end(), pool) == pools.end())
-      pools.push_back(pool);
+    if (up->expandable && up->mapped_bytes != 0 && !pool_is_live(pool)) pools.push_back(pool);
   }
+  std::sort(pools.begin(), pools.end());
+  pools.erase(std::unique(pools.begin(), pools.end()), pools.end());
   std::vector<std::pair<std::size_t, block*>> candidates;
   for (block_pool* pool : pools)
     for (auto j = pool->blocks.lower_bound(page_bytes); j != block_index::end(); j = pool->blocks.next(j)) {

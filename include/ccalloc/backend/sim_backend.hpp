@@ -130,8 +130,13 @@
 // capacity raised past it with set_capacity, or address fragmentation) or
 // the host could not reserve it (a capacity beyond the address space, an
 // RLIMIT_AS) is a segment a host mapping wherever mmap puts it. Virtual
-// memory reservations (vm_reserve) are host mappings: the allocator orders
-// expandable segments by creation, not address.
+// memory reservations (vm_reserve) are host mappings, placed top down in
+// the backend's own order: below the lowest reservation it placed (a guard
+// apart, stepping over other mappings of the process), or in the slot a
+// released one left, taken with MAP_FIXED_NOREPLACE (wherever mmap puts it
+// only when every such place is taken). Which of two reservations is lower,
+// the best fit's tie-break between equal free blocks of two reservations,
+// then depends only on this backend's calls, not on other threads.
 //
 // Capacity: every segment_malloc of n bytes uses n rounded up to the
 // granularity; it returns nullptr when that would pass the capacity, and

@@ -9,7 +9,8 @@
 // torch.cuda.OutOfMemoryError, private pools for CUDA graphs, graph trees
 // (torch.compile mode="reduce-overhead") and torch.cuda.MemPool,
 // history for torch.cuda.memory._record_memory_history, trace trackers
-// (ProcessGroupNCCL's registration hook), and CUDA IPC of plain segments.
+// (ProcessGroupNCCL's registration hook), and CUDA IPC (torch.multiprocessing)
+// of plain segments and of expandable segments' blocks.
 //
 // The C API is not linked: install(path) dlopens the libccalloc.so that the
 // Python package loaded (one copy, one process-wide allocator) and looks up
@@ -98,7 +99,10 @@ using c10::CachingAllocator::Stat;
   X(ccalloc_pool_checkpoint_destroy)        \
   X(ccalloc_set_checkpoint_pool_state)      \
   X(ccalloc_enable_peer_access)             \
-  X(ccalloc_mapped_segments)
+  X(ccalloc_mapped_segments)                \
+  X(ccalloc_share_ipc_handle_pidfd)         \
+  X(ccalloc_open_ipc_handle_pidfd)          \
+  X(ccalloc_close_ipc_handle)
 
 struct api_table {
 #define CCALLOC_TORCH_DECLARE(name) decltype(&::name) name = nullptr;
@@ -319,6 +323,11 @@ void forward_mapping_event(void* /*user_data*/, const ccalloc_mapping_event_t* e
 
 constexpr char ipc_handle_version = 2;  // PyTorch's shareable-handle format, plain cudaMalloc kind
 constexpr char ipc_handle_cuda_malloc = 'c';
+// A block of an expandable segment: ccalloc's own handle (share_ipc_handle_pidfd's
+// bytes: the block's pages only, one stable handle per block, a lease that
+// keeps the pages while an importer lives). Both processes must use ccalloc's
+// integration; PyTorch's own allocator cannot open it.
+constexpr char ipc_handle_ccalloc_expandable = 'x';
 
 class ccalloc_cuda_allocator final : public cca::CUDAAllocator {
  public:
@@ -527,10 +536,13 @@ class ccalloc_cuda_allocator final : public cca::CUDAAllocator {
     cudaIpcMemHandle_t handle;
     const cudaError_t err = cudaIpcGetMemHandle(&handle, base);
     if (err != cudaSuccess) {
+      // Not cudaMalloc memory: a block of an expandable segment (pages of
+      // cuMemCreate). PyTorch shares a storage by its data pointer, the
+      // block's start: its handle is ccalloc's own handle of that block, at
+      // offset 0 (getBaseAllocation's base is the whole reservation, which
+      // is never shared).
       (void)cudaGetLastError();
-      TORCH_CHECK(false, "ccalloc: cannot share ", ptr, " with another process: cudaIpcGetMemHandle failed (",
-                  cudaGetErrorString(err), "); CUDA IPC of ccalloc's PyTorch integration needs plain segments: "
-                  "set expandable_segments:False in CCALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF)");
+      return {0, share_expandable(ptr, err)};
     }
     std::string text;
     text.push_back(ipc_handle_version);
@@ -539,13 +551,29 @@ class ccalloc_cuda_allocator final : public cca::CUDAAllocator {
     return {static_cast<char*>(ptr) - static_cast<char*>(base), std::move(text)};
   }
   std::shared_ptr<void> getIpcDevPtr(std::string text) override {
-    TORCH_CHECK(text.size() == 2 + sizeof(cudaIpcMemHandle_t) && text[0] == ipc_handle_version &&
-                    text[1] == ipc_handle_cuda_malloc,
+    const bool expandable =
+        text.size() > 2 && text[0] == ipc_handle_version && text[1] == ipc_handle_ccalloc_expandable;
+    TORCH_CHECK(expandable || (text.size() == 2 + sizeof(cudaIpcMemHandle_t) && text[0] == ipc_handle_version &&
+                               text[1] == ipc_handle_cuda_malloc),
                 "ccalloc: unknown CUDA IPC handle (", text.size(),
-                " bytes): only plain segments (cudaIpcGetMemHandle) can be opened");
+                " bytes): ccalloc opens plain segments (cudaIpcGetMemHandle) and its own handles of expandable "
+                "segments");
     std::lock_guard<std::mutex> lock(ipc_mutex_);
     if (auto it = ipc_open_.find(text); it != ipc_open_.end())
       if (auto alive = it->second.lock()) return alive;
+    if (expandable) {
+      // The exporter's descriptors come through pidfd_getfd; the mapping
+      // holds the block's pages (its lease) until the last tensor using it
+      // here is gone.
+      void* ptr = nullptr;
+      check(api.ccalloc_open_ipc_handle_pidfd(nullptr, text.data() + 2, text.size() - 2, current_device(), &ptr));
+      std::shared_ptr<void> out(ptr, [](void* p) {
+        if (api.ccalloc_close_ipc_handle(nullptr, p) != CCALLOC_OK)
+          std::fprintf(stderr, "%s\n", api.ccalloc_last_error());
+      });
+      ipc_open_[text] = out;
+      return out;
+    }
     cudaIpcMemHandle_t handle;
     std::memcpy(&handle, text.data() + 2, sizeof handle);
     void* ptr = nullptr;
@@ -557,6 +585,25 @@ class ccalloc_cuda_allocator final : public cca::CUDAAllocator {
     });
     ipc_open_[text] = out;
     return out;
+  }
+
+  // shareIpcHandle's handle of the block at `ptr` (its start) in an
+  // expandable segment: version, kind, then share_ipc_handle_pidfd's bytes
+  // (the same for every share of the block). Throws naming the pointer and
+  // why (cudaIpcGetMemHandle's error, then ccalloc's).
+  std::string share_expandable(void* ptr, cudaError_t ipc_error) {
+    std::size_t length = 0;
+    if (api.ccalloc_share_ipc_handle_pidfd(nullptr, ptr, nullptr, 0, &length) != CCALLOC_OK)
+      TORCH_CHECK(false, "ccalloc: cannot share ", ptr, " with another process: cudaIpcGetMemHandle failed (",
+                  cudaGetErrorString(ipc_error), ") and ", api.ccalloc_last_error());
+    std::string text(2 + length, '\0');
+    text[0] = ipc_handle_version;
+    text[1] = ipc_handle_ccalloc_expandable;
+    std::size_t again = 0;
+    check(api.ccalloc_share_ipc_handle_pidfd(nullptr, ptr, text.data() + 2, length, &again));
+    TORCH_CHECK(again == length, "ccalloc: the IPC handle of ", ptr, " changed size while it was read (", length,
+                " then ", again, " bytes)");
+    return text;
   }
 
   // ---- history --------------------------------------------------------------------------------------------
