@@ -59,14 +59,14 @@ void expandable_segments::check_supported(const allocator_config& config) const 
 void expandable_segments::pool_insert_counted(block* b) {
   b->gc_count_base = b->pool->get_free_blocks_call_count;
   b->pool->blocks.insert(b);
-  const stat_group g = d_.group_of(b->pool);
+  const stat_group g = group_of(b->pool);
   count_up(d_.stats_.inactive_split, g, 1);
   count_up(d_.stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
 }
 
 void expandable_segments::pool_erase_counted(block* b) {
   b->pool->blocks.erase(b);
-  const stat_group g = d_.group_of(b->pool);
+  const stat_group g = group_of(b->pool);
   count_down(d_.stats_.inactive_split, g, 1);
   count_down(d_.stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
 }
@@ -211,7 +211,7 @@ void expandable_segments::give_back_page(segment& seg, std::size_t i) noexcept {
   seg.pages.set_unmapped(i);
   seg.mapped_bytes -= page;
   d_.memory_.remove_reserved(page);
-  count_down(d_.stats_.reserved_bytes, d_.group_of(seg.head->pool), static_cast<std::int64_t>(page));
+  count_down(d_.stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
 }
 
 // A reservation made by a request that failed (discard_made_segment): every
@@ -222,7 +222,7 @@ void expandable_segments::give_back_page(segment& seg, std::size_t i) noexcept {
 void expandable_segments::discard_reservation(segment& seg) noexcept {
   const std::size_t page = seg.page_bytes;
   block_pool* const pool = seg.head->pool;
-  const stat_group g = d_.group_of(pool);
+  const stat_group g = group_of(pool);
   for (block* b = seg.head; b != nullptr; b = b->next)
     if (b->pool->blocks.contains(b)) pool_erase_counted(b);
   for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
@@ -231,7 +231,7 @@ void expandable_segments::discard_reservation(segment& seg) noexcept {
       ++i;
       continue;
     }
-    d_.announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page, seg.head->stream,
+    d_.mapping_.announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page, seg.head->stream,
              true);
     if (d_.history_.active()) [[unlikely]] {
       try {
@@ -496,7 +496,7 @@ bool expandable_segments::map_missing_pages(const alloc_params& p, expandable_re
       throw;
     }
     if (i > run_first)
-      d_.announce(mapping_change::map, mapping_reason::pages_mapped, seg.base + run_first * page, (i - run_first) * page,
+      d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, seg.base + run_first * page, (i - run_first) * page,
                p.stream, true);
     if (d_.history_.active() && i > run_first) [[unlikely]]
       d_.history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
@@ -516,7 +516,7 @@ bool expandable_segments::map_missing_pages(const alloc_params& p, expandable_re
 bool expandable_segments::map_request_page(const alloc_params& p, expandable_request& r, std::size_t i) {
   segment& seg = *r.seg;
   const std::size_t page = page_bytes_;
-  const stat_group g = d_.group_of(p.pool);
+  const stat_group g = group_of(p.pool);
   physical_handle_t h = 0;
   bool fresh = false;
   stream_t from = p.stream;
@@ -634,7 +634,7 @@ void expandable_segments::adopt_reservation(segment& seg, const alloc_params& p)
     for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
       const std::size_t n = std::max<std::size_t>(seg.pages.mapped_run(i), 1);
       if (seg.pages.mapped(i))
-        d_.announce(mapping_change::move, mapping_reason::reservation_moved, seg.base + i * seg.page_bytes,
+        d_.mapping_.announce(mapping_change::move, mapping_reason::reservation_moved, seg.base + i * seg.page_bytes,
                  n * seg.page_bytes, p.stream, true);
       i += n;
     }
@@ -651,7 +651,7 @@ void expandable_segments::release_empty_expandable_segments() {
       continue;
     }
     d_.backend_.vm_release(d_.device_, reinterpret_cast<void*>(seg.base), seg.size);
-    count_down(d_.stats_.segment, d_.group_of(seg.head->pool), 1);
+    count_down(d_.stats_.segment, group_of(seg.head->pool), 1);
     if (seg.head->pool->priv != nullptr) --seg.head->pool->priv->segment_count;
     --seg.head->pool->owner->segments;
     seg.head->pool->owner->delete_block(seg.head);

@@ -102,11 +102,11 @@ void device_state::discard_made_segment(const alloc_params& p) noexcept {
   } else {
     block* b = seg.head;
     if (b->next != nullptr) return;  // split (never: take_found_block failed before)
-    announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
+    mapping_.announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
     try {
       release_segment_memory(seg);
     } catch (...) {  // the device refuses: the segment stays cached
-      announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
+      mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
       try {
         if (!b->pool->blocks.contains(b)) b->pool->blocks.insert(b);
       } catch (...) {  // no slot: the segment is lost to the cache; nothing to report to
@@ -348,7 +348,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   memory_.add_reserved(size);
   memory_.raise_high_water();
   p.found = b;
-  announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, size, p.stream, false);
+  mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, size, p.stream, false);
   if (history_.active()) [[unlikely]]
     history_.record_segment_alloc(b->ptr, size, p.stream);
   return true;
@@ -528,11 +528,11 @@ void device_state::release_segment_memory(segment& seg) {
 // before, mapped again if the device refuses (then nothing has changed).
 void device_state::release_segment_memory_announced(segment& seg) {
   const block& b = *seg.head;
-  announce(mapping_change::unmap, mapping_reason::segment_free, seg.base, seg.size, b.stream, false);
+  mapping_.announce(mapping_change::unmap, mapping_reason::segment_free, seg.base, seg.size, b.stream, false);
   try {
     release_segment_memory(seg);
   } catch (...) {
-    announce(mapping_change::map, mapping_reason::segment_alloc, seg.base, seg.size, b.stream, false);
+    mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, seg.base, seg.size, b.stream, false);
     throw;
   }
 }
@@ -543,11 +543,11 @@ void device_state::release_segment_memory_announced(segment& seg) {
 // pointer live (the caller gets the backend_error).
 void device_state::free_uncached(block* b, stream_state& ss) {
   std::lock_guard device_lock(device_mutex_);
-  announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
+  mapping_.announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
   try {
     backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
   } catch (...) {
-    announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
+    mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
     throw;
   }
   if (history_.active()) [[unlikely]]

@@ -434,7 +434,7 @@ namespace {
 [[gnu::always_inline]] inline block* split_found_block(device_state& d, alloc_params& p, device_stats& st,
                                                        block_index::position at, bool already_split) {
   block* b = p.found;
-  const stat_group g = d.group_of(p.pool);
+  const stat_group g = group_of(p.pool);
   // Room for the remainder in the pool's index, before anything changes
   // (block_index::owes: host memory ran out).
   if (p.pool->blocks.owes()) [[unlikely]]

@@ -329,7 +329,7 @@ std::size_t check_segment(const detail::device_state& s, std::uintptr_t base, co
                           device_stats& recount, std::size_t& retired) {
   if (seg.head == nullptr || seg.head->ptr != base || seg.head->prev != nullptr)
     fail("segment head is not the block at the segment base");
-  const stat_group g = s.group_of(seg.head->pool);
+  const stat_group g = group_of(seg.head->pool);
   detail::count_up(recount.segment, g, 1);
   detail::count_up(recount.reserved_bytes, g, static_cast<std::int64_t>(seg.expandable ? seg.mapped_bytes : seg.size));
   check_paused_state(s, seg);

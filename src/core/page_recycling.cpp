@@ -94,7 +94,7 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
   const std::uintptr_t lo = (b->ptr - seg.base + page - 1) / page * page + seg.base;
   const std::uintptr_t hi = (b->ptr + b->size - seg.base) / page * page + seg.base;
   if (lo >= hi) return 0;
-  const stat_group g = d_.group_of(b->pool);
+  const stat_group g = group_of(b->pool);
   std::size_t done_total = 0;
   // Where set_page_state starts its walk: b, until a piece has changed the
   // blocks (b may have merged into an unmapped block below it); then the
@@ -123,9 +123,9 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
     const mapping_reason reason = defer                ? mapping_reason::pages_retired
                                   : recycled != nullptr ? mapping_reason::pages_recycled
                                                         : mapping_reason::pages_released;
-    if (from < to) d_.announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
+    if (from < to) d_.mapping_.announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
     auto finish = [&] {
-      if (addr < to) d_.announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream, true);
+      if (addr < to) d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream, true);
       const std::size_t bytes = addr - from;
       CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= d_.memory_.reserved());
       seg.mapped_bytes -= bytes;
@@ -278,7 +278,7 @@ void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std
       d_.fences_.wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
     }
     d_.backend_.vm_unmap(d_.device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
-    d_.announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap, seg.base + r.index * seg.page_bytes,
+    d_.mapping_.announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap, seg.base + r.index * seg.page_bytes,
              seg.page_bytes, r.owner->stream, true);
     const segment::retired_page done = seg.pages.unretire(k);
     const bool release = done.release;  // counted in num_device_free when it was given up
@@ -287,7 +287,7 @@ void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std
     // A page that moved twice is retired at two places: the last unmap releases it.
     if (release) {
       d_.memory_.remove_reserved(seg.page_bytes);
-      count_down(d_.stats_.reserved_bytes, d_.group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
+      count_down(d_.stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
       release_page_handle(h);
     }
   }
@@ -303,7 +303,7 @@ void expandable_segments::release_page_handle(physical_handle_t h) {
     for (auto& [base, up] : d_.segments_)
       if (up->pages.release_at_unmap(h)) {
         d_.memory_.add_reserved(up->page_bytes);
-        count_up(d_.stats_.reserved_bytes, d_.group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
+        count_up(d_.stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
         return;
       }
   d_.backend_.vm_release_handle(d_.device_, h);

@@ -173,7 +173,7 @@ block* private_pool_registry::carve_allocated(segment& seg, std::uintptr_t ptr, 
   while (f != nullptr && f->ptr + f->size <= ptr) f = f->next;
   if (f == nullptr || f->ptr > ptr || f->ptr + f->size < ptr + size || !f->is_free() || !f->mapped)
     throw std::logic_error("ccalloc: internal error: checkpoint block is not inside one free block");
-  const stat_group g = d_.group_of(f->pool);
+  const stat_group g = group_of(f->pool);
   f->pool->blocks.erase(f);
   if (f->is_split()) {
     count_down(d_.stats_.inactive_split, g, 1);

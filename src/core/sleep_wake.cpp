@@ -270,7 +270,7 @@ void tag_sleep::pause_segment(segment& seg, bool keep_contents, sleep_result& r)
     }
     if (d_.history_.active()) [[unlikely]]
       d_.history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
-    d_.announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page,
+    d_.mapping_.announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page,
                 seg.head->stream, true);
     for (const std::size_t end = i + n; i < end; ++i) d_.expandable_.give_back_page(seg, i);
     r.released_bytes += n * page;
@@ -336,7 +336,7 @@ void tag_sleep::make_room(std::size_t need, sleep_result& r, world_lock& w) {
 }
 bool tag_sleep::map_paused_segment(segment& seg) {
   const std::size_t page = seg.page_bytes;
-  const stat_group g = d_.group_of(seg.head->pool);
+  const stat_group g = group_of(seg.head->pool);
   const stream_t stream = copy_stream(seg);
   std::vector<std::size_t> done;
   bool copying = false;  // copies queued into the pages mapped so far
@@ -400,7 +400,7 @@ bool tag_sleep::map_paused_segment(segment& seg) {
   // Announced once every page is mapped: a segment that fails part-way gives
   // its new pages back unannounced, and listeners never see it mapped.
   for (const auto& run : seg.paused_runs)
-    d_.announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page, run.pages * page,
+    d_.mapping_.announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page, run.pages * page,
              seg.head->stream, true);
   return true;
 }

@@ -161,6 +161,11 @@ class world_lock {
   bool locked_ = false;
 };
 
+// The statistics group of a pool's blocks. [none]: is_small is fixed
+[[nodiscard]] inline stat_group group_of(const block_pool* pool) noexcept {
+  return pool->is_small ? stat_group::small_pool : stat_group::large_pool;
+}
+
 // ---- device_state: everything of one device ---------------------------------------------
 
 class device_state {
@@ -249,9 +254,6 @@ class device_state {
   // --- locks_and_stats.cpp, device_state.cpp -----------------------------------
   void publish_all_pending_stats(const world_lock& w);                        // [world]
   void set_memory_fraction(double fraction, const world_lock& w);             // [world]
-  [[nodiscard]] stat_group group_of(const block_pool* pool) const noexcept {  // [none]: is_small is fixed
-    return pool->is_small ? stat_group::small_pool : stat_group::large_pool;
-  }
 
   // --- data, by the lock that guards it ------------------------------------------
   // Public: the core's files (one concept each) share it; making it private
@@ -292,11 +294,6 @@ class device_state {
   // change of what is mapped is announced where it happens, under the locks
   // that make it; one relaxed load when none is attached.
   mapping_notifier mapping_{device_};
-  void announce(mapping_change change, mapping_reason reason, std::uintptr_t addr, std::size_t size_bytes,
-                stream_t stream, bool expandable) const noexcept {
-    if (mapping_.active()) [[unlikely]]
-      mapping_.announce({change, reason, device_, addr, size_bytes, stream, expandable});
-  }
 
 
 
