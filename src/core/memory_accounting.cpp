@@ -31,12 +31,5 @@ void device_state::set_memory_fraction(double fraction, const world_lock& w) {
   memory_.set_cap(fraction, allowed);
 }
 
-std::size_t device_memory::allowed_for(double fraction) const noexcept {
-  const double allowed_real = fraction * static_cast<double>(total_);
-  constexpr auto max_bytes = std::numeric_limits<std::size_t>::max();
-  return allowed_real >= static_cast<double>(max_bytes)  // 2^64 once a double
-             ? max_bytes
-             : static_cast<std::size_t>(allowed_real);
-}
 
 }  // namespace ccalloc::detail

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 namespace ccalloc::detail {
 
@@ -45,7 +46,13 @@ class device_memory {
   // The cap for `fraction` (in [0, 1]) of the total: fraction x total in
   // double; at 2^64 bytes and above (a huge simulated device) the
   // conversion would overflow, and the cap is then no cap.
-  [[nodiscard]] std::size_t allowed_for(double fraction) const noexcept;
+  [[nodiscard]] std::size_t allowed_for(double fraction) const noexcept {
+    const double allowed_real = fraction * static_cast<double>(total_);
+    constexpr auto max_bytes = std::numeric_limits<std::size_t>::max();
+    return allowed_real >= static_cast<double>(max_bytes)  // 2^64 once a double
+               ? max_bytes
+               : static_cast<std::size_t>(allowed_real);
+  }
   void set_cap(double fraction, std::size_t allowed) noexcept {
     fraction_ = fraction == 0.0 ? 0.0 : fraction;  // -0.0 becomes 0
     capped_ = true;
