@@ -15,6 +15,15 @@ namespace {
 using ccalloc::detail::device_memory;
 constexpr std::size_t gib = std::size_t{1} << 30;
 
+// An 8 GiB device with `reserved` bytes reserved, its mark raised to them.
+device_memory at_mark(std::size_t reserved) {
+  device_memory m;
+  m.set_total(8 * gib);
+  m.add_reserved(reserved);
+  m.raise_high_water();
+  return m;
+}
+
 TEST(DeviceMemory, UncappedUntilAFractionIsSetThenTheCapHolds) {
   device_memory m;
   m.set_total(8 * gib);
@@ -45,10 +54,7 @@ TEST(DeviceMemory, AFractionOfAHugeDeviceIsNoCap) {
 }
 
 TEST(DeviceMemory, TheMarkRisesWithReservedAndRestartsTheRecycleCount) {
-  device_memory m;
-  m.set_total(8 * gib);
-  m.add_reserved(2 * gib);
-  m.raise_high_water();
+  device_memory m = at_mark(2 * gib);
   EXPECT_EQ(m.high_water(), 2 * gib);
   m.note_recycle();
   m.note_recycle();
@@ -64,10 +70,7 @@ TEST(DeviceMemory, TheMarkRisesWithReservedAndRestartsTheRecycleCount) {
 }
 
 TEST(DeviceMemory, AFailedRequestsSegmentTakesTheMarkBackDown) {
-  device_memory m;
-  m.set_total(8 * gib);
-  m.add_reserved(2 * gib);
-  m.raise_high_water();
+  device_memory m = at_mark(2 * gib);
   m.note_recycle();
   int request = 0;
   const auto* owner = reinterpret_cast<const ccalloc::detail::alloc_params*>(&request);
@@ -86,10 +89,7 @@ TEST(DeviceMemory, AFailedRequestsSegmentTakesTheMarkBackDown) {
 }
 
 TEST(DeviceMemory, TheMarkStaysWhereReservedMemoryStillStandsAboveIt) {
-  device_memory m;
-  m.set_total(8 * gib);
-  m.add_reserved(2 * gib);
-  m.raise_high_water();
+  device_memory m = at_mark(2 * gib);
   m.note_made(nullptr, 0);
   m.add_reserved(2 * gib);  // the made segment, and more the request kept
   m.raise_high_water();

@@ -92,16 +92,16 @@ void device_caching_allocator::set_config(const allocator_config& config) {
   s.publish_all_pending_stats(w);
   // A fraction set at run time (set_memory_fraction) stays unless the new
   // configuration changes per_process_memory_fraction itself.
-  const bool fraction_changed =
-      config.memory_fraction_set && (!s.policy_.config().memory_fraction_set ||
-                                     config.per_process_memory_fraction != s.policy_.config().per_process_memory_fraction);
+  const bool fraction_changed = config.memory_fraction_set &&
+                                (!s.policy_.config().memory_fraction_set ||
+                                 config.per_process_memory_fraction != s.policy_.config().per_process_memory_fraction);
   // The fraction first: if returning cached memory fails, nothing changes.
   if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
   // The thread_cache key applies when it changes (set_thread_cache_enabled
   // stays in force across configurations that keep it); the world lock
   // emptied every thread's cache.
-  const bool thread_cache_changed =
-      config.thread_cache_set != s.policy_.config().thread_cache_set || config.thread_cache != s.policy_.config().thread_cache;
+  const bool thread_cache_changed = config.thread_cache_set != s.policy_.config().thread_cache_set ||
+                                    config.thread_cache != s.policy_.config().thread_cache;
   s.policy_.set_config(config);
   if (thread_cache_changed) s.apply_thread_cache_setting(config);
   s.stats_.max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()

@@ -47,7 +47,7 @@ void detail::free_recorded(detail::device_state& s, block* b) {
   // A block used on no other stream is free at once (free_block). Its
   // free_completed is recorded here, before any segment_free that freeing it
   // causes (no-caching mode); one that waits for events is recorded where
-  // its events complete (device_state::process_events and friends).
+  // its events complete (event_queue::process_events and friends).
   if (b->stream_uses.empty() && b->event_count == 0)
     h.record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::tag_of(*b->seg));
   s.free(b);

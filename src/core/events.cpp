@@ -21,7 +21,7 @@ namespace ccalloc::detail {
 
 namespace {
 // Counts events taken off the queues and subtracts them from
-// pending_event_count_ on scope exit, also when a backend call throws.
+// the pending count on scope exit, also when a backend call throws.
 struct retired_events {
   std::atomic<std::size_t>& pending;
   std::size_t count = 0;
@@ -67,7 +67,7 @@ void event_queue::insert_events_locked(block* b) {
 
 // Pops every completed event, in order per stream (each queue is scanned up
 // to its first pending event), and calls on_completed(block) for each.
-// [device]. pending_event_count_ stays right if a query throws halfway.
+// [device]. the pending count stays right if a query throws halfway.
 template <class OnCompleted>
 void event_queue::take_completed_events(OnCompleted on_completed) {
   retired_events retired{pending_event_count_};

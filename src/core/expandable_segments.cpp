@@ -231,8 +231,8 @@ void expandable_segments::discard_reservation(segment& seg) noexcept {
       ++i;
       continue;
     }
-    d_.mapping_.announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page, seg.head->stream,
-             true);
+    d_.mapping_.announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page,
+                         seg.head->stream, true);
     if (d_.history_.active()) [[unlikely]] {
       try {
         d_.history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
@@ -383,7 +383,7 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
   // Bytes over the cap: these must be freed (waiting for page fences if
   // need be), or the request fails.
   auto over_cap = [&]() -> std::size_t {
-    return d_.memory_.capped() && d_.memory_.reserved() + need > d_.memory_.allowed() ? d_.memory_.reserved() + need - d_.memory_.allowed() : 0;
+    return d_.memory_.over_cap(need) ? d_.memory_.reserved() + need - d_.memory_.allowed() : 0;
   };
   // Bytes over the high-water mark: a new peak is avoided by recycling
   // free pages whose fence has completed (never waiting), at most
@@ -408,11 +408,13 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
     return std::min(need, d_.memory_.reserved() + need - d_.memory_.high_water());
   };
   if (!d_.pools_.capture_underway() && std::max(over_cap(), over_mark()) > 0) {
-    d_.release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
+    // plain cached segments (no-caching leftovers, earlier configs)
+    d_.release_unused_segments(w, /*keep_going=*/true);
     // The time this request's recycling and mapping take is spent from the
     // budget when recycling was a choice (for the mark, not the cap, which
     // must recycle whatever the budget).
-    if (over_mark() > 0 && d_.policy_.config().recycle_time_percent < 100) r.recycle_started_us = d_.backend_.host_time_us();
+    if (over_mark() > 0 && d_.policy_.config().recycle_time_percent < 100)
+      r.recycle_started_us = d_.backend_.host_time_us();
     try {
       std::size_t got = 0;
       if (const std::size_t target = std::max(over_cap(), over_mark()); target > 0)
@@ -425,7 +427,7 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
       throw;
     }
   }
-  if (d_.memory_.capped() && d_.memory_.reserved() + need > d_.memory_.allowed()) {
+  if (d_.memory_.over_cap(need)) {
     r.drop_recycled();
     return false;
   }
@@ -496,8 +498,8 @@ bool expandable_segments::map_missing_pages(const alloc_params& p, expandable_re
       throw;
     }
     if (i > run_first)
-      d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, seg.base + run_first * page, (i - run_first) * page,
-               p.stream, true);
+      d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, seg.base + run_first * page,
+                           (i - run_first) * page, p.stream, true);
     if (d_.history_.active() && i > run_first) [[unlikely]]
       d_.history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
@@ -602,8 +604,9 @@ block* expandable_segments::take_mapped_run(const expandable_request& r, std::si
 // mapped pages over whole.
 bool expandable_segments::idle_reservation(segment& seg, const alloc_params& p) {
   const block_pool* pool = seg.head->pool;
-  if (!d_.policy_.config().reuse_across_streams || !d_.policy_.config().trim_on_new_peak || pool == p.pool || pool->priv != nullptr ||
-      p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || d_.pools_.capture_underway())
+  if (!d_.policy_.config().reuse_across_streams || !d_.policy_.config().trim_on_new_peak || pool == p.pool ||
+      pool->priv != nullptr || p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 ||
+      d_.pools_.capture_underway())
     return false;
   if (seg.busy_blocks != 0) return false;  // a block allocated or waiting for events
   if (!seg.pages.retired().empty()) return false;  // its stream's work may still use them
@@ -686,7 +689,8 @@ recycle_budget::source expandable_segments::recycle_budget_now(bool large_peak) 
   return from;
 }
 
-void expandable_segments::spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us) {
+void expandable_segments::spend_recycle_time(recycle_budget::source from, std::uint64_t start_us,
+                                             std::uint64_t excluded_us) {
   if (from == recycle_budget::source::none) return;
   const auto percent = d_.policy_.config().recycle_time_percent;
   const std::optional<std::uint64_t> now = d_.backend_.host_time_us();

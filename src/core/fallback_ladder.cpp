@@ -215,7 +215,8 @@ block* rung_expandable(climb& c) {
 // to the device: the peak grows by less.
 block* rung_trim_on_new_peak(climb& c) {
   device_state& d = c.d;
-  if (!d.policy_.config().trim_on_new_peak || c.capturing || d.memory_.reserved() + c.p.alloc_size <= d.memory_.high_water())
+  if (!d.policy_.config().trim_on_new_peak || c.capturing ||
+      d.memory_.reserved() + c.p.alloc_size <= d.memory_.high_water())
     return nullptr;
   if (d.policy_.config().reuse_across_streams && c.p.pool->priv == nullptr && d.adopt_idle_segment(c.p, c.w))
     return d.take_from_rung(c.p);
@@ -285,7 +286,7 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
 bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) {
   if (is_retry) ++stats_.num_alloc_retries;
   const std::size_t size = p.alloc_size;
-  if (memory_.capped() && memory_.reserved() + size > memory_.allowed()) return false;
+  if (memory_.over_cap(size)) return false;
   void* ptr = nullptr;
   private_pool* const pp = p.pool->priv;
   auto device_malloc = [&] {
@@ -319,7 +320,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
     }
     publish_all_pending_stats(w);
     // The cap may have been reached meanwhile by another thread.
-    if (ptr != nullptr && memory_.capped() && memory_.reserved() + size > memory_.allowed()) {
+    if (ptr != nullptr && memory_.over_cap(size)) {
       device_free();
       return false;
     }

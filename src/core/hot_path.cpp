@@ -15,7 +15,7 @@
 //     device_state::allocate
 //     allocate_unusual          only if events are pending or a pool is active:
 //       process_events            (events.cpp; not while a capture is underway) device lock, then stream locks
-//       scopes_.routed            (pool_scopes.hpp) begin_allocate_to_pool's newest matching filter [device lock]
+//       pools_.scopes().routed    (pool_scopes.hpp) begin_allocate_to_pool's newest matching filter [device lock]
 //         -> allocate_slow with the private pool's (stream, pool)       [world lock]
 //       stream_for                the stream's state (thread-local cache, else registry)
 //       prepare                   round_size, pool, allocation_size: B1, B2   [stream lock]
@@ -197,7 +197,8 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   stream_state& ss = registry_.stream_for(stream);  // first: a stream it refuses leaves everything as it was
   const bool scoped = pools_.scopes().active();
   if (scoped) pools_.note_if_capturing(stream);
-  if (!pools_.capture_underway()) events_.process_events();  // never while capturing: event queries are not allowed then
+  // Never while capturing: event queries are not allowed then.
+  if (!pools_.capture_underway()) events_.process_events();
   if (scoped) {
     bool routed = false;
     {
@@ -591,7 +592,8 @@ void device_state::free(block* b) {
   // stream's slow path never records on this stream (can_record_on).
   if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
     free_used_on_other_streams(*this, b, ss);
-  } else if (!policy_.caching() && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway()) [[unlikely]] {
+  } else if (!policy_.caching() && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway())
+      [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
   } else if (policy_.free_records_fence(b, ss) && !pools_.capture_underway()) [[unlikely]] {

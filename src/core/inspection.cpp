@@ -415,7 +415,8 @@ void device_caching_allocator::check_invariants() const {
   std::size_t pooled = 0;
   std::size_t retired_total = 0;
   for (auto& [base, seg] : s.segments_) pooled += check_segment(s, base, *seg, recount, retired_total);
-  if (retired_total != s.expandable_.retired_pages()) fail("expandable_.retired_pages() differs from the segments' retired pages");
+  if (retired_total != s.expandable_.retired_pages())
+    fail("expandable_.retired_pages() differs from the segments' retired pages");
   check_expandable_placement(s, fail);
   if (check_stream_books(s, w) != pooled) fail("pools hold blocks that are not free blocks of live segments");
   check_counters(s, recount);

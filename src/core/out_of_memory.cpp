@@ -45,8 +45,8 @@ oom_facts gather_oom_facts(const device_state& d, const alloc_params& p, const w
     for (block_pool* pool : {&ss->pools.small, &ss->pools.large})
       if (!pool->blocks.empty()) f.largest_free = std::max(f.largest_free, pool->blocks.largest()->size);
   f.custom_segments = p.pool != nullptr && p.pool->priv != nullptr && p.pool->priv->custom.malloc;
-  f.pages = d.policy_.caching() && d.policy_.config().expandable_segments && d.expandable_.page_bytes() != 0 && !d.expandable_.no_address_space() &&
-            !f.custom_segments;
+  f.pages = d.policy_.caching() && d.policy_.config().expandable_segments && d.expandable_.page_bytes() != 0 &&
+            !d.expandable_.no_address_space() && !f.custom_segments;
   f.too_large = p.pool == nullptr;
   // (Rounded up to pages without wrapping past SIZE_MAX: a refused request may be that large.)
   const std::size_t page = d.expandable_.page_bytes();

@@ -125,7 +125,9 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
                                                         : mapping_reason::pages_released;
     if (from < to) d_.mapping_.announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
     auto finish = [&] {
-      if (addr < to) d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream, true);
+      if (addr < to)
+        d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream,
+                             true);
       const std::size_t bytes = addr - from;
       CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= d_.memory_.reserved());
       seg.mapped_bytes -= bytes;
@@ -198,8 +200,8 @@ std::size_t expandable_segments::unmap_free_pages(std::size_t target_bytes, cons
   // (cudaMemPoolReuseAllowInternalDependencies; counted in
   // num_stream_waits): mapped at once, unmapped at the old place once the
   // fence completes (a deferred unmap). One wait per owner stream and fence.
-  if (d_.policy_.config().reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr && got < target_bytes &&
-      !waiting.empty() && d_.fences_.may_wait_on_device(*same_stream)) {
+  if (d_.policy_.config().reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr &&
+      got < target_bytes && !waiting.empty() && d_.fences_.may_wait_on_device(*same_stream)) {
     std::vector<std::pair<const stream_state*, std::uint64_t>> waited;  // owner -> fence count waited for
     for (block*& entry : waiting) {
       if (got >= target_bytes) break;
@@ -278,8 +280,8 @@ void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std
       d_.fences_.wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
     }
     d_.backend_.vm_unmap(d_.device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
-    d_.mapping_.announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap, seg.base + r.index * seg.page_bytes,
-             seg.page_bytes, r.owner->stream, true);
+    d_.mapping_.announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap,
+                         seg.base + r.index * seg.page_bytes, seg.page_bytes, r.owner->stream, true);
     const segment::retired_page done = seg.pages.unretire(k);
     const bool release = done.release;  // counted in num_device_free when it was given up
     const physical_handle_t h = done.handle;

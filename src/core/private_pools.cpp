@@ -168,7 +168,8 @@ void private_pool_registry::free_allocated_locked(block* b) {
 
 // Makes [ptr, ptr + size) of `seg`, which lies inside one free mapped block,
 // an allocated block of its own (checkpoint restore).
-block* private_pool_registry::carve_allocated(segment& seg, std::uintptr_t ptr, std::size_t size, std::size_t requested) {
+block* private_pool_registry::carve_allocated(segment& seg, std::uintptr_t ptr, std::size_t size,
+                                              std::size_t requested) {
   block* f = seg.head;
   while (f != nullptr && f->ptr + f->size <= ptr) f = f->next;
   if (f == nullptr || f->ptr > ptr || f->ptr + f->size < ptr + size || !f->is_free() || !f->mapped)

@@ -325,7 +325,7 @@ constexpr std::size_t restore_chunk_pages = 32;
 // the device or the cap lacks `need` bytes.
 void tag_sleep::make_room(std::size_t need, sleep_result& r, world_lock& w) {
   const auto lacks_room = [&] {
-    if (d_.memory_.capped() && d_.memory_.reserved() + need > d_.memory_.allowed()) return true;
+    if (d_.memory_.over_cap(need)) return true;
     return need > d_.backend_.mem_get_info(d_.device_).free_bytes;
   };
   if (need > 0 && lacks_room()) {
@@ -400,8 +400,8 @@ bool tag_sleep::map_paused_segment(segment& seg) {
   // Announced once every page is mapped: a segment that fails part-way gives
   // its new pages back unannounced, and listeners never see it mapped.
   for (const auto& run : seg.paused_runs)
-    d_.mapping_.announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page, run.pages * page,
-             seg.head->stream, true);
+    d_.mapping_.announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page,
+                         run.pages * page, seg.head->stream, true);
   return true;
 }
 
@@ -490,7 +490,7 @@ sleep_result tag_sleep::resume_tags(const std::vector<tag_id>& tags, world_lock&
       }
   make_room(need, r, w);
   std::vector<segment*> mapped;
-  bool ok = !(need > 0 && d_.memory_.capped() && d_.memory_.reserved() + need > d_.memory_.allowed());
+  bool ok = !(need > 0 && d_.memory_.over_cap(need));
   for (segment* seg : segs) {
     if (!ok) break;
     ok = map_paused_segment(*seg);

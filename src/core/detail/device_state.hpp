@@ -1,6 +1,21 @@
 // Private data structures of the device caching allocator. Only the core's
 // sources (src/core/*.cpp, one per concept: see src/README.md) use them.
 //
+// device_state is one device: it keeps the segments, blocks and pools and
+// orchestrates (malloc, free, the fallback ladder, segment releases). Its
+// parts own their data behind small interfaces, each in its own header
+// that states what it owns and which lock guards it:
+//   stream_registry        the stream states, registry_mutex_   (registry_)
+//   placement_policy       the configuration, rounding, split and carving rules (policy_)
+//   device_memory          total, cap, reserved bytes and their mark (memory_)
+//   event_queue            the event pool, events of cross-stream frees (events_)
+//   device_fences          the page fences over this device's events (fences_)
+//   expandable_segments    reservations, page mapping and recycling (expandable_)
+//   private_pool_registry  private pools, capture scopes, deferred frees (pools_)
+//   tag_sleep              tags' pools, pause and resume (tags_)
+// The ones that act across the device hold a device_state& and reach the
+// segments, pools and statistics through it.
+//
 // Picture of one device's memory:
 //
 //   segment (one device malloc)      [======================================]
@@ -17,13 +32,13 @@
 //   stats.active_bytes.all.current    = allocated + sizes of blocks waiting on events
 //   all blocks of a segment are in one pool: the segment's (stream, default or
 //   private pool, small or large); private_pool::segment_count = its segments
-//   a block in deferred_frees_ is not allocated and has event_count == 1
+//   a block in pools_.deferred_frees() is not allocated and has event_count == 1
 //   while a private pool has users, none of its segments is freed or unmapped
 //
 // Locking (SPEC X1): each stream has its own state and lock (stream_state);
 // the fast path (a cached block of the request's stream, and the free of a
 // block) takes only that lock. Device-wide state (segments, events, the
-// reservation) has device_mutex_; statistics have stats_mutex_. The slow path
+// memory figures, the private pools) has device_mutex_; statistics have stats_mutex_. The slow path
 // (a new segment, garbage collection, the OOM ladder, emptyCache) locks the
 // whole device: the registry, every stream in stream-handle order, the device,
 // the statistics. Lock order, never reversed:
@@ -152,7 +167,7 @@ class world_lock {
   /// in every run.
   [[nodiscard]] const std::vector<stream_state*>& streams() const noexcept { return streams_; }
   /// Unlocks `ss` and drops it from streams() (its state is about to be
-  /// deleted: device_state::forget_gone_streams).
+  /// deleted: stream_registry::forget_gone_streams).
   void drop(stream_state* ss) noexcept;
 
  private:
@@ -202,8 +217,11 @@ class device_state {
   // Splits free block b at `at` (inside it): the upper part, a new free block. [stream]
   block* split_free_block(block* b, std::uintptr_t at);
 
-  // --- events.cpp: record_stream, events, returning blocks ----------------------
-  void record_stream(block* b, stream_t stream);  // [none] takes the block's stream
+  // --- device_state.cpp -----------------------------------------------------------
+  // B4: a use of b on `stream` (its free then records an event there).
+  // Throws invalid_argument_error for a stream that is not live or a paused
+  // block. [none] takes the registry's lock, then the block's stream
+  void record_stream(block* b, stream_t stream);
 
   // --- fallback_ladder.cpp: the slow path, new segments, releases, GC ---------
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
@@ -233,9 +251,6 @@ class device_state {
   // --- out_of_memory.cpp -------------------------------------------------------
   [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);  // [world] drops it for observers
 
-  // The first failure of a segment free that release_blocks went on past
-  // (keep_going), until its reader clears it. [world]
-  std::exception_ptr release_failure_;
   // [world, or in the constructor] The thread_cache key, when given
   // (config.thread_cache_set), switches the thread cache (enabled,
   // small_only); otherwise it stays as CCALLOC_THREAD_CACHE or
@@ -251,14 +266,19 @@ class device_state {
   // pinning it meanwhile. [world]
   block* allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss, world_lock& w);
 
-  // --- locks_and_stats.cpp, device_state.cpp -----------------------------------
+  // --- locks_and_stats.cpp, memory_accounting.cpp --------------------------------
   void publish_all_pending_stats(const world_lock& w);                        // [world]
+  // Caps reserved memory at fraction x total (cached memory goes back first
+  // where reserved passes the new cap); invalid_argument_error outside [0, 1].
   void set_memory_fraction(double fraction, const world_lock& w);             // [world]
 
   // --- data, by the lock that guards it ------------------------------------------
-  // Public: the core's files (one concept each) share it; making it private
-  // would take accessors or friends on the hot path for no gain in safety,
-  // as the lock discipline, not the access level, is what protects it.
+  // The parts (stream_registry ... tag_sleep) keep their own data private
+  // behind their interfaces; what is left here is the device-wide state
+  // the parts and the core's files share (the backend, the locks, the
+  // segments, statistics, history, mapping listeners, thread caches, OOM
+  // observers). It is still public: the core's free functions (the rungs of
+  // the ladder, the hot path's helpers, inspection) read it directly.
 
   const int device_;
   device_backend& backend_;
@@ -295,8 +315,9 @@ class device_state {
   // that make it; one relaxed load when none is attached.
   mapping_notifier mapping_{device_};
 
-
-
+  // The first failure of a segment free that release_blocks went on past
+  // (keep_going), until its reader clears it. [world]
+  std::exception_ptr release_failure_;
 
   // Blocks parked in threads' caches (thread_cache.hpp).
   thread_cache_registry thread_caches_;
@@ -309,8 +330,8 @@ class device_state {
   const void* last_stats_thread_ = nullptr;  // the thread that published last
 };
 
-// A number never returned before in this process (device_state::id_,
-// device_state::stream_cache_key_).
+// A number never returned before in this process (device_state::id_, the
+// stream registry's cache key).
 std::uint64_t fresh_state_key() noexcept;
 
 // malloc and free behind device_caching_allocator's public ones: without

@@ -36,7 +36,7 @@ class expandable_segments {
   // The backend's granularity when it has virtual memory, else 0. Fixed.
   [[nodiscard]] std::size_t page_bytes() const noexcept { return page_bytes_; }
   // Throws config_error for an explicit expandable_segments:True without
-  // virtual memory. [none]: page_bytes_ is fixed
+  // virtual memory. [none]: the page size is fixed
   void check_supported(const allocator_config& config) const;
   // Whether an expandable attempt since clear_no_address_space found no
   // address space (the ladder's rung then stops retrying).

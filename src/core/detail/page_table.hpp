@@ -9,7 +9,7 @@
 //              the work its stream queued before the free has run (a
 //              deferred unmap): the physical page may already be mapped
 //              elsewhere; nothing may be mapped at page i before the
-//              deferred unmap (device_state::settle_retired_in)
+//              deferred unmap (expandable_segments::settle_retired_in)
 //
 // Invariant (check): the retired pages are sorted by index, inside the
 // table, unmapped in the books, with a non-zero handle; device_state's
