@@ -78,7 +78,7 @@ void expandable_segments::pool_erase_counted(block* b) {
 // reserve_only: only the host memory it needs (may throw std::bad_alloc),
 // so that a caller can take it before the device changes the pages.
 void expandable_segments::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint,
-                                  bool reserve_only) {
+                                         bool reserve_only) {
   if (lo >= hi) return;
   block* b = hint != nullptr ? hint : unmapped_block_at_or_below(seg, lo);
   CCALLOC_ASSERT(b->seg == &seg && b->ptr <= lo);

@@ -46,6 +46,13 @@ std::array<page_range, 2> pieces_outside(const segment& seg, std::uintptr_t lo, 
   return pieces;
 }
 
+// Why unmap_block_pages unmaps: a deferred unmap (the pages move now, the
+// old mapping is retired), pages recycled elsewhere, or pages given back.
+mapping_reason unmap_reason(bool defer, bool recycled) noexcept {
+  if (defer) return mapping_reason::pages_retired;
+  return recycled ? mapping_reason::pages_recycled : mapping_reason::pages_released;
+}
+
 // The free mapped blocks of a whole page or more of every expandable
 // segment whose pool is not live, each with the bytes its unmapping would
 // leave behind in partial pages (partial_page_bytes), in the order pages
@@ -86,8 +93,8 @@ std::vector<std::pair<std::size_t, block*>> recycling_candidates(const device_st
 // Handles go to `recycled` (then no longer counted as reserved) or back to
 // the device.
 std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                             std::vector<recycled_page>* recycled, std::size_t max_bytes,
-                                             bool defer) {
+                                                   std::vector<recycled_page>* recycled, std::size_t max_bytes,
+                                                   bool defer) {
   CCALLOC_ASSERT(!defer || recycled != nullptr);
   segment& seg = *b->seg;
   const std::size_t page = seg.page_bytes;
@@ -120,9 +127,7 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
     const std::size_t retired_before = seg.pages.retired().size();
     // Announced before the device unmaps; what a failure leaves mapped is
     // announced mapped again (finish).
-    const mapping_reason reason = defer                ? mapping_reason::pages_retired
-                                  : recycled != nullptr ? mapping_reason::pages_recycled
-                                                        : mapping_reason::pages_released;
+    const mapping_reason reason = unmap_reason(defer, recycled != nullptr);
     if (from < to) d_.mapping_.announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
     auto finish = [&] {
       if (addr < to)
@@ -172,9 +177,9 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
 // are freed: first the pages whose page fence has completed (no waiting);
 // then, with may_wait, the others after waiting for their fences.
 std::size_t expandable_segments::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
-                                           std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                           std::vector<recycled_page>* recycled, bool may_wait,
-                                           const stream_state* same_stream) {
+                                                  std::uintptr_t keep_lo, std::uintptr_t keep_hi,
+                                                  std::vector<recycled_page>* recycled, bool may_wait,
+                                                  const stream_state* same_stream) {
   const auto candidates = recycling_candidates(d_, page_bytes_);
   if (candidates.empty()) return 0;
   std::size_t got = 0;

@@ -90,7 +90,7 @@ std::uintptr_t placement_policy::page_aligned_start(const block& b, std::size_t 
 // otherwise the islands stay mapped, and best fit keeps PyTorch's rule. The
 // scan goes over the pool's larger free blocks, in this case only.
 block_index::position placement_policy::lowest_fitting_block(const alloc_params& p,
-                                                         block_index::position at) const noexcept {
+                                                             block_index::position at) const noexcept {
   if (!recycles_at_every_peak()) return at;
   if (p.size % p.pool->blocks.at(at)->seg->page_bytes == 0) return at;  // strands nothing: best fit
   const block_index& index = p.pool->blocks;

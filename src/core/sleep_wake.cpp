@@ -405,15 +405,14 @@ bool tag_sleep::map_paused_segment(segment& seg) {
   return true;
 }
 
-
 // A resume that could not map every page: the pages mapped so far go back
 // (after the copies into them), the observers hear of it, and the error
 // says what holds the device's memory. The tags stay paused.
 void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<segment*>& mapped, std::size_t need,
                             const sleep_result& r, world_lock& w) {
   for (segment* seg : mapped) {  // their kept contents are being copied in: wait before the pages go
-    if (std::none_of(seg->paused_runs.begin(), seg->paused_runs.end(), [](const auto& run) { return run.host != nullptr; }))
-      continue;
+    const auto kept = [](const segment::paused_run& run) { return run.host != nullptr; };
+    if (std::none_of(seg->paused_runs.begin(), seg->paused_runs.end(), kept)) continue;
     wait_for_stream(copy_stream(*seg));
   }
   for (segment* seg : mapped)
