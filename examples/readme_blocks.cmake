@@ -1,15 +1,39 @@
 # readme_blocks.cmake: every fenced code block of README that follows a line
 # "<!-- example: PATH -->" must appear verbatim in PATH (relative to ROOT),
 # and at least MIN_BLOCKS (default 3) such blocks must exist.
-#   cmake -DREADME=README.md -DROOT=. [-DMIN_BLOCKS=n] -P readme_blocks.cmake
+# With ALL_BLOCKS=ON, every block must be marked: "<!-- example: PATH -->"
+# (and PATH named in the text just above the marker, so that a reader sees
+# where the block comes from and what else it needs), or "<!-- commands -->"
+# before a sh/bash block of shell commands.
+#   cmake -DREADME=README.md -DROOT=. [-DMIN_BLOCKS=n] [-DALL_BLOCKS=ON] -P readme_blocks.cmake
 cmake_minimum_required(VERSION 3.25)
 if(NOT DEFINED MIN_BLOCKS)
   set(MIN_BLOCKS 3)
 endif()
 file(READ "${README}" _text)
 set(_marker "<!-- example: ")
+if(ALL_BLOCKS)
+  string(REGEX MATCHALL "\n```" _fences "${_text}")
+  list(LENGTH _fences _fence_count)
+  math(EXPR _blocks "${_fence_count} / 2")
+  string(REGEX MATCHALL "<!-- example: [^\n]* -->\n```" _examples "${_text}")
+  string(REGEX MATCHALL "<!-- commands -->\n```" _commands "${_text}")
+  string(REGEX MATCHALL "<!-- commands -->\n```(sh|bash)\n" _shell "${_text}")
+  list(LENGTH _examples _ne)
+  list(LENGTH _commands _nc)
+  list(LENGTH _shell _ns)
+  if(NOT _nc EQUAL _ns)
+    message(FATAL_ERROR "${README}: a block marked <!-- commands --> is not a sh or bash block")
+  endif()
+  math(EXPR _marked "${_ne} + ${_nc}")
+  if(NOT _marked EQUAL _blocks)
+    message(FATAL_ERROR "${README} has ${_blocks} code blocks but ${_marked} marked <!-- example: FILE --> or "
+                        "<!-- commands --> right above their opening fence: mark every block")
+  endif()
+endif()
 set(_count 0)
 while(TRUE)
+  set(_seen "${_text}")
   string(FIND "${_text}" "${_marker}" _at)
   if(_at EQUAL -1)
     break()
@@ -22,6 +46,15 @@ while(TRUE)
     message(FATAL_ERROR "${README}: a ${_marker}... marker not followed by a code block")
   endif()
   string(SUBSTRING "${_text}" 0 ${_end} _file)
+  if(ALL_BLOCKS)
+    # The visible text above the marker (from the end of the previous block) names the file.
+    string(SUBSTRING "${_seen}" 0 ${_at} _before)
+    string(REGEX REPLACE "^.*\n```" "" _before "${_before}")  # from the last fence on
+    string(FIND "${_before}" "${_file}" _named)
+    if(_named LESS 0)
+      message(FATAL_ERROR "${README}: the block quoted from ${_file} is not labelled with that name in the text above it")
+    endif()
+  endif()
   string(SUBSTRING "${_text}" ${_end} -1 _text)
   foreach(_line IN ITEMS marker fence)      # past the " -->" line and the opening fence
     string(FIND "${_text}" "\n" _nl)

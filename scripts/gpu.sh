@@ -21,12 +21,12 @@
 #   ab-hotpath      A/B of the hot path against a base source tree     BASE_SRC OUT_DIR
 #   mixed-layout    the mixed case in rounds, with and without a fixed layout   OUT_DIR
 #   mixed-diagnose  the mixed case's spread by placement                        OUT_DIR
-#   session         check + pytorch (+ a new-user install) in one call         [OUT_DIR]
-#   closing-check   session's check, then hotpath three times                   OUT_DIR
+#   check-pytorch   check + pytorch (+ a new-user install) in one call         [OUT_DIR]
+#   verify          check, then hotpath three times                             OUT_DIR
 #   all             check, ab, integrations, snapshots, ipc in one call        [OUT_DIR]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-stages="check bench pytorch integrations ipc sleep-wake snapshots hotpath ab-hotpath mixed-layout mixed-diagnose session closing-check all"
+stages="check bench pytorch integrations ipc sleep-wake snapshots hotpath ab-hotpath mixed-layout mixed-diagnose check-pytorch verify all"
 stage=${1:-}
 if [ -z "$stage" ] || [[ " $stages " != *" $stage "* ]]; then
   echo "usage: scripts/gpu.sh STAGE [ARGS...]; stages: $stages" >&2

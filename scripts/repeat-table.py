@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""SPEC P8 / issue 15: replays every trace of TRACE_DIR with `ccalloc replay
+"""Replays every trace of TRACE_DIR with `ccalloc replay
 --repeat N` for N in PASSES (default 1 2 4) and prints, per trace and N, peak
 reserved / peak requested (whole run), ccalloc's peak over PyTorch expandable's
 (native_expandable_reserved_peak: PyTorch expandable's peak does not grow with

@@ -1,6 +1,7 @@
 // The C API of sleep and wake (ccalloc.h: ccalloc_tag_begin/end, ccalloc_pause,
 // ccalloc_resume, ccalloc_tag_usage) on the simulated device.
 #include <ccalloc/ccalloc.h>
+#include <ccalloc/core/tags.hpp>
 
 #include <gtest/gtest.h>
 
@@ -81,6 +82,26 @@ TEST(CapiSleepWake, BadCallsAreRefused) {
   EXPECT_EQ(ccalloc_pause(a.handle, 0, nullptr, 1, 0, nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
   ccalloc_tag_usage_t u{};
   EXPECT_EQ(ccalloc_tag_usage(a.handle, 0, "never_seen_here", &u), CCALLOC_OK);
+  EXPECT_EQ(u.segments, 0u);
+}
+
+// A name that can be no tag is INVALID_ARGUMENT for ccalloc_tag_usage, as
+// for ccalloc_tag_begin (it read as a tag that never allocated), and the
+// message names the rule broken.
+TEST(CapiSleepWake, TagUsageOfABadNameIsRefused) {
+  c_allocator a(16 * MiB);
+  ccalloc_tag_usage_t u{};
+  u.segments = 7;
+  EXPECT_EQ(ccalloc_tag_usage(a.handle, 0, "", &u), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc: tag name is empty; give 1 to 64 characters");
+  EXPECT_EQ(u.segments, 7u) << "a refused call leaves *out as it was";
+  EXPECT_EQ(ccalloc_tag_usage(a.handle, 0, "has space", &u), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("has a character outside letters, digits and _-.:/"),
+            std::string::npos)
+      << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_tag_usage(a.handle, 0, std::string(65, 'x').c_str(), &u), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_FALSE(ccalloc::find_tag("has space").has_value()) << "the refused name was interned";
+  EXPECT_EQ(ccalloc_tag_usage(a.handle, 0, std::string(64, 'x').c_str(), &u), CCALLOC_OK) << ccalloc_last_error();
   EXPECT_EQ(u.segments, 0u);
 }
 

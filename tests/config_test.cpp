@@ -167,6 +167,19 @@ TEST(ConfigTest, ControlBytesOfTheInputAreEscapedInMessages) {
                 "\\x1b... (150 bytes) is not a valid value (accepted: native or cudaMallocAsync)");
 }
 
+// A newline or tab inside a quoted value is written \n or \t: the message
+// stays one line, and a value cannot pass for the end of the message.
+TEST(ConfigTest, NewlinesAndTabsOfTheInputAreEscapedInMessages) {
+  EXPECT_EQ(parse_error("expandable_segments:Tr\nue"),
+            "ccalloc config: expandable_segments:Tr\\nue is not a valid value (accepted: True or "
+            "False (also true/false, 1/0))");
+  EXPECT_EQ(parse_error("a\tb\nc"), "ccalloc config: expected key:value, got 'a\\tb\\nc'");
+  EXPECT_TRUE(contains(parse_error("bogus\nkey:1"), "unknown key 'bogus\\nkey'"));
+  EXPECT_TRUE(contains(parse_error("roundup_power2_divisions:[1:2\nx]"), "divisions '2\\nx'"));
+  for (const char* text : {"expandable_segments:Tr\nue", "bogus\nkey:1", "max_split_size_mb:1\n2", "x\ny"})
+    EXPECT_FALSE(contains(parse_error(text), "\n")) << text;
+}
+
 // ---- every key --------------------------------------------------------------
 
 TEST(ConfigTest, EveryKeyParses) {

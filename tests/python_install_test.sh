@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's Python install, as a new user runs it (issue 14): a fresh
+# The README's Python install, as a new user runs it: a fresh
 # virtual environment over the system's packages, then
 #   python3 -m pip install --no-build-isolation .
 # at the top of a copy of the checkout (offline: setuptools, wheel and pip

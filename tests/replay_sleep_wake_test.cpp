@@ -165,6 +165,38 @@ TEST(SleepWakeTrace, AnAllocationUnderAPausedTagFailsNamingItsLine) {
   }
 }
 
+// A resume of a tag the trace has not paused, and a second pause of a
+// paused one, are errors naming the line and the tag (the allocator would
+// do nothing, and its recorder writes no such line).
+TEST(SleepWakeTrace, AResumeOfAnUnpausedTagAndASecondPauseAreErrors) {
+  const auto error_of = [](const std::string& text) -> std::string {
+    try {
+      (void)replay_trace(parse_trace_text(text, "t"), on_device_of(256 * MiB));
+    } catch (const trace_error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const std::string alloc = "1 tag 0 0 0 po_kv\n2 alloc 4194304 1000 0\n3 tag 0 0 0 default\n";
+  EXPECT_EQ(error_of(alloc + "4 resume 0 0 0 po_kv\n"),
+            "t:4: resume of tag 'po_kv', which the trace has not paused (no pause of it before, or already resumed)");
+  EXPECT_EQ(error_of("1 resume 0 0 0 po_never_used\n"),
+            "t:1: resume of tag 'po_never_used', which the trace has not paused (no pause of it before, or already "
+            "resumed)");
+  EXPECT_EQ(error_of(alloc + "4 pause 0 2097152 0 po_kv drop\n5 resume 0 2097152 0 po_kv\n6 resume 0 0 0 po_kv\n"),
+            "t:6: resume of tag 'po_kv', which the trace has not paused (no pause of it before, or already resumed)");
+  EXPECT_EQ(error_of(alloc + "4 pause 0 2097152 0 po_kv drop\n5 pause 0 0 0 po_kv keep\n"),
+            "t:5: pause of tag 'po_kv', which the trace already paused at line 4 (no resume between)");
+  // Paired, the same lines replay.
+  const replay_result r = replay_trace(
+      parse_trace_text(alloc + "4 pause 0 2097152 0 po_kv drop\n5 resume 0 2097152 0 po_kv\n"
+                               "6 pause 0 2097152 0 po_kv keep\n7 resume 0 2097152 0 po_kv\n",
+                       "t"),
+      on_device_of(256 * MiB));
+  EXPECT_EQ(r.sleep_events.size(), 4u);
+  EXPECT_EQ(r.ooms, 0u);
+}
+
 // The report page draws paused bytes over time and lists every pause and
 // resume; a trace without them gets neither.
 TEST(SleepWakeTrace, TheReportShowsPausedBytesOverTimeAndEveryPause) {

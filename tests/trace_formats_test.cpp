@@ -345,6 +345,29 @@ TEST(TraceInput, LimitsAreNamedWithTheFlagThatRaisesThem) {
   EXPECT_EQ(ccalloc::read_trace_file(f.path()).events.size(), 100u);
 }
 
+// Blanks around the fields count toward the line limit: an event line padded
+// with spaces (after, before or between its fields) is no way around it, in
+// a text trace file and in an RMM log.
+TEST(TraceInput, BlanksAroundTheFieldsCountTowardTheLineLimit) {
+  ccalloc::trace_limits limits;
+  limits.max_line_bytes = 100;
+  const std::string pad(200, ' ');
+  const std::string reason =
+      ": a line of more than 100 bytes, the limit (trace_limits::max_line_bytes; raise it with --max-line-bytes)";
+  temp_file trailing("trailing.trace", "1 alloc 4096 512 0" + pad + "\n2 free_requested 4096 512 0\n");
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(trailing.path(), limits); }), trailing.path() + ":1" + reason);
+  EXPECT_EQ(error_of([&] { (void)ccalloc::parse_trace_text("1 alloc 4096 512 0\n" + pad + "2 alloc 8192 8 0", "lead", limits); }),
+            "lead:2" + reason);
+  EXPECT_EQ(error_of([&] { (void)ccalloc::parse_trace_text("1 alloc" + pad + "4096 512 0\n", "mid", limits); }),
+            "mid:1" + reason);
+  // At the limit exactly it reads (the newline is not counted).
+  const std::string exact = "1 alloc 4096 512 0";
+  EXPECT_EQ(ccalloc::parse_trace_text(exact + std::string(100 - exact.size(), ' ') + "\n", "exact", limits).events.size(),
+            1u);
+  const std::string rmm = "Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x1000,8,0x0" + pad + "\n";
+  EXPECT_EQ(error_of([&] { (void)ccalloc::parse_rmm_log(rmm, "r.csv", limits); }), "r.csv:2" + reason);
+}
+
 // A gzip bomb (a small file of newlines) stops at the input limit instead
 // of ending in std::bad_alloc.
 TEST(TraceInput, DecompressionStopsAtTheInputLimit) {

@@ -680,7 +680,7 @@ std::string device_label(const ccalloc::replay_result& r, int cuda_device) {
 }
 
 void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& input,
-                         const std::string& config, int cuda_device) {
+                         const std::string& config, int cuda_device, std::uint64_t peak_unpaused) {
   const std::uint64_t device_memory_bytes = r.device_memory_bytes;
   if (r.ooms > 0) print_oom_banner(r.ooms);
   // Byte counts right-aligned on the widest, so their digits line up.
@@ -705,25 +705,42 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
   if (r.device_lag_events != 0)
     print_row("device lag", format("%llu events  (the simulated device runs behind the host)",
                                    static_cast<unsigned long long>(r.device_lag_events)));
-  print_row("peak requested", bytes_cell(r.peak_requested_bytes, w));
-  print_row("peak allocated", bytes_cell(r.peak_allocated_bytes, w));
+  const char* paused_note = peak_unpaused ? "  (blocks of paused tags included)" : "";
+  print_row("peak requested", bytes_cell(r.peak_requested_bytes, w) + paused_note);
+  print_row("peak allocated", bytes_cell(r.peak_allocated_bytes, w) + paused_note);
   print_row("peak reserved", bytes_cell(r.peak_reserved_bytes, w));
-  print_row("fragmentation", format("%.3f  (peak reserved / peak requested)", r.fragmentation()));
-  print_row("segments made", with_commas(r.segments_created) + "  (" +
-                                with_commas(r.device_mallocs - pages_created(r)) + " cudaMalloc, " +
-                                with_commas(r.segments_created - (r.device_mallocs - pages_created(r))) +
+  if (peak_unpaused) {
+    print_row("peak unpaused", bytes_cell(peak_unpaused, w) +
+                                   "  (allocated to blocks of tags not paused: a paused block keeps its address "
+                                   "but no device pages)");
+    print_row("fragmentation", format("%.3f  (peak reserved / peak unpaused)", ccalloc::shown_fragmentation(r, peak_unpaused)));
+  } else {
+    print_row("fragmentation", format("%.3f  (peak reserved / peak requested)", r.fragmentation()));
+  }
+  // Device calls in comparable terms: cudaMalloc / cudaFree calls (whole
+  // segments) and 2 MiB pages created / released (expandable segments).
+  const std::uint64_t cuda_mallocs = r.device_mallocs - pages_created(r);
+  const std::uint64_t pages_released = r.pages_unmapped - std::min(r.pages_unmapped, r.pages_remapped);
+  const std::uint64_t cuda_frees = r.device_frees - std::min(r.device_frees, pages_released);
+  print_row("segments made", with_commas(r.segments_created) + "  (over the run: " + with_commas(cuda_mallocs) +
+                                " cudaMalloc, " + with_commas(r.segments_created - cuda_mallocs) +
                                 " address-space reservations)");
   print_row("pages created", with_commas(pages_created(r)) + "  (2 MiB physical pages mapped into reservations)");
-  print_row("device mallocs", with_commas(r.device_mallocs) + "  (cudaMalloc calls + pages created)");
-  print_row("device frees", with_commas(r.device_frees) + "  (cudaFree calls + pages released)");
+  print_row("device mallocs", with_commas(r.device_mallocs) + "  (" + with_commas(cuda_mallocs) + " cudaMalloc + " +
+                                 with_commas(pages_created(r)) + " pages created)");
+  print_row("device frees", with_commas(r.device_frees) + "  (" + with_commas(cuda_frees) + " cudaFree + " +
+                               with_commas(pages_released) + " pages released)");
   print_row("OOMs", with_commas(r.ooms) +
                         (r.ooms ? "  (allocations that failed: the device memory is too small)" : ""));
   print_row("alloc retries", with_commas(r.alloc_retries));
   print_row("device syncs", with_commas(r.device_synchronizations) +
                                 (r.device_synchronizations ? "  (host waits for the device before memory changed hands)"
                                                            : ""));
-  print_row("pages mapped", with_commas(r.pages_mapped) + "  (unmapped " + with_commas(r.pages_unmapped) +
-                                ", remapped " + with_commas(r.pages_remapped) + ")");
+  print_row("pages mapped", with_commas(r.pages_mapped) + "  (" + with_commas(pages_created(r)) + " created + " +
+                               with_commas(r.pages_remapped) + " remapped)");
+  print_row("pages unmapped", with_commas(r.pages_unmapped) + "  (" + with_commas(pages_released) + " released + " +
+                                 with_commas(r.pages_remapped) +
+                                 " remapped: unmapped at one place and mapped at another, never freed)");
   print_row("moved streams", with_commas(r.bytes_moved_between_streams) + " B  (bytes that changed stream)");
   print_row("stream waits", with_commas(r.stream_waits) +
                                 (r.stream_waits ? "  (device-side waits for another stream's work; the host did not wait)"
@@ -938,9 +955,24 @@ struct min_memory_result {
   std::uint64_t native_expandable_bytes = 0;  ///< 0: unknown
 };
 
+/// ccalloc::find_min_device_memory with its errors worded for the command
+/// line: they name the flag that asked for the search (--min-memory), not
+/// the library function (whose messages start with its name).
+std::size_t min_device_memory(const ccalloc::trace& t, const ccalloc::replay_options& options) {
+  try {
+    return ccalloc::find_min_device_memory(t, options);
+  } catch (const ccalloc::error& e) {
+    constexpr std::string_view library_prefix = "find_min_device_memory: ";
+    std::string_view what = e.what();
+    if (!what.starts_with(library_prefix)) throw;
+    what.remove_prefix(library_prefix.size());
+    throw ccalloc::error("--min-memory: " + std::string(what));
+  }
+}
+
 min_memory_result find_min_memory(const loaded_trace& input, const ccalloc::replay_options& options) {
   min_memory_result m;
-  m.ccalloc_bytes = ccalloc::find_min_device_memory(input.trace, options);
+  m.ccalloc_bytes = min_device_memory(input.trace, options);
   if (input.native) {
     m.native_bytes = input.native->min_capacity_bytes;
     m.native_expandable_bytes = input.native->expandable_min_capacity_bytes;
@@ -982,9 +1014,15 @@ int run_replay(const common_options& common, const std::string& config, bool min
   const std::size_t total = input.trace.events.size() * options.repeat;
   std::string snapshot_json;
   if (!snapshot_path.empty()) options.history.emplace();  // everything, no context
+  // With pauses, the peak allocated to unpaused blocks: the fragmentation's
+  // denominator (paused blocks count as requested but hold no device pages).
+  const bool has_pauses = std::any_of(input.trace.events.begin(), input.trace.events.end(),
+                                      [](const ccalloc::trace_event& e) { return e.action == ccalloc::trace_action::pause; });
+  std::uint64_t peak_unpaused = 0;
   options.after_event = [&](std::size_t i, ccalloc::caching_allocator& allocator) {
     if ((i & 4095) == 0) progress.update(i, total);
     if (!snapshot_path.empty() && i + 1 == total) snapshot_json = ccalloc::to_json(allocator.snapshot());
+    if (has_pauses) peak_unpaused = std::max(peak_unpaused, ccalloc::unpaused_allocated_bytes(allocator));
     return true;
   };
   const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
@@ -999,6 +1037,10 @@ int run_replay(const common_options& common, const std::string& config, bool min
   if (min_memory) min = find_min_memory(input, options);
   if (common.json_output) {
     json out = result_json(result, input, options.config, options.cuda_device);
+    if (has_pauses) {
+      out["peak_unpaused_allocated_bytes"] = peak_unpaused;
+      out["fragmentation"] = ccalloc::shown_fragmentation(result, peak_unpaused);
+    }
     if (min) {
       out["min_device_memory_bytes"] = min->ccalloc_bytes;
       if (min->native_bytes) out["native_min_capacity_bytes"] = min->native_bytes;
@@ -1006,7 +1048,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     }
     std::printf("%s\n", out.dump(2).c_str());
   } else {
-    print_replay_report(result, input, options.config, options.cuda_device);
+    print_replay_report(result, input, options.config, options.cuda_device, peak_unpaused);
     if (min) print_min_memory(*min, options.config);
   }
   return oom_exit_status(result.ooms, common.allow_oom);
@@ -1040,11 +1082,12 @@ int run_report(const common_options& common, const std::string& config, const st
   write_output_file(output_path, page, "the report");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("wrote %s (%s bytes) in %.2f s: %s events, peak reserved %s (ccalloc) vs %s (recording allocator), "
-              "segment map after event %s (%zu segments, %zu blocks)\n",
+              "segment map after event %s (%zu mapped ranges of %zu live segments, %zu blocks)\n",
               output_path.c_str(), with_commas(page.size()).c_str(), seconds,
               with_commas(summary.replay.events).c_str(), gib(summary.replay.peak_reserved_bytes).c_str(),
               summary.recorded_reserved_peak ? gib(summary.recorded_reserved_peak).c_str() : "-",
-              with_commas(summary.peak_event_index + 1).c_str(), summary.segments_at_peak, summary.blocks_at_peak);
+              with_commas(summary.peak_event_index + 1).c_str(), summary.segments_at_peak,
+              summary.live_segments_at_peak, summary.blocks_at_peak);
   print_sleep_events(summary.replay, "  ");
   return oom_exit_status(summary.replay.ooms, common.allow_oom);
 }

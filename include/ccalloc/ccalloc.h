@@ -620,7 +620,7 @@ CCALLOC_API ccalloc_status_t ccalloc_mapped_segments(ccalloc_allocator_t* alloc,
  * ccalloc_resume can map them again. Reference: SGLang's torch_memory_saver
  * (region / pause / resume) and vLLM's sleep mode; the semantics are in
  * include/ccalloc/core/device_caching_allocator.hpp (pause, resume) and
- * README "Sleep and wake". Thread safety: the scope functions are per
+ * docs/sleep-wake.md. Thread safety: the scope functions are per
  * thread; pause, resume and ccalloc_tag_usage lock the device(s). */
 
 /** What one pause or resume did (bytes; host_time_us: the backend's host

@@ -188,7 +188,7 @@ def get_config() -> str:
     return process_allocator().get_config()
 
 
-# ---- sleep and wake (SPEC S1-S5; README "Sleep and wake") ----------------------------------------
+# ---- sleep and wake (SPEC S1-S5; docs/sleep-wake.md) ----------------------------------------
 
 
 class tag:

@@ -36,6 +36,26 @@ def test_bad_tags_are_refused():
     assert ccalloc.current_tag() == "default"
 
 
+def test_bad_tag_names_are_refused_by_every_tag_function():
+    """A name that can be no tag (empty, too long, a character outside the
+    set) is an InvalidArgumentError wherever a tag is named, as ccalloc.h
+    documents; a well-formed name that never allocated reads as zeros."""
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        for name, why in (("", "empty"), ("x" * 65, "65 bytes long"), ("has space", "character outside")):
+            with pytest.raises(ccalloc.InvalidArgumentError, match=why):
+                a.tag_usage(name)
+            with pytest.raises(ccalloc.InvalidArgumentError, match=why):
+                ccalloc.tag_usage(name)
+            with pytest.raises(ccalloc.InvalidArgumentError, match=why):
+                with ccalloc.tag(name):
+                    pass
+            for call in (a.pause, a.resume):
+                with pytest.raises(ccalloc.InvalidArgumentError):
+                    call(name)
+        assert a.tag_usage("py_never_allocated") == {"allocated_bytes": 0, "reserved_bytes": 0, "paused_bytes": 0,
+                                                     "kept_bytes": 0, "segments": 0, "blocks": 0, "paused": False}
+
+
 def test_pause_frees_device_memory_and_resume_restores_contents():
     with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
         with ccalloc.tag("py_weights"):

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# A/B of the hot path on one GPU machine (issue 18, tenth session): the host
-# of the H200 moves the mixed case by up to 2x between runs (docs/perf.md,
-# seventh session), so a change is judged against the tree it replaces in
+# A/B of the hot path on one GPU machine: the host of the H200 moves the
+# mixed case by up to 2x between runs (docs/perf.md), so a change is judged against the tree it replaces in
 # the same call, with the two builds' runs interleaved (A B A B ...).
 #
 # Usage: scripts/gpu/ab-hotpath.sh BASE_SRC OUT_DIR

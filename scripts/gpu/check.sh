@@ -161,7 +161,7 @@ if [ -x "$REPLAY_BIN" ]; then
       "$(grep -Eo '[0-9]+ of [0-9]+ trace\(s\) matched' "$REPLAY_LOG" | tail -n 1)"
     t0=$(date +%s)
   done
-  # Issue 15: the default configuration over two passes (each pass's peaks
+  # The default configuration over two passes (each pass's peaks
   # and the synchronizations must agree: page fences on a real device).
   echo "== $REPLAY_BIN --repeat 2" >>"$REPLAY_LOG"
   timeout "$(left 150)" "$REPLAY_BIN" --repeat 2 2>&1 | tee -a "$REPLAY_LOG"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A CuPy array workload on ccalloc (issue 8, SPEC E3): installs ccalloc as
+"""A CuPy array workload on ccalloc: installs ccalloc as
 CuPy's allocator, runs elementwise kernels, reductions, matrix products and
 FFTs on arrays from 1 KiB to 64 MiB on the default stream and on a second
 stream, checks a few results against NumPy, and prints ccalloc's statistics

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """GPT-2 training steps on PyTorch's native CUDA allocator and on ccalloc
-(issue 8, SPEC P6: a real training step through ccalloc no slower than
+(a real training step through ccalloc no slower than
 native; the loss curves match within floating-point noise).
 
   gpt2_allocators.py train --allocator native|ccalloc --out RUN.json [--steps 20] [--label NAME]
@@ -14,7 +14,7 @@ built on the CPU so both runs start from the same weights), AdamW, inputs of
 random token ids (batch 8 x 512 by default, from a seeded CPU generator),
 labels = inputs. With --seq-min N each step's sequence length is drawn from
 [N, --seq] (seeded: the same lengths in every run), a varying-length loop
-(issue 15: memory over a long run). With --amp bf16 the forward pass runs
+(memory over a long run). With --amp bf16 the forward pass runs
 under torch.autocast(bfloat16), as the programs behind ../shared/traces
 (gpt2_train, gpt2_train_long) were recorded: mixed-precision training, where
 the casts' copies of the weights come and go each step. Per step it records the loss and the wall time between two
@@ -201,7 +201,7 @@ def compare(args: argparse.Namespace) -> int:
               f"(median {statistics.median(paired):.3f}, {sum(p <= 1.0 for p in paired)} of {len(paired)} rounds <= 1)")
     if "native-expandable" in rows:
         vs_exp = rows["ccalloc"]["peak_reserved_bytes"] / rows["native-expandable"]["peak_reserved_bytes"]
-        print(f"ccalloc / native-expandable: peak reserved {vs_exp:.3f} (issue 15 target: <= 0.95)")
+        print(f"ccalloc / native-expandable: peak reserved {vs_exp:.3f} (target: <= 0.95)")
     print(f"P6 (a training step through ccalloc no slower than native): "
           f"{'met' if ratio <= 1.0 else 'not met'} in this run (ratio {ratio:.3f})")
     if args.json:

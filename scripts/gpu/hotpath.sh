@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The hot path on a real GPU under several settings (issue 18): builds
+# The hot path on a real GPU under several settings: builds
 # bench_gpu (Release, standard library + CUDA only) and runs its ccalloc
 # cases once per setting, with the counters each case moved (pages mapped,
 # unmapped, remapped; device synchronizations: bench_gpu's INFO lines), then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The integrations check on a GPU machine (issue 8; SPEC E2, E3, P6): builds
+# The integrations check on a GPU machine (CuPy, PyTorch, a GPT-2 step): builds
 # libccalloc.so with nothing but the standard library and CUDA
 # (CCALLOC_MINIMAL), then
 #   (a) GPT-2 (transformers, GPT2Config(), random weights, fixed seed) trains

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Why the mixed case (issue 18) measures ~150 ns in some runs and ~250-300 ns
+# Why the mixed case measures ~150 ns in some runs and ~250-300 ns
 # in others on the H200 host: runs bench_gpu's pair and mixed cases (ccalloc
 # through the C++ API and the C API) several times unpinned, then pinned to
 # one CPU, with the CPU's own counters per step (bench/gpu/hw_counters.hpp:

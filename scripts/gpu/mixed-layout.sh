@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Is the mixed case's spread on the H200 host (issue 18: the same binary
+# Is the mixed case's spread on the H200 host (the same binary
 # measures ~150 or ~250 ns a step from one process to the next) the host or
 # the process's memory layout? Times the same loops with and without the
 # GPU, with and without address-space randomization, interleaved:

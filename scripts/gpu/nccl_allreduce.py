@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A torch.distributed all-reduce across two GPUs on tensors from a ccalloc
-private pool whose segments come from ncclMemAlloc (SPEC E5, issue 8).
+private pool whose segments come from ncclMemAlloc.
 
   nccl_allreduce.py [--world-size 2] [--sizes 64MiB,1MiB,12345,4KiB]
                     [--timeout 300] [--json OUT.json]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ccalloc as a drop-in for PyTorch on the GPU machine (issue 14):
+# ccalloc as a drop-in for PyTorch on the GPU machine:
 #   1. installs the package with the README's command (offline, no build
 #      isolation: CMake builds libccalloc.so, torch's cpp_extension the C++
 #      integration) into python3's environment (PYTHON=...; DROPIN_VENV=DIR

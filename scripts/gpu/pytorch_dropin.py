@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One check of ccalloc as PyTorch's allocator per process (issue 14).
+"""One check of ccalloc as PyTorch's allocator per process.
 
   pytorch_dropin.py ITEM      runs ITEM, prints `PASS ITEM` or `FAIL ITEM: why`
                               (or `SKIP ITEM: why`), exit status 0 / 1 / 0

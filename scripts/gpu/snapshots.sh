@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Snapshots both ways, on the GPU machine (issue 5, SPEC E4 and X8):
+# Snapshots both ways, on the GPU machine (PyTorch's pickle and ccalloc's report):
 #  (i)  a snapshot written by ccalloc on the GPU (ccalloc_snapshot_example:
 #       history + snapshot JSON -> python/ccalloc/snapshot.py -> pickle) is
 #       read by PyTorch's own viewer: `python -m torch.cuda._memory_viz`

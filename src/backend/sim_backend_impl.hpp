@@ -480,9 +480,20 @@ struct sim_backend::impl {
     }
     return 0;
   }
+  // The slot a released reservation leaves, for place_reservation. A
+  // release never fails for want of host memory (the allocator gives
+  // reservations back on its error paths): without it, the slot is not
+  // reused. Never throws.
+  void note_released(std::uintptr_t base, std::size_t size_bytes) noexcept {
+    try {
+      released_slots.emplace(base, size_bytes);
+    } catch (const std::bad_alloc&) {  // placement only: a later reservation goes below instead
+    }
+  }
   // Books a reservation at [base, base + size_bytes): off the released
-  // slots it overlaps (what is left of a slot stays one), and the floor.
-  void note_reserved(std::uintptr_t base, std::size_t size_bytes) {
+  // slots it overlaps (what is left of a slot stays one, unless the host
+  // is out of memory: then it is forgotten), and the floor. Never throws.
+  void note_reserved(std::uintptr_t base, std::size_t size_bytes) noexcept {
     const std::uintptr_t end = base + size_bytes;
     for (auto it = released_slots.begin(); it != released_slots.end();) {
       const std::uintptr_t lo = it->first, hi = it->first + it->second;
@@ -491,8 +502,11 @@ struct sim_backend::impl {
         continue;
       }
       it = released_slots.erase(it);
-      if (lo < base) released_slots.emplace(lo, base - lo);
-      if (hi > end) released_slots.emplace(end, hi - end);
+      try {
+        if (lo < base) released_slots.emplace(lo, base - lo);
+        if (hi > end) released_slots.emplace(end, hi - end);
+      } catch (const std::bad_alloc&) {  // the remainder is not reused: placement only, nothing leaks
+      }
     }
     if (reservation_floor == 0 || base < reservation_floor) reservation_floor = base;
   }

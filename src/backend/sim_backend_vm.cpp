@@ -72,8 +72,8 @@ void sim_backend::vm_release(int device, void* base, std::size_t size_bytes) {
                         pointer_text(first->first) + " (vm_unmap them first)");
   }
   if (::munmap(base, size_bytes) != 0) throw backend_error(call + "): " + errno_text("munmap", errno));
-  impl_->released_slots.emplace(addr, size_bytes);
   impl_->reservations.erase(it);
+  impl_->note_released(addr, size_bytes);
   --impl_->counters.live_reservations;
   impl_->counters.reserved_address_bytes -= size_bytes;
 }

@@ -85,6 +85,9 @@ ccalloc_status_t ccalloc_tag_usage(ccalloc_allocator_t* alloc, int device, const
   return guarded([&] {
     require(tag, "ccalloc_tag_usage", "tag");
     require(out, "ccalloc_tag_usage", "out");
+    // A bad name is INVALID_ARGUMENT, as for ccalloc_tag_begin: intern_tag
+    // throws naming the rule it breaks (and interns nothing).
+    if (!ccalloc::is_tag_name(tag)) (void)ccalloc::intern_tag(tag);
     *out = ccalloc_tag_usage_t{};
     for (const ccalloc::tag_usage& u : resolve(alloc).tag_stats(device))
       if (u.tag == tag)

@@ -11,6 +11,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace ccalloc {
 
@@ -33,6 +37,100 @@ std::string cache_key(const ipc_handle& h) {
     for (const ipc_page& p : h.pages) key.append("/").append(std::to_string(p.file_offset));
   }
   return key;
+}
+
+// An entry already open for another device: an expandable mapping is shared
+// by every device of this process, so the new one is granted its pages (a
+// plain entry is per device: the key holds it).
+void grant_accessor(detail::ipc_cache& cache, detail::ipc_cache::entry& e, int access_device) {
+  if (e.kind == ipc_kind::expandable && access_device != e.device &&
+      std::find(e.accessors.begin(), e.accessors.end(), access_device) == e.accessors.end()) {
+    cache.grant_pages(e, access_device);
+    e.accessors.push_back(access_device);
+  }
+}
+
+// A plain segment's handle opened for the accessing device: the backend
+// enables peer access to the owner as needed (cudaIpcMemLazyEnablePeerAccess).
+detail::ipc_cache::entry open_plain(device_backend& backend, const ipc_handle& h, int access_device) {
+  detail::ipc_cache::entry e;
+  e.kind = h.kind;
+  e.device = h.device;
+  ipc_mem_handle m;
+  m.bytes = h.mem_handle;
+  e.base = reinterpret_cast<std::uintptr_t>(backend.ipc_open_segment(access_device, m));
+  e.open_device = access_device;
+  e.bytes = h.segment_bytes;
+  return e;
+}
+
+// Imports and maps the handle's pages one after the other into e's range
+// (e.imported: those mapped so far, for the caller's undo).
+void import_pages(device_backend& backend, const ipc_handle& h, std::span<const int> fds,
+                  detail::ipc_cache::entry& e) {
+  for (const ipc_page& p : h.pages) {
+    const physical_handle_t ph =
+        backend.vm_import_handle(h.device, shareable_handle{fds[p.fd_index], p.file_offset, h.page_bytes});
+    try {
+      backend.vm_map(h.device, reinterpret_cast<void*>(e.base + e.imported.size() * h.page_bytes), h.page_bytes, ph);
+    } catch (...) {
+      backend.vm_release_handle(h.device, ph);
+      throw;
+    }
+    e.imported.push_back(ph);
+  }
+}
+
+// Undoes a failed open_expandable: unmaps and releases the pages mapped so
+// far (page by page: the mapped prefix may be empty), the address range
+// and the lease slot. Errors are dropped: the first one is the one reported.
+void undo_open(device_backend& backend, const ipc_handle& h, detail::ipc_cache::entry& e) {
+  for (std::size_t i = 0; i < e.imported.size(); ++i) {
+    try {
+      backend.vm_unmap(h.device, reinterpret_cast<void*>(e.base + i * h.page_bytes), h.page_bytes);
+      backend.vm_release_handle(h.device, e.imported[i]);
+    } catch (...) {  // keep cleaning up; the first error is the one reported
+    }
+  }
+  try {
+    backend.vm_release(h.device, reinterpret_cast<void*>(e.base), e.bytes);
+  } catch (...) {  // keep cleaning up, as above
+  }
+  if (e.lease.valid()) e.lease.release(e.lease_slot);
+}
+
+// An expandable segment's handle: an address range reserved, the lease slot
+// taken (from then on the producer keeps the pages), the pages imported and
+// mapped, and access granted to the device's peers (`grant`, F26) and to the
+// accessing device. Nothing is left behind when a step fails.
+detail::ipc_cache::entry open_expandable(device_backend& backend, detail::ipc_cache& cache, const ipc_handle& h,
+                                         std::span<const int> fds, int access_device, std::vector<int> grant) {
+  detail::ipc_cache::entry e;
+  e.kind = h.kind;
+  e.device = h.device;
+  e.open_device = h.device;
+  e.page_bytes = h.page_bytes;
+  e.bytes = h.pages.size() * h.page_bytes;
+  void* base = backend.vm_reserve(h.device, e.bytes);
+  if (base == nullptr)
+    throw backend_error("ccalloc: open_ipc_handle: no address space for " + std::to_string(e.bytes) + " bytes");
+  e.base = reinterpret_cast<std::uintptr_t>(base);
+  try {
+    if (h.has_lease()) {
+      detail::ipc_lease lease = detail::ipc_lease::open(fds[h.lease_fd_index]);
+      e.lease_slot = lease.acquire();
+      e.lease = std::move(lease);  // valid from here: the slot is held
+    }
+    import_pages(backend, h, fds, e);
+    if (access_device != h.device && std::find(grant.begin(), grant.end(), access_device) == grant.end())
+      grant.push_back(access_device);
+    for (int peer : grant) cache.grant_pages(e, peer);
+    if (access_device != h.device) e.accessors.push_back(access_device);
+  } catch (...) {
+    undo_open(backend, h, e);
+    throw;
+  }
+  return e;
 }
 
 }  // namespace
@@ -137,78 +235,13 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
   std::lock_guard lock(cache.mutex);
   auto it = cache.entries.find(key);
   if (it != cache.entries.end()) {
-    // Open already: grant the new accessing device, if any, before sharing.
-    detail::ipc_cache::entry& e = it->second;
-    // An expandable mapping is shared by every device of this process: grant
-    // the new one (a plain entry is per device: the key holds it).
-    if (e.kind == ipc_kind::expandable && access_device != e.device &&
-        std::find(e.accessors.begin(), e.accessors.end(), access_device) == e.accessors.end()) {
-      cache.grant_pages(e, access_device);
-      e.accessors.push_back(access_device);
-    }
+    grant_accessor(cache, it->second, access_device);
   } else {
-    detail::ipc_cache::entry e;
-    e.kind = h.kind;
-    e.device = h.device;
-    e.open_device = h.device;
-    if (h.kind == ipc_kind::plain) {
-      ipc_mem_handle m;
-      m.bytes = h.mem_handle;
-      // Opened for the accessing device: the backend enables peer access to
-      // the owner as needed (cudaIpcMemLazyEnablePeerAccess).
-      e.base = reinterpret_cast<std::uintptr_t>(backend_->ipc_open_segment(access_device, m));
-      e.open_device = access_device;
-      e.bytes = h.segment_bytes;
-    } else {
-      e.page_bytes = h.page_bytes;
-      e.bytes = h.pages.size() * h.page_bytes;
-      void* base = backend_->vm_reserve(h.device, e.bytes);
-      if (base == nullptr)
-        throw backend_error("ccalloc: open_ipc_handle: no address space for " + std::to_string(e.bytes) + " bytes");
-      e.base = reinterpret_cast<std::uintptr_t>(base);
-      try {
-        // The slot first: from here on the producer keeps the pages.
-        if (h.has_lease()) {
-          detail::ipc_lease lease = detail::ipc_lease::open(fds[h.lease_fd_index]);
-          e.lease_slot = lease.acquire();
-          e.lease = std::move(lease);  // valid from here: the slot is held
-        }
-        for (const ipc_page& p : h.pages) {
-          const physical_handle_t ph = backend_->vm_import_handle(
-              h.device, shareable_handle{fds[p.fd_index], p.file_offset, h.page_bytes});
-          try {
-            backend_->vm_map(h.device, reinterpret_cast<void*>(e.base + e.imported.size() * h.page_bytes),
-                             h.page_bytes, ph);
-          } catch (...) {
-            backend_->vm_release_handle(h.device, ph);
-            throw;
-          }
-          e.imported.push_back(ph);
-        }
-        // Peers granted on this device see the mapping too (F26), and so
-        // does the accessing device.
-        std::vector<int> grant = devices_[static_cast<std::size_t>(h.device)]->peers();
-        if (access_device != h.device && std::find(grant.begin(), grant.end(), access_device) == grant.end())
-          grant.push_back(access_device);
-        for (int peer : grant) cache.grant_pages(e, peer);
-        if (access_device != h.device) e.accessors.push_back(access_device);
-      } catch (...) {
-        // Unmap page by page: the mapped prefix may be empty.
-        for (std::size_t i = 0; i < e.imported.size(); ++i) {
-          try {
-            backend_->vm_unmap(h.device, reinterpret_cast<void*>(e.base + i * h.page_bytes), h.page_bytes);
-            backend_->vm_release_handle(h.device, e.imported[i]);
-          } catch (...) {  // keep cleaning up; the first error is the one reported
-          }
-        }
-        try {
-          backend_->vm_release(h.device, base, e.bytes);
-        } catch (...) {  // keep cleaning up, as above
-        }
-        if (e.lease.valid()) e.lease.release(e.lease_slot);
-        throw;
-      }
-    }
+    detail::ipc_cache::entry e =
+        h.kind == ipc_kind::plain
+            ? open_plain(*backend_, h, access_device)
+            : open_expandable(*backend_, cache, h, fds, access_device,
+                              devices_[static_cast<std::size_t>(h.device)]->peers());
     it = cache.entries.emplace(key, std::move(e)).first;
   }
   ++it->second.refs;

@@ -482,34 +482,36 @@ class reader {
 
   /// Runs one opcode; true at STOP.
   bool step(int op) {
+    if (op == '.') {  // STOP
+      if (!marks_.empty()) fail("STOP with a MARK still open");
+      t_.root = freeze(pop());
+      t_.bytes = offset();
+      return true;
+    }
+    if (scalar_op(op) || stack_op(op) || container_op(op)) return false;
+    refuse(op);
+  }
+
+  /// The opcodes that push one number or string (and PROTO, FRAME); true when `op` is one.
+  bool scalar_op(int op) {
     switch (op) {
       case 0x80: {  // PROTO
         const int version = next();
         if (version < 0) fail("it ends inside an argument (truncated)");
         if (version > 5) fail("pickle protocol " + std::to_string(version) + " (this reader knows 2 to 5)");
-        return false;
-      }
-      case 0x95: (void)le(8); return false;  // FRAME: a length hint only
-      case '.': {                             // STOP
-        if (!marks_.empty()) fail("STOP with a MARK still open");
-        t_.root = freeze(pop());
-        t_.bytes = offset();
         return true;
       }
-      case '(': marks_.push_back(stack_.size()); return false;  // MARK
-      case '}': push(open_container(true)); return false;       // EMPTY_DICT
-      case ']': push(open_container(false)); return false;      // EMPTY_LIST
-      case ')': push(intern_container(t_tuple, nullptr, 0)); return false;
-      case 'N': push(make(t_none, 0)); return false;
-      case 0x88: push(make(t_bool, 1)); return false;
-      case 0x89: push(make(t_bool, 0)); return false;
-      case 'K': push(make(t_int, le(1))); return false;
-      case 'M': push(make(t_int, le(2))); return false;
-      case 'J': push(from_int(static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4))))); return false;
+      case 0x95: (void)le(8); return true;  // FRAME: a length hint only
+      case 'N': push(make(t_none, 0)); return true;
+      case 0x88: push(make(t_bool, 1)); return true;
+      case 0x89: push(make(t_bool, 0)); return true;
+      case 'K': push(make(t_int, le(1))); return true;
+      case 'M': push(make(t_int, le(2))); return true;
+      case 'J': push(from_int(static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4))))); return true;
       case 0x8a: {  // LONG1
         take(le(1), scratch_);
         push(integer_le(scratch_));
-        return false;
+        return true;
       }
       case 0x8b: {  // LONG4
         const auto n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
@@ -517,7 +519,7 @@ class reader {
         check_length(static_cast<std::uint64_t>(n), "an integer");
         take(static_cast<std::uint64_t>(n), scratch_);
         push(integer_le(scratch_));
-        return false;
+        return true;
       }
       case 'G': {  // BINFLOAT: big-endian IEEE 754
         std::uint64_t bits = 0;
@@ -531,68 +533,86 @@ class reader {
         charge(sizeof d);
         t_.floats_.push_back(d);
         push(make(t_float, t_.floats_.size() - 1));
-        return false;
+        return true;
       }
-      case 0x8c: string_op(t_str, le(1)); return false;    // SHORT_BINUNICODE
-      case 'X': string_op(t_str, le(4)); return false;     // BINUNICODE
-      case 0x8d: string_op(t_str, le(8)); return false;    // BINUNICODE8
-      case 'U': string_op(t_str, le(1)); return false;     // SHORT_BINSTRING
-      case 'T': string_op(t_str, le(4)); return false;     // BINSTRING
-      case 'C': string_op(t_bytes, le(1)); return false;   // SHORT_BINBYTES
-      case 'B': string_op(t_bytes, le(4)); return false;   // BINBYTES
-      case 0x8e: string_op(t_bytes, le(8)); return false;  // BINBYTES8
-      case 0x96: string_op(t_bytes, le(8)); return false;  // BYTEARRAY8
-      case 0x94: memo_put(memo_.size()); return false;     // MEMOIZE
-      case 'q': memo_put(le(1)); return false;             // BINPUT
-      case 'r': memo_put(le(4)); return false;             // LONG_BINPUT
-      case 'h': memo_get(le(1)); return false;             // BINGET
-      case 'j': memo_get(le(4)); return false;             // LONG_BINGET
+      case 0x8c: string_op(t_str, le(1)); return true;    // SHORT_BINUNICODE
+      case 'X': string_op(t_str, le(4)); return true;     // BINUNICODE
+      case 0x8d: string_op(t_str, le(8)); return true;    // BINUNICODE8
+      case 'U': string_op(t_str, le(1)); return true;     // SHORT_BINSTRING
+      case 'T': string_op(t_str, le(4)); return true;     // BINSTRING
+      case 'C': string_op(t_bytes, le(1)); return true;   // SHORT_BINBYTES
+      case 'B': string_op(t_bytes, le(4)); return true;   // BINBYTES
+      case 0x8e: string_op(t_bytes, le(8)); return true;  // BINBYTES8
+      case 0x96: string_op(t_bytes, le(8)); return true;  // BYTEARRAY8
+      default: return false;
+    }
+  }
+
+  /// The opcodes that move values: MARK, POP, DUP and the memo; true when `op` is one.
+  bool stack_op(int op) {
+    switch (op) {
+      case '(': marks_.push_back(stack_.size()); return true;  // MARK
+      case 0x94: memo_put(memo_.size()); return true;     // MEMOIZE
+      case 'q': memo_put(le(1)); return true;             // BINPUT
+      case 'r': memo_put(le(4)); return true;             // LONG_BINPUT
+      case 'h': memo_get(le(1)); return true;             // BINGET
+      case 'j': memo_get(le(4)); return true;             // LONG_BINGET
       case '0': {  // POP: the top value, or the MARK above the stack
         if (stack_.size() > floor()) stack_.pop_back();
         else if (!marks_.empty()) marks_.pop_back();
         else fail("POP on an empty stack");
-        return false;
+        return true;
       }
-      case '1': stack_.resize(pop_mark()); return false;  // POP_MARK
+      case '1': stack_.resize(pop_mark()); return true;  // POP_MARK
       case '2': {                                           // DUP
         const value v = top();
         push(v);
-        return false;
+        return true;
       }
+      default: return false;
+    }
+  }
+
+  /// The opcodes that build lists, dicts and tuples; true when `op` is one.
+  bool container_op(int op) {
+    switch (op) {
+      case '}': push(open_container(true)); return true;       // EMPTY_DICT
+      case ']': push(open_container(false)); return true;      // EMPTY_LIST
+      case ')': push(intern_container(t_tuple, nullptr, 0)); return true;
       case 'a': {  // APPEND
         if (stack_.size() < floor() + 2) fail("APPEND without a list and a value");
         const std::size_t first = stack_.size() - 1;
         append_from(first, stack_[first - 1], "APPEND");
-        return false;
+        return true;
       }
       case 'e': {  // APPENDS
         const std::size_t first = pop_mark();
         if (first <= floor()) fail("APPENDS without a list below its MARK");
         append_from(first, stack_[first - 1], "APPENDS");
-        return false;
+        return true;
       }
       case 's': {  // SETITEM
         if (stack_.size() < floor() + 3) fail("SETITEM without a dict, a key and a value");
         const std::size_t first = stack_.size() - 2;
         setitems_from(first, stack_[first - 1], "SETITEM");
-        return false;
+        return true;
       }
       case 'u': {  // SETITEMS
         const std::size_t first = pop_mark();
         if (first <= floor()) fail("SETITEMS without a dict below its MARK");
         setitems_from(first, stack_[first - 1], "SETITEMS");
-        return false;
+        return true;
       }
       case 't': {  // TUPLE
         const std::size_t first = pop_mark();
         push(tuple_of(first));
-        return false;
+        return true;
       }
       case 0x85: case 0x86: case 0x87: {  // TUPLE1..3
         const std::size_t n = static_cast<std::size_t>(op - 0x84);
         if (stack_.size() < floor() + n) fail("TUPLE" + std::to_string(n) + " with fewer values on the stack");
         push(tuple_of(stack_.size() - n));
-        return false;
+        return true;
       }
       case 'l': case 'd': {  // LIST, DICT: from the items above the MARK
         const std::size_t first = pop_mark();
@@ -601,8 +621,16 @@ class reader {
         count_object();
         if (op == 'd') setitems_from(first + 1, c, "DICT");
         else append_from(first + 1, c, "LIST");
-        return false;
+        return true;
       }
+      default: return false;
+    }
+  }
+
+  /// An opcode this reader does not run: a reference to code (named), one
+  /// a snapshot never holds, or no opcode at all.
+  [[noreturn]] void refuse(int op) {
+    switch (op) {
       case 'c': {  // GLOBAL: refused, naming what it refers to
         const std::string module = line();
         const std::string name = line();

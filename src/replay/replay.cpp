@@ -185,6 +185,7 @@ class sleep_replay {
       }
       return;
     }
+    check_pause_order(e, name);
     replay_sleep_event s;
     s.index = index;
     s.line = e.line;
@@ -220,6 +221,28 @@ class sleep_replay {
     r_.sleep_events.push_back(std::move(s));
   }
 
+  // A pause of a tag the trace already paused, or a resume of one it has
+  // not paused, is an error naming the line: the allocator would do
+  // nothing (it changes only tags not yet in the asked state), and its
+  // recorder writes a pause or resume line only for a tag that changed, so
+  // such a line comes from no recorded program. The order is the trace's
+  // own (not the allocator's state, which a refused resume leaves paused):
+  // the verdict does not depend on the device's size.
+  void check_pause_order(const trace_event& e, const std::string& name) {
+    const bool pause = e.action == trace_action::pause;
+    const auto it = paused_at_.find(name);
+    if (pause && it != paused_at_.end())
+      throw trace_error(t_.source, e.line,
+                        "pause of tag '" + name + "', which the trace already paused at line " +
+                            std::to_string(it->second) + " (no resume between)");
+    if (!pause && it == paused_at_.end())
+      throw trace_error(t_.source, e.line,
+                        "resume of tag '" + name + "', which the trace has not paused (no pause of it before, "
+                                                   "or already resumed)");
+    if (pause) paused_at_.emplace(name, e.line);
+    else paused_at_.erase(it);
+  }
+
   // An allocation refused because its tag is paused: the trace allocates
   // under a tag it paused, or a resume found no room.
   [[noreturn]] void rethrow_paused(const trace_event& e, const invalid_argument_error& x) const {
@@ -244,6 +267,7 @@ class sleep_replay {
   replay_result& r_;
   std::optional<tag_scope> scope_;
   std::uint64_t paused_ = 0;
+  std::unordered_map<std::string, std::size_t> paused_at_;  // tag the trace paused -> line of its pause
 };
 
 // ---- the event loop ----------------------------------------------------------------
@@ -254,191 +278,51 @@ class sleep_replay {
                         std::to_string(allocated_line) + ")");
 }
 
-void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
-                   std::shared_ptr<device_backend> backend, const allocator_config& config, gap_model& gaps,
-                   const stream_map& streams, const replay_event_hook& after_event,
-                   const std::optional<history_options>& history, std::size_t repeat, std::uint64_t lag,
-                   replay_result& r) {
-  // On every exit, gaps end before the allocator returns its memory to the
-  // device, and side streams go only once the allocator is gone.
-  struct cleanup {
-    gap_model& gaps;
-    std::unique_ptr<caching_allocator> allocator;
-    ~cleanup() {
-      try {
-        gaps.end_all();
-      } catch (...) {  // a destructor: the allocator and side streams still go
-      }
-      allocator.reset();
-      gaps.release();
-    }
-  } c{gaps, std::make_unique<caching_allocator>(std::move(backend), config)};
-  caching_allocator& allocator = *c.allocator;
-  allocator.init(1);
-  if (history) allocator.record_history(*history);
-
-  struct live_alloc {
-    void* ptr = nullptr;  // nullptr: the allocation failed (OOM) in this replay
-    std::uint64_t line = 0;
-  };
-  std::unordered_map<std::uint64_t, live_alloc> live;  // trace address -> our allocation
-  live.reserve(4096);
-  std::vector<void*> kept;  // allocations the trace never frees (made in the first pass only)
-  std::unordered_set<stream_t> trace_streams;
-  for (const trace_event& e : t.events) trace_streams.insert(static_cast<stream_t>(e.stream));
-  side_stream_pool side_streams(gaps, std::move(trace_streams));
-  const std::vector<bool> never_freed = never_freed_allocs(t);
-  // Each trace stream is destroyed after its last event of the last pass,
-  // once its work has run (as a program that makes a stream per request
-  // destroys it): the allocator then forgets it (SPEC P10), and a trace
-  // with a stream per allocation replays in linear time, not with every
-  // slow path walking every stream the trace ever named.
+// The trace's streams in the order of their last event (index, stream): a
+// program that makes a stream per request destroys it after its last use.
+// Empty when `gaps` keeps the trace's streams (they are its own).
+std::vector<std::pair<std::uint64_t, stream_t>> stream_ends_of(const trace& t, const gap_model& gaps) {
   std::vector<std::pair<std::uint64_t, stream_t>> stream_ends;  // (last event index, stream), by index
-  if (gaps.ends_trace_streams()) {
-    std::unordered_map<stream_t, std::uint64_t> last_event;
-    for (std::uint64_t i = 0; i < t.events.size(); ++i) {
-      const auto st = static_cast<stream_t>(t.events[i].stream);
-      if (st != default_stream && st != legacy_stream_handle && st != per_thread_stream_handle &&
-          !device_backend::is_per_thread_stream(st))
-        last_event[st] = i;
-    }
-    stream_ends.reserve(last_event.size());
-    for (const auto& [st, i] : last_event) stream_ends.emplace_back(i, st);
-    std::sort(stream_ends.begin(), stream_ends.end());
+  if (!gaps.ends_trace_streams()) return stream_ends;
+  std::unordered_map<stream_t, std::uint64_t> last_event;
+  for (std::uint64_t i = 0; i < t.events.size(); ++i) {
+    const auto st = static_cast<stream_t>(t.events[i].stream);
+    if (st != default_stream && st != legacy_stream_handle && st != per_thread_stream_handle &&
+        !device_backend::is_per_thread_stream(st))
+      last_event[st] = i;
   }
-  std::size_t next_end = 0;
-  std::deque<stream_t> ending;  // past their last event, waiting for their work to run
+  stream_ends.reserve(last_event.size());
+  for (const auto& [st, i] : last_event) stream_ends.emplace_back(i, st);
+  std::sort(stream_ends.begin(), stream_ends.end());
+  return stream_ends;
+}
 
-  const std::uint64_t n = t.events.size();
-  const auto start = std::chrono::steady_clock::now();
-  std::uint64_t replayed = 0;
-  bool stopped = false;
-  device_stats before = allocator.get_device_stats(0);
-  // The recording's time, passes end to end: the host clock of the
-  // allocator's time budgets (gap_model::set_host_time_us).
-  std::uint64_t t0 = ~std::uint64_t{0}, t_end = 0;
-  for (const trace_event& e : t.events) {
-    t0 = std::min(t0, e.time_us);
-    t_end = std::max(t_end, e.time_us);
-  }
-  // Saturating: a recording that spans about 2^64 us (malformed times) must
-  // not wrap the clock back to its start.
-  constexpr std::uint64_t max_us = std::numeric_limits<std::uint64_t>::max();
-  const std::uint64_t pass_us = n == 0 ? 0 : t_end - t0 == max_us ? max_us : t_end - t0 + 1;
-  sleep_replay sleep(t, allocator, r);
-  for (std::size_t pass = 0; pass < repeat && !stopped; ++pass) {
-    const std::uint64_t base = pass * n;
-    sleep.begin_pass();
-    const std::uint64_t ooms_before = r.ooms;
-    std::uint64_t pass_events = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      const trace_event& e = t.events[i];
-      gaps.advance_to(base + i);
-      const std::uint64_t pass_start_us = pass != 0 && pass_us > max_us / pass ? max_us : pass * pass_us;
-      const std::uint64_t offset_us = e.time_us - t0;  // t0 <= every time_us
-      gaps.set_host_time_us(offset_us > max_us - pass_start_us ? max_us : pass_start_us + offset_us);
-      // The device runs `lag` events behind: what the stream queues now
-      // (and an event recorded after it) completes `lag` events later.
-      if (lag != 0 && (e.action == trace_action::alloc || e.action == trace_action::free_requested))
-        gaps.run_behind(streams(e.stream), base + i > max_us - lag ? max_us : base + i + lag);
-      switch (e.action) {
-        case trace_action::alloc: {
-          if (never_freed[i]) {
-            if (pass > 0) break;  // made once, live through every pass
-            if (auto it = live.find(e.addr); it != live.end()) throw_still_live(t, e, it->second.line);
-            void* ptr = nullptr;
-            try {
-              ptr = allocator.malloc(0, e.size, streams(e.stream));
-            } catch (const out_of_memory_error&) {
-              ++r.ooms;
-            } catch (const invalid_argument_error& x) {
-              sleep.rethrow_paused(e, x);
-            }
-            if (ptr != nullptr) kept.push_back(ptr);
-            break;
-          }
-          auto [it, fresh] = live.try_emplace(e.addr);
-          if (!fresh) throw_still_live(t, e, it->second.line);
-          it->second.line = e.line;
-          try {
-            it->second.ptr = allocator.malloc(0, e.size, streams(e.stream));
-          } catch (const out_of_memory_error&) {
-            ++r.ooms;
-            it->second.ptr = nullptr;
-          } catch (const invalid_argument_error& x) {
-            live.erase(it);
-            sleep.rethrow_paused(e, x);
-          }
-          break;
-        }
-        case trace_action::tag:
-        case trace_action::pause:
-        case trace_action::resume:
-          sleep.replay(e, base + i);
-          break;
-        case trace_action::free_requested: {
-          auto it = live.find(e.addr);
-          if (it == live.end())
-            throw trace_error(t.source, e.line,
-                              "free_requested of address " + std::to_string(e.addr) + " with no live allocation");
-          void* ptr = it->second.ptr;
-          live.erase(it);
-          if (ptr == nullptr) break;  // its alloc failed
-          if (has_gap(completion, i)) {
-            // The block stays in use on another stream until its
-            // free_completed (the end of the pass if the trace ends first).
-            const std::uint64_t end = base + gap_end(t, completion, i);
-            const stream_t side = side_streams.acquire(base + i, end);
-            gaps.begin_gap(side, end);
-            allocator.record_stream(ptr, side);
-          }
-          allocator.free(ptr);
-          break;
-        }
-        default:
-          break;  // free_completed is the side stream's work ending; segment events are the recorder's
-      }
-      if (pass + 1 == repeat) {
-        while (next_end < stream_ends.size() && stream_ends[next_end].first == i)
-          ending.push_back(stream_ends[next_end++].second);
-        while (!ending.empty() && gaps.idle(ending.front(), base + i)) {
-          allocator.destroy_stream(0, streams(ending.front()));
-          ending.pop_front();
-        }
-      }
-      gaps.check();
-      ++pass_events;
-      if (after_event && !after_event(base + i, allocator)) {
-        stopped = true;
-        break;
-      }
-    }
-    replayed += pass_events;
-    // The pass's figures: its peaks, and the counters' increase.
-    const device_stats s = allocator.get_device_stats(0);
-    replay_pass p;
-    p.events = pass_events;
-    p.peak_requested_bytes = static_cast<std::uint64_t>(s.requested_bytes[0].peak);
-    p.peak_allocated_bytes = static_cast<std::uint64_t>(s.allocated_bytes[0].peak);
-    p.peak_reserved_bytes = static_cast<std::uint64_t>(s.reserved_bytes[0].peak);
-    const auto delta = [](std::int64_t now, std::int64_t then) { return static_cast<std::uint64_t>(now - then); };
-    p.device_mallocs = delta(s.num_device_alloc, before.num_device_alloc);
-    p.device_frees = delta(s.num_device_free, before.num_device_free);
-    p.segments_created = delta(s.segment[0].allocated, before.segment[0].allocated);
-    p.device_synchronizations = delta(s.num_device_synchronizations, before.num_device_synchronizations);
-    p.pages_remapped = delta(s.num_pages_remapped, before.num_pages_remapped);
-    p.pages_mapped = delta(s.num_pages_mapped, before.num_pages_mapped);
-    p.pages_unmapped = delta(s.num_pages_unmapped, before.num_pages_unmapped);
-    p.bytes_moved_between_streams = delta(s.bytes_moved_between_streams, before.bytes_moved_between_streams);
-    p.stream_waits = delta(s.num_stream_waits, before.num_stream_waits);
-    p.ooms = r.ooms - ooms_before;
-    r.passes.push_back(p);
-    before = s;
-    if (pass + 1 < repeat && !stopped) allocator.reset_peak_stats(0);
-  }
-  r.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  r.events = replayed;
-  const device_stats s = allocator.get_device_stats(0);
+// The counters' increase from `before` to `s`, and the peaks of `s`: one
+// pass's figures.
+replay_pass pass_figures(const device_stats& s, const device_stats& before, std::uint64_t events,
+                         std::uint64_t ooms) {
+  replay_pass p;
+  p.events = events;
+  p.peak_requested_bytes = static_cast<std::uint64_t>(s.requested_bytes[0].peak);
+  p.peak_allocated_bytes = static_cast<std::uint64_t>(s.allocated_bytes[0].peak);
+  p.peak_reserved_bytes = static_cast<std::uint64_t>(s.reserved_bytes[0].peak);
+  const auto delta = [](std::int64_t now, std::int64_t then) { return static_cast<std::uint64_t>(now - then); };
+  p.device_mallocs = delta(s.num_device_alloc, before.num_device_alloc);
+  p.device_frees = delta(s.num_device_free, before.num_device_free);
+  p.segments_created = delta(s.segment[0].allocated, before.segment[0].allocated);
+  p.device_synchronizations = delta(s.num_device_synchronizations, before.num_device_synchronizations);
+  p.pages_remapped = delta(s.num_pages_remapped, before.num_pages_remapped);
+  p.pages_mapped = delta(s.num_pages_mapped, before.num_pages_mapped);
+  p.pages_unmapped = delta(s.num_pages_unmapped, before.num_pages_unmapped);
+  p.bytes_moved_between_streams = delta(s.bytes_moved_between_streams, before.bytes_moved_between_streams);
+  p.stream_waits = delta(s.num_stream_waits, before.num_stream_waits);
+  p.ooms = ooms;
+  return p;
+}
+
+// The whole replay's figures: the highest peaks of its passes, the
+// counters of the allocator's statistics `s` at the end.
+void total_figures(const device_stats& s, replay_result& r) {
   for (const replay_pass& p : r.passes) {
     r.peak_requested_bytes = std::max(r.peak_requested_bytes, p.peak_requested_bytes);
     r.peak_allocated_bytes = std::max(r.peak_allocated_bytes, p.peak_allocated_bytes);
@@ -455,16 +339,247 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
   r.bytes_moved_between_streams = static_cast<std::uint64_t>(s.bytes_moved_between_streams);
   r.stream_waits = static_cast<std::uint64_t>(s.num_stream_waits);
   r.thread_cache_hits = static_cast<std::uint64_t>(s.num_thread_cache_hits);
+}
 
-  // Give everything back (the figures are taken): paused tags wake, what
+// The recording's time, passes end to end: the host clock of the
+// allocator's time budgets (gap_model::set_host_time_us). Saturating: a
+// recording that spans about 2^64 us (malformed times) must not wrap the
+// clock back to its start.
+class recording_clock {
+ public:
+  explicit recording_clock(const trace& t) {
+    std::uint64_t t_end = 0;
+    for (const trace_event& e : t.events) {
+      t0_ = std::min(t0_, e.time_us);
+      t_end = std::max(t_end, e.time_us);
+    }
+    pass_us_ = t.events.empty() ? 0 : t_end - t0_ == max_us ? max_us : t_end - t0_ + 1;
+  }
+  /// The clock at event `e` of pass `pass`.
+  [[nodiscard]] std::uint64_t at(const trace_event& e, std::size_t pass) const {
+    const std::uint64_t pass_start_us = pass != 0 && pass_us_ > max_us / pass ? max_us : pass * pass_us_;
+    const std::uint64_t offset_us = e.time_us - t0_;  // t0 <= every time_us
+    return offset_us > max_us - pass_start_us ? max_us : pass_start_us + offset_us;
+  }
+
+ private:
+  static constexpr std::uint64_t max_us = std::numeric_limits<std::uint64_t>::max();
+  std::uint64_t t0_ = ~std::uint64_t{0};
+  std::uint64_t pass_us_ = 0;
+};
+
+// On every exit, gaps end before the allocator returns its memory to the
+// device, and side streams go only once the allocator is gone.
+struct allocator_cleanup {
+  gap_model& gaps;
+  std::unique_ptr<caching_allocator> allocator;
+  ~allocator_cleanup() {
+    try {
+      gaps.end_all();
+    } catch (...) {  // a destructor: the allocator and side streams still go
+    }
+    allocator.reset();
+    gaps.release();
+  }
+};
+
+// The replay of a trace's events on one new allocator, `repeat` passes of
+// them back to back (replay_events).
+class event_loop {
+ public:
+  event_loop(const trace& t, const std::vector<std::uint64_t>& completion, std::shared_ptr<device_backend> backend,
+             const allocator_config& config, gap_model& gaps, const stream_map& streams, std::uint64_t lag,
+             replay_result& r)
+      : t_(t), completion_(completion), gaps_(gaps), streams_(streams), lag_(lag), r_(r),
+        c_{gaps, std::make_unique<caching_allocator>(std::move(backend), config)}, allocator_(*c_.allocator),
+        side_streams_(gaps, trace_streams(t)), never_freed_(never_freed_allocs(t)),
+        stream_ends_(stream_ends_of(t, gaps)), clock_(t), sleep_(t, allocator_, r) {
+    allocator_.init(1);
+    live_.reserve(4096);
+  }
+
+  caching_allocator& allocator() { return allocator_; }
+
+  // Replays the passes; stops early when `after_event` says so.
+  void run(std::size_t repeat, const replay_event_hook& after_event) {
+    const auto start = std::chrono::steady_clock::now();
+    std::uint64_t replayed = 0;
+    bool stopped = false;
+    device_stats before = allocator_.get_device_stats(0);
+    for (std::size_t pass = 0; pass < repeat && !stopped; ++pass) {
+      sleep_.begin_pass();
+      const std::uint64_t ooms_before = r_.ooms;
+      const std::uint64_t pass_events = replay_pass_events(pass, pass + 1 == repeat, after_event, stopped);
+      replayed += pass_events;
+      const device_stats s = allocator_.get_device_stats(0);
+      r_.passes.push_back(pass_figures(s, before, pass_events, r_.ooms - ooms_before));
+      before = s;
+      if (pass + 1 < repeat && !stopped) allocator_.reset_peak_stats(0);
+    }
+    r_.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    r_.events = replayed;
+    total_figures(allocator_.get_device_stats(0), r_);
+  }
+
+  // Gives everything back (the figures are taken): paused tags wake, what
   // the trace still holds goes, then the gaps, then the cache.
-  sleep.finish();
-  for (auto& [addr, a] : live)
-    if (a.ptr != nullptr) allocator.free(a.ptr);
-  for (void* ptr : kept) allocator.free(ptr);
-  gaps.end_all();
-  allocator.empty_cache();
-  gaps.check();
+  void finish() {
+    sleep_.finish();
+    for (auto& [addr, a] : live_)
+      if (a.ptr != nullptr) allocator_.free(a.ptr);
+    for (void* ptr : kept_) allocator_.free(ptr);
+    gaps_.end_all();
+    allocator_.empty_cache();
+    gaps_.check();
+  }
+
+ private:
+  struct live_alloc {
+    void* ptr = nullptr;  // nullptr: the allocation failed (OOM) in this replay
+    std::uint64_t line = 0;
+  };
+
+  static std::unordered_set<stream_t> trace_streams(const trace& t) {
+    std::unordered_set<stream_t> out;
+    for (const trace_event& e : t.events) out.insert(static_cast<stream_t>(e.stream));
+    return out;
+  }
+
+  // One pass over the events; returns how many it replayed (sets `stopped`
+  // when after_event asks to stop).
+  std::uint64_t replay_pass_events(std::size_t pass, bool last_pass, const replay_event_hook& after_event,
+                                   bool& stopped) {
+    constexpr std::uint64_t max_us = std::numeric_limits<std::uint64_t>::max();
+    const std::uint64_t n = t_.events.size();
+    const std::uint64_t base = pass * n;
+    std::uint64_t pass_events = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const trace_event& e = t_.events[i];
+      gaps_.advance_to(base + i);
+      gaps_.set_host_time_us(clock_.at(e, pass));
+      // The device runs `lag` events behind: what the stream queues now
+      // (and an event recorded after it) completes `lag` events later.
+      if (lag_ != 0 && (e.action == trace_action::alloc || e.action == trace_action::free_requested))
+        gaps_.run_behind(streams_(e.stream), base + i > max_us - lag_ ? max_us : base + i + lag_);
+      replay_event(e, i, base, pass);
+      if (last_pass) end_streams(i, base);
+      gaps_.check();
+      ++pass_events;
+      if (after_event && !after_event(base + i, allocator_)) {
+        stopped = true;
+        break;
+      }
+    }
+    return pass_events;
+  }
+
+  void replay_event(const trace_event& e, std::size_t i, std::uint64_t base, std::size_t pass) {
+    switch (e.action) {
+      case trace_action::alloc:
+        if (never_freed_[i]) {
+          if (pass == 0) alloc_kept(e);  // made once, live through every pass
+        } else {
+          alloc(e);
+        }
+        break;
+      case trace_action::tag:
+      case trace_action::pause:
+      case trace_action::resume: sleep_.replay(e, base + i); break;
+      case trace_action::free_requested: free_requested(e, i, base); break;
+      default: break;  // free_completed is the side stream's work ending; segment events are the recorder's
+    }
+  }
+
+  // An allocation the trace never frees: kept to the end.
+  void alloc_kept(const trace_event& e) {
+    if (auto it = live_.find(e.addr); it != live_.end()) throw_still_live(t_, e, it->second.line);
+    void* ptr = nullptr;
+    try {
+      ptr = allocator_.malloc(0, e.size, streams_(e.stream));
+    } catch (const out_of_memory_error&) {
+      ++r_.ooms;
+    } catch (const invalid_argument_error& x) {
+      sleep_.rethrow_paused(e, x);
+    }
+    if (ptr != nullptr) kept_.push_back(ptr);
+  }
+
+  void alloc(const trace_event& e) {
+    auto [it, fresh] = live_.try_emplace(e.addr);
+    if (!fresh) throw_still_live(t_, e, it->second.line);
+    it->second.line = e.line;
+    try {
+      it->second.ptr = allocator_.malloc(0, e.size, streams_(e.stream));
+    } catch (const out_of_memory_error&) {
+      ++r_.ooms;
+      it->second.ptr = nullptr;
+    } catch (const invalid_argument_error& x) {
+      live_.erase(it);
+      sleep_.rethrow_paused(e, x);
+    }
+  }
+
+  void free_requested(const trace_event& e, std::size_t i, std::uint64_t base) {
+    auto it = live_.find(e.addr);
+    if (it == live_.end())
+      throw trace_error(t_.source, e.line,
+                        "free_requested of address " + std::to_string(e.addr) + " with no live allocation");
+    void* ptr = it->second.ptr;
+    live_.erase(it);
+    if (ptr == nullptr) return;  // its alloc failed
+    if (has_gap(completion_, i)) {
+      // The block stays in use on another stream until its
+      // free_completed (the end of the pass if the trace ends first).
+      const std::uint64_t end = base + gap_end(t_, completion_, i);
+      const stream_t side = side_streams_.acquire(base + i, end);
+      gaps_.begin_gap(side, end);
+      allocator_.record_stream(ptr, side);
+    }
+    allocator_.free(ptr);
+  }
+
+  // Each trace stream is destroyed after its last event of the last pass,
+  // once its work has run (as a program that makes a stream per request
+  // destroys it): the allocator then forgets it (SPEC P10), and a trace
+  // with a stream per allocation replays in linear time, not with every
+  // slow path walking every stream the trace ever named.
+  void end_streams(std::size_t i, std::uint64_t base) {
+    while (next_end_ < stream_ends_.size() && stream_ends_[next_end_].first == i)
+      ending_.push_back(stream_ends_[next_end_++].second);
+    while (!ending_.empty() && gaps_.idle(ending_.front(), base + i)) {
+      allocator_.destroy_stream(0, streams_(ending_.front()));
+      ending_.pop_front();
+    }
+  }
+
+  const trace& t_;
+  const std::vector<std::uint64_t>& completion_;
+  gap_model& gaps_;
+  const stream_map& streams_;
+  std::uint64_t lag_;
+  replay_result& r_;
+  allocator_cleanup c_;  // first made, last gone (see allocator_cleanup)
+  caching_allocator& allocator_;
+  std::unordered_map<std::uint64_t, live_alloc> live_;  // trace address -> our allocation
+  std::vector<void*> kept_;  // allocations the trace never frees (made in the first pass only)
+  side_stream_pool side_streams_;
+  const std::vector<bool> never_freed_;
+  const std::vector<std::pair<std::uint64_t, stream_t>> stream_ends_;
+  std::size_t next_end_ = 0;
+  std::deque<stream_t> ending_;  // past their last event, waiting for their work to run
+  recording_clock clock_;
+  sleep_replay sleep_;
+};
+
+void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
+                   std::shared_ptr<device_backend> backend, const allocator_config& config, gap_model& gaps,
+                   const stream_map& streams, const replay_event_hook& after_event,
+                   const std::optional<history_options>& history, std::size_t repeat, std::uint64_t lag,
+                   replay_result& r) {
+  event_loop loop(t, completion, std::move(backend), config, gaps, streams, lag, r);
+  if (history) loop.allocator().record_history(*history);
+  loop.run(repeat, after_event);
+  loop.finish();
 }
 
 // The replay through gates on `backend`'s device `device`.
@@ -615,7 +730,7 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
     // A fraction caps every device size alike: a larger device cannot help
     // when the fraction is 0, and helps in proportion otherwise.
     const allocator_config config = allocator_config::parse(options.config);
-    std::string why;
+    std::string why = "; a larger device may fit (raise --device-memory)";
     if (config.memory_fraction_set && config.per_process_memory_fraction <= 0.0)
       why = "; per_process_memory_fraction:0 lets ccalloc use none of any device: no device size fits (raise the "
             "fraction)";

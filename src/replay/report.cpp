@@ -476,7 +476,11 @@ void summary_section(std::string& o, const report_summary& sum, const native_ref
   o += kpi(format_bytes(sum.replay.peak_requested_bytes), "peak requested (what the program asked for)");
   o += kpi(format_bytes(sum.replay.peak_allocated_bytes), "ccalloc peak allocated (rounded blocks)");
   o += kpi(format_bytes(sum.replay.peak_reserved_bytes), "ccalloc peak reserved (device memory)");
-  o += kpi(fmt("%.3f", sum.replay.fragmentation()), "ccalloc reserved / requested at the peaks");
+  if (sum.peak_unpaused_allocated_bytes)
+    o += kpi(fmt("%.3f", shown_fragmentation(sum.replay, sum.peak_unpaused_allocated_bytes)),
+             "ccalloc reserved / allocated to unpaused blocks, at the peaks (paused blocks hold no device pages)");
+  else
+    o += kpi(fmt("%.3f", sum.replay.fragmentation()), "ccalloc reserved / requested at the peaks");
   o += "</div>\n";
   if (sum.replay.ooms > 0)
     o += "<p class=\"note\"><b>" + with_commas(sum.replay.ooms) +
@@ -522,21 +526,29 @@ void time_chart_section(std::string& o, const slicer& sl, const chart_data& c, c
 }
 
 void segment_map_section(std::string& o, const trace& t, const std::vector<segment_info>& at_peak,
-                         std::size_t peak_index) {
+                         std::size_t peak_index, std::size_t live_segments) {
   const std::size_t n = t.events.size();
   std::size_t rects = 0;
   const std::string map = segment_map_svg(at_peak, rects);
-  std::uint64_t peak_reserved = 0, peak_alloc = 0;
+  std::uint64_t peak_reserved = 0, peak_alloc = 0, unmapped = 0;
   for (const auto& s : at_peak) {
-    peak_reserved += s.total_bytes;
+    peak_reserved += s.mapped_bytes;
+    unmapped += s.total_bytes - std::min(s.total_bytes, s.mapped_bytes);
     peak_alloc += s.allocated_bytes;
   }
   o += "<section class=\"card\"><h2>Segment map at the peak</h2>\n<p class=\"note\">After event " +
        with_commas(peak_index + 1) + " of " + with_commas(n) +
        (t.has_source_lines ? " (line " + std::to_string(t.events[peak_index].line) + ")" : std::string()) +
-       ", where ccalloc's reserved bytes are highest: " + std::to_string(at_peak.size()) + " segments, " +
-       html(format_bytes(peak_reserved)) + " reserved, " + html(format_bytes(peak_alloc)) +
-       " allocated. Segments are packed into rows, largest first; hover a segment for its figures.</p>\n" + map;
+       ", where ccalloc's reserved bytes are highest: " + std::to_string(at_peak.size()) + " mapped ranges in " +
+       std::to_string(live_segments) + " segments, " + html(format_bytes(peak_reserved)) + " reserved (mapped), " +
+       html(format_bytes(peak_alloc)) + " allocated" +
+       (unmapped ? ", and " + html(format_bytes(unmapped)) + " of address space whose pages a pause released"
+                 : std::string()) +
+       ". A segment is a cudaMalloc or an expandable segment's address-space reservation (what "
+       "<code>ccalloc replay</code>'s \"segments made\" counts over the whole run); the map draws each "
+       "expandable segment as its contiguous mapped ranges, as PyTorch's snapshots do, and a paused tag's "
+       "blocks keep their addresses without device pages. Ranges are packed into rows, largest first; hover "
+       "one for its figures.</p>\n" + map;
   o += "<div class=\"legend\"><span><i class=\"sw\" style=\"background:" + std::string(color_block) +
        "\"></i>allocated (requested bytes)</span><span><i class=\"sw\" style=\"background:" + color_rounding +
        "\"></i>rounding</span><span><i class=\"sw\" style=\"background:" + color_pending +
@@ -669,7 +681,7 @@ std::string render_report_html(const trace& t, const report_options& options, co
   summary_section(o, sum, native, recorded);
   time_chart_section(o, sl, c, recorded);
   o += sleep_table(sum.replay);
-  segment_map_section(o, t, at_peak, peak_index);
+  segment_map_section(o, t, at_peak, peak_index, sum.live_segments_at_peak);
   fragmentation_section(o, at_peak);
   largest_allocations_section(o, t, sl, options);
   std::vector<std::pair<std::uint32_t, std::uint64_t>> top_sites = sites_section(o, t, peak_index, options);

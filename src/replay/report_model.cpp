@@ -201,6 +201,14 @@ report_model build_report_model(const trace& t, const report_options& options) {
     return true;
   };
   report_summary sum;
+  bool has_pauses = false;
+  for (const trace_event& e : t.events) has_pauses = has_pauses || e.action == trace_action::pause;
+  if (has_pauses) {
+    ro.after_event = [&, count = std::move(ro.after_event)](std::size_t i, caching_allocator& a) {
+      sum.peak_unpaused_allocated_bytes = std::max(sum.peak_unpaused_allocated_bytes, unpaused_allocated_bytes(a));
+      return count(i, a);
+    };
+  }
   sum.replay = replay_trace(t, ro);
   if (options.progress) options.progress(1, n, n);
   sum.peak_event_index = peak_index;
@@ -213,6 +221,7 @@ report_model build_report_model(const trace& t, const report_options& options) {
     if (options.progress && (i + 1) % progress_every == 0) options.progress(2, i + 1, peak_index + 1);
     if (i < peak_index) return true;
     at_peak = a.device_allocator(0).snapshot_segments();  // mapped runs, as PyTorch shows them
+    sum.live_segments_at_peak = static_cast<std::size_t>(a.get_device_stats(0).segment[0].current);
     return false;
   };
   (void)replay_trace(t, ro);
@@ -245,3 +254,20 @@ report_model build_report_model(const trace& t, const report_options& options) {
 }
 
 }  // namespace ccalloc::report_detail
+
+namespace ccalloc {
+
+std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int device) {
+  std::uint64_t paused = 0;
+  for (const tag_usage& u : allocator.tag_stats(device))
+    if (u.paused) paused += u.allocated_bytes;
+  const auto allocated = static_cast<std::uint64_t>(allocator.get_device_stats(device).allocated_bytes[0].current);
+  return allocated - std::min(allocated, paused);
+}
+
+double shown_fragmentation(const replay_result& r, std::uint64_t peak_unpaused_allocated) noexcept {
+  if (peak_unpaused_allocated == 0) return r.fragmentation();
+  return double(r.peak_reserved_bytes) / double(peak_unpaused_allocated);
+}
+
+}  // namespace ccalloc

@@ -128,10 +128,13 @@ class rmm_log_parser final : public line_parser {
     if (line_number_ == 0 && text.substr(0, 3) == "\xEF\xBB\xBF") pos = 3;  // a UTF-8 byte-order mark
     while (pos < text.size()) {
       const std::size_t nl = text.find('\n', pos);
-      const std::string_view line = trim(text.substr(pos, nl == std::string_view::npos ? nl : nl - pos));
+      const std::string_view line = text.substr(pos, nl == std::string_view::npos ? nl : nl - pos);
       pos = nl == std::string_view::npos ? text.size() : nl + 1;
       ++line_number_;
-      read_line(line);
+      // The limit holds for the line as written, blanks around it included.
+      if (line.size() > limits_.max_line_bytes)
+        throw trace_error(source_, line_number_, detail::line_limit_reason(limits_.max_line_bytes));
+      read_line(trim(line));
     }
   }
 
@@ -140,7 +143,24 @@ class rmm_log_parser final : public line_parser {
   [[nodiscard]] trace finish() override;
 
  private:
+  /// One line of the log after the header, its fields parsed.
+  struct record {
+    rmm_action action = rmm_action::allocate;
+    std::uint64_t raw_us = 0;        // Time as written (a time of day or since the epoch)
+    std::uint64_t pointer = 0, size = 0, stream = 0;
+    bool time_of_day = false;        // Time is HH:MM:SS.ffffff
+    std::string_view pointer_text;   // Pointer as written, for messages
+  };
+
   void read_line(std::string_view line);
+  void read_header(const std::vector<std::string_view>& fields);
+  [[nodiscard]] record parse_record(const std::vector<std::string_view>& fields) const;
+  /// The record's time on the trace's clock: midnight crossings added, never going back.
+  [[nodiscard]] std::uint64_t next_time_us(const record& r);
+  void add_allocate(trace_event e, std::string_view pointer_f);
+  void add_free(trace_event e, std::string_view pointer_f);
+  /// A free of a pointer not live: a double free, or one allocated before the log started.
+  void count_unmatched_free(std::uint64_t pointer, std::string_view pointer_f);
 
   static constexpr std::array<std::string_view, 6> columns = {"Thread", "Time", "Action", "Pointer", "Size", "Stream"};
   const std::string& source_;
@@ -168,112 +188,128 @@ class rmm_log_parser final : public line_parser {
 };
 
 void rmm_log_parser::read_line(std::string_view line) {
-  if (line.size() > limits_.max_line_bytes) throw trace_error(source_, line_number_, detail::line_limit_reason(limits_.max_line_bytes));
   if (t_.events.size() + 2 > limits_.max_events) throw trace_error(source_, line_number_, detail::event_limit_reason(limits_.max_events));
   if (line.empty()) return;
   const std::vector<std::string_view> f = split_commas(line);
   if (!have_header_) {
-    for (std::size_t c = 0; c < columns.size(); ++c) {
-      std::size_t at = 0;
-      while (at < f.size() && f[at] != columns[c]) ++at;
-      if (at == f.size())
-        throw trace_error(source_, line_number_,
-                          "RMM log header lacks the column '" + std::string(columns[c]) +
-                              "' (expected Thread,Time,Action,Pointer,Size,Stream)");
-      index_[c] = at;
-    }
-    header_fields_ = f.size();
-    have_header_ = true;
+    read_header(f);
     return;
   }
+  const record r = parse_record(f);
+  trace_event e;
+  e.time_us = next_time_us(r);
+  e.addr = r.pointer;
+  e.size = r.size;
+  e.stream = r.stream;
+  e.line = line_number_;
+  switch (r.action) {
+    case rmm_action::allocate: add_allocate(e, r.pointer_text); break;
+    case rmm_action::free: add_free(e, r.pointer_text); break;
+    case rmm_action::allocate_failure:
+      e.action = trace_action::oom;
+      e.addr = 0;
+      t_.events.push_back(e);
+      break;
+  }
+}
+
+void rmm_log_parser::read_header(const std::vector<std::string_view>& f) {
+  for (std::size_t c = 0; c < columns.size(); ++c) {
+    std::size_t at = 0;
+    while (at < f.size() && f[at] != columns[c]) ++at;
+    if (at == f.size())
+      throw trace_error(source_, line_number_,
+                        "RMM log header lacks the column '" + std::string(columns[c]) +
+                            "' (expected Thread,Time,Action,Pointer,Size,Stream)");
+    index_[c] = at;
+  }
+  header_fields_ = f.size();
+  have_header_ = true;
+}
+
+rmm_log_parser::record rmm_log_parser::parse_record(const std::vector<std::string_view>& f) const {
   if (f.size() != header_fields_)
     throw trace_error(source_, line_number_,
                       "expected " + std::to_string(header_fields_) + " comma-separated fields as in the header, got " +
                           std::to_string(f.size()));
   const std::string_view time_f = f[index_[1]], action_f = f[index_[2]], pointer_f = f[index_[3]],
                          size_f = f[index_[4]], stream_f = f[index_[5]];
-  rmm_action action;
-  if (action_f == "allocate") action = rmm_action::allocate;
-  else if (action_f == "free" || action_f == "deallocate") action = rmm_action::free;
-  else if (action_f == "allocate failure") action = rmm_action::allocate_failure;
+  record r;
+  if (action_f == "allocate") r.action = rmm_action::allocate;
+  else if (action_f == "free" || action_f == "deallocate") r.action = rmm_action::free;
+  else if (action_f == "allocate failure") r.action = rmm_action::allocate_failure;
   else
     throw trace_error(source_, line_number_,
                       "unknown Action " + quoted(action_f) + " (accepted: allocate, free, allocate failure)");
-  std::uint64_t raw_us = 0, pointer = 0, size = 0, stream = 0;
-  if (!parse_time(time_f, raw_us))
+  if (!parse_time(time_f, r.raw_us))
     throw trace_error(source_, line_number_,
                       "bad Time " + quoted(time_f) + " (expected HH:MM:SS.ffffff or seconds since the epoch)");
-  if (!parse_hex(pointer_f, pointer))
+  if (!parse_hex(pointer_f, r.pointer))
     throw trace_error(source_, line_number_, "bad Pointer " + quoted(pointer_f) + " (expected hex, e.g. 0x7f8a40000000)");
-  if (!parse_number(size_f, 10, size))
+  if (!parse_number(size_f, 10, r.size))
     throw trace_error(source_, line_number_, "bad Size " + quoted(size_f) + " (expected a decimal byte count)");
-  if (!parse_hex(stream_f, stream))
+  if (!parse_hex(stream_f, r.stream))
     throw trace_error(source_, line_number_, "bad Stream " + quoted(stream_f) + " (expected hex, e.g. 0x5581c0a0)");
+  r.time_of_day = time_f.find(':') != std::string_view::npos;
+  r.pointer_text = pointer_f;
+  return r;
+}
 
-  // Time: a time of day that jumps back by more than 12 hours crossed
-  // midnight; a smaller step back is threads logging out of order.
-  if (t_.events.empty() && live_.empty()) time_of_day_ = time_f.find(':') != std::string_view::npos;
-  if (time_of_day_ && raw_us + us_per_day / 2 < previous_raw_us_) day_offset_us_ += us_per_day;
-  previous_raw_us_ = raw_us;
-  const std::uint64_t time_us = std::max(last_time_us_, raw_us + day_offset_us_);
-  last_time_us_ = time_us;
+std::uint64_t rmm_log_parser::next_time_us(const record& r) {
+  // A time of day that jumps back by more than 12 hours crossed midnight; a
+  // smaller step back is threads logging out of order.
+  if (t_.events.empty() && live_.empty()) time_of_day_ = r.time_of_day;
+  if (time_of_day_ && r.raw_us + us_per_day / 2 < previous_raw_us_) day_offset_us_ += us_per_day;
+  previous_raw_us_ = r.raw_us;
+  last_time_us_ = std::max(last_time_us_, r.raw_us + day_offset_us_);
+  return last_time_us_;
+}
 
-  trace_event e;
-  e.time_us = time_us;
-  e.addr = pointer;
-  e.size = size;
-  e.stream = stream;
-  e.line = line_number_;
-  switch (action) {
-    case rmm_action::allocate: {
-      if (pointer == 0 || size == 0) {
-        // RMM returns nullptr for 0 bytes: nothing was allocated.
-        if (size == 0) return;
-        throw trace_error(source_, line_number_, "allocate of " + std::to_string(size) + " bytes returned a null Pointer");
-      }
-      freed_.erase(pointer);
-      const auto [it, fresh] = live_.try_emplace(pointer, allocation{line_number_, size});
-      if (!fresh)
-        throw trace_error(source_, line_number_,
-                          "allocate at Pointer " + std::string(pointer_f) + ", which is still live (allocated at line " +
-                              std::to_string(it->second.line) + ")");
-      e.action = trace_action::alloc;
-      t_.events.push_back(e);
-      break;
+void rmm_log_parser::add_allocate(trace_event e, std::string_view pointer_f) {
+  if (e.addr == 0 || e.size == 0) {
+    // RMM returns nullptr for 0 bytes: nothing was allocated.
+    if (e.size == 0) return;
+    throw trace_error(source_, line_number_, "allocate of " + std::to_string(e.size) + " bytes returned a null Pointer");
+  }
+  freed_.erase(e.addr);
+  const auto [it, fresh] = live_.try_emplace(e.addr, allocation{line_number_, e.size});
+  if (!fresh)
+    throw trace_error(source_, line_number_,
+                      "allocate at Pointer " + std::string(pointer_f) + ", which is still live (allocated at line " +
+                          std::to_string(it->second.line) + ")");
+  e.action = trace_action::alloc;
+  t_.events.push_back(e);
+}
+
+void rmm_log_parser::add_free(trace_event e, std::string_view pointer_f) {
+  const auto it = live_.find(e.addr);
+  if (it == live_.end()) {
+    count_unmatched_free(e.addr, pointer_f);
+    return;
+  }
+  // RMM's deallocate takes the size of the allocation: another size is a corrupt log.
+  if (it->second.size != e.size)
+    throw trace_error(source_, line_number_,
+                      "free of Pointer " + std::string(pointer_f.substr(0, 40)) + " with Size " +
+                          std::to_string(e.size) + ", but its allocate (line " + std::to_string(it->second.line) +
+                          ") has Size " + std::to_string(it->second.size));
+  live_.erase(it);
+  freed_[e.addr] = line_number_;
+  e.action = trace_action::free_requested;
+  t_.events.push_back(e);
+  e.action = trace_action::free_completed;
+  t_.events.push_back(e);
+}
+
+void rmm_log_parser::count_unmatched_free(std::uint64_t pointer, std::string_view pointer_f) {
+  if (const auto before = freed_.find(pointer); before != freed_.end()) {
+    if (double_frees_++ == 0) {
+      first_double_free_line_ = line_number_;
+      first_double_free_earlier_line_ = before->second;
+      first_double_free_pointer_ = std::string(pointer_f.substr(0, 40));
     }
-    case rmm_action::free: {
-      const auto it = live_.find(pointer);
-      if (it == live_.end()) {
-        if (const auto before = freed_.find(pointer); before != freed_.end()) {
-          if (double_frees_++ == 0) {
-            first_double_free_line_ = line_number_;
-            first_double_free_earlier_line_ = before->second;
-            first_double_free_pointer_ = std::string(pointer_f.substr(0, 40));
-          }
-        } else if (pointer != 0) {
-          ++skipped_frees_;
-        }
-        return;
-      }
-      // RMM's deallocate takes the size of the allocation: another size is a corrupt log.
-      if (it->second.size != size)
-        throw trace_error(source_, line_number_,
-                          "free of Pointer " + std::string(pointer_f.substr(0, 40)) + " with Size " +
-                              std::to_string(size) + ", but its allocate (line " + std::to_string(it->second.line) +
-                              ") has Size " + std::to_string(it->second.size));
-      live_.erase(it);
-      freed_[pointer] = line_number_;
-      e.action = trace_action::free_requested;
-      t_.events.push_back(e);
-      e.action = trace_action::free_completed;
-      t_.events.push_back(e);
-      break;
-    }
-    case rmm_action::allocate_failure:
-      e.action = trace_action::oom;
-      e.addr = 0;
-      t_.events.push_back(e);
-      break;
+  } else if (pointer != 0) {
+    ++skipped_frees_;
   }
 }
 

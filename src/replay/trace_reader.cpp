@@ -14,6 +14,8 @@
 //
 #include <ccalloc/replay/trace.hpp>
 
+#include <ccalloc/core/tags.hpp>
+
 #include "line_parsers.hpp"
 #include "reader_limits.hpp"
 
@@ -218,11 +220,7 @@ std::string missing_columns(std::size_t count) {
 std::uint16_t tag_index(std::string_view name, std::vector<std::string>& tags, const std::string& source,
                         std::size_t line) {
   if (name == "default") return 0;
-  const bool valid = name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-           std::string_view("_-.:/").find(c) != std::string_view::npos;
-  });
-  if (!valid)
+  if (!is_tag_name(name))
     throw trace_error(source, line,
                       "bad tag " + quote_field(name) +
                           ": a tag name is 1 to 64 ASCII letters, digits and the characters _-.:/");
@@ -329,6 +327,10 @@ class trace_text_parser final : public line_parser {
       }
       trace_event event;
       if (const char* next = parse_line_fast(p, text_end, event)) [[likely]] {
+        // The fast path skips blanks around the fields: a line padded with
+        // them is held to the limit too (its length without the '\n').
+        if (static_cast<std::size_t>(next - p) - (next[-1] == '\n' ? 1 : 0) > limits_.max_line_bytes) [[unlikely]]
+          throw trace_error(source_, line_number_, line_limit_reason(limits_.max_line_bytes));
         p = next;
       } else {
         // Not a plain event line: a blank line, a comment, or an error to name.

@@ -35,6 +35,18 @@ inline constexpr tag_id default_tag_id = 0;
 inline constexpr std::string_view default_tag_name = "default";
 inline constexpr std::size_t max_tag_name_bytes = 64;
 
+/// Whether `name` follows the rule above, without interning it (intern_tag
+/// throws for exactly the names this refuses, naming the rule broken).
+[[nodiscard]] constexpr bool is_tag_name(std::string_view name) noexcept {
+  if (name.empty() || name.size() > max_tag_name_bytes) return false;
+  for (const char c : name) {
+    const bool allowed = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                         std::string_view("_-.:/").find(c) != std::string_view::npos;
+    if (!allowed) return false;
+  }
+  return true;
+}
+
 /// The id of `name`, interned on first use. Throws invalid_argument_error
 /// naming the name and the rule it breaks (empty, longer than
 /// max_tag_name_bytes, a character outside the set above).

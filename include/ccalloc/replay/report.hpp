@@ -55,14 +55,37 @@ struct report_summary {
   std::uint64_t peak_event_index = 0;      ///< the event of the segment map
   std::uint64_t recorded_reserved_peak = 0;   ///< from the trace's segment events; 0 if it has none
   std::uint64_t recorded_requested_peak = 0;  ///< from its alloc / free_completed events
+  /// The segment map's entries at the peak: plain segments, and each
+  /// expandable segment's contiguous mapped ranges (as PyTorch's snapshots
+  /// show them), so it can exceed live_segments_at_peak.
   std::size_t segments_at_peak = 0;
+  /// segment.all.current at the peak: cudaMalloc segments and address-space
+  /// reservations alive (what replay's "segments made" counts, over the run).
+  std::size_t live_segments_at_peak = 0;
   std::size_t blocks_at_peak = 0;
+  /// The most bytes allocated to blocks of tags not paused (0 for a trace
+  /// without pauses): paused blocks keep their addresses and still count as
+  /// requested and allocated, but hold no device pages, so the fragmentation
+  /// of a trace with pauses is peak reserved over this.
+  std::uint64_t peak_unpaused_allocated_bytes = 0;
   /// The allocation-sites table: (site, requested bytes live at the peak),
   /// most first; site is 1-based into trace::sites, 0 for allocations
   /// without frames. Empty when the trace has no sites.
   std::vector<std::pair<std::uint32_t, std::uint64_t>> top_sites;
   std::size_t plot_points = 0;             ///< time slices actually drawn
 };
+
+/// Bytes allocated on `device` to blocks of tags that are not paused:
+/// allocated_bytes.all.current less every paused tag's allocated bytes
+/// (caching_allocator::tag_stats). Thread safety: as tag_stats.
+[[nodiscard]] std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int device = 0);
+
+/// Fragmentation as `ccalloc replay` and `report` print it: peak reserved
+/// over peak requested, or, when tags were paused (peak_unpaused_allocated
+/// non-zero), over the peak allocated to unpaused blocks, since paused
+/// blocks count as requested but hold no reserved pages. 0 when nothing
+/// was requested.
+[[nodiscard]] double shown_fragmentation(const replay_result& r, std::uint64_t peak_unpaused_allocated) noexcept;
 
 /// The recording allocator's figures, from the trace's own events: what
 /// `ccalloc report` shows next to ccalloc's and `ccalloc replay` prints.

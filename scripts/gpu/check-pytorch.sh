@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# One device call for a session's closing checks on the GPU machine, each
-# step's output kept under OUT_DIR (default $OUT) within the device tool's
-# limit of 8 files back:
+# The GPU checks and the PyTorch drop-in run in one device call, each step's
+# output kept under OUT_DIR (default $OUT) within the device tool's limit of
+# 8 files back:
 #   check    scripts/gpu/check.sh: CUDA build, GPU tests, replay on cuda vs
 #            sim (also --repeat 2), the benchmarks against PyTorch
 #   dropin   scripts/gpu/pytorch.sh: pip install, every PyTorch
 #            drop-in item in its own process, GPT-2 native / expandable /
 #            ccalloc (GPT2_* variables as there)
 #   newuser  NEWUSER_SCRIPT (a new user's script written from the README)
-# Usage: [SESSION_STAGES="check dropin newuser"] scripts/gpu/session.sh [OUT_DIR]
+# Usage: [CHECK_PYTORCH_STAGES="check dropin newuser"] scripts/gpu/check-pytorch.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-OUT_DIR=${1:-${OUT:-out/gpu-session}}
+OUT_DIR=${1:-${OUT:-out/gpu-check-pytorch}}
 mkdir -p "$OUT_DIR"
-STAGES=" ${SESSION_STAGES:-check dropin newuser} "
+STAGES=" ${CHECK_PYTORCH_STAGES:-check dropin newuser} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1
 W=$(mktemp -d)
