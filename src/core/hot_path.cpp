@@ -12,37 +12,41 @@
 //                               stream lock (detail/thread_cache_fast.hpp); a miss returns
 //                               the thread's parked blocks to their pools first
 //     malloc_impl               size 0 or too large: throw_out_of_memory at once (F2)
-//     device_state::allocate
-//     allocate_unusual          only if events are pending or a pool is active:
+//     device_state::allocate                                          [stream lock]
+//       stream_for                the stream's state (thread-local cache, else registry)
+//       prepare_search, find_free_block
+//                                 best fit in (stream, pool): B1-B3 (placement_policy.hpp)
+//       take_found_block          split if worth it, stats via stats_sink
+//     allocate_unusual          instead, only if events are pending or a pool scope is active:
 //       process_events            (events.cpp; not while a capture is underway) device lock, then stream locks
 //       pools_.scopes().routed    (pool_scopes.hpp) begin_allocate_to_pool's newest matching filter [device lock]
 //         -> allocate_slow with the private pool's (stream, pool)       [world lock]
-//       stream_for                the stream's state (thread-local cache, else registry)
-//       prepare                   round_size, pool, allocation_size: B1, B2   [stream lock]
-//       get_free_block            -- rung 1: best fit in (stream, pool)       [likely]
-//       take_found_block          split if worth it, stats via stats_sink
-//     allocate_slow             (fallback_ladder.cpp)                  [world lock]
-//       climb_ladder: one chain of named rungs, each returns a block or goes on
-//       prepare_climb             events, deferred frees, page fences, deferred unmaps
-//       cannot_fit                -- rung 0: more than the device could give: rung 6 at once
-//       rung_cached_block         -- rung 1 again (another thread may have freed)
-//       rung_garbage_collection   -- rung 2: above the GC threshold
-//       rung_expandable           -- rungs 3 and 5 with expandable segments:
-//                                    alloc_expandable (expandable_segments.cpp), then
-//                                    release_cached_blocks + alloc_expandable
-//       rung_trim_on_new_peak     -- rung 3a: adopt_idle_segment, release_unused_segments
-//       rung_new_segment          -- rung 3: alloc_segment; rung 4:
-//                                    release_available_cached_blocks + alloc_segment;
-//                                    rung 5: release_cached_blocks + alloc_segment
-//       rung_out_of_memory        -- rung 5b: try_use_on_oom_pools (F22; private_pools.cpp);
-//                                    rung 6: throw_out_of_memory (B6, out_of_memory.cpp;
-//                                    observers called unlocked)
+//       then as allocate
+//     allocate_slow             on a miss (fallback_ladder.cpp)        [world lock]
+//       climb_ladder: one chain of named rungs; each returns a block or the chain goes on:
+//         prepare_climb           events, deferred frees, page fences, deferred unmaps
+//         cannot_fit              more than the device could give: to rung_out_of_memory
+//         if caching (not no-caching mode):
+//           rung_cached_block       best fit again (another thread may have freed)
+//           rung_garbage_collection above the GC threshold
+//           if expandable segments (or a named tag) on a backend with virtual memory:
+//             rung_expandable       alloc_expandable (expandable_segments.cpp), then
+//                                   release_cached_blocks + alloc_expandable
+//             if that failed with address space left: to rung_out_of_memory;
+//             out of address space: on to plain segments below
+//           rung_trim_on_new_peak   adopt_idle_segment, release_unused_segments
+//         rung_new_segment        alloc_segment; release_available_cached_blocks +
+//                                 alloc_segment; release_cached_blocks + best fit again
+//                                 (the events it waited for may have freed and merged a
+//                                 block that fits) or alloc_segment
+//         rung_out_of_memory      try_use_on_oom_pools (F22; private_pools.cpp), then
+//                                 throw_out_of_memory (B6, out_of_memory.cpp; observers
+//                                 called unlocked)
 //   While a capture is underway (a begin_allocate_to_pool active and a stream
 //   seen allocating during it capturing: capture_underway) the ladder
-//   neither queries nor waits for events nor frees device memory: rungs 2,
-//   3a, 4 and 5 are skipped. A scope without a capture changes nothing here.
-//   Rung 5 searches the pool again before its device malloc: the events it
-//   waited for may have freed and merged a block that fits.
+//   neither queries nor waits for events nor frees device memory: garbage
+//   collection, trimming and the releases are skipped. A scope without a
+//   capture changes nothing here.
 //
 // Free call tree:
 //

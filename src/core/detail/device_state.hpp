@@ -289,10 +289,14 @@ class device_state {
   // The configuration and the placement rules over it (placement_policy.hpp).
   placement_policy policy_;
 
-  // [device_mutex_]
+  // [device_mutex_] (the world lock holds it too)
   spin_mutex device_mutex_;
   device_memory memory_;  // total, cap, reserved bytes and their mark (device_memory.hpp)
   segment_map segments_;  // by base address
+  // The parts below each state their lock rule in their header (the
+  // world lock for pages and tags; the device lock for the event queues
+  // and private pools; a fence is recorded under its stream's lock and the
+  // device lock). Declared in this order: constructed and destroyed so.
   expandable_segments expandable_{*this};  // reservations and their pages (expandable_segments.hpp)
   event_queue events_{*this};  // the event pool and the events of cross-stream frees
   private_pool_registry pools_{*this};  // private pools, capture scopes, deferred frees

@@ -2,8 +2,8 @@
 // the events recorded at the free of a block used on other streams, queued
 // per stream in order, until they complete and the block returns to its
 // pool. Owns the pool, the queues and their counters. Reaches the device's
-// blocks (free_block), statistics and history through device_state (a
-// friend there: a completed event frees a block). The pool and the queues
+// blocks (free_block), statistics and history through device_state's
+// members (a completed event frees a block). The pool and the queues
 // are guarded by the device lock (device_mutex_), or the world lock; the
 // methods say which they need. pending_count() is read without a lock.
 #pragma once

@@ -4,7 +4,7 @@
 // unmaps. Owns the page size, the count of retired pages, the peers granted
 // access to the mappings and the segment sequence numbers; reaches the
 // device's segments, pools, statistics and reserved bytes through
-// device_state (a friend there: it is the device's page layer, and moves
+// device_state's members (it is the device's page layer, and moves
 // blocks between its pools and pages between its segments). Every method
 // needs the world lock unless noted. The picture and the invariants of a
 // reservation: device_state.hpp; the page states: page_table.hpp.

@@ -16,7 +16,9 @@
 // check_invariants ties the mapped pages to the blocks (a mapped block's
 // pages are mapped) and to segment::mapped_bytes (mapped pages x page bytes).
 //
-// Not thread-safe: [world] (pages change only on the slow path).
+// Not thread-safe: pages change only under the world lock (the slow path);
+// a reader that holds device_mutex_ (which the world lock includes) sees
+// them unchanging (device_caching_allocator::segment_of).
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>

@@ -2,7 +2,7 @@
 // begin_allocate_to_pool scopes that route allocations to them and the
 // streams seen capturing (pool_scopes.hpp), and the frees deferred while a
 // capture is underway. Owns those; reaches the device's streams, events and
-// statistics through device_state (a friend there: a deferred free or a
+// statistics through device_state's members (a deferred free or a
 // checkpoint restore changes the device's blocks). The set of pools changes
 // under the world lock and is read under the device lock or the world lock;
 // the scopes have their own leaf lock; the methods say what they need.

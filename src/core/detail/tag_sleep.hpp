@@ -1,7 +1,7 @@
 // Tags and sleep/wake (SPEC S1-S4) of one device: each named tag's own
 // private pool, the paused tags, and the host buffers that keep paused
 // contents. Pause and resume orchestrate across the device (events,
-// segments, pages, statistics) through device_state (a friend there: a
+// segments, pages, statistics) through device_state's members (a
 // pause moves every page of a tag's reservations). Every method needs the
 // world lock unless noted; any_paused() is read without one (relaxed).
 #pragma once
