@@ -172,8 +172,8 @@ std::vector<segment*> tag_sleep::pausable_segments(const std::vector<tag_id>& to
         throw invalid_argument_error(where + ": tag '" + tag_name(tag) + "' holds a segment at " +
                                      std::to_string(seg->base) +
                                      " that is not a reservation of pages (the backend '" + d_.backend_.name() +
-                                     "' has no virtual memory, or a private pool has its own segment allocator); "
-                                     "it cannot be paused");
+                                     "' has no virtual memory, the host's address space for reservations ran "
+                                     "out, or a private pool has its own segment allocator); it cannot be paused");
       segs.push_back(seg);
     }
   return segs;
