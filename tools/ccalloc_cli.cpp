@@ -769,7 +769,10 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
     std::printf("\nRecording allocator (from the trace's segment events):\n");
     print_row("  peak reserved", bytes_cell(rec.reserved_peak, w) +
                                      format("  (%.3f of its peak requested)", ratio(rec.reserved_peak, rec.requested_peak)));
-    print_row("  segments made", with_commas(rec.segment_allocs) + "  (its cudaMalloc calls)");
+    print_row("  segments made", with_commas(rec.segment_allocs) +
+                                     (rec.segment_allocs == 0 && rec.reserved_peak > 0
+                                          ? "  (its cudaMalloc calls: none, it mapped pages of expandable segments)"
+                                          : "  (its cudaMalloc calls)"));
   }
   if (input.native) {
     print_native_comparison(r, *input.native);
@@ -1041,7 +1044,8 @@ int run_replay(const common_options& common, const std::string& config, bool min
   if (!snapshot_path.empty()) {
     write_output_file(snapshot_path, snapshot_json, "the snapshot");
     std::fprintf(stderr, "ccalloc: wrote the snapshot after the last event to %s (%s bytes of JSON; "
-                 "python3 python/ccalloc/snapshot.py %s -o SNAPSHOT.pickle makes PyTorch's pickle)\n",
+                 "python3 -m ccalloc.snapshot %s -o SNAPSHOT.pickle, or python/ccalloc/snapshot.py in a clone, "
+                 "makes PyTorch's pickle)\n",
                  snapshot_path.c_str(), with_commas(snapshot_json.size()).c_str(), snapshot_path.c_str());
   }
   std::optional<min_memory_result> min;
@@ -1228,7 +1232,8 @@ int run(int argc, char** argv) {
                     "Default: 1.");
     sub->add_option("--device-lag", common.lag_text,
                     "The simulated device runs EVENTS trace events behind the host, as a GPU does: an event "
-                    "recorded now (a page fence) completes EVENTS events later. Default: 0 (it keeps up).");
+                    "recorded now (to learn when freed memory is out of use) completes EVENTS events later. Default: 0 "
+                    "(it keeps up).");
     sub->add_flag("--own-addresses", common.own_addresses,
                   "The simulated device places every segment at its own lowest free address, not at the "
                   "recording's segment_alloc addresses (the default when the trace has them).");
@@ -1265,7 +1270,8 @@ int run(int argc, char** argv) {
   std::string snapshot_path;
   replay->add_option("--snapshot", snapshot_path,
                      "Record history during the replay and write a snapshot after the last event to this file "
-                     "(JSON in PyTorch's snapshot layout; python/ccalloc/snapshot.py turns it into a pickle).")
+                     "(JSON in PyTorch's snapshot layout; python3 -m ccalloc.snapshot, or python/ccalloc/snapshot.py "
+                     "in a clone, turns it into a pickle).")
       ->check(non_empty_path);
 
   CLI::App* report = app.add_subcommand(
