@@ -265,4 +265,27 @@ TEST(SleepWakeTrace, BundledRlTraceReplaysToTheFiguresTheProgramPrinted) {
   EXPECT_EQ(after_phase, (std::vector<std::uint64_t>{512, 640, 640, 640}));
 }
 
+// Paused blocks count as requested but hold no pages: the requested peak
+// (here 128 MiB, twice the reserved peak) is no lower bound of the search,
+// which found a 2^63-byte device when it took it for one.
+TEST(SleepWakeTrace, MinDeviceMemoryStaysWithinTheReservedPeak) {
+  const trace t = parse_trace_text(
+      "1 tag 0 0 0 first\n"
+      "2 alloc 4194304 67108864 0\n"
+      "3 pause 0 67108864 0 first drop\n"
+      "4 tag 0 0 0 second\n"
+      "5 alloc 272629760 67108864 0\n",
+      "t");
+  const replay_result full = replay_trace(t, on_device_of(1024 * MiB));
+  ASSERT_EQ(full.ooms, 0u);
+  ASSERT_EQ(full.peak_requested_bytes, 128 * MiB);
+  ASSERT_LT(full.peak_reserved_bytes, full.peak_requested_bytes);
+  const std::size_t found = find_min_device_memory(t, on_device_of(1024 * MiB));
+  EXPECT_LE(found, full.peak_reserved_bytes);
+  EXPECT_GE(found, 64 * MiB);
+  EXPECT_EQ(found % (2 * MiB), 0u);
+  EXPECT_EQ(replay_trace(t, on_device_of(found)).ooms, 0u);
+  EXPECT_GT(replay_trace(t, on_device_of(found - 2 * MiB)).ooms, 0u);
+}
+
 }  // namespace

@@ -317,7 +317,7 @@ class read_progress {
     last_ = now;
     const double seconds = std::chrono::duration<double>(now - start_).count();
     std::fprintf(stderr, "%sccalloc: reading %s: %3.0f%%  %s of %s bytes, %.0f s%s", tty_ ? "\r" : "",
-                 ccalloc::printable_text(path_).c_str(), total ? 100.0 * double(done) / double(total) : 0.0,
+                 ccalloc::printable_name(path_).c_str(), total ? 100.0 * double(done) / double(total) : 0.0,
                  with_commas(done).c_str(), with_commas(total).c_str(), seconds, tty_ ? "\x1b[K" : "\n");
     std::fflush(stderr);
     shown_ = true;
@@ -351,7 +351,7 @@ loaded_trace load_trace(const std::string& path, ccalloc::trace_read_options rea
     out.native = ccalloc::native_reference_beside(path, &warning);
     if (!warning.empty()) std::cerr << "ccalloc: warning: " << ccalloc::printable_text(warning) << "\n";
     for (const std::string& note : out.trace.notes)
-      std::cerr << "ccalloc: note: " << ccalloc::printable_text(path + ": " + note) << "\n";
+      std::cerr << "ccalloc: note: " << ccalloc::printable_name(path) << ": " << ccalloc::printable_text(note) << "\n";
   }
   out.read_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -377,21 +377,32 @@ void write_output_file(const std::string& path, const std::string& content, cons
 }
 
 /// Checks, before a long replay, that write_output_file(path, ...) can create
-/// or replace `path` and that `path` is not the trace `input` (the same
-/// file under any name: writing would destroy it): opens it for writing
+/// or replace `path` and that `path` is no file the command reads: the trace
+/// `input` or the native_peaks.json beside it (the same file under any name:
+/// writing would destroy it): opens it for writing
 /// without truncating, and without waiting (a FIFO with no reader is
 /// refused rather than waited for), and removes it again when this call
 /// created it. Throws usage_error "<what> would overwrite the trace
-/// <input> ..." or the error of write_output_file ("cannot write <what> to
-/// <path>: <errno text>"; "...: a FIFO with no reader ..." for a FIFO).
+/// <input> ..." (or "... the native figures <file> ...") or the error of
+/// write_output_file ("cannot write <what> to <path>: <errno text>"; "...: a
+/// FIFO with no reader ..." for a FIFO).
 void check_output_file(const std::string& path, const std::string& what, const std::string& input) {
   struct stat before {};
   const bool existed = ::stat(path.c_str(), &before) == 0;
-  struct stat trace_stat {};
-  if (existed && !input.empty() && ::stat(input.c_str(), &trace_stat) == 0 && trace_stat.st_dev == before.st_dev &&
-      trace_stat.st_ino == before.st_ino)
+  const auto same_file = [&](const std::string& other) {
+    struct stat other_stat {};
+    return existed && !other.empty() && ::stat(other.c_str(), &other_stat) == 0 &&
+           other_stat.st_dev == before.st_dev && other_stat.st_ino == before.st_ino;
+  };
+  if (same_file(input))
     throw usage_error(what + " would overwrite the trace " + input + " (" + path +
                       " is the same file); write it to another file");
+  if (!input.empty()) {
+    const std::string native = ccalloc::native_peaks_path_beside(input);
+    if (same_file(native))
+      throw usage_error(what + " would overwrite the native figures " + native + " (" + path +
+                        " is the same file), which the command reads beside the trace; write it to another file");
+  }
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0666);
   if (fd < 0) {
     const int err = errno;
@@ -667,7 +678,7 @@ void print_sleep_events(const ccalloc::replay_result& r, const char* indent) {
                                          "copied", "paused now", "reserved after"};
   std::vector<std::vector<std::string>> rows;
   for (const ccalloc::replay_sleep_event& e : r.sleep_events)
-    rows.push_back({with_commas(e.line), e.pause ? (e.keep_contents ? "pause+keep" : "pause") : "resume", e.tag,
+    rows.push_back({e.line ? with_commas(e.line) : std::string("pass end"), e.pause ? (e.keep_contents ? "pause+keep" : "pause") : "resume", e.tag,
                     gib(e.paused_bytes), gib(e.released_bytes), gib(e.copied_bytes), gib(e.paused_total_bytes),
                     gib(e.reserved_bytes)});
   print_table(head, rows, indent);
@@ -689,7 +700,7 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
                                 r.peak_allocated_bytes, r.peak_reserved_bytes}) {
     w = std::max(w, with_commas(b).size());
   }
-  print_row("trace", ccalloc::printable_text(input.trace.source));
+  print_row("trace", ccalloc::printable_name(input.trace.source));
   print_row("config", config_label(config));
   print_row("device", device_label(r, cuda_device));
   if (r.device == ccalloc::replay_device::sim)
@@ -758,7 +769,10 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
     std::printf("\nRecording allocator (from the trace's segment events):\n");
     print_row("  peak reserved", bytes_cell(rec.reserved_peak, w) +
                                      format("  (%.3f of its peak requested)", ratio(rec.reserved_peak, rec.requested_peak)));
-    print_row("  segments made", with_commas(rec.segment_allocs) + "  (its cudaMalloc calls)");
+    print_row("  segments made", with_commas(rec.segment_allocs) +
+                                     (rec.segment_allocs == 0 && rec.reserved_peak > 0
+                                          ? "  (its cudaMalloc calls: none, it mapped pages of expandable segments)"
+                                          : "  (its cudaMalloc calls)"));
   }
   if (input.native) {
     print_native_comparison(r, *input.native);
@@ -825,7 +839,7 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
     for (std::size_t c = 1; c < cells.size(); ++c) text += "  " + right(cells[c], width[c]);
     std::printf("%s\n", text.c_str());
   };
-  std::printf("trace: %s (%s events)\ndevice: %s\n", ccalloc::printable_text(input.trace.source).c_str(),
+  std::printf("trace: %s (%s events)\ndevice: %s\n", ccalloc::printable_name(input.trace.source).c_str(),
               with_commas(input.trace.events.size()).c_str(), device.c_str());
   if (!results.empty() && results.front().device_lag_events != 0)
     std::printf("device lag: %llu events (the simulated device runs behind the host)\n",
@@ -1022,7 +1036,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
   options.after_event = [&](std::size_t i, ccalloc::caching_allocator& allocator) {
     if ((i & 4095) == 0) progress.update(i, total);
     if (!snapshot_path.empty() && i + 1 == total) snapshot_json = ccalloc::to_json(allocator.snapshot());
-    if (has_pauses) peak_unpaused = std::max(peak_unpaused, ccalloc::unpaused_allocated_bytes(allocator));
+    if (has_pauses) ccalloc::raise_peak_unpaused_allocated_bytes(peak_unpaused, allocator);
     return true;
   };
   const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
@@ -1030,7 +1044,8 @@ int run_replay(const common_options& common, const std::string& config, bool min
   if (!snapshot_path.empty()) {
     write_output_file(snapshot_path, snapshot_json, "the snapshot");
     std::fprintf(stderr, "ccalloc: wrote the snapshot after the last event to %s (%s bytes of JSON; "
-                 "python3 python/ccalloc/snapshot.py %s -o SNAPSHOT.pickle makes PyTorch's pickle)\n",
+                 "python3 -m ccalloc.snapshot %s -o SNAPSHOT.pickle, or python/ccalloc/snapshot.py in a clone, "
+                 "makes PyTorch's pickle)\n",
                  snapshot_path.c_str(), with_commas(snapshot_json.size()).c_str(), snapshot_path.c_str());
   }
   std::optional<min_memory_result> min;
@@ -1217,7 +1232,8 @@ int run(int argc, char** argv) {
                     "Default: 1.");
     sub->add_option("--device-lag", common.lag_text,
                     "The simulated device runs EVENTS trace events behind the host, as a GPU does: an event "
-                    "recorded now (a page fence) completes EVENTS events later. Default: 0 (it keeps up).");
+                    "recorded now (to learn when freed memory is out of use) completes EVENTS events later. Default: 0 "
+                    "(it keeps up).");
     sub->add_flag("--own-addresses", common.own_addresses,
                   "The simulated device places every segment at its own lowest free address, not at the "
                   "recording's segment_alloc addresses (the default when the trace has them).");
@@ -1254,7 +1270,8 @@ int run(int argc, char** argv) {
   std::string snapshot_path;
   replay->add_option("--snapshot", snapshot_path,
                      "Record history during the replay and write a snapshot after the last event to this file "
-                     "(JSON in PyTorch's snapshot layout; python/ccalloc/snapshot.py turns it into a pickle).")
+                     "(JSON in PyTorch's snapshot layout; python3 -m ccalloc.snapshot, or python/ccalloc/snapshot.py "
+                     "in a clone, turns it into a pickle).")
       ->check(non_empty_path);
 
   CLI::App* report = app.add_subcommand(
@@ -1271,6 +1288,12 @@ int run(int argc, char** argv) {
 
   CLI::App* keys = app.add_subcommand("config-keys", "List the configuration keys.");
 
+  // --version prints the version and exits 0 before CLI11 looks at the
+  // other arguments: with any of them it is a usage error, not a success.
+  if (argc > 2 && std::any_of(argv + 1, argv + argc, [](const char* a) { return std::string_view(a) == "--version"; })) {
+    std::fprintf(stderr, "ccalloc: --version takes no other arguments (see ccalloc --help)\n");
+    return 2;
+  }
   // A first word that is no option and no subcommand: CLI11 would say only
   // that a subcommand is required; name the word and the subcommands.
   if (argc >= 2 && argv[1][0] != '-') {

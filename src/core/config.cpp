@@ -390,8 +390,8 @@ const std::array<key_spec, 22>& key_table() {
        &print_bool_field<&allocator_config::trim_on_new_peak>},
       {{"recycles_per_peak", "an integer >= 0, or unlimited",
         "ccalloc's own key: with expandable segments, how many times free pages are recycled "
-        "(unmapped and mapped where the request needs them, once the page fence of the stream "
-        "that freed them has completed: no synchronization) to avoid raising reserved memory "
+        "(unmapped and mapped where the request needs them, once the work the stream that "
+        "freed them queued before the free has run: no synchronization) to avoid raising reserved memory "
         "past one high-water mark before the mark is raised instead (default unlimited: the "
         "least memory; 0: never, as PyTorch; a small number: fewer remappings, more memory)."},
        [](allocator_config& c, std::string_view value) {

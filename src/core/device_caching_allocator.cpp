@@ -36,9 +36,9 @@ device_caching_allocator::~device_caching_allocator() = default;
 
 void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
 
-void device_caching_allocator::stream_destroyed(stream_t stream) { state_->set_stream_gone(stream, true); }
+void device_caching_allocator::stream_destroyed(stream_t stream) { state_->registry_.set_stream_gone(stream, true); }
 
-void device_caching_allocator::stream_created(stream_t stream) { state_->set_stream_gone(stream, false); }
+void device_caching_allocator::stream_created(stream_t stream) { state_->registry_.set_stream_gone(stream, false); }
 
 bool device_caching_allocator::record_stream_containing(std::uintptr_t address, stream_t stream) {
   auto& s = *state_;
@@ -51,7 +51,7 @@ bool device_caching_allocator::record_stream_containing(std::uintptr_t address, 
   for (block* b = seg.head; b != nullptr; b = b->next) {
     if (address < b->ptr || address >= b->ptr + b->size) continue;
     if (!b->allocated) return false;
-    if (stream != b->stream) s.check_recorded_stream(stream);  // the world lock holds the registry's
+    if (stream != b->stream) s.registry_.check_recorded_stream(stream);  // the world lock holds the registry's
     if (stream != b->stream &&
         std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
       b->stream_uses.push_back(stream);
@@ -65,10 +65,10 @@ void device_caching_allocator::empty_cache() {
   world_lock w(*state_);
   state_->publish_all_pending_stats(w);
   if (state_->history_.active()) [[unlikely]]
-    state_->history_.record(trace_entry_action::empty_cache, 0, state_->reserved_bytes_, 0, nullptr);
+    state_->history_.record(trace_entry_action::empty_cache, 0, state_->memory_.reserved(), 0, nullptr);
   state_->release_failure_ = nullptr;
   state_->release_cached_blocks(w, /*for_retry=*/true);  // past a segment that fails: the others go back
-  state_->host_copies_.release_all();                      // host buffers kept for the next pause
+  state_->tags_.release_host_copies();                      // host buffers kept for the next pause
   if (std::exception_ptr failure = std::exchange(state_->release_failure_, nullptr)) std::rethrow_exception(failure);
 }
 
@@ -81,28 +81,28 @@ void device_caching_allocator::set_memory_fraction(double fraction) {
 
 double device_caching_allocator::memory_fraction() const {
   std::lock_guard lock(state_->device_mutex_);
-  return state_->set_fraction_ ? state_->fraction_ : 1.0;
+  return state_->memory_.fraction();
 }
 
 void device_caching_allocator::set_config(const allocator_config& config) {
   detail::tracker_delivery deliver;  // a new fraction may release segments
   auto& s = *state_;
-  s.check_expandable_supported(config);
+  s.expandable_.check_supported(config);
   world_lock w(s);
   s.publish_all_pending_stats(w);
   // A fraction set at run time (set_memory_fraction) stays unless the new
   // configuration changes per_process_memory_fraction itself.
-  const bool fraction_changed =
-      config.memory_fraction_set && (!s.config_.memory_fraction_set ||
-                                     config.per_process_memory_fraction != s.config_.per_process_memory_fraction);
+  const bool fraction_changed = config.memory_fraction_set &&
+                                (!s.policy_.config().memory_fraction_set ||
+                                 config.per_process_memory_fraction != s.policy_.config().per_process_memory_fraction);
   // The fraction first: if returning cached memory fails, nothing changes.
   if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
   // The thread_cache key applies when it changes (set_thread_cache_enabled
   // stays in force across configurations that keep it); the world lock
   // emptied every thread's cache.
-  const bool thread_cache_changed =
-      config.thread_cache_set != s.config_.thread_cache_set || config.thread_cache != s.config_.thread_cache;
-  s.config_ = config;
+  const bool thread_cache_changed = config.thread_cache_set != s.policy_.config().thread_cache_set ||
+                                    config.thread_cache != s.policy_.config().thread_cache;
+  s.policy_.set_config(config);
   if (thread_cache_changed) s.apply_thread_cache_setting(config);
   s.stats_.max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                                 ? -1
@@ -111,7 +111,7 @@ void device_caching_allocator::set_config(const allocator_config& config) {
 
 allocator_config device_caching_allocator::config() const {
   world_lock w(*state_);
-  return state_->config_;
+  return state_->policy_.config();
 }
 
 void device_caching_allocator::set_caching_enabled(bool enabled) {
@@ -121,12 +121,12 @@ void device_caching_allocator::set_caching_enabled(bool enabled) {
   s.publish_all_pending_stats(w);
   // The cache first: if returning it fails, the mode does not change.
   if (!enabled) s.release_cached_blocks(w);
-  s.caching_ = enabled;
+  s.policy_.set_caching(enabled);
 }
 
 bool device_caching_allocator::caching_enabled() const {
   world_lock w(*state_);
-  return state_->caching_.load(std::memory_order_relaxed);
+  return state_->policy_.caching();
 }
 
 device_stats device_caching_allocator::stats() const {
@@ -163,19 +163,20 @@ void device_caching_allocator::enable_peer_access(int peer) {
     throw backend_error("ccalloc: enable_peer_access: device " + std::to_string(peer) + " cannot access device " +
                         std::to_string(device_) + " on the '" + s.backend_.name() + "' backend (no peer-to-peer path)");
   world_lock w(s);
-  if (std::find(s.peers_.begin(), s.peers_.end(), peer) != s.peers_.end()) return;
+  const std::vector<int>& peers = s.expandable_.peers();
+  if (std::find(peers.begin(), peers.end(), peer) != peers.end()) return;
   for (auto& [base, seg] : s.segments_) {
     if (!seg->expandable) continue;
     for (std::size_t i = 0; i < seg->pages.count(); ++i)
       if (seg->pages.mapped(i))
         s.backend_.vm_set_access(device_, reinterpret_cast<void*>(base + i * seg->page_bytes), seg->page_bytes, peer);
   }
-  s.peers_.push_back(peer);
+  s.expandable_.add_peer(peer);
 }
 
 std::vector<int> device_caching_allocator::peers() const {
   world_lock w(*state_);
-  return state_->peers_;
+  return state_->expandable_.peers();
 }
 
 }  // namespace ccalloc

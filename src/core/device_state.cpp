@@ -24,20 +24,17 @@ device_state::device_state(int device, device_backend& backend, allocator_config
     : device_(device),
       backend_(backend),
       id_(fresh_state_key()),
-      stream_cache_key_(id_),
-      config_(std::move(config)) {
-  device_total_bytes_ = backend_.mem_get_info(device_).total_bytes;
-  allowed_bytes_ = device_total_bytes_;
-  if (backend_.capabilities().virtual_memory) page_bytes_ = backend_.vm_granularity(device_);
-  stream_wait_supported_ = backend_.capabilities().stream_wait;
-  check_expandable_supported(config_);
-  apply_thread_cache_setting(config_);
-  stats_.max_split_size = config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
+      registry_(*this, id_),
+      policy_(std::move(config)) {
+  memory_.set_total(backend_.mem_get_info(device_).total_bytes);
+  expandable_.check_supported(policy_.config());
+  apply_thread_cache_setting(policy_.config());
+  stats_.max_split_size = policy_.config().max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                               ? -1
-                              : static_cast<std::int64_t>(config_.max_split_size_bytes);
-  if (config_.memory_fraction_set) {
+                              : static_cast<std::int64_t>(policy_.config().max_split_size_bytes);
+  if (policy_.config().memory_fraction_set) {
     world_lock w(*this);
-    set_memory_fraction(config_.per_process_memory_fraction, w);
+    set_memory_fraction(policy_.config().per_process_memory_fraction, w);
   }
 }
 
@@ -48,16 +45,10 @@ void device_state::apply_thread_cache_setting(const allocator_config& config) {
 }
 
 device_state::~device_state() {
-  for (auto& [stream, queue] : pending_events_)
-    for (auto& [e, b] : queue) free_events_.push_back(e);
-  for (auto& [stream, ss] : streams_)
-    for (const page_fences::fence& f : ss->fences.outstanding()) free_events_.push_back(f.event);
-  for (event_t e : free_events_) {
-    try {
-      backend_.destroy_event(device_, e);
-    } catch (...) {  // teardown: the event stays with a device that refuses; nothing to report to
-    }
-  }
+  std::vector<event_t> fence_events;
+  for (auto& [stream, ss] : registry_.all())
+    for (const page_fences::fence& f : ss->fences.outstanding()) fence_events.push_back(f.event);
+  events_.destroy_all(fence_events);
   // Deferred unmaps first (segment::retired): their handles may be mapped
   // in another segment too, released there (unless nothing took them).
   std::vector<physical_handle_t> given_up;  // released once every retired mapping is gone
@@ -97,23 +88,21 @@ device_state::~device_state() {
   }
 }
 
-void device_state::set_memory_fraction(double fraction, const world_lock& w) {
-  if (!(fraction >= 0.0 && fraction <= 1.0))
-    throw invalid_argument_error("ccalloc: memory fraction " + format_double(fraction) +
-                                 " for device " + std::to_string(device_) + " is outside [0, 1]");
-  // fraction x total in double: at 2^64 bytes and above (a huge simulated
-  // device) the conversion would overflow; the cap is then no cap.
-  const double allowed_real = fraction * static_cast<double>(device_total_bytes_);
-  constexpr auto max_bytes = std::numeric_limits<std::size_t>::max();
-  const std::size_t allowed = allowed_real >= static_cast<double>(max_bytes)  // 2^64 once a double
-                                  ? max_bytes
-                                  : static_cast<std::size_t>(allowed_real);
-  // Keep reserved <= the new cap where cached memory allows it. Before the
-  // cap changes: if the device fails meanwhile, the old cap stays in force.
-  if (reserved_bytes_ > allowed) release_cached_blocks(w);
-  fraction_ = fraction == 0.0 ? 0.0 : fraction;  // -0.0 becomes 0
-  set_fraction_ = true;
-  allowed_bytes_ = allowed;
+void device_state::record_stream(block* b, stream_t stream) {
+  if (stream != b->stream) {  // the block's stream is fixed while it is allocated
+    std::lock_guard registry(registry_.mutex());
+    registry_.check_recorded_stream(stream);
+  }
+  std::lock_guard lock(b->pool->owner->mutex);
+  if (b->seg->paused) [[unlikely]]  // written under the world lock, which holds this one
+    throw invalid_argument_error("ccalloc: record_stream of the block at " + std::to_string(b->ptr) +
+                                 " on device " + std::to_string(device_) + ": its tag '" +
+                                 tag_name(tag_of(*b->seg)) +
+                                 "' is paused (its pages are released; no stream may use it until resume)");
+  if (stream == b->stream) return;
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+    b->stream_uses.push_back(stream);
+  b->reuse_version = no_reuse_version;  // its free waits for events: never parked
 }
 
 }  // namespace ccalloc::detail

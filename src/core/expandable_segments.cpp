@@ -42,29 +42,33 @@
 namespace ccalloc::detail {
 
 
+expandable_segments::expandable_segments(device_state& d) : d_(d) {
+  if (d.backend_.capabilities().virtual_memory) page_bytes_ = d.backend_.vm_granularity(d.device_);
+}
+
 // Expandable segments need the backend's virtual memory: an explicit
 // expandable_segments:True without it is an error; the default falls back to
 // plain segments (expandable_segments_ says which one is in force).
-void device_state::check_expandable_supported(const allocator_config& config) const {
+void expandable_segments::check_supported(const allocator_config& config) const {
   if (config.expandable_segments && page_bytes_ == 0 && config.expandable_segments_set)
     throw config_error("ccalloc config: expandable_segments:True needs virtual memory (cuMemMap), which the '" +
-                       backend_.name() + "' backend of device " + std::to_string(device_) +
+                       d_.backend_.name() + "' backend of device " + std::to_string(d_.device_) +
                        " does not offer (accepted here: expandable_segments:False)");
 }
 
-void device_state::pool_insert_counted(block* b) {
+void expandable_segments::pool_insert_counted(block* b) {
   b->gc_count_base = b->pool->get_free_blocks_call_count;
   b->pool->blocks.insert(b);
   const stat_group g = group_of(b->pool);
-  count_up(stats_.inactive_split, g, 1);
-  count_up(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+  count_up(d_.stats_.inactive_split, g, 1);
+  count_up(d_.stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
 }
 
-void device_state::pool_erase_counted(block* b) {
+void expandable_segments::pool_erase_counted(block* b) {
   b->pool->blocks.erase(b);
   const stat_group g = group_of(b->pool);
-  count_down(stats_.inactive_split, g, 1);
-  count_down(stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+  count_down(d_.stats_.inactive_split, g, 1);
+  count_down(d_.stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
 }
 
 // Marks the page-aligned range [lo, hi) of `seg` mapped or unmapped. Every
@@ -73,8 +77,8 @@ void device_state::pool_erase_counted(block* b) {
 // the inactive-split statistics and seg.unmapped right.
 // reserve_only: only the host memory it needs (may throw std::bad_alloc),
 // so that a caller can take it before the device changes the pages.
-void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint,
-                                  bool reserve_only) {
+void expandable_segments::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint,
+                                         bool reserve_only) {
   if (lo >= hi) return;
   block* b = hint != nullptr ? hint : unmapped_block_at_or_below(seg, lo);
   CCALLOC_ASSERT(b->seg == &seg && b->ptr <= lo);
@@ -120,12 +124,12 @@ void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_
       if (x == stop) break;
     }
     if (b->ptr < lo) {
-      b = split_free_block(b, lo);
+      b = d_.split_free_block(b, lo);
       if (stop == b->prev) stop = b;  // the split block was the window's end
     }
     for (block* x = b; x != nullptr && x->ptr < hi; x = x->next) {
       if (x->ptr + x->size > hi) {
-        block* upper = split_free_block(x, hi);
+        block* upper = d_.split_free_block(x, hi);
         if (stop == x) stop = upper;
       }
       x->mapped = mapped;
@@ -154,136 +158,37 @@ void device_state::set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_
 
 // The unmapped block of seg at the highest address at or below addr; the
 // segment's first block when there is none.
-block* device_state::unmapped_block_at_or_below(const segment& seg, std::uintptr_t addr) noexcept {
+block* expandable_segments::unmapped_block_at_or_below(const segment& seg, std::uintptr_t addr) noexcept {
   const auto above = std::upper_bound(seg.unmapped.begin(), seg.unmapped.end(), addr,
                                       [](std::uintptr_t a, const block* x) { return a < x->ptr; });
   return above == seg.unmapped.begin() ? seg.head : *std::prev(above);
 }
 
-// Where a block of `size` bytes that falls just short of a whole number of
-// pages, or reaches just past a page boundary, or is 8 pages or more and
-// would touch a page more than it needs (page_sliver), starts in free
-// block b of an expandable segment's large pool; `back`: the end
-// place_at_back chose. The block is
-// carved at that end, or at one of the two nearest positions where it starts
-// or ends on a page boundary, whichever takes the fewest of b's wholly free
-// pages (the pages in use grow the least), then touches the fewest pages;
-// ties go to that order. Carved flush against a neighbour that is not on a
-// page boundary, such a block straddles one page more than it needs: when
-// the blocks around it are freed and their pages recycled, it keeps that
-// extra page mapped for its whole life. A run of equal blocks carved one
-// after another drifts off page boundaries by the shortfall at each block.
-// take_found_block asks only where free pages are recycled at every new
-// peak: with recycling limited (recycles_per_peak) or off, the neighbours'
-// pages stay mapped, the page is not saved, and the pieces left beside such
-// blocks only cost. The replays behind this: docs/design.md, "Note: why
-// blocks are carved on page boundaries".
-std::uintptr_t device_state::page_aligned_start(const block& b, std::size_t size, bool back) noexcept {
-  const segment& seg = *b.seg;
-  const std::size_t page = seg.page_bytes;
-  const std::uintptr_t lo = b.ptr;
-  const std::uintptr_t hi = b.ptr + b.size;
-  CCALLOC_ASSERT(seg.expandable && b.size >= size);
-  const auto down = [&](std::uintptr_t x) { return seg.base + (x - seg.base) / page * page; };
-  const auto up = [&](std::uintptr_t x) { return seg.base + (x - seg.base + page - 1) / page * page; };
-  // b's wholly free pages; the pages at its ends are partly in use by its
-  // neighbours (or b's ends are on page boundaries).
-  const std::uintptr_t whole_lo = up(lo);
-  const std::uintptr_t whole_hi = std::max(whole_lo, down(hi));
-  std::uintptr_t candidates[3];
-  std::size_t n = 0;
-  if (back) {
-    candidates[n++] = hi - size;
-    if (down(hi - size) >= lo) candidates[n++] = down(hi - size);  // starts on a boundary
-    if (down(hi) >= lo + size) candidates[n++] = down(hi) - size;  // ends on one
-  } else {
-    candidates[n++] = lo;
-    if (up(lo + size) <= hi) candidates[n++] = up(lo + size) - size;  // ends on a boundary
-    if (up(lo) + size <= hi) candidates[n++] = up(lo);                // starts on one
-  }
-  std::uintptr_t best = candidates[0];
-  std::size_t best_added = std::numeric_limits<std::size_t>::max();
-  std::size_t best_touched = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::uintptr_t first = down(candidates[i]);
-    const std::uintptr_t last = up(candidates[i] + size);
-    const std::uintptr_t added_lo = std::max(first, whole_lo);
-    const std::uintptr_t added_hi = std::min(last, whole_hi);
-    const std::size_t added = added_hi > added_lo ? (added_hi - added_lo) / page : 0;
-    const std::size_t touched = (last - first) / page;
-    if (added < best_added || (added == best_added && touched < best_touched)) {
-      best = candidates[i];
-      best_added = added;
-      best_touched = touched;
-    }
-  }
-  return best;
-}
-
-// Best fit `at` (free block b, larger than p.size) is a free island: a free
-// mapped run of p's expandable large pool with no block in use beside it
-// (both its neighbours unmapped, or the segment's ends), whose pages the
-// next new peak recycles whole. Carved, it starts a new run of live blocks,
-// and a request that is not a whole number of pages leaves the end page of
-// that run partly free: stranded, once the free pages around it are
-// recycled, for as long as the block lives. So such a request takes the
-// fitting free block at the lowest address instead (oldest segment first;
-// b itself when it is the lowest): blocks allocated one after another land
-// one after another, in few runs, and the islands stay whole for
-// recycling. A program that loads its model again (load, run, free, in a
-// loop) otherwise spreads the weights over the islands its last run left,
-// by size, each of them stranding up to a page (the replays: docs/design.md,
-// "Note: why blocks are carved on page boundaries"). A request of whole
-// pages strands nothing: best fit. Only
-// where free pages are recycled at every new peak (as page_aligned_start):
-// otherwise the islands stay mapped, and best fit keeps PyTorch's rule. The
-// scan goes over the pool's larger free blocks, in this case only.
-block_index::position device_state::lowest_fitting_block(const alloc_params& p,
-                                                         block_index::position at) const noexcept {
-  if (!recycles_at_every_peak()) return at;
-  if (p.size % p.pool->blocks.at(at)->seg->page_bytes == 0) return at;  // strands nothing: best fit
-  const block_index& index = p.pool->blocks;
-  block_index::position best = at;
-  const block* lowest = index.at(at);
-  for (block_index::position j = index.next(at); j != block_index::end(); j = index.next(j)) {
-    const block* c = index.at(j);
-    if (!oversize_rules_allow(p.size, c->size)) break;  // the sizes only grow from here
-    if (!c->seg->expandable) continue;
-    const bool lower = c->seg->seq != lowest->seg->seq ? c->seg->seq < lowest->seg->seq
-                                                       : c->ptr - c->seg->base < lowest->ptr - lowest->seg->base;
-    if (lower) {
-      best = j;
-      lowest = c;
-    }
-  }
-  return best;
-}
-
-segment* device_state::new_expandable_segment(const alloc_params& p) {
+segment* expandable_segments::new_expandable_segment(const alloc_params& p) {
   const std::size_t page = page_bytes_;
-  const std::size_t want = std::max(device_total_bytes_, p.size);
+  const std::size_t want = std::max(d_.memory_.total(), p.size);
   if (want > std::numeric_limits<std::size_t>::max() - page) return nullptr;  // no such address range
   const std::size_t size = (want + page - 1) / page * page;
   // The address range first (a device that has none left says so before
   // a page table for it is made), then the host memory: the reservation's
   // record, page table and block; without it, the range goes back.
-  void* base = backend_.vm_reserve(device_, size);
+  void* base = d_.backend_.vm_reserve(d_.device_, size);
   if (base == nullptr) return nullptr;
   segment* added = nullptr;
   try {
     auto fresh = std::make_unique<segment>();
     fresh->pages.reset(size / page);
     fresh->unmapped.reserve(4);
-    added = &add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(base), size);
+    added = &d_.add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(base), size);
   } catch (...) {
     try {
-      backend_.vm_release(device_, base, size);
+      d_.backend_.vm_release(d_.device_, base, size);
     } catch (...) {  // the first error is the one thrown; the reservation stays with the device
     }
     throw;
   }
   segment& seg = *added;
-  made_ = {&p, seg.base, reserved_high_water_bytes_, recycles_at_mark_};  // a failed request gives it back
+  d_.memory_.note_made(&p, seg.base);  // a failed request gives it back
   seg.head->mapped = false;
   seg.expandable = true;
   seg.seq = next_segment_seq_++;
@@ -294,19 +199,19 @@ segment* device_state::new_expandable_segment(const alloc_params& p) {
 
 // Mapped page i of seg back to the device and off the books (a failed
 // request gives back what it mapped); device errors are ignored.
-void device_state::give_back_page(segment& seg, std::size_t i) noexcept {
+void expandable_segments::give_back_page(segment& seg, std::size_t i) noexcept {
   const std::size_t page = seg.page_bytes;
   try {
-    backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + i * page), page);
-    ++stats_.num_pages_unmapped;
-    ++stats_.num_device_free;
+    d_.backend_.vm_unmap(d_.device_, reinterpret_cast<void*>(seg.base + i * page), page);
+    ++d_.stats_.num_pages_unmapped;
+    ++d_.stats_.num_device_free;
     release_page_handle(seg.pages.handle(i));  // a recycled page may be retired elsewhere too
   } catch (...) {  // noexcept cleanup: the page leaves the books whatever the device says
   }
   seg.pages.set_unmapped(i);
   seg.mapped_bytes -= page;
-  reserved_bytes_ -= page;
-  count_down(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
+  d_.memory_.remove_reserved(page);
+  count_down(d_.stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
 }
 
 // A reservation made by a request that failed (discard_made_segment): every
@@ -314,7 +219,7 @@ void device_state::give_back_page(segment& seg, std::size_t i) noexcept {
 // left its blocks' view behind) and the reservation go back to the device;
 // its blocks and the segment leave the books. Allocates nothing; device
 // errors are ignored.
-void device_state::discard_reservation(segment& seg) noexcept {
+void expandable_segments::discard_reservation(segment& seg) noexcept {
   const std::size_t page = seg.page_bytes;
   block_pool* const pool = seg.head->pool;
   const stat_group g = group_of(pool);
@@ -326,21 +231,21 @@ void device_state::discard_reservation(segment& seg) noexcept {
       ++i;
       continue;
     }
-    announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page, seg.head->stream,
-             true);
-    if (history_.active()) [[unlikely]] {
+    d_.mapping_.announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page,
+                         seg.head->stream, true);
+    if (d_.history_.active()) [[unlikely]] {
       try {
-        history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
+        d_.history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
       } catch (...) {  // the history misses this unmap; the cleanup goes on
       }
     }
     for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
   }
   try {
-    backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
+    d_.backend_.vm_release(d_.device_, reinterpret_cast<void*>(seg.base), seg.size);
   } catch (...) {  // noexcept cleanup: the reservation leaves the books whatever the device says
   }
-  count_down(stats_.segment, g, 1);
+  count_down(d_.stats_.segment, g, 1);
   if (pool->priv != nullptr) --pool->priv->segment_count;
   --pool->owner->segments;
   for (block* b = seg.head; b != nullptr;) {
@@ -349,7 +254,7 @@ void device_state::discard_reservation(segment& seg) noexcept {
     b = next;
   }
   const std::uintptr_t base = seg.base;
-  segments_.erase(base);
+  d_.segments_.erase(base);
 }
 
 // A request of alloc_expandable as its steps go: where it goes (step 1), the
@@ -360,7 +265,8 @@ void device_state::discard_reservation(segment& seg) noexcept {
 // the recycling's unmaps and the remapping of the pages it freed, not the
 // pages the request would have created either way (docs/design.md, "Note:
 // what a recycling request is charged").
-struct device_state::expandable_request {
+struct expandable_segments::expandable_request {
+  expandable_segments& x;
   device_state& d;
   // Step 1: the run chosen (best_own_run, an idle reservation or a new one).
   segment* seg = nullptr;
@@ -381,13 +287,13 @@ struct device_state::expandable_request {
   // The budget that pays (recycle_budget_now), read once per request.
   std::optional<recycle_budget::source> budget;
 
-  explicit expandable_request(device_state& owner) : d(owner) {}
+  explicit expandable_request(expandable_segments& owner) : x(owner), d(owner.d_) {}
   expandable_request(const expandable_request&) = delete;
   expandable_request& operator=(const expandable_request&) = delete;
   ~expandable_request() {
     if (!recycle_started_us || !budget) return;
     try {
-      d.spend_recycle_time(*budget, *recycle_started_us, fresh_pages_us);
+      x.spend_recycle_time(*budget, *recycle_started_us, fresh_pages_us);
     } catch (...) {  // a clock that throws: the budget misses this spending, nothing else
     }
   }
@@ -395,7 +301,7 @@ struct device_state::expandable_request {
   void drop_recycled() {
     for (const recycled_page& r : recycled) {
       ++d.stats_.num_device_free;
-      d.release_page_handle(r.handle);
+      x.release_page_handle(r.handle);
     }
     recycled.clear();
   }
@@ -411,8 +317,8 @@ struct device_state::expandable_request {
   }
 };
 
-bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& w) {
-  if (is_retry) ++stats_.num_alloc_retries;
+bool expandable_segments::alloc_expandable(alloc_params& p, bool is_retry, world_lock& w) {
+  if (is_retry) ++d_.stats_.num_alloc_retries;
   expandable_request r(*this);
   place_expandable(p, r);                                      // 1. where: a free run, or a new reservation
   if (!could_map(r.need)) return false;                        //    fail at once what cannot fit
@@ -421,7 +327,7 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
   if (!settle_retired_under(r)) return false;                  // 3. retired pages under it unmapped, then
   if (!map_missing_pages(p, r)) return false;                  //    the missing pages mapped
   r.drop_recycled();  // more pages were freed than mapped (the cap counted plain segments)
-  raise_reserved_high_water();
+  d_.memory_.raise_high_water();
   p.found = take_mapped_run(r, p.size);                        // 4. the run's free block, off the pool
   return true;
 }
@@ -433,12 +339,12 @@ bool device_state::alloc_expandable(alloc_params& p, bool is_retry, world_lock& 
 // wins only with strictly fewer pages to map: it is then adopted, its mapped
 // pages used where they are instead of remapped one by one. No run: a new
 // reservation (reserve_placement), made once the pages may fit.
-void device_state::place_expandable(alloc_params& p, expandable_request& r) {
+void expandable_segments::place_expandable(alloc_params& p, expandable_request& r) {
   run_choice best;
-  best_own_run(segments_, *p.pool, p.size, best);
+  best_own_run(d_.segments_, *p.pool, p.size, best);
   // An idle reservation has no block in use: one run, of few blocks (free
   // mapped and unmapped ones alternate), walked whole.
-  for (auto& [base, up] : segments_) {
+  for (auto& [base, up] : d_.segments_) {
     segment& seg = *up;
     if (seg.expandable && seg.head->pool != p.pool && idle_reservation(seg, p)) scan_runs(best, seg, true, p.size);
   }
@@ -450,26 +356,10 @@ void device_state::place_expandable(alloc_params& p, expandable_request& r) {
   r.foreign = best.foreign;
 }
 
-// Whether `need` bytes of new pages may fit at all (rather than create pages
-// until the device refuses): not more than the device or the cap, nor, for a
-// large request, more than the device has free plus what this allocator
-// could give back. Checked before a new reservation: a failed request leaves
-// the segment counts as they were.
-bool device_state::could_map(std::size_t need) {
-  if (need > allowed_bytes_) return false;
-  if (need >= free_memory_check_bytes) {
-    std::size_t free_pages_bytes = 0;
-    for (auto& [base, up] : segments_)
-      if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
-    if (need > backend_.mem_get_info(device_).free_bytes + free_pages_bytes) return false;
-  }
-  return true;
-}
-
 // The chosen reservation made the request's own: an idle one adopted, or a
 // new one reserved (false: no address space left). Sets where the request
 // ends and which stream's unfenced pages it may take.
-bool device_state::reserve_placement(const alloc_params& p, expandable_request& r) {
+bool expandable_segments::reserve_placement(const alloc_params& p, expandable_request& r) {
   if (r.foreign) adopt_reservation(*r.seg, p);
   if (r.seg == nullptr) {
     r.seg = new_expandable_segment(p);
@@ -488,12 +378,12 @@ bool device_state::reserve_placement(const alloc_params& p, expandable_request& 
 // Step 2. Physical pages: free whole pages rather than raise the peak
 // (trim_on_new_peak) or pass the cap; false (nothing kept recycled) when the
 // request still does not fit under the cap.
-bool device_state::free_pages_for(expandable_request& r, world_lock& w) {
+bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
   const std::size_t need = r.need;
   // Bytes over the cap: these must be freed (waiting for page fences if
   // need be), or the request fails.
   auto over_cap = [&]() -> std::size_t {
-    return set_fraction_ && reserved_bytes_ + need > allowed_bytes_ ? reserved_bytes_ + need - allowed_bytes_ : 0;
+    return d_.memory_.over_cap(need) ? d_.memory_.reserved() + need - d_.memory_.allowed() : 0;
   };
   // Bytes over the high-water mark: a new peak is avoided by recycling
   // free pages whose fence has completed (never waiting), at most
@@ -506,36 +396,38 @@ bool device_state::free_pages_for(expandable_request& r, world_lock& w) {
   // (recycle_budget_now).
   auto within_time = [&] {
     if (!r.budget) {
-      const bool large_peak = reserved_bytes_ + need - reserved_high_water_bytes_ > reserved_high_water_bytes_ / 16;
+      const bool large_peak = d_.memory_.reserved() + need - d_.memory_.high_water() > d_.memory_.high_water() / 16;
       r.budget = recycle_budget_now(large_peak);
     }
     return *r.budget != recycle_budget::source::none;
   };
   auto over_mark = [&]() -> std::size_t {
-    if (!config_.trim_on_new_peak || reserved_bytes_ + need <= reserved_high_water_bytes_ ||
-        recycles_at_mark_ >= config_.recycles_per_peak || !within_time())
+    if (!d_.policy_.config().trim_on_new_peak || d_.memory_.reserved() + need <= d_.memory_.high_water() ||
+        d_.memory_.recycles_at_mark() >= d_.policy_.config().recycles_per_peak || !within_time())
       return 0;
-    return std::min(need, reserved_bytes_ + need - reserved_high_water_bytes_);
+    return std::min(need, d_.memory_.reserved() + need - d_.memory_.high_water());
   };
-  if (!capture_underway() && std::max(over_cap(), over_mark()) > 0) {
-    release_unused_segments(w, /*keep_going=*/true);  // plain cached segments (no-caching leftovers, earlier configs)
+  if (!d_.pools_.capture_underway() && std::max(over_cap(), over_mark()) > 0) {
+    // plain cached segments (no-caching leftovers, earlier configs)
+    d_.release_unused_segments(w, /*keep_going=*/true);
     // The time this request's recycling and mapping take is spent from the
     // budget when recycling was a choice (for the mark, not the cap, which
     // must recycle whatever the budget).
-    if (over_mark() > 0 && config_.recycle_time_percent < 100) r.recycle_started_us = backend_.host_time_us();
+    if (over_mark() > 0 && d_.policy_.config().recycle_time_percent < 100)
+      r.recycle_started_us = d_.backend_.host_time_us();
     try {
       std::size_t got = 0;
       if (const std::size_t target = std::max(over_cap(), over_mark()); target > 0)
         got = unmap_free_pages(target, r.seg, r.start, r.end, &r.recycled, false, r.same_stream);
       if (const std::size_t target = over_cap(); target > 0)
         got += unmap_free_pages(target, r.seg, r.start, r.end, &r.recycled, true, r.same_stream);
-      if (got > 0) ++recycles_at_mark_;
+      if (got > 0) d_.memory_.note_recycle();
     } catch (...) {
       r.drop_recycled();  // the pages unmapped before the failure go back to the device
       throw;
     }
   }
-  if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) {
+  if (d_.memory_.over_cap(need)) {
     r.drop_recycled();
     return false;
   }
@@ -546,12 +438,12 @@ bool device_state::free_pages_for(expandable_request& r, world_lock& w) {
 // nothing else fits) is unmapped first, after its fence (a wait, counted);
 // not while a graph is captured (no event may be queried then): false, no
 // room.
-bool device_state::settle_retired_under(expandable_request& r) {
+bool expandable_segments::settle_retired_under(expandable_request& r) {
   segment& seg = *r.seg;
   const std::size_t first_page = (r.start - seg.base) / page_bytes_;
   const std::size_t end_page = (r.end - seg.base + page_bytes_ - 1) / page_bytes_;
   if (seg.pages.retired().empty() || !seg.pages.has_retired(first_page, end_page)) return true;
-  if (capture_underway()) {
+  if (d_.pools_.capture_underway()) {
     r.drop_recycled();
     return false;
   }
@@ -567,7 +459,7 @@ bool device_state::settle_retired_under(expandable_request& r) {
 // Step 3b. Maps the missing pages of the request, run by run of unmapped
 // pages: recycled handles first, then fresh ones. False when the device has
 // no page left (what was mapped stays, on the books, free).
-bool device_state::map_missing_pages(const alloc_params& p, expandable_request& r) {
+bool expandable_segments::map_missing_pages(const alloc_params& p, expandable_request& r) {
   segment& seg = *r.seg;
   const std::size_t page = page_bytes_;
   const std::size_t first_page = (r.start - seg.base) / page;
@@ -606,12 +498,12 @@ bool device_state::map_missing_pages(const alloc_params& p, expandable_request& 
       throw;
     }
     if (i > run_first)
-      announce(mapping_change::map, mapping_reason::pages_mapped, seg.base + run_first * page, (i - run_first) * page,
-               p.stream, true);
-    if (history_.active() && i > run_first) [[unlikely]]
-      history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
+      d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, seg.base + run_first * page,
+                           (i - run_first) * page, p.stream, true);
+    if (d_.history_.active() && i > run_first) [[unlikely]]
+      d_.history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
-      raise_reserved_high_water();
+      d_.memory_.raise_high_water();
       r.drop_recycled();
       return false;
     }
@@ -623,7 +515,7 @@ bool device_state::map_missing_pages(const alloc_params& p, expandable_request& 
 // fresh one; false when the device has none. On a failure the handle goes
 // back where it came from, unless its unmap failed too: then page i stays
 // mapped, on the books as a free mapped page, and the error is thrown.
-bool device_state::map_request_page(const alloc_params& p, expandable_request& r, std::size_t i) {
+bool expandable_segments::map_request_page(const alloc_params& p, expandable_request& r, std::size_t i) {
   segment& seg = *r.seg;
   const std::size_t page = page_bytes_;
   const stat_group g = group_of(p.pool);
@@ -637,7 +529,7 @@ bool device_state::map_request_page(const alloc_params& p, expandable_request& r
     h = r.recycled.back().handle;
     from = r.recycled.back().from;
     r.recycled.pop_back();
-  } else if (backend_.vm_create(device_, page, &h)) {
+  } else if (d_.backend_.vm_create(d_.device_, page, &h)) {
     fresh = true;
   } else {
     return false;
@@ -645,38 +537,38 @@ bool device_state::map_request_page(const alloc_params& p, expandable_request& r
   void* addr = reinterpret_cast<void*>(seg.base + i * page);
   bool mapped = false;
   try {
-    backend_.vm_map(device_, addr, page, h);
+    d_.backend_.vm_map(d_.device_, addr, page, h);
     mapped = true;
-    for (int peer : peers_) backend_.vm_set_access(device_, addr, page, peer);
+    for (int peer : peers_) d_.backend_.vm_set_access(d_.device_, addr, page, peer);
   } catch (...) {
     if (mapped) {
       try {
-        backend_.vm_unmap(device_, addr, page);  // the page must not stay mapped unknown to us
+        d_.backend_.vm_unmap(d_.device_, addr, page);  // the page must not stay mapped unknown to us
       } catch (...) {
         seg.pages.set_mapped(i, h);  // still mapped: keep it on the books (a free mapped page)
-        ++stats_.num_pages_mapped;
+        ++d_.stats_.num_pages_mapped;
         seg.mapped_bytes += page;
-        reserved_bytes_ += page;
-        count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
-        if (fresh) ++stats_.num_device_alloc;
+        d_.memory_.add_reserved(page);
+        count_up(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+        if (fresh) ++d_.stats_.num_device_alloc;
         throw;
       }
     }
     if (fresh) {
-      backend_.vm_release_handle(device_, h);
+      d_.backend_.vm_release_handle(d_.device_, h);
     } else {
       r.recycled.push_back({h, from});
     }
     throw;
   }
   seg.pages.set_mapped(i, h);
-  ++stats_.num_pages_mapped;
-  if (!fresh) ++stats_.num_pages_remapped;
-  if (!fresh && from != p.stream) stats_.bytes_moved_between_streams += static_cast<std::int64_t>(page);
+  ++d_.stats_.num_pages_mapped;
+  if (!fresh) ++d_.stats_.num_pages_remapped;
+  if (!fresh && from != p.stream) d_.stats_.bytes_moved_between_streams += static_cast<std::int64_t>(page);
   seg.mapped_bytes += page;
-  if (fresh) ++stats_.num_device_alloc;
-  reserved_bytes_ += page;
-  count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+  if (fresh) ++d_.stats_.num_device_alloc;
+  d_.memory_.add_reserved(page);
+  count_up(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
   if (fresh_start_us != 0) {
     if (const std::uint64_t t = r.clock_reading(); t > fresh_start_us) r.fresh_pages_us += t - fresh_start_us;
   }
@@ -689,7 +581,7 @@ bool device_state::map_request_page(const alloc_params& p, expandable_request& r
 // request starts past a retired page (consider_run), the block there (an
 // unmapped page below it: no merge took it either). Taken off its pool as
 // get_free_block does (take_found_block does the statistics).
-block* device_state::take_mapped_run(const expandable_request& r, std::size_t size) {
+block* expandable_segments::take_mapped_run(const expandable_request& r, std::size_t size) {
   block* b = r.first;
   while (b != nullptr && b->ptr + b->size <= r.start) b = b->next;
   if (b == nullptr) throw std::logic_error("ccalloc: internal error: the chosen run ends before its request");
@@ -710,15 +602,16 @@ block* device_state::take_mapped_run(const expandable_request& r, std::size_t si
 // waited for). A stream that allocated for a while and went quiet (a
 // short-lived side stream, a prefetch stream between bursts) thus hands its
 // mapped pages over whole.
-bool device_state::idle_reservation(segment& seg, const alloc_params& p) {
+bool expandable_segments::idle_reservation(segment& seg, const alloc_params& p) {
   const block_pool* pool = seg.head->pool;
-  if (!config_.reuse_across_streams || !config_.trim_on_new_peak || pool == p.pool || pool->priv != nullptr ||
-      p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 || capture_underway())
+  if (!d_.policy_.config().reuse_across_streams || !d_.policy_.config().trim_on_new_peak || pool == p.pool ||
+      pool->priv != nullptr || p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 ||
+      d_.pools_.capture_underway())
     return false;
   if (seg.busy_blocks != 0) return false;  // a block allocated or waiting for events
   if (!seg.pages.retired().empty()) return false;  // its stream's work may still use them
   for (block* x = seg.head; x != nullptr; x = x->next)
-    if (x->mapped && !fence_completed(x)) return false;
+    if (x->mapped && !d_.fences_.fence_completed(x)) return false;
   return true;
 }
 
@@ -726,7 +619,7 @@ bool device_state::idle_reservation(segment& seg, const alloc_params& p) {
 // its free mapped blocks change pools, every block changes stream. The old
 // stream's work on it has completed (its fences), so the blocks start with
 // no fence to wait for on the new stream (free_seq 0).
-void device_state::adopt_reservation(segment& seg, const alloc_params& p) {
+void expandable_segments::adopt_reservation(segment& seg, const alloc_params& p) {
   --seg.head->pool->owner->segments;
   ++p.pool->owner->segments;
   for (block* x = seg.head; x != nullptr; x = x->next) {
@@ -739,65 +632,75 @@ void device_state::adopt_reservation(segment& seg, const alloc_params& p) {
       p.pool->blocks.insert(x);
     }
   }
-  stats_.bytes_moved_between_streams += static_cast<std::int64_t>(seg.mapped_bytes);
-  if (mapping_.active()) [[unlikely]] {
+  d_.stats_.bytes_moved_between_streams += static_cast<std::int64_t>(seg.mapped_bytes);
+  if (d_.mapping_.active()) [[unlikely]] {
     for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
       const std::size_t n = std::max<std::size_t>(seg.pages.mapped_run(i), 1);
       if (seg.pages.mapped(i))
-        announce(mapping_change::move, mapping_reason::reservation_moved, seg.base + i * seg.page_bytes,
+        d_.mapping_.announce(mapping_change::move, mapping_reason::reservation_moved, seg.base + i * seg.page_bytes,
                  n * seg.page_bytes, p.stream, true);
       i += n;
     }
   }
 }
 
-void device_state::raise_reserved_high_water() noexcept {
-  if (reserved_bytes_ <= reserved_high_water_bytes_) return;
-  reserved_high_water_bytes_ = reserved_bytes_;
-  recycles_at_mark_ = 0;  // a new mark: recycling may start again (recycles_per_peak)
-}
-
-// The recycling time budget (recycle_budget.hpp; docs/design.md, "Note:
-// the recycling reserve").
-recycle_budget::source device_state::recycle_budget_now(bool large_peak) {
-  const auto from =
-      recycle_budget_.choose(config_.recycle_time_percent, large_peak, [&] { return backend_.host_time_us(); });
-  // choose() bounds the budget (refills) only between 1 and 99 percent: at 0
-  // (recycling off, e.g. lowered by set_config) it holds what it held.
-  CCALLOC_ASSERT_EXPENSIVE(config_.recycle_time_percent >= 100 || config_.recycle_time_percent == 0 ||
-                           recycle_budget_.within_bounds(config_.recycle_time_percent));
-  return from;
-}
-
-void device_state::spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us) {
-  if (from == recycle_budget::source::none) return;
-  const std::optional<std::uint64_t> now = backend_.host_time_us();
-  if (!now || *now <= start_us || *now - start_us <= excluded_us) return;
-  start_us += excluded_us;
-  // Refill first up to now (the budget fills while recycling runs too), then spend.
-  if (const std::optional<std::uint64_t> refill_at = backend_.host_time_us())
-    recycle_budget_.refill(config_.recycle_time_percent, *refill_at);
-  recycle_budget_.spend(from, config_.recycle_time_percent, static_cast<double>(*now - start_us));
-  CCALLOC_ASSERT_EXPENSIVE(config_.recycle_time_percent == 0 ||
-                           recycle_budget_.within_bounds(config_.recycle_time_percent));
-}
-
 // Releases the reservations of expandable segments that have no mapped page.
-void device_state::release_empty_expandable_segments() {
-  for (auto it = segments_.begin(); it != segments_.end();) {
+void expandable_segments::release_empty_expandable_segments() {
+  for (auto it = d_.segments_.begin(); it != d_.segments_.end();) {
     segment& seg = *it->second;
     if (!seg.expandable || seg.paused || seg.mapped_bytes != 0 || seg.head->next != nullptr ||
         !seg.pages.retired().empty()) {
       ++it;
       continue;
     }
-    backend_.vm_release(device_, reinterpret_cast<void*>(seg.base), seg.size);
-    count_down(stats_.segment, group_of(seg.head->pool), 1);
+    d_.backend_.vm_release(d_.device_, reinterpret_cast<void*>(seg.base), seg.size);
+    count_down(d_.stats_.segment, group_of(seg.head->pool), 1);
     if (seg.head->pool->priv != nullptr) --seg.head->pool->priv->segment_count;
     --seg.head->pool->owner->segments;
     seg.head->pool->owner->delete_block(seg.head);
-    it = segments_.erase(it);
+    it = d_.segments_.erase(it);
   }
+}
+
+// Whether `need` bytes of new pages may fit at all (rather than create pages
+// until the device refuses): not more than the device or the cap, nor, for a
+// large request, more than the device has free plus what this allocator
+// could give back. Checked before a new reservation: a failed request leaves
+// the segment counts as they were.
+bool expandable_segments::could_map(std::size_t need) {
+  if (need > d_.memory_.allowed()) return false;
+  if (need >= free_memory_check_bytes) {
+    std::size_t free_pages_bytes = 0;
+    for (auto& [base, up] : d_.segments_)
+      if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
+    if (need > d_.backend_.mem_get_info(d_.device_).free_bytes + free_pages_bytes) return false;
+  }
+  return true;
+}
+
+// The recycling time budget (recycle_budget.hpp; docs/design.md, "Note:
+// the recycling reserve").
+recycle_budget::source expandable_segments::recycle_budget_now(bool large_peak) {
+  const auto percent = d_.policy_.config().recycle_time_percent;
+  const auto from = recycle_budget_.choose(percent, large_peak, [&] { return d_.backend_.host_time_us(); });
+  // choose() bounds the budget (refills) only between 1 and 99 percent: at 0
+  // (recycling off, e.g. lowered by set_config) it holds what it held.
+  CCALLOC_ASSERT_EXPENSIVE(percent >= 100 || percent == 0 || recycle_budget_.within_bounds(percent));
+  return from;
+}
+
+void expandable_segments::spend_recycle_time(recycle_budget::source from, std::uint64_t start_us,
+                                             std::uint64_t excluded_us) {
+  if (from == recycle_budget::source::none) return;
+  const auto percent = d_.policy_.config().recycle_time_percent;
+  const std::optional<std::uint64_t> now = d_.backend_.host_time_us();
+  if (!now || *now <= start_us || *now - start_us <= excluded_us) return;
+  start_us += excluded_us;
+  // Refill first up to now (the budget fills while recycling runs too), then spend.
+  if (const std::optional<std::uint64_t> refill_at = d_.backend_.host_time_us())
+    recycle_budget_.refill(percent, *refill_at);
+  recycle_budget_.spend(from, percent, static_cast<double>(*now - start_us));
+  CCALLOC_ASSERT_EXPENSIVE(percent == 0 || recycle_budget_.within_bounds(percent));
 }
 
 }  // namespace ccalloc::detail

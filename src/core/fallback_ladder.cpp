@@ -46,19 +46,19 @@ struct fence_stream_scope {
 };
 }  // namespace
 
-bool device_state::can_record_on(const stream_state& ss) const noexcept {
+bool device_fences::can_record_on(const stream_state& ss) const noexcept {
   if (ss.gone) return false;  // destroyed: stream_destroyed
-  return ss.stream == default_stream || (tls_fence_stream.device == this && tls_fence_stream.stream == ss.stream);
+  return ss.stream == default_stream || (tls_fence_stream.device == &d_ && tls_fence_stream.stream == ss.stream);
 }
 
 // The slow path, with the whole device locked. A request that fails (host
 // out of memory on the way: std::bad_alloc from any host allocation, the
 // backend's included) gives back the segment or reservation it made, with
-// its pages (made_, discard_made_segment): the segment counts, reserved
+// its pages (device_memory::made_segment, discard_made_segment): the segment counts, reserved
 // memory, pools and page tables are as before (SPEC R5). Pages it recycled
 // from other free blocks on the way stay returned to the device.
 block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
-  made_ = {};
+  memory_.clear_made();
   try {
     return climb_ladder(p, w);
   } catch (...) {
@@ -85,13 +85,12 @@ block* device_state::take_from_rung(alloc_params& p) {
   }
 }
 
-// What the failed request `p` made (made_): a segment or reservation with no
+// What the failed request `p` made (device_memory::take_made): a segment or reservation with no
 // block in use goes back to the device, off the books; the reserved-memory
 // mark comes back down. Device errors on the way are ignored (the request
 // reports its own failure).
 void device_state::discard_made_segment(const alloc_params& p) noexcept {
-  const made_segment made = made_;
-  made_ = {};
+  const device_memory::made_segment made = memory_.take_made();
   if (made.owner != &p) return;
   const auto it = segments_.find(made.base);
   if (it == segments_.end()) return;  // released on the way (rung 5)
@@ -99,15 +98,15 @@ void device_state::discard_made_segment(const alloc_params& p) noexcept {
   for (const block* b = seg.head; b != nullptr; b = b->next)
     if (!b->is_free()) return;  // in use (never: the request failed)
   if (seg.expandable) {
-    discard_reservation(seg);
+    expandable_.discard_reservation(seg);
   } else {
     block* b = seg.head;
     if (b->next != nullptr) return;  // split (never: take_found_block failed before)
-    announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
+    mapping_.announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
     try {
       release_segment_memory(seg);
     } catch (...) {  // the device refuses: the segment stays cached
-      announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
+      mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
       try {
         if (!b->pool->blocks.contains(b)) b->pool->blocks.insert(b);
       } catch (...) {  // no slot: the segment is lost to the cache; nothing to report to
@@ -122,10 +121,7 @@ void device_state::discard_made_segment(const alloc_params& p) noexcept {
     }
     forget_segment(b, stats_);
   }
-  if (reserved_high_water_bytes_ > made.high_water_bytes) {
-    reserved_high_water_bytes_ = std::max(made.high_water_bytes, reserved_bytes_);
-    if (reserved_high_water_bytes_ == made.high_water_bytes) recycles_at_mark_ = made.recycles_at_mark;
-  }
+  memory_.restore_mark(made);
 }
 
 // allocate_slow's rungs, each a function below, in the order of the picture
@@ -150,12 +146,12 @@ struct climb {
 void prepare_climb(climb& c) {
   device_state& d = c.d;
   d.publish_all_pending_stats(c.w);
-  c.capturing = d.capture_underway();
+  c.capturing = d.pools_.capture_underway();
   if (!c.capturing) {
-    d.process_events_locked();
-    if (!d.deferred_frees_.empty()) d.flush_deferred_frees();
-    if (d.page_bytes_ != 0 && d.config_.expandable_segments) d.fence_streams(c.w);
-    d.settle_retired(false);  // deferred unmaps whose fence has completed
+    d.events_.process_events_locked();
+    if (!d.pools_.deferred_frees().empty()) d.pools_.flush_deferred_frees();
+    if (d.expandable_.page_bytes() != 0 && d.policy_.config().expandable_segments) d.fences_.fence_streams(c.w);
+    d.expandable_.settle_retired(false);  // deferred unmaps whose fence has completed
   }
   if (c.p.pool->blocks.owes()) c.p.pool->blocks.repay();
 }
@@ -170,13 +166,13 @@ void prepare_climb(climb& c) {
 bool cannot_fit(climb& c) {
   device_state& d = c.d;
   if (c.custom) return false;
-  if (c.p.size > (d.set_fraction_ ? d.allowed_bytes_ : d.device_total_bytes_)) return true;
+  if (c.p.size > (d.memory_.capped() ? d.memory_.allowed() : d.memory_.total())) return true;
   if (c.p.size < free_memory_check_bytes) return false;
   const auto live = static_cast<std::size_t>(
       std::max<std::int64_t>(0, d.stats_.allocated_bytes[static_cast<std::size_t>(stat_group::all)].current));
-  const std::size_t held_beyond_live = d.reserved_bytes_ > live ? d.reserved_bytes_ - live : 0;
+  const std::size_t held_beyond_live = d.memory_.reserved() > live ? d.memory_.reserved() - live : 0;
   std::size_t could_get = d.backend_.mem_get_info(d.device_).free_bytes + held_beyond_live;
-  if (d.set_fraction_) could_get = std::min(could_get, d.allowed_bytes_ > live ? d.allowed_bytes_ - live : 0);
+  if (d.memory_.capped()) could_get = std::min(could_get, d.memory_.allowed() > live ? d.memory_.allowed() - live : 0);
   return c.p.size > could_get;
 }
 
@@ -185,7 +181,7 @@ block* rung_cached_block(climb& c) { return c.d.get_free_block(c.p) ? c.d.take_f
 
 // Rung 2: above the garbage-collection threshold, release old cached blocks.
 void rung_garbage_collection(climb& c) {
-  if (c.d.config_.garbage_collection_threshold > 0.0 && !c.capturing) c.d.garbage_collect_cached_blocks(c.w);
+  if (c.d.policy_.config().garbage_collection_threshold > 0.0 && !c.capturing) c.d.garbage_collect_cached_blocks(c.w);
 }
 
 // Rungs 3 and 5 with expandable segments (B7, X3): place the request in the
@@ -194,22 +190,22 @@ void rung_garbage_collection(climb& c) {
 // every free page, retry. Then (no block) every free page goes back.
 block* rung_expandable(climb& c) {
   device_state& d = c.d;
-  d.no_address_space_ = false;
+  d.expandable_.clear_no_address_space();
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt == 1 && d.get_free_block(c.p)) return d.take_from_rung(c.p);
-    if (d.alloc_expandable(c.p, false, c.w) ||
+    if (d.expandable_.alloc_expandable(c.p, false, c.w) ||
         (d.release_cached_blocks(c.w, /*for_retry=*/true) &&
-         (d.get_free_block(c.p) || d.alloc_expandable(c.p, true, c.w))))
+         (d.get_free_block(c.p) || d.expandable_.alloc_expandable(c.p, true, c.w))))
       return d.take_from_rung(c.p);
-    if (d.no_address_space_) break;
-    if (!d.wait_for_completions_in_flight(c.w)) break;  // X7
+    if (d.expandable_.no_address_space()) break;
+    if (!d.events_.wait_for_completions_in_flight(c.w)) break;  // X7
   }
   // The retry kept the pages of the chosen run mapped: give them back too.
   if (!c.capturing) {
-    d.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
-    d.settle_retired(true);
+    d.expandable_.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
+    d.expandable_.settle_retired(true);
   }
-  d.release_empty_expandable_segments();
+  d.expandable_.release_empty_expandable_segments();
   return nullptr;
 }
 
@@ -219,9 +215,10 @@ block* rung_expandable(climb& c) {
 // to the device: the peak grows by less.
 block* rung_trim_on_new_peak(climb& c) {
   device_state& d = c.d;
-  if (!d.config_.trim_on_new_peak || c.capturing || d.reserved_bytes_ + c.p.alloc_size <= d.reserved_high_water_bytes_)
+  if (!d.policy_.config().trim_on_new_peak || c.capturing ||
+      d.memory_.reserved() + c.p.alloc_size <= d.memory_.high_water())
     return nullptr;
-  if (d.config_.reuse_across_streams && c.p.pool->priv == nullptr && d.adopt_idle_segment(c.p, c.w))
+  if (d.policy_.config().reuse_across_streams && c.p.pool->priv == nullptr && d.adopt_idle_segment(c.p, c.w))
     return d.take_from_rung(c.p);
   d.release_unused_segments(c.w, /*keep_going=*/true);
   return nullptr;
@@ -235,14 +232,14 @@ block* rung_new_segment(climb& c) {
   device_state& d = c.d;
   const bool priv = c.p.pool->priv != nullptr;
   for (int attempt = 0; attempt < 2; ++attempt) {
-    if (attempt == 1 && d.caching_ && d.get_free_block(c.p)) return d.take_from_rung(c.p);
+    if (attempt == 1 && d.policy_.caching() && d.get_free_block(c.p)) return d.take_from_rung(c.p);
     if (d.alloc_segment(c.p, false, c.w) ||
-        (d.caching_ && !priv && !c.capturing && d.release_available_cached_blocks(c.p) &&
+        (d.policy_.caching() && !priv && !c.capturing && d.release_available_cached_blocks(c.p) &&
          d.alloc_segment(c.p, false, c.w)) ||
         (d.release_cached_blocks(c.w, /*for_retry=*/true) &&
-         ((d.caching_ && d.get_free_block(c.p)) || d.alloc_segment(c.p, true, c.w))))
+         ((d.policy_.caching() && d.get_free_block(c.p)) || d.alloc_segment(c.p, true, c.w))))
       return d.take_from_rung(c.p);
-    if (!d.wait_for_completions_in_flight(c.w)) break;  // X7: blocks another thread is returning
+    if (!d.events_.wait_for_completions_in_flight(c.w)) break;  // X7: blocks another thread is returning
   }
   return nullptr;
 }
@@ -250,8 +247,8 @@ block* rung_new_segment(climb& c) {
 // Rung 5b (F22): a free block of a pool that lends on OOM. Rung 6: the
 // out-of-memory error (observers run unlocked).
 block* rung_out_of_memory(climb& c) {
-  c.d.made_ = {};  // released by now
-  if (c.d.try_use_on_oom_pools(c.p, c.w)) return c.d.take_from_rung(c.p);
+  c.d.memory_.clear_made();  // released by now
+  if (c.d.pools_.try_use_on_oom_pools(c.p, c.w)) return c.d.take_from_rung(c.p);
   c.d.throw_out_of_memory(c.p, c.w);
 }
 
@@ -265,18 +262,18 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
   climb c{*this, p, w, false, custom};
   prepare_climb(c);
   if (cannot_fit(c)) return rung_out_of_memory(c);
-  if (caching_) {
+  if (policy_.caching()) {
     if (block* b = rung_cached_block(c)) return b;
     rung_garbage_collection(c);
     // A named tag's memory is always in reservations where the backend has
     // virtual memory, whatever expandable_segments says: pause releases
     // its pages and resume maps them again at the same addresses.
     const bool tagged = p.pool->priv != nullptr && p.pool->priv->tag != default_tag_id;
-    if ((config_.expandable_segments || tagged) && page_bytes_ != 0 && !custom) {
+    if ((policy_.config().expandable_segments || tagged) && expandable_.page_bytes() != 0 && !custom) {
       if (block* b = rung_expandable(c)) return b;
       // Out of address space (a new reservation was refused, e.g. with very
       // many streams): this request gets a plain segment instead.
-      if (!no_address_space_) return rung_out_of_memory(c);
+      if (!expandable_.no_address_space()) return rung_out_of_memory(c);
     }
     if (block* b = rung_trim_on_new_peak(c)) return b;
   }
@@ -289,7 +286,7 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
 bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) {
   if (is_retry) ++stats_.num_alloc_retries;
   const std::size_t size = p.alloc_size;
-  if (set_fraction_ && reserved_bytes_ + size > allowed_bytes_) return false;
+  if (memory_.over_cap(size)) return false;
   void* ptr = nullptr;
   private_pool* const pp = p.pool->priv;
   auto device_malloc = [&] {
@@ -306,7 +303,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   // its block and the remainder's (take_found_block splits it).
   auto fresh = std::make_unique<segment>();
   p.owner->reserve_spare_blocks(2);
-  if (config_.release_lock_on_cudamalloc) {
+  if (policy_.config().release_lock_on_cudamalloc) {
     // B8: other threads may use the cache while the device mallocs.
     w.unlock();
     try {
@@ -323,7 +320,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
     }
     publish_all_pending_stats(w);
     // The cap may have been reached meanwhile by another thread.
-    if (ptr != nullptr && set_fraction_ && reserved_bytes_ + size > allowed_bytes_) {
+    if (ptr != nullptr && memory_.over_cap(size)) {
       device_free();
       return false;
     }
@@ -340,19 +337,19 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
     throw;
   }
   segment& seg = *added;
-  made_ = {&p, seg.base, reserved_high_water_bytes_, recycles_at_mark_};
+  memory_.note_made(&p, seg.base);
   ++p.pool->plain_segments;
   block* b = seg.head;
-  seg.oversize = size >= config_.max_split_size_bytes;
+  seg.oversize = size >= policy_.config().max_split_size_bytes;
 
   const stat_group g = group_of(p.pool);
   count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
   if (b->seg->oversize) stats_.oversize_segments.increase(1);
   ++stats_.num_device_alloc;
-  reserved_bytes_ += size;
-  raise_reserved_high_water();
+  memory_.add_reserved(size);
+  memory_.raise_high_water();
   p.found = b;
-  announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, size, p.stream, false);
+  mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, size, p.stream, false);
   if (history_.active()) [[unlikely]]
     history_.record_segment_alloc(b->ptr, size, p.stream);
   return true;
@@ -400,7 +397,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
     for (auto i = pool.blocks.lower_bound(p.size); i != block_index::end(); i = pool.blocks.next(i)) {
       block* b = pool.blocks.at(i);
       if (b->is_split()) continue;
-      if (!oversize_rules_allow(p.size, b->size)) break;
+      if (!policy_.oversize_rules_allow(p.size, b->size)) break;
       if (best == nullptr || b->size < best->size) best = b;
       break;  // the smallest whole segment of this pool that fits
     }
@@ -408,7 +405,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   if (best == nullptr) return false;
   // Its stream may still use it: wait for its fence (counted), cheaper than
   // the alternative's cudaFree, which synchronizes the whole device.
-  await_fence(best, page_fences::wait_reason::adopt_segment);
+  fences_.await_fence(best, page_fences::wait_reason::adopt_segment);
   stats_.bytes_moved_between_streams += static_cast<std::int64_t>(best->size);
   best->pool->blocks.erase(best);
   --best->pool->plain_segments;
@@ -426,7 +423,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
 // Rung 4 (only with max_split_size set): free the smallest cached oversize
 // block that covers the request, else the largest ones until enough is freed.
 bool device_state::release_available_cached_blocks(const alloc_params& p) {
-  const std::size_t max_split = config_.max_split_size_bytes;
+  const std::size_t max_split = policy_.config().max_split_size_bytes;
   if (max_split == std::numeric_limits<std::size_t>::max()) return false;
   block_pool& pool = *p.pool;
   const std::size_t wanted = std::max(p.size, max_split);
@@ -456,15 +453,15 @@ bool device_state::release_available_cached_blocks(const alloc_params& p) {
 // Private pools without users give back their cached segments too. Nothing
 // while a capture is underway (waiting and freeing are not allowed then).
 bool device_state::release_cached_blocks(const world_lock& w, bool for_retry) {
-  if (capture_underway()) return false;
-  flush_deferred_frees();
-  synchronize_and_free_events();
+  if (pools_.capture_underway()) return false;
+  pools_.flush_deferred_frees();
+  events_.synchronize_and_free_events();
   release_unused_segments(w, for_retry);
-  release_dead_pools(w, for_retry);
-  unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
-  settle_retired(true);  // deferred unmaps: the reservations may go
-  release_empty_expandable_segments();
-  delete_empty_dead_pools(w);
+  pools_.release_dead_pools(w, for_retry);
+  expandable_.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
+  expandable_.settle_retired(true);  // deferred unmaps: the reservations may go
+  expandable_.release_empty_expandable_segments();
+  pools_.delete_empty_dead_pools(w);
   return true;
 }
 
@@ -505,7 +502,7 @@ void device_state::release_block(block* b, device_stats& st) {
 
 // The books of a segment the device has taken back; `b` is its only block.
 void device_state::forget_segment(block* b, device_stats& st) noexcept {
-  CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= reserved_bytes_);
+  CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= memory_.reserved());
   if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
   --b->pool->plain_segments;
   --b->pool->owner->segments;
@@ -514,7 +511,7 @@ void device_state::forget_segment(block* b, device_stats& st) noexcept {
   count_down(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
   if (b->seg->oversize) st.oversize_segments.decrease(1);
   ++st.num_device_free;
-  reserved_bytes_ -= b->size;
+  memory_.remove_reserved(b->size);
   b->pool->blocks.erase(b);
   segments_.erase(b->seg->base);
   b->pool->owner->delete_block(b);
@@ -532,11 +529,11 @@ void device_state::release_segment_memory(segment& seg) {
 // before, mapped again if the device refuses (then nothing has changed).
 void device_state::release_segment_memory_announced(segment& seg) {
   const block& b = *seg.head;
-  announce(mapping_change::unmap, mapping_reason::segment_free, seg.base, seg.size, b.stream, false);
+  mapping_.announce(mapping_change::unmap, mapping_reason::segment_free, seg.base, seg.size, b.stream, false);
   try {
     release_segment_memory(seg);
   } catch (...) {
-    announce(mapping_change::map, mapping_reason::segment_alloc, seg.base, seg.size, b.stream, false);
+    mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, seg.base, seg.size, b.stream, false);
     throw;
   }
 }
@@ -547,11 +544,11 @@ void device_state::release_segment_memory_announced(segment& seg) {
 // pointer live (the caller gets the backend_error).
 void device_state::free_uncached(block* b, stream_state& ss) {
   std::lock_guard device_lock(device_mutex_);
-  announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
+  mapping_.announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
   try {
     backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
   } catch (...) {
-    announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
+    mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
     throw;
   }
   if (history_.active()) [[unlikely]]
@@ -580,9 +577,9 @@ void device_state::free_uncached(block* b, stream_state& ss) {
 // ignores it then; SPEC X6).
 void device_state::garbage_collect_cached_blocks(const world_lock& w) {
   const auto threshold =
-      static_cast<std::size_t>(config_.garbage_collection_threshold * static_cast<double>(allowed_bytes_));
-  if (reserved_bytes_ <= threshold) return;
-  const std::size_t target = reserved_bytes_ - threshold;
+      static_cast<std::size_t>(policy_.config().garbage_collection_threshold * static_cast<double>(memory_.allowed()));
+  if (memory_.reserved() <= threshold) return;
+  const std::size_t target = memory_.reserved() - threshold;
 
   // A free mapped block of an expandable segment holding at least one whole page.
   const auto has_whole_page = [](const block* b) {
@@ -618,9 +615,9 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
           // cuMemUnmap does not wait for queued work: the block's page fence
           // must have completed. The threshold is a cap, so this rung may
           // wait for it (counted in num_device_synchronizations).
-          await_fence(b, page_fences::wait_reason::garbage_collection);
+          fences_.await_fence(b, page_fences::wait_reason::garbage_collection);
           unmapped = true;
-          reclaimed += unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
+          reclaimed += expandable_.unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
         } else {
           reclaimed += b->size;
           release_block(b, stats_);
@@ -638,9 +635,32 @@ void device_state::garbage_collect_cached_blocks(const world_lock& w) {
     // completed now, was recorded after the old one's: settled here without
     // waiting, as the next slow path would, so that reserved memory again
     // equals the segments' mapped bytes when this malloc returns.
-    settle_retired(false);
-    release_empty_expandable_segments();
+    expandable_.settle_retired(false);
+    expandable_.release_empty_expandable_segments();
   }
+}
+
+block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss,
+                                              world_lock& w) {
+  if (pp.tag != default_tag_id && tags_.tag_paused(pp.tag))
+    throw invalid_argument_error("ccalloc: malloc of " + std::to_string(requested_bytes) + " bytes under tag '" +
+                                 tag_name(pp.tag) + "' on device " + std::to_string(device_) +
+                                 ": the tag is paused; resume it first (or allocate under another tag)");
+  struct unpin {
+    std::atomic<int>& n;
+    ~unpin() { n.fetch_sub(1, std::memory_order_release); }
+  };
+  pp.pinned.fetch_add(1, std::memory_order_relaxed);
+  unpin guard{pp.pinned};
+  alloc_params p;
+  policy_.prepare(p, requested_bytes, ss);
+  p.pool = &pools_.pool_in(pp, ss, p.pool->is_small);
+  return allocate_slow(p, w);
+}
+
+block* device_state::allocate_tagged(std::size_t requested_bytes, stream_state& ss, tag_id tag) {
+  world_lock w(*this);
+  return allocate_in_private_pool(tags_.tag_pool(tag), requested_bytes, ss, w);
 }
 
 }  // namespace ccalloc::detail

@@ -12,37 +12,41 @@
 //                               stream lock (detail/thread_cache_fast.hpp); a miss returns
 //                               the thread's parked blocks to their pools first
 //     malloc_impl               size 0 or too large: throw_out_of_memory at once (F2)
-//     device_state::allocate
-//     allocate_unusual          only if events are pending or a pool is active:
-//       process_events            (events.cpp; not while a capture is underway) device lock, then stream locks
-//       scopes_.routed            (pool_scopes.hpp) begin_allocate_to_pool's newest matching filter [device lock]
-//         -> allocate_slow with the private pool's (stream, pool)       [world lock]
+//     device_state::allocate                                          [stream lock]
 //       stream_for                the stream's state (thread-local cache, else registry)
-//       prepare                   round_size, pool, allocation_size: B1, B2   [stream lock]
-//       get_free_block            -- rung 1: best fit in (stream, pool)       [likely]
+//       prepare_search, find_free_block
+//                                 best fit in (stream, pool): B1-B3 (placement_policy.hpp)
 //       take_found_block          split if worth it, stats via stats_sink
-//     allocate_slow             (fallback_ladder.cpp)                  [world lock]
-//       climb_ladder: one chain of named rungs, each returns a block or goes on
-//       prepare_climb             events, deferred frees, page fences, deferred unmaps
-//       cannot_fit                -- rung 0: more than the device could give: rung 6 at once
-//       rung_cached_block         -- rung 1 again (another thread may have freed)
-//       rung_garbage_collection   -- rung 2: above the GC threshold
-//       rung_expandable           -- rungs 3 and 5 with expandable segments:
-//                                    alloc_expandable (expandable_segments.cpp), then
-//                                    release_cached_blocks + alloc_expandable
-//       rung_trim_on_new_peak     -- rung 3a: adopt_idle_segment, release_unused_segments
-//       rung_new_segment          -- rung 3: alloc_segment; rung 4:
-//                                    release_available_cached_blocks + alloc_segment;
-//                                    rung 5: release_cached_blocks + alloc_segment
-//       rung_out_of_memory        -- rung 5b: try_use_on_oom_pools (F22; private_pools.cpp);
-//                                    rung 6: throw_out_of_memory (B6, out_of_memory.cpp;
-//                                    observers called unlocked)
+//     allocate_unusual          instead, only if events are pending or a pool scope is active:
+//       process_events            (events.cpp; not while a capture is underway) device lock, then stream locks
+//       pools_.scopes().routed    (pool_scopes.hpp) begin_allocate_to_pool's newest matching filter [device lock]
+//         -> allocate_slow with the private pool's (stream, pool)       [world lock]
+//       then as allocate
+//     allocate_slow             on a miss (fallback_ladder.cpp)        [world lock]
+//       climb_ladder: one chain of named rungs; each returns a block or the chain goes on:
+//         prepare_climb           events, deferred frees, page fences, deferred unmaps
+//         cannot_fit              more than the device could give: to rung_out_of_memory
+//         if caching (not no-caching mode):
+//           rung_cached_block       best fit again (another thread may have freed)
+//           rung_garbage_collection above the GC threshold
+//           if expandable segments (or a named tag) on a backend with virtual memory:
+//             rung_expandable       alloc_expandable (expandable_segments.cpp), then
+//                                   release_cached_blocks + alloc_expandable
+//             if that failed with address space left: to rung_out_of_memory;
+//             out of address space: on to plain segments below
+//           rung_trim_on_new_peak   adopt_idle_segment, release_unused_segments
+//         rung_new_segment        alloc_segment; release_available_cached_blocks +
+//                                 alloc_segment; release_cached_blocks + best fit again
+//                                 (the events it waited for may have freed and merged a
+//                                 block that fits) or alloc_segment
+//         rung_out_of_memory      try_use_on_oom_pools (F22; private_pools.cpp), then
+//                                 throw_out_of_memory (B6, out_of_memory.cpp; observers
+//                                 called unlocked)
 //   While a capture is underway (a begin_allocate_to_pool active and a stream
 //   seen allocating during it capturing: capture_underway) the ladder
-//   neither queries nor waits for events nor frees device memory: rungs 2,
-//   3a, 4 and 5 are skipped. A scope without a capture changes nothing here.
-//   Rung 5 searches the pool again before its device malloc: the events it
-//   waited for may have freed and merged a block that fits.
+//   neither queries nor waits for events nor frees device memory: garbage
+//   collection, trimming and the releases are skipped. A scope without a
+//   capture changes nothing here.
 //
 // Free call tree:
 //
@@ -167,22 +171,22 @@ CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 [[gnu::noinline]] block* allocate_locked(device_state& d, std::size_t requested_bytes, stream_state& ss) {
   world_lock w(d);
   alloc_params p;
-  d.prepare(p, requested_bytes, ss);
+  d.policy_.prepare(p, requested_bytes, ss);
   return d.allocate_slow(p, w);
 }
 }  // namespace
 
 block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
-  if ((pending_event_count_.load(std::memory_order_relaxed) | scopes_.depth() |
+  if ((events_.pending_count() | pools_.scopes().depth() |
        tls_current_tag) != 0) [[unlikely]]
     return allocate_unusual(requested_bytes, stream);
-  stream_state& ss = stream_for(stream);
+  stream_state& ss = registry_.stream_for(stream);
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
-    prepare_search(p, requested_bytes, ss);
+    policy_.prepare_search(p, requested_bytes, ss);
     // Rung 1: a cached block of this stream and pool.
-    if (caching_) [[likely]] {
+    if (policy_.caching()) [[likely]] {
       if (const block_index::position at = find_free_block(p); !at.is_end()) [[likely]] {
         stats_sink sink(*this, ss);
         return note_reusable(take_found_block(p, sink.get(), at), ss);
@@ -194,19 +198,20 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
 
 // allocate when events are pending or a begin_allocate_to_pool is active.
 [[gnu::noinline]] block* device_state::allocate_unusual(std::size_t requested_bytes, stream_t stream) {
-  stream_state& ss = stream_for(stream);  // first: a stream it refuses leaves everything as it was
-  const bool scoped = scopes_.active();
-  if (scoped) note_if_capturing(stream);
-  if (!capture_underway()) process_events();  // never while capturing: event queries are not allowed then
+  stream_state& ss = registry_.stream_for(stream);  // first: a stream it refuses leaves everything as it was
+  const bool scoped = pools_.scopes().active();
+  if (scoped) pools_.note_if_capturing(stream);
+  // Never while capturing: event queries are not allowed then.
+  if (!pools_.capture_underway()) events_.process_events();
   if (scoped) {
     bool routed = false;
     {
       std::lock_guard device_lock(device_mutex_);
-      routed = scopes_.routed(stream) != nullptr;
+      routed = pools_.scopes().routed(stream) != nullptr;
     }
     if (routed) {
       world_lock w(*this);
-      if (private_pool* pp = scopes_.routed(stream)) {  // again: it may have ended meanwhile
+      if (private_pool* pp = pools_.scopes().routed(stream)) {  // again: it may have ended meanwhile
         if (pp->use_count == 0)
           throw invalid_argument_error("ccalloc: allocation on stream " + std::to_string(stream) +
                                        " is routed by begin_allocate_to_pool to private pool " + to_string(pp->id) +
@@ -220,8 +225,8 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
-    prepare_search(p, requested_bytes, ss);
-    if (caching_) {
+    policy_.prepare_search(p, requested_bytes, ss);
+    if (policy_.caching()) {
       if (const block_index::position at = find_free_block(p); !at.is_end()) {
         stats_sink sink(*this, ss);
         return note_reusable(take_found_block(p, sink.get(), at), ss);
@@ -231,33 +236,32 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   return allocate_locked(*this, requested_bytes, ss);
 }
 
-namespace {
 // The registry's entry of `stream`, made if new; cached for this thread. [registry]
-stream_state& registered_slot(device_state& d, stream_t stream) {
-  auto it = d.streams_.find(stream);
-  if (it == d.streams_.end()) {
+stream_state& stream_registry::registered_slot(stream_t stream) {
+  auto it = streams_.find(stream);
+  if (it == streams_.end()) {
     // Made before it is entered: out of host memory, the registry stays as
     // it was (an empty entry left behind was dereferenced later).
     auto fresh = std::make_unique<stream_state>(stream);
-    it = d.streams_.emplace(stream, std::move(fresh)).first;
+    it = streams_.emplace(stream, std::move(fresh)).first;
     auto& slot = it->second;
-    if (stream != default_stream && d.streams_.size() >= 2 && d.page_bytes_ != 0)
-      slot->fence_free_bytes = d.page_bytes_;
-    if (d.streams_.size() == 2) {
+    const std::size_t page = d_.expandable_.page_bytes();
+    if (stream != default_stream && streams_.size() >= 2 && page != 0) slot->fence_free_bytes = page;
+    if (streams_.size() == 2) {
       // The first stream kept its statistics pending without a lock; publish
       // them before two streams can publish independently. Its frees of
       // pages may now be wanted by another stream (free_records_fence).
-      for (auto& [other_stream, other] : d.streams_) {
+      for (auto& [other_stream, other] : streams_) {
         if (other.get() == slot.get()) continue;
         std::lock_guard other_lock(other->mutex);
-        std::lock_guard stats_lock(d.stats_mutex_);
-        publish_pending_stats(d.stats_, *other);
-        if (other_stream != default_stream && d.page_bytes_ != 0) other->fence_free_bytes = d.page_bytes_;
-        d.single_stream_.store(false, std::memory_order_relaxed);
+        std::lock_guard stats_lock(d_.stats_mutex_);
+        publish_pending_stats(d_.stats_, *other);
+        if (other_stream != default_stream && page != 0) other->fence_free_bytes = page;
+        single_stream_.store(false, std::memory_order_relaxed);
       }
     }
   }
-  tls_stream_cache = {d.stream_cache_key_.load(std::memory_order_relaxed), stream, it->second.get()};
+  tls_stream_cache = {cache_key_.load(std::memory_order_relaxed), stream, it->second.get()};
   return *it->second;
 }
 
@@ -267,34 +271,33 @@ stream_state& registered_slot(device_state& d, stream_t stream) {
 // free. A destroyed stream's handle that the backend reports live again is
 // a new stream (CUDA reuses handles; the CUDA backend cannot tell, and says
 // live).
-[[gnu::noinline]] stream_state& registered_stream(device_state& d, stream_t stream) {
+[[gnu::noinline]] stream_state& stream_registry::registered_stream(stream_t stream) {
   {
-    std::lock_guard lock(d.registry_mutex_);
-    const auto known = d.streams_.find(stream);
-    const bool met = known != d.streams_.end();
-    if (met && !known->second->gone) return registered_slot(d, stream);
-    if (!d.backend_.is_stream(d.device_, stream))  // one message, remembered or forgotten (forget_gone_streams)
+    std::lock_guard lock(registry_mutex_);
+    const auto known = streams_.find(stream);
+    const bool met = known != streams_.end();
+    if (met && !known->second->gone) return registered_slot(stream);
+    if (!d_.backend_.is_stream(d_.device_, stream))  // one message, remembered or forgotten (forget_gone_streams)
       throw invalid_argument_error("ccalloc: malloc on stream " + std::to_string(stream) + " of device " +
-                                   std::to_string(d.device_) +
+                                   std::to_string(d_.device_) +
                                    ", which is not a live stream of that device (never created, or destroyed)");
-    if (!met) return registered_slot(d, stream);
+    if (!met) return registered_slot(stream);
   }
-  d.set_stream_gone(stream, false);  // made again; the world lock takes the registry's lock
-  std::lock_guard lock(d.registry_mutex_);
-  return registered_slot(d, stream);
+  set_stream_gone(stream, false);  // made again; the world lock takes the registry's lock
+  std::lock_guard lock(registry_mutex_);
+  return registered_slot(stream);
 }
-}  // namespace
 
-void device_state::forget_thread_stream() noexcept { tls_stream_cache = {}; }
+void stream_registry::forget_thread_stream() noexcept { tls_stream_cache = {}; }
 
-stream_state& device_state::stream_for(stream_t stream) {
+stream_state& stream_registry::stream_for(stream_t stream) {
   const stream_cache_entry& c = tls_stream_cache;
-  if (c.owner_id == stream_cache_key_.load(std::memory_order_relaxed) && c.stream == stream) [[likely]]
+  if (c.owner_id == cache_key_.load(std::memory_order_relaxed) && c.stream == stream) [[likely]]
     return *c.state;
-  return registered_stream(*this, stream);
+  return registered_stream(stream);
 }
 
-void device_state::prepare_search(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
+void placement_policy::prepare_search(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
   p.requested_bytes = requested_bytes;
   p.stream = ss.stream;
   p.owner = &ss;
@@ -303,14 +306,14 @@ void device_state::prepare_search(alloc_params& p, std::size_t requested_bytes, 
   p.found = nullptr;
 }
 
-void device_state::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
+void placement_policy::prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept {
   prepare_search(p, requested_bytes, ss);
   p.alloc_size = allocation_size(p.size);
 }
 
 // B1: 512-byte multiples, or the next of `divisions` equal steps between two
 // powers of two (roundup_power2_divisions).
-std::size_t device_state::round_size(std::size_t size) const noexcept {
+std::size_t placement_policy::round_size(std::size_t size) const noexcept {
   if (size < min_block_bytes) return min_block_bytes;
   const std::size_t divisions = config_.divisions_for(size);  // 0 when none are set
   // size / 512 > divisions, written so that no product can overflow.
@@ -325,7 +328,7 @@ std::size_t device_state::round_size(std::size_t size) const noexcept {
 }
 
 // B2: segment size for a new segment serving a block of `size` bytes.
-std::size_t device_state::allocation_size(std::size_t size) const noexcept {
+std::size_t placement_policy::allocation_size(std::size_t size) const noexcept {
   if (!caching_) return size;  // no-caching mode (F6): exactly the block
   if (size <= small_request_bytes) return small_segment_bytes;
   if (size < min_large_alloc_bytes) return config_.large_segment_size_bytes;
@@ -342,16 +345,16 @@ std::size_t device_state::allocation_size(std::size_t size) const noexcept {
 // index in between, so the position stays valid.
 block_index::position device_state::find_free_block(alloc_params& p) {
   block_pool& pool = *p.pool;
-  if (config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
+  if (policy_.config().garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
   const block_index::position i = pool.blocks.lower_bound(p.size);
   if (i.is_end()) return i;
   block* b = pool.blocks.at(i);
-  if (!oversize_rules_allow(p.size, b->size)) return block_index::end();  // b->size >= p.size (lower_bound)
+  if (!policy_.oversize_rules_allow(p.size, b->size)) return block_index::end();  // b->size >= p.size (lower_bound)
   // Expandable segments: carving b, a free island (no block in use beside
   // it), would start a new run of live blocks (lowest_fitting_block; rare).
   if (b->size != p.size && !pool.is_small && b->seg->expandable && (b->prev == nullptr || !b->prev->mapped) &&
       (b->next == nullptr || !b->next->mapped)) [[unlikely]] {
-    const block_index::position lowest = lowest_fitting_block(p, i);
+    const block_index::position lowest = policy_.lowest_fitting_block(p, i);
     p.found = pool.blocks.at(lowest);
     return lowest;
   }
@@ -366,7 +369,7 @@ bool device_state::get_free_block(alloc_params& p) {
   return true;
 }
 
-bool device_state::should_split(const block* b, std::size_t size) const noexcept {
+bool placement_policy::should_split(const block* b, std::size_t size) const noexcept {
   if (b->pool->no_split) [[unlikely]]
     return false;  // F22
   const std::size_t remaining = b->size - size;
@@ -399,7 +402,7 @@ block* device_state::split_free_block(block* b, std::uintptr_t at) {
 // Whether a split of free block b hands out its back: in an expandable
 // segment, when the block above is in use (allocated or waiting for events)
 // and the one below is not (unmapped, or the segment's start).
-bool device_state::place_at_back(const block* b) const noexcept {
+bool placement_policy::place_at_back(const block* b) const noexcept {
   if (!b->seg->expandable || b->pool->is_small) return false;
   const bool next_in_use = b->next != nullptr && b->next->mapped && !b->next->is_free();
   const bool prev_in_use = b->prev != nullptr && b->prev->mapped && !b->prev->is_free();
@@ -436,19 +439,19 @@ namespace {
 [[gnu::always_inline]] inline block* split_found_block(device_state& d, alloc_params& p, device_stats& st,
                                                        block_index::position at, bool already_split) {
   block* b = p.found;
-  const stat_group g = d.group_of(p.pool);
+  const stat_group g = group_of(p.pool);
   // Room for the remainder in the pool's index, before anything changes
   // (block_index::owes: host memory ran out).
   if (p.pool->blocks.owes()) [[unlikely]]
     p.pool->blocks.repay();
   block* remaining = b;
-  const bool back = d.place_at_back(b);
+  const bool back = d.policy_.place_at_back(b);
   std::uintptr_t start = back ? b->ptr + b->size - p.size : b->ptr;
   // Only where free pages are recycled at every new peak (the default):
   // the page it saves is the one its neighbours' recycling frees.
-  if (b->seg->expandable && !b->pool->is_small && d.recycles_at_every_peak() &&
+  if (b->seg->expandable && !b->pool->is_small && d.policy_.recycles_at_every_peak() &&
       page_sliver(p.size, start - b->seg->base, b->seg->page_bytes)) [[unlikely]]
-    start = device_state::page_aligned_start(*b, p.size, back);
+    start = placement_policy::page_aligned_start(*b, p.size, back);
   block* upper = nullptr;  // a second remainder, above the caller's block
   if (start != b->ptr && start + p.size != b->ptr + b->size) {
     // On a page boundary inside the block (page_aligned_start): the
@@ -500,7 +503,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   CCALLOC_ASSERT(b->size >= p.size && p.size % min_block_bytes == 0);
   const stat_group g = group_of(p.pool);
   const bool already_split = b->is_split();
-  if (should_split(b, p.size)) {
+  if (policy_.should_split(b, p.size)) {
     b = split_found_block(*this, p, st, at, already_split);
   } else {
     if (!at.is_end()) p.pool->blocks.erase_at(at);
@@ -520,7 +523,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
   count_up(st.active, g, 1);
   count_up(st.active_bytes, g, size);
   count_up(st.requested_bytes, g, static_cast<std::int64_t>(p.requested_bytes));
-  b->counted_oversize = b->size >= config_.max_split_size_bytes;
+  b->counted_oversize = b->size >= policy_.config().max_split_size_bytes;
   if (b->counted_oversize) st.oversize_allocations.increase(1);
   CCALLOC_ASSERT_EXPENSIVE(segment_is_valid(*b->seg));
   return b;
@@ -538,7 +541,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
 // and private pools, no-caching mode and thread_cache:small change only
 // under the world lock, which changes every version. [stream]
 block* device_state::note_reusable(block* b, const stream_state& ss) const noexcept {
-  const bool kept_out = free_records_fence(b, ss) || config_.garbage_collection_threshold > 0.0 ||
+  const bool kept_out = policy_.free_records_fence(b, ss) || policy_.config().garbage_collection_threshold > 0.0 ||
                         (!b->pool->is_small && thread_caches_.small_only.load(std::memory_order_relaxed));
   b->reuse_version = kept_out ? no_reuse_version : b->pool->blocks.version();
   return b;
@@ -552,17 +555,17 @@ namespace {
 // changed then.
 [[gnu::noinline]] void free_used_on_other_streams(device_state& d, block* b, stream_state& ss) {
   // No events while capturing (cudaEventQuery is not allowed): decide later.
-  if (d.capture_underway() || d.any_stream_capturing(b)) {
-    d.defer_free(b);
+  if (d.pools_.capture_underway() || d.pools_.any_stream_capturing(b)) {
+    d.pools_.defer_free(b);
     return;
   }
   // Its pages may move once the other streams' events and a fence of its
   // own stream recorded now have completed: the block takes the fence's
   // count now (free_block keeps it), not when its events complete.
   const bool fence = b->seg->expandable;
-  if (fence) d.fence_before_free(ss);  // may throw: nothing changed yet
+  if (fence) d.fences_.fence_before_free(ss);  // may throw: nothing changed yet
   try {
-    d.insert_events(b);
+    d.events_.insert_events(b);
   } catch (...) {
     if (fence) ++ss.free_seq;  // the fence's count goes unused: no later free may take it
     throw;
@@ -580,7 +583,7 @@ void device_state::free(block* b) {
   // A block of a paused tag: its pages are released, so its free (a merge,
   // a page fence) waits for the resume (sleep_wake.cpp). paused is written
   // under the world lock, which holds this stream's lock.
-  if (any_paused_.load(std::memory_order_relaxed) && b->seg->paused) [[unlikely]] {
+  if (tags_.any_paused() && b->seg->paused) [[unlikely]] {
     b->seg->frees_while_paused.push_back(b);  // may throw std::bad_alloc: nothing changed
     return;
   }
@@ -593,15 +596,16 @@ void device_state::free(block* b) {
   // stream's slow path never records on this stream (can_record_on).
   if (!b->stream_uses.empty()) {  // may throw: nothing changed yet
     free_used_on_other_streams(*this, b, ss);
-  } else if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) [[unlikely]] {
+  } else if (!policy_.caching() && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway())
+      [[unlikely]] {
     free_uncached(b, ss);  // may throw: nothing changed then
     return;
-  } else if (free_records_fence(b, ss) && !capture_underway()) [[unlikely]] {
+  } else if (policy_.free_records_fence(b, ss) && !pools_.capture_underway()) [[unlikely]] {
     // No fence of the stream outstanding (one already is: skip, so that a
     // stream that goes idle at every free, an alloc+free loop, records one
     // fence per slow path at most, not one per free). May throw: nothing
     // changed yet.
-    fence_before_free(ss);
+    fences_.fence_before_free(ss);
   }
   stats_sink sink(*this, ss);
   release_allocation(b, sink.get(), false);
@@ -615,11 +619,11 @@ void device_state::free(block* b) {
 // those pages can pass to another stream without waiting once the stream's
 // work before the free has completed. Throws backend_error from the record,
 // before anything changed.
-[[gnu::noinline]] void device_state::fence_before_free(stream_state& ss) {
+[[gnu::noinline]] void device_fences::fence_before_free(stream_state& ss) {
   if (ss.gone) return;  // destroyed: its work completed, nothing to fence
-  std::lock_guard device_lock(device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
+  std::lock_guard device_lock(d_.device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
   const std::uint64_t coming = ss.free_seq + 1;  // the count the coming free takes
-  if (ss.fences.recorded_up_to() < coming) ss.fences.record(fence_device_, ss.stream, coming);
+  if (ss.fences.recorded_up_to() < coming) ss.fences.record(events_, ss.stream, coming);
 }
 
 // The caller no longer holds `b` (its events, if any, are recorded): count
@@ -651,7 +655,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   block_index& index = b->pool->blocks;
   block_index::position slot = block_index::end();
   const auto absorb = [&](block* neighbour) {
-    if (!can_merge(b, neighbour)) return;
+    if (!policy_.can_merge(b, neighbour)) return;
     if (!slot.is_end()) index.erase_at(slot);
     slot = index.find(neighbour);
     const std::size_t subsumed = merge(b, neighbour);
@@ -682,7 +686,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   b->requested_bytes = 0;
   CCALLOC_ASSERT_EXPENSIVE(segment_is_valid(*b->seg));
   // No-caching mode (not for private pools, nor while capturing: cudaFree is not allowed then).
-  if (!caching_ && !b->is_split() && b->pool->priv == nullptr && !capture_underway()) {
+  if (!policy_.caching() && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway()) {
     // This free completes inside another operation (a malloc that found the
     // block's events done, empty_cache, a neighbour's free): if the device
     // refuses the segment, the block stays cached, consistent, and the next
@@ -702,7 +706,7 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
 }
 
 // Whether `src`, a neighbour of `dst` (or nullptr), is free and may merge into it.
-bool device_state::can_merge(const block* dst, const block* src) noexcept {
+bool placement_policy::can_merge(const block* dst, const block* src) noexcept {
   return src != nullptr && src->is_free() && src->stream_uses.empty() && src->mapped == dst->mapped;
 }
 

@@ -99,7 +99,7 @@ std::vector<segment_info> device_caching_allocator::segments() const {
     si.is_expandable = seg->expandable;
     si.mapped_bytes = seg->expandable ? seg->mapped_bytes : seg->size;
     if (s.history_.enabled()) si.context = s.history_.segment_context(base);
-    si.tag = tag_name(detail::device_state::tag_of(*seg));
+    si.tag = tag_name(detail::tag_of(*seg));
     si.paused = seg->paused;
     if (const detail::private_pool* pp = seg->head->pool->priv) {
       si.pool = pp->id;
@@ -134,7 +134,7 @@ pool_usage device_caching_allocator::pool_stats(mempool_id_t id) const {
   const detail::private_pool* pp = nullptr;
   pool_usage u;
   if (id != mempool_id_t{}) {
-    pp = &s.checked_pool(id, "pool_stats");
+    pp = &s.pools_.checked_pool(id, "pool_stats");
     u.use_count = pp->use_count;
   }
   for (auto& [base, seg] : s.segments_) {
@@ -163,11 +163,11 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
   using run_choice = detail::run_choice;
   std::vector<detail::block_pool*> pools;
   for (auto& [base, seg] : s.segments_)  // a paused tag's pools place nothing
-    if (seg->expandable && !s.tag_paused(detail::device_state::tag_of(*seg)) &&
+    if (seg->expandable && !s.tags_.tag_paused(detail::tag_of(*seg)) &&
         std::find(pools.begin(), pools.end(), seg->head->pool) == pools.end())
       pools.push_back(seg->head->pool);
   for (detail::block_pool* pool : pools) {
-    const std::size_t page = s.page_bytes_;
+    const std::size_t page = s.expandable_.page_bytes();
     std::vector<std::size_t> sizes = {detail::min_block_bytes, page - detail::min_block_bytes, page,
                                       page + detail::min_block_bytes, 3 * page};
     for (auto& [base, seg] : s.segments_) {
@@ -202,14 +202,14 @@ void check_paused_state(const detail::device_state& s, const detail::segment& se
   if (seg.paused) {
     if (!seg.expandable) fail("a plain segment is paused");
     if (seg.mapped_bytes != 0 || !seg.pages.retired().empty()) fail("a paused reservation has mapped pages");
-    if (!s.tag_paused(detail::device_state::tag_of(seg))) fail("a paused reservation's tag is not paused");
+    if (!s.tags_.tag_paused(detail::tag_of(seg))) fail("a paused reservation's tag is not paused");
     for (physical_handle_t h : seg.pages.handles())
       if (h != 0) fail("a paused reservation has a mapped page");
     for (const auto& run : seg.paused_runs)
       if (run.first_page + run.pages > seg.pages.count()) fail("a paused run lies outside its reservation");
   } else if (!seg.paused_runs.empty() || !seg.paused_free.empty() || !seg.frees_while_paused.empty()) {
     fail("an active segment keeps paused state");
-  } else if (s.tag_paused(detail::device_state::tag_of(seg)) && seg.mapped_bytes != 0) {
+  } else if (s.tags_.tag_paused(detail::tag_of(seg)) && seg.mapped_bytes != 0) {
     fail("a paused tag holds a mapped page");
   }
 }
@@ -329,7 +329,7 @@ std::size_t check_segment(const detail::device_state& s, std::uintptr_t base, co
                           device_stats& recount, std::size_t& retired) {
   if (seg.head == nullptr || seg.head->ptr != base || seg.head->prev != nullptr)
     fail("segment head is not the block at the segment base");
-  const stat_group g = s.group_of(seg.head->pool);
+  const stat_group g = group_of(seg.head->pool);
   detail::count_up(recount.segment, g, 1);
   detail::count_up(recount.reserved_bytes, g, static_cast<std::int64_t>(seg.expandable ? seg.mapped_bytes : seg.size));
   check_paused_state(s, seg);
@@ -365,14 +365,14 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
     for (auto& [pp, sp] : ss->private_pools) {
       check_plain(sp->small);
       check_plain(sp->large);
-      if (s.find_pool(pp->id) != pp) fail("a stream holds pools of a deleted private pool");
+      if (s.pools_.find_pool(pp->id) != pp) fail("a stream holds pools of a deleted private pool");
       if (sp->small.priv != pp || sp->large.priv != pp || sp->small.owner != ss || sp->large.owner != ss)
         fail("a private pool's stream pools point to the wrong pool or stream");
       in_pools += sp->small.blocks.size() + sp->large.blocks.size();
     }
   }
-  if (gone != s.gone_streams_) fail("gone_streams_ differs from the gone stream states");
-  for (auto& [id, pp] : s.private_pools_) {
+  if (gone != s.registry_.gone_count()) fail("gone_streams_ differs from the gone stream states");
+  for (auto& [id, pp] : s.pools_.all()) {
     std::size_t held = 0;
     for (auto& [base, seg] : s.segments_) held += seg->head->pool->priv == pp.get() ? 1 : 0;
     if (held != pp->segment_count) fail("private pool " + to_string(id) + "'s segment_count differs from its segments");
@@ -384,13 +384,11 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
 // The device's counters (reservation, pending events, statistics) against
 // a recount from the segments.
 void check_counters(const detail::device_state& s, const device_stats& recount) {
-  for (const block* b : s.deferred_frees_)
+  for (const block* b : s.pools_.deferred_frees())
     if (b->allocated || b->event_count != 1) fail("a deferred free is allocated or lacks its placeholder event");
-  if (static_cast<std::int64_t>(s.reserved_bytes_) != recount.reserved_bytes[0].current)
+  if (static_cast<std::int64_t>(s.memory_.reserved()) != recount.reserved_bytes[0].current)
     fail("the reservation counter differs from the sum of segment sizes");
-  std::size_t queued = 0;
-  for (const auto& [stream, queue] : s.pending_events_) queued += queue.size();
-  if (queued != s.pending_event_count_.load()) fail("pending_event_count_ differs from the queued events");
+  if (!s.events_.count_matches()) fail("pending_event_count_ differs from the queued events");
   const auto same = [](const stat_array& a, const stat_array& b, const char* name) {
     for (std::size_t i = 0; i < stat_group_count; ++i)
       if (a[i].current != b[i].current)
@@ -417,7 +415,8 @@ void device_caching_allocator::check_invariants() const {
   std::size_t pooled = 0;
   std::size_t retired_total = 0;
   for (auto& [base, seg] : s.segments_) pooled += check_segment(s, base, *seg, recount, retired_total);
-  if (retired_total != s.retired_pages_) fail("retired_pages_ differs from the segments' retired pages");
+  if (retired_total != s.expandable_.retired_pages())
+    fail("expandable_.retired_pages() differs from the segments' retired pages");
   check_expandable_placement(s, fail);
   if (check_stream_books(s, w) != pooled) fail("pools hold blocks that are not free blocks of live segments");
   check_counters(s, recount);

@@ -21,7 +21,7 @@ world_lock::world_lock(device_state& d) : d_(d) {
 }
 world_lock::~world_lock() {
   if (!locked_) return;
-  d_.forget_gone_streams(*this);
+  d_.registry_.forget_gone_streams(*this);
   unlock();
 }
 
@@ -31,15 +31,15 @@ void world_lock::drop(stream_state* ss) noexcept {
 }
 
 void world_lock::lock() {
-  d_.registry_mutex_.lock();
+  d_.registry_.registry_mutex_.lock();
   streams_.clear();
   try {
-    streams_.reserve(d_.streams_.size());
+    streams_.reserve(d_.registry_.streams_.size());
   } catch (...) {  // out of host memory: nothing is locked, nothing changed
-    d_.registry_mutex_.unlock();
+    d_.registry_.registry_mutex_.unlock();
     throw;
   }
-  for (auto& [stream, ss] : d_.streams_) streams_.push_back(ss.get());
+  for (auto& [stream, ss] : d_.registry_.streams_) streams_.push_back(ss.get());
   // By stream handle (unique per device): the lock order, and the order of
   // every slow-path loop over the streams (streams()).
   std::sort(streams_.begin(), streams_.end(),
@@ -61,7 +61,7 @@ void world_lock::unlock() {
   d_.stats_mutex_.unlock();
   d_.device_mutex_.unlock();
   for (auto it = streams_.rbegin(); it != streams_.rend(); ++it) (*it)->mutex.unlock();
-  d_.registry_mutex_.unlock();
+  d_.registry_.registry_mutex_.unlock();
 }
 
 void publish_pending_stats(device_stats& into, stream_state& s) noexcept {

@@ -40,21 +40,21 @@ oom_facts gather_oom_facts(const device_state& d, const alloc_params& p, const w
   oom_facts f;
   f.info = d.backend_.mem_get_info(d.device_);
   f.allocated = static_cast<std::size_t>(d.stats_.allocated_bytes[0].current);
-  f.reserved = d.reserved_bytes_;
+  f.reserved = d.memory_.reserved();
   for (stream_state* ss : w.streams())
     for (block_pool* pool : {&ss->pools.small, &ss->pools.large})
       if (!pool->blocks.empty()) f.largest_free = std::max(f.largest_free, pool->blocks.largest()->size);
   f.custom_segments = p.pool != nullptr && p.pool->priv != nullptr && p.pool->priv->custom.malloc;
-  f.pages = d.caching_ && d.config_.expandable_segments && d.page_bytes_ != 0 && !d.no_address_space_ &&
-            !f.custom_segments;
+  f.pages = d.policy_.caching() && d.policy_.config().expandable_segments && d.expandable_.page_bytes() != 0 &&
+            !d.expandable_.no_address_space() && !f.custom_segments;
   f.too_large = p.pool == nullptr;
   // (Rounded up to pages without wrapping past SIZE_MAX: a refused request may be that large.)
-  const std::size_t page = d.page_bytes_;
+  const std::size_t page = d.expandable_.page_bytes();
   f.needed = !f.pages || f.too_large ? p.alloc_size
              : p.size > std::numeric_limits<std::size_t>::max() - page + 1
                  ? p.size
                  : (p.size + page - 1) / page * page;
-  f.limit = d.set_fraction_ ? d.allowed_bytes_ : f.info.total_bytes;
+  f.limit = d.memory_.capped() ? d.memory_.allowed() : f.info.total_bytes;
   f.fragmented = f.reserved > f.allocated && f.reserved - f.allocated > f.reserved / 10;
   return f;
 }
@@ -68,13 +68,13 @@ std::string oom_situation(const device_state& d, const alloc_params& p, const oo
                                  : "needed a new segment of " + format_bytes(f.needed)) +
                     "). Device " + std::to_string(d.device_) + " has a total capacity of " +
                     format_bytes(f.info.total_bytes) + " of which " + format_bytes(f.info.free_bytes) + " is free.";
-  if (d.set_fraction_)
-    msg += " The per-process memory fraction " + format_double(d.fraction_) + " allows " +
-           format_bytes(d.allowed_bytes_) + ".";
+  if (d.memory_.capped())
+    msg += " The per-process memory fraction " + format_double(d.memory_.fraction()) + " allows " +
+           format_bytes(d.memory_.allowed()) + ".";
   // The device may refuse memory it reports free (another process took it
   // meanwhile, its free memory is fragmented, an injected fault): say so
   // rather than leave "X is free" unexplained.
-  const bool under_fraction = !d.set_fraction_ || d.reserved_bytes_ + f.needed <= d.allowed_bytes_;
+  const bool under_fraction = !d.memory_.capped() || d.memory_.reserved() + f.needed <= d.memory_.allowed();
   if (f.info.free_bytes >= f.needed && under_fraction)
     msg += std::string(" The device refused the ") + (f.pages ? "pages" : "segment") +
            " although it reports that much free (its free memory may be fragmented or taken meanwhile by "
@@ -93,17 +93,17 @@ std::string oom_advice(const device_state& d, const oom_facts& f) {
   std::vector<std::string> settings;
   if (f.fragmented && !f.pages) {
     // Free pages of partly used segments could go back to the device.
-    if (d.page_bytes_ != 0 && !f.custom_segments)
+    if (d.expandable_.page_bytes() != 0 && !f.custom_segments)
       settings.emplace_back("expandable_segments:True so that the free pages of partly used segments are returned");
     // Large cached blocks would not be split for small requests (blocks of
     // expandable segments are never returned whole: no use there).
-    if (d.config_.max_split_size_bytes == std::numeric_limits<std::size_t>::max())
+    if (d.policy_.config().max_split_size_bytes == std::numeric_limits<std::size_t>::max())
       settings.emplace_back("max_split_size_mb:<MiB> so that large cached blocks are not split for small requests");
   }
-  const std::string or_fraction = d.set_fraction_ ? ", or raise the memory fraction." : ".";
+  const std::string or_fraction = d.memory_.capped() ? ", or raise the memory fraction." : ".";
   if (f.needed > f.limit)
     return " The request alone is larger than the " +
-           std::string(d.set_fraction_ ? "memory the fraction allows" : "device's memory") + ".";
+           std::string(d.memory_.capped() ? "memory the fraction allows" : "device's memory") + ".";
   if (f.fragmented && f.needed > std::min(f.info.free_bytes + (f.reserved - f.allocated),
                                           f.limit - std::min(f.limit, f.allocated)))
     // (Refused at once, the cache kept: allocate_slow.)
@@ -128,18 +128,18 @@ std::string oom_advice(const device_state& d, const oom_facts& f) {
 // threads failing together write one. Returns the path to write (empty:
 // none); says in `msg` why none is written when the interval holds it back.
 std::string claim_oom_snapshot(device_state& d, std::string& msg) {
-  if (d.config_.oom_snapshot_path.empty() || !d.oom_snapshot_writer_) return {};
+  if (d.policy_.config().oom_snapshot_path.empty() || !d.oom_snapshot_writer_) return {};
   const auto now_us = static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
           .count());
   const std::uint64_t since_s = d.last_oom_snapshot_us_ ? (now_us - *d.last_oom_snapshot_us_) / 1'000'000 : 0;
-  if (!d.last_oom_snapshot_us_ || since_s >= d.config_.oom_snapshot_interval_s) {
+  if (!d.last_oom_snapshot_us_ || since_s >= d.policy_.config().oom_snapshot_interval_s) {
     d.last_oom_snapshot_us_ = now_us;
-    return d.config_.oom_snapshot_path;
+    return d.policy_.config().oom_snapshot_path;
   }
-  msg += " No snapshot was written (oom_snapshot): the last one went to " + d.config_.oom_snapshot_path + " " +
+  msg += " No snapshot was written (oom_snapshot): the last one went to " + d.policy_.config().oom_snapshot_path + " " +
          std::to_string(since_s) + " s ago, and oom_snapshot_interval_s is " +
-         std::to_string(d.config_.oom_snapshot_interval_s) + ".";
+         std::to_string(d.policy_.config().oom_snapshot_interval_s) + ".";
   return {};
 }
 

@@ -46,6 +46,13 @@ std::array<page_range, 2> pieces_outside(const segment& seg, std::uintptr_t lo, 
   return pieces;
 }
 
+// Why unmap_block_pages unmaps: a deferred unmap (the pages move now, the
+// old mapping is retired), pages recycled elsewhere, or pages given back.
+mapping_reason unmap_reason(bool defer, bool recycled) noexcept {
+  if (defer) return mapping_reason::pages_retired;
+  return recycled ? mapping_reason::pages_recycled : mapping_reason::pages_released;
+}
+
 // The free mapped blocks of a whole page or more of every expandable
 // segment whose pool is not live, each with the bytes its unmapping would
 // leave behind in partial pages (partial_page_bytes), in the order pages
@@ -53,7 +60,7 @@ std::array<page_range, 2> pieces_outside(const segment& seg, std::uintptr_t lo, 
 // free runs stay whole for large requests), then the oldest segment, then
 // by offset: the same order on every device. Read from the pools' indexes
 // from a page up, not from every block of every segment.
-std::vector<std::pair<std::size_t, block*>> recycling_candidates(const device_state& d) {
+std::vector<std::pair<std::size_t, block*>> recycling_candidates(const device_state& d, std::size_t page_bytes) {
   // Each pool once: sorted and deduplicated, not searched per segment (with
   // thousands of streams, each with its reservation, a search per segment
   // made every slow path quadratic). The pools' order does not matter: the
@@ -61,15 +68,15 @@ std::vector<std::pair<std::size_t, block*>> recycling_candidates(const device_st
   std::vector<block_pool*> pools;
   for (const auto& [base, up] : d.segments_) {
     block_pool* pool = up->head->pool;
-    if (up->expandable && up->mapped_bytes != 0 && !d.pool_is_live(pool)) pools.push_back(pool);
+    if (up->expandable && up->mapped_bytes != 0 && !pool_is_live(pool)) pools.push_back(pool);
   }
   std::sort(pools.begin(), pools.end());
   pools.erase(std::unique(pools.begin(), pools.end()), pools.end());
   std::vector<std::pair<std::size_t, block*>> candidates;
   for (block_pool* pool : pools)
-    for (auto j = pool->blocks.lower_bound(d.page_bytes_); j != block_index::end(); j = pool->blocks.next(j)) {
+    for (auto j = pool->blocks.lower_bound(page_bytes); j != block_index::end(); j = pool->blocks.next(j)) {
       block* b = pool->blocks.at(j);
-      if (b->seg->expandable) candidates.emplace_back(device_state::partial_page_bytes(*b), b);
+      if (b->seg->expandable) candidates.emplace_back(expandable_segments::partial_page_bytes(*b), b);
     }
   std::sort(candidates.begin(), candidates.end(), [](const auto& x, const auto& y) {
     if (x.first != y.first) return x.first < y.first;
@@ -85,9 +92,9 @@ std::vector<std::pair<std::size_t, block*>> recycling_candidates(const device_st
 // segment), except those overlapping [keep_lo, keep_hi), at most `max_bytes`.
 // Handles go to `recycled` (then no longer counted as reserved) or back to
 // the device.
-std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                             std::vector<recycled_page>* recycled, std::size_t max_bytes,
-                                             bool defer) {
+std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
+                                                   std::vector<recycled_page>* recycled, std::size_t max_bytes,
+                                                   bool defer) {
   CCALLOC_ASSERT(!defer || recycled != nullptr);
   segment& seg = *b->seg;
   const std::size_t page = seg.page_bytes;
@@ -120,23 +127,23 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
     const std::size_t retired_before = seg.pages.retired().size();
     // Announced before the device unmaps; what a failure leaves mapped is
     // announced mapped again (finish).
-    const mapping_reason reason = defer                ? mapping_reason::pages_retired
-                                  : recycled != nullptr ? mapping_reason::pages_recycled
-                                                        : mapping_reason::pages_released;
-    if (from < to) announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
+    const mapping_reason reason = unmap_reason(defer, recycled != nullptr);
+    if (from < to) d_.mapping_.announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
     auto finish = [&] {
-      if (addr < to) announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream, true);
+      if (addr < to)
+        d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream,
+                             true);
       const std::size_t bytes = addr - from;
-      CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= reserved_bytes_);
+      CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= d_.memory_.reserved());
       seg.mapped_bytes -= bytes;
-      reserved_bytes_ -= bytes;
-      count_down(stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
+      d_.memory_.remove_reserved(bytes);
+      count_down(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
       set_page_state(seg, from, addr, false, hint);
       if (addr > from) hint = nullptr;
-      if (history_.active() && bytes > 0) [[unlikely]]
-        history_.record_segment_unmap(from, bytes, seg.head->stream);
+      if (d_.history_.active() && bytes > 0) [[unlikely]]
+        d_.history_.record_segment_unmap(from, bytes, seg.head->stream);
       done_total += bytes;
-      stats_.num_device_free += to_release.size();
+      d_.stats_.num_device_free += to_release.size();
       retired_pages_ += seg.pages.retired().size() - retired_before;
       CCALLOC_ASSERT_EXPENSIVE(seg.pages.check());
       for (physical_handle_t h : to_release) release_page_handle(h);  // may throw: state is consistent
@@ -150,11 +157,11 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
           seg.pages.retire({i, seg.pages.handle(i), b->pool->owner, b->free_seq, false});
           recycled->push_back({seg.pages.handle(i), seg.head->stream});
         } else {
-          backend_.vm_unmap(device_, reinterpret_cast<void*>(addr), page);
+          d_.backend_.vm_unmap(d_.device_, reinterpret_cast<void*>(addr), page);
           if (recycled != nullptr) recycled->push_back({seg.pages.handle(i), seg.head->stream});
           else to_release.push_back(seg.pages.handle(i));
         }
-        ++stats_.num_pages_unmapped;
+        ++d_.stats_.num_pages_unmapped;
         seg.pages.set_unmapped(i);
       }
     } catch (...) {
@@ -169,18 +176,18 @@ std::size_t device_state::unmap_block_pages(block* b, std::uintptr_t keep_lo, st
 // Unmaps free whole pages of every expandable segment until `target_bytes`
 // are freed: first the pages whose page fence has completed (no waiting);
 // then, with may_wait, the others after waiting for their fences.
-std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
-                                           std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                           std::vector<recycled_page>* recycled, bool may_wait,
-                                           const stream_state* same_stream) {
-  const auto candidates = recycling_candidates(*this);
+std::size_t expandable_segments::unmap_free_pages(std::size_t target_bytes, const segment* keep_seg,
+                                                  std::uintptr_t keep_lo, std::uintptr_t keep_hi,
+                                                  std::vector<recycled_page>* recycled, bool may_wait,
+                                                  const stream_state* same_stream) {
+  const auto candidates = recycling_candidates(d_, page_bytes_);
   if (candidates.empty()) return 0;
   std::size_t got = 0;
   std::vector<block*> waiting;  // candidates whose fence has not completed
   for (const auto& [partial_bytes, b] : candidates) {
     if (got >= target_bytes) return got;
     const bool keep = b->seg == keep_seg;
-    if (!fence_completed(b)) {
+    if (!d_.fences_.fence_completed(b)) {
       // The request's own stream runs its use of these pages after the
       // work before b's free: map them there now, unmap them here later.
       if (same_stream != nullptr && recycled != nullptr && b->pool->owner == same_stream && b->pool->priv == nullptr)
@@ -198,8 +205,8 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
   // (cudaMemPoolReuseAllowInternalDependencies; counted in
   // num_stream_waits): mapped at once, unmapped at the old place once the
   // fence completes (a deferred unmap). One wait per owner stream and fence.
-  if (config_.reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr && got < target_bytes &&
-      !waiting.empty() && may_wait_on_device(*same_stream)) {
+  if (d_.policy_.config().reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr &&
+      got < target_bytes && !waiting.empty() && d_.fences_.may_wait_on_device(*same_stream)) {
     std::vector<std::pair<const stream_state*, std::uint64_t>> waited;  // owner -> fence count waited for
     for (block*& entry : waiting) {
       if (got >= target_bytes) break;
@@ -208,11 +215,11 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
       if (b->pool->priv != nullptr || &owner == same_stream || owner.gone) continue;
       auto w = std::find_if(waited.begin(), waited.end(), [&](const auto& x) { return x.first == &owner; });
       if (w == waited.end() || w->second < b->free_seq) {
-        const auto fence = fence_covering(owner, b->free_seq);
+        const auto fence = d_.fences_.fence_covering(owner, b->free_seq);
         if (!fence) continue;
         if (w == waited.end()) w = waited.emplace(waited.end(), &owner, 0);  // before the wait: nothing throws after it
-        backend_.stream_wait_event(device_, same_stream->stream, fence->event);
-        ++stats_.num_stream_waits;
+        d_.backend_.stream_wait_event(d_.device_, same_stream->stream, fence->event);
+        ++d_.stats_.num_stream_waits;
         w->second = fence->covers;
       }
       const bool keep = b->seg == keep_seg;
@@ -224,7 +231,7 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
   for (block* b : waiting) {
     if (got >= target_bytes) break;
     if (b == nullptr) continue;  // taken behind a device-side wait
-    wait_fences(*b->pool->owner, page_fences::wait_reason::reclaim_pages);
+    d_.fences_.wait_fences(*b->pool->owner, page_fences::wait_reason::reclaim_pages);
     const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
@@ -240,97 +247,11 @@ std::size_t device_state::unmap_free_pages(std::size_t target_bytes, const segme
 // boundaries leaves nothing behind. unmap_free_pages recycles the blocks
 // that leave the least first (on the shared traces, free space
 // stranded in partial pages was most of the excess over the requested peak).
-std::size_t device_state::partial_page_bytes(const block& b) noexcept {
+std::size_t expandable_segments::partial_page_bytes(const block& b) noexcept {
   const std::size_t page = b.seg->page_bytes;
   const std::size_t lo = b.ptr - b.seg->base;
   const std::size_t hi = lo + b.size;
   return (page - lo % page) % page + hi % page;
-}
-
-// ---- page fences (page_fences.hpp) -------------------------------------------------
-
-event_t device_state::fence_device::take_event() { return d.get_event(); }
-void device_state::fence_device::give_event(event_t e) { d.free_events_.push_back(e); }
-bool device_state::fence_device::query(event_t e) { return d.backend_.query_event(d.device_, e); }
-void device_state::fence_device::record(event_t e, stream_t stream) { d.backend_.record_event(d.device_, e, stream); }
-void device_state::fence_device::synchronize(event_t e) { d.backend_.synchronize_event(d.device_, e); }
-void device_state::fence_device::synchronize_device() { d.backend_.synchronize_device(d.device_); }
-
-// Free block b was last used on its stream (uses on other streams completed
-// before it became free): its pages may change hands once an event recorded
-// on that stream after it became free has completed. Never blocks.
-bool device_state::fence_completed(block* b) { return fence_completed(*b->pool->owner, b->free_seq); }
-
-// Whether the stream's work before its free numbered `free_seq` has run
-// (the same rules; a deferred unmap asks with the freed block's count).
-bool device_state::fence_completed(stream_state& ss, std::uint64_t free_seq) {
-  if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
-  if (free_seq <= ss.fences.completed_up_to()) return true;
-  const bool done = ss.fences.completed(fence_device_, ss.stream, free_seq, ss.free_seq, can_record_on(ss));
-  CCALLOC_ASSERT_EXPENSIVE(ss.fences.check());
-  return done;
-}
-
-void device_state::await_fence(block* b, page_fences::wait_reason why) {
-  if (!fence_completed(b)) wait_fences(*b->pool->owner, why);
-}
-
-// Whether stream `to` may be made to wait on the device for another
-// stream's fence (reuse_with_stream_wait): the backend can (capabilities),
-// no graph capture is underway (known to the allocator, or of `to`: the
-// wait would become a graph dependency), `to` is not known destroyed and
-// can be named on this thread (not another thread's per-thread default
-// stream). The owner of the fence is never asked (it may have been
-// destroyed without the allocator being told; the caller skips those it
-// knows gone): its fence is an event recorded outside any capture the
-// allocator knows of, and waiting on an event needs no live stream.
-bool device_state::may_wait_on_device(const stream_state& to) {
-  if (!stream_wait_supported_ || to.gone) return false;
-  if (device_backend::is_per_thread_stream(to.stream) && !device_backend::is_calling_thread_stream(to.stream))
-    return false;
-  if (capture_underway()) return false;
-  try {
-    return !backend_.is_capturing(device_, to.stream);
-  } catch (...) {
-    return false;  // CUDA may refuse to say while another stream captures: stay on the safe side
-  }
-}
-
-// The oldest outstanding fence of `owner` that covers its free numbered
-// `free_seq` (its count at recording is at least free_seq), with that
-// count, recording one on the stream first where none does and
-// can_record_on allows; nullopt otherwise (another stream's slow path never
-// records on a stream that may be gone or busy elsewhere: no wait, the
-// pages stay).
-std::optional<page_fences::fence> device_state::fence_covering(stream_state& owner, std::uint64_t free_seq) {
-  if (owner.fences.recorded_up_to() >= free_seq)  // can_record_on only where a record is wanted
-    return owner.fences.covering(fence_device_, owner.stream, free_seq, owner.free_seq, false);
-  return owner.fences.covering(fence_device_, owner.stream, free_seq, owner.free_seq, can_record_on(owner));
-}
-
-// Polls every stream's fences, and records a fence on the streams it may
-// record on (can_record_on: the malloc's own stream, the legacy default
-// stream) with blocks freed since their newest fence, so that the pages freed now are known
-// safe at a later recycling even where the device runs behind the host: a
-// fence recorded only when the pages are wanted would cover all the work
-// queued up to then. Cheap: at most two event records, on the slow path only.
-void device_state::fence_streams(const world_lock& w) {
-  for (stream_state* ss : w.streams()) {
-    ss->fences.poll(fence_device_);
-    if (ss->free_seq > ss->fences.recorded_up_to() && can_record_on(*ss))
-      ss->fences.record(fence_device_, ss->stream, ss->free_seq);
-  }
-}
-
-// Blocks until every block freed on the stream so far has no work of the
-// stream left (counted): waits for a fence covering them, recorded now if
-// the stream may be recorded on; else (the stream may be gone) synchronizes
-// the device, which covers every stream's work.
-void device_state::wait_fences(stream_state& ss, page_fences::wait_reason why) {
-  if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
-  if (ss.fences.wait(fence_device_, ss.stream, ss.free_seq, can_record_on(ss), why))
-    ++stats_.num_device_synchronizations;
-  CCALLOC_ASSERT_EXPENSIVE(ss.fences.check());
 }
 
 // ---- deferred unmaps ---------------------------------------------------
@@ -349,31 +270,31 @@ void device_state::wait_fences(stream_state& ss, page_fences::wait_reason why) {
 // in reserved bytes, at its new place (what this saves: docs/perf.md, "A
 // device that runs behind").
 
-void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait) {
+void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait) {
   for (std::size_t k = 0; k < seg.pages.retired().size();) {
     const segment::retired_page& r = seg.pages.retired()[k];
     if (r.index < first || r.index >= last) {
       ++k;
       continue;
     }
-    if (!fence_completed(*r.owner, r.free_seq)) {
+    if (!d_.fences_.fence_completed(*r.owner, r.free_seq)) {
       if (!may_wait) {
         ++k;
         continue;
       }
-      wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
+      d_.fences_.wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
     }
-    backend_.vm_unmap(device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
-    announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap, seg.base + r.index * seg.page_bytes,
-             seg.page_bytes, r.owner->stream, true);
+    d_.backend_.vm_unmap(d_.device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
+    d_.mapping_.announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap,
+                         seg.base + r.index * seg.page_bytes, seg.page_bytes, r.owner->stream, true);
     const segment::retired_page done = seg.pages.unretire(k);
     const bool release = done.release;  // counted in num_device_free when it was given up
     const physical_handle_t h = done.handle;
     --retired_pages_;
     // A page that moved twice is retired at two places: the last unmap releases it.
     if (release) {
-      reserved_bytes_ -= seg.page_bytes;
-      count_down(stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
+      d_.memory_.remove_reserved(seg.page_bytes);
+      count_down(d_.stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
       release_page_handle(h);
     }
   }
@@ -384,20 +305,20 @@ void device_state::settle_retired_in(segment& seg, std::size_t first, std::size_
 // or, while a retired mapping of it remains, leaves that to its deferred
 // unmap (settle_retired_in); the page counts as reserved until then, in the
 // segment it is retired in: the device still holds it.
-void device_state::release_page_handle(physical_handle_t h) {
+void expandable_segments::release_page_handle(physical_handle_t h) {
   if (retired_pages_ != 0)
-    for (auto& [base, up] : segments_)
+    for (auto& [base, up] : d_.segments_)
       if (up->pages.release_at_unmap(h)) {
-        reserved_bytes_ += up->page_bytes;
-        count_up(stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
+        d_.memory_.add_reserved(up->page_bytes);
+        count_up(d_.stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
         return;
       }
-  backend_.vm_release_handle(device_, h);
+  d_.backend_.vm_release_handle(d_.device_, h);
 }
 
-void device_state::settle_retired(bool may_wait) {
+void expandable_segments::settle_retired(bool may_wait) {
   if (retired_pages_ == 0) return;
-  for (auto& [base, up] : segments_)
+  for (auto& [base, up] : d_.segments_)
     if (!up->pages.retired().empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
 }
 

@@ -48,7 +48,10 @@
 namespace ccalloc {
 namespace detail {
 
-private_pool& device_state::tag_pool(tag_id tag) {
+
+tag_sleep::tag_sleep(device_state& d) : d_(d), host_copies_(d.backend_, d.device_) {}
+
+private_pool& tag_sleep::tag_pool(tag_id tag) {
   if (auto it = tag_pools_.find(tag); it != tag_pools_.end()) return *it->second;
   const mempool_id_t id{tag_pool_id_first, tag};
   auto pp = std::make_unique<private_pool>();
@@ -57,7 +60,7 @@ private_pool& device_state::tag_pool(tag_id tag) {
   private_pool* raw = pp.get();
   tag_pools_.emplace(tag, raw);  // first: on a throw below, the map holds a key to nothing yet
   try {
-    private_pools_.emplace(id, std::move(pp));
+    d_.pools_.add(std::move(pp));
   } catch (...) {
     tag_pools_.erase(tag);
     throw;
@@ -65,37 +68,14 @@ private_pool& device_state::tag_pool(tag_id tag) {
   return *raw;
 }
 
-block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss,
-                                              world_lock& w) {
-  if (pp.tag != default_tag_id && tag_paused(pp.tag))
-    throw invalid_argument_error("ccalloc: malloc of " + std::to_string(requested_bytes) + " bytes under tag '" +
-                                 tag_name(pp.tag) + "' on device " + std::to_string(device_) +
-                                 ": the tag is paused; resume it first (or allocate under another tag)");
-  struct unpin {
-    std::atomic<int>& n;
-    ~unpin() { n.fetch_sub(1, std::memory_order_release); }
-  };
-  pp.pinned.fetch_add(1, std::memory_order_relaxed);
-  unpin guard{pp.pinned};
-  alloc_params p;
-  prepare(p, requested_bytes, ss);
-  p.pool = &pool_in(pp, ss, p.pool->is_small);
-  return allocate_slow(p, w);
-}
-
-block* device_state::allocate_tagged(std::size_t requested_bytes, stream_state& ss, tag_id tag) {
-  world_lock w(*this);
-  return allocate_in_private_pool(tag_pool(tag), requested_bytes, ss, w);
-}
-
-std::vector<segment*> device_state::segments_of(tag_id tag) const {
+std::vector<segment*> tag_sleep::segments_of(tag_id tag) const {
   std::vector<segment*> out;
-  for (const auto& [base, seg] : segments_)
+  for (const auto& [base, seg] : d_.segments_)
     if (tag_of(*seg) == tag) out.push_back(seg.get());
   return out;
 }
 
-tag_usage device_state::usage_of(tag_id tag) const {
+tag_usage tag_sleep::usage_of(tag_id tag) const {
   tag_usage u;
   u.tag = tag_name(tag);
   u.paused = tag_paused(tag);
@@ -162,29 +142,122 @@ stream_t copy_stream(const segment& seg) noexcept {
 
 }  // namespace
 
-// Waits on the host for the work queued on `stream` so far (an event
-// recorded there; never the whole device).
-void device_state::wait_for_stream(stream_t stream) {
-  const event_t e = get_event();
-  backend_.record_event(device_, e, stream);
-  backend_.synchronize_event(device_, e);
-  free_events_.push_back(e);
+void tag_sleep::wait_for_stream(stream_t stream) {
+  const event_t e = d_.events_.get_event();
+  d_.backend_.record_event(d_.device_, e, stream);
+  d_.backend_.synchronize_event(d_.device_, e);
+  d_.events_.give_event(e);
 }
 
-void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result& r) {
+// ---- pause --------------------------------------------------------------------------
+
+// The tags of `tags` not paused yet, each once; throws for the default tag.
+std::vector<tag_id> tag_sleep::tags_to_pause(const std::vector<tag_id>& tags, const std::string& where) const {
+  std::vector<tag_id> todo;
+  for (tag_id tag : tags) {
+    if (tag == default_tag_id)
+      throw invalid_argument_error(where + ": the default tag is never paused; allocate what is to sleep under a "
+                                           "named tag (tag_scope, ccalloc_tag_begin, ccalloc.tag)");
+    if (!tag_paused(tag) && std::find(todo.begin(), todo.end(), tag) == todo.end()) todo.push_back(tag);
+  }
+  return todo;
+}
+
+// The segments of the tags to pause; throws for one that is no reservation of pages.
+std::vector<segment*> tag_sleep::pausable_segments(const std::vector<tag_id>& todo, const std::string& where) const {
+  std::vector<segment*> segs;
+  for (tag_id tag : todo)
+    for (segment* seg : segments_of(tag)) {
+      if (!seg->expandable || d_.expandable_.page_bytes() == 0)
+        throw invalid_argument_error(where + ": tag '" + tag_name(tag) + "' holds a segment at " +
+                                     std::to_string(seg->base) +
+                                     " that is not a reservation of pages (the backend '" + d_.backend_.name() +
+                                     "' has no virtual memory, the host's address space for reservations ran "
+                                     "out, or a private pool has its own segment allocator); it cannot be paused");
+      segs.push_back(seg);
+    }
+  return segs;
+}
+
+// Step 1: the events of the tags' blocks freed with record_stream, then
+// the work queued on the streams that own or used their blocks.
+void tag_sleep::wait_for_tag_work(const std::vector<segment*>& segs) {
+  const std::set<const segment*> mine(segs.begin(), segs.end());
+  d_.events_.for_each_pending([&](event_t e, const block* b) {
+    if (mine.count(b->seg) != 0) d_.backend_.synchronize_event(d_.device_, e);
+  });
+  d_.events_.process_events_locked();
+  std::set<stream_t> streams;
+  for (const segment* seg : segs) {
+    streams.insert(copy_stream(*seg));
+    for (const block* b = seg->head; b != nullptr; b = b->next)
+      if (b->allocated)
+        for (stream_t s : b->stream_uses) streams.insert(s);
+  }
+  if (!streams.empty()) {
+    const event_t e = d_.events_.get_event();
+    for (stream_t s : streams) {
+      d_.backend_.record_event(d_.device_, e, s);
+      d_.backend_.synchronize_event(d_.device_, e);
+    }
+    d_.events_.give_event(e);
+  }
+  for (segment* seg : segs) d_.expandable_.settle_retired_in(*seg, 0, seg->pages.count(), true);
+}
+
+// Step 2: the tags' cached free memory goes back to the device.
+void tag_sleep::return_tag_cache(const std::vector<segment*>& segs, sleep_result& r) {
+  const std::size_t reserved_before = d_.memory_.reserved();
+  for (segment* seg : segs) {
+    if (pauses_whole(*seg)) continue;
+    std::vector<block*> free_mapped;
+    for (block* b = seg->head; b != nullptr; b = b->next)
+      if (b->mapped && b->is_free()) free_mapped.push_back(b);
+    // From the highest address down: a block's unmapping merges only with
+    // blocks at or above it, so the ones below stay valid.
+    for (auto it = free_mapped.rbegin(); it != free_mapped.rend(); ++it)
+      d_.expandable_.unmap_block_pages(*it, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
+  }
+  d_.expandable_.release_empty_expandable_segments();
+  r.released_bytes += reserved_before - d_.memory_.reserved();
+}
+
+// Step 3a: host memory for every kept run, before anything is copied; on
+// a shortfall every buffer goes back and nothing is paused.
+void tag_sleep::take_host_copies(const std::vector<segment*>& segs, const std::string& where) {
+  for (segment* seg : segs)
+    for (auto& run : seg->paused_runs) {
+      run.host = host_copies_.take(run.pages * seg->page_bytes);
+      if (run.host != nullptr) continue;
+      for (segment* s2 : segs)
+        for (auto& run2 : s2->paused_runs) {
+          host_copies_.give(run2.host);
+          run2.host = nullptr;
+        }
+      throw out_of_memory_error(
+          where + ": the host has no " + format_bytes(run.pages * seg->page_bytes) +
+              " of pinned memory to keep the contents of tag '" + tag_name(tag_of(*seg)) +
+              "'; nothing was paused (pause without keep_contents drops the contents)",
+          {d_.device_, run.pages * seg->page_bytes, d_.memory_.total(), 0, 0, d_.memory_.reserved()});
+    }
+}
+
+// Step 3b: one reservation's kept runs copied out, then every page unmapped and released.
+void tag_sleep::pause_segment(segment& seg, bool keep_contents, sleep_result& r) {
   const std::size_t page = seg.page_bytes;
   // Blocks in their pools (free partial pages beside blocks in use) leave
   // them: nothing may place a block there, nor unmap a page of it.
   for (block* b = seg.head; b != nullptr; b = b->next)
     if (b->mapped && b->is_free() && b->pool->blocks.contains(b)) {
       seg.paused_free.push_back(b);
-      pool_erase_counted(b);
+      d_.expandable_.pool_erase_counted(b);
     }
   const stream_t stream = copy_stream(seg);
   if (keep_contents) {
     for (auto& run : seg.paused_runs) {
-      backend_.copy_to_host_async(device_, run.host, reinterpret_cast<const void*>(seg.base + run.first_page * page),
-                                  run.pages * page, stream);
+      d_.backend_.copy_to_host_async(d_.device_, run.host,
+                                     reinterpret_cast<const void*>(seg.base + run.first_page * page),
+                                     run.pages * page, stream);
       r.copied_bytes += run.pages * page;
     }
     wait_for_stream(stream);  // the copies have read the pages
@@ -195,102 +268,34 @@ void device_state::pause_segment(segment& seg, bool keep_contents, sleep_result&
       ++i;
       continue;
     }
-    if (history_.active()) [[unlikely]]
-      history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
-    announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page, seg.head->stream,
-             true);
-    for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
+    if (d_.history_.active()) [[unlikely]]
+      d_.history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
+    d_.mapping_.announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page,
+                seg.head->stream, true);
+    for (const std::size_t end = i + n; i < end; ++i) d_.expandable_.give_back_page(seg, i);
     r.released_bytes += n * page;
   }
   for (const auto& run : seg.paused_runs) r.paused_bytes += run.pages * page;
   seg.paused = true;
 }
 
-sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock&) {
+sleep_result tag_sleep::pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock&) {
   sleep_result r;
-  const std::optional<std::uint64_t> start_us = backend_.host_time_us();
-  const std::string where = "ccalloc: pause on device " + std::to_string(device_);
-  std::vector<tag_id> todo;
-  for (tag_id tag : tags) {
-    if (tag == default_tag_id)
-      throw invalid_argument_error(where + ": the default tag is never paused; allocate what is to sleep under a "
-                                           "named tag (tag_scope, ccalloc_tag_begin, ccalloc.tag)");
-    if (!tag_paused(tag) && std::find(todo.begin(), todo.end(), tag) == todo.end()) todo.push_back(tag);
-  }
+  const std::optional<std::uint64_t> start_us = d_.backend_.host_time_us();
+  const std::string where = "ccalloc: pause on device " + std::to_string(d_.device_);
+  const std::vector<tag_id> todo = tags_to_pause(tags, where);
   if (todo.empty()) return r;
-  if (capture_underway())
+  if (d_.pools_.capture_underway())
     throw invalid_argument_error(where + ": refused while a CUDA graph capture is underway (pages may not be "
                                          "unmapped during a capture); pause after the capture ends");
-  std::vector<segment*> segs;
-  for (tag_id tag : todo)
-    for (segment* seg : segments_of(tag)) {
-      if (!seg->expandable || page_bytes_ == 0)
-        throw invalid_argument_error(where + ": tag '" + tag_name(tag) + "' holds a segment at " +
-                                     std::to_string(seg->base) +
-                                     " that is not a reservation of pages (the backend '" + backend_.name() +
-                                     "' has no virtual memory, or a private pool has its own segment allocator); "
-                                     "it cannot be paused");
-      segs.push_back(seg);
-    }
-  const std::set<const segment*> mine(segs.begin(), segs.end());
-  // Step 1: the events of the tags' blocks freed with record_stream, then
-  // the work queued on the streams that own or used their blocks.
-  for (auto& [stream, queue] : pending_events_)
-    for (auto& [e, b] : queue)
-      if (mine.count(b->seg) != 0) backend_.synchronize_event(device_, e);
-  process_events_locked();
-  std::set<stream_t> streams;
-  for (const segment* seg : segs) {
-    streams.insert(copy_stream(*seg));
-    for (const block* b = seg->head; b != nullptr; b = b->next)
-      if (b->allocated)
-        for (stream_t s : b->stream_uses) streams.insert(s);
-  }
-  if (!streams.empty()) {
-    const event_t e = get_event();
-    for (stream_t s : streams) {
-      backend_.record_event(device_, e, s);
-      backend_.synchronize_event(device_, e);
-    }
-    free_events_.push_back(e);
-  }
-  for (segment* seg : segs) settle_retired_in(*seg, 0, seg->pages.count(), true);
-  // Step 2: the tags' cached free memory goes back to the device.
-  const std::size_t reserved_before = reserved_bytes_;
-  for (segment* seg : segs) {
-    if (pauses_whole(*seg)) continue;
-    std::vector<block*> free_mapped;
-    for (block* b = seg->head; b != nullptr; b = b->next)
-      if (b->mapped && b->is_free()) free_mapped.push_back(b);
-    // From the highest address down: a block's unmapping merges only with
-    // blocks at or above it, so the ones below stay valid.
-    for (auto it = free_mapped.rbegin(); it != free_mapped.rend(); ++it)
-      unmap_block_pages(*it, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
-  }
-  release_empty_expandable_segments();
-  r.released_bytes += reserved_before - reserved_bytes_;
-  // Step 3: host memory for every kept run first; then copies and unmaps.
-  segs.clear();
+  std::vector<segment*> segs = pausable_segments(todo, where);
+  wait_for_tag_work(segs);
+  return_tag_cache(segs, r);
+  segs.clear();  // step 2 may have released some
   for (tag_id tag : todo)
     for (segment* seg : segments_of(tag)) segs.push_back(seg);
   for (segment* seg : segs) seg->paused_runs = live_runs(*seg);
-  if (keep_contents) {
-    for (segment* seg : segs)
-      for (auto& run : seg->paused_runs) {
-        run.host = host_copies_.take(run.pages * seg->page_bytes);
-        if (run.host != nullptr) continue;
-        for (segment* s2 : segs)
-          for (auto& run2 : s2->paused_runs) {
-            host_copies_.give(run2.host);
-            run2.host = nullptr;
-          }
-        throw out_of_memory_error(
-            where + ": the host has no " + format_bytes(run.pages * seg->page_bytes) +
-                " of pinned memory to keep the contents of tag '" + tag_name(tag_of(*seg)) +
-                "'; nothing was paused (pause without keep_contents drops the contents)",
-            {device_, run.pages * seg->page_bytes, device_total_bytes_, 0, 0, reserved_bytes_});
-      }
-  }
+  if (keep_contents) take_host_copies(segs, where);
   for (segment* seg : segs) {
     const tag_scope entries_tag(tag_of(*seg));  // its history entries name its tag
     pause_segment(*seg, keep_contents, r);
@@ -298,23 +303,38 @@ sleep_result device_state::pause_tags(const std::vector<tag_id>& tags, bool keep
   for (tag_id tag : todo) {
     paused_tags_.insert(tag);
     r.tags.push_back(tag_name(tag));
-    if (history_.active()) [[unlikely]] {
+    if (d_.history_.active()) [[unlikely]] {
       const tag_usage u = usage_of(tag);
-      history_.record(trace_entry_action::pause, u.kept_bytes, u.paused_bytes, 0, nullptr, tag);
+      d_.history_.record(trace_entry_action::pause, u.kept_bytes, u.paused_bytes, 0, nullptr, tag);
     }
   }
   any_paused_.store(true, std::memory_order_relaxed);
-  if (const std::optional<std::uint64_t> end_us = backend_.host_time_us(); start_us && end_us)
+  if (const std::optional<std::uint64_t> end_us = d_.backend_.host_time_us(); start_us && end_us)
     r.host_time_us = *end_us - *start_us;
   return r;
 }
+
+// ---- resume -------------------------------------------------------------------------
 
 // Kept contents are copied back chunk by chunk as their pages are mapped,
 // so that the device copies one chunk while the host maps the next (on an
 // H200 both take about 20 ms per GiB; docs/perf.md). 32 pages: 64 MiB.
 constexpr std::size_t restore_chunk_pages = 32;
 
-bool device_state::map_paused_segment(segment& seg) {
+// Room first: ccalloc's own cached memory of active tags goes back when
+// the device or the cap lacks `need` bytes.
+void tag_sleep::make_room(std::size_t need, sleep_result& r, world_lock& w) {
+  const auto lacks_room = [&] {
+    if (d_.memory_.over_cap(need)) return true;
+    return need > d_.backend_.mem_get_info(d_.device_).free_bytes;
+  };
+  if (need > 0 && lacks_room()) {
+    const std::size_t before = d_.memory_.reserved();
+    d_.release_cached_blocks(w, /*for_retry=*/true);
+    r.cache_released_bytes = before - std::min(before, d_.memory_.reserved());
+  }
+}
+bool tag_sleep::map_paused_segment(segment& seg) {
   const std::size_t page = seg.page_bytes;
   const stat_group g = group_of(seg.head->pool);
   const stream_t stream = copy_stream(seg);
@@ -327,7 +347,7 @@ bool device_state::map_paused_segment(segment& seg) {
       } catch (...) {  // the device refused the wait: its error is the one being reported
       }
     }
-    for (std::size_t i : done) give_back_page(seg, i);
+    for (std::size_t i : done) d_.expandable_.give_back_page(seg, i);
   };
   for (const auto& run : seg.paused_runs) {
     std::size_t chunk_first = run.first_page;
@@ -335,14 +355,14 @@ bool device_state::map_paused_segment(segment& seg) {
       physical_handle_t h = 0;
       bool ok = false;
       try {
-        ok = backend_.vm_create(device_, page, &h);
+        ok = d_.backend_.vm_create(d_.device_, page, &h);
         if (ok) {
           void* addr = reinterpret_cast<void*>(seg.base + i * page);
           try {
-            backend_.vm_map(device_, addr, page, h);
-            for (int peer : peers_) backend_.vm_set_access(device_, addr, page, peer);
+            d_.backend_.vm_map(d_.device_, addr, page, h);
+            for (int peer : d_.expandable_.peers()) d_.backend_.vm_set_access(d_.device_, addr, page, peer);
           } catch (...) {
-            backend_.vm_release_handle(device_, h);
+            d_.backend_.vm_release_handle(d_.device_, h);
             throw;
           }
         }
@@ -355,17 +375,17 @@ bool device_state::map_paused_segment(segment& seg) {
         return false;
       }
       seg.pages.set_mapped(i, h);
-      ++stats_.num_pages_mapped;
-      ++stats_.num_device_alloc;
+      ++d_.stats_.num_pages_mapped;
+      ++d_.stats_.num_device_alloc;
       seg.mapped_bytes += page;
-      reserved_bytes_ += page;
-      count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+      d_.memory_.add_reserved(page);
+      count_up(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
       done.push_back(i);
       const std::size_t end = i + 1;
       if (end != run.first_page + run.pages && end - chunk_first < restore_chunk_pages) continue;
       if (run.host != nullptr) {
         try {
-          backend_.copy_from_host_async(device_, reinterpret_cast<void*>(seg.base + chunk_first * page),
+          d_.backend_.copy_from_host_async(d_.device_, reinterpret_cast<void*>(seg.base + chunk_first * page),
                                         static_cast<const char*>(run.host) + (chunk_first - run.first_page) * page,
                                         (end - chunk_first) * page, stream);
         } catch (...) {
@@ -380,18 +400,65 @@ bool device_state::map_paused_segment(segment& seg) {
   // Announced once every page is mapped: a segment that fails part-way gives
   // its new pages back unannounced, and listeners never see it mapped.
   for (const auto& run : seg.paused_runs)
-    announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page, run.pages * page,
-             seg.head->stream, true);
+    d_.mapping_.announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page,
+                         run.pages * page, seg.head->stream, true);
   return true;
 }
 
-void device_state::restore_paused_segment(segment& seg, sleep_result& r) {
+// A resume that could not map every page: the pages mapped so far go back
+// (after the copies into them), the observers hear of it, and the error
+// says what holds the device's memory. The tags stay paused.
+void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<segment*>& mapped, std::size_t need,
+                            const sleep_result& r, world_lock& w) {
+  for (segment* seg : mapped) {  // their kept contents are being copied in: wait before the pages go
+    const auto kept = [](const segment::paused_run& run) { return run.host != nullptr; };
+    if (std::none_of(seg->paused_runs.begin(), seg->paused_runs.end(), kept)) continue;
+    wait_for_stream(copy_stream(*seg));
+  }
+  for (segment* seg : mapped)
+    for (const auto& run : seg->paused_runs)
+      for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) d_.expandable_.give_back_page(*seg, i);
+  std::string names;
+  for (tag_id tag : todo) names += (names.empty() ? "'" : ", '") + tag_name(tag) + "'";
+  const memory_info info = d_.backend_.mem_get_info(d_.device_);
+  const std::size_t outside = info.total_bytes - std::min(info.total_bytes, info.free_bytes + d_.memory_.reserved());
+  std::string msg = "ccalloc: out of memory resuming tag " + names + " on device " + std::to_string(d_.device_) +
+                    ": it needs " + format_bytes(need) + " of pages mapped again; the device has " +
+                    format_bytes(info.free_bytes) + " free of " + format_bytes(info.total_bytes) +
+                    "; ccalloc holds " + format_bytes(d_.memory_.reserved()) + " reserved (";
+  bool first = true;
+  std::set<tag_id> seen;
+  for (const auto& [base, seg] : d_.segments_) seen.insert(tag_of(*seg));
+  for (tag_id tag : seen) {
+    const tag_usage u = usage_of(tag);
+    if (u.reserved_bytes == 0) continue;
+    msg += (first ? "" : ", ") + u.tag + " " + format_bytes(u.reserved_bytes);
+    first = false;
+  }
+  msg += std::string(first ? "nothing" : "") + ") after returning " + format_bytes(r.cache_released_bytes) +
+         " of its cached memory; " + format_bytes(outside) + " is held outside ccalloc (other allocators, processes)";
+  if (d_.memory_.capped()) msg += "; the memory-fraction cap allows " + format_bytes(d_.memory_.allowed());
+  msg += ". The tag stays paused: free memory and call resume again";
+  const out_of_memory_error::figures f{d_.device_, need, d_.memory_.capped() ? d_.memory_.allowed() : info.total_bytes,
+                                        info.free_bytes, 0, d_.memory_.reserved()};
+  const auto observers = d_.observers_;
+  w.unlock();
+  for (const auto& o : observers) {
+    try {
+      o(d_.device_, need, f.device_total_bytes, f.device_free_bytes);
+    } catch (...) {  // an observer's failure must not hide the out-of-memory error being thrown
+    }
+  }
+  throw out_of_memory_error(msg, f);
+}
+
+void tag_sleep::restore_paused_segment(segment& seg, sleep_result& r) {
   const std::size_t page = seg.page_bytes;
   const stream_t stream = copy_stream(seg);
   bool copied = false;
   for (auto& run : seg.paused_runs) {  // the copies were queued as the pages were mapped
-    if (history_.active()) [[unlikely]]
-      history_.record_segment_map(seg.base + run.first_page * page, run.pages * page, seg.head->stream);
+    if (d_.history_.active()) [[unlikely]]
+      d_.history_.record_segment_map(seg.base + run.first_page * page, run.pages * page, seg.head->stream);
     r.paused_bytes += run.pages * page;
     if (run.host == nullptr) continue;
     r.copied_bytes += run.pages * page;
@@ -401,13 +468,13 @@ void device_state::restore_paused_segment(segment& seg, sleep_result& r) {
   for (auto& run : seg.paused_runs) host_copies_.give(run.host);
   seg.paused_runs.clear();
   seg.paused = false;
-  for (block* b : seg.paused_free) pool_insert_counted(b);
+  for (block* b : seg.paused_free) d_.expandable_.pool_insert_counted(b);
   seg.paused_free.clear();
 }
 
-sleep_result device_state::resume_tags(const std::vector<tag_id>& tags, world_lock& w) {
+sleep_result tag_sleep::resume_tags(const std::vector<tag_id>& tags, world_lock& w) {
   sleep_result r;
-  const std::optional<std::uint64_t> start_us = backend_.host_time_us();
+  const std::optional<std::uint64_t> start_us = d_.backend_.host_time_us();
   std::vector<tag_id> todo;
   for (tag_id tag : tags)
     if (tag_paused(tag) && std::find(todo.begin(), todo.end(), tag) == todo.end()) todo.push_back(tag);
@@ -420,66 +487,15 @@ sleep_result device_state::resume_tags(const std::vector<tag_id>& tags, world_lo
         segs.push_back(seg);
         for (const auto& run : seg->paused_runs) need += run.pages * seg->page_bytes;
       }
-  // Room first: ccalloc's own cached memory of active tags goes back when
-  // the device or the cap lacks it.
-  const auto lacks_room = [&] {
-    if (set_fraction_ && reserved_bytes_ + need > allowed_bytes_) return true;
-    return need > backend_.mem_get_info(device_).free_bytes;
-  };
-  if (need > 0 && lacks_room()) {
-    const std::size_t before = reserved_bytes_;
-    release_cached_blocks(w, /*for_retry=*/true);
-    r.cache_released_bytes = before - std::min(before, reserved_bytes_);
-  }
+  make_room(need, r, w);
   std::vector<segment*> mapped;
-  bool ok = !(need > 0 && set_fraction_ && reserved_bytes_ + need > allowed_bytes_);
+  bool ok = !(need > 0 && d_.memory_.over_cap(need));
   for (segment* seg : segs) {
     if (!ok) break;
     ok = map_paused_segment(*seg);
     if (ok) mapped.push_back(seg);
   }
-  if (!ok) {
-    for (segment* seg : mapped) {  // their kept contents are being copied in: wait before the pages go
-      if (std::none_of(seg->paused_runs.begin(), seg->paused_runs.end(), [](const auto& run) { return run.host != nullptr; }))
-        continue;
-      wait_for_stream(copy_stream(*seg));
-    }
-    for (segment* seg : mapped)
-      for (const auto& run : seg->paused_runs)
-        for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) give_back_page(*seg, i);
-    std::string names;
-    for (tag_id tag : todo) names += (names.empty() ? "'" : ", '") + tag_name(tag) + "'";
-    const memory_info info = backend_.mem_get_info(device_);
-    const std::size_t outside = info.total_bytes - std::min(info.total_bytes, info.free_bytes + reserved_bytes_);
-    std::string msg = "ccalloc: out of memory resuming tag " + names + " on device " + std::to_string(device_) +
-                      ": it needs " + format_bytes(need) + " of pages mapped again; the device has " +
-                      format_bytes(info.free_bytes) + " free of " + format_bytes(info.total_bytes) +
-                      "; ccalloc holds " + format_bytes(reserved_bytes_) + " reserved (";
-    bool first = true;
-    std::set<tag_id> seen;
-    for (const auto& [base, seg] : segments_) seen.insert(tag_of(*seg));
-    for (tag_id tag : seen) {
-      const tag_usage u = usage_of(tag);
-      if (u.reserved_bytes == 0) continue;
-      msg += (first ? "" : ", ") + u.tag + " " + format_bytes(u.reserved_bytes);
-      first = false;
-    }
-    msg += std::string(first ? "nothing" : "") + ") after returning " + format_bytes(r.cache_released_bytes) +
-           " of its cached memory; " + format_bytes(outside) + " is held outside ccalloc (other allocators, processes)";
-    if (set_fraction_) msg += "; the memory-fraction cap allows " + format_bytes(allowed_bytes_);
-    msg += ". The tag stays paused: free memory and call resume again";
-    const out_of_memory_error::figures f{device_, need, set_fraction_ ? allowed_bytes_ : info.total_bytes,
-                                          info.free_bytes, 0, reserved_bytes_};
-    const auto observers = observers_;
-    w.unlock();
-    for (const auto& o : observers) {
-      try {
-        o(device_, need, f.device_total_bytes, f.device_free_bytes);
-      } catch (...) {
-      }
-    }
-    throw out_of_memory_error(msg, f);
-  }
+  if (!ok) fail_resume(todo, mapped, need, r, w);
   std::vector<std::pair<tag_id, std::size_t>> resumed;  // bytes mapped again, for history
   for (tag_id tag : todo) resumed.emplace_back(tag, usage_of(tag).paused_bytes);
   for (segment* seg : segs) {
@@ -489,12 +505,12 @@ sleep_result device_state::resume_tags(const std::vector<tag_id>& tags, world_lo
   for (const auto& [tag, bytes] : resumed) {
     paused_tags_.erase(tag);
     r.tags.push_back(tag_name(tag));
-    if (history_.active()) [[unlikely]]
-      history_.record(trace_entry_action::resume, 0, bytes, 0, nullptr, tag);
+    if (d_.history_.active()) [[unlikely]]
+      d_.history_.record(trace_entry_action::resume, 0, bytes, 0, nullptr, tag);
   }
   any_paused_.store(!paused_tags_.empty(), std::memory_order_relaxed);
-  raise_reserved_high_water();
-  if (const std::optional<std::uint64_t> end_us = backend_.host_time_us(); start_us && end_us)
+  d_.memory_.raise_high_water();
+  if (const std::optional<std::uint64_t> end_us = d_.backend_.host_time_us(); start_us && end_us)
     r.host_time_us = *end_us - *start_us;
   return r;
 }
@@ -520,7 +536,7 @@ sleep_result device_caching_allocator::pause(const std::vector<std::string>& tag
   const std::vector<tag_id> ids = tag_ids(tags, "pause");
   detail::tracker_delivery deliver;  // the pause's entries reach trackers after the locks
   detail::world_lock w(s);
-  return s.pause_tags(ids, keep_contents, w);
+  return s.tags_.pause_tags(ids, keep_contents, w);
 }
 
 sleep_result device_caching_allocator::resume(const std::vector<std::string>& tags) {
@@ -531,9 +547,9 @@ sleep_result device_caching_allocator::resume(const std::vector<std::string>& ta
   sleep_result r;
   {
     detail::world_lock w(s);
-    r = s.resume_tags(ids, w);
+    r = s.tags_.resume_tags(ids, w);
     for (tag_id id : ids)
-      for (detail::segment* seg : s.segments_of(id)) {
+      for (detail::segment* seg : s.tags_.segments_of(id)) {
         frees.insert(frees.end(), seg->frees_while_paused.begin(), seg->frees_while_paused.end());
         seg->frees_while_paused.clear();
       }
@@ -543,14 +559,14 @@ sleep_result device_caching_allocator::resume(const std::vector<std::string>& ta
 }
 
 std::string device_caching_allocator::block_tag(const detail::block* block) const {
-  return tag_name(detail::device_state::tag_of(*block->seg));  // fixed for the segment's life
+  return tag_name(detail::tag_of(*block->seg));  // fixed for the segment's life
 }
 
 std::vector<std::string> device_caching_allocator::paused_tags() const {
   auto& s = *state_;
   detail::world_lock w(s);
   std::vector<std::string> out;
-  for (tag_id t : s.paused_tags_) out.push_back(tag_name(t));
+  for (tag_id t : s.tags_.paused_tags()) out.push_back(tag_name(t));
   return out;
 }
 
@@ -559,10 +575,10 @@ std::vector<tag_usage> device_caching_allocator::tag_stats() const {
   detail::world_lock w(s);
   s.publish_all_pending_stats(w);
   std::set<tag_id> tags{default_tag_id};
-  for (const auto& [base, seg] : s.segments_) tags.insert(detail::device_state::tag_of(*seg));
-  for (const auto& [tag, pp] : s.tag_pools_) tags.insert(tag);
+  for (const auto& [base, seg] : s.segments_) tags.insert(detail::tag_of(*seg));
+  for (const auto& [tag, pp] : s.tags_.tag_pools()) tags.insert(tag);
   std::vector<tag_usage> out;
-  for (tag_id t : tags) out.push_back(s.usage_of(t));
+  for (tag_id t : tags) out.push_back(s.tags_.usage_of(t));
   return out;
 }
 

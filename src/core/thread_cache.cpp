@@ -201,7 +201,7 @@ block* thread_cache_take_slow(device_state& s, thread_cache_record* r, std::size
   if (r->count.load(std::memory_order_relaxed) == 0) return nullptr;
   // Pending events and captures go the normal way (events are processed
   // there; a capture may route to a private pool).
-  if ((s.pending_event_count_.load(std::memory_order_relaxed) | s.scopes_.depth()) !=
+  if ((s.events_.pending_count() | s.pools_.scopes().depth()) !=
       0) [[unlikely]] {
     thread_cache_drain_own(s, *r);
     return nullptr;
@@ -234,7 +234,7 @@ bool thread_cache_park_slow(device_state& s, block* b) {
   // it out (block::reuse_version), so that a hit is what the pools would do.
   const bool parkable =
       thread_cache_still_reusable(b) && b->stream_uses.empty() && b->pool->priv == nullptr &&
-      s.caching_.load(std::memory_order_relaxed) && !s.capture_underway() &&
+      s.policy_.caching() && !s.pools_.capture_underway() &&
       !(s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small) &&
       !(r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) &&
       r->count.load(std::memory_order_relaxed) != thread_cache_slots;

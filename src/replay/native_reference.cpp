@@ -3,11 +3,13 @@
 #include <ccalloc/replay/native_reference.hpp>
 
 #include <ccalloc/replay/embedded.hpp>
+#include <ccalloc/replay/trace.hpp>
 
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string_view>
 #include <system_error>
 #include <utility>
@@ -49,19 +51,62 @@ std::string trace_base_name(const std::filesystem::path& path) {
   return name;
 }
 
+/// The deepest nesting of arrays and objects in JSON text `text`, brackets
+/// inside strings not counted; stops counting past `limit`. A linear scan:
+/// nlohmann's dump() recurses once per level, so text nested deeper than the
+/// stack allows must be refused before it is parsed.
+std::size_t json_nesting_depth(std::string_view text, std::size_t limit) {
+  std::size_t depth = 0;
+  std::size_t deepest = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > deepest) deepest = depth;
+      if (deepest > limit) return deepest;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 }  // namespace
+
+std::string native_peaks_path_beside(const std::string& trace_path) {
+  namespace fs = std::filesystem;
+  const fs::path trace_file(trace_path);
+  const fs::path folder = trace_file.has_parent_path() ? trace_file.parent_path() : fs::path(".");
+  return (folder / "native_peaks.json").string();
+}
 
 std::optional<native_reference> native_reference_beside(const std::string& trace_path, std::string* warning) {
   namespace fs = std::filesystem;
   const fs::path trace_file(trace_path);
-  const fs::path folder = trace_file.has_parent_path() ? trace_file.parent_path() : fs::path(".");
-  const fs::path peaks_path = folder / "native_peaks.json";
+  const fs::path peaks_path(native_peaks_path_beside(trace_path));
   std::error_code ec;
   if (!fs::is_regular_file(peaks_path, ec)) return std::nullopt;
-  std::ifstream in(peaks_path);
-  json all = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  std::ifstream in(peaks_path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (json_nesting_depth(text, max_native_peaks_depth) > max_native_peaks_depth) {
+    if (warning != nullptr)
+      *warning = "ignoring " + printable_name(peaks_path.string()) + ": nested more than " +
+                 std::to_string(max_native_peaks_depth) + " levels deep";
+    return std::nullopt;
+  }
+  json all = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (all.is_discarded() || !all.is_object()) {
-    if (warning != nullptr) *warning = "ignoring " + peaks_path.string() + ": not a JSON object";
+    if (warning != nullptr) *warning = "ignoring " + printable_name(peaks_path.string()) + ": not a JSON object";
     return std::nullopt;
   }
   const std::string name = trace_base_name(trace_file);

@@ -174,6 +174,28 @@ class sleep_replay {
   // Each pass starts under the default tag, as the trace does.
   void begin_pass() { scope_.reset(); }
 
+  // Between two passes: the program runs again from its start, where no tag
+  // is paused. Tags the pass left paused are resumed (recorded as resumes at
+  // `index`, the pass's last event, line 0: no line of the trace), and the
+  // trace's pause order starts afresh, so that the next pass's first pause
+  // of a tag is no second pause. A resume without room counts in `ooms`.
+  void end_pass(std::uint64_t index) {
+    scope_.reset();
+    paused_at_.clear();
+    for (const std::string& name : a_.paused_tags(0)) {
+      replay_sleep_event s;
+      s.index = index;
+      s.tag = name;
+      s.pause = false;
+      try {
+        resume_into(s);
+      } catch (const out_of_memory_error&) {
+        ++r_.ooms;
+      }
+      record(std::move(s));
+    }
+  }
+
   void replay(const trace_event& e, std::uint64_t index) {
     const std::string name = e.tag == 0 ? std::string(default_tag_name) : t_.tags.at(e.tag - 1);
     if (e.action == trace_action::tag) {
@@ -202,11 +224,7 @@ class sleep_replay {
         s.copied_bytes = p.copied_bytes;
         paused_ += p.paused_bytes;
       } else {
-        const sleep_result w = a_.resume({name}, 0);
-        s.paused_bytes = w.paused_bytes;
-        s.released_bytes = w.cache_released_bytes;
-        s.copied_bytes = w.copied_bytes;
-        paused_ -= std::min(paused_, static_cast<std::uint64_t>(w.paused_bytes));
+        resume_into(s);
       }
     } catch (const out_of_memory_error&) {
       // A resume without room on the device, or a pause without host memory
@@ -215,9 +233,24 @@ class sleep_replay {
     } catch (const invalid_argument_error& x) {
       throw trace_error(t_.source, e.line, x.what());
     }
+    r_.peak_paused_bytes = std::max(r_.peak_paused_bytes, paused_);
+    record(std::move(s));
+  }
+
+  // Resumes s.tag and fills in what the resume did; out_of_memory_error
+  // passes through (nothing changed).
+  void resume_into(replay_sleep_event& s) {
+    const sleep_result w = a_.resume({s.tag}, 0);
+    s.paused_bytes = w.paused_bytes;
+    s.released_bytes = w.cache_released_bytes;
+    s.copied_bytes = w.copied_bytes;
+    paused_ -= std::min(paused_, static_cast<std::uint64_t>(w.paused_bytes));
+  }
+
+  // Adds `s` to the result with the figures after it.
+  void record(replay_sleep_event s) {
     s.paused_total_bytes = paused_;
     s.reserved_bytes = static_cast<std::uint64_t>(a_.get_device_stats(0).reserved_bytes[0].current);
-    r_.peak_paused_bytes = std::max(r_.peak_paused_bytes, paused_);
     r_.sleep_events.push_back(std::move(s));
   }
 
@@ -414,7 +447,10 @@ class event_loop {
       const device_stats s = allocator_.get_device_stats(0);
       r_.passes.push_back(pass_figures(s, before, pass_events, r_.ooms - ooms_before));
       before = s;
-      if (pass + 1 < repeat && !stopped) allocator_.reset_peak_stats(0);
+      if (pass + 1 < repeat && !stopped) {
+        sleep_.end_pass(replayed - 1);
+        allocator_.reset_peak_stats(0);
+      }
     }
     r_.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     r_.events = replayed;
@@ -771,11 +807,15 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
   };
   // Bounds: `fails` is too small for the peak requested bytes (0: none
   // tried), `fits` holds the first replay's peak reserved; checked, since a
-  // smaller cap changes what garbage_collection_threshold does.
+  // smaller cap changes what garbage_collection_threshold does. Blocks of a
+  // paused tag count as requested but hold no device pages, so with pauses
+  // the requested peak is no lower bound (it may exceed the reserved peak):
+  // the search then starts from nothing. `fails` always stays below `fits`.
   std::size_t fits = device_for(full.peak_reserved_bytes);
   if (fits == 0) return 0;  // nothing was ever reserved
-  const std::size_t lower = device_for(full.peak_requested_bytes);
+  const std::size_t lower = full.sleep_events.empty() ? device_for(full.peak_requested_bytes) : 0;
   std::size_t fails = lower >= precision_bytes ? lower - precision_bytes : 0;
+  if (fails >= fits) fails = 0;
   if (fits < start) {
     probe.device_memory_bytes = fits;
     if (replay_trace(t, probe).ooms != 0) {

@@ -457,7 +457,7 @@ std::string sleep_table(const replay_result& r) {
   o += "<table><tr><th>line</th><th class=\"l\">action</th><th class=\"l\">tag</th><th>paused</th><th>freed / "
        "cache given back</th><th>copied to/from host</th><th>paused, all tags</th><th>reserved after</th></tr>\n";
   for (const replay_sleep_event& e : r.sleep_events)
-    o += "<tr><td>" + with_commas(e.line) + "</td><td class=\"l\">" +
+    o += "<tr><td>" + (e.line ? with_commas(e.line) : std::string("pass end")) + "</td><td class=\"l\">" +
          (e.pause ? (e.keep_contents ? "pause (keep)" : "pause (drop)") : "resume") + "</td><td class=\"l\">" +
          html(e.tag) + "</td><td>" + html(format_bytes(e.paused_bytes)) + "</td><td>" +
          html(format_bytes(e.released_bytes)) + "</td><td>" + html(format_bytes(e.copied_bytes)) + "</td><td>" +

@@ -205,7 +205,7 @@ report_model build_report_model(const trace& t, const report_options& options) {
   for (const trace_event& e : t.events) has_pauses = has_pauses || e.action == trace_action::pause;
   if (has_pauses) {
     ro.after_event = [&, count = std::move(ro.after_event)](std::size_t i, caching_allocator& a) {
-      sum.peak_unpaused_allocated_bytes = std::max(sum.peak_unpaused_allocated_bytes, unpaused_allocated_bytes(a));
+      raise_peak_unpaused_allocated_bytes(sum.peak_unpaused_allocated_bytes, a);
       return count(i, a);
     };
   }
@@ -258,11 +258,19 @@ report_model build_report_model(const trace& t, const report_options& options) {
 namespace ccalloc {
 
 std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int device) {
+  const auto current = static_cast<std::uint64_t>(allocator.get_device_stats(device).allocated_bytes[0].current);
+  if (allocator.paused_tags(device).empty()) return current;  // O(tags), not tag_stats' O(tags x segments)
   std::uint64_t paused = 0;
   for (const tag_usage& u : allocator.tag_stats(device))
     if (u.paused) paused += u.allocated_bytes;
   const auto allocated = static_cast<std::uint64_t>(allocator.get_device_stats(device).allocated_bytes[0].current);
   return allocated - std::min(allocated, paused);
+}
+
+void raise_peak_unpaused_allocated_bytes(std::uint64_t& peak, const caching_allocator& allocator, int device) {
+  const auto allocated = static_cast<std::uint64_t>(allocator.get_device_stats(device).allocated_bytes[0].current);
+  if (allocated <= peak) return;  // unpaused bytes are at most the allocated ones
+  peak = std::max(peak, unpaused_allocated_bytes(allocator, device));
 }
 
 double shown_fragmentation(const replay_result& r, std::uint64_t peak_unpaused_allocated) noexcept {

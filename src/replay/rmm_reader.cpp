@@ -221,6 +221,10 @@ void rmm_log_parser::read_header(const std::vector<std::string_view>& f) {
       throw trace_error(source_, line_number_,
                         "RMM log header lacks the column '" + std::string(columns[c]) +
                             "' (expected Thread,Time,Action,Pointer,Size,Stream)");
+    if (std::find(f.begin() + static_cast<std::ptrdiff_t>(at) + 1, f.end(), columns[c]) != f.end())
+      throw trace_error(source_, line_number_,
+                        "RMM log header names the column '" + std::string(columns[c]) +
+                            "' twice (which one holds the values is unclear)");
     index_[c] = at;
   }
   header_fields_ = f.size();

@@ -329,21 +329,26 @@ trace parse_lines(text_source& source, std::string first, detail::line_parser& p
   constexpr std::size_t block = std::size_t{1} << 20;
   std::string buffer = std::move(first);
   bool at_end = buffer.empty();
+  // A first line over the limit may be no text at all (a gzip of zeros):
+  // then that is what the error says.
+  const auto too_long = [&] {
+    if (parser.lines() == 0)
+      if (std::string why = not_text_reason(buffer); !why.empty()) return trace_error(path, 0, why);
+    return trace_error(path, parser.lines() + 1, detail::line_limit_reason(limits.max_line_bytes));
+  };
   while (!at_end) {
     const std::size_t last_newline = buffer.rfind('\n');
     const std::size_t whole = last_newline == std::string::npos ? 0 : last_newline + 1;
     if (whole != 0) parser.feed(std::string_view(buffer).substr(0, whole));
     buffer.erase(0, whole);
-    if (buffer.size() > limits.max_line_bytes)
-      throw trace_error(path, parser.lines() + 1, detail::line_limit_reason(limits.max_line_bytes));
+    if (buffer.size() > limits.max_line_bytes) throw too_long();
     const std::size_t kept = buffer.size();
     buffer.resize(kept + block);
     const std::size_t got = source.read(buffer.data() + kept, block);
     buffer.resize(kept + got);
     at_end = got < block && buffer.find('\n', kept) == std::string::npos;
     if (at_end && !buffer.empty()) {
-      if (buffer.size() > limits.max_line_bytes)
-        throw trace_error(path, parser.lines() + 1, detail::line_limit_reason(limits.max_line_bytes));
+      if (buffer.size() > limits.max_line_bytes) throw too_long();
       parser.feed(buffer);
     }
   }

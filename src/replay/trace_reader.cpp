@@ -31,6 +31,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -214,29 +215,36 @@ std::string missing_columns(std::size_t count) {
 /// event line, and throws trace_error naming `source`:`line_number` and the
 /// first thing wrong otherwise. `unterminated`: the line is the text's last
 /// and has no '\n' (a short one then says the text may be truncated).
+/// The names of a trace's tags (trace::tags) with a hash index of them, so
+/// that a trace naming tens of thousands of tags reads in linear time.
+struct tag_table {
+  std::vector<std::string>* names = nullptr;
+  std::unordered_map<std::string, std::uint16_t> ids;  // name -> trace_event::tag
+};
+
 /// The index (trace_event::tag) of the tag named `name` in `tags`, added
 /// on first use; 0 for "default". Throws trace_error for a name that is no
 /// tag name (tags.hpp: 1 to 64 of letters, digits and "_-.:/").
-std::uint16_t tag_index(std::string_view name, std::vector<std::string>& tags, const std::string& source,
-                        std::size_t line) {
+std::uint16_t tag_index(std::string_view name, tag_table& tags, const std::string& source, std::size_t line) {
   if (name == "default") return 0;
   if (!is_tag_name(name))
     throw trace_error(source, line,
                       "bad tag " + quote_field(name) +
                           ": a tag name is 1 to 64 ASCII letters, digits and the characters _-.:/");
-  for (std::size_t i = 0; i < tags.size(); ++i)
-    if (tags[i] == name) return static_cast<std::uint16_t>(i + 1);
-  if (tags.size() >= std::numeric_limits<std::uint16_t>::max())
+  std::string key(name);
+  if (const auto it = tags.ids.find(key); it != tags.ids.end()) return it->second;
+  if (tags.names->size() >= std::numeric_limits<std::uint16_t>::max())
     throw trace_error(source, line, "more than 65535 distinct tags");
-  tags.emplace_back(name);
-  return static_cast<std::uint16_t>(tags.size());
+  tags.names->push_back(key);
+  const auto id = static_cast<std::uint16_t>(tags.names->size());
+  tags.ids.emplace(std::move(key), id);
+  return id;
 }
 
 /// The sixth and seventh columns of tag, pause and resume lines (`fields`
 /// holds `count` of them): the tag's name, and for pause `keep` or `drop`.
 void parse_tag_columns(const std::array<std::string_view, 7>& fields, std::size_t count,
-                       std::vector<std::string>& tags, const std::string& source, std::size_t line,
-                       trace_event& event) {
+                       tag_table& tags, const std::string& source, std::size_t line, trace_event& event) {
   const bool is_pause = event.action == trace_action::pause;
   const std::size_t expected = is_pause ? 7 : 6;
   if (count != expected)
@@ -254,7 +262,7 @@ void parse_tag_columns(const std::array<std::string_view, 7>& fields, std::size_
 }
 
 bool parse_line_checked(std::string_view line, const std::string& source, std::size_t line_number,
-                        bool unterminated, trace_event& event, std::vector<std::string>& tags) {
+                        bool unterminated, trace_event& event, tag_table& tags) {
   std::array<std::string_view, 7> fields;
   const std::size_t count = split_fields(line, fields);
   if (count == 0) return false;                // blank line
@@ -305,6 +313,7 @@ class trace_text_parser final : public line_parser {
  public:
   trace_text_parser(const std::string& source, const trace_limits& limits) : source_(source), limits_(limits) {
     result_.source = source;
+    tags_.names = &result_.tags;
   }
 
   void feed(std::string_view text) override {
@@ -340,7 +349,7 @@ class trace_text_parser final : public line_parser {
         p = nl ? line_end + 1 : text_end;
         if (line.size() > limits_.max_line_bytes) [[unlikely]]
           throw trace_error(source_, line_number_, line_limit_reason(limits_.max_line_bytes));
-        if (!parse_line_checked(line, source_, line_number_, nl == nullptr, event, result_.tags)) continue;
+        if (!parse_line_checked(line, source_, line_number_, nl == nullptr, event, tags_)) continue;
       }
       event.line = line_number_;
       if (event.time_us < previous_time_us_) [[unlikely]] {
@@ -366,6 +375,7 @@ class trace_text_parser final : public line_parser {
   const std::string& source_;
   trace_limits limits_;
   trace result_;
+  tag_table tags_;  // names in result_.tags
   std::uint64_t previous_time_us_ = 0;
   std::size_t line_number_ = 0;
   bool first_ = true;

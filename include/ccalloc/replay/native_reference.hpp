@@ -6,6 +6,7 @@
 // CCALLOC_MINIMAL build for the GPU checks leaves it out).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -25,12 +26,22 @@ struct native_reference {
   std::string entry_json;  ///< the entry as written (a JSON object, keys in their order); "" when built by hand
 };
 
+/// The deepest nesting of arrays and objects that native_reference_beside
+/// accepts in a native_peaks.json (the real files nest 2 levels).
+inline constexpr std::size_t max_native_peaks_depth = 64;
+
+/// The native_peaks.json that native_reference_beside reads for trace file
+/// `trace_path`: the one in its folder ("./native_peaks.json" for a bare
+/// file name). Only builds the path; never throws but std::bad_alloc.
+[[nodiscard]] std::string native_peaks_path_beside(const std::string& trace_path);
+
 /// The figures for trace file `trace_path` from a native_peaks.json in its
 /// folder, under the trace's name ("gpt2_train" for
 /// ".../gpt2_train.trace.gz" or ".../gpt2_train.trace", else the file name).
 /// nullopt when there is no such file or entry. An unreadable or malformed
-/// native_peaks.json gives nullopt and, when `warning` is given, a sentence
-/// saying so there (the replay itself does not depend on it). Never throws
+/// native_peaks.json (one nested more than max_native_peaks_depth levels
+/// included) gives nullopt and, when `warning` is given, a sentence saying so
+/// there (the replay itself does not depend on it). Never throws
 /// for file content; std::bad_alloc may escape.
 [[nodiscard]] std::optional<native_reference> native_reference_beside(const std::string& trace_path,
                                                                       std::string* warning = nullptr);

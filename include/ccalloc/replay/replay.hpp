@@ -81,8 +81,12 @@
 // finds no room (or a pause without host memory for the kept contents)
 // counts in `ooms` and changes nothing (a tag left paused: an allocation
 // under it then fails with a trace_error naming the line). At the end, tags still
-// paused are resumed before everything is freed. A trace without these
-// events replays as before, figure for figure.
+// paused are resumed before everything is freed. With repeat N > 1, each
+// pass replays as the program would run again: tags a pass leaves paused
+// are resumed at the pass boundary (sleep_events with line 0; a resume
+// without room counts in `ooms`), and the check that a trace never pauses
+// a paused tag or resumes an active one holds within each pass. A trace
+// without these events replays as before, figure for figure.
 //
 // A device that runs behind the host (replay_options::device_lag_events = L,
 // simulated device only): by default the simulated device finishes the
@@ -267,8 +271,10 @@ struct replay_result {
 /// SPEC P7: the smallest simulated device memory (bytes, a multiple of
 /// `precision_bytes`) on which `t` replays with options.config without an
 /// out-of-memory error, found by bisection between the trace's peak
-/// requested bytes (nothing smaller can work) and the peak reserved of a
-/// replay on options.device_memory_bytes (checked). A per_process_memory_fraction
+/// requested bytes (nothing smaller can work; 0 when the trace pauses tags,
+/// whose paused blocks count as requested but hold no memory) and the peak
+/// reserved of a replay on options.device_memory_bytes (checked); no size
+/// above that upper bound is tried. A per_process_memory_fraction
 /// in options.config applies to every size tried: the result is the device's
 /// memory, of which the allocator may use that fraction (about peak / fraction),
 /// so replaying `t` with the same options on a device of the result's size

@@ -80,6 +80,13 @@ struct report_summary {
 /// (caching_allocator::tag_stats). Thread safety: as tag_stats.
 [[nodiscard]] std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int device = 0);
 
+/// Raises `peak` to unpaused_allocated_bytes(allocator, device) when that is
+/// more. O(1) while allocated_bytes.all.current is at most `peak` (unpaused
+/// bytes cannot exceed it then), O(blocks) otherwise: called after every
+/// event of a replay, it keeps the replay near linear in the tags it pauses.
+/// Thread safety: as tag_stats.
+void raise_peak_unpaused_allocated_bytes(std::uint64_t& peak, const caching_allocator& allocator, int device = 0);
+
 /// Fragmentation as `ccalloc replay` and `report` print it: peak reserved
 /// over peak requested, or, when tags were paused (peak_unpaused_allocated
 /// non-zero), over the peak allocated to unpaused blocks, since paused

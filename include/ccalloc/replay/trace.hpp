@@ -31,10 +31,24 @@
 
 namespace ccalloc {
 
+/// A file name safe to print on one line: printable_text with newlines
+/// escaped too ("\x0a"), so that a name holding one cannot make a message
+/// look like two. Pure; may throw std::bad_alloc.
+inline std::string printable_name(std::string_view name) {
+  std::string one_line;
+  one_line.reserve(name.size());
+  for (const char c : name) {
+    if (c == '\n') one_line += "\\x0a";
+    else one_line += c;
+  }
+  return printable_text(one_line);
+}
+
 /// A malformed trace. what() is "FILE:LINE: reason", or "FILE: reason" when
 /// the error is not tied to a line (the file cannot be opened, corrupt gzip
-/// data), with control bytes of the file name and the reason (which may
-/// quote the trace) escaped (printable_text); `file` is the name as given.
+/// data), with control bytes of the file name (newlines included:
+/// printable_name) and the reason (which may quote the trace) escaped
+/// (printable_text); `file` is the name as given.
 class trace_error : public error {
  public:
   trace_error(const std::string& source_file, std::size_t source_line, const std::string& reason)
@@ -46,7 +60,7 @@ class trace_error : public error {
   // "FILE:LINE: " or "FILE: ", appended piece by piece (GCC 12's -Wrestrict
   // misreads ":" + std::to_string(...) at -O3).
   static std::string where(const std::string& source_file, std::size_t source_line) {
-    std::string text = source_file;
+    std::string text = printable_name(source_file);
     if (source_line != 0) {
       text += ':';
       text += std::to_string(source_line);

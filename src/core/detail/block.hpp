@@ -30,7 +30,7 @@ inline constexpr std::size_t page_aligned_block_pages = 8;
 // Whether a block of `size` bytes, carved flush at `offset` of its segment,
 // is to be carved on page boundaries instead, in an expandable segment's
 // large pool where that costs no page now
-// (device_state::page_aligned_start), when free pages are recycled at every
+// (placement_policy::page_aligned_start), when free pages are recycled at every
 // new peak (the default). True when:
 // - it falls short of a whole number of `page`s by at most 1/64 of a page
 //   (and by something): packed with its like, carved flush, a run of them

@@ -1,6 +1,21 @@
 // Private data structures of the device caching allocator. Only the core's
 // sources (src/core/*.cpp, one per concept: see src/README.md) use them.
 //
+// device_state is one device: it keeps the segments, blocks and pools and
+// orchestrates (malloc, free, the fallback ladder, segment releases). Its
+// parts own their data behind small interfaces, each in its own header
+// that states what it owns and which lock guards it:
+//   stream_registry        the stream states, registry_mutex_   (registry_)
+//   placement_policy       the configuration, rounding, split and carving rules (policy_)
+//   device_memory          total, cap, reserved bytes and their mark (memory_)
+//   event_queue            the event pool, events of cross-stream frees (events_)
+//   device_fences          the page fences over this device's events (fences_)
+//   expandable_segments    reservations, page mapping and recycling (expandable_)
+//   private_pool_registry  private pools, capture scopes, deferred frees (pools_)
+//   tag_sleep              tags' pools, pause and resume (tags_)
+// The ones that act across the device hold a device_state& and reach the
+// segments, pools and statistics through it.
+//
 // Picture of one device's memory:
 //
 //   segment (one device malloc)      [======================================]
@@ -17,13 +32,13 @@
 //   stats.active_bytes.all.current    = allocated + sizes of blocks waiting on events
 //   all blocks of a segment are in one pool: the segment's (stream, default or
 //   private pool, small or large); private_pool::segment_count = its segments
-//   a block in deferred_frees_ is not allocated and has event_count == 1
+//   a block in pools_.deferred_frees() is not allocated and has event_count == 1
 //   while a private pool has users, none of its segments is freed or unmapped
 //
 // Locking (SPEC X1): each stream has its own state and lock (stream_state);
 // the fast path (a cached block of the request's stream, and the free of a
 // block) takes only that lock. Device-wide state (segments, events, the
-// reservation) has device_mutex_; statistics have stats_mutex_. The slow path
+// memory figures, the private pools) has device_mutex_; statistics have stats_mutex_. The slow path
 // (a new segment, garbage collection, the OOM ladder, emptyCache) locks the
 // whole device: the registry, every stream in stream-handle order, the device,
 // the statistics. Lock order, never reversed:
@@ -67,6 +82,14 @@
 #include "history_recorder.hpp"
 #include "host_copy_cache.hpp"
 #include "mapping_notifier.hpp"
+#include "device_fences.hpp"
+#include "device_memory.hpp"
+#include "event_queue.hpp"
+#include "expandable_segments.hpp"
+#include "placement_policy.hpp"
+#include "private_pool_registry.hpp"
+#include "stream_registry.hpp"
+#include "tag_sleep.hpp"
 #include "page_fences.hpp"
 #include "page_table.hpp"
 #include "recycle_budget.hpp"
@@ -144,7 +167,7 @@ class world_lock {
   /// in every run.
   [[nodiscard]] const std::vector<stream_state*>& streams() const noexcept { return streams_; }
   /// Unlocks `ss` and drops it from streams() (its state is about to be
-  /// deleted: device_state::forget_gone_streams).
+  /// deleted: stream_registry::forget_gone_streams).
   void drop(stream_state* ss) noexcept;
 
  private:
@@ -152,6 +175,11 @@ class world_lock {
   std::vector<stream_state*> streams_;
   bool locked_ = false;
 };
+
+// The statistics group of a pool's blocks. [none]: is_small is fixed
+[[nodiscard]] inline stat_group group_of(const block_pool* pool) noexcept {
+  return pool->is_small ? stat_group::small_pool : stat_group::large_pool;
+}
 
 // ---- device_state: everything of one device ---------------------------------------------
 
@@ -178,95 +206,22 @@ class device_state {
   // then stream or world
   block* allocate_unusual(std::size_t requested_bytes, stream_t stream);
   void free(block* b);                      // [none] takes the block's stream (+device for events)
-  stream_state& stream_for(stream_t stream);  // [none] takes registry_mutex_ on a thread-cache miss
-  [[nodiscard]] std::size_t round_size(std::size_t size) const noexcept;       // [stream]
-  [[nodiscard]] std::size_t allocation_size(std::size_t size) const noexcept;  // [stream]
-  void prepare(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;  // [stream]
-  // prepare without p.alloc_size, which only the slow path reads (rung 1 of
-  // the hot path; the slow path prepares again). [stream]
-  void prepare_search(alloc_params& p, std::size_t requested_bytes, stream_state& ss) const noexcept;
   bool get_free_block(alloc_params& p);                                        // [stream]
   block_index::position find_free_block(alloc_params& p);                     // [stream]
   block* take_found_block(alloc_params& p, device_stats& st,
                           block_index::position at = block_index::end());      // [stream]
   block* note_reusable(block* b, const stream_state& ss) const noexcept;       // [stream]
-  // Whether free records a page fence on b's stream before freeing b (a
-  // block used on no other stream; fence_before_free), so that the pages the
-  // free leaves whole can pass to another stream, without waiting, once the
-  // stream's work up to the free has completed. Only while no fence of the
-  // stream is outstanding: one per stream between two polls of its fences
-  // (the slow path polls them), not one per free. And only where no other
-  // fence would cover the free: b is its expandable segment's last busy
-  // block (the stream stopped using it: a short-lived side stream, a stream
-  // between bursts; it may be destroyed next), or b spans a page, while
-  // more than one stream allocates, on a stream other than the legacy
-  // default stream (which any slow path may record on, can_record_on): the
-  // stream keeps other blocks, and another stream's slow path never records
-  // on it, so without this its freed pages stayed with it for as long as it
-  // kept a block, and the others grew instead (on the H200, a
-  // stream holding weights gave no page away). A stream alone has its frees
-  // fenced by its own slow path, where its pages are wanted. [stream]
-  [[nodiscard]] static bool free_records_fence(const block* b, const stream_state& ss) noexcept {
-    // The rare cases first: one stream, or blocks in use beside b, end it.
-    return b->seg->expandable &&
-           (b->seg->busy_blocks == 1 || b->size >= ss.fence_free_bytes) &&
-           ss.fences.empty();
-  }
-  [[nodiscard]] bool should_split(const block* b, std::size_t size) const noexcept;  // [stream]
-  // B3's oversize rules: whether a request of `size` bytes may take a free
-  // block of `block_size` >= size bytes (a small request never takes an
-  // oversize block; an oversize request one at most max_non_split_rounding
-  // larger). Walking a pool upwards, a false answer holds for every larger
-  // block too.
-  [[nodiscard]] bool oversize_rules_allow(std::size_t size, std::size_t block_size) const noexcept {
-    const std::size_t max_split = config_.max_split_size_bytes;
-    if (size < max_split) return block_size < max_split;
-    return block_size - size < config_.max_non_split_rounding_bytes;
-  }
-  // Whether free pages are recycled at every new peak (the default:
-  // trim_on_new_peak, recycles_per_peak unlimited), where expandable
-  // segments place blocks to free whole pages (page_sliver, lowest_fitting_block).
-  [[nodiscard]] bool recycles_at_every_peak() const noexcept {
-    return config_.trim_on_new_peak && config_.recycles_per_peak == std::numeric_limits<std::size_t>::max();
-  }
-  [[nodiscard]] bool place_at_back(const block* b) const noexcept;            // [stream]
-  // Where in free block b a block of `size` bytes (page_sliver of an
-  // expandable segment's page) starts (expandable_segments.cpp). [stream]
-  [[nodiscard]] static std::uintptr_t page_aligned_start(const block& b, std::size_t size, bool back) noexcept;
-  // find_free_block's best fit `at` for p, a free island of an expandable
-  // segment's large pool: the fitting free block at the lowest address
-  // instead, where free pages are recycled at every new peak
-  // (expandable_segments.cpp). [stream]
-  [[nodiscard]] block_index::position lowest_fitting_block(const alloc_params& p,
-                                                           block_index::position at) const noexcept;
   void release_allocation(block* b, device_stats& st, bool device_locked);    // [stream] (+device if device_locked)
   void free_block(block* b, device_stats& st, bool device_locked);            // [stream] (+device if device_locked)
-  [[nodiscard]] static bool can_merge(const block* dst, const block* src) noexcept;  // [stream]
   std::size_t merge(block* dst, block* src);                                   // [stream]
+  // Splits free block b at `at` (inside it): the upper part, a new free block. [stream]
+  block* split_free_block(block* b, std::uintptr_t at);
 
-  // --- events.cpp: record_stream, events, returning blocks ----------------------
-  void record_stream(block* b, stream_t stream);  // [none] takes the block's stream
-  // Throws invalid_argument_error naming `stream` unless it is a live stream
-  // of this device (registry, then backend_.is_stream), for record_stream.
-  void check_recorded_stream(stream_t stream) const;  // [registry]
-  void set_stream_gone(stream_t stream, bool gone);  // [none] takes the world lock
-  // Deletes the state of every gone stream that holds no segment (its
-  // pending statistics published first), so that a destroyed stream costs
-  // no host memory and no slow-path time once its memory has moved on
-  // (adopted by another stream, or returned to the device). Changes
-  // stream_cache_key_: no thread's cached entry can name a deleted state.
-  // world_lock's destructor calls it. [world]
-  void forget_gone_streams(world_lock& w) noexcept;
-  static void forget_thread_stream() noexcept;       // the calling thread's stream_for cache (hot_path.cpp)
-  void process_events();  // [none] takes device, then (device released) each block's stream
-  void process_events_locked();                                               // [world]
-  void insert_events(block* b);                                                // [stream] takes device
-  void insert_events_locked(block* b);                                        // [stream, device]
-  template <class OnCompleted>
-  void take_completed_events(OnCompleted on_completed);                      // [device]
-  void synchronize_and_free_events();                                         // [world]
-  event_t get_event();                                                        // [device]
-  bool wait_for_completions_in_flight(world_lock& w);                         // [world] drops it while waiting
+  // --- device_state.cpp -----------------------------------------------------------
+  // B4: a use of b on `stream` (its free then records an event there).
+  // Throws invalid_argument_error for a stream that is not live or a paused
+  // block. [none] takes the registry's lock, then the block's stream
+  void record_stream(block* b, stream_t stream);
 
   // --- fallback_ladder.cpp: the slow path, new segments, releases, GC ---------
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
@@ -296,233 +251,57 @@ class device_state {
   // --- out_of_memory.cpp -------------------------------------------------------
   [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);  // [world] drops it for observers
 
-  // --- expandable_segments.cpp, page_recycling.cpp (B7, X3): every one [world] unless noted
-  bool alloc_expandable(alloc_params& p, bool is_retry, world_lock& w);
-  // Its steps, in order, on the request's state (expandable_request).
-  struct expandable_request;
-  void place_expandable(alloc_params& p, expandable_request& r);
-  bool could_map(std::size_t need);
-  bool reserve_placement(const alloc_params& p, expandable_request& r);
-  bool free_pages_for(expandable_request& r, world_lock& w);
-  bool settle_retired_under(expandable_request& r);
-  bool map_missing_pages(const alloc_params& p, expandable_request& r);
-  bool map_request_page(const alloc_params& p, expandable_request& r, std::size_t i);
-  static block* take_mapped_run(const expandable_request& r, std::size_t size);
-  segment* new_expandable_segment(const alloc_params& p);
-  void discard_reservation(segment& seg) noexcept;
-  void give_back_page(segment& seg, std::size_t i) noexcept;
-  block* split_free_block(block* b, std::uintptr_t at);
-  void pool_insert_counted(block* b);
-  void pool_erase_counted(block* b);
-  // hint: a block of seg at or below lo (the walk to lo starts there), or
-  // nullptr: the nearest unmapped block at or below lo (seg.unmapped).
-  void set_page_state(segment& seg, std::uintptr_t lo, std::uintptr_t hi, bool mapped, block* hint = nullptr,
-                      bool reserve_only = false);
-  [[nodiscard]] static block* unmapped_block_at_or_below(const segment& seg, std::uintptr_t addr) noexcept;
-  // A page taken off one place to be mapped at another, with the stream
-  // whose segment it left (bytes_moved_between_streams).
-  struct recycled_page {
-    physical_handle_t handle;
-    stream_t from;
-  };
-  // may_wait: when the free pages whose fences have not completed are needed
-  // (out of memory, the cap, emptyCache), wait for those fences (counted in
-  // num_device_synchronizations); else leave those pages where they are.
-  // same_stream (with recycled): the stream_state of the request the pages
-  // go to; a free block of it whose fence has not completed gives its
-  // pages anyway, their old mapping retired (a deferred unmap): the stream
-  // runs the new use after the old one. Then, with reuse_with_stream_wait,
-  // a free block of another stream whose fence has not completed gives its
-  // pages the same way once the request's stream waits on the device for
-  // that fence (take_with_stream_wait), before anything waits on the host.
-  std::size_t unmap_free_pages(std::size_t target_bytes, const segment* keep_seg, std::uintptr_t keep_lo,
-                               std::uintptr_t keep_hi, std::vector<recycled_page>* recycled, bool may_wait,
-                               const stream_state* same_stream = nullptr);
-  [[nodiscard]] static std::size_t partial_page_bytes(const block& b) noexcept;
-  // Cross-stream reuse with a device-side wait (reuse_with_stream_wait):
-  // whether `to` may wait on the device for another stream's
-  // fence now (no capture, `to` live and nameable, the backend can wait);
-  // and the fence of `owner` covering its free numbered free_seq (event,
-  // the free count it covers), recorded now where can_record_on allows;
-  // nullopt when there is none.
-  [[nodiscard]] bool may_wait_on_device(const stream_state& to);
-  [[nodiscard]] std::optional<page_fences::fence> fence_covering(stream_state& owner, std::uint64_t free_seq);
-  // defer: keep the old mappings (segment::retired) instead of unmapping
-  // them now; only with recycled.
-  std::size_t unmap_block_pages(block* b, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                                std::vector<recycled_page>* recycled, std::size_t max_bytes, bool defer = false);
-  // Deferred unmaps (segment::retired): unmaps the retired pages of seg
-  // with index in [first, last) whose fence has completed, and with
-  // may_wait the others after waiting for their fence (counted in
-  // num_device_synchronizations). settle_retired: every segment. [world]
-  void settle_retired_in(segment& seg, std::size_t first, std::size_t last, bool may_wait);
-  void settle_retired(bool may_wait);
-  void release_page_handle(physical_handle_t h);
-  std::size_t retired_pages_ = 0;  // retired pages of every segment [world]
-  // The first failure of a segment free that release_blocks went on past
-  // (keep_going), until its reader clears it. [world]
-  std::exception_ptr release_failure_;
-  // Page fences (page_fences.hpp) of the block's or stream's owner, with
-  // this device's events: whether free block b's memory (the stream's free
-  // numbered free_seq) has no work of its stream left, never blocking
-  // (records a fence where none covers it and can_record_on allows);
-  // wait_fences blocks until every free of the stream has none, counted in
-  // num_device_synchronizations and under `why`; await_fence is the two
-  // together (wait unless completed).
-  bool fence_completed(block* b);
-  bool fence_completed(stream_state& ss, std::uint64_t free_seq);
-  void wait_fences(stream_state& ss, page_fences::wait_reason why);
-  void await_fence(block* b, page_fences::wait_reason why);
-  void fence_streams(const world_lock& w);  // [world]
-  void fence_before_free(stream_state& ss);  // [stream] takes the device lock
-  // page_fences::device over this device's event pool and backend.
-  struct fence_device final : page_fences::device {
-    explicit fence_device(device_state& s) noexcept : d(s) {}
-    device_state& d;
-    event_t take_event() override;
-    void give_event(event_t e) override;
-    bool query(event_t e) override;
-    void record(event_t e, stream_t stream) override;
-    void synchronize(event_t e) override;
-    void synchronize_device() override;
-  };
-  // Whether the allocator may record an event on the stream now: the legacy
-  // default stream, or the stream of the malloc whose slow path this thread
-  // runs (the caller's stream exists). A stream that only freed blocks may have been destroyed
-  // since (legal in CUDA: the frees are stream-ordered), and recording on a
-  // destroyed stream is undefined behaviour (a crash on an H200), so other
-  // streams' fences are only polled; waiting on such a stream synchronizes
-  // the device instead. [world]; per thread, race-free (a thread_local).
-  [[nodiscard]] bool can_record_on(const stream_state& ss) const noexcept;  // fallback_ladder.cpp
-  void release_empty_expandable_segments();
-  void check_expandable_supported(const allocator_config& config) const;  // [none]: page_bytes_ is fixed
   // [world, or in the constructor] The thread_cache key, when given
   // (config.thread_cache_set), switches the thread cache (enabled,
   // small_only); otherwise it stays as CCALLOC_THREAD_CACHE or
   // set_thread_cache_enabled left it. small_only is an atomic written
   // under the world lock and read (relaxed) by the park path.
   void apply_thread_cache_setting(const allocator_config& config);
-  // reserved_high_water_bytes_ = max(itself, reserved_bytes_); a rise
-  // restarts the count of recycles_per_peak.
-  void raise_reserved_high_water() noexcept;
-  // [world] Which budget may pay for recycling for a new peak now
-  // (recycle_budget::choose, on the backend's host clock).
-  // spend_recycle_time takes the host time since `start_us` (a reading of
-  // that clock before the recycling), less `excluded_us` (the time of the
-  // fresh pages the same request mapped), out of budget `from`.
-  recycle_budget::source recycle_budget_now(bool large_peak);
-  void spend_recycle_time(recycle_budget::source from, std::uint64_t start_us, std::uint64_t excluded_us = 0);
-  // Cross-stream reuse of whole reservations.
-  bool idle_reservation(segment& seg, const alloc_params& p);
-  void adopt_reservation(segment& seg, const alloc_params& p);
 
-  // --- private_pools.cpp (F20-F24): every one [world] unless noted -------------
-  private_pool* find_pool(mempool_id_t id) const noexcept;                   // [device] or [world]
-  private_pool& checked_pool(mempool_id_t id, const char* what) const;        // [device] or [world]
-  block_pool& pool_in(private_pool& pp, stream_state& ss, bool small);
-  // A graph capture runs where the allocator can see it: a pool scope is
-  // active and a stream seen allocating during it still captures
-  // (device_backend::is_capturing). Only then may the allocator not query or
-  // wait for events, synchronize, or free device memory (CUDA's global
-  // capture mode). A scoped pool outside a capture is ordinary allocation
-  // (PyTorch has the opposite behaviour: pytorch/pytorch#159674). A capture
-  // on a stream that has not allocated through this device since the scope
-  // began is not seen. [none] takes the scopes' leaf lock while one is open
-  [[nodiscard]] bool capture_underway() noexcept;
-  // Called for each allocation while a pool scope is active: remembers
-  // `stream` if it captures. [none] takes the scopes' leaf lock
-  void note_if_capturing(stream_t stream);
-  // A tag's own pool is never live in this sense: its cache is ordinary
-  // cached memory (recycled, returned by empty_cache), as the default pools'.
-  [[nodiscard]] bool pool_is_live(const block_pool* pool) const noexcept {
-    return pool->priv != nullptr && pool->priv->use_count > 0 && !pool->priv->is_tag_pool();
-  }
-  bool try_use_on_oom_pools(alloc_params& p, const world_lock& w);
-  void release_dead_pools(const world_lock& w, bool keep_going = false);
-  void delete_empty_dead_pools(const world_lock& w);
-  void defer_free(block* b);                                                   // [stream] takes device
-  void flush_deferred_frees();
-  bool any_stream_capturing(const block* b);                                  // [stream]
-  block* carve_allocated(segment& seg, std::uintptr_t ptr, std::size_t size, std::size_t requested);
-  void free_allocated_locked(block* b);
-
-  // --- sleep_wake.cpp (SPEC S1-S4): every one [world] unless noted -----------
-  // A named tag's own private pool, made on first use (never deleted).
-  private_pool& tag_pool(tag_id tag);
-  // The tag of a segment: its private pool's, else default.
-  [[nodiscard]] static tag_id tag_of(const segment& seg) noexcept {
-    return seg.head->pool->priv != nullptr ? seg.head->pool->priv->tag : default_tag_id;
-  }
-  [[nodiscard]] bool tag_paused(tag_id tag) const noexcept { return paused_tags_.count(tag) != 0; }
+  // --- tagged allocation (fallback_ladder.cpp; tags: tag_sleep.hpp) -------------
   // An allocation under the calling thread's tag (not default), routed to
   // its pool. [none] takes the world lock; throws for a paused tag.
   block* allocate_tagged(std::size_t requested_bytes, stream_state& ss, tag_id tag);
   // allocate_slow in private pool pp (routed by a capture scope or a tag),
   // pinning it meanwhile. [world]
   block* allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss, world_lock& w);
-  sleep_result pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock& w);
-  sleep_result resume_tags(const std::vector<tag_id>& tags, world_lock& w);
-  void wait_for_stream(stream_t stream);  // host waits for the work queued on it so far [world]
-  void pause_segment(segment& seg, bool keep_contents, sleep_result& r);
-  // Maps seg's paused runs again; on failure every page this call mapped
-  // goes back and seg stays paused (returns false).
-  bool map_paused_segment(segment& seg);
-  void restore_paused_segment(segment& seg, sleep_result& r);
-  [[nodiscard]] std::vector<segment*> segments_of(tag_id tag) const;
-  [[nodiscard]] tag_usage usage_of(tag_id tag) const;
 
-  // --- locks_and_stats.cpp, device_state.cpp -----------------------------------
+  // --- locks_and_stats.cpp, memory_accounting.cpp --------------------------------
   void publish_all_pending_stats(const world_lock& w);                        // [world]
+  // Caps reserved memory at fraction x total (cached memory goes back first
+  // where reserved passes the new cap); invalid_argument_error outside [0, 1].
   void set_memory_fraction(double fraction, const world_lock& w);             // [world]
-  [[nodiscard]] stat_group group_of(const block_pool* pool) const noexcept {  // [none]: is_small is fixed
-    return pool->is_small ? stat_group::small_pool : stat_group::large_pool;
-  }
 
   // --- data, by the lock that guards it ------------------------------------------
-  // Public: the core's files (one concept each) share it; making it private
-  // would take accessors or friends on the hot path for no gain in safety,
-  // as the lock discipline, not the access level, is what protects it.
+  // The parts (stream_registry ... tag_sleep) keep their own data private
+  // behind their interfaces; what is left here is the device-wide state
+  // the parts and the core's files share (the backend, the locks, the
+  // segments, statistics, history, mapping listeners, thread caches, OOM
+  // observers). It is still public: the core's free functions (the rungs of
+  // the ladder, the hot path's helpers, inspection) read it directly.
 
   const int device_;
   device_backend& backend_;
   const std::uint64_t id_;  // unique per instance: keys the threads' block caches
 
-  // [registry_mutex_]
-  spin_mutex registry_mutex_;
-  std::unordered_map<stream_t, std::unique_ptr<stream_state>> streams_;
-  std::size_t gone_streams_ = 0;  // states in streams_ with gone set
-  // Keys the thread-local stream cache (stream_for): unique per instance,
-  // and drawn again whenever a stream state is deleted. Written under the
-  // registry lock; read on the fast path (relaxed).
-  std::atomic<std::uint64_t> stream_cache_key_;
+  stream_registry registry_;  // the stream states (stream_registry.hpp) [registry_mutex_]
 
-  // Read on the fast path under a stream lock; written under the world lock.
-  allocator_config config_;
-  // Also read without a lock (the thread cache's park, is_caching_enabled):
-  // atomic, relaxed there.
-  std::atomic<bool> caching_{true};
+  // The configuration and the placement rules over it (placement_policy.hpp).
+  placement_policy policy_;
 
-  // [device_mutex_]
+  // [device_mutex_] (the world lock holds it too)
   spin_mutex device_mutex_;
-  bool set_fraction_ = false;
-  double fraction_ = 1.0;
-  std::size_t allowed_bytes_ = 0;  // fraction x total when set_fraction_, else device total
-  std::size_t device_total_bytes_ = 0;
-  std::size_t reserved_bytes_ = 0;  // sum of segment sizes
-  // Highest reserved bytes ever (unlike the stats' peaks, reset_peak_stats keeps it).
-  std::size_t reserved_high_water_bytes_ = 0;
-  // Recyclings for a new peak since reserved_high_water_bytes_ last rose
-  // (recycles_per_peak); raise_reserved_high_water resets it.
-  std::size_t recycles_at_mark_ = 0;
-  // The recycling time budget (recycle_time_percent). [world]
-  recycle_budget recycle_budget_;
+  device_memory memory_;  // total, cap, reserved bytes and their mark (device_memory.hpp)
   segment_map segments_;  // by base address
-  // Events recorded at free time, per stream that used the block, in order.
-  std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_events_;
-  std::atomic<std::size_t> pending_event_count_{0};  // events in pending_events_
-  std::vector<event_t> free_events_;  // event pool: created and reusable
-  host_copy_cache host_copies_{backend_, device_};  // kept contents' host buffers (sleep_wake.cpp) [world]
-  fence_device fence_device_{*this};  // the page fences' view of it
+  // The parts below each state their lock rule in their header (the
+  // world lock for pages and tags; the device lock for the event queues
+  // and private pools; a fence is recorded under its stream's lock and the
+  // device lock). Declared in this order: constructed and destroyed so.
+  expandable_segments expandable_{*this};  // reservations and their pages (expandable_segments.hpp)
+  event_queue events_{*this};  // the event pool and the events of cross-stream frees
+  private_pool_registry pools_{*this};  // private pools, capture scopes, deferred frees
+  tag_sleep tags_{*this};  // tags' pools, pause and resume (tag_sleep.hpp)
+  device_fences fences_{*this};  // the page fences of its streams (device_fences.hpp)
   std::vector<oom_observer> observers_;
   // The out-of-memory snapshot (config oom_snapshot; out_of_memory.cpp):
   // the public wrapper sets the writer (it owns the snapshot code); called
@@ -530,25 +309,6 @@ class device_state {
   // returns the sentence the error message gets; it never throws.
   std::function<std::string(const std::string& path)> oom_snapshot_writer_;
   std::optional<std::uint64_t> last_oom_snapshot_us_;  // steady clock, when the last was written [world]
-  std::vector<int> peers_;          // devices granted access to expandable mappings (F26)
-  std::size_t page_bytes_ = 0;      // the backend's granularity when it has virtual memory, else 0
-  bool stream_wait_supported_ = false;  // the backend's capabilities().stream_wait
-  std::uint64_t next_segment_seq_ = 0;
-  bool no_address_space_ = false;   // the last expandable attempt found no address space [world]
-  // The segment or reservation (by base) that the running slow path made for
-  // request `owner` (alloc_segment, new_expandable_segment): if the request
-  // fails (host out of memory on the way), it goes back whole
-  // (discard_made_segment), as its reserved-memory mark. [world]
-  struct made_segment {
-    const alloc_params* owner = nullptr;
-    std::uintptr_t base = 0;
-    std::size_t high_water_bytes = 0;  // reserved_high_water_bytes_ and recycles_at_mark_ before it
-    std::size_t recycles_at_mark = 0;
-  } made_;
-  // Blocks whose completed events process_events took but has not yet
-  // returned to their pools (it drops the device lock in between). The OOM
-  // path waits for them (X7).
-  std::atomic<std::size_t> completions_in_flight_{0};
 
   // Memory history (SPEC F14-F18): its own lock, innermost. The allocator
   // records only when history_.active() (one relaxed load).
@@ -558,32 +318,10 @@ class device_state {
   // change of what is mapped is announced where it happens, under the locks
   // that make it; one relaxed load when none is attached.
   mapping_notifier mapping_{device_};
-  void announce(mapping_change change, mapping_reason reason, std::uintptr_t addr, std::size_t size_bytes,
-                stream_t stream, bool expandable) const noexcept {
-    if (mapping_.active()) [[unlikely]]
-      mapping_.announce({change, reason, device_, addr, size_bytes, stream, expandable});
-  }
 
-  // True while the device has at most one stream state: its statistics then
-  // stay in its pending deltas without any lock and are published by readers
-  // (exact: nothing else changes the device's values meanwhile). Cleared,
-  // after publishing, when a second stream appears. Read under a stream lock.
-  std::atomic<bool> single_stream_{true};
-
-  // Private pools (F20-F24). [device_mutex_; world to change the set]
-  std::map<mempool_id_t, std::unique_ptr<private_pool>> private_pools_;
-  pool_scopes scopes_;  // begin_allocate_to_pool scopes and the streams seen capturing (pool_scopes.hpp)
-  // Frees of blocks used on other streams while a capture was underway:
-  // they hold event_count = 1 (a placeholder) until flush_deferred_frees.
-  std::vector<block*> deferred_frees_;
-
-  // Tags (sleep_wake.cpp): each named tag's own pool, and the paused tags.
-  // [world]
-  std::map<tag_id, private_pool*> tag_pools_;
-  std::set<tag_id> paused_tags_;
-  // paused_tags_ is not empty: the free path looks at a block's segment
-  // (a relaxed load on every free). [world to write]
-  std::atomic<bool> any_paused_{false};
+  // The first failure of a segment free that release_blocks went on past
+  // (keep_going), until its reader clears it. [world]
+  std::exception_ptr release_failure_;
 
   // Blocks parked in threads' caches (thread_cache.hpp).
   thread_cache_registry thread_caches_;
@@ -596,8 +334,8 @@ class device_state {
   const void* last_stats_thread_ = nullptr;  // the thread that published last
 };
 
-// A number never returned before in this process (device_state::id_,
-// device_state::stream_cache_key_).
+// A number never returned before in this process (device_state::id_, the
+// stream registry's cache key).
 std::uint64_t fresh_state_key() noexcept;
 
 // malloc and free behind device_caching_allocator's public ones: without

@@ -10,6 +10,8 @@
 #include <ccalloc/core/mapping_events.hpp>
 
 #include <atomic>
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -28,6 +30,13 @@ class mapping_notifier {
   /// Calls every listener with `e` (device filled in). Never throws:
   /// listeners' exceptions are dropped, as is a failure to copy the list.
   [[gnu::cold]] void announce(mapping_event e) const noexcept;
+  /// The change of [addr, addr + size_bytes) at the place it happens: one
+  /// relaxed load when no listener is attached.
+  void announce(mapping_change change, mapping_reason reason, std::uintptr_t addr, std::size_t size_bytes,
+                stream_t stream, bool expandable) const noexcept {
+    if (active()) [[unlikely]]
+      announce({change, reason, device_, addr, size_bytes, stream, expandable});
+  }
 
  private:
   int device_;

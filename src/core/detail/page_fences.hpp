@@ -25,7 +25,7 @@
 // counts non-decreasing, oldest first.
 //
 // Not thread-safe: [world], except record from free (stream lock + device
-// lock; device_state::fence_before_free).
+// lock; device_fences::fence_before_free).
 #pragma once
 
 #include <ccalloc/base/types.hpp>

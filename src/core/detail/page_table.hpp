@@ -9,14 +9,16 @@
 //              the work its stream queued before the free has run (a
 //              deferred unmap): the physical page may already be mapped
 //              elsewhere; nothing may be mapped at page i before the
-//              deferred unmap (device_state::settle_retired_in)
+//              deferred unmap (expandable_segments::settle_retired_in)
 //
 // Invariant (check): the retired pages are sorted by index, inside the
 // table, unmapped in the books, with a non-zero handle; device_state's
 // check_invariants ties the mapped pages to the blocks (a mapped block's
 // pages are mapped) and to segment::mapped_bytes (mapped pages x page bytes).
 //
-// Not thread-safe: [world] (pages change only on the slow path).
+// Not thread-safe: pages change only under the world lock (the slow path);
+// a reader that holds device_mutex_ (which the world lock includes) sees
+// them unchanging (device_caching_allocator::segment_of).
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>

@@ -1,6 +1,6 @@
 // The begin_allocate_to_pool scopes of one device (SPEC F21-F22): which
 // private pool a stream's allocations go to while a scope is open, and the
-// streams seen capturing a graph meanwhile (device_state::capture_underway).
+// streams seen capturing a graph meanwhile (private_pool_registry::capture_underway).
 // Private to the core (src/core/).
 #pragma once
 

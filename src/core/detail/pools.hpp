@@ -62,7 +62,7 @@ inline constexpr std::uint64_t tag_pool_id_first = ~std::uint64_t{0};
 struct private_pool {
   mempool_id_t id;
   // The tag its memory carries (tags.hpp): the tag in scope at its creation;
-  // a tag's own pool (device_state::tag_pool) has id {tag_pool_id_first, tag}.
+  // a tag's own pool (tag_sleep::tag_pool) has id {tag_pool_id_first, tag}.
   tag_id tag = default_tag_id;
   int use_count = 1;
   segment_allocator custom;     // empty: the backend's segments
@@ -107,12 +107,12 @@ struct alignas(64) stream_state {
   // Segments whose blocks are in its pools, default and private (plain and
   // expandable). A gone stream that holds none is forgotten: its state is
   // deleted when the world lock that saw it empty is released
-  // (device_state::forget_gone_streams). [stream to write; world to read]
+  // (stream_registry::forget_gone_streams). [stream to write; world to read]
   std::size_t segments = 0;
   // Its page fences (page_fences.hpp). [world]; record also [stream + device]
   page_fences fences;
   // Its frees of blocks of at least this many bytes record a page fence
-  // (device_state::free_records_fence): a page, where the stream is not the
+  // (placement_policy::free_records_fence): a page, where the stream is not the
   // legacy default stream and another stream allocates too; else never
   // (SIZE_MAX). Set when the stream or the second stream registers. [stream]
   std::size_t fence_free_bytes = std::numeric_limits<std::size_t>::max();

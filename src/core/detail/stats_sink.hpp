@@ -9,8 +9,8 @@ namespace ccalloc::detail {
 CCALLOC_HOT_TLS inline thread_local char tls_thread_tag;  // its address identifies the thread
 
 inline stats_sink::stats_sink(device_state& d, stream_state& s) noexcept : d_(d), s_(s) {
-  if (d_.single_stream_.load(std::memory_order_relaxed)) [[likely]]
-    return;  // the only stream: pending deltas are exact (see single_stream_)
+  if (d_.registry_.single_stream()) [[likely]]
+    return;  // the only stream: pending deltas are exact (see stream_registry::single_stream)
   if (s_.stats_backoff > 0) {
     --s_.stats_backoff;
     return;

@@ -58,8 +58,8 @@ inline block* thread_cache_take(device_state& s, std::size_t requested_bytes, st
     // The slots are this thread's to write: read without the lock. The
     // block is not: a world lock may free it meanwhile (then count is 0).
     if (newest.stream == stream && newest.requested == requested_bytes &&
-        (s.pending_event_count_.load(std::memory_order_relaxed) |
-         s.scopes_.depth()) == 0) [[likely]] {
+        (s.events_.pending_count() |
+         s.pools_.scopes().depth()) == 0) [[likely]] {
       r->lock.lock();
       if (r->count.load(std::memory_order_relaxed) == n && thread_cache_still_reusable(newest.b)) [[likely]]
         return thread_cache_hand_out(*r, n - 1, n, requested_bytes);
@@ -92,7 +92,7 @@ inline bool thread_cache_park(device_state& s, block* b) {
     // version also says that b is not record_stream'd, not of a private
     // pool, not large under thread_cache:small, and that caching is on
     // (device_state::note_reusable).
-    if (!thread_cache_still_reusable(b) || s.scopes_.depth() != 0) return false;
+    if (!thread_cache_still_reusable(b) || s.pools_.scopes().depth() != 0) return false;
     // This thread's frees are not being reused (thread_cache_record::miss_streak).
     if (r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) return false;
     r->lock.lock();

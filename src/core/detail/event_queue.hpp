@@ -1,0 +1,86 @@
+// The events of one device (SPEC B4, X7): the pool of created events, and
+// the events recorded at the free of a block used on other streams, queued
+// per stream in order, until they complete and the block returns to its
+// pool. Owns the pool, the queues and their counters. Reaches the device's
+// blocks (free_block), statistics and history through device_state's
+// members (a completed event frees a block). The pool and the queues
+// are guarded by the device lock (device_mutex_), or the world lock; the
+// methods say which they need. pending_count() is read without a lock.
+#pragma once
+
+#include <ccalloc/backend/device_backend.hpp>
+#include "block.hpp"
+
+#include <atomic>
+#include <cstddef>
+#include <deque>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace ccalloc::detail {
+
+class device_state;
+class world_lock;
+
+class event_queue {
+ public:
+  explicit event_queue(device_state& d) noexcept : d_(d) {}
+  event_queue(const event_queue&) = delete;
+  event_queue& operator=(const event_queue&) = delete;
+
+  // The event pool: a reusable event, created when the pool has none; and
+  // an event back to the pool. [device] or [world]
+  event_t get_event();
+  void give_event(event_t e) { free_events_.push_back(e); }
+
+  // B4: one event recorded on each stream that used b (its stream_uses,
+  // then cleared); b returns to its pool when all of them have completed.
+  // On a throw nothing is recorded and stream_uses is kept.
+  void insert_events(block* b);                                                // [stream] takes device
+  void insert_events_locked(block* b);                                        // [stream, device]
+  // Returns the blocks whose events completed, without blocking. [none]
+  // takes device, then (device released) each block's stream
+  void process_events();
+  void process_events_locked();                                               // [world]
+  // Waits for every queued event (not while a capture is underway). [world]
+  void synchronize_and_free_events();
+  // X7: process_events returns blocks after dropping the device lock; an
+  // OOM decided meanwhile would miss them. Waits (world lock released)
+  // until they are back; false when there were none. [world] drops it while waiting
+  bool wait_for_completions_in_flight(world_lock& w);
+
+  // Events queued: the fast path's test (a relaxed load). [none]
+  [[nodiscard]] std::size_t pending_count() const noexcept {
+    return pending_event_count_.load(std::memory_order_relaxed);
+  }
+  // Calls f(event, block) for each queued event. [device] or [world]
+  template <class F>
+  void for_each_pending(F f) const {
+    for (const auto& [stream, queue] : pending_)
+      for (const auto& [e, b] : queue) f(e, b);
+  }
+  // pending_count() equals the events queued (check_invariants). [world]
+  [[nodiscard]] bool count_matches() const noexcept;
+  // Teardown: every queued event, then `more`, into the pool, and every
+  // event of the pool destroyed; failures ignored. The device's destructor
+  void destroy_all(const std::vector<event_t>& more) noexcept;
+
+ private:
+  // Pops every completed event, in order per stream (each queue is scanned
+  // up to its first pending event), and calls on_completed(block) for each.
+  // [device]. pending_count() stays right if a query throws halfway.
+  template <class OnCompleted>
+  void take_completed_events(OnCompleted on_completed);
+
+  device_state& d_;
+  // Events recorded at free time, per stream that used the block, in order.
+  std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_;
+  std::atomic<std::size_t> pending_event_count_{0};  // events in pending_
+  std::vector<event_t> free_events_;  // the pool: created and reusable
+  // Blocks whose completed events process_events took but has not yet
+  // returned to their pools (it drops the device lock in between).
+  std::atomic<std::size_t> completions_in_flight_{0};
+};
+
+}  // namespace ccalloc::detail

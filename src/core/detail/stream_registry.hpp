@@ -1,0 +1,79 @@
+// The streams of one device: a stream_state per stream met (its pools,
+// lock, pending statistics and page fences), the thread-local cache of the
+// last one a thread used, and the streams destroyed whose state has not
+// gone yet. Owns the registry's lock and map; registry_mutex_ comes first
+// in the lock order (device_state.hpp). A stream's state is deleted only
+// under the world lock (forget_gone_streams), which also changes the
+// cache key, so no thread's cached entry names a deleted state.
+#pragma once
+
+#include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/base/detail/spin_mutex.hpp>
+#include "pools.hpp"
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+
+namespace ccalloc::detail {
+
+class device_state;
+class world_lock;
+
+class stream_registry {
+ public:
+  stream_registry(device_state& d, std::uint64_t cache_key) noexcept : d_(d), cache_key_(cache_key) {}
+  stream_registry(const stream_registry&) = delete;
+  stream_registry& operator=(const stream_registry&) = delete;
+
+  // The state of `stream`, made on first use (checked with the backend:
+  // throws invalid_argument_error for a stream that is not live). [none]
+  // takes the registry's lock on a thread-cache miss (hot_path.cpp)
+  stream_state& stream_for(stream_t stream);
+  // Forgets the calling thread's cached entry (hot_path.cpp).
+  static void forget_thread_stream() noexcept;
+  // Throws invalid_argument_error naming `stream` unless it is a live stream
+  // of this device (registry, then the backend), for record_stream. [registry]
+  void check_recorded_stream(stream_t stream) const;
+  // stream_destroyed (gone) and stream_created (not gone). [none] takes the world lock
+  void set_stream_gone(stream_t stream, bool gone);
+  // Deletes the state of every gone stream that holds no segment (its
+  // pending statistics published first), so that a destroyed stream costs
+  // no host memory and no slow-path time once its memory has moved on.
+  // world_lock's destructor calls it. [world]
+  void forget_gone_streams(world_lock& w) noexcept;
+
+  // Every stream state, by handle. [registry] or [world]
+  [[nodiscard]] const std::unordered_map<stream_t, std::unique_ptr<stream_state>>& all() const noexcept {
+    return streams_;
+  }
+  [[nodiscard]] std::size_t gone_count() const noexcept { return gone_streams_; }  // [registry] or [world]
+  // The registry's lock (first in the lock order), for a caller that reads
+  // it without the world lock (record_stream).
+  [[nodiscard]] spin_mutex& mutex() noexcept { return registry_mutex_; }
+  // True while the device has at most one stream state: its statistics then
+  // stay in its pending deltas without any lock and are published by
+  // readers (exact: nothing else changes the device's values meanwhile).
+  // Cleared, after publishing, when a second stream appears. Read under a
+  // stream lock (relaxed).
+  [[nodiscard]] bool single_stream() const noexcept { return single_stream_.load(std::memory_order_relaxed); }
+
+ private:
+  friend class world_lock;  // it takes registry_mutex_ and collects every state in the lock order
+  stream_state& registered_slot(stream_t stream);     // [registry] hot_path.cpp
+  stream_state& registered_stream(stream_t stream);   // a thread-cache miss; hot_path.cpp
+
+  device_state& d_;
+  spin_mutex registry_mutex_;
+  std::unordered_map<stream_t, std::unique_ptr<stream_state>> streams_;
+  std::size_t gone_streams_ = 0;  // states in streams_ with gone set
+  // Keys the thread-local stream cache (stream_for): unique per instance,
+  // and drawn again whenever a stream state is deleted. Written under the
+  // registry lock; read on the fast path (relaxed).
+  std::atomic<std::uint64_t> cache_key_;
+  std::atomic<bool> single_stream_{true};
+};
+
+}  // namespace ccalloc::detail

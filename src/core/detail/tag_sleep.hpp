@@ -1,0 +1,89 @@
+// Tags and sleep/wake (SPEC S1-S4) of one device: each named tag's own
+// private pool, the paused tags, and the host buffers that keep paused
+// contents. Pause and resume orchestrate across the device (events,
+// segments, pages, statistics) through device_state's members (a
+// pause moves every page of a tag's reservations). Every method needs the
+// world lock unless noted; any_paused() is read without one (relaxed).
+#pragma once
+
+#include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/tags.hpp>
+#include "block.hpp"
+#include "host_copy_cache.hpp"
+#include "pools.hpp"
+
+#include <atomic>
+#include <cstddef>
+#include <map>
+#include <set>
+#include <vector>
+
+namespace ccalloc::detail {
+
+class device_state;
+class world_lock;
+
+// The tag of a segment: its private pool's, else default. [none]: fixed for the segment's life
+[[nodiscard]] inline tag_id tag_of(const segment& seg) noexcept {
+  return seg.head->pool->priv != nullptr ? seg.head->pool->priv->tag : default_tag_id;
+}
+
+class tag_sleep {
+ public:
+  // Reads the device number and backend: construct after device_state's backend_.
+  explicit tag_sleep(device_state& d);
+  tag_sleep(const tag_sleep&) = delete;
+  tag_sleep& operator=(const tag_sleep&) = delete;
+
+  // A named tag's own private pool, made on first use (never deleted); the
+  // device's private pools own it.
+  private_pool& tag_pool(tag_id tag);
+  [[nodiscard]] const std::map<tag_id, private_pool*>& tag_pools() const noexcept { return tag_pools_; }
+  [[nodiscard]] bool tag_paused(tag_id tag) const noexcept { return paused_tags_.count(tag) != 0; }
+  [[nodiscard]] const std::set<tag_id>& paused_tags() const noexcept { return paused_tags_; }
+  // paused_tags() is not empty: the free path looks at a block's segment
+  // then. [none] a relaxed load on every free
+  [[nodiscard]] bool any_paused() const noexcept { return any_paused_.load(std::memory_order_relaxed); }
+  [[nodiscard]] std::vector<segment*> segments_of(tag_id tag) const;
+  [[nodiscard]] tag_usage usage_of(tag_id tag) const;
+
+  // pause and resume (sleep_wake.cpp has the steps). Throws
+  // invalid_argument_error (the default tag, a capture underway, a segment
+  // that is no reservation), out_of_memory_error (no host memory to keep
+  // the contents; no device memory to map the pages again: the tag stays
+  // paused, resume unlocks w to tell the observers), backend_error.
+  sleep_result pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock& w);
+  sleep_result resume_tags(const std::vector<tag_id>& tags, world_lock& w);
+  // Gives back the host buffers kept for the next pause (empty_cache).
+  void release_host_copies() noexcept { host_copies_.release_all(); }
+
+ private:
+  // pause_tags' steps, in order.
+  [[nodiscard]] std::vector<tag_id> tags_to_pause(const std::vector<tag_id>& tags, const std::string& where) const;
+  [[nodiscard]] std::vector<segment*> pausable_segments(const std::vector<tag_id>& todo,
+                                                        const std::string& where) const;
+  void wait_for_tag_work(const std::vector<segment*>& segs);
+  void return_tag_cache(const std::vector<segment*>& segs, sleep_result& r);
+  void take_host_copies(const std::vector<segment*>& segs, const std::string& where);
+  void pause_segment(segment& seg, bool keep_contents, sleep_result& r);
+  // resume_tags' steps, in order.
+  void make_room(std::size_t need, sleep_result& r, world_lock& w);
+  // Maps seg's paused runs again; on failure every page this call mapped
+  // goes back and seg stays paused (returns false).
+  bool map_paused_segment(segment& seg);
+  [[noreturn]] void fail_resume(const std::vector<tag_id>& todo, const std::vector<segment*>& mapped,
+                                std::size_t need, const sleep_result& r, world_lock& w);
+  void restore_paused_segment(segment& seg, sleep_result& r);
+  // The host waits for the work queued on `stream` so far (an event
+  // recorded there; never the whole device).
+  void wait_for_stream(stream_t stream);
+
+  device_state& d_;
+  std::map<tag_id, private_pool*> tag_pools_;
+  std::set<tag_id> paused_tags_;
+  std::atomic<bool> any_paused_{false};
+  host_copy_cache host_copies_;  // kept contents' host buffers
+};
+
+}  // namespace ccalloc::detail

@@ -1,0 +1,91 @@
+// The device's stream registry (stream_registry.hpp): a stream_state per
+// stream met, the thread-local cache of the last one, destroyed streams.
+#include <ccalloc/core/device_caching_allocator.hpp>
+
+#include "detail/device_state.hpp"
+#include "detail/stats_sink.hpp"
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace ccalloc::detail {
+
+// A use on a stream that is not live (destroyed, never created, another
+// device's) is refused: the block's free would record an event on it, fail
+// and keep the block. The block's own stream is ignored below, gone or not.
+void stream_registry::check_recorded_stream(stream_t stream) const {
+  // One message whether or not the allocator still has the stream's state
+  // (a destroyed stream's goes once its memory moved on: forget_gone_streams).
+  const auto known = streams_.find(stream);
+  if (known != streams_.end() && !known->second->gone) return;
+  if (d_.backend_.is_stream(d_.device_, stream)) return;  // a destroyed handle made again is a new stream
+  throw invalid_argument_error("ccalloc: record_stream on stream " + std::to_string(stream) + " of device " +
+                               std::to_string(d_.device_) +
+                               ", which is not a live stream of that device (never created, destroyed, or of "
+                               "another device)");
+}
+
+// stream_destroyed (gone) and stream_created (not gone). A stream that
+// goes: its queued work completes first (synchronize_stream, before anything
+// changes), so its fences, every free on it so far and every use of a live
+// block on it (record_stream) are complete: the uses are dropped (their
+// frees record nothing on it), and frees of its own blocks fence nothing.
+void stream_registry::set_stream_gone(stream_t stream, bool gone) {
+  if (!gone) {  // nothing to do (the usual case: a new handle) without the world lock
+    std::lock_guard lock(registry_mutex_);
+    const auto it = streams_.find(stream);
+    if (it == streams_.end() || !it->second->gone) return;
+  }
+  world_lock w(d_);
+  if (gone) {
+    d_.backend_.synchronize_stream(d_.device_, stream);  // may throw: nothing changed
+    for (auto& [base, seg] : d_.segments_)
+      for (block* b = seg->head; b != nullptr; b = b->next)
+        std::erase(b->stream_uses, stream);
+  }
+  const auto it = streams_.find(stream);
+  if (it == streams_.end()) return;
+  stream_state& ss = *it->second;
+  if (ss.gone != gone) gone ? ++gone_streams_ : --gone_streams_;
+  ss.gone = gone;
+  if (!gone) return;
+  ss.fences.drop_outstanding([&](event_t e) { d_.events_.give_event(e); });
+  ss.fences.all_completed(ss.free_seq);
+  forget_thread_stream();  // this thread's next malloc on it finds it gone
+}
+
+// A gone stream's state goes once it holds no segment: nothing refers to it
+// then (blocks belong to segments; parked blocks count as allocated; its
+// fences went when it was destroyed; a retired page names the stream that
+// freed it, and such a page keeps its segment, so none names it unless the
+// segment moved: checked).
+void stream_registry::forget_gone_streams(world_lock& w) noexcept {
+  if (gone_streams_ == 0) [[likely]]
+    return;
+  const auto names_retired = [&](const stream_state* ss) {
+    if (d_.expandable_.retired_pages() == 0) return false;
+    for (const auto& [base, seg] : d_.segments_)
+      for (const segment::retired_page& r : seg->pages.retired())
+        if (r.owner == ss) return true;
+    return false;
+  };
+  bool forgot = false;
+  for (std::size_t i = 0; i < w.streams().size();) {
+    stream_state* ss = w.streams()[i];
+    if (!ss->gone || ss->segments != 0 || !ss->fences.empty() || names_retired(ss)) {
+      ++i;
+      continue;
+    }
+    publish_pending_stats(d_.stats_, *ss);
+    w.drop(ss);  // streams()[i] is the next one now
+    --gone_streams_;
+    streams_.erase(ss->stream);  // deletes the state
+    forgot = true;
+  }
+  if (!forgot) return;
+  cache_key_.store(fresh_state_key(), std::memory_order_relaxed);
+}
+
+}  // namespace ccalloc::detail
