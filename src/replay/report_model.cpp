@@ -169,6 +169,18 @@ std::vector<pool_row> fragmentation_rows(const std::vector<segment_info>& segmen
   return out;
 }
 
+// Paused bytes after each event (the last pause or resume at or before it), by slice.
+auto paused_curve(const trace& t, const slicer& sl, const std::vector<replay_sleep_event>& sleeps) {
+  sliced_series paused(sl.n);
+  std::size_t k = 0;
+  std::int64_t now = 0;
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    while (k < sleeps.size() && sleeps[k].index <= i) now = static_cast<std::int64_t>(sleeps[k++].paused_total_bytes);
+    paused.add(sl.slice(t, i), now);
+  }
+  return paused.finish();
+}
+
 report_model build_report_model(const trace& t, const report_options& options) {
   if (t.events.empty()) throw invalid_argument_error("ccalloc report: " + t.source + " has no events");
   if (options.plot_points < 2)
@@ -236,17 +248,7 @@ report_model build_report_model(const trace& t, const report_options& options) {
   c.allocated = allocated.finish();
   c.reserved = reserved.finish();
   c.recorded_reserved = recorded.reserved;
-  if (const std::vector<replay_sleep_event>& sleeps = sum.replay.sleep_events; !sleeps.empty()) {
-    // Paused bytes after each event: the last pause or resume at or before it.
-    sliced_series paused(sl.n);
-    std::size_t k = 0;
-    std::int64_t now = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      while (k < sleeps.size() && sleeps[k].index <= i) now = static_cast<std::int64_t>(sleeps[k++].paused_total_bytes);
-      paused.add(sl.slice(t, i), now);
-    }
-    c.paused = paused.finish();
-  }
+  if (!sum.replay.sleep_events.empty()) c.paused = paused_curve(t, sl, sum.replay.sleep_events);
   for (std::size_t i = 0; i < sl.n; ++i) c.x.push_back(sl.span * double(i) / double(sl.n));
   c.peak_x = sl.x(t, peak_index);
   sum.plot_points = sl.n;
