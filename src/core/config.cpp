@@ -75,32 +75,13 @@ std::string concat(std::initializer_list<std::string_view> parts) {
   return out;
 }
 
-/// `text` on one line: newline and tab written as \n and \t, other control
-/// bytes as \xHH (printable_text), so that the input cannot clear a terminal,
-/// cut the message short where it is read as a C string, or make a quoted
-/// value look like the end of the message and the start of another line.
-std::string one_line(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (const char c : text) {
-    if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else {
-      out += c;
-    }
-  }
-  return printable_text(out);
-}
-
 /// Input text as error messages quote it: at most 100 characters, then
 /// "... (N bytes)", so that a huge value does not make a huge message,
-/// escaped onto one line (one_line).
+/// escaped onto one line (printable_line).
 std::string shown(std::string_view text) {
   constexpr std::size_t max_shown = 100;
-  if (text.size() <= max_shown) return one_line(text);
-  return concat({one_line(text.substr(0, max_shown)), "... (", std::to_string(text.size()), " bytes)"});
+  if (text.size() <= max_shown) return printable_line(text);
+  return concat({printable_line(text.substr(0, max_shown)), "... (", std::to_string(text.size()), " bytes)"});
 }
 
 /// Parses a non-negative decimal integer made of digits only (no sign, no

@@ -32,4 +32,18 @@ inline std::string printable_text(std::string_view text) {
   return out;
 }
 
+/// printable_text on one line: newline and tab written as "\n" and "\t"
+/// too, so that quoted input (a configuration value, a file name) cannot
+/// make a message look like two. Pure function; may throw std::bad_alloc.
+inline std::string printable_line(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else out += c;
+  }
+  return printable_text(out);
+}
+
 }  // namespace ccalloc

@@ -31,18 +31,11 @@
 
 namespace ccalloc {
 
-/// A file name safe to print on one line: printable_text with newlines
-/// escaped too ("\x0a"), so that a name holding one cannot make a message
-/// look like two. Pure; may throw std::bad_alloc.
-inline std::string printable_name(std::string_view name) {
-  std::string one_line;
-  one_line.reserve(name.size());
-  for (const char c : name) {
-    if (c == '\n') one_line += "\\x0a";
-    else one_line += c;
-  }
-  return printable_text(one_line);
-}
+/// A file name safe to print on one line (printable_line: a newline or tab
+/// in it as "\n" or "\t", other control bytes as "\xHH"), so that a name
+/// holding one cannot make a message look like two. Pure; may throw
+/// std::bad_alloc.
+inline std::string printable_name(std::string_view name) { return printable_line(name); }
 
 /// A malformed trace. what() is "FILE:LINE: reason", or "FILE: reason" when
 /// the error is not tied to a line (the file cannot be opened, corrupt gzip
