@@ -265,8 +265,7 @@ std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int d
   std::uint64_t paused = 0;
   for (const tag_usage& u : allocator.tag_stats(device))
     if (u.paused) paused += u.allocated_bytes;
-  const auto allocated = static_cast<std::uint64_t>(allocator.get_device_stats(device).allocated_bytes[0].current);
-  return allocated - std::min(allocated, paused);
+  return current - std::min(current, paused);
 }
 
 void raise_peak_unpaused_allocated_bytes(std::uint64_t& peak, const caching_allocator& allocator, int device) {
