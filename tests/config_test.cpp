@@ -298,6 +298,11 @@ TEST(ConfigTest, EveryKeyParses) {
             std::string::npos);
   EXPECT_EQ(allocator_config::parse(allocator_config::parse("oom_snapshot: x.pickle ").to_string()).oom_snapshot_path,
             "x.pickle");
+  // A bracket in the path would group the settings printed after it into
+  // one list item (found by fuzz_config): refused, naming the brackets.
+  EXPECT_NE(parse_error("oom_snapshot:a[b.pickle").find("brackets"), std::string::npos);
+  EXPECT_NE(parse_error("oom_snapshot:ab].pickle,backend:native").find("oom_snapshot:ab].pickle"), std::string::npos);
+  EXPECT_EQ(allocator_config::parse("oom_snapshot:a:b.pickle").oom_snapshot_path, "a:b.pickle");
   EXPECT_EQ(allocator_config{}.oom_snapshot_interval_s, 60u);
   EXPECT_EQ(parse_key("oom_snapshot_interval_s", "0").oom_snapshot_interval_s, 0u);
   EXPECT_EQ(parse_key("oom_snapshot_interval_s", "60"), allocator_config{});

@@ -443,12 +443,19 @@ const std::array<key_spec, 22>& key_table() {
          }
          return std::nullopt;
        }},
-      {{"oom_snapshot", "a file path without commas",
+      {{"oom_snapshot", "a file path without commas or brackets",
         "ccalloc's own key: an out-of-memory error first writes a snapshot of its device to this file "
         "(PyTorch's memory snapshot pickle, with the memory history when it is recorded; readable by "
         "torch.cuda._memory_viz, pytorch.org/memory_viz and ccalloc report) and its message says "
         "where (default: none)."},
-       [](allocator_config& c, std::string_view value) { c.oom_snapshot_path = std::string(value); },
+       [](allocator_config& c, std::string_view value) {
+         // Brackets group list items ("[1:2,>:8]"): a path with one would
+         // swallow the settings after it when the configuration is printed
+         // and parsed again.
+         if (value.find_first_of("[]") != std::string_view::npos)
+           throw_malformed("brackets '[' and ']' group list values; a path cannot contain them");
+         c.oom_snapshot_path = std::string(value);
+       },
        [](const allocator_config& c) -> std::optional<std::string> {
          if (c.oom_snapshot_path.empty()) return std::nullopt;
          return c.oom_snapshot_path;
