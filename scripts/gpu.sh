@@ -24,9 +24,11 @@
 #   check-pytorch   check + pytorch (+ a new-user install) in one call         [OUT_DIR]
 #   verify          check, then hotpath three times                             OUT_DIR
 #   all             check, ab, integrations, snapshots, ipc in one call        [OUT_DIR]
+#   open-issues     check (no benchmarks), sleep-wake, the drop-in items, with
+#                   each step's output under OUT_DIR as it runs           [OUT_DIR]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-stages="check bench pytorch integrations ipc sleep-wake snapshots hotpath ab-hotpath mixed-layout mixed-diagnose check-pytorch verify all"
+stages="check bench pytorch integrations ipc sleep-wake snapshots hotpath ab-hotpath mixed-layout mixed-diagnose check-pytorch verify all open-issues"
 stage=${1:-}
 if [ -z "$stage" ] || [[ " $stages " != *" $stage "* ]]; then
   echo "usage: scripts/gpu.sh STAGE [ARGS...]; stages: $stages" >&2

@@ -8,7 +8,8 @@
 # memcheck, then the benchmarks (scripts/gpu/bench.sh), and print a summary
 # table.
 #
-# Usage: scripts/gpu/check.sh [OUT_DIR]
+# Usage: [GPU_CHECK_BENCH=0] [GPU_CHECK_BUDGET_S=420] scripts/gpu/check.sh [OUT_DIR]
+#   GPU_CHECK_BENCH=0 skips the benchmarks.
 #   OUT_DIR defaults to $OUT (the device tool's output folder), else
 #   out/gpu-check. Runs from the repository root whatever the cwd.
 # Writes to OUT_DIR: build.log (environment, configure, build), gpu-tests.log,
@@ -209,7 +210,9 @@ else
 fi
 
 # ---- benchmarks ----------------------------------------------------------------------
-if [ -x scripts/gpu/bench.sh ]; then
+if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
+  record "benchmarks" skip 0 "-" "GPU_CHECK_BENCH=0"
+elif [ -x scripts/gpu/bench.sh ]; then
   if (($(left 600) < 60)); then
     record "benchmarks" 1 0 "-" "no time left (budget ${BUDGET_S} s)"
   else
