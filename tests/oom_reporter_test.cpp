@@ -56,7 +56,8 @@ TEST(OomReporter, RunsEveryObserverInOrderWithTheErrorsFiguresAndCountsIt) {
   EXPECT_EQ(requested, 100 * mib);
   EXPECT_EQ(total, 64 * mib);
   EXPECT_NE(msg.find("out of memory on device 0"), std::string::npos) << msg;
-  EXPECT_EQ(calls, (std::vector<std::string>{"a 0 " + std::to_string(100 * mib) + " " + std::to_string(64 * mib), "b"}));
+  const std::string first = "a 0 " + std::to_string(100 * mib) + " " + std::to_string(64 * mib);
+  EXPECT_EQ(calls, (std::vector<std::string>{first, "b"}));
   EXPECT_EQ(d.stats().values().num_ooms, 1);
   fail_once(d);
   EXPECT_EQ(calls.size(), 4u);

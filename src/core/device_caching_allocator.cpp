@@ -159,7 +159,8 @@ void device_caching_allocator::enable_peer_access(int peer) {
                                  ", devices [0, " + std::to_string(s.backend().device_count()) + "))");
   if (!s.backend().can_access_peer(peer, device_))
     throw backend_error("ccalloc: enable_peer_access: device " + std::to_string(peer) + " cannot access device " +
-                        std::to_string(device_) + " on the '" + s.backend().name() + "' backend (no peer-to-peer path)");
+                        std::to_string(device_) + " on the '" + s.backend().name() +
+                        "' backend (no peer-to-peer path)");
   world_lock w(s);
   const std::vector<int>& peers = s.expandable().peers();
   if (std::find(peers.begin(), peers.end(), peer) != peers.end()) return;

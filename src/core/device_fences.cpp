@@ -15,7 +15,9 @@ device_fences::device_fences(device_state& d) noexcept
 event_t device_fences::event_source::take_event() { return d.events().get_event(); }
 void device_fences::event_source::give_event(event_t e) { d.events().give_event(e); }
 bool device_fences::event_source::query(event_t e) { return d.backend().query_event(d.device(), e); }
-void device_fences::event_source::record(event_t e, stream_t stream) { d.backend().record_event(d.device(), e, stream); }
+void device_fences::event_source::record(event_t e, stream_t stream) {
+  d.backend().record_event(d.device(), e, stream);
+}
 void device_fences::event_source::synchronize(event_t e) { d.backend().synchronize_event(d.device(), e); }
 void device_fences::event_source::synchronize_device() { d.backend().synchronize_device(d.device()); }
 

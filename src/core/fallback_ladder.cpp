@@ -128,7 +128,8 @@ bool cannot_fit(climb& c) {
       std::max<std::int64_t>(0, d.stats().values().allocated_bytes[static_cast<std::size_t>(stat_group::all)].current));
   const std::size_t held_beyond_live = d.memory().reserved() > live ? d.memory().reserved() - live : 0;
   std::size_t could_get = d.backend().mem_get_info(d.device()).free_bytes + held_beyond_live;
-  if (d.memory().capped()) could_get = std::min(could_get, d.memory().allowed() > live ? d.memory().allowed() - live : 0);
+  if (d.memory().capped())
+    could_get = std::min(could_get, d.memory().allowed() > live ? d.memory().allowed() - live : 0);
   return c.p.size > could_get;
 }
 
@@ -137,7 +138,8 @@ block* rung_cached_block(climb& c) { return c.d.get_free_block(c.p) ? c.d.take_f
 
 // Rung 2: above the garbage-collection threshold, release old cached blocks.
 void rung_garbage_collection(climb& c) {
-  if (c.d.policy().config().garbage_collection_threshold > 0.0 && !c.capturing) c.d.segments().garbage_collect_cached_blocks(c.w);
+  if (c.d.policy().config().garbage_collection_threshold > 0.0 && !c.capturing)
+    c.d.segments().garbage_collect_cached_blocks(c.w);
 }
 
 // Rungs 3 and 5 with expandable segments (B7, X3): place the request in the

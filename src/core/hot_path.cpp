@@ -221,7 +221,8 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
       }
     }
   }
-  if (const tag_id tag = tls_current_tag; tag != default_tag_id) return allocate_tagged(*this, requested_bytes, ss, tag);
+  if (const tag_id tag = tls_current_tag; tag != default_tag_id)
+    return allocate_tagged(*this, requested_bytes, ss, tag);
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);

@@ -159,8 +159,8 @@ std::string oom_reporter::claim_snapshot(std::string& msg) {
     last_snapshot_us_ = now_us;
     return d_.policy().config().oom_snapshot_path;
   }
-  msg += " No snapshot was written (oom_snapshot): the last one went to " + d_.policy().config().oom_snapshot_path + " " +
-         std::to_string(since_s) + " s ago, and oom_snapshot_interval_s is " +
+  msg += " No snapshot was written (oom_snapshot): the last one went to " + d_.policy().config().oom_snapshot_path +
+         " " + std::to_string(since_s) + " s ago, and oom_snapshot_interval_s is " +
          std::to_string(d_.policy().config().oom_snapshot_interval_s) + ".";
   return {};
 }

@@ -294,7 +294,8 @@ void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std
     // A page that moved twice is retired at two places: the last unmap releases it.
     if (release) {
       d_.memory().remove_reserved(seg.page_bytes);
-      count_down(d_.stats().values().reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
+      count_down(d_.stats().values().reserved_bytes, group_of(seg.head->pool),
+                 static_cast<std::int64_t>(seg.page_bytes));
       release_page_handle(h);
     }
   }
@@ -310,7 +311,8 @@ void expandable_segments::release_page_handle(physical_handle_t h) {
     for (auto& [base, up] : d_.segments())
       if (up->pages.release_at_unmap(h)) {
         d_.memory().add_reserved(up->page_bytes);
-        count_up(d_.stats().values().reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
+        count_up(d_.stats().values().reserved_bytes, group_of(up->head->pool),
+                 static_cast<std::int64_t>(up->page_bytes));
         return;
       }
   d_.backend().vm_release_handle(d_.device(), h);

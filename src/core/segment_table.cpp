@@ -179,7 +179,8 @@ void segment_table::release_block(block* b, device_stats& st) {
 
 // The books of a segment the device has taken back; `b` is its only block.
 void segment_table::forget_segment(block* b, device_stats& st) noexcept {
-  CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= d_.memory().reserved());
+  CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size &&
+                 b->size <= d_.memory().reserved());
   if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
   --b->pool->plain_segments;
   --b->pool->owner->segments;
@@ -253,8 +254,8 @@ void segment_table::free_uncached(block* b, stream_state& ss) {
 // threshold to the device total when no memory fraction is set (PyTorch
 // ignores it then; SPEC X6).
 void segment_table::garbage_collect_cached_blocks(const world_lock& w) {
-  const auto threshold =
-      static_cast<std::size_t>(d_.policy().config().garbage_collection_threshold * static_cast<double>(d_.memory().allowed()));
+  const auto threshold = static_cast<std::size_t>(d_.policy().config().garbage_collection_threshold *
+                                                  static_cast<double>(d_.memory().allowed()));
   if (d_.memory().reserved() <= threshold) return;
   const std::size_t target = d_.memory().reserved() - threshold;
 

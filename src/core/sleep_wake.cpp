@@ -439,7 +439,8 @@ void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<s
          " of its cached memory; " + format_bytes(outside) + " is held outside ccalloc (other allocators, processes)";
   if (d_.memory().capped()) msg += "; the memory-fraction cap allows " + format_bytes(d_.memory().allowed());
   msg += ". The tag stays paused: free memory and call resume again";
-  const out_of_memory_error::figures f{d_.device(), need, d_.memory().capped() ? d_.memory().allowed() : info.total_bytes,
+  const out_of_memory_error::figures f{d_.device(), need,
+                                        d_.memory().capped() ? d_.memory().allowed() : info.total_bytes,
                                         info.free_bytes, 0, d_.memory().reserved()};
   const auto observers = d_.oom().observers();
   w.unlock();
