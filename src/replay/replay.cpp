@@ -461,7 +461,9 @@ class event_loop {
       : t_(t), completion_(completion), gaps_(gaps), streams_(streams), lag_(lag), r_(r),
         c_{gaps, std::make_unique<caching_allocator>(std::move(backend), config)}, allocator_(*c_.allocator),
         side_streams_(gaps, trace_streams(t)), never_freed_(never_freed_allocs(t)),
-        stream_ends_(stream_ends_of(t, gaps, streams)), clock_(t), sleep_(t, allocator_, r) {
+        stream_ends_(stream_ends_of(t, gaps, streams)), clock_(t), sleep_(t, allocator_, r),
+        has_pauses_(std::any_of(t.events.begin(), t.events.end(),
+                                [](const trace_event& e) { return e.action == trace_action::pause; })) {
     allocator_.init(1);
     live_.reserve(4096);
   }
@@ -535,6 +537,7 @@ class event_loop {
       replay_event(e, i, base, pass);
       if (last_pass) end_streams(i, base);
       gaps_.check();
+      if (has_pauses_) raise_peak_unpaused();
       ++pass_events;
       if (after_event && !after_event(base + i, allocator_)) {
         stopped = true;
@@ -609,6 +612,17 @@ class event_loop {
     allocator_.free(ptr);
   }
 
+  // Raises r_.peak_unpaused_allocated_bytes to the bytes allocated to
+  // unpaused blocks now. O(1) while the allocated bytes are at most the
+  // peak (unpaused bytes cannot exceed them then), O(blocks) otherwise:
+  // the replay stays near linear in the tags it pauses.
+  void raise_peak_unpaused() {
+    std::uint64_t& peak = r_.peak_unpaused_allocated_bytes;
+    const auto allocated = static_cast<std::uint64_t>(allocator_.get_device_stats(0).allocated_bytes[0].current);
+    if (allocated <= peak) return;
+    peak = std::max(peak, unpaused_allocated_bytes(allocator_, 0));
+  }
+
   // Each trace stream is destroyed after its last event of the last pass,
   // once its work has run (as a program that makes a stream per request
   // destroys it): the allocator then forgets it (SPEC P10), and a trace
@@ -640,6 +654,7 @@ class event_loop {
   std::deque<stream_t> ending_;  // the replay's streams past their last event, waiting for their work to run
   recording_clock clock_;
   sleep_replay sleep_;
+  const bool has_pauses_;  // the trace pauses tags: r_.peak_unpaused_allocated_bytes is kept
 };
 
 void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
@@ -709,6 +724,15 @@ std::vector<segment_placement> recorded_placement(const trace& t, std::size_t gr
 }
 
 }  // namespace
+
+std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int device) {
+  const auto current = static_cast<std::uint64_t>(allocator.get_device_stats(device).allocated_bytes[0].current);
+  if (allocator.paused_tags(device).empty()) return current;  // O(tags), not tag_stats' O(tags x segments)
+  std::uint64_t paused = 0;
+  for (const tag_usage& u : allocator.tag_stats(device))
+    if (u.paused) paused += u.allocated_bytes;
+  return current - std::min(current, paused);
+}
 
 replay_result replay_trace(const trace& t, const replay_options& options) {
   // The replay is a function of its configuration string alone: the thread
