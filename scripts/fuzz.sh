@@ -16,6 +16,7 @@
 # figures. Exit status: 1 if any target crashed, timed out or leaked.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$(pwd)
 SECONDS_EACH=${1:-60}
 shift || true
 BUILD=${FUZZ_BUILD:-build-fuzz}
@@ -31,17 +32,23 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_CO
   -DCCALLOC_BUILD_FUZZERS=ON -DCCALLOC_BUILD_TESTS=OFF -DCCALLOC_BUILD_TOOLS=OFF -DCCALLOC_BUILD_BENCH=OFF \
   -DCCALLOC_WITH_CUDA=OFF -DCCALLOC_WARNINGS_AS_ERRORS=ON >/dev/null
 cmake --build "$BUILD" --target "${TARGETS[@]/#/fuzz_}"
+build_abs=$(cd "$BUILD" && pwd)
 
 failed=()
 for name in "${TARGETS[@]}"; do
   work="$BUILD/corpus/$name"
   artifacts="$BUILD/artifacts/$name/"
   mkdir -p "$work" "$artifacts"
-  args=(-max_total_time="$SECONDS_EACH" -timeout=10 -print_final_stats=1 -artifact_prefix="$artifacts")
-  [ -f "fuzz/dict/$name.dict" ] && args+=(-dict="fuzz/dict/$name.dict")
+  work_abs=$(cd "$work" && pwd)
+  args=(-max_total_time="$SECONDS_EACH" -timeout=10 -print_final_stats=1 -artifact_prefix="$(cd "$artifacts" && pwd)/")
+  [ -f "fuzz/dict/$name.dict" ] && args+=(-dict="$root/fuzz/dict/$name.dict")
   echo "fuzz.sh: fuzz_$name for $SECONDS_EACH s (seeds fuzz/corpus/$name, new inputs $work)"
   log="$BUILD/fuzz_$name.log"
-  if "$BUILD/fuzz/fuzz_$name" "${args[@]}" "$work" "fuzz/corpus/$name" >"$log" 2>&1; then
+  # From a scratch folder: whatever a target writes by accident (a file an
+  # input names) lands there, not in the checkout.
+  scratch="$BUILD/scratch/$name"
+  mkdir -p "$scratch"
+  if (cd "$scratch" && "$build_abs/fuzz/fuzz_$name" "${args[@]}" "$work_abs" "$root/fuzz/corpus/$name") >"$log" 2>&1; then
     grep -E '^#[0-9]+[[:space:]]+(INITED|DONE)|^Done [0-9]+ runs|^stat::' "$log" || tail -n 5 "$log"
   else
     echo "fuzz.sh: fuzz_$name FAILED (log $log); last lines:"
