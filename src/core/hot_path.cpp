@@ -270,8 +270,8 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
 // A stream not met before, or destroyed (stream_destroyed), is checked with
 // the backend (SPEC R5): a handle never created would fail later, at its
 // free. A destroyed stream's handle that the backend reports live again is
-// a new stream (CUDA reuses handles; the CUDA backend cannot tell, and says
-// live).
+// a new stream (CUDA reuses handles). A stream met and live is not asked
+// about again: no backend call per malloc (docs/limitations.md).
 [[gnu::noinline]] stream_state& stream_registry::registered_stream(stream_t stream) {
   {
     std::lock_guard lock(registry_mutex_);
