@@ -186,7 +186,7 @@ void tag_sleep::wait_for_tag_work(const std::vector<segment*>& segs) {
   d_.events_.for_each_pending([&](event_t e, const block* b) {
     if (mine.count(b->seg) != 0) d_.backend_.synchronize_event(d_.device_, e);
   });
-  d_.events_.process_events_locked();
+  d_.events_.process_events_locked(event_queue::all_streams);  // the tags' blocks whose events were waited for
   std::set<stream_t> streams;
   for (const segment* seg : segs) {
     streams.insert(copy_stream(*seg));
