@@ -377,7 +377,7 @@ segment& device_state::add_segment(const alloc_params& p, std::unique_ptr<segmen
     throw;
   }
   count_up(stats_.segment, group_of(p.pool), 1);
-  if (p.pool->priv != nullptr) ++p.pool->priv->segment_count;
+  if (p.pool->priv != nullptr) p.pool->priv->attach(*at->second);
   ++p.pool->owner->segments;
   return *at->second;
 }
@@ -503,7 +503,7 @@ void device_state::release_block(block* b, device_stats& st) {
 // The books of a segment the device has taken back; `b` is its only block.
 void device_state::forget_segment(block* b, device_stats& st) noexcept {
   CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= memory_.reserved());
-  if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
+  if (b->pool->priv != nullptr) b->pool->priv->detach(*b->seg);
   --b->pool->plain_segments;
   --b->pool->owner->segments;
   const stat_group g = group_of(b->pool);
