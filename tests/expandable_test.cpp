@@ -895,16 +895,25 @@ TEST_F(ExpandableTest, ReuseAcrossStreamsFalseKeepsPyTorchsBinding) {
 TEST_F(ExpandableTest, AddressSpaceExhaustionFallsBackToPlainSegments) {
   make(std::size_t{48} << 40);  // 48 TiB "device": two or three reservations fill a 47-bit address space
   std::vector<std::pair<void*, stream_t>> live;
+  testing::internal::CaptureStderr();
   for (int i = 0; i < 6; ++i) {
     const stream_t s = sim->create_stream(0);
     void* p = nullptr;
     ASSERT_NO_THROW(p = m(4 * MiB, s)) << "stream " << i;
     live.emplace_back(p, s);
   }
+  const std::string err = testing::internal::GetCapturedStderr();
   std::size_t expandable = 0, plain = 0;
   for (const auto& seg : dev().segments()) (seg.is_expandable ? expandable : plain) += 1;
   EXPECT_GE(expandable, 1u);
   EXPECT_EQ(expandable + plain, 6u);
+  // The fallback is announced once (not at each plain segment); a host with
+  // a larger address space (57 bits) makes no plain segment here.
+  const std::string warning =
+      "ccalloc: warning: device 0: no address space left for another reservation of 52776558133248 bytes "
+      "(expandable segment); requests that need one get plain segments (cudaMalloc) from now on, whose pages "
+      "are not recycled and which a tag's pause cannot release\n";
+  EXPECT_EQ(err, plain > 0 ? warning : "");
   for (auto& [p, s] : live) alloc->free(p);
 }
 

@@ -217,6 +217,7 @@ void sim_backend::record_event(int device, event_t event, stream_t stream) {
 
 bool sim_backend::query_event(int, event_t event) {
   std::lock_guard lock(impl_->mutex);
+  ++impl_->counters.event_queries;
   if (impl_->fail_query_countdown && --impl_->fail_query_countdown == 0)
     throw backend_error("sim: injected failure of query_event(" + std::to_string(event) + ")");
   const auto& ev = impl_->ev(event);

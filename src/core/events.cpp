@@ -8,6 +8,7 @@
 #include "detail/device_state.hpp"
 #include "detail/stats_sink.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <exception>
@@ -58,34 +59,77 @@ void event_queue::insert_events_locked(block* b) {
     throw;
   }
   for (std::size_t i = 0; i < recorded.size(); ++i) {
-    pending_[b->stream_uses[i]].emplace_back(recorded[i], b);
+    const stream_t s = b->stream_uses[i];
+    auto [at, made] = queue_of_.try_emplace(s, queues_.size());
+    if (made) {
+      try {
+        queues_.push_back({s, {}});
+      } catch (...) {
+        queue_of_.erase(at);
+        throw;
+      }
+    }
+    queues_[at->second].events.emplace_back(recorded[i], b);
     ++b->event_count;
   }
   pending_event_count_.fetch_add(recorded.size(), std::memory_order_relaxed);
   b->stream_uses.clear();
 }
 
-// Pops every completed event, in order per stream (each queue is scanned up
-// to its first pending event), and calls on_completed(block) for each.
-// [device]. the pending count stays right if a query throws halfway.
+// Pops the completed events of at most max_streams streams' queues, in
+// order per stream (each queue is scanned up to its first pending event),
+// and calls on_completed(block) for each. [device]. The pending count stays
+// right if a query throws halfway.
 template <class OnCompleted>
-void event_queue::take_completed_events(OnCompleted on_completed) {
+void event_queue::take_completed_events(OnCompleted on_completed, std::size_t max_streams,
+                                        std::vector<block*>* room) {
   retired_events retired{pending_event_count_};
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    auto& queue = it->second;
+  const std::size_t n = queues_.size();
+  const std::size_t visits = std::min(n, max_streams);
+  // All queues: one pass from the first. Some: the next ones in turn, from
+  // where the last call stopped, wrapping around once.
+  const std::size_t start = visits == n || next_poll_ >= n ? 0 : next_poll_;
+  std::size_t i = start;
+  bool wrapped = false;
+  for (std::size_t v = 0; v < visits; ++v) {
+    if (i >= queues_.size()) {
+      i = 0;
+      wrapped = true;
+    }
+    auto& queue = queues_[i].events;
     while (!queue.empty()) {
       auto [e, b] = queue.front();
       if (!d_.backend().query_event(d_.device(), e)) break;
-      // Room for the event in the pool first: out of host memory, it stays
-      // queued (popped, it was lost, and its block waited for ever).
+      // Room for the event in the pool (and the block in *room) first: out
+      // of host memory, it stays queued (popped, it was lost, and its block
+      // waited for ever).
       if (free_events_.size() == free_events_.capacity()) free_events_.reserve(free_events_.size() * 2 + 16);
+      if (room != nullptr && room->size() == room->capacity()) room->reserve(room->size() * 2 + 16);
       queue.pop_front();
       free_events_.push_back(e);
       ++retired.count;
       on_completed(b);
     }
-    it = queue.empty() ? pending_.erase(it) : std::next(it);
+    if (!queue.empty()) {
+      ++i;
+      continue;
+    }
+    // The last queue moves to i: polled already when it was at or after
+    // `start` and the walk has wrapped; else it is polled next.
+    const std::size_t last = queues_.size() - 1;
+    remove_queue(i);
+    if (wrapped && last >= start) ++i;
   }
+  next_poll_ = i;
+}
+
+void event_queue::remove_queue(std::size_t i) noexcept {
+  queue_of_.erase(queues_[i].stream);
+  if (i + 1 != queues_.size()) {
+    queues_[i] = std::move(queues_.back());
+    queue_of_.find(queues_[i].stream)->second = i;
+  }
+  queues_.pop_back();
 }
 
 // Returns blocks whose events completed, without blocking. The completed
@@ -96,9 +140,8 @@ void event_queue::process_events() {
   std::exception_ptr failure;  // a failed query: blocks already taken are still returned
   {
     std::lock_guard device_lock(d_.device_mutex());
-    completed.reserve(pending_event_count_.load(std::memory_order_relaxed));  // no allocation once events are taken
     try {
-      take_completed_events([&](block* b) { completed.push_back(b); });
+      take_completed_events([&](block* b) { completed.push_back(b); }, streams_polled_per_call, &completed);
     } catch (...) {
       failure = std::current_exception();
     }
@@ -120,20 +163,23 @@ void event_queue::process_events() {
   if (failure) std::rethrow_exception(failure);
 }
 
-void event_queue::process_events_locked() {
-  take_completed_events([&](block* b) {
-    if (--b->event_count != 0) return;
-    if (d_.history().active()) [[unlikely]]
-      d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
-    d_.free_block(b, d_.stats().values(), true);
-  });
+void event_queue::process_events_locked(std::size_t max_streams) {
+  take_completed_events(
+      [&](block* b) {
+        if (--b->event_count != 0) return;
+        if (d_.history().active()) [[unlikely]]
+          d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
+        d_.free_block(b, d_.stats().values(), true);
+      },
+      max_streams, nullptr);
 }
 
 void event_queue::synchronize_and_free_events() {
   if (d_.pools().capture_underway()) return;  // waiting is not allowed while capturing
   ++d_.stats().values().num_sync_all_streams;
   retired_events retired{pending_event_count_};
-  for (auto& [stream, queue] : pending_) {
+  for (stream_events& q : queues_) {
+    auto& queue = q.events;
     while (!queue.empty()) {
       auto [e, b] = queue.front();
       d_.backend().synchronize_event(d_.device(), e);
@@ -146,7 +192,9 @@ void event_queue::synchronize_and_free_events() {
       d_.free_block(b, d_.stats().values(), true);
     }
   }
-  pending_.clear();
+  queues_.clear();
+  queue_of_.clear();
+  next_poll_ = 0;
 }
 
 // X7: process_events returns blocks after dropping the device lock; an OOM
@@ -163,13 +211,18 @@ bool event_queue::wait_for_completions_in_flight(world_lock& w) {
 
 bool event_queue::count_matches() const noexcept {
   std::size_t queued = 0;
-  for (const auto& [stream, queue] : pending_) queued += queue.size();
+  for (const stream_events& q : queues_) queued += q.events.size();
+  if (queue_of_.size() != queues_.size()) return false;
+  for (std::size_t i = 0; i < queues_.size(); ++i) {
+    const auto at = queue_of_.find(queues_[i].stream);
+    if (at == queue_of_.end() || at->second != i) return false;
+  }
   return queued == pending_event_count_.load();
 }
 
 void event_queue::destroy_all(const std::vector<event_t>& more) noexcept {
-  for (auto& [stream, queue] : pending_)
-    for (auto& [e, b] : queue) free_events_.push_back(e);
+  for (stream_events& q : queues_)
+    for (auto& [e, b] : q.events) free_events_.push_back(e);
   free_events_.insert(free_events_.end(), more.begin(), more.end());
   for (event_t e : free_events_) {
     try {

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <string>
@@ -175,12 +176,17 @@ segment* expandable_segments::new_expandable_segment(const alloc_params& p) {
   void* base = d_.backend().vm_reserve(d_.device(), size);
   if (base == nullptr) return nullptr;
   segment* added = nullptr;
+  auto slot = reservations_.end();
   try {
+    if (maybe_empty_.capacity() < reservations_.size() + 1) maybe_empty_.reserve(2 * reservations_.size() + 16);
+    slot = reservations_.emplace(reinterpret_cast<std::uintptr_t>(base), nullptr).first;
     auto fresh = std::make_unique<segment>();
     fresh->pages.reset(size / page);
     fresh->unmapped.reserve(4);
     added = &d_.segments().add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(base), size);
+    slot->second = added;
   } catch (...) {
+    if (slot != reservations_.end()) reservations_.erase(slot);
     try {
       d_.backend().vm_release(d_.device(), base, size);
     } catch (...) {  // the first error is the one thrown; the reservation stays with the device
@@ -194,6 +200,7 @@ segment* expandable_segments::new_expandable_segment(const alloc_params& p) {
   seg.seq = next_segment_seq_++;
   seg.page_bytes = page;
   seg.unmapped.push_back(seg.head);  // reserved
+  note_maybe_empty(seg);
   return &seg;
 }
 
@@ -210,6 +217,7 @@ void expandable_segments::give_back_page(segment& seg, std::size_t i) noexcept {
   }
   seg.pages.set_unmapped(i);
   seg.mapped_bytes -= page;
+  if (seg.mapped_bytes == 0) note_maybe_empty(seg);
   d_.memory().remove_reserved(page);
   count_down(d_.stats().values().reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
 }
@@ -246,7 +254,7 @@ void expandable_segments::discard_reservation(segment& seg) noexcept {
   } catch (...) {  // noexcept cleanup: the reservation leaves the books whatever the device says
   }
   count_down(d_.stats().values().segment, g, 1);
-  if (pool->priv != nullptr) --pool->priv->segment_count;
+  if (pool->priv != nullptr) pool->priv->detach(seg);
   --pool->owner->segments;
   for (block* b = seg.head; b != nullptr;) {
     block* next = b->next;
@@ -254,6 +262,8 @@ void expandable_segments::discard_reservation(segment& seg) noexcept {
     b = next;
   }
   const std::uintptr_t base = seg.base;
+  if (seg.maybe_empty) maybe_empty_.erase(std::find(maybe_empty_.begin(), maybe_empty_.end(), &seg));
+  reservations_.erase(base);
   d_.segments().erase(base);
 }
 
@@ -341,12 +351,12 @@ bool expandable_segments::alloc_expandable(alloc_params& p, bool is_retry, world
 // reservation (reserve_placement), made once the pages may fit.
 void expandable_segments::place_expandable(alloc_params& p, expandable_request& r) {
   run_choice best;
-  best_own_run(d_.segments().map(), *p.pool, p.size, best);
+  best_own_run(reservations_, *p.pool, p.size, best);
   // An idle reservation has no block in use: one run, of few blocks (free
   // mapped and unmapped ones alternate), walked whole.
-  for (auto& [base, up] : d_.segments()) {
-    segment& seg = *up;
-    if (seg.expandable && seg.head->pool != p.pool && idle_reservation(seg, p)) scan_runs(best, seg, true, p.size);
+  for (auto& [base, reservation] : reservations_) {
+    segment& seg = *reservation;
+    if (seg.head->pool != p.pool && idle_reservation(seg, p)) scan_runs(best, seg, true, p.size);
   }
   r.seg = best.seg;
   r.first = best.first;
@@ -365,6 +375,14 @@ bool expandable_segments::reserve_placement(const alloc_params& p, expandable_re
     r.seg = new_expandable_segment(p);
     if (r.seg == nullptr) {
       no_address_space_ = true;
+      if (!warned_no_address_space_) {
+        warned_no_address_space_ = true;
+        std::fprintf(stderr,
+                     "ccalloc: warning: device %d: no address space left for another reservation of %zu bytes "
+                     "(expandable segment); requests that need one get plain segments (cudaMalloc) from now on, "
+                     "whose pages are not recycled and which a tag's pause cannot release\n",
+                     d_.device(), std::max(d_.memory().total(), p.size));
+      }
       return false;
     }
     r.first = r.seg->head;
@@ -646,20 +664,47 @@ void expandable_segments::adopt_reservation(segment& seg, const alloc_params& p)
 
 // Releases the reservations of expandable segments that have no mapped page.
 void expandable_segments::release_empty_expandable_segments() {
-  for (auto it = d_.segments().begin(); it != d_.segments().end();) {
-    segment& seg = *it->second;
-    if (!seg.expandable || seg.paused || seg.mapped_bytes != 0 || seg.head->next != nullptr ||
-        !seg.pages.retired().empty()) {
-      ++it;
+  if (maybe_empty_.empty()) return;
+  // In address order, as a walk of every reservation releases them.
+  std::sort(maybe_empty_.begin(), maybe_empty_.end(),
+            [](const segment* a, const segment* b) { return a->base < b->base; });
+  // [0, kept): read and still listed; [kept, next): read and off the list;
+  // from next: not read yet (also when vm_release throws).
+  std::size_t kept = 0, next = 0;
+  struct drop_read {
+    std::vector<segment*>& list;
+    const std::size_t& kept;
+    const std::size_t& next;
+    ~drop_read() {
+      list.erase(list.begin() + static_cast<std::ptrdiff_t>(kept), list.begin() + static_cast<std::ptrdiff_t>(next));
+    }
+  } drop{maybe_empty_, kept, next};
+  for (; next < maybe_empty_.size(); ++next) {
+    segment* const s = maybe_empty_[next];
+    segment& seg = *s;
+    if (seg.paused || seg.mapped_bytes != 0) {  // noted again when its last page goes, or at resume
+      seg.maybe_empty = false;
+      continue;
+    }
+    if (seg.head->next != nullptr || !seg.pages.retired().empty()) {  // may be releasable later
+      maybe_empty_[kept++] = s;
       continue;
     }
     d_.backend().vm_release(d_.device(), reinterpret_cast<void*>(seg.base), seg.size);
     count_down(d_.stats().values().segment, group_of(seg.head->pool), 1);
-    if (seg.head->pool->priv != nullptr) --seg.head->pool->priv->segment_count;
+    if (seg.head->pool->priv != nullptr) seg.head->pool->priv->detach(seg);
     --seg.head->pool->owner->segments;
     seg.head->pool->owner->delete_block(seg.head);
-    it = d_.segments().erase(it);
+    const std::uintptr_t base = seg.base;
+    reservations_.erase(base);
+    d_.segments().erase(base);  // seg with it
   }
+}
+
+void expandable_segments::note_maybe_empty(segment& seg) noexcept {
+  if (seg.maybe_empty) return;
+  seg.maybe_empty = true;
+  maybe_empty_.push_back(&seg);  // within capacity
 }
 
 // Whether `need` bytes of new pages may fit at all (rather than create pages
@@ -671,8 +716,8 @@ bool expandable_segments::could_map(std::size_t need) {
   if (need > d_.memory().allowed()) return false;
   if (need >= free_memory_check_bytes) {
     std::size_t free_pages_bytes = 0;
-    for (auto& [base, up] : d_.segments())
-      if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
+    for (auto& [base, reservation] : reservations_)
+      free_pages_bytes += reservation->mapped_bytes;  // an upper bound of what unmapping frees
     if (need > d_.backend().mem_get_info(d_.device()).free_bytes + free_pages_bytes) return false;
   }
   return true;

@@ -184,8 +184,8 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
     for (std::size_t size : sizes) {
       run_choice indexed;
       run_choice scanned;
-      detail::best_own_run(s.segments().map(), *pool, size, indexed);
-      detail::best_own_run_by_scan(s.segments().map(), *pool, size, scanned);
+      detail::best_own_run(s.expandable().reservations(), *pool, size, indexed);
+      detail::best_own_run_by_scan(s.expandable().reservations(), *pool, size, scanned);
       if (indexed.seg != scanned.seg || indexed.first != scanned.first || indexed.pages != scanned.pages ||
           indexed.run != scanned.run || indexed.start != scanned.start || indexed.retired != scanned.retired)
         fail("the placement of a " + std::to_string(size) +
@@ -372,10 +372,28 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
     }
   }
   if (gone != s.registry().gone_count()) fail("gone_streams_ differs from the gone stream states");
+  std::size_t reservations = 0;
+  for (auto& [base, seg] : s.segments()) {
+    if (!seg->expandable) continue;
+    ++reservations;
+    const auto at = s.expandable().reservations().find(base);
+    if (at == s.expandable().reservations().end() || at->second != seg.get())
+      fail("an expandable segment is missing from the reservations' map");
+    if (seg->mapped_bytes == 0 && !seg->paused && !seg->maybe_empty)
+      fail("a reservation with no page mapped is not noted for release_empty_expandable_segments");
+  }
+  if (reservations != s.expandable().reservations().size())
+    fail("the reservations' map holds a segment that is not an expandable one");
   for (auto& [id, pp] : s.pools().all()) {
     std::size_t held = 0;
     for (auto& [base, seg] : s.segments()) held += seg->head->pool->priv == pp.get() ? 1 : 0;
     if (held != pp->segment_count) fail("private pool " + to_string(id) + "'s segment_count differs from its segments");
+    std::size_t listed = 0;
+    for (const detail::segment* seg = pp->segments_head; seg != nullptr && listed <= held;
+         seg = seg->pool_next, ++listed)
+      if (seg->head->pool->priv != pp.get() || (seg->pool_next != nullptr && seg->pool_next->pool_prev != seg))
+        fail("private pool " + to_string(id) + "'s list of segments holds another pool's segment or is broken");
+    if (listed != held) fail("private pool " + to_string(id) + "'s list of segments differs from its segments");
     if (pp->use_count < 0) fail("negative pool use count");
   }
   return in_pools;

@@ -66,9 +66,9 @@ std::vector<std::pair<std::size_t, block*>> recycling_candidates(device_state& d
   // made every slow path quadratic). The pools' order does not matter: the
   // candidates are sorted below on keys that do not depend on it.
   std::vector<block_pool*> pools;
-  for (const auto& [base, up] : d.segments()) {
-    block_pool* pool = up->head->pool;
-    if (up->expandable && up->mapped_bytes != 0 && !pool_is_live(pool)) pools.push_back(pool);
+  for (const auto& [base, reservation] : d.expandable().reservations()) {
+    block_pool* pool = reservation->head->pool;
+    if (reservation->mapped_bytes != 0 && !pool_is_live(pool)) pools.push_back(pool);
   }
   std::sort(pools.begin(), pools.end());
   pools.erase(std::unique(pools.begin(), pools.end()), pools.end());
@@ -136,6 +136,7 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
       const std::size_t bytes = addr - from;
       CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= d_.memory().reserved());
       seg.mapped_bytes -= bytes;
+      if (seg.mapped_bytes == 0) note_maybe_empty(seg);
       d_.memory().remove_reserved(bytes);
       count_down(d_.stats().values().reserved_bytes, g, static_cast<std::int64_t>(bytes));
       set_page_state(seg, from, addr, false, hint);
@@ -308,7 +309,7 @@ void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std
 // segment it is retired in: the device still holds it.
 void expandable_segments::release_page_handle(physical_handle_t h) {
   if (retired_pages_ != 0)
-    for (auto& [base, up] : d_.segments())
+    for (auto& [base, up] : reservations_)  // only reservations retire pages
       if (up->pages.release_at_unmap(h)) {
         d_.memory().add_reserved(up->page_bytes);
         count_up(d_.stats().values().reserved_bytes, group_of(up->head->pool),
@@ -320,7 +321,7 @@ void expandable_segments::release_page_handle(physical_handle_t h) {
 
 void expandable_segments::settle_retired(bool may_wait) {
   if (retired_pages_ == 0) return;
-  for (auto& [base, up] : d_.segments())
+  for (auto& [base, up] : reservations_)  // only reservations retire pages
     if (!up->pages.retired().empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
 }
 

@@ -79,10 +79,10 @@ void scan_runs(run_choice& best, segment& seg, bool foreign, std::size_t size) n
 // from `size` up to the first size that has one. Free mapped blocks alternate
 // with unmapped ones inside a run, so the runs found from seg.unmapped have
 // at most twice as many blocks as it has entries.
-void best_own_run(const segment_map& segments, block_pool& pool, std::size_t size, run_choice& best) noexcept {
-  for (const auto& [base, up] : segments) {
-    segment& seg = *up;
-    if (!seg.expandable || seg.head->pool != &pool) continue;
+void best_own_run(const reservation_map& reservations, block_pool& pool, std::size_t size, run_choice& best) noexcept {
+  for (const auto& [base, reservation] : reservations) {
+    segment& seg = *reservation;
+    if (seg.head->pool != &pool) continue;
     std::uintptr_t offered_up_to = seg.base;  // the end of the last run offered
     for (block* u : seg.unmapped) {
       if (u->ptr < offered_up_to) continue;  // in that run
@@ -105,10 +105,10 @@ void best_own_run(const segment_map& segments, block_pool& pool, std::size_t siz
   }
 }
 
-void best_own_run_by_scan(const segment_map& segments, const block_pool& pool, std::size_t size,
+void best_own_run_by_scan(const reservation_map& reservations, const block_pool& pool, std::size_t size,
                           run_choice& best) noexcept {
-  for (const auto& [base, up] : segments)
-    if (up->expandable && up->head->pool == &pool) scan_runs(best, *up, false, size);
+  for (const auto& [base, reservation] : reservations)
+    if (reservation->head->pool == &pool) scan_runs(best, *reservation, false, size);
 }
 
 }  // namespace ccalloc::detail

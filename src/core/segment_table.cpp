@@ -90,7 +90,7 @@ segment& segment_table::add_segment(const alloc_params& p, std::unique_ptr<segme
     throw;
   }
   count_up(d_.stats().values().segment, group_of(p.pool), 1);
-  if (p.pool->priv != nullptr) ++p.pool->priv->segment_count;
+  if (p.pool->priv != nullptr) p.pool->priv->attach(*at->second);
   ++p.pool->owner->segments;
   return *at->second;
 }
@@ -181,7 +181,7 @@ void segment_table::release_block(block* b, device_stats& st) {
 void segment_table::forget_segment(block* b, device_stats& st) noexcept {
   CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size &&
                  b->size <= d_.memory().reserved());
-  if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
+  if (b->pool->priv != nullptr) b->pool->priv->detach(*b->seg);
   --b->pool->plain_segments;
   --b->pool->owner->segments;
   const stat_group g = group_of(b->pool);

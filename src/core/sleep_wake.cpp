@@ -68,10 +68,27 @@ private_pool& tag_sleep::tag_pool(tag_id tag) {
   return *raw;
 }
 
+// A named tag's segments are those of the private pools carrying it: its
+// own pool (id {tag_pool_id_first, tag}) and pools made in its scope (CUDA
+// graphs' pools, ids below every tag pool's): read from their lists, so a
+// tag's pause costs what it holds, not what the device holds. In address
+// order, as the device's map of segments gives them.
 std::vector<segment*> tag_sleep::segments_of(tag_id tag) const {
   std::vector<segment*> out;
-  for (const auto& [base, seg] : d_.segments())
-    if (tag_of(*seg) == tag) out.push_back(seg.get());
+  if (tag == default_tag_id) {
+    for (const auto& [base, seg] : d_.segments())
+      if (tag_of(*seg) == tag) out.push_back(seg.get());
+    return out;
+  }
+  auto add_pool = [&](const private_pool& pp) {
+    for (segment* seg = pp.segments_head; seg != nullptr; seg = seg->pool_next) out.push_back(seg);
+  };
+  const auto& pools = d_.pools().all();
+  const auto tag_pools = pools.lower_bound(mempool_id_t{tag_pool_id_first, 0});
+  for (auto it = pools.begin(); it != tag_pools; ++it)
+    if (it->second->tag == tag) add_pool(*it->second);
+  if (const auto own = tag_pools_.find(tag); own != tag_pools_.end()) add_pool(*own->second);
+  std::sort(out.begin(), out.end(), [](const segment* a, const segment* b) { return a->base < b->base; });
   return out;
 }
 
@@ -186,7 +203,7 @@ void tag_sleep::wait_for_tag_work(const std::vector<segment*>& segs) {
   d_.events().for_each_pending([&](event_t e, const block* b) {
     if (mine.count(b->seg) != 0) d_.backend().synchronize_event(d_.device(), e);
   });
-  d_.events().process_events_locked();
+  d_.events().process_events_locked(event_queue::all_streams);  // the tags' blocks whose events were waited for
   std::set<stream_t> streams;
   for (const segment* seg : segs) {
     streams.insert(copy_stream(*seg));
@@ -469,6 +486,7 @@ void tag_sleep::restore_paused_segment(segment& seg, sleep_result& r) {
   for (auto& run : seg.paused_runs) host_copies_.give(run.host);
   seg.paused_runs.clear();
   seg.paused = false;
+  d_.expandable().note_maybe_empty(seg);  // a reservation that had no page to map again
   for (block* b : seg.paused_free) d_.expandable().pool_insert_counted(b);
   seg.paused_free.clear();
 }

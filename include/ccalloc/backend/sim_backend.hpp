@@ -221,6 +221,7 @@ struct sim_counters {
   /// devices (the capacity both draw on).
   std::size_t used_bytes = 0;
   std::uint64_t live_events = 0;      ///< created and not destroyed
+  std::uint64_t event_queries = 0;    ///< query_event calls (the allocator's polling cost)
   std::uint64_t live_streams = 0;
   std::uint64_t live_gates = 0;       ///< created and not destroyed
   // Virtual memory, all devices. Invariants: live_handles = vm_creates -

@@ -132,6 +132,9 @@ struct segment {
   // retired empty) while its blocks keep their addresses; the block
   // invariants about mapping hold again at resume. [world]
   bool paused = false;
+  // On expandable_segments' list of reservations that may be empty (no
+  // page mapped): release_empty_expandable_segments reads that list. [world]
+  bool maybe_empty = false;
   // The page runs resume maps again (those under blocks allocated at the
   // pause), each with its kept contents in host memory from the backend's
   // host_alloc (nullptr: not kept). [world]
@@ -147,6 +150,10 @@ struct segment {
   // Blocks freed by their callers while paused: freed at resume, once their
   // pages are mapped again (a free never touches a released page). [stream]
   std::vector<block*> frees_while_paused;
+  // --- private pools only: the pool's list of its segments (private_pool::
+  // segments_head), in the order they were made [world] ---
+  segment* pool_prev = nullptr;
+  segment* pool_next = nullptr;
 };
 
 bool block::is_split() const noexcept { return prev != nullptr || next != nullptr || seg->expandable; }

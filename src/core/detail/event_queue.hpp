@@ -6,6 +6,18 @@
 // members (a completed event frees a block). The pool and the queues
 // are guarded by the device lock (device_mutex_), or the world lock; the
 // methods say which they need. pending_count() is read without a lock.
+//
+// Polling cost: a call polls at most streams_polled_per_call streams'
+// queues, each up to its first pending event, continuing from where the
+// last call stopped (round robin). With up to that many streams holding
+// pending events every call polls all of them, as PyTorch's allocator
+// does; with more (a program that frees thousands of blocks while their
+// record_stream work is still queued), an event that has completed is
+// found within ceil(streams / streams_polled_per_call) calls, and a malloc
+// costs a bounded number of queries instead of one per such stream. A
+// block found late only stays cached in its pool a little longer: before
+// an out-of-memory error the ladder waits for every event
+// (synchronize_and_free_events).
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
@@ -39,10 +51,15 @@ class event_queue {
   // On a throw nothing is recorded and stream_uses is kept.
   void insert_events(block* b);                                                // [stream] takes device
   void insert_events_locked(block* b);                                        // [stream, device]
-  // Returns the blocks whose events completed, without blocking. [none]
+  // Streams whose queues one call of process_events polls at most; and
+  // the argument that polls them all.
+  static constexpr std::size_t streams_polled_per_call = 64;
+  static constexpr std::size_t all_streams = ~std::size_t{0};
+  // Returns the blocks whose events completed, without blocking, from at
+  // most max_streams streams' queues (the next ones in turn). [none]
   // takes device, then (device released) each block's stream
   void process_events();
-  void process_events_locked();                                               // [world]
+  void process_events_locked(std::size_t max_streams = streams_polled_per_call);  // [world]
   // Waits for every queued event (not while a capture is underway). [world]
   void synchronize_and_free_events();
   // X7: process_events returns blocks after dropping the device lock; an
@@ -57,8 +74,8 @@ class event_queue {
   // Calls f(event, block) for each queued event. [device] or [world]
   template <class F>
   void for_each_pending(F f) const {
-    for (const auto& [stream, queue] : pending_)
-      for (const auto& [e, b] : queue) f(e, b);
+    for (const stream_events& q : queues_)
+      for (const auto& [e, b] : q.events) f(e, b);
   }
   // pending_count() equals the events queued (check_invariants). [world]
   [[nodiscard]] bool count_matches() const noexcept;
@@ -67,15 +84,29 @@ class event_queue {
   void destroy_all(const std::vector<event_t>& more) noexcept;
 
  private:
-  // Pops every completed event, in order per stream (each queue is scanned
-  // up to its first pending event), and calls on_completed(block) for each.
-  // [device]. pending_count() stays right if a query throws halfway.
+  // The events recorded on one stream at free time, in order.
+  struct stream_events {
+    stream_t stream;
+    std::deque<std::pair<event_t, block*>> events;
+  };
+  // Pops the completed events of at most max_streams streams' queues (all
+  // of them from the first when that is all of them; else the next ones in
+  // turn from next_poll_), in order per stream (each queue is scanned up to
+  // its first pending event), and calls on_completed(block) for each, after
+  // making room for one more in *room when room is given. [device].
+  // pending_count() stays right if a query throws halfway.
   template <class OnCompleted>
-  void take_completed_events(OnCompleted on_completed);
+  void take_completed_events(OnCompleted on_completed, std::size_t max_streams, std::vector<block*>* room);
+  // Drops queues_[i] (empty): the last queue takes its place. [device]
+  void remove_queue(std::size_t i) noexcept;
 
   device_state& d_;
-  // Events recorded at free time, per stream that used the block, in order.
-  std::unordered_map<stream_t, std::deque<std::pair<event_t, block*>>> pending_;
+  // Events recorded at free time: one queue per stream with pending events
+  // (one left empty by a failed wait is dropped at the next poll), and
+  // where each stream's queue is.
+  std::vector<stream_events> queues_;
+  std::unordered_map<stream_t, std::size_t> queue_of_;
+  std::size_t next_poll_ = 0;  // the queue a partial poll starts from
   std::atomic<std::size_t> pending_event_count_{0};  // events in pending_
   std::vector<event_t> free_events_;  // the pool: created and reusable
   // Blocks whose completed events process_events took but has not yet

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <vector>
 
 namespace ccalloc::detail {
@@ -42,6 +43,12 @@ class expandable_segments {
   // address space (the ladder's rung then stops retrying).
   [[nodiscard]] bool no_address_space() const noexcept { return no_address_space_; }
   void clear_no_address_space() noexcept { no_address_space_ = false; }
+  // The reservations (expandable segments) by base address, a subset of the
+  // device's segments: the walks that concern only reservations read this,
+  // so that plain segments (after the address space ran out, thousands of
+  // them) cost those walks nothing.
+  using reservation_map = std::map<std::uintptr_t, segment*>;
+  [[nodiscard]] const reservation_map& reservations() const noexcept { return reservations_; }
   // Retired pages of every segment (deferred unmaps).
   [[nodiscard]] std::size_t retired_pages() const noexcept { return retired_pages_; }
   // Devices granted access to the mappings (F26), in the order added;
@@ -56,7 +63,15 @@ class expandable_segments {
   // Cross-stream reuse of whole reservations.
   bool idle_reservation(segment& seg, const alloc_params& p);
   void adopt_reservation(segment& seg, const alloc_params& p);
+  // Releases the reservations with no page mapped, no block but one, not
+  // paused and no retired page, in address order. Reads only the
+  // reservations noted by note_maybe_empty (each one whose last page went,
+  // and each one made or resumed), so its cost does not grow with the
+  // reservations that hold pages.
   void release_empty_expandable_segments();
+  // seg (a reservation) has no page mapped now, or was made or resumed.
+  // Never allocates: room is made when the reservation is made.
+  void note_maybe_empty(segment& seg) noexcept;
 
   segment* new_expandable_segment(const alloc_params& p);
   void discard_reservation(segment& seg) noexcept;
@@ -127,6 +142,11 @@ class expandable_segments {
   std::vector<int> peers_;
   std::uint64_t next_segment_seq_ = 0;
   bool no_address_space_ = false;
+  bool warned_no_address_space_ = false;  // the fallback to plain segments was announced
+  reservation_map reservations_;
+  // Reservations noted by note_maybe_empty since the last release (each
+  // once: segment::maybe_empty); capacity >= reservations_.size().
+  std::vector<segment*> maybe_empty_;
   recycle_budget recycle_budget_;  // the recycling time budget (recycle_time_percent)
 };
 

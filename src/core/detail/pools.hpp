@@ -68,7 +68,25 @@ struct private_pool {
   segment_allocator custom;     // empty: the backend's segments
   bool use_on_oom = false;
   bool no_split = false;
-  std::size_t segment_count = 0;  // segments it holds
+  // The segments it holds: segment_count = the length of the list from
+  // segments_head (segment::pool_next), each one's head->pool->priv this
+  // pool (check_invariants). A tag's pause walks them (not every segment).
+  std::size_t segment_count = 0;
+  segment* segments_head = nullptr;
+  // A segment made in (attach) or given back from (detach) this pool. [world]
+  void attach(segment& seg) noexcept {
+    seg.pool_prev = nullptr;
+    seg.pool_next = segments_head;
+    if (segments_head != nullptr) segments_head->pool_prev = &seg;
+    segments_head = &seg;
+    ++segment_count;
+  }
+  void detach(segment& seg) noexcept {
+    (seg.pool_prev != nullptr ? seg.pool_prev->pool_next : segments_head) = seg.pool_next;
+    if (seg.pool_next != nullptr) seg.pool_next->pool_prev = seg.pool_prev;
+    seg.pool_prev = seg.pool_next = nullptr;
+    --segment_count;
+  }
   // Allocations in flight to it (they may drop the world lock): not deleted
   // meanwhile. Incremented under the world lock, decremented without it.
   std::atomic<int> pinned{0};

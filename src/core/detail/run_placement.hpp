@@ -16,6 +16,9 @@ namespace ccalloc::detail {
 
 // A device's segments by base address (device_state::segments_).
 using segment_map = std::map<std::uintptr_t, std::unique_ptr<segment>>;
+// The reservations (expandable segments) of a device by base address
+// (expandable_segments::reservations).
+using reservation_map = std::map<std::uintptr_t, segment*>;
 
 // Placement of a request that maps pages (alloc_expandable, step 1): a free
 // run (free blocks between blocks in use) of at least `size` bytes, the
@@ -41,9 +44,9 @@ void scan_runs(run_choice& best, segment& seg, bool foreign, std::size_t size) n
 // those around an unmapped block (seg.unmapped), and the free mapped blocks
 // of at least `size` bytes without a free neighbour (pool's index). O(unmapped
 // blocks + the pool's free blocks of `size` or more), not O(blocks).
-void best_own_run(const segment_map& segments, block_pool& pool, std::size_t size, run_choice& best) noexcept;
+void best_own_run(const reservation_map& reservations, block_pool& pool, std::size_t size, run_choice& best) noexcept;
 // The same by scan_runs over every block (check_invariants compares them).
-void best_own_run_by_scan(const segment_map& segments, const block_pool& pool, std::size_t size,
+void best_own_run_by_scan(const reservation_map& reservations, const block_pool& pool, std::size_t size,
                           run_choice& best) noexcept;
 
 }  // namespace ccalloc::detail
