@@ -334,6 +334,12 @@ TEST_F(IpcTest, ExpandableBlockRoundTripsAndIsCached) {
   close_all(again.fds);
   close_all(ex.fds);
 
+  // Opened twice: an interior pointer is no pointer open_ipc_handle returned,
+  // and drops no reference (else the second holder's mapping would go early).
+  for (std::size_t off : {std::size_t{1}, std::size_t{512}, 3 * MiB - 1})
+    EXPECT_THROW(alloc->close_ipc_handle(static_cast<char*>(q) + off), invalid_argument_error) << off;
+  EXPECT_THROW(alloc->close_ipc_handle(static_cast<char*>(q) - MiB), invalid_argument_error)
+      << "the mapping's first page, before the block";
   alloc->close_ipc_handle(q);
   EXPECT_EQ(alloc->ipc_open_mappings(), 1u) << "one reference left";
   EXPECT_EQ(static_cast<unsigned char*>(q)[0], 0xab);
@@ -530,6 +536,11 @@ int consumer(int sock, int first_access) {
     }
     for (std::size_t i = 0; i < h.size_bytes; i += 4096)
       if (q[i] != static_cast<unsigned char>(i / 4096)) return 12;
+    try {  // an interior pointer drops no reference
+      alloc.close_ipc_handle(q + 512);
+      return 16;
+    } catch (const invalid_argument_error&) {
+    }
     q[0] = 0xc7;  // the answer
     alloc.close_ipc_handle(other);  // a plain segment closes on the device it was opened for
     alloc.close_ipc_handle(q);

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -238,6 +239,78 @@ TEST_F(MappingEventsTest, PauseAndResumeAnnounceTheTagsPages) {
       << "the pages under the live block come back; the freed block's do not";
   EXPECT_EQ(table.bytes(), 6 * MiB);
   alloc->free(live);
+}
+
+}  // namespace
+
+namespace {
+
+// A listener runs with its device's locks held: a call back into the
+// allocator fails with an error naming the rule (or, on the paths below
+// the world lock, stops the process with that message) instead of hanging.
+TEST_F(MappingEventsTest, AListenerThatCallsIntoTheAllocatorGetsAnErrorNotAHang) {
+  make("");
+  std::vector<std::string> refused;
+  bool attached_inside = false;
+  int later_listener = 0;
+  alloc->attach_mapping_listener([&](const mapping_event& e) {
+    if (e.change != mapping_change::map) return;
+    for (const auto& call : std::vector<std::function<void()>>{[&] { alloc->empty_cache(); },
+                                                              [&] { alloc->set_config("max_split_size_mb:64"); },
+                                                              [&] { alloc->enable(false); }}) {
+      try {
+        call();
+        refused.emplace_back("accepted");
+      } catch (const ccalloc::error& err) {
+        refused.emplace_back(err.what());
+      }
+    }
+    (void)alloc->config();  // allowed: no device lock
+    if (!attached_inside) alloc->attach_mapping_listener([&](const mapping_event&) { ++later_listener; });
+    attached_inside = true;
+  });
+  void* a = m(MiB);
+  ASSERT_EQ(refused.size(), 3u);
+  for (const std::string& msg : refused)
+    EXPECT_NE(msg.find("a listener must not call into any ccalloc allocator"), std::string::npos) << msg;
+  EXPECT_TRUE(attached_inside);
+  EXPECT_TRUE(alloc->is_enabled()) << "the refused enable(false) changed nothing";
+  EXPECT_EQ(alloc->config().max_split_size_bytes, allocator_config{}.max_split_size_bytes);
+  alloc->free(a);
+  alloc->empty_cache();
+  EXPECT_EQ(later_listener, 1) << "the listener attached from inside a listener sees the unmap";
+}
+
+// enable() and set_config() announce while they hold the configuration:
+// their listeners may still read it and attach listeners.
+TEST_F(MappingEventsTest, AListenerOfEnableMayReadTheConfigurationAndAttachAnother) {
+  make("");
+  alloc->free(m(MiB));  // a cached segment: enable(false) returns it
+  std::size_t seen = 0;
+  alloc->attach_mapping_listener([&](const mapping_event& e) {
+    if (e.change != mapping_change::unmap) return;
+    seen = alloc->config().max_split_size_bytes;
+    alloc->attach_mapping_listener([](const mapping_event&) {});
+  });
+  alloc->enable(false);
+  EXPECT_EQ(seen, allocator_config{}.max_split_size_bytes);
+  alloc->enable(true);
+}
+
+using MappingEventsDeathTest = MappingEventsTest;
+
+TEST_F(MappingEventsDeathTest, AListenerThatAllocatesStopsTheProcessWithTheRule) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        make("");
+        alloc->attach_mapping_listener([&](const mapping_event& e) {
+          if (e.change == mapping_change::map) alloc->free(alloc->malloc(0, 512, 0));
+        });
+        (void)m(MiB);
+      },
+      "a mapping listener called into the allocator.*must not call into any ccalloc allocator");
+  alloc.reset();
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <ccalloc/backend/sim_backend.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
+#include <ccalloc/core/tags.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/frontend/nccl_registration.hpp>
 
@@ -12,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -66,12 +68,15 @@ int stub_deregister(void* /*comm*/, void* handle) {
 
 class NcclRegistrationTest : public ::testing::Test {
  protected:
-  void make(const std::string& conf) {
+  // `before` runs on the allocator before the registration exists.
+  void make(const std::string& conf, const std::function<void()>& before = {}) {
+    reg.reset();
     sim_options o;
     o.capacity_bytes = 512 * MiB;
     sim = std::make_shared<sim_backend>(o);
     alloc = std::make_unique<caching_allocator>(sim, allocator_config::parse(conf));
     alloc->init(1);
+    if (before) before();
     reg = std::make_unique<nccl_registration>(*alloc, nccl_functions{&stub_register, &stub_deregister});
     // Attached after the registration's listener: sees the stub after it acted.
     alloc->attach_mapping_listener([this](const mapping_event& e) {
@@ -190,6 +195,76 @@ TEST_F(NcclRegistrationTest, ErrorsLeaveTheRegistrationsAsTheyWere) {
   reg->remove_communicator(&comm_a);
   EXPECT_TRUE(nccl.regs.empty());
   alloc->free(a);
+}
+
+TEST_F(NcclRegistrationTest, APlainSegmentSplitBeforeTheRegistrationIsOneRange) {
+  void* a = nullptr;
+  void* b = nullptr;
+  make("expandable_segments:False", [&] {
+    a = alloc->malloc(0, 4 * MiB, 0);  // both from one 20 MiB segment, split in three blocks
+    b = alloc->malloc(0, 4 * MiB, 0);
+  });
+  ASSERT_EQ(alloc->snapshot(false).segments.size(), 1u);
+  reg->add_communicator(&comm_a, 0);
+  alloc->free(a);
+  alloc->free(b);
+  void* c = alloc->malloc(0, 12 * MiB, 0);  // spans the three former blocks
+  ASSERT_EQ(c, a);
+  collective(&comm_a, c, 12 * MiB);
+  EXPECT_EQ(reg->stats().register_calls, 1u);
+  EXPECT_EQ(reg->stats().registered_bytes, 20 * MiB) << "the whole segment, once";
+  reg->flush();
+  EXPECT_EQ(reg->stats().register_calls, 1u) << "nothing else is mapped";
+  alloc->free(c);
+  alloc->empty_cache();
+  EXPECT_EQ(reg->stats().registered_bytes, 0u);
+}
+
+TEST_F(NcclRegistrationTest, APausedTagBeforeTheRegistrationIsNotMapped) {
+  void* w = nullptr;
+  make("expandable_segments:True", [&] {
+    {
+      tag_scope scope("weights");
+      w = alloc->malloc(0, 8 * MiB, 0);
+    }
+    alloc->pause({"weights"}, false);
+  });
+  reg->add_communicator(&comm_a, 0);
+  EXPECT_THROW(reg->ensure(0, w, 8 * MiB), invalid_argument_error) << "its pages are released";
+  reg->flush();
+  EXPECT_EQ(reg->stats().register_calls, 0u);
+  EXPECT_TRUE(nccl.regs.empty());
+  alloc->resume({"weights"});
+  collective(&comm_a, w, 8 * MiB);
+  EXPECT_EQ(reg->stats().registered_bytes, 8 * MiB);
+  alloc->free(w);
+}
+
+TEST_F(NcclRegistrationTest, ABadDeviceOrAnOverflowingSizeIsRefusedAndChangesNothing) {
+  reg->add_communicator(&comm_a, 0);
+  auto* p = static_cast<char*>(alloc->malloc(0, 4 * MiB, 0));
+  const auto before = reg->stats();
+  for (int device : {7, -1, 1}) {
+    try {
+      reg->ensure(device, p, 1);
+      ADD_FAILURE() << "device " << device << " accepted";
+    } catch (const invalid_argument_error& e) {
+      EXPECT_NE(std::string(e.what()).find("device " + std::to_string(device) + " is out of range"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  try {
+    reg->ensure(0, p + 1, SIZE_MAX);
+    ADD_FAILURE() << "an overflowing size accepted";
+  } catch (const invalid_argument_error& e) {
+    EXPECT_NE(std::string(e.what()).find("runs past the end of the address space"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(reg->stats().register_calls, before.register_calls);
+  EXPECT_EQ(reg->stats().registered_bytes, 0u);
+  EXPECT_TRUE(nccl.regs.empty());
+  collective(&comm_a, p, 4 * MiB);  // still works
+  alloc->free(p);
 }
 
 }  // namespace

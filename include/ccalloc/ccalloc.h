@@ -895,7 +895,8 @@ CCALLOC_API ccalloc_status_t ccalloc_open_ipc_handle_pidfd(ccalloc_allocator_t* 
                                                            size_t byte_count, int access_device, void** out);
 /** Drops one reference to a pointer from ccalloc_open_ipc_handle; the last
  * unmaps it and lets the producer reclaim the pages. Errors:
- * INVALID_ARGUMENT for any other pointer. */
+ * INVALID_ARGUMENT for any other pointer (an address inside the mapping
+ * too: it drops no reference). */
 CCALLOC_API ccalloc_status_t ccalloc_close_ipc_handle(ccalloc_allocator_t* alloc, void* ptr);
 /** Frees the exported blocks whose free was deferred and that no live
  * process holds any more; *freed (may be NULL) = how many. Errors: BACKEND. */

@@ -8,15 +8,25 @@
 #include "detail/device_state.hpp"
 
 #include <ccalloc/base/detail/assert.hpp>
+#include <ccalloc/base/detail/spin_mutex.hpp>
+#include <ccalloc/base/errors.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace ccalloc::detail {
 
 world_lock::world_lock(device_state& d) : d_(d) {
+  // The announcing thread holds every lock of its device while a mapping
+  // listener runs: a call from the listener back into an allocator would
+  // wait for itself.
+  if (tls_mapping_listener_depth != 0) [[unlikely]]
+    throw error("ccalloc: a mapping listener called into the allocator (device " + std::to_string(d.device()) +
+                "), which the announcing thread holds locked; a listener must not call into any ccalloc "
+                "allocator (ccalloc/core/mapping_events.hpp)");
   lock();
   drain_thread_caches(d_, *this);  // the world sees no parked block (detail/thread_cache.hpp)
 }

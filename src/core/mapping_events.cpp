@@ -3,6 +3,8 @@
 
 #include "detail/mapping_notifier.hpp"
 
+#include <ccalloc/base/detail/spin_mutex.hpp>
+
 #include <utility>
 
 namespace ccalloc {
@@ -52,6 +54,14 @@ void mapping_notifier::announce(mapping_event e) const noexcept {
   }
   if (!listeners) return;
   e.device = device_;
+  // While the listeners run, this thread holds the device's locks: a call
+  // back into the allocator is refused (tls_mapping_listener_depth).
+  struct delivering {
+    delivering() noexcept { ++tls_mapping_listener_depth; }
+    ~delivering() { --tls_mapping_listener_depth; }
+    delivering(const delivering&) = delete;
+    delivering& operator=(const delivering&) = delete;
+  } guard;
   for (const mapping_listener& l : *listeners) {
     try {
       l(e);

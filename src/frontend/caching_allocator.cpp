@@ -18,12 +18,41 @@
 #include <cstring>
 #include <exception>
 #include <iterator>
+#include <mutex>
+#include <string>
 
 namespace ccalloc {
 
 namespace {
 
 CCALLOC_HOT_TLS thread_local stream_t tls_current_stream = default_stream;
+
+// The allocator whose config_mutex_ this thread holds while enable() or
+// set_config() change the devices, which may announce mapping changes: a
+// listener they call may read config() or attach a listener on this thread
+// (lock_config() then takes nothing).
+thread_local const caching_allocator* tls_config_holder = nullptr;
+
+class config_hold {
+ public:
+  config_hold(std::mutex& m, const caching_allocator* a) : lock_(m), previous_(std::exchange(tls_config_holder, a)) {}
+  ~config_hold() { tls_config_holder = previous_; }
+  config_hold(const config_hold&) = delete;
+  config_hold& operator=(const config_hold&) = delete;
+
+ private:
+  std::lock_guard<std::mutex> lock_;
+  const caching_allocator* previous_;
+};
+
+// A mapping listener runs with its device's locks held (mapping_events.hpp):
+// what changes the devices' configuration would wait for itself there.
+void refuse_inside_mapping_listener(const char* what) {
+  if (detail::tls_mapping_listener_depth != 0) [[unlikely]]
+    throw error(std::string("ccalloc: ") + what +
+                " called from a mapping listener; a listener must not call into any ccalloc allocator "
+                "(ccalloc/core/mapping_events.hpp)");
+}
 
 using detail::pointer_text;
 
@@ -74,6 +103,7 @@ void caching_allocator::init(int device_count) {
     throw invalid_argument_error("ccalloc: init(" + std::to_string(device_count) + "): the '" +
                                  backend_->name() + "' backend has " +
                                  std::to_string(backend_->device_count()) + " device(s)");
+  refuse_inside_mapping_listener("init()");
   std::lock_guard lock(config_mutex_);
   for (int d = static_cast<int>(devices_.size()); d < device_count; ++d) {
     auto dev = std::make_unique<device_caching_allocator>(d, *backend_, config_);
@@ -205,7 +235,8 @@ void caching_allocator::set_current_stream(stream_t stream) noexcept { tls_curre
 stream_t caching_allocator::current_stream() noexcept { return tls_current_stream; }
 
 void caching_allocator::enable(bool enabled) {
-  std::lock_guard lock(config_mutex_);
+  refuse_inside_mapping_listener("enable()");
+  config_hold hold(config_mutex_, this);
   for (std::size_t i = 0; i < devices_.size(); ++i) {
     try {
       devices_[i]->set_caching_enabled(enabled);
@@ -380,6 +411,7 @@ void caching_allocator::attach_out_of_memory_observer(oom_observer observer) {
 void caching_allocator::record_history(const history_options& options) {
   if (options.max_entries == 0)
     throw invalid_argument_error("ccalloc: record_history: max_entries must be at least 1, got 0");
+  refuse_inside_mapping_listener("record_history()");
   std::lock_guard lock(config_mutex_);
   history_options_ = options;
   history_options_.clear = false;  // devices added later start empty anyway
@@ -387,7 +419,7 @@ void caching_allocator::record_history(const history_options& options) {
 }
 
 bool caching_allocator::is_history_enabled() const {
-  std::lock_guard lock(config_mutex_);
+  const auto lock = lock_config();
   return history_options_.enabled;
 }
 
@@ -404,13 +436,14 @@ void caching_allocator::pop_compile_context() {
 }
 
 void caching_allocator::set_user_metadata(const std::string& metadata) {
+  refuse_inside_mapping_listener("set_user_metadata()");
   std::lock_guard lock(config_mutex_);
   user_metadata_ = metadata;
   for (auto& d : devices_) d->set_user_metadata(metadata);
 }
 
 std::string caching_allocator::get_user_metadata() const {
-  std::lock_guard lock(config_mutex_);
+  const auto lock = lock_config();
   return user_metadata_;
 }
 
@@ -423,7 +456,7 @@ void caching_allocator::attach_allocator_trace_tracker(trace_tracker tracker) {
 
 void caching_allocator::attach_mapping_listener(mapping_listener listener) {
   if (!listener) throw invalid_argument_error("ccalloc: attach_mapping_listener: the listener is empty");
-  std::lock_guard lock(config_mutex_);
+  const auto lock = lock_config();
   mapping_listeners_.push_back(listener);
   for (auto& d : devices_) d->attach_mapping_listener(listener);
 }
@@ -448,7 +481,8 @@ memory_snapshot caching_allocator::snapshot(bool include_traces, bool record_ent
 }
 
 void caching_allocator::set_config(std::string_view text) {
-  std::lock_guard lock(config_mutex_);
+  refuse_inside_mapping_listener("set_config()");
+  config_hold hold(config_mutex_, this);
   allocator_config next = config_;
   next.apply(text);  // throws config_error; nothing changed then
   // Only what this setting adds: the warnings of earlier settings that
@@ -460,8 +494,13 @@ void caching_allocator::set_config(std::string_view text) {
   for (auto& d : devices_) d->set_config(config_);
 }
 
+std::unique_lock<std::mutex> caching_allocator::lock_config() const {
+  if (tls_config_holder == this) return {};  // this thread holds it: a listener inside enable()/set_config()
+  return std::unique_lock(config_mutex_);
+}
+
 allocator_config caching_allocator::config() const {
-  std::lock_guard lock(config_mutex_);
+  const auto lock = lock_config();
   return config_;
 }
 

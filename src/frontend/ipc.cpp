@@ -244,10 +244,12 @@ void* caching_allocator::open_ipc_handle(std::string_view bytes, std::span<const
                               devices_[static_cast<std::size_t>(h.device)]->peers());
     it = cache.entries.emplace(key, std::move(e)).first;
   }
-  ++it->second.refs;
   const std::uintptr_t block_offset =
       h.kind == ipc_kind::plain ? h.offset_bytes : h.offset_bytes - h.first_page * h.page_bytes;
-  return reinterpret_cast<void*>(it->second.base + block_offset);
+  const std::uintptr_t ptr = it->second.base + block_offset;
+  ++it->second.opened[ptr];
+  ++it->second.refs;
+  return reinterpret_cast<void*>(ptr);
 }
 
 void caching_allocator::close_ipc_handle(void* ptr) {
@@ -257,13 +259,16 @@ void caching_allocator::close_ipc_handle(void* ptr) {
   for (auto it = cache.entries.begin(); it != cache.entries.end(); ++it) {
     auto& e = it->second;
     if (a < e.base || a - e.base >= e.bytes) continue;
-    if (--it->second.refs > 0) return;
-    try {
-      cache.close(e, /*quiet=*/false);
-    } catch (...) {
-      ++it->second.refs;  // still open: the caller may retry
-      throw;
+    // Only a pointer open_ipc_handle returned: an interior one would drop a
+    // reference another holder still counts on.
+    const auto opened = e.opened.find(a);
+    if (opened == e.opened.end()) break;
+    if (e.refs > 1) {
+      --e.refs;
+      if (--opened->second == 0) e.opened.erase(opened);
+      return;
     }
+    cache.close(e, /*quiet=*/false);  // throws with the entry still open: the caller may retry
     cache.entries.erase(it);
     return;
   }

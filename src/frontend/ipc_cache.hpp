@@ -31,6 +31,9 @@ struct ipc_cache {
     std::size_t page_bytes = 0;
     std::vector<physical_handle_t> imported;  // expandable: one per page, mapped in order
     std::uint64_t refs = 0;
+    // The pointers open_ipc_handle returned for it -> opens not yet closed
+    // (their sum is refs): close_ipc_handle takes only these.
+    std::map<std::uintptr_t, std::uint64_t> opened;
     ipc_lease lease;            // expandable, version >= 2: the producer's lease, mapped here
     std::size_t lease_slot = 0;  // the slot this process holds in it while the entry is open
   };

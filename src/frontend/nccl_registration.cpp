@@ -45,6 +45,7 @@ struct nccl_registration::state {
   };
 
   nccl_functions nccl;
+  int device_count = 0;  // the backend's devices: ensure() accepts [0, device_count)
   mutable std::mutex mutex;
   bool alive = true;                                              // [mutex]
   std::map<int, std::map<std::uintptr_t, mapped_range>> mapped;  // [mutex] device -> start -> range
@@ -120,13 +121,15 @@ struct nccl_registration::state {
     if (nccl.comm_deregister(c.comm, r.handle) != 0) ++counters.failed_deregistrations;
   }
 
-  // The mapped range of `device` that holds [lo, hi), or end().
-  std::map<std::uintptr_t, mapped_range>::const_iterator run_of(int device, std::uintptr_t lo, std::uintptr_t hi) {
-    const auto& m = mapped[device];
-    auto it = m.upper_bound(lo);
-    if (it == m.begin()) return m.end();
+  // The mapped range of `device` that holds [lo, hi), or nullptr (adds no
+  // entry for a device with none).
+  const std::pair<const std::uintptr_t, mapped_range>* run_of(int device, std::uintptr_t lo, std::uintptr_t hi) const {
+    const auto d = mapped.find(device);
+    if (d == mapped.end()) return nullptr;
+    auto it = d->second.upper_bound(lo);
+    if (it == d->second.begin()) return nullptr;
     --it;
-    return it->second.hi >= hi ? it : m.end();
+    return it->second.hi >= hi ? &*it : nullptr;
   }
 
   // Registers the whole mapped run [lo, hi) with c, unless one registration
@@ -156,9 +159,20 @@ nccl_registration::nccl_registration(caching_allocator& alloc, nccl_functions nc
   state_->nccl = nccl;
   // What is mapped now (no other thread may change it meanwhile), then the
   // announcements from here on.
-  for (const segment_info& seg : alloc.snapshot(false).segments)
+  // Recorded as the announcements would have: a plain segment as one range
+  // (whole), an expandable one as its mapped pages merged into runs. A paused
+  // segment's pages are released (its blocks keep mapped = true: they come
+  // back at resume, which announces them), so it is left out.
+  state_->device_count = alloc.backend().device_count();
+  for (const segment_info& seg : alloc.snapshot(false).segments) {
+    if (seg.paused) continue;
+    if (!seg.is_expandable) {
+      state_->add_mapped(seg.device, seg.address, seg.address + seg.total_bytes, false);
+      continue;
+    }
     for (const block_info& b : seg.blocks)
-      if (b.mapped) state_->add_mapped(seg.device, b.address, b.address + b.size_bytes, seg.is_expandable);
+      if (b.mapped) state_->add_mapped(seg.device, b.address, b.address + b.size_bytes, true);
+  }
   std::weak_ptr<state> weak = state_;
   alloc.attach_mapping_listener([weak](const mapping_event& e) {
     if (auto s = weak.lock()) s->on_event(e);
@@ -191,13 +205,20 @@ void nccl_registration::remove_communicator(void* comm) {
 }
 
 void nccl_registration::ensure(int device, const void* ptr, std::size_t size_bytes) {
+  if (device < 0 || device >= state_->device_count)
+    throw invalid_argument_error("ccalloc: nccl_registration::ensure: device " + std::to_string(device) +
+                                 " is out of range (the backend has " + std::to_string(state_->device_count) +
+                                 " device(s))");
   if (size_bytes == 0) return;
   const auto lo = reinterpret_cast<std::uintptr_t>(ptr);
+  if (size_bytes > UINTPTR_MAX - lo)
+    throw invalid_argument_error("ccalloc: nccl_registration::ensure: size_bytes " + std::to_string(size_bytes) +
+                                 " runs past the end of the address space from ptr");
   const std::uintptr_t hi = lo + size_bytes;
   std::lock_guard lock(state_->mutex);
   ++state_->counters.ensure_calls;
-  const auto run = state_->run_of(device, lo, hi);
-  if (run == state_->mapped[device].end())
+  const auto* run = state_->run_of(device, lo, hi);
+  if (run == nullptr)
     throw invalid_argument_error("ccalloc: nccl_registration::ensure: " + std::to_string(size_bytes) +
                                  " bytes on device " + std::to_string(device) + " are not mapped by the allocator");
   for (auto& c : state_->comms)

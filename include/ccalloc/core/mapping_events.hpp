@@ -26,10 +26,19 @@
 // never splits a range announced by one map of a plain segment.
 //
 // What a listener may do: read the event, call other libraries (e.g.
-// ncclCommRegister / ncclCommDeregister), take its own locks. It must not
-// call into any ccalloc allocator (the device's locks are held: that would
-// deadlock), and should return quickly (it delays every thread of the
-// device). An exception it throws is dropped; the allocator's state is
+// ncclCommRegister / ncclCommDeregister), take its own locks, and, of
+// caching_allocator, attach_mapping_listener (the new listener hears the
+// next announcement), config(), is_history_enabled(), get_user_metadata().
+// It must not call into any ccalloc allocator otherwise (the device's locks
+// are held: that would deadlock), and should return quickly (it delays
+// every thread of the device). Such a call does not hang: init(), enable(),
+// set_config(), record_history(), set_user_metadata() and whatever takes a
+// device's world lock (empty_cache, pause, resume, a malloc that maps)
+// throw ccalloc::error naming the rule, changing nothing; a call that would
+// wait on a lock the announcing thread holds (a malloc or free served from
+// the cache, most others) stops the process with that message on stderr
+// (the check sits on the locks' contended path: no cost when uncontended).
+// An exception a listener throws is dropped; the allocator's state is
 // unaffected and the other listeners still run.
 //
 // Cost: none on malloc/free served from the cache. Where the mapping

@@ -297,7 +297,10 @@ class caching_allocator {
   /// Drops one reference to an opened handle; `ptr` is a pointer that
   /// open_ipc_handle returned. The mapping closes (cudaIpcCloseMemHandle, or
   /// unmap + release of the imported pages) when the last reference goes.
-  /// Throws invalid_argument_error for any other pointer. Thread-safe.
+  /// Throws invalid_argument_error for any other pointer, an address inside
+  /// the mapping included (it drops no reference: one holder's stray close
+  /// cannot unmap memory another still uses), and for a pointer closed as
+  /// many times as it was opened. Thread-safe.
   void close_ipc_handle(void* ptr);
   /// Mappings opened by open_ipc_handle and not yet closed (for tests).
   [[nodiscard]] std::size_t ipc_open_mappings() const;
@@ -504,6 +507,11 @@ class caching_allocator {
   /// exported: true when `ptr` is an exported block that importers hold
   /// (the free is deferred); false when the caller is to free it now.
   [[gnu::cold]] bool defer_exported_free(void* ptr);
+
+  // config_mutex_, unless this thread holds it already (a mapping listener
+  // that enable() or set_config() announce to, calling config() or
+  // attach_mapping_listener: they then run under that hold).
+  [[nodiscard]] std::unique_lock<std::mutex> lock_config() const;
 
   std::shared_ptr<device_backend> backend_;
   mutable std::mutex config_mutex_;

@@ -80,7 +80,10 @@ struct nccl_registration_stats {
 
 class nccl_registration {
  public:
-  /// Attaches a mapping listener to `alloc` (every device). Throws
+  /// Attaches a mapping listener to `alloc` (every device), after recording
+  /// what is mapped now: each plain segment whole, each expandable
+  /// segment's mapped pages merged into runs, paused tags' segments not at
+  /// all (their pages come back with resume's announcements). Throws
   /// invalid_argument_error when a function of `nccl` is null.
   nccl_registration(caching_allocator& alloc, nccl_functions nccl);
   ~nccl_registration();
@@ -97,8 +100,12 @@ class nccl_registration {
 
   /// Before a collective on [ptr, ptr + size_bytes) of `device`: registers it
   /// with every communicator of the device, as one registration that covers
-  /// it. The range must be mapped (memory the allocator handed out);
-  /// otherwise invalid_argument_error. size 0: nothing. Throws nccl_error.
+  /// it. The range must be mapped (memory the allocator handed out; not a
+  /// paused tag's) and `device` one of the backend's; otherwise
+  /// invalid_argument_error ("device D is out of range", "size_bytes N runs
+  /// past the end of the address space from ptr", "N bytes on device D are
+  /// not mapped by the allocator"), nothing registered. size 0: nothing (a
+  /// bad device still throws). Throws nccl_error.
   void ensure(int device, const void* ptr, std::size_t size_bytes);
   /// Registers every pending range now (e.g. after a step's allocations).
   void flush();

@@ -4,7 +4,12 @@
 // announce() at the change, with the device's locks held, when active().
 // The listener list is copied on write: attach() takes mutex_, announce()
 // takes it only to copy the list's pointer, then calls the listeners with
-// no lock of its own held (a listener may attach another).
+// no lock of its own held (a listener may attach another: this attach(),
+// and caching_allocator::attach_mapping_listener, which does not take the
+// configuration lock again when enable()/set_config() announce). While they
+// run, tls_mapping_listener_depth (base/detail/spin_mutex.hpp) is nonzero on
+// the announcing thread: the allocator refuses calls back into it instead
+// of deadlocking (world_lock throws; a lock's slow path aborts).
 #pragma once
 
 #include <ccalloc/core/mapping_events.hpp>

@@ -14,6 +14,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -24,6 +26,24 @@
 #endif
 
 namespace ccalloc::detail {
+
+// Nonzero while this thread runs mapping listeners (mapping_notifier::
+// announce), which it does holding every lock of the announcing device. A
+// listener must not call into the allocator (ccalloc/core/mapping_events.hpp):
+// the entry points that take a device's world lock throw when it does
+// (world_lock); a lock below that is found taken by this very thread, so
+// the slow path of these locks, never their uncontended path, stops the
+// process with a message instead of waiting forever.
+inline thread_local int tls_mapping_listener_depth = 0;
+
+[[noreturn, gnu::cold]] inline void mapping_listener_reentered() noexcept {
+  std::fputs(
+      "ccalloc: a mapping listener called into the allocator, whose locks the announcing thread holds "
+      "(ccalloc/core/mapping_events.hpp: a listener must not call into any ccalloc allocator); "
+      "aborting instead of deadlocking\n",
+      stderr);
+  std::abort();
+}
 
 class spin_mutex {
  public:
@@ -52,6 +72,7 @@ class spin_mutex {
           state_.compare_exchange_weak(expected, 1, std::memory_order_acquire, std::memory_order_relaxed))
         return;
     }
+    if (tls_mapping_listener_depth != 0) mapping_listener_reentered();
     // Mark "sleepers" and sleep until an unlock; whoever gets it keeps state 2
     // so that its unlock wakes the next sleeper.
     while (state_.exchange(2, std::memory_order_acquire) != 0) state_.wait(2, std::memory_order_relaxed);
@@ -117,6 +138,7 @@ class nap_lock {
   [[gnu::noinline]] void lock_slow() noexcept {
     for (int i = 0;; ++i) {
       if (try_lock()) return;
+      if (i == spins && tls_mapping_listener_depth != 0) mapping_listener_reentered();
       if (i < spins) CCALLOC_CPU_RELAX();
       else if (i < spins + yields) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(nap_microseconds));
