@@ -222,6 +222,10 @@ class device_state {
   // Throws invalid_argument_error for a stream that is not live or a paused
   // block. [none] takes the registry's lock, then the block's stream
   void record_stream(block* b, stream_t stream);
+  // Throws that invalid_argument_error when b's segment is paused (its
+  // pages are released); record_stream_containing resolves an interior
+  // pointer to its block and refuses it the same way. [b's stream]
+  void refuse_record_stream_if_paused(const block& b) const;
 
   // --- fallback_ladder.cpp: the slow path, new segments, releases, GC ---------
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
