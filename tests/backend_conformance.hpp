@@ -275,6 +275,32 @@ inline void special_stream_handles(backend_fixture& f) {
   b.destroy_stream(0, s);
 }
 
+// is_stream tells a live stream of the device from what is not one (the
+// allocator asks it once per stream it meets): the default stream and this
+// thread's per-thread stream are; another thread's per-thread stream (no
+// thread can name it), and a stream of another device, are not. (A
+// destroyed handle is not asked: CUDA calls it undefined.)
+inline void is_stream_tells_live_streams(backend_fixture& f) {
+  device_backend& b = f.backend();
+  const stream_t s = b.create_stream(0);
+  CCALLOC_CONF_CHECK(f, b.is_stream(0, s));
+  CCALLOC_CONF_CHECK(f, b.is_stream(0, default_stream));
+  const stream_t mine = b.resolve_stream(0, per_thread_stream_handle);
+  CCALLOC_CONF_CHECK(f, b.is_stream(0, mine));
+  stream_t theirs = 0;
+  on_other_thread(f, [&] { theirs = b.resolve_stream(0, per_thread_stream_handle); });
+  CCALLOC_CONF_CHECK(f, !b.is_stream(0, theirs));
+  CCALLOC_CONF_THROWS(f, (void)b.is_stream(b.device_count(), s), "out of range");
+  if (b.device_count() >= 2) {
+    const stream_t other = b.create_stream(1);
+    CCALLOC_CONF_CHECK(f, b.is_stream(1, other));
+    CCALLOC_CONF_CHECK(f, !b.is_stream(0, other));
+    CCALLOC_CONF_CHECK(f, !b.is_stream(1, s));
+    b.destroy_stream(1, other);
+  }
+  b.destroy_stream(0, s);
+}
+
 // Work on this thread's per-thread default stream is waited for through its
 // resolved handle, here and from another thread.
 inline void per_thread_stream_orders_work(backend_fixture& f) {
@@ -465,6 +491,7 @@ inline const std::vector<conformance_case>& all_cases() {
       {"segment_free_waits_for_the_device", detail::segment_free_waits_for_the_device},
       {"streams_and_events", detail::streams_and_events},
       {"special_stream_handles", detail::special_stream_handles},
+      {"is_stream_tells_live_streams", detail::is_stream_tells_live_streams},
       {"per_thread_stream_orders_work", detail::per_thread_stream_orders_work},
       {"virtual_memory", detail::virtual_memory},
       {"peers", detail::peers},

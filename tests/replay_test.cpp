@@ -330,6 +330,45 @@ TEST(ReplayTest, GateDriverOnSimMatchesTheClockReplayOnBundledTraces) {
   }
 }
 
+// A stream handle is any 64-bit integer (docs/trace-format.md): those with
+// the top bit set, which the simulated device keeps for per-thread default
+// streams, replay as streams of their own, each apart from the others, as
+// the same trace with small handles does (was refused: "not a live stream").
+TEST(ReplayTest, StreamHandlesWithTheTopBitSetReplayAsStreamsOfTheirOwn) {
+  const auto trace_of = [](const std::string& s1, const std::string& s2) {
+    // Block A on s1 freed at once; B of A's size on s2 cannot take A's
+    // block (another stream's pool); C on s1 can. Then a record_stream gap
+    // on s2 (a side stream) while s1 allocates.
+    const std::string a = " 4096 15728640 " + s1 + "\n";
+    const std::string b = " 8192 15728640 " + s2 + "\n";
+    return ccalloc::parse_trace_text("1 alloc" + a + "2 free_requested" + a + "3 free_completed" + a + "4 alloc" + b +
+                                         "5 alloc" + a + "6 free_requested" + b + "7 alloc 12288 1000 " + s1 +
+                                         "\n8 free_completed" + b + "9 free_requested" + a + "10 free_completed" + a,
+                                     "handles");
+  };
+  const auto small = trace_of("7", "4096");
+  for (const auto& [s1, s2] : {std::pair<std::string, std::string>{"9223372036854775808", "18446744073709551615"},
+                               {"18446744073709551615", "4096"},
+                               {"9223372036854775809", "7"}}) {
+    SCOPED_TRACE(s1 + " " + s2);
+    const auto big = trace_of(s1, s2);
+    for (const std::uint64_t lag : {0u, 3u}) {
+      ccalloc::replay_options o;
+      o.config = "expandable_segments:False";  // one segment per large block: the count shows the reuse
+      o.device_lag_events = lag;
+      o.repeat = 2;
+      const auto expected = ccalloc::replay_trace(small, o);
+      EXPECT_EQ(expected.passes.at(0).device_mallocs, 3u);  // A (then C), B, the small block
+      const auto r = ccalloc::replay_trace(big, o);
+      expect_same_figures(r, expected);
+      EXPECT_EQ(r.segments_created, expected.segments_created);
+    }
+    ccalloc::replay_options gates;
+    gates.use_gates_on_sim = true;
+    expect_same_figures(ccalloc::replay_trace(big, gates), ccalloc::replay_trace(small, gates));
+  }
+}
+
 TEST(ReplayTest, GateDriverOnSimMatchesTheClockReplayOnASmallDevice) {
   // Out of memory: the allocator's retries wait for pending events.
   const auto t = ccalloc::read_trace_file((bundled_dir / "bert_copystream_infer.trace.gz").string());

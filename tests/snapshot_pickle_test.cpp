@@ -254,6 +254,42 @@ TEST(SnapshotPickle, MalformedSnapshotsNameWhatIsWrong) {
   }
 }
 
+// PyTorch's clock (the CPU's time-stamp counter) may step back slightly
+// from one core to another: such an entry takes the time before it, and a
+// note says so (was silent). A step back of more than a second is refused
+// naming the entry, as the text trace refuses any (was accepted silently).
+TEST(SnapshotPickle, TimeGoingBackwardsIsNotedOrRefusedNamingTheEntry) {
+  const auto snapshot = [](const std::vector<std::int64_t>& times) {
+    pickle_writer p;
+    p.dict().key("segments").list().end_list().key("device_traces").list().list();
+    for (std::size_t i = 0; i < times.size(); ++i)
+      p.dict()
+          .field("action", "alloc")
+          .field("addr", static_cast<std::int64_t>(4096 * (i + 1)))
+          .field("size", 512)
+          .field("stream", 0)
+          .field("time_us", times[i])
+          .end_dict();
+    p.end_list().end_list().end_dict();
+    return p.done();
+  };
+  const ccalloc::trace t = ccalloc::convert_pytorch_snapshot_data(snapshot({3'000'000, 2'500'000, 3'000'010, 2'000'010}),
+                                                                  "snap");
+  ASSERT_EQ(t.events.size(), 4u);
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(t.events[i].time_us, i < 2 ? 3'000'000u : 3'000'010u) << i;
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_EQ(t.notes[0],
+            "time_us steps back at 2 entries (the first device_traces[0][1]: 2500000 after 3000000; at most 1000000 "
+            "us): each takes the time of the entry before it");
+  EXPECT_EQ(ccalloc::convert_pytorch_snapshot_data(snapshot({5, 4}), "snap").notes.at(0),
+            "time_us steps back at 1 entry (device_traces[0][1]: 4 after 5; at most 1 us): each takes the time of "
+            "the entry before it");
+  EXPECT_TRUE(ccalloc::convert_pytorch_snapshot_data(snapshot({5, 5, 6}), "snap").notes.empty());
+  EXPECT_EQ(error_of(snapshot({3'000'000, 3'000'005, 2'000'004})),
+            "snap: a PyTorch snapshot that cannot be read: device_traces[0][2].time_us: goes backwards by 1000001 us "
+            "(2000004 after 3000005), more than the 1000000 us a clock may step back: the entries are out of order");
+}
+
 TEST(SnapshotPickle, CorruptPicklesNameTheByte) {
   const std::string prefix = "snap: a PyTorch snapshot that cannot be read: ";
   const std::map<std::string, std::string> cases = {

@@ -573,6 +573,13 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
                        {"peak_requested_bytes", rec.requested_peak},
                        {"segments_created", rec.segment_allocs}};
   }
+  // With pauses, the peak allocated to unpaused blocks: the fragmentation's
+  // denominator (paused blocks count as requested but hold no device pages).
+  if (std::any_of(input.trace.events.begin(), input.trace.events.end(),
+                  [](const ccalloc::trace_event& e) { return e.action == ccalloc::trace_action::pause; })) {
+    out["peak_unpaused_allocated_bytes"] = r.peak_unpaused_allocated_bytes;
+    out["fragmentation"] = ccalloc::shown_fragmentation(r);
+  }
   return out;
 }
 
@@ -691,7 +698,8 @@ std::string device_label(const ccalloc::replay_result& r, int cuda_device) {
 }
 
 void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& input,
-                         const std::string& config, int cuda_device, std::uint64_t peak_unpaused) {
+                         const std::string& config, int cuda_device) {
+  const std::uint64_t peak_unpaused = r.peak_unpaused_allocated_bytes;
   const std::uint64_t device_memory_bytes = r.device_memory_bytes;
   if (r.ooms > 0) print_oom_banner(r.ooms);
   // Byte counts right-aligned on the widest, so their digits line up.
@@ -724,7 +732,7 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
     print_row("peak unpaused", bytes_cell(peak_unpaused, w) +
                                    "  (allocated to blocks of tags not paused: a paused block keeps its address "
                                    "but no device pages)");
-    print_row("fragmentation", format("%.3f  (peak reserved / peak unpaused)", ccalloc::shown_fragmentation(r, peak_unpaused)));
+    print_row("fragmentation", format("%.3f  (peak reserved / peak unpaused)", ccalloc::shown_fragmentation(r)));
   } else {
     print_row("fragmentation", format("%.3f  (peak reserved / peak requested)", r.fragmentation()));
   }
@@ -794,7 +802,7 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
   for (std::size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     rows.push_back({{config_label(configs[i]), gib(r.peak_reserved_bytes),
-                     r.ooms ? "invalid" : format("%.3f", r.fragmentation()), with_commas(r.segments_created),
+                     r.ooms ? "invalid" : format("%.3f", ccalloc::shown_fragmentation(r)), with_commas(r.segments_created),
                      with_commas(pages_created(r)), with_commas(r.ooms), with_commas(r.alloc_retries),
                      with_commas(r.device_synchronizations), format("%.3f", r.wall_seconds)}});
   }
@@ -852,6 +860,10 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
   for (const row& r : rows) print_cells(r.cells);
   std::printf("\nsegments: cudaMalloc calls and address-space reservations (PyTorch native: its cudaMalloc\n"
               "calls); pages: 2 MiB physical pages created for expandable segments; syncs: host waits.\n");
+  if (std::any_of(results.begin(), results.end(),
+                  [](const ccalloc::replay_result& r) { return r.peak_unpaused_allocated_bytes != 0; }))
+    std::printf("fragmentation: peak reserved / peak allocated to blocks of tags not paused (the trace pauses\n"
+                "tags: a paused block counts as requested but holds no device pages).\n");
   for (std::size_t i = 0; i < results.size(); ++i)
     if (results[i].ooms)
       std::printf("FAILED: %s: %s allocation(s) failed with out of memory: its figures are not a result\n",
@@ -1028,15 +1040,9 @@ int run_replay(const common_options& common, const std::string& config, bool min
   const std::size_t total = input.trace.events.size() * options.repeat;
   std::string snapshot_json;
   if (!snapshot_path.empty()) options.history.emplace();  // everything, no context
-  // With pauses, the peak allocated to unpaused blocks: the fragmentation's
-  // denominator (paused blocks count as requested but hold no device pages).
-  const bool has_pauses = std::any_of(input.trace.events.begin(), input.trace.events.end(),
-                                      [](const ccalloc::trace_event& e) { return e.action == ccalloc::trace_action::pause; });
-  std::uint64_t peak_unpaused = 0;
   options.after_event = [&](std::size_t i, ccalloc::caching_allocator& allocator) {
     if ((i & 4095) == 0) progress.update(i, total);
     if (!snapshot_path.empty() && i + 1 == total) snapshot_json = ccalloc::to_json(allocator.snapshot());
-    if (has_pauses) ccalloc::raise_peak_unpaused_allocated_bytes(peak_unpaused, allocator);
     return true;
   };
   const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
@@ -1052,10 +1058,6 @@ int run_replay(const common_options& common, const std::string& config, bool min
   if (min_memory) min = find_min_memory(input, options);
   if (common.json_output) {
     json out = result_json(result, input, options.config, options.cuda_device);
-    if (has_pauses) {
-      out["peak_unpaused_allocated_bytes"] = peak_unpaused;
-      out["fragmentation"] = ccalloc::shown_fragmentation(result, peak_unpaused);
-    }
     if (min) {
       out["min_device_memory_bytes"] = min->ccalloc_bytes;
       if (min->native_bytes) out["native_min_capacity_bytes"] = min->native_bytes;
@@ -1063,7 +1065,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     }
     std::printf("%s\n", out.dump(2).c_str());
   } else {
-    print_replay_report(result, input, options.config, options.cuda_device, peak_unpaused);
+    print_replay_report(result, input, options.config, options.cuda_device);
     if (min) print_min_memory(*min, options.config);
   }
   return oom_exit_status(result.ooms, common.allow_oom);

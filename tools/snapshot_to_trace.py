@@ -37,6 +37,8 @@ import sys
 # PyTorch's trace-entry actions that ccalloc's trace format has.
 KNOWN_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
                  "segment_map", "segment_unmap", "snapshot", "oom"}
+# The most an entry's time_us may be before the entry's ahead of it (1 s).
+MAX_TIME_STEP_BACK_US = 1_000_000
 
 
 class ConvertError(Exception):
@@ -129,6 +131,9 @@ def convert(snapshot, device=None):
     repaired = 0
     last_time = None
     first_time = None
+    steps_back = 0         # entries whose time_us is before the entry's ahead of them
+    first_step_back = ""
+    largest_step_back = 0
 
     def owner(addr):  # the expandable segment holding addr, by base address
         best = None
@@ -146,9 +151,21 @@ def convert(snapshot, device=None):
         t = _field(e, "time_us", where)
         if first_time is None:
             first_time = t
-        # PyTorch's approximate clock may step back slightly across threads:
-        # the trace format wants time in order.
-        t = t if last_time is None else max(t, last_time)
+        # PyTorch's approximate clock (the CPU's time-stamp counter) may step
+        # back slightly from one core to another: such an entry takes the
+        # time before it (the trace format wants time in order). A step back
+        # of more than a second comes from no clock: the entries are out of
+        # order or the snapshot is corrupt.
+        if last_time is not None and t < last_time:
+            back = last_time - t
+            if back > MAX_TIME_STEP_BACK_US:
+                raise ConvertError(f"{where}.time_us: goes backwards by {back} us ({t} after {last_time}), more "
+                                   "than the 1000000 us a clock may step back: the entries are out of order")
+            if not steps_back:
+                first_step_back = f"{where}: {t} after {last_time}"
+            steps_back += 1
+            largest_step_back = max(largest_step_back, back)
+            t = last_time
         last_time = t
         addr = _field(e, "device_free" if action == "oom" else "addr", where)
         size = _field(e, "size", where)
@@ -217,6 +234,10 @@ def convert(snapshot, device=None):
                      "(allocated before the trace)")
     if repaired:
         notes.append(f"{repaired} missing frees added")
+    if steps_back:
+        entries = "entry (" if steps_back == 1 else "entries (the first "
+        notes.append(f"time_us steps back at {steps_back} {entries}{first_step_back}; at most "
+                     f"{largest_step_back} us): each takes the time of the entry before it")
     if dropped:
         notes.append("dropped actions ccalloc's trace format has not: " +
                      ", ".join(f"{k} x{v}" for k, v in sorted(dropped.items())))

@@ -81,6 +81,7 @@ class timed_backend final : public device_backend {
   stream_t resolve_stream(int device, stream_t stream) const override { return inner_->resolve_stream(device, stream); }
   stream_t create_stream(int device) override { return inner_->create_stream(device); }
   void destroy_stream(int device, stream_t stream) override { inner_->destroy_stream(device, stream); }
+  bool is_stream(int device, stream_t stream) override { return inner_->is_stream(device, stream); }
   event_t create_event(int device) override {
     return timed(create_event_call, [&] { return inner_->create_event(device); });
   }

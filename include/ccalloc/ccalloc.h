@@ -271,7 +271,9 @@ CCALLOC_API ccalloc_status_t ccalloc_mem_get_info(ccalloc_allocator_t* alloc, in
  * SPEC F2). Size 0 gives *out = NULL and CCALLOC_OK. Errors: INVALID_ARGUMENT
  * (uninitialized, bad device; a stream that is not a live stream of the
  * device, naming it: destroyed by ccalloc_stream_destroy, or, on the
- * simulated device, never created; a CUDA handle cannot be checked),
+ * simulated device, never created; on CUDA another device's stream or a
+ * handle the driver reports invalid, asked once per stream met: a handle
+ * never created or destroyed behind ccalloc's back is undefined for CUDA),
  * OUT_OF_MEMORY (also at once for >= 1 EiB), BACKEND. */
 CCALLOC_API ccalloc_status_t ccalloc_malloc(ccalloc_allocator_t* alloc, int device, size_t size_bytes,
                                             ccalloc_stream_t stream, void** out);
@@ -300,8 +302,8 @@ CCALLOC_API ccalloc_stream_t ccalloc_current_stream(void);
  * allocator, and NULL, are ignored (CCALLOC_OK). Errors: INVALID_ARGUMENT
  * naming the stream, nothing changed, when `stream` is not a live stream of
  * the block's device (destroyed, never created, another device's; on the
- * simulated device; a CUDA handle cannot be checked) and not the block's own
- * stream; BACKEND. */
+ * simulated device; on CUDA another device's stream or a handle the driver
+ * reports invalid) and not the block's own stream; BACKEND. */
 CCALLOC_API ccalloc_status_t ccalloc_record_stream(ccalloc_allocator_t* alloc, void* ptr, ccalloc_stream_t stream);
 /** Base address and size in bytes of the segment holding `ptr`, a pointer this
  * allocator returned (PyTorch: getBaseAllocation, SPEC F10). Errors:

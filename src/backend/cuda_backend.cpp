@@ -62,6 +62,7 @@ namespace {
   X(cudaSetDevice) \
   X(cudaStreamCreateWithFlags) \
   X(cudaStreamDestroy) \
+  X(cudaStreamGetFlags) \
   X(cudaStreamIsCapturing) \
   X(cudaStreamSynchronize) \
   X(cudaStreamWaitEvent)
@@ -70,6 +71,8 @@ struct cudart_api {
 #define CCALLOC_CUDART_POINTER(name) decltype(&::name) name = nullptr;
   CCALLOC_CUDART_FUNCTIONS(CCALLOC_CUDART_POINTER)
 #undef CCALLOC_CUDART_POINTER
+  /// cudaStreamGetDevice (CUDA 12.8 and later); nullptr in an older runtime.
+  cudaError_t (*stream_get_device)(cudaStream_t, int*) = nullptr;
   std::string error;  ///< why the runtime could not be loaded; empty when it was
 };
 
@@ -102,6 +105,8 @@ cudart_api load_cudart() {
   if (api.name == nullptr) missing += (missing.empty() ? "" : ", ") + std::string(#name);
   CCALLOC_CUDART_FUNCTIONS(CCALLOC_CUDART_RESOLVE)
 #undef CCALLOC_CUDART_RESOLVE
+  // Optional: a runtime of the same soname may be older than the headers.
+  api.stream_get_device = reinterpret_cast<cudaError_t (*)(cudaStream_t, int*)>(::dlsym(lib, "cudaStreamGetDevice"));
   if (!missing.empty()) api.error = "cuda: " + soname + " lacks " + missing + " (a CUDA runtime older than the build's)";
   return api;  // the library stays open for the life of the process
 }
@@ -489,6 +494,35 @@ stream_t cuda_backend::create_stream(int device) {
   check(rt().cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
         [&] { return "cudaStreamCreateWithFlags(" + dev_text(device) + ", cudaStreamNonBlocking)"; });
   return reinterpret_cast<stream_t>(s);
+}
+
+// A handle some code made with cudaStreamCreate* (this backend, PyTorch, the
+// program): CUDA tells its device (cudaStreamGetDevice), or with a runtime
+// older than 12.8 only that it is a stream (cudaStreamGetFlags). CUDA calls
+// a handle never made, or already destroyed, undefined: the driver reports
+// most as an invalid handle (then false), but cannot promise to; the
+// allocator asks once per stream it meets, not per allocation (SPEC R5).
+bool cuda_backend::is_stream(int device, stream_t stream) {
+  impl_->check_device(device, "is_stream");
+  // The default streams exist on every device. A per-thread handle is the
+  // calling thread's own stream, or another thread's, which this thread
+  // cannot name (as on the simulated device).
+  if (stream == default_stream || stream == legacy_stream_handle || stream == per_thread_stream_handle)
+    return true;
+  if (device_backend::is_per_thread_stream(stream)) return device_backend::is_calling_thread_stream(stream);
+  int owner = device;
+  unsigned int flags = 0;
+  const cudaError_t e = rt().stream_get_device != nullptr ? rt().stream_get_device(to_cuda(stream), &owner)
+                                                          : rt().cudaStreamGetFlags(to_cuda(stream), &flags);
+  if (e == cudaErrorInvalidResourceHandle || e == cudaErrorInvalidValue || e == cudaErrorContextIsDestroyed) {
+    (void)rt().cudaGetLastError();  // not sticky: no later call should see it
+    return false;
+  }
+  check(e, [&] {
+    return std::string(rt().stream_get_device != nullptr ? "cudaStreamGetDevice" : "cudaStreamGetFlags") +
+           "(stream " + pointer_text(to_cuda(stream)) + ")";
+  });
+  return owner == device;
 }
 
 void cuda_backend::destroy_stream(int device, stream_t stream) {

@@ -29,30 +29,28 @@ device_caching_allocator::device_caching_allocator(int device, device_backend& b
     throw invalid_argument_error("ccalloc: device " + std::to_string(device) + " is out of range [0, " +
                                  std::to_string(backend.device_count()) + ")");
   state_ = std::make_unique<detail::device_state>(device, backend, std::move(config));
-  state_->oom_snapshot_writer_ = [this](const std::string& path) { return detail::write_oom_snapshot(*this, path); };
+  state_->oom().set_snapshot_writer(
+      [this](const std::string& path) { return detail::write_oom_snapshot(*this, path); });
 }
 
 device_caching_allocator::~device_caching_allocator() = default;
 
-void device_caching_allocator::record_stream(block* b, stream_t stream) { state_->record_stream(b, stream); }
+void device_caching_allocator::record_stream(block* b, stream_t stream) { detail::record_stream(*state_, b, stream); }
 
-void device_caching_allocator::stream_destroyed(stream_t stream) { state_->registry_.set_stream_gone(stream, true); }
+void device_caching_allocator::stream_destroyed(stream_t stream) { state_->registry().set_stream_gone(stream, true); }
 
-void device_caching_allocator::stream_created(stream_t stream) { state_->registry_.set_stream_gone(stream, false); }
+void device_caching_allocator::stream_created(stream_t stream) { state_->registry().set_stream_gone(stream, false); }
 
 bool device_caching_allocator::record_stream_containing(std::uintptr_t address, stream_t stream) {
   auto& s = *state_;
   world_lock w(s);
-  auto it = s.segments_.upper_bound(address);
-  if (it == s.segments_.begin()) return false;
-  --it;
-  const detail::segment& seg = *it->second;
-  if (address >= seg.base + seg.size) return false;
-  for (block* b = seg.head; b != nullptr; b = b->next) {
+  const detail::segment* seg = s.segments().containing(address);
+  if (seg == nullptr) return false;
+  for (block* b = seg->head; b != nullptr; b = b->next) {
     if (address < b->ptr || address >= b->ptr + b->size) continue;
     if (!b->allocated) return false;
-    if (stream != b->stream) s.registry_.check_recorded_stream(stream);  // the world lock holds the registry's
-    s.refuse_record_stream_if_paused(*b);  // as record_stream of its start does
+    if (stream != b->stream) s.registry().check_recorded_stream(stream);  // the world lock holds the registry's
+    detail::refuse_record_stream_if_paused(s, *b);  // as record_stream of its start does
     if (stream != b->stream &&
         std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
       b->stream_uses.push_back(stream);
@@ -64,120 +62,121 @@ bool device_caching_allocator::record_stream_containing(std::uintptr_t address, 
 void device_caching_allocator::empty_cache() {
   detail::tracker_delivery deliver;  // segment_free entries reach trackers after the locks
   world_lock w(*state_);
-  state_->publish_all_pending_stats(w);
-  if (state_->history_.active()) [[unlikely]]
-    state_->history_.record(trace_entry_action::empty_cache, 0, state_->memory_.reserved(), 0, nullptr);
-  state_->release_failure_ = nullptr;
-  state_->release_cached_blocks(w, /*for_retry=*/true);  // past a segment that fails: the others go back
-  state_->tags_.release_host_copies();                      // host buffers kept for the next pause
-  if (std::exception_ptr failure = std::exchange(state_->release_failure_, nullptr)) std::rethrow_exception(failure);
+  state_->stats().publish_all_pending(w);
+  if (state_->history().active()) [[unlikely]]
+    state_->history().record(trace_entry_action::empty_cache, 0, state_->memory().reserved(), 0, nullptr);
+  state_->segments().take_release_failure();  // an earlier one was reported already
+  state_->segments().release_cached_blocks(w, /*for_retry=*/true);  // past a segment that fails: the others go back
+  state_->tags().release_host_copies();                      // host buffers kept for the next pause
+  if (std::exception_ptr failure = state_->segments().take_release_failure()) std::rethrow_exception(failure);
 }
 
 void device_caching_allocator::set_memory_fraction(double fraction) {
   detail::tracker_delivery deliver;  // it may release segments
   world_lock w(*state_);
-  state_->publish_all_pending_stats(w);
-  state_->set_memory_fraction(fraction, w);
+  state_->stats().publish_all_pending(w);
+  detail::set_memory_fraction(*state_, fraction, w);
 }
 
 double device_caching_allocator::memory_fraction() const {
-  std::lock_guard lock(state_->device_mutex_);
-  return state_->memory_.fraction();
+  std::lock_guard lock(state_->device_mutex());
+  return state_->memory().fraction();
 }
 
 void device_caching_allocator::set_config(const allocator_config& config) {
   detail::tracker_delivery deliver;  // a new fraction may release segments
   auto& s = *state_;
-  s.expandable_.check_supported(config);
+  s.expandable().check_supported(config);
   world_lock w(s);
-  s.publish_all_pending_stats(w);
+  s.stats().publish_all_pending(w);
   // A fraction set at run time (set_memory_fraction) stays unless the new
   // configuration changes per_process_memory_fraction itself.
   const bool fraction_changed = config.memory_fraction_set &&
-                                (!s.policy_.config().memory_fraction_set ||
-                                 config.per_process_memory_fraction != s.policy_.config().per_process_memory_fraction);
+                                (!s.policy().config().memory_fraction_set ||
+                                 config.per_process_memory_fraction != s.policy().config().per_process_memory_fraction);
   // The fraction first: if returning cached memory fails, nothing changes.
-  if (fraction_changed) s.set_memory_fraction(config.per_process_memory_fraction, w);
+  if (fraction_changed) detail::set_memory_fraction(s, config.per_process_memory_fraction, w);
   // The thread_cache key applies when it changes (set_thread_cache_enabled
   // stays in force across configurations that keep it); the world lock
   // emptied every thread's cache.
-  const bool thread_cache_changed = config.thread_cache_set != s.policy_.config().thread_cache_set ||
-                                    config.thread_cache != s.policy_.config().thread_cache;
-  s.policy_.set_config(config);
-  if (thread_cache_changed) s.apply_thread_cache_setting(config);
-  s.stats_.max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
+  const bool thread_cache_changed = config.thread_cache_set != s.policy().config().thread_cache_set ||
+                                    config.thread_cache != s.policy().config().thread_cache;
+  s.policy().set_config(config);
+  if (thread_cache_changed) s.thread_caches().apply_setting(config);
+  s.stats().values().max_split_size = config.max_split_size_bytes == std::numeric_limits<std::size_t>::max()
                                 ? -1
                                 : static_cast<std::int64_t>(config.max_split_size_bytes);
 }
 
 allocator_config device_caching_allocator::config() const {
   world_lock w(*state_);
-  return state_->policy_.config();
+  return state_->policy().config();
 }
 
 void device_caching_allocator::set_caching_enabled(bool enabled) {
   detail::tracker_delivery deliver;  // turning caching off releases segments
   auto& s = *state_;
   world_lock w(s);
-  s.publish_all_pending_stats(w);
+  s.stats().publish_all_pending(w);
   // The cache first: if returning it fails, the mode does not change.
-  if (!enabled) s.release_cached_blocks(w);
-  s.policy_.set_caching(enabled);
+  if (!enabled) s.segments().release_cached_blocks(w);
+  s.policy().set_caching(enabled);
 }
 
 bool device_caching_allocator::caching_enabled() const {
   world_lock w(*state_);
-  return state_->policy_.caching();
+  return state_->policy().caching();
 }
 
 device_stats device_caching_allocator::stats() const {
   world_lock w(*state_);
-  state_->publish_all_pending_stats(w);
-  return detail::stats_as_read(state_->stats_);
+  state_->stats().publish_all_pending(w);
+  return detail::stats_as_read(state_->stats().values());
 }
 
 void device_caching_allocator::reset_accumulated_stats() {
   world_lock w(*state_);
-  state_->publish_all_pending_stats(w);
-  detail::reset_accumulated_stored(state_->stats_);
+  state_->stats().publish_all_pending(w);
+  detail::reset_accumulated_stored(state_->stats().values());
 }
 
 void device_caching_allocator::reset_peak_stats() {
   world_lock w(*state_);
-  state_->publish_all_pending_stats(w);
-  state_->stats_.reset_peak();
+  state_->stats().publish_all_pending(w);
+  state_->stats().values().reset_peak();
 }
 
 void device_caching_allocator::attach_oom_observer(oom_observer observer) {
-  std::lock_guard lock(state_->device_mutex_);
-  state_->observers_.push_back(std::move(observer));
+  std::lock_guard lock(state_->device_mutex());
+  state_->oom().attach(std::move(observer));
 }
 
 
 void device_caching_allocator::enable_peer_access(int peer) {
   auto& s = *state_;
-  if (peer < 0 || peer >= s.backend_.device_count() || peer == device_)
+  if (peer < 0 || peer >= s.backend().device_count() || peer == device_)
     throw invalid_argument_error("ccalloc: enable_peer_access: peer device " + std::to_string(peer) +
                                  " is not another device of the backend (device " + std::to_string(device_) +
-                                 ", devices [0, " + std::to_string(s.backend_.device_count()) + "))");
-  if (!s.backend_.can_access_peer(peer, device_))
+                                 ", devices [0, " + std::to_string(s.backend().device_count()) + "))");
+  if (!s.backend().can_access_peer(peer, device_))
     throw backend_error("ccalloc: enable_peer_access: device " + std::to_string(peer) + " cannot access device " +
-                        std::to_string(device_) + " on the '" + s.backend_.name() + "' backend (no peer-to-peer path)");
+                        std::to_string(device_) + " on the '" + s.backend().name() +
+                        "' backend (no peer-to-peer path)");
   world_lock w(s);
-  const std::vector<int>& peers = s.expandable_.peers();
+  const std::vector<int>& peers = s.expandable().peers();
   if (std::find(peers.begin(), peers.end(), peer) != peers.end()) return;
-  for (auto& [base, seg] : s.segments_) {
+  for (auto& [base, seg] : s.segments()) {
     if (!seg->expandable) continue;
     for (std::size_t i = 0; i < seg->pages.count(); ++i)
       if (seg->pages.mapped(i))
-        s.backend_.vm_set_access(device_, reinterpret_cast<void*>(base + i * seg->page_bytes), seg->page_bytes, peer);
+        s.backend().vm_set_access(device_, reinterpret_cast<void*>(base + i * seg->page_bytes), seg->page_bytes, peer);
   }
-  s.expandable_.add_peer(peer);
+  s.expandable().add_peer(peer);
 }
 
 std::vector<int> device_caching_allocator::peers() const {
   world_lock w(*state_);
-  return state_->expandable_.peers();
+  return state_->expandable().peers();
 }
 
 }  // namespace ccalloc

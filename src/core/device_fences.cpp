@@ -10,14 +10,16 @@
 namespace ccalloc::detail {
 
 device_fences::device_fences(device_state& d) noexcept
-    : d_(d), events_(d), stream_wait_supported_(d.backend_.capabilities().stream_wait) {}
+    : d_(d), events_(d), stream_wait_supported_(d.backend().capabilities().stream_wait) {}
 
-event_t device_fences::event_source::take_event() { return d.events_.get_event(); }
-void device_fences::event_source::give_event(event_t e) { d.events_.give_event(e); }
-bool device_fences::event_source::query(event_t e) { return d.backend_.query_event(d.device_, e); }
-void device_fences::event_source::record(event_t e, stream_t stream) { d.backend_.record_event(d.device_, e, stream); }
-void device_fences::event_source::synchronize(event_t e) { d.backend_.synchronize_event(d.device_, e); }
-void device_fences::event_source::synchronize_device() { d.backend_.synchronize_device(d.device_); }
+event_t device_fences::event_source::take_event() { return d.events().get_event(); }
+void device_fences::event_source::give_event(event_t e) { d.events().give_event(e); }
+bool device_fences::event_source::query(event_t e) { return d.backend().query_event(d.device(), e); }
+void device_fences::event_source::record(event_t e, stream_t stream) {
+  d.backend().record_event(d.device(), e, stream);
+}
+void device_fences::event_source::synchronize(event_t e) { d.backend().synchronize_event(d.device(), e); }
+void device_fences::event_source::synchronize_device() { d.backend().synchronize_device(d.device()); }
 
 // Free block b was last used on its stream (uses on other streams completed
 // before it became free): its pages may change hands once an event recorded
@@ -51,9 +53,9 @@ bool device_fences::may_wait_on_device(const stream_state& to) {
   if (!stream_wait_supported_ || to.gone) return false;
   if (device_backend::is_per_thread_stream(to.stream) && !device_backend::is_calling_thread_stream(to.stream))
     return false;
-  if (d_.pools_.capture_underway()) return false;
+  if (d_.pools().capture_underway()) return false;
   try {
-    return !d_.backend_.is_capturing(d_.device_, to.stream);
+    return !d_.backend().is_capturing(d_.device(), to.stream);
   } catch (...) {
     return false;  // CUDA may refuse to say while another stream captures: stay on the safe side
   }
@@ -92,7 +94,7 @@ void device_fences::fence_streams(const world_lock& w) {
 void device_fences::wait_fences(stream_state& ss, page_fences::wait_reason why) {
   if (ss.gone) ss.fences.all_completed(ss.free_seq);  // no work left on a destroyed stream
   if (ss.fences.wait(events_, ss.stream, ss.free_seq, can_record_on(ss), why))
-    ++d_.stats_.num_device_synchronizations;
+    ++d_.stats().values().num_device_synchronizations;
   CCALLOC_ASSERT_EXPENSIVE(ss.fences.check());
 }
 

@@ -25,7 +25,7 @@ using detail::world_lock;
 // trackers run once the locks are released.
 allocation detail::malloc_recorded(detail::device_state& s, std::size_t size_bytes, stream_t stream) {
   detail::tracker_delivery deliver;
-  detail::history_recorder& h = s.history_;
+  detail::history_recorder& h = s.history();
   context_ptr context = h.gather(record_context::state);
   detail::context_scope scope(detail::context_kind::malloc, context);
   const allocation a = detail::malloc_unrecorded(s, size_bytes, stream);
@@ -37,7 +37,7 @@ allocation detail::malloc_recorded(detail::device_state& s, std::size_t size_byt
 
 void detail::free_recorded(detail::device_state& s, block* b) {
   detail::tracker_delivery deliver;
-  detail::history_recorder& h = s.history_;
+  detail::history_recorder& h = s.history();
   context_ptr context = h.gather(record_context::all);
   detail::context_scope scope(detail::context_kind::free, context);
   // The caller owns the live block: its fields do not change meanwhile.
@@ -103,50 +103,50 @@ std::string_view to_string(block_state state) noexcept {
 }
 
 void device_caching_allocator::record_history(const history_options& options) {
-  state_->history_.configure(options);
+  state_->history().configure(options);
 }
 
-bool device_caching_allocator::is_history_enabled() const noexcept { return state_->history_.enabled(); }
+bool device_caching_allocator::is_history_enabled() const noexcept { return state_->history().enabled(); }
 
 void device_caching_allocator::record_annotation(std::vector<std::pair<std::string, std::string>> metadata) {
-  state_->history_.record_annotation(std::move(metadata));
+  state_->history().record_annotation(std::move(metadata));
 }
 
 void device_caching_allocator::push_compile_context(std::string context) {
-  state_->history_.push_compile_context(std::move(context));
+  state_->history().push_compile_context(std::move(context));
 }
 
-void device_caching_allocator::pop_compile_context() { state_->history_.pop_compile_context(); }
+void device_caching_allocator::pop_compile_context() { state_->history().pop_compile_context(); }
 
 void device_caching_allocator::set_user_metadata(std::string metadata) {
-  state_->history_.set_user_metadata(std::move(metadata));
+  state_->history().set_user_metadata(std::move(metadata));
 }
 
-std::string device_caching_allocator::user_metadata() const { return state_->history_.user_metadata(); }
+std::string device_caching_allocator::user_metadata() const { return state_->history().user_metadata(); }
 
 void device_caching_allocator::attach_trace_tracker(trace_tracker tracker) {
-  state_->history_.attach_tracker(std::move(tracker));
+  state_->history().attach_tracker(std::move(tracker));
 }
 
 void device_caching_allocator::attach_mapping_listener(mapping_listener listener) {
   if (!listener) throw invalid_argument_error("ccalloc: attach_mapping_listener: the listener is empty");
-  state_->mapping_.attach(std::move(listener));
+  state_->mapping().attach(std::move(listener));
 }
 
-std::vector<trace_entry> device_caching_allocator::trace_entries() const { return state_->history_.entries(); }
+std::vector<trace_entry> device_caching_allocator::trace_entries() const { return state_->history().entries(); }
 
 std::vector<annotation_entry> device_caching_allocator::annotations() const {
-  return state_->history_.annotations();
+  return state_->history().annotations();
 }
 
 void device_caching_allocator::record_snapshot_entry() {
   auto& s = *state_;
-  if (!s.history_.active()) return;
+  if (!s.history().active()) return;
   detail::tracker_delivery deliver;
   world_lock w(s);
-  s.publish_all_pending_stats(w);
-  const auto active_bytes = static_cast<std::size_t>(s.stats_.active_bytes[0].current);
-  s.history_.record(trace_entry_action::snapshot, 0, active_bytes, 0, nullptr);
+  s.stats().publish_all_pending(w);
+  const auto active_bytes = static_cast<std::size_t>(s.stats().values().active_bytes[0].current);
+  s.history().record(trace_entry_action::snapshot, 0, active_bytes, 0, nullptr);
 }
 
 std::vector<segment_info> device_caching_allocator::snapshot_segments(bool record_entry) {

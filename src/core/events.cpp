@@ -35,13 +35,13 @@ event_t event_queue::get_event() {
     free_events_.pop_back();
     return e;
   }
-  return d_.backend_.create_event(d_.device_);
+  return d_.backend().create_event(d_.device());
 }
 
 // B4: one event per stream that used the block; the block returns to the
 // pool when all of them completed.
 void event_queue::insert_events(block* b) {
-  std::lock_guard device_lock(d_.device_mutex_);
+  std::lock_guard device_lock(d_.device_mutex());
   insert_events_locked(b);
 }
 
@@ -51,7 +51,7 @@ void event_queue::insert_events_locked(block* b) {
     for (stream_t s : b->stream_uses) {
       const event_t e = get_event();
       recorded.push_back(e);
-      d_.backend_.record_event(d_.device_, e, s);
+      d_.backend().record_event(d_.device(), e, s);
     }
   } catch (...) {
     for (event_t e : recorded) free_events_.push_back(e);
@@ -75,7 +75,7 @@ void event_queue::take_completed_events(OnCompleted on_completed) {
     auto& queue = it->second;
     while (!queue.empty()) {
       auto [e, b] = queue.front();
-      if (!d_.backend_.query_event(d_.device_, e)) break;
+      if (!d_.backend().query_event(d_.device(), e)) break;
       // Room for the event in the pool first: out of host memory, it stays
       // queued (popped, it was lost, and its block waited for ever).
       if (free_events_.size() == free_events_.capacity()) free_events_.reserve(free_events_.size() * 2 + 16);
@@ -95,7 +95,7 @@ void event_queue::process_events() {
   std::vector<block*> completed;
   std::exception_ptr failure;  // a failed query: blocks already taken are still returned
   {
-    std::lock_guard device_lock(d_.device_mutex_);
+    std::lock_guard device_lock(d_.device_mutex());
     completed.reserve(pending_event_count_.load(std::memory_order_relaxed));  // no allocation once events are taken
     try {
       take_completed_events([&](block* b) { completed.push_back(b); });
@@ -109,8 +109,8 @@ void event_queue::process_events() {
     {
       std::lock_guard lock(ss.mutex);
       if (--b->event_count == 0) {
-        if (d_.history_.active()) [[unlikely]]
-          d_.history_.record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
+        if (d_.history().active()) [[unlikely]]
+          d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
         stats_sink sink(d_, ss);
         d_.free_block(b, sink.get(), false);
       }
@@ -123,27 +123,27 @@ void event_queue::process_events() {
 void event_queue::process_events_locked() {
   take_completed_events([&](block* b) {
     if (--b->event_count != 0) return;
-    if (d_.history_.active()) [[unlikely]]
-      d_.history_.record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
-    d_.free_block(b, d_.stats_, true);
+    if (d_.history().active()) [[unlikely]]
+      d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
+    d_.free_block(b, d_.stats().values(), true);
   });
 }
 
 void event_queue::synchronize_and_free_events() {
-  if (d_.pools_.capture_underway()) return;  // waiting is not allowed while capturing
-  ++d_.stats_.num_sync_all_streams;
+  if (d_.pools().capture_underway()) return;  // waiting is not allowed while capturing
+  ++d_.stats().values().num_sync_all_streams;
   retired_events retired{pending_event_count_};
   for (auto& [stream, queue] : pending_) {
     while (!queue.empty()) {
       auto [e, b] = queue.front();
-      d_.backend_.synchronize_event(d_.device_, e);
+      d_.backend().synchronize_event(d_.device(), e);
       queue.pop_front();
       free_events_.push_back(e);
       ++retired.count;
       if (--b->event_count != 0) continue;
-      if (d_.history_.active()) [[unlikely]]
-        d_.history_.record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
-      d_.free_block(b, d_.stats_, true);
+      if (d_.history().active()) [[unlikely]]
+        d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
+      d_.free_block(b, d_.stats().values(), true);
     }
   }
   pending_.clear();
@@ -157,7 +157,7 @@ bool event_queue::wait_for_completions_in_flight(world_lock& w) {
   w.unlock();
   while (completions_in_flight_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
   w.lock();
-  d_.publish_all_pending_stats(w);
+  d_.stats().publish_all_pending(w);
   return true;
 }
 
@@ -173,7 +173,7 @@ void event_queue::destroy_all(const std::vector<event_t>& more) noexcept {
   free_events_.insert(free_events_.end(), more.begin(), more.end());
   for (event_t e : free_events_) {
     try {
-      d_.backend_.destroy_event(d_.device_, e);
+      d_.backend().destroy_event(d_.device(), e);
     } catch (...) {  // teardown: the event stays with a device that refuses; nothing to report to
     }
   }

@@ -43,7 +43,7 @@ namespace ccalloc::detail {
 
 
 expandable_segments::expandable_segments(device_state& d) : d_(d) {
-  if (d.backend_.capabilities().virtual_memory) page_bytes_ = d.backend_.vm_granularity(d.device_);
+  if (d.backend().capabilities().virtual_memory) page_bytes_ = d.backend().vm_granularity(d.device());
 }
 
 // Expandable segments need the backend's virtual memory: an explicit
@@ -52,7 +52,7 @@ expandable_segments::expandable_segments(device_state& d) : d_(d) {
 void expandable_segments::check_supported(const allocator_config& config) const {
   if (config.expandable_segments && page_bytes_ == 0 && config.expandable_segments_set)
     throw config_error("ccalloc config: expandable_segments:True needs virtual memory (cuMemMap), which the '" +
-                       d_.backend_.name() + "' backend of device " + std::to_string(d_.device_) +
+                       d_.backend().name() + "' backend of device " + std::to_string(d_.device()) +
                        " does not offer (accepted here: expandable_segments:False)");
 }
 
@@ -60,15 +60,15 @@ void expandable_segments::pool_insert_counted(block* b) {
   b->gc_count_base = b->pool->get_free_blocks_call_count;
   b->pool->blocks.insert(b);
   const stat_group g = group_of(b->pool);
-  count_up(d_.stats_.inactive_split, g, 1);
-  count_up(d_.stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+  count_up(d_.stats().values().inactive_split, g, 1);
+  count_up(d_.stats().values().inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
 }
 
 void expandable_segments::pool_erase_counted(block* b) {
   b->pool->blocks.erase(b);
   const stat_group g = group_of(b->pool);
-  count_down(d_.stats_.inactive_split, g, 1);
-  count_down(d_.stats_.inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
+  count_down(d_.stats().values().inactive_split, g, 1);
+  count_down(d_.stats().values().inactive_split_bytes, g, static_cast<std::int64_t>(b->size));
 }
 
 // Marks the page-aligned range [lo, hi) of `seg` mapped or unmapped. Every
@@ -166,29 +166,29 @@ block* expandable_segments::unmapped_block_at_or_below(const segment& seg, std::
 
 segment* expandable_segments::new_expandable_segment(const alloc_params& p) {
   const std::size_t page = page_bytes_;
-  const std::size_t want = std::max(d_.memory_.total(), p.size);
+  const std::size_t want = std::max(d_.memory().total(), p.size);
   if (want > std::numeric_limits<std::size_t>::max() - page) return nullptr;  // no such address range
   const std::size_t size = (want + page - 1) / page * page;
   // The address range first (a device that has none left says so before
   // a page table for it is made), then the host memory: the reservation's
   // record, page table and block; without it, the range goes back.
-  void* base = d_.backend_.vm_reserve(d_.device_, size);
+  void* base = d_.backend().vm_reserve(d_.device(), size);
   if (base == nullptr) return nullptr;
   segment* added = nullptr;
   try {
     auto fresh = std::make_unique<segment>();
     fresh->pages.reset(size / page);
     fresh->unmapped.reserve(4);
-    added = &d_.add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(base), size);
+    added = &d_.segments().add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(base), size);
   } catch (...) {
     try {
-      d_.backend_.vm_release(d_.device_, base, size);
+      d_.backend().vm_release(d_.device(), base, size);
     } catch (...) {  // the first error is the one thrown; the reservation stays with the device
     }
     throw;
   }
   segment& seg = *added;
-  d_.memory_.note_made(&p, seg.base);  // a failed request gives it back
+  d_.memory().note_made(&p, seg.base);  // a failed request gives it back
   seg.head->mapped = false;
   seg.expandable = true;
   seg.seq = next_segment_seq_++;
@@ -202,16 +202,16 @@ segment* expandable_segments::new_expandable_segment(const alloc_params& p) {
 void expandable_segments::give_back_page(segment& seg, std::size_t i) noexcept {
   const std::size_t page = seg.page_bytes;
   try {
-    d_.backend_.vm_unmap(d_.device_, reinterpret_cast<void*>(seg.base + i * page), page);
-    ++d_.stats_.num_pages_unmapped;
-    ++d_.stats_.num_device_free;
+    d_.backend().vm_unmap(d_.device(), reinterpret_cast<void*>(seg.base + i * page), page);
+    ++d_.stats().values().num_pages_unmapped;
+    ++d_.stats().values().num_device_free;
     release_page_handle(seg.pages.handle(i));  // a recycled page may be retired elsewhere too
   } catch (...) {  // noexcept cleanup: the page leaves the books whatever the device says
   }
   seg.pages.set_unmapped(i);
   seg.mapped_bytes -= page;
-  d_.memory_.remove_reserved(page);
-  count_down(d_.stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
+  d_.memory().remove_reserved(page);
+  count_down(d_.stats().values().reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
 }
 
 // A reservation made by a request that failed (discard_made_segment): every
@@ -231,21 +231,21 @@ void expandable_segments::discard_reservation(segment& seg) noexcept {
       ++i;
       continue;
     }
-    d_.mapping_.announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page,
+    d_.mapping().announce(mapping_change::unmap, mapping_reason::pages_released, seg.base + i * page, n * page,
                          seg.head->stream, true);
-    if (d_.history_.active()) [[unlikely]] {
+    if (d_.history().active()) [[unlikely]] {
       try {
-        d_.history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
+        d_.history().record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
       } catch (...) {  // the history misses this unmap; the cleanup goes on
       }
     }
     for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
   }
   try {
-    d_.backend_.vm_release(d_.device_, reinterpret_cast<void*>(seg.base), seg.size);
+    d_.backend().vm_release(d_.device(), reinterpret_cast<void*>(seg.base), seg.size);
   } catch (...) {  // noexcept cleanup: the reservation leaves the books whatever the device says
   }
-  count_down(d_.stats_.segment, g, 1);
+  count_down(d_.stats().values().segment, g, 1);
   if (pool->priv != nullptr) --pool->priv->segment_count;
   --pool->owner->segments;
   for (block* b = seg.head; b != nullptr;) {
@@ -254,7 +254,7 @@ void expandable_segments::discard_reservation(segment& seg) noexcept {
     b = next;
   }
   const std::uintptr_t base = seg.base;
-  d_.segments_.erase(base);
+  d_.segments().erase(base);
 }
 
 // A request of alloc_expandable as its steps go: where it goes (step 1), the
@@ -300,7 +300,7 @@ struct expandable_segments::expandable_request {
   // The recycled handles not mapped go back to the device.
   void drop_recycled() {
     for (const recycled_page& r : recycled) {
-      ++d.stats_.num_device_free;
+      ++d.stats().values().num_device_free;
       x.release_page_handle(r.handle);
     }
     recycled.clear();
@@ -310,7 +310,7 @@ struct expandable_segments::expandable_request {
   // request).
   std::uint64_t clock_reading() noexcept {
     try {
-      return d.backend_.host_time_us().value_or(0);
+      return d.backend().host_time_us().value_or(0);
     } catch (...) {
       return 0;
     }
@@ -318,7 +318,7 @@ struct expandable_segments::expandable_request {
 };
 
 bool expandable_segments::alloc_expandable(alloc_params& p, bool is_retry, world_lock& w) {
-  if (is_retry) ++d_.stats_.num_alloc_retries;
+  if (is_retry) ++d_.stats().values().num_alloc_retries;
   expandable_request r(*this);
   place_expandable(p, r);                                      // 1. where: a free run, or a new reservation
   if (!could_map(r.need)) return false;                        //    fail at once what cannot fit
@@ -327,7 +327,7 @@ bool expandable_segments::alloc_expandable(alloc_params& p, bool is_retry, world
   if (!settle_retired_under(r)) return false;                  // 3. retired pages under it unmapped, then
   if (!map_missing_pages(p, r)) return false;                  //    the missing pages mapped
   r.drop_recycled();  // more pages were freed than mapped (the cap counted plain segments)
-  d_.memory_.raise_high_water();
+  d_.memory().raise_high_water();
   p.found = take_mapped_run(r, p.size);                        // 4. the run's free block, off the pool
   return true;
 }
@@ -341,10 +341,10 @@ bool expandable_segments::alloc_expandable(alloc_params& p, bool is_retry, world
 // reservation (reserve_placement), made once the pages may fit.
 void expandable_segments::place_expandable(alloc_params& p, expandable_request& r) {
   run_choice best;
-  best_own_run(d_.segments_, *p.pool, p.size, best);
+  best_own_run(d_.segments().map(), *p.pool, p.size, best);
   // An idle reservation has no block in use: one run, of few blocks (free
   // mapped and unmapped ones alternate), walked whole.
-  for (auto& [base, up] : d_.segments_) {
+  for (auto& [base, up] : d_.segments()) {
     segment& seg = *up;
     if (seg.expandable && seg.head->pool != p.pool && idle_reservation(seg, p)) scan_runs(best, seg, true, p.size);
   }
@@ -383,7 +383,7 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
   // Bytes over the cap: these must be freed (waiting for page fences if
   // need be), or the request fails.
   auto over_cap = [&]() -> std::size_t {
-    return d_.memory_.over_cap(need) ? d_.memory_.reserved() + need - d_.memory_.allowed() : 0;
+    return d_.memory().over_cap(need) ? d_.memory().reserved() + need - d_.memory().allowed() : 0;
   };
   // Bytes over the high-water mark: a new peak is avoided by recycling
   // free pages whose fence has completed (never waiting), at most
@@ -396,38 +396,38 @@ bool expandable_segments::free_pages_for(expandable_request& r, world_lock& w) {
   // (recycle_budget_now).
   auto within_time = [&] {
     if (!r.budget) {
-      const bool large_peak = d_.memory_.reserved() + need - d_.memory_.high_water() > d_.memory_.high_water() / 16;
+      const bool large_peak = d_.memory().reserved() + need - d_.memory().high_water() > d_.memory().high_water() / 16;
       r.budget = recycle_budget_now(large_peak);
     }
     return *r.budget != recycle_budget::source::none;
   };
   auto over_mark = [&]() -> std::size_t {
-    if (!d_.policy_.config().trim_on_new_peak || d_.memory_.reserved() + need <= d_.memory_.high_water() ||
-        d_.memory_.recycles_at_mark() >= d_.policy_.config().recycles_per_peak || !within_time())
+    if (!d_.policy().config().trim_on_new_peak || d_.memory().reserved() + need <= d_.memory().high_water() ||
+        d_.memory().recycles_at_mark() >= d_.policy().config().recycles_per_peak || !within_time())
       return 0;
-    return std::min(need, d_.memory_.reserved() + need - d_.memory_.high_water());
+    return std::min(need, d_.memory().reserved() + need - d_.memory().high_water());
   };
-  if (!d_.pools_.capture_underway() && std::max(over_cap(), over_mark()) > 0) {
+  if (!d_.pools().capture_underway() && std::max(over_cap(), over_mark()) > 0) {
     // plain cached segments (no-caching leftovers, earlier configs)
-    d_.release_unused_segments(w, /*keep_going=*/true);
+    d_.segments().release_unused_segments(w, /*keep_going=*/true);
     // The time this request's recycling and mapping take is spent from the
     // budget when recycling was a choice (for the mark, not the cap, which
     // must recycle whatever the budget).
-    if (over_mark() > 0 && d_.policy_.config().recycle_time_percent < 100)
-      r.recycle_started_us = d_.backend_.host_time_us();
+    if (over_mark() > 0 && d_.policy().config().recycle_time_percent < 100)
+      r.recycle_started_us = d_.backend().host_time_us();
     try {
       std::size_t got = 0;
       if (const std::size_t target = std::max(over_cap(), over_mark()); target > 0)
         got = unmap_free_pages(target, r.seg, r.start, r.end, &r.recycled, false, r.same_stream);
       if (const std::size_t target = over_cap(); target > 0)
         got += unmap_free_pages(target, r.seg, r.start, r.end, &r.recycled, true, r.same_stream);
-      if (got > 0) d_.memory_.note_recycle();
+      if (got > 0) d_.memory().note_recycle();
     } catch (...) {
       r.drop_recycled();  // the pages unmapped before the failure go back to the device
       throw;
     }
   }
-  if (d_.memory_.over_cap(need)) {
+  if (d_.memory().over_cap(need)) {
     r.drop_recycled();
     return false;
   }
@@ -443,7 +443,7 @@ bool expandable_segments::settle_retired_under(expandable_request& r) {
   const std::size_t first_page = (r.start - seg.base) / page_bytes_;
   const std::size_t end_page = (r.end - seg.base + page_bytes_ - 1) / page_bytes_;
   if (seg.pages.retired().empty() || !seg.pages.has_retired(first_page, end_page)) return true;
-  if (d_.pools_.capture_underway()) {
+  if (d_.pools().capture_underway()) {
     r.drop_recycled();
     return false;
   }
@@ -498,12 +498,12 @@ bool expandable_segments::map_missing_pages(const alloc_params& p, expandable_re
       throw;
     }
     if (i > run_first)
-      d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, seg.base + run_first * page,
+      d_.mapping().announce(mapping_change::map, mapping_reason::pages_mapped, seg.base + run_first * page,
                            (i - run_first) * page, p.stream, true);
-    if (d_.history_.active() && i > run_first) [[unlikely]]
-      d_.history_.record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
+    if (d_.history().active() && i > run_first) [[unlikely]]
+      d_.history().record_segment_map(seg.base + run_first * page, (i - run_first) * page, p.stream);
     if (out_of_memory) {
-      d_.memory_.raise_high_water();
+      d_.memory().raise_high_water();
       r.drop_recycled();
       return false;
     }
@@ -529,7 +529,7 @@ bool expandable_segments::map_request_page(const alloc_params& p, expandable_req
     h = r.recycled.back().handle;
     from = r.recycled.back().from;
     r.recycled.pop_back();
-  } else if (d_.backend_.vm_create(d_.device_, page, &h)) {
+  } else if (d_.backend().vm_create(d_.device(), page, &h)) {
     fresh = true;
   } else {
     return false;
@@ -537,38 +537,38 @@ bool expandable_segments::map_request_page(const alloc_params& p, expandable_req
   void* addr = reinterpret_cast<void*>(seg.base + i * page);
   bool mapped = false;
   try {
-    d_.backend_.vm_map(d_.device_, addr, page, h);
+    d_.backend().vm_map(d_.device(), addr, page, h);
     mapped = true;
-    for (int peer : peers_) d_.backend_.vm_set_access(d_.device_, addr, page, peer);
+    for (int peer : peers_) d_.backend().vm_set_access(d_.device(), addr, page, peer);
   } catch (...) {
     if (mapped) {
       try {
-        d_.backend_.vm_unmap(d_.device_, addr, page);  // the page must not stay mapped unknown to us
+        d_.backend().vm_unmap(d_.device(), addr, page);  // the page must not stay mapped unknown to us
       } catch (...) {
         seg.pages.set_mapped(i, h);  // still mapped: keep it on the books (a free mapped page)
-        ++d_.stats_.num_pages_mapped;
+        ++d_.stats().values().num_pages_mapped;
         seg.mapped_bytes += page;
-        d_.memory_.add_reserved(page);
-        count_up(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
-        if (fresh) ++d_.stats_.num_device_alloc;
+        d_.memory().add_reserved(page);
+        count_up(d_.stats().values().reserved_bytes, g, static_cast<std::int64_t>(page));
+        if (fresh) ++d_.stats().values().num_device_alloc;
         throw;
       }
     }
     if (fresh) {
-      d_.backend_.vm_release_handle(d_.device_, h);
+      d_.backend().vm_release_handle(d_.device(), h);
     } else {
       r.recycled.push_back({h, from});
     }
     throw;
   }
   seg.pages.set_mapped(i, h);
-  ++d_.stats_.num_pages_mapped;
-  if (!fresh) ++d_.stats_.num_pages_remapped;
-  if (!fresh && from != p.stream) d_.stats_.bytes_moved_between_streams += static_cast<std::int64_t>(page);
+  ++d_.stats().values().num_pages_mapped;
+  if (!fresh) ++d_.stats().values().num_pages_remapped;
+  if (!fresh && from != p.stream) d_.stats().values().bytes_moved_between_streams += static_cast<std::int64_t>(page);
   seg.mapped_bytes += page;
-  if (fresh) ++d_.stats_.num_device_alloc;
-  d_.memory_.add_reserved(page);
-  count_up(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+  if (fresh) ++d_.stats().values().num_device_alloc;
+  d_.memory().add_reserved(page);
+  count_up(d_.stats().values().reserved_bytes, g, static_cast<std::int64_t>(page));
   if (fresh_start_us != 0) {
     if (const std::uint64_t t = r.clock_reading(); t > fresh_start_us) r.fresh_pages_us += t - fresh_start_us;
   }
@@ -604,14 +604,14 @@ block* expandable_segments::take_mapped_run(const expandable_request& r, std::si
 // mapped pages over whole.
 bool expandable_segments::idle_reservation(segment& seg, const alloc_params& p) {
   const block_pool* pool = seg.head->pool;
-  if (!d_.policy_.config().reuse_across_streams || !d_.policy_.config().trim_on_new_peak || pool == p.pool ||
+  if (!d_.policy().config().reuse_across_streams || !d_.policy().config().trim_on_new_peak || pool == p.pool ||
       pool->priv != nullptr || p.pool->priv != nullptr || pool->is_small != p.pool->is_small || seg.mapped_bytes == 0 ||
-      d_.pools_.capture_underway())
+      d_.pools().capture_underway())
     return false;
   if (seg.busy_blocks != 0) return false;  // a block allocated or waiting for events
   if (!seg.pages.retired().empty()) return false;  // its stream's work may still use them
   for (block* x = seg.head; x != nullptr; x = x->next)
-    if (x->mapped && !d_.fences_.fence_completed(x)) return false;
+    if (x->mapped && !d_.fences().fence_completed(x)) return false;
   return true;
 }
 
@@ -632,12 +632,12 @@ void expandable_segments::adopt_reservation(segment& seg, const alloc_params& p)
       p.pool->blocks.insert(x);
     }
   }
-  d_.stats_.bytes_moved_between_streams += static_cast<std::int64_t>(seg.mapped_bytes);
-  if (d_.mapping_.active()) [[unlikely]] {
+  d_.stats().values().bytes_moved_between_streams += static_cast<std::int64_t>(seg.mapped_bytes);
+  if (d_.mapping().active()) [[unlikely]] {
     for (std::size_t i = 0; i < seg.pages.count();) {  // run by run of mapped pages
       const std::size_t n = std::max<std::size_t>(seg.pages.mapped_run(i), 1);
       if (seg.pages.mapped(i))
-        d_.mapping_.announce(mapping_change::move, mapping_reason::reservation_moved, seg.base + i * seg.page_bytes,
+        d_.mapping().announce(mapping_change::move, mapping_reason::reservation_moved, seg.base + i * seg.page_bytes,
                  n * seg.page_bytes, p.stream, true);
       i += n;
     }
@@ -646,19 +646,19 @@ void expandable_segments::adopt_reservation(segment& seg, const alloc_params& p)
 
 // Releases the reservations of expandable segments that have no mapped page.
 void expandable_segments::release_empty_expandable_segments() {
-  for (auto it = d_.segments_.begin(); it != d_.segments_.end();) {
+  for (auto it = d_.segments().begin(); it != d_.segments().end();) {
     segment& seg = *it->second;
     if (!seg.expandable || seg.paused || seg.mapped_bytes != 0 || seg.head->next != nullptr ||
         !seg.pages.retired().empty()) {
       ++it;
       continue;
     }
-    d_.backend_.vm_release(d_.device_, reinterpret_cast<void*>(seg.base), seg.size);
-    count_down(d_.stats_.segment, group_of(seg.head->pool), 1);
+    d_.backend().vm_release(d_.device(), reinterpret_cast<void*>(seg.base), seg.size);
+    count_down(d_.stats().values().segment, group_of(seg.head->pool), 1);
     if (seg.head->pool->priv != nullptr) --seg.head->pool->priv->segment_count;
     --seg.head->pool->owner->segments;
     seg.head->pool->owner->delete_block(seg.head);
-    it = d_.segments_.erase(it);
+    it = d_.segments().erase(it);
   }
 }
 
@@ -668,12 +668,12 @@ void expandable_segments::release_empty_expandable_segments() {
 // could give back. Checked before a new reservation: a failed request leaves
 // the segment counts as they were.
 bool expandable_segments::could_map(std::size_t need) {
-  if (need > d_.memory_.allowed()) return false;
+  if (need > d_.memory().allowed()) return false;
   if (need >= free_memory_check_bytes) {
     std::size_t free_pages_bytes = 0;
-    for (auto& [base, up] : d_.segments_)
+    for (auto& [base, up] : d_.segments())
       if (up->expandable) free_pages_bytes += up->mapped_bytes;  // an upper bound of what unmapping frees
-    if (need > d_.backend_.mem_get_info(d_.device_).free_bytes + free_pages_bytes) return false;
+    if (need > d_.backend().mem_get_info(d_.device()).free_bytes + free_pages_bytes) return false;
   }
   return true;
 }
@@ -681,8 +681,8 @@ bool expandable_segments::could_map(std::size_t need) {
 // The recycling time budget (recycle_budget.hpp; docs/design.md, "Note:
 // the recycling reserve").
 recycle_budget::source expandable_segments::recycle_budget_now(bool large_peak) {
-  const auto percent = d_.policy_.config().recycle_time_percent;
-  const auto from = recycle_budget_.choose(percent, large_peak, [&] { return d_.backend_.host_time_us(); });
+  const auto percent = d_.policy().config().recycle_time_percent;
+  const auto from = recycle_budget_.choose(percent, large_peak, [&] { return d_.backend().host_time_us(); });
   // choose() bounds the budget (refills) only between 1 and 99 percent: at 0
   // (recycling off, e.g. lowered by set_config) it holds what it held.
   CCALLOC_ASSERT_EXPENSIVE(percent >= 100 || percent == 0 || recycle_budget_.within_bounds(percent));
@@ -692,12 +692,12 @@ recycle_budget::source expandable_segments::recycle_budget_now(bool large_peak) 
 void expandable_segments::spend_recycle_time(recycle_budget::source from, std::uint64_t start_us,
                                              std::uint64_t excluded_us) {
   if (from == recycle_budget::source::none) return;
-  const auto percent = d_.policy_.config().recycle_time_percent;
-  const std::optional<std::uint64_t> now = d_.backend_.host_time_us();
+  const auto percent = d_.policy().config().recycle_time_percent;
+  const std::optional<std::uint64_t> now = d_.backend().host_time_us();
   if (!now || *now <= start_us || *now - start_us <= excluded_us) return;
   start_us += excluded_us;
   // Refill first up to now (the budget fills while recycling runs too), then spend.
-  if (const std::optional<std::uint64_t> refill_at = d_.backend_.host_time_us())
+  if (const std::optional<std::uint64_t> refill_at = d_.backend().host_time_us())
     recycle_budget_.refill(percent, *refill_at);
   recycle_budget_.spend(from, percent, static_cast<double>(*now - start_us));
   CCALLOC_ASSERT_EXPENSIVE(percent == 0 || recycle_budget_.within_bounds(percent));

@@ -2,24 +2,19 @@
 // (stream, pool) fits (the call tree is drawn in hot_path.cpp). allocate_slow
 // runs the rungs in order with the whole device locked (world_lock): garbage
 // collection, a new segment (alloc_segment; expandable segments in
-// expandable_segments.cpp), releasing cached segments and retrying, and last
-// the out-of-memory error (out_of_memory.cpp). The releases here also serve
-// emptyCache and no-caching mode (free_uncached).
+// expandable_segments.cpp), releasing cached segments and retrying (the
+// releases are the segment table's: segment_table.cpp), and last the
+// out-of-memory error (out_of_memory.cpp).
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include "detail/device_state.hpp"
-
-#include <ccalloc/base/detail/assert.hpp>
-#include "detail/stats_sink.hpp"
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <utility>
-#include <vector>
 
 namespace ccalloc::detail {
 
@@ -62,7 +57,7 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
   try {
     return climb_ladder(p, w);
   } catch (...) {
-    if (w.locked()) discard_made_segment(p);  // (an observer's unlocked throw made nothing)
+    if (w.locked()) segments_.discard_made_segment(p);  // (an observer's unlocked throw made nothing)
     throw;
   }
 }
@@ -72,7 +67,7 @@ block* device_state::allocate_slow(alloc_params& p, world_lock& w) {
 // before it changes anything (host memory for a split): the block goes back.
 block* device_state::take_from_rung(alloc_params& p) {
   try {
-    return take_found_block(p, stats_);
+    return take_found_block(p, stats_.values());
   } catch (...) {
     block* b = p.found;
     if (!b->pool->blocks.contains(b)) {
@@ -83,45 +78,6 @@ block* device_state::take_from_rung(alloc_params& p) {
     }
     throw;
   }
-}
-
-// What the failed request `p` made (device_memory::take_made): a segment or reservation with no
-// block in use goes back to the device, off the books; the reserved-memory
-// mark comes back down. Device errors on the way are ignored (the request
-// reports its own failure).
-void device_state::discard_made_segment(const alloc_params& p) noexcept {
-  const device_memory::made_segment made = memory_.take_made();
-  if (made.owner != &p) return;
-  const auto it = segments_.find(made.base);
-  if (it == segments_.end()) return;  // released on the way (rung 5)
-  segment& seg = *it->second;
-  for (const block* b = seg.head; b != nullptr; b = b->next)
-    if (!b->is_free()) return;  // in use (never: the request failed)
-  if (seg.expandable) {
-    expandable_.discard_reservation(seg);
-  } else {
-    block* b = seg.head;
-    if (b->next != nullptr) return;  // split (never: take_found_block failed before)
-    mapping_.announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
-    try {
-      release_segment_memory(seg);
-    } catch (...) {  // the device refuses: the segment stays cached
-      mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
-      try {
-        if (!b->pool->blocks.contains(b)) b->pool->blocks.insert(b);
-      } catch (...) {  // no slot: the segment is lost to the cache; nothing to report to
-      }
-      return;
-    }
-    if (history_.active()) [[unlikely]] {
-      try {
-        history_.record_segment_free(b->ptr, b->size, b->stream);
-      } catch (...) {  // the history misses this free; the segment still leaves the books
-      }
-    }
-    forget_segment(b, stats_);
-  }
-  memory_.restore_mark(made);
 }
 
 // allocate_slow's rungs, each a function below, in the order of the picture
@@ -145,13 +101,13 @@ struct climb {
 // the pool's index for a remainder (block_index::owes; may throw).
 void prepare_climb(climb& c) {
   device_state& d = c.d;
-  d.publish_all_pending_stats(c.w);
-  c.capturing = d.pools_.capture_underway();
+  d.stats().publish_all_pending(c.w);
+  c.capturing = d.pools().capture_underway();
   if (!c.capturing) {
-    d.events_.process_events_locked();
-    if (!d.pools_.deferred_frees().empty()) d.pools_.flush_deferred_frees();
-    if (d.expandable_.page_bytes() != 0 && d.policy_.config().expandable_segments) d.fences_.fence_streams(c.w);
-    d.expandable_.settle_retired(false);  // deferred unmaps whose fence has completed
+    d.events().process_events_locked();
+    if (!d.pools().deferred_frees().empty()) d.pools().flush_deferred_frees();
+    if (d.expandable().page_bytes() != 0 && d.policy().config().expandable_segments) d.fences().fence_streams(c.w);
+    d.expandable().settle_retired(false);  // deferred unmaps whose fence has completed
   }
   if (c.p.pool->blocks.owes()) c.p.pool->blocks.repay();
 }
@@ -166,13 +122,14 @@ void prepare_climb(climb& c) {
 bool cannot_fit(climb& c) {
   device_state& d = c.d;
   if (c.custom) return false;
-  if (c.p.size > (d.memory_.capped() ? d.memory_.allowed() : d.memory_.total())) return true;
+  if (c.p.size > (d.memory().capped() ? d.memory().allowed() : d.memory().total())) return true;
   if (c.p.size < free_memory_check_bytes) return false;
   const auto live = static_cast<std::size_t>(
-      std::max<std::int64_t>(0, d.stats_.allocated_bytes[static_cast<std::size_t>(stat_group::all)].current));
-  const std::size_t held_beyond_live = d.memory_.reserved() > live ? d.memory_.reserved() - live : 0;
-  std::size_t could_get = d.backend_.mem_get_info(d.device_).free_bytes + held_beyond_live;
-  if (d.memory_.capped()) could_get = std::min(could_get, d.memory_.allowed() > live ? d.memory_.allowed() - live : 0);
+      std::max<std::int64_t>(0, d.stats().values().allocated_bytes[static_cast<std::size_t>(stat_group::all)].current));
+  const std::size_t held_beyond_live = d.memory().reserved() > live ? d.memory().reserved() - live : 0;
+  std::size_t could_get = d.backend().mem_get_info(d.device()).free_bytes + held_beyond_live;
+  if (d.memory().capped())
+    could_get = std::min(could_get, d.memory().allowed() > live ? d.memory().allowed() - live : 0);
   return c.p.size > could_get;
 }
 
@@ -181,7 +138,8 @@ block* rung_cached_block(climb& c) { return c.d.get_free_block(c.p) ? c.d.take_f
 
 // Rung 2: above the garbage-collection threshold, release old cached blocks.
 void rung_garbage_collection(climb& c) {
-  if (c.d.policy_.config().garbage_collection_threshold > 0.0 && !c.capturing) c.d.garbage_collect_cached_blocks(c.w);
+  if (c.d.policy().config().garbage_collection_threshold > 0.0 && !c.capturing)
+    c.d.segments().garbage_collect_cached_blocks(c.w);
 }
 
 // Rungs 3 and 5 with expandable segments (B7, X3): place the request in the
@@ -190,22 +148,22 @@ void rung_garbage_collection(climb& c) {
 // every free page, retry. Then (no block) every free page goes back.
 block* rung_expandable(climb& c) {
   device_state& d = c.d;
-  d.expandable_.clear_no_address_space();
+  d.expandable().clear_no_address_space();
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt == 1 && d.get_free_block(c.p)) return d.take_from_rung(c.p);
-    if (d.expandable_.alloc_expandable(c.p, false, c.w) ||
-        (d.release_cached_blocks(c.w, /*for_retry=*/true) &&
-         (d.get_free_block(c.p) || d.expandable_.alloc_expandable(c.p, true, c.w))))
+    if (d.expandable().alloc_expandable(c.p, false, c.w) ||
+        (d.segments().release_cached_blocks(c.w, /*for_retry=*/true) &&
+         (d.get_free_block(c.p) || d.expandable().alloc_expandable(c.p, true, c.w))))
       return d.take_from_rung(c.p);
-    if (d.expandable_.no_address_space()) break;
-    if (!d.events_.wait_for_completions_in_flight(c.w)) break;  // X7
+    if (d.expandable().no_address_space()) break;
+    if (!d.events().wait_for_completions_in_flight(c.w)) break;  // X7
   }
   // The retry kept the pages of the chosen run mapped: give them back too.
   if (!c.capturing) {
-    d.expandable_.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
-    d.expandable_.settle_retired(true);
+    d.expandable().unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
+    d.expandable().settle_retired(true);
   }
-  d.expandable_.release_empty_expandable_segments();
+  d.expandable().release_empty_expandable_segments();
   return nullptr;
 }
 
@@ -215,12 +173,12 @@ block* rung_expandable(climb& c) {
 // to the device: the peak grows by less.
 block* rung_trim_on_new_peak(climb& c) {
   device_state& d = c.d;
-  if (!d.policy_.config().trim_on_new_peak || c.capturing ||
-      d.memory_.reserved() + c.p.alloc_size <= d.memory_.high_water())
+  if (!d.policy().config().trim_on_new_peak || c.capturing ||
+      d.memory().reserved() + c.p.alloc_size <= d.memory().high_water())
     return nullptr;
-  if (d.policy_.config().reuse_across_streams && c.p.pool->priv == nullptr && d.adopt_idle_segment(c.p, c.w))
+  if (d.policy().config().reuse_across_streams && c.p.pool->priv == nullptr && d.adopt_idle_segment(c.p, c.w))
     return d.take_from_rung(c.p);
-  d.release_unused_segments(c.w, /*keep_going=*/true);
+  d.segments().release_unused_segments(c.w, /*keep_going=*/true);
   return nullptr;
 }
 
@@ -232,14 +190,14 @@ block* rung_new_segment(climb& c) {
   device_state& d = c.d;
   const bool priv = c.p.pool->priv != nullptr;
   for (int attempt = 0; attempt < 2; ++attempt) {
-    if (attempt == 1 && d.policy_.caching() && d.get_free_block(c.p)) return d.take_from_rung(c.p);
+    if (attempt == 1 && d.policy().caching() && d.get_free_block(c.p)) return d.take_from_rung(c.p);
     if (d.alloc_segment(c.p, false, c.w) ||
-        (d.policy_.caching() && !priv && !c.capturing && d.release_available_cached_blocks(c.p) &&
+        (d.policy().caching() && !priv && !c.capturing && d.segments().release_available_cached_blocks(c.p) &&
          d.alloc_segment(c.p, false, c.w)) ||
-        (d.release_cached_blocks(c.w, /*for_retry=*/true) &&
-         ((d.policy_.caching() && d.get_free_block(c.p)) || d.alloc_segment(c.p, true, c.w))))
+        (d.segments().release_cached_blocks(c.w, /*for_retry=*/true) &&
+         ((d.policy().caching() && d.get_free_block(c.p)) || d.alloc_segment(c.p, true, c.w))))
       return d.take_from_rung(c.p);
-    if (!d.events_.wait_for_completions_in_flight(c.w)) break;  // X7: blocks another thread is returning
+    if (!d.events().wait_for_completions_in_flight(c.w)) break;  // X7: blocks another thread is returning
   }
   return nullptr;
 }
@@ -247,9 +205,9 @@ block* rung_new_segment(climb& c) {
 // Rung 5b (F22): a free block of a pool that lends on OOM. Rung 6: the
 // out-of-memory error (observers run unlocked).
 block* rung_out_of_memory(climb& c) {
-  c.d.memory_.clear_made();  // released by now
-  if (c.d.pools_.try_use_on_oom_pools(c.p, c.w)) return c.d.take_from_rung(c.p);
-  c.d.throw_out_of_memory(c.p, c.w);
+  c.d.memory().clear_made();  // released by now
+  if (c.d.pools().try_use_on_oom_pools(c.p, c.w)) return c.d.take_from_rung(c.p);
+  c.d.oom().throw_out_of_memory(c.p, c.w);
 }
 
 }  // namespace
@@ -284,7 +242,7 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
 // ---- rung 3: a new segment ----------------------------------------------------------
 
 bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) {
-  if (is_retry) ++stats_.num_alloc_retries;
+  if (is_retry) ++stats_.values().num_alloc_retries;
   const std::size_t size = p.alloc_size;
   if (memory_.over_cap(size)) return false;
   void* ptr = nullptr;
@@ -318,7 +276,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
       if (ptr != nullptr) device_free();
       throw;
     }
-    publish_all_pending_stats(w);
+    stats_.publish_all_pending(w);
     // The cap may have been reached meanwhile by another thread.
     if (ptr != nullptr && memory_.over_cap(size)) {
       device_free();
@@ -331,7 +289,7 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
 
   segment* added = nullptr;
   try {
-    added = &add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(ptr), size);
+    added = &segments_.add_segment(p, std::move(fresh), reinterpret_cast<std::uintptr_t>(ptr), size);
   } catch (...) {  // no host memory for the map's entry
     device_free();
     throw;
@@ -343,9 +301,9 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
   seg.oversize = size >= policy_.config().max_split_size_bytes;
 
   const stat_group g = group_of(p.pool);
-  count_up(stats_.reserved_bytes, g, static_cast<std::int64_t>(size));
-  if (b->seg->oversize) stats_.oversize_segments.increase(1);
-  ++stats_.num_device_alloc;
+  count_up(stats_.values().reserved_bytes, g, static_cast<std::int64_t>(size));
+  if (b->seg->oversize) stats_.values().oversize_segments.increase(1);
+  ++stats_.values().num_device_alloc;
   memory_.add_reserved(size);
   memory_.raise_high_water();
   p.found = b;
@@ -354,34 +312,6 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
     history_.record_segment_alloc(b->ptr, size, p.stream);
   return true;
 }
-
-// A new segment `seg` [base, base + size) of p's stream and pool, as one
-// free block, on the books (segment count, its private pool's count). Throws
-// std::bad_alloc (host memory) with nothing changed.
-segment& device_state::add_segment(const alloc_params& p, std::unique_ptr<segment> seg, std::uintptr_t base,
-                                   std::size_t size) {
-  block* b = p.owner->new_block();
-  b->ptr = base;
-  b->size = size;
-  b->stream = p.stream;
-  b->pool = p.pool;
-  b->seg = seg.get();
-  seg->base = base;
-  seg->size = size;
-  seg->head = b;
-  decltype(segments_)::iterator at;
-  try {
-    at = segments_.emplace(base, std::move(seg)).first;
-  } catch (...) {
-    p.owner->delete_block(b);
-    throw;
-  }
-  count_up(stats_.segment, group_of(p.pool), 1);
-  if (p.pool->priv != nullptr) ++p.pool->priv->segment_count;
-  ++p.pool->owner->segments;
-  return *at->second;
-}
-
 // ---- rung 3a: a cached whole segment of another stream (X2) ----------------------------
 
 // Moves to the requesting stream the best-fitting cached whole segment of
@@ -406,7 +336,7 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   // Its stream may still use it: wait for its fence (counted), cheaper than
   // the alternative's cudaFree, which synchronizes the whole device.
   fences_.await_fence(best, page_fences::wait_reason::adopt_segment);
-  stats_.bytes_moved_between_streams += static_cast<std::int64_t>(best->size);
+  stats_.values().bytes_moved_between_streams += static_cast<std::int64_t>(best->size);
   best->pool->blocks.erase(best);
   --best->pool->plain_segments;
   --best->pool->owner->segments;
@@ -416,228 +346,6 @@ bool device_state::adopt_idle_segment(alloc_params& p, const world_lock& w) {
   best->stream = p.stream;
   p.found = best;
   return true;
-}
-
-// ---- rungs 4 and 5, emptyCache: cached segments back to the device ---------------------
-
-// Rung 4 (only with max_split_size set): free the smallest cached oversize
-// block that covers the request, else the largest ones until enough is freed.
-bool device_state::release_available_cached_blocks(const alloc_params& p) {
-  const std::size_t max_split = policy_.config().max_split_size_bytes;
-  if (max_split == std::numeric_limits<std::size_t>::max()) return false;
-  block_pool& pool = *p.pool;
-  const std::size_t wanted = std::max(p.size, max_split);
-  const block_index::position i = pool.blocks.lower_bound(wanted);
-  if (i != block_index::end()) {
-    if (pool.blocks.at(i)->is_split()) return false;
-    release_block(pool.blocks.at(i), stats_);
-    return true;
-  }
-  std::size_t released = 0;
-  std::vector<block*> victims;
-  pool.blocks.for_each_descending([&](block* b) {
-    if (released >= wanted || b->size < max_split) return false;
-    if (!b->is_split()) {
-      victims.push_back(b);
-      released += b->size;
-    }
-    return true;
-  });
-  if (released < wanted) return false;
-  for (block* b : victims) release_block(b, stats_);
-  return true;
-}
-
-// Rung 5 and emptyCache: wait for every pending event, then return every
-// cached block that is a whole segment.
-// Private pools without users give back their cached segments too. Nothing
-// while a capture is underway (waiting and freeing are not allowed then).
-bool device_state::release_cached_blocks(const world_lock& w, bool for_retry) {
-  if (pools_.capture_underway()) return false;
-  pools_.flush_deferred_frees();
-  events_.synchronize_and_free_events();
-  release_unused_segments(w, for_retry);
-  pools_.release_dead_pools(w, for_retry);
-  expandable_.unmap_free_pages(std::numeric_limits<std::size_t>::max(), nullptr, 0, 0, nullptr, true);
-  expandable_.settle_retired(true);  // deferred unmaps: the reservations may go
-  expandable_.release_empty_expandable_segments();
-  pools_.delete_empty_dead_pools(w);
-  return true;
-}
-
-void device_state::release_unused_segments(const world_lock& w, bool keep_going) {
-  for (stream_state* ss : w.streams()) {
-    release_blocks(ss->pools.large, keep_going);
-    release_blocks(ss->pools.small, keep_going);
-  }
-}
-
-void device_state::release_blocks(block_pool& pool, bool keep_going) {
-  // Only a plain segment's block can be whole: a pool without plain segments
-  // (the default configuration's) is not read block by block at each new
-  // page (issue D4).
-  if (pool.plain_segments == 0) return;
-  std::vector<block*> victims;
-  pool.blocks.for_each([&](block* b) {
-    if (!b->is_split()) victims.push_back(b);
-  });
-  for (block* b : victims) {
-    try {
-      release_block(b, stats_);
-    } catch (...) {
-      if (!keep_going) throw;  // else the segment stays cached (release_block changed nothing)
-      if (!release_failure_) release_failure_ = std::current_exception();
-    }
-  }
-}
-
-// Returns a cached whole-segment block to the device. If the device refuses
-// (segment_free throws), nothing has changed.
-void device_state::release_block(block* b, device_stats& st) {
-  release_segment_memory_announced(*b->seg);
-  if (history_.active()) [[unlikely]]
-    history_.record_segment_free(b->ptr, b->size, b->stream);
-  forget_segment(b, st);
-}
-
-// The books of a segment the device has taken back; `b` is its only block.
-void device_state::forget_segment(block* b, device_stats& st) noexcept {
-  CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size && b->size <= memory_.reserved());
-  if (b->pool->priv != nullptr) --b->pool->priv->segment_count;
-  --b->pool->plain_segments;
-  --b->pool->owner->segments;
-  const stat_group g = group_of(b->pool);
-  count_down(st.segment, g, 1);
-  count_down(st.reserved_bytes, g, static_cast<std::int64_t>(b->size));
-  if (b->seg->oversize) st.oversize_segments.decrease(1);
-  ++st.num_device_free;
-  memory_.remove_reserved(b->size);
-  b->pool->blocks.erase(b);
-  segments_.erase(b->seg->base);
-  b->pool->owner->delete_block(b);
-}
-
-// Returns a plain segment's memory: to the pool's custom allocator if it has
-// one, else to the backend.
-void device_state::release_segment_memory(segment& seg) {
-  const private_pool* pp = seg.head->pool->priv;
-  if (pp != nullptr && pp->custom.free) pp->custom.free(reinterpret_cast<void*>(seg.base));
-  else backend_.segment_free(device_, reinterpret_cast<void*>(seg.base));
-}
-
-// release_segment_memory, announced to the mapping listeners: unmapped
-// before, mapped again if the device refuses (then nothing has changed).
-void device_state::release_segment_memory_announced(segment& seg) {
-  const block& b = *seg.head;
-  mapping_.announce(mapping_change::unmap, mapping_reason::segment_free, seg.base, seg.size, b.stream, false);
-  try {
-    release_segment_memory(seg);
-  } catch (...) {
-    mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, seg.base, seg.size, b.stream, false);
-    throw;
-  }
-}
-
-// No-caching mode (F6), a block that is a whole segment and waits on no
-// event: the segment goes back to the device before anything else changes,
-// so a failing device free leaves the block allocated and the caller's
-// pointer live (the caller gets the backend_error).
-void device_state::free_uncached(block* b, stream_state& ss) {
-  std::lock_guard device_lock(device_mutex_);
-  mapping_.announce(mapping_change::unmap, mapping_reason::segment_free, b->ptr, b->size, b->stream, false);
-  try {
-    backend_.segment_free(device_, reinterpret_cast<void*>(b->ptr));
-  } catch (...) {
-    mapping_.announce(mapping_change::map, mapping_reason::segment_alloc, b->ptr, b->size, b->stream, false);
-    throw;
-  }
-  if (history_.active()) [[unlikely]]
-    history_.record_segment_free(b->ptr, b->size, b->stream);
-  stats_sink sink(*this, ss);
-  device_stats& st = sink.get();
-  const stat_group g = group_of(b->pool);
-  const auto size = static_cast<std::int64_t>(b->size);
-  count_down(st.allocation, g, 1);
-  count_down(st.allocated_bytes, g, size);
-  if (b->counted_oversize) st.oversize_allocations.decrease(1);
-  count_down(st.active, g, 1);
-  count_down(st.active_bytes, g, size);
-  count_down(st.requested_bytes, g, static_cast<std::int64_t>(b->requested_bytes));
-  forget_segment(b, st);
-}
-
-// ---- rung 2: garbage collection --------------------------------------------------------
-
-// Rung 2 (B5): while reserved bytes exceed threshold x allowed, release
-// cached large-pool memory older than the average age: whole plain segments
-// (PyTorch's rule) and, in expandable segments, the whole pages of free
-// blocks (unmapped; ccalloc's, so that the threshold works with expandable
-// segments too, whose blocks all count as split). ccalloc applies the
-// threshold to the device total when no memory fraction is set (PyTorch
-// ignores it then; SPEC X6).
-void device_state::garbage_collect_cached_blocks(const world_lock& w) {
-  const auto threshold =
-      static_cast<std::size_t>(policy_.config().garbage_collection_threshold * static_cast<double>(memory_.allowed()));
-  if (memory_.reserved() <= threshold) return;
-  const std::size_t target = memory_.reserved() - threshold;
-
-  // A free mapped block of an expandable segment holding at least one whole page.
-  const auto has_whole_page = [](const block* b) {
-    const std::size_t page = b->seg->page_bytes;
-    const std::uintptr_t first = (b->ptr + page - 1) / page * page;
-    return b->mapped && first + page <= b->ptr + b->size;
-  };
-  std::vector<std::pair<block*, std::uint64_t>> candidates;  // block, age
-  std::uint64_t total_age = 0;
-  for (stream_state* ss : w.streams()) {
-    block_pool& large = ss->pools.large;
-    large.blocks.for_each([&](block* b) {
-      if (b->seg->expandable ? has_whole_page(b) : !b->is_split()) {
-        const std::uint64_t age = large.age(b);
-        candidates.emplace_back(b, age);
-        total_age += age;
-      }
-    });
-  }
-  std::size_t reclaimed = 0;
-  bool freed = true;
-  bool unmapped = false;
-  while (reclaimed < target && freed && !candidates.empty()) {
-    const double age_threshold = double(total_age) / double(candidates.size());
-    freed = false;
-    for (auto it = candidates.begin(); it != candidates.end();) {
-      if (double(it->second) >= age_threshold) {
-        freed = true;
-        total_age -= it->second;
-        block* b = it->first;
-        it = candidates.erase(it);
-        if (b->seg->expandable) {
-          // cuMemUnmap does not wait for queued work: the block's page fence
-          // must have completed. The threshold is a cap, so this rung may
-          // wait for it (counted in num_device_synchronizations).
-          fences_.await_fence(b, page_fences::wait_reason::garbage_collection);
-          unmapped = true;
-          reclaimed += expandable_.unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
-        } else {
-          reclaimed += b->size;
-          release_block(b, stats_);
-        }
-      } else {
-        ++it;
-      }
-    }
-  }
-  if (unmapped) {
-    // A page unmapped here may have come behind a device-side wait or from
-    // its stream's own earlier free, its old mapping still retired: its
-    // release waits for that deferred unmap, and until then it counts as
-    // reserved in no segment that a snapshot shows. Its new place's fence,
-    // completed now, was recorded after the old one's: settled here without
-    // waiting, as the next slow path would, so that reserved memory again
-    // equals the segments' mapped bytes when this malloc returns.
-    expandable_.settle_retired(false);
-    expandable_.release_empty_expandable_segments();
-  }
 }
 
 block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss,
@@ -658,9 +366,9 @@ block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requ
   return allocate_slow(p, w);
 }
 
-block* device_state::allocate_tagged(std::size_t requested_bytes, stream_state& ss, tag_id tag) {
-  world_lock w(*this);
-  return allocate_in_private_pool(tags_.tag_pool(tag), requested_bytes, ss, w);
+block* allocate_tagged(device_state& d, std::size_t requested_bytes, stream_state& ss, tag_id tag) {
+  world_lock w(d);
+  return d.allocate_in_private_pool(d.tags().tag_pool(tag), requested_bytes, ss, w);
 }
 
 }  // namespace ccalloc::detail

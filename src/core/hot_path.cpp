@@ -103,7 +103,7 @@ namespace {
   p.size = size_bytes;
   p.alloc_size = size_bytes;
   p.stream = stream;
-  s.throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
+  s.oom().throw_out_of_memory(p, w);  // SPEC F2: at once, nothing else tried
 }
 
 // malloc without history: inlined into device_caching_allocator::malloc.
@@ -129,7 +129,7 @@ allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_b
 // (the slow path, events, the thread cache when it is on).
 [[gnu::flatten]] allocation device_caching_allocator::malloc(std::size_t size_bytes, stream_t stream) {
   auto& s = *state_;
-  if (s.history_.active()) [[unlikely]] {
+  if (s.history().active()) [[unlikely]] {
     detail::thread_cache_flush_own(s);  // parked before recording began
     return detail::malloc_recorded(s, size_bytes, stream);
   }
@@ -143,7 +143,7 @@ allocation detail::malloc_unrecorded(detail::device_state& s, std::size_t size_b
 
 [[gnu::flatten]] void device_caching_allocator::free(block* b) {
   auto& s = *state_;
-  if (!s.history_.active()) [[likely]] {
+  if (!s.history().active()) [[likely]] {
     if (!detail::thread_cache_park(s, b)) s.free(b);
     return;
   }
@@ -171,7 +171,7 @@ CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 [[gnu::noinline]] block* allocate_locked(device_state& d, std::size_t requested_bytes, stream_state& ss) {
   world_lock w(d);
   alloc_params p;
-  d.policy_.prepare(p, requested_bytes, ss);
+  d.policy().prepare(p, requested_bytes, ss);
   return d.allocate_slow(p, w);
 }
 }  // namespace
@@ -221,7 +221,8 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
       }
     }
   }
-  if (const tag_id tag = tls_current_tag; tag != default_tag_id) return allocate_tagged(requested_bytes, ss, tag);
+  if (const tag_id tag = tls_current_tag; tag != default_tag_id)
+    return allocate_tagged(*this, requested_bytes, ss, tag);
   alloc_params p;
   {
     std::lock_guard lock(ss.mutex);
@@ -245,7 +246,7 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
     auto fresh = std::make_unique<stream_state>(stream);
     it = streams_.emplace(stream, std::move(fresh)).first;
     auto& slot = it->second;
-    const std::size_t page = d_.expandable_.page_bytes();
+    const std::size_t page = d_.expandable().page_bytes();
     if (stream != default_stream && streams_.size() >= 2 && page != 0) slot->fence_free_bytes = page;
     if (streams_.size() == 2) {
       // The first stream kept its statistics pending without a lock; publish
@@ -254,8 +255,8 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
       for (auto& [other_stream, other] : streams_) {
         if (other.get() == slot.get()) continue;
         std::lock_guard other_lock(other->mutex);
-        std::lock_guard stats_lock(d_.stats_mutex_);
-        publish_pending_stats(d_.stats_, *other);
+        std::lock_guard stats_lock(d_.stats().mutex());
+        publish_pending_stats(d_.stats().values(), *other);
         if (other_stream != default_stream && page != 0) other->fence_free_bytes = page;
         single_stream_.store(false, std::memory_order_relaxed);
       }
@@ -269,17 +270,17 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
 // A stream not met before, or destroyed (stream_destroyed), is checked with
 // the backend (SPEC R5): a handle never created would fail later, at its
 // free. A destroyed stream's handle that the backend reports live again is
-// a new stream (CUDA reuses handles; the CUDA backend cannot tell, and says
-// live).
+// a new stream (CUDA reuses handles). A stream met and live is not asked
+// about again: no backend call per malloc (docs/limitations.md).
 [[gnu::noinline]] stream_state& stream_registry::registered_stream(stream_t stream) {
   {
     std::lock_guard lock(registry_mutex_);
     const auto known = streams_.find(stream);
     const bool met = known != streams_.end();
     if (met && !known->second->gone) return registered_slot(stream);
-    if (!d_.backend_.is_stream(d_.device_, stream))  // one message, remembered or forgotten (forget_gone_streams)
+    if (!d_.backend().is_stream(d_.device(), stream))  // one message, remembered or forgotten (forget_gone_streams)
       throw invalid_argument_error("ccalloc: malloc on stream " + std::to_string(stream) + " of device " +
-                                   std::to_string(d_.device_) +
+                                   std::to_string(d_.device()) +
                                    ", which is not a live stream of that device (never created, or destroyed)");
     if (!met) return registered_slot(stream);
   }
@@ -445,11 +446,11 @@ namespace {
   if (p.pool->blocks.owes()) [[unlikely]]
     p.pool->blocks.repay();
   block* remaining = b;
-  const bool back = d.policy_.place_at_back(b);
+  const bool back = d.policy().place_at_back(b);
   std::uintptr_t start = back ? b->ptr + b->size - p.size : b->ptr;
   // Only where free pages are recycled at every new peak (the default):
   // the page it saves is the one its neighbours' recycling frees.
-  if (b->seg->expandable && !b->pool->is_small && d.policy_.recycles_at_every_peak() &&
+  if (b->seg->expandable && !b->pool->is_small && d.policy().recycles_at_every_peak() &&
       page_sliver(p.size, start - b->seg->base, b->seg->page_bytes)) [[unlikely]]
     start = placement_policy::page_aligned_start(*b, p.size, back);
   block* upper = nullptr;  // a second remainder, above the caller's block
@@ -542,7 +543,7 @@ block* device_state::take_found_block(alloc_params& p, device_stats& st, block_i
 // under the world lock, which changes every version. [stream]
 block* device_state::note_reusable(block* b, const stream_state& ss) const noexcept {
   const bool kept_out = policy_.free_records_fence(b, ss) || policy_.config().garbage_collection_threshold > 0.0 ||
-                        (!b->pool->is_small && thread_caches_.small_only.load(std::memory_order_relaxed));
+                        (!b->pool->is_small && thread_caches_.small_only());
   b->reuse_version = kept_out ? no_reuse_version : b->pool->blocks.version();
   return b;
 }
@@ -555,17 +556,17 @@ namespace {
 // changed then.
 [[gnu::noinline]] void free_used_on_other_streams(device_state& d, block* b, stream_state& ss) {
   // No events while capturing (cudaEventQuery is not allowed): decide later.
-  if (d.pools_.capture_underway() || d.pools_.any_stream_capturing(b)) {
-    d.pools_.defer_free(b);
+  if (d.pools().capture_underway() || d.pools().any_stream_capturing(b)) {
+    d.pools().defer_free(b);
     return;
   }
   // Its pages may move once the other streams' events and a fence of its
   // own stream recorded now have completed: the block takes the fence's
   // count now (free_block keeps it), not when its events complete.
   const bool fence = b->seg->expandable;
-  if (fence) d.fences_.fence_before_free(ss);  // may throw: nothing changed yet
+  if (fence) d.fences().fence_before_free(ss);  // may throw: nothing changed yet
   try {
-    d.events_.insert_events(b);
+    d.events().insert_events(b);
   } catch (...) {
     if (fence) ++ss.free_seq;  // the fence's count goes unused: no later free may take it
     throw;
@@ -598,7 +599,7 @@ void device_state::free(block* b) {
     free_used_on_other_streams(*this, b, ss);
   } else if (!policy_.caching() && !b->is_split() && b->pool->priv == nullptr && !pools_.capture_underway())
       [[unlikely]] {
-    free_uncached(b, ss);  // may throw: nothing changed then
+    segments_.free_uncached(b, ss);  // may throw: nothing changed then
     return;
   } else if (policy_.free_records_fence(b, ss) && !pools_.capture_underway()) [[unlikely]] {
     // No fence of the stream outstanding (one already is: skip, so that a
@@ -621,7 +622,7 @@ void device_state::free(block* b) {
 // before anything changed.
 [[gnu::noinline]] void device_fences::fence_before_free(stream_state& ss) {
   if (ss.gone) return;  // destroyed: its work completed, nothing to fence
-  std::lock_guard device_lock(d_.device_mutex_);  // with ss.mutex: no world lock holder touches ss.fences
+  std::lock_guard device_lock(d_.device_mutex());  // with ss.mutex: no world lock holder touches ss.fences
   const std::uint64_t coming = ss.free_seq + 1;  // the count the coming free takes
   if (ss.fences.recorded_up_to() < coming) ss.fences.record(events_, ss.stream, coming);
 }
@@ -695,10 +696,10 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
     // and the other blocks it is completing are not lost.
     try {
       if (device_locked) {
-        release_block(b, st);
+        segments_.release_block(b, st);
       } else {
         std::lock_guard device_lock(device_mutex_);
-        release_block(b, st);
+        segments_.release_block(b, st);
       }
     } catch (const backend_error&) {
     }

@@ -51,7 +51,7 @@ std::pair<void*, std::size_t> device_caching_allocator::base_allocation(block* b
 std::size_t device_caching_allocator::block_size(const block* b) const noexcept { return b->size; }
 
 block_segment device_caching_allocator::segment_of(const block* b) const {
-  std::lock_guard lock(state_->device_mutex_);  // pages change under the device lock
+  std::lock_guard lock(state_->device_mutex());  // pages change under the device lock
   const detail::segment& seg = *b->seg;
   block_segment out;
   out.base = seg.base;
@@ -71,7 +71,7 @@ std::vector<expandable_segment_info> device_caching_allocator::expandable_segmen
   auto& s = *state_;
   world_lock w(s);
   std::vector<expandable_segment_info> out;
-  for (auto& [base, seg] : s.segments_) {
+  for (auto& [base, seg] : s.segments()) {
     if (!seg->expandable) continue;
     expandable_segment_info e;
     e.stream = seg->head->stream;
@@ -88,8 +88,8 @@ std::vector<segment_info> device_caching_allocator::segments() const {
   auto& s = *state_;
   world_lock w(s);
   std::vector<segment_info> out;
-  out.reserve(s.segments_.size());
-  for (auto& [base, seg] : s.segments_) {
+  out.reserve(s.segments().size());
+  for (auto& [base, seg] : s.segments()) {
     segment_info si;
     si.device = device_;
     si.address = base;
@@ -98,7 +98,7 @@ std::vector<segment_info> device_caching_allocator::segments() const {
     si.is_small_pool = seg->head->pool->is_small;
     si.is_expandable = seg->expandable;
     si.mapped_bytes = seg->expandable ? seg->mapped_bytes : seg->size;
-    if (s.history_.enabled()) si.context = s.history_.segment_context(base);
+    if (s.history().enabled()) si.context = s.history().segment_context(base);
     si.tag = tag_name(detail::tag_of(*seg));
     si.paused = seg->paused;
     if (const detail::private_pool* pp = seg->head->pool->priv) {
@@ -119,7 +119,7 @@ std::vector<segment_info> device_caching_allocator::segments() const {
       if (bi.state != block_state::inactive) {
         si.active_bytes += b->size;
         si.requested_bytes += b->requested_bytes;
-        if (s.history_.enabled()) bi.context = s.history_.block_context(b->ptr);
+        if (s.history().enabled()) bi.context = s.history().block_context(b->ptr);
       }
       si.blocks.push_back(bi);
     }
@@ -134,10 +134,10 @@ pool_usage device_caching_allocator::pool_stats(mempool_id_t id) const {
   const detail::private_pool* pp = nullptr;
   pool_usage u;
   if (id != mempool_id_t{}) {
-    pp = &s.pools_.checked_pool(id, "pool_stats");
+    pp = &s.pools().checked_pool(id, "pool_stats");
     u.use_count = pp->use_count;
   }
-  for (auto& [base, seg] : s.segments_) {
+  for (auto& [base, seg] : s.segments()) {
     if (seg->head->pool->priv != pp) continue;
     ++u.segment_count;
     u.reserved_bytes += seg->expandable ? seg->mapped_bytes : seg->size;
@@ -162,15 +162,15 @@ template <class Fail>
 void check_expandable_placement(detail::device_state& s, const Fail& fail) {
   using run_choice = detail::run_choice;
   std::vector<detail::block_pool*> pools;
-  for (auto& [base, seg] : s.segments_)  // a paused tag's pools place nothing
-    if (seg->expandable && !s.tags_.tag_paused(detail::tag_of(*seg)) &&
+  for (auto& [base, seg] : s.segments())  // a paused tag's pools place nothing
+    if (seg->expandable && !s.tags().tag_paused(detail::tag_of(*seg)) &&
         std::find(pools.begin(), pools.end(), seg->head->pool) == pools.end())
       pools.push_back(seg->head->pool);
   for (detail::block_pool* pool : pools) {
-    const std::size_t page = s.expandable_.page_bytes();
+    const std::size_t page = s.expandable().page_bytes();
     std::vector<std::size_t> sizes = {detail::min_block_bytes, page - detail::min_block_bytes, page,
                                       page + detail::min_block_bytes, 3 * page};
-    for (auto& [base, seg] : s.segments_) {
+    for (auto& [base, seg] : s.segments()) {
       if (!seg->expandable || seg->head->pool != pool) continue;
       std::size_t run = 0;
       for (const block* b = seg->head; b != nullptr && sizes.size() < 13; b = b->next) {
@@ -184,8 +184,8 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
     for (std::size_t size : sizes) {
       run_choice indexed;
       run_choice scanned;
-      detail::best_own_run(s.segments_, *pool, size, indexed);
-      detail::best_own_run_by_scan(s.segments_, *pool, size, scanned);
+      detail::best_own_run(s.segments().map(), *pool, size, indexed);
+      detail::best_own_run_by_scan(s.segments().map(), *pool, size, scanned);
       if (indexed.seg != scanned.seg || indexed.first != scanned.first || indexed.pages != scanned.pages ||
           indexed.run != scanned.run || indexed.start != scanned.start || indexed.retired != scanned.retired)
         fail("the placement of a " + std::to_string(size) +
@@ -198,18 +198,18 @@ void check_expandable_placement(detail::device_state& s, const Fail& fail) {
 // Sleep and wake: a segment holds one tag's blocks (one pool); a paused one
 // is a reservation with nothing mapped (paused bytes are mapped nowhere) and
 // pages to map again under its allocated blocks.
-void check_paused_state(const detail::device_state& s, const detail::segment& seg) {
+void check_paused_state(detail::device_state& s, const detail::segment& seg) {
   if (seg.paused) {
     if (!seg.expandable) fail("a plain segment is paused");
     if (seg.mapped_bytes != 0 || !seg.pages.retired().empty()) fail("a paused reservation has mapped pages");
-    if (!s.tags_.tag_paused(detail::tag_of(seg))) fail("a paused reservation's tag is not paused");
+    if (!s.tags().tag_paused(detail::tag_of(seg))) fail("a paused reservation's tag is not paused");
     for (physical_handle_t h : seg.pages.handles())
       if (h != 0) fail("a paused reservation has a mapped page");
     for (const auto& run : seg.paused_runs)
       if (run.first_page + run.pages > seg.pages.count()) fail("a paused run lies outside its reservation");
   } else if (!seg.paused_runs.empty() || !seg.paused_free.empty() || !seg.frees_while_paused.empty()) {
     fail("an active segment keeps paused state");
-  } else if (s.tags_.tag_paused(detail::tag_of(seg)) && seg.mapped_bytes != 0) {
+  } else if (s.tags().tag_paused(detail::tag_of(seg)) && seg.mapped_bytes != 0) {
     fail("a paused tag holds a mapped page");
   }
 }
@@ -325,7 +325,7 @@ std::size_t check_segment_blocks(const detail::segment& seg, stat_group g, devic
 
 // One segment: its head, paused state, page table and blocks, counted into
 // `recount`. Returns its pooled blocks; adds its retired pages to `retired`.
-std::size_t check_segment(const detail::device_state& s, std::uintptr_t base, const detail::segment& seg,
+std::size_t check_segment(detail::device_state& s, std::uintptr_t base, const detail::segment& seg,
                           device_stats& recount, std::size_t& retired) {
   if (seg.head == nullptr || seg.head->ptr != base || seg.head->prev != nullptr)
     fail("segment head is not the block at the segment base");
@@ -343,7 +343,7 @@ std::size_t check_segment(const detail::device_state& s, std::uintptr_t base, co
 std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
   std::map<const detail::block_pool*, std::size_t> plain;
   std::map<const detail::stream_state*, std::size_t> held_by;
-  for (auto& [base, seg] : s.segments_) {
+  for (auto& [base, seg] : s.segments()) {
     plain[seg->head->pool] += seg->expandable ? 0 : 1;
     ++held_by[seg->head->pool->owner];
   }
@@ -365,16 +365,16 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
     for (auto& [pp, sp] : ss->private_pools) {
       check_plain(sp->small);
       check_plain(sp->large);
-      if (s.pools_.find_pool(pp->id) != pp) fail("a stream holds pools of a deleted private pool");
+      if (s.pools().find_pool(pp->id) != pp) fail("a stream holds pools of a deleted private pool");
       if (sp->small.priv != pp || sp->large.priv != pp || sp->small.owner != ss || sp->large.owner != ss)
         fail("a private pool's stream pools point to the wrong pool or stream");
       in_pools += sp->small.blocks.size() + sp->large.blocks.size();
     }
   }
-  if (gone != s.registry_.gone_count()) fail("gone_streams_ differs from the gone stream states");
-  for (auto& [id, pp] : s.pools_.all()) {
+  if (gone != s.registry().gone_count()) fail("gone_streams_ differs from the gone stream states");
+  for (auto& [id, pp] : s.pools().all()) {
     std::size_t held = 0;
-    for (auto& [base, seg] : s.segments_) held += seg->head->pool->priv == pp.get() ? 1 : 0;
+    for (auto& [base, seg] : s.segments()) held += seg->head->pool->priv == pp.get() ? 1 : 0;
     if (held != pp->segment_count) fail("private pool " + to_string(id) + "'s segment_count differs from its segments");
     if (pp->use_count < 0) fail("negative pool use count");
   }
@@ -383,39 +383,40 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
 
 // The device's counters (reservation, pending events, statistics) against
 // a recount from the segments.
-void check_counters(const detail::device_state& s, const device_stats& recount) {
-  for (const block* b : s.pools_.deferred_frees())
+void check_counters(detail::device_state& s, const device_stats& recount) {
+  for (const block* b : s.pools().deferred_frees())
     if (b->allocated || b->event_count != 1) fail("a deferred free is allocated or lacks its placeholder event");
-  if (static_cast<std::int64_t>(s.memory_.reserved()) != recount.reserved_bytes[0].current)
+  if (static_cast<std::int64_t>(s.memory().reserved()) != recount.reserved_bytes[0].current)
     fail("the reservation counter differs from the sum of segment sizes");
-  if (!s.events_.count_matches()) fail("pending_event_count_ differs from the queued events");
+  if (!s.events().count_matches()) fail("pending_event_count_ differs from the queued events");
   const auto same = [](const stat_array& a, const stat_array& b, const char* name) {
     for (std::size_t i = 0; i < stat_group_count; ++i)
       if (a[i].current != b[i].current)
         fail(std::string(name) + "[" + std::to_string(i) + "].current is " + std::to_string(a[i].current) +
              " but a recount gives " + std::to_string(b[i].current));
   };
-  same(s.stats_.segment, recount.segment, "segment");
-  same(s.stats_.reserved_bytes, recount.reserved_bytes, "reserved_bytes");
-  same(s.stats_.allocation, recount.allocation, "allocation");
-  same(s.stats_.allocated_bytes, recount.allocated_bytes, "allocated_bytes");
-  same(s.stats_.active, recount.active, "active");
-  same(s.stats_.active_bytes, recount.active_bytes, "active_bytes");
-  same(s.stats_.requested_bytes, recount.requested_bytes, "requested_bytes");
-  same(s.stats_.inactive_split, recount.inactive_split, "inactive_split");
-  same(s.stats_.inactive_split_bytes, recount.inactive_split_bytes, "inactive_split_bytes");
+  const device_stats& st = s.stats().values();
+  same(st.segment, recount.segment, "segment");
+  same(st.reserved_bytes, recount.reserved_bytes, "reserved_bytes");
+  same(st.allocation, recount.allocation, "allocation");
+  same(st.allocated_bytes, recount.allocated_bytes, "allocated_bytes");
+  same(st.active, recount.active, "active");
+  same(st.active_bytes, recount.active_bytes, "active_bytes");
+  same(st.requested_bytes, recount.requested_bytes, "requested_bytes");
+  same(st.inactive_split, recount.inactive_split, "inactive_split");
+  same(st.inactive_split_bytes, recount.inactive_split_bytes, "inactive_split_bytes");
 }
 }  // namespace
 
 void device_caching_allocator::check_invariants() const {
   auto& s = *state_;
   world_lock w(s);
-  s.publish_all_pending_stats(w);
+  s.stats().publish_all_pending(w);
   device_stats recount;
   std::size_t pooled = 0;
   std::size_t retired_total = 0;
-  for (auto& [base, seg] : s.segments_) pooled += check_segment(s, base, *seg, recount, retired_total);
-  if (retired_total != s.expandable_.retired_pages())
+  for (auto& [base, seg] : s.segments()) pooled += check_segment(s, base, *seg, recount, retired_total);
+  if (retired_total != s.expandable().retired_pages())
     fail("expandable_.retired_pages() differs from the segments' retired pages");
   check_expandable_placement(s, fail);
   if (check_stream_books(s, w) != pooled) fail("pools hold blocks that are not free blocks of live segments");
@@ -424,7 +425,7 @@ void device_caching_allocator::check_invariants() const {
   // transitions, composed here (after the specific checks above, which say
   // more about what is wrong). Not the recycling budget's bounds: a lowered
   // recycle_time_percent holds from its next refill.
-  for (auto& [base, seg] : s.segments_)
+  for (auto& [base, seg] : s.segments())
     if (!detail::segment_is_valid(*seg)) fail("a segment fails its own check (segment_is_valid)");
   for (detail::stream_state* ss : w.streams())
     if (!ss->fences.check()) fail("a stream's page fences fail their check (page_fences::check)");

@@ -1,7 +1,8 @@
 // Locks and statistics publishing. world_lock takes every lock of a device
 // in the lock order (see detail/device_state.hpp); a stream's statistics
 // collected while stats_mutex_ was busy (stats_sink, detail/stats_sink.hpp)
-// are merged into the device's by publish_pending_stats.
+// are merged into the device's by publish_pending_stats (every stream's:
+// device_statistics::publish_all_pending).
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include "detail/device_state.hpp"
@@ -21,7 +22,7 @@ world_lock::world_lock(device_state& d) : d_(d) {
 }
 world_lock::~world_lock() {
   if (!locked_) return;
-  d_.registry_.forget_gone_streams(*this);
+  d_.registry().forget_gone_streams(*this);
   unlock();
 }
 
@@ -31,22 +32,22 @@ void world_lock::drop(stream_state* ss) noexcept {
 }
 
 void world_lock::lock() {
-  d_.registry_.registry_mutex_.lock();
+  d_.registry().registry_mutex_.lock();
   streams_.clear();
   try {
-    streams_.reserve(d_.registry_.streams_.size());
+    streams_.reserve(d_.registry().streams_.size());
   } catch (...) {  // out of host memory: nothing is locked, nothing changed
-    d_.registry_.registry_mutex_.unlock();
+    d_.registry().registry_mutex_.unlock();
     throw;
   }
-  for (auto& [stream, ss] : d_.registry_.streams_) streams_.push_back(ss.get());
+  for (auto& [stream, ss] : d_.registry().streams_) streams_.push_back(ss.get());
   // By stream handle (unique per device): the lock order, and the order of
   // every slow-path loop over the streams (streams()).
   std::sort(streams_.begin(), streams_.end(),
             [](const stream_state* a, const stream_state* b) { return a->stream < b->stream; });
   for (stream_state* ss : streams_) ss->mutex.lock();
-  d_.device_mutex_.lock();
-  d_.stats_mutex_.lock();
+  d_.device_mutex().lock();
+  d_.stats().mutex().lock();
   locked_ = true;
   // Whatever the holder changes (configuration, page fences, the slow path),
   // the blocks the thread caches hold stop being reusable (block::reuse_version).
@@ -58,10 +59,10 @@ void world_lock::lock() {
 
 void world_lock::unlock() {
   locked_ = false;
-  d_.stats_mutex_.unlock();
-  d_.device_mutex_.unlock();
+  d_.stats().mutex().unlock();
+  d_.device_mutex().unlock();
   for (auto it = streams_.rbegin(); it != streams_.rend(); ++it) (*it)->mutex.unlock();
-  d_.registry_.registry_mutex_.unlock();
+  d_.registry().registry_mutex_.unlock();
 }
 
 void publish_pending_stats(device_stats& into, stream_state& s) noexcept {
@@ -114,9 +115,9 @@ namespace {
 
 }  // namespace
 
-void device_state::publish_all_pending_stats(const world_lock& w) {
-  for (stream_state* ss : w.streams()) publish_pending_stats(stats_, *ss);
-  CCALLOC_ASSERT(no_negative_current(stats_));
+void device_statistics::publish_all_pending(const world_lock& w) {
+  for (stream_state* ss : w.streams()) publish_pending_stats(values_, *ss);
+  CCALLOC_ASSERT(no_negative_current(values_));
 }
 
 }  // namespace ccalloc::detail

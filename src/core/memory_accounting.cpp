@@ -15,21 +15,15 @@
 
 namespace ccalloc::detail {
 
-
-
-
-
-
-void device_state::set_memory_fraction(double fraction, const world_lock& w) {
+void set_memory_fraction(device_state& d, double fraction, const world_lock& w) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
     throw invalid_argument_error("ccalloc: memory fraction " + format_double(fraction) +
-                                 " for device " + std::to_string(device_) + " is outside [0, 1]");
-  const std::size_t allowed = memory_.allowed_for(fraction);
+                                 " for device " + std::to_string(d.device()) + " is outside [0, 1]");
+  const std::size_t allowed = d.memory().allowed_for(fraction);
   // Keep reserved <= the new cap where cached memory allows it. Before the
   // cap changes: if the device fails meanwhile, the old cap stays in force.
-  if (memory_.reserved() > allowed) release_cached_blocks(w);
-  memory_.set_cap(fraction, allowed);
+  if (d.memory().reserved() > allowed) d.segments().release_cached_blocks(w);
+  d.memory().set_cap(fraction, allowed);
 }
-
 
 }  // namespace ccalloc::detail

@@ -1,4 +1,5 @@
-// Rung 6 of the fallback ladder (B6): the out-of-memory error. Builds the
+// Rung 6 of the fallback ladder (B6): the out-of-memory error
+// (oom_reporter, detail/oom_reporter.hpp). Builds the
 // message (what was asked, what the device and the cache hold, a hint),
 // records the OOM in the history, writes the out-of-memory snapshot
 // (oom_snapshot), calls the OOM observers outside the locks (F17) and throws
@@ -36,45 +37,45 @@ struct oom_facts {
   bool fragmented = false;       // more than a tenth of the reserved bytes unallocated
 };
 
-oom_facts gather_oom_facts(const device_state& d, const alloc_params& p, const world_lock& w) {
+oom_facts gather_oom_facts(device_state& d, const alloc_params& p, const world_lock& w) {
   oom_facts f;
-  f.info = d.backend_.mem_get_info(d.device_);
-  f.allocated = static_cast<std::size_t>(d.stats_.allocated_bytes[0].current);
-  f.reserved = d.memory_.reserved();
+  f.info = d.backend().mem_get_info(d.device());
+  f.allocated = static_cast<std::size_t>(d.stats().values().allocated_bytes[0].current);
+  f.reserved = d.memory().reserved();
   for (stream_state* ss : w.streams())
     for (block_pool* pool : {&ss->pools.small, &ss->pools.large})
       if (!pool->blocks.empty()) f.largest_free = std::max(f.largest_free, pool->blocks.largest()->size);
   f.custom_segments = p.pool != nullptr && p.pool->priv != nullptr && p.pool->priv->custom.malloc;
-  f.pages = d.policy_.caching() && d.policy_.config().expandable_segments && d.expandable_.page_bytes() != 0 &&
-            !d.expandable_.no_address_space() && !f.custom_segments;
+  f.pages = d.policy().caching() && d.policy().config().expandable_segments && d.expandable().page_bytes() != 0 &&
+            !d.expandable().no_address_space() && !f.custom_segments;
   f.too_large = p.pool == nullptr;
   // (Rounded up to pages without wrapping past SIZE_MAX: a refused request may be that large.)
-  const std::size_t page = d.expandable_.page_bytes();
+  const std::size_t page = d.expandable().page_bytes();
   f.needed = !f.pages || f.too_large ? p.alloc_size
              : p.size > std::numeric_limits<std::size_t>::max() - page + 1
                  ? p.size
                  : (p.size + page - 1) / page * page;
-  f.limit = d.memory_.capped() ? d.memory_.allowed() : f.info.total_bytes;
+  f.limit = d.memory().capped() ? d.memory().allowed() : f.info.total_bytes;
   f.fragmented = f.reserved > f.allocated && f.reserved - f.allocated > f.reserved / 10;
   return f;
 }
 
 // What was asked, what the device and the cache hold.
-std::string oom_situation(const device_state& d, const alloc_params& p, const oom_facts& f) {
-  std::string msg = "ccalloc: out of memory on device " + std::to_string(d.device_) + ". Tried to allocate " +
+std::string oom_situation(device_state& d, const alloc_params& p, const oom_facts& f) {
+  std::string msg = "ccalloc: out of memory on device " + std::to_string(d.device()) + ". Tried to allocate " +
                     format_bytes(p.requested_bytes) + " (" + std::to_string(p.requested_bytes) + " bytes; " +
                     (f.too_large ? "requests of " + format_bytes(max_request_bytes) + " or more are refused at once"
                      : f.pages   ? "needed to map " + format_bytes(f.needed) + " of pages"
                                  : "needed a new segment of " + format_bytes(f.needed)) +
-                    "). Device " + std::to_string(d.device_) + " has a total capacity of " +
+                    "). Device " + std::to_string(d.device()) + " has a total capacity of " +
                     format_bytes(f.info.total_bytes) + " of which " + format_bytes(f.info.free_bytes) + " is free.";
-  if (d.memory_.capped())
-    msg += " The per-process memory fraction " + format_double(d.memory_.fraction()) + " allows " +
-           format_bytes(d.memory_.allowed()) + ".";
+  if (d.memory().capped())
+    msg += " The per-process memory fraction " + format_double(d.memory().fraction()) + " allows " +
+           format_bytes(d.memory().allowed()) + ".";
   // The device may refuse memory it reports free (another process took it
   // meanwhile, its free memory is fragmented, an injected fault): say so
   // rather than leave "X is free" unexplained.
-  const bool under_fraction = !d.memory_.capped() || d.memory_.reserved() + f.needed <= d.memory_.allowed();
+  const bool under_fraction = !d.memory().capped() || d.memory().reserved() + f.needed <= d.memory().allowed();
   if (f.info.free_bytes >= f.needed && under_fraction)
     msg += std::string(" The device refused the ") + (f.pages ? "pages" : "segment") +
            " although it reports that much free (its free memory may be fragmented or taken meanwhile by "
@@ -89,21 +90,21 @@ std::string oom_situation(const device_state& d, const alloc_params& p, const oo
 // ladder already waited for every event and returned every cached whole
 // segment and free page, so garbage_collection_threshold (which returns
 // the same memory, only sooner) never would.
-std::string oom_advice(const device_state& d, const oom_facts& f) {
+std::string oom_advice(device_state& d, const oom_facts& f) {
   std::vector<std::string> settings;
   if (f.fragmented && !f.pages) {
     // Free pages of partly used segments could go back to the device.
-    if (d.expandable_.page_bytes() != 0 && !f.custom_segments)
+    if (d.expandable().page_bytes() != 0 && !f.custom_segments)
       settings.emplace_back("expandable_segments:True so that the free pages of partly used segments are returned");
     // Large cached blocks would not be split for small requests (blocks of
     // expandable segments are never returned whole: no use there).
-    if (d.policy_.config().max_split_size_bytes == std::numeric_limits<std::size_t>::max())
+    if (d.policy().config().max_split_size_bytes == std::numeric_limits<std::size_t>::max())
       settings.emplace_back("max_split_size_mb:<MiB> so that large cached blocks are not split for small requests");
   }
-  const std::string or_fraction = d.memory_.capped() ? ", or raise the memory fraction." : ".";
+  const std::string or_fraction = d.memory().capped() ? ", or raise the memory fraction." : ".";
   if (f.needed > f.limit)
     return " The request alone is larger than the " +
-           std::string(d.memory_.capped() ? "memory the fraction allows" : "device's memory") + ".";
+           std::string(d.memory().capped() ? "memory the fraction allows" : "device's memory") + ".";
   if (f.fragmented && f.needed > std::min(f.info.free_bytes + (f.reserved - f.allocated),
                                           f.limit - std::min(f.limit, f.allocated)))
     // (Refused at once, the cache kept: allocate_slow.)
@@ -121,26 +122,6 @@ std::string oom_advice(const device_state& d, const oom_facts& f) {
            "page was unmapped already) or is cached by live private pools; reduce the memory the program holds at "
            "its peak, or free long-lived small allocations first.";
   return std::string(" Reduce the memory the program holds at its peak (batch size, sequence length)") + or_fraction;
-}
-
-// The out-of-memory snapshot (oom_snapshot): at most one per
-// oom_snapshot_interval_s per device, decided under the world lock so that
-// threads failing together write one. Returns the path to write (empty:
-// none); says in `msg` why none is written when the interval holds it back.
-std::string claim_oom_snapshot(device_state& d, std::string& msg) {
-  if (d.policy_.config().oom_snapshot_path.empty() || !d.oom_snapshot_writer_) return {};
-  const auto now_us = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
-          .count());
-  const std::uint64_t since_s = d.last_oom_snapshot_us_ ? (now_us - *d.last_oom_snapshot_us_) / 1'000'000 : 0;
-  if (!d.last_oom_snapshot_us_ || since_s >= d.policy_.config().oom_snapshot_interval_s) {
-    d.last_oom_snapshot_us_ = now_us;
-    return d.policy_.config().oom_snapshot_path;
-  }
-  msg += " No snapshot was written (oom_snapshot): the last one went to " + d.policy_.config().oom_snapshot_path + " " +
-         std::to_string(since_s) + " s ago, and oom_snapshot_interval_s is " +
-         std::to_string(d.policy_.config().oom_snapshot_interval_s) + ".";
-  return {};
 }
 
 // Every observer runs, and the caller still gets the out-of-memory error:
@@ -164,35 +145,55 @@ void run_oom_observers(const std::vector<oom_observer>& observers, int device, s
 }
 }  // namespace
 
-void device_state::throw_out_of_memory(const alloc_params& p, world_lock& w) {
-  ++stats_.num_ooms;
-  const oom_facts facts = gather_oom_facts(*this, p, w);
-  std::string msg = oom_situation(*this, p, facts) + oom_advice(*this, facts);
+// The out-of-memory snapshot (oom_snapshot): at most one per
+// oom_snapshot_interval_s per device, decided under the world lock so that
+// threads failing together write one. Returns the path to write (empty:
+// none); says in `msg` why none is written when the interval holds it back.
+std::string oom_reporter::claim_snapshot(std::string& msg) {
+  if (d_.policy().config().oom_snapshot_path.empty() || !snapshot_writer_) return {};
+  const auto now_us = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+  const std::uint64_t since_s = last_snapshot_us_ ? (now_us - *last_snapshot_us_) / 1'000'000 : 0;
+  if (!last_snapshot_us_ || since_s >= d_.policy().config().oom_snapshot_interval_s) {
+    last_snapshot_us_ = now_us;
+    return d_.policy().config().oom_snapshot_path;
+  }
+  msg += " No snapshot was written (oom_snapshot): the last one went to " + d_.policy().config().oom_snapshot_path +
+         " " + std::to_string(since_s) + " s ago, and oom_snapshot_interval_s is " +
+         std::to_string(d_.policy().config().oom_snapshot_interval_s) + ".";
+  return {};
+}
+
+void oom_reporter::throw_out_of_memory(const alloc_params& p, world_lock& w) {
+  ++d_.stats().values().num_ooms;
+  const oom_facts facts = gather_oom_facts(d_, p, w);
+  std::string msg = oom_situation(d_, p, facts) + oom_advice(d_, facts);
   out_of_memory_error::figures f;
-  f.device = device_;
+  f.device = d_.device();
   f.requested_bytes = p.requested_bytes;
   f.device_total_bytes = facts.limit;
   f.device_free_bytes = facts.info.free_bytes;
   f.allocated_bytes = facts.allocated;
   f.reserved_bytes = facts.reserved;
-  if (history_.active()) [[unlikely]]
-    history_.record_oom(facts.info.free_bytes, p.requested_bytes, p.stream);
+  if (d_.history().active()) [[unlikely]]
+    d_.history().record_oom(facts.info.free_bytes, p.requested_bytes, p.stream);
   // Observers run outside the locks (SPEC F17): they may call back into
   // ccalloc. An out-of-memory error inside an observer (it allocates, on
   // this thread) is not observed again: an observer that allocates on every
   // call would otherwise recurse until the thread's stack ran out.
   // Nor does it write another oom_snapshot: the outer error writes one.
   if (tls_observing_oom) throw out_of_memory_error(std::move(msg), f);
-  const std::string snapshot_path = claim_oom_snapshot(*this, msg);
+  const std::string snapshot_path = claim_snapshot(msg);
   auto observers = observers_;
   w.unlock();
   if (!snapshot_path.empty()) {
     try {  // the writer never throws; appending its sentence may (host out of memory): the OOM error still goes out
-      msg += oom_snapshot_writer_(snapshot_path);
+      msg += snapshot_writer_(snapshot_path);
     } catch (...) {
     }
   }
-  run_oom_observers(observers, device_, p.requested_bytes, f);
+  run_oom_observers(observers, d_.device(), p.requested_bytes, f);
   throw out_of_memory_error(std::move(msg), f);
 }
 

@@ -60,13 +60,13 @@ mapping_reason unmap_reason(bool defer, bool recycled) noexcept {
 // free runs stay whole for large requests), then the oldest segment, then
 // by offset: the same order on every device. Read from the pools' indexes
 // from a page up, not from every block of every segment.
-std::vector<std::pair<std::size_t, block*>> recycling_candidates(const device_state& d, std::size_t page_bytes) {
+std::vector<std::pair<std::size_t, block*>> recycling_candidates(device_state& d, std::size_t page_bytes) {
   // Each pool once: sorted and deduplicated, not searched per segment (with
   // thousands of streams, each with its reservation, a search per segment
   // made every slow path quadratic). The pools' order does not matter: the
   // candidates are sorted below on keys that do not depend on it.
   std::vector<block_pool*> pools;
-  for (const auto& [base, up] : d.segments_) {
+  for (const auto& [base, up] : d.segments()) {
     block_pool* pool = up->head->pool;
     if (up->expandable && up->mapped_bytes != 0 && !pool_is_live(pool)) pools.push_back(pool);
   }
@@ -128,22 +128,22 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
     // Announced before the device unmaps; what a failure leaves mapped is
     // announced mapped again (finish).
     const mapping_reason reason = unmap_reason(defer, recycled != nullptr);
-    if (from < to) d_.mapping_.announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
+    if (from < to) d_.mapping().announce(mapping_change::unmap, reason, from, to - from, seg.head->stream, true);
     auto finish = [&] {
       if (addr < to)
-        d_.mapping_.announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream,
+        d_.mapping().announce(mapping_change::map, mapping_reason::pages_mapped, addr, to - addr, seg.head->stream,
                              true);
       const std::size_t bytes = addr - from;
-      CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= d_.memory_.reserved());
+      CCALLOC_ASSERT(bytes <= seg.mapped_bytes && bytes <= d_.memory().reserved());
       seg.mapped_bytes -= bytes;
-      d_.memory_.remove_reserved(bytes);
-      count_down(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(bytes));
+      d_.memory().remove_reserved(bytes);
+      count_down(d_.stats().values().reserved_bytes, g, static_cast<std::int64_t>(bytes));
       set_page_state(seg, from, addr, false, hint);
       if (addr > from) hint = nullptr;
-      if (d_.history_.active() && bytes > 0) [[unlikely]]
-        d_.history_.record_segment_unmap(from, bytes, seg.head->stream);
+      if (d_.history().active() && bytes > 0) [[unlikely]]
+        d_.history().record_segment_unmap(from, bytes, seg.head->stream);
       done_total += bytes;
-      d_.stats_.num_device_free += to_release.size();
+      d_.stats().values().num_device_free += to_release.size();
       retired_pages_ += seg.pages.retired().size() - retired_before;
       CCALLOC_ASSERT_EXPENSIVE(seg.pages.check());
       for (physical_handle_t h : to_release) release_page_handle(h);  // may throw: state is consistent
@@ -157,11 +157,11 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
           seg.pages.retire({i, seg.pages.handle(i), b->pool->owner, b->free_seq, false});
           recycled->push_back({seg.pages.handle(i), seg.head->stream});
         } else {
-          d_.backend_.vm_unmap(d_.device_, reinterpret_cast<void*>(addr), page);
+          d_.backend().vm_unmap(d_.device(), reinterpret_cast<void*>(addr), page);
           if (recycled != nullptr) recycled->push_back({seg.pages.handle(i), seg.head->stream});
           else to_release.push_back(seg.pages.handle(i));
         }
-        ++d_.stats_.num_pages_unmapped;
+        ++d_.stats().values().num_pages_unmapped;
         seg.pages.set_unmapped(i);
       }
     } catch (...) {
@@ -187,7 +187,7 @@ std::size_t expandable_segments::unmap_free_pages(std::size_t target_bytes, cons
   for (const auto& [partial_bytes, b] : candidates) {
     if (got >= target_bytes) return got;
     const bool keep = b->seg == keep_seg;
-    if (!d_.fences_.fence_completed(b)) {
+    if (!d_.fences().fence_completed(b)) {
       // The request's own stream runs its use of these pages after the
       // work before b's free: map them there now, unmap them here later.
       if (same_stream != nullptr && recycled != nullptr && b->pool->owner == same_stream && b->pool->priv == nullptr)
@@ -205,8 +205,8 @@ std::size_t expandable_segments::unmap_free_pages(std::size_t target_bytes, cons
   // (cudaMemPoolReuseAllowInternalDependencies; counted in
   // num_stream_waits): mapped at once, unmapped at the old place once the
   // fence completes (a deferred unmap). One wait per owner stream and fence.
-  if (d_.policy_.config().reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr &&
-      got < target_bytes && !waiting.empty() && d_.fences_.may_wait_on_device(*same_stream)) {
+  if (d_.policy().config().reuse_with_stream_wait && same_stream != nullptr && recycled != nullptr &&
+      got < target_bytes && !waiting.empty() && d_.fences().may_wait_on_device(*same_stream)) {
     std::vector<std::pair<const stream_state*, std::uint64_t>> waited;  // owner -> fence count waited for
     for (block*& entry : waiting) {
       if (got >= target_bytes) break;
@@ -215,11 +215,11 @@ std::size_t expandable_segments::unmap_free_pages(std::size_t target_bytes, cons
       if (b->pool->priv != nullptr || &owner == same_stream || owner.gone) continue;
       auto w = std::find_if(waited.begin(), waited.end(), [&](const auto& x) { return x.first == &owner; });
       if (w == waited.end() || w->second < b->free_seq) {
-        const auto fence = d_.fences_.fence_covering(owner, b->free_seq);
+        const auto fence = d_.fences().fence_covering(owner, b->free_seq);
         if (!fence) continue;
         if (w == waited.end()) w = waited.emplace(waited.end(), &owner, 0);  // before the wait: nothing throws after it
-        d_.backend_.stream_wait_event(d_.device_, same_stream->stream, fence->event);
-        ++d_.stats_.num_stream_waits;
+        d_.backend().stream_wait_event(d_.device(), same_stream->stream, fence->event);
+        ++d_.stats().values().num_stream_waits;
         w->second = fence->covers;
       }
       const bool keep = b->seg == keep_seg;
@@ -231,7 +231,7 @@ std::size_t expandable_segments::unmap_free_pages(std::size_t target_bytes, cons
   for (block* b : waiting) {
     if (got >= target_bytes) break;
     if (b == nullptr) continue;  // taken behind a device-side wait
-    d_.fences_.wait_fences(*b->pool->owner, page_fences::wait_reason::reclaim_pages);
+    d_.fences().wait_fences(*b->pool->owner, page_fences::wait_reason::reclaim_pages);
     const bool keep = b->seg == keep_seg;
     got += unmap_block_pages(b, keep ? keep_lo : 0, keep ? keep_hi : 0, recycled, target_bytes - got);
   }
@@ -277,15 +277,15 @@ void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std
       ++k;
       continue;
     }
-    if (!d_.fences_.fence_completed(*r.owner, r.free_seq)) {
+    if (!d_.fences().fence_completed(*r.owner, r.free_seq)) {
       if (!may_wait) {
         ++k;
         continue;
       }
-      d_.fences_.wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
+      d_.fences().wait_fences(*r.owner, page_fences::wait_reason::deferred_unmap);
     }
-    d_.backend_.vm_unmap(d_.device_, reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
-    d_.mapping_.announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap,
+    d_.backend().vm_unmap(d_.device(), reinterpret_cast<void*>(seg.base + r.index * seg.page_bytes), seg.page_bytes);
+    d_.mapping().announce(mapping_change::unmap_completed, mapping_reason::deferred_unmap,
                          seg.base + r.index * seg.page_bytes, seg.page_bytes, r.owner->stream, true);
     const segment::retired_page done = seg.pages.unretire(k);
     const bool release = done.release;  // counted in num_device_free when it was given up
@@ -293,8 +293,9 @@ void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std
     --retired_pages_;
     // A page that moved twice is retired at two places: the last unmap releases it.
     if (release) {
-      d_.memory_.remove_reserved(seg.page_bytes);
-      count_down(d_.stats_.reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(seg.page_bytes));
+      d_.memory().remove_reserved(seg.page_bytes);
+      count_down(d_.stats().values().reserved_bytes, group_of(seg.head->pool),
+                 static_cast<std::int64_t>(seg.page_bytes));
       release_page_handle(h);
     }
   }
@@ -307,18 +308,19 @@ void expandable_segments::settle_retired_in(segment& seg, std::size_t first, std
 // segment it is retired in: the device still holds it.
 void expandable_segments::release_page_handle(physical_handle_t h) {
   if (retired_pages_ != 0)
-    for (auto& [base, up] : d_.segments_)
+    for (auto& [base, up] : d_.segments())
       if (up->pages.release_at_unmap(h)) {
-        d_.memory_.add_reserved(up->page_bytes);
-        count_up(d_.stats_.reserved_bytes, group_of(up->head->pool), static_cast<std::int64_t>(up->page_bytes));
+        d_.memory().add_reserved(up->page_bytes);
+        count_up(d_.stats().values().reserved_bytes, group_of(up->head->pool),
+                 static_cast<std::int64_t>(up->page_bytes));
         return;
       }
-  d_.backend_.vm_release_handle(d_.device_, h);
+  d_.backend().vm_release_handle(d_.device(), h);
 }
 
 void expandable_segments::settle_retired(bool may_wait) {
   if (retired_pages_ == 0) return;
-  for (auto& [base, up] : d_.segments_)
+  for (auto& [base, up] : d_.segments())
     if (!up->pages.retired().empty()) settle_retired_in(*up, 0, std::numeric_limits<std::size_t>::max(), may_wait);
 }
 

@@ -31,7 +31,7 @@ private_pool* private_pool_registry::find_pool(mempool_id_t id) const noexcept {
 private_pool& private_pool_registry::checked_pool(mempool_id_t id, const char* what) const {
   private_pool* pp = find_pool(id);
   if (pp == nullptr)
-    throw invalid_argument_error(std::string("ccalloc: ") + what + ": device " + std::to_string(d_.device_) +
+    throw invalid_argument_error(std::string("ccalloc: ") + what + ": device " + std::to_string(d_.device()) +
                                  " has no private pool " + to_string(id) +
                                  " (never created with create_or_incref_pool, or released and deleted)");
   return *pp;
@@ -59,7 +59,7 @@ block_pool& private_pool_registry::pool_in(private_pool& pp, stream_state& ss, b
 // Rung 5b (F22): a request of the default pool takes a free block of a
 // set_use_on_oom pool (same stream and size class). The block stays in that pool.
 bool private_pool_registry::try_use_on_oom_pools(alloc_params& p, const world_lock&) {
-  if (p.pool->priv != nullptr || !d_.policy_.caching()) return false;
+  if (p.pool->priv != nullptr || !d_.policy().caching()) return false;
   for (auto& [id, pp] : pools_) {
     if (!pp->use_on_oom) continue;
     auto it = p.owner->private_pools.find(pp.get());
@@ -80,8 +80,8 @@ void private_pool_registry::release_dead_pools(const world_lock& w, bool keep_go
   for (stream_state* ss : w.streams())
     for (auto& [pp, sp] : ss->private_pools)
       if (pp->use_count == 0 || pp->is_tag_pool()) {  // a tag's pool caches as the default pools do
-        d_.release_blocks(sp->large, keep_going);
-        d_.release_blocks(sp->small, keep_going);
+        d_.segments().release_blocks(sp->large, keep_going);
+        d_.segments().release_blocks(sp->small, keep_going);
       }
 }
 
@@ -102,7 +102,7 @@ bool private_pool_registry::capture_underway() noexcept {
   if (!scopes_.active()) return false;
   return scopes_.any_capturing([&](stream_t stream) {
     try {
-      return d_.backend_.is_capturing(d_.device_, stream);
+      return d_.backend().is_capturing(d_.device(), stream);
     } catch (...) {  // if the backend cannot tell, stay on the safe side
       return true;
     }
@@ -111,7 +111,7 @@ bool private_pool_registry::capture_underway() noexcept {
 
 void private_pool_registry::note_if_capturing(stream_t stream) {
   try {
-    if (!d_.backend_.is_capturing(d_.device_, stream)) return;
+    if (!d_.backend().is_capturing(d_.device(), stream)) return;
   } catch (const backend_error&) {
     // CUDA refuses to say for the legacy stream while a blocking stream
     // captures (cudaErrorStreamCaptureImplicit): a capture runs, so stay on
@@ -121,16 +121,16 @@ void private_pool_registry::note_if_capturing(stream_t stream) {
 }
 
 bool private_pool_registry::any_stream_capturing(const block* b) {
-  if (!b->pool->owner->gone && d_.backend_.is_capturing(d_.device_, b->stream)) return true;
+  if (!b->pool->owner->gone && d_.backend().is_capturing(d_.device(), b->stream)) return true;
   for (stream_t s : b->stream_uses)  // never a destroyed stream (set_stream_gone)
-    if (d_.backend_.is_capturing(d_.device_, s)) return true;
+    if (d_.backend().is_capturing(d_.device(), s)) return true;
   return false;
 }
 
 // The free of a block used on other streams while capturing: it waits,
 // counted as active, with a placeholder event, until flush_deferred_frees.
 void private_pool_registry::defer_free(block* b) {
-  std::lock_guard device_lock(d_.device_mutex_);
+  std::lock_guard device_lock(d_.device_mutex());
   deferred_frees_.push_back(b);
   b->event_count = 1;
 }
@@ -150,20 +150,20 @@ void private_pool_registry::flush_deferred_frees() {
         continue;
       }
       b->event_count = 0;
-      d_.events_.insert_events_locked(b);  // on a throw: nothing recorded, stream_uses kept
+      d_.events().insert_events_locked(b);  // on a throw: nothing recorded, stream_uses kept
     } catch (...) {
       b->event_count = 1;
       deferred_frees_.insert(deferred_frees_.end(), todo.begin() + static_cast<std::ptrdiff_t>(i), todo.end());
       throw;
     }
-    if (b->event_count == 0) d_.free_block(b, d_.stats_, true);
+    if (b->event_count == 0) d_.free_block(b, d_.stats().values(), true);
   }
 }
 
 // Frees allocated block `b` as free() does, with the world lock held.
 void private_pool_registry::free_allocated_locked(block* b) {
-  if (!b->stream_uses.empty()) d_.events_.insert_events_locked(b);
-  d_.release_allocation(b, d_.stats_, true);
+  if (!b->stream_uses.empty()) d_.events().insert_events_locked(b);
+  d_.release_allocation(b, d_.stats().values(), true);
 }
 
 // Makes [ptr, ptr + size) of `seg`, which lies inside one free mapped block,
@@ -177,8 +177,8 @@ block* private_pool_registry::carve_allocated(segment& seg, std::uintptr_t ptr, 
   const stat_group g = group_of(f->pool);
   f->pool->blocks.erase(f);
   if (f->is_split()) {
-    count_down(d_.stats_.inactive_split, g, 1);
-    count_down(d_.stats_.inactive_split_bytes, g, static_cast<std::int64_t>(f->size));
+    count_down(d_.stats().values().inactive_split, g, 1);
+    count_down(d_.stats().values().inactive_split_bytes, g, static_cast<std::int64_t>(f->size));
   }
   block* lo = nullptr;
   if (f->ptr < ptr) {
@@ -190,19 +190,19 @@ block* private_pool_registry::carve_allocated(segment& seg, std::uintptr_t ptr, 
     if (x == nullptr) continue;
     x->gc_count_base = x->pool->get_free_blocks_call_count;
     x->pool->blocks.insert(x);
-    count_up(d_.stats_.inactive_split, g, 1);
-    count_up(d_.stats_.inactive_split_bytes, g, static_cast<std::int64_t>(x->size));
+    count_up(d_.stats().values().inactive_split, g, 1);
+    count_up(d_.stats().values().inactive_split_bytes, g, static_cast<std::int64_t>(x->size));
   }
   f->allocated = true;
   ++f->seg->busy_blocks;
   f->requested_bytes = requested;
-  count_up(d_.stats_.allocation, g, 1);
-  count_up(d_.stats_.allocated_bytes, g, static_cast<std::int64_t>(size));
-  count_up(d_.stats_.active, g, 1);
-  count_up(d_.stats_.active_bytes, g, static_cast<std::int64_t>(size));
-  count_up(d_.stats_.requested_bytes, g, static_cast<std::int64_t>(requested));
-  f->counted_oversize = size >= d_.policy_.config().max_split_size_bytes;
-  if (f->counted_oversize) d_.stats_.oversize_allocations.increase(1);
+  count_up(d_.stats().values().allocation, g, 1);
+  count_up(d_.stats().values().allocated_bytes, g, static_cast<std::int64_t>(size));
+  count_up(d_.stats().values().active, g, 1);
+  count_up(d_.stats().values().active_bytes, g, static_cast<std::int64_t>(size));
+  count_up(d_.stats().values().requested_bytes, g, static_cast<std::int64_t>(requested));
+  f->counted_oversize = size >= d_.policy().config().max_split_size_bytes;
+  if (f->counted_oversize) d_.stats().values().oversize_allocations.increase(1);
   return f;
 }
 
@@ -231,7 +231,7 @@ void device_caching_allocator::create_or_incref_pool(mempool_id_t id, segment_al
                                  " function; give both or neither");
   auto& s = *state_;
   world_lock w(s);
-  if (detail::private_pool* pp = s.pools_.find_pool(id)) {
+  if (detail::private_pool* pp = s.pools().find_pool(id)) {
     ++pp->use_count;
     return;
   }
@@ -243,24 +243,24 @@ void device_caching_allocator::create_or_incref_pool(mempool_id_t id, segment_al
   pp->id = id;
   pp->tag = current_tag();  // its memory pauses and resumes with the tag in scope now
   pp->custom = std::move(custom);
-  s.pools_.add(std::move(pp));
+  s.pools().add(std::move(pp));
 }
 
 void device_caching_allocator::release_pool(mempool_id_t id) {
   auto& s = *state_;
   world_lock w(s);
-  detail::private_pool& pp = s.pools_.checked_pool(id, "release_pool");
+  detail::private_pool& pp = s.pools().checked_pool(id, "release_pool");
   if (pp.use_count == 0)
     throw invalid_argument_error("ccalloc: release_pool: private pool " + to_string(id) + " of device " +
                                  std::to_string(device_) + " was already released (use count 0)");
   --pp.use_count;
-  if (pp.use_count == 0) s.pools_.delete_empty_dead_pools(w);
+  if (pp.use_count == 0) s.pools().delete_empty_dead_pools(w);
 }
 
 int device_caching_allocator::get_pool_use_count(mempool_id_t id) const {
   auto& s = *state_;
   world_lock w(s);
-  const detail::private_pool* pp = s.pools_.find_pool(id);
+  const detail::private_pool* pp = s.pools().find_pool(id);
   return pp == nullptr ? 0 : pp->use_count;
 }
 
@@ -270,35 +270,35 @@ void device_caching_allocator::begin_allocate_to_pool(mempool_id_t id, stream_fi
     throw invalid_argument_error("ccalloc: begin_allocate_to_pool: pool " + to_string(id) +
                                  ": the stream filter is empty");
   world_lock w(s);
-  detail::private_pool& pp = s.pools_.checked_pool(id, "begin_allocate_to_pool");
+  detail::private_pool& pp = s.pools().checked_pool(id, "begin_allocate_to_pool");
   if (pp.use_count == 0)
     throw invalid_argument_error("ccalloc: begin_allocate_to_pool: private pool " + to_string(id) + " of device " +
                                  std::to_string(device_) + " was released (use count 0); it takes no allocations");
-  s.pools_.scopes().open(&pp, std::move(filter));
+  s.pools().scopes().open(&pp, std::move(filter));
 }
 
 void device_caching_allocator::end_allocate_to_pool(mempool_id_t id) {
   auto& s = *state_;
   world_lock w(s);
-  if (!s.pools_.scopes().close(id))
+  if (!s.pools().scopes().close(id))
     throw invalid_argument_error("ccalloc: end_allocate_to_pool: private pool " + to_string(id) + " of device " +
                                  std::to_string(device_) + " is not active (no begin_allocate_to_pool to end)");
-  if (!s.pools_.scopes().active()) {
-    s.publish_all_pending_stats(w);
-    s.pools_.flush_deferred_frees();
+  if (!s.pools().scopes().active()) {
+    s.stats().publish_all_pending(w);
+    s.pools().flush_deferred_frees();
   }
-  s.pools_.delete_empty_dead_pools(w);
+  s.pools().delete_empty_dead_pools(w);
 }
 
 void device_caching_allocator::set_use_on_oom(mempool_id_t id, bool enabled) {
   world_lock w(*state_);
-  state_->pools_.checked_pool(id, "set_use_on_oom").use_on_oom = enabled;
+  state_->pools().checked_pool(id, "set_use_on_oom").use_on_oom = enabled;
 }
 
 void device_caching_allocator::set_no_split(mempool_id_t id, bool enabled) {
   auto& s = *state_;
   world_lock w(s);
-  detail::private_pool& pp = s.pools_.checked_pool(id, "set_no_split");
+  detail::private_pool& pp = s.pools().checked_pool(id, "set_no_split");
   pp.no_split = enabled;
   for (detail::stream_state* ss : w.streams())
     if (auto it = ss->private_pools.find(&pp); it != ss->private_pools.end())
@@ -309,10 +309,10 @@ bool device_caching_allocator::check_pool_live_allocations(mempool_id_t id,
                                                            const std::vector<void*>& expected) const {
   auto& s = *state_;
   world_lock w(s);
-  const detail::private_pool* pp = s.pools_.find_pool(id);
+  const detail::private_pool* pp = s.pools().find_pool(id);
   std::vector<std::uintptr_t> live;
   if (pp != nullptr)
-    for (auto& [base, seg] : s.segments_)
+    for (auto& [base, seg] : s.segments())
       if (seg->head->pool->priv == pp)
         for (const block* b = seg->head; b != nullptr; b = b->next)
           if (b->allocated) live.push_back(b->ptr);
@@ -327,18 +327,18 @@ bool device_caching_allocator::check_pool_live_allocations(mempool_id_t id,
 std::vector<mempool_id_t> device_caching_allocator::pools() const {
   world_lock w(*state_);
   std::vector<mempool_id_t> out;
-  for (auto& [id, pp] : state_->pools_.all()) out.push_back(id);
+  for (auto& [id, pp] : state_->pools().all()) out.push_back(id);
   return out;
 }
 
 pool_checkpoint device_caching_allocator::get_checkpoint_state(mempool_id_t id) const {
   auto& s = *state_;
   world_lock w(s);
-  const detail::private_pool& pp = s.pools_.checked_pool(id, "get_checkpoint_state");
+  const detail::private_pool& pp = s.pools().checked_pool(id, "get_checkpoint_state");
   pool_checkpoint cp;
   cp.device = device_;
   cp.pool = id;
-  for (auto& [base, seg] : s.segments_) {
+  for (auto& [base, seg] : s.segments()) {
     if (seg->head->pool->priv != &pp) continue;
     checkpoint_segment cs;
     cs.address = base;
@@ -391,13 +391,13 @@ checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(co
     throw invalid_argument_error(where + "the checkpoint is of device " + std::to_string(state.device) +
                                  ", not of device " + std::to_string(device_));
   world_lock w(s);
-  detail::private_pool& pp = s.pools_.checked_pool(state.pool, "set_checkpoint_pool_state");
-  if (s.pools_.scopes().active())
+  detail::private_pool& pp = s.pools().checked_pool(state.pool, "set_checkpoint_pool_state");
+  if (s.pools().scopes().active())
     throw invalid_argument_error(where + "a begin_allocate_to_pool is active on device " + std::to_string(device_) +
                                  " (a capture is underway); restore after end_allocate_to_pool");
   // 1. Validate everything before changing anything.
   std::vector<detail::segment*> segs;
-  for (auto& [base, seg] : s.segments_)
+  for (auto& [base, seg] : s.segments())
     if (seg->head->pool->priv == &pp) segs.push_back(seg.get());
   const std::string pool_text = "private pool " + to_string(state.pool) + " of device " + std::to_string(device_);
   if (segs.size() != state.segments.size())
@@ -407,7 +407,7 @@ checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(co
   for (std::size_t i = 0; i < segs.size(); ++i)
     check_checkpoint_segment(where, pool_text, i, *segs[i], state.segments[i]);
   // 2. Free what the checkpoint does not hold allocated, wait for events.
-  s.publish_all_pending_stats(w);
+  s.stats().publish_all_pending(w);
   checkpoint_restore_result result;
   std::vector<std::vector<const checkpoint_block*>> to_create(segs.size());
   for (std::size_t i = 0; i < segs.size(); ++i) {
@@ -429,15 +429,15 @@ checkpoint_restore_result device_caching_allocator::set_checkpoint_pool_state(co
     while (k < wanted.size()) to_create[i].push_back(wanted[k++]);
     for (block* b : to_free) {
       result.freed_pointers.push_back(reinterpret_cast<void*>(b->ptr));
-      s.pools_.free_allocated_locked(b);
+      s.pools().free_allocated_locked(b);
     }
   }
-  s.pools_.flush_deferred_frees();
-  s.events_.synchronize_and_free_events();
+  s.pools().flush_deferred_frees();
+  s.events().synchronize_and_free_events();
   // 3. Create the blocks the checkpoint holds allocated.
   for (std::size_t i = 0; i < segs.size(); ++i)
     for (const checkpoint_block* cb : to_create[i]) {
-      block* b = s.pools_.carve_allocated(*segs[i], cb->address, cb->size_bytes, cb->requested_bytes);
+      block* b = s.pools().carve_allocated(*segs[i], cb->address, cb->size_bytes, cb->requested_bytes);
       result.blocks_created.push_back({reinterpret_cast<void*>(b->ptr), b});
     }
   return result;

@@ -49,7 +49,7 @@ namespace ccalloc {
 namespace detail {
 
 
-tag_sleep::tag_sleep(device_state& d) : d_(d), host_copies_(d.backend_, d.device_) {}
+tag_sleep::tag_sleep(device_state& d) : d_(d), host_copies_(d.backend(), d.device()) {}
 
 private_pool& tag_sleep::tag_pool(tag_id tag) {
   if (auto it = tag_pools_.find(tag); it != tag_pools_.end()) return *it->second;
@@ -60,7 +60,7 @@ private_pool& tag_sleep::tag_pool(tag_id tag) {
   private_pool* raw = pp.get();
   tag_pools_.emplace(tag, raw);  // first: on a throw below, the map holds a key to nothing yet
   try {
-    d_.pools_.add(std::move(pp));
+    d_.pools().add(std::move(pp));
   } catch (...) {
     tag_pools_.erase(tag);
     throw;
@@ -70,7 +70,7 @@ private_pool& tag_sleep::tag_pool(tag_id tag) {
 
 std::vector<segment*> tag_sleep::segments_of(tag_id tag) const {
   std::vector<segment*> out;
-  for (const auto& [base, seg] : d_.segments_)
+  for (const auto& [base, seg] : d_.segments())
     if (tag_of(*seg) == tag) out.push_back(seg.get());
   return out;
 }
@@ -143,10 +143,10 @@ stream_t copy_stream(const segment& seg) noexcept {
 }  // namespace
 
 void tag_sleep::wait_for_stream(stream_t stream) {
-  const event_t e = d_.events_.get_event();
-  d_.backend_.record_event(d_.device_, e, stream);
-  d_.backend_.synchronize_event(d_.device_, e);
-  d_.events_.give_event(e);
+  const event_t e = d_.events().get_event();
+  d_.backend().record_event(d_.device(), e, stream);
+  d_.backend().synchronize_event(d_.device(), e);
+  d_.events().give_event(e);
 }
 
 // ---- pause --------------------------------------------------------------------------
@@ -168,10 +168,10 @@ std::vector<segment*> tag_sleep::pausable_segments(const std::vector<tag_id>& to
   std::vector<segment*> segs;
   for (tag_id tag : todo)
     for (segment* seg : segments_of(tag)) {
-      if (!seg->expandable || d_.expandable_.page_bytes() == 0)
+      if (!seg->expandable || d_.expandable().page_bytes() == 0)
         throw invalid_argument_error(where + ": tag '" + tag_name(tag) + "' holds a segment at " +
                                      std::to_string(seg->base) +
-                                     " that is not a reservation of pages (the backend '" + d_.backend_.name() +
+                                     " that is not a reservation of pages (the backend '" + d_.backend().name() +
                                      "' has no virtual memory, the host's address space for reservations ran "
                                      "out, or a private pool has its own segment allocator); it cannot be paused");
       segs.push_back(seg);
@@ -183,10 +183,10 @@ std::vector<segment*> tag_sleep::pausable_segments(const std::vector<tag_id>& to
 // the work queued on the streams that own or used their blocks.
 void tag_sleep::wait_for_tag_work(const std::vector<segment*>& segs) {
   const std::set<const segment*> mine(segs.begin(), segs.end());
-  d_.events_.for_each_pending([&](event_t e, const block* b) {
-    if (mine.count(b->seg) != 0) d_.backend_.synchronize_event(d_.device_, e);
+  d_.events().for_each_pending([&](event_t e, const block* b) {
+    if (mine.count(b->seg) != 0) d_.backend().synchronize_event(d_.device(), e);
   });
-  d_.events_.process_events_locked();
+  d_.events().process_events_locked();
   std::set<stream_t> streams;
   for (const segment* seg : segs) {
     streams.insert(copy_stream(*seg));
@@ -195,19 +195,19 @@ void tag_sleep::wait_for_tag_work(const std::vector<segment*>& segs) {
         for (stream_t s : b->stream_uses) streams.insert(s);
   }
   if (!streams.empty()) {
-    const event_t e = d_.events_.get_event();
+    const event_t e = d_.events().get_event();
     for (stream_t s : streams) {
-      d_.backend_.record_event(d_.device_, e, s);
-      d_.backend_.synchronize_event(d_.device_, e);
+      d_.backend().record_event(d_.device(), e, s);
+      d_.backend().synchronize_event(d_.device(), e);
     }
-    d_.events_.give_event(e);
+    d_.events().give_event(e);
   }
-  for (segment* seg : segs) d_.expandable_.settle_retired_in(*seg, 0, seg->pages.count(), true);
+  for (segment* seg : segs) d_.expandable().settle_retired_in(*seg, 0, seg->pages.count(), true);
 }
 
 // Step 2: the tags' cached free memory goes back to the device.
 void tag_sleep::return_tag_cache(const std::vector<segment*>& segs, sleep_result& r) {
-  const std::size_t reserved_before = d_.memory_.reserved();
+  const std::size_t reserved_before = d_.memory().reserved();
   for (segment* seg : segs) {
     if (pauses_whole(*seg)) continue;
     std::vector<block*> free_mapped;
@@ -216,10 +216,10 @@ void tag_sleep::return_tag_cache(const std::vector<segment*>& segs, sleep_result
     // From the highest address down: a block's unmapping merges only with
     // blocks at or above it, so the ones below stay valid.
     for (auto it = free_mapped.rbegin(); it != free_mapped.rend(); ++it)
-      d_.expandable_.unmap_block_pages(*it, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
+      d_.expandable().unmap_block_pages(*it, 0, 0, nullptr, std::numeric_limits<std::size_t>::max());
   }
-  d_.expandable_.release_empty_expandable_segments();
-  r.released_bytes += reserved_before - d_.memory_.reserved();
+  d_.expandable().release_empty_expandable_segments();
+  r.released_bytes += reserved_before - d_.memory().reserved();
 }
 
 // Step 3a: host memory for every kept run, before anything is copied; on
@@ -238,7 +238,7 @@ void tag_sleep::take_host_copies(const std::vector<segment*>& segs, const std::s
           where + ": the host has no " + format_bytes(run.pages * seg->page_bytes) +
               " of pinned memory to keep the contents of tag '" + tag_name(tag_of(*seg)) +
               "'; nothing was paused (pause without keep_contents drops the contents)",
-          {d_.device_, run.pages * seg->page_bytes, d_.memory_.total(), 0, 0, d_.memory_.reserved()});
+          {d_.device(), run.pages * seg->page_bytes, d_.memory().total(), 0, 0, d_.memory().reserved()});
     }
 }
 
@@ -250,12 +250,12 @@ void tag_sleep::pause_segment(segment& seg, bool keep_contents, sleep_result& r)
   for (block* b = seg.head; b != nullptr; b = b->next)
     if (b->mapped && b->is_free() && b->pool->blocks.contains(b)) {
       seg.paused_free.push_back(b);
-      d_.expandable_.pool_erase_counted(b);
+      d_.expandable().pool_erase_counted(b);
     }
   const stream_t stream = copy_stream(seg);
   if (keep_contents) {
     for (auto& run : seg.paused_runs) {
-      d_.backend_.copy_to_host_async(d_.device_, run.host,
+      d_.backend().copy_to_host_async(d_.device(), run.host,
                                      reinterpret_cast<const void*>(seg.base + run.first_page * page),
                                      run.pages * page, stream);
       r.copied_bytes += run.pages * page;
@@ -268,11 +268,11 @@ void tag_sleep::pause_segment(segment& seg, bool keep_contents, sleep_result& r)
       ++i;
       continue;
     }
-    if (d_.history_.active()) [[unlikely]]
-      d_.history_.record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
-    d_.mapping_.announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page,
+    if (d_.history().active()) [[unlikely]]
+      d_.history().record_segment_unmap(seg.base + i * page, n * page, seg.head->stream);
+    d_.mapping().announce(mapping_change::unmap, mapping_reason::pages_paused, seg.base + i * page, n * page,
                 seg.head->stream, true);
-    for (const std::size_t end = i + n; i < end; ++i) d_.expandable_.give_back_page(seg, i);
+    for (const std::size_t end = i + n; i < end; ++i) d_.expandable().give_back_page(seg, i);
     r.released_bytes += n * page;
   }
   for (const auto& run : seg.paused_runs) r.paused_bytes += run.pages * page;
@@ -286,14 +286,14 @@ sleep_result tag_sleep::pause_tags(const std::vector<tag_id>& tags, bool keep_co
   // waited for nor paused below, and a free into a reservation paused
   // meanwhile would put unmapped pages in a pool. The pause waits until they
   // are back; with the world lock held again, no more can leave the queues.
-  while (d_.events_.wait_for_completions_in_flight(w)) {
+  while (d_.events().wait_for_completions_in_flight(w)) {
   }
   sleep_result r;
-  const std::optional<std::uint64_t> start_us = d_.backend_.host_time_us();
-  const std::string where = "ccalloc: pause on device " + std::to_string(d_.device_);
+  const std::optional<std::uint64_t> start_us = d_.backend().host_time_us();
+  const std::string where = "ccalloc: pause on device " + std::to_string(d_.device());
   const std::vector<tag_id> todo = tags_to_pause(tags, where);
   if (todo.empty()) return r;
-  if (d_.pools_.capture_underway())
+  if (d_.pools().capture_underway())
     throw invalid_argument_error(where + ": refused while a CUDA graph capture is underway (pages may not be "
                                          "unmapped during a capture); pause after the capture ends");
   std::vector<segment*> segs = pausable_segments(todo, where);
@@ -311,13 +311,13 @@ sleep_result tag_sleep::pause_tags(const std::vector<tag_id>& tags, bool keep_co
   for (tag_id tag : todo) {
     paused_tags_.insert(tag);
     r.tags.push_back(tag_name(tag));
-    if (d_.history_.active()) [[unlikely]] {
+    if (d_.history().active()) [[unlikely]] {
       const tag_usage u = usage_of(tag);
-      d_.history_.record(trace_entry_action::pause, u.kept_bytes, u.paused_bytes, 0, nullptr, tag);
+      d_.history().record(trace_entry_action::pause, u.kept_bytes, u.paused_bytes, 0, nullptr, tag);
     }
   }
   any_paused_.store(true, std::memory_order_relaxed);
-  if (const std::optional<std::uint64_t> end_us = d_.backend_.host_time_us(); start_us && end_us)
+  if (const std::optional<std::uint64_t> end_us = d_.backend().host_time_us(); start_us && end_us)
     r.host_time_us = *end_us - *start_us;
   return r;
 }
@@ -333,13 +333,13 @@ constexpr std::size_t restore_chunk_pages = 32;
 // the device or the cap lacks `need` bytes.
 void tag_sleep::make_room(std::size_t need, sleep_result& r, world_lock& w) {
   const auto lacks_room = [&] {
-    if (d_.memory_.over_cap(need)) return true;
-    return need > d_.backend_.mem_get_info(d_.device_).free_bytes;
+    if (d_.memory().over_cap(need)) return true;
+    return need > d_.backend().mem_get_info(d_.device()).free_bytes;
   };
   if (need > 0 && lacks_room()) {
-    const std::size_t before = d_.memory_.reserved();
-    d_.release_cached_blocks(w, /*for_retry=*/true);
-    r.cache_released_bytes = before - std::min(before, d_.memory_.reserved());
+    const std::size_t before = d_.memory().reserved();
+    d_.segments().release_cached_blocks(w, /*for_retry=*/true);
+    r.cache_released_bytes = before - std::min(before, d_.memory().reserved());
   }
 }
 bool tag_sleep::map_paused_segment(segment& seg) {
@@ -355,7 +355,7 @@ bool tag_sleep::map_paused_segment(segment& seg) {
       } catch (...) {  // the device refused the wait: its error is the one being reported
       }
     }
-    for (std::size_t i : done) d_.expandable_.give_back_page(seg, i);
+    for (std::size_t i : done) d_.expandable().give_back_page(seg, i);
   };
   for (const auto& run : seg.paused_runs) {
     std::size_t chunk_first = run.first_page;
@@ -363,14 +363,14 @@ bool tag_sleep::map_paused_segment(segment& seg) {
       physical_handle_t h = 0;
       bool ok = false;
       try {
-        ok = d_.backend_.vm_create(d_.device_, page, &h);
+        ok = d_.backend().vm_create(d_.device(), page, &h);
         if (ok) {
           void* addr = reinterpret_cast<void*>(seg.base + i * page);
           try {
-            d_.backend_.vm_map(d_.device_, addr, page, h);
-            for (int peer : d_.expandable_.peers()) d_.backend_.vm_set_access(d_.device_, addr, page, peer);
+            d_.backend().vm_map(d_.device(), addr, page, h);
+            for (int peer : d_.expandable().peers()) d_.backend().vm_set_access(d_.device(), addr, page, peer);
           } catch (...) {
-            d_.backend_.vm_release_handle(d_.device_, h);
+            d_.backend().vm_release_handle(d_.device(), h);
             throw;
           }
         }
@@ -383,17 +383,17 @@ bool tag_sleep::map_paused_segment(segment& seg) {
         return false;
       }
       seg.pages.set_mapped(i, h);
-      ++d_.stats_.num_pages_mapped;
-      ++d_.stats_.num_device_alloc;
+      ++d_.stats().values().num_pages_mapped;
+      ++d_.stats().values().num_device_alloc;
       seg.mapped_bytes += page;
-      d_.memory_.add_reserved(page);
-      count_up(d_.stats_.reserved_bytes, g, static_cast<std::int64_t>(page));
+      d_.memory().add_reserved(page);
+      count_up(d_.stats().values().reserved_bytes, g, static_cast<std::int64_t>(page));
       done.push_back(i);
       const std::size_t end = i + 1;
       if (end != run.first_page + run.pages && end - chunk_first < restore_chunk_pages) continue;
       if (run.host != nullptr) {
         try {
-          d_.backend_.copy_from_host_async(d_.device_, reinterpret_cast<void*>(seg.base + chunk_first * page),
+          d_.backend().copy_from_host_async(d_.device(), reinterpret_cast<void*>(seg.base + chunk_first * page),
                                         static_cast<const char*>(run.host) + (chunk_first - run.first_page) * page,
                                         (end - chunk_first) * page, stream);
         } catch (...) {
@@ -408,7 +408,7 @@ bool tag_sleep::map_paused_segment(segment& seg) {
   // Announced once every page is mapped: a segment that fails part-way gives
   // its new pages back unannounced, and listeners never see it mapped.
   for (const auto& run : seg.paused_runs)
-    d_.mapping_.announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page,
+    d_.mapping().announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page,
                          run.pages * page, seg.head->stream, true);
   return true;
 }
@@ -425,18 +425,18 @@ void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<s
   }
   for (segment* seg : mapped)
     for (const auto& run : seg->paused_runs)
-      for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) d_.expandable_.give_back_page(*seg, i);
+      for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) d_.expandable().give_back_page(*seg, i);
   std::string names;
   for (tag_id tag : todo) names += (names.empty() ? "'" : ", '") + tag_name(tag) + "'";
-  const memory_info info = d_.backend_.mem_get_info(d_.device_);
-  const std::size_t outside = info.total_bytes - std::min(info.total_bytes, info.free_bytes + d_.memory_.reserved());
-  std::string msg = "ccalloc: out of memory resuming tag " + names + " on device " + std::to_string(d_.device_) +
+  const memory_info info = d_.backend().mem_get_info(d_.device());
+  const std::size_t outside = info.total_bytes - std::min(info.total_bytes, info.free_bytes + d_.memory().reserved());
+  std::string msg = "ccalloc: out of memory resuming tag " + names + " on device " + std::to_string(d_.device()) +
                     ": it needs " + format_bytes(need) + " of pages mapped again; the device has " +
                     format_bytes(info.free_bytes) + " free of " + format_bytes(info.total_bytes) +
-                    "; ccalloc holds " + format_bytes(d_.memory_.reserved()) + " reserved (";
+                    "; ccalloc holds " + format_bytes(d_.memory().reserved()) + " reserved (";
   bool first = true;
   std::set<tag_id> seen;
-  for (const auto& [base, seg] : d_.segments_) seen.insert(tag_of(*seg));
+  for (const auto& [base, seg] : d_.segments()) seen.insert(tag_of(*seg));
   for (tag_id tag : seen) {
     const tag_usage u = usage_of(tag);
     if (u.reserved_bytes == 0) continue;
@@ -445,15 +445,16 @@ void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<s
   }
   msg += std::string(first ? "nothing" : "") + ") after returning " + format_bytes(r.cache_released_bytes) +
          " of its cached memory; " + format_bytes(outside) + " is held outside ccalloc (other allocators, processes)";
-  if (d_.memory_.capped()) msg += "; the memory-fraction cap allows " + format_bytes(d_.memory_.allowed());
+  if (d_.memory().capped()) msg += "; the memory-fraction cap allows " + format_bytes(d_.memory().allowed());
   msg += ". The tag stays paused: free memory and call resume again";
-  const out_of_memory_error::figures f{d_.device_, need, d_.memory_.capped() ? d_.memory_.allowed() : info.total_bytes,
-                                        info.free_bytes, 0, d_.memory_.reserved()};
-  const auto observers = d_.observers_;
+  const out_of_memory_error::figures f{d_.device(), need,
+                                        d_.memory().capped() ? d_.memory().allowed() : info.total_bytes,
+                                        info.free_bytes, 0, d_.memory().reserved()};
+  const auto observers = d_.oom().observers();
   w.unlock();
   for (const auto& o : observers) {
     try {
-      o(d_.device_, need, f.device_total_bytes, f.device_free_bytes);
+      o(d_.device(), need, f.device_total_bytes, f.device_free_bytes);
     } catch (...) {  // an observer's failure must not hide the out-of-memory error being thrown
     }
   }
@@ -465,8 +466,8 @@ void tag_sleep::restore_paused_segment(segment& seg, sleep_result& r) {
   const stream_t stream = copy_stream(seg);
   bool copied = false;
   for (auto& run : seg.paused_runs) {  // the copies were queued as the pages were mapped
-    if (d_.history_.active()) [[unlikely]]
-      d_.history_.record_segment_map(seg.base + run.first_page * page, run.pages * page, seg.head->stream);
+    if (d_.history().active()) [[unlikely]]
+      d_.history().record_segment_map(seg.base + run.first_page * page, run.pages * page, seg.head->stream);
     r.paused_bytes += run.pages * page;
     if (run.host == nullptr) continue;
     r.copied_bytes += run.pages * page;
@@ -476,13 +477,13 @@ void tag_sleep::restore_paused_segment(segment& seg, sleep_result& r) {
   for (auto& run : seg.paused_runs) host_copies_.give(run.host);
   seg.paused_runs.clear();
   seg.paused = false;
-  for (block* b : seg.paused_free) d_.expandable_.pool_insert_counted(b);
+  for (block* b : seg.paused_free) d_.expandable().pool_insert_counted(b);
   seg.paused_free.clear();
 }
 
 sleep_result tag_sleep::resume_tags(const std::vector<tag_id>& tags, world_lock& w) {
   sleep_result r;
-  const std::optional<std::uint64_t> start_us = d_.backend_.host_time_us();
+  const std::optional<std::uint64_t> start_us = d_.backend().host_time_us();
   std::vector<tag_id> todo;
   for (tag_id tag : tags)
     if (tag_paused(tag) && std::find(todo.begin(), todo.end(), tag) == todo.end()) todo.push_back(tag);
@@ -497,7 +498,7 @@ sleep_result tag_sleep::resume_tags(const std::vector<tag_id>& tags, world_lock&
       }
   make_room(need, r, w);
   std::vector<segment*> mapped;
-  bool ok = !(need > 0 && d_.memory_.over_cap(need));
+  bool ok = !(need > 0 && d_.memory().over_cap(need));
   for (segment* seg : segs) {
     if (!ok) break;
     ok = map_paused_segment(*seg);
@@ -513,12 +514,12 @@ sleep_result tag_sleep::resume_tags(const std::vector<tag_id>& tags, world_lock&
   for (const auto& [tag, bytes] : resumed) {
     paused_tags_.erase(tag);
     r.tags.push_back(tag_name(tag));
-    if (d_.history_.active()) [[unlikely]]
-      d_.history_.record(trace_entry_action::resume, 0, bytes, 0, nullptr, tag);
+    if (d_.history().active()) [[unlikely]]
+      d_.history().record(trace_entry_action::resume, 0, bytes, 0, nullptr, tag);
   }
   any_paused_.store(!paused_tags_.empty(), std::memory_order_relaxed);
-  d_.memory_.raise_high_water();
-  if (const std::optional<std::uint64_t> end_us = d_.backend_.host_time_us(); start_us && end_us)
+  d_.memory().raise_high_water();
+  if (const std::optional<std::uint64_t> end_us = d_.backend().host_time_us(); start_us && end_us)
     r.host_time_us = *end_us - *start_us;
   return r;
 }
@@ -544,7 +545,7 @@ sleep_result device_caching_allocator::pause(const std::vector<std::string>& tag
   const std::vector<tag_id> ids = tag_ids(tags, "pause");
   detail::tracker_delivery deliver;  // the pause's entries reach trackers after the locks
   detail::world_lock w(s);
-  return s.tags_.pause_tags(ids, keep_contents, w);
+  return s.tags().pause_tags(ids, keep_contents, w);
 }
 
 sleep_result device_caching_allocator::resume(const std::vector<std::string>& tags) {
@@ -555,9 +556,9 @@ sleep_result device_caching_allocator::resume(const std::vector<std::string>& ta
   sleep_result r;
   {
     detail::world_lock w(s);
-    r = s.tags_.resume_tags(ids, w);
+    r = s.tags().resume_tags(ids, w);
     for (tag_id id : ids)
-      for (detail::segment* seg : s.tags_.segments_of(id)) {
+      for (detail::segment* seg : s.tags().segments_of(id)) {
         frees.insert(frees.end(), seg->frees_while_paused.begin(), seg->frees_while_paused.end());
         seg->frees_while_paused.clear();
       }
@@ -574,19 +575,19 @@ std::vector<std::string> device_caching_allocator::paused_tags() const {
   auto& s = *state_;
   detail::world_lock w(s);
   std::vector<std::string> out;
-  for (tag_id t : s.tags_.paused_tags()) out.push_back(tag_name(t));
+  for (tag_id t : s.tags().paused_tags()) out.push_back(tag_name(t));
   return out;
 }
 
 std::vector<tag_usage> device_caching_allocator::tag_stats() const {
   auto& s = *state_;
   detail::world_lock w(s);
-  s.publish_all_pending_stats(w);
+  s.stats().publish_all_pending(w);
   std::set<tag_id> tags{default_tag_id};
-  for (const auto& [base, seg] : s.segments_) tags.insert(detail::tag_of(*seg));
-  for (const auto& [tag, pp] : s.tags_.tag_pools()) tags.insert(tag);
+  for (const auto& [base, seg] : s.segments()) tags.insert(detail::tag_of(*seg));
+  for (const auto& [tag, pp] : s.tags().tag_pools()) tags.insert(tag);
   std::vector<tag_usage> out;
-  for (tag_id t : tags) out.push_back(s.tags_.usage_of(t));
+  for (tag_id t : tags) out.push_back(s.tags().usage_of(t));
   return out;
 }
 

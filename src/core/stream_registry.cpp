@@ -20,9 +20,9 @@ void stream_registry::check_recorded_stream(stream_t stream) const {
   // (a destroyed stream's goes once its memory moved on: forget_gone_streams).
   const auto known = streams_.find(stream);
   if (known != streams_.end() && !known->second->gone) return;
-  if (d_.backend_.is_stream(d_.device_, stream)) return;  // a destroyed handle made again is a new stream
+  if (d_.backend().is_stream(d_.device(), stream)) return;  // a destroyed handle made again is a new stream
   throw invalid_argument_error("ccalloc: record_stream on stream " + std::to_string(stream) + " of device " +
-                               std::to_string(d_.device_) +
+                               std::to_string(d_.device()) +
                                ", which is not a live stream of that device (never created, destroyed, or of "
                                "another device)");
 }
@@ -40,8 +40,8 @@ void stream_registry::set_stream_gone(stream_t stream, bool gone) {
   }
   world_lock w(d_);
   if (gone) {
-    d_.backend_.synchronize_stream(d_.device_, stream);  // may throw: nothing changed
-    for (auto& [base, seg] : d_.segments_)
+    d_.backend().synchronize_stream(d_.device(), stream);  // may throw: nothing changed
+    for (auto& [base, seg] : d_.segments())
       for (block* b = seg->head; b != nullptr; b = b->next)
         std::erase(b->stream_uses, stream);
   }
@@ -51,7 +51,7 @@ void stream_registry::set_stream_gone(stream_t stream, bool gone) {
   if (ss.gone != gone) gone ? ++gone_streams_ : --gone_streams_;
   ss.gone = gone;
   if (!gone) return;
-  ss.fences.drop_outstanding([&](event_t e) { d_.events_.give_event(e); });
+  ss.fences.drop_outstanding([&](event_t e) { d_.events().give_event(e); });
   ss.fences.all_completed(ss.free_seq);
   forget_thread_stream();  // this thread's next malloc on it finds it gone
 }
@@ -65,8 +65,8 @@ void stream_registry::forget_gone_streams(world_lock& w) noexcept {
   if (gone_streams_ == 0) [[likely]]
     return;
   const auto names_retired = [&](const stream_state* ss) {
-    if (d_.expandable_.retired_pages() == 0) return false;
-    for (const auto& [base, seg] : d_.segments_)
+    if (d_.expandable().retired_pages() == 0) return false;
+    for (const auto& [base, seg] : d_.segments())
       for (const segment::retired_page& r : seg->pages.retired())
         if (r.owner == ss) return true;
     return false;
@@ -78,7 +78,7 @@ void stream_registry::forget_gone_streams(world_lock& w) noexcept {
       ++i;
       continue;
     }
-    publish_pending_stats(d_.stats_, *ss);
+    publish_pending_stats(d_.stats().values(), *ss);
     w.drop(ss);  // streams()[i] is the next one now
     --gone_streams_;
     streams_.erase(ss->stream);  // deletes the state

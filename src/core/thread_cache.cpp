@@ -106,21 +106,21 @@ thread_cache_registry::thread_cache_registry() {
                    printable_text(env).c_str());
   }
   const thread_cache_mode m = mode.value_or(thread_cache_mode::all);
-  small_only.store(m == thread_cache_mode::small, std::memory_order_relaxed);
-  enabled.store(m != thread_cache_mode::off, std::memory_order_relaxed);
+  small_only_.store(m == thread_cache_mode::small, std::memory_order_relaxed);
+  enabled_.store(m != thread_cache_mode::off, std::memory_order_relaxed);
 }
 
 thread_cache_registry::~thread_cache_registry() {
   // The device's blocks go with its segments; the threads' records forget them.
-  std::lock_guard core_lock(core->mutex);
-  core->alive = false;
-  for (thread_cache_record* r : core->records) {
+  std::lock_guard core_lock(core_->mutex);
+  core_->alive = false;
+  for (thread_cache_record* r : core_->records) {
     std::lock_guard record_lock(r->lock);
     r->count.store(0, std::memory_order_relaxed);
     r->hits = thread_cache_hits{};
   }
-  core->records.clear();
-  core->orphans.clear();
+  core_->records.clear();
+  core_->orphans.clear();
 }
 
 thread_cache_record* thread_cache_find(device_state& d, bool create) {
@@ -128,20 +128,20 @@ thread_cache_record* thread_cache_find(device_state& d, bool create) {
     return nullptr;
   thread_records& mine = tls_records;
   for (auto& r : mine.records) {
-    if (r->device_id == d.id_) {
+    if (r->device_id == d.id()) {
       tls_last_record = r.get();
       return r.get();
     }
   }
-  if (!create || !d.thread_caches_.enabled.load(std::memory_order_relaxed)) return nullptr;
+  if (!create || !d.thread_caches().enabled()) return nullptr;
   // Records of devices that are gone hold nothing: drop them here.
   std::erase_if(mine.records, [](const std::unique_ptr<thread_cache_record>& r) {
     std::lock_guard core_lock(r->core->mutex);
     return !r->core->alive;
   });
   auto r = std::make_unique<thread_cache_record>();
-  r->device_id = d.id_;
-  r->core = d.thread_caches_.core;
+  r->device_id = d.id();
+  r->core = d.thread_caches().core();
   {
     std::lock_guard core_lock(r->core->mutex);
     r->core->records.push_back(r.get());
@@ -170,20 +170,20 @@ void thread_cache_drain_own(device_state& d, thread_cache_record& r) {
 }
 
 void drain_thread_caches(device_state& d, const world_lock& w) noexcept {
-  thread_cache_core& core = *d.thread_caches_.core;
+  thread_cache_core& core = *d.thread_caches().core();
   std::lock_guard core_lock(core.mutex);
   if (core.records.empty() && core.orphans.empty() && !core.orphan_hits.any) return;
   // The streams' pending statistics are older than these frees: first, so
   // that the peaks stay exact.
-  d.publish_all_pending_stats(w);
-  count_hits(d.stats_, core.orphan_hits);
-  for (block* b : core.orphans) d.release_allocation(b, d.stats_, true);
+  d.stats().publish_all_pending(w);
+  count_hits(d.stats().values(), core.orphan_hits);
+  for (block* b : core.orphans) d.release_allocation(b, d.stats().values(), true);
   core.orphans.clear();
   for (thread_cache_record* r : core.records) {
     std::lock_guard record_lock(r->lock);
-    count_hits(d.stats_, r->hits);
+    count_hits(d.stats().values(), r->hits);
     const std::uint32_t n = r->count.load(std::memory_order_relaxed);
-    for (std::uint32_t i = 0; i < n; ++i) d.release_allocation(r->slots[i].b, d.stats_, true);
+    for (std::uint32_t i = 0; i < n; ++i) d.release_allocation(r->slots[i].b, d.stats().values(), true);
     r->count.store(0, std::memory_order_relaxed);
   }
 }
@@ -193,15 +193,15 @@ void drain_thread_caches(device_state& d, const world_lock& w) noexcept {
 // nullptr after freeing this thread's parked blocks of `s`.
 block* thread_cache_take_slow(device_state& s, thread_cache_record* r, std::size_t requested_bytes,
                               stream_t stream) {
-  if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
-    if (!s.thread_caches_.enabled.load(std::memory_order_relaxed)) return nullptr;
+  if (r == nullptr || r->device_id != s.id()) [[unlikely]] {
+    if (!s.thread_caches().enabled()) return nullptr;
     r = thread_cache_find(s, true);  // a thread that only allocates finds it at once next time
     if (r == nullptr) return nullptr;
   }
   if (r->count.load(std::memory_order_relaxed) == 0) return nullptr;
   // Pending events and captures go the normal way (events are processed
   // there; a capture may route to a private pool).
-  if ((s.events_.pending_count() | s.pools_.scopes().depth()) !=
+  if ((s.events().pending_count() | s.pools().scopes().depth()) !=
       0) [[unlikely]] {
     thread_cache_drain_own(s, *r);
     return nullptr;
@@ -226,7 +226,7 @@ block* thread_cache_take_slow(device_state& s, thread_cache_record* r, std::size
 // thread_cache_park (detail/thread_cache_fast.hpp) when the cache is on.
 bool thread_cache_park_slow(device_state& s, block* b) {
   thread_cache_record* r = tls_last_record;
-  if (r == nullptr || r->device_id != s.id_) [[unlikely]] {
+  if (r == nullptr || r->device_id != s.id()) [[unlikely]] {
     r = thread_cache_find(s, true);
     if (r == nullptr) return false;
   }
@@ -234,8 +234,8 @@ bool thread_cache_park_slow(device_state& s, block* b) {
   // it out (block::reuse_version), so that a hit is what the pools would do.
   const bool parkable =
       thread_cache_still_reusable(b) && b->stream_uses.empty() && b->pool->priv == nullptr &&
-      s.policy_.caching() && !s.pools_.capture_underway() &&
-      !(s.thread_caches_.small_only.load(std::memory_order_relaxed) && !b->pool->is_small) &&
+      s.policy().caching() && !s.pools().capture_underway() &&
+      !(s.thread_caches().small_only() && !b->pool->is_small) &&
       !(r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) &&
       r->count.load(std::memory_order_relaxed) != thread_cache_slots;
   if (!parkable) {
@@ -252,17 +252,23 @@ bool thread_cache_park_slow(device_state& s, block* b) {
   return true;
 }
 
+void thread_cache_registry::apply_setting(const allocator_config& config) noexcept {
+  if (!config.thread_cache_set) return;
+  small_only_.store(config.thread_cache == thread_cache_mode::small, std::memory_order_relaxed);
+  enabled_.store(config.thread_cache != thread_cache_mode::off, std::memory_order_relaxed);
+}
+
 }  // namespace ccalloc::detail
 
 namespace ccalloc {
 
 void device_caching_allocator::set_thread_cache_enabled(bool enabled) {
   detail::world_lock w(*state_);  // frees every parked block
-  state_->thread_caches_.enabled.store(enabled, std::memory_order_relaxed);
+  state_->thread_caches().set_enabled(enabled);
 }
 
 bool device_caching_allocator::thread_cache_enabled() const noexcept {
-  return state_->thread_caches_.enabled.load(std::memory_order_relaxed);
+  return state_->thread_caches().enabled();
 }
 
 }  // namespace ccalloc

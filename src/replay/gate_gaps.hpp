@@ -193,6 +193,9 @@ class gate_gaps final : public device_backend, public gap_model {
   void destroy_stream(int device, stream_t stream) override {
     call("destroy_stream", [&] { inner_->destroy_stream(map(device), stream); });
   }
+  bool is_stream(int device, stream_t stream) override {
+    return call("is_stream", [&] { return inner_->is_stream(map(device), stream); });
+  }
   event_t create_event(int device) override {
     return call("create_event", [&] { return inner_->create_event(map(device)); });
   }

@@ -7,6 +7,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -20,22 +23,47 @@ namespace {
 
 using json = nlohmann::ordered_json;  // keeps the entry's keys in their order
 
-std::uint64_t json_u64(const json& object, const char* key) {
-  const auto it = object.find(key);
-  return it != object.end() && it->is_number_unsigned() ? it->get<std::uint64_t>() : 0;
+// The figures of an entry, each a count (bytes, calls or events): a JSON
+// integer from 0 to 2^64 - 1.
+constexpr std::string_view figure_keys[] = {"requested_peak",
+                                            "native_reserved_peak",
+                                            "native_expandable_reserved_peak",
+                                            "native_allocated_peak",
+                                            "native_device_allocs",
+                                            "events",
+                                            "native_min_capacity_bytes",
+                                            "native_expandable_min_capacity_bytes"};
+
+// What is wrong with figure `key` of `entry` ("" when it is absent or a count).
+std::string figure_problem(const json& entry, std::string_view key) {
+  const auto it = entry.find(key);
+  if (it == entry.end() || it->is_number_unsigned()) return "";
+  const std::string what = std::string(key) + " is ";
+  const std::string counts = " (PyTorch's figures are counts: integers from 0 to 18446744073709551615)";
+  if (it->is_number_integer()) return what + it->dump() + ": negative" + counts;
+  // nlohmann reads an integer beyond 64 bits as a floating-point number.
+  if (it->is_number_float() && it->get<double>() >= 18446744073709551616.0 &&
+      it->get<double>() == std::floor(it->get<double>()))
+    return what + it->dump() + ": out of range" + counts;
+  if (it->is_number_float()) return what + it->dump() + ": not an integer" + counts;
+  return what + "a JSON " + std::string(it->type_name()) + ", not a number" + counts;
 }
 
 native_reference figures_from(const json& entry, std::string origin) {
+  const auto u64 = [&](const char* key) {
+    const auto it = entry.find(key);
+    return it != entry.end() && it->is_number_unsigned() ? it->get<std::uint64_t>() : 0;
+  };
   native_reference f;
   f.origin = std::move(origin);
   f.entry_json = entry.dump();
-  f.requested_peak = json_u64(entry, "requested_peak");
-  f.reserved_peak = json_u64(entry, "native_reserved_peak");
-  f.expandable_reserved_peak = json_u64(entry, "native_expandable_reserved_peak");
-  f.allocated_peak = json_u64(entry, "native_allocated_peak");
-  f.device_allocs = json_u64(entry, "native_device_allocs");
-  f.min_capacity_bytes = json_u64(entry, "native_min_capacity_bytes");
-  f.expandable_min_capacity_bytes = json_u64(entry, "native_expandable_min_capacity_bytes");
+  f.requested_peak = u64("requested_peak");
+  f.reserved_peak = u64("native_reserved_peak");
+  f.expandable_reserved_peak = u64("native_expandable_reserved_peak");
+  f.allocated_peak = u64("native_allocated_peak");
+  f.device_allocs = u64("native_device_allocs");
+  f.min_capacity_bytes = u64("native_min_capacity_bytes");
+  f.expandable_min_capacity_bytes = u64("native_expandable_min_capacity_bytes");
   return f;
 }
 
@@ -51,34 +79,43 @@ std::string trace_base_name(const std::filesystem::path& path) {
   return name;
 }
 
-/// The deepest nesting of arrays and objects in JSON text `text`, brackets
-/// inside strings not counted; stops counting past `limit`. A linear scan:
-/// nlohmann's dump() recurses once per level, so text nested deeper than the
-/// stack allows must be refused before it is parsed.
-std::size_t json_nesting_depth(std::string_view text, std::size_t limit) {
-  std::size_t depth = 0;
-  std::size_t deepest = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
+// A native_peaks.json parsed in one pass (nlohmann's parser callback).
+struct peaks_parse {
+  json all;
+  bool too_deep = false;
+  std::string last_key;
+
+  // Parses `text` into `all`, keeping only the entry `name` (the other
+  // traces' entries are checked for syntax, not kept). Arrays and objects
+  // nested deeper than max_native_peaks_depth are discarded as they are
+  // met, so nothing deep is ever built (dump() and the destructor would
+  // recurse once per level): `too_deep` tells. Throws nlohmann's
+  // parse_error or out_of_range (number overflow) for text that is no
+  // JSON; `last_key` is then the last key read before the fault.
+  void parse(const std::string& text, const std::string& name) {
+    // depth: the containers around the value (0 for the top level).
+    const json::parser_callback_t keep = [&](int depth, json::parse_event_t event, json& parsed) {
+      switch (event) {
+        case json::parse_event_t::object_start:
+        case json::parse_event_t::array_start:
+          if (static_cast<std::size_t>(depth) < max_native_peaks_depth) return true;
+          too_deep = true;
+          return false;
+        case json::parse_event_t::key:
+          last_key = parsed.get<std::string>();
+          return depth != 1 || last_key == name;  // a top-level key is a trace's name
+        default: return true;
       }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > deepest) deepest = depth;
-      if (deepest > limit) return deepest;
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
-    }
+    };
+    all = json::parse(text, keep);
   }
-  return deepest;
+};
+
+// nlohmann's message without its "[json.exception.<kind>.<id>] ".
+std::string json_reason(const json::exception& e) {
+  const std::string_view what = e.what();
+  const std::size_t end = what.starts_with("[json.exception.") ? what.find("] ") : std::string_view::npos;
+  return std::string(end == std::string_view::npos ? what : what.substr(end + 2));
 }
 
 }  // namespace
@@ -96,22 +133,42 @@ std::optional<native_reference> native_reference_beside(const std::string& trace
   const fs::path peaks_path(native_peaks_path_beside(trace_path));
   std::error_code ec;
   if (!fs::is_regular_file(peaks_path, ec)) return std::nullopt;
+  const std::string file = printable_name(peaks_path.string());
+  const auto ignore = [&](const std::string& why) -> std::optional<native_reference> {
+    if (warning != nullptr) *warning = "ignoring " + file + ": " + why;
+    return std::nullopt;
+  };
+  errno = 0;
   std::ifstream in(peaks_path, std::ios::binary);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (json_nesting_depth(text, max_native_peaks_depth) > max_native_peaks_depth) {
-    if (warning != nullptr)
-      *warning = "ignoring " + printable_name(peaks_path.string()) + ": nested more than " +
-                 std::to_string(max_native_peaks_depth) + " levels deep";
-    return std::nullopt;
-  }
-  json all = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (all.is_discarded() || !all.is_object()) {
-    if (warning != nullptr) *warning = "ignoring " + printable_name(peaks_path.string()) + ": not a JSON object";
-    return std::nullopt;
-  }
+  if (!in.is_open()) return ignore(std::string("cannot open: ") + std::strerror(errno != 0 ? errno : EIO));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return ignore(std::string("cannot read: ") + std::strerror(errno != 0 ? errno : EIO));
   const std::string name = trace_base_name(trace_file);
+  peaks_parse parsed;
+  try {
+    parsed.parse(text, name);
+  } catch (const json::exception& e) {
+    // A syntax error names its line and column; a number too large for a
+    // double (out_of_range 406) only itself: say the key before it.
+    const std::string after_key = e.id == 406 && !parsed.last_key.empty()
+                                      ? " (after the key '" + parsed.last_key + "')"
+                                      : std::string();
+    return ignore("not valid JSON: " + json_reason(e) + after_key);
+  }
+  if (parsed.too_deep)
+    return ignore("nested more than " + std::to_string(max_native_peaks_depth) + " levels deep");
+  const json& all = parsed.all;
+  if (!all.is_object())
+    return ignore("not a JSON object (its top level is a JSON " + std::string(all.type_name()) +
+                  "; expected an object whose keys are trace names)");
   const auto it = all.find(name);
-  if (it == all.end() || !it->is_object()) return std::nullopt;
+  if (it == all.end()) return std::nullopt;
+  if (!it->is_object())
+    return ignore("the entry '" + name + "' is a JSON " + std::string(it->type_name()) +
+                  ", not an object of figures");
+  for (const std::string_view key : figure_keys)
+    if (const std::string why = figure_problem(*it, key); !why.empty())
+      return ignore("in the entry '" + name + "', " + why);
   return figures_from(*it, peaks_path.string() + ", entry " + name);
 }
 

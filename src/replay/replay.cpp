@@ -41,6 +41,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <unordered_map>
@@ -143,12 +144,39 @@ std::vector<bool> never_freed_allocs(const trace& t) {
 
 // Trace stream -> the stream the replay uses for it.
 struct stream_map {
-  bool identity = true;  // the trace's handle itself (adopted by the simulated device: replay_trace)
+  // The trace's handle itself (adopted by the simulated device: replay_trace),
+  // but for those in `streams`; otherwise `streams` maps every handle.
+  bool identity = true;
   std::unordered_map<std::uint64_t, stream_t> streams;
   [[nodiscard]] stream_t operator()(std::uint64_t recorded) const {
-    return identity ? static_cast<stream_t>(recorded) : streams.at(recorded);
+    if (!identity) return streams.at(recorded);
+    if (streams.empty()) [[likely]] return static_cast<stream_t>(recorded);
+    const auto it = streams.find(recorded);
+    return it == streams.end() ? static_cast<stream_t>(recorded) : it->second;
   }
 };
+
+// The simulated device's streams for the trace's: each handle becomes a
+// stream of the device under that very handle (adopt_stream), before any
+// side stream is created. 0, 1 and 2 are the default streams' handles. A
+// handle with the top bit set (2^63 and above) is one the device keeps for
+// per-thread default streams: it gets a stream of its own (create_stream,
+// which skips the adopted handles) under another handle.
+stream_map adopt_trace_streams(const trace& t, sim_backend& sim) {
+  stream_map m;
+  std::unordered_set<std::uint64_t> seen;
+  std::vector<std::uint64_t> renamed;  // in the order of their first event
+  for (const trace_event& e : t.events) {
+    const auto s = static_cast<stream_t>(e.stream);
+    if (s == default_stream || s == legacy_stream_handle || s == per_thread_stream_handle ||
+        !seen.insert(e.stream).second)
+      continue;
+    if (device_backend::is_per_thread_stream(s)) renamed.push_back(e.stream);
+    else sim.adopt_stream(0, s);
+  }
+  for (const std::uint64_t s : renamed) m.streams.emplace(s, sim.create_stream(0));
+  return m;
+}
 
 // Trace stream 0 -> the legacy default stream; every other one -> a new stream.
 stream_map make_streams(const trace& t, gate_gaps& gates) {
@@ -159,6 +187,17 @@ stream_map make_streams(const trace& t, gate_gaps& gates) {
     if (e.action == trace_action::alloc && m.streams.count(e.stream) == 0)
       m.streams.emplace(e.stream, gates.create_trace_stream());
   return m;
+}
+
+// The allocator's refusal `x` of trace event `e` (an allocation under a
+// paused tag, a resume or pause it refused), as an error at the event's
+// line. The library's "ccalloc: " goes: the tools say it once, before the
+// file and line.
+[[noreturn]] void throw_refused(const trace& t, const trace_event& e, const invalid_argument_error& x) {
+  constexpr std::string_view prefix = "ccalloc: ";
+  std::string_view why = x.what();
+  if (why.starts_with(prefix)) why.remove_prefix(prefix.size());
+  throw trace_error(t.source, e.line, std::string(why));
 }
 
 // ---- tags, pause and resume ----------------------------------------------------------
@@ -203,7 +242,7 @@ class sleep_replay {
       try {
         if (e.tag != 0) scope_.emplace(name);
       } catch (const invalid_argument_error& x) {  // a name the reader let through but tags refuse
-        throw trace_error(t_.source, e.line, x.what());
+        throw_refused(t_, e, x);
       }
       return;
     }
@@ -231,7 +270,7 @@ class sleep_replay {
       // for the kept contents: nothing changed, the tag stays as it was.
       ++r_.ooms;
     } catch (const invalid_argument_error& x) {
-      throw trace_error(t_.source, e.line, x.what());
+      throw_refused(t_, e, x);
     }
     r_.peak_paused_bytes = std::max(r_.peak_paused_bytes, paused_);
     record(std::move(s));
@@ -276,12 +315,6 @@ class sleep_replay {
     else paused_at_.erase(it);
   }
 
-  // An allocation refused because its tag is paused: the trace allocates
-  // under a tag it paused, or a resume found no room.
-  [[noreturn]] void rethrow_paused(const trace_event& e, const invalid_argument_error& x) const {
-    throw trace_error(t_.source, e.line, x.what());
-  }
-
   // The end: back to the default tag, every tag awake (so that its blocks
   // can be freed).
   void finish() {
@@ -311,15 +344,17 @@ class sleep_replay {
                         std::to_string(allocated_line) + ")");
 }
 
-// The trace's streams in the order of their last event (index, stream): a
-// program that makes a stream per request destroys it after its last use.
-// Empty when `gaps` keeps the trace's streams (they are its own).
-std::vector<std::pair<std::uint64_t, stream_t>> stream_ends_of(const trace& t, const gap_model& gaps) {
+// The replay's streams for the trace's (`streams`) in the order of their
+// last event (index, stream): a program that makes a stream per request
+// destroys it after its last use. Empty when `gaps` keeps the trace's
+// streams (they are its own).
+std::vector<std::pair<std::uint64_t, stream_t>> stream_ends_of(const trace& t, const gap_model& gaps,
+                                                               const stream_map& streams) {
   std::vector<std::pair<std::uint64_t, stream_t>> stream_ends;  // (last event index, stream), by index
   if (!gaps.ends_trace_streams()) return stream_ends;
   std::unordered_map<stream_t, std::uint64_t> last_event;
   for (std::uint64_t i = 0; i < t.events.size(); ++i) {
-    const auto st = static_cast<stream_t>(t.events[i].stream);
+    const stream_t st = streams(t.events[i].stream);
     if (st != default_stream && st != legacy_stream_handle && st != per_thread_stream_handle &&
         !device_backend::is_per_thread_stream(st))
       last_event[st] = i;
@@ -426,7 +461,9 @@ class event_loop {
       : t_(t), completion_(completion), gaps_(gaps), streams_(streams), lag_(lag), r_(r),
         c_{gaps, std::make_unique<caching_allocator>(std::move(backend), config)}, allocator_(*c_.allocator),
         side_streams_(gaps, trace_streams(t)), never_freed_(never_freed_allocs(t)),
-        stream_ends_(stream_ends_of(t, gaps)), clock_(t), sleep_(t, allocator_, r) {
+        stream_ends_(stream_ends_of(t, gaps, streams)), clock_(t), sleep_(t, allocator_, r),
+        has_pauses_(std::any_of(t.events.begin(), t.events.end(),
+                                [](const trace_event& e) { return e.action == trace_action::pause; })) {
     allocator_.init(1);
     live_.reserve(4096);
   }
@@ -500,6 +537,7 @@ class event_loop {
       replay_event(e, i, base, pass);
       if (last_pass) end_streams(i, base);
       gaps_.check();
+      if (has_pauses_) raise_peak_unpaused();
       ++pass_events;
       if (after_event && !after_event(base + i, allocator_)) {
         stopped = true;
@@ -535,7 +573,7 @@ class event_loop {
     } catch (const out_of_memory_error&) {
       ++r_.ooms;
     } catch (const invalid_argument_error& x) {
-      sleep_.rethrow_paused(e, x);
+      throw_refused(t_, e, x);  // e.g. under a tag the trace paused
     }
     if (ptr != nullptr) kept_.push_back(ptr);
   }
@@ -551,7 +589,7 @@ class event_loop {
       it->second.ptr = nullptr;
     } catch (const invalid_argument_error& x) {
       live_.erase(it);
-      sleep_.rethrow_paused(e, x);
+      throw_refused(t_, e, x);  // e.g. under a tag the trace paused
     }
   }
 
@@ -574,6 +612,17 @@ class event_loop {
     allocator_.free(ptr);
   }
 
+  // Raises r_.peak_unpaused_allocated_bytes to the bytes allocated to
+  // unpaused blocks now. O(1) while the allocated bytes are at most the
+  // peak (unpaused bytes cannot exceed them then), O(blocks) otherwise:
+  // the replay stays near linear in the tags it pauses.
+  void raise_peak_unpaused() {
+    std::uint64_t& peak = r_.peak_unpaused_allocated_bytes;
+    const auto allocated = static_cast<std::uint64_t>(allocator_.get_device_stats(0).allocated_bytes[0].current);
+    if (allocated <= peak) return;
+    peak = std::max(peak, unpaused_allocated_bytes(allocator_, 0));
+  }
+
   // Each trace stream is destroyed after its last event of the last pass,
   // once its work has run (as a program that makes a stream per request
   // destroys it): the allocator then forgets it (SPEC P10), and a trace
@@ -583,7 +632,7 @@ class event_loop {
     while (next_end_ < stream_ends_.size() && stream_ends_[next_end_].first == i)
       ending_.push_back(stream_ends_[next_end_++].second);
     while (!ending_.empty() && gaps_.idle(ending_.front(), base + i)) {
-      allocator_.destroy_stream(0, streams_(ending_.front()));
+      allocator_.destroy_stream(0, ending_.front());
       ending_.pop_front();
     }
   }
@@ -602,9 +651,10 @@ class event_loop {
   const std::vector<bool> never_freed_;
   const std::vector<std::pair<std::uint64_t, stream_t>> stream_ends_;
   std::size_t next_end_ = 0;
-  std::deque<stream_t> ending_;  // past their last event, waiting for their work to run
+  std::deque<stream_t> ending_;  // the replay's streams past their last event, waiting for their work to run
   recording_clock clock_;
   sleep_replay sleep_;
+  const bool has_pauses_;  // the trace pauses tags: r_.peak_unpaused_allocated_bytes is kept
 };
 
 void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
@@ -620,11 +670,13 @@ void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,
 
 // The replay through gates on `backend`'s device `device`.
 void replay_with_gates(const trace& t, const std::vector<std::uint64_t>& completion,
-                       const std::shared_ptr<device_backend>& backend, int device, bool own_streams,
-                       bool watchdog, const allocator_config& config, const replay_event_hook& after_event,
-                       const std::optional<history_options>& history, std::size_t repeat, replay_result& r) {
+                       const std::shared_ptr<device_backend>& backend, int device,
+                       const stream_map* trace_streams, bool watchdog, const allocator_config& config,
+                       const replay_event_hook& after_event, const std::optional<history_options>& history,
+                       std::size_t repeat, replay_result& r) {
   auto gates = std::make_shared<gate_gaps>(backend, device, max_open_gaps(t, completion), watchdog);
-  const stream_map streams = own_streams ? make_streams(t, *gates) : stream_map{};
+  // Streams of its own unless the device has the trace's (`trace_streams`).
+  const stream_map streams = trace_streams == nullptr ? make_streams(t, *gates) : *trace_streams;
   replay_events(t, completion, gates, config, *gates, streams, after_event, history, repeat, 0, r);
 }
 
@@ -673,6 +725,15 @@ std::vector<segment_placement> recorded_placement(const trace& t, std::size_t gr
 
 }  // namespace
 
+std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int device) {
+  const auto current = static_cast<std::uint64_t>(allocator.get_device_stats(device).allocated_bytes[0].current);
+  if (allocator.paused_tags(device).empty()) return current;  // O(tags), not tag_stats' O(tags x segments)
+  std::uint64_t paused = 0;
+  for (const tag_usage& u : allocator.tag_stats(device))
+    if (u.paused) paused += u.allocated_bytes;
+  return current - std::min(current, paused);
+}
+
 replay_result replay_trace(const trace& t, const replay_options& options) {
   // The replay is a function of its configuration string alone: the thread
   // cache is the library's default (all) unless the string says otherwise
@@ -717,26 +778,16 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
       r.recorded_addresses = !plan.empty();
       if (r.recorded_addresses) sim->place_segments(0, std::move(plan));
     }
-    // The trace's stream ids are used as they are: make each a stream of the
-    // simulated device (it rejects handles it never made), before any side
-    // stream is created. 0, 1 and 2 are the default streams' handles.
-    {
-      std::unordered_set<stream_t> adopted;
-      for (const trace_event& e : t.events) {
-        const auto s = static_cast<stream_t>(e.stream);
-        if (s == default_stream || s == legacy_stream_handle || s == per_thread_stream_handle ||
-            device_backend::is_per_thread_stream(s) || !adopted.insert(s).second)
-          continue;
-        sim->adopt_stream(0, s);
-      }
-    }
+    // The trace's stream ids are used as they are where the device can
+    // (it rejects handles it never made).
+    const stream_map streams = adopt_trace_streams(t, *sim);
     r.device_memory_bytes = options.device_memory_bytes;
     if (options.use_gates_on_sim) {
-      replay_with_gates(t, completion, sim, 0, /*own_streams=*/false, /*watchdog=*/false, config,
-                        options.after_event, options.history, options.repeat, r);
+      replay_with_gates(t, completion, sim, 0, &streams, /*watchdog=*/false, config, options.after_event,
+                        options.history, options.repeat, r);
     } else {
       clock_gaps gaps(*sim);
-      replay_events(t, completion, sim, config, gaps, stream_map{}, options.after_event, options.history,
+      replay_events(t, completion, sim, config, gaps, streams, options.after_event, options.history,
                     options.repeat, options.device_lag_events, r);
     }
     return r;
@@ -744,8 +795,8 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
 #if CCALLOC_HAVE_CUDA_BACKEND
   const std::shared_ptr<device_backend> cuda = open_cuda(options.cuda_device);
   r.device_memory_bytes = cuda->mem_get_info(options.cuda_device).total_bytes;
-  replay_with_gates(t, completion, cuda, options.cuda_device, /*own_streams=*/true, /*watchdog=*/true, config,
-                    options.after_event, options.history, options.repeat, r);
+  replay_with_gates(t, completion, cuda, options.cuda_device, /*trace_streams=*/nullptr, /*watchdog=*/true,
+                    config, options.after_event, options.history, options.repeat, r);
   return r;
 #else
   throw error(

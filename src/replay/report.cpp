@@ -476,8 +476,8 @@ void summary_section(std::string& o, const report_summary& sum, const native_ref
   o += kpi(format_bytes(sum.replay.peak_requested_bytes), "peak requested (what the program asked for)");
   o += kpi(format_bytes(sum.replay.peak_allocated_bytes), "ccalloc peak allocated (rounded blocks)");
   o += kpi(format_bytes(sum.replay.peak_reserved_bytes), "ccalloc peak reserved (device memory)");
-  if (sum.peak_unpaused_allocated_bytes)
-    o += kpi(fmt("%.3f", shown_fragmentation(sum.replay, sum.peak_unpaused_allocated_bytes)),
+  if (sum.replay.peak_unpaused_allocated_bytes)
+    o += kpi(fmt("%.3f", shown_fragmentation(sum.replay)),
              "ccalloc reserved / allocated to unpaused blocks, at the peaks (paused blocks hold no device pages)");
   else
     o += kpi(fmt("%.3f", sum.replay.fragmentation()), "ccalloc reserved / requested at the peaks");

@@ -213,14 +213,6 @@ report_model build_report_model(const trace& t, const report_options& options) {
     return true;
   };
   report_summary sum;
-  bool has_pauses = false;
-  for (const trace_event& e : t.events) has_pauses = has_pauses || e.action == trace_action::pause;
-  if (has_pauses) {
-    ro.after_event = [&, count = std::move(ro.after_event)](std::size_t i, caching_allocator& a) {
-      raise_peak_unpaused_allocated_bytes(sum.peak_unpaused_allocated_bytes, a);
-      return count(i, a);
-    };
-  }
   sum.replay = replay_trace(t, ro);
   if (options.progress) options.progress(1, n, n);
   sum.peak_event_index = peak_index;
@@ -259,24 +251,9 @@ report_model build_report_model(const trace& t, const report_options& options) {
 
 namespace ccalloc {
 
-std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int device) {
-  const auto current = static_cast<std::uint64_t>(allocator.get_device_stats(device).allocated_bytes[0].current);
-  if (allocator.paused_tags(device).empty()) return current;  // O(tags), not tag_stats' O(tags x segments)
-  std::uint64_t paused = 0;
-  for (const tag_usage& u : allocator.tag_stats(device))
-    if (u.paused) paused += u.allocated_bytes;
-  return current - std::min(current, paused);
-}
-
-void raise_peak_unpaused_allocated_bytes(std::uint64_t& peak, const caching_allocator& allocator, int device) {
-  const auto allocated = static_cast<std::uint64_t>(allocator.get_device_stats(device).allocated_bytes[0].current);
-  if (allocated <= peak) return;  // unpaused bytes are at most the allocated ones
-  peak = std::max(peak, unpaused_allocated_bytes(allocator, device));
-}
-
-double shown_fragmentation(const replay_result& r, std::uint64_t peak_unpaused_allocated) noexcept {
-  if (peak_unpaused_allocated == 0) return r.fragmentation();
-  return double(r.peak_reserved_bytes) / double(peak_unpaused_allocated);
+double shown_fragmentation(const replay_result& r) noexcept {
+  if (r.peak_unpaused_allocated_bytes == 0) return r.fragmentation();
+  return double(r.peak_reserved_bytes) / double(r.peak_unpaused_allocated_bytes);
 }
 
 }  // namespace ccalloc

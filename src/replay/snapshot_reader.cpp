@@ -57,6 +57,9 @@ namespace {
 using pickle::kind;
 using pickle::value;
 
+/// The most an entry's time_us may be before the entry's ahead of it (1 s).
+constexpr std::uint64_t max_time_step_back_us = 1'000'000;
+
 /// A conversion error: the reason, without the file name.
 class convert_error : public std::runtime_error {
  public:
@@ -199,9 +202,7 @@ class converter {
     }
     std::uint64_t time = uint_field(e, "time_us", at);
     if (!first_time_) first_time_ = time;
-    // PyTorch's approximate clock may step back slightly across threads:
-    // the trace format wants time in order.
-    if (last_time_ && time < *last_time_) time = *last_time_;
+    if (last_time_ && time < *last_time_) time = stepped_back(time, at);
     last_time_ = time;
     const std::uint64_t addr = uint_field(e, *action == trace_action::oom ? "device_free" : "addr", at);
     const std::uint64_t size = uint_field(e, "size", at);
@@ -248,6 +249,25 @@ class converter {
     }
     events_.push_back({time, addr, size, stream, *action, site});
     ++entries_;
+  }
+
+  // Entry `at` has time `time`, before the entry ahead of it (last_time_):
+  // the time of that entry, noted. PyTorch records its entries in order
+  // under the allocator's lock, reading an approximate clock (the CPU's
+  // time-stamp counter) that may step back slightly from one core to
+  // another; the trace format wants time in order. A step back of more
+  // than max_time_step_back_us comes from no clock: the entries are out of
+  // order or the snapshot is corrupt, refused as the text trace refuses
+  // any step back.
+  std::uint64_t stepped_back(std::uint64_t time, const std::string& at) {
+    const std::uint64_t back = *last_time_ - time;
+    if (back > max_time_step_back_us)
+      throw convert_error(at + ".time_us: goes backwards by " + std::to_string(back) + " us (" +
+                          std::to_string(time) + " after " + std::to_string(*last_time_) +
+                          "), more than the 1000000 us a clock may step back: the entries are out of order");
+    if (steps_back_++ == 0) first_step_back_ = at + ": " + std::to_string(time) + " after " + std::to_string(*last_time_);
+    largest_step_back_us_ = std::max(largest_step_back_us_, back);
+    return *last_time_;
   }
 
   /// Blocks and segments alive at the end that the trace never allocated.
@@ -345,6 +365,11 @@ class converter {
       out.notes.push_back(std::to_string(start_allocs_.size()) + " alloc and " + std::to_string(start_segments_.size()) +
                           " segment events added at the start (allocated before the trace)");
     if (repaired_ != 0) out.notes.push_back(std::to_string(repaired_) + " missing frees added");
+    if (steps_back_ != 0)
+      out.notes.push_back("time_us steps back at " + std::to_string(steps_back_) +
+                          (steps_back_ == 1 ? " entry (" : " entries (the first ") +
+                          first_step_back_ + "; at most " + std::to_string(largest_step_back_us_) +
+                          " us): each takes the time of the entry before it");
     if (!dropped_.empty()) {
       std::string text = "dropped actions ccalloc's trace format has not: ";
       bool first = true;
@@ -371,6 +396,9 @@ class converter {
   std::vector<std::tuple<std::uint64_t, std::uint64_t, bool>> unmapped_;  // segment_map/unmap: addr, size, is map
   std::map<std::string, std::size_t> dropped_;
   std::size_t repaired_ = 0;
+  std::size_t steps_back_ = 0;  // entries whose time_us is before the entry's ahead of them
+  std::string first_step_back_;  // the first of them: "device_traces[D][I]: <time> after <time>"
+  std::uint64_t largest_step_back_us_ = 0;
   std::unordered_map<std::uint64_t, std::uint32_t> sites_by_id_;
   std::unordered_map<std::string, std::uint32_t> sites_by_text_;
   std::vector<std::string> sites_;

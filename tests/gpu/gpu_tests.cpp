@@ -287,6 +287,76 @@ void test_backend_streams_and_events() {
   CHECK(cudaGetLastError() == cudaSuccess);
 }
 
+pid_t spawn_self(const char* flag, int arg, int* sock);  // below, with the IPC tests
+
+// is_stream asks CUDA (cudaStreamGetDevice). A stream the program made with
+// cudaStreamCreate, as PyTorch makes its own, is a stream of its device;
+// another device's is not, and the allocator refuses it at a malloc and a
+// record_stream on the wrong device (was accepted: the free then failed).
+// The conformance case is_stream_tells_live_streams checks the special
+// handles. What the driver says of a destroyed handle (undefined for CUDA)
+// is probed in a child process, and noted.
+void test_backend_is_stream() {
+  cuda_backend& b = *g_backend;
+  cudaStream_t raw = nullptr;
+  CUDA_OK(cudaStreamCreate(&raw));
+  const stream_t s = from_native_stream(raw);
+  CHECK(b.is_stream(0, s));
+  CHECK(b.is_stream(0, legacy_stream_handle) && b.is_stream(0, per_thread_stream_handle));
+  const int devices = b.device_count() >= 2 ? 2 : 1;
+  {
+    auto alloc = make_allocator("", devices);
+    void* p = alloc->malloc(0, mib, s);
+    CHECK(p != nullptr);
+    if (devices == 2) {
+      CUDA_OK(cudaSetDevice(1));
+      cudaStream_t raw1 = nullptr;
+      CUDA_OK(cudaStreamCreate(&raw1));
+      CUDA_OK(cudaSetDevice(0));
+      const stream_t s1 = from_native_stream(raw1);
+      CHECK(b.is_stream(1, s1));
+      CHECK(!b.is_stream(0, s1));
+      CHECK_THROWS_AS(invalid_argument_error, (void)alloc->malloc(0, mib, s1),
+                      CHECK(contains(e.what(), "which is not a live stream of that device")));
+      CHECK_THROWS_AS(invalid_argument_error, alloc->record_stream(p, s1),
+                      CHECK(contains(e.what(), "record_stream on stream")));
+      void* q = alloc->malloc(1, mib, s1);  // its own device's stream
+      CHECK(q != nullptr);
+      alloc->free(q);
+      alloc->empty_cache();
+      CUDA_OK(cudaSetDevice(1));
+      CUDA_OK(cudaStreamSynchronize(raw1));
+      CUDA_OK(cudaStreamDestroy(raw1));
+      CUDA_OK(cudaSetDevice(0));
+    } else {
+      note("one device: another device's stream not checked");
+    }
+    alloc->free(p);
+    alloc->empty_cache();
+  }
+  CUDA_OK(cudaStreamSynchronize(raw));
+  CUDA_OK(cudaStreamDestroy(raw));
+  CHECK(cudaGetLastError() == cudaSuccess);
+  if (g_sanitizer) return;  // the child process would run under the sanitizer too
+  int sock = -1;
+  const pid_t pid = spawn_self("--is-stream-probe", 0, &sock);
+  int status = 0;
+  const pid_t waited = ::waitpid(pid, &status, 0);
+  ::close(sock);
+  REQUIRE(waited == pid);
+  if (WIFSIGNALED(status))
+    note("a destroyed stream handle: the driver crashed on cudaStreamGetDevice (signal " +
+         std::to_string(WTERMSIG(status)) + "; CUDA calls such a handle undefined)");
+  else if (WEXITSTATUS(status) == 0)
+    note("a destroyed stream handle: the driver reports it invalid, is_stream says false");
+  else if (WEXITSTATUS(status) == 1)
+    note("a destroyed stream handle: the driver accepts it (CUDA calls it undefined), is_stream says true");
+  else
+    report_failure(__FILE__, __LINE__,
+                   "the is_stream probe of a destroyed handle failed (exit " + std::to_string(WEXITSTATUS(status)) +
+                       "): is_stream threw");
+}
+
 void test_backend_argument_errors() {
   cuda_backend& b = *g_backend;
   const int n = b.device_count();
@@ -1973,6 +2043,20 @@ enum consumer_exit : int {
   consumer_close = 16,
 };
 
+/// The child of test_backend_is_stream: is_stream of a stream just
+/// destroyed on `device`. Exit status 0: false; 1: true; 2: it threw.
+int is_stream_probe_main(int device) {
+  try {
+    cuda_backend b;
+    const stream_t s = b.create_stream(device);
+    b.destroy_stream(device, s);
+    return b.is_stream(device, s) ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "    is_stream probe: %s\n", e.what());
+    return 2;
+  }
+}
+
 int ipc_consumer_main(int sock, int device) {
   try {
     ipc_export got = receive_ipc_handle(sock);
@@ -2355,6 +2439,7 @@ const test_case all_tests[] = {
     {"backend_conformance", test_backend_conformance},
     {"backend_streams_and_events", test_backend_streams_and_events},
     {"backend_argument_errors", test_backend_argument_errors},
+    {"backend_is_stream", test_backend_is_stream},
     {"backend_cuda_error_message", test_backend_cuda_error_message},
     {"backend_keeps_current_device", test_backend_keeps_current_device},
     {"default_backend_is_cuda", test_default_backend_is_cuda},
@@ -2430,6 +2515,7 @@ int main(int argc, char** argv) {
     return ipc_holder_main(std::atoi(argv[2]), std::atoi(argv[3]));
   if (argc == 4 && std::strcmp(argv[1], "--ipc-exporter") == 0)
     return ipc_exporter_main(std::atoi(argv[2]), std::atoi(argv[3]));
+  if (argc == 4 && std::strcmp(argv[1], "--is-stream-probe") == 0) return is_stream_probe_main(std::atoi(argv[3]));
   std::vector<std::string> filters;
   bool list = false;
   for (int i = 1; i < argc; ++i) {

@@ -227,6 +227,24 @@ class SnapshotToTrace(unittest.TestCase):
         self.assertEqual(lines, ["3 alloc 10 5 0", "3 free_requested 10 5 0", "3 free_completed 10 5 0"])
         self.assertIn("1 missing frees added", notes)
         self.assertIn("dropped actions ccalloc's trace format has not: user_defined x1", notes)
+        self.assertIn("time_us steps back at 1 entry (device_traces[0][1]: 2 after 3; at most 1 us): each takes "
+                      "the time of the entry before it", notes)
+
+    def test_time_going_back_more_than_a_second_is_refused_naming_the_entry(self):
+        entry = {"action": "alloc", "size": 5, "stream": 0}
+        s = {"segments": [], "device_traces": [[
+            {**entry, "addr": 10, "time_us": 3_000_000}, {**entry, "addr": 20, "time_us": 2_500_000},
+            {**entry, "addr": 30, "time_us": 1_999_999}]]}
+        with self.assertRaises(snapshot_to_trace.ConvertError) as e:
+            snapshot_to_trace.convert(s)
+        self.assertEqual(str(e.exception), "device_traces[0][2].time_us: goes backwards by 1000001 us (1999999 after "
+                                           "3000000), more than the 1000000 us a clock may step back: the entries "
+                                           "are out of order")
+        s["device_traces"][0][2]["time_us"] = 2_000_000  # a second back: a note
+        lines, notes = snapshot_to_trace.convert(s)
+        self.assertEqual([l.split()[0] for l in lines], ["3000000"] * 3)
+        self.assertIn("time_us steps back at 2 entries (the first device_traces[0][1]: 2500000 after 3000000; at "
+                      "most 1000000 us): each takes the time of the entry before it", notes)
 
     def run_cli(self, data, *args):
         with tempfile.TemporaryDirectory() as tmp:

@@ -157,6 +157,20 @@ class cuda_backend final : public device_backend {
   /// and for another thread's per-thread default stream (CUDA cannot name
   /// it from here; waiting on another stream instead would not order it).
   void stream_wait_event(int device, stream_t stream, event_t event) override;
+  /// Whether `stream` is a live stream of `device`: the default streams
+  /// (0, legacy_stream_handle, per_thread_stream_handle) and the calling
+  /// thread's resolved per-thread stream are; another thread's resolved
+  /// per-thread stream is not (no thread can name it); any other handle is
+  /// when cudaStreamGetDevice says it belongs to `device` (with a runtime
+  /// older than 12.8, which lacks that call: when cudaStreamGetFlags accepts
+  /// it, whatever its device). A handle the driver reports invalid
+  /// (cudaErrorInvalidResourceHandle, cudaErrorInvalidValue,
+  /// cudaErrorContextIsDestroyed) is not, and the error is cleared. CUDA
+  /// calls a handle never created, or already destroyed, undefined: the
+  /// driver reports most such handles invalid but does not promise to, so
+  /// this is as far as CUDA can tell. Throws backend_error for a device out
+  /// of range and for any other CUDA error (a sticky one from earlier work).
+  [[nodiscard]] bool is_stream(int device, stream_t stream) override;
   /// cudaStreamSynchronize; stream 0 is `device`'s legacy default stream (which
   /// also waits for the device's blocking streams). Throws backend_error.
   void synchronize_stream(int device, stream_t stream) override;

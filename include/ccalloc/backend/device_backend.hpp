@@ -145,10 +145,14 @@ class device_backend {
   [[nodiscard]] virtual stream_t create_stream(int device) = 0;
   virtual void destroy_stream(int device, stream_t stream) = 0;
   /// Whether `stream` (a resolve_stream result) is a live stream of
-  /// `device`, as far as the backend can tell: the allocator asks once per
-  /// stream it meets (a handle never created would fail at its free). The
-  /// default, and CUDA's, says true: a CUDA handle that no one created cannot
-  /// be checked safely. Thread-safe; throws backend_error for a bad device.
+  /// `device`, as far as the backend can tell: the allocator asks the first
+  /// time it meets a stream, and again after destroy_stream through it (a
+  /// handle never created would fail at its free), never per allocation (a
+  /// backend call on the hot path). The default says true. The simulated
+  /// device knows its streams; CUDA's asks cudaStreamGetDevice, which
+  /// refuses another device's stream and most invalid handles (a handle no
+  /// one created or one destroyed is undefined for CUDA). Thread-safe;
+  /// throws backend_error for a bad device.
   [[nodiscard]] virtual bool is_stream(int device, stream_t stream);
   /// Creates an event on `device` with timing disabled (cudaEventDisableTiming).
   [[nodiscard]] virtual event_t create_event(int device) = 0;

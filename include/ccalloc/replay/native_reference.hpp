@@ -39,9 +39,12 @@ inline constexpr std::size_t max_native_peaks_depth = 64;
 /// folder, under the trace's name ("gpt2_train" for
 /// ".../gpt2_train.trace.gz" or ".../gpt2_train.trace", else the file name).
 /// nullopt when there is no such file or entry. An unreadable or malformed
-/// native_peaks.json (one nested more than max_native_peaks_depth levels
-/// included) gives nullopt and, when `warning` is given, a sentence saying so
-/// there (the replay itself does not depend on it). Never throws
+/// native_peaks.json gives nullopt and, when `warning` is given, a sentence
+/// there naming the file and the fault (docs/trace-format.md lists them):
+/// not JSON (nlohmann-json's line and column), nested more than
+/// max_native_peaks_depth levels, a top level or an entry that is no
+/// object, or a figure of the entry that is no integer from 0 to 2^64 - 1
+/// (naming its key). The replay itself does not depend on it. Never throws
 /// for file content; std::bad_alloc may escape.
 [[nodiscard]] std::optional<native_reference> native_reference_beside(const std::string& trace_path,
                                                                       std::string* warning = nullptr);

@@ -252,6 +252,13 @@ struct replay_result {
   /// trace without them), and the most bytes paused at once (all tags).
   std::vector<replay_sleep_event> sleep_events;
   std::uint64_t peak_paused_bytes = 0;
+  /// Sleep and wake: the most bytes allocated to blocks of tags not paused
+  /// (unpaused_allocated_bytes) after any event of any pass; 0 for a trace
+  /// without pause events. Paused blocks keep their addresses and still
+  /// count as requested and allocated but hold no device pages, so the
+  /// fragmentation of such a trace is peak reserved over this
+  /// (shown_fragmentation in ccalloc/replay/report.hpp).
+  std::uint64_t peak_unpaused_allocated_bytes = 0;
   /// peak_reserved_bytes / peak_requested_bytes (0 when nothing was requested).
   [[nodiscard]] double fragmentation() const noexcept {
     return peak_requested_bytes ? double(peak_reserved_bytes) / double(peak_requested_bytes) : 0.0;
@@ -267,6 +274,12 @@ struct replay_result {
 /// backend_error for a failing CUDA call. Throws ccalloc::error when
 /// options.repeat is 0.
 [[nodiscard]] replay_result replay_trace(const trace& t, const replay_options& options);
+
+/// Bytes allocated on `device` to blocks of tags that are not paused:
+/// allocated_bytes.all.current less every paused tag's allocated bytes
+/// (caching_allocator::tag_stats). O(1) when no tag is paused, O(blocks)
+/// otherwise. Thread safety: as tag_stats.
+[[nodiscard]] std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int device = 0);
 
 /// SPEC P7: the smallest simulated device memory (bytes, a multiple of
 /// `precision_bytes`) on which `t` replays with options.config without an

@@ -63,11 +63,6 @@ struct report_summary {
   /// reservations alive (what replay's "segments made" counts, over the run).
   std::size_t live_segments_at_peak = 0;
   std::size_t blocks_at_peak = 0;
-  /// The most bytes allocated to blocks of tags not paused (0 for a trace
-  /// without pauses): paused blocks keep their addresses and still count as
-  /// requested and allocated, but hold no device pages, so the fragmentation
-  /// of a trace with pauses is peak reserved over this.
-  std::uint64_t peak_unpaused_allocated_bytes = 0;
   /// The allocation-sites table: (site, requested bytes live at the peak),
   /// most first; site is 1-based into trace::sites, 0 for allocations
   /// without frames. Empty when the trace has no sites.
@@ -75,24 +70,12 @@ struct report_summary {
   std::size_t plot_points = 0;             ///< time slices actually drawn
 };
 
-/// Bytes allocated on `device` to blocks of tags that are not paused:
-/// allocated_bytes.all.current less every paused tag's allocated bytes
-/// (caching_allocator::tag_stats). Thread safety: as tag_stats.
-[[nodiscard]] std::uint64_t unpaused_allocated_bytes(const caching_allocator& allocator, int device = 0);
-
-/// Raises `peak` to unpaused_allocated_bytes(allocator, device) when that is
-/// more. O(1) while allocated_bytes.all.current is at most `peak` (unpaused
-/// bytes cannot exceed it then), O(blocks) otherwise: called after every
-/// event of a replay, it keeps the replay near linear in the tags it pauses.
-/// Thread safety: as tag_stats.
-void raise_peak_unpaused_allocated_bytes(std::uint64_t& peak, const caching_allocator& allocator, int device = 0);
-
-/// Fragmentation as `ccalloc replay` and `report` print it: peak reserved
-/// over peak requested, or, when tags were paused (peak_unpaused_allocated
-/// non-zero), over the peak allocated to unpaused blocks, since paused
-/// blocks count as requested but hold no reserved pages. 0 when nothing
-/// was requested.
-[[nodiscard]] double shown_fragmentation(const replay_result& r, std::uint64_t peak_unpaused_allocated) noexcept;
+/// Fragmentation as `ccalloc replay`, `compare` and `report` print it:
+/// peak reserved over peak requested, or, when tags were paused
+/// (r.peak_unpaused_allocated_bytes non-zero), over the peak allocated to
+/// unpaused blocks, since paused blocks count as requested but hold no
+/// reserved pages. 0 when nothing was requested.
+[[nodiscard]] double shown_fragmentation(const replay_result& r) noexcept;
 
 /// The recording allocator's figures, from the trace's own events: what
 /// `ccalloc report` shows next to ccalloc's and `ccalloc replay` prints.

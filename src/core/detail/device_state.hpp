@@ -1,20 +1,26 @@
 // Private data structures of the device caching allocator. Only the core's
 // sources (src/core/*.cpp, one per concept: see src/README.md) use them.
 //
-// device_state is one device: it keeps the segments, blocks and pools and
-// orchestrates (malloc, free, the fallback ladder, segment releases). Its
-// parts own their data behind small interfaces, each in its own header
-// that states what it owns and which lock guards it:
-//   stream_registry        the stream states, registry_mutex_   (registry_)
-//   placement_policy       the configuration, rounding, split and carving rules (policy_)
-//   device_memory          total, cap, reserved bytes and their mark (memory_)
-//   event_queue            the event pool, events of cross-stream frees (events_)
-//   device_fences          the page fences over this device's events (fences_)
-//   expandable_segments    reservations, page mapping and recycling (expandable_)
-//   private_pool_registry  private pools, capture scopes, deferred frees (pools_)
-//   tag_sleep              tags' pools, pause and resume (tags_)
+// device_state is one device: it orchestrates (malloc, free, the fallback
+// ladder) and holds the parts below; its data is private, each part
+// reached through an inline accessor. Each part owns its data behind a
+// small interface, in its own header that states what it owns and which
+// lock guards it:
+//   stream_registry        the stream states, registry_mutex_   (registry())
+//   placement_policy       the configuration, rounding, split and carving rules (policy())
+//   device_memory          total, cap, reserved bytes and their mark (memory())
+//   segment_table          the segments, their releases and teardown (segments())
+//   event_queue            the event pool, events of cross-stream frees (events())
+//   device_fences          the page fences over this device's events (fences())
+//   expandable_segments    reservations, page mapping and recycling (expandable())
+//   private_pool_registry  private pools, capture scopes, deferred frees (pools())
+//   tag_sleep              tags' pools, pause and resume (tags())
+//   oom_reporter           OOM observers, the snapshot, the error (oom())
+//   device_statistics      the figures, stats_mutex_, publishing (stats())
+//   history_recorder, mapping_notifier, thread_cache_registry
+//                          history, mapping listeners, parked blocks
 // The ones that act across the device hold a device_state& and reach the
-// segments, pools and statistics through it.
+// other parts through it.
 //
 // Picture of one device's memory:
 //
@@ -32,13 +38,14 @@
 //   stats.active_bytes.all.current    = allocated + sizes of blocks waiting on events
 //   all blocks of a segment are in one pool: the segment's (stream, default or
 //   private pool, small or large); private_pool::segment_count = its segments
-//   a block in pools_.deferred_frees() is not allocated and has event_count == 1
+//   a block in pools().deferred_frees() is not allocated and has event_count == 1
 //   while a private pool has users, none of its segments is freed or unmapped
 //
 // Locking (SPEC X1): each stream has its own state and lock (stream_state);
 // the fast path (a cached block of the request's stream, and the free of a
 // block) takes only that lock. Device-wide state (segments, events, the
-// memory figures, the private pools) has device_mutex_; statistics have stats_mutex_. The slow path
+// memory figures, the private pools) has device_mutex_; statistics have
+// stats_mutex_ (device_statistics). The slow path
 // (a new segment, garbage collection, the OOM ladder, emptyCache) locks the
 // whole device: the registry, every stream in stream-handle order, the device,
 // the statistics. Lock order, never reversed:
@@ -83,9 +90,11 @@
 #include "host_copy_cache.hpp"
 #include "mapping_notifier.hpp"
 #include "device_fences.hpp"
+#include "device_statistics.hpp"
 #include "device_memory.hpp"
 #include "event_queue.hpp"
 #include "expandable_segments.hpp"
+#include "oom_reporter.hpp"
 #include "placement_policy.hpp"
 #include "private_pool_registry.hpp"
 #include "stream_registry.hpp"
@@ -93,6 +102,7 @@
 #include "page_fences.hpp"
 #include "page_table.hpp"
 #include "recycle_budget.hpp"
+#include "segment_table.hpp"
 #include "run_placement.hpp"
 #include "thread_cache.hpp"
 
@@ -217,102 +227,64 @@ class device_state {
   // Splits free block b at `at` (inside it): the upper part, a new free block. [stream]
   block* split_free_block(block* b, std::uintptr_t at);
 
-  // --- device_state.cpp -----------------------------------------------------------
-  // B4: a use of b on `stream` (its free then records an event there).
-  // Throws invalid_argument_error for a stream that is not live or a paused
-  // block. [none] takes the registry's lock, then the block's stream
-  void record_stream(block* b, stream_t stream);
-  // Throws that invalid_argument_error when b's segment is paused (its
-  // pages are released); record_stream_containing resolves an interior
-  // pointer to its block and refuses it the same way. [b's stream]
-  void refuse_record_stream_if_paused(const block& b) const;
-
-  // --- fallback_ladder.cpp: the slow path, new segments, releases, GC ---------
+  // --- fallback_ladder.cpp: the slow path, new segments -----------------------------
   block* allocate_slow(alloc_params& p, world_lock& w);                        // [world]
   block* climb_ladder(alloc_params& p, world_lock& w);                         // [world] allocate_slow's rungs
   block* take_from_rung(alloc_params& p);                                      // [world]
-  void discard_made_segment(const alloc_params& p) noexcept;                   // [world]
   bool alloc_segment(alloc_params& p, bool is_retry, world_lock& w);          // [world] drops it with B8
-  segment& add_segment(const alloc_params& p, std::unique_ptr<segment> seg, std::uintptr_t base,
-                       std::size_t size);                                      // [world]
   // Cross-stream reuse (X2)
   bool adopt_idle_segment(alloc_params& p, const world_lock& w);              // [world]
-  bool release_available_cached_blocks(const alloc_params& p);                // [world]
-  // for_retry: a segment whose free throws stays cached and the others go
-  // on (an allocation retrying must not fail on another pool's segment),
-  // the first such error kept in release_failure_ (emptyCache reports it
-  // at the end); else the first such error is thrown.
-  bool release_cached_blocks(const world_lock& w, bool for_retry = false);    // [world]
-  void release_unused_segments(const world_lock& w, bool keep_going = false);  // [world]
-  void release_blocks(block_pool& pool, bool keep_going = false);             // [world]
-  void release_block(block* b, device_stats& st);                             // [stream, device]
-  void forget_segment(block* b, device_stats& st) noexcept;                   // [stream, device]
-  void release_segment_memory(segment& seg);                                  // [stream, device] or [world]
-  void release_segment_memory_announced(segment& seg);                        // [stream, device] or [world]
-  void free_uncached(block* b, stream_state& ss);                             // [stream] takes device
-  void garbage_collect_cached_blocks(const world_lock& w);                    // [world]
-
-  // --- out_of_memory.cpp -------------------------------------------------------
-  [[noreturn]] void throw_out_of_memory(const alloc_params& p, world_lock& w);  // [world] drops it for observers
-
-  // [world, or in the constructor] The thread_cache key, when given
-  // (config.thread_cache_set), switches the thread cache (enabled,
-  // small_only); otherwise it stays as CCALLOC_THREAD_CACHE or
-  // set_thread_cache_enabled left it. small_only is an atomic written
-  // under the world lock and read (relaxed) by the park path.
-  void apply_thread_cache_setting(const allocator_config& config);
-
-  // --- tagged allocation (fallback_ladder.cpp; tags: tag_sleep.hpp) -------------
-  // An allocation under the calling thread's tag (not default), routed to
-  // its pool. [none] takes the world lock; throws for a paused tag.
-  block* allocate_tagged(std::size_t requested_bytes, stream_state& ss, tag_id tag);
   // allocate_slow in private pool pp (routed by a capture scope or a tag),
   // pinning it meanwhile. [world]
   block* allocate_in_private_pool(private_pool& pp, std::size_t requested_bytes, stream_state& ss, world_lock& w);
 
-  // --- locks_and_stats.cpp, memory_accounting.cpp --------------------------------
-  void publish_all_pending_stats(const world_lock& w);                        // [world]
-  // Caps reserved memory at fraction x total (cached memory goes back first
-  // where reserved passes the new cap); invalid_argument_error outside [0, 1].
-  void set_memory_fraction(double fraction, const world_lock& w);             // [world]
+  // --- the parts and the device's fixed facts -----------------------------------------
+  // Each accessor is inline (one address computation); the part it returns
+  // states its own lock rule in its header. The device's figures are the
+  // parts' data, reached only through their interfaces.
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] device_backend& backend() const noexcept { return backend_; }
+  // Unique per instance: keys the threads' block caches (thread_cache.hpp). [none]
+  [[nodiscard]] std::uint64_t id() const noexcept { return id_; }
+  [[nodiscard]] stream_registry& registry() noexcept { return registry_; }
+  [[nodiscard]] placement_policy& policy() noexcept { return policy_; }
+  // Guards memory(), segments(), the event queues, private pools and OOM observers.
+  [[nodiscard]] spin_mutex& device_mutex() noexcept { return device_mutex_; }
+  [[nodiscard]] device_memory& memory() noexcept { return memory_; }
+  [[nodiscard]] segment_table& segments() noexcept { return segments_; }
+  [[nodiscard]] expandable_segments& expandable() noexcept { return expandable_; }
+  [[nodiscard]] event_queue& events() noexcept { return events_; }
+  [[nodiscard]] private_pool_registry& pools() noexcept { return pools_; }
+  [[nodiscard]] tag_sleep& tags() noexcept { return tags_; }
+  [[nodiscard]] device_fences& fences() noexcept { return fences_; }
+  [[nodiscard]] oom_reporter& oom() noexcept { return oom_; }
+  [[nodiscard]] history_recorder& history() noexcept { return history_; }
+  [[nodiscard]] mapping_notifier& mapping() noexcept { return mapping_; }
+  [[nodiscard]] thread_cache_registry& thread_caches() noexcept { return thread_caches_; }
+  [[nodiscard]] device_statistics& stats() noexcept { return stats_; }
 
-  // --- data, by the lock that guards it ------------------------------------------
-  // The parts (stream_registry ... tag_sleep) keep their own data private
-  // behind their interfaces; what is left here is the device-wide state
-  // the parts and the core's files share (the backend, the locks, the
-  // segments, statistics, history, mapping listeners, thread caches, OOM
-  // observers). It is still public: the core's free functions (the rungs of
-  // the ladder, the hot path's helpers, inspection) read it directly.
-
+ private:
+  // Declared in this order: constructed so, destroyed in reverse.
   const int device_;
   device_backend& backend_;
-  const std::uint64_t id_;  // unique per instance: keys the threads' block caches
+  const std::uint64_t id_;
 
-  stream_registry registry_;  // the stream states (stream_registry.hpp) [registry_mutex_]
+  stream_registry registry_;  // the stream states [registry_mutex_]
+  placement_policy policy_;   // the configuration and the placement rules over it
 
-  // The configuration and the placement rules over it (placement_policy.hpp).
-  placement_policy policy_;
-
-  // [device_mutex_] (the world lock holds it too)
+  // [device_mutex_] (the world lock holds it too) and the parts that state
+  // their own rule (the world lock for pages and tags; the device lock for
+  // segments, event queues and private pools; a fence is recorded under its
+  // stream's lock and the device lock).
   spin_mutex device_mutex_;
-  device_memory memory_;  // total, cap, reserved bytes and their mark (device_memory.hpp)
-  segment_map segments_;  // by base address
-  // The parts below each state their lock rule in their header (the
-  // world lock for pages and tags; the device lock for the event queues
-  // and private pools; a fence is recorded under its stream's lock and the
-  // device lock). Declared in this order: constructed and destroyed so.
-  expandable_segments expandable_{*this};  // reservations and their pages (expandable_segments.hpp)
-  event_queue events_{*this};  // the event pool and the events of cross-stream frees
-  private_pool_registry pools_{*this};  // private pools, capture scopes, deferred frees
-  tag_sleep tags_{*this};  // tags' pools, pause and resume (tag_sleep.hpp)
-  device_fences fences_{*this};  // the page fences of its streams (device_fences.hpp)
-  std::vector<oom_observer> observers_;
-  // The out-of-memory snapshot (config oom_snapshot; out_of_memory.cpp):
-  // the public wrapper sets the writer (it owns the snapshot code); called
-  // with no lock held, it writes the device's snapshot to the path and
-  // returns the sentence the error message gets; it never throws.
-  std::function<std::string(const std::string& path)> oom_snapshot_writer_;
-  std::optional<std::uint64_t> last_oom_snapshot_us_;  // steady clock, when the last was written [world]
+  device_memory memory_;                   // total, cap, reserved bytes and their mark
+  segment_table segments_{*this};          // the segments and their releases
+  expandable_segments expandable_{*this};  // reservations and their pages
+  event_queue events_{*this};              // the event pool and the events of cross-stream frees
+  private_pool_registry pools_{*this};     // private pools, capture scopes, deferred frees
+  tag_sleep tags_{*this};                  // tags' pools, pause and resume
+  device_fences fences_{*this};            // the page fences of its streams
+  oom_reporter oom_{*this};                // OOM observers, snapshot, the error
 
   // Memory history (SPEC F14-F18): its own lock, innermost. The allocator
   // records only when history_.active() (one relaxed load).
@@ -323,20 +295,34 @@ class device_state {
   // that make it; one relaxed load when none is attached.
   mapping_notifier mapping_{device_};
 
-  // The first failure of a segment free that release_blocks went on past
-  // (keep_going), until its reader clears it. [world]
-  std::exception_ptr release_failure_;
-
   // Blocks parked in threads' caches (thread_cache.hpp).
   thread_cache_registry thread_caches_;
 
   // [stats_mutex_] On a cache line of its own: threads on many streams
   // try it every 64th operation, and the flags read on every operation
-  // (thread_caches_.enabled above) must not share its line.
-  alignas(64) spin_mutex stats_mutex_;
-  device_stats stats_;
-  const void* last_stats_thread_ = nullptr;  // the thread that published last
+  // (thread_caches_.enabled() above) must not share its line.
+  alignas(64) device_statistics stats_;
 };
+
+// A B4 use of b on `stream` (its free then records an event there).
+// Throws invalid_argument_error for a stream that is not live or a paused
+// block. [none] takes the registry's lock, then the block's stream
+// (device_state.cpp)
+void record_stream(device_state& d, block* b, stream_t stream);
+// Throws record_stream's invalid_argument_error when b's segment is paused
+// (its pages are released); record_stream_containing resolves a pointer
+// inside a block to it and refuses it the same way. [b's stream]
+void refuse_record_stream_if_paused(const device_state& d, const block& b);
+
+// An allocation under the calling thread's tag (not default), routed to
+// its pool (fallback_ladder.cpp; tags: tag_sleep.hpp). [none] takes the
+// world lock; throws for a paused tag.
+block* allocate_tagged(device_state& d, std::size_t requested_bytes, stream_state& ss, tag_id tag);
+
+// Caps reserved memory at fraction x total (cached memory goes back first
+// where reserved passes the new cap); invalid_argument_error outside [0, 1]
+// (memory_accounting.cpp). [world]
+void set_memory_fraction(device_state& d, double fraction, const world_lock& w);
 
 // A number never returned before in this process (device_state::id_, the
 // stream registry's cache key).

@@ -74,6 +74,7 @@
 #include <ccalloc/base/detail/hot_tls.hpp>
 #include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/base/types.hpp>
+#include <ccalloc/core/config.hpp>
 
 #include <array>
 #include <atomic>
@@ -151,9 +152,25 @@ class thread_cache_registry {
   thread_cache_registry(const thread_cache_registry&) = delete;
   thread_cache_registry& operator=(const thread_cache_registry&) = delete;
 
-  std::atomic<bool> enabled{true};  // read without a lock; set under the world lock
-  std::atomic<bool> small_only{false};  // only small blocks (thread_cache:small); set under the world lock, read by park
-  std::shared_ptr<thread_cache_core> core = std::make_shared<thread_cache_core>();
+  // The thread_cache key, when given (config.thread_cache_set), switches
+  // the cache (enabled, small_only); otherwise it stays as
+  // CCALLOC_THREAD_CACHE or set_thread_cache_enabled left it. [world, or
+  // the device's constructor]
+  void apply_setting(const allocator_config& config) noexcept;
+
+  // Whether threads park blocks; read on every malloc and free without a
+  // lock (relaxed); set under the world lock (set_thread_cache_enabled).
+  [[nodiscard]] bool enabled() const noexcept { return enabled_.load(std::memory_order_relaxed); }
+  void set_enabled(bool on) noexcept { enabled_.store(on, std::memory_order_relaxed); }
+  // Only small-pool blocks are parked (thread_cache:small); read by park. [none]
+  [[nodiscard]] bool small_only() const noexcept { return small_only_.load(std::memory_order_relaxed); }
+  // What the threads' records share with the device (outlives whichever goes last).
+  [[nodiscard]] const std::shared_ptr<thread_cache_core>& core() const noexcept { return core_; }
+
+ private:
+  std::atomic<bool> enabled_{true};
+  std::atomic<bool> small_only_{false};
+  std::shared_ptr<thread_cache_core> core_ = std::make_shared<thread_cache_core>();
 };
 
 // The calling thread's record for the device last used (nullptr at first).

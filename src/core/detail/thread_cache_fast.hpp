@@ -51,21 +51,21 @@ inline block* thread_cache_hand_out(thread_cache_record& r, std::uint32_t i, std
 // (another device, other slots, events pending, a capture) out of line.
 inline block* thread_cache_take(device_state& s, std::size_t requested_bytes, stream_t stream) {
   thread_cache_record* r = tls_last_record;
-  if (r != nullptr && r->device_id == s.id_) [[likely]] {
+  if (r != nullptr && r->device_id == s.id()) [[likely]] {
     const std::uint32_t n = r->count.load(std::memory_order_relaxed);  // only this thread adds
     if (n == 0) return nullptr;
     const thread_cache_record::slot& newest = r->slots[n - 1];
     // The slots are this thread's to write: read without the lock. The
     // block is not: a world lock may free it meanwhile (then count is 0).
     if (newest.stream == stream && newest.requested == requested_bytes &&
-        (s.events_.pending_count() |
-         s.pools_.scopes().depth()) == 0) [[likely]] {
+        (s.events().pending_count() |
+         s.pools().scopes().depth()) == 0) [[likely]] {
       r->lock.lock();
       if (r->count.load(std::memory_order_relaxed) == n && thread_cache_still_reusable(newest.b)) [[likely]]
         return thread_cache_hand_out(*r, n - 1, n, requested_bytes);
       r->lock.unlock();
     }
-  } else if (r == nullptr && !s.thread_caches_.enabled.load(std::memory_order_relaxed)) {
+  } else if (r == nullptr && !s.thread_caches().enabled()) {
     return nullptr;
   }
   return thread_cache_take_slow(s, r, requested_bytes, stream);
@@ -75,7 +75,7 @@ inline block* thread_cache_take(device_state& s, std::size_t requested_bytes, st
 // does not go through thread_cache_take or thread_cache_park: memory history).
 inline void thread_cache_flush_own(device_state& s) {
   thread_cache_record* r = tls_last_record;
-  if (r == nullptr || r->device_id != s.id_) r = thread_cache_find(s, false);
+  if (r == nullptr || r->device_id != s.id()) r = thread_cache_find(s, false);
   if (r != nullptr && r->count.load(std::memory_order_relaxed) != 0) thread_cache_drain_own(s, *r);
 }
 
@@ -84,15 +84,15 @@ inline void thread_cache_flush_own(device_state& s) {
 // of `s` were freed first). Inline: the cache off, or this thread's record
 // of the device empty and `b` reusable; the rest out of line.
 inline bool thread_cache_park(device_state& s, block* b) {
-  if (!s.thread_caches_.enabled.load(std::memory_order_relaxed)) [[unlikely]]
+  if (!s.thread_caches().enabled()) [[unlikely]]
     return false;
   thread_cache_record* r = tls_last_record;
-  if (r != nullptr && r->device_id == s.id_ && r->count.load(std::memory_order_relaxed) == 0) [[likely]] {
+  if (r != nullptr && r->device_id == s.id() && r->count.load(std::memory_order_relaxed) == 0) [[likely]] {
     // Nothing parked: nothing to free first when `b` goes to the pools. The
     // version also says that b is not record_stream'd, not of a private
     // pool, not large under thread_cache:small, and that caching is on
     // (device_state::note_reusable).
-    if (!thread_cache_still_reusable(b) || s.pools_.scopes().depth() != 0) return false;
+    if (!thread_cache_still_reusable(b) || s.pools().scopes().depth() != 0) return false;
     // This thread's frees are not being reused (thread_cache_record::miss_streak).
     if (r->miss_streak == thread_cache_miss_limit && ++r->probe % thread_cache_probe_every != 0) return false;
     r->lock.lock();
