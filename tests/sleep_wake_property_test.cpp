@@ -74,6 +74,10 @@ TEST(SleepWakeRace, PauseAndResumeRacingRecordStreamFreesOfTheSameTagKeepEveryIn
   };
   std::thread sleeper([&] {
     for (int i = 0; i < 400 && std::chrono::steady_clock::now() < deadline; ++i) {
+      // The worker moves between two pauses (else a busy host may starve it).
+      const std::size_t seen = mallocs.load() + refused.load();
+      while (mallocs.load() + refused.load() < seen + 4 && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::yield();
       try {
         a.pause({"race_tag"}, true);
         ++pauses;
