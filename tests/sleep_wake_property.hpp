@@ -4,7 +4,8 @@
 // owns a stream and a tag ("default" for one of them) and mallocs, frees,
 // declares device work on its blocks (sim_backend::use_memory), pauses its
 // tag (keeping contents or not) and resumes it, while the others do the
-// same on theirs; one more thread calls empty_cache and the structural
+// same on theirs (a third of the frees follow a record_stream on a second
+// stream); one more thread calls empty_cache and the structural
 // check. Invariants, checked as it runs and at the end:
 //   - no page holds blocks of two tags (segments(): every page an allocated
 //     block touches belongs to blocks of one tag);
@@ -77,7 +78,8 @@ struct totals {
 class worker {
  public:
   worker(caching_allocator& a, sim_backend& sim, std::string tag, std::uint32_t seed, totals& t)
-      : a_(a), sim_(sim), tag_(std::move(tag)), rng_(seed), t_(t), stream_(sim.create_stream(0)) {}
+      : a_(a), sim_(sim), tag_(std::move(tag)), rng_(seed), t_(t), stream_(sim.create_stream(0)),
+        side_(sim.create_stream(0)) {}
 
   // One operation; returns a failure message, or "".
   std::string step() {
@@ -144,6 +146,10 @@ class worker {
   std::string free_one() {
     const std::size_t i = rng_() % blocks_.size();
     if (!paused_ && !holds_pattern(blocks_[i])) return tag_ + ": a live block lost its bytes before its free";
+    // Used on a second stream too, a third of the time: its free waits for
+    // an event, which any thread's malloc may find completed and return
+    // while this tag's pause runs.
+    if (!paused_ && rng_() % 3 == 0) a_.record_stream(blocks_[i].ptr, side_);
     a_.free(blocks_[i].ptr);
     blocks_[i] = blocks_.back();
     blocks_.pop_back();
@@ -197,6 +203,7 @@ class worker {
   std::mt19937 rng_;
   totals& t_;
   stream_t stream_;
+  stream_t side_;  // a second stream its blocks are used on (record_stream)
   std::vector<live_block> blocks_;
   bool paused_ = false;
   bool kept_ = false;

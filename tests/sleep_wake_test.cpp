@@ -336,6 +336,36 @@ TEST_F(SleepWakeTest, MallocUnderAPausedTagIsRefusedAndFreeIsDoneAtResume) {
   EXPECT_EQ(usage("sw_paused").allocated_bytes, 0u);
 }
 
+// A pointer inside a paused block is resolved to its block (SPEC X4) and
+// refused as its start is: the same error, naming the block and its tag.
+TEST_F(SleepWakeTest, RecordStreamOfAPointerInsideAPausedBlockIsRefusedAsItsStartIs) {
+  void* b = m_tagged("sw_view", 8 * MiB);
+  const stream_t side = sim->create_stream(0);
+  alloc->pause({"sw_view"}, false);
+  auto refusal = [&](void* ptr) -> std::string {
+    try {
+      alloc->record_stream(ptr, side);
+    } catch (const invalid_argument_error& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  const std::string at_start = refusal(b);
+  const std::string inside = refusal(static_cast<char*>(b) + 3 * MiB + 17);
+  EXPECT_NE(inside.find("record_stream of the block at " + std::to_string(reinterpret_cast<std::uintptr_t>(b))),
+            std::string::npos)
+      << inside;
+  EXPECT_NE(inside.find("its tag 'sw_view' is paused"), std::string::npos) << inside;
+  EXPECT_EQ(inside, at_start);
+  alloc->resume({"sw_view"});
+  // Active again: both are accepted, and the block's free then waits for `side`.
+  alloc->record_stream(static_cast<char*>(b) + 3 * MiB + 17, side);
+  sim->enqueue_work(0, side, 1000);
+  alloc->free(b);
+  EXPECT_EQ(usage("sw_view").allocated_bytes, 0u);
+  EXPECT_EQ(dev().stats().active[0].current, 1) << "the freed block waits for the work queued on the recorded stream";
+}
+
 TEST_F(SleepWakeTest, PauseWaitsForTheWorkOnTheTagsStreamsWithoutSynchronizingTheDevice) {
   const stream_t s = sim->create_stream(0);
   const stream_t other = sim->create_stream(0);

@@ -50,6 +50,7 @@ bool device_caching_allocator::record_stream_containing(std::uintptr_t address, 
     if (address < b->ptr || address >= b->ptr + b->size) continue;
     if (!b->allocated) return false;
     if (stream != b->stream) s.registry().check_recorded_stream(stream);  // the world lock holds the registry's
+    detail::refuse_record_stream_if_paused(s, *b);  // as record_stream of its start does
     if (stream != b->stream &&
         std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
       b->stream_uses.push_back(stream);

@@ -53,15 +53,19 @@ void record_stream(device_state& d, block* b, stream_t stream) {
     d.registry().check_recorded_stream(stream);
   }
   std::lock_guard lock(b->pool->owner->mutex);
-  if (b->seg->paused) [[unlikely]]  // written under the world lock, which holds this one
-    throw invalid_argument_error("ccalloc: record_stream of the block at " + std::to_string(b->ptr) +
-                                 " on device " + std::to_string(d.device()) + ": its tag '" +
-                                 tag_name(tag_of(*b->seg)) +
-                                 "' is paused (its pages are released; no stream may use it until resume)");
+  refuse_record_stream_if_paused(d, *b);
   if (stream == b->stream) return;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
     b->stream_uses.push_back(stream);
   b->reuse_version = no_reuse_version;  // its free waits for events: never parked
+}
+
+void refuse_record_stream_if_paused(const device_state& d, const block& b) {
+  if (b.seg->paused) [[unlikely]]  // written under the world lock, which holds b's stream's lock
+    throw invalid_argument_error("ccalloc: record_stream of the block at " + std::to_string(b.ptr) +
+                                 " on device " + std::to_string(d.device()) + ": its tag '" +
+                                 tag_name(tag_of(*b.seg)) +
+                                 "' is paused (its pages are released; no stream may use it until resume)");
 }
 
 }  // namespace ccalloc::detail

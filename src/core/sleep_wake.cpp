@@ -296,7 +296,15 @@ void tag_sleep::pause_segment(segment& seg, bool keep_contents, sleep_result& r)
   seg.paused = true;
 }
 
-sleep_result tag_sleep::pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock&) {
+sleep_result tag_sleep::pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock& w) {
+  // Blocks whose events completed may be on their way back to their pools
+  // (event_queue::process_events frees them under their stream's lock after
+  // dropping the device lock): out of the event queues, they are neither
+  // waited for nor paused below, and a free into a reservation paused
+  // meanwhile would put unmapped pages in a pool. The pause waits until they
+  // are back; with the world lock held again, no more can leave the queues.
+  while (d_.events().wait_for_completions_in_flight(w)) {
+  }
   sleep_result r;
   const std::optional<std::uint64_t> start_us = d_.backend().host_time_us();
   const std::string where = "ccalloc: pause on device " + std::to_string(d_.device());

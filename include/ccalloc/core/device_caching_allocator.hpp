@@ -121,8 +121,9 @@ class device_caching_allocator {
   /// record_stream for an address inside a live block (a view at an offset,
   /// SPEC X4; PyTorch ignores such pointers). Returns false, changing nothing,
   /// if no live block of this device contains `address`; throws as
-  /// record_stream for a stream that is not live. Slow path: locks the
-  /// whole device.
+  /// record_stream for a stream that is not live or a block of a paused
+  /// tag (the same invalid_argument_error). Slow path: locks the whole
+  /// device.
   bool record_stream_containing(std::uintptr_t address, stream_t stream);
   /// Returns cached segments that hold no live block to the device, after
   /// waiting for pending events (PyTorch: emptyCache). Live blocks are

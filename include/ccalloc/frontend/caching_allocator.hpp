@@ -200,7 +200,8 @@ class caching_allocator {
   /// naming the stream and changing nothing, when `stream` is not a live stream
   /// of the block's device (destroyed, never created, another device's; as far
   /// as the backend can tell: device_backend::is_stream), unless it is the
-  /// block's own stream. Thread-safe.
+  /// block's own stream; and, naming the tag, when the block (through its
+  /// start or a pointer inside it) belongs to a paused tag. Thread-safe.
   void record_stream(void* ptr, stream_t stream);
   /// A new stream of `device` (the backend's create_stream); the allocator
   /// forgets that a destroyed stream had its handle

@@ -309,6 +309,10 @@ class device_state {
 // block. [none] takes the registry's lock, then the block's stream
 // (device_state.cpp)
 void record_stream(device_state& d, block* b, stream_t stream);
+// Throws record_stream's invalid_argument_error when b's segment is paused
+// (its pages are released); record_stream_containing resolves a pointer
+// inside a block to it and refuses it the same way. [b's stream]
+void refuse_record_stream_if_paused(const device_state& d, const block& b);
 
 // An allocation under the calling thread's tag (not default), routed to
 // its pool (fallback_ladder.cpp; tags: tag_sleep.hpp). [none] takes the

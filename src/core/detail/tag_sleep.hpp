@@ -52,7 +52,9 @@ class tag_sleep {
   // invalid_argument_error (the default tag, a capture underway, a segment
   // that is no reservation), out_of_memory_error (no host memory to keep
   // the contents; no device memory to map the pages again: the tag stays
-  // paused, resume unlocks w to tell the observers), backend_error.
+  // paused, resume unlocks w to tell the observers), backend_error. pause
+  // first unlocks w while blocks whose events completed are still on their
+  // way back to their pools (event_queue::wait_for_completions_in_flight).
   sleep_result pause_tags(const std::vector<tag_id>& tags, bool keep_contents, world_lock& w);
   sleep_result resume_tags(const std::vector<tag_id>& tags, world_lock& w);
   // Gives back the host buffers kept for the next pause (empty_cache).
