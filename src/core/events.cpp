@@ -197,9 +197,11 @@ void event_queue::synchronize_and_free_events() {
   next_poll_ = 0;
 }
 
-// X7: process_events returns blocks after dropping the device lock; an OOM
-// decided meanwhile would miss them. Waits (world lock released) until they
-// are back; returns false when there were none (nothing new to try).
+// X7: process_events returns blocks after dropping the device lock, so for a
+// moment they are in no queue and not allocated: an OOM decided meanwhile
+// would miss them, and a pause would release the pages under them. Waits
+// (world lock released) until they are back; returns false when there were
+// none (nothing new to try). Callers: the out-of-memory path, pause_tags.
 bool event_queue::wait_for_completions_in_flight(world_lock& w) {
   if (completions_in_flight_.load(std::memory_order_acquire) == 0) return false;
   w.unlock();
