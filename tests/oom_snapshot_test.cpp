@@ -136,11 +136,39 @@ TEST(OomSnapshot, AFailedWriteStillRaisesTheErrorAndSaysWhy) {
   const std::string path = temp_path("fails") + ".missing/oom.pickle";  // its directory does not exist
   fixture f("expandable_segments:False,oom_snapshot:" + path);
   const std::string m = f.oom_message();
-  EXPECT_TRUE(contains(m, "The snapshot (oom_snapshot) could not be written to " + path + ": cannot create " +
+  EXPECT_TRUE(contains(m, "The snapshot (oom_snapshot) could not be written to " + path + ": cannot write " +
                               path + ".tmp (No such file or directory).")) << m;
   EXPECT_FALSE(fs::exists(path));
   // The allocator still works.
   f.alloc.free(f.alloc.malloc(0, mib, 0));
+}
+
+// A path that is not a regular file (a device, a FIFO, a symbolic link) is
+// written in place: a temporary file renamed over it would replace the node
+// itself (as root, oom_snapshot:/dev/full replaced the device with a file).
+TEST(OomSnapshot, APathThatIsNoRegularFileIsWrittenInPlaceNotReplaced) {
+  const std::string target = temp_path("link-target");
+  const std::string link = temp_path("link");
+  fs::remove(target);
+  fs::remove(link);
+  fs::create_symlink(target, link);
+  {
+    fixture f("expandable_segments:False,oom_snapshot:" + link);
+    const std::string m = f.oom_message();
+    EXPECT_TRUE(contains(m, "was written to " + link)) << m;
+  }
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link))) << "the link was replaced by a file";
+  EXPECT_GT(fs::file_size(target), 0u);  // the snapshot went through the link
+  EXPECT_FALSE(fs::exists(link + ".tmp"));
+  fs::remove(link);
+  fs::remove(target);
+  {
+    fixture f("expandable_segments:False,oom_snapshot:/dev/null");
+    const std::string m = f.oom_message();
+    EXPECT_TRUE(contains(m, "was written to /dev/null")) << m;
+  }
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
+  EXPECT_FALSE(fs::exists("/dev/null.tmp"));
 }
 
 TEST(OomSnapshot, OffByDefault) {

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <filesystem>
 #include <exception>
 #include <string>
 #include <system_error>
@@ -64,21 +65,38 @@ std::string detail::write_oom_snapshot(device_caching_allocator& owner, const st
     snapshot.device_traces.back() = owner.trace_entries();
     snapshot.external_annotations = owner.annotations();
     const std::string bytes = to_pickle(snapshot);
-    const std::string temporary = path + ".tmp";
-    std::FILE* f = std::fopen(temporary.c_str(), "wb");
-    if (f == nullptr) {
-      const int error = errno;
-      return " The snapshot" + where + " could not be written to " + path + ": cannot create " + temporary +
-             " (" + std::generic_category().message(error) + ").";
-    }
-    const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-    const int write_error = errno;
-    const bool closed = std::fclose(f) == 0;
-    if (!written || !closed || std::rename(temporary.c_str(), path.c_str()) != 0) {
-      const int error = !written ? write_error : errno;
-      std::remove(temporary.c_str());
-      return " The snapshot" + where + " could not be written to " + path + " (" +
+    const auto failed = [&](int error, const std::string& what = {}) {
+      return " The snapshot" + where + " could not be written to " + path + what + " (" +
              std::generic_category().message(error) + ").";
+    };
+    // Writes the bytes to `file`; 0, or the errno of the failed step.
+    const auto write_to = [&](const std::string& file) {
+      std::FILE* f = std::fopen(file.c_str(), "wb");
+      if (f == nullptr) return errno;
+      const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+      const int write_error = errno;
+      const bool closed = std::fclose(f) == 0;
+      return !written ? write_error : closed ? 0 : errno;
+    };
+    // A regular file (or none yet) is replaced whole through a temporary
+    // file renamed over it, so a reader never sees half a snapshot. Anything
+    // else (a device such as /dev/full, a FIFO, a symbolic link) is written
+    // in place: a rename would replace the node or the link itself.
+    std::error_code ec;
+    const std::filesystem::file_status st = std::filesystem::symlink_status(path, ec);
+    if (std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) {
+      if (const int error = write_to(path); error != 0) return failed(error);
+    } else {
+      const std::string temporary = path + ".tmp";
+      if (const int error = write_to(temporary); error != 0) {
+        std::remove(temporary.c_str());
+        return failed(error, ": cannot write " + temporary);
+      }
+      if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+        const int error = errno;
+        std::remove(temporary.c_str());
+        return failed(error);
+      }
     }
     return " A snapshot of device " + std::to_string(owner.device()) + "'s memory" + where + " was written to " +
            path + ".";

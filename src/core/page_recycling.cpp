@@ -101,7 +101,6 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
   const std::uintptr_t lo = (b->ptr - seg.base + page - 1) / page * page + seg.base;
   const std::uintptr_t hi = (b->ptr + b->size - seg.base) / page * page + seg.base;
   if (lo >= hi) return 0;
-  const stat_group g = group_of(b->pool);
   std::size_t done_total = 0;
   // Where set_page_state starts its walk: b, until a piece has changed the
   // blocks (b may have merged into an unmapped block below it); then the
@@ -138,7 +137,7 @@ std::size_t expandable_segments::unmap_block_pages(block* b, std::uintptr_t keep
       seg.mapped_bytes -= bytes;
       if (seg.mapped_bytes == 0) note_maybe_empty(seg);
       d_.memory().remove_reserved(bytes);
-      count_down(d_.stats().values().reserved_bytes, g, static_cast<std::int64_t>(bytes));
+      count_down(d_.stats().values().reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(bytes));
       set_page_state(seg, from, addr, false, hint);
       if (addr > from) hint = nullptr;
       if (d_.history().active() && bytes > 0) [[unlikely]]
