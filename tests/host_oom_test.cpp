@@ -14,6 +14,7 @@
 // freeing it again counted it twice (allocated bytes went negative).
 #include <ccalloc/backend/sim_backend.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/tags.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
 #include <gtest/gtest.h>
@@ -403,6 +404,52 @@ TEST(HostOutOfMemory, ACompletedEventIsNotLostWithoutHostMemory) {
     EXPECT_EQ(f.stats().at("reserved_bytes.all.current"), 0);
   }
   EXPECT_GE(failed, 2);
+}
+
+}  // namespace
+
+namespace {
+
+// A pause that keeps contents and runs out of host memory at any point
+// (the pinned copies' records included) pauses nothing: the tag is not
+// paused and its usage counts no paused bytes (a failed pause once left
+// its runs noted, so tag usage reported the paused bytes of a pause that
+// never happened).
+TEST(HostOutOfMemory, AKeepContentsPauseThatFailsPausesNothing) {
+  sim_fixture f("thread_cache:off");
+  void* p = nullptr;
+  {
+    tag_scope scope("oom_pause");
+    p = f.alloc->malloc(0, 8 << 20, 0);
+  }
+  const auto usage = [&] {
+    for (const tag_usage& u : f.alloc->tag_stats(0))
+      if (u.tag == "oom_pause") return u;
+    return tag_usage{};
+  };
+  int failed = 0;
+  bool paused = false;
+  for (long allowed = 0; allowed < 400 && !paused; ++allowed) {
+    try {
+      no_host_memory scope(allowed);
+      f.alloc->pause({"oom_pause"}, true);
+      paused = true;
+    } catch (const std::bad_alloc&) {
+      ++failed;
+    } catch (const out_of_memory_error&) {
+      ++failed;
+    }
+    if (paused) break;
+    const tag_usage u = usage();
+    EXPECT_FALSE(u.paused) << "host memory ran out after " << allowed << " allocations";
+    EXPECT_EQ(u.paused_bytes, 0u) << "host memory ran out after " << allowed << " allocations";
+    EXPECT_EQ(u.kept_bytes, 0u) << "host memory ran out after " << allowed << " allocations";
+  }
+  EXPECT_TRUE(paused);
+  EXPECT_GE(failed, 3);
+  EXPECT_EQ(usage().paused_bytes, 8u << 20);
+  f.alloc->resume({"oom_pause"});
+  f.alloc->free(p);
 }
 
 }  // namespace

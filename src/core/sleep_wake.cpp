@@ -319,15 +319,32 @@ sleep_result tag_sleep::pause_tags(const std::vector<tag_id>& tags, bool keep_co
   segs.clear();  // step 2 may have released some
   for (tag_id tag : todo)
     for (segment* seg : segments_of(tag)) segs.push_back(seg);
+  // Host memory for the books first: a failure up to the copies changes nothing.
+  std::set<tag_id> marks(todo.begin(), todo.end());  // their nodes move into paused_tags_ at the end
+  r.tags.reserve(todo.size());
+  for (tag_id tag : todo) r.tags.push_back(tag_name(tag));
+  for (segment* seg : segs) {
+    std::size_t leaving = 0;  // blocks pause_segment takes out of their pools
+    for (const block* b = seg->head; b != nullptr; b = b->next)
+      leaving += b->mapped && b->is_free() && b->pool->blocks.contains(b) ? 1 : 0;
+    seg->paused_free.reserve(seg->paused_free.size() + leaving);
+  }
   for (segment* seg : segs) seg->paused_runs = live_runs(*seg);
-  if (keep_contents) take_host_copies(segs, where);
+  try {
+    if (keep_contents) take_host_copies(segs, where);
+  } catch (...) {  // nothing was paused: no run stays noted (tag usage would count it as paused bytes)
+    for (segment* seg : segs) {
+      for (auto& run : seg->paused_runs) host_copies_.give(std::exchange(run.host, nullptr));
+      seg->paused_runs.clear();
+    }
+    throw;
+  }
   for (segment* seg : segs) {
     const tag_scope entries_tag(tag_of(*seg));  // its history entries name its tag
     pause_segment(*seg, keep_contents, r);
   }
   for (tag_id tag : todo) {
-    paused_tags_.insert(tag);
-    r.tags.push_back(tag_name(tag));
+    paused_tags_.insert(marks.extract(tag));  // a node made above: no allocation here
     if (d_.history().active()) [[unlikely]] {
       const tag_usage u = usage_of(tag);
       d_.history().record(trace_entry_action::pause, u.kept_bytes, u.paused_bytes, 0, nullptr, tag);

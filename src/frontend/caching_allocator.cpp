@@ -276,6 +276,9 @@ sleep_result caching_allocator::pause(const std::vector<std::string>& tags, bool
   sleep_result out;
   if (device != -1) return checked_device(device, "pause").pause(tags, keep_contents);
   (void)checked_device(0, "pause");
+  // Room for the merged names first: a merge that ran out of host memory
+  // after a device paused would report a pause that happened as failed.
+  out.tags.reserve(tags.size());
   for (auto& d : devices_) add_result(out, d->pause(tags, keep_contents));
   return out;
 }
@@ -284,6 +287,7 @@ sleep_result caching_allocator::resume(const std::vector<std::string>& tags, int
   sleep_result out;
   if (device != -1) return checked_device(device, "resume").resume(tags);
   (void)checked_device(0, "resume");
+  out.tags.reserve(tags.size());  // as pause
   for (auto& d : devices_) add_result(out, d->resume(tags));
   return out;
 }
