@@ -416,12 +416,16 @@ void check_output_file(const std::string& path, const std::string& what, const s
 }
 
 /// Parses `config` up front so a bad one fails before any replay starts, and
-/// prints the parser's warnings (settings with no effect) to stderr.
-void check_config(const std::string& config) {
+/// prints the parser's warnings (settings with no effect) to stderr. Its
+/// oom_snapshot file is checked as an output (check_output_file): a snapshot
+/// written over the trace `input` would destroy it.
+void check_config(const std::string& config, const std::string& input) {
   const ccalloc::allocator_config parsed = ccalloc::allocator_config::parse(config);
   for (const std::string& warning : parsed.warnings) {
     std::cerr << "ccalloc: warning: " << warning << "\n";  // the warning names the setting
   }
+  if (!parsed.oom_snapshot_path.empty())
+    check_output_file(parsed.oom_snapshot_path, "the out-of-memory snapshot (oom_snapshot)", input);
 }
 
 double ratio(std::uint64_t a, std::uint64_t b) { return b ? double(a) / double(b) : 0.0; }
@@ -1031,7 +1035,7 @@ void print_min_memory(const min_memory_result& m, const std::string& config) {
 int run_replay(const common_options& common, const std::string& config, bool min_memory,
                const std::string& snapshot_path) {
   ccalloc::replay_options options = common.replay_options_for(config);
-  check_config(options.config);
+  check_config(options.config, common.trace_path);
   if (min_memory && options.device != ccalloc::replay_device::sim)
     throw usage_error("--min-memory works on the simulated device only (--device sim)");
   if (!snapshot_path.empty()) check_output_file(snapshot_path, "the snapshot", common.trace_path);
@@ -1077,7 +1081,7 @@ int run_report(const common_options& common, const std::string& config, const st
   const ccalloc::replay_options replay = common.replay_options_for(config);
   if (replay.device != ccalloc::replay_device::sim)
     throw usage_error("report replays on the simulated device only (--device sim)");
-  check_config(replay.config);
+  check_config(replay.config, common.trace_path);
   const auto points = static_cast<std::size_t>(
       parse_count(points_text, "--points", 2, std::numeric_limits<std::size_t>::max(), "time slices per curve"));
   check_output_file(output_path, "the report", common.trace_path);
@@ -1113,7 +1117,7 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
   std::vector<ccalloc::replay_options> options;
   for (const std::string& config : configs) {
     options.push_back(common.replay_options_for(config));
-    check_config(options.back().config);  // every config checked before the first replay
+    check_config(options.back().config, common.trace_path);  // every config checked before the first replay
   }
   const loaded_trace input = load_trace(common.trace_path, common.read_options());
   std::vector<ccalloc::replay_result> results;

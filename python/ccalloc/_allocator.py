@@ -401,6 +401,16 @@ class Allocator:
     def __enter__(self) -> "Allocator":
         return self
 
+    # A copy would share the C allocator and close it when either copy goes.
+    def __copy__(self):
+        raise TypeError("ccalloc.Allocator cannot be copied: it owns its C allocator (share the object instead)")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("ccalloc.Allocator cannot be copied: it owns its C allocator (share the object instead)")
+
+    def __reduce__(self):
+        raise TypeError("ccalloc.Allocator cannot be pickled: it owns a C allocator of this process")
+
     def __exit__(self, *exc) -> None:
         self.close()
 

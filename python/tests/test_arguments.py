@@ -110,6 +110,33 @@ def test_a_closed_allocator_refuses_every_call(tmp_path):
     assert process_wide.get_config() == config_before
 
 
+def test_an_allocator_cannot_be_copied_or_pickled():
+    import copy
+    import pickle
+
+    with ccalloc.Allocator("sim", config="") as a:
+        p = a.malloc(MiB)
+        for make in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="cannot be"):
+                make(a)
+        # The original still works (a copy's __del__ once closed its C allocator).
+        assert a.memory_stats(0)["allocated_bytes.all.current"] >= MiB
+        a.free(p)
+
+
+def test_a_tag_with_a_nul_character_is_refused():
+    with pytest.raises(ccalloc.InvalidArgumentError, match="NUL"):
+        with ccalloc.tag("a\0b"):
+            pass
+    assert ccalloc.current_tag() == "default"
+
+
+def test_a_string_device_is_refused_naming_it():
+    for bad in ("x", "cuda:0"):
+        with pytest.raises(ccalloc.InvalidArgumentError, match="device must be an int or a torch.device"):
+            ccalloc.memory_allocated(bad)
+
+
 def test_leaving_with_closes():
     with ccalloc.Allocator("sim", config="") as a:
         a.malloc(MiB)
