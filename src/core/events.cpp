@@ -163,15 +163,16 @@ void event_queue::process_events() {
   if (failure) std::rethrow_exception(failure);
 }
 
+// One of b's events completed: at its last, b returns to its pool. [world]
+void event_queue::free_after_last_event(block* b) {
+  if (--b->event_count != 0) return;
+  if (d_.history().active()) [[unlikely]]
+    d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
+  d_.free_block(b, d_.stats().values(), true);
+}
+
 void event_queue::process_events_locked(std::size_t max_streams) {
-  take_completed_events(
-      [&](block* b) {
-        if (--b->event_count != 0) return;
-        if (d_.history().active()) [[unlikely]]
-          d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
-        d_.free_block(b, d_.stats().values(), true);
-      },
-      max_streams, nullptr);
+  take_completed_events([&](block* b) { free_after_last_event(b); }, max_streams, nullptr);
 }
 
 void event_queue::synchronize_and_free_events() {
@@ -186,10 +187,7 @@ void event_queue::synchronize_and_free_events() {
       queue.pop_front();
       free_events_.push_back(e);
       ++retired.count;
-      if (--b->event_count != 0) continue;
-      if (d_.history().active()) [[unlikely]]
-        d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
-      d_.free_block(b, d_.stats().values(), true);
+      free_after_last_event(b);
     }
   }
   queues_.clear();

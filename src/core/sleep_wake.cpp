@@ -123,6 +123,10 @@ bool pauses_whole(const segment& seg) noexcept {
   return pp != nullptr && !pp->is_tag_pool();
 }
 
+// A block a pause takes out of its pool (a free one beside blocks in use,
+// on mapped pages): nothing may place a block there while it is paused.
+bool leaves_its_pool(const block& b) noexcept { return b.mapped && b.is_free() && b.pool->blocks.contains(&b); }
+
 // The page runs to pause in seg (sorted, merged): under its allocated
 // blocks, or every mapped page when the segment pauses whole.
 std::vector<segment::paused_run> live_runs(const segment& seg) {
@@ -240,17 +244,12 @@ void tag_sleep::return_tag_cache(const std::vector<segment*>& segs, sleep_result
 }
 
 // Step 3a: host memory for every kept run, before anything is copied; on
-// a shortfall every buffer goes back and nothing is paused.
+// a shortfall it throws, and pause_tags gives every buffer back.
 void tag_sleep::take_host_copies(const std::vector<segment*>& segs, const std::string& where) {
   for (segment* seg : segs)
     for (auto& run : seg->paused_runs) {
       run.host = host_copies_.take(run.pages * seg->page_bytes);
       if (run.host != nullptr) continue;
-      for (segment* s2 : segs)
-        for (auto& run2 : s2->paused_runs) {
-          host_copies_.give(run2.host);
-          run2.host = nullptr;
-        }
       throw out_of_memory_error(
           where + ": the host has no " + format_bytes(run.pages * seg->page_bytes) +
               " of pinned memory to keep the contents of tag '" + tag_name(tag_of(*seg)) +
@@ -265,7 +264,7 @@ void tag_sleep::pause_segment(segment& seg, bool keep_contents, sleep_result& r)
   // Blocks in their pools (free partial pages beside blocks in use) leave
   // them: nothing may place a block there, nor unmap a page of it.
   for (block* b = seg.head; b != nullptr; b = b->next)
-    if (b->mapped && b->is_free() && b->pool->blocks.contains(b)) {
+    if (leaves_its_pool(*b)) {
       seg.paused_free.push_back(b);
       d_.expandable().pool_erase_counted(b);
     }
@@ -326,7 +325,7 @@ sleep_result tag_sleep::pause_tags(const std::vector<tag_id>& tags, bool keep_co
   for (segment* seg : segs) {
     std::size_t leaving = 0;  // blocks pause_segment takes out of their pools
     for (const block* b = seg->head; b != nullptr; b = b->next)
-      leaving += b->mapped && b->is_free() && b->pool->blocks.contains(b) ? 1 : 0;
+      leaving += leaves_its_pool(*b) ? 1 : 0;
     seg->paused_free.reserve(seg->paused_free.size() + leaving);
   }
   for (segment* seg : segs) seg->paused_runs = live_runs(*seg);

@@ -99,6 +99,8 @@ class event_queue {
   void take_completed_events(OnCompleted on_completed, std::size_t max_streams, std::vector<block*>* room);
   // Drops queues_[i] (empty): the last queue takes its place. [device]
   void remove_queue(std::size_t i) noexcept;
+  // One of b's events completed: at its last, b returns to its pool. [world]
+  void free_after_last_event(block* b);
 
   device_state& d_;
   // Events recorded at free time: one queue per stream with pending events
