@@ -2,6 +2,7 @@
 // the driver's cuMem* functions (looked up through the runtime, so libcuda is
 // never linked) for virtual memory. See include/ccalloc/backend/cuda_backend.hpp.
 #include <ccalloc/backend/cuda_backend.hpp>
+#include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/base/errors.hpp>
 
@@ -11,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
@@ -19,6 +21,7 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -127,8 +130,21 @@ void require_cudart() {
 // have had one ABI since 10.2, which the PFN_*_v10020 types below describe.
 constexpr unsigned int driver_abi_version = 12000;
 
+// The process that made the first cuda_backend (0: none yet). A child of
+// fork() cannot use its parent's CUDA context: its CUDA calls fail, and
+// fork_hint() says why in the error.
+std::atomic<pid_t> cuda_owner_pid{0};
+
+std::string fork_hint() {
+  const pid_t owner = cuda_owner_pid.load(std::memory_order_relaxed);
+  if (owner == 0 || owner == ::getpid()) return {};
+  return "; this process is a fork() child of process " + std::to_string(owner) +
+         ", which initialized CUDA, and a forked child cannot use its parent's CUDA context: start the "
+         "process with spawn (Python multiprocessing.get_context(\"spawn\")) or exec";
+}
+
 std::string describe_error(cudaError_t e) {
-  return std::string(rt().cudaGetErrorName(e)) + " (" + rt().cudaGetErrorString(e) + ")";
+  return std::string(rt().cudaGetErrorName(e)) + " (" + rt().cudaGetErrorString(e) + ")" + fork_hint();
 }
 
 using detail::pointer_text;
@@ -260,7 +276,7 @@ struct driver_api {
     if (get_error_string != nullptr && get_error_string(r, &text) != CUDA_SUCCESS) text = nullptr;
     std::string s = name != nullptr ? std::string(name) : "CUresult " + std::to_string(static_cast<int>(r));
     if (text != nullptr) s += std::string(" (") + text + ")";
-    return s;
+    return s + fork_hint();
   }
 
   template <class Describe>
@@ -324,6 +340,9 @@ struct cuda_backend::impl {
   std::unordered_map<gate_t, gate_slot> gate_slots;     // every word of every block
   std::vector<std::vector<gate_t>> free_gates;          // per device
   std::vector<void*> gate_blocks;                       // cudaHostAlloc'd, freed in ~cuda_backend
+  // Around a fork (base/detail/fork_handlers.hpp): both locks, so that the
+  // child's calls (which fail: fork_hint) find them free.
+  std::optional<detail::fork_registration> fork;
 
   // The live gate `gate` of `device` (gate_mutex held).
   gate_slot& live_gate(gate_t gate, int device, const char* what) {
@@ -367,6 +386,19 @@ int cuda_backend::available_device_count() noexcept {
 
 cuda_backend::cuda_backend() : impl_(std::make_unique<impl>()) {
   require_cudart();
+  pid_t none = 0;
+  (void)cuda_owner_pid.compare_exchange_strong(none, ::getpid(), std::memory_order_relaxed);
+  impl_->fork.emplace(detail::fork_rank::backend, detail::fork_hooks{impl_.get(),
+                                                                     [](void* self) noexcept {
+                                                                       auto& i = *static_cast<impl*>(self);
+                                                                       i.mutex.lock();
+                                                                       i.gate_mutex.lock();
+                                                                     },
+                                                                     [](void* self, bool) noexcept {
+                                                                       auto& i = *static_cast<impl*>(self);
+                                                                       i.gate_mutex.unlock();
+                                                                       i.mutex.unlock();
+                                                                     }});
   int n = 0;
   const cudaError_t e = rt().cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
@@ -420,6 +452,7 @@ cuda_backend::cuda_backend() : impl_(std::make_unique<impl>()) {
 }
 
 cuda_backend::~cuda_backend() {
+  impl_->fork.reset();  // a fork under way finishes first
   // Gate blocks: errors (the runtime unloading at exit, a reset device) are
   // ignored, the driver reclaims the memory with the process anyway.
   for (void* block : impl_->gate_blocks)

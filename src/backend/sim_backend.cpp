@@ -18,9 +18,22 @@ sim_backend::sim_backend(sim_options options) {
   if (options.granularity_bytes == 0 || (options.granularity_bytes & (options.granularity_bytes - 1)))
     throw backend_error("sim: granularity_bytes must be a power of two");
   impl_ = std::make_unique<impl>(options);
+  impl_->fork.emplace(detail::fork_rank::backend,
+                      detail::fork_hooks{impl_.get(),
+                                         [](void* self) noexcept {
+                                           auto& i = *static_cast<impl*>(self);
+                                           i.mutex.lock();
+                                           i.fork_snapshot();
+                                         },
+                                         [](void* self, bool in_child) noexcept {
+                                           auto& i = *static_cast<impl*>(self);
+                                           i.fork_adopt(in_child);
+                                           i.mutex.unlock();
+                                         }});
 }
 
 sim_backend::~sim_backend() {
+  impl_->fork.reset();  // a fork under way finishes first
   // Mappings lie inside reservations: unmapping the reservations removes them.
   for (auto& [base, r] : impl_->reservations) ::munmap(reinterpret_cast<void*>(base), r.size_bytes);
   for (auto& [id, h] : impl_->handles)

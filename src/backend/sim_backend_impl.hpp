@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/base/errors.hpp>
 
@@ -22,6 +23,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <new>
 #include <string>
 #include <unordered_map>
@@ -112,6 +114,10 @@ struct sim_backend::impl {
     int memfd = -1;
     std::size_t file_bytes = 0;
     std::map<std::size_t, std::size_t> free_ranges;  // offset -> bytes, punched, coalesced
+    // Around a fork (fork_snapshot): copies of memfd and of each shared
+    // segment's file as they were at the fork, for the child (-1: none).
+    int fork_memfd = -1;
+    std::vector<std::pair<void*, int>> fork_shared;
     std::vector<bool> peers_enabled;                 // enable_peer_access(this, peer)
     std::vector<stream_t> capturing;                 // streams between begin_capture and end_capture
     // use_memory: [begin, end) in use until the time (entries ended are dropped).
@@ -524,6 +530,110 @@ struct sim_backend::impl {
     for (std::uintptr_t p = a / page * page; p < a + size_bytes; p += page)
       if (containing(reservations, p) != reservations.end() && containing(mappings, p) == mappings.end()) ++n;
     return n;
+  }
+
+  // Around a fork (base/detail/fork_handlers.hpp): `mutex`, so that the
+  // child's device calls find it free, and the device's memory files. Plain
+  // segments are private host mappings, which the child gets copied on
+  // write; physical memory (vm_create) and exported segments are shared
+  // memory files, which the parent and the child would otherwise share and
+  // both manage (one's release punching out or cutting off the other's
+  // pages). So the parent copies each file's data, under `mutex` with
+  // every allocator lock held, and the child maps its copies where the
+  // files were mapped: the child's device memory is the parent's at the
+  // fork, its own from then on. Files of other processes' memory (imported
+  // handles, opened segments) stay shared, as IPC means them to be.
+  std::optional<detail::fork_registration> fork;
+
+  // Copies the data of `from` ([0, bytes), holes left out) into a new
+  // memory file; -1 when the host refuses (the caller says so).
+  static int copy_memory_file(int from, std::size_t bytes) noexcept {
+    const int to = ::memfd_create("ccalloc-sim-device-copy", MFD_CLOEXEC);
+    if (to < 0) return -1;
+    if (::ftruncate(to, static_cast<off_t>(bytes)) != 0) {
+      ::close(to);
+      return -1;
+    }
+    char buffer[1 << 16];
+    off_t at = 0;
+    while (static_cast<std::size_t>(at) < bytes) {
+      const off_t data = ::lseek(from, at, SEEK_DATA);
+      if (data < 0) break;  // ENXIO: only a hole is left
+      off_t hole = ::lseek(from, data, SEEK_HOLE);
+      if (hole < 0 || static_cast<std::size_t>(hole) > bytes) hole = static_cast<off_t>(bytes);
+      for (off_t p = data; p < hole;) {
+        const ssize_t n = ::pread(from, buffer, std::min<std::size_t>(sizeof buffer, static_cast<std::size_t>(hole - p)), p);
+        if (n <= 0 || ::pwrite(to, buffer, static_cast<std::size_t>(n), p) != n) {
+          ::close(to);
+          return -1;
+        }
+        p += n;
+      }
+      at = hole;
+    }
+    return to;
+  }
+  // [mutex] Before the fork: the copies.
+  void fork_snapshot() noexcept {
+    for (device& d : devices) {
+      if (d.memfd >= 0) d.fork_memfd = copy_memory_file(d.memfd, d.file_bytes);
+      for (const auto& [base, fd] : d.shared_segments) {
+        const int copy = copy_memory_file(fd, segments_bytes(d, base));
+        try {
+          d.fork_shared.emplace_back(base, copy);
+        } catch (...) {
+          if (copy >= 0) ::close(copy);
+        }
+      }
+    }
+  }
+  [[nodiscard]] static std::size_t segments_bytes(const device& d, void* base) noexcept {
+    const auto it = d.segments.find(base);
+    return it == d.segments.end() ? 0 : it->second;
+  }
+  // [mutex] After the fork: the parent drops the copies; the child maps them
+  // over its shared mappings (what it cannot copy or map stays shared, and
+  // it says so on stderr).
+  void fork_adopt(bool in_child) noexcept {
+    bool all = true;
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      device& d = devices[i];
+      if (!in_child) {
+        if (d.fork_memfd >= 0) ::close(d.fork_memfd);
+        for (const auto& [base, fd] : d.fork_shared)
+          if (fd >= 0) ::close(fd);
+      } else {
+        if (d.memfd >= 0 && d.fork_memfd < 0) all = false;
+        if (d.fork_memfd >= 0) {
+          for (const auto& [addr, m] : mappings) {
+            const auto h = handles.find(m.handle);
+            if (m.device != static_cast<int>(i) || h == handles.end() || h->second.fd >= 0) continue;
+            all = ::mmap(reinterpret_cast<void*>(addr), m.size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                         d.fork_memfd, static_cast<off_t>(h->second.offset)) != MAP_FAILED && all;
+          }
+          ::close(d.memfd);
+          d.memfd = d.fork_memfd;
+        }
+        for (auto& [base, copy] : d.fork_shared) {
+          const auto it = d.shared_segments.find(base);
+          if (copy < 0 || it == d.shared_segments.end() ||
+              ::mmap(base, segments_bytes(d, base), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, copy, 0) ==
+                  MAP_FAILED) {
+            all = false;
+            if (copy >= 0) ::close(copy);
+            continue;
+          }
+          ::close(it->second);
+          it->second = copy;
+        }
+      }
+      d.fork_memfd = -1;
+      d.fork_shared.clear();
+    }
+    if (!all)
+      std::fputs("ccalloc: warning: sim: the host could not copy the simulated device's memory files for this fork() "
+                 "child: some of its device memory stays shared with the parent\n",
+                 stderr);
   }
 };
 

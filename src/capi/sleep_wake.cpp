@@ -1,6 +1,7 @@
 // The C API: tags, sleep (pause) and wake (resume).
 #include "capi.hpp"
 
+#include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/core/tags.hpp>
 
 #include <cstddef>
@@ -56,11 +57,21 @@ ccalloc_status_t ccalloc_tag_end(void) {
 
 const char* ccalloc_current_tag(void) {
   // Interned names live in a deque that never moves them; one copy per id.
-  static std::mutex mutex;
-  static std::map<ccalloc::tag_id, std::unique_ptr<std::string>> names;
+  struct name_copies {
+    std::mutex mutex;
+    std::map<ccalloc::tag_id, std::unique_ptr<std::string>> names;
+    // Around a fork (base/detail/fork_handlers.hpp): a leaf lock.
+    ccalloc::detail::fork_registration fork{
+        ccalloc::detail::fork_rank::leaf,
+        ccalloc::detail::fork_hooks{this, [](void* self) noexcept { static_cast<name_copies*>(self)->mutex.lock(); },
+                                    [](void* self, bool) noexcept {
+                                      static_cast<name_copies*>(self)->mutex.unlock();
+                                    }}};
+  };
+  static name_copies copies;
   const ccalloc::tag_id id = ccalloc::current_tag();
-  std::lock_guard lock(mutex);
-  auto& slot = names[id];
+  std::lock_guard lock(copies.mutex);
+  auto& slot = copies.names[id];
   if (!slot) slot = std::make_unique<std::string>(ccalloc::tag_name(id));
   return slot->c_str();
 }

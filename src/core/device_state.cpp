@@ -37,9 +37,11 @@ device_state::device_state(int device, device_backend& backend, allocator_config
     world_lock w(*this);
     set_memory_fraction(*this, policy_.config().per_process_memory_fraction, w);
   }
+  register_fork_hooks();
 }
 
 device_state::~device_state() {
+  cancel_fork_hooks();  // a fork under way finishes first; later ones no longer see this device
   std::vector<event_t> fence_events;
   for (auto& [stream, ss] : registry_.all())
     for (const page_fences::fence& f : ss->fences.outstanding()) fence_events.push_back(f.event);

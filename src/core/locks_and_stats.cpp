@@ -75,6 +75,54 @@ void world_lock::unlock() {
   d_.registry().registry_mutex_.unlock();
 }
 
+// Around a fork (base/detail/fork_handlers.hpp). The device's world lock
+// (rank device), without draining the thread caches: the child's first world
+// lock drains them, the parked blocks of the parent's other threads included
+// (their records stay listed in the child, their threads gone). Then the
+// locks taken under it (rank device_inner): the thread caches' core and
+// records (their order), the capture scopes', the history's, the mapping
+// listeners'. Out of host memory for the world lock's list of streams, the
+// device stays unlocked for this fork (as without the handlers).
+void device_state::register_fork_hooks() {
+  fork_outer_.emplace(fork_rank::device,
+                      fork_hooks{this,
+                                 [](void* self) noexcept {
+                                   try {
+                                     static_cast<device_state*>(self)->fork_world_.lock();
+                                   } catch (...) {
+                                   }
+                                 },
+                                 [](void* self, bool) noexcept {
+                                   world_lock& w = static_cast<device_state*>(self)->fork_world_;
+                                   if (w.locked()) w.unlock();
+                                 }});
+  fork_inner_.emplace(fork_rank::device_inner,
+                      fork_hooks{this,
+                                 [](void* self) noexcept {
+                                   device_state& d = *static_cast<device_state*>(self);
+                                   thread_cache_core& core = *d.thread_caches().core();
+                                   core.mutex.lock();
+                                   for (thread_cache_record* r : core.records) r->lock.lock();
+                                   d.pools().scopes().fork_lock();
+                                   d.history().fork_lock();
+                                   d.mapping().fork_lock();
+                                 },
+                                 [](void* self, bool) noexcept {
+                                   device_state& d = *static_cast<device_state*>(self);
+                                   d.mapping().fork_unlock();
+                                   d.history().fork_unlock();
+                                   d.pools().scopes().fork_unlock();
+                                   thread_cache_core& core = *d.thread_caches().core();
+                                   for (thread_cache_record* r : core.records) r->lock.unlock();
+                                   core.mutex.unlock();
+                                 }});
+}
+
+void device_state::cancel_fork_hooks() noexcept {
+  if (fork_inner_) fork_inner_->cancel();
+  if (fork_outer_) fork_outer_->cancel();
+}
+
 void publish_pending_stats(device_stats& into, stream_state& s) noexcept {
   if (!s.has_pending_stats) return;
   s.has_pending_stats = false;

@@ -3,12 +3,14 @@
 // the life of the process and every device agrees on it.
 #include <ccalloc/core/tags.hpp>
 
+#include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/base/errors.hpp>
 
 #include "detail/current_tag.hpp"
 
 #include <deque>
 #include <mutex>
+#include <new>
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
@@ -20,6 +22,20 @@ struct tag_table {
   std::shared_mutex mutex;
   std::deque<std::string> names{std::string(default_tag_name)};  // by id; stable addresses
   std::unordered_map<std::string_view, tag_id> ids{{default_tag_name, default_tag_id}};
+  // Around a fork (base/detail/fork_handlers.hpp): a leaf lock. The child
+  // makes it anew instead of unlocking it: glibc's read-write lock knows
+  // its writer by thread id, which the child's thread does not share with
+  // the parent's, so an unlock there would count as a reader's.
+  detail::fork_registration fork{detail::fork_rank::leaf,
+                                 detail::fork_hooks{this,
+                                                    [](void* self) noexcept {
+                                                      static_cast<tag_table*>(self)->mutex.lock();
+                                                    },
+                                                    [](void* self, bool in_child) noexcept {
+                                                      std::shared_mutex& m = static_cast<tag_table*>(self)->mutex;
+                                                      if (in_child) ::new (static_cast<void*>(&m)) std::shared_mutex;
+                                                      else m.unlock();
+                                                    }}};
 };
 
 tag_table& table() {

@@ -87,6 +87,34 @@ caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend, al
   ipc_ = std::make_unique<detail::ipc_cache>(*backend_);
   exports_ = std::make_unique<detail::ipc_exports>();
   exports_->count = &ipc_export_count_;
+  // A fork locks what this front end's calls lock before its devices' locks
+  // (the configuration, then the IPC exports, whose holder frees blocks,
+  // then the IPC imports), and its pointer map's shards, which are held
+  // while taking no other lock, after them.
+  fork_front_.emplace(detail::fork_rank::front_end,
+                      detail::fork_hooks{this,
+                                         [](void* self) noexcept {
+                                           auto& a = *static_cast<caching_allocator*>(self);
+                                           a.config_mutex_.lock();
+                                           a.exports_->mutex.lock();
+                                           a.ipc_->mutex.lock();
+                                         },
+                                         [](void* self, bool) noexcept {
+                                           auto& a = *static_cast<caching_allocator*>(self);
+                                           a.ipc_->mutex.unlock();
+                                           a.exports_->mutex.unlock();
+                                           a.config_mutex_.unlock();
+                                         }});
+  fork_shards_.emplace(detail::fork_rank::leaf,
+                       detail::fork_hooks{this,
+                                          [](void* self) noexcept {
+                                            for (pointer_shard& s : static_cast<caching_allocator*>(self)->shards_)
+                                              s.mutex.lock();
+                                          },
+                                          [](void* self, bool) noexcept {
+                                            for (pointer_shard& s : static_cast<caching_allocator*>(self)->shards_)
+                                              s.mutex.unlock();
+                                          }});
 }
 
 void caching_allocator::print_warnings(const allocator_config& config) {

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/base/detail/pointer_map.hpp>
 #include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/base/errors.hpp>
@@ -527,9 +528,15 @@ class caching_allocator {
   mutable std::array<pointer_shard, pointer_shard_count> shards_;
   std::unique_ptr<detail::ipc_cache> ipc_;  // opened IPC handles (src/frontend/ipc.cpp)
   std::atomic<std::size_t> ipc_export_count_{0};  // exports_->entries.size(), for free()'s test
-  // Exported expandable blocks (src/frontend/ipc_export.cpp); declared last:
-  // destroyed first, before the devices whose blocks it names.
+  // Exported expandable blocks (src/frontend/ipc_export.cpp); destroyed
+  // before the devices whose blocks it names.
   std::unique_ptr<detail::ipc_exports> exports_;
+  // Around a fork (base/detail/fork_handlers.hpp): config_mutex_, the IPC
+  // exports' and imports' locks (rank front_end), then the pointer map's
+  // shards (rank leaf). Registered at the end of the constructor; declared
+  // last: cancelled before any member above is destroyed.
+  std::optional<detail::fork_registration> fork_front_;
+  std::optional<detail::fork_registration> fork_shards_;
 };
 
 

@@ -75,6 +75,7 @@
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
+#include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
@@ -163,6 +164,9 @@ void publish_pending_stats(device_stats& into, stream_state& s) noexcept;
 class world_lock {
  public:
   explicit world_lock(device_state& d);
+  // Locks nothing yet (lock() takes the locks, without draining the thread
+  // caches): the fork handlers' hold.
+  world_lock(device_state& d, std::defer_lock_t) noexcept : d_(d) {}
   ~world_lock();
   world_lock(const world_lock&) = delete;
   world_lock& operator=(const world_lock&) = delete;
@@ -302,6 +306,16 @@ class device_state {
   // try it every 64th operation, and the flags read on every operation
   // (thread_caches_.enabled() above) must not share its line.
   alignas(64) device_statistics stats_;
+
+  // Around a fork (base/detail/fork_handlers.hpp): every lock of the device
+  // in the lock order, so that the child finds them free. Registered last
+  // in the constructor, cancelled first in the destructor
+  // (locks_and_stats.cpp).
+  world_lock fork_world_{*this, std::defer_lock};
+  std::optional<fork_registration> fork_outer_;
+  std::optional<fork_registration> fork_inner_;
+  void register_fork_hooks();
+  void cancel_fork_hooks() noexcept;
 };
 
 // A B4 use of b on `stream` (its free then records an event there).

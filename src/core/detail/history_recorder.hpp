@@ -151,6 +151,10 @@ class history_recorder {
   /// The calling thread's current context of `kind` (see context_scope), or null.
   [[nodiscard]] static const context_ptr& current_context(context_kind kind) noexcept;
 
+  /// The fork handlers' hold of the lock (base/detail/fork_handlers.hpp).
+  void fork_lock() const noexcept { mutex_.lock(); }
+  void fork_unlock() const noexcept { mutex_.unlock(); }
+
  private:
   void update_active() noexcept;  // [mutex_]
   void remember(std::unordered_map<std::uintptr_t, context_ptr>& map, std::uintptr_t addr, context_ptr context);

@@ -43,6 +43,10 @@ class mapping_notifier {
       announce({change, reason, device_, addr, size_bytes, stream, expandable});
   }
 
+  /// The fork handlers' hold of the list's lock (base/detail/fork_handlers.hpp).
+  void fork_lock() const noexcept { mutex_.lock(); }
+  void fork_unlock() const noexcept { mutex_.unlock(); }
+
  private:
   int device_;
   std::atomic<bool> active_{false};

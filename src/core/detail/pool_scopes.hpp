@@ -74,6 +74,10 @@ class pool_scopes {
     return false;
   }
 
+  // The fork handlers' hold of the leaf lock (base/detail/fork_handlers.hpp).
+  void fork_lock() noexcept { mutex_.lock(); }
+  void fork_unlock() noexcept { mutex_.unlock(); }
+
  private:
   struct entry {
     private_pool* pool;
