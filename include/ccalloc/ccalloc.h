@@ -50,6 +50,24 @@
  * except ccalloc_init and ccalloc_destroy, which must not race with other
  * calls on the same allocator.
  *
+ * Fork: fork() may be called while other threads are inside any ccalloc
+ * call. Handlers installed with the first allocator (pthread_atfork) take
+ * every lock of every allocator before the fork and free them after it, in
+ * the parent and the child, so the child's allocators (the process-wide one
+ * included) work at once, as the parent's were between two calls: the same
+ * live pointers, cache and statistics; blocks that other threads of the
+ * parent had cached for reuse go back to the child's pools at its first call
+ * that locks the device. The fork itself waits for calls under way to end.
+ * On the simulated device the child's device memory is its own copy of the
+ * parent's at the fork (expandable and exported segments are copied by the
+ * parent before the fork, in time and host memory proportional to their
+ * data). A CUDA child cannot use its parent's CUDA context: its device calls
+ * fail with a backend error that says so (CCALLOC_ERROR_BACKEND); use spawn.
+ * A fork from a callback run under a device's locks (a mapping listener, a
+ * private pool's segment allocator, a snapshot's frames callback) takes no
+ * lock: that child may call ccalloc only if no other thread was inside it.
+ * docs/limitations.md.
+ *
  * Cost: malloc and delete are the front end's (a pointer-map lookup and the
  * device allocator's O(log n) pool search); the C layer adds a try/catch.
  *

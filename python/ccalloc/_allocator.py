@@ -13,6 +13,7 @@ import operator
 import os
 import sys
 import threading
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 from . import _lib
@@ -246,6 +247,18 @@ def receive_ipc_handle(sock) -> IpcHandle:
 _CLOSED_MESSAGE = "ccalloc: this Allocator is closed (close() or the end of its with block); create a new one"
 
 
+# Every live call gate, reset in a child of os.fork (_CallGate._after_fork_in_child).
+_GATES: "weakref.WeakSet[_CallGate]" = weakref.WeakSet()
+
+
+def _reset_gates_in_child() -> None:
+    for gate in list(_GATES):
+        gate._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_gates_in_child)
+
+
 class _CallGate:
     """Counts the calls in progress on one Allocator so that close() waits
     for them: ctypes releases the GIL during a C call, and destroying the C
@@ -257,6 +270,14 @@ class _CallGate:
         self._calls = 0
         self._closing = False
         self._depth = threading.local()  # this thread's calls in progress
+        _GATES.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The child has only the thread that forked: the calls other threads
+        # had in progress will never leave, and one of them may have held the
+        # lock. The library's own locks are freed by its fork handlers.
+        self._cv = threading.Condition(threading.Lock())
+        self._calls = getattr(self._depth, "n", 0)
 
     def enter(self) -> None:
         with self._cv:

@@ -275,6 +275,15 @@ TORCH_HOOKS = {
 }
 
 _lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A thread of the parent that was loading the library may have held it.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 _lib: ctypes.CDLL | None = None
 _path: str | None = None
 

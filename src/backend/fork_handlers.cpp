@@ -37,7 +37,7 @@ fork_state& state() {
 constinit thread_local bool tls_fork_skipped = false;
 
 void prepare() noexcept {
-  tls_fork_skipped = tls_mapping_listener_depth != 0;
+  tls_fork_skipped = tls_mapping_listener_depth != 0 || tls_world_locks_held != 0;
   if (tls_fork_skipped) return;
   fork_state& s = state();
   for (rank_list& r : s.ranks) {

@@ -59,6 +59,7 @@ void world_lock::lock() {
   d_.device_mutex().lock();
   d_.stats().mutex().lock();
   locked_ = true;
+  ++tls_world_locks_held;  // a fork from a callback under it takes no lock (fork_handlers.hpp)
   // Whatever the holder changes (configuration, page fences, the slow path),
   // the blocks the thread caches hold stop being reusable (block::reuse_version).
   for (stream_state* ss : streams_) {
@@ -69,6 +70,7 @@ void world_lock::lock() {
 
 void world_lock::unlock() {
   locked_ = false;
+  --tls_world_locks_held;
   d_.stats().mutex().unlock();
   d_.device_mutex().unlock();
   for (auto it = streams_.rbegin(); it != streams_.rend(); ++it) (*it)->mutex.unlock();

@@ -158,6 +158,14 @@
 //
 // Thread safety: all functions may be called concurrently (one internal mutex,
 // also held across the mmap calls; the simulated device is not a hot path).
+// Fork: the child of a fork() gets the device as it was (the fork handlers
+// hold the mutex across the fork) with memory of its own: plain segments are
+// private host mappings (copied on write); physical memory of vm_create and
+// exported segments live in shared memory files, which the parent copies
+// before the fork (their data: time and host memory in proportion) and the
+// child maps in their place. Memory imported from other processes (IPC)
+// stays shared. If the host refuses a copy, the child warns on stderr and
+// that memory stays shared with the parent.
 // Cost: reservations and mappings live in ordered maps (O(log n) lookups);
 // vm_create's search of freed file ranges is first fit, O(freed ranges).
 #pragma once

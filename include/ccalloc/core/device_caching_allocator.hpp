@@ -24,6 +24,10 @@
 //
 // Thread safety: every public function may be called concurrently. A block
 // handle (detail::block*) stays valid from malloc until free.
+// Fork: a fork() while other threads are inside it leaves the child's copy
+// with every lock free (the fork handlers take them all first, see
+// caching_allocator.hpp); blocks other threads had cached for reuse go back
+// to the pools at the child's first call that takes the device's world lock.
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>

@@ -23,6 +23,19 @@
 //
 // Thread safety: every function may be called from any thread concurrently,
 // except init(), which must not race with other calls.
+//
+// Fork: fork() may come while other threads are inside any call. The
+// allocator registers with process-wide pthread_atfork handlers
+// (base/detail/fork_handlers.hpp) from its constructor to its destructor:
+// they take every lock of every live allocator, its devices and backend
+// before the fork, in the library's lock order, and release them after it,
+// so a child's allocators work at once and hold what the parent's held
+// between two calls. A fork waits for the calls under way; constructing or
+// destroying an allocator waits for a fork under way. The simulated
+// device's child has its own copy of the device memory (sim_backend.hpp); a
+// CUDA child cannot use CUDA (its device calls throw backend_error saying
+// so). A fork from a callback run under a device's locks (a mapping
+// listener, a pool's segment allocator) takes no lock (docs/limitations.md).
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>

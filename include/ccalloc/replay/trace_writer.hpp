@@ -23,6 +23,7 @@
 // Cost: one formatted line per entry under a mutex, while attached.
 #pragma once
 
+#include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/history.hpp>
 #include <ccalloc/core/tags.hpp>
@@ -67,6 +68,15 @@ class trace_writer {
  private:
   struct state {
     std::mutex mutex;
+    // Around a fork (base/detail/fork_handlers.hpp): `mutex` with the front
+    // ends' locks (its holder takes no allocator lock, at most the tag
+    // table's, a later rank), so that a child's tracker calls find it free.
+    detail::fork_registration fork{detail::fork_rank::front_end,
+                                   detail::fork_hooks{this,
+                                                      [](void* self) noexcept { static_cast<state*>(self)->mutex.lock(); },
+                                                      [](void* self, bool) noexcept {
+                                                        static_cast<state*>(self)->mutex.unlock();
+                                                      }}};
     std::string text;
     int device = 0;
     tag_id alloc_tag = default_tag_id;  // the tag of the last alloc line

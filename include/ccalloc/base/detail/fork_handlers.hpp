@@ -19,15 +19,21 @@
 // unregisters holding no lock of rank R or after (it may hold earlier ones:
 // a front end makes its devices holding its configuration lock).
 //
-// A fork from a thread that holds allocator locks itself (a mapping
-// listener: it runs under its device's locks) cannot take them in order:
-// the handlers then take nothing, and the child is what fork() makes
-// without them (safe only if no other thread was inside an allocator).
+// A fork from a thread that holds allocator locks itself (a callback the
+// allocator runs under a device's world lock: a mapping listener, a private
+// pool's segment allocator, a snapshot's frames callback) cannot take them
+// in order: the handlers then take nothing, and the child is what fork()
+// makes without them (safe only if no other thread was inside an
+// allocator). tls_world_locks_held and tls_mapping_listener_depth tell.
 #pragma once
 
 #include <cstdint>
 
 namespace ccalloc::detail {
+
+// The world locks (every lock of a device) this thread holds; counted by
+// world_lock on the slow path only.
+inline thread_local int tls_world_locks_held = 0;
 
 // In the library's lock order: a rank's locks are taken after those of
 // every earlier rank.
