@@ -218,6 +218,8 @@ TEST(RmmLog, MalformedInputNamesFileAndLine) {
       {head + "1,1.0,allocate,0x10,8,0x0\n\n1,2.0,allocate,0x10,8,0x0\n",
        "log:4: allocate at Pointer 0x10, which is still live (allocated at line 2)"},
       {head + "1,1.0,allocate,(nil),8,0x0\n", "log:2: allocate of 8 bytes returned a null Pointer"},
+      {head + "1,1.0,allocate failure,0x10,8,0x0\n",
+       "log:2: bad Pointer '0x10': an allocate failure has a null Pointer (RMM writes 0, 0x0 or (nil))"},
       {"\n\n", "log: empty RMM log: no header line"},
   };
   for (const auto& [text, want] : cases) {

@@ -223,8 +223,12 @@ void rmm_log_parser::read_line(std::string_view line) {
     case rmm_action::allocate: add_allocate(e, r.pointer_text); break;
     case rmm_action::free: add_free(e, r.pointer_text); break;
     case rmm_action::allocate_failure:
+      // RMM logs a failure with a null Pointer: another is a row mixed up.
+      if (e.addr != 0)
+        throw trace_error(source_, line_number_,
+                          "bad Pointer " + quoted(r.pointer_text) +
+                              ": an allocate failure has a null Pointer (RMM writes 0, 0x0 or (nil))");
       e.action = trace_action::oom;
-      e.addr = 0;
       t_.events.push_back(e);
       break;
   }
