@@ -34,7 +34,8 @@
 // every thread of the device). Such a call does not hang: init(), enable(),
 // set_config(), record_history(), set_user_metadata() and whatever takes a
 // device's world lock (empty_cache, pause, resume, a malloc that maps)
-// throw ccalloc::error naming the rule, changing nothing; a call that would
+// throw ccalloc::invalid_argument_error naming the rule (the C API:
+// CCALLOC_ERROR_INVALID_ARGUMENT), changing nothing; a call that would
 // wait on a lock the announcing thread holds (a malloc or free served from
 // the cache, most others) stops the process with that message on stderr
 // (the check sits on the locks' contended path: no cost when uncontended).
