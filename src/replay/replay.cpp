@@ -57,6 +57,17 @@ namespace {
 
 using namespace replay_detail;
 
+// An out-of-memory the replay goes on after: counted; the first one whose
+// oom_snapshot could not be written keeps the sentence saying why (the
+// message is otherwise not shown).
+void count_oom(replay_result& r, const out_of_memory_error& e) {
+  ++r.ooms;
+  if (!r.oom_snapshot_failure.empty()) return;
+  const std::string_view what = e.what();
+  if (const std::size_t at = what.find("The snapshot (oom_snapshot) could not be written"); at != what.npos)
+    r.oom_snapshot_failure = what.substr(at);
+}
+
 // A free at an address whose `earlier` event (its alloc, or its
 // free_requested) has another size or stream: the trace is corrupt or its
 // lines are mixed up. PyTorch records free_requested and free_completed
@@ -238,8 +249,8 @@ class sleep_replay {
       s.pause = false;
       try {
         resume_into(s);
-      } catch (const out_of_memory_error&) {
-        ++r_.ooms;
+      } catch (const out_of_memory_error& x) {
+        count_oom(r_, x);
       }
       record(std::move(s));
     }
@@ -275,10 +286,10 @@ class sleep_replay {
       } else {
         resume_into(s);
       }
-    } catch (const out_of_memory_error&) {
+    } catch (const out_of_memory_error& x) {
       // A resume without room on the device, or a pause without host memory
       // for the kept contents: nothing changed, the tag stays as it was.
-      ++r_.ooms;
+      count_oom(r_, x);
     } catch (const invalid_argument_error& x) {
       throw_refused(t_, e, x);
     }
@@ -580,8 +591,8 @@ class event_loop {
     void* ptr = nullptr;
     try {
       ptr = allocator_.malloc(0, e.size, streams_(e.stream));
-    } catch (const out_of_memory_error&) {
-      ++r_.ooms;
+    } catch (const out_of_memory_error& x) {
+      count_oom(r_, x);
     } catch (const invalid_argument_error& x) {
       throw_refused(t_, e, x);  // e.g. under a tag the trace paused
     }
@@ -594,8 +605,8 @@ class event_loop {
     it->second.line = e.line;
     try {
       it->second.ptr = allocator_.malloc(0, e.size, streams_(e.stream));
-    } catch (const out_of_memory_error&) {
-      ++r_.ooms;
+    } catch (const out_of_memory_error& x) {
+      count_oom(r_, x);
       it->second.ptr = nullptr;
     } catch (const invalid_argument_error& x) {
       live_.erase(it);
