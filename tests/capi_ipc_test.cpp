@@ -50,6 +50,11 @@ TEST(CapiIpc, ShareSendOpenDeferredFreeCloseReclaim) {
 
   int sv[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv), 0);
+  // The emptied export is refused and sends nothing: the receive below gets ex.
+  EXPECT_EQ(ccalloc_send_ipc_handle(sv[0], &again), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(),
+               "ccalloc: send_ipc_handle: the export holds no handle (0 bytes: emptied by ccalloc_ipc_export_free, "
+               "or never filled in by a share); send what a share returned");
   ASSERT_EQ(ccalloc_send_ipc_handle(sv[0], &ex), CCALLOC_OK) << ccalloc_last_error();
   ccalloc_ipc_export_free(&ex, 1);
   ccalloc_ipc_export_t got{};
@@ -124,7 +129,9 @@ TEST(CapiIpc, BadArgumentsNameWhatIsWrong) {
   EXPECT_NE(std::string(ccalloc_last_error()).find("ipc handle: "), std::string::npos) << ccalloc_last_error();
   EXPECT_EQ(ccalloc_open_ipc_handle(nullptr, "x", 1, nullptr, 2, -1, &out), CCALLOC_ERROR_INVALID_ARGUMENT);
   EXPECT_STREQ(ccalloc_last_error(), "ccalloc: ccalloc_open_ipc_handle: fds is NULL");
-  EXPECT_EQ(ccalloc_send_ipc_handle(-1, &ex), CCALLOC_ERROR_BACKEND);
+  EXPECT_EQ(ccalloc_send_ipc_handle(-1, &ex), CCALLOC_ERROR_INVALID_ARGUMENT) << "an empty export, before the socket";
+  EXPECT_NE(std::string(ccalloc_last_error()).find("send_ipc_handle: the export holds no handle"), std::string::npos)
+      << ccalloc_last_error();
   EXPECT_EQ(ccalloc_receive_ipc_handle(-1, &ex), CCALLOC_ERROR_BACKEND);
   EXPECT_NE(std::string(ccalloc_last_error()).find("recvmsg failed"), std::string::npos) << ccalloc_last_error();
   ccalloc_ipc_export_free(nullptr, 1);  // nothing

@@ -22,6 +22,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <unistd.h>
 #include <string>
 #include <thread>
 #include <utility>
@@ -1551,6 +1553,126 @@ TEST(CApi, MappedSegmentsAreTheMappedRangesAndSumToReserved) {
             std::string::npos)
       << ccalloc_last_error();
   for (void* p : {small, big, tagged, other}) EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+}
+
+// Runs `body` with stderr going to a file; exits with 0 when `what`
+// appears there exactly once, else 10 + the count (for a death test's child).
+[[noreturn]] void exit_with_count_of(const std::string& what, const std::function<void()>& body) {
+  const std::string path = ::testing::TempDir() + "ccalloc_stderr_" + std::to_string(::getpid());
+  if (std::freopen(path.c_str(), "w", stderr) == nullptr) std::_Exit(2);
+  body();
+  std::fflush(stderr);
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  std::string text;
+  for (int c = f ? std::fgetc(f) : EOF; c != EOF; c = std::fgetc(f)) text += static_cast<char>(c);
+  if (f) std::fclose(f);
+  std::remove(path.c_str());
+  std::size_t n = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  std::_Exit(n == 1 ? 0 : static_cast<int>(10 + std::min<std::size_t>(n, 100)));
+}
+
+// CCALLOC_CONF is the process's: a bad value fails every call on the
+// process-wide allocator, and ccalloc_plugin_free (which cannot return an
+// error) says so once, not at every free; allocators made from a value
+// that warns print the warning once, not once each. In a child process of
+// its own (the process-wide allocator is made at its first use).
+TEST(CApiDeathTest, CcallocConfIsReportedOncePerProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(exit_with_count_of("no_such_key",
+                                 [] {
+                                   ::setenv("CCALLOC_CONF", "no_such_key:1", 1);
+                                   int x = 0;
+                                   for (int i = 0; i < 3; ++i) ccalloc_plugin_free(&x, 0, 0, nullptr);
+                                 }),
+              ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(exit_with_count_of("garbage_collection_threshold:0.5 is set without per_process_memory_fraction",
+                                 [] {
+                                   ::setenv("CCALLOC_CONF", "garbage_collection_threshold:0.5", 1);
+                                   ccalloc_options_t o;
+                                   ccalloc_options_init(&o);
+                                   o.backend = CCALLOC_BACKEND_SIM;
+                                   for (int i = 0; i < 3; ++i) {
+                                     ccalloc_allocator_t* a = nullptr;
+                                     if (ccalloc_create(&o, &a) != CCALLOC_OK) std::_Exit(3);
+                                     ccalloc_destroy(a);
+                                   }
+                                 }),
+              ::testing::ExitedWithCode(0), "");
+}
+
+TEST(CApi, MappedSegmentsNamesABadDeviceWhateverOutIs) {
+  sim_allocator a(256 * MiB);
+  size_t n = 4;
+  EXPECT_EQ(ccalloc_mapped_segments(a, 5, nullptr, &n), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(),
+               "ccalloc: ccalloc_mapped_segments: device 5 is out of range (-1 for every device, or 0..0)");
+  EXPECT_EQ(n, 4u) << "nothing written";
+  EXPECT_EQ(ccalloc_mapped_segments(a, 0, nullptr, &n), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc: ccalloc_mapped_segments: out is NULL");
+}
+
+// A mapping listener that calls back into the allocator: every C entry point
+// that would wait for the device's locks returns INVALID_ARGUMENT (the
+// caller's error, as docs/errors.md says) naming the rule, with nothing
+// changed; none returns INTERNAL.
+struct reentering_listener {
+  ccalloc_allocator_t* alloc = nullptr;
+  bool ran = false;
+  std::vector<std::pair<std::string, ccalloc_status_t>> results;
+  std::vector<std::string> messages;
+};
+void reenter(void* user_data, const ccalloc_mapping_event_t* event) {
+  auto& l = *static_cast<reentering_listener*>(user_data);
+  if (l.ran || event->change != CCALLOC_MAPPING_MAP) return;
+  l.ran = true;
+  ccalloc_allocator_t* a = l.alloc;
+  size_t length = 0;
+  size_t largest = 0;
+  size_t count = 0;
+  ccalloc_sleep_result_t sleep{};
+  const char* tags[] = {"default"};
+  ccalloc_mempool_id_t pool{};
+  (void)ccalloc_new_pool_id(a, &pool);
+  // (ccalloc_malloc and ccalloc_delete are left out: they take the stream's
+  // lock first, which the announcing thread holds; they stop the process.)
+  const std::vector<std::pair<std::string, std::function<ccalloc_status_t()>>> calls = {
+      {"ccalloc_empty_cache", [&] { return ccalloc_empty_cache(a); }},
+      {"ccalloc_init", [&] { return ccalloc_init(a, 1); }},
+      {"ccalloc_enable", [&] { return ccalloc_enable(a, 0); }},
+      {"ccalloc_set_config", [&] { return ccalloc_set_config(a, "max_split_size_mb:64"); }},
+      {"ccalloc_record_history", [&] { return ccalloc_record_history(a, 1, 100); }},
+      {"ccalloc_snapshot_json", [&] { return ccalloc_snapshot_json(a, 0, nullptr, 0, &length); }},
+      {"ccalloc_mapped_segments", [&] { return ccalloc_mapped_segments(a, 0, nullptr, &count); }},
+      {"ccalloc_cache_info", [&] { return ccalloc_cache_info(a, 0, &largest); }},
+      {"ccalloc_pause", [&] { return ccalloc_pause(a, 0, tags, 1, 0, &sleep); }},
+      {"ccalloc_create_pool", [&] { return ccalloc_create_pool(a, 0, pool, nullptr, nullptr); }},
+  };
+  for (const auto& [name, call] : calls) {
+    l.results.emplace_back(name, call());
+    l.messages.emplace_back(ccalloc_last_error());
+  }
+}
+
+TEST(CApi, AMappingListenerThatCallsIntoTheAllocatorGetsInvalidArgument) {
+  sim_allocator a(1024 * MiB);
+  reentering_listener l;
+  l.alloc = a;
+  ASSERT_EQ(ccalloc_attach_mapping_listener(a, &reenter, &l), CCALLOC_OK) << ccalloc_last_error();
+  void* p = must_malloc(a, 4 * MiB);
+  ASSERT_TRUE(l.ran);
+  for (std::size_t i = 0; i < l.results.size(); ++i) {
+    EXPECT_EQ(l.results[i].second, CCALLOC_ERROR_INVALID_ARGUMENT)
+        << l.results[i].first << ": " << ccalloc_status_name(l.results[i].second) << ": " << l.messages[i];
+    EXPECT_NE(l.messages[i].find("a listener must not call into any ccalloc allocator"), std::string::npos)
+        << l.results[i].first << ": " << l.messages[i];
+    EXPECT_EQ(l.messages[i].find("internal error"), std::string::npos) << l.results[i].first << ": " << l.messages[i];
+  }
+  int enabled = 0;
+  ASSERT_EQ(ccalloc_is_enabled(a, &enabled), CCALLOC_OK);
+  EXPECT_EQ(enabled, 1) << "the refused ccalloc_enable changed nothing";
+  EXPECT_EQ(stat(a, "allocation.all.current"), 1) << "only the caller's malloc";
+  EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
 }
 
 TEST(CApi, MappedSegmentsOfPlainSegmentsAreWholeSegments) {

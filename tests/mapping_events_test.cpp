@@ -261,7 +261,7 @@ TEST_F(MappingEventsTest, AListenerThatCallsIntoTheAllocatorGetsAnErrorNotAHang)
       try {
         call();
         refused.emplace_back("accepted");
-      } catch (const ccalloc::error& err) {
+      } catch (const invalid_argument_error& err) {
         refused.emplace_back(err.what());
       }
     }

@@ -129,4 +129,24 @@ TEST(NativeReference, NestingBeyond64LevelsIsIgnoredWithAWarning) {
             "nested more than 64 levels deep");
 }
 
+// A key written twice keeps one value in JSON (nlohmann the last), so which
+// is meant is unclear: where the trace's figures are read (its entry's name
+// at the top level, or any key inside its entry), the file is ignored with
+// a warning naming the key. Another trace's entry is not read.
+TEST(NativeReference, AKeyWrittenTwiceWhereTheFiguresAreReadIsIgnoredNamingIt) {
+  EXPECT_EQ(warning_for(R"({"x": {"requested_peak": 1, "native_reserved_peak": 5, "requested_peak": 2}})"),
+            "in the entry 'x', the key 'requested_peak' is written twice in one object (which value is meant is "
+            "unclear)");
+  EXPECT_EQ(warning_for(R"({"x": {"native_reserved_peak": 5}, "y": {}, "x": {"native_reserved_peak": 6}})"),
+            "the entry 'x' is written twice (which one holds the figures is unclear)");
+  EXPECT_EQ(warning_for(R"({"x": {"native_reserved_peak": 5, "note": {"by": "a", "by": "b"}}})"),
+            "in the entry 'x', the key 'by' is written twice in one object (which value is meant is unclear)");
+  // The same key in two objects, or twice in another trace's entry, is no fault.
+  const auto r = read(R"({"y": {"a": 1, "a": 2}, "x": {"native_reserved_peak": 5, "n": {"native_reserved_peak": 1}},)"
+                      R"( "z": {"x": 1}})");
+  ASSERT_TRUE(r.figures.has_value()) << r.warning;
+  EXPECT_EQ(r.warning, "");
+  EXPECT_EQ(r.figures->reserved_peak, 5u);
+}
+
 }  // namespace

@@ -11,13 +11,16 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -265,6 +268,78 @@ TEST_F(NcclRegistrationTest, ABadDeviceOrAnOverflowingSizeIsRefusedAndChangesNot
   EXPECT_TRUE(nccl.regs.empty());
   collective(&comm_a, p, 4 * MiB);  // still works
   alloc->free(p);
+}
+
+TEST_F(NcclRegistrationTest, AddCommunicatorRefusesADeviceOutOfRangeAndChangesNothing) {
+  for (int device : {1, -1, 1000}) {
+    try {
+      reg->add_communicator(&comm_a, device);
+      ADD_FAILURE() << "device " << device << " accepted";
+    } catch (const invalid_argument_error& e) {
+      EXPECT_NE(std::string(e.what()).find("add_communicator: device " + std::to_string(device) + " is out of range"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // Nothing was kept: the communicator can be added now, on its device.
+  EXPECT_NO_THROW(reg->add_communicator(&comm_a, 0));
+  auto* p = alloc->malloc(0, 4 * MiB, 0);
+  collective(&comm_a, p, 4 * MiB);
+  alloc->free(p);
+}
+
+// The registrar lists what is mapped and starts hearing announcements as one
+// step: segments mapped and unmapped by another thread while registrars are
+// constructed are each in every registrar's table exactly when mapped.
+TEST_F(NcclRegistrationTest, RegistrarsMadeWhileAnotherThreadMapsSeeEveryChange) {
+  std::vector<std::unique_ptr<nccl_registration>> regs;
+  std::vector<std::unique_ptr<int>> comms;  // their addresses are the communicators
+  std::vector<void*> held;
+  // Every registrar's table, flushed to a communicator of its own, equals
+  // the mapped segments.
+  auto check = [&](const char* phase) {
+    std::set<std::pair<std::uintptr_t, std::uintptr_t>> mapped;
+    for (const segment_info& s : alloc->device_allocator(0).segments())
+      for (const mapped_run& r : mapped_runs(s)) mapped.insert({r.address, r.address + r.size_bytes});
+    for (auto& r : regs) {
+      void* comm = comms.emplace_back(std::make_unique<int>()).get();
+      r->add_communicator(comm, 0);
+      r->flush();
+      std::set<std::pair<std::uintptr_t, std::uintptr_t>> table;
+      for (const auto& [h, x] : nccl.regs)
+        if (x.comm == comm) table.insert({x.lo, x.hi});
+      r->remove_communicator(comm);
+      EXPECT_EQ(table, mapped) << phase << ": a registrar missed a change";
+    }
+  };
+  // Runs `body` on another thread while registrars are made here (100 at
+  // most, which bounds the test's time).
+  auto race = [&](const std::function<void()>& body) {
+    std::atomic<bool> done{false};
+    std::thread t([&] {
+      body();
+      done = true;
+    });
+    for (int made = 0; !done && made < 100; ++made)
+      regs.push_back(std::make_unique<nccl_registration>(*alloc, nccl_functions{&stub_register, &stub_deregister}));
+    t.join();
+  };
+  for (int round = 0; round < 10 && !HasFailure(); ++round) {
+    race([&] {  // maps 2 MiB small-pool segments, one each second malloc
+      for (int i = 0; i < 200; ++i) held.push_back(alloc->malloc(0, 1 * MiB, 0));
+    });
+    check("mapping");
+    race([&] {  // unmaps them, one segment at a time
+      for (std::size_t i = 0; i < held.size(); i += 2) {
+        alloc->free(held[i]);
+        alloc->free(held[i + 1]);
+        alloc->empty_cache();
+      }
+    });
+    held.clear();
+    check("unmapping");
+    regs.clear();
+  }
 }
 
 }  // namespace

@@ -31,6 +31,15 @@ replay_options on_device_of(std::size_t bytes) {
   return o;
 }
 
+// A caching allocator on one simulated device of `capacity_bytes`, initialized.
+std::unique_ptr<caching_allocator> simulated_allocator(std::size_t capacity_bytes) {
+  sim_options so;
+  so.capacity_bytes = capacity_bytes;
+  auto a = std::make_unique<caching_allocator>(std::make_shared<sim_backend>(so), allocator_config{});
+  a->init(1);
+  return a;
+}
+
 TEST(SleepWakeTrace, ReadsTagPauseAndResumeLines) {
   const trace t = parse_trace_text(
       "# time_us action addr size stream [tag [keep|drop]]\n"
@@ -76,6 +85,15 @@ TEST(SleepWakeTrace, MalformedTagLinesNameTheLineAndTheFault) {
   EXPECT_EQ(error_of("1 tag 0 0 0 we!ghts\n"),
             "t:1: bad tag 'we!ghts': a tag name is 1 to 64 ASCII letters, digits and the characters _-.:/");
   EXPECT_EQ(error_of("1 tag x 0 0 w\n"), "t:1: bad addr 'x': not an unsigned integer");
+  // The columns a line leaves unused are 0 (trace_writer writes 0).
+  EXPECT_EQ(error_of("1 tag 5 0 0 w\n"), "t:1: bad addr '5': a tag line has addr, size and stream 0 (unused)");
+  EXPECT_EQ(error_of("1 tag 0 4096 0 w\n"), "t:1: bad size '4096': a tag line has addr, size and stream 0 (unused)");
+  EXPECT_EQ(error_of("1 tag 0 0 7 w\n"), "t:1: bad stream '7': a tag line has addr, size and stream 0 (unused)");
+  EXPECT_EQ(error_of("1 pause 4096 0 0 w keep\n"),
+            "t:1: bad addr '4096': a pause line has addr and stream 0 (unused; size holds its bytes)");
+  EXPECT_EQ(error_of("1 resume 0 2097152 3 w\n"),
+            "t:1: bad stream '3': a resume line has addr and stream 0 (unused; size holds its bytes)");
+  EXPECT_EQ(error_of("1 pause 0 2097152 0 w keep\n2 resume 0 2097152 0 w\n"), "no error");
   // The five-column actions keep their messages.
   EXPECT_EQ(error_of("1 alloc 0 1 0 w\n"), "t:1: expected 5 fields (time_us action addr size stream), got 6");
 }
@@ -105,10 +123,8 @@ TEST(SleepWakeTrace, DefaultTagLinesChangeNoFigure) {
 // A program recorded with trace_writer replays to its own figures: what
 // each pause paused, the peak of paused bytes, peak reserved.
 TEST(SleepWakeTrace, RecordedProgramReplaysToItsOwnFigures) {
-  sim_options so;
-  so.capacity_bytes = 512 * MiB;
-  caching_allocator a(std::make_shared<sim_backend>(so), allocator_config{});
-  a.init(1);
+  const auto allocator = simulated_allocator(512 * MiB);
+  caching_allocator& a = *allocator;
   trace_writer writer(a, 0);
   std::vector<void*> kept, dropped;
   {
@@ -231,6 +247,46 @@ TEST(SleepWakeTrace, AResumeOfAnUnpausedTagAndASecondPauseAreErrors) {
       on_device_of(256 * MiB));
   EXPECT_EQ(r.sleep_events.size(), 4u);
   EXPECT_EQ(r.ooms, 0u);
+}
+
+// The library pauses a tag a program named (a tag_scope) but never
+// allocated under: nothing to release, and its recorder writes the pause,
+// with no tag line before it (tag lines come before allocations). So the
+// replay accepts a pause of a tag no line named, as the library does. A
+// resume of a tag not paused changes nothing in the library and is not
+// recorded, so a resume line of a tag the trace has not paused comes from
+// no program: refused (AResumeOfAnUnpausedTagAndASecondPauseAreErrors).
+TEST(SleepWakeTrace, APauseOfATagNoLineNamedIsWhatTheLibraryRecords) {
+  const auto allocator = simulated_allocator(256 * MiB);
+  caching_allocator& a = *allocator;
+  trace_writer writer(a, 0);
+  { const tag_scope named("pn_named_only"); }
+  void* p = a.malloc(0, 1000, default_stream);
+  const sleep_result paused = a.pause({"pn_named_only"}, false);
+  EXPECT_EQ(paused.tags, std::vector<std::string>{"pn_named_only"});
+  EXPECT_EQ(paused.paused_bytes, 0u);
+  (void)a.resume({"pn_named_only"});
+  const sleep_result again = a.resume({"pn_named_only"});  // not paused: left alone, nothing recorded
+  EXPECT_TRUE(again.tags.empty());
+  a.free(p);
+  const std::string text = writer.text();
+  EXPECT_EQ(text.find(" tag "), std::string::npos) << text;
+  EXPECT_NE(text.find(" pause 0 0 0 pn_named_only drop\n"), std::string::npos) << text;
+  const auto resume_at = text.find(" resume 0 0 0 pn_named_only\n");
+  EXPECT_NE(resume_at, std::string::npos) << text;
+  EXPECT_EQ(text.find(" resume ", resume_at + 1), std::string::npos) << "the second resume is not recorded:\n" << text;
+  const replay_result r = replay_trace(parse_trace_text(text, "recorded"), on_device_of(256 * MiB));
+  ASSERT_EQ(r.sleep_events.size(), 2u);
+  EXPECT_TRUE(r.sleep_events[0].pause);
+  EXPECT_EQ(r.sleep_events[0].tag, "pn_named_only");
+  EXPECT_EQ(r.sleep_events[0].paused_bytes, 0u);
+  // A name no scope ever used is unknown to the library, for pause and resume alike.
+  try {
+    (void)a.pause({"pn_never_named_anywhere"}, false);
+    ADD_FAILURE() << "paused an unknown tag";
+  } catch (const invalid_argument_error& e) {
+    EXPECT_EQ(std::string(e.what()), "ccalloc: pause: no tag named 'pn_never_named_anywhere' (unknown tag)");
+  }
 }
 
 // The report page draws paused bytes over time and lists every pause and

@@ -63,6 +63,15 @@ TEST(TraceFormats, SniffedByContentNotName) {
   EXPECT_EQ(ccalloc::sniff_trace_format(std::string("\x80\x04\x95", 3)), trace_format::pytorch_snapshot);
   EXPECT_EQ(ccalloc::sniff_trace_format(std::string("\x80\x09", 2)), trace_format::ccalloc) << "not a pickle protocol";
   EXPECT_EQ(ccalloc::sniff_trace_format(""), trace_format::ccalloc);
+  // An RMM log is told by its header's column names, in any order, with
+  // other columns or without some (the reader then names what it lacks).
+  EXPECT_EQ(ccalloc::sniff_trace_format("Time,Thread,Action,Pointer,Size,Stream\n"), trace_format::rmm_log);
+  EXPECT_EQ(ccalloc::sniff_trace_format("\n Id , Stream,Size\n"), trace_format::rmm_log);
+  EXPECT_EQ(ccalloc::sniff_trace_format("Time,Action,Pointer,Size\n"), trace_format::rmm_log);
+  EXPECT_EQ(ccalloc::sniff_trace_format("a,b,c\n"), trace_format::ccalloc) << "no RMM column named";
+  EXPECT_EQ(ccalloc::sniff_trace_format("# Thread,Time\n"), trace_format::ccalloc) << "a comment";
+  EXPECT_EQ(ccalloc::sniff_trace_format("1 alloc 1 1 0\nThread,Time,Action,Pointer,Size,Stream\n"),
+            trace_format::ccalloc) << "only the first line is a header";
   // A file named .csv in ccalloc's format is read as ccalloc's format.
   temp_file f("looks_like.csv", "1 alloc 4096 512 0\n2 free_requested 4096 512 0\n3 free_completed 4096 512 0\n");
   EXPECT_EQ(ccalloc::read_trace_file(f.path()).events.size(), 3u);
@@ -103,8 +112,11 @@ TEST(RmmLog, RealFormatBecomesTraceEvents) {
   EXPECT_EQ(t.events[4].time_us, 86400ull * 1000000 + 100);
   EXPECT_EQ(t.events[4].size, 1099511627776u);
   EXPECT_EQ(t.events[5].addr, 0x7f1a40000400u);
-  ASSERT_EQ(t.notes.size(), 1u);
+  ASSERT_EQ(t.notes.size(), 2u);
   EXPECT_NE(t.notes[0].find("1 free(s) of pointers the log never allocated were skipped"), std::string::npos);
+  EXPECT_EQ(t.notes[1],
+            "Time steps back at 1 row(s) (the first: line 4; at most 100 us, threads logging out of order): each "
+            "takes the latest Time above it");
   // And it replays: the 1 TiB request fails nothing (it was a failure in the log, not replayed).
   const ccalloc::replay_result r = ccalloc::replay_trace(t, {});
   EXPECT_EQ(r.peak_requested_bytes, 1024u + 4096u);
@@ -124,6 +136,74 @@ TEST(RmmLog, EpochSecondsAndColumnOrder) {
   EXPECT_TRUE(t.notes.empty());
 }
 
+// A header with its columns in another order, or with more, is an RMM log
+// read by the names; one without a column the replay needs names it.
+TEST(RmmLog, ColumnsAreFoundByTheHeadersNames) {
+  temp_file reordered("reordered.csv",
+                      "Time,Thread,Action,Pointer,Size,Stream\n"
+                      "14:03:21.123456,1,allocate,0x7f8a40000000,1024,0x0\n"
+                      "14:03:21.223456,1,free,0x7f8a40000000,1024,0x0\n");
+  const ccalloc::trace t = ccalloc::read_trace_file(reordered.path());
+  ASSERT_EQ(t.events.size(), 3u);
+  EXPECT_EQ(t.events[0].addr, 0x7f8a40000000u);
+  EXPECT_EQ(t.events[0].time_us, ((14u * 60 + 3) * 60 + 21) * 1000000ull + 123456);
+  temp_file extra("extra.csv",
+                  "Device,Time,Action,Pointer,Size,Stream,Note\n"
+                  "0,1.5,allocate,0x10,8,0x3,a\n");
+  const ccalloc::trace e = ccalloc::read_trace_file(extra.path());
+  ASSERT_EQ(e.events.size(), 1u);
+  EXPECT_EQ(e.events[0].stream, 3u);
+  EXPECT_EQ(e.events[0].time_us, 1500000u);
+  temp_file no_size("no_size.csv", "Thread,Time,Action,Pointer,Stream\n1,1.0,allocate,0x10,0x0\n");
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(no_size.path()); }),
+            no_size.path() + ":1: RMM log header lacks the column 'Size' (the replay needs Time, Action, Pointer, "
+                             "Size and Stream; RMM writes Thread,Time,Action,Pointer,Size,Stream)");
+}
+
+// Threads take the time before the log's lock, so their rows may come a
+// little out of order: a step back of up to 1 s takes the latest time
+// above it and is counted in a note; more is an error naming the line.
+TEST(RmmLog, TimeStepsBackAreNotedUpToASecondAndRefusedBeyond) {
+  const std::string head = "Thread,Time,Action,Pointer,Size,Stream\n";
+  const ccalloc::trace t = ccalloc::parse_rmm_log(head +
+                                                      "1,10.000100,allocate,0x10,8,0x0\n"
+                                                      "2,10.000040,allocate,0x20,8,0x0\n"
+                                                      "1,10.000200,allocate,0x30,8,0x0\n"
+                                                      "2,9.500200,allocate,0x40,8,0x0\n",
+                                                  "log");
+  ASSERT_EQ(t.events.size(), 4u);
+  EXPECT_EQ(t.events[1].time_us, 10000100u);
+  EXPECT_EQ(t.events[3].time_us, 10000200u);
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_EQ(t.notes[0],
+            "Time steps back at 2 row(s) (the first: line 3; at most 500000 us, threads logging out of order): each "
+            "takes the latest Time above it");
+  EXPECT_EQ(error_of([&] {
+              (void)ccalloc::parse_rmm_log(head + "1,10.0,allocate,0x10,8,0x0\n2,8.9,allocate,0x20,8,0x0\n", "log");
+            }),
+            "log:3: Time '8.9' is 1100000 us before the latest Time above it, more than the 1000000 us threads "
+            "logging out of order account for: the rows are out of order, or two logs are merged");
+  // A time of day that wraps past midnight is a day later, no step back.
+  EXPECT_TRUE(ccalloc::parse_rmm_log(head + "1,23:59:59.9,allocate,0x10,8,0x0\n1,00:00:00.1,allocate,0x20,8,0x0\n",
+                                     "log")
+                  .notes.empty());
+}
+
+// RMM frees on any stream (the memory is reusable in that stream's order);
+// ccalloc's format records a free on its block's stream: the reader writes
+// the allocation's stream and says so in a note.
+TEST(RmmLog, AFreeOnAnotherStreamIsReplayedOnTheAllocationsStream) {
+  const ccalloc::trace t = ccalloc::parse_rmm_log(
+      "Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x10,8,0x1\n1,2.0,free,0x10,8,0x2\n", "log");
+  ASSERT_EQ(t.events.size(), 3u);
+  EXPECT_EQ(t.events[1].stream, 1u);
+  EXPECT_EQ(t.events[2].stream, 1u);
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_EQ(t.notes[0], "1 free(s) on another Stream than their allocate's (the first: line 3) are replayed on the "
+                        "allocation's stream");
+  EXPECT_EQ(ccalloc::replay_trace(t, {}).peak_requested_bytes, 8u);
+}
+
 TEST(RmmLog, MalformedInputNamesFileAndLine) {
   const std::string head = "Thread,Time,Action,Pointer,Size,Stream\n";
   const std::map<std::string, std::string> cases = {
@@ -138,6 +218,8 @@ TEST(RmmLog, MalformedInputNamesFileAndLine) {
       {head + "1,1.0,allocate,0x10,8,0x0\n\n1,2.0,allocate,0x10,8,0x0\n",
        "log:4: allocate at Pointer 0x10, which is still live (allocated at line 2)"},
       {head + "1,1.0,allocate,(nil),8,0x0\n", "log:2: allocate of 8 bytes returned a null Pointer"},
+      {head + "1,1.0,allocate failure,0x10,8,0x0\n",
+       "log:2: bad Pointer '0x10': an allocate failure has a null Pointer (RMM writes 0, 0x0 or (nil))"},
       {"\n\n", "log: empty RMM log: no header line"},
   };
   for (const auto& [text, want] : cases) {
@@ -297,6 +379,25 @@ TEST(TraceInput, NotATextTraceSaysWhatItLooksLike) {
             junk.path() + ": not a text trace: looks like binary data (byte 0x0f at offset 0)");
   temp_file xz("t.xz", "\xFD" "7zXZ\0\0\x04\xE6\xD6\xB4\x46");
   EXPECT_NE(error_of([&] { (void)ccalloc::read_trace_file(xz.path()); }).find("looks like xz data"), std::string::npos);
+  for (const auto& [magic, name] : std::map<std::string, std::string>{{std::string("\x28\xB5\x2F\xFD", 4), "zstd"},
+                                                                       {"BZh91AY&SY", "bzip2"},
+                                                                       {std::string("\x04\x22\x4D\x18", 4), "lz4"},
+                                                                       {std::string("7z\xBC\xAF\x27\x1C", 6), "7-Zip"},
+                                                                       {std::string("\x1F\x9D\x90", 3), "compress (.Z)"}}) {
+    temp_file c("c.bin", magic + "\x01\x02 rest\n");
+    EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(c.path()); }),
+              c.path() + ": not a text trace: looks like " + name +
+                  " data; ccalloc reads plain text or gzip (decompress it first)");
+  }
+  // A pickle of a protocol the reader lacks, plain or in gzip: named with
+  // its number, not read as text.
+  temp_file p9("p9.pickle", std::string("\x80\x09\x95\x10\x00", 5));
+  EXPECT_EQ(error_of([&] { (void)ccalloc::read_trace_file(p9.path()); }),
+            p9.path() + ": not a text trace: looks like a pickle of protocol 9 (its first bytes are 0x80 0x09); "
+                        "ccalloc reads PyTorch snapshot pickles of protocols 2 to 5");
+  EXPECT_EQ(error_of([&] { (void)ccalloc::parse_trace_text(std::string("\x80\x01]q\x00", 5), "p1"); }),
+            "p1: not a text trace: looks like a pickle of protocol 1 (its first bytes are 0x80 0x01); ccalloc reads "
+            "PyTorch snapshot pickles of protocols 2 to 5");
   // gzip inside gzip: the decompressed text starts with the gzip magic.
   const std::string once = std::string("\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03", 10) + "rest";
   EXPECT_EQ(error_of([&] { (void)ccalloc::parse_trace_text(once, "twice.gz"); }),
@@ -503,6 +604,26 @@ TEST(FreeSize, ATextTraceFreeOfAnotherSizeIsAnError) {
   // Matching sizes replay; an address reused with another size is no mismatch.
   EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 free_requested 4096 512 0\n3 free_completed 4096 512 0\n"
                          "4 alloc 4096 64 0\n5 free_requested 4096 64 0\n6 free_completed 4096 64 0\n"),
+            "");
+}
+
+// PyTorch records free_requested and free_completed on the block's stream
+// (the one it was allocated on; a record_stream'ed block's other streams
+// only delay free_completed): a free on another stream is a corrupt trace.
+TEST(FreeStream, ATextTraceFreeOnAnotherStreamIsAnError) {
+  const auto replay_error = [](const std::string& text) {
+    return error_of([&] { (void)ccalloc::replay_trace(ccalloc::parse_trace_text(text, "fs"), {}); });
+  };
+  EXPECT_EQ(replay_error("1 alloc 4096 512 7\n2 free_requested 4096 512 7\n3 alloc 8192 8 0\n"
+                         "4 free_completed 4096 512 9\n"),
+            "fs:4: free_completed of address 4096 on stream 9, but its free_requested (line 2) is on stream 7 (a free "
+            "is recorded on its block's stream, the one it was allocated on)");
+  EXPECT_EQ(replay_error("1 alloc 4096 512 7\n2 free_requested 4096 512 0\n3 free_completed 4096 512 0\n"),
+            "fs:2: free_requested of address 4096 on stream 0, but its alloc (line 1) is on stream 7 (a free is "
+            "recorded on its block's stream, the one it was allocated on)");
+  // A record_stream gap on the block's own stream replays.
+  EXPECT_EQ(replay_error("1 alloc 4096 512 7\n2 free_requested 4096 512 7\n3 alloc 8192 8 0\n"
+                         "4 free_completed 4096 512 7\n"),
             "");
 }
 

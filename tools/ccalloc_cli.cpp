@@ -72,6 +72,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cerrno>
 #include <charconv>
@@ -446,6 +447,30 @@ void print_oom_banner(std::uint64_t ooms) {
               with_commas(ooms).c_str());
 }
 
+/// Says on stderr, once, that the configuration's oom_snapshot could not be
+/// written and why: the replay goes on after an out-of-memory without
+/// showing its message, which is where the library says it.
+void print_oom_snapshot_failure(const std::vector<const ccalloc::replay_result*>& results) {
+  for (const ccalloc::replay_result* r : results)
+    if (!r->oom_snapshot_failure.empty()) {
+      std::fprintf(stderr, "ccalloc: an out-of-memory snapshot was not written: %s\n",
+                   ccalloc::printable_name(r->oom_snapshot_failure).c_str());
+      return;
+    }
+}
+
+/// The one --config of `command` ("" when none). Given twice, a usage error
+/// that says how to give several keys: a second --config is not merged into
+/// the first (compare takes each --config as a configuration of its own).
+std::string single_config(const std::vector<std::string>& configs, const char* command) {
+  if (configs.size() > 1)
+    throw usage_error("--config was given " + std::to_string(configs.size()) + " times; " + command +
+                      " takes one configuration: put every key in one --config, comma-separated (--config "
+                      "'" + configs[0] + "," + configs[1] + "'), or use `ccalloc compare` to run each as a "
+                      "configuration of its own");
+  return configs.empty() ? std::string() : configs.front();
+}
+
 /// Exit status 3 for a replay with failed allocations unless --allow-oom.
 int oom_exit_status(std::uint64_t ooms, bool allow_oom) {
   if (ooms == 0) return 0;
@@ -603,13 +628,13 @@ std::string or_dash(std::uint64_t value, const std::string& text) { return value
 
 /// The side-by-side table of ccalloc's and PyTorch's figures.
 void print_native_comparison(const ccalloc::replay_result& r, const ccalloc::native_reference& n) {
-  constexpr std::size_t label_w = 20, col_w = 17;
   std::printf("\nCompared with PyTorch's native allocator (%s):\n", n.origin.c_str());
+  // The rows first, then printed with each column as wide as its widest
+  // cell (at least the usual width; figures near 2^64 bytes are wider).
+  std::vector<std::array<std::string, 4>> rows;
   const auto line = [&](std::string_view label, const std::string& ours, const std::string& native,
                         const std::string& expandable) {
-    std::printf("  %s%s%s%s\n", left(std::string(label), label_w).c_str(),
-                right(ours, col_w).c_str(), right(native, col_w).c_str(),
-                right(expandable, col_w + 3).c_str());
+    rows.push_back({std::string(label), ours, native, expandable});
   };
   line("", "ccalloc", "PyTorch native", "PyTorch expandable");
   line("peak requested", gib(r.peak_requested_bytes), or_dash(n.requested_peak, gib(n.requested_peak)),
@@ -636,6 +661,13 @@ void print_native_comparison(const ccalloc::replay_result& r, const ccalloc::nat
   line("segments made", with_commas(r.segments_created), or_dash(n.device_allocs, with_commas(n.device_allocs)),
        "");
   line("2 MiB pages created", with_commas(pages_created(r)), "-", "");
+  // Label left-aligned; figures right-aligned, at least 2 blanks apart.
+  std::array<std::size_t, 4> width{20, 17, 17, 20};
+  for (const auto& row : rows)
+    for (std::size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size() + (c == 0 ? 0 : 2));
+  for (const auto& row : rows)
+    std::printf("  %s%s%s%s\n", left(row[0], width[0]).c_str(), right(row[1], width[1]).c_str(),
+                right(row[2], width[2]).c_str(), right(row[3], width[3]).c_str());
   std::printf("  (segments made: cudaMalloc calls, or address-space reservations of expandable segments; PyTorch\n"
               "   native's figure is its cudaMalloc calls. Pages created: physical 2 MiB pages mapped into\n"
               "   reservations, which PyTorch native does not make)\n");
@@ -1012,6 +1044,10 @@ min_memory_result find_min_memory(const loaded_trace& input, const ccalloc::repl
 
 void print_min_memory(const min_memory_result& m, const std::string& config) {
   std::printf("\nSmallest device memory without out of memory (bisection to 2 MiB):\n");
+  if (m.ccalloc_bytes == 0) {  // find_min_device_memory's answer when nothing is ever reserved
+    std::printf("  ccalloc              none: the replay reserves no device memory (peak reserved 0 B)\n");
+    return;
+  }
   std::printf("  ccalloc              %s  (%llu B)\n", gib(m.ccalloc_bytes).c_str(),
               static_cast<unsigned long long>(m.ccalloc_bytes));
   const ccalloc::allocator_config parsed = ccalloc::allocator_config::parse(config);
@@ -1072,6 +1108,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     print_replay_report(result, input, options.config, options.cuda_device);
     if (min) print_min_memory(*min, options.config);
   }
+  print_oom_snapshot_failure({&result});
   return oom_exit_status(result.ooms, common.allow_oom);
 }
 
@@ -1110,6 +1147,7 @@ int run_report(const common_options& common, const std::string& config, const st
               with_commas(summary.peak_event_index + 1).c_str(), summary.segments_at_peak,
               summary.live_segments_at_peak, summary.blocks_at_peak);
   print_sleep_events(summary.replay, "  ");
+  print_oom_snapshot_failure({&summary.replay});
   return oom_exit_status(summary.replay.ooms, common.allow_oom);
 }
 
@@ -1137,7 +1175,12 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
                             "), segment addresses " + segment_addresses_label(first));
   }
   std::uint64_t ooms = 0;
-  for (const ccalloc::replay_result& r : results) ooms += r.ooms;
+  std::vector<const ccalloc::replay_result*> replayed;
+  for (const ccalloc::replay_result& r : results) {
+    ooms += r.ooms;
+    replayed.push_back(&r);
+  }
+  print_oom_snapshot_failure(replayed);
   return oom_exit_status(ooms, common.allow_oom);
 }
 
@@ -1198,7 +1241,7 @@ int run(int argc, char** argv) {
   app.require_subcommand(1);
 
   common_options common;
-  std::string replay_config;
+  std::vector<std::string> replay_configs, report_configs;  // one each: single_config
   std::vector<std::string> compare_configs;
 
   const auto add_common = [&](CLI::App* sub, bool with_json) {
@@ -1254,9 +1297,11 @@ int run(int argc, char** argv) {
   CLI::App* replay = app.add_subcommand("replay", "Replay a trace and report peaks and device calls.");
   add_common(replay, true);
   add_repeat(replay);
-  replay->add_option("--config", replay_config,
-                     "Configuration string, PyTorch syntax (see `ccalloc config-keys`). "
-                     "Default: defaults.");
+  replay
+      ->add_option("--config", replay_configs,
+                   "Configuration string, PyTorch syntax (see `ccalloc config-keys`): every key in one --config, "
+                   "comma-separated. Default: defaults.")
+      ->allow_extra_args(false);
   bool min_memory = false;
   replay->add_flag("--min-memory", min_memory,
                    "Also find the smallest simulated device memory on which the trace replays with --config "
@@ -1284,9 +1329,13 @@ int run(int argc, char** argv) {
       "report", "Replay a trace and write one self-contained HTML page with plots (bytes over time, the segment "
                 "map at the peak, fragmentation by pool and stream, the largest allocations).");
   add_common(report, false);  // its output is the HTML file
-  std::string report_config, report_output = "report.html", report_title;
+  std::string report_output = "report.html", report_title;
   std::string report_points = "1200";
-  report->add_option("--config", report_config, "Configuration string, PyTorch syntax. Default: defaults.");
+  report
+      ->add_option("--config", report_configs,
+                   "Configuration string, PyTorch syntax: every key in one --config, comma-separated. "
+                   "Default: defaults.")
+      ->allow_extra_args(false);
   report->add_option("-o,--output", report_output, "The HTML file to write. Default: report.html.")
       ->check(non_empty_path);
   report->add_option("--points", report_points, "Time slices per curve (downsampling). Default: 1200.");
@@ -1322,8 +1371,10 @@ int run(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
 
-  if (replay->parsed()) return run_replay(common, replay_config, min_memory, snapshot_path);
-  if (report->parsed()) return run_report(common, report_config, report_output, report_points, report_title);
+  if (replay->parsed())
+    return run_replay(common, single_config(replay_configs, "replay"), min_memory, snapshot_path);
+  if (report->parsed())
+    return run_report(common, single_config(report_configs, "report"), report_output, report_points, report_title);
   if (compare->parsed()) return run_compare(common, compare_configs);
   if (keys->parsed()) return run_config_keys();
   return 2;  // unreachable: require_subcommand(1)

@@ -65,6 +65,10 @@ def load_snapshot(path):
             raise ConvertError(f"corrupt gzip data: {e}") from None
     if not data.startswith(b"\x80"):
         raise ConvertError("not a pickle (PyTorch snapshots start with the pickle protocol byte 0x80)")
+    if len(data) < 2 or not 2 <= data[1] <= 5:
+        protocol = data[1] if len(data) >= 2 else None
+        raise ConvertError(f"a pickle of protocol {protocol} (its first bytes are 0x80 0x{protocol or 0:02x}); "
+                           "PyTorch snapshot pickles are protocols 2 to 5")
     try:
         snapshot = _PlainUnpickler(io.BytesIO(data)).load()
     except ConvertError:

@@ -113,7 +113,8 @@ typedef struct CUstream_st* ccalloc_stream_t;
 typedef enum ccalloc_status {
   CCALLOC_OK = 0,
   /** Bad argument: unknown or freed pointer, device out of range, fraction
-   * outside [0, 1], NULL output pointer, allocator not initialized. */
+   * outside [0, 1], NULL output pointer; or a call at a time it is not
+   * allowed: allocator not initialized, a call from a mapping listener. */
   CCALLOC_ERROR_INVALID_ARGUMENT = 1,
   /** The device could not provide the memory even after the cache was freed
    * (SPEC B6); the message gives the figures. */
@@ -495,7 +496,16 @@ CCALLOC_API ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* a
  * ccalloc/core/mapping_events.hpp for the order and the reasons). Nothing is
  * announced for what was mapped before. `user_data` must stay valid as long
  * as the allocator. Listeners cannot be detached.
- * CCALLOC_ERROR_INVALID_ARGUMENT for a NULL fn. */
+ * CCALLOC_ERROR_INVALID_ARGUMENT for a NULL fn. A listener must not call
+ * into any allocator: the announcing thread holds the device's locks. The
+ * calls that take them all first (ccalloc_empty_cache, ccalloc_init,
+ * ccalloc_enable, ccalloc_set_config, ccalloc_record_history,
+ * ccalloc_snapshot_json, ccalloc_mapped_segments, ccalloc_cache_info,
+ * ccalloc_pause, ccalloc_create_pool, ...) return
+ * CCALLOC_ERROR_INVALID_ARGUMENT ("... a listener must not call into any
+ * ccalloc allocator ...") with nothing changed; ccalloc_malloc and
+ * ccalloc_delete, which take a stream's lock first, stop the process with
+ * that message instead of deadlocking (ccalloc/core/mapping_events.hpp). */
 CCALLOC_API ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc,
                                                              ccalloc_mapping_listener_fn fn, void* user_data);
 
@@ -878,7 +888,9 @@ CCALLOC_API ccalloc_status_t ccalloc_share_ipc_handle(ccalloc_allocator_t* alloc
 CCALLOC_API void ccalloc_ipc_export_free(ccalloc_ipc_export_t* ex, int close_fds);
 /** Sends *ex on the connected Unix socket `socket` (the descriptors as
  * SCM_RIGHTS; they stay the caller's). Errors: INVALID_ARGUMENT for a
- * handle over 64 KiB; BACKEND naming errno's text when sending fails. */
+ * handle over 64 KiB or an export with no handle bytes (one that
+ * ccalloc_ipc_export_free emptied), nothing sent; BACKEND naming errno's
+ * text when sending fails. */
 CCALLOC_API ccalloc_status_t ccalloc_send_ipc_handle(int socket, const ccalloc_ipc_export_t* ex);
 /** Receives one handle sent by ccalloc_send_ipc_handle into *out (blocks
  * until it arrives); the received descriptors are the caller's. Errors:

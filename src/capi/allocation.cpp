@@ -445,7 +445,13 @@ void* ccalloc_plugin_alloc(size_t size, int device, ccalloc_stream_t stream) {
 }
 
 void ccalloc_plugin_free(void* ptr, size_t /*size*/, int /*device*/, ccalloc_stream_t /*stream*/) {
-  if (ccalloc_delete(nullptr, ptr) != CCALLOC_OK) std::fprintf(stderr, "%s\n", tls_last_error.c_str());
+  const ccalloc_status_t status = ccalloc_delete(nullptr, ptr);
+  if (status == CCALLOC_OK) return;
+  // A bad CCALLOC_CONF fails every call on the process-wide allocator with
+  // the same message: said once per process, not once per free.
+  static std::atomic<bool> config_error_printed{false};
+  if (status == CCALLOC_ERROR_CONFIG && config_error_printed.exchange(true)) return;
+  std::fprintf(stderr, "%s\n", tls_last_error.c_str());
 }
 
 // The deprecated names (ccalloc.h): the same functions.

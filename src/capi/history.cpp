@@ -202,33 +202,26 @@ static_assert(static_cast<int>(ccalloc::mapping_reason::pages_retired) == CCALLO
 // ---- mapped segments (snapshots) -------------------------------------------------------------------------
 
 namespace {
-// The mapped ranges of one segment: the whole of a plain one, each run of
-// mapped blocks of an expandable one.
+// The mapped ranges of one segment (ccalloc::mapped_runs), with their blocks' figures.
 void add_mapped_ranges(const ccalloc::segment_info& si, std::vector<ccalloc_mapped_segment_t>& out) {
-  bool open = false;
-  for (const ccalloc::block_info& b : si.blocks) {
-    if (si.is_expandable && !b.mapped) {
-      open = false;
-      continue;
+  for (const ccalloc::mapped_run& run : ccalloc::mapped_runs(si)) {
+    ccalloc_mapped_segment_t r{};
+    r.device = si.device;
+    r.address = static_cast<uintptr_t>(run.address);
+    r.stream = from_stream(si.stream);
+    r.is_large = si.is_small_pool ? 0 : 1;
+    r.is_expandable = si.is_expandable ? 1 : 0;
+    r.pool_id = ccalloc_mempool_id_t{si.pool.first, si.pool.second};
+    r.total_bytes = run.size_bytes;
+    for (std::size_t i = run.first_block; i < run.end_block; ++i) {
+      const ccalloc::block_info& b = si.blocks[i];
+      if (b.state == ccalloc::block_state::active_allocated) r.allocated_bytes += b.size_bytes;
+      if (b.state != ccalloc::block_state::inactive) {
+        r.active_bytes += b.size_bytes;
+        r.requested_bytes += b.requested_bytes;
+      }
     }
-    if (!open) {
-      ccalloc_mapped_segment_t r{};
-      r.device = si.device;
-      r.address = static_cast<uintptr_t>(b.address);
-      r.stream = from_stream(si.stream);
-      r.is_large = si.is_small_pool ? 0 : 1;
-      r.is_expandable = si.is_expandable ? 1 : 0;
-      r.pool_id = ccalloc_mempool_id_t{si.pool.first, si.pool.second};
-      out.push_back(r);
-      open = true;
-    }
-    ccalloc_mapped_segment_t& r = out.back();
-    r.total_bytes += b.size_bytes;
-    if (b.state == ccalloc::block_state::active_allocated) r.allocated_bytes += b.size_bytes;
-    if (b.state != ccalloc::block_state::inactive) {
-      r.active_bytes += b.size_bytes;
-      r.requested_bytes += b.requested_bytes;
-    }
+    out.push_back(r);
   }
 }
 }  // namespace
@@ -237,7 +230,6 @@ ccalloc_status_t ccalloc_mapped_segments(ccalloc_allocator_t* alloc, int device,
                                          size_t* count) {
   return guarded([&] {
     require(count, "ccalloc_mapped_segments", "count");
-    if (*count > 0) require(out, "ccalloc_mapped_segments", "out");
     ccalloc::caching_allocator& a = resolve(alloc);
     const int devices = a.initialized_device_count();
     if (devices == 0) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_mapped_segments before ccalloc_init()");
@@ -245,10 +237,12 @@ ccalloc_status_t ccalloc_mapped_segments(ccalloc_allocator_t* alloc, int device,
       throw ccalloc::invalid_argument_error("ccalloc: ccalloc_mapped_segments: device " + std::to_string(device) +
                                             " is out of range (-1 for every device, or 0.." +
                                             std::to_string(devices - 1) + ")");
+    // Checked after the device: a bad device is named whatever `out` is.
+    if (*count > 0) require(out, "ccalloc_mapped_segments", "out");
     std::vector<ccalloc_mapped_segment_t> ranges;
     for (int d = device < 0 ? 0 : device; d < (device < 0 ? devices : device + 1); ++d)
       for (const ccalloc::segment_info& si : a.device_allocator(d).segments())
-        if (!si.paused) add_mapped_ranges(si, ranges);
+        add_mapped_ranges(si, ranges);
     std::copy_n(ranges.begin(), std::min(*count, ranges.size()), out);
     *count = ranges.size();
   });

@@ -137,6 +137,24 @@ std::string detail::write_oom_snapshot(device_caching_allocator& owner, const st
   }
 }
 
+std::vector<mapped_run> mapped_runs(const segment_info& seg) {
+  std::vector<mapped_run> out;
+  if (seg.paused) return out;
+  bool open = false;
+  for (std::size_t i = 0; i < seg.blocks.size(); ++i) {
+    const block_info& b = seg.blocks[i];
+    if (seg.is_expandable && !b.mapped) {
+      open = false;
+      continue;
+    }
+    if (!open) out.push_back({i, i, b.address, 0});
+    open = true;
+    out.back().end_block = i + 1;
+    out.back().size_bytes += b.size_bytes;
+  }
+  return out;
+}
+
 std::string_view to_string(block_state state) noexcept {
   switch (state) {
     case block_state::active_allocated: return "active_allocated";
@@ -175,6 +193,17 @@ void device_caching_allocator::attach_trace_tracker(trace_tracker tracker) {
 void device_caching_allocator::attach_mapping_listener(mapping_listener listener) {
   if (!listener) throw invalid_argument_error("ccalloc: attach_mapping_listener: the listener is empty");
   state_->mapping().attach(std::move(listener));
+}
+
+void device_caching_allocator::attach_mapping_listener(
+    mapping_listener listener, const std::function<void(const std::vector<segment_info>&)>& listed) {
+  if (!listener) throw invalid_argument_error("ccalloc: attach_mapping_listener: the listener is empty");
+  // Announcements are made with the device's locks held: none comes between
+  // the list and the attach.
+  world_lock w(*state_);
+  std::vector<segment_info> now = segments_locked();
+  state_->mapping().attach(std::move(listener));
+  if (listed) listed(now);
 }
 
 std::vector<trace_entry> device_caching_allocator::trace_entries() const { return state_->history().entries(); }

@@ -85,8 +85,12 @@ std::vector<expandable_segment_info> device_caching_allocator::expandable_segmen
 }
 
 std::vector<segment_info> device_caching_allocator::segments() const {
+  world_lock w(*state_);
+  return segments_locked();
+}
+
+std::vector<segment_info> device_caching_allocator::segments_locked() const {
   auto& s = *state_;
-  world_lock w(s);
   std::vector<segment_info> out;
   out.reserve(s.segments().size());
   for (auto& [base, seg] : s.segments()) {

@@ -24,7 +24,7 @@ world_lock::world_lock(device_state& d) : d_(d) {
   // listener runs: a call from the listener back into an allocator would
   // wait for itself.
   if (tls_mapping_listener_depth != 0) [[unlikely]]
-    throw error("ccalloc: a mapping listener called into the allocator (device " + std::to_string(d.device()) +
+    throw invalid_argument_error("ccalloc: a mapping listener called into the allocator (device " + std::to_string(d.device()) +
                 "), which the announcing thread holds locked; a listener must not call into any ccalloc "
                 "allocator (ccalloc/core/mapping_events.hpp)");
   lock();

@@ -49,7 +49,7 @@ class config_hold {
 // what changes the devices' configuration would wait for itself there.
 void refuse_inside_mapping_listener(const char* what) {
   if (detail::tls_mapping_listener_depth != 0) [[unlikely]]
-    throw error(std::string("ccalloc: ") + what +
+    throw invalid_argument_error(std::string("ccalloc: ") + what +
                 " called from a mapping listener; a listener must not call into any ccalloc allocator "
                 "(ccalloc/core/mapping_events.hpp)");
 }
@@ -78,7 +78,15 @@ void data_ptr_deleter::operator()(void* ptr) const {
 caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend)
     : caching_allocator(std::move(backend), allocator_config::from_environment()) {
   caching_enabled_ = !env_flag("CCALLOC_NO_CACHING");
+  // CCALLOC_CONF is the process's: its warnings are printed by the first
+  // allocator that reads a given value, not by each one made from it.
+  static std::mutex printed_mutex;
+  static std::string printed;  // the CCALLOC_CONF whose warnings were printed
+  const char* const text = std::getenv("CCALLOC_CONF");
+  std::lock_guard lock(printed_mutex);
+  if (config_.warnings.empty() || (text != nullptr && printed == text)) return;
   print_warnings(config_);
+  printed = text == nullptr ? "" : text;
 }
 
 caching_allocator::caching_allocator(std::shared_ptr<device_backend> backend, allocator_config config)
@@ -491,6 +499,14 @@ void caching_allocator::attach_mapping_listener(mapping_listener listener) {
   const auto lock = lock_config();
   mapping_listeners_.push_back(listener);
   for (auto& d : devices_) d->attach_mapping_listener(listener);
+}
+
+void caching_allocator::attach_mapping_listener(
+    mapping_listener listener, const std::function<void(const std::vector<segment_info>&)>& listed) {
+  if (!listener) throw invalid_argument_error("ccalloc: attach_mapping_listener: the listener is empty");
+  const auto lock = lock_config();
+  mapping_listeners_.push_back(listener);
+  for (auto& d : devices_) d->attach_mapping_listener(listener, listed);
 }
 
 void caching_allocator::record_snapshot_entry() const {

@@ -82,6 +82,12 @@ std::size_t receive_message(int socket, std::vector<char>& buf, std::vector<int>
 }  // namespace
 
 void send_ipc_handle(int socket, const ipc_export& ex) {
+  // An empty export (ccalloc_ipc_export_free zeroes one) would reach the peer
+  // as a handle that opens nothing.
+  if (ex.handle.empty())
+    throw invalid_argument_error(
+        "ccalloc: send_ipc_handle: the export holds no handle (0 bytes: emptied by ccalloc_ipc_export_free, or "
+        "never filled in by a share); send what a share returned");
   if (ex.handle.size() > max_handle_bytes)
     throw invalid_argument_error("ccalloc: send_ipc_handle: the handle is " + std::to_string(ex.handle.size()) +
                                  " bytes, more than " + std::to_string(max_handle_bytes));

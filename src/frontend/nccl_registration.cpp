@@ -157,26 +157,24 @@ nccl_registration::nccl_registration(caching_allocator& alloc, nccl_functions nc
   if (nccl.comm_register == nullptr || nccl.comm_deregister == nullptr)
     throw invalid_argument_error("ccalloc: nccl_registration: an NCCL function is null");
   state_->nccl = nccl;
-  // What is mapped now (no other thread may change it meanwhile), then the
-  // announcements from here on.
-  // Recorded as the announcements would have: a plain segment as one range
-  // (whole), an expandable one as its mapped pages merged into runs. A paused
-  // segment's pages are released (its blocks keep mapped = true: they come
-  // back at resume, which announces them), so it is left out.
   state_->device_count = alloc.backend().device_count();
-  for (const segment_info& seg : alloc.snapshot(false).segments) {
-    if (seg.paused) continue;
-    if (!seg.is_expandable) {
-      state_->add_mapped(seg.device, seg.address, seg.address + seg.total_bytes, false);
-      continue;
-    }
-    for (const block_info& b : seg.blocks)
-      if (b.mapped) state_->add_mapped(seg.device, b.address, b.address + b.size_bytes, true);
-  }
+  // What each device has mapped, listed under the same hold of its locks as
+  // the attach (no change falls between the two), then the announcements.
+  // Recorded as the announcements would have: a plain segment as one range,
+  // an expandable one's mapped runs merged where they touch, a paused
+  // segment not at all (mapped_runs).
   std::weak_ptr<state> weak = state_;
-  alloc.attach_mapping_listener([weak](const mapping_event& e) {
-    if (auto s = weak.lock()) s->on_event(e);
-  });
+  state* s = state_.get();
+  alloc.attach_mapping_listener(
+      [weak](const mapping_event& e) {
+        if (auto live = weak.lock()) live->on_event(e);
+      },
+      [s](const std::vector<segment_info>& segments) {
+        std::lock_guard lock(s->mutex);
+        for (const segment_info& seg : segments)
+          for (const mapped_run& r : mapped_runs(seg))
+            s->add_mapped(seg.device, r.address, r.address + r.size_bytes, seg.is_expandable);
+      });
 }
 
 nccl_registration::~nccl_registration() {
@@ -188,6 +186,10 @@ nccl_registration::~nccl_registration() {
 }
 
 void nccl_registration::add_communicator(void* comm, int device) {
+  if (device < 0 || device >= state_->device_count)
+    throw invalid_argument_error("ccalloc: nccl_registration::add_communicator: device " + std::to_string(device) +
+                                 " is out of range (the backend has " + std::to_string(state_->device_count) +
+                                 " device(s))");
   std::lock_guard lock(state_->mutex);
   for (const auto& c : state_->comms)
     if (c.comm == comm) throw invalid_argument_error("ccalloc: nccl_registration: the communicator was added before");

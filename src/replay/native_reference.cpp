@@ -15,7 +15,9 @@
 #include <iterator>
 #include <string_view>
 #include <system_error>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 namespace ccalloc {
 
@@ -84,6 +86,12 @@ struct peaks_parse {
   json all;
   bool too_deep = false;
   std::string last_key;
+  // The first key written twice in an object where the trace's figures are
+  // read (the top level, under the trace's name; or anywhere in its entry),
+  // and whether at the top level: JSON keeps one of them (nlohmann the last),
+  // so which value is meant is unclear. Empty when none.
+  std::string duplicate_key;
+  bool duplicate_at_top = false;
 
   // Parses `text` into `all`, keeping only the entry `name` (the other
   // traces' entries are checked for syntax, not kept). Arrays and objects
@@ -93,17 +101,33 @@ struct peaks_parse {
   // parse_error or out_of_range (number overflow) for text that is no
   // JSON; `last_key` is then the last key read before the fault.
   void parse(const std::string& text, const std::string& name) {
+    // The keys met so far in the open object at each depth (a key's depth
+    // is its object's plus 1), and whether the parser is inside the trace's
+    // entry (after the top-level key `name`).
+    std::vector<std::unordered_set<std::string>> keys_at(max_native_peaks_depth + 2);
+    bool in_entry = false;
     // depth: the containers around the value (0 for the top level).
     const json::parser_callback_t keep = [&](int depth, json::parse_event_t event, json& parsed) {
+      const auto d = static_cast<std::size_t>(depth);
       switch (event) {
         case json::parse_event_t::object_start:
         case json::parse_event_t::array_start:
-          if (static_cast<std::size_t>(depth) < max_native_peaks_depth) return true;
+          if (d < max_native_peaks_depth) {
+            if (event == json::parse_event_t::object_start) keys_at[d + 1].clear();
+            return true;
+          }
           too_deep = true;
           return false;
-        case json::parse_event_t::key:
+        case json::parse_event_t::key: {
           last_key = parsed.get<std::string>();
-          return depth != 1 || last_key == name;  // a top-level key is a trace's name
+          if (d == 1) in_entry = last_key == name;
+          const bool read_here = d == 1 ? in_entry : in_entry && d >= 2;
+          if (d < keys_at.size() && !keys_at[d].insert(last_key).second && read_here && duplicate_key.empty()) {
+            duplicate_key = last_key;
+            duplicate_at_top = d == 1;
+          }
+          return d != 1 || in_entry;  // a top-level key is a trace's name
+        }
         default: return true;
       }
     };
@@ -163,6 +187,11 @@ std::optional<native_reference> native_reference_beside(const std::string& trace
                   "; expected an object whose keys are trace names)");
   const auto it = all.find(name);
   if (it == all.end()) return std::nullopt;
+  if (!parsed.duplicate_key.empty())
+    return ignore(parsed.duplicate_at_top
+                      ? "the entry '" + name + "' is written twice (which one holds the figures is unclear)"
+                      : "in the entry '" + name + "', the key '" + printable_name(parsed.duplicate_key) +
+                            "' is written twice in one object (which value is meant is unclear)");
   if (!it->is_object())
     return ignore("the entry '" + name + "' is a JSON " + std::string(it->type_name()) +
                   ", not an object of figures");

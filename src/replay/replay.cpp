@@ -57,20 +57,41 @@ namespace {
 
 using namespace replay_detail;
 
-// A free of `e.size` bytes at an address whose `earlier` event (its alloc,
-// or its free_requested) has another size: the trace is corrupt (PyTorch
-// and RMM record a free with the size of its allocation).
-void check_free_size(const trace& t, const trace_event& e, const trace_event& earlier) {
-  if (e.size == earlier.size) return;
-  throw trace_error(t.source, e.line,
-                    std::string(to_string(e.action)) + " of address " + std::to_string(e.addr) + " with size " +
-                        std::to_string(e.size) + ", but its " + std::string(to_string(earlier.action)) +
-                        " (line " + std::to_string(earlier.line) + ") has size " + std::to_string(earlier.size));
+// An out-of-memory the replay goes on after: counted; the first one whose
+// oom_snapshot could not be written keeps the sentence saying why (the
+// message is otherwise not shown).
+void count_oom(replay_result& r, const out_of_memory_error& e) {
+  ++r.ooms;
+  if (!r.oom_snapshot_failure.empty()) return;
+  const std::string_view what = e.what();
+  if (const std::size_t at = what.find("The snapshot (oom_snapshot) could not be written"); at != what.npos)
+    r.oom_snapshot_failure = what.substr(at);
+}
+
+// A free at an address whose `earlier` event (its alloc, or its
+// free_requested) has another size or stream: the trace is corrupt or its
+// lines are mixed up. PyTorch records free_requested and free_completed
+// with the size and the stream of the block (the stream it was allocated
+// on, also when record_stream made other streams use it: those streams'
+// events delay free_completed, they are not its stream); ccalloc's history
+// does the same, and the RMM reader writes a free with its allocation's.
+void check_free_matches(const trace& t, const trace_event& e, const trace_event& earlier) {
+  const std::string head = std::string(to_string(e.action)) + " of address " + std::to_string(e.addr);
+  const std::string its = ", but its " + std::string(to_string(earlier.action)) + " (line " +
+                          std::to_string(earlier.line) + ")";
+  if (e.size != earlier.size)
+    throw trace_error(t.source, e.line,
+                      head + " with size " + std::to_string(e.size) + its + " has size " + std::to_string(earlier.size));
+  if (e.stream != earlier.stream)
+    throw trace_error(t.source, e.line,
+                      head + " on stream " + std::to_string(e.stream) + its + " is on stream " +
+                          std::to_string(earlier.stream) +
+                          " (a free is recorded on its block's stream, the one it was allocated on)");
 }
 
 // For each free_requested event, the index of its free_completed event
 // (`never` if the trace ends first). Also validates the pairing, and that a
-// free has the size of its alloc.
+// free has the size and stream of its alloc.
 std::vector<std::uint64_t> completion_indices(const trace& t) {
   std::vector<std::uint64_t> completion(t.events.size(), never);
   std::unordered_map<std::uint64_t, std::uint64_t> allocated_at;  // addr -> alloc index
@@ -83,7 +104,7 @@ std::vector<std::uint64_t> completion_indices(const trace& t) {
       allocated_at[e.addr] = i;  // an alloc at a live address is the event loop's error, naming both lines
     } else if (e.action == trace_action::free_requested) {
       if (auto it = allocated_at.find(e.addr); it != allocated_at.end()) {
-        check_free_size(t, e, t.events[it->second]);
+        check_free_matches(t, e, t.events[it->second]);
         allocated_at.erase(it);
       }
       requested_at[e.addr] = i;
@@ -92,7 +113,7 @@ std::vector<std::uint64_t> completion_indices(const trace& t) {
       if (it == requested_at.end())
         throw trace_error(t.source, e.line,
                           "free_completed of address " + std::to_string(e.addr) + " with no free_requested before it");
-      check_free_size(t, e, t.events[it->second]);
+      check_free_matches(t, e, t.events[it->second]);
       completion[it->second] = i;
       requested_at.erase(it);
     }
@@ -228,8 +249,8 @@ class sleep_replay {
       s.pause = false;
       try {
         resume_into(s);
-      } catch (const out_of_memory_error&) {
-        ++r_.ooms;
+      } catch (const out_of_memory_error& x) {
+        count_oom(r_, x);
       }
       record(std::move(s));
     }
@@ -265,10 +286,10 @@ class sleep_replay {
       } else {
         resume_into(s);
       }
-    } catch (const out_of_memory_error&) {
+    } catch (const out_of_memory_error& x) {
       // A resume without room on the device, or a pause without host memory
       // for the kept contents: nothing changed, the tag stays as it was.
-      ++r_.ooms;
+      count_oom(r_, x);
     } catch (const invalid_argument_error& x) {
       throw_refused(t_, e, x);
     }
@@ -570,8 +591,8 @@ class event_loop {
     void* ptr = nullptr;
     try {
       ptr = allocator_.malloc(0, e.size, streams_(e.stream));
-    } catch (const out_of_memory_error&) {
-      ++r_.ooms;
+    } catch (const out_of_memory_error& x) {
+      count_oom(r_, x);
     } catch (const invalid_argument_error& x) {
       throw_refused(t_, e, x);  // e.g. under a tag the trace paused
     }
@@ -584,8 +605,8 @@ class event_loop {
     it->second.line = e.line;
     try {
       it->second.ptr = allocator_.malloc(0, e.size, streams_(e.stream));
-    } catch (const out_of_memory_error&) {
-      ++r_.ooms;
+    } catch (const out_of_memory_error& x) {
+      count_oom(r_, x);
       it->second.ptr = nullptr;
     } catch (const invalid_argument_error& x) {
       live_.erase(it);

@@ -9,6 +9,8 @@
 //
 // (the thread id, the time of day, "allocate" / "free" / "allocate failure",
 // the pointer as %p, the size in bytes, the stream as a hex pointer).
+// Columns are found by their names in the header, in any order; Thread and
+// columns of other names are not read.
 #include <ccalloc/replay/trace.hpp>
 
 #include "line_parsers.hpp"
@@ -31,6 +33,12 @@ namespace {
 
 constexpr std::uint64_t us_per_second = 1000000;
 constexpr std::uint64_t us_per_day = 86400 * us_per_second;
+/// The most a row's Time may be before the latest Time of the rows above
+/// it (1 s, as for a PyTorch snapshot's entries): threads take the time
+/// before they take the log's lock, so rows of two threads may come out of
+/// order by a preemption. More comes from no such race: rows out of order,
+/// or two logs merged.
+constexpr std::uint64_t max_time_step_back_us = us_per_second;
 
 std::string_view trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\r')) s.remove_prefix(1);
@@ -155,24 +163,28 @@ class rmm_log_parser final : public line_parser {
   void read_line(std::string_view line);
   void read_header(const std::vector<std::string_view>& fields);
   [[nodiscard]] record parse_record(const std::vector<std::string_view>& fields) const;
-  /// The record's time on the trace's clock: midnight crossings added, never going back.
-  [[nodiscard]] std::uint64_t next_time_us(const record& r);
+  /// The record's time on the trace's clock: midnight crossings added, never
+  /// going back (a step back of up to max_time_step_back_us takes the time of
+  /// the row before it, counted in a note; more is an error).
+  [[nodiscard]] std::uint64_t next_time_us(const record& r, std::string_view time_f);
   void add_allocate(trace_event e, std::string_view pointer_f);
   void add_free(trace_event e, std::string_view pointer_f);
   /// A free of a pointer not live: a double free, or one allocated before the log started.
   void count_unmatched_free(std::uint64_t pointer, std::string_view pointer_f);
 
-  static constexpr std::array<std::string_view, 6> columns = {"Thread", "Time", "Action", "Pointer", "Size", "Stream"};
+  /// The columns the reader needs (RMM also writes Thread, which it does not).
+  static constexpr std::array<std::string_view, 5> columns = {"Time", "Action", "Pointer", "Size", "Stream"};
   const std::string& source_;
   trace_limits limits_;
   trace t_;
-  std::array<std::size_t, 6> index_{};  // column position of each of `columns`
+  std::array<std::size_t, 5> index_{};  // column position of each of `columns`
   std::size_t header_fields_ = 0;
   bool have_header_ = false;
 
   struct allocation {
-    std::size_t line;     // of its allocate
-    std::uint64_t size;   // bytes
+    std::size_t line;       // of its allocate
+    std::uint64_t size;     // bytes
+    std::uint64_t stream;   // its Stream
   };
   std::unordered_map<std::uint64_t, allocation> live_;    // pointer -> its allocate
   std::unordered_map<std::uint64_t, std::size_t> freed_;  // pointer -> line of its last free (not allocated since)
@@ -184,6 +196,11 @@ class rmm_log_parser final : public line_parser {
   std::uint64_t day_offset_us_ = 0;
   std::uint64_t previous_raw_us_ = 0;
   bool time_of_day_ = false;
+  std::uint64_t steps_back_ = 0;           // rows whose Time was before the latest above them
+  std::uint64_t largest_step_back_us_ = 0;
+  std::size_t first_step_back_line_ = 0;
+  std::uint64_t frees_on_other_streams_ = 0;  // frees whose Stream is not their allocate's
+  std::size_t first_other_stream_line_ = 0;
   std::size_t line_number_ = 0;
 };
 
@@ -197,7 +214,7 @@ void rmm_log_parser::read_line(std::string_view line) {
   }
   const record r = parse_record(f);
   trace_event e;
-  e.time_us = next_time_us(r);
+  e.time_us = next_time_us(r, f[index_[0]]);
   e.addr = r.pointer;
   e.size = r.size;
   e.stream = r.stream;
@@ -206,8 +223,12 @@ void rmm_log_parser::read_line(std::string_view line) {
     case rmm_action::allocate: add_allocate(e, r.pointer_text); break;
     case rmm_action::free: add_free(e, r.pointer_text); break;
     case rmm_action::allocate_failure:
+      // RMM logs a failure with a null Pointer: another is a row mixed up.
+      if (e.addr != 0)
+        throw trace_error(source_, line_number_,
+                          "bad Pointer " + quoted(r.pointer_text) +
+                              ": an allocate failure has a null Pointer (RMM writes 0, 0x0 or (nil))");
       e.action = trace_action::oom;
-      e.addr = 0;
       t_.events.push_back(e);
       break;
   }
@@ -220,7 +241,8 @@ void rmm_log_parser::read_header(const std::vector<std::string_view>& f) {
     if (at == f.size())
       throw trace_error(source_, line_number_,
                         "RMM log header lacks the column '" + std::string(columns[c]) +
-                            "' (expected Thread,Time,Action,Pointer,Size,Stream)");
+                            "' (the replay needs Time, Action, Pointer, Size and Stream; RMM writes "
+                            "Thread,Time,Action,Pointer,Size,Stream)");
     if (std::find(f.begin() + static_cast<std::ptrdiff_t>(at) + 1, f.end(), columns[c]) != f.end())
       throw trace_error(source_, line_number_,
                         "RMM log header names the column '" + std::string(columns[c]) +
@@ -236,8 +258,8 @@ rmm_log_parser::record rmm_log_parser::parse_record(const std::vector<std::strin
     throw trace_error(source_, line_number_,
                       "expected " + std::to_string(header_fields_) + " comma-separated fields as in the header, got " +
                           std::to_string(f.size()));
-  const std::string_view time_f = f[index_[1]], action_f = f[index_[2]], pointer_f = f[index_[3]],
-                         size_f = f[index_[4]], stream_f = f[index_[5]];
+  const std::string_view time_f = f[index_[0]], action_f = f[index_[1]], pointer_f = f[index_[2]],
+                         size_f = f[index_[3]], stream_f = f[index_[4]];
   record r;
   if (action_f == "allocate") r.action = rmm_action::allocate;
   else if (action_f == "free" || action_f == "deallocate") r.action = rmm_action::free;
@@ -259,13 +281,26 @@ rmm_log_parser::record rmm_log_parser::parse_record(const std::vector<std::strin
   return r;
 }
 
-std::uint64_t rmm_log_parser::next_time_us(const record& r) {
+std::uint64_t rmm_log_parser::next_time_us(const record& r, std::string_view time_f) {
   // A time of day that jumps back by more than 12 hours crossed midnight; a
   // smaller step back is threads logging out of order.
   if (t_.events.empty() && live_.empty()) time_of_day_ = r.time_of_day;
   if (time_of_day_ && r.raw_us + us_per_day / 2 < previous_raw_us_) day_offset_us_ += us_per_day;
   previous_raw_us_ = r.raw_us;
-  last_time_us_ = std::max(last_time_us_, r.raw_us + day_offset_us_);
+  const std::uint64_t time = r.raw_us + day_offset_us_;
+  if (time < last_time_us_) {
+    const std::uint64_t back = last_time_us_ - time;
+    if (back > max_time_step_back_us)
+      throw trace_error(source_, line_number_,
+                        "Time " + quoted(time_f) + " is " + std::to_string(back) +
+                            " us before the latest Time above it, more than the " +
+                            std::to_string(max_time_step_back_us) +
+                            " us threads logging out of order account for: the rows are out of order, or two "
+                            "logs are merged");
+    if (steps_back_++ == 0) first_step_back_line_ = line_number_;
+    largest_step_back_us_ = std::max(largest_step_back_us_, back);
+  }
+  last_time_us_ = std::max(last_time_us_, time);
   return last_time_us_;
 }
 
@@ -276,7 +311,7 @@ void rmm_log_parser::add_allocate(trace_event e, std::string_view pointer_f) {
     throw trace_error(source_, line_number_, "allocate of " + std::to_string(e.size) + " bytes returned a null Pointer");
   }
   freed_.erase(e.addr);
-  const auto [it, fresh] = live_.try_emplace(e.addr, allocation{line_number_, e.size});
+  const auto [it, fresh] = live_.try_emplace(e.addr, allocation{line_number_, e.size, e.stream});
   if (!fresh)
     throw trace_error(source_, line_number_,
                       "allocate at Pointer " + std::string(pointer_f) + ", which is still live (allocated at line " +
@@ -297,6 +332,13 @@ void rmm_log_parser::add_free(trace_event e, std::string_view pointer_f) {
                       "free of Pointer " + std::string(pointer_f.substr(0, 40)) + " with Size " +
                           std::to_string(e.size) + ", but its allocate (line " + std::to_string(it->second.line) +
                           ") has Size " + std::to_string(it->second.size));
+  // A free on another stream than its allocate (RMM allows it: the memory
+  // is reusable in that stream's order) is replayed on the allocation's
+  // stream, as ccalloc's trace format records a free, and counted in a note.
+  if (e.stream != it->second.stream) {
+    if (frees_on_other_streams_++ == 0) first_other_stream_line_ = line_number_;
+    e.stream = it->second.stream;
+  }
   live_.erase(it);
   freed_[e.addr] = line_number_;
   e.action = trace_action::free_requested;
@@ -322,6 +364,14 @@ trace rmm_log_parser::finish() {
   if (skipped_frees_ > 0)
     t_.notes.push_back(std::to_string(skipped_frees_) +
                       " free(s) of pointers the log never allocated were skipped (the log started after them)");
+  if (steps_back_ > 0)
+    t_.notes.push_back("Time steps back at " + std::to_string(steps_back_) + " row(s) (the first: line " +
+                       std::to_string(first_step_back_line_) + "; at most " + std::to_string(largest_step_back_us_) +
+                       " us, threads logging out of order): each takes the latest Time above it");
+  if (frees_on_other_streams_ > 0)
+    t_.notes.push_back(std::to_string(frees_on_other_streams_) +
+                       " free(s) on another Stream than their allocate's (the first: line " +
+                       std::to_string(first_other_stream_line_) + ") are replayed on the allocation's stream");
   if (double_frees_ > 0)
     t_.notes.push_back(std::to_string(double_frees_) + " double free(s) were skipped: pointers freed again without " +
                       "an allocate between (the first: line " + std::to_string(first_double_free_line_) + " frees " +

@@ -51,12 +51,37 @@ std::string_view to_string(trace_format format) noexcept {
   return "ccalloc trace";
 }
 
+namespace {
+/// Whether `line` is a header of comma-separated column names that names at
+/// least one of RMM's columns: an event line of ccalloc's format has no
+/// comma (its fields are blank-separated) and a comment starts with '#', so
+/// such a line is an RMM log's header, in whatever order its columns come;
+/// the RMM reader then names a needed column it lacks.
+bool names_rmm_columns(std::string_view line) noexcept {
+  if (line.starts_with('#') || line.find(',') == std::string_view::npos) return false;
+  constexpr std::string_view names[] = {"Thread", "Time", "Action", "Pointer", "Size", "Stream"};
+  const auto blank = [](char c) { return c == ' ' || c == '\t' || c == '\r'; };
+  while (true) {
+    const std::size_t comma = line.find(',');
+    std::string_view field = line.substr(0, comma);
+    while (!field.empty() && blank(field.front())) field.remove_prefix(1);
+    while (!field.empty() && blank(field.back())) field.remove_suffix(1);
+    for (const std::string_view name : names)
+      if (field == name) return true;
+    if (comma == std::string_view::npos) return false;
+    line.remove_prefix(comma + 1);
+  }
+}
+}  // namespace
+
 trace_format sniff_trace_format(std::string_view data) noexcept {
   if (data.size() >= 2 && static_cast<unsigned char>(data[0]) == 0x80 && data[1] >= 2 && data[1] <= 5)
     return trace_format::pytorch_snapshot;
   std::size_t i = data.substr(0, 3) == "\xEF\xBB\xBF" ? 3 : 0;
   while (i < data.size() && (data[i] == ' ' || data[i] == '\t' || data[i] == '\r' || data[i] == '\n')) ++i;
-  if (data.substr(i, 7) == "Thread,") return trace_format::rmm_log;
+  const std::size_t end = data.find('\n', i);
+  if (names_rmm_columns(data.substr(i, end == std::string_view::npos ? std::string_view::npos : end - i)))
+    return trace_format::rmm_log;
   return trace_format::ccalloc;
 }
 
@@ -209,12 +234,28 @@ std::string not_text_reason(std::string_view data) {
   struct magic_name {
     std::string_view magic, name;
   };
-  constexpr magic_name archives[] = {{"\xFD" "7zXZ", "xz"},   {"BZh", "bzip2"}, {"\x28\xB5\x2F\xFD", "zstd"},
-                                     {"PK\x03\x04", "zip"}, {"\x89PNG", "PNG"}, {"\x7F" "ELF", "ELF (a program)"}};
+  constexpr magic_name archives[] = {{"\xFD" "7zXZ", "xz"},
+                                     {"BZh", "bzip2"},
+                                     {"\x28\xB5\x2F\xFD", "zstd"},
+                                     {"\x04\x22\x4D\x18", "lz4"},
+                                     {"7z\xBC\xAF\x27\x1C", "7-Zip"},
+                                     {"\x1F\x9D", "compress (.Z)"},
+                                     {"PK\x03\x04", "zip"},
+                                     {"\x89PNG", "PNG"},
+                                     {"\x7F" "ELF", "ELF (a program)"}};
   for (const auto& a : archives)
     if (starts(a.magic))
       return "not a text trace: looks like " + std::string(a.name) +
              " data; ccalloc reads plain text or gzip (decompress it first)";
+  // Pickle's PROTO opcode (0x80) and its protocol number: sniff_trace_format
+  // takes protocols 2 to 5 as a snapshot. No UTF-8 text starts with 0x80
+  // (a continuation byte).
+  if (byte(0) == 0x80 && data.size() >= 2) {
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "0x%02x", byte(1));
+    return "not a text trace: looks like a pickle of protocol " + std::to_string(byte(1)) +
+           " (its first bytes are 0x80 " + hex + "); ccalloc reads PyTorch snapshot pickles of protocols 2 to 5";
+  }
   // UTF-16: a byte-order mark, or ASCII characters with NUL bytes between them.
   const bool bom = (byte(0) == 0xFF && byte(1) == 0xFE) || (byte(0) == 0xFE && byte(1) == 0xFF);
   const bool interleaved = data.size() >= 4 && ((byte(0) != 0 && byte(1) == 0 && byte(2) != 0 && byte(3) == 0) ||

@@ -253,6 +253,21 @@ void parse_tag_columns(const std::array<std::string_view, 7>& fields, std::size_
                           (is_pause ? "7 fields (time_us pause addr size stream tag keep|drop)"
                                     : "6 fields (time_us action addr size stream tag)") +
                           ", got " + std::to_string(count));
+  // The columns these lines leave unused hold 0 (trace_writer writes 0):
+  // any other value is a line written by hand or mixed up, refused rather
+  // than ignored.
+  const std::string_view name = action_names[static_cast<std::size_t>(event.action)];
+  const auto unused = [&](std::size_t column, std::uint64_t value) {
+    if (value != 0)
+      throw trace_error(source, line,
+                        "bad " + std::string(column_names[column]) + " " + quote_field(fields[column]) + ": a " +
+                            std::string(name) + " line has " +
+                            (event.action == trace_action::tag ? "addr, size and stream 0 (unused)"
+                                                               : "addr and stream 0 (unused; size holds its bytes)"));
+  };
+  unused(2, event.addr);
+  if (event.action == trace_action::tag) unused(3, event.size);
+  unused(4, event.stream);
   event.tag = tag_index(fields[5], tags, source, line);
   if (is_pause) {
     if (fields[6] != "keep" && fields[6] != "drop")

@@ -259,6 +259,11 @@ class SnapshotToTrace(unittest.TestCase):
         out, path = self.run_cli(b"# time_us action addr size stream\n")
         self.assertEqual(out.returncode, 1)
         self.assertIn(f"snapshot_to_trace: {path}: not a pickle", out.stderr)
+        out, path = self.run_cli(b"\x80\x09\x95junk")
+        self.assertEqual(out.returncode, 1)
+        self.assertIn(f"snapshot_to_trace: {path}: a pickle of protocol 9 (its first bytes are 0x80 0x09); "
+                      "PyTorch snapshot pickles are protocols 2 to 5", out.stderr)
+        self.assertEqual(out.stderr.count("\n"), 1, out.stderr)
         out, path = self.run_cli(b"\x1f\x8b\x08\x00garbage")
         self.assertIn("corrupt gzip data", out.stderr)
         out, path = self.run_cli(pickle.dumps({"segments": []}))

@@ -229,6 +229,14 @@ class device_caching_allocator {
   /// made before attaching are not replayed: segments() lists what is
   /// mapped. Throws invalid_argument_error for an empty listener. Thread-safe.
   void attach_mapping_listener(mapping_listener listener);
+  /// As attach_mapping_listener(listener), and calls `listed` with
+  /// segments() under the same hold of the device's locks: the listener
+  /// hears every change after that list and none before it (what a consumer
+  /// that keeps a table of the mapped ranges needs). `listed` runs under the
+  /// device's locks: it must not call into the allocator. Throws what
+  /// `listed` throws (the listener stays attached then).
+  void attach_mapping_listener(mapping_listener listener,
+                               const std::function<void(const std::vector<segment_info>&)>& listed);
   /// The recorded trace entries, oldest first.
   [[nodiscard]] std::vector<trace_entry> trace_entries() const;
   /// The recorded annotations, oldest first.
@@ -380,6 +388,9 @@ class device_caching_allocator {
   void check_invariants() const;
 
  private:
+  // segments(), with the device's locks held by the caller.
+  [[nodiscard]] std::vector<segment_info> segments_locked() const;
+
   int device_;
   std::unique_ptr<detail::device_state> state_;
 };

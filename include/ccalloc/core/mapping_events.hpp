@@ -33,10 +33,12 @@
 // are held: that would deadlock), and should return quickly (it delays
 // every thread of the device). Such a call does not hang: init(), enable(),
 // set_config(), record_history(), set_user_metadata() and whatever takes a
-// device's world lock (empty_cache, pause, resume, a malloc that maps)
-// throw ccalloc::error naming the rule, changing nothing; a call that would
-// wait on a lock the announcing thread holds (a malloc or free served from
-// the cache, most others) stops the process with that message on stderr
+// device's world lock first (empty_cache, pause, resume, snapshot,
+// segments) throw ccalloc::invalid_argument_error naming the rule (the C
+// API: CCALLOC_ERROR_INVALID_ARGUMENT), changing nothing; a call that would
+// first wait on another lock the announcing thread holds (malloc and free,
+// which take their stream's lock before anything else) stops the process
+// with that message on stderr
 // (the check sits on the locks' contended path: no cost when uncontended).
 // An exception a listener throws is dropped; the allocator's state is
 // unaffected and the other listeners still run.

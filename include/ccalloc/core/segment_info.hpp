@@ -63,6 +63,21 @@ struct segment_info {
   std::vector<block_info> blocks;  ///< in address order; sizes sum to total_bytes
 };
 
+/// One mapped run of a segment: its blocks [first_block, end_block), which
+/// tile [address, address + size_bytes).
+struct mapped_run {
+  std::size_t first_block = 0;
+  std::size_t end_block = 0;
+  std::uintptr_t address = 0;
+  std::size_t size_bytes = 0;
+};
+
+/// What of `seg` is mapped, as the mapping announcements (SPEC C1) describe
+/// it: nothing for a paused segment (its pages are released; its blocks keep
+/// mapped = true for resume), the whole of a plain segment, and each run of
+/// mapped blocks of an expandable one. In address order. O(blocks).
+[[nodiscard]] std::vector<mapped_run> mapped_runs(const segment_info& seg);
+
 /// One expandable segment's sizes (SPEC F19).
 struct expandable_segment_info {
   stream_t stream = 0;

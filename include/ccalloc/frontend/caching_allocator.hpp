@@ -415,6 +415,15 @@ class caching_allocator {
   /// for what was mapped before; segments() lists it. Throws
   /// invalid_argument_error for an empty listener. Thread-safe.
   void attach_mapping_listener(mapping_listener listener);
+  /// As attach_mapping_listener(listener), and calls `listed` once per
+  /// initialized device with that device's segments, under the same hold of
+  /// its locks as the attach: the listener hears every change of the device
+  /// after that list and none before it, so a table built from the list and
+  /// the announcements misses nothing (mapped_runs() gives what is mapped of
+  /// each segment). `listed` must not call into the allocator. Throws
+  /// invalid_argument_error for an empty listener, and what `listed` throws.
+  void attach_mapping_listener(mapping_listener listener,
+                               const std::function<void(const std::vector<segment_info>&)>& listed);
   /// Segments with their blocks, each device's trace (when include_traces
   /// and history is recorded; PyTorch records a `snapshot` entry first),
   /// the annotations and the settings in force (F13; PyTorch: snapshot).

@@ -80,11 +80,15 @@ struct nccl_registration_stats {
 
 class nccl_registration {
  public:
-  /// Attaches a mapping listener to `alloc` (every device), after recording
-  /// what is mapped now: each plain segment whole, each expandable
-  /// segment's mapped pages merged into runs, paused tags' segments not at
-  /// all (their pages come back with resume's announcements). Throws
-  /// invalid_argument_error when a function of `nccl` is null.
+  /// Attaches a mapping listener to `alloc` (every device) and records what
+  /// is mapped, under the same hold of each device's locks
+  /// (caching_allocator::attach_mapping_listener with a list), so a map or
+  /// unmap by another thread meanwhile is in the record or announced after
+  /// it, never missed: each plain segment whole, each expandable segment's
+  /// mapped pages merged into runs, paused tags' segments not at all (their
+  /// pages come back with resume's announcements; mapped_runs). Safe while
+  /// other threads allocate. Throws invalid_argument_error when a function
+  /// of `nccl` is null.
   nccl_registration(caching_allocator& alloc, nccl_functions nccl);
   ~nccl_registration();
   nccl_registration(const nccl_registration&) = delete;
@@ -92,8 +96,9 @@ class nccl_registration {
 
   /// Keeps `comm` (an ncclComm_t of `device`) registered from now on: what is
   /// mapped on `device` now (the allocator's segments) becomes pending, and
-  /// is registered at the next ensure(). Adding the same comm twice is an
-  /// invalid_argument_error.
+  /// is registered at the next ensure(). Adding the same comm twice, or a
+  /// device that is not one of the backend's ("device D is out of range"), is
+  /// an invalid_argument_error; nothing is kept then.
   void add_communicator(void* comm, int device);
   /// Deregisters everything `comm` holds and forgets it. Unknown comm: no-op.
   void remove_communicator(void* comm);

@@ -226,6 +226,11 @@ struct replay_result {
   /// compares with this, not with device_mallocs.
   std::uint64_t segments_created = 0;
   std::uint64_t ooms = 0;                  ///< allocations that failed
+  /// The library's sentence "The snapshot (oom_snapshot) could not be
+  /// written to PATH (why)." from the first out-of-memory whose snapshot
+  /// failed; "" when none did. The replay counts such an out-of-memory in
+  /// `ooms` and goes on without showing its message: the CLI prints this.
+  std::string oom_snapshot_failure;
   std::uint64_t alloc_retries = 0;         ///< num_alloc_retries
   std::uint64_t device_synchronizations = 0;  ///< num_device_synchronizations (each drains the device)
   std::uint64_t pages_remapped = 0;           ///< num_pages_remapped (X3 page recycling)

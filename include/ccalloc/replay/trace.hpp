@@ -175,29 +175,35 @@ enum class trace_format {
 [[nodiscard]] std::string_view to_string(trace_format format) noexcept;
 /// Tells the format of decompressed file contents: a pickle starts with the
 /// protocol opcode 0x80 and a version in 2..5; an RMM log's first non-blank
-/// line starts with "Thread,"; anything else is read as ccalloc's format.
+/// line is comma-separated names, one of them an RMM column (Thread, Time,
+/// Action, Pointer, Size, Stream; any order); anything else is read as
+/// ccalloc's format.
 [[nodiscard]] trace_format sniff_trace_format(std::string_view data) noexcept;
 
 
 /// Why `data`, the start of a file or of its decompressed text, cannot be a
 /// text trace or log, or "" when it may be: "not a text trace: looks like
 /// UTF-16 text ...", "... gzip data compressed twice ...", "... xz / bzip2 /
-/// zstd / zip data ...", "... binary data (byte 0x<hh> at offset <n>)" (a
+/// zstd / lz4 / 7-Zip / compress / zip data ...", "... a pickle of protocol
+/// <n> ..." (0x80 then a number outside 2..5), "... binary data (byte 0x<hh> at offset <n>)" (a
 /// control character other than tab, CR, FF, VT, ESC in the first line). Looks
 /// at the first 4096 bytes only.
 [[nodiscard]] std::string not_text_reason(std::string_view data);
 
 /// Parses an RMM logging_resource_adaptor log (decompressed): a header line
-/// naming the columns Thread, Time, Action, Pointer, Size, Stream (in any
-/// order, others ignored), then one row per call. Action `allocate` becomes
+/// naming the columns Time, Action, Pointer, Size, Stream (in any order;
+/// Thread and others not read; one missing is an error naming it), then one
+/// row per call. Action `allocate` becomes
 /// alloc; `free` (also spelled `deallocate`) becomes free_requested and
 /// free_completed at once (RMM frees are stream-ordered, nothing waits);
 /// `allocate failure` becomes oom. Time is RMM's time of day `HH:MM:SS.ffffff`
 /// (a day is added when it wraps past midnight) or seconds since the epoch
-/// (`1634567890.123456`); a time that steps back (threads) is held at the
-/// previous one. Pointer and Stream are hex (`0x7f..`, or bare hex digits;
-/// `(nil)` is 0). A free of a pointer the log never allocated is skipped and
-/// counted in notes (a log started mid-run). Throws trace_error
+/// (`1634567890.123456`); a time up to 1 s before the latest above it
+/// (threads) is held at that time and counted in notes, more is an error.
+/// Pointer and Stream are hex (`0x7f..`, or bare hex digits; `(nil)` is 0).
+/// A free of a pointer the log never allocated is skipped and counted in
+/// notes (a log started mid-run); a free on another stream than its
+/// allocate's takes the allocation's stream, counted in notes. Throws trace_error
 /// "SOURCE:LINE: reason" for a malformed row or an allocate at a live pointer.
 [[nodiscard]] trace parse_rmm_log(std::string_view text, const std::string& source,
                                   const trace_limits& limits = {});
