@@ -1634,6 +1634,9 @@ void reenter(void* user_data, const ccalloc_mapping_event_t* event) {
   const char* tags[] = {"default"};
   ccalloc_mempool_id_t pool{};
   (void)ccalloc_new_pool_id(a, &pool);
+  double fraction = 0;
+  int64_t value = 0;
+  std::vector<int64_t> stats(4096);
   // (ccalloc_malloc and ccalloc_delete are left out: they take the stream's
   // lock first, which the announcing thread holds; they stop the process.)
   const std::vector<std::pair<std::string, std::function<ccalloc_status_t()>>> calls = {
@@ -1647,6 +1650,14 @@ void reenter(void* user_data, const ccalloc_mapping_event_t* event) {
       {"ccalloc_cache_info", [&] { return ccalloc_cache_info(a, 0, &largest); }},
       {"ccalloc_pause", [&] { return ccalloc_pause(a, 0, tags, 1, 0, &sleep); }},
       {"ccalloc_create_pool", [&] { return ccalloc_create_pool(a, 0, pool, nullptr, nullptr); }},
+      {"ccalloc_get_memory_fraction", [&] { return ccalloc_get_memory_fraction(a, 0, &fraction); }},
+      {"ccalloc_set_memory_fraction", [&] { return ccalloc_set_memory_fraction(a, 0, 0.5); }},
+      {"ccalloc_get_device_stats", [&] { return ccalloc_get_device_stats(a, 0, stats.data(), stats.size()); }},
+      {"ccalloc_get_device_stat", [&] { return ccalloc_get_device_stat(a, 0, "allocated_bytes.all.current", &value); }},
+      {"ccalloc_reset_peak_stats", [&] { return ccalloc_reset_peak_stats(a, 0); }},
+      {"ccalloc_reset_accumulated_stats", [&] { return ccalloc_reset_accumulated_stats(a, 0); }},
+      {"ccalloc_release_pool", [&] { return ccalloc_release_pool(a, 0, pool); }},
+      {"ccalloc_resume", [&] { return ccalloc_resume(a, 0, tags, 1, &sleep); }},
   };
   for (const auto& [name, call] : calls) {
     l.results.emplace_back(name, call());

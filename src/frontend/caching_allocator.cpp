@@ -3,6 +3,7 @@
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/base/detail/hot_tls.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
+#include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/base/printable_text.hpp>
 
 #include "ipc_cache.hpp"
@@ -162,6 +163,14 @@ mempool_id_t caching_allocator::new_pool_id() noexcept {
 }
 
 device_caching_allocator& caching_allocator::checked_device(int device, const char* what) const {
+  // Each call naming a device takes some of its locks, which a thread
+  // running mapping listeners holds: refused here, before any lock, rather
+  // than stopping the process on the lock (ccalloc/core/mapping_events.hpp).
+  if (detail::tls_mapping_listener_depth != 0) [[unlikely]]
+    throw invalid_argument_error(std::string("ccalloc: ") + what +
+                                 ": a mapping listener called into the allocator, whose locks the announcing thread "
+                                 "holds; a listener must not call into any ccalloc allocator "
+                                 "(ccalloc/core/mapping_events.hpp)");
   if (devices_.empty())
     throw invalid_argument_error(std::string("ccalloc: ") + what + " before init(): call init(device_count) first");
   if (device < 0 || device >= static_cast<int>(devices_.size()))

@@ -32,10 +32,11 @@
 // It must not call into any ccalloc allocator otherwise (the device's locks
 // are held: that would deadlock), and should return quickly (it delays
 // every thread of the device). Such a call does not hang: init(), enable(),
-// set_config(), record_history(), set_user_metadata() and whatever takes a
+// set_config(), record_history(), set_user_metadata(), whatever takes a
 // device's world lock first (empty_cache, pause, resume, snapshot,
-// segments) throw ccalloc::invalid_argument_error naming the rule (the C
-// API: CCALLOC_ERROR_INVALID_ARGUMENT), changing nothing; a call that would
+// segments) and every call that names a device (statistics, memory
+// fraction, pools, tag usage) throw ccalloc::invalid_argument_error naming
+// the rule (the C API: CCALLOC_ERROR_INVALID_ARGUMENT), changing nothing; a call that would
 // first wait on another lock the announcing thread holds (malloc and free,
 // which take their stream's lock before anything else) stops the process
 // with that message on stderr
