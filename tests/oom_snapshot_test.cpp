@@ -11,13 +11,18 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <sys/stat.h>
 
 namespace {
 
@@ -136,8 +141,9 @@ TEST(OomSnapshot, AFailedWriteStillRaisesTheErrorAndSaysWhy) {
   const std::string path = temp_path("fails") + ".missing/oom.pickle";  // its directory does not exist
   fixture f("expandable_segments:False,oom_snapshot:" + path);
   const std::string m = f.oom_message();
-  EXPECT_TRUE(contains(m, "The snapshot (oom_snapshot) could not be written to " + path + ": cannot write " +
-                              path + ".tmp (No such file or directory).")) << m;
+  EXPECT_TRUE(contains(m, "The snapshot (oom_snapshot) could not be written to " + path + ": cannot create " +
+                              path + ".tmp.")) << m;
+  EXPECT_TRUE(contains(m, " (No such file or directory).")) << m;
   EXPECT_FALSE(fs::exists(path));
   // The allocator still works.
   f.alloc.free(f.alloc.malloc(0, mib, 0));
@@ -169,6 +175,74 @@ TEST(OomSnapshot, APathThatIsNoRegularFileIsWrittenInPlaceNotReplaced) {
   }
   EXPECT_TRUE(fs::is_character_file("/dev/null"));
   EXPECT_FALSE(fs::exists("/dev/null.tmp"));
+}
+
+/// The names in `dir`, sorted.
+std::vector<std::string> names_in(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// The temporary file is one no one else has: a user's file beside the path
+// (named as a fixed temporary name would be) is neither written nor moved,
+// nothing is left behind, and the snapshot gets a new file's mode.
+TEST(OomSnapshot, AUsersFileBesideThePathIsNeitherWrittenNorMoved) {
+  const std::string path = temp_path("beside");
+  for (const std::string& name : {path + ".tmp", path + ".tmp.0", path + ".XXXXXX"}) {
+    std::ofstream(name) << "precious";
+  }
+  {
+    fixture f("expandable_segments:False,oom_snapshot:" + path);
+    const std::string m = f.oom_message();
+    EXPECT_TRUE(contains(m, "was written to " + path + ".")) << m;
+  }
+  for (const std::string& name : {path + ".tmp", path + ".tmp.0", path + ".XXXXXX"}) {
+    EXPECT_EQ(read_file(name), "precious") << name;
+  }
+  EXPECT_EQ(read_file(path).substr(0, 2), std::string("\x80\x02", 2));
+  EXPECT_EQ(names_in(fs::path(path).parent_path()),
+            (std::vector<std::string>{"oom.pickle", "oom.pickle.XXXXXX", "oom.pickle.tmp", "oom.pickle.tmp.0"}));
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  EXPECT_EQ(static_cast<unsigned>(fs::status(path).permissions()), 0666u & ~mask);
+}
+
+// Writers on several devices at once (oom_snapshot_interval_s:0) each write
+// their own temporary file: every message says the snapshot was written,
+// the file is a whole pickle, and no temporary file stays.
+TEST(OomSnapshot, WritersOnSeveralDevicesAtOnceEachSayTheTruth) {
+  const std::string path = temp_path("concurrent");
+  sim_options o;
+  o.capacity_bytes = 64 * mib;
+  o.device_count = 2;
+  auto sim = std::make_shared<sim_backend>(o);
+  caching_allocator alloc(sim, allocator_config::parse("expandable_segments:False,oom_snapshot_interval_s:0,"
+                                                       "oom_snapshot:" + path));
+  alloc.init(sim->device_count());
+  std::atomic<int> written{0};
+  std::atomic<int> other{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 10; ++i) {
+        try {
+          (void)alloc.malloc(t % 2, 100 * mib, 0);
+        } catch (const out_of_memory_error& e) {
+          (contains(e.what(), "was written to " + path + ".") ? written : other)++;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(written.load(), 40);
+  EXPECT_EQ(other.load(), 0);
+  const std::string bytes = read_file(path);
+  ASSERT_GT(bytes.size(), 2u);
+  EXPECT_EQ(bytes.substr(0, 2), std::string("\x80\x02", 2));
+  EXPECT_EQ(bytes.back(), '.');
+  EXPECT_EQ(names_in(fs::path(path).parent_path()), std::vector<std::string>{"oom.pickle"});
 }
 
 TEST(OomSnapshot, OffByDefault) {

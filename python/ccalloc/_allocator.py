@@ -705,7 +705,7 @@ class Allocator:
         o = _lib.ccalloc_history_options_t()
         lib.ccalloc_history_options_init(ctypes.byref(o))
         o.enabled = 1 if enabled else 0
-        o.max_entries = _size(max_entries, "max_entries")
+        o.max_entries = _integer(max_entries, "max_entries", 1)
         o.when = whens[when]
         o.clear = 1 if clear else 0
         skip = ",".join(skip_actions)
@@ -740,9 +740,20 @@ class Allocator:
     def dump_snapshot(self, path: str) -> None:
         """Writes the snapshot as the pickle PyTorch's viewers read (as
         torch.cuda.memory._dump_snapshot): ``python -m torch.cuda._memory_viz
-        trace_plot PATH`` or pytorch.org/memory_viz."""
+        trace_plot PATH`` or pytorch.org/memory_viz. ``path``: a str or
+        os.PathLike, replaced whole. Raises TypeError for any other type (an
+        int is not taken as a file descriptor), OSError naming the path when
+        it cannot be written."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"ccalloc: dump_snapshot: path must be a str or os.PathLike, "
+                            f"got {type(path).__name__} {path!r:.60}")
         from . import snapshot as _snapshot
-        _snapshot.write_pickle(self.snapshot(True), path)
+        snapshot = self.snapshot(True)
+        try:
+            _snapshot.write_pickle(snapshot, path)
+        except OSError as e:
+            raise type(e)(e.errno, f"ccalloc: dump_snapshot: cannot write {os.fspath(path)!r}: "
+                                   f"{e.strerror or e}") from None
 
     def attach_out_of_memory_observer(self, observer: Callable[[int, int, int, int], None]) -> None:
         """Calls ``observer(device, requested_bytes, allowed_bytes,

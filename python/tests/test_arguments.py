@@ -8,7 +8,9 @@ call either succeeds with a value in range or raises TypeError /
 InvalidArgumentError naming the argument, leaving the allocator's
 statistics as they were."""
 import ctypes
+import os
 import random
+import re
 
 import pytest
 
@@ -205,6 +207,8 @@ def test_the_reproducers_raise_naming_the_argument():
             (lambda: a.malloc(1.9), TypeError, "size_bytes must be an integer, got float"),
             (lambda: a.malloc(4096, device=1 << 32), ccalloc.InvalidArgumentError, "device .* got 4294967296"),
             (lambda: a.record_history(True, -1), ccalloc.InvalidArgumentError, "max_entries .* got -1"),
+            (lambda: a.record_history(True, 0), ccalloc.InvalidArgumentError,
+             "max_entries must be an integer from 1 to 18446744073709551615, got 0"),
             (lambda: a.set_config("max_split_size_mb:128\0bogus:1"), ccalloc.InvalidArgumentError,
              "config contains a NUL character at index 21"),
             (lambda: a.set_config(None), TypeError, "config must be a str, got NoneType"),
@@ -227,6 +231,27 @@ def test_the_reproducers_raise_naming_the_argument():
         a.free(Index(p))
         assert a.stat("allocation.all.current") == 0
         assert a.stat("allocation.all.allocated") == 1  # none of the refused calls allocated
+
+
+def test_dump_snapshot_takes_a_path_only_and_names_it(tmp_path):
+    """An int would be taken by open() as a file descriptor: the pickle went
+    into the caller's file and the descriptor was closed."""
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"precious")
+    fd = os.open(precious, os.O_RDWR)
+    try:
+        with ccalloc.Allocator("sim", config="") as a:
+            for bad in (fd, 3.0, None, b"bytes-path", [str(tmp_path / "x")]):
+                with pytest.raises(TypeError, match="dump_snapshot: path must be a str or os.PathLike"):
+                    a.dump_snapshot(bad)
+            os.write(fd, b"!")  # still open
+            with pytest.raises(IsADirectoryError, match=re.escape(f"ccalloc: dump_snapshot: cannot write '{tmp_path}'")):
+                a.dump_snapshot(str(tmp_path))
+            a.dump_snapshot(tmp_path / "s.pickle")  # os.PathLike
+            assert (tmp_path / "s.pickle").read_bytes()[:1] == b"\x80"
+    finally:
+        os.close(fd)
+    assert precious.read_bytes() == b"!recious"
 
 
 # ---- property test: random arguments --------------------------------------------------------
@@ -254,7 +279,7 @@ INT_ARGS = {  # (method, argument position or keyword, low, high, make the other
     "memory_stats.device": (lambda a, v: a.memory_stats(v), 0, (1 << 31) - 1),
     "stat.device": (lambda a, v: a.stat("allocated_bytes.all.current", v), 0, (1 << 31) - 1),
     "set_memory_fraction.device": (lambda a, v: a.set_memory_fraction(1.0, v), 0, (1 << 31) - 1),
-    "record_history.max_entries": (lambda a, v: a.record_history(True, v), 0, U64 - 1),
+    "record_history.max_entries": (lambda a, v: a.record_history(True, v), 1, U64 - 1),
     "create_pool.device": (lambda a, v: a.create_pool((99, 0), v), 0, (1 << 31) - 1),
     "stream_create.device": (lambda a, v: a.stream_create(v), 0, (1 << 31) - 1),
     "stream_synchronize.stream": (lambda a, v: a.stream_synchronize(v), 0, U64 - 1),

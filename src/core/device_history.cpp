@@ -7,6 +7,7 @@
 
 #include "detail/device_state.hpp"
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
@@ -15,6 +16,9 @@
 #include <system_error>
 #include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 namespace ccalloc {
 
@@ -69,10 +73,9 @@ std::string detail::write_oom_snapshot(device_caching_allocator& owner, const st
       return " The snapshot" + where + " could not be written to " + path + what + " (" +
              std::generic_category().message(error) + ").";
     };
-    // Writes the bytes to `file`; 0, or the errno of the failed step.
-    const auto write_to = [&](const std::string& file) {
-      std::FILE* f = std::fopen(file.c_str(), "wb");
-      if (f == nullptr) return errno;
+    // Writes the bytes to the open `f` and closes it; 0, or the errno of the
+    // failed step.
+    const auto write_and_close = [&](std::FILE* f) {
       const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
       const int write_error = errno;
       const bool closed = std::fclose(f) == 0;
@@ -85,10 +88,33 @@ std::string detail::write_oom_snapshot(device_caching_allocator& owner, const st
     std::error_code ec;
     const std::filesystem::file_status st = std::filesystem::symlink_status(path, ec);
     if (std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) {
-      if (const int error = write_to(path); error != 0) return failed(error);
+      std::FILE* f = std::fopen(path.c_str(), "wb");
+      if (f == nullptr) return failed(errno);
+      if (const int error = write_and_close(f); error != 0) return failed(error);
     } else {
-      const std::string temporary = path + ".tmp";
-      if (const int error = write_to(temporary); error != 0) {
+      // The temporary file is new and of a name no other writer uses (this
+      // process's id and a count; created exclusively, never through a
+      // link), so it cannot be a file of the user's, nor one that another
+      // device or process writing the same path is writing. Its mode is
+      // that of a new file (0666 less the umask), as fopen gives.
+      static std::atomic<unsigned long> next_temporary{0};
+      std::string temporary;
+      int fd = -1;
+      for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
+        temporary = path + ".tmp." + std::to_string(::getpid()) + "." +
+                    std::to_string(next_temporary.fetch_add(1, std::memory_order_relaxed));
+        fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+        if (fd < 0 && errno != EEXIST) break;
+      }
+      if (fd < 0) return failed(errno, ": cannot create " + temporary);
+      std::FILE* f = ::fdopen(fd, "wb");
+      if (f == nullptr) {
+        const int error = errno;
+        ::close(fd);
+        std::remove(temporary.c_str());
+        return failed(error, ": cannot write " + temporary);
+      }
+      if (const int error = write_and_close(f); error != 0) {
         std::remove(temporary.c_str());
         return failed(error, ": cannot write " + temporary);
       }
