@@ -52,8 +52,10 @@ bool device_caching_allocator::record_stream_containing(std::uintptr_t address, 
     if (stream != b->stream) s.registry().check_recorded_stream(stream);  // the world lock holds the registry's
     detail::refuse_record_stream_if_paused(s, *b);  // as record_stream of its start does
     if (stream != b->stream &&
-        std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+        std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
+      s.registry().note_stream_use();
       b->stream_uses.push_back(stream);
+    }
     return true;
   }
   return false;

@@ -57,8 +57,10 @@ void record_stream(device_state& d, block* b, stream_t stream) {
   std::lock_guard lock(b->pool->owner->mutex);
   refuse_record_stream_if_paused(d, *b);
   if (stream == b->stream) return;
-  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
+    d.registry().note_stream_use();
     b->stream_uses.push_back(stream);
+  }
   b->reuse_version = no_reuse_version;  // its free waits for events: never parked
 }
 

@@ -244,8 +244,12 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
     // Made before it is entered: out of host memory, the registry stays as
     // it was (an empty entry left behind was dereferenced later).
     auto fresh = std::make_unique<stream_state>(stream);
+    by_handle_.reserve(by_handle_.size() + 1);  // the insert below then cannot throw
     it = streams_.emplace(stream, std::move(fresh)).first;
     auto& slot = it->second;
+    by_handle_.insert(std::lower_bound(by_handle_.begin(), by_handle_.end(), stream,
+                                       [](const stream_state* a, stream_t h) { return a->stream < h; }),
+                      slot.get());
     const std::size_t page = d_.expandable().page_bytes();
     if (stream != default_stream && streams_.size() >= 2 && page != 0) slot->fence_free_bytes = page;
     if (streams_.size() == 2) {

@@ -376,6 +376,15 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
     }
   }
   if (gone != s.registry().gone_count()) fail("gone_streams_ differs from the gone stream states");
+  const auto& by_handle = s.registry().by_handle();
+  if (by_handle.size() != s.registry().all().size() ||
+      !std::is_sorted(by_handle.begin(), by_handle.end(),
+                      [](const detail::stream_state* a, const detail::stream_state* b) { return a->stream < b->stream; }) ||
+      std::any_of(by_handle.begin(), by_handle.end(), [&](const detail::stream_state* ss) {
+        const auto it = s.registry().all().find(ss->stream);
+        return it == s.registry().all().end() || it->second.get() != ss;
+      }))
+    fail("the registry's streams by handle differ from its map of streams");
   std::size_t reservations = 0;
   for (auto& [base, seg] : s.segments()) {
     if (!seg->expandable) continue;

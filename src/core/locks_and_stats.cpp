@@ -43,29 +43,28 @@ void world_lock::drop(stream_state* ss) noexcept {
 
 void world_lock::lock() {
   d_.registry().registry_mutex_.lock();
-  streams_.clear();
   try {
-    streams_.reserve(d_.registry().streams_.size());
+    // By stream handle (unique per device): the lock order, and the order of
+    // every slow-path loop over the streams (streams()). The registry keeps
+    // them in that order.
+    streams_ = d_.registry().by_handle_;
   } catch (...) {  // out of host memory: nothing is locked, nothing changed
     d_.registry().registry_mutex_.unlock();
     throw;
   }
-  for (auto& [stream, ss] : d_.registry().streams_) streams_.push_back(ss.get());
-  // By stream handle (unique per device): the lock order, and the order of
-  // every slow-path loop over the streams (streams()).
-  std::sort(streams_.begin(), streams_.end(),
-            [](const stream_state* a, const stream_state* b) { return a->stream < b->stream; });
-  for (stream_state* ss : streams_) ss->mutex.lock();
+  // Whatever the holder changes (configuration, page fences, the slow path),
+  // the blocks the thread caches hold stop being reusable
+  // (block::reuse_version): each stream's pools change version once it is
+  // locked (one pass: a stream's state is read once).
+  for (stream_state* ss : streams_) {
+    ss->mutex.lock();
+    ss->pools.small.blocks.bump_version();
+    ss->pools.large.blocks.bump_version();
+  }
   d_.device_mutex().lock();
   d_.stats().mutex().lock();
   locked_ = true;
   ++tls_world_locks_held;  // a fork from a callback under it takes no lock (fork_handlers.hpp)
-  // Whatever the holder changes (configuration, page fences, the slow path),
-  // the blocks the thread caches hold stop being reusable (block::reuse_version).
-  for (stream_state* ss : streams_) {
-    ss->pools.small.blocks.bump_version();
-    ss->pools.large.blocks.bump_version();
-  }
 }
 
 void world_lock::unlock() {

@@ -41,9 +41,10 @@ void stream_registry::set_stream_gone(stream_t stream, bool gone) {
   world_lock w(d_);
   if (gone) {
     d_.backend().synchronize_stream(d_.device(), stream);  // may throw: nothing changed
-    for (auto& [base, seg] : d_.segments())
-      for (block* b = seg->head; b != nullptr; b = b->next)
-        std::erase(b->stream_uses, stream);
+    if (stream_uses_noted_.load(std::memory_order_relaxed))  // written under a stream lock, which w holds
+      for (auto& [base, seg] : d_.segments())
+        for (block* b = seg->head; b != nullptr; b = b->next)
+          std::erase(b->stream_uses, stream);
   }
   const auto it = streams_.find(stream);
   if (it == streams_.end()) return;
@@ -81,6 +82,8 @@ void stream_registry::forget_gone_streams(world_lock& w) noexcept {
     publish_pending_stats(d_.stats().values(), *ss);
     w.drop(ss);  // streams()[i] is the next one now
     --gone_streams_;
+    by_handle_.erase(std::lower_bound(by_handle_.begin(), by_handle_.end(), ss->stream,
+                                      [](const stream_state* a, stream_t h) { return a->stream < h; }));
     streams_.erase(ss->stream);  // deletes the state
     forgot = true;
   }

@@ -26,6 +26,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <span>
 #include <vector>
 
 namespace ccalloc::detail {
@@ -42,19 +46,29 @@ class page_table {
     bool release = false;           // release the handle once unmapped (it went nowhere)
   };
 
-  /// `count` pages, all unmapped (may throw std::bad_alloc).
-  void reset(std::size_t count) { handles_.assign(count, 0); }
-  [[nodiscard]] std::size_t count() const noexcept { return handles_.size(); }
+  /// `count` pages, all unmapped (may throw std::bad_alloc). The table is
+  /// zeroed memory from calloc: a reservation the size of the device has
+  /// an entry per page of the device (about 540 KB on a 141 GB one), and
+  /// the host gives zeroed pages it has not touched for free, so a
+  /// reservation costs host memory for the pages mapped, not its size.
+  void reset(std::size_t count) {
+    std::unique_ptr<physical_handle_t[], free_deleter> fresh(
+        static_cast<physical_handle_t*>(std::calloc(count == 0 ? 1 : count, sizeof(physical_handle_t))));
+    if (!fresh) throw std::bad_alloc();  // nothing changed
+    handles_ = std::move(fresh);
+    count_ = count;
+  }
+  [[nodiscard]] std::size_t count() const noexcept { return count_; }
   [[nodiscard]] bool mapped(std::size_t i) const noexcept { return handles_[i] != 0; }
   /// The number of mapped pages from page i on (0 if page i is not mapped).
   [[nodiscard]] std::size_t mapped_run(std::size_t i) const noexcept {
     std::size_t n = 0;
-    while (i + n < handles_.size() && handles_[i + n] != 0) ++n;
+    while (i + n < count_ && handles_[i + n] != 0) ++n;
     return n;
   }
   /// The physical handle mapped at page i in the books; 0: none.
   [[nodiscard]] physical_handle_t handle(std::size_t i) const noexcept { return handles_[i]; }
-  [[nodiscard]] const std::vector<physical_handle_t>& handles() const noexcept { return handles_; }
+  [[nodiscard]] std::span<const physical_handle_t> handles() const noexcept { return {handles_.get(), count_}; }
   /// Page i becomes mapped with handle h (!= 0).
   void set_mapped(std::size_t i, physical_handle_t h) noexcept { handles_[i] = h; }
   /// Page i leaves the books (unmapped, or retired by retire()).
@@ -98,7 +112,7 @@ class page_table {
   [[nodiscard]] bool check() const noexcept {
     for (std::size_t k = 0; k < retired_.size(); ++k) {
       const retired_page& r = retired_[k];
-      if ((k > 0 && retired_[k - 1].index >= r.index) || r.index >= handles_.size() || handles_[r.index] != 0 ||
+      if ((k > 0 && retired_[k - 1].index >= r.index) || r.index >= count_ || handles_[r.index] != 0 ||
           r.handle == 0)
         return false;
     }
@@ -106,7 +120,11 @@ class page_table {
   }
 
  private:
-  std::vector<physical_handle_t> handles_;  // per page; 0 = not mapped in the books
+  struct free_deleter {
+    void operator()(physical_handle_t* p) const noexcept { std::free(p); }
+  };
+  std::unique_ptr<physical_handle_t[], free_deleter> handles_;  // per page; 0 = not mapped in the books
+  std::size_t count_ = 0;
   std::vector<retired_page> retired_;       // by index
 };
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
+#include <vector>
 
 namespace ccalloc::detail {
 
@@ -49,7 +50,15 @@ class stream_registry {
   [[nodiscard]] const std::unordered_map<stream_t, std::unique_ptr<stream_state>>& all() const noexcept {
     return streams_;
   }
+  // Every stream state in the order of their handles (the lock order):
+  // kept so, as states come and go, so that the world lock need not sort
+  // them. [registry] or [world]
+  [[nodiscard]] const std::vector<stream_state*>& by_handle() const noexcept { return by_handle_; }
   [[nodiscard]] std::size_t gone_count() const noexcept { return gone_streams_; }  // [registry] or [world]
+  // Notes that a block recorded a use on another stream (record_stream):
+  // until then a destroyed stream is named by no block's stream_uses, and
+  // set_stream_gone does not read every block. [stream] of the block
+  void note_stream_use() noexcept { stream_uses_noted_.store(true, std::memory_order_relaxed); }
   // The registry's lock (first in the lock order), for a caller that reads
   // it without the world lock (record_stream).
   [[nodiscard]] spin_mutex& mutex() noexcept { return registry_mutex_; }
@@ -68,12 +77,14 @@ class stream_registry {
   device_state& d_;
   spin_mutex registry_mutex_;
   std::unordered_map<stream_t, std::unique_ptr<stream_state>> streams_;
+  std::vector<stream_state*> by_handle_;  // streams_' states, by handle
   std::size_t gone_streams_ = 0;  // states in streams_ with gone set
   // Keys the thread-local stream cache (stream_for): unique per instance,
   // and drawn again whenever a stream state is deleted. Written under the
   // registry lock; read on the fast path (relaxed).
   std::atomic<std::uint64_t> cache_key_;
   std::atomic<bool> single_stream_{true};
+  std::atomic<bool> stream_uses_noted_{false};  // note_stream_use was called (never cleared)
 };
 
 }  // namespace ccalloc::detail
