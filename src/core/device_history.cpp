@@ -36,7 +36,7 @@ allocation detail::malloc_recorded(detail::device_state& s, std::size_t size_byt
   const allocation a = detail::malloc_unrecorded(s, size_bytes, stream);
   h.remember_block(a.block->ptr, context);
   h.record(trace_entry_action::alloc, a.block->ptr, size_bytes, stream, context,
-           detail::tag_of(*a.block->seg));
+           detail::tag_of(*a.block));
   return a;
 }
 
@@ -47,14 +47,14 @@ void detail::free_recorded(detail::device_state& s, block* b) {
   detail::context_scope scope(detail::context_kind::free, context);
   // The caller owns the live block: its fields do not change meanwhile.
   // Entries of this free (free_completed, segment changes) carry its tag.
-  const tag_scope block_tag(detail::tag_of(*b->seg));
+  const tag_scope block_tag(detail::tag_of(*b));
   h.record(trace_entry_action::free_requested, b->ptr, b->requested_bytes, b->stream, context);
   // A block used on no other stream is free at once (free_block). Its
   // free_completed is recorded here, before any segment_free that freeing it
   // causes (no-caching mode); one that waits for events is recorded where
   // its events complete (event_queue::process_events and friends).
   if (b->stream_uses.empty() && b->event_count == 0)
-    h.record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::tag_of(*b->seg));
+    h.record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::tag_of(*b));
   s.free(b);
 }
 

@@ -153,7 +153,7 @@ void event_queue::process_events() {
       std::lock_guard lock(ss.mutex);
       if (--b->event_count == 0) {
         if (d_.history().active()) [[unlikely]]
-          d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
+          d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b));
         stats_sink sink(d_, ss);
         d_.free_block(b, sink.get(), false);
       }
@@ -167,7 +167,7 @@ void event_queue::process_events() {
 void event_queue::free_after_last_event(block* b) {
   if (--b->event_count != 0) return;
   if (d_.history().active()) [[unlikely]]
-    d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b->seg));
+    d_.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, tag_of(*b));
   d_.free_block(b, d_.stats().values(), true);
 }
 

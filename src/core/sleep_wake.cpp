@@ -602,7 +602,7 @@ sleep_result device_caching_allocator::resume(const std::vector<std::string>& ta
 }
 
 std::string device_caching_allocator::block_tag(const detail::block* block) const {
-  return tag_name(detail::tag_of(*block->seg));  // fixed for the segment's life
+  return tag_name(detail::tag_of(*block));  // fixed for the segment's life
 }
 
 std::vector<std::string> device_caching_allocator::paused_tags() const {

@@ -28,6 +28,13 @@ class world_lock;
 [[nodiscard]] inline tag_id tag_of(const segment& seg) noexcept {
   return seg.head->pool->priv != nullptr ? seg.head->pool->priv->tag : default_tag_id;
 }
+// The tag of a block's segment, read from the block: its pool is its
+// segment's and does not change while the block is allocated or waits for
+// events, where the segment's head may (another thread splitting the
+// segment's first block under its own stream's lock). [the block's holder]
+[[nodiscard]] inline tag_id tag_of(const block& b) noexcept {
+  return b.pool->priv != nullptr ? b.pool->priv->tag : default_tag_id;
+}
 
 class tag_sleep {
  public:
