@@ -168,19 +168,30 @@ def _context_callbacks(context):
     kept = {}
     numbers = itertools.count(1)
 
+    def frame(name, filename, line):
+        line = operator.index(line)
+        if not 0 <= line < 1 << 63:
+            raise ValueError(f"a frame's line must be from 0 to {(1 << 63) - 1}, got {line}")
+        # A name not valid UTF-8 (a path of undecodable bytes reaches Python
+        # as surrogates) goes as its bytes; the library replaces what is not
+        # UTF-8 with U+FFFD.
+        return (str(name).encode(errors="surrogateescape"), str(filename).encode(errors="surrogateescape"), line)
+
     def record(_user):
+        # Nothing may cross into C: on an error the call goes on without a context.
         try:
             frames = recorder()
-        except BaseException:  # must not cross into C: the call goes on without a context
+            if frames is None:
+                return None
+            frames = [frame(*f) for f in frames]
+        except BaseException:
             import traceback
 
-            print("ccalloc: a context recorder raised (ignored):", file=sys.stderr)
+            print("ccalloc: a context recorder raised (ignored; this call has no context):", file=sys.stderr)
             traceback.print_exc()
             return None
-        if frames is None:
-            return None
         n = next(numbers)
-        kept[n] = [(str(name), str(filename), int(line)) for name, filename, line in frames]
+        kept[n] = frames
         return n
 
     def release(_user, handle):
@@ -188,7 +199,7 @@ def _context_callbacks(context):
 
     def frames(_user, handle, sink, sink_data):
         for name, filename, line in kept.get(handle, ()):
-            sink(sink_data, name.encode(), filename.encode(), line)
+            sink(sink_data, name, filename, line)
 
     return (_lib.CONTEXT_RECORD(record), _lib.CONTEXT_RELEASE(release), _lib.CONTEXT_FRAMES(frames))
 
