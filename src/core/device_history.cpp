@@ -53,9 +53,13 @@ void detail::free_recorded(detail::device_state& s, block* b) {
   // A block used on no other stream is free at once (free_block). Its
   // free_completed is recorded here, before any segment_free that freeing it
   // causes (no-caching mode); one that waits for events is recorded where
-  // its events complete (event_queue::process_events and friends).
-  if (b->stream_uses.empty() && b->event_count == 0)
+  // its events complete (event_queue::process_events and friends); one of a
+  // paused tag, whose free is done at the resume, by that resume (the
+  // memory figures count it until then).
+  if (b->stream_uses.empty() && b->event_count == 0) {
+    if (s.defer_free_while_paused(b)) return;
     h.record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::tag_of(*b));
+  }
   s.free(b);
 }
 
