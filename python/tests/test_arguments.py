@@ -281,7 +281,9 @@ def test_a_library_that_is_not_ccalloc_is_named_not_an_attribute_error():
     import subprocess
     import sys
     other = _ctypes.__file__  # a shared library, not libccalloc.so
-    env = dict(os.environ, CCALLOC_LIBRARY=other)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(ccalloc.__file__)))
+    env = dict(os.environ, CCALLOC_LIBRARY=other,
+               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", "import ccalloc; ccalloc.Allocator('sim')"], env=env,
                          capture_output=True, text=True)
     assert out.returncode != 0
