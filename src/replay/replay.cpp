@@ -671,7 +671,15 @@ class event_loop {
       const std::uint64_t end = base + gap_end(t_, completion_, i);
       const stream_t side = side_streams_.acquire(base + i, end);
       gaps_.begin_gap(side, end);
-      allocator_.record_stream(ptr, side);
+      try {
+        allocator_.record_stream(ptr, side);
+      } catch (const invalid_argument_error& x) {
+        // The one refusal possible here: the block's tag is paused. Its
+        // free then waits for the resume anyway, as the library does for a
+        // program that frees a paused block; any other refusal is an error
+        // at this line.
+        if (allocator_.paused_tags(0).empty()) throw_refused(t_, e, x);
+      }
       requested_.free_at(end, e.size);
     } else {
       requested_.free(e.size);
