@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 namespace {
 
@@ -141,9 +142,9 @@ TEST(OomSnapshot, AFailedWriteStillRaisesTheErrorAndSaysWhy) {
   const std::string path = temp_path("fails") + ".missing/oom.pickle";  // its directory does not exist
   fixture f("expandable_segments:False,oom_snapshot:" + path);
   const std::string m = f.oom_message();
-  EXPECT_TRUE(contains(m, "The snapshot (oom_snapshot) could not be written to " + path + ": cannot create " +
-                              path + ".tmp.")) << m;
-  EXPECT_TRUE(contains(m, " (No such file or directory).")) << m;
+  EXPECT_TRUE(contains(m, "The snapshot (oom_snapshot) could not be written to " + path +
+                              ": cannot create a temporary file in " + fs::path(path).parent_path().string() +
+                              " (No such file or directory).")) << m;
   EXPECT_FALSE(fs::exists(path));
   // The allocator still works.
   f.alloc.free(f.alloc.malloc(0, mib, 0));
@@ -207,6 +208,31 @@ TEST(OomSnapshot, AUsersFileBesideThePathIsNeitherWrittenNorMoved) {
   const mode_t mask = ::umask(0);
   ::umask(mask);
   EXPECT_EQ(static_cast<unsigned>(fs::status(path).permissions()), 0666u & ~mask);
+}
+
+// A snapshot file there keeps its permissions, and a read-only one is not
+// replaced (fopen would not write it either), unless run as root.
+TEST(OomSnapshot, AReplacedFileKeepsItsModeAndAReadOnlyOneStays) {
+  const std::string path = temp_path("mode");
+  std::ofstream(path) << "old";
+  fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  {
+    fixture f("expandable_segments:False,oom_snapshot:" + path);
+    const std::string m = f.oom_message();
+    EXPECT_TRUE(contains(m, "was written to " + path + ".")) << m;
+  }
+  EXPECT_EQ(fs::status(path).permissions(), fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  EXPECT_EQ(read_file(path).substr(0, 2), std::string("\x80\x02", 2));
+  if (::geteuid() == 0) GTEST_SKIP() << "root writes read-only files";
+  std::ofstream(path, std::ios::trunc) << "read-only";
+  fs::permissions(path, fs::perms::owner_read);
+  {
+    fixture f("expandable_segments:False,oom_snapshot:" + path);
+    const std::string m = f.oom_message();
+    EXPECT_TRUE(contains(m, "could not be written to " + path + " (Permission denied).")) << m;
+  }
+  EXPECT_EQ(read_file(path), "read-only");
+  EXPECT_EQ(fs::status(path).permissions(), fs::perms::owner_read);
 }
 
 // Writers on several devices at once (oom_snapshot_interval_s:0) each write

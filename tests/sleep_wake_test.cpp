@@ -644,6 +644,42 @@ TEST_F(SleepWakeTest, AFreeCompletedLaterCarriesTheBlocksTagNotTheCompletingThre
   alloc->free(q);
 }
 
+// A block freed while its tag is paused is freed at the resume, and its
+// free_completed is recorded then: the history agrees with the memory
+// figures, which count the block until the resume (a replay of the history
+// then gives the figures the program saw).
+TEST_F(SleepWakeTest, AFreeWhilePausedCompletesInTheHistoryAtTheResume) {
+  history_options h;
+  alloc->record_history(h);
+  void* p = m_tagged("sw_paused_free", 4 * MiB);
+  alloc->pause({"sw_paused_free"}, true);
+  alloc->free(p);
+  const auto actions = [&] {
+    std::vector<std::string> v;
+    for (const trace_entry& e : dev().trace_entries())
+      if (e.addr == reinterpret_cast<std::uintptr_t>(p) &&
+          (e.action == trace_entry_action::free_requested || e.action == trace_entry_action::free_completed))
+        v.emplace_back(to_string(e.action));
+    return v;
+  };
+  EXPECT_EQ(actions(), std::vector<std::string>{"free_requested"});
+  EXPECT_EQ(usage("sw_paused_free").allocated_bytes, 4 * MiB);
+  EXPECT_EQ(dev().stats().requested_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
+  alloc->resume({"sw_paused_free"});
+  EXPECT_EQ((actions()), (std::vector<std::string>{"free_requested", "free_completed"}));
+  EXPECT_EQ(usage("sw_paused_free").allocated_bytes, 0u);
+  EXPECT_EQ(dev().stats().requested_bytes[0].current, 0);
+  std::vector<std::string> order;
+  for (const trace_entry& e : dev().trace_entries())
+    if (e.action == trace_entry_action::resume || e.action == trace_entry_action::free_completed)
+      order.emplace_back(to_string(e.action));
+  EXPECT_EQ(order, (std::vector<std::string>{"resume", "free_completed"}));
+  // Nothing left for another resume to record.
+  alloc->pause({"sw_paused_free"}, false);
+  alloc->resume({"sw_paused_free"});
+  EXPECT_EQ((actions()), (std::vector<std::string>{"free_requested", "free_completed"}));
+}
+
 TEST_F(SleepWakeTest, HistoryAndSnapshotNameTagsAndRecordPauseAndResume) {
   history_options h;
   alloc->record_history(h);

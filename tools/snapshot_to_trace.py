@@ -32,6 +32,7 @@ import argparse
 import gzip
 import io
 import pickle
+import os
 import sys
 
 # PyTorch's trace-entry actions that ccalloc's trace format has.
@@ -258,6 +259,10 @@ def main(argv=None):
     parser.add_argument("-o", "--output", help="trace file to write (default: standard output)")
     parser.add_argument("--device", type=int, help="device whose trace to convert (default: the first with entries)")
     args = parser.parse_args(argv)
+    if args.output and os.path.exists(args.output) and os.path.samefile(args.output, args.snapshot):
+        print(f"snapshot_to_trace: the output {args.output} is the snapshot {args.snapshot} (the same file), "
+              f"which it would overwrite; write the trace to another file", file=sys.stderr)
+        return 2
     try:
         lines, notes = convert(load_snapshot(args.snapshot), args.device)
     except ConvertError as e:

@@ -164,23 +164,34 @@ def _context_callbacks(context):
 
     recorder = _python_stack if context == "python" else context
     if not callable(recorder):
-        raise InvalidArgumentError(f"record_history: context must be None, 'python' or a callable, got {context!r}")
+        raise InvalidArgumentError(f"ccalloc: record_history: context must be None, 'python' or a callable, got {context!r}")
     kept = {}
     numbers = itertools.count(1)
 
+    def frame(name, filename, line):
+        line = operator.index(line)
+        if not 0 <= line < 1 << 63:
+            raise ValueError(f"a frame's line must be from 0 to {(1 << 63) - 1}, got {line}")
+        # A name not valid UTF-8 (a path of undecodable bytes reaches Python
+        # as surrogates) goes as its bytes; the library replaces what is not
+        # UTF-8 with U+FFFD.
+        return (str(name).encode(errors="surrogateescape"), str(filename).encode(errors="surrogateescape"), line)
+
     def record(_user):
+        # Nothing may cross into C: on an error the call goes on without a context.
         try:
             frames = recorder()
-        except BaseException:  # must not cross into C: the call goes on without a context
+            if frames is None:
+                return None
+            frames = [frame(*f) for f in frames]
+        except BaseException:
             import traceback
 
-            print("ccalloc: a context recorder raised (ignored):", file=sys.stderr)
+            print("ccalloc: a context recorder raised (ignored; this call has no context):", file=sys.stderr)
             traceback.print_exc()
             return None
-        if frames is None:
-            return None
         n = next(numbers)
-        kept[n] = [(str(name), str(filename), int(line)) for name, filename, line in frames]
+        kept[n] = frames
         return n
 
     def release(_user, handle):
@@ -188,7 +199,7 @@ def _context_callbacks(context):
 
     def frames(_user, handle, sink, sink_data):
         for name, filename, line in kept.get(handle, ()):
-            sink(sink_data, name.encode(), filename.encode(), line)
+            sink(sink_data, name, filename, line)
 
     return (_lib.CONTEXT_RECORD(record), _lib.CONTEXT_RELEASE(release), _lib.CONTEXT_FRAMES(frames))
 
@@ -623,7 +634,7 @@ class Allocator:
         """What ``tag`` holds on ``device``: allocated, reserved, paused and
         kept bytes, segments, blocks, and whether it is paused."""
         if not isinstance(tag, str):
-            raise InvalidArgumentError(f"tag_usage: tag must be a str, not {type(tag).__name__}")
+            raise InvalidArgumentError(f"ccalloc: tag_usage: tag must be a str, not {type(tag).__name__}")
         out = _lib.ccalloc_tag_usage_t()
         _check(_lib.lib().ccalloc_tag_usage(self._h, _device_index(device), _text(tag, "tag"), ctypes.byref(out)))
         d = {name: getattr(out, name) for name, _ in out._fields_}
@@ -721,7 +732,7 @@ class Allocator:
         h = self._h  # refuses a closed Allocator first
         whens = {"never": 0, "state": 1, "alloc": 2, "all": 3}
         if when not in whens:
-            raise InvalidArgumentError(f"record_history: when must be one of {', '.join(whens)}, got {when!r}")
+            raise InvalidArgumentError(f"ccalloc: record_history: when must be one of {', '.join(whens)}, got {when!r}")
         lib = _lib.lib()
         o = _lib.ccalloc_history_options_t()
         lib.ccalloc_history_options_init(ctypes.byref(o))
@@ -971,7 +982,7 @@ def _tag_names(tags):
     if isinstance(tags, str):
         tags = [tags]
     if not isinstance(tags, (list, tuple)) or not tags or not all(isinstance(t, str) for t in tags):
-        raise InvalidArgumentError(f"tags must be a str or a non-empty list of str, not {tags!r}")
+        raise InvalidArgumentError(f"ccalloc: tags must be a str or a non-empty list of str, not {tags!r}")
     return (ctypes.c_char_p * len(tags))(*[_text(t, "tag") for t in tags])
 
 

@@ -24,6 +24,7 @@ Errors name the file and where in the snapshot the problem is
 import argparse
 import json
 import pickle
+import os
 import sys
 
 __all__ = ["SnapshotError", "from_json", "load_json", "write_pickle", "convert", "main"]
@@ -191,6 +192,10 @@ def main(argv=None):
     parser.add_argument("json", help="snapshot written by ccalloc (JSON)")
     parser.add_argument("-o", "--output", required=True, help="the pickle to write")
     args = parser.parse_args(argv)
+    if os.path.exists(args.output) and os.path.exists(args.json) and os.path.samefile(args.output, args.json):
+        print(f"snapshot.py: the output {args.output} is the snapshot {args.json} (the same file), "
+              f"which it would overwrite; write the pickle to another file", file=sys.stderr)
+        return 2
     try:
         s = convert(args.json, args.output)
     except (OSError, SnapshotError) as e:

@@ -254,6 +254,43 @@ def test_dump_snapshot_takes_a_path_only_and_names_it(tmp_path):
     assert precious.read_bytes() == b"!recious"
 
 
+def test_context_frames_of_any_text_and_bad_recorders_say_so(capfd):
+    """Frames whose file names are not valid UTF-8 keep their place (the
+    library writes U+FFFD); a recorder returning what is not frames is
+    reported once per call in the package's words, never as a raw ctypes
+    traceback."""
+    bad_name = os.fsdecode(b"/tmp/d\xff/mod.py")  # undecodable bytes arrive as surrogates
+    with ccalloc.Allocator("sim", config="") as a:
+        a.record_history(True, 100, context=lambda: [("f", bad_name, 7), ("g", "ok.py", 9)])
+        a.free(a.malloc(4096))
+        frames = a.snapshot()["device_traces"][0][0]["frames"]
+        assert [(f["name"], f["line"]) for f in frames] == [("f", 7), ("g", 9)]
+        assert frames[0]["filename"] == "/tmp/d\ufffd/mod.py"
+        assert frames[1]["filename"] == "ok.py"
+        for bad in (lambda: 5, lambda: [("f", "x.py")], lambda: [("f", "x.py", 1 << 70)], lambda: [("f", "x.py", -1)]):
+            a.record_history(True, 100, context=bad)
+            a.free(a.malloc(4096))
+            err = capfd.readouterr().err
+            assert "ccalloc: a context recorder raised (ignored; this call has no context)" in err, err
+            assert "Exception ignored on calling ctypes callback" not in err, err
+        assert a.stat("allocation.all.current") == 0
+
+
+def test_a_library_that_is_not_ccalloc_is_named_not_an_attribute_error():
+    import _ctypes
+    import subprocess
+    import sys
+    other = _ctypes.__file__  # a shared library, not libccalloc.so
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(ccalloc.__file__)))
+    env = dict(os.environ, CCALLOC_LIBRARY=other,
+               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", "import ccalloc; ccalloc.Allocator('sim')"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert f"{other}: lacks " in out.stderr and "not libccalloc.so" in out.stderr, out.stderr
+    assert "AttributeError" not in out.stderr, out.stderr
+
+
 # ---- property test: random arguments --------------------------------------------------------
 
 def bad_integers(rng, low, high):

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace ccalloc {
@@ -51,9 +52,13 @@ void free_with_context(detail::device_state& s, block* b, const context_ptr& con
   // A block used on no other stream is free at once (free_block). Its
   // free_completed is recorded here, before any segment_free that freeing it
   // causes (no-caching mode); one that waits for events is recorded where
-  // its events complete (event_queue::process_events and friends).
-  if (b->stream_uses.empty() && b->event_count == 0)
+  // its events complete (event_queue::process_events and friends); one of a
+  // paused tag, whose free is done at the resume, by that resume (the
+  // memory figures count it until then).
+  if (b->stream_uses.empty() && b->event_count == 0) {
+    if (s.defer_free_while_paused(b)) return;
     h.record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::tag_of(*b));
+  }
   s.free(b);
 }
 }  // namespace
@@ -112,11 +117,21 @@ std::string detail::write_oom_snapshot(device_caching_allocator& owner, const st
       if (f == nullptr) return failed(errno);
       if (const int error = write_and_close(f); error != 0) return failed(error);
     } else {
+      // A file there is replaced only where it could be written in place
+      // (as fopen would): a read-only snapshot stays. The new one keeps its
+      // permissions.
+      struct ::stat existing {};
+      const bool exists = ::stat(path.c_str(), &existing) == 0;
+      if (exists && ::access(path.c_str(), W_OK) != 0) return failed(errno);
       // The temporary file is new and of a name no other writer uses (this
       // process's id and a count; created exclusively, never through a
       // link), so it cannot be a file of the user's, nor one that another
       // device or process writing the same path is writing. Its mode is
-      // that of a new file (0666 less the umask), as fopen gives.
+      // that of a new file (0666 less the umask), as fopen gives, or the
+      // replaced file's.
+      const std::string parent = std::filesystem::path(path).parent_path().string();
+      const std::string folder = parent.empty() ? std::string(".") : parent;
+      const std::string beside = ": cannot create a temporary file in " + folder;
       static std::atomic<unsigned long> next_temporary{0};
       std::string temporary;
       int fd = -1;
@@ -126,17 +141,18 @@ std::string detail::write_oom_snapshot(device_caching_allocator& owner, const st
         fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
         if (fd < 0 && errno != EEXIST) break;
       }
-      if (fd < 0) return failed(errno, ": cannot create " + temporary);
+      if (fd < 0) return failed(errno, beside);
+      if (exists) ::fchmod(fd, existing.st_mode & 07777);
       std::FILE* f = ::fdopen(fd, "wb");
       if (f == nullptr) {
         const int error = errno;
         ::close(fd);
         std::remove(temporary.c_str());
-        return failed(error, ": cannot write " + temporary);
+        return failed(error, beside);
       }
       if (const int error = write_and_close(f); error != 0) {
         std::remove(temporary.c_str());
-        return failed(error, ": cannot write " + temporary);
+        return failed(error, ": cannot write a temporary file in " + folder);
       }
       if (std::rename(temporary.c_str(), path.c_str()) != 0) {
         const int error = errno;

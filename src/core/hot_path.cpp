@@ -582,6 +582,15 @@ namespace {
 }
 }  // namespace
 
+bool device_state::defer_free_while_paused(block* b) {
+  if (!tags_.any_paused()) return false;
+  std::lock_guard lock(b->pool->owner->mutex);
+  if (!b->seg->paused) return false;
+  b->seg->frees_while_paused.push_back(b);  // may throw std::bad_alloc: nothing changed
+  b->free_completed_at_resume = true;
+  return true;
+}
+
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
   std::lock_guard lock(ss.mutex);

@@ -600,7 +600,14 @@ sleep_result device_caching_allocator::resume(const std::vector<std::string>& ta
         seg->frees_while_paused.clear();
       }
   }
-  for (detail::block* b : frees) s.free(b);  // their pages are mapped again
+  for (detail::block* b : frees) {  // their pages are mapped again
+    if (b->free_completed_at_resume) {  // freed with history on: its free completes now
+      b->free_completed_at_resume = false;
+      const tag_scope block_tag(detail::tag_of(*b));
+      s.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::tag_of(*b));
+    }
+    s.free(b);
+  }
   return r;
 }
 

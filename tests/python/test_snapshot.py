@@ -190,7 +190,37 @@ class SnapshotJsonErrors(unittest.TestCase):
             self.assertIn(f"snapshot.py: {bad}: snapshot: missing key 'device_traces'", out.stderr)
 
 
+    def test_cli_refuses_to_write_over_its_input(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "s.json")
+            with open(src, "w") as f:
+                f.write('{"segments": [], "device_traces": []}')
+            for output in (src, os.path.join(tmp, ".", "s.json")):
+                out = subprocess.run([sys.executable, os.path.join(ROOT, "python", "ccalloc", "snapshot.py"), src,
+                                      "-o", output], capture_output=True, text=True)
+                self.assertEqual(out.returncode, 2, out.stderr)
+                self.assertIn(f"snapshot.py: the output {output} is the snapshot {src} (the same file)", out.stderr)
+            with open(src) as f:
+                self.assertEqual(f.read(), '{"segments": [], "device_traces": []}')
+
+
 class SnapshotToTrace(unittest.TestCase):
+    def test_cli_refuses_to_write_over_its_input(self):
+        data = pickle.dumps({"device_traces": [[]], "segments": []})
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "s.pickle")
+            with open(path, "wb") as f:
+                f.write(data)
+            os.symlink(path, os.path.join(tmp, "link.pickle"))
+            for output in (path, os.path.join(tmp, "link.pickle")):
+                out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "snapshot_to_trace.py"), path,
+                                      "-o", output], capture_output=True, text=True)
+                self.assertEqual(out.returncode, 2, out.stderr)
+                self.assertIn(f"snapshot_to_trace: the output {output} is the snapshot {path} (the same file)",
+                              out.stderr)
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(), data)
+
     def test_real_snapshot(self):
         lines, notes = snapshot_to_trace.convert(load_torch_snapshot())
         self.assertEqual(len(lines), 1791)

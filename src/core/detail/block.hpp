@@ -77,6 +77,9 @@ struct block {
   bool allocated = false;
   bool mapped = true;               // false: an unmapped free range of an expandable segment
   bool counted_oversize = false;    // counted in oversize_allocations (max_split_size may change)
+  // Freed while its tag was paused, with history on: the resume that frees
+  // it records its free_completed (device_history.cpp). [stream]
+  bool free_completed_at_resume = false;
   int event_count = 0;              // events still to complete before reuse
   std::uint64_t gc_count_base = 0;  // pool's get-free-block count when cached
   // Its stream's free count (stream_state::free_seq) when it last became

@@ -220,6 +220,10 @@ class device_state {
   // then stream or world
   block* allocate_unusual(std::size_t requested_bytes, stream_t stream);
   void free(block* b);                      // [none] takes the block's stream (+device for events)
+  // A free of a block of a paused tag is done at the resume: true when `b`
+  // is one and now waits for it (marked free_completed_at_resume), false
+  // (nothing done) otherwise. [none] takes the block's stream
+  bool defer_free_while_paused(block* b);
   bool get_free_block(alloc_params& p);                                        // [stream]
   block_index::position find_free_block(alloc_params& p);                     // [stream]
   block* take_found_block(alloc_params& p, device_stats& st,
