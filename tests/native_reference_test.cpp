@@ -80,6 +80,9 @@ TEST(NativeReference, ReadsTheTracesEntryAndKeepsItsText) {
   EXPECT_EQ(r.figures->entry_json,
             R"({"native_reserved_peak":2097152,"requested_peak":0,"native_device_allocs":18446744073709551615,)"
             R"("note":"kept"})");
+  const auto minus_zero = read(R"({"x": {"native_reserved_peak": 2097152, "requested_peak": -0}})");
+  ASSERT_TRUE(minus_zero.figures.has_value()) << minus_zero.warning;  // -0 is 0, not a negative figure
+  EXPECT_EQ(minus_zero.figures->requested_peak, 0u);
   EXPECT_FALSE(read(R"({"y": {"native_reserved_peak": 1}})").figures.has_value());  // no entry: no warning
   EXPECT_EQ(read(R"({"y": {"native_reserved_peak": 1}})").warning, "");
 }

@@ -16,6 +16,7 @@
 #include <ctime>
 #include <cstdlib>
 #include <limits>
+#include <random>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -310,6 +311,130 @@ std::pair<ccalloc::replay_result, ccalloc::replay_result> clock_and_gates(const 
   o.use_gates_on_sim = true;
   auto gates = ccalloc::replay_trace(t, o);
   return {clock, gates};
+}
+
+// The program's requested bytes: each allocation from its alloc to its
+// free_completed (docs/trace-format.md), the peak over the trace.
+std::uint64_t trace_requested_peak(const ccalloc::trace& t) {
+  std::uint64_t now = 0;
+  std::uint64_t peak = 0;
+  for (const ccalloc::trace_event& e : t.events) {
+    if (e.action == ccalloc::trace_action::alloc) {
+      now += e.size;
+      peak = std::max(peak, now);
+    } else if (e.action == ccalloc::trace_action::free_completed) {
+      now -= e.size;
+    }
+  }
+  return peak;
+}
+
+// A block used on another stream counts as requested until its
+// free_completed line even when the replay's allocator synchronizes the
+// device first (it moves a cached segment between streams, or retries
+// under a memory cap), which runs the other streams' work to its end and
+// frees the block early in the allocator (the peak came out without it:
+// 6,476,360 for 6,476,509 and 106,685,827 for 128,742,706).
+TEST(ReplayTest, SideStreamGapCountsAsRequestedThroughTheAllocatorsSynchronizations) {
+  const std::string sync_early =
+      "4055 alloc 372109473 149 7\n"
+      "4226 alloc 378694803 1243604 9223372036854775813\n"
+      "4428 free_requested 378694803 1243604 9223372036854775813\n"
+      "4428 free_completed 378694803 1243604 9223372036854775813\n"
+      "4586 free_requested 372109473 149 7\n"
+      "4814 alloc 425656935 5715459 0\n"
+      "4988 alloc 450898642 760901 9223372036854775813\n"
+      "5135 free_completed 372109473 149 7\n"
+      "5439 free_requested 450898642 760901 9223372036854775813\n";
+  const std::string cap_early =
+      "2062 alloc 62191763 24258624 9223372036854775813\n"
+      "2434 alloc 121878716 24375004 7\n"
+      "2510 free_requested 121878716 24375004 7\n"
+      "2614 alloc 147164658 22191667 0\n"
+      "2650 alloc 169356837 12837921 7\n"
+      "2698 alloc 183029164 14809890 7\n"
+      "2728 alloc 197839566 8212721 9\n"
+      "2856 free_requested 197839566 8212721 9\n"
+      "2941 alloc 207536841 22056879 9223372036854775813\n"
+      "2967 free_requested 207536841 22056879 9223372036854775813\n"
+      "3133 free_completed 121878716 24375004 7\n";
+  struct replay_case {
+    const std::string* text;
+    const char* config;
+    std::size_t device_memory_bytes;
+    std::uint64_t peak;
+  };
+  const std::size_t h200 = std::size_t{141} * 1000 * 1000 * 1000;
+  for (const replay_case& c : {replay_case{&sync_early, "expandable_segments:False", h200, 6'476'509},
+                               replay_case{&cap_early, "per_process_memory_fraction:0.03", std::size_t{4} << 30,
+                                           128'742'706}}) {
+    SCOPED_TRACE(c.config);
+    const auto t = ccalloc::parse_trace_text(*c.text, "early");
+    ASSERT_EQ(trace_requested_peak(t), c.peak);
+    ccalloc::replay_options o;
+    o.config = c.config;
+    o.device_memory_bytes = c.device_memory_bytes;
+    const auto [clock, gates] = clock_and_gates(t, o);
+    EXPECT_EQ(clock.ooms, 0u);
+    EXPECT_EQ(clock.peak_requested_bytes, c.peak);
+    EXPECT_EQ(gates.peak_requested_bytes, c.peak);
+    ASSERT_EQ(clock.passes.size(), 1u);
+    EXPECT_EQ(clock.passes[0].peak_requested_bytes, c.peak);
+  }
+}
+
+// Property: on random traces with side-stream gaps on several streams, the
+// replay's peak requested is the trace's own, whatever the allocator
+// synchronizes (seeded: the same traces every run; ~0.2 s).
+TEST(ReplayTest, RandomTracesWithGapsReplayTheTracesRequestedPeak) {
+  std::mt19937_64 rng(37);
+  const std::uint64_t streams[] = {0, 7, 9, (std::uint64_t{1} << 63) + 5};
+  const std::uint64_t sizes[] = {149, 4096, 700'000, 1'243'604, 5'715'459, 24'375'004};
+  std::size_t traces_with_syncs = 0;
+  for (int k = 0; k < 60; ++k) {
+    std::string text;
+    std::uint64_t line = 1;
+    std::uint64_t next_addr = 1;
+    std::vector<std::string> live;     // " addr size stream" of allocations not yet freed
+    std::vector<std::string> pending;  // the same, freed but used on another stream
+    const auto emit = [&](const char* action, const std::string& rest) {
+      text += std::to_string(line++) + " " + action + rest + "\n";
+    };
+    for (int step = 0; step < 40; ++step) {
+      const auto roll = rng() % 10;
+      if (roll < 5 || live.empty()) {
+        const std::uint64_t size = sizes[rng() % std::size(sizes)] + rng() % 4096;
+        live.push_back(" " + std::to_string((next_addr++) << 32) + " " + std::to_string(size) + " " +
+                       std::to_string(streams[rng() % std::size(streams)]));
+        emit("alloc", live.back());
+      } else if (roll < 8) {
+        const std::size_t j = rng() % live.size();
+        const std::string a = live[j];
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(j));
+        emit("free_requested", a);
+        if (rng() % 2 == 0)
+          emit("free_completed", a);
+        else
+          pending.push_back(a);
+      } else if (!pending.empty()) {
+        const std::size_t j = rng() % pending.size();
+        emit("free_completed", pending[j]);
+        pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(j));
+      }
+    }
+    for (const std::string& a : pending) emit("free_completed", a);
+    const auto t = ccalloc::parse_trace_text(text, "random " + std::to_string(k));
+    const std::uint64_t peak = trace_requested_peak(t);
+    for (const char* config : {"", "expandable_segments:False", ccalloc::pytorch_policies}) {
+      ccalloc::replay_options o;
+      o.config = config;
+      const auto r = ccalloc::replay_trace(t, o);
+      ASSERT_EQ(r.ooms, 0u);
+      EXPECT_EQ(r.peak_requested_bytes, peak) << "config '" << config << "', trace:\n" << text;
+      if (r.device_synchronizations != 0) ++traces_with_syncs;
+    }
+  }
+  EXPECT_GT(traces_with_syncs, 0u) << "no replay synchronized: the property is not tested";
 }
 
 TEST(ReplayTest, GateDriverOnSimMatchesTheClockReplayOnBundledTraces) {

@@ -164,7 +164,7 @@ def _context_callbacks(context):
 
     recorder = _python_stack if context == "python" else context
     if not callable(recorder):
-        raise InvalidArgumentError(f"record_history: context must be None, 'python' or a callable, got {context!r}")
+        raise InvalidArgumentError(f"ccalloc: record_history: context must be None, 'python' or a callable, got {context!r}")
     kept = {}
     numbers = itertools.count(1)
 
@@ -634,7 +634,7 @@ class Allocator:
         """What ``tag`` holds on ``device``: allocated, reserved, paused and
         kept bytes, segments, blocks, and whether it is paused."""
         if not isinstance(tag, str):
-            raise InvalidArgumentError(f"tag_usage: tag must be a str, not {type(tag).__name__}")
+            raise InvalidArgumentError(f"ccalloc: tag_usage: tag must be a str, not {type(tag).__name__}")
         out = _lib.ccalloc_tag_usage_t()
         _check(_lib.lib().ccalloc_tag_usage(self._h, _device_index(device), _text(tag, "tag"), ctypes.byref(out)))
         d = {name: getattr(out, name) for name, _ in out._fields_}
@@ -732,7 +732,7 @@ class Allocator:
         h = self._h  # refuses a closed Allocator first
         whens = {"never": 0, "state": 1, "alloc": 2, "all": 3}
         if when not in whens:
-            raise InvalidArgumentError(f"record_history: when must be one of {', '.join(whens)}, got {when!r}")
+            raise InvalidArgumentError(f"ccalloc: record_history: when must be one of {', '.join(whens)}, got {when!r}")
         lib = _lib.lib()
         o = _lib.ccalloc_history_options_t()
         lib.ccalloc_history_options_init(ctypes.byref(o))
@@ -982,7 +982,7 @@ def _tag_names(tags):
     if isinstance(tags, str):
         tags = [tags]
     if not isinstance(tags, (list, tuple)) or not tags or not all(isinstance(t, str) for t in tags):
-        raise InvalidArgumentError(f"tags must be a str or a non-empty list of str, not {tags!r}")
+        raise InvalidArgumentError(f"ccalloc: tags must be a str or a non-empty list of str, not {tags!r}")
     return (ctypes.c_char_p * len(tags))(*[_text(t, "tag") for t in tags])
 
 

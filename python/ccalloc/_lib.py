@@ -305,7 +305,16 @@ def _load() -> None:
     if env and not Path(env).is_file():
         raise OSError(f"ccalloc: CCALLOC_LIBRARY={env} is not a file (build it with `cmake --build BUILD "
                       f"--target ccalloc_shared`: BUILD/libccalloc.so)")
-    lib, candidate, errors = load_first(_candidates())
+    def missing_symbols(library):
+        missing = [name for name in _PROTOTYPES if not hasattr(library, name)]
+        if missing:
+            return (f"lacks {len(missing)} of ccalloc's C functions (first {missing[0]}): not libccalloc.so, "
+                    f"or one older than this package")
+        return None
+
+    lib, candidate, errors = load_first(_candidates(), missing_symbols)
+    if lib is not None and env and candidate != env:
+        lib = None  # the library the user named comes first, or nothing does
     if lib is None:
         raise OSError("ccalloc: cannot load libccalloc.so; set CCALLOC_LIBRARY=/path/to/libccalloc.so "
                       "(CMake target ccalloc_shared) or put it next to ccalloc/__init__.py. Tried: " +

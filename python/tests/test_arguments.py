@@ -276,6 +276,21 @@ def test_context_frames_of_any_text_and_bad_recorders_say_so(capfd):
         assert a.stat("allocation.all.current") == 0
 
 
+def test_a_library_that_is_not_ccalloc_is_named_not_an_attribute_error():
+    import _ctypes
+    import subprocess
+    import sys
+    other = _ctypes.__file__  # a shared library, not libccalloc.so
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(ccalloc.__file__)))
+    env = dict(os.environ, CCALLOC_LIBRARY=other,
+               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", "import ccalloc; ccalloc.Allocator('sim')"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert f"{other}: lacks " in out.stderr and "not libccalloc.so" in out.stderr, out.stderr
+    assert "AttributeError" not in out.stderr, out.stderr
+
+
 # ---- property test: random arguments --------------------------------------------------------
 
 def bad_integers(rng, low, high):

@@ -68,7 +68,8 @@ namespace {
   X(cudaStreamGetFlags) \
   X(cudaStreamIsCapturing) \
   X(cudaStreamSynchronize) \
-  X(cudaStreamWaitEvent)
+  X(cudaStreamWaitEvent) \
+  X(cudaThreadExchangeStreamCaptureMode)
 
 struct cudart_api {
 #define CCALLOC_CUDART_POINTER(name) decltype(&::name) name = nullptr;
@@ -543,6 +544,27 @@ bool cuda_backend::is_stream(int device, stream_t stream) {
   if (stream == default_stream || stream == legacy_stream_handle || stream == per_thread_stream_handle)
     return true;
   if (device_backend::is_per_thread_stream(stream)) return device_backend::is_calling_thread_stream(stream);
+  // During a graph capture (a stream's first allocation is often there),
+  // queries of a capturing stream are refused and, in the global capture
+  // mode, ruin the capture: the thread's mode is relaxed around them, and a
+  // capturing stream is a stream (cudaStreamIsCapturing may be called
+  // during a capture; its device is not asked then).
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  const bool mode_exchanged = rt().cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+  struct restore_mode {
+    bool exchanged;
+    cudaStreamCaptureMode& mode;
+    ~restore_mode() {
+      if (exchanged) (void)rt().cudaThreadExchangeStreamCaptureMode(&mode);
+    }
+  } restore{mode_exchanged, mode};
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t c = rt().cudaStreamIsCapturing(to_cuda(stream), &capture);
+  if (c == cudaErrorInvalidResourceHandle || c == cudaErrorInvalidValue || c == cudaErrorContextIsDestroyed) {
+    (void)rt().cudaGetLastError();  // not sticky: no later call should see it
+    return false;
+  }
+  if (c == cudaSuccess && capture != cudaStreamCaptureStatusNone) return true;
   int owner = device;
   unsigned int flags = 0;
   const cudaError_t e = rt().stream_get_device != nullptr ? rt().stream_get_device(to_cuda(stream), &owner)

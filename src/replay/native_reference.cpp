@@ -40,6 +40,7 @@ constexpr std::string_view figure_keys[] = {"requested_peak",
 std::string figure_problem(const json& entry, std::string_view key) {
   const auto it = entry.find(key);
   if (it == entry.end() || it->is_number_unsigned()) return "";
+  if (it->is_number_integer() && it->get<std::int64_t>() == 0) return "";  // written -0
   const std::string what = std::string(key) + " is ";
   const std::string counts = " (PyTorch's figures are counts: integers from 0 to 18446744073709551615)";
   if (it->is_number_integer()) return what + it->dump() + ": negative" + counts;

@@ -387,12 +387,13 @@ std::vector<std::pair<std::uint64_t, stream_t>> stream_ends_of(const trace& t, c
 }
 
 // The counters' increase from `before` to `s`, and the peaks of `s`: one
-// pass's figures.
+// pass's figures (its peak requested bytes counted from the trace:
+// requested_bytes_counter).
 replay_pass pass_figures(const device_stats& s, const device_stats& before, std::uint64_t events,
-                         std::uint64_t ooms) {
+                         std::uint64_t ooms, std::uint64_t peak_requested) {
   replay_pass p;
   p.events = events;
-  p.peak_requested_bytes = static_cast<std::uint64_t>(s.requested_bytes[0].peak);
+  p.peak_requested_bytes = peak_requested;
   p.peak_allocated_bytes = static_cast<std::uint64_t>(s.allocated_bytes[0].peak);
   p.peak_reserved_bytes = static_cast<std::uint64_t>(s.reserved_bytes[0].peak);
   const auto delta = [](std::int64_t now, std::int64_t then) { return static_cast<std::uint64_t>(now - then); };
@@ -457,6 +458,43 @@ class recording_clock {
   std::uint64_t pass_us_ = 0;
 };
 
+// The bytes the program has requested (PyTorch's requested_bytes rule): an
+// allocation counts from its alloc to its free_completed (at once for a
+// free with no gap), taken from the trace's lines, not from the
+// allocator's statistics. A device synchronization of the replay's
+// allocator (moving cached memory between streams, an out-of-memory retry)
+// runs the side streams to their ends, so the allocator frees a block
+// still used by another stream before its free_completed line; its
+// requested bytes would then stop counting early and the peak would come
+// out below the program's. Allocations that failed (out of memory) are not
+// counted.
+class requested_bytes_counter {
+ public:
+  void alloc(std::uint64_t size) {
+    now_ += size;
+    peak_ = std::max(peak_, now_);
+  }
+  void free(std::uint64_t size) { now_ -= size; }
+  /// `size` bytes stop counting at trace index `end` (release_at).
+  void free_at(std::uint64_t end, std::uint64_t size) { held_[end] += size; }
+  /// Trace index `index` is next: the bytes held until it stop counting.
+  void release_at(std::uint64_t index) {
+    if (held_.empty()) return;
+    const auto it = held_.find(index);
+    if (it == held_.end()) return;
+    now_ -= it->second;
+    held_.erase(it);
+  }
+  [[nodiscard]] std::uint64_t peak() const noexcept { return peak_; }
+  /// A new pass: its peak starts from what counts now.
+  void reset_peak() noexcept { peak_ = now_; }
+
+ private:
+  std::uint64_t now_ = 0;
+  std::uint64_t peak_ = 0;
+  std::unordered_map<std::uint64_t, std::uint64_t> held_;  // trace index -> bytes that stop counting there
+};
+
 // On every exit, gaps end before the allocator returns its memory to the
 // device, and side streams go only once the allocator is gone.
 struct allocator_cleanup {
@@ -503,11 +541,12 @@ class event_loop {
       const std::uint64_t pass_events = replay_pass_events(pass, pass + 1 == repeat, after_event, stopped);
       replayed += pass_events;
       const device_stats s = allocator_.get_device_stats(0);
-      r_.passes.push_back(pass_figures(s, before, pass_events, r_.ooms - ooms_before));
+      r_.passes.push_back(pass_figures(s, before, pass_events, r_.ooms - ooms_before, requested_.peak()));
       before = s;
       if (pass + 1 < repeat && !stopped) {
         sleep_.end_pass(replayed - 1);
         allocator_.reset_peak_stats(0);
+        requested_.reset_peak();
       }
     }
     r_.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -550,6 +589,7 @@ class event_loop {
     for (std::size_t i = 0; i < n; ++i) {
       const trace_event& e = t_.events[i];
       gaps_.advance_to(base + i);
+      requested_.release_at(base + i);
       gaps_.set_host_time_us(clock_.at(e, pass));
       // The device runs `lag` events behind: what the stream queues now
       // (and an event recorded after it) completes `lag` events later.
@@ -596,7 +636,9 @@ class event_loop {
     } catch (const invalid_argument_error& x) {
       throw_refused(t_, e, x);  // e.g. under a tag the trace paused
     }
-    if (ptr != nullptr) kept_.push_back(ptr);
+    if (ptr == nullptr) return;
+    kept_.push_back(ptr);
+    requested_.alloc(e.size);
   }
 
   void alloc(const trace_event& e) {
@@ -605,6 +647,7 @@ class event_loop {
     it->second.line = e.line;
     try {
       it->second.ptr = allocator_.malloc(0, e.size, streams_(e.stream));
+      requested_.alloc(e.size);
     } catch (const out_of_memory_error& x) {
       count_oom(r_, x);
       it->second.ptr = nullptr;
@@ -637,6 +680,9 @@ class event_loop {
         // at this line.
         if (allocator_.paused_tags(0).empty()) throw_refused(t_, e, x);
       }
+      requested_.free_at(end, e.size);
+    } else {
+      requested_.free(e.size);
     }
     allocator_.free(ptr);
   }
@@ -684,6 +730,7 @@ class event_loop {
   recording_clock clock_;
   sleep_replay sleep_;
   const bool has_pauses_;  // the trace pauses tags: r_.peak_unpaused_allocated_bytes is kept
+  requested_bytes_counter requested_;  // the figures' peak requested bytes
 };
 
 void replay_events(const trace& t, const std::vector<std::uint64_t>& completion,

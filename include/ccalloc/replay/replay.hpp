@@ -168,7 +168,7 @@ struct replay_options {
 /// the allocator did during it (the counters' increase).
 struct replay_pass {
   std::uint64_t events = 0;                   ///< events replayed in this pass
-  std::uint64_t peak_requested_bytes = 0;     ///< requested_bytes.all.peak in this pass
+  std::uint64_t peak_requested_bytes = 0;     ///< the program's requested peak in this pass (replay_result's)
   std::uint64_t peak_allocated_bytes = 0;     ///< allocated_bytes.all.peak in this pass
   std::uint64_t peak_reserved_bytes = 0;      ///< reserved_bytes.all.peak in this pass
   std::uint64_t device_mallocs = 0;           ///< num_device_alloc
@@ -216,7 +216,15 @@ struct replay_result {
   /// GPU's total memory (cudaMemGetInfo) for cuda.
   std::uint64_t device_memory_bytes = 0;
   std::uint64_t events = 0;                ///< trace events replayed
-  std::uint64_t peak_requested_bytes = 0;  ///< requested_bytes.all.peak
+  /// The program's requested peak: the most bytes of the allocations
+  /// that succeeded, each counted from its alloc to its free_completed
+  /// (PyTorch's requested_bytes rule, the trace's own peak), counted by the
+  /// replay from the trace's lines. Not requested_bytes.all.peak: a device
+  /// synchronization of the replayed allocator (moving cached memory
+  /// between streams, an out-of-memory retry) runs side streams to their
+  /// ends, so the allocator frees a block still used by another stream
+  /// before its free_completed line and its statistic would drop early.
+  std::uint64_t peak_requested_bytes = 0;
   std::uint64_t peak_allocated_bytes = 0;  ///< allocated_bytes.all.peak
   std::uint64_t peak_reserved_bytes = 0;   ///< reserved_bytes.all.peak
   std::uint64_t device_mallocs = 0;        ///< num_device_alloc: cudaMallocs plus 2 MiB pages created
