@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <new>
@@ -450,6 +451,124 @@ TEST(HostOutOfMemory, AKeepContentsPauseThatFailsPausesNothing) {
   EXPECT_EQ(usage().paused_bytes, 8u << 20);
   f.alloc->resume({"oom_pause"});
   f.alloc->free(p);
+}
+
+}  // namespace
+
+namespace {
+
+/// Two tags of two reservations each (blocks on two streams), one block of
+/// each tag freed while paused: a resume of both that fails at any point
+/// must leave both tags paused, their pages unmapped on the device, and a
+/// later resume must succeed, bring the kept contents back and do the
+/// deferred frees (a resume that threw after mapping a first reservation
+/// once left its pages mapped on the device but paused in the books: every
+/// later resume failed on the mapping it had left, and the frees deferred
+/// to it never happened).
+struct two_paused_tags {
+  sim_fixture f{"thread_cache:off"};
+  std::vector<void*> live;  // one per tag and stream, freed at the end
+  std::size_t kept = 0;
+  explicit two_paused_tags(bool keep_contents) {
+    const stream_t s = f.alloc->create_stream(0);
+    for (const char* tag : {"oom_resume_a", "oom_resume_b"}) {
+      tag_scope scope(tag);
+      for (stream_t st : {stream_t{0}, s}) {
+        void* p = f.alloc->malloc(0, 1 << 20, st);
+        std::memset(p, 0x5a, 1 << 20);
+        live.push_back(p);
+        f.alloc->free(f.alloc->malloc(0, 1 << 20, st));  // cached: returned by the pause
+        void* gone = f.alloc->malloc(0, 3 << 20, st);
+        std::memset(gone, 0x11, 3 << 20);
+        pending.push_back(gone);
+      }
+    }
+    f.alloc->pause({"oom_resume_a", "oom_resume_b"}, keep_contents);
+    for (void* p : pending) f.alloc->free(p);  // deferred to the resume
+    kept = keep_contents ? 1 : 0;
+  }
+  std::vector<void*> pending;
+  std::size_t paused_bytes() const {
+    std::size_t n = 0;
+    for (const tag_usage& u : f.alloc->tag_stats(0))
+      if (u.tag.rfind("oom_resume_", 0) == 0) n += u.paused ? u.paused_bytes : 0;
+    return n;
+  }
+  std::size_t paused_tags() const { return f.alloc->paused_tags(0).size(); }
+  void check_resumed_and_finish() {
+    EXPECT_EQ(paused_tags(), 0u);
+    if (kept != 0) {
+      for (void* p : live) EXPECT_EQ(static_cast<const unsigned char*>(p)[(1 << 20) - 1], 0x5a);
+    }
+    for (void* p : live) f.alloc->free(p);
+    f.alloc->empty_cache();
+    const auto st = f.stats();
+    EXPECT_EQ(st.at("allocated_bytes.all.current"), 0);
+    EXPECT_EQ(st.at("reserved_bytes.all.current"), 0);
+    EXPECT_EQ(f.sim->counters().mapped_bytes, 0u);
+  }
+};
+
+void sweep_resume_without_host_memory(bool keep_contents) {
+  two_paused_tags t(keep_contents);
+  const std::size_t paused = t.paused_bytes();
+  ASSERT_GT(paused, 0u);
+  const std::size_t mapped_before = t.f.sim->counters().mapped_bytes;
+  int failed = 0;
+  bool resumed = false;
+  for (long allowed = 0; allowed < 2000 && !resumed; ++allowed) {
+    try {
+      no_host_memory scope(allowed);
+      t.f.alloc->resume({"oom_resume_a", "oom_resume_b"});
+      resumed = true;
+    } catch (const std::bad_alloc&) {
+      ++failed;
+    } catch (const out_of_memory_error&) {
+      ++failed;
+    }
+    if (resumed) break;
+    ASSERT_EQ(t.paused_tags(), 2u) << "host memory ran out after " << allowed << " allocations";
+    ASSERT_EQ(t.paused_bytes(), paused) << "host memory ran out after " << allowed << " allocations";
+    ASSERT_EQ(t.f.sim->counters().mapped_bytes, mapped_before)
+        << "host memory ran out after " << allowed << " allocations";
+  }
+  EXPECT_TRUE(resumed);
+  EXPECT_GE(failed, 10);
+  t.check_resumed_and_finish();
+}
+
+TEST(HostOutOfMemory, AResumeThatFailsAnywhereLeavesTheTagsPausedAndCanBeRepeated) {
+  sweep_resume_without_host_memory(true);
+}
+
+TEST(HostOutOfMemory, AResumeWithoutContentsThatFailsAnywhereCanBeRepeated) {
+  sweep_resume_without_host_memory(false);
+}
+
+// The same with the device refusing the n-th page mapping of the resume.
+TEST(HostOutOfMemory, AResumeWhoseMappingFailsAnywhereCanBeRepeated) {
+  two_paused_tags t(true);
+  const std::size_t paused = t.paused_bytes();
+  const std::size_t mapped_before = t.f.sim->counters().mapped_bytes;
+  bool resumed = false;
+  int failed = 0;
+  for (std::uint64_t n = 1; n < 200 && !resumed; ++n) {
+    t.f.sim->fail_vm_map_after(n);
+    try {
+      t.f.alloc->resume({"oom_resume_a", "oom_resume_b"});
+      resumed = true;
+    } catch (const backend_error&) {
+      ++failed;
+    }
+    t.f.sim->fail_vm_map_after(0);
+    if (resumed) break;
+    ASSERT_EQ(t.paused_tags(), 2u) << "mapping " << n << " failed";
+    ASSERT_EQ(t.paused_bytes(), paused) << "mapping " << n << " failed";
+    ASSERT_EQ(t.f.sim->counters().mapped_bytes, mapped_before) << "mapping " << n << " failed";
+  }
+  EXPECT_TRUE(resumed);
+  EXPECT_EQ(static_cast<std::size_t>(failed) * (2u << 20), paused);  // one failure per page
+  t.check_resumed_and_finish();
 }
 
 }  // namespace

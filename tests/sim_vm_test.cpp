@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -548,6 +549,55 @@ TEST(SimVm, InjectedFaults) {
   const physical_handle_t h3 = create(sim, 0, granule);
   sim.vm_map(0, at(base, granule), granule, h3);
   sim.vm_unmap(0, base, 2 * granule);
+  sim.vm_release_handle(0, h2);
+  sim.vm_release_handle(0, h3);
+  sim.vm_release(0, base, 2 * granule);
+}
+
+// An address-space limit below what the process maps already (RLIMIT_AS
+// lowered at run time) refuses every mmap, even one that only replaces a
+// range: vm_unmap still unmaps (the range stays taken, inaccessible), so
+// that the allocator's books and the device agree, and vm_map there works
+// again once the limit is lifted. Before, vm_unmap threw and the mapping
+// stayed; the allocator, which gives a page back whatever the device says,
+// then failed every later vm_map of that page ("range overlaps").
+TEST(SimVm, UnmapWorksOverTheAddressSpaceLimit) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "a sanitizer's runtime maps memory of its own under the limit";
+#endif
+  sim_backend sim(vm_device());
+  void* base = sim.vm_reserve(0, 2 * granule);
+  ASSERT_NE(base, nullptr);
+  const physical_handle_t h = create(sim, 0, granule);
+  const physical_handle_t h2 = create(sim, 0, granule);
+  sim.vm_map(0, base, granule, h);
+  sim.vm_map(0, at(base, granule), granule, h2);
+  at(base, 0)[0] = 7;
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_AS, &before), 0);
+  rlimit low = before;
+  low.rlim_cur = 4096;  // far below what the process maps: every mmap fails
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &low), 0);
+  const bool mmap_refused =
+      ::mmap(nullptr, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0) == MAP_FAILED;
+  bool unmapped = true;
+  try {
+    sim.vm_unmap(0, base, granule);
+  } catch (const backend_error&) {
+    unmapped = false;
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &before), 0);
+  EXPECT_TRUE(mmap_refused);
+  EXPECT_TRUE(unmapped);
+  EXPECT_EQ(host_protection(base).substr(0, 3), "---");  // inaccessible, and the range still taken
+  EXPECT_EQ(sim.counters().mapped_bytes, granule);
+  sim.vm_release_handle(0, h);
+  const physical_handle_t h3 = create(sim, 0, granule);
+  sim.vm_map(0, base, granule, h3);  // replaces what the limit left
+  EXPECT_EQ(host_protection(base), "rw-s");
+  EXPECT_EQ(at(base, 0)[0], 0);  // the new handle's memory, not the old one's
+  sim.vm_unmap(0, base, 2 * granule);
+  EXPECT_EQ(host_protection(base), "---p");
   sim.vm_release_handle(0, h2);
   sim.vm_release_handle(0, h3);
   sim.vm_release(0, base, 2 * granule);

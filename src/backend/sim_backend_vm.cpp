@@ -199,15 +199,17 @@ void sim_backend::vm_map(int device, void* addr, std::size_t size_bytes, physica
   if (impl_->fail_vm_map_countdown && --impl_->fail_vm_map_countdown == 0)
     throw backend_error(call + "): injected failure");
   const int file = h->second.fd >= 0 ? h->second.fd : d.memfd;
+  // The record first (it allocates): a throw leaves nothing mapped.
+  const auto noted = impl_->mappings.emplace(a, impl::mapping{device, size_bytes, handle, {}}).first;
   if (::mmap(addr, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, file,
              static_cast<off_t>(h->second.offset)) == MAP_FAILED) {
     const int err = errno;
+    impl_->mappings.erase(noted);
     // A failed MAP_FIXED mmap may have removed the placeholder: put it back.
     const bool restored = map_placeholder(a, size_bytes);
     throw backend_error(call + "): " + errno_text("mmap", err, /*maps=*/true) +
                         (restored ? "" : "; the range could not be reserved again"));
   }
-  impl_->mappings.emplace(a, impl::mapping{device, size_bytes, handle, {}});
   ++h->second.map_count;
   ++impl_->counters.vm_maps;
   impl_->counters.mapped_bytes += size_bytes;
@@ -222,9 +224,17 @@ void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
   const auto a = reinterpret_cast<std::uintptr_t>(addr);
   impl_->check_whole_mappings(call, device, a, size_bytes);
   // One MAP_FIXED mmap swaps the pages for the placeholder: the range is
-  // never free for another mapping in between.
-  if (!map_placeholder(a, size_bytes))
-    throw backend_error(call + "): " + errno_text("mmap of the reservation placeholder", errno, /*maps=*/true));
+  // never free for another mapping in between. Over an address-space limit
+  // (RLIMIT_AS set below what the process maps already) every mmap fails,
+  // even one that only replaces a range: the pages then stay mapped but
+  // inaccessible (mprotect, which the limit does not refuse), the range
+  // stays taken and the next vm_map there replaces them. A device unmaps
+  // whatever the host's limits; the allocator's books rely on it.
+  if (!map_placeholder(a, size_bytes)) {
+    const int err = errno;
+    if (::mprotect(addr, size_bytes, PROT_NONE) != 0)
+      throw backend_error(call + "): " + errno_text("mmap of the reservation placeholder", err, /*maps=*/true));
+  }
   for (std::uintptr_t at = a; at < a + size_bytes;) {
     const auto it = impl_->mappings.find(at);
     at += it->second.size_bytes;

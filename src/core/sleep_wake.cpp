@@ -380,17 +380,10 @@ bool tag_sleep::map_paused_segment(segment& seg) {
   const std::size_t page = seg.page_bytes;
   const stat_group g = group_of(seg.head->pool);
   const stream_t stream = copy_stream(seg);
-  std::vector<std::size_t> done;
-  bool copying = false;  // copies queued into the pages mapped so far
-  auto undo = [&]() noexcept {
-    if (copying) {
-      try {
-        wait_for_stream(stream);  // no copy may still write a page given back
-      } catch (...) {  // the device refused the wait: its error is the one being reported
-      }
-    }
-    for (std::size_t i : done) d_.expandable().give_back_page(seg, i);
-  };
+  // The books are the record of what is mapped (seg.pages): a page counts
+  // as mapped the moment the device mapped it, so that a throw anywhere
+  // below gives back exactly the pages mapped so far (a paused reservation
+  // has none of its own).
   for (const auto& run : seg.paused_runs) {
     std::size_t chunk_first = run.first_page;
     for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) {
@@ -402,49 +395,73 @@ bool tag_sleep::map_paused_segment(segment& seg) {
           void* addr = reinterpret_cast<void*>(seg.base + i * page);
           try {
             d_.backend().vm_map(d_.device(), addr, page, h);
-            for (int peer : d_.expandable().peers()) d_.backend().vm_set_access(d_.device(), addr, page, peer);
           } catch (...) {
             d_.backend().vm_release_handle(d_.device(), h);
             throw;
           }
+          seg.pages.set_mapped(i, h);
+          ++d_.stats().values().num_pages_mapped;
+          ++d_.stats().values().num_device_alloc;
+          seg.mapped_bytes += page;
+          d_.memory().add_reserved(page);
+          count_up(d_.stats().values().reserved_bytes, g, static_cast<std::int64_t>(page));
+          for (int peer : d_.expandable().peers()) d_.backend().vm_set_access(d_.device(), addr, page, peer);
+        }
+        const std::size_t end = i + 1;
+        if (ok && (end == run.first_page + run.pages || end - chunk_first >= restore_chunk_pages)) {
+          if (run.host != nullptr)
+            d_.backend().copy_from_host_async(d_.device(), reinterpret_cast<void*>(seg.base + chunk_first * page),
+                                              static_cast<const char*>(run.host) + (chunk_first - run.first_page) * page,
+                                              (end - chunk_first) * page, stream);
+          chunk_first = end;
         }
       } catch (...) {
-        undo();
+        unmap_resumed_pages(seg);
         throw;
       }
       if (!ok) {
-        undo();
+        unmap_resumed_pages(seg);
         return false;
       }
-      seg.pages.set_mapped(i, h);
-      ++d_.stats().values().num_pages_mapped;
-      ++d_.stats().values().num_device_alloc;
-      seg.mapped_bytes += page;
-      d_.memory().add_reserved(page);
-      count_up(d_.stats().values().reserved_bytes, g, static_cast<std::int64_t>(page));
-      done.push_back(i);
-      const std::size_t end = i + 1;
-      if (end != run.first_page + run.pages && end - chunk_first < restore_chunk_pages) continue;
-      if (run.host != nullptr) {
-        try {
-          d_.backend().copy_from_host_async(d_.device(), reinterpret_cast<void*>(seg.base + chunk_first * page),
-                                        static_cast<const char*>(run.host) + (chunk_first - run.first_page) * page,
-                                        (end - chunk_first) * page, stream);
-        } catch (...) {
-          undo();
-          throw;
-        }
-        copying = true;
-      }
-      chunk_first = end;
     }
   }
-  // Announced once every page is mapped: a segment that fails part-way gives
-  // its new pages back unannounced, and listeners never see it mapped.
-  for (const auto& run : seg.paused_runs)
-    d_.mapping().announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page,
-                         run.pages * page, seg.head->stream, true);
   return true;
+}
+
+void tag_sleep::unmap_resumed_pages(segment& seg) noexcept {
+  const auto kept = [](const segment::paused_run& run) { return run.host != nullptr; };
+  if (std::any_of(seg.paused_runs.begin(), seg.paused_runs.end(), kept)) {
+    try {
+      wait_for_stream(copy_stream(seg));  // no copy may still write a page given back
+    } catch (...) {  // the device refused the wait: the error being reported is another
+    }
+  }
+  for (const auto& run : seg.paused_runs)
+    for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i)
+      if (seg.pages.mapped(i)) d_.expandable().give_back_page(seg, i);
+}
+
+void tag_sleep::finish_mapping(const std::vector<segment*>& segs) {
+  for (segment* seg : segs) {  // the host copies must have been read before they go
+    const auto kept = [](const segment::paused_run& run) { return run.host != nullptr; };
+    if (std::any_of(seg->paused_runs.begin(), seg->paused_runs.end(), kept)) wait_for_stream(copy_stream(*seg));
+  }
+  std::size_t inserted = 0;  // blocks back in their pools, in the order below
+  try {
+    for (segment* seg : segs)
+      for (block* b : seg->paused_free) {
+        d_.expandable().pool_insert_counted(b);
+        ++inserted;
+      }
+  } catch (...) {
+    for (segment* seg : segs)
+      for (block* b : seg->paused_free) {
+        if (inserted == 0) break;
+        d_.expandable().pool_erase_counted(b);
+        --inserted;
+      }
+    throw;
+  }
 }
 
 // A resume that could not map every page: the pages mapped so far go back
@@ -452,14 +469,7 @@ bool tag_sleep::map_paused_segment(segment& seg) {
 // says what holds the device's memory. The tags stay paused.
 void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<segment*>& mapped, std::size_t need,
                             const sleep_result& r, world_lock& w) {
-  for (segment* seg : mapped) {  // their kept contents are being copied in: wait before the pages go
-    const auto kept = [](const segment::paused_run& run) { return run.host != nullptr; };
-    if (std::none_of(seg->paused_runs.begin(), seg->paused_runs.end(), kept)) continue;
-    wait_for_stream(copy_stream(*seg));
-  }
-  for (segment* seg : mapped)
-    for (const auto& run : seg->paused_runs)
-      for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i) d_.expandable().give_back_page(*seg, i);
+  for (segment* seg : mapped) unmap_resumed_pages(*seg);
   std::string names;
   for (tag_id tag : todo) names += (names.empty() ? "'" : ", '") + tag_name(tag) + "'";
   const memory_info info = d_.backend().mem_get_info(d_.device());
@@ -497,27 +507,31 @@ void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<s
   throw out_of_memory_error(msg, f);
 }
 
-void tag_sleep::restore_paused_segment(segment& seg, sleep_result& r) {
+void tag_sleep::restore_paused_segment(segment& seg, sleep_result& r) noexcept {
   const std::size_t page = seg.page_bytes;
-  const stream_t stream = copy_stream(seg);
-  bool copied = false;
-  for (auto& run : seg.paused_runs) {  // the copies were queued as the pages were mapped
-    if (d_.history().active()) [[unlikely]]
-      d_.history().record_segment_map(seg.base + run.first_page * page, run.pages * page, seg.head->stream);
+  for (auto& run : seg.paused_runs) {
+    d_.mapping().announce(mapping_change::map, mapping_reason::pages_resumed, seg.base + run.first_page * page,
+                          run.pages * page, seg.head->stream, true);
+    if (d_.history().active()) [[unlikely]] {
+      try {
+        d_.history().record_segment_map(seg.base + run.first_page * page, run.pages * page, seg.head->stream);
+      } catch (...) {  // the history misses this map; the resume is done
+      }
+    }
     r.paused_bytes += run.pages * page;
-    if (run.host == nullptr) continue;
-    r.copied_bytes += run.pages * page;
-    copied = true;
+    if (run.host != nullptr) r.copied_bytes += run.pages * page;
   }
-  if (copied) wait_for_stream(stream);  // the host copies must have been read before they go
   for (auto& run : seg.paused_runs) host_copies_.give(run.host);
   seg.paused_runs.clear();
   seg.paused = false;
   d_.expandable().note_maybe_empty(seg);  // a reservation that had no page to map again
-  for (block* b : seg.paused_free) d_.expandable().pool_insert_counted(b);
   seg.paused_free.clear();
 }
 
+// Every step that may fail (host memory for the books, the device's pages,
+// the waits) comes before the first that marks a segment resumed; a failure
+// gives back every page mapped so far, so that the tags stay paused with
+// the device and the books agreeing, and a later resume maps them again.
 sleep_result tag_sleep::resume_tags(const std::vector<tag_id>& tags, world_lock& w) {
   sleep_result r;
   const std::optional<std::uint64_t> start_us = d_.backend().host_time_us();
@@ -533,26 +547,41 @@ sleep_result tag_sleep::resume_tags(const std::vector<tag_id>& tags, world_lock&
         segs.push_back(seg);
         for (const auto& run : seg->paused_runs) need += run.pages * seg->page_bytes;
       }
-  make_room(need, r, w);
+  std::vector<std::pair<tag_id, std::size_t>> resumed;  // bytes mapped again, for history
+  resumed.reserve(todo.size());
+  r.tags.reserve(todo.size());
+  for (tag_id tag : todo) {
+    resumed.emplace_back(tag, usage_of(tag).paused_bytes);
+    r.tags.push_back(tag_name(tag));
+  }
   std::vector<segment*> mapped;
+  mapped.reserve(segs.size());
+  make_room(need, r, w);
   bool ok = !(need > 0 && d_.memory().over_cap(need));
-  for (segment* seg : segs) {
-    if (!ok) break;
-    ok = map_paused_segment(*seg);
-    if (ok) mapped.push_back(seg);
+  try {
+    for (segment* seg : segs) {
+      if (!ok) break;
+      ok = map_paused_segment(*seg);
+      if (ok) mapped.push_back(seg);
+    }
+    if (ok) finish_mapping(segs);
+  } catch (...) {
+    for (segment* seg : mapped) unmap_resumed_pages(*seg);
+    throw;
   }
   if (!ok) fail_resume(todo, mapped, need, r, w);
-  std::vector<std::pair<tag_id, std::size_t>> resumed;  // bytes mapped again, for history
-  for (tag_id tag : todo) resumed.emplace_back(tag, usage_of(tag).paused_bytes);
   for (segment* seg : segs) {
     const tag_scope entries_tag(tag_of(*seg));
     restore_paused_segment(*seg, r);
   }
   for (const auto& [tag, bytes] : resumed) {
     paused_tags_.erase(tag);
-    r.tags.push_back(tag_name(tag));
-    if (d_.history().active()) [[unlikely]]
-      d_.history().record(trace_entry_action::resume, 0, bytes, 0, nullptr, tag);
+    if (d_.history().active()) [[unlikely]] {
+      try {
+        d_.history().record(trace_entry_action::resume, 0, bytes, 0, nullptr, tag);
+      } catch (...) {  // the history misses this entry; the resume is done
+      }
+    }
   }
   any_paused_.store(!paused_tags_.empty(), std::memory_order_relaxed);
   d_.memory().raise_high_water();
@@ -593,20 +622,47 @@ sleep_result device_caching_allocator::resume(const std::vector<std::string>& ta
   sleep_result r;
   {
     detail::world_lock w(s);
-    r = s.tags().resume_tags(ids, w);
+    // The frees deferred to this resume, and room for them, before anything
+    // changes: once the tags are resumed, taking them allocates nothing. A
+    // segment keeps them while it is paused (and until they are done).
+    std::vector<detail::segment*> owing;
+    std::size_t owed = 0;
     for (tag_id id : ids)
-      for (detail::segment* seg : s.tags().segments_of(id)) {
-        frees.insert(frees.end(), seg->frees_while_paused.begin(), seg->frees_while_paused.end());
-        seg->frees_while_paused.clear();
-      }
-  }
-  for (detail::block* b : frees) {  // their pages are mapped again
-    if (b->free_completed_at_resume) {  // freed with history on: its free completes now
-      b->free_completed_at_resume = false;
-      const tag_scope block_tag(detail::tag_of(*b));
-      s.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::tag_of(*b));
+      for (detail::segment* seg : s.tags().segments_of(id))
+        if (!seg->frees_while_paused.empty() && std::find(owing.begin(), owing.end(), seg) == owing.end()) {
+          owing.push_back(seg);
+          owed += seg->frees_while_paused.size();
+        }
+    frees.reserve(owed);
+    r = s.tags().resume_tags(ids, w);
+    for (detail::segment* seg : owing) {
+      if (seg->paused) continue;
+      frees.insert(frees.end(), seg->frees_while_paused.begin(), seg->frees_while_paused.end());
+      seg->frees_while_paused.clear();  // keeps its capacity: a free that fails below goes back there
     }
-    s.free(b);
+  }
+  for (std::size_t i = 0; i < frees.size(); ++i) {  // their pages are mapped again
+    detail::block* b = frees[i];
+    try {
+      if (b->free_completed_at_resume) {  // freed with history on: its free completes now
+        const tag_scope block_tag(detail::tag_of(*b));
+        s.history().record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::tag_of(*b));
+        b->free_completed_at_resume = false;
+      }
+      s.free(b);
+    } catch (...) {
+      // Out of host memory: the frees not done stay owed by their segments
+      // (within the capacity they had), done by the next resume of the tag.
+      for (std::size_t j = i; j < frees.size(); ++j) {
+        detail::block* owed_block = frees[j];
+        std::lock_guard lock(owed_block->pool->owner->mutex);
+        try {
+          owed_block->seg->frees_while_paused.push_back(owed_block);
+        } catch (...) {  // the segment was paused again and grew its list meanwhile: this block stays allocated
+        }
+      }
+      throw;
+    }
   }
   return r;
 }

@@ -78,12 +78,20 @@ class tag_sleep {
   void pause_segment(segment& seg, bool keep_contents, sleep_result& r);
   // resume_tags' steps, in order.
   void make_room(std::size_t need, sleep_result& r, world_lock& w);
-  // Maps seg's paused runs again; on failure every page this call mapped
-  // goes back and seg stays paused (returns false).
+  // Maps seg's paused runs again; on failure (false, or a throw) every page
+  // this call mapped goes back and seg stays paused.
   bool map_paused_segment(segment& seg);
+  // Gives back the pages of seg's paused runs mapped so far, after the
+  // copies queued into them: seg is paused again, as the books say.
+  void unmap_resumed_pages(segment& seg) noexcept;
+  // The steps of a resume that may still fail, once every page is mapped:
+  // the copies back have been read, the blocks taken out of their pools are
+  // back in them. On a throw, nothing of them stays done.
+  void finish_mapping(const std::vector<segment*>& segs);
   [[noreturn]] void fail_resume(const std::vector<tag_id>& todo, const std::vector<segment*>& mapped,
                                 std::size_t need, const sleep_result& r, world_lock& w);
-  void restore_paused_segment(segment& seg, sleep_result& r);
+  // Marks seg resumed (after finish_mapping): allocates nothing.
+  void restore_paused_segment(segment& seg, sleep_result& r) noexcept;
   // The host waits for the work queued on `stream` so far (an event
   // recorded there; never the whole device).
   void wait_for_stream(stream_t stream);
