@@ -196,9 +196,7 @@ typedef struct ccalloc_trace_entry {
 
 /** Called with every trace entry of every device, recorded or not, on the
  * thread that caused it, after the allocator released its locks (it may call
- * back into the allocator). `entry` is valid during the call only. It may
- * end its thread (pthread_exit): the entries still queued for the thread are
- * dropped (docs/limitations.md for the cases that stop the process). */
+ * back into the allocator). `entry` is valid during the call only. */
 typedef void (*ccalloc_trace_tracker_fn)(void* user_data, const ccalloc_trace_entry_t* entry);
 
 /** What changed in a mapping announcement (ccalloc/core/mapping_events.hpp). */
@@ -414,9 +412,7 @@ typedef void (*ccalloc_frame_sink_fn)(void* sink_data, const char* name, const c
  * allocator's locks, and returns an opaque context handle (NULL: none).
  * The allocator keeps the handle with the entries and live blocks it
  * belongs to and calls `release` (may be NULL) once the last of them is
- * dropped, on whatever thread drops it, possibly with the allocator's locks
- * held: `record` may end its thread (pthread_exit), `release` must not
- * (docs/limitations.md). `frames` (may be NULL: no frames)
+ * dropped, on whatever thread drops it. `frames` (may be NULL: no frames)
  * is called only when a snapshot is written (ccalloc_snapshot_json, the
  * oom_snapshot file), once per entry or block that holds the handle, and
  * emits its frames through `sink`. The three must not call into this

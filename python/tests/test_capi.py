@@ -729,21 +729,3 @@ def test_a_raising_mapping_listener_is_dropped(sim, capfd):
     sim.attach_mapping_listener(bad)
     sim.free(sim.malloc(1 << 20))
     assert "a mapping listener raised (ignored)" in capfd.readouterr().err
-
-
-def test_daemon_thread_with_a_tracker_survives_interpreter_exit():
-    # At exit CPython ends a daemon thread that calls into Python (the
-    # tracker) with pthread_exit: the unwind must pass through the library.
-    code = ("import ccalloc, threading, time\n"
-            "a = ccalloc.Allocator(backend='sim', capacity_bytes=256 << 20)\n"
-            "a.attach_trace_tracker(lambda e: None)\n"
-            "def spin():\n"
-            "    while True:\n"
-            "        a.free(a.malloc(1000))\n"
-            "threading.Thread(target=spin, daemon=True).start()\n"
-            "time.sleep(0.2)\n"
-            "print('exit')\n")
-    env = dict(os.environ, PYTHONPATH=str(ccalloc.__path__[0].rsplit(os.sep, 1)[0]))
-    for _ in range(5):
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        assert (out.returncode, out.stdout.strip()) == (0, "exit"), out.stderr[-2000:]

@@ -5,7 +5,6 @@
 
 #include <ccalloc/ccalloc.h>
 
-#include <ccalloc/base/detail/forced_unwind.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
@@ -51,16 +50,11 @@ std::string c_api_message(std::string message);
 /// storing the message for ccalloc_last_error().
 /// Inlined into each entry point: ccalloc_malloc and ccalloc_delete then make
 /// one call into the library's hot path, not two.
-/// Not noexcept: a callback that ends its thread (forced_unwind.hpp) unwinds
-/// through here to the thread's start. The handlers cost nothing until
-/// something is thrown.
 template <typename Body>
-[[gnu::always_inline]] inline ccalloc_status_t guarded(Body&& body) {
+[[gnu::always_inline]] inline ccalloc_status_t guarded(Body&& body) noexcept {
   try {
     body();
     return CCALLOC_OK;
-  } catch (const ccalloc::detail::forced_unwind&) {
-    throw;  // the thread is ending: no status to return
   } catch (const ccalloc::out_of_memory_error& e) {
     tls_last_error = with_prefix(e.what());
     return CCALLOC_ERROR_OUT_OF_MEMORY;

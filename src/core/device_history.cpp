@@ -41,9 +41,10 @@ allocation detail::malloc_recorded(detail::device_state& s, std::size_t size_byt
   return a;
 }
 
-namespace {
-void free_with_context(detail::device_state& s, block* b, const context_ptr& context) {
+void detail::free_recorded(detail::device_state& s, block* b) {
+  detail::tracker_delivery deliver;
   detail::history_recorder& h = s.history();
+  context_ptr context = h.gather(record_context::all);
   detail::context_scope scope(detail::context_kind::free, context);
   // The caller owns the live block: its fields do not change meanwhile.
   // Entries of this free (free_completed, segment changes) carry its tag.
@@ -60,27 +61,6 @@ void free_with_context(detail::device_state& s, block* b, const context_ptr& con
     h.record_free_completed(b->ptr, b->requested_bytes, b->stream, detail::tag_of(*b));
   }
   s.free(b);
-}
-}  // namespace
-
-// A free that ends its thread in a callback (forced_unwind.hpp) still frees
-// the block: the caller has forgotten the pointer (caching_allocator::free).
-// A tracker runs after the free; a recorder before it, so the free is made
-// here, without a context, before the unwind goes on.
-void detail::free_recorded(detail::device_state& s, block* b) {
-  detail::tracker_delivery deliver;
-  context_ptr context;
-  try {
-    context = s.history().gather(record_context::all);
-  } catch (const detail::forced_unwind&) {
-    try {
-      free_with_context(s, b, nullptr);
-    } catch (...) {  // a failed free keeps the block; the thread's end goes on
-    }
-    detail::history_recorder::drop_pending();
-    throw;
-  }
-  free_with_context(s, b, context);
 }
 
 namespace {

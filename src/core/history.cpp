@@ -97,13 +97,7 @@ context_ptr history_recorder::gather(record_context level) const {
     std::lock_guard lock(mutex_);
     recorder = recorder_;
   }
-  if (!recorder) return nullptr;
-  try {
-    return recorder();
-  } catch (const forced_unwind&) {  // the recorder ends its thread: nothing queued is delivered on the way out
-    drop_pending();
-    throw;
-  }
+  return recorder ? recorder() : nullptr;
 }
 
 void history_recorder::record(trace_entry_action action, std::uintptr_t addr, std::size_t size, stream_t stream,
@@ -251,7 +245,7 @@ std::vector<annotation_entry> history_recorder::annotations() const {
   return annotations_.items();
 }
 
-void history_recorder::deliver_pending() {
+void history_recorder::deliver_pending() noexcept {
   // A tracker may call back into the allocator, which queues and delivers
   // its own entries: take the queue first.
   while (!tls_pending.empty()) {
@@ -261,11 +255,6 @@ void history_recorder::deliver_pending() {
       for (const trace_tracker& t : *p.trackers) {
         try {
           t(p.entry);
-        } catch (const forced_unwind&) {
-          // The tracker ends its thread: the rest of its entries are
-          // dropped, none delivered while the stack unwinds.
-          drop_pending();
-          throw;
         } catch (...) {
           // Trackers are notifications: an exception must not reach the
           // allocator's caller nor stop the other trackers (trace_tracker).
@@ -273,8 +262,6 @@ void history_recorder::deliver_pending() {
       }
   }
 }
-
-void history_recorder::drop_pending() noexcept { tls_pending.clear(); }
 
 const context_ptr& history_recorder::current_context(context_kind kind) noexcept {
   return tls_context[static_cast<std::size_t>(kind)];

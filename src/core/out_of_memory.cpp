@@ -9,8 +9,6 @@
 #include "detail/device_state.hpp"
 #include "detail/format.hpp"
 
-#include <ccalloc/base/detail/forced_unwind.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
@@ -141,8 +139,6 @@ void run_oom_observers(const std::vector<oom_observer>& observers, int device, s
   for (const auto& o : observers) {
     try {
       o(device, requested_bytes, f.device_total_bytes, f.device_free_bytes);
-    } catch (const forced_unwind&) {  // the observer ends its thread (no lock is held)
-      throw;
     } catch (...) {  // dropped, as above
     }
   }

@@ -32,7 +32,6 @@
 #include <ccalloc/core/device_caching_allocator.hpp>
 
 #include <ccalloc/base/detail/bytes_text.hpp>
-#include <ccalloc/base/detail/forced_unwind.hpp>
 
 #include "detail/device_state.hpp"
 
@@ -499,8 +498,6 @@ void tag_sleep::fail_resume(const std::vector<tag_id>& todo, const std::vector<s
   for (const auto& o : observers) {
     try {
       o(d_.device(), need, f.device_total_bytes, f.device_free_bytes);
-    } catch (const forced_unwind&) {  // the observer ends its thread (no lock is held)
-      throw;
     } catch (...) {  // an observer's failure must not hide the out-of-memory error being thrown
     }
   }

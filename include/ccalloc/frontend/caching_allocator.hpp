@@ -39,7 +39,6 @@
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
-#include <ccalloc/base/detail/forced_unwind.hpp>
 #include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/base/detail/pointer_map.hpp>
 #include <ccalloc/base/detail/spin_mutex.hpp>
@@ -655,8 +654,6 @@ inline caching_allocator::pointer_shard& caching_allocator::shard_for(void* ptr)
   }
   try {
     devices_[static_cast<std::size_t>(entry.device)]->free(entry.block);
-  } catch (const detail::forced_unwind&) {  // a callback ended the thread: the block was freed (free_recorded)
-    throw;
   } catch (...) {
     std::lock_guard lock(shard.mutex);  // the free did not happen: keep the pointer live
     shard.blocks.insert(key, entry);

@@ -23,7 +23,6 @@
 
 #include "current_tag.hpp"
 
-#include <ccalloc/base/detail/forced_unwind.hpp>
 #include <ccalloc/core/history.hpp>
 
 #include <atomic>
@@ -98,8 +97,7 @@ class history_recorder {
   void attach_tracker(trace_tracker tracker);
 
   /// Calls the recorder if history is enabled with `when` >= `level`, else
-  /// returns null. Call outside the allocator's locks. A recorder that ends
-  /// its thread (forced_unwind.hpp) unwinds out of here.
+  /// returns null. Call outside the allocator's locks.
   [[nodiscard]] context_ptr gather(record_context level) const;
 
   /// Records one entry (stored unless skipped; queued for the trackers).
@@ -148,12 +146,8 @@ class history_recorder {
   [[nodiscard]] std::vector<annotation_entry> annotations() const;
 
   /// Delivers the entries the calling thread queued for trackers (of every
-  /// device). Call with no allocator lock held. What a tracker throws is
-  /// dropped, except a forced unwind (forced_unwind.hpp): a tracker that
-  /// ends its thread drops the thread's other entries, and the unwind goes on.
-  static void deliver_pending();
-  /// Drops the entries the calling thread queued for trackers.
-  static void drop_pending() noexcept;
+  /// device). Never throws; call with no allocator lock held.
+  static void deliver_pending() noexcept;
   /// The calling thread's current context of `kind` (see context_scope), or null.
   [[nodiscard]] static const context_ptr& current_context(context_kind kind) noexcept;
 
@@ -200,14 +194,10 @@ class context_scope {
 
 /// On scope exit (normal or by exception), delivers the calling thread's
 /// queued tracker entries. Construct it before taking any allocator lock.
-/// A tracker that ends its thread (forced_unwind.hpp) unwinds out of the
-/// destructor: noexcept(false). If that happens while another exception
-/// leaves the scope (an out-of-memory error's oom entry), C++ stops the
-/// process (std::terminate): docs/limitations.md.
 class tracker_delivery {
  public:
   tracker_delivery() = default;
-  ~tracker_delivery() noexcept(false) { history_recorder::deliver_pending(); }
+  ~tracker_delivery() { history_recorder::deliver_pending(); }
   tracker_delivery(const tracker_delivery&) = delete;
   tracker_delivery& operator=(const tracker_delivery&) = delete;
 };
