@@ -69,7 +69,7 @@ void event_queue::insert_events_locked(block* b) {
         throw;
       }
     }
-    queues_[at->second].events.emplace_back(recorded[i], b);
+    queues_[at->second].events.push_back({recorded[i], b});
     ++b->event_count;
   }
   pending_event_count_.fetch_add(recorded.size(), std::memory_order_relaxed);
