@@ -21,15 +21,24 @@ is_link() { if [ -L "$1" ]; then echo link; else echo gone; fi; }
 # then on the FIFO has a reader.
 reader() {
   cat f > "$1" &
+  reader_pid=$!
   n=0
   while [ $n -lt 100 ]; do
-    if [ "$(tr '\0' ' ' < "/proc/$!/cmdline" 2> /dev/null)" = "cat f " ] &&
-       [ "$(cut -d' ' -f3 "/proc/$!/stat" 2> /dev/null)" = S ]; then
+    if [ "$(tr '\0' ' ' < "/proc/$reader_pid/cmdline" 2> /dev/null)" = "cat f " ] &&
+       [ "$(cut -d' ' -f3 "/proc/$reader_pid/stat" 2> /dev/null)" = S ]; then
       return
     fi
     sleep 0.02
     n=$((n + 1))
   done
+}
+# reader_done: waits for the reader to end (at most 5 s; a writer that never
+# opened the FIFO leaves it waiting in open: it is then stopped).
+reader_done() {
+  n=0
+  while [ $n -lt 250 ] && kill -0 "$reader_pid" 2> /dev/null; do sleep 0.02; n=$((n + 1)); done
+  kill "$reader_pid" 2> /dev/null
+  wait "$reader_pid" 2> /dev/null
 }
 # exists NAME: "yes" or "no".
 exists() { if [ -e "$1" ]; then echo yes; else echo no; fi; }
@@ -69,17 +78,17 @@ fifo)
   reader report.out
   timeout 5 "$ccalloc" report good.trace -o f > /dev/null 2>&1
   echo "report rc=$?"
-  wait
+  reader_done
   echo "report bytes: $(head -c 15 report.out)"
   reader snapshot.out
   timeout 5 "$ccalloc" replay good.trace --snapshot f > /dev/null 2>&1
   echo "snapshot rc=$?"
-  wait
+  reader_done
   echo "snapshot bytes: $(head -c 12 snapshot.out)"
   reader oom.out
   timeout 5 "$ccalloc" replay oom.trace --allow-oom --config oom_snapshot:f > /dev/null 2>&1
   echo "oom_snapshot rc=$?"
-  wait
+  reader_done
   echo "oom_snapshot bytes: $(od -An -tx1 -N2 oom.out)"
   timeout 5 "$ccalloc" replay oom.trace --allow-oom --config oom_snapshot:f 2>&1 > /dev/null | grep -o 'oom_snapshot) could not be written to f: a FIFO with no reader'
   echo "no reader rc=$?"

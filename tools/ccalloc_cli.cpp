@@ -88,10 +88,10 @@
 #include <iostream>
 #include <iterator>
 #include <limits>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <new>
 #include <string_view>
 #include <vector>
 
