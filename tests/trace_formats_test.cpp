@@ -204,6 +204,40 @@ TEST(RmmLog, AFreeOnAnotherStreamIsReplayedOnTheAllocationsStream) {
   EXPECT_EQ(ccalloc::replay_trace(t, {}).peak_requested_bytes, 8u);
 }
 
+// An allocate of 0 bytes holds no memory: RMM's resources return nullptr,
+// others a pointer (maybe the same one again, maybe inside a live
+// allocation). It and its free (Size 0) are skipped together, in one note:
+// the free is no pointer "the log never allocated".
+TEST(RmmLog, ZeroByteAllocatesAndTheirFreesAreSkippedTogether) {
+  const ccalloc::trace t = ccalloc::parse_rmm_log("Thread,Time,Action,Pointer,Size,Stream\n"
+                                                  "1,1.0,allocate,0x10,0,0x0\n"
+                                                  "1,1.1,allocate,0x10,0,0x0\n"   // the same pointer again
+                                                  "1,1.2,allocate,0x40,64,0x0\n"
+                                                  "1,1.3,allocate,0x40,0,0x0\n"   // at a live allocation
+                                                  "1,2.0,free,0x10,0,0x0\n"
+                                                  "1,2.1,free,0x10,0,0x0\n"
+                                                  "1,2.2,free,0x40,0,0x0\n"
+                                                  "1,2.3,free,0x40,64,0x0\n"
+                                                  "1,2.4,allocate,(nil),0,0x0\n"  // RMM's nullptr
+                                                  "1,2.5,free,(nil),0,0x0\n",
+                                                  "log");
+  ASSERT_EQ(t.events.size(), 3u);
+  EXPECT_EQ(t.events[0].action, trace_action::alloc);
+  EXPECT_EQ(t.events[0].size, 64u);
+  EXPECT_EQ(t.events[2].action, trace_action::free_completed);
+  ASSERT_EQ(t.notes.size(), 1u) << t.notes[0];
+  EXPECT_EQ(t.notes[0], "3 allocate(s) of 0 bytes (the first: line 2) and 3 free(s) of them were skipped: 0 bytes "
+                        "hold no memory to replay");
+  // A third free of 0x10 is a double free, said as one.
+  const ccalloc::trace twice = ccalloc::parse_rmm_log(
+      "Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x10,0,0x0\n1,2.0,free,0x10,0,0x0\n"
+      "1,3.0,free,0x10,0,0x0\n",
+      "log");
+  ASSERT_EQ(twice.notes.size(), 2u);
+  EXPECT_EQ(twice.notes[1], "1 double free(s) were skipped: pointers freed again without an allocate between (the "
+                            "first: line 4 frees 0x10, already freed at line 3)");
+}
+
 TEST(RmmLog, MalformedInputNamesFileAndLine) {
   const std::string head = "Thread,Time,Action,Pointer,Size,Stream\n";
   const std::map<std::string, std::string> cases = {
