@@ -661,6 +661,32 @@ TEST(FreeStream, ATextTraceFreeOnAnotherStreamIsAnError) {
             "");
 }
 
+// An allocator hands out disjoint blocks: an alloc overlapping a live one
+// (above or below it) is refused naming both (was replayed silently). Ends
+// that touch, a range freed but not completed, and 0 bytes are no overlap;
+// the same address is the event loop's "still live" error.
+TEST(LiveRanges, AnAllocOverlappingALiveOneIsAnError) {
+  const auto replay_error = [](const std::string& text) {
+    return error_of([&] { (void)ccalloc::replay_trace(ccalloc::parse_trace_text(text, "ov"), {}); });
+  };
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 8192 100 0\n3 alloc 4352 512 0\n"),
+            "ov:3: alloc of 512 bytes at address 4352 overlaps the live allocation of 512 bytes at address 4096 "
+            "(allocated at line 1, not freed since): an allocator hands out disjoint blocks");
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 2048 2049 0\n"),
+            "ov:2: alloc of 2049 bytes at address 2048 overlaps the live allocation of 512 bytes at address 4096 "
+            "(allocated at line 1, not freed since): an allocator hands out disjoint blocks");
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 0 18446744073709551615 0\n"),
+            "ov:2: alloc of 18446744073709551615 bytes at address 0 overlaps the live allocation of 512 bytes at "
+            "address 4096 (allocated at line 1, not freed since): an allocator hands out disjoint blocks");
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 3584 512 0\n3 alloc 4608 512 0\n4 alloc 4200 0 0\n"
+                         "5 free_requested 4096 512 0\n6 alloc 4100 16 0\n7 free_requested 4100 16 0\n"
+                         "8 free_completed 4100 16 0\n9 free_completed 4096 512 0\n"),
+            "")
+      << "touching ends, 0 bytes, and a freed range (its free_completed still to come) are no overlap";
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 4096 64 0\n"),
+            "ov:2: alloc at address 4096, which is still live (allocated at line 1)");
+}
+
 TEST(FreeSize, AnRmmFreeOfAnotherSizeIsAnError) {
   const std::string log =
       "Thread,Time,Action,Pointer,Size,Stream\n"
