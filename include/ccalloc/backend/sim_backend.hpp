@@ -101,7 +101,9 @@
 // between mappings (the kernel merges neighbours only when their file ranges
 // are adjacent too), so a reservation with n separate mapped ranges uses up
 // to 2n + 1. A failed mmap in vm_map or vm_unmap throws backend_error with
-// errno's text (for ENOMEM also naming vm.max_map_count); a reservation mmap
+// errno's text (for ENOMEM also naming the limit that applies: the
+// address-space limit RLIMIT_AS when what the process maps passes it, else
+// vm.max_map_count; docs/errors.md); a reservation mmap
 // failing with ENOMEM makes vm_reserve return nullptr, as cuMemAddressReserve
 // reports out of memory.
 // The virtual-memory functions need granularity_bytes to be a multiple of the
