@@ -496,6 +496,7 @@ struct sim_backend::impl {
   std::uint64_t fail_query_countdown = 0;
   std::uint64_t fail_vm_create_countdown = 0;
   std::uint64_t fail_vm_map_countdown = 0;
+  std::uint64_t fail_vm_unmap_countdown = 0;
   std::uint64_t fail_stream_wait_countdown = 0;
   bool vm_supported = false;  // granularity is a multiple of the host page size
   std::map<std::uintptr_t, reservation> reservations;  // base -> reservation
