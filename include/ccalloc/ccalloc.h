@@ -509,6 +509,26 @@ CCALLOC_API ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* a
 CCALLOC_API ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc,
                                                              ccalloc_mapping_listener_fn fn, void* user_data);
 
+/** Stops (enabled = 0) or restarts (enabled != 0) the calls of every
+ * observing callback of the process, for all allocators at once: trace
+ * trackers, mapping listeners, out-of-memory observers, and the `record`,
+ * `release` and `frames` functions of ccalloc_record_history_ex. Made for a
+ * language runtime's shutdown: CPython ends a daemon thread that calls into
+ * Python while the interpreter finalizes (pthread_exit), which would stop
+ * the process from inside a callback; the Python package stops the
+ * callbacks at interpreter exit (atexit). While stopped, the allocators
+ * work as before, but trackers, listeners and observers miss what happens,
+ * entries and blocks are recorded without a context, a context recorded
+ * earlier is dropped without its `release` (its handle is leaked) and
+ * snapshots show no frames for it.
+ * Stopping returns once no other thread is inside one of these callbacks,
+ * or after `timeout_ms` milliseconds; `still_running` (may be NULL)
+ * receives the number of calls still inside then (0: none; a callback that
+ * calls this counts its own call out). Restarting returns at once (0).
+ * Thread-safe; never fails (CCALLOC_OK). Not in PyTorch's allocator, whose
+ * callbacks run on regardless. */
+CCALLOC_API ccalloc_status_t ccalloc_set_observers_enabled(int enabled, uint32_t timeout_ms, size_t* still_running);
+
 /* ---- private pools (SPEC F20, F21, E5; PyTorch's MemPool) ---------------------------------------
  *
  * A private pool holds its own segments: an allocation routed to it (see

@@ -15,6 +15,7 @@ process holds one copy of the library and one process-wide allocator.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import os
@@ -218,6 +219,7 @@ _PROTOTYPES = {
     "ccalloc_attach_out_of_memory_observer": (_S, [_A, OOM_OBSERVER, ctypes.c_void_p]),
     "ccalloc_attach_trace_tracker": (_S, [_A, TRACE_TRACKER, ctypes.c_void_p]),
     "ccalloc_attach_mapping_listener": (_S, [_A, MAPPING_LISTENER, ctypes.c_void_p]),
+    "ccalloc_set_observers_enabled": (_S, [ctypes.c_int, ctypes.c_uint32, ctypes.POINTER(_Z)]),
     "ccalloc_new_pool_id": (_S, [_A, ctypes.POINTER(ccalloc_mempool_id_t)]),
     "ccalloc_create_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t, _P, _P]),
     "ccalloc_release_pool": (_S, [_A, ctypes.c_int, ccalloc_mempool_id_t]),
@@ -327,6 +329,23 @@ def _load() -> None:
     # dlopen hands back this same copy.
     _path = str(Path(candidate).resolve()) if os.sep in candidate else candidate
     _lib = lib
+    atexit.register(_stop_observers_at_exit)
+
+
+# How long interpreter exit waits for callbacks already running (seconds).
+_EXIT_WAIT_SECONDS = 2
+
+
+def _stop_observers_at_exit() -> None:
+    """At interpreter exit, before CPython ends the daemon threads that call
+    into Python: no more calls of the Python callbacks given to the library
+    (trackers, listeners, observers, history's Python stacks), and those
+    running finish (ccalloc_set_observers_enabled; ctypes releases the
+    interpreter's lock meanwhile, so that they can). Without it, a daemon
+    thread still allocating would be ended inside a callback, which stops
+    the process ("FATAL: exception not rethrown")."""
+    if _lib is not None:
+        _lib.ccalloc_set_observers_enabled(0, _EXIT_WAIT_SECONDS * 1000, None)
 
 
 def load_first(candidates, check=None) -> tuple:

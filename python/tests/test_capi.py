@@ -729,3 +729,44 @@ def test_a_raising_mapping_listener_is_dropped(sim, capfd):
     sim.attach_mapping_listener(bad)
     sim.free(sim.malloc(1 << 20))
     assert "a mapping listener raised (ignored)" in capfd.readouterr().err
+
+
+_DAEMON_AT_EXIT = """
+import ccalloc, sys, threading, time
+mode = sys.argv[1]
+a = ccalloc.Allocator(backend='sim', capacity_bytes=256 << 20)
+if mode == 'tracker':
+    a.attach_trace_tracker(lambda e: None)
+elif mode == 'history':
+    a.record_history(True, 1000, context='python')
+elif mode == 'listener':
+    a.attach_mapping_listener(lambda e: None)
+else:
+    a.attach_out_of_memory_observer(lambda *args: None)
+def spin():
+    while True:
+        try:
+            if mode == 'oom':
+                a.malloc(1 << 40)
+            a.free(a.malloc(3 << 20))
+            a.empty_cache()
+        except ccalloc.OutOfMemoryError:
+            pass
+for _ in range(2):
+    threading.Thread(target=spin, daemon=True).start()
+time.sleep(0.1)
+print('exit')
+"""
+
+
+@pytest.mark.parametrize("mode", ["tracker", "history", "listener", "oom"])
+def test_daemon_threads_allocating_at_interpreter_exit(mode):
+    # CPython ends a daemon thread that calls into Python while the
+    # interpreter finalizes (pthread_exit): inside a callback that stopped
+    # the process ("FATAL: exception not rethrown"). The package stops the
+    # library's callbacks at exit (ccalloc_set_observers_enabled).
+    env = dict(os.environ, PYTHONPATH=str(ccalloc.__path__[0].rsplit(os.sep, 1)[0]))
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", _DAEMON_AT_EXIT, mode], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert (out.returncode, out.stdout.strip()) == (0, "exit"), out.stderr[-2000:]

@@ -451,7 +451,7 @@ void ccalloc_plugin_free(void* ptr, size_t /*size*/, int /*device*/, ccalloc_str
   // the same message: said once per process, not once per free.
   static std::atomic<bool> config_error_printed{false};
   if (status == CCALLOC_ERROR_CONFIG && config_error_printed.exchange(true)) return;
-  std::fprintf(stderr, "%s\n", tls_last_error.c_str());
+  std::fprintf(stderr, "%s\n", last_error_text());
 }
 
 // The deprecated names (ccalloc.h): the same functions.

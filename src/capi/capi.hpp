@@ -14,6 +14,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <string_view>
 
 /// What ccalloc_allocator_t points to: an allocator with the backend it owns.
 /// The backend is declared first so that it outlives the allocator.
@@ -32,8 +33,15 @@ namespace ccalloc::capi_detail {
 
 using ccalloc::caching_allocator;
 
-/// The message ccalloc_last_error() returns (errors.cpp).
-extern thread_local std::string tls_last_error;
+/// Stores `head` + `tail` as the calling thread's message, the one
+/// ccalloc_last_error() returns (errors.cpp): with the prefix "ccalloc: "
+/// (with_prefix), or, when `c_api`, as a C caller reads it (c_api_message).
+/// Never throws: without host memory for the message, the thread's message
+/// becomes a fixed one that says so.
+void set_last_error(std::string_view head, std::string_view tail = {}, bool c_api = false) noexcept;
+/// The calling thread's last message ("" before any); valid until its next
+/// failing call.
+[[nodiscard]] const char* last_error_text() noexcept;
 
 /// `message` with the prefix every C API message has, "ccalloc: " (the
 /// backends' own messages start "sim: " or "cuda: ").
@@ -56,35 +64,25 @@ template <typename Body>
     body();
     return CCALLOC_OK;
   } catch (const ccalloc::out_of_memory_error& e) {
-    tls_last_error = with_prefix(e.what());
+    set_last_error(e.what());
     return CCALLOC_ERROR_OUT_OF_MEMORY;
   } catch (const ccalloc::config_error& e) {
-    tls_last_error = with_prefix(e.what());
+    set_last_error(e.what());
     return CCALLOC_ERROR_CONFIG;
   } catch (const ccalloc::invalid_argument_error& e) {
-    tls_last_error = c_api_message(e.what());
+    set_last_error(e.what(), {}, /*c_api=*/true);
     return CCALLOC_ERROR_INVALID_ARGUMENT;
   } catch (const ccalloc::backend_error& e) {
-    tls_last_error = with_prefix(e.what());
+    set_last_error(e.what());
     return CCALLOC_ERROR_BACKEND;
   } catch (const std::bad_alloc&) {
-    // Assigning a message may itself fail now; keep whatever fits.
-    try {
-      tls_last_error = "ccalloc: out of host memory inside the library";
-    } catch (...) {  // no message then; the status still says out of host memory
-    }
+    set_last_error("ccalloc: out of host memory inside the library");
     return CCALLOC_ERROR_INTERNAL;
   } catch (const std::exception& e) {
-    try {
-      tls_last_error = std::string("ccalloc: internal error: ") + e.what();
-    } catch (...) {  // no message then; the status still says internal error
-    }
+    set_last_error("ccalloc: internal error: ", e.what());
     return CCALLOC_ERROR_INTERNAL;
   } catch (...) {
-    try {
-      tls_last_error = "ccalloc: internal error: unknown exception";
-    } catch (...) {  // no message then; the status still says internal error
-    }
+    set_last_error("ccalloc: internal error: unknown exception");
     return CCALLOC_ERROR_INTERNAL;
   }
 }

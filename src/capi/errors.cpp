@@ -2,6 +2,7 @@
 #include "capi.hpp"
 
 #include <ccalloc/backend/default_backend.hpp>
+#include <ccalloc/base/detail/thread_object.hpp>
 
 #ifndef CCALLOC_VERSION_STRING  // set by CMake (project version)
 #define CCALLOC_VERSION_STRING "unknown"
@@ -12,7 +13,33 @@
 
 namespace ccalloc::capi_detail {
 
-thread_local std::string tls_last_error;
+namespace {
+// The thread's last message (not a C++ thread_local: a thread's first error
+// must not stop the process when the host's memory is exhausted,
+// base/detail/thread_object.hpp); and a fixed message instead, when the
+// last one could not be stored.
+using last_error_of = ccalloc::detail::thread_object<std::string>;
+constinit thread_local const char* tls_fixed_error = nullptr;
+}  // namespace
+
+void set_last_error(std::string_view head, std::string_view tail, bool c_api) noexcept {
+  try {
+    std::string text;
+    text.reserve(head.size() + tail.size());
+    text.append(head).append(tail);
+    text = c_api ? c_api_message(std::move(text)) : with_prefix(std::move(text));
+    last_error_of::get() = std::move(text);
+    tls_fixed_error = nullptr;
+  } catch (...) {  // std::bad_alloc
+    tls_fixed_error = "ccalloc: out of host memory inside the library (this error's own message could not be stored)";
+  }
+}
+
+const char* last_error_text() noexcept {
+  if (tls_fixed_error != nullptr) return tls_fixed_error;
+  const std::string* text = last_error_of::find();
+  return text != nullptr ? text->c_str() : "";
+}
 
 /// A front-end message as a C caller reads it: the C++ calls it names
 /// (init(), init(device_count)) become the C functions to call.
@@ -40,7 +67,7 @@ extern "C" {
 
 // ---- errors and identity -----------------------------------------------------------
 
-const char* ccalloc_last_error(void) { return tls_last_error.c_str(); }
+const char* ccalloc_last_error(void) { return last_error_text(); }
 
 const char* ccalloc_status_name(ccalloc_status_t status) {
   switch (status) {

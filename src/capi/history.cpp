@@ -6,11 +6,16 @@
 #include <ccalloc/core/snapshot.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
+
+#include <pthread.h>
 
 using namespace ccalloc::capi_detail;  // NOLINT(google-build-using-namespace)
 
@@ -30,6 +35,41 @@ ccalloc_status_t ccalloc_record_history(ccalloc_allocator_t* alloc, int enabled,
 
 namespace {
 
+// ---- the switch of the observing callbacks (ccalloc_set_observers_enabled) ----------------------------
+//
+// Each call of an observing callback holds an observer_call: it counts
+// itself in, then reads the switch (both sequentially consistent), so that a
+// stop that then reads the count sees every call that may still go on.
+
+std::atomic<bool> observers_stopped{false};
+std::atomic<std::size_t> observer_calls_in_flight{0};
+constinit thread_local std::size_t tls_observer_calls = 0;  // this thread's calls in flight (nested)
+
+/// One call of an observing callback: made only when `open()`.
+class observer_call {
+ public:
+  observer_call() noexcept {
+    observer_calls_in_flight.fetch_add(1);
+    ++tls_observer_calls;
+    open_ = !observers_stopped.load();
+  }
+  ~observer_call() {
+    --tls_observer_calls;
+    observer_calls_in_flight.fetch_sub(1);
+  }
+  observer_call(const observer_call&) = delete;
+  observer_call& operator=(const observer_call&) = delete;
+  [[nodiscard]] bool open() const noexcept { return open_; }
+
+ private:
+  bool open_ = false;
+};
+
+/// In a child of fork() only the forking thread goes on: calls that other
+/// threads had in flight are gone.
+[[maybe_unused]] const int observer_count_reset_at_fork = pthread_atfork(
+    nullptr, nullptr, [] { observer_calls_in_flight.store(tls_observer_calls); });
+
 /// A context handle that a C recorder returned: given back through the
 /// recorder's release function with the last entry or block holding it,
 /// turned into frames through its frames function when a snapshot is written.
@@ -38,13 +78,17 @@ class c_context final : public ccalloc::trace_context {
   c_context(void* handle, const ccalloc_history_options_t& fns) noexcept
       : handle_(handle), release_(fns.release), frames_(fns.frames), user_data_(fns.user_data) {}
   ~c_context() override {
-    if (release_ != nullptr) release_(user_data_, handle_);
+    if (release_ == nullptr) return;
+    const observer_call call;  // stopped: the handle is leaked (ccalloc_set_observers_enabled)
+    if (call.open()) release_(user_data_, handle_);
   }
   c_context(const c_context&) = delete;
   c_context& operator=(const c_context&) = delete;
   [[nodiscard]] std::vector<ccalloc::stack_frame> to_frames() const override {
     std::vector<ccalloc::stack_frame> out;
-    if (frames_ != nullptr) frames_(user_data_, handle_, &sink, &out);
+    if (frames_ == nullptr) return out;
+    const observer_call call;
+    if (call.open()) frames_(user_data_, handle_, &sink, &out);
     return out;
   }
 
@@ -110,6 +154,8 @@ ccalloc_status_t ccalloc_record_history_ex(ccalloc_allocator_t* alloc, const cca
     o.skip_actions = parse_skip_actions(c.skip_actions);
     if (c.record != nullptr) {
       o.recorder = [c]() -> ccalloc::context_ptr {
+        const observer_call call;
+        if (!call.open()) return nullptr;
         void* handle = c.record(c.user_data);
         if (handle == nullptr) return nullptr;
         try {
@@ -154,7 +200,8 @@ ccalloc_status_t ccalloc_attach_out_of_memory_observer(ccalloc_allocator_t* allo
       throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_out_of_memory_observer: fn is NULL");
     resolve(alloc).attach_out_of_memory_observer(
         [fn, user_data](int device, std::size_t requested, std::size_t allowed, std::size_t free_bytes) {
-          fn(user_data, device, requested, allowed, free_bytes);
+          const observer_call call;
+          if (call.open()) fn(user_data, device, requested, allowed, free_bytes);
         });
   });
 }
@@ -164,6 +211,8 @@ ccalloc_status_t ccalloc_attach_trace_tracker(ccalloc_allocator_t* alloc, ccallo
   return guarded([&] {
     if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_trace_tracker: fn is NULL");
     resolve(alloc).attach_allocator_trace_tracker([fn, user_data](const ccalloc::trace_entry& e) {
+      const observer_call call;
+      if (!call.open()) return;
       const ccalloc_trace_entry_t c{static_cast<ccalloc_trace_action_t>(e.action), e.device, e.addr, e.size,
                                     from_stream(e.stream), e.time_us};
       fn(user_data, &c);
@@ -176,6 +225,8 @@ ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc, cca
   return guarded([&] {
     if (fn == nullptr) throw ccalloc::invalid_argument_error("ccalloc: ccalloc_attach_mapping_listener: fn is NULL");
     resolve(alloc).attach_mapping_listener([fn, user_data](const ccalloc::mapping_event& e) {
+      const observer_call call;
+      if (!call.open()) return;
       const ccalloc_mapping_event_t c{static_cast<ccalloc_mapping_change_t>(e.change),
                                       static_cast<ccalloc_mapping_reason_t>(e.reason),
                                       e.device,
@@ -187,6 +238,22 @@ ccalloc_status_t ccalloc_attach_mapping_listener(ccalloc_allocator_t* alloc, cca
     });
   });
 }
+ccalloc_status_t ccalloc_set_observers_enabled(int enabled, uint32_t timeout_ms, size_t* still_running) {
+  std::size_t running = 0;
+  if (enabled != 0) {
+    observers_stopped.store(false);
+  } else {
+    observers_stopped.store(true);
+    // The calls of other threads still inside (this thread's own are not waited for).
+    const auto others = [] { return observer_calls_in_flight.load() - tls_observer_calls; };
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while ((running = others()) != 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (still_running != nullptr) *still_running = running;
+  return CCALLOC_OK;
+}
+
 // The device bound of ccalloc.h is the C++ one.
 static_assert(CCALLOC_MAX_DEVICE_COUNT == ccalloc::max_device_count, "ccalloc.h and types.hpp disagree");
 // The C enums follow the C++ ones value for value.

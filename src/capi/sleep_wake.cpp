@@ -2,6 +2,7 @@
 #include "capi.hpp"
 
 #include <ccalloc/base/detail/fork_handlers.hpp>
+#include <ccalloc/base/detail/thread_object.hpp>
 #include <ccalloc/core/tags.hpp>
 
 #include <cstddef>
@@ -16,8 +17,10 @@ extern "C" {
 // ---- sleep and wake ---------------------------------------------------------------------------------------
 
 namespace {
-// The scopes ccalloc_tag_begin opened on this thread, innermost last.
-thread_local std::vector<std::unique_ptr<ccalloc::tag_scope>> tls_tag_scopes;
+// The scopes ccalloc_tag_begin opened on this thread, innermost last (not a
+// C++ thread_local: base/detail/thread_object.hpp).
+using tag_scopes = std::vector<std::unique_ptr<ccalloc::tag_scope>>;
+using tag_scopes_of = ccalloc::detail::thread_object<tag_scopes>;
 
 std::vector<std::string> tag_list(const char* const* tags, size_t tag_count, const char* fn) {
   if (tag_count != 0) require(tags, fn, "tags");
@@ -41,17 +44,19 @@ void put_result(const ccalloc::sleep_result& r, ccalloc_sleep_result_t* out) {
 ccalloc_status_t ccalloc_tag_begin(const char* tag) {
   return guarded([&] {
     require(tag, "ccalloc_tag_begin", "tag");
-    tls_tag_scopes.reserve(tls_tag_scopes.size() + 1);  // no throw after the scope opens
-    tls_tag_scopes.push_back(std::make_unique<ccalloc::tag_scope>(std::string_view(tag)));
+    tag_scopes& scopes = tag_scopes_of::get();
+    scopes.reserve(scopes.size() + 1);  // no throw after the scope opens
+    scopes.push_back(std::make_unique<ccalloc::tag_scope>(std::string_view(tag)));
   });
 }
 
 ccalloc_status_t ccalloc_tag_end(void) {
   return guarded([&] {
-    if (tls_tag_scopes.empty())
+    tag_scopes* scopes = tag_scopes_of::find();
+    if (scopes == nullptr || scopes->empty())
       throw ccalloc::invalid_argument_error(
           "ccalloc: ccalloc_tag_end: no scope of ccalloc_tag_begin is open on this thread");
-    tls_tag_scopes.pop_back();
+    scopes->pop_back();
   });
 }
 

@@ -2,6 +2,7 @@
 // the names of trace-entry actions (include/ccalloc/core/history.hpp).
 #include "detail/history_recorder.hpp"
 
+#include <ccalloc/base/detail/thread_object.hpp>
 #include <ccalloc/base/errors.hpp>
 
 #include <array>
@@ -42,10 +43,17 @@ struct pending_entry {
   std::shared_ptr<const std::vector<trace_tracker>> trackers;
   trace_entry entry;
 };
-thread_local std::vector<pending_entry> tls_pending;
-thread_local std::array<context_ptr, 2> tls_context;  // [context_kind]
 
 }  // namespace
+
+// One per thread, made at its first use (not a C++ thread_local: a thread's
+// first call must not stop the process when the host's memory is
+// exhausted, base/detail/thread_object.hpp).
+struct history_thread_state {
+  std::vector<pending_entry> pending;       // entries for the trackers, delivered on the way out
+  std::array<context_ptr, 2> context;       // [context_kind]
+};
+using thread_state_of = thread_object<history_thread_state>;
 
 history_recorder::~history_recorder() = default;
 
@@ -122,7 +130,7 @@ void history_recorder::record(trace_entry_action action, std::uintptr_t addr, st
       else entries_.push(std::move(e));
     }
   }
-  if (trackers && !trackers->empty()) tls_pending.push_back({std::move(trackers), std::move(e)});
+  if (trackers && !trackers->empty()) thread_state_of::get().pending.push_back({std::move(trackers), std::move(e)});
 }
 
 void history_recorder::record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream,
@@ -248,9 +256,11 @@ std::vector<annotation_entry> history_recorder::annotations() const {
 void history_recorder::deliver_pending() noexcept {
   // A tracker may call back into the allocator, which queues and delivers
   // its own entries: take the queue first.
-  while (!tls_pending.empty()) {
+  history_thread_state* state = thread_state_of::find();
+  if (state == nullptr) return;
+  while (!state->pending.empty()) {
     std::vector<pending_entry> batch;
-    batch.swap(tls_pending);
+    batch.swap(state->pending);
     for (const pending_entry& p : batch)
       for (const trace_tracker& t : *p.trackers) {
         try {
@@ -264,15 +274,29 @@ void history_recorder::deliver_pending() noexcept {
 }
 
 const context_ptr& history_recorder::current_context(context_kind kind) noexcept {
-  return tls_context[static_cast<std::size_t>(kind)];
+  static const context_ptr none;
+  const history_thread_state* state = thread_state_of::find();
+  return state != nullptr ? state->context[static_cast<std::size_t>(kind)] : none;
 }
 
+// A context that cannot be set (no host memory for the thread's state) is
+// not: the call's entries go without it.
 context_scope::context_scope(context_kind kind, context_ptr context) noexcept
-    : kind_(kind), previous_(std::move(tls_context[static_cast<std::size_t>(kind)])) {
-  tls_context[static_cast<std::size_t>(kind)] = std::move(context);
+    : kind_(kind), state_(thread_state_of::find()) {
+  if (state_ == nullptr && context != nullptr) {
+    try {
+      state_ = &thread_state_of::get();
+    } catch (...) {  // std::bad_alloc
+    }
+  }
+  if (state_ == nullptr) return;
+  previous_ = std::move(state_->context[static_cast<std::size_t>(kind)]);
+  state_->context[static_cast<std::size_t>(kind)] = std::move(context);
 }
 
-context_scope::~context_scope() { tls_context[static_cast<std::size_t>(kind_)] = std::move(previous_); }
+context_scope::~context_scope() {
+  if (state_ != nullptr) state_->context[static_cast<std::size_t>(kind_)] = std::move(previous_);
+}
 
 }  // namespace detail
 }  // namespace ccalloc

@@ -3,6 +3,7 @@
 // the world lock), thread exit and device teardown. The fast path is inline
 // in detail/thread_cache_fast.hpp; the design is in detail/thread_cache.hpp.
 #include <cstdio>
+#include <ccalloc/base/detail/thread_object.hpp>
 #include <ccalloc/base/printable_text.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
@@ -85,7 +86,9 @@ struct thread_records {
   }
 };
 
-thread_local thread_records tls_records;
+// Not a C++ thread_local: a thread's first malloc must not stop the process
+// when the host's memory is exhausted (base/detail/thread_object.hpp).
+using thread_records_of = thread_object<thread_records>;
 
 
 }  // namespace
@@ -126,7 +129,9 @@ thread_cache_registry::~thread_cache_registry() {
 thread_cache_record* thread_cache_find(device_state& d, bool create) {
   if (tls_records_gone) [[unlikely]]
     return nullptr;
-  thread_records& mine = tls_records;
+  thread_records* found = thread_records_of::find();
+  if (found == nullptr && !create) return nullptr;
+  thread_records& mine = found != nullptr ? *found : thread_records_of::get();
   for (auto& r : mine.records) {
     if (r->device_id == d.id()) {
       tls_last_record = r.get();

@@ -37,6 +37,9 @@
 
 namespace ccalloc::detail {
 
+/// A thread's pending tracker entries and current contexts (history.cpp).
+struct history_thread_state;
+
 /// The newest `capacity` items, oldest first on read. Invariant:
 /// items_.size() <= capacity_; when full, items_[next_] is the oldest.
 template <class T>
@@ -190,6 +193,7 @@ class context_scope {
  private:
   context_kind kind_;
   context_ptr previous_;
+  history_thread_state* state_;  // the thread's, or null: nothing set (none made, or out of host memory)
 };
 
 /// On scope exit (normal or by exception), delivers the calling thread's
