@@ -238,7 +238,8 @@ class sleep_replay {
   // is paused. Tags the pass left paused are resumed (recorded as resumes at
   // `index`, the pass's last event, line 0: no line of the trace), and the
   // trace's pause order starts afresh, so that the next pass's first pause
-  // of a tag is no second pause. A resume without room counts in `ooms`.
+  // of a tag is no second pause. A resume without room counts in `ooms`
+  // and failed_resumes.
   void end_pass(std::uint64_t index) {
     scope_.reset();
     paused_at_.clear();
@@ -251,6 +252,8 @@ class sleep_replay {
         resume_into(s);
       } catch (const out_of_memory_error& x) {
         count_oom(r_, x);
+        ++r_.failed_resumes;
+        s.failed = true;
       }
       record(std::move(s));
     }
@@ -290,6 +293,8 @@ class sleep_replay {
       // A resume without room on the device, or a pause without host memory
       // for the kept contents: nothing changed, the tag stays as it was.
       count_oom(r_, x);
+      ++(s.pause ? r_.failed_pauses : r_.failed_resumes);
+      s.failed = true;
     } catch (const invalid_argument_error& x) {
       throw_refused(t_, e, x);
     }
