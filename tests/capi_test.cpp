@@ -1686,6 +1686,97 @@ TEST(CApi, AMappingListenerThatCallsIntoTheAllocatorGetsInvalidArgument) {
   EXPECT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
 }
 
+// History callbacks that call back into the allocator: `release` and
+// `frames` may run where the allocator holds its locks (a context's last
+// reference goes with the oldest entry of a full ring buffer, under the
+// history's lock before this was refused; a snapshot made there waited for
+// that lock forever), so their calls get INVALID_ARGUMENT naming them;
+// `record` runs outside the locks, and its own calls work without calling
+// it again.
+struct reentering_recorder {
+  ccalloc_allocator_t* alloc = nullptr;
+  int recorded = 0, released = 0, framed = 0;
+  ccalloc_status_t record_malloc = CCALLOC_OK, record_delete = CCALLOC_OK;
+  std::vector<std::pair<std::string, ccalloc_status_t>> results;
+  std::vector<std::string> messages;
+  void call_back(const std::string& from) {
+    ccalloc_allocator_t* a = alloc;
+    size_t length = 0;
+    std::vector<int64_t> stats(4096);
+    const std::vector<std::pair<std::string, std::function<ccalloc_status_t()>>> calls = {
+        {"ccalloc_snapshot_json", [&] { return ccalloc_snapshot_json(a, 1, nullptr, 0, &length); }},
+        {"ccalloc_empty_cache", [&] { return ccalloc_empty_cache(a); }},
+        {"ccalloc_get_device_stats", [&] { return ccalloc_get_device_stats(a, 0, stats.data(), stats.size()); }},
+        {"ccalloc_record_history", [&] { return ccalloc_record_history(a, 1, 100); }},
+    };
+    for (const auto& [name, call] : calls) {
+      results.emplace_back(from + " " + name, call());
+      messages.emplace_back(ccalloc_last_error());
+    }
+  }
+};
+
+TEST(CApiHistory, ReleaseAndFramesCallbacksThatCallIntoTheAllocatorGetInvalidArgument) {
+  sim_allocator a(1024 * MiB);
+  reentering_recorder r;
+  r.alloc = a;
+  ccalloc_history_options_t h;
+  ccalloc_history_options_init(&h);
+  h.max_entries = 1;
+  h.when = CCALLOC_RECORD_CONTEXT_ALLOC;
+  h.user_data = &r;
+  h.record = [](void* user) -> void* {
+    auto& rec = *static_cast<reentering_recorder*>(user);
+    if (rec.recorded++ == 0) {  // a malloc and delete of its own: recorded without calling record again
+      void* p = nullptr;
+      rec.record_malloc = ccalloc_malloc(rec.alloc, 0, 512, nullptr, &p);
+      rec.record_delete = ccalloc_delete(rec.alloc, p);
+    }
+    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(rec.recorded));
+  };
+  h.release = [](void* user, void*) {
+    auto& rec = *static_cast<reentering_recorder*>(user);
+    if (rec.released++ == 0) rec.call_back("release:");
+  };
+  h.frames = [](void* user, void*, ccalloc_frame_sink_fn sink, void* sink_data) {
+    auto& rec = *static_cast<reentering_recorder*>(user);
+    if (rec.framed++ == 0) rec.call_back("frames:");
+    sink(sink_data, "f", "f.py", 1);
+  };
+  ASSERT_EQ(ccalloc_record_history_ex(a, &h), CCALLOC_OK) << ccalloc_last_error();
+  // One entry kept: the free's entries push out the alloc's, the next
+  // malloc's entry the free_completed holding the first context's last
+  // reference.
+  void* p = must_malloc(a, 4096);
+  EXPECT_EQ(r.recorded, 1) << "record is not called again for its own malloc";
+  EXPECT_EQ(r.record_malloc, CCALLOC_OK) << "a malloc from record works";
+  EXPECT_EQ(r.record_delete, CCALLOC_OK);
+  ASSERT_EQ(ccalloc_delete(a, p), CCALLOC_OK);
+  void* q = must_malloc(a, 4096);
+  void* q2 = must_malloc(a, 4096);
+  EXPECT_GE(r.released, 1);
+  size_t length = 0;
+  ASSERT_EQ(ccalloc_snapshot_json(a, 1, nullptr, 0, &length), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_GE(r.framed, 1);
+  ASSERT_EQ(r.results.size(), 8u);
+  for (std::size_t i = 0; i < r.results.size(); ++i) {
+    const std::string& name = r.results[i].first;
+    EXPECT_EQ(r.results[i].second, CCALLOC_ERROR_INVALID_ARGUMENT)
+        << name << ": " << ccalloc_status_name(r.results[i].second) << ": " << r.messages[i];
+    const std::string callback = name.starts_with("release")
+                                     ? "called from the history's release function (ccalloc_history_options_t.release)"
+                                     : "called from the history's frames function (ccalloc_history_options_t.frames)";
+    EXPECT_NE(r.messages[i].find(callback), std::string::npos) << name << ": " << r.messages[i];
+    EXPECT_NE(r.messages[i].find("it must not call into any ccalloc allocator"), std::string::npos)
+        << name << ": " << r.messages[i];
+  }
+  // Nothing changed: history still keeps one entry, the allocator works.
+  EXPECT_EQ(stat(a, "allocation.all.current"), 2);
+  EXPECT_EQ(ccalloc_delete(a, q), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_delete(a, q2), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_empty_cache(a), CCALLOC_OK) << "outside the callbacks";
+}
+
 TEST(CApi, MappedSegmentsOfPlainSegmentsAreWholeSegments) {
   sim_allocator a(1024 * MiB, "expandable_segments:False");
   void* p = must_malloc(a, 30 * MiB);

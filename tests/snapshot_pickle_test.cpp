@@ -2,7 +2,15 @@
 // (convert_pytorch_snapshot, src/replay/pickle_reader.cpp and
 // snapshot_reader.cpp): memo references converted once, time linear in the
 // pickle's size, malformed and over-limit pickles named in one line, sites
-// from frames, and the report's allocation-sites table.
+// from frames, the report's allocation-sites table, the device converted
+// (--snapshot-device), and the tags, pauses and resumes of ccalloc's own
+// snapshots.
+#include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/core/config.hpp>
+#include <ccalloc/core/history.hpp>
+#include <ccalloc/core/snapshot.hpp>
+#include <ccalloc/core/tags.hpp>
+#include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/replay/replay.hpp>
 #include <ccalloc/replay/report.hpp>
 #include <ccalloc/replay/trace.hpp>
@@ -12,12 +20,15 @@
 #include "temp_file.hpp"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <ctime>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -532,3 +543,182 @@ TEST(SnapshotPickle, MemoryLimitNamesTheFlag) {
   o.max_pickle_memory_bytes = 1400000;
   EXPECT_GT(ccalloc::convert_pytorch_snapshot(snapshot_path, o).events.size(), 0u);
 }
+
+// ---- devices, tags, pause and resume ------------------------------------------------
+
+namespace {
+
+/// {"device_traces": [...], "segments": []}: device d gets counts[d] allocs.
+std::string snapshot_with_devices(const std::vector<int>& counts) {
+  pickle_writer p;
+  p.dict().key("segments").list().end_list().key("device_traces").list();
+  for (std::size_t d = 0; d < counts.size(); ++d) {
+    p.list();
+    for (int i = 0; i < counts[d]; ++i)
+      p.dict()
+          .field("action", "alloc")
+          .field("addr", static_cast<std::int64_t>(0x7f0000000000 + 0x100000 * (100 * d + i)))
+          .field("size", static_cast<std::int64_t>(4096 * (d + 1)))
+          .field("stream", 0)
+          .field("time_us", 1700000000000000 + i)
+          .end_dict();
+    p.end_list();
+  }
+  p.end_list().end_dict();
+  return p.done();
+}
+
+TEST(SnapshotPickle, SeveralDevicesConvertTheBusiestAndNameTheOthers) {
+  const std::string bytes = snapshot_with_devices({1, 3, 0, 2});
+  const ccalloc::trace busiest = ccalloc::convert_pytorch_snapshot_data(bytes, "snap");
+  ASSERT_EQ(busiest.events.size(), 3u);
+  for (const ccalloc::trace_event& e : busiest.events) EXPECT_EQ(e.size, 8192u) << "device 1's entries";
+  ASSERT_FALSE(busiest.notes.empty());
+  EXPECT_EQ(busiest.notes.front(),
+            "the snapshot has entries on several devices; the trace holds one: device 1 (3 entries) converted, not "
+            "device 0 (1 entry), device 3 (2 entries) (choose one with ccalloc's --snapshot-device N, or "
+            "trace_read_options::snapshot_device)");
+
+  ccalloc::trace_read_options o;
+  o.snapshot_device = 3;
+  const ccalloc::trace third = ccalloc::convert_pytorch_snapshot_data(bytes, "snap", o);
+  ASSERT_EQ(third.events.size(), 2u);
+  EXPECT_EQ(third.events[0].size, 16384u);
+  ASSERT_FALSE(third.notes.empty());
+  EXPECT_NE(third.notes.front().find("device 3 (2 entries) converted, not device 0 (1 entry), device 1 (3 entries)"),
+            std::string::npos)
+      << third.notes.front();
+
+  o.snapshot_device = 4;
+  EXPECT_EQ(error_of(bytes, o),
+            "snap: a PyTorch snapshot that cannot be read: device 4 was asked for (--snapshot-device), but "
+            "device_traces has devices 0..3");
+
+  // One device with entries: no note.
+  const ccalloc::trace single = ccalloc::convert_pytorch_snapshot_data(snapshot_with_devices({0, 2}), "snap");
+  EXPECT_EQ(single.events.size(), 2u);
+  EXPECT_TRUE(single.notes.empty()) << single.notes.front();
+}
+
+/// `j` written as pickle opcodes (what python/ccalloc/snapshot.py makes of
+/// a snapshot's JSON with Python's pickle).
+void write_json(const nlohmann::json& j, pickle_writer& p) {
+  switch (j.type()) {
+    case nlohmann::json::value_t::object:
+      p.dict();
+      for (const auto& [k, v] : j.items()) {
+        p.key(k);
+        write_json(v, p);
+      }
+      p.end_dict();
+      break;
+    case nlohmann::json::value_t::array:
+      p.list();
+      for (const auto& v : j) write_json(v, p);
+      p.end_list();
+      break;
+    case nlohmann::json::value_t::string: p.str(j.get<std::string>()); break;
+    case nlohmann::json::value_t::boolean: p.raw(j.get<bool>() ? "\x88" : "\x89"); break;
+    case nlohmann::json::value_t::number_unsigned:
+    case nlohmann::json::value_t::number_integer: p.num(j.get<std::int64_t>()); break;
+    case nlohmann::json::value_t::number_float: {
+      const double d = j.get<double>();
+      std::uint64_t bits = 0;
+      std::memcpy(&bits, &d, sizeof bits);
+      std::string be(1, 'G');
+      for (int i = 7; i >= 0; --i) be += static_cast<char>((bits >> (8 * i)) & 0xFF);
+      p.raw(be);
+      break;
+    }
+    default: p.raw("N"); break;
+  }
+}
+
+TEST(SnapshotPickle, CcallocSnapshotsKeepTheirTagsPausesAndResumes) {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  auto sim = std::make_shared<ccalloc::sim_backend>();
+  ccalloc::caching_allocator a(sim, ccalloc::allocator_config::parse(""));
+  a.init(1);
+  ccalloc::history_options h;
+  h.when = ccalloc::record_context::never;
+  a.record_history(h);
+  void* weights = nullptr;
+  void* kv = nullptr;
+  {
+    const ccalloc::tag_scope scope("weights");
+    weights = a.malloc(0, 8 * MiB, 0);
+  }
+  {
+    const ccalloc::tag_scope scope("kv_cache");
+    kv = a.malloc(0, 4 * MiB, 0);
+  }
+  void* plain = a.malloc(0, 1 * MiB, 0);
+  (void)a.pause({"weights"}, /*keep_contents=*/true);
+  (void)a.pause({"kv_cache"}, /*keep_contents=*/false);
+  (void)a.resume({"weights"});
+  a.free(plain);
+  pickle_writer p;
+  write_json(nlohmann::json::parse(ccalloc::to_json(a.snapshot())), p);
+  a.resume({"kv_cache"});
+  a.free(weights);
+  a.free(kv);
+
+  const ccalloc::trace t = ccalloc::convert_pytorch_snapshot_data(p.done(), "own");
+  std::vector<std::string> seen;  // "action tag [keep|drop]" of tag, pause, resume; "alloc SIZE"
+  for (const ccalloc::trace_event& e : t.events) {
+    const std::string tag = e.tag == 0 ? "default" : t.tags.at(e.tag - 1);
+    switch (e.action) {
+      case trace_action::tag: seen.push_back("tag " + tag); break;
+      case trace_action::pause: seen.push_back("pause " + tag + (e.keep_contents ? " keep" : " drop")); break;
+      case trace_action::resume: seen.push_back("resume " + tag); break;
+      case trace_action::alloc: seen.push_back("alloc " + std::to_string(e.size / MiB)); break;
+      default: break;
+    }
+    if (e.action == trace_action::pause || e.action == trace_action::resume) {
+      EXPECT_EQ(e.addr, 0u);
+      EXPECT_EQ(e.stream, 0u);
+    }
+  }
+  const std::vector<std::string> expected = {"tag weights",  "alloc 8",       "tag kv_cache",       "alloc 4",
+                                             "tag default",  "alloc 1",       "pause weights keep", "pause kv_cache drop",
+                                             "resume weights"};
+  EXPECT_EQ(seen, expected);
+  for (const std::string& note : t.notes) EXPECT_EQ(note.find("pause"), std::string::npos) << note;
+
+  // The replay sleeps and wakes as the program did.
+  const ccalloc::replay_result r = ccalloc::replay_trace(t, ccalloc::replay_options{});
+  ASSERT_EQ(r.sleep_events.size(), 3u);
+  EXPECT_TRUE(r.sleep_events[0].pause);
+  EXPECT_EQ(r.sleep_events[0].tag, "weights");
+  EXPECT_TRUE(r.sleep_events[0].keep_contents);
+  EXPECT_EQ(r.sleep_events[0].paused_bytes, 8 * MiB);
+  EXPECT_EQ(r.sleep_events[1].tag, "kv_cache");
+  EXPECT_FALSE(r.sleep_events[1].keep_contents);
+  EXPECT_FALSE(r.sleep_events[2].pause);
+  EXPECT_EQ(r.sleep_events[2].tag, "weights");
+}
+
+/// A resume of tag "weights" paused before the trace, then an alloc under `alloc_tag`.
+std::string resume_then_alloc(const std::string& alloc_tag) {
+  pickle_writer p;
+  p.dict().key("segments").list().end_list().key("device_traces").list().list();
+  p.dict().field("action", "resume").field("addr", 0).field("size", 4096).field("stream", 0);
+  p.field("time_us", 1700000000000000).field("tag", "weights").end_dict();
+  p.dict().field("action", "alloc").field("addr", 0x7f0000000000).field("size", 512).field("stream", 0);
+  p.field("time_us", 1700000000000001).field("tag", alloc_tag).end_dict();
+  p.end_list().end_list().end_dict();
+  return p.done();
+}
+
+TEST(SnapshotPickle, AResumeOfATagPausedBeforeTheTraceIsDropped) {
+  EXPECT_EQ(error_of(resume_then_alloc("bad tag!")),
+            "snap: a PyTorch snapshot that cannot be read: device_traces[0][1].tag: bad tag 'bad tag!': a tag name "
+            "is 1 to 64 ASCII letters, digits and the characters _-.:/");
+  const ccalloc::trace t = ccalloc::convert_pytorch_snapshot_data(resume_then_alloc("default"), "snap");
+  ASSERT_EQ(t.events.size(), 1u);
+  EXPECT_EQ(t.events[0].action, trace_action::alloc);
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_EQ(t.notes[0], "1 resume entry of tags paused before the trace began dropped");
+}
+
+}  // namespace

@@ -988,6 +988,7 @@ struct common_options {
   std::string max_pickle_objects_text;  // --max-pickle-objects; empty: the library's default
   std::string max_pickle_bytes_text;    // --max-pickle-bytes; empty: the library's default
   std::optional<std::string> max_pickle_memory_text;  // --max-pickle-memory
+  std::optional<std::string> snapshot_device_text;    // --snapshot-device; none: the device with the most entries
 
   /// The readers' limits: the text readers' (limits()) and a PyTorch snapshot pickle's.
   [[nodiscard]] ccalloc::trace_read_options read_options() const {
@@ -1002,6 +1003,9 @@ struct common_options {
                                           "decompressed bytes of a snapshot pickle");
     if (max_pickle_memory_text)
       read.max_pickle_memory_bytes = parse_byte_count(*max_pickle_memory_text, "--max-pickle-memory");
+    if (snapshot_device_text)
+      read.snapshot_device = static_cast<std::int64_t>(
+          parse_count(*snapshot_device_text, "--snapshot-device", 0, 65535, "a device index of the snapshot"));
     return read;
   }
 
@@ -1290,6 +1294,9 @@ int run(int argc, char** argv) {
     sub->add_option("--max-pickle-memory", common.max_pickle_memory_text,
                     "Reading a PyTorch snapshot pickle may build at most SIZE of values (bytes, units as "
                     "--device-memory; a real snapshot takes about 2x its pickle bytes). Default: 8GiB.");
+    sub->add_option("--snapshot-device", common.snapshot_device_text,
+                    "Which device of a PyTorch snapshot pickle to replay (its device_traces[N]; a trace holds one "
+                    "device). Default: the device with the most entries, with a note naming the others.");
     if (with_json) sub->add_flag("--json", common.json_output, "Print the results as JSON.");
     sub->add_flag("--allow-oom", common.allow_oom,
                   "Exit 0 even when allocations failed with out of memory (they are skipped; the figures then "

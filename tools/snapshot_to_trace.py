@@ -4,7 +4,7 @@
     python3 tools/snapshot_to_trace.py SNAPSHOT.pickle [-o OUT.trace] [--device N]
 
 The input is what ``torch.cuda.memory._dump_snapshot()`` writes (gzip
-allowed). Its ``device_traces[N]`` (default: the first device with entries)
+allowed). Its ``device_traces[N]`` (default: the device with the most entries)
 becomes one event per line, ``time_us action addr size stream``
 (docs/trace-format.md), which ``ccalloc replay`` and ``ccalloc report`` read.
 ``ccalloc replay SNAPSHOT.pickle`` does the same conversion itself, in C++
@@ -107,7 +107,8 @@ def convert(snapshot, device=None):
         if not isinstance(t, list):
             raise ConvertError(f"device_traces[{d}]: expected a list, got {type(t).__name__}")
     if device is None:
-        device = next((d for d, t in enumerate(traces) if t), 0)
+        # The device with the most entries, the lowest index among equals (as ccalloc's reader).
+        device = max(range(len(traces)), key=lambda d: (len(traces[d]), -d)) if traces else 0
     if not 0 <= device < max(len(traces), 1):
         raise ConvertError(f"--device {device}: the snapshot has {len(traces)} device trace(s)")
     entries = traces[device] if traces else []
@@ -244,6 +245,10 @@ def convert(snapshot, device=None):
     head = [(t0, action, addr, size, stream) for addr, (action, size, stream) in sorted(start_segments.items())]
     head += [(t0, "alloc", addr, size, stream) for addr, (size, stream) in sorted(start_allocs.items())]
     notes = [f"{len(entries)} trace entries of device {device}"]
+    others = [f"device {d} ({len(t)} {'entry' if len(t) == 1 else 'entries'})"
+              for d, t in enumerate(traces) if d != device and t]
+    if others:
+        notes.append("not converted (a trace holds one device; choose one with --device N): " + ", ".join(others))
     if start_allocs or start_segments:
         notes.append(f"{len(start_allocs)} alloc and {len(start_segments)} segment events added at the start "
                      "(allocated before the trace)")
@@ -270,7 +275,7 @@ def main(argv=None):
                     "ccalloc's trace format (docs/trace-format.md).")
     parser.add_argument("snapshot", help="the .pickle file (gzip allowed)")
     parser.add_argument("-o", "--output", help="trace file to write (default: standard output)")
-    parser.add_argument("--device", type=int, help="device whose trace to convert (default: the first with entries)")
+    parser.add_argument("--device", type=int, help="device whose trace to convert (default: the one with the most entries)")
     args = parser.parse_args(argv)
     if args.output and os.path.exists(args.output) and os.path.samefile(args.output, args.snapshot):
         print(f"snapshot_to_trace: the output {args.output} is the snapshot {args.snapshot} (the same file), "

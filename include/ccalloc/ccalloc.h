@@ -415,8 +415,17 @@ typedef void (*ccalloc_frame_sink_fn)(void* sink_data, const char* name, const c
  * dropped, on whatever thread drops it. `frames` (may be NULL: no frames)
  * is called only when a snapshot is written (ccalloc_snapshot_json, the
  * oom_snapshot file), once per entry or block that holds the handle, and
- * emits its frames through `sink`. The three must not call into this
- * allocator; `user_data` is passed to each and must outlive every handle. */
+ * emits its frames through `sink`. `release` and `frames` may run while
+ * the calling thread holds the allocator's locks: they must not call into
+ * any ccalloc allocator. A call from them that would lock a device fails
+ * with CCALLOC_ERROR_INVALID_ARGUMENT ("ccalloc: ...: called from the
+ * history's release function (ccalloc_history_options_t.release), ...")
+ * with nothing changed; ccalloc_malloc and ccalloc_delete, whose fast path
+ * takes no such check, stop the process where they would wait on a lock
+ * the thread holds, as from a mapping listener (and with its message).
+ * `record` runs outside the locks: a malloc or free it makes works, and is
+ * recorded without a context (`record` is not called again from inside
+ * itself). `user_data` is passed to each and must outlive every handle. */
 typedef struct {
   int enabled;            /**< nonzero: record (default 1); 0: stop and drop what was recorded */
   size_t max_entries;     /**< ring-buffer capacity per device, > 0 (default SIZE_MAX) */

@@ -2,6 +2,8 @@
 // trace, mapping).
 #include "capi.hpp"
 
+#include <ccalloc/base/detail/locked_callback.hpp>
+#include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/core/history.hpp>
 #include <ccalloc/core/snapshot.hpp>
 
@@ -70,6 +72,35 @@ class observer_call {
 [[maybe_unused]] const int observer_count_reset_at_fork = pthread_atfork(
     nullptr, nullptr, [] { observer_calls_in_flight.store(tls_observer_calls); });
 
+/// While the caller's `release` or `frames` function runs: it may run where
+/// the allocator holds locks (the last reference to a context is dropped
+/// under the history's or the device's locks), so a call from it back into
+/// an allocator is refused with INVALID_ARGUMENT naming it, or, for malloc
+/// and free that would wait on a lock this thread holds, stops the process
+/// with a message, as for a mapping listener (base/detail/spin_mutex.hpp).
+class locked_callback {
+ public:
+  explicit locked_callback(const char* name) noexcept : previous_(ccalloc::detail::tls_locked_callback) {
+    ++ccalloc::detail::tls_mapping_listener_depth;
+    ccalloc::detail::tls_locked_callback = name;
+  }
+  ~locked_callback() {
+    ccalloc::detail::tls_locked_callback = previous_;
+    --ccalloc::detail::tls_mapping_listener_depth;
+  }
+  locked_callback(const locked_callback&) = delete;
+  locked_callback& operator=(const locked_callback&) = delete;
+
+ private:
+  const char* previous_;
+};
+
+/// Nonzero while this thread runs the caller's `record` function: a call
+/// from it into the allocator (made outside the allocator's locks, so it
+/// may) records its entries without a context instead of calling `record`
+/// again, which would recurse without end.
+constinit thread_local int tls_recording = 0;
+
 /// A context handle that a C recorder returned: given back through the
 /// recorder's release function with the last entry or block holding it,
 /// turned into frames through its frames function when a snapshot is written.
@@ -80,7 +111,9 @@ class c_context final : public ccalloc::trace_context {
   ~c_context() override {
     if (release_ == nullptr) return;
     const observer_call call;  // stopped: the handle is leaked (ccalloc_set_observers_enabled)
-    if (call.open()) release_(user_data_, handle_);
+    if (!call.open()) return;
+    const locked_callback running("the history's release function (ccalloc_history_options_t.release)");
+    release_(user_data_, handle_);
   }
   c_context(const c_context&) = delete;
   c_context& operator=(const c_context&) = delete;
@@ -88,7 +121,9 @@ class c_context final : public ccalloc::trace_context {
     std::vector<ccalloc::stack_frame> out;
     if (frames_ == nullptr) return out;
     const observer_call call;
-    if (call.open()) frames_(user_data_, handle_, &sink, &out);
+    if (!call.open()) return out;
+    const locked_callback running("the history's frames function (ccalloc_history_options_t.frames)");
+    frames_(user_data_, handle_, &sink, &out);
     return out;
   }
 
@@ -154,14 +189,25 @@ ccalloc_status_t ccalloc_record_history_ex(ccalloc_allocator_t* alloc, const cca
     o.skip_actions = parse_skip_actions(c.skip_actions);
     if (c.record != nullptr) {
       o.recorder = [c]() -> ccalloc::context_ptr {
+        if (tls_recording != 0) return nullptr;  // a call from `record` itself
         const observer_call call;
         if (!call.open()) return nullptr;
-        void* handle = c.record(c.user_data);
+        void* handle = nullptr;
+        {
+          ++tls_recording;
+          struct done {
+            ~done() { --tls_recording; }
+          } const recording;
+          handle = c.record(c.user_data);
+        }
         if (handle == nullptr) return nullptr;
         try {
           return std::make_shared<const c_context>(handle, c);
         } catch (...) {
-          if (c.release != nullptr) c.release(c.user_data, handle);
+          if (c.release != nullptr) {
+            const locked_callback running("the history's release function (ccalloc_history_options_t.release)");
+            c.release(c.user_data, handle);
+          }
           throw;
         }
       };

@@ -67,21 +67,27 @@ void history_recorder::configure(const history_options& options) {
     throw invalid_argument_error("ccalloc: record_history: max_entries must be at least 1, got 0");
   std::uint32_t mask = 0;
   for (trace_entry_action a : options.skip_actions) mask |= 1u << static_cast<unsigned>(a);
+  // What is dropped is destroyed after the lock (declared before it): a
+  // context may hold a caller's handle whose release runs the caller's code.
+  context_recorder old_recorder;
+  std::vector<trace_entry> dropped_entries, cleared_entries;
+  std::unordered_map<std::uintptr_t, context_ptr> dropped_blocks, dropped_segments;
   std::lock_guard lock(mutex_);
   const bool enabled = options.enabled;
+  old_recorder = std::move(recorder_);
   recorder_ = enabled ? options.recorder : context_recorder{};
   when_.store(enabled ? options.when : record_context::never, std::memory_order_relaxed);
   skip_mask_ = mask;
-  entries_.set_capacity(options.max_entries);
-  annotations_.set_capacity(options.max_entries);
+  dropped_entries = entries_.set_capacity(options.max_entries);
+  (void)annotations_.set_capacity(options.max_entries);
   if (!enabled || options.clear) {
-    entries_.clear();
-    annotations_.clear();
+    cleared_entries = entries_.take();
+    (void)annotations_.take();
   }
   if (!enabled) {
     // Contexts of live blocks would go stale: their frees are not seen.
-    block_contexts_.clear();
-    segment_contexts_.clear();
+    dropped_blocks.swap(block_contexts_);
+    dropped_segments.swap(segment_contexts_);
     compile_contexts_.clear();
   }
   enabled_.store(enabled, std::memory_order_relaxed);
@@ -119,6 +125,7 @@ void history_recorder::record(trace_entry_action action, std::uintptr_t addr, st
   e.stream = stream;
   e.time_us = now_us();
   std::shared_ptr<const std::vector<trace_tracker>> trackers;
+  trace_entry dropped;  // the oldest entry, when the buffer is full: destroyed after the lock
   {
     std::lock_guard lock(mutex_);
     if (when() >= record_context::alloc) e.context = context;
@@ -126,8 +133,8 @@ void history_recorder::record(trace_entry_action action, std::uintptr_t addr, st
     e.user_metadata = user_metadata_;
     trackers = trackers_;
     if (enabled() && (skip_mask_ & (1u << static_cast<unsigned>(action))) == 0) {
-      if (trackers && !trackers->empty()) entries_.push(e);
-      else entries_.push(std::move(e));
+      if (trackers && !trackers->empty()) entries_.push(e, dropped);
+      else entries_.push(std::move(e), dropped);
     }
   }
   if (trackers && !trackers->empty()) thread_state_of::get().pending.push_back({std::move(trackers), std::move(e)});
@@ -173,7 +180,7 @@ void history_recorder::remember(std::unordered_map<std::uintptr_t, context_ptr>&
                                 context_ptr context) {
   if (!context) return;
   std::lock_guard lock(mutex_);
-  map[addr] = std::move(context);
+  std::swap(map[addr], context);  // a context there before goes with `context`, after the lock
 }
 
 context_ptr history_recorder::find(const std::unordered_map<std::uintptr_t, context_ptr>& map,
@@ -219,8 +226,9 @@ void history_recorder::record_annotation(std::vector<std::pair<std::string, std:
   a.device = device_;
   a.time_us = now_us();
   a.metadata = std::move(metadata);
+  annotation_entry dropped;
   std::lock_guard lock(mutex_);
-  if (enabled()) annotations_.push(std::move(a));
+  if (enabled()) annotations_.push(std::move(a), dropped);
 }
 
 void history_recorder::push_compile_context(std::string context) {

@@ -8,6 +8,7 @@
 #include "detail/device_state.hpp"
 
 #include <ccalloc/base/detail/assert.hpp>
+#include <ccalloc/base/detail/locked_callback.hpp>
 #include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/base/errors.hpp>
 
@@ -22,7 +23,9 @@ namespace ccalloc::detail {
 world_lock::world_lock(device_state& d) : d_(d) {
   // The announcing thread holds every lock of its device while a mapping
   // listener runs: a call from the listener back into an allocator would
-  // wait for itself.
+  // wait for itself (and so would one from the other callbacks counted there).
+  if (tls_mapping_listener_depth != 0 && tls_locked_callback != nullptr) [[unlikely]]
+    throw invalid_argument_error(locked_callback_message("a call into the allocator (device " + std::to_string(d.device()) + ")"));
   if (tls_mapping_listener_depth != 0) [[unlikely]]
     throw invalid_argument_error("ccalloc: a mapping listener called into the allocator (device " + std::to_string(d.device()) +
                 "), which the announcing thread holds locked; a listener must not call into any ccalloc "

@@ -3,6 +3,7 @@
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/base/detail/hot_tls.hpp>
 #include <ccalloc/base/detail/pointer_text.hpp>
+#include <ccalloc/base/detail/locked_callback.hpp>
 #include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/base/printable_text.hpp>
 
@@ -49,6 +50,8 @@ class config_hold {
 // A mapping listener runs with its device's locks held (mapping_events.hpp):
 // what changes the devices' configuration would wait for itself there.
 void refuse_inside_mapping_listener(const char* what) {
+  if (detail::tls_mapping_listener_depth != 0 && detail::tls_locked_callback != nullptr) [[unlikely]]
+    throw invalid_argument_error(detail::locked_callback_message(what));
   if (detail::tls_mapping_listener_depth != 0) [[unlikely]]
     throw invalid_argument_error(std::string("ccalloc: ") + what +
                 " called from a mapping listener; a listener must not call into any ccalloc allocator "
@@ -166,6 +169,8 @@ device_caching_allocator& caching_allocator::checked_device(int device, const ch
   // Each call naming a device takes some of its locks, which a thread
   // running mapping listeners holds: refused here, before any lock, rather
   // than stopping the process on the lock (ccalloc/core/mapping_events.hpp).
+  if (detail::tls_mapping_listener_depth != 0 && detail::tls_locked_callback != nullptr) [[unlikely]]
+    throw invalid_argument_error(detail::locked_callback_message(what));
   if (detail::tls_mapping_listener_depth != 0) [[unlikely]]
     throw invalid_argument_error(std::string("ccalloc: ") + what +
                                  ": a mapping listener called into the allocator, whose locks the announcing thread "

@@ -3,9 +3,16 @@
 //
 // The pickle is read as a stream (zlib's gzread reads plain and gzip files
 // alike) by the plain-data pickle reader (pickle_reader.hpp), which never
-// runs code and shares equal contents, then device_traces[D] (D: the first
-// device with entries) becomes one trace event per entry. tools/
-// snapshot_to_trace.py does the same conversion in Python, to text.
+// runs code and shares equal contents, then device_traces[D] (D: the one
+// asked for, else the device with the most entries, the others noted)
+// becomes one trace event per entry. tools/snapshot_to_trace.py does the
+// same conversion in Python, to text.
+//
+// A snapshot ccalloc wrote (core/snapshot_json.cpp) also has `pause` and
+// `resume` entries and a `tag` on each entry: they become the trace's
+// `pause`, `resume` and `tag` events, as trace_writer writes them (a `tag`
+// event before each alloc whose tag differs from the previous alloc's), so
+// that the replay sleeps and wakes as the program did.
 //
 // A snapshot's trace often starts after the program did (history was turned
 // on later, or the ring buffer dropped the oldest entries). So that the
@@ -28,6 +35,8 @@
 #include "line_parsers.hpp"
 #include "pickle_reader.hpp"
 
+#include <ccalloc/core/tags.hpp>
+
 #ifndef CCALLOC_HAVE_ZLIB
 #define CCALLOC_HAVE_ZLIB 1
 #endif
@@ -40,6 +49,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -73,7 +83,7 @@ std::string kind_text(const pickle::tree& t, value v) { return std::string(pickl
 /// The converter: the tree's device trace and segments into trace events.
 class converter {
  public:
-  explicit converter(const pickle::tree& t) : t_(t) {}
+  converter(const pickle::tree& t, std::int64_t wanted_device) : t_(t), wanted_device_(wanted_device) {}
 
   trace run() {
     const value root = t_.root;
@@ -101,15 +111,7 @@ class converter {
       if (t_.kind_of(per_device[d]) != kind::list)
         throw convert_error("device_traces[" + std::to_string(d) + "]: expected a list, got " +
                             kind_text(t_, per_device[d]));
-    device_ = 0;
-    for (std::size_t d = 0; d < devices; ++d) {
-      std::size_t n = 0;
-      (void)t_.items(per_device[d], n);
-      if (n > 0) {
-        device_ = d;
-        break;
-      }
-    }
+    choose_device(per_device, devices);
     std::size_t entry_count = 0;
     const value* entries = devices > 0 ? t_.items(per_device[device_], entry_count) : nullptr;
     for (std::size_t i = 0; i < entry_count; ++i) entry(entries[i], i);
@@ -122,7 +124,38 @@ class converter {
     std::uint64_t time, addr, size, stream;
     trace_action action;
     std::uint32_t site;
+    std::uint16_t tag = 0;  // alloc: the tag it was made under; pause, resume: the tag
+    bool keep = false;      // pause: the contents were kept
   };
+
+  /// device_ from wanted_device_ (-1: the device with the most entries, the
+  /// lowest index among equals); notes the other devices that have entries.
+  void choose_device(const value* per_device, std::size_t devices) {
+    std::vector<std::size_t> counts(devices, 0);
+    for (std::size_t d = 0; d < devices; ++d) (void)t_.items(per_device[d], counts[d]);
+    if (wanted_device_ >= 0) {
+      if (static_cast<std::uint64_t>(wanted_device_) >= devices)
+        throw convert_error("device " + std::to_string(wanted_device_) + " was asked for (--snapshot-device), but " +
+                            (devices == 0 ? std::string("device_traces is empty")
+                                          : "device_traces has devices 0.." + std::to_string(devices - 1)));
+      device_ = static_cast<std::size_t>(wanted_device_);
+    } else {
+      device_ = 0;
+      for (std::size_t d = 1; d < devices; ++d)
+        if (counts[d] > counts[device_]) device_ = d;
+    }
+    const auto device_text = [&](std::size_t d) {
+      return "device " + std::to_string(d) + " (" + std::to_string(counts[d]) +
+             (counts[d] == 1 ? " entry)" : " entries)");
+    };
+    std::string others;
+    for (std::size_t d = 0; d < devices; ++d)
+      if (d != device_ && counts[d] != 0) others += (others.empty() ? "" : ", ") + device_text(d);
+    if (!others.empty())
+      device_note_ = "the snapshot has entries on several devices; the trace holds one: " + device_text(device_) +
+                     " converted, not " + others +
+                     " (choose one with ccalloc's --snapshot-device N, or trace_read_options::snapshot_device)";
+  }
 
   [[nodiscard]] std::string where(std::size_t i) const {
     return "device_traces[" + std::to_string(device_) + "][" + std::to_string(i) + "]";
@@ -185,6 +218,8 @@ class converter {
         {"segment_unmap", trace_action::segment_unmap},
         {"snapshot", trace_action::snapshot},
         {"oom", trace_action::oom},
+        {"pause", trace_action::pause},
+        {"resume", trace_action::resume},
     };
     for (const auto& [name, action] : known)
       if (name == a) return action;
@@ -210,6 +245,7 @@ class converter {
     const std::uint64_t size = uint_field(e, "size", at);
     const std::uint64_t stream = uint_field(e, "stream", at);
     const std::uint32_t site = site_of(e);
+    const std::uint16_t tag = tag_of(e, at);
     switch (*action) {
       case trace_action::alloc: {
         // PyTorch records a block's frees before its address serves another
@@ -227,15 +263,17 @@ class converter {
           pending_.erase(q);
         }
         live_[addr] = {stream, size, i};
-        break;
+        events_.push_back({time, addr, size, stream, *action, site, tag});
+        ++entries_;
+        return;
       }
       case trace_action::free_requested:
-        if (live_.erase(addr) == 0 && pending_.count(addr) == 0) start_allocs_.try_emplace(addr, size, stream, 0);
+        if (live_.erase(addr) == 0 && pending_.count(addr) == 0) start_allocs_.try_emplace(addr, size, stream, 0, tag);
         pending_[addr] = {stream, size, i};
         break;
       case trace_action::free_completed:
         if (pending_.count(addr) == 0) {
-          if (live_.erase(addr) == 0) start_allocs_.try_emplace(addr, size, stream, 0);
+          if (live_.erase(addr) == 0) start_allocs_.try_emplace(addr, size, stream, 0, tag);
           events_.push_back({time, addr, size, stream, trace_action::free_requested, 0});
           ++repaired_;
         }
@@ -248,14 +286,48 @@ class converter {
         break;
       case trace_action::segment_map:
       case trace_action::segment_unmap: unmapped_.push_back({addr, size, *action == trace_action::segment_map}); break;
+      case trace_action::pause:  // ccalloc's: addr holds the bytes kept in host memory
+        paused_.insert(tag);
+        events_.push_back({time, 0, size, 0, *action, 0, tag, addr != 0});
+        ++entries_;
+        return;
+      case trace_action::resume:
+        if (paused_.erase(tag) == 0) {  // paused before the trace began: nothing in it to wake
+          ++resumes_dropped_;
+          return;
+        }
+        events_.push_back({time, 0, size, 0, *action, 0, tag});
+        ++entries_;
+        return;
       case trace_action::snapshot:
       case trace_action::oom:
-      case trace_action::tag:  // not in a snapshot's entries (action_of never names them)
-      case trace_action::pause:
-      case trace_action::resume: break;
+      case trace_action::tag: break;  // not in a snapshot's entries (action_of never names it)
     }
     events_.push_back({time, addr, size, stream, *action, site});
     ++entries_;
+  }
+
+  /// The trace's index of the entry's or block's `tag` (trace::tags), added
+  /// on first use: 0 for "default" or none (PyTorch's entries have none).
+  std::uint16_t tag_of(value d, const std::string& at) {
+    value v = 0;
+    if (!t_.get(d, "tag", v)) return 0;
+    if (t_.kind_of(v) != kind::str) throw convert_error(at + ".tag: expected a string, got " + kind_text(t_, v));
+    const std::string_view name = t_.text(v);
+    if (name == default_tag_name) return 0;
+    if (!is_tag_name(name))
+      throw convert_error(at + ".tag: bad tag '" + std::string(name.substr(0, 64)) +
+                          "': a tag name is 1 to 64 ASCII letters, digits and the characters _-.:/");
+    const auto [it, added] = tag_ids_.try_emplace(std::string(name), 0);
+    if (added) {
+      if (tags_.size() >= std::numeric_limits<std::uint16_t>::max()) {
+        tag_ids_.erase(it);
+        throw convert_error(at + ".tag: more than 65535 distinct tags");
+      }
+      tags_.push_back(it->first);
+      it->second = static_cast<std::uint16_t>(tags_.size());
+    }
+    return it->second;
   }
 
   // Entry `at` has time `time`, before the entry ahead of it (last_time_):
@@ -342,7 +414,8 @@ class converter {
         const std::string_view st = t_.get(b[j], "state", state) ? t_.text(state) : std::string_view();
         if ((st == "active_allocated" || st == "active_pending_free") && live_.count(addr) == 0 &&
             pending_.count(addr) == 0)
-          start_allocs_.try_emplace(addr, uint_or(b[j], "requested_size", size, bat), stream, site_of(b[j]));
+          start_allocs_.try_emplace(addr, uint_or(b[j], "requested_size", size, bat), stream, site_of(b[j]),
+                                    tag_of(b[j], bat));
         addr += size;
       }
     }
@@ -352,22 +425,32 @@ class converter {
     trace out;
     const std::uint64_t t0 = first_time_.value_or(0);
     out.events.reserve(start_segments_.size() + start_allocs_.size() + events_.size());
-    const auto add = [&](std::uint64_t time, trace_action a, std::uint64_t addr, std::uint64_t size,
-                         std::uint64_t stream, std::uint32_t site) {
+    std::uint16_t alloc_tag = 0;  // the tag the replay makes allocations under (each pass starts at default)
+    const auto add = [&](const event& from) {
       trace_event e;
-      e.time_us = time;
-      e.action = a;
-      e.addr = addr;
-      e.size = size;
-      e.stream = stream;
-      e.site = site;
+      if (from.action == trace_action::alloc && from.tag != alloc_tag) {  // a tag event before it
+        e.time_us = from.time;
+        e.action = trace_action::tag;
+        e.tag = alloc_tag = from.tag;
+        e.line = out.events.size() + 1;
+        out.events.push_back(e);
+      }
+      e.time_us = from.time;
+      e.action = from.action;
+      e.addr = from.addr;
+      e.size = from.size;
+      e.stream = from.stream;
+      e.site = from.site;
+      e.tag = from.action == trace_action::alloc ? 0 : from.tag;
+      e.keep_contents = from.keep;
       e.line = out.events.size() + 1;
       out.events.push_back(e);
     };
-    for (const auto& [addr, s] : start_segments_) add(t0, std::get<0>(s), addr, std::get<1>(s), std::get<2>(s), 0);
+    for (const auto& [addr, s] : start_segments_)
+      add({t0, addr, std::get<1>(s), std::get<2>(s), std::get<0>(s), 0});
     for (const auto& [addr, s] : start_allocs_)
-      add(t0, trace_action::alloc, addr, std::get<0>(s), std::get<1>(s), std::get<2>(s));
-    for (const event& e : events_) add(e.time, e.action, e.addr, e.size, e.stream, e.site);
+      add({t0, addr, std::get<0>(s), std::get<1>(s), trace_action::alloc, std::get<2>(s), std::get<3>(s)});
+    for (const event& e : events_) add(e);
     if (!start_allocs_.empty() || !start_segments_.empty())
       out.notes.push_back(std::to_string(start_allocs_.size()) + " alloc and " + std::to_string(start_segments_.size()) +
                           " segment events added at the start (allocated before the trace)");
@@ -376,6 +459,11 @@ class converter {
       out.notes.push_back(std::to_string(completions_added_) +
                           " free_completed added before an alloc at an address freed without one (the first: " +
                           first_completion_added_ + ")");
+    if (resumes_dropped_ != 0)
+      out.notes.push_back(std::to_string(resumes_dropped_) +
+                          (resumes_dropped_ == 1 ? " resume entry" : " resume entries") +
+                          " of tags paused before the trace began dropped");
+    if (!device_note_.empty()) out.notes.insert(out.notes.begin(), device_note_);
     if (steps_back_ != 0)
       out.notes.push_back("time_us steps back at " + std::to_string(steps_back_) +
                           (steps_back_ == 1 ? " entry (" : " entries (the first ") +
@@ -391,11 +479,14 @@ class converter {
       out.notes.push_back(text);
     }
     out.sites = std::move(sites_);
+    out.tags = std::move(tags_);
     return out;
   }
 
   const pickle::tree& t_;
+  std::int64_t wanted_device_ = -1;  // trace_read_options::snapshot_device
   std::size_t device_ = 0;
+  std::string device_note_;  // the devices with entries that are not converted
   std::vector<event> events_;
   std::size_t entries_ = 0;
   std::optional<std::uint64_t> first_time_, last_time_;
@@ -406,7 +497,8 @@ class converter {
   std::unordered_map<std::uint64_t, block_entry> live_;     // addr -> its alloc, until its free_requested
   std::unordered_map<std::uint64_t, block_entry> pending_;  // addr -> its free_requested, until free_completed
   std::unordered_set<std::uint64_t> segment_seen_;         // segments with a segment_alloc in the trace
-  std::map<std::uint64_t, std::tuple<std::uint64_t, std::uint64_t, std::uint32_t>> start_allocs_;  // size, stream, site
+  // addr -> size, stream, site, tag
+  std::map<std::uint64_t, std::tuple<std::uint64_t, std::uint64_t, std::uint32_t, std::uint16_t>> start_allocs_;
   std::map<std::uint64_t, std::tuple<trace_action, std::uint64_t, std::uint64_t>> start_segments_;  // action, size, stream
   std::vector<std::tuple<std::uint64_t, std::uint64_t, bool>> unmapped_;  // segment_map/unmap: addr, size, is map
   std::map<std::string, std::size_t> dropped_;
@@ -419,6 +511,10 @@ class converter {
   std::unordered_map<std::uint64_t, std::uint32_t> sites_by_id_;
   std::unordered_map<std::string, std::uint32_t> sites_by_text_;
   std::vector<std::string> sites_;
+  std::vector<std::string> tags_;                          // trace::tags
+  std::unordered_map<std::string, std::uint16_t> tag_ids_;  // name -> trace_event::tag
+  std::unordered_set<std::uint16_t> paused_;                // tags paused by the trace, not resumed yet
+  std::size_t resumes_dropped_ = 0;                         // resumes of tags the trace had not paused
 };
 
 std::string limit_hint(const pickle::limit_error& e) {
@@ -436,7 +532,7 @@ trace convert(const pickle::read_fn& read, const std::string& source, const trac
     trace t;
     {
       const pickle::tree tree = pickle::read(read, lim, on_bytes);
-      t = converter(tree).run();
+      t = converter(tree, options.snapshot_device).run();
     }
     t.source = source;
     t.has_source_lines = false;  // a pickle has no lines; the conversion's mean nothing to the user

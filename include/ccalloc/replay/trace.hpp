@@ -158,6 +158,13 @@ struct trace_read_options {
   /// a hostile one fails here instead of exhausting the host.
   /// ccalloc --max-pickle-memory.
   std::uint64_t max_pickle_memory_bytes = std::uint64_t{8} << 30;
+  /// Which of a snapshot's device_traces to convert (the trace format holds
+  /// one device): -1, the default, takes the device with the most entries
+  /// (the lowest index among equals) and notes the other devices that have
+  /// entries with their counts; 0 and up take that device (an index the
+  /// snapshot has not is a trace_error naming the devices it has). ccalloc
+  /// --snapshot-device N.
+  std::int64_t snapshot_device = -1;
   /// Optional: told the bytes of the file read so far and the file's size
   /// (compressed bytes for gzip), every 16 MiB of pickle and once at the end.
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
@@ -209,13 +216,20 @@ enum class trace_format {
                                   const trace_limits& limits = {});
 
 /// Converts the PyTorch snapshot pickle at `path` (plain or gzip, read as a
-/// stream): the entries of device_traces[D], D the first device with
-/// entries, become events in order (unknown actions are dropped and counted
-/// in notes), with allocs and segments added at the start for what the
-/// snapshot's segments hold that the trace never allocated, and missing
-/// frees added (the rules of tools/snapshot_to_trace.py, which does the same
-/// conversion to text). An event's `line` is its 1-based position in the
-/// converted trace. Entries' and blocks' `frames` become `site`s.
+/// stream): the entries of device_traces[D] (D: options.snapshot_device;
+/// by default the device with the most entries, the others that have
+/// entries named in a note) become events in order (unknown actions are
+/// dropped and counted in notes), with allocs and segments added at the
+/// start for what the snapshot's segments hold that the trace never
+/// allocated, and missing frees added (the rules of
+/// tools/snapshot_to_trace.py, which does the same conversion to text).
+/// The `pause` and `resume` entries and the entries' `tag`s of a snapshot
+/// ccalloc wrote become `pause`, `resume` and `tag` events (a `tag` event
+/// before each alloc whose tag differs from the previous alloc's, as
+/// trace_writer writes them; a resume of a tag paused before the trace
+/// began is dropped and counted in notes). An event's `line` is its
+/// 1-based position in the converted trace. Entries' and blocks' `frames`
+/// become `site`s.
 ///
 /// Only plain data is read (dicts, lists, tuples, strings, bytes, numbers,
 /// booleans, None, pickle protocols 2 to 5); nothing in the file is run.
@@ -225,7 +239,8 @@ enum class trace_format {
 /// "a PyTorch snapshot that cannot be read: REASON"): a corrupt or truncated
 /// pickle (REASON names the byte offset), an opcode that is not plain data,
 /// a field missing or of the wrong type (REASON names it, e.g.
-/// "device_traces[0][5]: missing 'addr'"), a limit of `options` exceeded,
+/// "device_traces[0][5]: missing 'addr'"), a bad tag name, a
+/// snapshot_device the snapshot has not, a limit of `options` exceeded,
 /// or the host out of memory.
 [[nodiscard]] trace convert_pytorch_snapshot(const std::string& path, const trace_read_options& options = {});
 /// The same for pickle bytes in memory (decompressed); `source` names them in errors.

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -45,22 +46,40 @@ struct history_thread_state;
 template <class T>
 class ring_buffer {
  public:
-  void push(T item) {
+  /// Adds `item`; when full, the oldest item is moved to `dropped` (so that
+  /// the caller destroys it after its lock: an entry's context may hold a
+  /// caller's handle whose release runs the caller's code).
+  void push(T item, T& dropped) {
     if (items_.size() < capacity_) {
       items_.push_back(std::move(item));
       return;
     }
+    dropped = std::move(items_[next_]);
     items_[next_] = std::move(item);
     next_ = next_ + 1 == capacity_ ? 0 : next_ + 1;
   }
-  /// Keeps the newest min(size, capacity) items. capacity >= 1.
-  void set_capacity(std::size_t capacity) {
+  /// Keeps the newest min(size, capacity) items, capacity >= 1; returns the
+  /// items it drops (for the caller to destroy after its lock).
+  std::vector<T> set_capacity(std::size_t capacity) {
     std::vector<T> ordered = items();
-    if (ordered.size() > capacity)
-      ordered.erase(ordered.begin(), ordered.end() - static_cast<std::ptrdiff_t>(capacity));
-    items_ = std::move(ordered);
+    std::vector<T> dropped;
+    if (ordered.size() > capacity) {
+      const auto keep_from = ordered.end() - static_cast<std::ptrdiff_t>(capacity);
+      dropped.assign(std::make_move_iterator(ordered.begin()), std::make_move_iterator(keep_from));
+      ordered.erase(ordered.begin(), keep_from);
+    }
+    std::swap(items_, ordered);  // the old items (copies of those kept, and the dropped) go with `ordered`
     next_ = 0;
     capacity_ = capacity;
+    dropped.insert(dropped.end(), std::make_move_iterator(ordered.begin()), std::make_move_iterator(ordered.end()));
+    return dropped;
+  }
+  /// Empties the buffer; returns its items (for the caller to destroy after its lock).
+  std::vector<T> take() {
+    std::vector<T> out;
+    out.swap(items_);
+    next_ = 0;
+    return out;
   }
   [[nodiscard]] std::vector<T> items() const {
     std::vector<T> out;
