@@ -128,6 +128,81 @@ TEST(ConcurrencyTest, ThreadsOnOwnStreamsWithCrossThreadFreesAndSlowPathRaces) {
   dev.check_invariants();
 }
 
+// Threads that allocate on their per-thread default stream and exit, while
+// workers allocate on their own streams and a disturber takes the world
+// lock: each exiting thread hands its stream to the device, whose next world
+// lock waits for its work and marks it gone. Blocks of an exited thread's
+// stream freed later by another thread, and uses recorded on it, stay exact.
+TEST(ConcurrencyTest, ThreadsExitWhileOthersAllocateOnTheirOwnStreams) {
+  auto sim = std::make_shared<ccalloc::sim_backend>(ccalloc::sim_options{1, std::size_t{2} << 30, 2 * mib});
+  ccalloc::caching_allocator alloc(sim, ccalloc::allocator_config{});
+  alloc.init(1);
+  constexpr int workers = 3;
+  constexpr int short_threads = 150;
+  std::vector<ccalloc::stream_t> streams;
+  for (int t = 0; t < workers; ++t) streams.push_back(sim->create_stream(0));
+  std::mutex left_mutex;
+  std::vector<void*> left;  // blocks of exited threads' streams, freed by the main thread
+  std::atomic<bool> stop{false};
+  auto worker = [&](int t) {
+    std::mt19937_64 rng(77 + t);
+    std::vector<void*> mine;
+    while (!stop.load()) {
+      if (mine.size() < 8) {
+        void* p = alloc.malloc(0, (std::size_t{512} << (rng() % 13)) + rng() % 512, streams[std::size_t(t)]);
+        mine.push_back(p);
+      } else {
+        for (void* p : mine) alloc.free(p);
+        mine.clear();
+      }
+    }
+    for (void* p : mine) alloc.free(p);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 0; t < workers; ++t) pool.emplace_back(worker, t);
+  std::thread disturber([&] {
+    std::mt19937_64 rng(5);
+    while (!stop.load()) {
+      if (rng() % 2 == 0) (void)alloc.get_device_stats(0);
+      else alloc.empty_cache();
+      std::this_thread::yield();
+    }
+  });
+  for (int i = 0; i < short_threads; ++i) {
+    std::thread t([&, i] {
+      std::mt19937_64 rng(1000 + i);
+      const ccalloc::stream_t own = ccalloc::per_thread_stream_handle;
+      void* a = alloc.malloc(0, (std::size_t{512} << (rng() % 13)) + rng() % 512, own);
+      void* b = alloc.malloc(0, 2 * mib, own);
+      alloc.record_stream(b, streams[std::size_t(i) % workers]);  // a use on a live stream
+      alloc.free(a);
+      std::lock_guard lock(left_mutex);
+      left.push_back(b);  // freed after this thread has exited
+    });
+    t.join();
+    if (i % 8 == 7) {
+      std::lock_guard lock(left_mutex);
+      for (void* p : left) alloc.free(p);
+      left.clear();
+    }
+  }
+  stop.store(true);
+  for (auto& th : pool) th.join();
+  disturber.join();
+  for (void* p : left) alloc.free(p);
+  auto& dev = alloc.device_allocator(0);
+  dev.check_invariants();
+  for (auto s : streams) sim->synchronize_stream(0, s);
+  alloc.empty_cache();
+  const auto st = alloc.get_device_stats(0);
+  EXPECT_EQ(st.allocation[0].current, 0);
+  EXPECT_EQ(st.allocated_bytes[0].current, 0);
+  EXPECT_EQ(st.active_bytes[0].current, 0);
+  EXPECT_EQ(st.reserved_bytes[0].current, 0);
+  EXPECT_EQ(sim->counters().used_bytes, 0u);
+  dev.check_invariants();
+}
+
 // With one thread, statistics are exact even when it switches streams: the
 // peak of allocated bytes is the peak of the sum over streams.
 TEST(ConcurrencyTest, SingleThreadPeaksAreExactAcrossStreams) {

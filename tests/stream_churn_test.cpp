@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <unistd.h>
@@ -108,6 +109,76 @@ TEST(StreamChurn, DestroyedStreamsCostNoHostMemoryNorTimeWithPlainSegments) {
 
 TEST(StreamChurn, DestroyedStreamsCostNoHostMemoryNorTimeWithLargeBlocks) {
   churn("expandable_segments:False", 12 * MiB);
+}
+
+// A thread that allocates on its per-thread default stream (handle 2) and
+// exits: its stream ends with it, and the allocator forgets it as a
+// destroyed one (the next world lock waits for its work, its cached memory
+// moves on, its state goes). A server that starts a thread per request runs
+// this for ever: the heap must stay flat, each thread as fast as the first
+// ones, the statistics exact.
+TEST(StreamChurn, ExitedThreadsPerThreadStreamsCostNoHostMemoryNorTime) {
+#ifdef CCALLOC_TEST_ASAN
+  constexpr int threads = 400;
+#else
+  constexpr int threads = 2'000;
+#endif
+  constexpr int thread_batch = 100;
+  ccalloc_options_t o;
+  ccalloc_options_init(&o);
+  o.backend = CCALLOC_BACKEND_SIM;
+  ccalloc_allocator_t* a = nullptr;
+  ASSERT_EQ(ccalloc_create(&o, &a), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_init(a, 1), CCALLOC_OK) << ccalloc_last_error();
+  const auto per_thread = reinterpret_cast<ccalloc_stream_t>(std::uintptr_t{2});  // cudaStreamPerThread
+  std::size_t heap_after_first = 0, heap_at_end = 0;
+  std::vector<double> batch_seconds;
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 1; i <= threads; ++i) {
+    ccalloc_status_t malloc_status = CCALLOC_OK, delete_status = CCALLOC_OK;
+    std::thread t([&] {
+      void* p = nullptr;
+      malloc_status = ccalloc_malloc(a, 0, MiB, per_thread, &p);
+      if (malloc_status == CCALLOC_OK) delete_status = ccalloc_delete(a, p);
+    });
+    t.join();
+    ASSERT_EQ(malloc_status, CCALLOC_OK) << "thread " << i;
+    ASSERT_EQ(delete_status, CCALLOC_OK) << "thread " << i;
+    if (i % thread_batch != 0) continue;
+    const auto now = std::chrono::steady_clock::now();
+    batch_seconds.push_back(std::chrono::duration<double>(now - start).count());
+    const std::size_t heap = heap_bytes_in_use();
+    if (i == 3 * thread_batch) heap_after_first = heap;
+    heap_at_end = heap;
+    if (i >= 3 * thread_batch) {
+      ASSERT_LE(heap, heap_after_first + MiB)
+          << "the heap grew by " << (heap - heap_after_first) << " bytes over " << (i - 3 * thread_batch)
+          << " threads that allocated on their per-thread stream and exited";
+    }
+    start = std::chrono::steady_clock::now();
+  }
+  // Exact: nothing allocated, one stream at most (the last thread's, until
+  // a world lock), the memory of the exited threads' streams reused.
+  std::int64_t allocated = -1, allocations = -1, segments = -1;
+  ASSERT_EQ(ccalloc_get_device_stat(a, 0, "allocated_bytes.all.current", &allocated), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_get_device_stat(a, 0, "allocation.all.allocated", &allocations), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_get_device_stat(a, 0, "segment.all.current", &segments), CCALLOC_OK);
+  EXPECT_EQ(allocated, 0);
+  EXPECT_EQ(allocations, threads);
+  EXPECT_LE(segments, 2) << "the exited threads' cached segments were not reused";
+  std::size_t free_bytes = 0, total_bytes = 0;
+  ASSERT_EQ(ccalloc_mem_get_info(a, 0, &free_bytes, &total_bytes), CCALLOC_OK);
+  EXPECT_LE(total_bytes - free_bytes, 20 * MiB) << "the exited threads' cached memory was not reused";
+  ccalloc_destroy(a);
+  const auto fastest = [](auto first, auto last) { return *std::min_element(first, last); };
+  const double first = fastest(batch_seconds.begin(), batch_seconds.begin() + 5);
+  const double last = fastest(batch_seconds.end() - 5, batch_seconds.end());
+  std::printf("%d threads: heap in use %+lld bytes after the first %d; a batch of %d took %.2f ms at first, "
+              "%.2f ms at the end\n",
+              threads, static_cast<long long>(heap_at_end) - static_cast<long long>(heap_after_first),
+              3 * thread_batch, thread_batch, first * 1e3, last * 1e3);
+  EXPECT_LE(last, 2 * first) << "a batch of " << thread_batch << " threads took " << first * 1e3 << " ms at first, "
+                             << last * 1e3 << " ms at the end";
 }
 
 #ifndef CCALLOC_TEST_ASAN

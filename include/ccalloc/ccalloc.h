@@ -41,7 +41,13 @@
  * to struct CUstream_st), so a cudaStream_t is passed as is; NULL is the
  * legacy default stream. cudaStreamLegacy means NULL, and cudaStreamPerThread
  * the calling thread's per-thread default stream (each thread's stream has
- * its own cached blocks, as they are different streams). On the simulated device a stream is
+ * its own cached blocks, as they are different streams). A thread's
+ * per-thread stream ends with the thread: the allocator forgets it as
+ * ccalloc_stream_destroy does (its live blocks stay valid, its cached blocks
+ * pass to other streams, no host memory is kept), at its next call that
+ * takes every lock of the device (a slow-path malloc, statistics,
+ * ccalloc_empty_cache), which first waits for that stream's work (CUDA:
+ * cudaDeviceSynchronize, as another thread cannot name the stream). On the simulated device a stream is
  * the integer handle from ccalloc_stream_create (NULL: the default stream;
  * the values of cudaStreamLegacy and cudaStreamPerThread, 1 and 2, mean what
  * they mean on CUDA).
@@ -842,7 +848,11 @@ CCALLOC_API ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, i
  * and records nothing on the destroyed stream. Cached blocks of the stream
  * stay cached (another stream's allocation may take them over;
  * ccalloc_empty_cache returns them); once none is left, the allocator keeps
- * nothing of the stream (no host memory, no time in later calls). A ccalloc_malloc on the
+ * nothing of the stream (no host memory, no time in later calls). With
+ * reuse_across_streams:False no other stream takes them over: they stay
+ * until ccalloc_empty_cache, and the C library's heap may keep the host
+ * memory of their page tables resident after that (docs/limitations.md,
+ * with figures). A ccalloc_malloc on the
  * destroyed stream fails with INVALID_ARGUMENT (a thread that allocated on
  * it just before may still be served from its own cache once). Destroying
  * a stream behind the allocator's back (cudaStreamDestroy directly) while

@@ -286,8 +286,12 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
       throw invalid_argument_error("ccalloc: malloc on stream " + std::to_string(stream) + " of device " +
                                    std::to_string(d_.device()) +
                                    ", which is not a live stream of that device (never created, or destroyed)");
-    if (!met) return registered_slot(stream);
+    if (!met) {
+      note_thread_stream(stream);
+      return registered_slot(stream);
+    }
   }
+  note_thread_stream(stream);  // a thread's own stream marked gone, used again by a later exit hook
   set_stream_gone(stream, false);  // made again; the world lock takes the registry's lock
   std::lock_guard lock(registry_mutex_);
   return registered_slot(stream);

@@ -32,6 +32,7 @@ world_lock::world_lock(device_state& d) : d_(d) {
                 "allocator (ccalloc/core/mapping_events.hpp)");
   lock();
   drain_thread_caches(d_, *this);  // the world sees no parked block (detail/thread_cache.hpp)
+  d_.registry().end_thread_streams(*this);  // exited threads' per-thread streams are gone
 }
 world_lock::~world_lock() {
   if (!locked_) return;
@@ -84,7 +85,7 @@ void world_lock::unlock() {
 // lock drains them, the parked blocks of the parent's other threads included
 // (their records stay listed in the child, their threads gone). Then the
 // locks taken under it (rank device_inner): the thread caches' core and
-// records (their order), the capture scopes', the history's, the mapping
+// records (their order), the list of exited threads' streams, the capture scopes', the history's, the mapping
 // listeners'. Out of host memory for the world lock's list of streams, the
 // device stays unlocked for this fork (as without the handlers).
 void device_state::register_fork_hooks() {
@@ -107,6 +108,7 @@ void device_state::register_fork_hooks() {
                                    thread_cache_core& core = *d.thread_caches().core();
                                    core.mutex.lock();
                                    for (thread_cache_record* r : core.records) r->lock.lock();
+                                   d.registry().ended_mutex().lock();
                                    d.pools().scopes().fork_lock();
                                    d.history().fork_lock();
                                    d.mapping().fork_lock();
@@ -116,6 +118,7 @@ void device_state::register_fork_hooks() {
                                    d.mapping().fork_unlock();
                                    d.history().fork_unlock();
                                    d.pools().scopes().fork_unlock();
+                                   d.registry().ended_mutex().unlock();
                                    thread_cache_core& core = *d.thread_caches().core();
                                    for (thread_cache_record* r : core.records) r->lock.unlock();
                                    core.mutex.unlock();

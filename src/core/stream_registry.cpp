@@ -2,13 +2,17 @@
 // stream met, the thread-local cache of the last one, destroyed streams.
 #include <ccalloc/core/device_caching_allocator.hpp>
 
+#include <ccalloc/base/detail/thread_object.hpp>
+
 #include "detail/device_state.hpp"
 #include "detail/stats_sink.hpp"
 
 #include <algorithm>
+#include <cstddef>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace ccalloc::detail {
 
@@ -40,21 +44,108 @@ void stream_registry::set_stream_gone(stream_t stream, bool gone) {
   }
   world_lock w(d_);
   if (gone) {
-    d_.backend().synchronize_stream(d_.device(), stream);  // may throw: nothing changed
-    if (stream_uses_noted_.load(std::memory_order_relaxed))  // written under a stream lock, which w holds
-      for (auto& [base, seg] : d_.segments())
-        for (block* b = seg->head; b != nullptr; b = b->next)
-          std::erase(b->stream_uses, stream);
+    mark_gone(w, stream);
+    forget_thread_stream();  // this thread's next malloc on it finds it gone
+    return;
   }
+  const auto it = streams_.find(stream);
+  if (it == streams_.end() || !it->second->gone) return;
+  it->second->gone = false;
+  --gone_streams_;
+}
+
+void stream_registry::mark_gone(world_lock&, stream_t stream) {
+  d_.backend().synchronize_stream(d_.device(), stream);  // may throw: nothing changed
+  if (stream_uses_noted_.load(std::memory_order_relaxed))  // written under a stream lock, which w holds
+    for (auto& [base, seg] : d_.segments())
+      for (block* b = seg->head; b != nullptr; b = b->next)
+        std::erase(b->stream_uses, stream);
   const auto it = streams_.find(stream);
   if (it == streams_.end()) return;
   stream_state& ss = *it->second;
-  if (ss.gone != gone) gone ? ++gone_streams_ : --gone_streams_;
-  ss.gone = gone;
-  if (!gone) return;
+  if (!ss.gone) ++gone_streams_;
+  ss.gone = true;
   ss.fences.drop_outstanding([&](event_t e) { d_.events().give_event(e); });
   ss.fences.all_completed(ss.free_seq);
-  forget_thread_stream();  // this thread's next malloc on it finds it gone
+}
+
+namespace {
+
+// The devices that met the calling thread's per-thread default stream; at
+// the thread's exit each is handed the stream's handle.
+struct thread_stream_record {
+  stream_t handle = 0;
+  std::vector<std::shared_ptr<ended_thread_streams>> devices;
+  thread_stream_record() = default;
+  thread_stream_record(const thread_stream_record&) = delete;
+  thread_stream_record& operator=(const thread_stream_record&) = delete;
+  ~thread_stream_record() {
+    for (const auto& d : devices) {
+      std::lock_guard lock(d->mutex);
+      if (!d->alive) continue;
+      try {
+        d->ended.push_back(handle);
+      } catch (...) {  // host memory exhausted: the device keeps the state, as before
+        continue;
+      }
+      d->any.store(true, std::memory_order_relaxed);
+    }
+  }
+};
+
+// Not a C++ thread_local: no destructor record is allocated at a thread's
+// first use (base/detail/thread_object.hpp).
+using thread_streams_of = thread_object<thread_stream_record>;
+
+}  // namespace
+
+stream_registry::~stream_registry() {
+  std::lock_guard lock(ended_->mutex);
+  ended_->alive = false;
+  ended_->ended.clear();
+}
+
+void stream_registry::note_thread_stream(stream_t stream) {
+  if (!device_backend::is_calling_thread_stream(stream)) return;
+  thread_stream_record& r = thread_streams_of::get();
+  r.handle = stream;
+  if (std::find(r.devices.begin(), r.devices.end(), ended_) != r.devices.end()) return;
+  // Devices that are gone take nothing: drop them here.
+  std::erase_if(r.devices, [](const std::shared_ptr<ended_thread_streams>& d) {
+    std::lock_guard lock(d->mutex);
+    return !d->alive;
+  });
+  r.devices.push_back(ended_);
+}
+
+void stream_registry::end_thread_streams(world_lock& w) noexcept {
+  if (!ended_->any.load(std::memory_order_relaxed)) [[likely]]
+    return;
+  std::vector<stream_t> ended;
+  {
+    std::lock_guard lock(ended_->mutex);
+    ended.swap(ended_->ended);
+    ended_->any.store(false, std::memory_order_relaxed);
+  }
+  for (std::size_t i = 0; i < ended.size(); ++i) {
+    try {
+      if (streams_.contains(ended[i])) mark_gone(w, ended[i]);
+    } catch (...) {  // the wait failed: this stream and the rest wait for the next world lock
+      ended.erase(ended.begin(), ended.begin() + static_cast<std::ptrdiff_t>(i));
+      std::lock_guard lock(ended_->mutex);
+      try {
+        ended_->ended.insert(ended_->ended.end(), ended.begin(), ended.end());
+      } catch (...) {  // host memory exhausted: those states stay, as a live stream's
+      }
+      ended_->any.store(!ended_->ended.empty(), std::memory_order_relaxed);
+      return;
+    }
+  }
+}
+
+std::size_t stream_registry::ended_pending() const {
+  std::lock_guard lock(ended_->mutex);
+  return ended_->ended.size();
 }
 
 // A gone stream's state goes once it holds no segment: nothing refers to it

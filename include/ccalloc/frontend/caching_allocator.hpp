@@ -139,7 +139,10 @@ class caching_allocator {
   /// special handles legacy_stream_handle and per_thread_stream_handle
   /// (cudaStreamLegacy, cudaStreamPerThread) mean the stream they stand for
   /// on the calling thread (device_backend::resolve_stream): each thread's
-  /// per-thread default stream has its own pool. Size 0
+  /// per-thread default stream has its own pool, forgotten after the thread
+  /// exits as destroy_stream forgets a stream (the device's next world lock,
+  /// a slow-path malloc or a statistics read, waits for that stream's work
+  /// first: the whole device's on CUDA). Size 0
   /// returns nullptr. Throws invalid_argument_error for an uninitialized
   /// allocator, a device out of range, or a stream that is not a live stream
   /// of the device (destroyed by destroy_stream; never created, where the

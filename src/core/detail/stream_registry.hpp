@@ -5,6 +5,15 @@
 // in the lock order (device_state.hpp). A stream's state is deleted only
 // under the world lock (forget_gone_streams), which also changes the
 // cache key, so no thread's cached entry names a deleted state.
+//
+// A thread's per-thread default stream (per_thread_stream_handle, resolved
+// to a handle of that thread alone, never reused) ends with the thread: the
+// thread's exit hands its handle to every device that met the stream
+// (ended_thread_streams, a thread_object's destructor: no lock but the
+// list's), and the device's next world lock marks it gone as
+// stream_destroyed does, waiting for its work first (from another thread,
+// the backend waits for the device: cudaDeviceSynchronize on CUDA), so that
+// its cached memory moves on and its state is forgotten.
 #pragma once
 
 #include <ccalloc/backend/device_backend.hpp>
@@ -15,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <vector>
 
@@ -23,9 +33,21 @@ namespace ccalloc::detail {
 class device_state;
 class world_lock;
 
+// What a device shares with the threads whose per-thread default stream it
+// has met: the handles of those that have exited, for its next world lock.
+// Outlives whichever goes last. mutex is a leaf: nothing is locked under it.
+struct ended_thread_streams {
+  std::mutex mutex;
+  bool alive = true;             // false once the device is gone [mutex]
+  std::vector<stream_t> ended;   // handles of exited threads [mutex]
+  std::atomic<bool> any{false};  // ended is not empty (read without the lock)
+};
+
 class stream_registry {
  public:
-  stream_registry(device_state& d, std::uint64_t cache_key) noexcept : d_(d), cache_key_(cache_key) {}
+  stream_registry(device_state& d, std::uint64_t cache_key)
+      : d_(d), cache_key_(cache_key), ended_(std::make_shared<ended_thread_streams>()) {}
+  ~stream_registry();  // threads that exit later no longer hand their stream to it
   stream_registry(const stream_registry&) = delete;
   stream_registry& operator=(const stream_registry&) = delete;
 
@@ -45,6 +67,15 @@ class stream_registry {
   // no host memory and no slow-path time once its memory has moved on.
   // world_lock's destructor calls it. [world]
   void forget_gone_streams(world_lock& w) noexcept;
+  // Marks gone the per-thread default streams of the threads that have
+  // exited since the last call (their work waited for first); a stream whose
+  // wait fails stays for the next world lock. world_lock's constructor calls
+  // it. [world]
+  void end_thread_streams(world_lock& w) noexcept;
+  // Exited threads' streams not yet marked gone (tests). [none]
+  [[nodiscard]] std::size_t ended_pending() const;
+  // The lock of the exited threads' list (a leaf), for the fork handlers.
+  [[nodiscard]] std::mutex& ended_mutex() noexcept { return ended_->mutex; }
 
   // Every stream state, by handle. [registry] or [world]
   [[nodiscard]] const std::unordered_map<stream_t, std::unique_ptr<stream_state>>& all() const noexcept {
@@ -73,6 +104,12 @@ class stream_registry {
   friend class world_lock;  // it takes registry_mutex_ and collects every state in the lock order
   stream_state& registered_slot(stream_t stream);     // [registry] hot_path.cpp
   stream_state& registered_stream(stream_t stream);   // a thread-cache miss; hot_path.cpp
+  // When `stream` is the calling thread's per-thread default stream, makes
+  // the thread's exit hand it to this device (throws std::bad_alloc).
+  void note_thread_stream(stream_t stream);
+  // stream_destroyed's work under the world lock: waits for the stream's
+  // work (may throw: nothing changed), then drops its fences and uses.
+  void mark_gone(world_lock& w, stream_t stream);
 
   device_state& d_;
   spin_mutex registry_mutex_;
@@ -85,6 +122,7 @@ class stream_registry {
   std::atomic<std::uint64_t> cache_key_;
   std::atomic<bool> single_stream_{true};
   std::atomic<bool> stream_uses_noted_{false};  // note_stream_use was called (never cleared)
+  std::shared_ptr<ended_thread_streams> ended_;  // shared with the threads that met it
 };
 
 }  // namespace ccalloc::detail
