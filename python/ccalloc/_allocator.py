@@ -5,8 +5,10 @@ Re-exported by the package."""
 from __future__ import annotations
 
 import collections
+import collections.abc
 import ctypes
 import functools
+import itertools
 import math
 import numbers
 import operator
@@ -120,6 +122,23 @@ def _pool_id(id) -> "_lib.ccalloc_mempool_id_t":
     return _lib.ccalloc_mempool_id_t(first, second)
 
 
+def _skip_actions(actions) -> Optional[bytes]:
+    """record_history's skip_actions as the C API's comma-separated names
+    (None for none): a str is taken whole, as in C, not as its characters."""
+    if isinstance(actions, str):
+        actions = [actions]
+    if isinstance(actions, (bytes, bytearray)) or not isinstance(actions, collections.abc.Iterable):
+        raise TypeError(f"ccalloc: skip_actions must be a str or a list of str, "
+                        f"got {type(actions).__name__} {actions!r:.60}")
+    names = []
+    for action in actions:
+        if not isinstance(action, str):
+            raise TypeError(f"ccalloc: skip_actions must be a str or a list of str, got an item "
+                            f"{type(action).__name__} {action!r:.60}")
+        names.append(_text(action, "skip_actions"))
+    return b",".join(names) or None
+
+
 def _function_address(fn, what: str) -> int:
     """The address of a C function given as an int or a ctypes function pointer."""
     if isinstance(fn, ctypes._CFuncPtr):  # pylint: disable=protected-access
@@ -157,51 +176,142 @@ def _python_stack():
     return frames
 
 
-def _context_callbacks(context):
-    """The C callbacks of ccalloc_record_history_ex for a Python recorder:
-    each context is a number naming the frames kept in a dict until released."""
-    import itertools
+# ---- history contexts: Python recorders behind three C callbacks made once --------------------
+#
+# ccalloc_record_history_ex keeps plain function pointers: the recorder of
+# the configuration in force, and in each context it recorded the release
+# and frames functions of its configuration, called until the library drops
+# the context (long after a later record_history replaced the recorder).
+# Callback objects made per call would have to live as long, and one set
+# per call grew the process by 3 KB a call, forever. Instead the three C
+# functions below exist once per process, and each configuration is a
+# number (the callbacks' user_data) naming its _ContextConfig: its recorder
+# and the frames of its live contexts. A configuration is forgotten once it
+# was replaced and the library released all its contexts; a call for a
+# forgotten one (a malloc that read the recorder just before the
+# replacement) records no context.
 
-    recorder = _python_stack if context == "python" else context
-    if not callable(recorder):
-        raise InvalidArgumentError(f"ccalloc: record_history: context must be None, 'python' or a callable, got {context!r}")
-    kept = {}
-    numbers = itertools.count(1)
 
-    def frame(name, filename, line):
-        line = operator.index(line)
-        if not 0 <= line < 1 << 63:
-            raise ValueError(f"a frame's line must be from 0 to {(1 << 63) - 1}, got {line}")
-        # A name not valid UTF-8 (a path of undecodable bytes reaches Python
-        # as surrogates) goes as its bytes; the library replaces what is not
-        # UTF-8 with U+FFFD.
-        return (str(name).encode(errors="surrogateescape"), str(filename).encode(errors="surrogateescape"), line)
+class _ContextConfig:
+    """One record_history configuration's recorder and its contexts' frames
+    by handle: kept[handle] = [(name bytes, filename bytes, line), ...]."""
 
-    def record(_user):
-        # Nothing may cross into C: on an error the call goes on without a context.
+    __slots__ = ("recorder", "kept", "next_handle", "recording", "replaced")
+
+    def __init__(self, recorder) -> None:
+        self.recorder = recorder
+        self.kept: dict = {}
+        self.next_handle = 1  # 0 is NULL: no context
+        self.recording = 0  # calls of the recorder in progress
+        self.replaced = False
+
+
+_configs: "dict[int, _ContextConfig]" = {}
+_SLOTS: "weakref.WeakSet[_HistorySlot]" = weakref.WeakSet()
+_config_numbers = itertools.count(1)
+_configs_lock = threading.Lock()  # held for dictionary updates only, never across a call
+
+
+def _new_configs_lock_in_child() -> None:
+    # Another thread of the parent may have held them.
+    global _configs_lock
+    _configs_lock = threading.Lock()
+    for slot in list(_SLOTS):
+        slot.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_configs_lock_in_child)
+
+
+def _forget_if_done(number: int, config: _ContextConfig) -> None:
+    """Forgets a replaced configuration without contexts (under _configs_lock)."""
+    if config.replaced and not config.kept and not config.recording:
+        _configs.pop(number, None)
+
+
+def _context_frame(name, filename, line) -> tuple:
+    line = operator.index(line)
+    if not 0 <= line < 1 << 63:
+        raise ValueError(f"a frame's line must be from 0 to {(1 << 63) - 1}, got {line}")
+    # A name not valid UTF-8 (a path of undecodable bytes reaches Python
+    # as surrogates) goes as its bytes; the library replaces what is not
+    # UTF-8 with U+FFFD.
+    return (str(name).encode(errors="surrogateescape"), str(filename).encode(errors="surrogateescape"), line)
+
+
+def _record_context(number):
+    # Nothing may cross into C: on an error the call goes on without a context.
+    with _configs_lock:
+        config = _configs.get(number)
+        if config is None:
+            return None
+        config.recording += 1
+    try:
         try:
-            frames = recorder()
+            frames = config.recorder()
             if frames is None:
                 return None
-            frames = [frame(*f) for f in frames]
+            frames = [_context_frame(*f) for f in frames]
         except BaseException:
             import traceback
 
             print("ccalloc: a context recorder raised (ignored; this call has no context):", file=sys.stderr)
             traceback.print_exc()
             return None
-        n = next(numbers)
-        kept[n] = frames
-        return n
+        with _configs_lock:
+            handle = config.next_handle
+            config.next_handle += 1
+            config.kept[handle] = frames
+        return handle
+    finally:
+        with _configs_lock:
+            config.recording -= 1
+            _forget_if_done(number, config)
 
-    def release(_user, handle):
-        kept.pop(handle, None)
 
-    def frames(_user, handle, sink, sink_data):
-        for name, filename, line in kept.get(handle, ()):
-            sink(sink_data, name, filename, line)
+def _release_context(number, handle) -> None:
+    with _configs_lock:
+        config = _configs.get(number)
+        if config is not None:
+            config.kept.pop(handle, None)
+            _forget_if_done(number, config)
 
-    return (_lib.CONTEXT_RECORD(record), _lib.CONTEXT_RELEASE(release), _lib.CONTEXT_FRAMES(frames))
+
+def _context_frames(number, handle, sink, sink_data) -> None:
+    with _configs_lock:
+        config = _configs.get(number)
+        frames = config.kept.get(handle, ()) if config is not None else ()
+    for name, filename, line in frames:
+        sink(sink_data, name, filename, line)
+
+
+_CONTEXT_CALLBACKS = (_lib.CONTEXT_RECORD(_record_context), _lib.CONTEXT_RELEASE(_release_context),
+                      _lib.CONTEXT_FRAMES(_context_frames))
+
+
+class _HistorySlot:
+    """The context configuration in force on one C allocator (the
+    process-wide one has one slot for all its Allocator wrappers);
+    ``lock`` orders record_history calls so that the one in force in C is
+    the one noted here."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.number: Optional[int] = None
+        _SLOTS.add(self)
+
+    def replace(self, number: Optional[int]) -> None:
+        """Notes ``number`` (None: no context) as in force; the one before is
+        forgotten once the library released its contexts."""
+        with _configs_lock:
+            old, self.number = self.number, number
+            config = _configs.get(old) if old is not None else None
+            if config is not None:
+                config.replaced = True
+                _forget_if_done(old, config)
+
+
+_PROCESS_HISTORY = _HistorySlot()
 
 
 class IpcHandle(NamedTuple):
@@ -366,6 +476,7 @@ class Allocator:
     def __init__(self, backend: str = "sim", devices: int = 1, capacity_bytes: Optional[int] = None,
                  config: Optional[str] = None, *, _handle: Optional[int] = None, _owned: bool = True):
         self._gate = _CallGate()
+        self._history = _PROCESS_HISTORY if not _owned else _HistorySlot()
         self._observers: list = []
         self._kept: list = []  # ctypes segment functions of this allocator's pools
         self._handle: Optional[int] = None
@@ -411,7 +522,8 @@ class Allocator:
             return
         if not self._gate.close():
             return
-        _lib.lib().ccalloc_destroy(self._handle)
+        _lib.lib().ccalloc_destroy(self._handle)  # releases every context
+        self._history.replace(None)
         self._handle = None
         self._owned = False
         self._closed = True
@@ -727,12 +839,24 @@ class Allocator:
         ``when``: ``"state"`` (frames on live blocks only), ``"alloc"`` (also
         on alloc and segment entries) or ``"all"`` (also at free), PyTorch's
         RecordContext. ``clear``: drop what was recorded so far.
-        ``skip_actions``: action names not stored (e.g. ``["free_requested"]``).
-        Raises InvalidArgumentError for an unknown ``when`` or action."""
+        ``skip_actions``: action names not stored: a list of them (e.g.
+        ``["free_requested"]``) or one str, comma-separated as in C
+        (``"free_requested,segment_map"``).
+        Raises InvalidArgumentError for an unknown ``when``, action or
+        context, TypeError for an action that is not a str. The callables
+        of a configuration are kept until a later record_history replaced
+        it and the library released every context recorded with it."""
         h = self._h  # refuses a closed Allocator first
         whens = {"never": 0, "state": 1, "alloc": 2, "all": 3}
-        if when not in whens:
-            raise InvalidArgumentError(f"ccalloc: record_history: when must be one of {', '.join(whens)}, got {when!r}")
+        if not isinstance(when, str) or when not in whens:
+            raise InvalidArgumentError(f"ccalloc: record_history: when must be one of {', '.join(whens)}, "
+                                       f"got {when!r:.60}")
+        recorder = None
+        if context is not None:
+            recorder = _python_stack if isinstance(context, str) and context == "python" else context
+            if not callable(recorder):
+                raise InvalidArgumentError("ccalloc: record_history: context must be None, 'python' or a callable, "
+                                           f"got {context!r:.60}")
         lib = _lib.lib()
         o = _lib.ccalloc_history_options_t()
         lib.ccalloc_history_options_init(ctypes.byref(o))
@@ -740,15 +864,24 @@ class Allocator:
         o.max_entries = _integer(max_entries, "max_entries", 1)
         o.when = whens[when]
         o.clear = 1 if clear else 0
-        skip = ",".join(skip_actions)
-        o.skip_actions = skip.encode() if skip else None
-        if context is not None and enabled:
-            callbacks = _context_callbacks(context)
-            o.record, o.release, o.frames = callbacks
-            self._observers.append(callbacks)  # the C side keeps only the pointers, for the allocator's life
-            if not self._owned:
-                _process_observers.append(callbacks)
-        _check(lib.ccalloc_record_history_ex(h, ctypes.byref(o)))
+        o.skip_actions = _skip_actions(skip_actions)
+        slot = self._history
+        with slot.lock:
+            number = None
+            if recorder is not None and enabled:
+                number = next(_config_numbers)
+                with _configs_lock:
+                    _configs[number] = _ContextConfig(recorder)
+                o.record, o.release, o.frames = _CONTEXT_CALLBACKS
+                o.user_data = number
+            try:
+                _check(lib.ccalloc_record_history_ex(h, ctypes.byref(o)))
+            except BaseException:
+                if number is not None:
+                    with _configs_lock:
+                        _configs.pop(number, None)
+                raise
+            slot.replace(number)
 
     def snapshot_json(self, include_traces: bool = True) -> str:
         """The snapshot as JSON with the layout of torch.cuda.memory._snapshot()."""
