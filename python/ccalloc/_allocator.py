@@ -111,15 +111,18 @@ def _stream(stream) -> Optional[int]:
     return _integer(stream, "stream") or None
 
 
-def _pool_id(id) -> "_lib.ccalloc_mempool_id_t":
-    """A pool id (a pair of non-negative ints) as the C struct."""
-    try:
-        first, second = (int(v) for v in id)
-        if first < 0 or second < 0 or first >= 1 << 64 or second >= 1 << 64:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"ccalloc: a pool id is a pair of integers in [0, 2**64), got {id!r:.80}") from None
-    return _lib.ccalloc_mempool_id_t(first, second)
+def _pool_id(id, name: str = "id") -> "_lib.ccalloc_mempool_id_t":
+    """A pool id, a pair (tuple or list) of integers in [0, 2**64), as the C
+    struct. TypeError for anything else (a str or any other iterable would
+    be taken apart: "12" as (1, 2)), InvalidArgumentError for a pair of the
+    wrong length or out of range; both name the argument."""
+    if not isinstance(id, (tuple, list)):
+        raise TypeError(f"ccalloc: {name} must be a pool id, a pair (first, second) of integers, "
+                        f"got {type(id).__name__} {id!r:.60}")
+    if len(id) != 2:
+        raise InvalidArgumentError(f"ccalloc: {name} must be a pool id, a pair (first, second) of integers, "
+                                   f"got {len(id)} items: {id!r:.60}")
+    return _lib.ccalloc_mempool_id_t(_integer(id[0], f"{name}[0]"), _integer(id[1], f"{name}[1]"))
 
 
 def _skip_actions(actions) -> Optional[bytes]:

@@ -511,3 +511,14 @@ def test_switching_contexts_while_other_threads_allocate():
         a.record_history(False)
         assert set(_allocator._configs) <= configs_before
         assert a.stat("allocation.all.current") == 0
+
+
+def test_a_pool_id_is_a_pair_of_integers_not_any_iterable():
+    """create_pool("12") created pool (1, 2) and create_pool((1.5, 0)) pool (1, 0)."""
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        for bad in ("12", (1.5, 0), b"\x01\x02", range(1, 3), {1, 2}):
+            with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="^ccalloc: id"):
+                a.create_pool(bad)
+        assert a.pool_use_count((1, 2)) == 0 and a.pool_use_count((1, 0)) == 0, "a refused id created a pool"
+        a.create_pool([3, 0])  # a list is a pair too (snapshots give lists)
+        assert a.pool_use_count((3, 0)) == 1
