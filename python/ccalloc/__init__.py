@@ -37,7 +37,7 @@ from typing import Callable, Optional
 # reachable as ccalloc.NAME.
 from . import _lib
 from ._allocator import (MAX_DEVICE_COUNT, Allocator, IpcHandle, _function_address, _names, _pool_id,  # noqa: F401
-                         _stream, _text, receive_ipc_handle, send_ipc_handle)
+                         _shown, _stream, _text, receive_ipc_handle, send_ipc_handle)
 from ._errors import (BackendError, CcallocError, ConfigError, InvalidArgumentError,  # noqa: F401
                       OutOfMemoryError, _check, _ERRORS)
 from ._nccl import _nccl_libraries, _nccl_wheel_dirs, nccl_segment_allocator  # noqa: F401
@@ -100,7 +100,7 @@ def _device(device) -> int:
     if device is None:
         return _default_device()
     if isinstance(device, (str, bytes)):
-        raise InvalidArgumentError(f"ccalloc: device must be an int or a torch.device, not the string {device!r:.60}")
+        raise InvalidArgumentError(f"ccalloc: device must be an int or a torch.device, not the string {_shown(device)}")
     if hasattr(device, "index") and hasattr(device, "type"):  # torch.device
         return 0 if device.index is None else device.index
     return device  # checked (an int in range) by the Allocator method

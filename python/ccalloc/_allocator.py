@@ -28,6 +28,20 @@ _U64_MAX = (1 << 64) - 1
 _INT_MAX = (1 << 31) - 1
 
 
+def _shown(value, limit: int = 60) -> str:
+    """``value`` as a message shows it: its repr, at most ``limit``
+    characters. An integer of more than 256 bits is named by its size (str()
+    of one over 4300 digits raises ValueError); a repr that raises is
+    replaced by the type's name."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 -- any repr failure: the message must still be made
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _integer(value, name: str, low: int = 0, high: int = _U64_MAX) -> int:
     """``value`` as an int in [low, high]. TypeError for anything that is not
     an integer (float, bool, None, str), InvalidArgumentError for one out of
@@ -37,9 +51,9 @@ def _integer(value, name: str, low: int = 0, high: int = _U64_MAX) -> int:
             raise TypeError
         value = operator.index(value)  # int, numpy integers: whatever __index__ makes an int
     except TypeError:
-        raise TypeError(f"ccalloc: {name} must be an integer, got {type(value).__name__} {value!r:.60}") from None
+        raise TypeError(f"ccalloc: {name} must be an integer, got {type(value).__name__} {_shown(value)}") from None
     if not low <= value <= high:
-        raise InvalidArgumentError(f"ccalloc: {name} must be an integer from {low} to {high}, got {value}")
+        raise InvalidArgumentError(f"ccalloc: {name} must be an integer from {low} to {high}, got {_shown(value)}")
     return value
 
 
@@ -65,7 +79,7 @@ def _device_index(value, name: str = "device") -> int:
 def _callable(value, name: str) -> None:
     """A callback argument: refused at once when it cannot be called (it would fail only when called)."""
     if not callable(value):
-        raise TypeError(f"ccalloc: {name} must be callable, got {type(value).__name__} {value!r:.60}")
+        raise TypeError(f"ccalloc: {name} must be callable, got {type(value).__name__} {_shown(value)}")
 
 
 def _device_or_all(value, name: str = "device") -> int:
@@ -83,18 +97,26 @@ def _address(value, name: str = "ptr") -> Optional[int]:
 def _text(value, name: str) -> bytes:
     """A str for a const char* parameter: no NUL (C would stop reading there)."""
     if not isinstance(value, str):
-        raise TypeError(f"ccalloc: {name} must be a str, got {type(value).__name__} {value!r:.60}")
+        raise TypeError(f"ccalloc: {name} must be a str, got {type(value).__name__} {_shown(value)}")
     if "\0" in value:
         raise InvalidArgumentError(f"ccalloc: {name} contains a NUL character at index {value.index(chr(0))} "
-                                   f"(C strings end there): {value!r:.80}")
-    return value.encode()
+                                   f"(C strings end there): {_shown(value, 80)}")
+    try:
+        return value.encode()
+    except UnicodeEncodeError as e:  # a lone surrogate (undecodable bytes read with surrogateescape)
+        raise InvalidArgumentError(f"ccalloc: {name} is not valid Unicode text: {value[e.start]!r} at index {e.start} "
+                                   f"is a lone surrogate, which UTF-8 cannot encode: {_shown(value, 80)}") from None
 
 
 def _real(value, name: str) -> float:
     """A finite real number for a double parameter."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"ccalloc: {name} must be a real number, got {type(value).__name__} {value!r:.60}")
-    value = float(value)
+        raise TypeError(f"ccalloc: {name} must be a real number, got {type(value).__name__} {_shown(value)}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int or Fraction beyond a double's range
+        raise InvalidArgumentError(f"ccalloc: {name} must be a finite number, got {_shown(value)}, "
+                                   f"beyond a double's range") from None
     if not math.isfinite(value):
         raise InvalidArgumentError(f"ccalloc: {name} must be a finite number, got {value}")
     return value
@@ -118,10 +140,10 @@ def _pool_id(id, name: str = "id") -> "_lib.ccalloc_mempool_id_t":
     wrong length or out of range; both name the argument."""
     if not isinstance(id, (tuple, list)):
         raise TypeError(f"ccalloc: {name} must be a pool id, a pair (first, second) of integers, "
-                        f"got {type(id).__name__} {id!r:.60}")
+                        f"got {type(id).__name__} {_shown(id)}")
     if len(id) != 2:
         raise InvalidArgumentError(f"ccalloc: {name} must be a pool id, a pair (first, second) of integers, "
-                                   f"got {len(id)} items: {id!r:.60}")
+                                   f"got {len(id)} items: {_shown(id)}")
     return _lib.ccalloc_mempool_id_t(_integer(id[0], f"{name}[0]"), _integer(id[1], f"{name}[1]"))
 
 
@@ -132,12 +154,12 @@ def _skip_actions(actions) -> Optional[bytes]:
         actions = [actions]
     if isinstance(actions, (bytes, bytearray)) or not isinstance(actions, collections.abc.Iterable):
         raise TypeError(f"ccalloc: skip_actions must be a str or a list of str, "
-                        f"got {type(actions).__name__} {actions!r:.60}")
+                        f"got {type(actions).__name__} {_shown(actions)}")
     names = []
     for action in actions:
         if not isinstance(action, str):
             raise TypeError(f"ccalloc: skip_actions must be a str or a list of str, got an item "
-                            f"{type(action).__name__} {action!r:.60}")
+                            f"{type(action).__name__} {_shown(action)}")
         names.append(_text(action, "skip_actions"))
     return b",".join(names) or None
 
@@ -150,7 +172,7 @@ def _function_address(fn, what: str) -> int:
         address = fn
     else:
         raise InvalidArgumentError(f"ccalloc: create_pool: the segment {what} function must be an address (int) "
-                                   f"or a ctypes function, got {fn!r:.80}")
+                                   f"or a ctypes function, got {_shown(fn, 80)}")
     if not address or address < 0:
         raise InvalidArgumentError(f"ccalloc: create_pool: the segment {what} function address is {address!r}")
     return address
@@ -239,7 +261,19 @@ def _context_frame(name, filename, line) -> tuple:
     # A name not valid UTF-8 (a path of undecodable bytes reaches Python
     # as surrogates) goes as its bytes; the library replaces what is not
     # UTF-8 with U+FFFD.
-    return (str(name).encode(errors="surrogateescape"), str(filename).encode(errors="surrogateescape"), line)
+    return (_frame_text(name), _frame_text(filename), line)
+
+
+def _frame_text(value) -> bytes:
+    """A frame's name or file name as bytes: a str from undecodable bytes
+    (surrogates U+DC80-U+DCFF) goes back to those bytes; other lone
+    surrogates become "?". The library replaces what is not UTF-8 with
+    U+FFFD."""
+    text = str(value)
+    try:
+        return text.encode(errors="surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode(errors="replace")
 
 
 def _record_context(number):
@@ -489,8 +523,8 @@ class Allocator:
             self._handle = _handle
             self._owned = False
             return
-        if backend not in self._KINDS:
-            raise InvalidArgumentError(f"ccalloc: unknown backend {backend!r} (accepted: default, sim, cuda)")
+        if not isinstance(backend, str) or backend not in self._KINDS:
+            raise InvalidArgumentError(f"ccalloc: unknown backend {_shown(backend)} (accepted: default, sim, cuda)")
         lib = _lib.lib()
         options = _lib.ccalloc_options_t()
         lib.ccalloc_options_init(ctypes.byref(options))
@@ -853,13 +887,13 @@ class Allocator:
         whens = {"never": 0, "state": 1, "alloc": 2, "all": 3}
         if not isinstance(when, str) or when not in whens:
             raise InvalidArgumentError(f"ccalloc: record_history: when must be one of {', '.join(whens)}, "
-                                       f"got {when!r:.60}")
+                                       f"got {_shown(when)}")
         recorder = None
         if context is not None:
             recorder = _python_stack if isinstance(context, str) and context == "python" else context
             if not callable(recorder):
                 raise InvalidArgumentError("ccalloc: record_history: context must be None, 'python' or a callable, "
-                                           f"got {context!r:.60}")
+                                           f"got {_shown(context)}")
         lib = _lib.lib()
         o = _lib.ccalloc_history_options_t()
         lib.ccalloc_history_options_init(ctypes.byref(o))
@@ -914,7 +948,7 @@ class Allocator:
         it cannot be written."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"ccalloc: dump_snapshot: path must be a str or os.PathLike, "
-                            f"got {type(path).__name__} {path!r:.60}")
+                            f"got {type(path).__name__} {_shown(path)}")
         from . import snapshot as _snapshot
         snapshot = self.snapshot(True)
         try:
@@ -1025,7 +1059,7 @@ class Allocator:
             except (TypeError, ValueError):
                 raise InvalidArgumentError(
                     "ccalloc: create_pool: segment_allocator must be None or a pair (malloc, free) of C "
-                    f"function addresses, got {segment_allocator!r:.80}") from None
+                    f"function addresses, got {_shown(segment_allocator, 80)}") from None
             malloc_fn, free_fn = _function_address(malloc_obj, "malloc"), _function_address(free_obj, "free")
             keep = (malloc_obj, free_obj)
         _check(_lib.lib().ccalloc_create_pool(self._h, _device_index(device), pool, malloc_fn, free_fn))
@@ -1118,7 +1152,7 @@ def _tag_names(tags):
     if isinstance(tags, str):
         tags = [tags]
     if not isinstance(tags, (list, tuple)) or not tags or not all(isinstance(t, str) for t in tags):
-        raise InvalidArgumentError(f"ccalloc: tags must be a str or a non-empty list of str, not {tags!r}")
+        raise InvalidArgumentError(f"ccalloc: tags must be a str or a non-empty list of str, not {_shown(tags)}")
     return (ctypes.c_char_p * len(tags))(*[_text(t, "tag") for t in tags])
 
 

@@ -379,12 +379,14 @@ def test_random_strings_and_numbers(seed):
     with ccalloc.Allocator("sim", config="") as a:
         config = a.get_config()
         for _ in range(100):
-            bad = rng.choice([None, 5, 1.5, b"max_split_size_mb:64", ["x"], "max_split_size_mb:64\0" + "x" * rng.randrange(5)])
+            bad = rng.choice([None, 5, 1.5, b"max_split_size_mb:64", ["x"], "max_split_size_mb:64\0" + "x" * rng.randrange(5),
+                              "max_split_size_mb:6\udcff", "\ud800"])
             with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="ccalloc: config "):
                 a.set_config(bad)
             with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="ccalloc: name "):
                 a.stat(bad)
-            fraction = rng.choice([None, "0.5", float("nan"), float("inf"), -float("inf"), True, [0.5]])
+            fraction = rng.choice([None, "0.5", float("nan"), float("inf"), -float("inf"), True, [0.5], 10**400,
+                                   -10**400])
             with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="ccalloc: fraction "):
                 a.set_memory_fraction(fraction)
         assert a.get_config() == config
@@ -522,3 +524,50 @@ def test_a_pool_id_is_a_pair_of_integers_not_any_iterable():
         assert a.pool_use_count((1, 2)) == 0 and a.pool_use_count((1, 0)) == 0, "a refused id created a pool"
         a.create_pool([3, 0])  # a list is a pair too (snapshots give lists)
         assert a.pool_use_count((3, 0)) == 1
+
+
+def test_strings_numbers_and_actions_of_the_hostile_trial():
+    """A str skip_actions was split into characters ("unknown action 'f'"),
+    a huge int fraction raised a bare OverflowError, a lone surrogate a
+    bare UnicodeEncodeError, a huge int a ValueError of str()."""
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        a.record_history(True, 100, skip_actions="free_requested")
+        a.free(a.malloc(4096))
+        assert [e["action"] for e in a.snapshot()["device_traces"][0]] == ["segment_map", "alloc", "free_completed"]
+        a.record_history(True, 100, skip_actions="free_requested,segment_map", clear=True)
+        a.free(a.malloc(4096))
+        assert [e["action"] for e in a.snapshot()["device_traces"][0]] == ["alloc", "free_completed"]
+        cases = [
+            (lambda: a.record_history(True, 100, skip_actions=[1]), TypeError,
+             "ccalloc: skip_actions must be a str or a list of str, got an item int 1"),
+            (lambda: a.record_history(True, 100, skip_actions=b"oom"), TypeError, "ccalloc: skip_actions must be"),
+            (lambda: a.record_history(True, 100, skip_actions="bogus"), ccalloc.InvalidArgumentError,
+             "unknown action 'bogus'"),
+            (lambda: a.record_history(True, 100, when=["all"]), ccalloc.InvalidArgumentError, "when must be one of"),
+            (lambda: a.record_history(True, 100, context=5), ccalloc.InvalidArgumentError,
+             "context must be None, 'python' or a callable, got 5"),
+            (lambda: a.set_memory_fraction(10**400), ccalloc.InvalidArgumentError,
+             "ccalloc: fraction must be a finite number, got an integer of 1329 bits, beyond a double's range"),
+            (lambda: a.set_config("\udcff"), ccalloc.InvalidArgumentError,
+             "ccalloc: config is not valid Unicode text: '\\\\udcff' at index 0 is a lone surrogate"),
+            (lambda: a.stat("x\ud800"), ccalloc.InvalidArgumentError, "ccalloc: name is not valid Unicode text"),
+            (lambda: a.tag_usage("\udcff"), ccalloc.InvalidArgumentError, "ccalloc: tag is not valid Unicode text"),
+            (lambda: a.pause(["\udcff"]), ccalloc.InvalidArgumentError, "ccalloc: tag is not valid Unicode text"),
+            (lambda: ccalloc.tag("\udcff").__enter__(), ccalloc.InvalidArgumentError,
+             "ccalloc: tag is not valid Unicode text"),
+            (lambda: a.malloc(10**5000), ccalloc.InvalidArgumentError,
+             "ccalloc: size_bytes must be an integer from 0 to 18446744073709551615, got an integer of 16610 bits"),
+            (lambda: a.free(Index(-10**5000)), ccalloc.InvalidArgumentError, "ccalloc: ptr must be an integer"),
+            (lambda: a.create_pool((10**5000, 0)), ccalloc.InvalidArgumentError, r"ccalloc: id\[0\] must be"),
+            (lambda: ccalloc.Allocator(backend=["sim"]), ccalloc.InvalidArgumentError, "ccalloc: unknown backend"),
+        ]
+        for call, error, pattern in cases:
+            with pytest.raises(error, match=pattern) as info:
+                call()
+            assert type(info.value) is error, (pattern, info.value)
+        assert ccalloc.current_tag() == "default"
+        a.record_history(True, 100, context=lambda: [("f\ud800", "x\udcff.py", 1)], clear=True)
+        a.free(a.malloc(4096))
+        frames = a.snapshot()["device_traces"][0][0]["frames"]
+        assert [(f["name"], f["filename"]) for f in frames] == [("f?", "x\ufffd.py")]
+        assert a.stat("allocation.all.current") == 0
