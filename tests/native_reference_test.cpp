@@ -101,6 +101,17 @@ TEST(NativeReference, EachFaultOfTheFileHasItsOwnWarning) {
   EXPECT_EQ(warning_for(R"({"x": 3})"), "the entry 'x' is a JSON number, not an object of figures");
 }
 
+// A NUL ends nlohmann-json's input: the text after it was ignored without
+// a word (an entry after it, or garbage). The file is ignored, naming the byte.
+TEST(NativeReference, ANulByteIsRefusedNamingItsOffset) {
+  const std::string good = R"({"x": {"native_reserved_peak": 5}})";
+  ASSERT_TRUE(read(good).figures.has_value());
+  EXPECT_EQ(warning_for(good + std::string(1, '\0') + "{\"junk"),
+            "a NUL byte at byte 34 of 41 (JSON text holds none; a JSON reader would stop there and ignore the rest)");
+  EXPECT_EQ(warning_for(std::string("{\"y\": 1}\0, \"x\": {\"native_reserved_peak\": 5}}", 44)),
+            "a NUL byte at byte 8 of 44 (JSON text holds none; a JSON reader would stop there and ignore the rest)");
+}
+
 TEST(NativeReference, NegativeNonIntegerAndOutOfRangeFiguresAreRefusedNamingTheKey) {
   EXPECT_EQ(warning_for(R"({"x": {"native_reserved_peak": -5}})"),
             std::string("in the entry 'x', native_reserved_peak is -5: negative") + counts);

@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <chrono>
 #include <filesystem>
+#include <future>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -22,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -68,6 +71,14 @@ std::string read_file(const std::string& path) {
 }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+/// The names in `dir`, sorted.
+std::vector<std::string> names_in(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
 
 TEST(OomSnapshot, WrittenOnceBeforeTheErrorWhichSaysWhere) {
   const std::string path = temp_path("once");
@@ -150,9 +161,10 @@ TEST(OomSnapshot, AFailedWriteStillRaisesTheErrorAndSaysWhy) {
   f.alloc.free(f.alloc.malloc(0, mib, 0));
 }
 
-// A path that is not a regular file (a device, a FIFO, a symbolic link) is
-// written in place: a temporary file renamed over it would replace the node
-// itself (as root, oom_snapshot:/dev/full replaced the device with a file).
+// A path that is not a regular file (a device, a FIFO) is written in place:
+// a temporary file renamed over it would replace the node itself (as root,
+// oom_snapshot:/dev/full replaced the device with a file). A symbolic link
+// (dangling here) stays: the snapshot replaces the file it leads to.
 TEST(OomSnapshot, APathThatIsNoRegularFileIsWrittenInPlaceNotReplaced) {
   const std::string target = temp_path("link-target");
   const std::string link = temp_path("link");
@@ -166,7 +178,8 @@ TEST(OomSnapshot, APathThatIsNoRegularFileIsWrittenInPlaceNotReplaced) {
   }
   EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link))) << "the link was replaced by a file";
   EXPECT_GT(fs::file_size(target), 0u);  // the snapshot went through the link
-  EXPECT_FALSE(fs::exists(link + ".tmp"));
+  EXPECT_EQ(names_in(fs::path(link).parent_path()), std::vector<std::string>{"oom.pickle"});
+  EXPECT_EQ(names_in(fs::path(target).parent_path()), std::vector<std::string>{"oom.pickle"});
   fs::remove(link);
   fs::remove(target);
   {
@@ -178,12 +191,27 @@ TEST(OomSnapshot, APathThatIsNoRegularFileIsWrittenInPlaceNotReplaced) {
   EXPECT_FALSE(fs::exists("/dev/null.tmp"));
 }
 
-/// The names in `dir`, sorted.
-std::vector<std::string> names_in(const fs::path& dir) {
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
+// A FIFO with no reader is not waited for: the malloc that ran out of
+// memory gets its error at once, saying why there is no snapshot. (It
+// waited forever in open.) A reader opened after 10 s frees a writer that
+// waits, so that the test fails rather than hangs.
+TEST(OomSnapshot, AFifoWithNoReaderIsNotWaitedFor) {
+  const std::string fifo = temp_path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  fixture f("expandable_segments:False,oom_snapshot:" + fifo);
+  std::promise<std::string> message;
+  std::future<std::string> done = message.get_future();
+  std::thread writer([&] { message.set_value(f.oom_message()); });
+  if (done.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "the out-of-memory error waited for a reader of " << fifo;
+    const int reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+    done.wait();
+    if (reader >= 0) ::close(reader);
+  }
+  writer.join();
+  const std::string m = done.get();
+  EXPECT_TRUE(contains(m, " The snapshot (oom_snapshot) could not be written to " + fifo +
+                              ": a FIFO with no reader (No such device or address).")) << m;
 }
 
 // The temporary file is one no one else has: a user's file beside the path

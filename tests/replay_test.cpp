@@ -465,9 +465,9 @@ TEST(ReplayTest, StreamHandlesWithTheTopBitSetReplayAsStreamsOfTheirOwn) {
     // block (another stream's pool); C on s1 can. Then a record_stream gap
     // on s2 (a side stream) while s1 allocates.
     const std::string a = " 4096 15728640 " + s1 + "\n";
-    const std::string b = " 8192 15728640 " + s2 + "\n";
+    const std::string b = " 2147483648 15728640 " + s2 + "\n";
     return ccalloc::parse_trace_text("1 alloc" + a + "2 free_requested" + a + "3 free_completed" + a + "4 alloc" + b +
-                                         "5 alloc" + a + "6 free_requested" + b + "7 alloc 12288 1000 " + s1 +
+                                         "5 alloc" + a + "6 free_requested" + b + "7 alloc 3221225472 1000 " + s1 +
                                          "\n8 free_completed" + b + "9 free_requested" + a + "10 free_completed" + a,
                                      "handles");
   };
@@ -554,12 +554,12 @@ TEST(ReplayTest, CudaDeviceReplaysOrFailsWithAClearError) {
   // ccalloc::error saying why; with one it must match the simulated replay.
   const std::string text =
       "1 alloc 4096 1000 0\n"
-      "2 alloc 8192 3000000 7\n"
+      "2 alloc 2147483648 3000000 7\n"
       "3 free_requested 4096 1000 0\n"
-      "4 alloc 12288 1000 0\n"
+      "4 alloc 3221225472 1000 0\n"
       "5 free_completed 4096 1000 0\n"
-      "6 free_requested 8192 3000000 7\n"
-      "7 free_completed 8192 3000000 7\n";
+      "6 free_requested 2147483648 3000000 7\n"
+      "7 free_completed 2147483648 3000000 7\n";
   const auto t = ccalloc::parse_trace_text(text, "tiny");
   ccalloc::replay_options o;
   o.device = ccalloc::replay_device::cuda;
@@ -588,10 +588,10 @@ TEST(ReplayTest, BadConfigIsRejectedBeforeReplaying) {
 // to 2 MiB). The 12 MiB request after a free splits a cached 16 MiB block.
 constexpr std::string_view two_blocks_trace =
     "1 alloc 4096 15728640 0\n"
-    "2 alloc 8192 15728640 0\n"
+    "2 alloc 2147483648 15728640 0\n"
     "3 free_requested 4096 15728640 0\n"
     "4 free_completed 4096 15728640 0\n"
-    "5 alloc 12288 12582912 0\n";
+    "5 alloc 3221225472 12582912 0\n";
 
 TEST(ReplayTest, MinDeviceMemoryIsTheSmallestThatFits) {
   const auto t = ccalloc::parse_trace_text(two_blocks_trace, "two");
@@ -667,9 +667,9 @@ TEST(ReplayRepeatTest, NeverFreedAllocationsAreMadeOnceAndPassesAddUp) {
       "2 free_requested 4096 3000000 0\n"
       "3 free_completed 4096 3000000 0\n"
       "4 alloc 4096 5000000 0\n"
-      "5 alloc 8192 2000000 0\n"
-      "6 free_requested 8192 2000000 0\n"
-      "7 free_completed 8192 2000000 0\n";
+      "5 alloc 2147483648 2000000 0\n"
+      "6 free_requested 2147483648 2000000 0\n"
+      "7 free_completed 2147483648 2000000 0\n";
   const auto t = ccalloc::parse_trace_text(text, "weights");
   ccalloc::replay_options o;
   o.repeat = 3;
@@ -879,12 +879,12 @@ TEST(ReplayTest, TheRecyclingTimeBudgetFollowsTheRecordingsTime) {
 TEST(ReplayDeviceLagTest, PagesOfTheSameStreamMoveBeforeTheDeviceHasRunTheirWork) {
   const std::string text =
       "1 alloc 4096 20971520 0\n"
-      "2 alloc 8192 3145728 0\n"
+      "2 alloc 2147483648 3145728 0\n"
       "3 free_requested 4096 20971520 0\n"
       "4 free_completed 4096 20971520 0\n"
-      "5 alloc 12288 31457280 0\n"
-      "6 free_requested 12288 31457280 0\n"
-      "7 free_requested 8192 3145728 0\n";
+      "5 alloc 3221225472 31457280 0\n"
+      "6 free_requested 3221225472 31457280 0\n"
+      "7 free_requested 2147483648 3145728 0\n";
   const auto t = ccalloc::parse_trace_text(text, "free then grow");
   for (const std::uint64_t lag : {0u, 1u, 3u, 1000u}) {
     ccalloc::replay_options o;
@@ -909,13 +909,14 @@ TEST(ReplayDeviceLagTest, PagesOfTheSameStreamMoveBeforeTheDeviceHasRunTheirWork
 TEST(ReplayDeviceLagTest, PagesOfAnotherStreamMoveOnceTheDeviceHasRunTheirWork) {
   std::string text =
       "1 alloc 4096 20971520 7\n"
-      "2 alloc 8192 3145728 7\n"
+      "2 alloc 2147483648 3145728 7\n"
       "3 free_requested 4096 20971520 7\n"
       "4 free_completed 4096 20971520 7\n";
   for (int k = 0; k < 3; ++k)  // (the first column is the time: increasing)
-    text += std::to_string(5 + 2 * k) + " alloc 16384 512 7\n" + std::to_string(6 + 2 * k) +
-            " free_requested 16384 512 7\n";
-  text += "11 alloc 12288 31457280 0\n12 free_requested 12288 31457280 0\n13 free_requested 8192 3145728 7\n";
+    text += std::to_string(5 + 2 * k) + " alloc 4294967296 512 7\n" + std::to_string(6 + 2 * k) +
+            " free_requested 4294967296 512 7\n";
+  text += "11 alloc 3221225472 31457280 0\n12 free_requested 3221225472 31457280 0\n"
+          "13 free_requested 2147483648 3145728 7\n";
   const auto t = ccalloc::parse_trace_text(text, "free on 7, wait, grow on 0");
   for (const bool wait : {true, false})
     for (const std::uint64_t lag : {0u, 1u, 6u, 7u, 20u}) {

@@ -603,6 +603,42 @@ TEST(SimVm, UnmapWorksOverTheAddressSpaceLimit) {
   sim.vm_release(0, base, 2 * granule);
 }
 
+// A vm_map refused under an address-space limit names that limit, with
+// what the process maps (the hint named only vm.max_map_count); without a
+// limit set, a refusal names vm.max_map_count.
+TEST(SimVm, MapRefusedByTheAddressSpaceLimitNamesIt) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "a sanitizer's runtime maps memory of its own under the limit";
+#endif
+  sim_backend sim(vm_device());
+  void* base = sim.vm_reserve(0, granule);
+  ASSERT_NE(base, nullptr);
+  const physical_handle_t h = create(sim, 0, granule);
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_AS, &before), 0);
+  rlimit low = before;
+  low.rlim_cur = 4096;  // far below what the process maps: every mmap fails
+  std::string what;
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &low), 0);
+  try {
+    sim.vm_map(0, base, granule, h);
+  } catch (const backend_error& e) {
+    what = e.what();
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &before), 0);
+  EXPECT_NE(what.find("): mmap failed: Cannot allocate memory (the process maps "), std::string::npos) << what;
+  EXPECT_NE(what.find(" bytes, and " + std::to_string(granule) +
+                      " more pass its address-space limit RLIMIT_AS (ulimit -v) of 4096 bytes: raise the limit)"),
+            std::string::npos)
+      << what;
+  EXPECT_EQ(what.find("max_map_count"), std::string::npos) << what;
+  EXPECT_EQ(sim.counters().mapped_bytes, 0u);
+  sim.vm_map(0, base, granule, h);  // the limit lifted: it maps
+  sim.vm_unmap(0, base, granule);
+  sim.vm_release_handle(0, h);
+  sim.vm_release(0, base, granule);
+}
+
 // ---- peers ------------------------------------------------------------------------------
 
 TEST(SimVm, PeerAccessIsRecorded) {

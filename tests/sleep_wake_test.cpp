@@ -245,6 +245,24 @@ TEST_F(SleepWakeTest, WithoutContentsPauseCopiesNothingAndCachedMemoryOfTheTagGo
   alloc->free(kv);
 }
 
+// A pause whose unmap of a page the device refuses once: the page is
+// retired, unmapped again before the reservation is paused, and the pause
+// completes with every byte released (the page used to leave the books
+// still mapped, its handle never released).
+TEST_F(SleepWakeTest, AnUnmapRefusedOnceDuringAPauseIsTriedAgain) {
+  void* kv = m_tagged("sw_refused", 6 * MiB);
+  sim->fail_vm_unmap_after(1);
+  const sleep_result r = alloc->pause({"sw_refused"}, false);
+  EXPECT_EQ(r.released_bytes, 6 * MiB);
+  dev().check_invariants();
+  EXPECT_EQ(usage("sw_refused").paused_bytes, 6 * MiB);
+  EXPECT_EQ(sim->counters().live_handles, 0u);
+  EXPECT_EQ(sim->counters().mapped_bytes, 0u);
+  (void)alloc->resume({"sw_refused"});
+  std::memset(kv, 1, 6 * MiB);
+  alloc->free(kv);
+}
+
 // Pausing a tag costs what the tag holds (its pools' lists of segments),
 // not what the device holds: 4x the tags, each holding one block, paused
 // one by one take well under 16x the time (each pause walked every

@@ -20,6 +20,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -288,6 +289,54 @@ TEST(SnapshotPickle, TimeGoingBackwardsIsNotedOrRefusedNamingTheEntry) {
   EXPECT_EQ(error_of(snapshot({3'000'000, 3'000'005, 2'000'004})),
             "snap: a PyTorch snapshot that cannot be read: device_traces[0][2].time_us: goes backwards by 1000001 us "
             "(2000004 after 3000005), more than the 1000000 us a clock may step back: the entries are out of order");
+}
+
+// Two allocs at one address with no free between: PyTorch never records
+// that, so the second is refused naming both entries and the address, as
+// the text trace refuses an alloc at a live address (the converter used to
+// add a free of the second alloc's size, which the replay then refused at
+// a line of the converted trace). An alloc at an address freed without its
+// free_completed gets that free_completed (the freed block's size and
+// stream), with a note naming the first.
+TEST(SnapshotPickle, AnAllocAtALiveAddressIsRefusedNamingBothEntries) {
+  struct entry {
+    const char* action;
+    std::int64_t addr, size;
+  };
+  const auto snapshot = [](const std::vector<entry>& entries) {
+    pickle_writer p;
+    p.dict().key("segments").list().end_list().key("device_traces").list().list();
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      p.dict()
+          .field("action", entries[i].action)
+          .field("addr", entries[i].addr)
+          .field("size", entries[i].size)
+          .field("stream", 7)
+          .field("time_us", static_cast<std::int64_t>(10 + i))
+          .end_dict();
+    p.end_list().end_list().end_dict();
+    return p.done();
+  };
+  EXPECT_EQ(error_of(snapshot({{"alloc", 4096, 512}, {"alloc", 8192, 512}, {"alloc", 4096, 1024}})),
+            "snap: a PyTorch snapshot that cannot be read: device_traces[0][2]: alloc at address 4096 (1024 bytes), "
+            "which is still live (allocated at device_traces[0][0] with 512 bytes; no free_requested between)");
+  const ccalloc::trace t = ccalloc::convert_pytorch_snapshot_data(
+      snapshot({{"alloc", 4096, 512}, {"free_requested", 4096, 512}, {"alloc", 4096, 1024},
+                {"free_requested", 4096, 1024}, {"free_completed", 4096, 1024}}),
+      "snap");
+  const std::vector<trace_action> want = {trace_action::alloc, trace_action::free_requested,
+                                          trace_action::free_completed, trace_action::alloc,
+                                          trace_action::free_requested, trace_action::free_completed};
+  ASSERT_EQ(t.events.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(t.events[i].action, want[i]) << i;
+  EXPECT_EQ(t.events[2].size, 512u) << "the freed block's size";
+  EXPECT_EQ(t.events[2].stream, 7u);
+  EXPECT_EQ(t.events[2].time_us, 12u);
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_EQ(t.notes[0], "1 free_completed added before an alloc at an address freed without one (the first: "
+                        "device_traces[0][2] at address 4096)");
+  const ccalloc::replay_result r = ccalloc::replay_trace(t, {});
+  EXPECT_EQ(r.peak_requested_bytes, 1024u);
 }
 
 TEST(SnapshotPickle, CorruptPicklesNameTheByte) {

@@ -204,6 +204,40 @@ TEST(RmmLog, AFreeOnAnotherStreamIsReplayedOnTheAllocationsStream) {
   EXPECT_EQ(ccalloc::replay_trace(t, {}).peak_requested_bytes, 8u);
 }
 
+// An allocate of 0 bytes holds no memory: RMM's resources return nullptr,
+// others a pointer (maybe the same one again, maybe inside a live
+// allocation). It and its free (Size 0) are skipped together, in one note:
+// the free is no pointer "the log never allocated".
+TEST(RmmLog, ZeroByteAllocatesAndTheirFreesAreSkippedTogether) {
+  const ccalloc::trace t = ccalloc::parse_rmm_log("Thread,Time,Action,Pointer,Size,Stream\n"
+                                                  "1,1.0,allocate,0x10,0,0x0\n"
+                                                  "1,1.1,allocate,0x10,0,0x0\n"   // the same pointer again
+                                                  "1,1.2,allocate,0x40,64,0x0\n"
+                                                  "1,1.3,allocate,0x40,0,0x0\n"   // at a live allocation
+                                                  "1,2.0,free,0x10,0,0x0\n"
+                                                  "1,2.1,free,0x10,0,0x0\n"
+                                                  "1,2.2,free,0x40,0,0x0\n"
+                                                  "1,2.3,free,0x40,64,0x0\n"
+                                                  "1,2.4,allocate,(nil),0,0x0\n"  // RMM's nullptr
+                                                  "1,2.5,free,(nil),0,0x0\n",
+                                                  "log");
+  ASSERT_EQ(t.events.size(), 3u);
+  EXPECT_EQ(t.events[0].action, trace_action::alloc);
+  EXPECT_EQ(t.events[0].size, 64u);
+  EXPECT_EQ(t.events[2].action, trace_action::free_completed);
+  ASSERT_EQ(t.notes.size(), 1u) << t.notes[0];
+  EXPECT_EQ(t.notes[0], "3 allocate(s) of 0 bytes (the first: line 2) and 3 free(s) of them were skipped: 0 bytes "
+                        "hold no memory to replay");
+  // A third free of 0x10 is a double free, said as one.
+  const ccalloc::trace twice = ccalloc::parse_rmm_log(
+      "Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x10,0,0x0\n1,2.0,free,0x10,0,0x0\n"
+      "1,3.0,free,0x10,0,0x0\n",
+      "log");
+  ASSERT_EQ(twice.notes.size(), 2u);
+  EXPECT_EQ(twice.notes[1], "1 double free(s) were skipped: pointers freed again without an allocate between (the "
+                            "first: line 4 frees 0x10, already freed at line 3)");
+}
+
 TEST(RmmLog, MalformedInputNamesFileAndLine) {
   const std::string head = "Thread,Time,Action,Pointer,Size,Stream\n";
   const std::map<std::string, std::string> cases = {
@@ -625,6 +659,32 @@ TEST(FreeStream, ATextTraceFreeOnAnotherStreamIsAnError) {
   EXPECT_EQ(replay_error("1 alloc 4096 512 7\n2 free_requested 4096 512 7\n3 alloc 8192 8 0\n"
                          "4 free_completed 4096 512 7\n"),
             "");
+}
+
+// An allocator hands out disjoint blocks: an alloc overlapping a live one
+// (above or below it) is refused naming both (was replayed silently). Ends
+// that touch, a range freed but not completed, and 0 bytes are no overlap;
+// the same address is the event loop's "still live" error.
+TEST(LiveRanges, AnAllocOverlappingALiveOneIsAnError) {
+  const auto replay_error = [](const std::string& text) {
+    return error_of([&] { (void)ccalloc::replay_trace(ccalloc::parse_trace_text(text, "ov"), {}); });
+  };
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 8192 100 0\n3 alloc 4352 512 0\n"),
+            "ov:3: alloc of 512 bytes at address 4352 overlaps the live allocation of 512 bytes at address 4096 "
+            "(allocated at line 1, not freed since): an allocator hands out disjoint blocks");
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 2048 2049 0\n"),
+            "ov:2: alloc of 2049 bytes at address 2048 overlaps the live allocation of 512 bytes at address 4096 "
+            "(allocated at line 1, not freed since): an allocator hands out disjoint blocks");
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 0 18446744073709551615 0\n"),
+            "ov:2: alloc of 18446744073709551615 bytes at address 0 overlaps the live allocation of 512 bytes at "
+            "address 4096 (allocated at line 1, not freed since): an allocator hands out disjoint blocks");
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 3584 512 0\n3 alloc 4608 512 0\n4 alloc 4200 0 0\n"
+                         "5 free_requested 4096 512 0\n6 alloc 4100 16 0\n7 free_requested 4100 16 0\n"
+                         "8 free_completed 4100 16 0\n9 free_completed 4096 512 0\n"),
+            "")
+      << "touching ends, 0 bytes, and a freed range (its free_completed still to come) are no overlap";
+  EXPECT_EQ(replay_error("1 alloc 4096 512 0\n2 alloc 4096 64 0\n"),
+            "ov:2: alloc at address 4096, which is still live (allocated at line 1)");
 }
 
 TEST(FreeSize, AnRmmFreeOfAnotherSizeIsAnError) {

@@ -56,6 +56,7 @@
 #include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
+#include <ccalloc/core/file_output.hpp>
 #include <ccalloc/core/snapshot.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 #include <ccalloc/replay/embedded.hpp>
@@ -87,6 +88,7 @@
 #include <iostream>
 #include <iterator>
 #include <limits>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -98,6 +100,18 @@ namespace {
 namespace detail {
 
 using json = nlohmann::ordered_json;
+
+/// What the command is doing, for the message of a host out-of-memory
+/// (std::bad_alloc, caught in main): "reading the trace <file>",
+/// "replaying the trace", ... In a fixed buffer, so that saying it
+/// allocates nothing.
+char current_step[512] = "";
+
+/// Sets current_step to `what`, followed by `name` when it is not empty.
+void set_step(const char* what, std::string_view name = {}) {
+  std::snprintf(current_step, sizeof current_step, "%s%s%.*s", what, name.empty() ? "" : " ",
+                static_cast<int>(std::min<std::size_t>(name.size(), 400)), name.data());
+}
 
 /// A command-line value that parses but is not acceptable (exit status 2).
 class usage_error : public std::runtime_error {
@@ -235,14 +249,18 @@ std::uint64_t parse_byte_count(const std::string& text, std::string_view option)
 /// Parses a whole-number option (--repeat, --points): decimal digits only
 /// (no sign, blanks, fraction or 0x), from `min` to `max`. Throws usage_error
 /// "bad <option> '<text>': expected a whole number from <min> to <max> (<what>)"
-/// ("of at least <min>" when max is the largest std::uint64_t).
+/// ("of at least <min>" when max is the largest std::uint64_t, unless the
+/// text is a number too large: then the range with its top).
 std::uint64_t parse_count(const std::string& text, std::string_view option, std::uint64_t min, std::uint64_t max,
                           std::string_view what) {
   std::uint64_t value = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
   const bool whole = !text.empty() && ec == std::errc{} && end == text.data() + text.size();
+  // Digits only but beyond max (or beyond 2^64-1): the range names the top.
+  const bool too_large = !text.empty() && end == text.data() + text.size() &&
+                         (ec == std::errc::result_out_of_range || (ec == std::errc{} && value > max));
   if (!whole || value < min || value > max) {
-    const std::string range = max == std::numeric_limits<std::uint64_t>::max()
+    const std::string range = max == std::numeric_limits<std::uint64_t>::max() && !too_large
                                   ? "of at least " + std::to_string(min)
                                   : "from " + std::to_string(min) + " to " + std::to_string(max);
     throw usage_error("bad " + std::string(option) + " '" + text + "': expected a whole number " + range + " (" +
@@ -336,6 +354,7 @@ class read_progress {
 loaded_trace load_trace(const std::string& path, ccalloc::trace_read_options read = {}) {
   const ccalloc::trace_limits& limits = read.limits;
   const auto start = std::chrono::steady_clock::now();
+  set_step("reading the trace", path.empty() ? std::string_view("(the embedded one)") : std::string_view(path));
   loaded_trace out;
   if (path.empty()) {
     const std::string source = "<embedded:" + std::string(ccalloc::embedded::default_trace_name()) + ">";
@@ -359,34 +378,37 @@ loaded_trace load_trace(const std::string& path, ccalloc::trace_read_options rea
   return out;
 }
 
-/// Writes `content` to `path` (created or truncated). Throws ccalloc::error
-/// "cannot write <what> to <path>: <errno text>" (a directory, a missing
-/// folder, no permission, a full disk).
-void write_output_file(const std::string& path, const std::string& content, const std::string& what) {
-  const auto fail = [&](int err) {
-    return ccalloc::error("cannot write " + what + " to " + path + ": " +
-                          (err != 0 ? std::strerror(err) : "the write failed"));
-  };
-  errno = 0;
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out.is_open()) throw fail(errno);
-  errno = 0;
-  out << content;
-  if (!out.flush()) throw fail(errno);
-  out.close();
-  if (out.fail()) throw fail(errno);
+/// The error of a failed write_file_whole or check_file_writable: "cannot
+/// write <what> to <path><step>: <errno text>", or for a FIFO with no
+/// reader "...: a FIFO with no reader (start the reader first; ccalloc does
+/// not wait for one)".
+ccalloc::error output_error(const std::string& path, const std::string& what, int err, const std::string& step) {
+  const std::string head = "cannot write " + what + " to " + path + step;
+  if (err == ENXIO && step == ": a FIFO with no reader")
+    return ccalloc::error(head + " (start the reader first; ccalloc does not wait for one)");
+  return ccalloc::error(head + ": " + std::strerror(err));
 }
 
-/// Checks, before a long replay, that write_output_file(path, ...) can create
-/// or replace `path` and that `path` is no file the command reads: the trace
+/// Writes `content` to `path` whole or not at all (ccalloc::write_file_whole:
+/// a regular file, or the file a symbolic link leads to, is replaced by a
+/// temporary file renamed over it only once that is complete; a FIFO or
+/// device is written in place, a FIFO with no reader refused). Throws
+/// ccalloc::error (output_error: a directory, a missing folder, no
+/// permission, a full disk).
+void write_output_file(const std::string& path, const std::string& content, const std::string& what) {
+  std::string step;
+  if (const int err = ccalloc::write_file_whole(path, content, step); err != 0)
+    throw output_error(path, what, err, step);
+}
+
+/// Checks, before a long replay, that write_output_file(path, ...) can write
+/// `path` (ccalloc::check_file_writable: nothing is created, removed or
+/// opened, so a FIFO's reader is not handed an end-of-file and a symbolic
+/// link stays) and that `path` is no file the command reads: the trace
 /// `input` or the native_peaks.json beside it (the same file under any name:
-/// writing would destroy it): opens it for writing
-/// without truncating, and without waiting (a FIFO with no reader is
-/// refused rather than waited for), and removes it again when this call
-/// created it. Throws usage_error "<what> would overwrite the trace
-/// <input> ..." (or "... the native figures <file> ...") or the error of
-/// write_output_file ("cannot write <what> to <path>: <errno text>"; "...: a
-/// FIFO with no reader ..." for a FIFO).
+/// writing would destroy it). Throws usage_error "<what> would overwrite the
+/// trace <input> ..." (or "... the native figures <file> ...") or the error
+/// of write_output_file.
 void check_output_file(const std::string& path, const std::string& what, const std::string& input) {
   struct stat before {};
   const bool existed = ::stat(path.c_str(), &before) == 0;
@@ -404,16 +426,8 @@ void check_output_file(const std::string& path, const std::string& what, const s
       throw usage_error(what + " would overwrite the native figures " + native + " (" + path +
                         " is the same file), which the command reads beside the trace; write it to another file");
   }
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0666);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENXIO && existed && S_ISFIFO(before.st_mode))
-      throw ccalloc::error("cannot write " + what + " to " + path +
-                           ": a FIFO with no reader (start the reader first; ccalloc does not wait for one)");
-    throw ccalloc::error("cannot write " + what + " to " + path + ": " + std::strerror(err));
-  }
-  ::close(fd);
-  if (!existed) ::unlink(path.c_str());
+  std::string step;
+  if (const int err = ccalloc::check_file_writable(path, step); err != 0) throw output_error(path, what, err, step);
 }
 
 /// Parses `config` up front so a bad one fails before any replay starts, and
@@ -438,13 +452,14 @@ std::uint64_t pages_created(const Figures& f) {
   return f.pages_mapped - f.pages_remapped;
 }
 
-/// The first lines of a replay in which allocations failed: its figures
-/// describe a program that skipped them, so they are not a result.
-void print_oom_banner(std::uint64_t ooms) {
-  std::printf("FAILED: %s allocation(s) failed with out of memory and were skipped: the figures below are of a\n"
+/// The first lines of a replay in which allocations (or resumes) failed:
+/// its figures describe a program that skipped them, so they are not a
+/// result.
+void print_oom_banner(const ccalloc::replay_result& r) {
+  std::printf("FAILED: %s: the figures below are of a\n"
               "        different program than the one recorded, not a result (a larger --device-memory, or\n"
               "        --min-memory, finds what the trace needs)\n\n",
-              with_commas(ooms).c_str());
+              ccalloc::describe_ooms(r).c_str());
 }
 
 /// Says on stderr, once, that the configuration's oom_snapshot could not be
@@ -471,13 +486,18 @@ std::string single_config(const std::vector<std::string>& configs, const char* c
   return configs.empty() ? std::string() : configs.front();
 }
 
-/// Exit status 3 for a replay with failed allocations unless --allow-oom.
-int oom_exit_status(std::uint64_t ooms, bool allow_oom) {
-  if (ooms == 0) return 0;
-  std::fprintf(stderr,
-               "ccalloc: %llu allocation(s) failed with out of memory and were skipped; the peaks describe a "
-               "different program than the one recorded%s\n",
-               static_cast<unsigned long long>(ooms),
+/// Exit status 3 for replays with out-of-memory errors (failed allocations
+/// or resumes) unless --allow-oom.
+int oom_exit_status(const std::vector<const ccalloc::replay_result*>& results, bool allow_oom) {
+  ccalloc::replay_result all;
+  for (const ccalloc::replay_result* r : results) {
+    all.ooms += r->ooms;
+    all.failed_resumes += r->failed_resumes;
+    all.failed_pauses += r->failed_pauses;
+  }
+  if (all.ooms == 0) return 0;
+  std::fprintf(stderr, "ccalloc: %s; the peaks describe a different program than the one recorded%s\n",
+               ccalloc::describe_ooms(all).c_str(),
                allow_oom ? "" : " (exit status 3; --allow-oom accepts such a replay)");
   return allow_oom ? 0 : 3;
 }
@@ -578,8 +598,10 @@ json result_json(const ccalloc::replay_result& r, const loaded_trace& input,
   // A replay in which allocations failed is not a result (see print_oom_banner).
   out["valid"] = r.ooms == 0;
   if (r.ooms > 0)
-    out["invalid_reason"] = with_commas(r.ooms) + " allocation(s) failed with out of memory and were skipped";
+    out["invalid_reason"] = ccalloc::describe_ooms(r);
   put_figures(out, r);
+  out["failed_resumes"] = r.failed_resumes;  // of ooms (describe_ooms)
+  out["failed_pauses"] = r.failed_pauses;
   out["alloc_retries"] = r.alloc_retries;
   out["thread_cache_hits"] = r.thread_cache_hits;
   out["wall_seconds"] = r.wall_seconds;
@@ -737,7 +759,7 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
                          const std::string& config, int cuda_device) {
   const std::uint64_t peak_unpaused = r.peak_unpaused_allocated_bytes;
   const std::uint64_t device_memory_bytes = r.device_memory_bytes;
-  if (r.ooms > 0) print_oom_banner(r.ooms);
+  if (r.ooms > 0) print_oom_banner(r);
   // Byte counts right-aligned on the widest, so their digits line up.
   std::size_t w = 0;
   for (const std::uint64_t b : {std::uint64_t{device_memory_bytes}, r.peak_requested_bytes,
@@ -785,8 +807,7 @@ void print_replay_report(const ccalloc::replay_result& r, const loaded_trace& in
                                  with_commas(pages_created(r)) + " pages created)");
   print_row("device frees", with_commas(r.device_frees) + "  (" + with_commas(cuda_frees) + " cudaFree + " +
                                with_commas(pages_released) + " pages released)");
-  print_row("OOMs", with_commas(r.ooms) +
-                        (r.ooms ? "  (allocations that failed: the device memory is too small)" : ""));
+  print_row("OOMs", with_commas(r.ooms) + (r.ooms ? "  (" + ccalloc::describe_ooms(r) + ")" : ""));
   print_row("alloc retries", with_commas(r.alloc_retries));
   print_row("device syncs", with_commas(r.device_synchronizations) +
                                 (r.device_synchronizations ? "  (host waits for the device before memory changed hands)"
@@ -902,8 +923,8 @@ void print_compare_table(const std::vector<ccalloc::replay_result>& results,
                 "tags: a paused block counts as requested but holds no device pages).\n");
   for (std::size_t i = 0; i < results.size(); ++i)
     if (results[i].ooms)
-      std::printf("FAILED: %s: %s allocation(s) failed with out of memory: its figures are not a result\n",
-                  rows[i].cells[0].c_str(), with_commas(results[i].ooms).c_str());
+      std::printf("FAILED: %s: %s: its figures are not a result\n", rows[i].cells[0].c_str(),
+                  ccalloc::describe_ooms(results[i]).c_str());
   if (input.native) std::printf("PyTorch figures: %s\n", input.native->origin.c_str());
   if (!results.empty() && results.front().repeat > 1) {
     std::printf("\n%llu passes back to back as one program (allocations the trace never frees made once); per "
@@ -1076,6 +1097,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     throw usage_error("--min-memory works on the simulated device only (--device sim)");
   if (!snapshot_path.empty()) check_output_file(snapshot_path, "the snapshot", common.trace_path);
   const loaded_trace input = load_trace(common.trace_path, common.read_options());
+  set_step("replaying the trace");
   progress_bar progress("replaying");
   const std::size_t total = input.trace.events.size() * options.repeat;
   std::string snapshot_json;
@@ -1088,6 +1110,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
   const ccalloc::replay_result result = ccalloc::replay_trace(input.trace, options);
   progress.done();
   if (!snapshot_path.empty()) {
+    set_step("writing the snapshot to", snapshot_path);
     write_output_file(snapshot_path, snapshot_json, "the snapshot");
     std::fprintf(stderr, "ccalloc: wrote the snapshot after the last event to %s (%s bytes of JSON; "
                  "python3 -m ccalloc.snapshot %s -o SNAPSHOT.pickle, or python/ccalloc/snapshot.py in a clone, "
@@ -1095,7 +1118,11 @@ int run_replay(const common_options& common, const std::string& config, bool min
                  snapshot_path.c_str(), with_commas(snapshot_json.size()).c_str(), snapshot_path.c_str());
   }
   std::optional<min_memory_result> min;
-  if (min_memory) min = find_min_memory(input, options);
+  if (min_memory) {
+    set_step("finding the smallest device memory (--min-memory)");
+    min = find_min_memory(input, options);
+  }
+  set_step("printing the results");
   if (common.json_output) {
     json out = result_json(result, input, options.config, options.cuda_device);
     if (min) {
@@ -1109,7 +1136,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     if (min) print_min_memory(*min, options.config);
   }
   print_oom_snapshot_failure({&result});
-  return oom_exit_status(result.ooms, common.allow_oom);
+  return oom_exit_status({&result}, common.allow_oom);
 }
 
 /// `ccalloc report`: the HTML page (include/ccalloc/replay/report.hpp).
@@ -1129,6 +1156,7 @@ int run_report(const common_options& common, const std::string& config, const st
   options.device_memory_bytes = replay.device_memory_bytes;
   options.plot_points = points;
   options.title = title;
+  set_step("replaying the trace for the report");
   progress_bar progress("report");
   options.progress = [&](int pass, std::size_t done_count, std::size_t total) {
     progress.update(done_count, total, "replay " + std::to_string(pass) + "/2");
@@ -1137,6 +1165,7 @@ int run_report(const common_options& common, const std::string& config, const st
   const std::string page =
       ccalloc::render_report_html(input.trace, options, input.native ? &*input.native : nullptr, &summary);
   progress.done();
+  set_step("writing the report to", output_path);
   write_output_file(output_path, page, "the report");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("wrote %s (%s bytes) in %.2f s: %s events, peak reserved %s (ccalloc) vs %s (recording allocator), "
@@ -1148,7 +1177,7 @@ int run_report(const common_options& common, const std::string& config, const st
               summary.live_segments_at_peak, summary.blocks_at_peak);
   print_sleep_events(summary.replay, "  ");
   print_oom_snapshot_failure({&summary.replay});
-  return oom_exit_status(summary.replay.ooms, common.allow_oom);
+  return oom_exit_status({&summary.replay}, common.allow_oom);
 }
 
 int run_compare(const common_options& common, const std::vector<std::string>& configs) {
@@ -1159,7 +1188,9 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
   }
   const loaded_trace input = load_trace(common.trace_path, common.read_options());
   std::vector<ccalloc::replay_result> results;
+  set_step("replaying the trace");
   for (const auto& o : options) results.push_back(ccalloc::replay_trace(input.trace, o));
+  set_step("printing the results");
   if (common.json_output) {
     json out = json::array();
     for (std::size_t i = 0; i < results.size(); ++i) {
@@ -1174,14 +1205,10 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
                             with_commas(first.device_memory_bytes) + " B (" + gib(first.device_memory_bytes) +
                             "), segment addresses " + segment_addresses_label(first));
   }
-  std::uint64_t ooms = 0;
   std::vector<const ccalloc::replay_result*> replayed;
-  for (const ccalloc::replay_result& r : results) {
-    ooms += r.ooms;
-    replayed.push_back(&r);
-  }
+  for (const ccalloc::replay_result& r : results) replayed.push_back(&r);
   print_oom_snapshot_failure(replayed);
-  return oom_exit_status(ooms, common.allow_oom);
+  return oom_exit_status(replayed, common.allow_oom);
 }
 
 /// Splits `text` into lines of at most `width` characters at spaces (a word
@@ -1401,6 +1428,12 @@ int checked_output(int rc) {
 int main(int argc, char** argv) {
   try {
     return checked_output(detail::run(argc, argv));
+  } catch (const std::bad_alloc&) {
+    // Said without allocating: the step is in a fixed buffer.
+    std::fprintf(stderr, "ccalloc: out of host memory%s%s (the memory limit, e.g. ulimit -v, is too small for this "
+                 "trace, or the host's memory is used up)\n",
+                 detail::current_step[0] != '\0' ? " while " : "", detail::current_step);
+    return 1;
   } catch (const detail::usage_error& e) {
     // Messages may quote the command line or a trace: no raw control bytes.
     std::fprintf(stderr, "ccalloc: %s\n", ccalloc::printable_text(e.what()).c_str());

@@ -20,7 +20,10 @@ replays as the program ran, the converter adds, at the trace's first time:
   mapped before the trace), so the recording allocator's reserved bytes start
   right.
 A ``free_completed`` whose ``free_requested`` is missing gets one just before
-it. The header comment says how many of each were added.
+it, and an ``alloc`` at an address freed without its ``free_completed`` gets
+that one just before it. The header comment says how many of each were added.
+An ``alloc`` at an address still live (no ``free_requested`` since its
+``alloc``) is an error naming both entries, as the text trace refuses it.
 
 Needs only the standard library: a snapshot holds plain dicts, lists, tuples,
 strings and numbers, so it is unpickled without torch, and anything else (a
@@ -127,13 +130,15 @@ def convert(snapshot, device=None):
     events = []            # (time_us, action, addr, size, stream)
     start_allocs = {}      # addr -> (size, stream): blocks alive before the trace
     start_segments = {}    # addr -> (action, size, stream)
-    live = {}              # addr -> stream, between alloc and free_requested
-    pending = set()        # addrs between free_requested and free_completed
+    live = {}              # addr -> (stream, size, entry index) of its alloc, until its free_requested
+    pending = {}           # addr -> (stream, size, entry index) of its free_requested, until free_completed
     segment_seen = set()   # segment addrs with a segment_alloc in the trace
     mapped_net = {}        # expandable segment addr -> bytes mapped minus unmapped in the trace
     expandable = sorted(s["address"] for _, s in segments if s.get("is_expandable"))
     dropped = {}
     repaired = 0
+    completions_added = 0  # free_completed added before an alloc at an address freed without one
+    first_completion_added = ""
     last_time = None
     first_time = None
     steps_back = 0         # entries whose time_us is before the entry's ahead of them
@@ -176,19 +181,24 @@ def convert(snapshot, device=None):
         size = _field(e, "size", where)
         stream = _field(e, "stream", where)
         if action == "alloc":
-            if addr in live or addr in pending:  # its frees were not recorded
-                events.append((t, "free_requested", addr, size, live.get(addr, stream)))
-                events.append((t, "free_completed", addr, size, live.get(addr, stream)))
-                live.pop(addr, None)
-                pending.discard(addr)
-                repaired += 1
-            live[addr] = stream
+            if addr in live:
+                _, live_size, live_entry = live[addr]
+                raise ConvertError(f"{where}: alloc at address {addr} ({size} bytes), which is still live (allocated "
+                                   f"at device_traces[{device}][{live_entry}] with {live_size} bytes; no "
+                                   "free_requested between)")
+            if addr in pending:  # its free_completed was not recorded
+                freed_stream, freed_size, _ = pending.pop(addr)
+                events.append((t, "free_completed", addr, freed_size, freed_stream))
+                if not completions_added:
+                    first_completion_added = f"{where} at address {addr}"
+                completions_added += 1
+            live[addr] = (stream, size, i)
         elif action == "free_requested":
             if addr in live:
                 del live[addr]
             elif addr not in pending:
                 start_allocs.setdefault(addr, (size, stream))
-            pending.add(addr)
+            pending[addr] = (stream, size, i)
         elif action == "free_completed":
             if addr not in pending:
                 if addr in live:
@@ -197,7 +207,7 @@ def convert(snapshot, device=None):
                     start_allocs.setdefault(addr, (size, stream))
                 events.append((t, "free_requested", addr, size, stream))
                 repaired += 1
-            pending.discard(addr)
+            pending.pop(addr, None)
         elif action == "segment_alloc":
             segment_seen.add(addr)
         elif action == "segment_free":
@@ -239,6 +249,9 @@ def convert(snapshot, device=None):
                      "(allocated before the trace)")
     if repaired:
         notes.append(f"{repaired} missing frees added")
+    if completions_added:
+        notes.append(f"{completions_added} free_completed added before an alloc at an address freed without one "
+                     f"(the first: {first_completion_added})")
     if steps_back:
         entries = "entry (" if steps_back == 1 else "entries (the first "
         notes.append(f"time_us steps back at {steps_back} {entries}{first_step_back}; at most "

@@ -22,9 +22,12 @@ Errors name the file and where in the snapshot the problem is
 """
 
 import argparse
+import errno
+import itertools
 import json
 import pickle
 import os
+import stat
 import sys
 
 __all__ = ["SnapshotError", "from_json", "load_json", "write_pickle", "convert", "main"]
@@ -167,14 +170,60 @@ def load_json(path):
         raise SnapshotError(f"{path}: {e}") from None
 
 
+_temporary_count = itertools.count()
+
+
 def write_pickle(snapshot, file):
     """Writes `snapshot` as PyTorch's _dump_snapshot does (pickle.dump);
-    `file` is a path or a binary file object."""
+    `file` is a path or a binary file object.
+
+    A path is written whole or not at all, as the library's oom_snapshot
+    file (include/ccalloc/core/file_output.hpp): a regular file (or none
+    yet) is replaced by a new temporary file in its folder, renamed over it
+    (os.replace) once completely written; on failure the temporary file is
+    removed and the old file stays. The new file keeps the old one's
+    permission bits (a new one gets 0666 less the umask); a read-only file
+    is not replaced (PermissionError). A symbolic link stays: the file it
+    leads to is replaced. A FIFO, a device and paths under /dev/ and /proc/
+    are written in place."""
     if hasattr(file, "write"):
         pickle.dump(snapshot, file)
         return
-    with open(file, "wb") as f:
-        pickle.dump(snapshot, f)
+    path = os.fspath(file)
+    in_place = str(path).startswith(("/dev/", "/proc/"))
+    target = path if in_place else os.path.realpath(path)
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    if in_place or (st is not None and not stat.S_ISREG(st.st_mode)):
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f)
+        return
+    if st is not None and not os.access(target, os.W_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        temporary = f"{target}.tmp.{os.getpid()}.{next(_temporary_count)}"
+        try:
+            fd = os.open(temporary, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary file name", target)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if st is not None:
+                os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode))
+            pickle.dump(snapshot, f)
+        os.replace(temporary, target)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
 
 
 def convert(json_path, pickle_path):

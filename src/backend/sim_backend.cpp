@@ -503,6 +503,11 @@ void sim_backend::fail_vm_map_after(std::uint64_t n) {
   impl_->fail_vm_map_countdown = n;
 }
 
+void sim_backend::fail_vm_unmap_after(std::uint64_t n) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->fail_vm_unmap_countdown = n;
+}
+
 void sim_backend::fail_stream_wait_after(std::uint64_t n) {
   std::lock_guard lock(impl_->mutex);
   impl_->fail_stream_wait_countdown = n;

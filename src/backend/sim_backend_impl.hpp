@@ -11,11 +11,13 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -62,12 +64,66 @@ struct lazy_call {
 };
 inline std::string operator+(const lazy_call& call, const char* rest) { return call.text() + rest; }
 
-// The errno text of a failed system call. `maps`: the call adds a mapping,
-// so ENOMEM most likely means the per-process mapping limit.
-inline std::string errno_text(const char* syscall, int err, bool maps = false) {
+// The decimal number at the start of file `path` (/proc and /sys files),
+// or nothing. Reads with a buffer on the stack: it runs where an mmap has
+// just failed, and allocates nothing.
+inline std::optional<std::uint64_t> read_first_number(const char* path) {
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  char buf[64];
+  const ssize_t n = ::read(fd, buf, sizeof buf);
+  ::close(fd);
+  std::uint64_t value = 0;
+  ssize_t i = 0;
+  for (; i < n && buf[i] >= '0' && buf[i] <= '9'; ++i) value = value * 10 + static_cast<std::uint64_t>(buf[i] - '0');
+  if (i == 0) return std::nullopt;
+  return value;
+}
+
+// The number of the process's mappings (lines of /proc/self/maps), or nothing.
+inline std::optional<std::uint64_t> count_mappings() {
+  const int fd = ::open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  char buf[4096];
+  std::uint64_t lines = 0;
+  ssize_t n = 0;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) lines += static_cast<std::uint64_t>(std::count(buf, buf + n, '\n'));
+  ::close(fd);
+  if (n < 0) return std::nullopt;
+  return lines;
+}
+
+// Why an mmap adding a mapping of `bytes` failed with ENOMEM: the
+// process's address-space limit (RLIMIT_AS, ulimit -v) when what it maps
+// plus `bytes` passes it (over the limit, Linux refuses even an mmap that
+// only replaces a range), the mapping limit vm.max_map_count when the
+// process is at it, else both as possible causes.
+inline std::string mapping_limit_hint(std::size_t bytes) {
+  rlimit as{};
+  const bool as_limited = ::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY;
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::optional<std::uint64_t> pages = read_first_number("/proc/self/statm");  // its size, in pages
+  if (as_limited && pages && *pages * page + bytes > as.rlim_cur)
+    return " (the process maps " + std::to_string(*pages * page) + " bytes, and " + std::to_string(bytes) +
+           " more pass its address-space limit RLIMIT_AS (ulimit -v) of " + std::to_string(as.rlim_cur) +
+           " bytes: raise the limit)";
+  const std::optional<std::uint64_t> mappings = count_mappings();
+  const std::optional<std::uint64_t> most = read_first_number("/proc/sys/vm/max_map_count");
+  // A mapping inside a reservation splits it: up to 2 more at once.
+  if (mappings && most && *mappings + 2 >= *most)
+    return " (the process has " + std::to_string(*mappings) + " mappings, at its limit vm.max_map_count of " +
+           std::to_string(*most) + ": raise it, see /proc/sys/vm/max_map_count, or use a larger granularity)";
+  std::string text = " (the process may have reached vm.max_map_count mappings, see /proc/sys/vm/max_map_count";
+  if (as_limited)
+    text += ", or its address-space limit RLIMIT_AS (ulimit -v) of " + std::to_string(as.rlim_cur) + " bytes";
+  return text + ")";
+}
+
+// The errno text of a failed system call. `maps`: the call adds a mapping
+// of `bytes`, so ENOMEM means a limit on mappings (mapping_limit_hint).
+inline std::string errno_text(const char* syscall, int err, bool maps = false, std::size_t bytes = 0) {
   std::string text = std::string(syscall) + " failed: " + std::strerror(err);
-  if (maps && err == ENOMEM)
-    text += " (the process may have reached vm.max_map_count mappings, see /proc/sys/vm/max_map_count)";
+  if (maps && err == ENOMEM) text += mapping_limit_hint(bytes);
   return text;
 }
 
@@ -440,6 +496,7 @@ struct sim_backend::impl {
   std::uint64_t fail_query_countdown = 0;
   std::uint64_t fail_vm_create_countdown = 0;
   std::uint64_t fail_vm_map_countdown = 0;
+  std::uint64_t fail_vm_unmap_countdown = 0;
   std::uint64_t fail_stream_wait_countdown = 0;
   bool vm_supported = false;  // granularity is a multiple of the host page size
   std::map<std::uintptr_t, reservation> reservations;  // base -> reservation

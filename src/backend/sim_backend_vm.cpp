@@ -207,7 +207,7 @@ void sim_backend::vm_map(int device, void* addr, std::size_t size_bytes, physica
     impl_->mappings.erase(noted);
     // A failed MAP_FIXED mmap may have removed the placeholder: put it back.
     const bool restored = map_placeholder(a, size_bytes);
-    throw backend_error(call + "): " + errno_text("mmap", err, /*maps=*/true) +
+    throw backend_error(call + "): " + errno_text("mmap", err, /*maps=*/true, size_bytes) +
                         (restored ? "" : "; the range could not be reserved again"));
   }
   ++h->second.map_count;
@@ -223,6 +223,8 @@ void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
   const lazy_call call{"vm_unmap", device, addr, size_bytes};
   const auto a = reinterpret_cast<std::uintptr_t>(addr);
   impl_->check_whole_mappings(call, device, a, size_bytes);
+  if (impl_->fail_vm_unmap_countdown && --impl_->fail_vm_unmap_countdown == 0)
+    throw backend_error(call + "): injected failure");
   // One MAP_FIXED mmap swaps the pages for the placeholder: the range is
   // never free for another mapping in between. Over an address-space limit
   // (RLIMIT_AS set below what the process maps already) every mmap fails,
@@ -233,7 +235,7 @@ void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
   if (!map_placeholder(a, size_bytes)) {
     const int err = errno;
     if (::mprotect(addr, size_bytes, PROT_NONE) != 0)
-      throw backend_error(call + "): " + errno_text("mmap of the reservation placeholder", err, /*maps=*/true));
+      throw backend_error(call + "): " + errno_text("mmap of the reservation placeholder", err, /*maps=*/true, size_bytes));
   }
   for (std::uintptr_t at = a; at < a + size_bytes;) {
     const auto it = impl_->mappings.find(at);
@@ -360,7 +362,7 @@ ipc_mem_handle sim_backend::ipc_export_segment(int device, void* base) {
     if (::mmap(base, seg->second, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
       const int err = errno;
       ::close(fd);
-      throw backend_error(call + "): " + errno_text("mmap", err, /*maps=*/true));
+      throw backend_error(call + "): " + errno_text("mmap", err, /*maps=*/true, seg->second));
     }
     d.shared_segments.emplace(base, fd);
   }

@@ -3,23 +3,16 @@
 // hot_path.cpp so that the hot path's translation unit, and
 // with it the compiler's inlining there, does not change with history.
 #include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/file_output.hpp>
 #include <ccalloc/core/snapshot.hpp>
 
 #include "detail/device_state.hpp"
 
-#include <atomic>
-#include <cerrno>
-#include <cstdio>
-#include <filesystem>
 #include <exception>
 #include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 namespace ccalloc {
 
@@ -63,81 +56,6 @@ void detail::free_recorded(detail::device_state& s, block* b) {
   s.free(b);
 }
 
-namespace {
-
-// Writes `bytes` to the open `f` and closes it; 0, or the errno of the
-// failed step.
-int write_and_close(std::FILE* f, const std::string& bytes) {
-  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const int write_error = errno;
-  const bool closed = std::fclose(f) == 0;
-  return !written ? write_error : closed ? 0 : errno;
-}
-
-// Writes `bytes` to `path`: 0, or the errno of the failed step with the
-// step's words in `step` (e.g. ": cannot create a temporary file in DIR").
-// A regular file (or none yet) is replaced whole through a temporary file
-// renamed over it, so a reader never sees half a snapshot. Anything else (a
-// device such as /dev/full, a FIFO, a symbolic link) is written in place: a
-// rename would replace the node or the link itself.
-int write_whole(const std::string& path, const std::string& bytes, std::string& step) {
-  std::error_code ec;
-  const std::filesystem::file_status st = std::filesystem::symlink_status(path, ec);
-  if (std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) {
-    std::FILE* f = std::fopen(path.c_str(), "wb");
-    return f == nullptr ? errno : write_and_close(f, bytes);
-  }
-  // A file there is replaced only where it could be written in place (as
-  // fopen would): a read-only snapshot stays. The new one keeps its
-  // permissions.
-  struct ::stat existing {};
-  const bool exists = ::stat(path.c_str(), &existing) == 0;
-  if (exists && ::access(path.c_str(), W_OK) != 0) return errno;
-  // The temporary file is new and of a name no other writer uses (this
-  // process's id and a count; created exclusively, never through a link),
-  // so it cannot be a file of the user's, nor one that another device or
-  // process writing the same path is writing. Its mode is that of a new
-  // file (0666 less the umask), as fopen gives, or the replaced file's.
-  const std::string parent = std::filesystem::path(path).parent_path().string();
-  const std::string folder = parent.empty() ? std::string(".") : parent;
-  static std::atomic<unsigned long> next_temporary{0};
-  std::string temporary;
-  int fd = -1;
-  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
-    temporary = path + ".tmp." + std::to_string(::getpid()) + "." +
-                std::to_string(next_temporary.fetch_add(1, std::memory_order_relaxed));
-    fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST) break;
-  }
-  if (fd < 0) {
-    const int error = errno;
-    step = ": cannot create a temporary file in " + folder;
-    return error;
-  }
-  if (exists) ::fchmod(fd, existing.st_mode & 07777);
-  std::FILE* f = ::fdopen(fd, "wb");
-  int error = 0;
-  if (f == nullptr) {
-    error = errno;
-    ::close(fd);
-  } else {
-    error = write_and_close(f, bytes);
-  }
-  if (error != 0) {
-    std::remove(temporary.c_str());
-    step = ": cannot write a temporary file in " + folder;
-    return error;
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    error = errno;
-    std::remove(temporary.c_str());
-    return error;
-  }
-  return 0;
-}
-
-}  // namespace
-
 std::string detail::write_oom_snapshot(device_caching_allocator& owner, const std::string& path) noexcept {
   const std::string where = " (oom_snapshot)";
   try {
@@ -154,7 +72,7 @@ std::string detail::write_oom_snapshot(device_caching_allocator& owner, const st
              std::generic_category().message(error) + ").";
     };
     std::string step;
-    if (const int error = write_whole(path, bytes, step); error != 0) return failed(error, step);
+    if (const int error = write_file_whole(path, bytes, step); error != 0) return failed(error, step);
     return " A snapshot of device " + std::to_string(owner.device()) + "'s memory" + where + " was written to " +
            path + ".";
   } catch (const std::exception& e) {

@@ -205,15 +205,25 @@ segment* expandable_segments::new_expandable_segment(const alloc_params& p) {
 }
 
 // Mapped page i of seg back to the device and off the books (a failed
-// request gives back what it mapped); device errors are ignored.
+// request gives back what it mapped). A device that refuses the unmap
+// still holds the page: it is retired instead, given up (released at its
+// deferred unmap, which the next settle_retired tries again: emptyCache, a
+// slow path that recycled pages, a request over it) and counted as reserved
+// until then. Other device errors (the handle's release) are ignored.
 void expandable_segments::give_back_page(segment& seg, std::size_t i) noexcept {
   const std::size_t page = seg.page_bytes;
+  const physical_handle_t h = seg.pages.handle(i);
   try {
     d_.backend().vm_unmap(d_.device(), reinterpret_cast<void*>(seg.base + i * page), page);
-    ++d_.stats().values().num_pages_unmapped;
-    ++d_.stats().values().num_device_free;
-    release_page_handle(seg.pages.handle(i));  // a recycled page may be retired elsewhere too
-  } catch (...) {  // noexcept cleanup: the page leaves the books whatever the device says
+  } catch (...) {
+    if (retire_refused_page(seg, i, h)) return;
+    // No host memory for the record: the page leaves the books (below).
+  }
+  ++d_.stats().values().num_pages_unmapped;
+  ++d_.stats().values().num_device_free;
+  try {
+    release_page_handle(h);  // a recycled page may be retired elsewhere too
+  } catch (...) {  // noexcept cleanup: the handle is the device's now
   }
   seg.pages.set_unmapped(i);
   seg.mapped_bytes -= page;
@@ -222,11 +232,33 @@ void expandable_segments::give_back_page(segment& seg, std::size_t i) noexcept {
   count_down(d_.stats().values().reserved_bytes, group_of(seg.head->pool), static_cast<std::int64_t>(page));
 }
 
+// Page i of seg (handle h), whose unmap the device refused: retired, given
+// up (page_table::retired_page::release), still counted as reserved; off
+// the segment's mapped bytes. False (nothing changed) without host memory
+// for the record.
+bool expandable_segments::retire_refused_page(segment& seg, std::size_t i, physical_handle_t h) noexcept {
+  try {
+    seg.pages.reserve_retired(1);
+  } catch (...) {
+    return false;
+  }
+  ++d_.stats().values().num_pages_unmapped;
+  ++d_.stats().values().num_device_free;  // as a deferred unmap's page: counted when given up
+  seg.pages.set_unmapped(i);
+  seg.pages.retire({i, h, seg.head->pool->owner, 0, true});  // fence 0: nothing to wait for
+  ++retired_pages_;
+  seg.mapped_bytes -= seg.page_bytes;
+  if (seg.mapped_bytes == 0) note_maybe_empty(seg);
+  CCALLOC_ASSERT_EXPENSIVE(seg.pages.check());
+  return true;
+}
+
 // A reservation made by a request that failed (discard_made_segment): every
 // block free. Its mapped pages (seg.pages says which, also when a failure
 // left its blocks' view behind) and the reservation go back to the device;
 // its blocks and the segment leave the books. Allocates nothing; device
-// errors are ignored.
+// errors are ignored, but for a refused unmap: the reservation then stays
+// with that page retired (give_back_page).
 void expandable_segments::discard_reservation(segment& seg) noexcept {
   const std::size_t page = seg.page_bytes;
   block_pool* const pool = seg.head->pool;
@@ -248,6 +280,24 @@ void expandable_segments::discard_reservation(segment& seg) noexcept {
       }
     }
     for (const std::size_t end = i + n; i < end; ++i) give_back_page(seg, i);
+  }
+  if (!seg.pages.retired().empty()) {
+    // The device refused to unmap a page (here, or when the request gave it
+    // back): the reservation stays, as a fresh one (one unmapped block),
+    // until its retired pages are unmapped (settle_retired);
+    // release_empty_expandable_segments then releases it.
+    for (block* b = seg.head->next; b != nullptr;) {
+      block* next = b->next;
+      b->pool->owner->delete_block(b);
+      b = next;
+    }
+    seg.head->next = nullptr;
+    seg.head->size = seg.size;
+    seg.head->mapped = false;
+    seg.unmapped.clear();
+    seg.unmapped.push_back(seg.head);  // within its capacity (never below 4): no allocation
+    note_maybe_empty(seg);
+    return;
   }
   try {
     d_.backend().vm_release(d_.device(), reinterpret_cast<void*>(seg.base), seg.size);

@@ -291,6 +291,11 @@ void tag_sleep::pause_segment(segment& seg, bool keep_contents, sleep_result& r)
     for (const std::size_t end = i + n; i < end; ++i) d_.expandable().give_back_page(seg, i);
     r.released_bytes += n * page;
   }
+  // A page whose unmap the device refused is retired (give_back_page): a
+  // paused reservation holds none, so its unmap is tried again now (a
+  // second refusal throws, as the device's other errors here do).
+  if (!seg.pages.retired().empty())
+    d_.expandable().settle_retired_in(seg, 0, std::numeric_limits<std::size_t>::max(), true);
   for (const auto& run : seg.paused_runs) r.paused_bytes += run.pages * page;
   seg.paused = true;
 }

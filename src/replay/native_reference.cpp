@@ -168,6 +168,11 @@ std::optional<native_reference> native_reference_beside(const std::string& trace
   if (!in.is_open()) return ignore(std::string("cannot open: ") + std::strerror(errno != 0 ? errno : EIO));
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) return ignore(std::string("cannot read: ") + std::strerror(errno != 0 ? errno : EIO));
+  // nlohmann-json reads a NUL as the end of its input: what follows would
+  // be ignored without a word. JSON text holds none.
+  if (const std::size_t nul = text.find('\0'); nul != std::string::npos)
+    return ignore("a NUL byte at byte " + std::to_string(nul) + " of " + std::to_string(text.size()) +
+                  " (JSON text holds none; a JSON reader would stop there and ignore the rest)");
   const std::string name = trace_base_name(trace_file);
   peaks_parse parsed;
   try {

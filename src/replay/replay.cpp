@@ -35,6 +35,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <deque>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
@@ -89,22 +90,70 @@ void check_free_matches(const trace& t, const trace_event& e, const trace_event&
                           " (a free is recorded on its block's stream, the one it was allocated on)");
 }
 
+// The live allocations of a trace (alloc to free_requested) of one byte or
+// more, by address: they must not overlap. An allocator hands out disjoint
+// blocks, so an alloc whose [addr, addr + size) meets a live one comes from
+// no recorded program: lines mixed up, two traces merged, or a recorder's
+// fault. (An alloc at the very address of a live one is the event loop's
+// error, naming both lines; an address freed but not yet completed may be
+// allocated again, as the replay reads the trace.) The shared traces have
+// none.
+class live_ranges {
+ public:
+  explicit live_ranges(const trace& t) : t_(t) {}
+
+  // Alloc event i, checked against the live allocations, then one of them.
+  void alloc(std::size_t i) {
+    const trace_event& e = t_.events[i];
+    if (e.size == 0) return;  // holds no byte
+    auto next = by_addr_.lower_bound(e.addr);
+    if (next != by_addr_.end() && next->first == e.addr) return;  // the same address: the event loop's error
+    if (next != by_addr_.end() && next->first - e.addr < e.size) refuse(e, t_.events[next->second]);
+    if (next != by_addr_.begin()) {
+      const trace_event& below = t_.events[std::prev(next)->second];
+      if (e.addr - below.addr < below.size) refuse(e, below);
+    }
+    by_addr_.emplace_hint(next, e.addr, i);
+  }
+  // Alloc event i is freed (free_requested).
+  void free(std::size_t i) {
+    const auto it = by_addr_.find(t_.events[i].addr);
+    if (it != by_addr_.end() && it->second == i) by_addr_.erase(it);
+  }
+
+ private:
+  [[noreturn]] void refuse(const trace_event& e, const trace_event& live) const {
+    throw trace_error(t_.source, e.line,
+                      "alloc of " + std::to_string(e.size) + " bytes at address " + std::to_string(e.addr) +
+                          " overlaps the live allocation of " + std::to_string(live.size) + " bytes at address " +
+                          std::to_string(live.addr) + " (allocated at line " + std::to_string(live.line) +
+                          ", not freed since): an allocator hands out disjoint blocks");
+  }
+
+  const trace& t_;
+  std::map<std::uint64_t, std::size_t> by_addr_;  // addr -> alloc index
+};
+
 // For each free_requested event, the index of its free_completed event
-// (`never` if the trace ends first). Also validates the pairing, and that a
-// free has the size and stream of its alloc.
+// (`never` if the trace ends first). Also validates the pairing, that a
+// free has the size and stream of its alloc, and that live allocations do
+// not overlap (live_ranges).
 std::vector<std::uint64_t> completion_indices(const trace& t) {
   std::vector<std::uint64_t> completion(t.events.size(), never);
   std::unordered_map<std::uint64_t, std::uint64_t> allocated_at;  // addr -> alloc index
   std::unordered_map<std::uint64_t, std::uint64_t> requested_at;  // addr -> free_requested index
+  live_ranges ranges(t);
   allocated_at.reserve(1024);
   requested_at.reserve(1024);
   for (std::size_t i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
     if (e.action == trace_action::alloc) {
+      ranges.alloc(i);
       allocated_at[e.addr] = i;  // an alloc at a live address is the event loop's error, naming both lines
     } else if (e.action == trace_action::free_requested) {
       if (auto it = allocated_at.find(e.addr); it != allocated_at.end()) {
         check_free_matches(t, e, t.events[it->second]);
+        ranges.free(it->second);
         allocated_at.erase(it);
       }
       requested_at[e.addr] = i;
@@ -238,7 +287,8 @@ class sleep_replay {
   // is paused. Tags the pass left paused are resumed (recorded as resumes at
   // `index`, the pass's last event, line 0: no line of the trace), and the
   // trace's pause order starts afresh, so that the next pass's first pause
-  // of a tag is no second pause. A resume without room counts in `ooms`.
+  // of a tag is no second pause. A resume without room counts in `ooms`
+  // and failed_resumes.
   void end_pass(std::uint64_t index) {
     scope_.reset();
     paused_at_.clear();
@@ -251,6 +301,8 @@ class sleep_replay {
         resume_into(s);
       } catch (const out_of_memory_error& x) {
         count_oom(r_, x);
+        ++r_.failed_resumes;
+        s.failed = true;
       }
       record(std::move(s));
     }
@@ -290,6 +342,8 @@ class sleep_replay {
       // A resume without room on the device, or a pause without host memory
       // for the kept contents: nothing changed, the tag stays as it was.
       count_oom(r_, x);
+      ++(s.pause ? r_.failed_pauses : r_.failed_resumes);
+      s.failed = true;
     } catch (const invalid_argument_error& x) {
       throw_refused(t_, e, x);
     }

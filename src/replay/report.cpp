@@ -458,7 +458,8 @@ std::string sleep_table(const replay_result& r) {
        "cache given back</th><th>copied to/from host</th><th>paused, all tags</th><th>reserved after</th></tr>\n";
   for (const replay_sleep_event& e : r.sleep_events)
     o += "<tr><td>" + (e.line ? with_commas(e.line) : std::string("pass end")) + "</td><td class=\"l\">" +
-         (e.pause ? (e.keep_contents ? "pause (keep)" : "pause (drop)") : "resume") + "</td><td class=\"l\">" +
+         (e.pause ? (e.keep_contents ? "pause (keep)" : "pause (drop)") : "resume") +
+         (e.failed ? (e.pause ? " failed: no host memory" : " failed: no room") : "") + "</td><td class=\"l\">" +
          html(e.tag) + "</td><td>" + html(format_bytes(e.paused_bytes)) + "</td><td>" +
          html(format_bytes(e.released_bytes)) + "</td><td>" + html(format_bytes(e.copied_bytes)) + "</td><td>" +
          html(format_bytes(e.paused_total_bytes)) + "</td><td>" + html(format_bytes(e.reserved_bytes)) +
@@ -483,8 +484,7 @@ void summary_section(std::string& o, const report_summary& sum, const native_ref
     o += kpi(fmt("%.3f", sum.replay.fragmentation()), "ccalloc reserved / requested at the peaks");
   o += "</div>\n";
   if (sum.replay.ooms > 0)
-    o += "<p class=\"note\"><b>" + with_commas(sum.replay.ooms) +
-         " allocations failed with out of memory</b> on the simulated device and were skipped.</p>\n";
+    o += "<p class=\"note\"><b>" + html(describe_ooms(sum.replay)) + "</b> on the simulated device.</p>\n";
   o += peaks_table(sum, native, recorded);
   o += "<p class=\"note\">The recording allocator's figures come from the trace itself (its segment_alloc / "
        "segment_free events); PyTorch's from native_peaks.json when the trace has an entry there.</p>\n";
@@ -693,6 +693,20 @@ std::string render_report_html(const trace& t, const report_options& options, co
     summary_out->top_sites = std::move(top_sites);
   }
   return o;
+}
+
+std::string describe_ooms(const replay_result& r) {
+  std::string out;
+  const auto add = [&out](std::uint64_t n, const char* what) {
+    if (n == 0) return;
+    if (!out.empty()) out += "; ";
+    out += with_commas(n) + what;
+  };
+  const std::uint64_t others = r.failed_resumes + r.failed_pauses;
+  add(r.ooms > others ? r.ooms - others : 0, " allocation(s) failed with out of memory and were skipped");
+  add(r.failed_resumes, " resume(s) failed with out of memory (the tag stayed paused)");
+  add(r.failed_pauses, " pause(s) keeping contents failed without host memory (the tag stayed active)");
+  return out;
 }
 
 }  // namespace ccalloc

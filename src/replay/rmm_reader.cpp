@@ -189,6 +189,9 @@ class rmm_log_parser final : public line_parser {
   std::unordered_map<std::uint64_t, allocation> live_;    // pointer -> its allocate
   std::unordered_map<std::uint64_t, std::size_t> freed_;  // pointer -> line of its last free (not allocated since)
   std::uint64_t skipped_frees_ = 0;
+  std::unordered_map<std::uint64_t, std::uint64_t> zero_live_;  // pointer -> its 0-byte allocates not yet freed
+  std::uint64_t zero_allocates_ = 0, zero_frees_ = 0;  // with a non-null Pointer; their frees
+  std::size_t first_zero_line_ = 0;
   std::uint64_t double_frees_ = 0;
   std::size_t first_double_free_line_ = 0, first_double_free_earlier_line_ = 0;
   std::string first_double_free_pointer_;
@@ -305,11 +308,19 @@ std::uint64_t rmm_log_parser::next_time_us(const record& r, std::string_view tim
 }
 
 void rmm_log_parser::add_allocate(trace_event e, std::string_view pointer_f) {
-  if (e.addr == 0 || e.size == 0) {
-    // RMM returns nullptr for 0 bytes: nothing was allocated.
-    if (e.size == 0) return;
-    throw trace_error(source_, line_number_, "allocate of " + std::to_string(e.size) + " bytes returned a null Pointer");
+  if (e.size == 0) {
+    // 0 bytes: nothing to replay. RMM's resources return nullptr, others a
+    // pointer of their own (maybe one they return again, or one inside a
+    // live allocation); its free (Size 0) is legitimate and skipped with
+    // it, both counted in a note.
+    if (e.addr != 0) {
+      ++zero_live_[e.addr];
+      if (zero_allocates_++ == 0) first_zero_line_ = line_number_;
+    }
+    return;
   }
+  if (e.addr == 0)
+    throw trace_error(source_, line_number_, "allocate of " + std::to_string(e.size) + " bytes returned a null Pointer");
   freed_.erase(e.addr);
   const auto [it, fresh] = live_.try_emplace(e.addr, allocation{line_number_, e.size, e.stream});
   if (!fresh)
@@ -321,6 +332,14 @@ void rmm_log_parser::add_allocate(trace_event e, std::string_view pointer_f) {
 }
 
 void rmm_log_parser::add_free(trace_event e, std::string_view pointer_f) {
+  if (e.size == 0) {  // the free of a 0-byte allocate (RMM passes the allocation's Size)
+    if (const auto z = zero_live_.find(e.addr); z != zero_live_.end()) {
+      if (--z->second == 0) zero_live_.erase(z);
+      ++zero_frees_;
+      if (live_.count(e.addr) == 0) freed_[e.addr] = line_number_;
+      return;
+    }
+  }
   const auto it = live_.find(e.addr);
   if (it == live_.end()) {
     count_unmatched_free(e.addr, pointer_f);
@@ -364,6 +383,10 @@ trace rmm_log_parser::finish() {
   if (skipped_frees_ > 0)
     t_.notes.push_back(std::to_string(skipped_frees_) +
                       " free(s) of pointers the log never allocated were skipped (the log started after them)");
+  if (zero_allocates_ > 0)
+    t_.notes.push_back(std::to_string(zero_allocates_) + " allocate(s) of 0 bytes (the first: line " +
+                       std::to_string(first_zero_line_) + ") and " + std::to_string(zero_frees_) +
+                       " free(s) of them were skipped: 0 bytes hold no memory to replay");
   if (steps_back_ > 0)
     t_.notes.push_back("Time steps back at " + std::to_string(steps_back_) + " row(s) (the first: line " +
                        std::to_string(first_step_back_line_) + "; at most " + std::to_string(largest_step_back_us_) +

@@ -15,8 +15,10 @@
 // `segment_alloc` for every segment freed in the trace, or present at the
 // end, without one (for an expandable segment: a `segment_map` of what was
 // mapped before the trace). A `free_completed` whose `free_requested` is
-// missing gets one just before it; an `alloc` at a live address gets the
-// frees that were not recorded. Notes say how many of each were added.
+// missing gets one just before it; an `alloc` at an address freed without
+// its `free_completed` gets one just before it. Notes say how many of each
+// were added. An `alloc` at a live address (no `free_requested` since its
+// `alloc`) is an error naming both entries, as in the text trace.
 //
 // Each distinct segment is walked once and each distinct frames list turned
 // into a site once, so the work is linear in the pickle's size even when a
@@ -210,21 +212,26 @@ class converter {
     const std::uint32_t site = site_of(e);
     switch (*action) {
       case trace_action::alloc: {
-        const auto l = live_.find(addr);
-        if (l != live_.end() || pending_.count(addr) != 0) {  // its frees were not recorded
-          const std::uint64_t s = l != live_.end() ? l->second : stream;
-          events_.push_back({time, addr, size, s, trace_action::free_requested, 0});
-          events_.push_back({time, addr, size, s, trace_action::free_completed, 0});
-          if (l != live_.end()) live_.erase(l);
-          pending_.erase(addr);
-          ++repaired_;
+        // PyTorch records a block's frees before its address serves another
+        // allocation: an alloc at a live address is refused, as the text
+        // trace refuses it (which free is missing, and when, is unknown).
+        if (const auto l = live_.find(addr); l != live_.end())
+          throw convert_error(at + ": alloc at address " + std::to_string(addr) + " (" + std::to_string(size) +
+                              " bytes), which is still live (allocated at " + where(l->second.entry) +
+                              " with " + std::to_string(l->second.size) + " bytes; no free_requested between)");
+        // Freed but its free_completed missing: added here, with its
+        // free_requested's size and stream (the block was reusable).
+        if (const auto q = pending_.find(addr); q != pending_.end()) {
+          events_.push_back({time, addr, q->second.size, q->second.stream, trace_action::free_completed, 0});
+          if (completions_added_++ == 0) first_completion_added_ = at + " at address " + std::to_string(addr);
+          pending_.erase(q);
         }
-        live_[addr] = stream;
+        live_[addr] = {stream, size, i};
         break;
       }
       case trace_action::free_requested:
         if (live_.erase(addr) == 0 && pending_.count(addr) == 0) start_allocs_.try_emplace(addr, size, stream, 0);
-        pending_.insert(addr);
+        pending_[addr] = {stream, size, i};
         break;
       case trace_action::free_completed:
         if (pending_.count(addr) == 0) {
@@ -365,6 +372,10 @@ class converter {
       out.notes.push_back(std::to_string(start_allocs_.size()) + " alloc and " + std::to_string(start_segments_.size()) +
                           " segment events added at the start (allocated before the trace)");
     if (repaired_ != 0) out.notes.push_back(std::to_string(repaired_) + " missing frees added");
+    if (completions_added_ != 0)
+      out.notes.push_back(std::to_string(completions_added_) +
+                          " free_completed added before an alloc at an address freed without one (the first: " +
+                          first_completion_added_ + ")");
     if (steps_back_ != 0)
       out.notes.push_back("time_us steps back at " + std::to_string(steps_back_) +
                           (steps_back_ == 1 ? " entry (" : " entries (the first ") +
@@ -388,14 +399,20 @@ class converter {
   std::vector<event> events_;
   std::size_t entries_ = 0;
   std::optional<std::uint64_t> first_time_, last_time_;
-  std::unordered_map<std::uint64_t, std::uint64_t> live_;  // addr -> stream, between alloc and free_requested
-  std::unordered_set<std::uint64_t> pending_;              // between free_requested and free_completed
+  struct block_entry {
+    std::uint64_t stream, size;
+    std::size_t entry;  // its index in device_traces[device_]
+  };
+  std::unordered_map<std::uint64_t, block_entry> live_;     // addr -> its alloc, until its free_requested
+  std::unordered_map<std::uint64_t, block_entry> pending_;  // addr -> its free_requested, until free_completed
   std::unordered_set<std::uint64_t> segment_seen_;         // segments with a segment_alloc in the trace
   std::map<std::uint64_t, std::tuple<std::uint64_t, std::uint64_t, std::uint32_t>> start_allocs_;  // size, stream, site
   std::map<std::uint64_t, std::tuple<trace_action, std::uint64_t, std::uint64_t>> start_segments_;  // action, size, stream
   std::vector<std::tuple<std::uint64_t, std::uint64_t, bool>> unmapped_;  // segment_map/unmap: addr, size, is map
   std::map<std::string, std::size_t> dropped_;
-  std::size_t repaired_ = 0;
+  std::size_t repaired_ = 0;  // free_requested added before a free_completed without one
+  std::size_t completions_added_ = 0;  // free_completed added before an alloc at a pending address
+  std::string first_completion_added_;  // the first such alloc: "device_traces[D][I] at address A"
   std::size_t steps_back_ = 0;  // entries whose time_us is before the entry's ahead of them
   std::string first_step_back_;  // the first of them: "device_traces[D][I]: <time> after <time>"
   std::uint64_t largest_step_back_us_ = 0;

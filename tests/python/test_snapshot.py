@@ -260,6 +260,23 @@ class SnapshotToTrace(unittest.TestCase):
         self.assertIn("time_us steps back at 1 entry (device_traces[0][1]: 2 after 3; at most 1 us): each takes "
                       "the time of the entry before it", notes)
 
+    def test_alloc_at_a_live_address_is_refused_and_a_missing_free_completed_added(self):
+        entry = {"stream": 7}
+        s = {"segments": [], "device_traces": [[
+            {**entry, "action": "alloc", "addr": 4096, "size": 512, "time_us": 10},
+            {**entry, "action": "alloc", "addr": 4096, "size": 1024, "time_us": 11}]]}
+        with self.assertRaises(snapshot_to_trace.ConvertError) as e:
+            snapshot_to_trace.convert(s)
+        self.assertEqual(str(e.exception), "device_traces[0][1]: alloc at address 4096 (1024 bytes), which is still "
+                                           "live (allocated at device_traces[0][0] with 512 bytes; no free_requested "
+                                           "between)")
+        s["device_traces"][0][1:1] = [{**entry, "action": "free_requested", "addr": 4096, "size": 512, "time_us": 10}]
+        lines, notes = snapshot_to_trace.convert(s)
+        self.assertEqual(lines, ["10 alloc 4096 512 7", "10 free_requested 4096 512 7", "11 free_completed 4096 512 7",
+                                 "11 alloc 4096 1024 7"])
+        self.assertIn("1 free_completed added before an alloc at an address freed without one (the first: "
+                      "device_traces[0][2] at address 4096)", notes)
+
     def test_time_going_back_more_than_a_second_is_refused_naming_the_entry(self):
         entry = {"action": "alloc", "size": 5, "stream": 0}
         s = {"segments": [], "device_traces": [[

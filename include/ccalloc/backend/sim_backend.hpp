@@ -101,7 +101,9 @@
 // between mappings (the kernel merges neighbours only when their file ranges
 // are adjacent too), so a reservation with n separate mapped ranges uses up
 // to 2n + 1. A failed mmap in vm_map or vm_unmap throws backend_error with
-// errno's text (for ENOMEM also naming vm.max_map_count); a reservation mmap
+// errno's text (for ENOMEM also naming the limit that applies: the
+// address-space limit RLIMIT_AS when what the process maps passes it, else
+// vm.max_map_count; docs/errors.md); a reservation mmap
 // failing with ENOMEM makes vm_reserve return nullptr, as cuMemAddressReserve
 // reports out of memory.
 // The virtual-memory functions need granularity_bytes to be a multiple of the
@@ -152,7 +154,8 @@
 // fail_event_query_after(n) makes the n-th query_event throw backend_error;
 // fail_vm_create_after(n) makes the n-th vm_create return false as if out of
 // memory; fail_vm_map_after(n) makes the n-th vm_map throw backend_error
-// (nothing mapped); fail_stream_wait_after(n) makes the n-th
+// (nothing mapped); fail_vm_unmap_after(n) makes the n-th vm_unmap throw
+// backend_error (nothing unmapped); fail_stream_wait_after(n) makes the n-th
 // stream_wait_event throw backend_error (the stream does not wait). Calls
 // rejected for bad arguments do not count.
 //
@@ -511,6 +514,9 @@ class sim_backend final : public device_backend {
   /// The n-th stream_wait_event from now (n >= 1) throws backend_error and
   /// adds no wait; 0 disarms.
   void fail_stream_wait_after(std::uint64_t n);
+  /// The n-th vm_unmap from now (n >= 1) throws backend_error and unmaps
+  /// nothing; 0 disarms.
+  void fail_vm_unmap_after(std::uint64_t n);
   /// Whether `peer` may access the mapped address `addr` of `device`: true
   /// for `device` itself and for peers granted with vm_set_access on that
   /// mapping; false when `addr` is not inside a mapping of `device`. Throws

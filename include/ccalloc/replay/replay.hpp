@@ -174,7 +174,7 @@ struct replay_pass {
   std::uint64_t device_mallocs = 0;           ///< num_device_alloc
   std::uint64_t device_frees = 0;             ///< num_device_free
   std::uint64_t segments_created = 0;         ///< segment.all.allocated: cudaMallocs and address reservations
-  std::uint64_t ooms = 0;                     ///< allocations that failed
+  std::uint64_t ooms = 0;                     ///< out-of-memory errors in this pass (replay_result::ooms)
   std::uint64_t device_synchronizations = 0;  ///< num_device_synchronizations
   std::uint64_t pages_remapped = 0;           ///< num_pages_remapped
   std::uint64_t pages_mapped = 0;             ///< num_pages_mapped
@@ -206,6 +206,11 @@ struct replay_sleep_event {
   std::uint64_t copied_bytes = 0;        ///< bytes copied to (pause) or from (resume) host memory
   std::uint64_t paused_total_bytes = 0;  ///< paused bytes of every tag after the event
   std::uint64_t reserved_bytes = 0;      ///< ccalloc's reserved bytes after the event
+  /// It failed and changed nothing: a resume with no room on the device
+  /// (the tag stayed paused), a pause with no host memory for the kept
+  /// contents (the tag stayed active). Counted in replay_result::ooms and
+  /// failed_resumes / failed_pauses.
+  bool failed = false;
 };
 
 struct replay_result {
@@ -233,7 +238,16 @@ struct replay_result {
   /// address-space reservation (expandable); PyTorch's cudaMalloc count
   /// compares with this, not with device_mallocs.
   std::uint64_t segments_created = 0;
-  std::uint64_t ooms = 0;                  ///< allocations that failed
+  /// Out-of-memory errors the replay went on after: allocations that
+  /// failed (and were skipped), plus failed_resumes and failed_pauses.
+  /// Not 0: the figures are not those of the recorded program.
+  std::uint64_t ooms = 0;
+  /// Of `ooms`: resumes that found no room on the device (the tag stayed
+  /// paused), and pauses keeping contents that found no host memory (the
+  /// tag stayed active); replay_sleep_event::failed marks each. The failed
+  /// allocations are ooms - failed_resumes - failed_pauses.
+  std::uint64_t failed_resumes = 0;
+  std::uint64_t failed_pauses = 0;
   /// The library's sentence "The snapshot (oom_snapshot) could not be
   /// written to PATH (why)." from the first out-of-memory whose snapshot
   /// failed; "" when none did. The replay counts such an out-of-memory in

@@ -77,6 +77,15 @@ struct report_summary {
 /// reserved pages. 0 when nothing was requested.
 [[nodiscard]] double shown_fragmentation(const replay_result& r) noexcept;
 
+/// The out-of-memory errors of a replay in words, for messages: "<n>
+/// allocation(s) failed with out of memory and were skipped", "<n>
+/// resume(s) failed with out of memory (the tag stayed paused)", "<n>
+/// pause(s) keeping contents failed without host memory (the tag stayed
+/// active)", those that are not 0 joined by "; " (n with thousands
+/// separators: 1,923); "" when r.ooms is 0 (replay_result::ooms,
+/// failed_resumes, failed_pauses).
+[[nodiscard]] std::string describe_ooms(const replay_result& r);
+
 /// The recording allocator's figures, from the trace's own events: what
 /// `ccalloc report` shows next to ccalloc's and `ccalloc replay` prints.
 struct recorded_figures {

@@ -75,6 +75,8 @@ class expandable_segments {
 
   segment* new_expandable_segment(const alloc_params& p);
   void discard_reservation(segment& seg) noexcept;
+  // Mapped page i of seg back to the device and off the books; a refused
+  // unmap retires it instead (retire_refused_page), still reserved.
   void give_back_page(segment& seg, std::size_t i) noexcept;
   void pool_insert_counted(block* b);
   void pool_erase_counted(block* b);
@@ -116,6 +118,7 @@ class expandable_segments {
   void release_page_handle(physical_handle_t h);
 
  private:
+  bool retire_refused_page(segment& seg, std::size_t i, physical_handle_t h) noexcept;
   // Whether `need` bytes of new pages may fit at all (not past the device,
   // the cap, or what the device has free plus what unmapping could give).
   bool could_map(std::size_t need);

@@ -1,0 +1,96 @@
+#!/bin/sh
+# cli_output_files.sh CCALLOC DIR CASE: the CLI's output files (report -o,
+# replay --snapshot, --config oom_snapshot:) are written whole or not at
+# all, through symbolic links without replacing them, and to FIFOs without
+# handing the reader an end-of-file first. Prints what it finds; the test's
+# PASS_REGULAR_EXPRESSION (tests/CMakeLists.txt) says what must hold.
+ccalloc=$1
+d=$2
+rm -rf "$d" && mkdir -p "$d/x" || exit 1
+cd "$d" || exit 1
+printf '1 alloc 4096 512 0\n' > good.trace
+printf '1 alloc 4096 512 0\n2 alocc 4096 512 0\n' > bad.trace
+printf '1 alloc 4096 512 0\n2 alloc 8192 200000000000 0\n' > oom.trace
+# A trace of 300 live blocks: a report and a snapshot of a few hundred KB.
+awk 'BEGIN { for (i = 1; i <= 300; i++) print i " alloc " (i * 1048576) " 4096 0" }' > many.trace
+
+# is_link NAME: "link" while NAME is still a symbolic link, else "gone".
+is_link() { if [ -L "$1" ]; then echo link; else echo gone; fi; }
+# reader OUT: starts `cat f > OUT` in the background and returns once cat
+# waits in its open of the FIFO (it is cat and asleep; at most 2 s): from
+# then on the FIFO has a reader.
+reader() {
+  cat f > "$1" &
+  reader_pid=$!
+  n=0
+  while [ $n -lt 100 ]; do
+    if [ "$(tr '\0' ' ' < "/proc/$reader_pid/cmdline" 2> /dev/null)" = "cat f " ] &&
+       [ "$(cut -d' ' -f3 "/proc/$reader_pid/stat" 2> /dev/null)" = S ]; then
+      return
+    fi
+    sleep 0.02
+    n=$((n + 1))
+  done
+}
+# reader_done: waits for the reader to end (at most 5 s; a writer that never
+# opened the FIFO leaves it waiting in open: it is then stopped).
+reader_done() {
+  n=0
+  while [ $n -lt 250 ] && kill -0 "$reader_pid" 2> /dev/null; do sleep 0.02; n=$((n + 1)); done
+  kill "$reader_pid" 2> /dev/null
+  wait "$reader_pid" 2> /dev/null
+}
+# exists NAME: "yes" or "no".
+exists() { if [ -e "$1" ]; then echo yes; else echo no; fi; }
+
+case $3 in
+dangling_link)
+  # A failed run leaves the link and creates nothing at its target; a run
+  # that succeeds writes the target and keeps the link.
+  ln -s "$d/x/r.html" r.html
+  ln -s "$d/x/s.json" s.json
+  ln -s "$d/x/o.pickle" o.pickle
+  "$ccalloc" report bad.trace -o r.html > /dev/null 2>&1
+  echo "report rc=$? $(is_link r.html) target=$(exists x/r.html)"
+  "$ccalloc" replay bad.trace --snapshot s.json > /dev/null 2>&1
+  echo "snapshot rc=$? $(is_link s.json) target=$(exists x/s.json)"
+  "$ccalloc" replay good.trace --config oom_snapshot:o.pickle > /dev/null 2>&1
+  echo "oom_snapshot rc=$? $(is_link o.pickle) target=$(exists x/o.pickle)"
+  "$ccalloc" replay good.trace --snapshot s.json > /dev/null 2>&1
+  echo "written rc=$? $(is_link s.json) target=$(exists x/s.json)"
+  ;;
+cut_off_write)
+  # A file size limit stops the write part way: the old file stays whole,
+  # with its mode, and no temporary file is left.
+  printf 'old report\n' > keep.html
+  printf 'old snapshot\n' > keep.json
+  chmod 640 keep.html
+  (trap '' XFSZ; ulimit -f 64; "$ccalloc" report many.trace --config expandable_segments:False -o keep.html) > /dev/null 2>&1
+  echo "report rc=$? [$(head -c 20 keep.html)] $(ls -l keep.html | cut -c1-10)"
+  (trap '' XFSZ; ulimit -f 64; "$ccalloc" replay many.trace --config expandable_segments:False --snapshot keep.json) > /dev/null 2>&1
+  echo "snapshot rc=$? [$(head -c 20 keep.json)]"
+  echo "files: $(ls | tr '\n' ' ')end"
+  ;;
+fifo)
+  # A FIFO with a reader gets the whole output (the check before the run
+  # does not open it); with no reader, an oom_snapshot there is not waited for.
+  mkfifo f || { echo "no mkfifo: skipped"; exit 0; }
+  reader report.out
+  timeout 5 "$ccalloc" report good.trace -o f > /dev/null 2>&1
+  echo "report rc=$?"
+  reader_done
+  echo "report bytes: $(head -c 15 report.out)"
+  reader snapshot.out
+  timeout 5 "$ccalloc" replay good.trace --snapshot f > /dev/null 2>&1
+  echo "snapshot rc=$?"
+  reader_done
+  echo "snapshot bytes: $(head -c 12 snapshot.out)"
+  reader oom.out
+  timeout 5 "$ccalloc" replay oom.trace --allow-oom --config oom_snapshot:f > /dev/null 2>&1
+  echo "oom_snapshot rc=$?"
+  reader_done
+  echo "oom_snapshot bytes: $(od -An -tx1 -N2 oom.out)"
+  timeout 5 "$ccalloc" replay oom.trace --allow-oom --config oom_snapshot:f 2>&1 > /dev/null | grep -o 'oom_snapshot) could not be written to f: a FIFO with no reader'
+  echo "no reader rc=$?"
+  ;;
+esac

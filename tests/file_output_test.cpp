@@ -1,0 +1,118 @@
+// file_output_test.cpp: output files written whole or not at all
+// (write_file_whole, check_file_writable; include/ccalloc/core/file_output.hpp).
+#include <ccalloc/core/file_output.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+/// A fresh, empty folder under the test's temporary directory.
+fs::path fresh_dir(const std::string& name) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("ccalloc-file-output-" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+std::vector<std::string> names_in(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A file size limit stops the write part way (EFBIG, SIGXFSZ ignored): the
+// old file stays whole with its mode, and no temporary file is left.
+TEST(FileOutput, AWriteCutOffPartWayLeavesTheOldFileWhole) {
+  const fs::path dir = fresh_dir("cut-off");
+  const fs::path path = dir / "keep.html";
+  std::ofstream(path) << "old";
+  fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  struct ::rlimit saved {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  if (saved.rlim_max != RLIM_INFINITY && saved.rlim_max < 4096) GTEST_SKIP() << "file size limit below 4 KiB";
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct ::rlimit limit = saved;
+  limit.rlim_cur = 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  std::string step;
+  const int error = ccalloc::write_file_whole(path.string(), std::string(100000, 'x'), step);
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_EQ(error, EFBIG);
+  EXPECT_EQ(step, ": cannot write a temporary file in " + dir.string());
+  EXPECT_EQ(read_file(path), "old");
+  EXPECT_EQ(fs::status(path).permissions(), fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  EXPECT_EQ(names_in(dir), std::vector<std::string>{"keep.html"});
+}
+
+// A dangling symbolic link: the check creates nothing; the write creates
+// the file it leads to and leaves the link; a failed write (its folder
+// gone) leaves the link and creates nothing.
+TEST(FileOutput, ADanglingLinkStaysAndItsTargetAppearsOnlyWhenWritten) {
+  const fs::path dir = fresh_dir("dangling");
+  fs::create_directories(dir / "x");
+  const fs::path link = dir / "out.json";
+  fs::create_symlink(dir / "x" / "target.json", link);
+  std::string step;
+  EXPECT_EQ(ccalloc::check_file_writable(link.string(), step), 0);
+  EXPECT_TRUE(names_in(dir / "x").empty());
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link)));
+  EXPECT_EQ(ccalloc::write_file_whole(link.string(), "{}", step), 0);
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link)));
+  EXPECT_EQ(read_file(dir / "x" / "target.json"), "{}");
+  EXPECT_EQ(names_in(dir / "x"), std::vector<std::string>{"target.json"});
+  // A relative link to a folder that is not there.
+  const fs::path nowhere = dir / "nowhere.json";
+  fs::create_symlink("missing/target.json", nowhere);
+  EXPECT_EQ(ccalloc::check_file_writable(nowhere.string(), step), ENOENT);
+  EXPECT_EQ(ccalloc::write_file_whole(nowhere.string(), "{}", step), ENOENT);
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(nowhere)));
+  EXPECT_EQ(names_in(dir), (std::vector<std::string>{"nowhere.json", "out.json", "x"}));
+}
+
+// The check opens nothing: a FIFO (a reader would see end-of-file) passes
+// it when writable; the write refuses it at once without a reader.
+TEST(FileOutput, AFifoIsCheckedWithoutOpeningAndNotWaitedFor) {
+  const fs::path dir = fresh_dir("fifo");
+  const fs::path fifo = dir / "f";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::string step;
+  EXPECT_EQ(ccalloc::check_file_writable(fifo.string(), step), 0);
+  EXPECT_EQ(ccalloc::write_file_whole(fifo.string(), "{}", step), ENXIO);
+  EXPECT_EQ(step, ": a FIFO with no reader");
+  EXPECT_EQ(names_in(dir), std::vector<std::string>{"f"});
+}
+
+// A folder, or a path in a missing folder, fails the check as the write.
+TEST(FileOutput, TheCheckFailsWhereTheWriteWould) {
+  const fs::path dir = fresh_dir("check");
+  std::string step;
+  EXPECT_EQ(ccalloc::check_file_writable(dir.string(), step), EISDIR);
+  EXPECT_EQ(ccalloc::write_file_whole(dir.string(), "{}", step), EISDIR);
+  EXPECT_EQ(ccalloc::check_file_writable((dir / "no" / "f").string(), step), ENOENT);
+  EXPECT_EQ(ccalloc::write_file_whole((dir / "no" / "f").string(), "{}", step), ENOENT);
+  EXPECT_TRUE(names_in(dir).empty());
+}
+
+}  // namespace
