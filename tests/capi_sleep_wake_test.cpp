@@ -85,6 +85,71 @@ TEST(CapiSleepWake, BadCallsAreRefused) {
   EXPECT_EQ(u.segments, 0u);
 }
 
+// ccalloc_tag_end_named closes the named scope even when it is not the
+// innermost (a generator leaving its `with` inside its caller's scope): the
+// scopes above it stay open, and allocations carry the tag they would have
+// carried had it never opened.
+TEST(CapiSleepWake, TagEndNamedClosesItsOwnScopeOutOfOrder) {
+  c_allocator a(64 * MiB);
+  ASSERT_EQ(ccalloc_tag_begin("capi_kv"), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_tag_begin("capi_w"), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_tag_begin("capi_x"), CCALLOC_OK) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_tag_end_named("capi_kv"), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_STREQ(ccalloc_current_tag(), "capi_x");
+  ASSERT_EQ(ccalloc_tag_end_named("capi_x"), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_STREQ(ccalloc_current_tag(), "capi_w");
+  void* p = nullptr;
+  ASSERT_EQ(ccalloc_malloc(a.handle, 0, 4 * MiB, nullptr, &p), CCALLOC_OK) << ccalloc_last_error();
+  ccalloc_tag_usage_t u{};
+  ASSERT_EQ(ccalloc_tag_usage(a.handle, 0, "capi_w", &u), CCALLOC_OK);
+  EXPECT_EQ(u.allocated_bytes, 4 * MiB);
+  ASSERT_EQ(ccalloc_tag_usage(a.handle, 0, "capi_kv", &u), CCALLOC_OK);
+  EXPECT_EQ(u.allocated_bytes, 0u);
+  ASSERT_EQ(ccalloc_tag_end_named("capi_w"), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_STREQ(ccalloc_current_tag(), "default") << "the tag from before the outermost scope";
+  EXPECT_EQ(ccalloc_tag_end(), CCALLOC_ERROR_INVALID_ARGUMENT) << "every scope is closed";
+  ASSERT_EQ(ccalloc_delete(a.handle, p), CCALLOC_OK);
+
+  // Two scopes of one name: either may close first, the other stays open.
+  ASSERT_EQ(ccalloc_tag_begin("capi_kv"), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_tag_begin("capi_w"), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_tag_begin("capi_kv"), CCALLOC_OK);
+  ASSERT_EQ(ccalloc_tag_end_named("capi_kv"), CCALLOC_OK);
+  EXPECT_STREQ(ccalloc_current_tag(), "capi_w");
+  ASSERT_EQ(ccalloc_tag_end_named("capi_w"), CCALLOC_OK);
+  EXPECT_STREQ(ccalloc_current_tag(), "capi_kv");
+  ASSERT_EQ(ccalloc_tag_end_named("capi_kv"), CCALLOC_OK);
+  EXPECT_STREQ(ccalloc_current_tag(), "default");
+}
+
+TEST(CapiSleepWake, TagEndNamedRefusesWhatItCannotCloseAndChangesNothing) {
+  EXPECT_EQ(ccalloc_tag_end_named(nullptr), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc: ccalloc_tag_end_named: tag is NULL");
+  EXPECT_EQ(ccalloc_tag_end_named("capi_never_opened"), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(ccalloc_last_error(),
+               "ccalloc: ccalloc_tag_end_named: no scope of tag 'capi_never_opened' that ccalloc_tag_begin "
+               "opened is open on this thread");
+  ASSERT_EQ(ccalloc_tag_begin("capi_kv"), CCALLOC_OK);
+  EXPECT_EQ(ccalloc_tag_end_named("bad\nname"), CCALLOC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(ccalloc_tag_end_named("capi_w"), CCALLOC_ERROR_INVALID_ARGUMENT) << "interned, but not open";
+  EXPECT_STREQ(ccalloc_current_tag(), "capi_kv");
+  {
+    // A C++ scope opened after it and still open: reopening the C scopes
+    // above would lose its tag.
+    ASSERT_EQ(ccalloc_tag_begin("capi_w"), CCALLOC_OK);
+    const ccalloc::tag_scope inner("capi_x");
+    EXPECT_EQ(ccalloc_tag_end_named("capi_kv"), CCALLOC_ERROR_INVALID_ARGUMENT);
+    EXPECT_STREQ(ccalloc_last_error(), "ccalloc: ccalloc_tag_end_named: a C++ tag_scope opened after the scope of "
+                                       "tag 'capi_kv' is still open on this thread");
+    EXPECT_STREQ(ccalloc_current_tag(), "capi_x");
+  }
+  EXPECT_STREQ(ccalloc_current_tag(), "capi_w");
+  ASSERT_EQ(ccalloc_tag_end_named("capi_kv"), CCALLOC_OK) << ccalloc_last_error();
+  EXPECT_STREQ(ccalloc_current_tag(), "capi_w");
+  ASSERT_EQ(ccalloc_tag_end(), CCALLOC_OK);
+  EXPECT_STREQ(ccalloc_current_tag(), "default");
+}
+
 // A name that can be no tag is INVALID_ARGUMENT for ccalloc_tag_usage, as
 // for ccalloc_tag_begin (it read as a tag that never allocated), and the
 // message names the rule broken.

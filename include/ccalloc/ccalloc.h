@@ -725,6 +725,19 @@ CCALLOC_API ccalloc_status_t ccalloc_tag_begin(const char* tag);
 /** Closes the calling thread's innermost scope that ccalloc_tag_begin opened.
  * Errors: INVALID_ARGUMENT when it has none open. */
 CCALLOC_API ccalloc_status_t ccalloc_tag_end(void);
+/** Closes the calling thread's innermost open scope of `tag` that
+ * ccalloc_tag_begin opened, even when scopes opened after it are still open
+ * (a Python generator or coroutine leaving its `with` while its caller is
+ * inside another scope): those stay open, and the thread's tag becomes what
+ * it would be had the closed scope never opened (the innermost remaining
+ * scope's, or the tag from before the outermost). Scopes of one name are
+ * interchangeable, so the innermost of them closes. Python's `with
+ * ccalloc.tag(name)` ends its scope with this. O(open scopes) on this
+ * thread; allocates nothing. Errors: INVALID_ARGUMENT (nothing changes) for
+ * a NULL tag, when no scope of `tag` is open on the calling thread, or when
+ * a C++ tag_scope opened after that scope is still open (reopening the
+ * scopes above it would lose its tag). */
+CCALLOC_API ccalloc_status_t ccalloc_tag_end_named(const char* tag);
 /** The calling thread's tag ("default" outside every scope); the string
  * lives as long as the process. */
 CCALLOC_API const char* ccalloc_current_tag(void);

@@ -29,6 +29,7 @@ Private pools (SPEC F20, F21, E5): ``Allocator.create_pool`` and friends,
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Callable, Optional
 
 # The package is split in modules (errors, NCCL discovery, Allocator); the
@@ -36,7 +37,7 @@ from typing import Callable, Optional
 # reachable as ccalloc.NAME.
 from . import _lib
 from ._allocator import (MAX_DEVICE_COUNT, Allocator, IpcHandle, _function_address, _names, _pool_id,  # noqa: F401
-                         _stream, _text, receive_ipc_handle, send_ipc_handle)
+                         _shown, _stream, _text, receive_ipc_handle, send_ipc_handle)
 from ._errors import (BackendError, CcallocError, ConfigError, InvalidArgumentError,  # noqa: F401
                       OutOfMemoryError, _check, _ERRORS)
 from ._nccl import _nccl_libraries, _nccl_wheel_dirs, nccl_segment_allocator  # noqa: F401
@@ -99,7 +100,7 @@ def _device(device) -> int:
     if device is None:
         return _default_device()
     if isinstance(device, (str, bytes)):
-        raise InvalidArgumentError(f"ccalloc: device must be an int or a torch.device, not the string {device!r:.60}")
+        raise InvalidArgumentError(f"ccalloc: device must be an int or a torch.device, not the string {_shown(device)}")
     if hasattr(device, "index") and hasattr(device, "type"):  # torch.device
         return 0 if device.index is None else device.index
     return device  # checked (an int in range) by the Allocator method
@@ -196,25 +197,36 @@ def get_config() -> str:
 class tag:
     """``with ccalloc.tag("weights"):`` the allocations this thread makes
     inside carry the tag (nests; "default" outside every scope). A tag's
-    memory can then be paused and resumed as one. The scope is the calling
-    thread's: enter and leave it on the same thread."""
+    memory can then be paused and resumed as one.
+
+    The scope is the calling thread's: leave it on the thread that entered
+    it (InvalidArgumentError otherwise; the scope stays open there). Scopes
+    may close out of order: a generator or coroutine that leaves its
+    ``with`` while its caller is inside another scope closes its own scope,
+    not the caller's (ccalloc_tag_end_named), and the thread's tag is the
+    innermost one still open. One object may be entered on several threads
+    at once, but once at a time per thread."""
 
     def __init__(self, name: str):
         if not isinstance(name, str):
             raise InvalidArgumentError(f"ccalloc.tag: the name must be a str, not {type(name).__name__}")
         self.name = name
-        self._open = False
+        self._entered = threading.local()  # .open: whether this thread is inside
 
     def __enter__(self) -> "tag":
-        if self._open:
-            raise InvalidArgumentError(f"ccalloc.tag({self.name!r}) is already entered")
+        if getattr(self._entered, "open", False):
+            raise InvalidArgumentError(f"ccalloc.tag({self.name!r}) is already entered on this thread")
         _check(_lib.lib().ccalloc_tag_begin(_text(self.name, "tag")))
-        self._open = True
+        self._entered.open = True
         return self
 
     def __exit__(self, *exc) -> None:
-        self._open = False
-        _check(_lib.lib().ccalloc_tag_end())
+        if not getattr(self._entered, "open", False):
+            raise InvalidArgumentError(
+                f"ccalloc.tag({self.name!r}) is not entered on this thread: a scope is left on the thread that "
+                f"entered it (a generator resumed on another thread cannot close it)")
+        _check(_lib.lib().ccalloc_tag_end_named(_text(self.name, "tag")))
+        self._entered.open = False
 
 
 def current_tag() -> str:

@@ -5,8 +5,10 @@ Re-exported by the package."""
 from __future__ import annotations
 
 import collections
+import collections.abc
 import ctypes
 import functools
+import itertools
 import math
 import numbers
 import operator
@@ -26,6 +28,20 @@ _U64_MAX = (1 << 64) - 1
 _INT_MAX = (1 << 31) - 1
 
 
+def _shown(value, limit: int = 60) -> str:
+    """``value`` as a message shows it: its repr, at most ``limit``
+    characters. An integer of more than 256 bits is named by its size (str()
+    of one over 4300 digits raises ValueError); a repr that raises is
+    replaced by the type's name."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 -- any repr failure: the message must still be made
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _integer(value, name: str, low: int = 0, high: int = _U64_MAX) -> int:
     """``value`` as an int in [low, high]. TypeError for anything that is not
     an integer (float, bool, None, str), InvalidArgumentError for one out of
@@ -35,9 +51,9 @@ def _integer(value, name: str, low: int = 0, high: int = _U64_MAX) -> int:
             raise TypeError
         value = operator.index(value)  # int, numpy integers: whatever __index__ makes an int
     except TypeError:
-        raise TypeError(f"ccalloc: {name} must be an integer, got {type(value).__name__} {value!r:.60}") from None
+        raise TypeError(f"ccalloc: {name} must be an integer, got {type(value).__name__} {_shown(value)}") from None
     if not low <= value <= high:
-        raise InvalidArgumentError(f"ccalloc: {name} must be an integer from {low} to {high}, got {value}")
+        raise InvalidArgumentError(f"ccalloc: {name} must be an integer from {low} to {high}, got {_shown(value)}")
     return value
 
 
@@ -63,7 +79,7 @@ def _device_index(value, name: str = "device") -> int:
 def _callable(value, name: str) -> None:
     """A callback argument: refused at once when it cannot be called (it would fail only when called)."""
     if not callable(value):
-        raise TypeError(f"ccalloc: {name} must be callable, got {type(value).__name__} {value!r:.60}")
+        raise TypeError(f"ccalloc: {name} must be callable, got {type(value).__name__} {_shown(value)}")
 
 
 def _device_or_all(value, name: str = "device") -> int:
@@ -81,18 +97,26 @@ def _address(value, name: str = "ptr") -> Optional[int]:
 def _text(value, name: str) -> bytes:
     """A str for a const char* parameter: no NUL (C would stop reading there)."""
     if not isinstance(value, str):
-        raise TypeError(f"ccalloc: {name} must be a str, got {type(value).__name__} {value!r:.60}")
+        raise TypeError(f"ccalloc: {name} must be a str, got {type(value).__name__} {_shown(value)}")
     if "\0" in value:
         raise InvalidArgumentError(f"ccalloc: {name} contains a NUL character at index {value.index(chr(0))} "
-                                   f"(C strings end there): {value!r:.80}")
-    return value.encode()
+                                   f"(C strings end there): {_shown(value, 80)}")
+    try:
+        return value.encode()
+    except UnicodeEncodeError as e:  # a lone surrogate (undecodable bytes read with surrogateescape)
+        raise InvalidArgumentError(f"ccalloc: {name} is not valid Unicode text: {value[e.start]!r} at index {e.start} "
+                                   f"is a lone surrogate, which UTF-8 cannot encode: {_shown(value, 80)}") from None
 
 
 def _real(value, name: str) -> float:
     """A finite real number for a double parameter."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"ccalloc: {name} must be a real number, got {type(value).__name__} {value!r:.60}")
-    value = float(value)
+        raise TypeError(f"ccalloc: {name} must be a real number, got {type(value).__name__} {_shown(value)}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int or Fraction beyond a double's range
+        raise InvalidArgumentError(f"ccalloc: {name} must be a finite number, got {_shown(value)}, "
+                                   f"beyond a double's range") from None
     if not math.isfinite(value):
         raise InvalidArgumentError(f"ccalloc: {name} must be a finite number, got {value}")
     return value
@@ -109,15 +133,35 @@ def _stream(stream) -> Optional[int]:
     return _integer(stream, "stream") or None
 
 
-def _pool_id(id) -> "_lib.ccalloc_mempool_id_t":
-    """A pool id (a pair of non-negative ints) as the C struct."""
-    try:
-        first, second = (int(v) for v in id)
-        if first < 0 or second < 0 or first >= 1 << 64 or second >= 1 << 64:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"ccalloc: a pool id is a pair of integers in [0, 2**64), got {id!r:.80}") from None
-    return _lib.ccalloc_mempool_id_t(first, second)
+def _pool_id(id, name: str = "id") -> "_lib.ccalloc_mempool_id_t":
+    """A pool id, a pair (tuple or list) of integers in [0, 2**64), as the C
+    struct. TypeError for anything else (a str or any other iterable would
+    be taken apart: "12" as (1, 2)), InvalidArgumentError for a pair of the
+    wrong length or out of range; both name the argument."""
+    if not isinstance(id, (tuple, list)):
+        raise TypeError(f"ccalloc: {name} must be a pool id, a pair (first, second) of integers, "
+                        f"got {type(id).__name__} {_shown(id)}")
+    if len(id) != 2:
+        raise InvalidArgumentError(f"ccalloc: {name} must be a pool id, a pair (first, second) of integers, "
+                                   f"got {len(id)} items: {_shown(id)}")
+    return _lib.ccalloc_mempool_id_t(_integer(id[0], f"{name}[0]"), _integer(id[1], f"{name}[1]"))
+
+
+def _skip_actions(actions) -> Optional[bytes]:
+    """record_history's skip_actions as the C API's comma-separated names
+    (None for none): a str is taken whole, as in C, not as its characters."""
+    if isinstance(actions, str):
+        actions = [actions]
+    if isinstance(actions, (bytes, bytearray)) or not isinstance(actions, collections.abc.Iterable):
+        raise TypeError(f"ccalloc: skip_actions must be a str or a list of str, "
+                        f"got {type(actions).__name__} {_shown(actions)}")
+    names = []
+    for action in actions:
+        if not isinstance(action, str):
+            raise TypeError(f"ccalloc: skip_actions must be a str or a list of str, got an item "
+                            f"{type(action).__name__} {_shown(action)}")
+        names.append(_text(action, "skip_actions"))
+    return b",".join(names) or None
 
 
 def _function_address(fn, what: str) -> int:
@@ -128,7 +172,7 @@ def _function_address(fn, what: str) -> int:
         address = fn
     else:
         raise InvalidArgumentError(f"ccalloc: create_pool: the segment {what} function must be an address (int) "
-                                   f"or a ctypes function, got {fn!r:.80}")
+                                   f"or a ctypes function, got {_shown(fn, 80)}")
     if not address or address < 0:
         raise InvalidArgumentError(f"ccalloc: create_pool: the segment {what} function address is {address!r}")
     return address
@@ -157,51 +201,154 @@ def _python_stack():
     return frames
 
 
-def _context_callbacks(context):
-    """The C callbacks of ccalloc_record_history_ex for a Python recorder:
-    each context is a number naming the frames kept in a dict until released."""
-    import itertools
+# ---- history contexts: Python recorders behind three C callbacks made once --------------------
+#
+# ccalloc_record_history_ex keeps plain function pointers: the recorder of
+# the configuration in force, and in each context it recorded the release
+# and frames functions of its configuration, called until the library drops
+# the context (long after a later record_history replaced the recorder).
+# Callback objects made per call would have to live as long, and one set
+# per call grew the process by 3 KB a call, forever. Instead the three C
+# functions below exist once per process, and each configuration is a
+# number (the callbacks' user_data) naming its _ContextConfig: its recorder
+# and the frames of its live contexts. A configuration is forgotten once it
+# was replaced and the library released all its contexts; a call for a
+# forgotten one (a malloc that read the recorder just before the
+# replacement) records no context.
 
-    recorder = _python_stack if context == "python" else context
-    if not callable(recorder):
-        raise InvalidArgumentError(f"ccalloc: record_history: context must be None, 'python' or a callable, got {context!r}")
-    kept = {}
-    numbers = itertools.count(1)
 
-    def frame(name, filename, line):
-        line = operator.index(line)
-        if not 0 <= line < 1 << 63:
-            raise ValueError(f"a frame's line must be from 0 to {(1 << 63) - 1}, got {line}")
-        # A name not valid UTF-8 (a path of undecodable bytes reaches Python
-        # as surrogates) goes as its bytes; the library replaces what is not
-        # UTF-8 with U+FFFD.
-        return (str(name).encode(errors="surrogateescape"), str(filename).encode(errors="surrogateescape"), line)
+class _ContextConfig:
+    """One record_history configuration's recorder and its contexts' frames
+    by handle: kept[handle] = [(name bytes, filename bytes, line), ...]."""
 
-    def record(_user):
-        # Nothing may cross into C: on an error the call goes on without a context.
+    __slots__ = ("recorder", "kept", "next_handle", "recording", "replaced")
+
+    def __init__(self, recorder) -> None:
+        self.recorder = recorder
+        self.kept: dict = {}
+        self.next_handle = 1  # 0 is NULL: no context
+        self.recording = 0  # calls of the recorder in progress
+        self.replaced = False
+
+
+_configs: "dict[int, _ContextConfig]" = {}
+_SLOTS: "weakref.WeakSet[_HistorySlot]" = weakref.WeakSet()
+_config_numbers = itertools.count(1)
+_configs_lock = threading.Lock()  # held for dictionary updates only, never across a call
+
+
+def _new_configs_lock_in_child() -> None:
+    # Another thread of the parent may have held them.
+    global _configs_lock
+    _configs_lock = threading.Lock()
+    for slot in list(_SLOTS):
+        slot.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_configs_lock_in_child)
+
+
+def _forget_if_done(number: int, config: _ContextConfig) -> None:
+    """Forgets a replaced configuration without contexts (under _configs_lock)."""
+    if config.replaced and not config.kept and not config.recording:
+        _configs.pop(number, None)
+
+
+def _context_frame(name, filename, line) -> tuple:
+    line = operator.index(line)
+    if not 0 <= line < 1 << 63:
+        raise ValueError(f"a frame's line must be from 0 to {(1 << 63) - 1}, got {line}")
+    # A name not valid UTF-8 (a path of undecodable bytes reaches Python
+    # as surrogates) goes as its bytes; the library replaces what is not
+    # UTF-8 with U+FFFD.
+    return (_frame_text(name), _frame_text(filename), line)
+
+
+def _frame_text(value) -> bytes:
+    """A frame's name or file name as bytes: a str from undecodable bytes
+    (surrogates U+DC80-U+DCFF) goes back to those bytes; other lone
+    surrogates become "?". The library replaces what is not UTF-8 with
+    U+FFFD."""
+    text = str(value)
+    try:
+        return text.encode(errors="surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode(errors="replace")
+
+
+def _record_context(number):
+    # Nothing may cross into C: on an error the call goes on without a context.
+    with _configs_lock:
+        config = _configs.get(number)
+        if config is None:
+            return None
+        config.recording += 1
+    try:
         try:
-            frames = recorder()
+            frames = config.recorder()
             if frames is None:
                 return None
-            frames = [frame(*f) for f in frames]
+            frames = [_context_frame(*f) for f in frames]
         except BaseException:
             import traceback
 
             print("ccalloc: a context recorder raised (ignored; this call has no context):", file=sys.stderr)
             traceback.print_exc()
             return None
-        n = next(numbers)
-        kept[n] = frames
-        return n
+        with _configs_lock:
+            handle = config.next_handle
+            config.next_handle += 1
+            config.kept[handle] = frames
+        return handle
+    finally:
+        with _configs_lock:
+            config.recording -= 1
+            _forget_if_done(number, config)
 
-    def release(_user, handle):
-        kept.pop(handle, None)
 
-    def frames(_user, handle, sink, sink_data):
-        for name, filename, line in kept.get(handle, ()):
-            sink(sink_data, name, filename, line)
+def _release_context(number, handle) -> None:
+    with _configs_lock:
+        config = _configs.get(number)
+        if config is not None:
+            config.kept.pop(handle, None)
+            _forget_if_done(number, config)
 
-    return (_lib.CONTEXT_RECORD(record), _lib.CONTEXT_RELEASE(release), _lib.CONTEXT_FRAMES(frames))
+
+def _context_frames(number, handle, sink, sink_data) -> None:
+    with _configs_lock:
+        config = _configs.get(number)
+        frames = config.kept.get(handle, ()) if config is not None else ()
+    for name, filename, line in frames:
+        sink(sink_data, name, filename, line)
+
+
+_CONTEXT_CALLBACKS = (_lib.CONTEXT_RECORD(_record_context), _lib.CONTEXT_RELEASE(_release_context),
+                      _lib.CONTEXT_FRAMES(_context_frames))
+
+
+class _HistorySlot:
+    """The context configuration in force on one C allocator (the
+    process-wide one has one slot for all its Allocator wrappers);
+    ``lock`` orders record_history calls so that the one in force in C is
+    the one noted here."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.number: Optional[int] = None
+        _SLOTS.add(self)
+
+    def replace(self, number: Optional[int]) -> None:
+        """Notes ``number`` (None: no context) as in force; the one before is
+        forgotten once the library released its contexts."""
+        with _configs_lock:
+            old, self.number = self.number, number
+            config = _configs.get(old) if old is not None else None
+            if config is not None:
+                config.replaced = True
+                _forget_if_done(old, config)
+
+
+_PROCESS_HISTORY = _HistorySlot()
 
 
 class IpcHandle(NamedTuple):
@@ -366,6 +513,7 @@ class Allocator:
     def __init__(self, backend: str = "sim", devices: int = 1, capacity_bytes: Optional[int] = None,
                  config: Optional[str] = None, *, _handle: Optional[int] = None, _owned: bool = True):
         self._gate = _CallGate()
+        self._history = _PROCESS_HISTORY if not _owned else _HistorySlot()
         self._observers: list = []
         self._kept: list = []  # ctypes segment functions of this allocator's pools
         self._handle: Optional[int] = None
@@ -375,8 +523,8 @@ class Allocator:
             self._handle = _handle
             self._owned = False
             return
-        if backend not in self._KINDS:
-            raise InvalidArgumentError(f"ccalloc: unknown backend {backend!r} (accepted: default, sim, cuda)")
+        if not isinstance(backend, str) or backend not in self._KINDS:
+            raise InvalidArgumentError(f"ccalloc: unknown backend {_shown(backend)} (accepted: default, sim, cuda)")
         lib = _lib.lib()
         options = _lib.ccalloc_options_t()
         lib.ccalloc_options_init(ctypes.byref(options))
@@ -411,7 +559,8 @@ class Allocator:
             return
         if not self._gate.close():
             return
-        _lib.lib().ccalloc_destroy(self._handle)
+        _lib.lib().ccalloc_destroy(self._handle)  # releases every context
+        self._history.replace(None)
         self._handle = None
         self._owned = False
         self._closed = True
@@ -727,12 +876,24 @@ class Allocator:
         ``when``: ``"state"`` (frames on live blocks only), ``"alloc"`` (also
         on alloc and segment entries) or ``"all"`` (also at free), PyTorch's
         RecordContext. ``clear``: drop what was recorded so far.
-        ``skip_actions``: action names not stored (e.g. ``["free_requested"]``).
-        Raises InvalidArgumentError for an unknown ``when`` or action."""
+        ``skip_actions``: action names not stored: a list of them (e.g.
+        ``["free_requested"]``) or one str, comma-separated as in C
+        (``"free_requested,segment_map"``).
+        Raises InvalidArgumentError for an unknown ``when``, action or
+        context, TypeError for an action that is not a str. The callables
+        of a configuration are kept until a later record_history replaced
+        it and the library released every context recorded with it."""
         h = self._h  # refuses a closed Allocator first
         whens = {"never": 0, "state": 1, "alloc": 2, "all": 3}
-        if when not in whens:
-            raise InvalidArgumentError(f"ccalloc: record_history: when must be one of {', '.join(whens)}, got {when!r}")
+        if not isinstance(when, str) or when not in whens:
+            raise InvalidArgumentError(f"ccalloc: record_history: when must be one of {', '.join(whens)}, "
+                                       f"got {_shown(when)}")
+        recorder = None
+        if context is not None:
+            recorder = _python_stack if isinstance(context, str) and context == "python" else context
+            if not callable(recorder):
+                raise InvalidArgumentError("ccalloc: record_history: context must be None, 'python' or a callable, "
+                                           f"got {_shown(context)}")
         lib = _lib.lib()
         o = _lib.ccalloc_history_options_t()
         lib.ccalloc_history_options_init(ctypes.byref(o))
@@ -740,15 +901,24 @@ class Allocator:
         o.max_entries = _integer(max_entries, "max_entries", 1)
         o.when = whens[when]
         o.clear = 1 if clear else 0
-        skip = ",".join(skip_actions)
-        o.skip_actions = skip.encode() if skip else None
-        if context is not None and enabled:
-            callbacks = _context_callbacks(context)
-            o.record, o.release, o.frames = callbacks
-            self._observers.append(callbacks)  # the C side keeps only the pointers, for the allocator's life
-            if not self._owned:
-                _process_observers.append(callbacks)
-        _check(lib.ccalloc_record_history_ex(h, ctypes.byref(o)))
+        o.skip_actions = _skip_actions(skip_actions)
+        slot = self._history
+        with slot.lock:
+            number = None
+            if recorder is not None and enabled:
+                number = next(_config_numbers)
+                with _configs_lock:
+                    _configs[number] = _ContextConfig(recorder)
+                o.record, o.release, o.frames = _CONTEXT_CALLBACKS
+                o.user_data = number
+            try:
+                _check(lib.ccalloc_record_history_ex(h, ctypes.byref(o)))
+            except BaseException:
+                if number is not None:
+                    with _configs_lock:
+                        _configs.pop(number, None)
+                raise
+            slot.replace(number)
 
     def snapshot_json(self, include_traces: bool = True) -> str:
         """The snapshot as JSON with the layout of torch.cuda.memory._snapshot()."""
@@ -778,7 +948,7 @@ class Allocator:
         it cannot be written."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"ccalloc: dump_snapshot: path must be a str or os.PathLike, "
-                            f"got {type(path).__name__} {path!r:.60}")
+                            f"got {type(path).__name__} {_shown(path)}")
         from . import snapshot as _snapshot
         snapshot = self.snapshot(True)
         try:
@@ -889,7 +1059,7 @@ class Allocator:
             except (TypeError, ValueError):
                 raise InvalidArgumentError(
                     "ccalloc: create_pool: segment_allocator must be None or a pair (malloc, free) of C "
-                    f"function addresses, got {segment_allocator!r:.80}") from None
+                    f"function addresses, got {_shown(segment_allocator, 80)}") from None
             malloc_fn, free_fn = _function_address(malloc_obj, "malloc"), _function_address(free_obj, "free")
             keep = (malloc_obj, free_obj)
         _check(_lib.lib().ccalloc_create_pool(self._h, _device_index(device), pool, malloc_fn, free_fn))
@@ -982,7 +1152,7 @@ def _tag_names(tags):
     if isinstance(tags, str):
         tags = [tags]
     if not isinstance(tags, (list, tuple)) or not tags or not all(isinstance(t, str) for t in tags):
-        raise InvalidArgumentError(f"ccalloc: tags must be a str or a non-empty list of str, not {tags!r}")
+        raise InvalidArgumentError(f"ccalloc: tags must be a str or a non-empty list of str, not {_shown(tags)}")
     return (ctypes.c_char_p * len(tags))(*[_text(t, "tag") for t in tags])
 
 

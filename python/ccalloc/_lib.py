@@ -239,6 +239,7 @@ _PROTOTYPES = {
     "ccalloc_enable_peer_access": (_S, [_A, ctypes.c_int, ctypes.c_int]),
     "ccalloc_tag_begin": (_S, [ctypes.c_char_p]),
     "ccalloc_tag_end": (_S, []),
+    "ccalloc_tag_end_named": (_S, [ctypes.c_char_p]),
     "ccalloc_current_tag": (ctypes.c_char_p, []),
     "ccalloc_pause": (_S, [_A, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), _Z, ctypes.c_int,
                            ctypes.POINTER(ccalloc_sleep_result_t)]),

@@ -274,7 +274,7 @@ def region(tag: str = "default_region", keep_contents: bool = False) -> Iterator
     host memory in between; otherwise the bytes after resume are undefined).
     CUDA graphs captured over them replay after resume."""
     if not isinstance(keep_contents, bool):
-        raise _ccalloc.InvalidArgumentError(f"region: keep_contents must be a bool, not {keep_contents!r}")
+        raise _ccalloc.InvalidArgumentError(f"region: keep_contents must be a bool, not {_ccalloc._shown(keep_contents)}")
     with _ccalloc.tag(tag):
         _regions[tag] = keep_contents
         yield tag
@@ -284,7 +284,7 @@ def _tags_of(tag: Optional[str]) -> list:
     if tag is None:
         return list(_regions)
     if not isinstance(tag, str):
-        raise _ccalloc.InvalidArgumentError(f"tag must be a str or None, not {tag!r}")
+        raise _ccalloc.InvalidArgumentError(f"tag must be a str or None, not {_ccalloc._shown(tag)}")
     return [tag]
 
 

@@ -379,12 +379,14 @@ def test_random_strings_and_numbers(seed):
     with ccalloc.Allocator("sim", config="") as a:
         config = a.get_config()
         for _ in range(100):
-            bad = rng.choice([None, 5, 1.5, b"max_split_size_mb:64", ["x"], "max_split_size_mb:64\0" + "x" * rng.randrange(5)])
+            bad = rng.choice([None, 5, 1.5, b"max_split_size_mb:64", ["x"], "max_split_size_mb:64\0" + "x" * rng.randrange(5),
+                              "max_split_size_mb:6\udcff", "\ud800"])
             with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="ccalloc: config "):
                 a.set_config(bad)
             with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="ccalloc: name "):
                 a.stat(bad)
-            fraction = rng.choice([None, "0.5", float("nan"), float("inf"), -float("inf"), True, [0.5]])
+            fraction = rng.choice([None, "0.5", float("nan"), float("inf"), -float("inf"), True, [0.5], 10**400,
+                                   -10**400])
             with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="ccalloc: fraction "):
                 a.set_memory_fraction(fraction)
         assert a.get_config() == config
@@ -425,3 +427,147 @@ def test_record_stream_of_a_pointer_not_allocated_is_ignored_as_in_c():
         a.record_stream(p + 999 * 4096 * 1024, 0)  # far past any block: ignored too
         a.free(p)
         assert a.stat("allocated_bytes.all.current") == 0
+
+
+# ---- history contexts: callables kept exactly as long as the library may call them ------------
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_record_history_cycles_keep_no_callables_and_memory_stays_flat():
+    """Each record_history with a context kept its callbacks forever:
+    3,000 on/off cycles grew the process by 10 MB."""
+    from ccalloc import _allocator
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        def cycle():
+            a.record_history(True, 100, context=lambda: [("f", "x.py", 1)])
+            a.free(a.malloc(4096))
+            a.record_history(False)
+        for _ in range(300):
+            cycle()
+        before = _rss_bytes()
+        configs_before = set(getattr(_allocator, "_configs", ()))
+        for _ in range(3000):
+            cycle()
+        grown = _rss_bytes() - before
+        assert grown < 2 * MiB, f"{grown} bytes more after 3,000 cycles"
+        assert len(a._observers) == 0
+        assert set(_allocator._configs) <= configs_before, "replaced configurations are kept"
+
+
+def test_contexts_recorded_before_a_switch_keep_their_frames_until_released():
+    from ccalloc import _allocator
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        a.record_history(True, 100, context=lambda: [("first", "a.py", 1)])
+        first = a._history.number
+        p = a.malloc(4096)
+        a.record_history(True, 100, context=lambda: [("second", "b.py", 2)])
+        second = a._history.number
+        q = a.malloc(8192)
+        assert first in _allocator._configs, "the first configuration's contexts are still held"
+        snap = a.snapshot()
+        frames = {b["address"]: [f["name"] for f in b["frames"]] for s in snap["segments"] for b in s["blocks"]
+                  if b["state"] == "active_allocated"}
+        assert frames == {p: ["first"], q: ["second"]}
+        assert [[f["name"] for f in e["frames"]] for e in snap["device_traces"][0] if e["action"] == "alloc"] == \
+            [["first"], ["second"]]
+        a.free(p)
+        a.record_history(True, 100, context=lambda: [("third", "c.py", 3)], clear=True)
+        assert first not in _allocator._configs, "every context of the first configuration was released"
+        assert second in _allocator._configs  # q's block holds its context
+        a.free(q)
+        assert second not in _allocator._configs
+        third = a._history.number
+        assert third in _allocator._configs
+    assert third not in _allocator._configs, "close() released the contexts and the configuration"
+
+
+def test_switching_contexts_while_other_threads_allocate():
+    """Threads allocating while record_history switches recorders: each
+    block gets a recorder's frames or none, and once history stops every
+    configuration is forgotten."""
+    import threading
+    from ccalloc import _allocator
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        configs_before = set(_allocator._configs)
+        stop = threading.Event()
+
+        def allocate():
+            while not stop.is_set():
+                a.free(a.malloc(4096))
+
+        threads = [threading.Thread(target=allocate) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(300):
+                a.record_history(True, 50, context=lambda i=i: [(f"f{i}", "x.py", i)], when="all")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        names = {f["name"] for e in a.snapshot()["device_traces"][0] for f in e.get("frames", ())}
+        assert names and all(n.startswith("f") for n in names)
+        a.record_history(False)
+        assert set(_allocator._configs) <= configs_before
+        assert a.stat("allocation.all.current") == 0
+
+
+def test_a_pool_id_is_a_pair_of_integers_not_any_iterable():
+    """create_pool("12") created pool (1, 2) and create_pool((1.5, 0)) pool (1, 0)."""
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        for bad in ("12", (1.5, 0), b"\x01\x02", range(1, 3), {1, 2}):
+            with pytest.raises((TypeError, ccalloc.InvalidArgumentError), match="^ccalloc: id"):
+                a.create_pool(bad)
+        assert a.pool_use_count((1, 2)) == 0 and a.pool_use_count((1, 0)) == 0, "a refused id created a pool"
+        a.create_pool([3, 0])  # a list is a pair too (snapshots give lists)
+        assert a.pool_use_count((3, 0)) == 1
+
+
+def test_strings_numbers_and_actions_of_the_hostile_trial():
+    """A str skip_actions was split into characters ("unknown action 'f'"),
+    a huge int fraction raised a bare OverflowError, a lone surrogate a
+    bare UnicodeEncodeError, a huge int a ValueError of str()."""
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        a.record_history(True, 100, skip_actions="free_requested")
+        a.free(a.malloc(4096))
+        assert [e["action"] for e in a.snapshot()["device_traces"][0]] == ["segment_map", "alloc", "free_completed"]
+        a.record_history(True, 100, skip_actions="free_requested,segment_map", clear=True)
+        a.free(a.malloc(4096))
+        assert [e["action"] for e in a.snapshot()["device_traces"][0]] == ["alloc", "free_completed"]
+        cases = [
+            (lambda: a.record_history(True, 100, skip_actions=[1]), TypeError,
+             "ccalloc: skip_actions must be a str or a list of str, got an item int 1"),
+            (lambda: a.record_history(True, 100, skip_actions=b"oom"), TypeError, "ccalloc: skip_actions must be"),
+            (lambda: a.record_history(True, 100, skip_actions="bogus"), ccalloc.InvalidArgumentError,
+             "unknown action 'bogus'"),
+            (lambda: a.record_history(True, 100, when=["all"]), ccalloc.InvalidArgumentError, "when must be one of"),
+            (lambda: a.record_history(True, 100, context=5), ccalloc.InvalidArgumentError,
+             "context must be None, 'python' or a callable, got 5"),
+            (lambda: a.set_memory_fraction(10**400), ccalloc.InvalidArgumentError,
+             "ccalloc: fraction must be a finite number, got an integer of 1329 bits, beyond a double's range"),
+            (lambda: a.set_config("\udcff"), ccalloc.InvalidArgumentError,
+             "ccalloc: config is not valid Unicode text: '\\\\udcff' at index 0 is a lone surrogate"),
+            (lambda: a.stat("x\ud800"), ccalloc.InvalidArgumentError, "ccalloc: name is not valid Unicode text"),
+            (lambda: a.tag_usage("\udcff"), ccalloc.InvalidArgumentError, "ccalloc: tag is not valid Unicode text"),
+            (lambda: a.pause(["\udcff"]), ccalloc.InvalidArgumentError, "ccalloc: tag is not valid Unicode text"),
+            (lambda: ccalloc.tag("\udcff").__enter__(), ccalloc.InvalidArgumentError,
+             "ccalloc: tag is not valid Unicode text"),
+            (lambda: a.malloc(10**5000), ccalloc.InvalidArgumentError,
+             "ccalloc: size_bytes must be an integer from 0 to 18446744073709551615, got an integer of 16610 bits"),
+            (lambda: a.free(Index(-10**5000)), ccalloc.InvalidArgumentError, "ccalloc: ptr must be an integer"),
+            (lambda: a.create_pool((10**5000, 0)), ccalloc.InvalidArgumentError, r"ccalloc: id\[0\] must be"),
+            (lambda: ccalloc.Allocator(backend=["sim"]), ccalloc.InvalidArgumentError, "ccalloc: unknown backend"),
+        ]
+        for call, error, pattern in cases:
+            with pytest.raises(error, match=pattern) as info:
+                call()
+            assert type(info.value) is error, (pattern, info.value)
+        assert ccalloc.current_tag() == "default"
+        a.record_history(True, 100, context=lambda: [("f\ud800", "x\udcff.py", 1)], clear=True)
+        a.free(a.malloc(4096))
+        frames = a.snapshot()["device_traces"][0][0]["frames"]
+        assert [(f["name"], f["filename"]) for f in frames] == [("f?", "x\ufffd.py")]
+        assert a.stat("allocation.all.current") == 0

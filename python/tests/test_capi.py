@@ -561,9 +561,20 @@ def test_pool_bad_arguments(sim):
     pool = sim.new_pool_id()
     with pytest.raises(ccalloc.InvalidArgumentError, match="names the default pool"):
         sim.create_pool((0, 0))
-    for bad in ((1,), "ab", (1, -1), None, (1, 2, 3)):
-        with pytest.raises(ccalloc.InvalidArgumentError, match="a pool id is a pair of integers"):
-            sim.create_pool(bad)
+    for bad, error, message in (((1,), ccalloc.InvalidArgumentError, "id must be a pool id, .* got 1 items"),
+                                ((1, 2, 3), ccalloc.InvalidArgumentError, "id must be a pool id, .* got 3 items"),
+                                ((1, -1), ccalloc.InvalidArgumentError, r"id\[1\] must be an integer from 0 to"),
+                                ("12", TypeError, "id must be a pool id, a pair .* got str '12'"),
+                                ((1.5, 0), TypeError, r"id\[0\] must be an integer, got float 1.5"),
+                                ((True, 0), TypeError, r"id\[0\] must be an integer, got bool"),
+                                ((1 << 64, 0), ccalloc.InvalidArgumentError, r"id\[0\] must be an integer from 0"),
+                                (None, TypeError, "id must be a pool id"), (iter((1, 2)), TypeError, "id must be"),
+                                ({1: 0, 2: 0}, TypeError, "id must be a pool id")):
+        for call in (sim.create_pool, sim.release_pool, sim.pool_use_count, sim.begin_allocate_to_pool,
+                     sim.end_allocate_to_pool, sim.pool_usage):
+            with pytest.raises(error, match=f"^ccalloc: {message}"):
+                call(bad)
+    assert sim.pool_use_count((1, 2)) == 0 and sim.pool_use_count([pool[0], 0]) == 0, "nothing was created"
     with pytest.raises(ccalloc.InvalidArgumentError, match="must be None or a pair"):
         sim.create_pool(pool, segment_allocator=(1,))
     with pytest.raises(ccalloc.InvalidArgumentError, match="segment free function must be an address"):

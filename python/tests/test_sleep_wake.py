@@ -27,6 +27,57 @@ def test_tag_scope_nests_and_is_per_thread():
     assert seen == ["default"]
 
 
+def test_a_generator_leaving_its_scope_closes_its_own_not_the_callers():
+    """A generator's ``with`` that ends inside its caller's scope closed the
+    thread's innermost scope (the caller's): the caller's allocations then
+    went to the generator's tag."""
+    def generator():
+        with ccalloc.tag("py_gen_kv"):
+            yield
+
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        g = generator()
+        next(g)
+        assert ccalloc.current_tag() == "py_gen_kv"
+        with ccalloc.tag("py_gen_weights"):
+            assert next(g, None) is None  # the generator's with ends here
+            assert ccalloc.current_tag() == "py_gen_weights"
+            p = a.malloc(4 * MiB)
+        assert ccalloc.current_tag() == "default"
+        assert a.tag_usage("py_gen_weights")["allocated_bytes"] == 4 * MiB
+        assert a.tag_usage("py_gen_kv")["allocated_bytes"] == 0
+        a.free(p)
+
+
+def test_one_tag_object_on_threads_and_entered_twice():
+    weights = ccalloc.tag("py_shared_obj")
+    with weights:
+        with pytest.raises(ccalloc.InvalidArgumentError, match="already entered on this thread"):
+            weights.__enter__()
+        seen, errors = [], []
+
+        def other_thread():
+            try:
+                with weights:  # the same object, another thread: its own scope
+                    seen.append(ccalloc.current_tag())
+                seen.append(ccalloc.current_tag())
+                weights.__exit__(None, None, None)  # entered on the main thread only
+            except ccalloc.InvalidArgumentError as e:
+                errors.append(str(e))
+
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert seen == ["py_shared_obj", "default"]
+        assert len(errors) == 1 and "is not entered on this thread" in errors[0], errors
+        assert ccalloc.current_tag() == "py_shared_obj"  # the refused exit closed nothing here
+    assert ccalloc.current_tag() == "default"
+    with pytest.raises(ccalloc.InvalidArgumentError, match="is not entered on this thread"):
+        weights.__exit__(None, None, None)
+    with weights:  # reusable once left
+        assert ccalloc.current_tag() == "py_shared_obj"
+
+
 def test_bad_tags_are_refused():
     with pytest.raises(ccalloc.InvalidArgumentError, match="character outside"):
         with ccalloc.tag("has space"):

@@ -3,10 +3,12 @@
 
 #include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/base/detail/thread_object.hpp>
+#include <ccalloc/base/printable_text.hpp>
 #include <ccalloc/core/tags.hpp>
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,9 +19,17 @@ extern "C" {
 // ---- sleep and wake ---------------------------------------------------------------------------------------
 
 namespace {
+// One scope ccalloc_tag_begin opened: its tag, the thread's tag just before
+// it opened, and the open tag_scope. The optional lets ccalloc_tag_end_named
+// close and reopen it in place (no allocation, nothing that throws).
+struct c_tag_scope {
+  ccalloc::tag_id id = ccalloc::default_tag_id;
+  ccalloc::tag_id previous = ccalloc::default_tag_id;
+  std::optional<ccalloc::tag_scope> scope;
+};
 // The scopes ccalloc_tag_begin opened on this thread, innermost last (not a
 // C++ thread_local: base/detail/thread_object.hpp).
-using tag_scopes = std::vector<std::unique_ptr<ccalloc::tag_scope>>;
+using tag_scopes = std::vector<std::unique_ptr<c_tag_scope>>;
 using tag_scopes_of = ccalloc::detail::thread_object<tag_scopes>;
 
 std::vector<std::string> tag_list(const char* const* tags, size_t tag_count, const char* fn) {
@@ -46,7 +56,12 @@ ccalloc_status_t ccalloc_tag_begin(const char* tag) {
     require(tag, "ccalloc_tag_begin", "tag");
     tag_scopes& scopes = tag_scopes_of::get();
     scopes.reserve(scopes.size() + 1);  // no throw after the scope opens
-    scopes.push_back(std::make_unique<ccalloc::tag_scope>(std::string_view(tag)));
+    const ccalloc::tag_id id = ccalloc::intern_tag(tag);
+    auto entry = std::make_unique<c_tag_scope>();
+    entry->id = id;
+    entry->previous = ccalloc::current_tag();
+    entry->scope.emplace(id);
+    scopes.push_back(std::move(entry));
   });
 }
 
@@ -57,6 +72,39 @@ ccalloc_status_t ccalloc_tag_end(void) {
       throw ccalloc::invalid_argument_error(
           "ccalloc: ccalloc_tag_end: no scope of ccalloc_tag_begin is open on this thread");
     scopes->pop_back();
+  });
+}
+
+ccalloc_status_t ccalloc_tag_end_named(const char* tag) {
+  return guarded([&] {
+    require(tag, "ccalloc_tag_end_named", "tag");
+    tag_scopes* scopes = tag_scopes_of::find();
+    const std::optional<ccalloc::tag_id> id = ccalloc::find_tag(tag);
+    std::size_t closing = scopes == nullptr || !id ? 0 : scopes->size();
+    while (closing > 0 && (*scopes)[closing - 1]->id != *id) --closing;
+    if (closing == 0)
+      throw ccalloc::invalid_argument_error(std::string("ccalloc: ccalloc_tag_end_named: no scope of tag '") +
+                                            ccalloc::printable_line(tag) +
+                                            "' that ccalloc_tag_begin opened is open on this thread");
+    --closing;  // its index
+    // The scopes above it reopen on top of the tag it had replaced; each
+    // must have opened right on the one below it (no C++ tag_scope opened
+    // since is still open), or reopening would lose that tag_scope's tag.
+    tag_scopes& s = *scopes;
+    bool chained = ccalloc::current_tag() == s.back()->id;
+    for (std::size_t i = closing + 1; i < s.size(); ++i) chained = chained && s[i]->previous == s[i - 1]->id;
+    if (!chained)
+      throw ccalloc::invalid_argument_error(std::string("ccalloc: ccalloc_tag_end_named: a C++ tag_scope opened "
+                                                        "after the scope of tag '") +
+                                            tag + "' is still open on this thread");
+    // Close the scopes from the innermost down to it, then reopen those
+    // above it: the thread's tag is restored as tag_scope's destructors go.
+    for (std::size_t i = s.size(); i-- > closing;) s[i]->scope.reset();
+    for (std::size_t i = closing + 1; i < s.size(); ++i) {
+      s[i]->previous = i == closing + 1 ? s[closing]->previous : s[i - 1]->id;
+      s[i]->scope.emplace(s[i]->id);
+    }
+    s.erase(s.begin() + static_cast<std::ptrdiff_t>(closing));
   });
 }
 
