@@ -32,11 +32,14 @@ Errors print ``snapshot_to_trace: FILE: reason`` and exit with status 1.
 """
 
 import argparse
+import errno
 import gzip
 import io
 import pickle
 import os
+import stat
 import sys
+import tempfile
 
 # PyTorch's trace-entry actions that ccalloc's trace format has.
 KNOWN_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
@@ -288,12 +291,47 @@ def main(argv=None):
         return 1
     text = "".join(f"# {n}\n" for n in [f"converted from {args.snapshot} by tools/snapshot_to_trace.py"] + notes)
     text += "# time_us action addr size stream\n" + "\n".join(lines) + ("\n" if lines else "")
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    else:
+    if not args.output:
         sys.stdout.write(text)
+        return 0
+    try:
+        write_whole(args.output, text)
+    except OSError as e:
+        print(f"snapshot_to_trace: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def write_whole(path, text):
+    """Writes `text` to `path` whole or not at all: a regular file (or none
+    yet) is replaced by a temporary file of its folder, renamed over it once
+    complete (a failed write, e.g. a full disk, leaves the old file); the
+    new file keeps the old one's permission bits. A link is followed; a
+    FIFO or a device is written in place."""
+    target = os.path.realpath(path)
+    old = os.stat(target) if os.path.exists(target) else None
+    if old is not None and not stat.S_ISREG(old.st_mode):
+        with open(path, "w") as f:
+            f.write(text)
+        return
+    if old is not None and not os.access(target, os.W_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+    fd, temporary = tempfile.mkstemp(prefix=os.path.basename(target) + ".", suffix=".tmp",
+                                     dir=os.path.dirname(target) or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode) if old is not None else 0o666 & ~_umask())
+            f.write(text)
+        os.replace(temporary, target)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 if __name__ == "__main__":

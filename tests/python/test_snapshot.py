@@ -221,6 +221,49 @@ class SnapshotToTrace(unittest.TestCase):
             with open(path, "rb") as f:
                 self.assertEqual(f.read(), data)
 
+    def test_a_failed_write_keeps_the_old_output(self):
+        # A write cut off by the file size limit (a full disk alike) leaves
+        # the old file whole and no temporary file; a missing folder is a
+        # message, not a traceback.
+        import resource
+        import signal
+
+        entries = [{"action": "alloc", "addr": (i + 1) << 20, "size": 512, "stream": 0, "time_us": i}
+                   for i in range(20000)]
+        data = pickle.dumps({"device_traces": [entries], "segments": []})
+
+        def limit_file_size():
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "s.pickle")
+            with open(path, "wb") as f:
+                f.write(data)
+            keep = os.path.join(tmp, "keep.trace")
+            with open(keep, "w") as f:
+                f.write("precious\n" * 1000)
+            os.chmod(keep, 0o640)
+            tool = os.path.join(ROOT, "tools", "snapshot_to_trace.py")
+            out = subprocess.run([sys.executable, tool, path, "-o", keep], capture_output=True, text=True,
+                                 preexec_fn=limit_file_size)
+            self.assertEqual(out.returncode, 1, out.stderr)
+            self.assertIn(f"snapshot_to_trace: cannot write {keep}: File too large", out.stderr)
+            self.assertNotIn("Traceback", out.stderr)
+            with open(keep) as f:
+                self.assertEqual(f.read(), "precious\n" * 1000)
+            self.assertEqual(sorted(os.listdir(tmp)), ["keep.trace", "s.pickle"])
+            out = subprocess.run([sys.executable, tool, path, "-o", keep], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertEqual(os.stat(keep).st_mode & 0o777, 0o640)
+            with open(keep) as f:
+                self.assertEqual(sum(1 for line in f if " alloc " in line), 20000)
+            missing = os.path.join(tmp, "no", "x.trace")
+            out = subprocess.run([sys.executable, tool, path, "-o", missing], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 1, out.stderr)
+            self.assertIn(f"snapshot_to_trace: cannot write {missing}: No such file or directory", out.stderr)
+            self.assertNotIn("Traceback", out.stderr)
+
     def test_real_snapshot(self):
         lines, notes = snapshot_to_trace.convert(load_torch_snapshot())
         self.assertEqual(len(lines), 1791)
