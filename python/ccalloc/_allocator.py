@@ -351,18 +351,30 @@ class _HistorySlot:
 _PROCESS_HISTORY = _HistorySlot()
 
 
-class IpcHandle(NamedTuple):
-    """A shared block (SPEC F25, C3): the handle's bytes and the file
-    descriptors that go with it, in order (this process owns them: close
-    them with ``close()`` once sent or opened)."""
-
+class _IpcHandleFields(NamedTuple):
     handle: bytes
     fds: tuple
 
+
+class IpcHandle(_IpcHandleFields):
+    """A shared block (SPEC F25, C3): the handle's bytes and the file
+    descriptors that go with it, in order (this process owns them: close
+    them with ``close()`` once sent or opened). A tuple ``(handle, fds)``."""
+
     def close(self) -> None:
-        """Closes the descriptors."""
+        """Closes the descriptors, once: a second call does nothing (their
+        numbers may belong to other files by then, as after file.close())."""
+        if self.__dict__.get("_closed"):
+            return
+        self.__dict__["_closed"] = True
+        failure = None
         for fd in self.fds:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError as e:  # the others are still closed
+                failure = failure or e
+        if failure is not None:
+            raise failure
 
 
 def _take_export(ex: "_lib.ccalloc_ipc_export_t") -> IpcHandle:

@@ -150,3 +150,22 @@ def test_handle_as_bytes_alone_opens_in_the_parent_of_the_exporter():
     os.write(go_write, b"x")
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_closing_a_handle_twice_closes_nobody_elses_descriptors(tmp_path):
+    # The second close() must not close the numbers the first one freed:
+    # another file holds them by then.
+    with _allocator() as a:
+        p = a.malloc(3 * MiB)
+        shared = a.share_ipc_handle(p)
+        handle, fds = shared  # still a tuple (handle, fds)
+        assert (handle, fds) == (shared.handle, shared.fds)
+        shared.close()
+        victims = [open(tmp_path / f"victim{i}.txt", "w") for i in range(len(fds))]
+        assert any(v.fileno() in fds for v in victims)
+        shared.close()
+        for v in victims:
+            v.write("important")
+            v.close()
+        assert all((tmp_path / f"victim{i}.txt").read_text() == "important" for i in range(len(fds)))
+        a.free(p)
