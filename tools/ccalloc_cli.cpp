@@ -79,6 +79,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <utility>
@@ -1433,6 +1434,11 @@ int checked_output(int rc) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A file size limit (ulimit -f) makes a write that passes it fail with
+  // EFBIG, which each step reports (the simulated device's memory file, an
+  // output file whose temporary file is then removed), instead of the
+  // signal that would stop the process with no message.
+  std::signal(SIGXFSZ, SIG_IGN);
   try {
     return checked_output(detail::run(argc, argv));
   } catch (const std::bad_alloc&) {
