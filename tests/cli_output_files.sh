@@ -94,4 +94,12 @@ fifo)
   timeout 5 "$ccalloc" replay oom.trace --allow-oom --config oom_snapshot:f 2>&1 > /dev/null | grep -o 'oom_snapshot) could not be written to f: a FIFO with no reader'
   echo "no reader rc=$?"
   ;;
+json_bytes)
+  # A trace whose file name is not UTF-8 (legal on Linux): --json writes it
+  # with U+FFFD in place of the bad byte, not an error after the replay.
+  name="t$(printf '\377').trace"
+  cp good.trace "$name"
+  "$ccalloc" replay "$name" --json > out.json 2> err.txt
+  echo "json rc=$? trace lines=$(grep -c '"trace": "t' out.json) errors=$(wc -c < err.txt)"
+  ;;
 esac

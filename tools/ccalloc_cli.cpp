@@ -102,6 +102,11 @@ namespace detail {
 
 using json = nlohmann::ordered_json;
 
+// The --json output: text that is not UTF-8 (a file name of other bytes,
+// legal on Linux) is written with U+FFFD in its place, not refused after
+// the whole replay.
+std::string json_text(const json& j) { return j.dump(2, ' ', false, json::error_handler_t::replace); }
+
 /// What the command is doing, for the message of a host out-of-memory
 /// (std::bad_alloc, caught in main): "reading the trace <file>",
 /// "replaying the trace", ... In a fixed buffer, so that saying it
@@ -1135,7 +1140,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
       if (min->native_bytes) out["native_min_capacity_bytes"] = min->native_bytes;
       if (min->native_expandable_bytes) out["native_expandable_min_capacity_bytes"] = min->native_expandable_bytes;
     }
-    std::printf("%s\n", out.dump(2).c_str());
+    std::printf("%s\n", json_text(out).c_str());
   } else {
     print_replay_report(result, input, options.config, options.cuda_device);
     if (min) print_min_memory(*min, options.config);
@@ -1202,7 +1207,7 @@ int run_compare(const common_options& common, const std::vector<std::string>& co
       out.push_back(
           result_json(results[i], input, options[i].config, options[i].cuda_device));
     }
-    std::printf("%s\n", out.dump(2).c_str());
+    std::printf("%s\n", json_text(out).c_str());
   } else {
     const ccalloc::replay_result& first = results.front();
     print_compare_table(results, configs, input,
