@@ -102,4 +102,15 @@ json_bytes)
   "$ccalloc" replay "$name" --json > out.json 2> err.txt
   echo "json rc=$? trace lines=$(grep -c '"trace": "t' out.json) errors=$(wc -c < err.txt)"
   ;;
+two_outputs)
+  # Two outputs of one command naming one file are refused before the run
+  # (the later write would replace the earlier), and nothing is written.
+  "$ccalloc" replay oom.trace --allow-oom --config oom_snapshot:o.json --snapshot ./o.json > out.txt 2>&1
+  echo "replay rc=$? $(grep -c 'oom_snapshot) and the snapshot name the same file' out.txt)"
+  "$ccalloc" report oom.trace --config oom_snapshot:r.html -o r.html > out.txt 2>&1
+  echo "report rc=$? $(grep -c 'oom_snapshot) and the report name the same file' out.txt)"
+  "$ccalloc" compare oom.trace --config oom_snapshot:c.p --config "expandable_segments:False,oom_snapshot:$PWD/c.p" > out.txt 2>&1
+  echo "compare rc=$? $(grep -c 'of configuration 1 and the out-of-memory snapshot (oom_snapshot) of configuration 2 name the same file' out.txt)"
+  echo "files: $(ls | tr '\n' ' ')end"
+  ;;
 esac

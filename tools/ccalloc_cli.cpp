@@ -85,6 +85,7 @@
 #include <utility>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -439,14 +440,46 @@ void check_output_file(const std::string& path, const std::string& what, const s
 /// Parses `config` up front so a bad one fails before any replay starts, and
 /// prints the parser's warnings (settings with no effect) to stderr. Its
 /// oom_snapshot file is checked as an output (check_output_file): a snapshot
-/// written over the trace `input` would destroy it.
-void check_config(const std::string& config, const std::string& input) {
+/// written over the trace `input` would destroy it. Returns that file's
+/// path ("" when none).
+std::string check_config(const std::string& config, const std::string& input) {
   const ccalloc::allocator_config parsed = ccalloc::allocator_config::parse(config);
   for (const std::string& warning : parsed.warnings) {
     std::cerr << "ccalloc: warning: " << warning << "\n";  // the warning names the setting
   }
   if (!parsed.oom_snapshot_path.empty())
     check_output_file(parsed.oom_snapshot_path, "the out-of-memory snapshot (oom_snapshot)", input);
+  return parsed.oom_snapshot_path;
+}
+
+/// One output file of a command: its path and what it holds.
+struct output_use {
+  std::string path;
+  std::string what;
+};
+
+/// Whether `a` and `b` name one file: the same file where both exist, else
+/// the same path once made absolute and its existing folders resolved.
+bool same_output(const std::string& a, const std::string& b) {
+  struct stat sa {}, sb {};
+  const bool a_exists = ::stat(a.c_str(), &sa) == 0, b_exists = ::stat(b.c_str(), &sb) == 0;
+  if (a_exists && b_exists) return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  if (a_exists != b_exists) return false;
+  std::error_code ec_a, ec_b;
+  const auto full_a = std::filesystem::weakly_canonical(std::filesystem::absolute(a, ec_a), ec_a);
+  const auto full_b = std::filesystem::weakly_canonical(std::filesystem::absolute(b, ec_b), ec_b);
+  return !ec_a && !ec_b && full_a == full_b;
+}
+
+/// Refuses, before the run, two outputs of one command that name the same
+/// file: the later write would silently replace the earlier one. Empty
+/// paths (outputs not asked for) are skipped. Throws usage_error.
+void check_outputs_differ(const std::vector<output_use>& outputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    for (std::size_t j = i + 1; j < outputs.size(); ++j)
+      if (!outputs[i].path.empty() && !outputs[j].path.empty() && same_output(outputs[i].path, outputs[j].path))
+        throw usage_error(outputs[i].what + " and " + outputs[j].what + " name the same file (" + outputs[i].path +
+                          ", " + outputs[j].path + "): one would overwrite the other; write them to different files");
 }
 
 double ratio(std::uint64_t a, std::uint64_t b) { return b ? double(a) / double(b) : 0.0; }
@@ -1102,10 +1135,11 @@ void print_min_memory(const min_memory_result& m, const std::string& config) {
 int run_replay(const common_options& common, const std::string& config, bool min_memory,
                const std::string& snapshot_path) {
   ccalloc::replay_options options = common.replay_options_for(config);
-  check_config(options.config, common.trace_path);
+  const std::string oom_snapshot = check_config(options.config, common.trace_path);
   if (min_memory && options.device != ccalloc::replay_device::sim)
     throw usage_error("--min-memory works on the simulated device only (--device sim)");
   if (!snapshot_path.empty()) check_output_file(snapshot_path, "the snapshot", common.trace_path);
+  check_outputs_differ({{oom_snapshot, "the out-of-memory snapshot (oom_snapshot)"}, {snapshot_path, "the snapshot"}});
   const loaded_trace input = load_trace(common.trace_path, common.read_options());
   set_step("replaying the trace");
   progress_bar progress("replaying");
@@ -1155,10 +1189,11 @@ int run_report(const common_options& common, const std::string& config, const st
   const ccalloc::replay_options replay = common.replay_options_for(config);
   if (replay.device != ccalloc::replay_device::sim)
     throw usage_error("report replays on the simulated device only (--device sim)");
-  check_config(replay.config, common.trace_path);
+  const std::string oom_snapshot = check_config(replay.config, common.trace_path);
   const auto points = static_cast<std::size_t>(
       parse_count(points_text, "--points", 2, std::numeric_limits<std::size_t>::max(), "time slices per curve"));
   check_output_file(output_path, "the report", common.trace_path);
+  check_outputs_differ({{oom_snapshot, "the out-of-memory snapshot (oom_snapshot)"}, {output_path, "the report"}});
   const auto start = std::chrono::steady_clock::now();
   const loaded_trace input = load_trace(common.trace_path, common.read_options());
   ccalloc::report_options options;
@@ -1192,10 +1227,15 @@ int run_report(const common_options& common, const std::string& config, const st
 
 int run_compare(const common_options& common, const std::vector<std::string>& configs) {
   std::vector<ccalloc::replay_options> options;
+  std::vector<output_use> oom_snapshots;
   for (const std::string& config : configs) {
     options.push_back(common.replay_options_for(config));
-    check_config(options.back().config, common.trace_path);  // every config checked before the first replay
+    // Every config checked before the first replay.
+    oom_snapshots.push_back({check_config(options.back().config, common.trace_path),
+                             "the out-of-memory snapshot (oom_snapshot) of configuration " +
+                                 std::to_string(options.size())});
   }
+  check_outputs_differ(oom_snapshots);
   const loaded_trace input = load_trace(common.trace_path, common.read_options());
   std::vector<ccalloc::replay_result> results;
   set_step("replaying the trace");
