@@ -1015,7 +1015,10 @@ class Allocator:
         mapped, "unmap" before it unmaps, "move", "unmap_completed"),
         ``reason``, ``device``, ``addr``, ``size``, ``stream``,
         ``expandable``. It runs under the device's locks: it must not call
-        into the allocator. An exception it raises is printed and dropped."""
+        into the allocator (most calls then raise InvalidArgumentError;
+        ``malloc`` and ``free`` stop the process, as they would deadlock:
+        ccalloc.h, ccalloc_attach_mapping_listener). An exception it raises
+        is printed and dropped."""
         _callable(listener, "listener")
 
         def trampoline(_user, event):
