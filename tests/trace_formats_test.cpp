@@ -687,6 +687,24 @@ TEST(LiveRanges, AnAllocOverlappingALiveOneIsAnError) {
             "ov:2: alloc at address 4096, which is still live (allocated at line 1)");
 }
 
+// A range past 2^64 is refused (the recording's figures, sums of segment
+// sizes, wrapped: a reserved peak of 2 MiB was printed for this trace).
+TEST(LiveRanges, ARangePastTheAddressSpaceIsAnError) {
+  const auto replay_error = [](const std::string& text) {
+    return error_of([&] { (void)ccalloc::replay_trace(ccalloc::parse_trace_text(text, "as"), {}); });
+  };
+  EXPECT_EQ(replay_error("1 segment_alloc 6000000000 2097152 0\n2 alloc 6000000000 4096 0\n"
+                         "3 segment_map 7000000000 18446744073709551615 0\n"),
+            "as:3: segment_map of 18446744073709551615 bytes at address 7000000000 passes the end of the 64-bit "
+            "address space");
+  EXPECT_EQ(replay_error("1 alloc 18446744073709547520 8192 0\n"),
+            "as:1: alloc of 8192 bytes at address 18446744073709547520 passes the end of the 64-bit address space");
+  EXPECT_EQ(replay_error("1 alloc 18446744073709547520 4096 0\n2 free_requested 18446744073709547520 4096 0\n"
+                         "3 free_completed 18446744073709547520 4096 0\n"),
+            "")
+      << "a range that ends at 2^64 fits";
+}
+
 TEST(FreeSize, AnRmmFreeOfAnotherSizeIsAnError) {
   const std::string log =
       "Thread,Time,Action,Pointer,Size,Stream\n"

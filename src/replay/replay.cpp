@@ -90,6 +90,27 @@ void check_free_matches(const trace& t, const trace_event& e, const trace_event&
                           " (a free is recorded on its block's stream, the one it was allocated on)");
 }
 
+// An event naming a range of memory must fit in the 64-bit address space:
+// [addr, addr + size) past 2^64 comes from no recorded program, and the
+// recording's own figures (sums of segment sizes) would wrap.
+void check_in_address_space(const trace& t, const trace_event& e) {
+  switch (e.action) {
+    case trace_action::alloc:
+    case trace_action::free_requested:
+    case trace_action::free_completed:
+    case trace_action::segment_alloc:
+    case trace_action::segment_free:
+    case trace_action::segment_map:
+    case trace_action::segment_unmap:
+      if (e.size != 0 && e.addr + (e.size - 1) < e.addr)
+        throw trace_error(t.source, e.line,
+                          std::string(to_string(e.action)) + " of " + std::to_string(e.size) + " bytes at address " +
+                              std::to_string(e.addr) + " passes the end of the 64-bit address space");
+      break;
+    default: break;
+  }
+}
+
 // The live allocations of a trace (alloc to free_requested) of one byte or
 // more, by address: they must not overlap. An allocator hands out disjoint
 // blocks, so an alloc whose [addr, addr + size) meets a live one comes from
@@ -147,6 +168,7 @@ std::vector<std::uint64_t> completion_indices(const trace& t) {
   requested_at.reserve(1024);
   for (std::size_t i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
+    check_in_address_space(t, e);
     if (e.action == trace_action::alloc) {
       ranges.alloc(i);
       allocated_at[e.addr] = i;  // an alloc at a live address is the event loop's error, naming both lines
