@@ -105,8 +105,10 @@ class event_queue {
         head_ = 0;
       }
     }
-    [[nodiscard]] auto begin() const noexcept { return items_.begin() + std::ptrdiff_t(head_); }
-    [[nodiscard]] auto end() const noexcept { return items_.end(); }
+    [[nodiscard]] std::vector<entry>::const_iterator begin() const noexcept {
+      return items_.begin() + std::ptrdiff_t(head_);
+    }
+    [[nodiscard]] std::vector<entry>::const_iterator end() const noexcept { return items_.end(); }
 
    private:
     std::vector<entry> items_;
