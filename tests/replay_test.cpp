@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include "cpu_time.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -969,17 +971,13 @@ ccalloc::trace overlapping_gaps_trace(std::size_t n) {
 }
 
 // CPU seconds of this process (not wall time: the machine may be shared).
-double cpu_seconds() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
-}
+using ccalloc::testing::process_cpu_seconds;
 
 // CPU seconds to replay `t`.
 double replay_seconds(const ccalloc::trace& t, const ccalloc::replay_options& o) {
-  const double start = cpu_seconds();
+  const double start = process_cpu_seconds();
   const auto r = ccalloc::replay_trace(t, o);
-  const double seconds = cpu_seconds() - start;
+  const double seconds = process_cpu_seconds() - start;
   EXPECT_EQ(r.events, t.events.size());
   EXPECT_EQ(r.ooms, 0u);
   return seconds;

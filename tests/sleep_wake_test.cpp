@@ -13,6 +13,8 @@
 
 #include <gtest/gtest.h>
 
+#include "cpu_time.hpp"
+
 #include <cstdint>
 #include <cstdio>
 #include <limits>
@@ -271,11 +273,7 @@ TEST_F(SleepWakeTest, PausingManyTagsOneByOneTakesNearLinearTime) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "a timing bound, checked in the plain build";
 #endif
-  auto cpu_seconds = [] {
-    timespec ts{};
-    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
-  };
+  using ccalloc::testing::process_cpu_seconds;
   // The CPU seconds of n pauses; each tag's reservation has the device's
   // size (8 GiB: 1,000 of them fit in the host's address space).
   auto pauses = [&](std::size_t n, const std::string& prefix) {
@@ -286,9 +284,9 @@ TEST_F(SleepWakeTest, PausingManyTagsOneByOneTakesNearLinearTime) {
       names.push_back(prefix + std::to_string(i));
       held.push_back(m_tagged(names.back().c_str(), 4096));
     }
-    const double start = cpu_seconds();
+    const double start = process_cpu_seconds();
     for (const std::string& name : names) EXPECT_EQ(alloc->pause({name}, false).tags.size(), 1u);
-    const double seconds = cpu_seconds() - start;
+    const double seconds = process_cpu_seconds() - start;
     EXPECT_EQ(alloc->paused_tags(0).size(), n);
     EXPECT_EQ(alloc->resume(names).tags.size(), n);
     for (void* p : held) alloc->free(p);

@@ -10,9 +10,10 @@
 
 #include <gtest/gtest.h>
 
+#include "cpu_time.hpp"
+
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -118,13 +119,6 @@ TEST(StreamChurn, DestroyedStreamsCostNoHostMemoryNorTimeWithLargeBlocks) {
 // moves on, its state goes). A server that starts a thread per request runs
 // this for ever: the heap must stay flat, each thread as fast as the first
 // ones, the statistics exact.
-/// CPU seconds of the whole process, its exited threads included.
-double process_cpu_seconds() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
-}
-
 TEST(StreamChurn, ExitedThreadsPerThreadStreamsCostNoHostMemoryNorTime) {
 #ifdef CCALLOC_TEST_ASAN
   constexpr int threads = 400;
@@ -142,7 +136,7 @@ TEST(StreamChurn, ExitedThreadsPerThreadStreamsCostNoHostMemoryNorTime) {
   const auto per_thread = reinterpret_cast<ccalloc_stream_t>(std::uintptr_t{2});  // cudaStreamPerThread
   std::size_t heap_after_first = 0, heap_at_end = 0;
   std::vector<double> batch_seconds;
-  double start = process_cpu_seconds();  // CPU time: a loaded machine stalls wall time
+  double start = ccalloc::testing::process_cpu_seconds();  // CPU time: a loaded machine stalls wall time
   for (int i = 1; i <= threads; ++i) {
     ccalloc_status_t malloc_status = CCALLOC_OK, delete_status = CCALLOC_OK;
     std::thread t([&] {
@@ -154,7 +148,7 @@ TEST(StreamChurn, ExitedThreadsPerThreadStreamsCostNoHostMemoryNorTime) {
     ASSERT_EQ(malloc_status, CCALLOC_OK) << "thread " << i;
     ASSERT_EQ(delete_status, CCALLOC_OK) << "thread " << i;
     if (i % thread_batch != 0) continue;
-    const double now = process_cpu_seconds();
+    const double now = ccalloc::testing::process_cpu_seconds();
     batch_seconds.push_back(now - start);
     const std::size_t heap = heap_bytes_in_use();
     if (i == 3 * thread_batch) heap_after_first = heap;
@@ -164,7 +158,7 @@ TEST(StreamChurn, ExitedThreadsPerThreadStreamsCostNoHostMemoryNorTime) {
           << "the heap grew by " << (heap - heap_after_first) << " bytes over " << (i - 3 * thread_batch)
           << " threads that allocated on their per-thread stream and exited";
     }
-    start = process_cpu_seconds();
+    start = ccalloc::testing::process_cpu_seconds();
   }
   // Exact: nothing allocated, one stream at most (the last thread's, until
   // a world lock), the memory of the exited threads' streams reused.
