@@ -408,6 +408,19 @@ void write_output_file(const std::string& path, const std::string& content, cons
     throw output_error(path, what, err, step);
 }
 
+/// Whether `a` and `b` name one file: the same file where both exist, else
+/// the same path once made absolute and its existing folders resolved.
+bool same_output(const std::string& a, const std::string& b) {
+  struct stat sa {}, sb {};
+  const bool a_exists = ::stat(a.c_str(), &sa) == 0, b_exists = ::stat(b.c_str(), &sb) == 0;
+  if (a_exists && b_exists) return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  if (a_exists != b_exists) return false;
+  std::error_code ec_a, ec_b;
+  const auto full_a = std::filesystem::weakly_canonical(std::filesystem::absolute(a, ec_a), ec_a);
+  const auto full_b = std::filesystem::weakly_canonical(std::filesystem::absolute(b, ec_b), ec_b);
+  return !ec_a && !ec_b && full_a == full_b;
+}
+
 /// Checks, before a long replay, that write_output_file(path, ...) can write
 /// `path` (ccalloc::check_file_writable: nothing is created, removed or
 /// opened, so a FIFO's reader is not handed an end-of-file and a symbolic
@@ -417,13 +430,9 @@ void write_output_file(const std::string& path, const std::string& content, cons
 /// trace <input> ..." (or "... the native figures <file> ...") or the error
 /// of write_output_file.
 void check_output_file(const std::string& path, const std::string& what, const std::string& input) {
-  struct stat before {};
-  const bool existed = ::stat(path.c_str(), &before) == 0;
-  const auto same_file = [&](const std::string& other) {
-    struct stat other_stat {};
-    return existed && !other.empty() && ::stat(other.c_str(), &other_stat) == 0 &&
-           other_stat.st_dev == before.st_dev && other_stat.st_ino == before.st_ino;
-  };
+  // The files read exist: only an existing output can be one of them.
+  const bool exists = ::access(path.c_str(), F_OK) == 0;
+  const auto same_file = [&](const std::string& other) { return exists && !other.empty() && same_output(path, other); };
   if (same_file(input))
     throw usage_error(what + " would overwrite the trace " + input + " (" + path +
                       " is the same file); write it to another file");
@@ -457,19 +466,6 @@ struct output_use {
   std::string path;
   std::string what;
 };
-
-/// Whether `a` and `b` name one file: the same file where both exist, else
-/// the same path once made absolute and its existing folders resolved.
-bool same_output(const std::string& a, const std::string& b) {
-  struct stat sa {}, sb {};
-  const bool a_exists = ::stat(a.c_str(), &sa) == 0, b_exists = ::stat(b.c_str(), &sb) == 0;
-  if (a_exists && b_exists) return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
-  if (a_exists != b_exists) return false;
-  std::error_code ec_a, ec_b;
-  const auto full_a = std::filesystem::weakly_canonical(std::filesystem::absolute(a, ec_a), ec_a);
-  const auto full_b = std::filesystem::weakly_canonical(std::filesystem::absolute(b, ec_b), ec_b);
-  return !ec_a && !ec_b && full_a == full_b;
-}
 
 /// Refuses, before the run, two outputs of one command that name the same
 /// file: the later write would silently replace the earlier one. Empty
