@@ -102,6 +102,17 @@ json_bytes)
   "$ccalloc" replay "$name" --json > out.json 2> err.txt
   echo "json rc=$? trace lines=$(grep -c '"trace": "t' out.json) errors=$(wc -c < err.txt)"
   ;;
+report_bytes)
+  # A trace name and a --title that are not UTF-8: the page (declared
+  # UTF-8) shows U+FFFD in their place, still HTML-escaped.
+  name="t$(printf '\377').trace"
+  cp good.trace "$name"
+  fffd=$(printf '\357\277\275')
+  "$ccalloc" report "$name" -o a.html > /dev/null 2>&1
+  echo "report rc=$? valid=$(iconv -f UTF-8 -t UTF-8 a.html > /dev/null 2>&1 && echo yes || echo no) title=$(grep -c "<title>ccalloc report: t$fffd\.trace</title>" a.html)"
+  "$ccalloc" report "$name" --title "<b$(printf '\376')>" -o b.html > /dev/null 2>&1
+  echo "titled rc=$? valid=$(iconv -f UTF-8 -t UTF-8 b.html > /dev/null 2>&1 && echo yes || echo no) title=$(grep -c "<title>ccalloc report: &lt;b$fffd&gt;</title>" b.html)"
+  ;;
 two_outputs)
   # Two outputs of one command naming one file are refused before the run
   # (the later write would replace the earlier), and nothing is written.
