@@ -1,5 +1,5 @@
 #!/bin/sh
-# cli_output_files.sh CCALLOC DIR CASE: the CLI's output files (report -o,
+# cli_output_files.sh CCALLOC DIR CASE [PRELOAD]: the CLI's output files (report -o,
 # replay --snapshot, --config oom_snapshot:) are written whole or not at
 # all, through symbolic links without replacing them, and to FIFOs without
 # handing the reader an end-of-file first. Prints what it finds; the test's
@@ -112,6 +112,31 @@ report_bytes)
   echo "report rc=$? valid=$(iconv -f UTF-8 -t UTF-8 a.html > /dev/null 2>&1 && echo yes || echo no) title=$(grep -c "<title>ccalloc report: t$fffd\.trace</title>" a.html)"
   "$ccalloc" report "$name" --title "<b$(printf '\376')>" -o b.html > /dev/null 2>&1
   echo "titled rc=$? valid=$(iconv -f UTF-8 -t UTF-8 b.html > /dev/null 2>&1 && echo yes || echo no) title=$(grep -c "<title>ccalloc report: &lt;b$fffd&gt;</title>" b.html)"
+  ;;
+signal)
+  # SIGTERM (SIGHUP for the oom_snapshot the library writes during the
+  # replay) while an output file is being written (tests/pause_before_rename.c,
+  # preloaded, holds the write just before its rename): the temporary file
+  # is removed, the old file stays, and the process ends by the signal.
+  printf 'old report\n' > keep.html
+  printf 'old snapshot\n' > keep.json
+  printf 'old pickle\n' > keep.pickle
+  for out in "TERM report good.trace -o keep.html" "TERM replay good.trace --snapshot keep.json" \
+             "HUP replay oom.trace --allow-oom --config oom_snapshot:keep.pickle"; do
+    sig=${out%% *}
+    out=${out#* }
+    rm -f paused
+    # shellcheck disable=SC2086
+    CCALLOC_TEST_PAUSED=paused LD_PRELOAD=$4 "$ccalloc" $out > /dev/null 2>&1 &
+    pid=$!
+    n=0
+    while [ ! -e paused ] && [ $n -lt 500 ]; do sleep 0.02; n=$((n + 1)); done
+    held=$(ls | grep -c '\.tmp\.')
+    kill -$sig $pid
+    wait $pid 2> /dev/null
+    echo "${out%% *} rc=$? paused=$(exists paused) held=$held left=$(ls | grep -c '\.tmp\.')"
+  done
+  echo "[$(cat keep.html)] [$(cat keep.json)] [$(cat keep.pickle)]"
   ;;
 two_outputs)
   # Two outputs of one command naming one file are refused before the run

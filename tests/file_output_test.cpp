@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,26 @@ std::vector<std::string> names_in(const fs::path& dir) {
   return names;
 }
 
+// write_file_whole of 100,000 bytes to `path` under a file size limit of
+// 4 KiB, with `handler` (SIG_IGN, or a function) for the SIGXFSZ the write
+// raises part way; its result, or nothing where the limit cannot be set.
+std::optional<int> write_past_a_size_limit(const fs::path& path, void (*handler)(int), std::string& step) {
+  struct ::rlimit saved {};
+  if (::getrlimit(RLIMIT_FSIZE, &saved) != 0) return std::nullopt;
+  if (saved.rlim_max != RLIM_INFINITY && saved.rlim_max < 4096) return std::nullopt;
+  const auto old_handler = std::signal(SIGXFSZ, handler);
+  struct ::rlimit limit = saved;
+  limit.rlim_cur = 4096;
+  if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) {
+    std::signal(SIGXFSZ, old_handler);
+    return std::nullopt;
+  }
+  const int error = ccalloc::write_file_whole(path.string(), std::string(100000, 'x'), step);
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, old_handler);
+  return error;
+}
+
 // A file size limit stops the write part way (EFBIG, SIGXFSZ ignored): the
 // old file stays whole with its mode, and no temporary file is left.
 TEST(FileOutput, AWriteCutOffPartWayLeavesTheOldFileWhole) {
@@ -48,22 +69,51 @@ TEST(FileOutput, AWriteCutOffPartWayLeavesTheOldFileWhole) {
   const fs::path path = dir / "keep.html";
   std::ofstream(path) << "old";
   fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
-  struct ::rlimit saved {};
-  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
-  if (saved.rlim_max != RLIM_INFINITY && saved.rlim_max < 4096) GTEST_SKIP() << "file size limit below 4 KiB";
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
-  struct ::rlimit limit = saved;
-  limit.rlim_cur = 4096;
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
   std::string step;
-  const int error = ccalloc::write_file_whole(path.string(), std::string(100000, 'x'), step);
-  ::setrlimit(RLIMIT_FSIZE, &saved);
-  std::signal(SIGXFSZ, old_handler);
-  EXPECT_EQ(error, EFBIG);
+  const std::optional<int> error = write_past_a_size_limit(path, SIG_IGN, step);
+  if (!error) GTEST_SKIP() << "file size limit below 4 KiB";
+  EXPECT_EQ(*error, EFBIG);
   EXPECT_EQ(step, ": cannot write a temporary file in " + dir.string());
   EXPECT_EQ(read_file(path), "old");
   EXPECT_EQ(fs::status(path).permissions(), fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
   EXPECT_EQ(names_in(dir), std::vector<std::string>{"keep.html"});
+}
+
+// The folder remove_temporary_files_in_handler looks in, and the names
+// there before and after its call.
+fs::path signal_dir;
+std::vector<std::string> names_before_removal, names_after_removal;
+
+// A handler of the signal a write raises part way (SIGXFSZ, at a file size
+// limit) standing for a program's SIGTERM handler: it removes the
+// temporary files of the writes in progress. (Listing a folder is not
+// async-signal-safe; this signal is synchronous, raised inside write(2).)
+extern "C" void remove_temporary_files_in_handler(int) {
+  names_before_removal = names_in(signal_dir);
+  ccalloc::remove_temporary_files();
+  names_after_removal = names_in(signal_dir);
+}
+
+// remove_temporary_files, called from a signal handler while a write is in
+// progress (after 40 earlier writes: more than its table's 16 slots, so
+// each write's slot was given back), removes that write's temporary file;
+// the write then fails and the old file stays.
+TEST(FileOutput, RemoveTemporaryFilesFromASignalHandlerRemovesTheWriteInProgress) {
+  signal_dir = fresh_dir("signal");
+  const fs::path path = signal_dir / "keep.html";
+  std::string step;
+  for (int i = 0; i < 40; ++i) ASSERT_EQ(ccalloc::write_file_whole(path.string(), "old", step), 0);
+  const std::optional<int> error = write_past_a_size_limit(path, remove_temporary_files_in_handler, step);
+  if (!error) GTEST_SKIP() << "file size limit below 4 KiB";
+  EXPECT_EQ(*error, EFBIG);
+  ASSERT_EQ(names_before_removal.size(), 2u);
+  EXPECT_EQ(names_before_removal[0], "keep.html");
+  EXPECT_TRUE(names_before_removal[1].starts_with("keep.html.tmp.")) << names_before_removal[1];
+  EXPECT_EQ(names_after_removal, std::vector<std::string>{"keep.html"});
+  EXPECT_EQ(read_file(path), "old");
+  // With no write in progress, nothing is removed.
+  ccalloc::remove_temporary_files();
+  EXPECT_EQ(names_in(signal_dir), std::vector<std::string>{"keep.html"});
 }
 
 // A dangling symbolic link: the check creates nothing; the write creates

@@ -66,6 +66,7 @@
 #include <ccalloc/replay/trace.hpp>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -1472,6 +1473,33 @@ int checked_output(int rc) {
                flush_failed && err != 0 ? std::strerror(err) : "a write failed (a full disk or a closed pipe)");
   return rc != 0 ? rc : 1;
 }
+
+/// A signal that ends the command (SIGTERM, SIGINT, SIGHUP) during the write
+/// of an output file: the file's temporary file is removed
+/// (ccalloc::remove_temporary_files, async-signal-safe), then the signal's
+/// default action ends the process, so that its exit status still says
+/// which signal killed it. At any other time there is nothing to remove.
+extern "C" void end_on_signal(int signal_number) {
+  const int saved = errno;
+  ccalloc::remove_temporary_files();
+  // SA_RESETHAND restored the default action; SA_NODEFER lets it act now.
+  (void)::raise(signal_number);
+  errno = saved;
+}
+
+/// Installs end_on_signal for the signals that end a command, except one
+/// the command was started with ignored (nohup's SIGHUP stays ignored).
+void remove_temporary_files_on_signals() {
+  for (const int signal_number : {SIGTERM, SIGINT, SIGHUP}) {
+    struct sigaction old {};
+    if (::sigaction(signal_number, nullptr, &old) != 0 || old.sa_handler == SIG_IGN) continue;
+    struct sigaction action {};
+    action.sa_handler = end_on_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESETHAND | SA_NODEFER;
+    (void)::sigaction(signal_number, &action, nullptr);
+  }
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1480,6 +1508,7 @@ int main(int argc, char** argv) {
   // output file whose temporary file is then removed), instead of the
   // signal that would stop the process with no message.
   std::signal(SIGXFSZ, SIG_IGN);
+  remove_temporary_files_on_signals();
   try {
     return checked_output(detail::run(argc, argv));
   } catch (const std::bad_alloc&) {
