@@ -138,6 +138,24 @@ signal)
   done
   echo "[$(cat keep.html)] [$(cat keep.json)] [$(cat keep.pickle)]"
   ;;
+min_memory)
+  # --min-memory with an oom_snapshot: the snapshot is of a replay on the
+  # device 2 MiB below the smallest that fits, and a line says so; with no
+  # such device nothing is written, and a line says why. 12 blocks of
+  # 600,000 bytes, 2 of each 3 freed, then five of 2 MiB: fits in 16 MiB;
+  # on 14 MiB the fifth 2 MiB block fails (4 fit: the snapshot, replayed,
+  # peaks at 4 x 600,000 + 4 x 2 MiB = 10,788,608 bytes), on 12 MiB the
+  # fourth (8,691,456).
+  awk 'BEGIN { t = 1; for (i = 0; i < 12; i++) print t++ " alloc " (i * 1048576 + 4096) " 600000 0";
+    for (i = 0; i < 12; i++) if (i % 3) { print t++ " free_requested " (i * 1048576 + 4096) " 600000 0";
+      print t++ " free_completed " (i * 1048576 + 4096) " 600000 0" }
+    for (i = 0; i < 5; i++) print t++ " alloc " (1000000000 + i * 4194304) " 2097152 0" }' > frag.trace
+  "$ccalloc" replay frag.trace --min-memory --config oom_snapshot:o.pickle > out.txt 2> err.txt
+  echo "search rc=$? $(grep -c '(16777216 B)' out.txt) $(cat err.txt)"
+  "$ccalloc" replay o.pickle --json 2> /dev/null | grep -m1 '"peak_requested_bytes"'
+  "$ccalloc" replay good.trace --min-memory --config oom_snapshot:g.pickle > /dev/null 2> err.txt
+  echo "small rc=$? $(cat err.txt) file=$(exists g.pickle)"
+  ;;
 two_outputs)
   # Two outputs of one command naming one file are refused before the run
   # (the later write would replace the earlier), and nothing is written.
