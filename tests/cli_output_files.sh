@@ -156,6 +156,16 @@ min_memory)
   "$ccalloc" replay good.trace --min-memory --config oom_snapshot:g.pickle > /dev/null 2> err.txt
   echo "small rc=$? $(cat err.txt) file=$(exists g.pickle)"
   ;;
+report_oom_snapshot)
+  # report replays twice (the curves, then up to the peak for the segment
+  # map): an out-of-memory before the peak writes the oom_snapshot once,
+  # in the first replay (tests/pause_before_rename.c lists each output
+  # renamed into place).
+  printf '1 alloc 8192 200000000000 0\n2 alloc 4096 512 0\n' > early_oom.trace
+  CCALLOC_TEST_RENAMES=renames.txt LD_PRELOAD=$4 "$ccalloc" report early_oom.trace --allow-oom \
+    --config oom_snapshot:o.pickle -o r.html > /dev/null 2>&1
+  echo "report rc=$? writes: $(tr '\n' ' ' < renames.txt)end"
+  ;;
 two_outputs)
   # Two outputs of one command naming one file are refused before the run
   # (the later write would replace the earlier), and nothing is written.
