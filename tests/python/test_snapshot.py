@@ -190,6 +190,25 @@ class SnapshotJsonErrors(unittest.TestCase):
             self.assertIn(f"snapshot.py: {bad}: snapshot: missing key 'device_traces'", out.stderr)
 
 
+    def test_cli_names_the_output_it_cannot_write(self):
+        import resource
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "s.json")
+            with open(src, "w") as f:
+                f.write(json.dumps(self.minimal()))
+            cli = [sys.executable, os.path.join(ROOT, "python", "ccalloc", "snapshot.py"), src, "-o"]
+            missing = os.path.join(tmp, "no_such_folder", "out.pickle")
+            out = subprocess.run(cli + [missing], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 1)
+            self.assertEqual(out.stderr, f"snapshot.py: cannot write {missing}: No such file or directory\n")
+            # A file size limit (ulimit -f): the write fails part way; no file is left.
+            small = os.path.join(tmp, "out.pickle")
+            out = subprocess.run(cli + [small], capture_output=True, text=True,
+                                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1, 1)))
+            self.assertEqual(out.returncode, 1)
+            self.assertEqual(out.stderr, f"snapshot.py: cannot write {small}: File too large\n")
+            self.assertEqual(os.listdir(tmp), ["s.json"])
+
     def test_cli_refuses_to_write_over_its_input(self):
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "s.json")
