@@ -1128,6 +1128,28 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
 #endif
 }
 
+// The most bytes the program holds at once: an allocation counts from its
+// alloc to its free_requested. Its uses may go on until free_completed, but an
+// allocator short of memory synchronizes the device and takes such blocks
+// back earlier, so only this is a lower bound of the memory a replay needs.
+namespace {
+
+std::uint64_t peak_live_bytes(const trace& t) {
+  std::uint64_t now = 0;
+  std::uint64_t peak = 0;
+  for (const trace_event& e : t.events) {
+    if (e.action == trace_action::alloc) {
+      now += e.size;
+      peak = std::max(peak, now);
+    } else if (e.action == trace_action::free_requested) {
+      now -= std::min(now, e.size);
+    }
+  }
+  return peak;
+}
+
+}  // namespace
+
 std::size_t find_min_device_memory(const trace& t, const replay_options& options, std::size_t precision_bytes) {
   if (options.device != replay_device::sim)
     throw error("find_min_device_memory: only the simulated device can change its memory size");
@@ -1179,15 +1201,17 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
     while (m >= precision_bytes && cap(m - precision_bytes) >= bytes) m -= precision_bytes;
     return m;
   };
-  // Bounds: `fails` is too small for the peak requested bytes (0: none
-  // tried), `fits` holds the first replay's peak reserved; checked, since a
-  // smaller cap changes what garbage_collection_threshold does. Blocks of a
-  // paused tag count as requested but hold no device pages, so with pauses
-  // the requested peak is no lower bound (it may exceed the reserved peak):
-  // the search then starts from nothing. `fails` always stays below `fits`.
+  // Bounds: `fails` is too small for the bytes the program holds at its
+  // peak (peak_live_bytes; 0: none tried), `fits` holds the first replay's
+  // peak reserved; checked, since a smaller cap changes what
+  // garbage_collection_threshold does. The figures' peak requested bytes
+  // (allocations counted until free_completed) are no lower bound: a replay
+  // that runs short synchronizes and reuses blocks whose frees were
+  // requested. Blocks of a paused tag hold no device pages, so with pauses
+  // the search starts from nothing. `fails` always stays below `fits`.
   std::size_t fits = device_for(full.peak_reserved_bytes);
   if (fits == 0) return 0;  // nothing was ever reserved
-  const std::size_t lower = full.sleep_events.empty() ? device_for(full.peak_requested_bytes) : 0;
+  const std::size_t lower = full.sleep_events.empty() ? device_for(peak_live_bytes(t)) : 0;
   std::size_t fails = lower >= precision_bytes ? lower - precision_bytes : 0;
   if (fails >= fits) fails = 0;
   if (fits < start) {
