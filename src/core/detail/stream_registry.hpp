@@ -65,7 +65,9 @@ class stream_registry {
   // Deletes the state of every gone stream that holds no segment (its
   // pending statistics published first), so that a destroyed stream costs
   // no host memory and no slow-path time once its memory has moved on.
-  // world_lock's destructor calls it. [world]
+  // With reuse_across_streams:False it first returns the gone streams'
+  // cached memory (release_gone_caches). world_lock's destructor calls it.
+  // [world]
   void forget_gone_streams(world_lock& w) noexcept;
   // Marks gone the per-thread default streams of the threads that have
   // exited since the last call (their work waited for first); a stream whose
@@ -110,6 +112,10 @@ class stream_registry {
   // stream_destroyed's work under the world lock: waits for the stream's
   // work (may throw: nothing changed), then drops its fences and uses.
   void mark_gone(world_lock& w, stream_t stream);
+  // The cached memory of gone streams that no other stream may take over
+  // (reuse_across_streams:False) back to the device, as emptyCache returns
+  // it; device errors leave it for the next world lock. [world]
+  void release_gone_caches(world_lock& w) noexcept;
 
   device_state& d_;
   spin_mutex registry_mutex_;
