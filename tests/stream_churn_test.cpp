@@ -138,6 +138,12 @@ TEST(StreamChurn, DestroyedStreamsCostNoHostMemoryNorTimeWithoutReuseAcrossStrea
   churn("reuse_across_streams:False,expandable_segments:False", MiB, unshared_churn_cycles);
 }
 
+// Without trim_on_new_peak no other stream adopts an idle reservation
+// either (plain segments still move on): the reservation goes back.
+TEST(StreamChurn, DestroyedStreamsCostNoHostMemoryNorTimeWithoutTrimOnNewPeak) {
+  churn("trim_on_new_peak:False", MiB, unshared_churn_cycles);
+}
+
 // A thread that allocates on its per-thread default stream (handle 2) and
 // exits: its stream ends with it, and the allocator forgets it as a
 // destroyed one (the next world lock waits for its work, its cached memory
