@@ -495,6 +495,55 @@ TEST_F(SleepWakeTest, AResumeThatFailsPartWayWaitsForItsCopiesAndKeepsTheContent
   alloc->free(w);
 }
 
+// A resume that fails part way gives back the pages it mapped; when the
+// device refuses one of those unmaps, that page is retired (still mapped,
+// counted as reserved) and its unmap tried again before the resume
+// reports its failure (a paused reservation holding a mapped page was the
+// result: the next resume mapped over it). The tag stays paused, the books
+// match the device, and the next resume (directly, or after empty_cache)
+// maps every page again with the contents whole; nothing leaks.
+TEST_F(SleepWakeTest, AnUnmapRefusedWhileAFailedResumeGivesBackItsPagesKeepsTheBooks) {
+  for (const bool empty_first : {false, true}) {
+    SCOPED_TRACE(empty_first ? "empty_cache before the resume" : "resume directly");
+    make(64 * MiB);
+    void* w = m_tagged("sw_unmap", 20 * MiB);  // 10 pages
+    fill(w, 20 * MiB, 9);
+    alloc->pause({"sw_unmap"}, true);
+    void* live = m(50 * MiB);  // room for 7 of the 10 pages
+    const auto reserved = [&] { return dev().stats().reserved_bytes[0].current; };
+    const std::int64_t live_reserved = reserved();
+    EXPECT_EQ(live_reserved, static_cast<std::int64_t>(50 * MiB));
+    sim->fail_vm_unmap_after(3);  // the third page given back stays mapped
+    EXPECT_THROW(alloc->resume({"sw_unmap"}), out_of_memory_error);
+    sim->fail_vm_unmap_after(0);
+    dev().check_invariants();
+    EXPECT_EQ(dev().paused_tags(), std::vector<std::string>{"sw_unmap"});
+    EXPECT_TRUE(usage("sw_unmap").paused);
+    // The refused page was unmapped at the second try: only the live block's pages remain.
+    EXPECT_EQ(reserved(), live_reserved);
+    EXPECT_EQ(sim->counters().mapped_bytes, static_cast<std::size_t>(reserved()));
+    EXPECT_EQ(sim->counters().live_handles, static_cast<std::uint64_t>(reserved()) / page);
+    alloc->free(live);
+    if (empty_first) {
+      alloc->empty_cache();  // the refused unmap is tried again; the paused tag's reservation stays
+      EXPECT_EQ(reserved(), 0);
+      EXPECT_EQ(sim->counters().mapped_bytes, 0u);
+      EXPECT_EQ(sim->counters().live_handles, 0u);
+      dev().check_invariants();
+    }
+    alloc->resume({"sw_unmap"});
+    dev().check_invariants();
+    EXPECT_TRUE(dev().paused_tags().empty());
+    EXPECT_TRUE(holds(w, 20 * MiB, 9));
+    alloc->free(w);
+    alloc->empty_cache();
+    EXPECT_EQ(reserved(), 0);
+    EXPECT_EQ(sim->counters().mapped_bytes, 0u);
+    EXPECT_EQ(sim->counters().live_handles, 0u);
+    EXPECT_EQ(dev().stats().segment[0].current, 0);
+  }
+}
+
 TEST_F(SleepWakeTest, ResumeHonoursTheMemoryFraction) {
   void* w = m_tagged("sw_frac", 100 * MiB);
   alloc->pause({"sw_frac"}, false);

@@ -864,10 +864,12 @@ CCALLOC_API ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, i
  * stay cached (another stream's allocation may take them over;
  * ccalloc_empty_cache returns them); once none is left, the allocator keeps
  * nothing of the stream (no host memory, no time in later calls). With
- * reuse_across_streams:False no other stream takes them over: they stay
- * until ccalloc_empty_cache, and the C library's heap may keep the host
- * memory of their page tables resident after that (docs/limitations.md,
- * with figures). A ccalloc_malloc on the
+ * reuse_across_streams:False (for expandable segments also with
+ * trim_on_new_peak:False) no other stream may take them over: they go
+ * back to the device in this call, as ccalloc_empty_cache returns them, and
+ * a segment holding live blocks of the stream when the last of them is
+ * freed (a block recorded on other streams once their work has run).
+ * A ccalloc_malloc on the
  * destroyed stream fails with INVALID_ARGUMENT (a thread that allocated on
  * it just before may still be served from its own cache once). Destroying
  * a stream behind the allocator's back (cudaStreamDestroy directly) while

@@ -740,14 +740,51 @@ void expandable_segments::release_empty_expandable_segments() {
       maybe_empty_[kept++] = s;
       continue;
     }
-    d_.backend().vm_release(d_.device(), reinterpret_cast<void*>(seg.base), seg.size);
-    count_down(d_.stats().values().segment, group_of(seg.head->pool), 1);
-    if (seg.head->pool->priv != nullptr) seg.head->pool->priv->detach(seg);
-    --seg.head->pool->owner->segments;
-    seg.head->pool->owner->delete_block(seg.head);
-    const std::uintptr_t base = seg.base;
-    reservations_.erase(base);
-    d_.segments().erase(base);  // seg with it
+    release_reservation(seg);
+  }
+}
+
+// An empty reservation (no page mapped or retired, one block) back to the
+// device and off the books; seg is deleted. Throws the device's error,
+// nothing changed then.
+void expandable_segments::release_reservation(segment& seg) {
+  d_.backend().vm_release(d_.device(), reinterpret_cast<void*>(seg.base), seg.size);
+  count_down(d_.stats().values().segment, group_of(seg.head->pool), 1);
+  if (seg.head->pool->priv != nullptr) seg.head->pool->priv->detach(seg);
+  --seg.head->pool->owner->segments;
+  seg.head->pool->owner->delete_block(seg.head);
+  const std::uintptr_t base = seg.base;
+  reservations_.erase(base);
+  d_.segments().erase(base);  // seg with it
+}
+
+// The reservations of gone stream `ss` (no other stream may take them
+// over: stream_registry::gone_caches_unshared), as emptyCache returns them: the whole
+// pages of their free blocks are unmapped (the stream's work has completed,
+// so their fences have), their deferred unmaps settled where their fences
+// have completed, and each one left with no page and no other block is
+// released. Paused ones stay (their tag's resume needs them). Throws the
+// device's error (or std::bad_alloc): what went back before stays back.
+void expandable_segments::release_stream_reservations(const stream_state& ss) {
+  std::vector<segment*> own;
+  for (const auto& [base, seg] : reservations_)
+    if (seg->head->pool->owner == &ss && !seg->paused) own.push_back(seg);
+  for (segment* seg : own) {
+    // Unmapping merges blocks: the walk starts again after each block that gave pages.
+    for (block* b = seg->head; b != nullptr;) {
+      if (b->is_free() && b->mapped && b->pool->blocks.contains(b) && d_.fences().fence_completed(b) &&
+          unmap_block_pages(b, 0, 0, nullptr, std::numeric_limits<std::size_t>::max()) > 0)
+        b = seg->head;
+      else
+        b = b->next;
+    }
+    if (!seg->pages.retired().empty()) settle_retired_in(*seg, 0, seg->pages.count(), false);
+    if (seg->mapped_bytes != 0 || seg->head->next != nullptr || !seg->pages.retired().empty()) continue;
+    if (seg->maybe_empty) {
+      maybe_empty_.erase(std::find(maybe_empty_.begin(), maybe_empty_.end(), seg));
+      seg->maybe_empty = false;
+    }
+    release_reservation(*seg);
   }
 }
 

@@ -597,7 +597,7 @@ bool device_state::defer_free_while_paused(block* b) {
 
 void device_state::free(block* b) {
   stream_state& ss = *b->pool->owner;
-  std::lock_guard lock(ss.mutex);
+  std::unique_lock lock(ss.mutex);
   // A block of a paused tag: its pages are released, so its free (a merge,
   // a page fence) waits for the resume (sleep_wake.cpp). paused is written
   // under the world lock, which holds this stream's lock.
@@ -625,8 +625,20 @@ void device_state::free(block* b) {
     // changed yet.
     fences_.fence_before_free(ss);
   }
-  stats_sink sink(*this, ss);
-  release_allocation(b, sink.get(), false);
+  {
+    stats_sink sink(*this, ss);
+    release_allocation(b, sink.get(), false);
+  }
+  // A block of a destroyed stream whose memory no other stream may take
+  // over: the world lock's release returns what its free left cached
+  // (stream_registry::release_gone_caches). ss may be deleted once unlocked.
+  if (ss.gone && registry_.gone_caches_unshared()) [[unlikely]] {
+    lock.unlock();
+    try {
+      const world_lock w(*this);
+    } catch (...) {  // no host memory for the lock's list: the next world lock returns it
+    }
+  }
 }
 
 // Records a page fence on `ss` covering the free about to happen (count
@@ -688,6 +700,8 @@ void device_state::free_block(block* b, device_stats& st, bool device_locked) {
   // After the merges: the newest of its parts (a count taken at free stays).
   if (b->free_seq_taken) b->free_seq_taken = false;
   else b->free_seq = ++b->pool->owner->free_seq;
+  if (b->pool->owner->gone) [[unlikely]]
+    b->pool->owner->release_cached = true;  // stream_registry::release_gone_caches
   if (!slot.is_end()) index.rekey_at(slot, b);
   else index.insert(b);
   if (b->is_split()) {

@@ -382,6 +382,10 @@ void tag_sleep::make_room(std::size_t need, sleep_result& r, world_lock& w) {
 }
 bool tag_sleep::map_paused_segment(segment& seg) {
   const std::size_t page = seg.page_bytes;
+  // Pages a failed resume could not unmap (unmap_resumed_pages) are unmapped
+  // first: nothing may be mapped over them (a refusal throws, nothing mapped).
+  if (!seg.pages.retired().empty())
+    d_.expandable().settle_retired_in(seg, 0, std::numeric_limits<std::size_t>::max(), true);
   const stat_group g = group_of(seg.head->pool);
   const stream_t stream = copy_stream(seg);
   // The books are the record of what is mapped (seg.pages): a page counts
@@ -443,6 +447,17 @@ void tag_sleep::unmap_resumed_pages(segment& seg) noexcept {
   for (const auto& run : seg.paused_runs)
     for (std::size_t i = run.first_page; i < run.first_page + run.pages; ++i)
       if (seg.pages.mapped(i)) d_.expandable().give_back_page(seg, i);
+  // A page whose unmap the device refused is retired (give_back_page),
+  // given up and still counted as reserved: its unmap is tried again now,
+  // as a pause does. Refused again, it stays retired in the paused
+  // reservation until a later settle_retired (empty_cache) or the next
+  // resume of the tag (map_paused_segment) unmaps it.
+  if (!seg.pages.retired().empty()) {
+    try {
+      d_.expandable().settle_retired_in(seg, 0, std::numeric_limits<std::size_t>::max(), true);
+    } catch (...) {  // the error being reported is another
+    }
+  }
 }
 
 void tag_sleep::finish_mapping(const std::vector<segment*>& segs) {

@@ -67,6 +67,43 @@ void stream_registry::mark_gone(world_lock&, stream_t stream) {
   ss.gone = true;
   ss.fences.drop_outstanding([&](event_t e) { d_.events().give_event(e); });
   ss.fences.all_completed(ss.free_seq);
+  ss.release_cached = true;  // release_gone_caches
+}
+
+// Whether no other stream may take a gone stream's cached memory over:
+// plain segments without reuse_across_streams (adopt_idle_segment),
+// reservations without it or without trim_on_new_peak (idle_reservation).
+bool stream_registry::gone_caches_unshared() const noexcept {
+  const allocator_config& c = d_.policy().config();
+  return !c.reuse_across_streams || !c.trim_on_new_peak;
+}
+
+// What no other stream may take over of a gone stream's cached memory
+// (gone_caches_unshared) goes back to the device as emptyCache returns it
+// (whole plain segments; the whole pages of free blocks in its
+// reservations, then each reservation left empty), with the same
+// statistics, history and mapping announcements, so that the stream's
+// state is forgotten once its last block is freed. Its work has completed
+// (mark_gone), so nothing waits; a block used on other streams
+// (record_stream) reaches the pools only once their events complete. A
+// device error leaves the rest for the next world lock; nothing while a
+// capture is underway (no device frees then).
+void stream_registry::release_gone_caches(world_lock& w) noexcept {
+  if (!gone_caches_unshared() || d_.pools().capture_underway()) return;
+  const bool plain = !d_.policy().config().reuse_across_streams;
+  for (stream_state* ss : w.streams()) {
+    if (!ss->gone || !ss->release_cached) continue;
+    ss->release_cached = false;
+    try {
+      if (plain) {
+        d_.segments().release_blocks(ss->pools.large);
+        d_.segments().release_blocks(ss->pools.small);
+      }
+      if (ss->segments != 0) d_.expandable().release_stream_reservations(*ss);
+    } catch (...) {
+      ss->release_cached = true;  // tried again at the next world lock
+    }
+  }
 }
 
 namespace {
@@ -156,6 +193,7 @@ std::size_t stream_registry::ended_pending() const {
 void stream_registry::forget_gone_streams(world_lock& w) noexcept {
   if (gone_streams_ == 0) [[likely]]
     return;
+  release_gone_caches(w);
   const auto names_retired = [&](const stream_state* ss) {
     if (d_.expandable().retired_pages() == 0) return false;
     for (const auto& [base, seg] : d_.segments())

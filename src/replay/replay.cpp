@@ -616,6 +616,15 @@ class sleep_replay {
 // last event (index, stream): a program that makes a stream per request
 // destroys it after its last use. Empty when `gaps` keeps the trace's
 // streams (they are its own).
+// Destroying a trace stream at its end changes no figure only while other
+// streams may adopt its cached memory: without reuse_across_streams (for
+// reservations, without trim_on_new_peak) the allocator gives it back to the
+// device at the destroy, which the recorded program, whose stream lived on,
+// did not do. Those configurations keep every trace stream to the end.
+bool destroying_streams_changes_no_figure(const allocator_config& c) {
+  return c.reuse_across_streams && c.trim_on_new_peak;
+}
+
 std::vector<std::pair<std::uint64_t, stream_t>> stream_ends_of(const trace& t, const gap_model& gaps,
                                                                const stream_map& streams) {
   std::vector<std::pair<std::uint64_t, stream_t>> stream_ends;  // (last event index, stream), by index
@@ -767,7 +776,9 @@ class event_loop {
       : t_(t), completion_(completion), gaps_(gaps), streams_(streams), lag_(lag), r_(r),
         c_{gaps, std::make_unique<caching_allocator>(std::move(backend), config)}, allocator_(*c_.allocator),
         side_streams_(gaps, trace_streams(t)), never_freed_(never_freed_allocs(t)),
-        stream_ends_(stream_ends_of(t, gaps, streams)), clock_(t), sleep_(t, allocator_, r),
+        stream_ends_(destroying_streams_changes_no_figure(config) ? stream_ends_of(t, gaps, streams)
+                                                                  : std::vector<std::pair<std::uint64_t, stream_t>>{}),
+        clock_(t), sleep_(t, allocator_, r),
         has_pauses_(std::any_of(t.events.begin(), t.events.end(),
                                 [](const trace_event& e) { return e.action == trace_action::pause; })) {
     allocator_.init(1);

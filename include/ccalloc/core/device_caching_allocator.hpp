@@ -113,8 +113,12 @@ class device_caching_allocator {
   /// (checked when a thread first meets the stream: a thread that allocated
   /// on it just before may still be served from its per-thread caches). Its
   /// cached blocks stay cached for its handle (other streams may adopt its
-  /// idle segments); once it holds no segment, its state is deleted
-  /// (nothing of it stays: SPEC P10). A malloc or record_stream on it racing
+  /// idle segments); with reuse_across_streams:False (no other stream may;
+  /// for expandable segments also with trim_on_new_peak:False)
+  /// they go back to the device now, as empty_cache returns them, and a
+  /// segment holding its live blocks when the last of them is freed (one
+  /// used on other streams once their work has run). Once it holds no
+  /// segment, its state is deleted (nothing of it stays: SPEC P10). A malloc or record_stream on it racing
   /// with this call is the caller's error, as on CUDA. Throws backend_error from the
   /// synchronize (then nothing changed). Locks the whole device.
   void stream_destroyed(stream_t stream);

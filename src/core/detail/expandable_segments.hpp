@@ -26,6 +26,7 @@ namespace ccalloc::detail {
 
 class device_state;
 class world_lock;
+struct stream_state;
 
 class expandable_segments {
  public:
@@ -72,6 +73,10 @@ class expandable_segments {
   // seg (a reservation) has no page mapped now, or was made or resumed.
   // Never allocates: room is made when the reservation is made.
   void note_maybe_empty(segment& seg) noexcept;
+  // The cached memory of gone stream `ss`'s reservations back to the
+  // device, and each reservation left empty (no other stream may adopt
+  // them: stream_registry::release_gone_caches). Throws the device's error.
+  void release_stream_reservations(const stream_state& ss);
 
   segment* new_expandable_segment(const alloc_params& p);
   void discard_reservation(segment& seg) noexcept;
@@ -119,6 +124,7 @@ class expandable_segments {
 
  private:
   bool retire_refused_page(segment& seg, std::size_t i, physical_handle_t h) noexcept;
+  void release_reservation(segment& seg);  // an empty one; throws the device's error
   // Whether `need` bytes of new pages may fit at all (not past the device,
   // the cap, or what the device has free plus what unmapping could give).
   bool could_map(std::size_t need);

@@ -27,10 +27,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <memory>
+#include <limits>
 #include <new>
 #include <span>
+#include <utility>
 #include <vector>
+
+#include <sys/mman.h>
 
 namespace ccalloc::detail {
 
@@ -38,6 +41,8 @@ struct stream_state;
 
 class page_table {
  public:
+  /// Tables larger than this (bytes) are mapped, not taken from the heap.
+  static constexpr std::size_t mmap_table_bytes = std::size_t{64} << 10;
   struct retired_page {
     std::size_t index = 0;          // page index in the segment
     physical_handle_t handle = 0;   // mapped here and where it went
@@ -47,14 +52,17 @@ class page_table {
   };
 
   /// `count` pages, all unmapped (may throw std::bad_alloc). The table is
-  /// zeroed memory from calloc: a reservation the size of the device has
-  /// an entry per page of the device (about 540 KB on a 141 GB one), and
-  /// the host gives zeroed pages it has not touched for free, so a
-  /// reservation costs host memory for the pages mapped, not its size.
+  /// zeroed memory: a reservation the size of the device has an entry per
+  /// page of the device (about 540 KB on a 141 GB one), and the host gives
+  /// zeroed pages it has not touched for free, so a reservation costs host
+  /// memory for the pages mapped, not its size. A table above
+  /// mmap_table_bytes comes straight from mmap and goes back with munmap:
+  /// from the C library's heap, once glibc has freed one such block it
+  /// raises its mmap threshold, and the next ones come from its arena,
+  /// cleared (touched) by calloc and kept resident after their free. A
+  /// smaller one comes from calloc.
   void reset(std::size_t count) {
-    std::unique_ptr<physical_handle_t[], free_deleter> fresh(
-        static_cast<physical_handle_t*>(std::calloc(count == 0 ? 1 : count, sizeof(physical_handle_t))));
-    if (!fresh) throw std::bad_alloc();  // nothing changed
+    table fresh(count == 0 ? 1 : count);  // throws std::bad_alloc: nothing changed
     handles_ = std::move(fresh);
     count_ = count;
   }
@@ -120,10 +128,48 @@ class page_table {
   }
 
  private:
-  struct free_deleter {
-    void operator()(physical_handle_t* p) const noexcept { std::free(p); }
+  // Zeroed entries: from mmap above mmap_table_bytes, else from calloc.
+  class table {
+   public:
+    table() noexcept = default;
+    explicit table(std::size_t n) {
+      if (n > std::numeric_limits<std::size_t>::max() / sizeof(physical_handle_t)) throw std::bad_alloc();
+      bytes_ = n * sizeof(physical_handle_t);
+      if (bytes_ > mmap_table_bytes) {
+        void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) throw std::bad_alloc();
+        p_ = static_cast<physical_handle_t*>(p);
+      } else {
+        p_ = static_cast<physical_handle_t*>(std::calloc(n, sizeof(physical_handle_t)));
+        if (p_ == nullptr) throw std::bad_alloc();
+      }
+    }
+    table(table&& o) noexcept : p_(std::exchange(o.p_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+    table& operator=(table&& o) noexcept {
+      if (this != &o) {
+        release();
+        p_ = std::exchange(o.p_, nullptr);
+        bytes_ = std::exchange(o.bytes_, 0);
+      }
+      return *this;
+    }
+    table(const table&) = delete;
+    table& operator=(const table&) = delete;
+    ~table() { release(); }
+    physical_handle_t& operator[](std::size_t i) const noexcept { return p_[i]; }
+    [[nodiscard]] physical_handle_t* get() const noexcept { return p_; }
+
+   private:
+    void release() noexcept {
+      if (p_ == nullptr) return;
+      if (bytes_ > mmap_table_bytes) ::munmap(p_, bytes_);
+      else std::free(p_);
+      p_ = nullptr;
+    }
+    physical_handle_t* p_ = nullptr;
+    std::size_t bytes_ = 0;
   };
-  std::unique_ptr<physical_handle_t[], free_deleter> handles_;  // per page; 0 = not mapped in the books
+  table handles_;  // per page; 0 = not mapped in the books
   std::size_t count_ = 0;
   std::vector<retired_page> retired_;       // by index
 };

@@ -127,6 +127,9 @@ struct alignas(64) stream_state {
   // deleted when the world lock that saw it empty is released
   // (stream_registry::forget_gone_streams). [stream to write; world to read]
   std::size_t segments = 0;
+  // Gone, and memory became free in its pools since its last release
+  // (stream_registry::release_gone_caches). [stream to set; world]
+  bool release_cached = false;
   // Its page fences (page_fences.hpp). [world]; record also [stream + device]
   page_fences fences;
   // Its frees of blocks of at least this many bytes record a page fence

@@ -65,13 +65,21 @@ class stream_registry {
   // Deletes the state of every gone stream that holds no segment (its
   // pending statistics published first), so that a destroyed stream costs
   // no host memory and no slow-path time once its memory has moved on.
-  // world_lock's destructor calls it. [world]
+  // It first returns the gone streams' cached memory that no other stream
+  // may take over (release_gone_caches). world_lock's destructor calls it.
+  // [world]
   void forget_gone_streams(world_lock& w) noexcept;
   // Marks gone the per-thread default streams of the threads that have
   // exited since the last call (their work waited for first); a stream whose
   // wait fails stays for the next world lock. world_lock's constructor calls
   // it. [world]
   void end_thread_streams(world_lock& w) noexcept;
+  // Whether no other stream may adopt a gone stream's cached segments
+  // (reuse_across_streams:False; for reservations also
+  // trim_on_new_peak:False): they then go back to the device with it
+  // (forget_gone_streams), and a free of its block takes the world lock
+  // for that. [stream] or [world]: reads the configuration
+  [[nodiscard]] bool gone_caches_unshared() const noexcept;
   // Exited threads' streams not yet marked gone (tests). [none]
   [[nodiscard]] std::size_t ended_pending() const;
   // The lock of the exited threads' list (a leaf), for the fork handlers.
@@ -110,6 +118,10 @@ class stream_registry {
   // stream_destroyed's work under the world lock: waits for the stream's
   // work (may throw: nothing changed), then drops its fences and uses.
   void mark_gone(world_lock& w, stream_t stream);
+  // The cached memory of gone streams that no other stream may take over
+  // (gone_caches_unshared) back to the device, as emptyCache returns it;
+  // device errors leave it for the next world lock. [world]
+  void release_gone_caches(world_lock& w) noexcept;
 
   device_state& d_;
   spin_mutex registry_mutex_;
