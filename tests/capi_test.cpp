@@ -1283,8 +1283,21 @@ TEST(CApiPools, FailingSegmentMallocIsOutOfMemoryAndChangesNothing) {
   EXPECT_EQ(p, reinterpret_cast<void*>(0x1));
   const std::string message = ccalloc_last_error();
   EXPECT_TRUE(contains(message, "out of memory")) << message;
-  EXPECT_TRUE(contains(message, "the segment allocator of private pool (" + std::to_string(P.first) +
+  EXPECT_TRUE(contains(message, "The segment allocator of private pool (" + std::to_string(P.first) +
                                     ", 0) of device 0 returned 7")) << message;
+  // The pool's own segment allocator refused, not the device: said first,
+  // and no advice about the device's free memory or another process.
+  const std::size_t said = message.find(
+      "The request's private pool gets its segments from its own segment allocator, and that allocator refused the "
+      "segment (the device was not asked).");
+  ASSERT_NE(said, std::string::npos) << message;
+  EXPECT_LT(said, message.find("Device 0 has a total capacity")) << message;
+  EXPECT_FALSE(contains(message, "reports that much free")) << message;
+  EXPECT_FALSE(contains(message, "another process")) << message;
+  EXPECT_FALSE(contains(message, "Reduce the memory the program holds")) << message;
+  EXPECT_FALSE(contains(message, ".;")) << message;
+  EXPECT_TRUE(contains(message, "Give the pool's segment allocator more memory, or allocate this request outside the "
+                                "pool. The segment allocator of private pool (")) << message;
   // Two calls: no graph capture runs, so a begin_allocate_to_pool does not
   // stop the allocator from freeing its cache and retrying once (issue 16;
   // during a capture it would not retry).

@@ -42,6 +42,14 @@ std::string parse_error(std::string_view bytes) {
   return "(parsed)";
 }
 
+// `bytes` with its version 3 checksum rewritten to match: a handle edited on
+// purpose, to reach the rules the parser checks after the checksum.
+std::string resealed(std::string bytes) {
+  const std::uint32_t sum = ipc_handle_checksum(bytes);
+  for (std::size_t i = 0; i < 4; ++i) bytes[20 + i] = static_cast<char>((sum >> (8 * i)) & 0xffU);
+  return bytes;
+}
+
 ipc_handle plain_handle() {
   ipc_handle h;
   h.kind = ipc_kind::plain;
@@ -99,7 +107,7 @@ TEST(IpcHandle, FutureVersionAsksToUpgradeTheReader) {
   std::string bytes = encode_ipc_handle(plain_handle());
   bytes[8] = 9;  // version, little-endian
   EXPECT_EQ(parse_error(bytes),
-            "ipc handle: ipc handle version 9 is newer than this ccalloc (2); upgrade the reader");
+            "ipc handle: ipc handle version 9 is newer than this ccalloc (3); upgrade the reader");
   bytes.resize(12);  // a newer layout may be shorter: the version is checked first
   EXPECT_NE(parse_error(bytes).find("version 9 is newer"), std::string::npos);
   bytes[8] = 0;
@@ -111,7 +119,7 @@ TEST(IpcHandle, MalformedInputsNameWhatIsWrong) {
   auto with = [&](std::size_t at, char value) {
     std::string b = good;
     b[at] = value;
-    return parse_error(b);
+    return parse_error(resealed(b));
   };
   EXPECT_EQ(parse_error(""), "ipc handle: truncated: 0 bytes, the header needs 64");
   EXPECT_EQ(parse_error(good.substr(0, 40)), "ipc handle: truncated: 40 bytes, the header needs 64");
@@ -119,8 +127,21 @@ TEST(IpcHandle, MalformedInputsNameWhatIsWrong) {
   EXPECT_EQ(with(10, 7), "ipc handle: unknown kind 7 (accepted: 1 plain, 2 expandable)");
   EXPECT_EQ(with(11, 1), "ipc handle: reserved byte 11 is not 0");
   EXPECT_EQ(with(15, '\x80'), "ipc handle: device -2147483647 is negative");
-  EXPECT_NE(parse_error(good + "x").find("payload size 68 differs from the 69 bytes"), std::string::npos);
-  EXPECT_NE(parse_error(good.substr(0, good.size() - 1)).find("truncated or trailing"), std::string::npos);
+  EXPECT_NE(parse_error(resealed(good + "x")).find("payload size 68 differs from the 69 bytes"), std::string::npos);
+  EXPECT_NE(parse_error(resealed(good.substr(0, good.size() - 1))).find("truncated or trailing"), std::string::npos);
+  // Unsealed, a changed byte or a truncated copy is refused by the checksum first.
+  EXPECT_EQ(parse_error(good.substr(0, good.size() - 1)).rfind("ipc handle: checksum 0x", 0), 0u);
+  std::string moved = good;
+  moved[40] = static_cast<char>(moved[40] + 1);  // the block's offset, + 1 byte
+  const std::string moved_error = parse_error(moved);
+  EXPECT_EQ(moved_error.rfind("ipc handle: checksum 0x", 0), 0u) << moved_error;
+  EXPECT_NE(moved_error.find("does not match the handle's bytes (0x"), std::string::npos) << moved_error;
+  EXPECT_NE(moved_error.find("): the handle was changed after export (send the bytes unchanged, NUL bytes included)"),
+            std::string::npos)
+      << moved_error;
+  // Resealed, the offset is refused for its alignment.
+  EXPECT_EQ(parse_error(resealed(moved)),
+            "ipc handle: block offset 2097665 is not a multiple of 512 (blocks start 512-byte aligned in their segment)");
   // Page size 3 MiB: not a power of two.
   EXPECT_NE(with(64 + 2, 0x30).find("is not a power of two"), std::string::npos);
   // First page 2 instead of 1.
@@ -141,14 +162,16 @@ TEST(IpcHandle, MalformedInputsNameWhatIsWrong) {
   std::string p = encode_ipc_handle(plain_handle());
   p.pop_back();
   p[56] = 63;
-  EXPECT_EQ(parse_error(p), "ipc handle: a plain handle's payload is 64 bytes, not 63");
+  EXPECT_EQ(parse_error(resealed(p)), "ipc handle: a plain handle's payload is 64 bytes, not 63");
 }
 
-// Every single-bit flip of a valid 120-byte expandable handle (two pages,
-// version 2) is refused naming a field, or lies in a field the header
-// documents as not checkable without the producer.
+// Every single-bit flip of a valid 120-byte expandable handle of version 2
+// (no checksum) is refused naming a field, or lies in a field the header
+// documents as not checkable without the producer. In version 3 every flip
+// is refused (the checksum).
 TEST(IpcHandle, EveryBitFlipIsRefusedOrInADocumentedUncheckedField) {
   ipc_handle h = expandable_handle();
+  h.version = 2;
   h.producer_pid = 31337;
   h.offset_bytes = page - 4096;  // pages 0..1
   h.size_bytes = 8192;
@@ -207,6 +230,24 @@ TEST(IpcHandle, EveryBitFlipIsRefusedOrInADocumentedUncheckedField) {
     EXPECT_EQ(refused_per_byte[at], 8u) << "byte " << at;
   EXPECT_EQ(refused + accepted, 960u);
   EXPECT_GT(refused, 650u) << refused << " refused, " << accepted << " accepted";
+  EXPECT_EQ(refused_per_byte[40], 8u) << "block offset no longer a multiple of 512";
+  // Version 3: the same handle with a checksum; each of the 960 flips is refused.
+  h.version = 3;
+  const std::string sealed = encode_ipc_handle(h);
+  ASSERT_EQ(sealed.size(), 120u);
+  ASSERT_EQ(parse_ipc_handle(sealed), h);
+  std::size_t sealed_refused = 0;
+  for (std::size_t at = 0; at < sealed.size(); ++at) {
+    for (int bit = 0; bit < 8; ++bit) {
+      std::string b = sealed;
+      b[at] = static_cast<char>(b[at] ^ (1 << bit));
+      const std::string error = parse_error(b);
+      EXPECT_EQ(error.rfind("ipc handle: ", 0), 0u) << "byte " << at << " bit " << bit << ": " << error;
+      sealed_refused += error != "(parsed)" ? 1 : 0;
+    }
+  }
+  EXPECT_EQ(sealed_refused, 960u);
+  h.version = 2;
   // A pid of 0 names the field too.
   h.producer_pid = 0;
   try {
@@ -447,6 +488,44 @@ TEST_F(IpcTest, AccessDeviceMustExistAndReachTheOwner) {
   alloc->close_ipc_handle(q);
   close_all(ex.fds);
   alloc->free(p);
+}
+
+// A handle corrupted in transit: each byte changed in turn (three ways) is
+// either refused as an invalid argument, leaving nothing open, or opens the
+// original block; none opens another offset (an unaligned pointer, wrong data).
+TEST_F(IpcTest, EveryCorruptedByteOfAnExportedHandleIsRefusedOrOpensTheOriginal) {
+  void* first = alloc->malloc(0, 1 * MiB, 0);
+  void* p = alloc->malloc(0, 3 * MiB, 0);
+  std::memset(p, 0x42, 3 * MiB);
+  const ipc_export ex = alloc->share_ipc_handle(p);
+  void* q = alloc->open_ipc_handle(ex.handle, ex.fds);
+  ASSERT_EQ(std::memcmp(q, p, 3 * MiB), 0);
+  const auto before = sim->counters();
+  std::size_t refused = 0, tried = 0;
+  for (std::size_t at = 0; at < ex.handle.size(); ++at) {
+    for (unsigned mask : {0x01U, 0x80U, 0xffU}) {
+      std::string b = ex.handle;
+      b[at] = static_cast<char>(static_cast<unsigned char>(b[at]) ^ mask);
+      ++tried;
+      try {
+        void* z = alloc->open_ipc_handle(b, ex.fds);
+        EXPECT_EQ(z, q) << "byte " << at << " ^ " << mask << " opened another pointer";
+        alloc->close_ipc_handle(z);
+      } catch (const invalid_argument_error&) {
+        ++refused;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "byte " << at << " ^ " << mask << ": not an invalid argument: " << e.what();
+      }
+    }
+  }
+  EXPECT_EQ(refused, tried) << "every corrupted byte is caught by the checksum";
+  EXPECT_EQ(alloc->ipc_open_mappings(), 1u);
+  EXPECT_EQ(sim->counters().live_handles, before.live_handles);
+  EXPECT_EQ(sim->counters().vm_imports, before.vm_imports) << "refused before any import";
+  alloc->close_ipc_handle(q);
+  close_all(ex.fds);
+  alloc->free(p);
+  alloc->free(first);
 }
 
 TEST_F(IpcTest, BadHandlesDevicesAndDescriptorsLeaveNothingOpen) {

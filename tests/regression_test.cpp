@@ -220,8 +220,10 @@ TEST(RegressionTest, HostMmapFailureOfTheSimulatedDeviceIsNotAnOutOfMemory) {
 }
 
 // The OOM message said "X is free" with no word on why memory the device
-// reports free was refused (the sim's host failure above was one way).
-TEST(RegressionTest, OomWithMemoryTheDeviceReportsFreeSaysTheDeviceRefusedIt) {
+// reports free was refused (the sim's host failure above was one way). A
+// private pool's own segment allocator that refuses is named as the one
+// that refused, first, with no word on the device or another process.
+TEST(RegressionTest, OomWithMemoryTheDeviceReportsFreeSaysWhoRefusedIt) {
   auto sim = std::make_shared<sim_backend>(ccalloc::sim_options{1, 256 * mib, 2 * mib});
   auto a = make(sim, "expandable_segments:False");
   const ccalloc::mempool_id_t pool{0, 7};
@@ -235,10 +237,13 @@ TEST(RegressionTest, OomWithMemoryTheDeviceReportsFreeSaysTheDeviceRefusedIt) {
     ADD_FAILURE() << "no error";
   } catch (const ccalloc::out_of_memory_error& e) {
     const std::string what = e.what();
-    EXPECT_NE(what.find("of which 256.00 MiB is free. The device refused the segment although it reports that "
-                        "much free"),
+    EXPECT_NE(what.find("needed a new segment of 30.00 MiB). The request's private pool gets its segments from its "
+                        "own segment allocator, and that allocator refused the segment (the device was not asked). "
+                        "Device 0"),
               std::string::npos)
         << what;
+    EXPECT_EQ(what.find("another process"), std::string::npos) << what;
+    EXPECT_NE(what.find("Give the pool's segment allocator more memory"), std::string::npos) << what;
   }
   a->end_allocate_to_pool(0, pool);
   a->release_pool(0, pool);

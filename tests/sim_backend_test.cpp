@@ -22,6 +22,7 @@
 namespace {
 
 using ccalloc::backend_error;
+using ccalloc::host_memory_error;
 using ccalloc::gib;
 using ccalloc::mib;
 using ccalloc::sim_backend;
@@ -585,7 +586,7 @@ TEST(SimBackend, SegmentTheHostCannotMapIsABackendErrorNotOutOfMemory) {
   try {
     (void)sim.segment_malloc(0, huge);
     ADD_FAILURE() << "no error";
-  } catch (const backend_error& e) {
+  } catch (const host_memory_error& e) {  // a backend_error the CLI says as a host out-of-memory
     const std::string what = e.what();
     EXPECT_NE(what.find("sim: segment_malloc(device 0, " + std::to_string(huge) +
                         " bytes): the host could not reserve the simulated memory: mmap failed: " +

@@ -381,6 +381,13 @@ loaded_trace load_trace(const std::string& path, ccalloc::trace_read_options rea
     for (const std::string& note : out.trace.notes)
       std::cerr << "ccalloc: note: " << ccalloc::printable_name(path) << ": " << ccalloc::printable_text(note) << "\n";
   }
+  // Only a snapshot pickle has devices to choose among (a text trace or an
+  // RMM log is one device's): the option would be ignored silently.
+  if (read.snapshot_device >= 0 && out.trace.has_source_lines)
+    throw usage_error("--snapshot-device " + std::to_string(read.snapshot_device) +
+                      " applies to PyTorch snapshot pickles only; " +
+                      (path.empty() ? out.trace.source : ccalloc::printable_name(path)) +
+                      " is a text trace or an RMM log, which holds one device (leave the option out)");
   out.read_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return out;
@@ -1526,6 +1533,15 @@ int checked_output(int rc) {
   return rc != 0 ? rc : 1;
 }
 
+// Prints the host out-of-memory message, naming the step, then `cause`;
+// returns the exit status.
+int host_out_of_memory(const char* cause) {
+  std::fprintf(stderr, "ccalloc: out of host memory%s%s (the memory limit, e.g. ulimit -v, is too small for this "
+               "trace, or the host's memory is used up)%s\n",
+               detail::current_step[0] != '\0' ? " while " : "", detail::current_step, cause);
+  return 1;
+}
+
 /// A signal that ends the command (SIGTERM, SIGINT, SIGHUP) during the write
 /// of an output file: the file's temporary file is removed
 /// (ccalloc::remove_temporary_files, async-signal-safe), then the signal's
@@ -1565,10 +1581,11 @@ int main(int argc, char** argv) {
     return checked_output(detail::run(argc, argv));
   } catch (const std::bad_alloc&) {
     // Said without allocating: the step is in a fixed buffer.
-    std::fprintf(stderr, "ccalloc: out of host memory%s%s (the memory limit, e.g. ulimit -v, is too small for this "
-                 "trace, or the host's memory is used up)\n",
-                 detail::current_step[0] != '\0' ? " while " : "", detail::current_step);
-    return 1;
+    return host_out_of_memory("");
+  } catch (const ccalloc::host_memory_error& e) {
+    // The simulated device's host mapping refused (ENOMEM): the same limit as
+    // a std::bad_alloc, said the same way, with the library's details after.
+    return host_out_of_memory((": " + ccalloc::printable_text(e.what())).c_str());
   } catch (const detail::usage_error& e) {
     // Messages may quote the command line or a trace: no raw control bytes.
     std::fprintf(stderr, "ccalloc: %s\n", ccalloc::printable_text(e.what()).c_str());

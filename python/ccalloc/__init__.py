@@ -36,7 +36,7 @@ from typing import Callable, Optional
 # public names, and the private helpers the submodules and tests use, stay
 # reachable as ccalloc.NAME.
 from . import _lib
-from ._allocator import (MAX_DEVICE_COUNT, Allocator, IpcHandle, _function_address, _names, _pool_id,  # noqa: F401
+from ._allocator import (MAX_DEVICE_COUNT, Allocator, IpcHandle, _flag, _function_address, _names, _pool_id,  # noqa: F401
                          _shown, _stream, _text, receive_ipc_handle, send_ipc_handle)
 from ._errors import (BackendError, CcallocError, ConfigError, InvalidArgumentError,  # noqa: F401
                       OutOfMemoryError, _check, _ERRORS)

@@ -57,6 +57,18 @@ def _integer(value, name: str, low: int = 0, high: int = _U64_MAX) -> int:
     return value
 
 
+def _flag(value, name: str) -> bool:
+    """A yes/no argument: True or False (or a numpy.bool_). Anything else is
+    a TypeError naming the argument: truthiness would read the str "False",
+    "no" or "0", or the int -1, as True (and ctypes an int 2**64 as 0)."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise TypeError(f"ccalloc: {name} must be a bool (True or False), got {kind.__name__} {_shown(value)}")
+
+
 def _size(value, name: str = "size_bytes") -> int:
     """A byte count for a size_t parameter."""
     return _integer(value, name)
@@ -255,7 +267,17 @@ def _forget_if_done(number: int, config: _ContextConfig) -> None:
 
 
 def _context_frame(name, filename, line) -> tuple:
-    line = operator.index(line)
+    # Each field of its type: str() would turn b"n" into the name "b'n'"
+    # and None into the file "None".
+    for field, value in (("name", name), ("filename", filename)):
+        if not isinstance(value, str):
+            raise TypeError(f"a frame's {field} must be a str, got {type(value).__name__} {_shown(value)}")
+    try:
+        if isinstance(line, bool):
+            raise TypeError
+        line = operator.index(line)
+    except TypeError:
+        raise TypeError(f"a frame's line must be an int, got {type(line).__name__} {_shown(line)}") from None
     if not 0 <= line < 1 << 63:
         raise ValueError(f"a frame's line must be from 0 to {(1 << 63) - 1}, got {line}")
     # A name not valid UTF-8 (a path of undecodable bytes reaches Python
@@ -269,11 +291,10 @@ def _frame_text(value) -> bytes:
     (surrogates U+DC80-U+DCFF) goes back to those bytes; other lone
     surrogates become "?". The library replaces what is not UTF-8 with
     U+FFFD."""
-    text = str(value)
     try:
-        return text.encode(errors="surrogateescape")
+        return value.encode(errors="surrogateescape")
     except UnicodeEncodeError:
-        return text.encode(errors="replace")
+        return value.encode(errors="replace")
 
 
 def _record_context(number):
@@ -776,7 +797,8 @@ class Allocator:
         the contents (nothing paused)."""
         names = _tag_names(tags)
         out = _lib.ccalloc_sleep_result_t()
-        _check(_lib.lib().ccalloc_pause(self._h, _device_or_all(device), names, len(names), 1 if keep_contents else 0,
+        _check(_lib.lib().ccalloc_pause(self._h, _device_or_all(device), names, len(names),
+                                        1 if _flag(keep_contents, "keep_contents") else 0,
                                         ctypes.byref(out)))
         return _sleep_dict(out)
 
@@ -826,7 +848,7 @@ class Allocator:
 
     def enable(self, enabled: bool = True) -> None:
         """Caching on or off (off: every allocation goes to the device and back)."""
-        _check(_lib.lib().ccalloc_enable(self._h, 1 if enabled else 0))
+        _check(_lib.lib().ccalloc_enable(self._h, 1 if _flag(enabled, "enabled") else 0))
 
     @property
     def is_enabled(self) -> bool:
@@ -898,6 +920,8 @@ class Allocator:
         of a configuration are kept until a later record_history replaced
         it and the library released every context recorded with it."""
         h = self._h  # refuses a closed Allocator first
+        enabled = _flag(enabled, "enabled")
+        clear = _flag(clear, "clear")
         whens = {"never": 0, "state": 1, "alloc": 2, "all": 3}
         if not isinstance(when, str) or when not in whens:
             raise InvalidArgumentError(f"ccalloc: record_history: when must be one of {', '.join(whens)}, "
@@ -938,7 +962,7 @@ class Allocator:
         """The snapshot as JSON with the layout of torch.cuda.memory._snapshot()."""
         length = ctypes.c_size_t()
         lib = _lib.lib()
-        flag = 1 if include_traces else 0
+        flag = 1 if _flag(include_traces, "include_traces") else 0
         _check(lib.ccalloc_snapshot_json(self._h, flag, None, 0, ctypes.byref(length)))
         while True:
             # The size query records nothing, so length + 1 fits unless other
@@ -1105,7 +1129,7 @@ class Allocator:
         of memory), so end it promptly. InvalidArgumentError for an unknown
         or released pool."""
         _check(_lib.lib().ccalloc_begin_allocate_to_pool(self._h, _device_index(device), _pool_id(id),
-                                                         _stream(stream), 1 if all_streams else 0))
+                                                         _stream(stream), 1 if _flag(all_streams, "all_streams") else 0))
 
     def end_allocate_to_pool(self, id, device: int = 0) -> None:
         """Ends the most recent begin_allocate_to_pool of pool ``id``

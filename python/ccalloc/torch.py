@@ -116,7 +116,7 @@ def _snapshot(arg=None) -> dict:
     or (first, second, include_traces) with pool id (0, 0) for every pool."""
     include_traces, pool = True, (0, 0)
     if arg is not None:
-        pool, include_traces = (int(arg[0]), int(arg[1])), bool(arg[2]) if len(arg) > 2 else True
+        pool, include_traces = (int(arg[0]), int(arg[1])), _ccalloc._flag(arg[2], "include_traces") if len(arg) > 2 else True
     out = _ccalloc.process_allocator().snapshot(include_traces=include_traces)
     if pool != (0, 0):
         out["segments"] = [s for s in out["segments"] if tuple(s.get("segment_pool_id", (0, 0))) == pool]
@@ -273,8 +273,7 @@ def region(tag: str = "default_region", keep_contents: bool = False) -> Iterator
     addresses, with their contents when ``keep_contents`` (copied to pinned
     host memory in between; otherwise the bytes after resume are undefined).
     CUDA graphs captured over them replay after resume."""
-    if not isinstance(keep_contents, bool):
-        raise _ccalloc.InvalidArgumentError(f"region: keep_contents must be a bool, not {_ccalloc._shown(keep_contents)}")
+    keep_contents = _ccalloc._flag(keep_contents, "keep_contents")
     with _ccalloc.tag(tag):
         _regions[tag] = keep_contents
         yield tag
@@ -294,7 +293,7 @@ def pause(tag: Optional[str] = None, keep_contents: Optional[bool] = None) -> di
     the summed figures (bytes, host_time_us)."""
     total: dict = {}
     for t in _tags_of(tag):
-        keep = _regions.get(t, False) if keep_contents is None else bool(keep_contents)
+        keep = _regions.get(t, False) if keep_contents is None else _ccalloc._flag(keep_contents, "keep_contents")
         for k, v in _ccalloc.pause(t, keep).items():
             total[k] = total.get(k, 0) + v
     return total

@@ -291,6 +291,112 @@ def test_a_library_that_is_not_ccalloc_is_named_not_an_attribute_error():
     assert "AttributeError" not in out.stderr, out.stderr
 
 
+# ---- yes/no arguments: only a bool ----------------------------------------------------------
+
+def test_enable_false_as_text_is_refused_not_read_as_true():
+    with ccalloc.Allocator("sim", config="") as a:
+        a.enable(False)
+        for bad in ("False", "no", "0", -1, U64, 0, 1, None, 0.0):
+            with pytest.raises(TypeError, match=f"ccalloc: enabled must be a bool \\(True or False\\), "
+                                                f"got {type(bad).__name__} "):
+                a.enable(bad)
+        assert a.is_enabled is False
+        a.enable(True)
+        assert a.is_enabled is True
+        with pytest.raises(TypeError, match="ccalloc: enabled must be a bool"):
+            a.record_history("False", 10)
+        a.free(a.malloc(4096))
+        assert a.snapshot()["device_traces"] == [[]], "nothing recorded"
+        with pytest.raises(TypeError, match="ccalloc: keep_contents must be a bool"):
+            a.pause("t", keep_contents="no")
+
+
+class NumpyBool:
+    """Stands in for numpy.bool_ (numpy is not needed by the tests): accepted as a bool."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __bool__(self):
+        return self.value
+
+
+NumpyBool.__module__ = "numpy"
+NumpyBool.__name__ = "bool_"
+
+# Every yes/no parameter of the public API: (label, call with the value).
+BOOL_ARGS = {
+    "enable.enabled": lambda a, v: a.enable(v),
+    "record_history.enabled": lambda a, v: a.record_history(v, 10),
+    "record_history.clear": lambda a, v: a.record_history(True, 10, clear=v),
+    "snapshot_json.include_traces": lambda a, v: a.snapshot_json(v),
+    "snapshot.include_traces": lambda a, v: a.snapshot(include_traces=v),
+    "pause.keep_contents": lambda a, v: a.pause("t", keep_contents=v),
+    "begin_allocate_to_pool.all_streams": lambda a, v: a.begin_allocate_to_pool((1, 1), all_streams=v),
+    "ccalloc.record_history.enabled": lambda a, v: ccalloc.record_history(v, 10),
+    "ccalloc.memory_snapshot.include_traces": lambda a, v: ccalloc.memory_snapshot(v),
+    "ccalloc.pause.keep_contents": lambda a, v: ccalloc.pause("t", keep_contents=v),
+}
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_non_bools_are_refused_naming_the_argument(seed):
+    rng = random.Random(seed)
+    bad_values = ["False", "True", "no", "0", "", 0, 1, -1, 2, U64, U64 + 1, 0.0, 1.0, None, b"", [], [False],
+                  Index(1), Index(0), NumpyBool]
+    process_wide = ccalloc.process_allocator()
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        before, enabled = a.memory_stats(0), a.is_enabled
+        wide_snapshot = process_wide.snapshot_json()
+        for _ in range(200):
+            label = rng.choice(sorted(BOOL_ARGS))
+            value = rng.choice(bad_values)
+            name = label.split(".")[-1]
+            with pytest.raises(TypeError) as info:
+                BOOL_ARGS[label](a, value)
+            assert f"ccalloc: {name} must be a bool (True or False), got {type(value).__name__}" in str(info.value), \
+                (seed, label, value, str(info.value))
+        assert a.memory_stats(0) == before
+        assert a.is_enabled == enabled
+        assert a.snapshot()["device_traces"] == [[]]
+        assert process_wide.snapshot_json() == wide_snapshot
+
+
+def test_bools_and_numpy_bools_work():
+    with ccalloc.Allocator("sim", capacity_bytes=64 * MiB, config="") as a:
+        for value, expected in ((NumpyBool(False), False), (True, True), (False, False), (NumpyBool(True), True)):
+            a.enable(value)
+            assert a.is_enabled is expected
+        a.record_history(NumpyBool(True), 10, clear=NumpyBool(False))
+        a.free(a.malloc(4096))
+        actions = [t["action"] for t in a.snapshot(include_traces=NumpyBool(True))["device_traces"][0]]
+        assert "alloc" in actions and "free_completed" in actions, actions
+        assert a.snapshot(include_traces=NumpyBool(False)) == a.snapshot(include_traces=False)
+        a.record_history(False)
+
+
+def test_context_frames_of_the_wrong_types_are_refused_not_stringified(capfd):
+    """A recorder's frames with bytes or None where text belongs became
+    {'name': "b'n'", 'filename': 'None'}: the call now has no context and the
+    reason is printed."""
+    with ccalloc.Allocator("sim", config="") as a:
+        for frames, message in (([(b"n", "f.py", 1)], "a frame's name must be a str, got bytes b'n'"),
+                                ([("n", None, 1)], "a frame's filename must be a str, got NoneType None"),
+                                ([("n", "f.py", "1")], "a frame's line must be an int, got str '1'"),
+                                ([("n", "f.py", True)], "a frame's line must be an int, got bool True")):
+            a.record_history(True, 100, context=lambda frames=frames: frames, clear=True)
+            a.free(a.malloc(4096))
+            err = capfd.readouterr().err
+            assert "ccalloc: a context recorder raised (ignored; this call has no context)" in err, err
+            assert message in err, err
+            traces = a.snapshot()["device_traces"][0]
+            assert traces and all(not t.get("frames") for t in traces), traces
+        a.record_history(True, 100, context=lambda: [("n", "f.py", Index(3))], clear=True)
+        a.free(a.malloc(4096))
+        frames = a.snapshot()["device_traces"][0][0]["frames"]
+        assert frames == [{"name": "n", "filename": "f.py", "line": 3}]
+
+
 # ---- property test: random arguments --------------------------------------------------------
 
 def bad_integers(rng, low, high):

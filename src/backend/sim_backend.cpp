@@ -86,10 +86,13 @@ void* sim_backend::segment_malloc(int device, std::size_t size_bytes) {
     // address space for it (e.g. more than the process's virtual address
     // space). Not an out-of-memory of the device: say what failed.
     const int err = errno;
-    throw backend_error("sim: segment_malloc(device " + std::to_string(device) + ", " + std::to_string(size_bytes) +
-                        " bytes): the host could not reserve the simulated memory: " + errno_text("mmap", err) +
-                        " (the simulated device has " + std::to_string(d.capacity_bytes - d.used_bytes) +
-                        " bytes free; the host's address space or memory limits, not the device, refused it)");
+    const std::string what =
+        "sim: segment_malloc(device " + std::to_string(device) + ", " + std::to_string(size_bytes) +
+        " bytes): the host could not reserve the simulated memory: " + errno_text("mmap", err) +
+        " (the simulated device has " + std::to_string(d.capacity_bytes - d.used_bytes) +
+        " bytes free; the host's address space or memory limits, not the device, refused it)";
+    if (err == ENOMEM) throw host_memory_error(what);
+    throw backend_error(what);
   }
   try {
     d.segments.emplace(p, charged);

@@ -7,6 +7,25 @@ namespace ccalloc {
 
 // --- virtual memory ---------------------------------------------------------------
 
+namespace {
+
+// What a failed growth of the device's memory file to `grown` bytes adds
+// when the process's file-size limit refused it (EFBIG under ulimit -f):
+// the limit and the way out. Empty otherwise.
+std::string file_size_limit_text(int err, std::size_t grown, std::size_t capacity_bytes) {
+  rlimit limit{};
+  if (err != EFBIG || ::getrlimit(RLIMIT_FSIZE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY ||
+      grown <= limit.rlim_cur)
+    return "";
+  return " (the simulated device keeps its memory in a file, and the process's file-size limit RLIMIT_FSIZE "
+         "(ulimit -f) of " + std::to_string(limit.rlim_cur) + " bytes is below the " + std::to_string(grown) +
+         " bytes it needs now, of the device's " + std::to_string(capacity_bytes) +
+         " bytes: raise the limit (ulimit -f unlimited) or give the device less memory (ccalloc replay "
+         "--device-memory, the sim backend's capacity))";
+}
+
+}  // namespace
+
 std::size_t sim_backend::vm_granularity(int device) const {
   std::lock_guard lock(impl_->mutex);
   impl_->dev(device);
@@ -109,8 +128,11 @@ bool sim_backend::vm_create(int device, std::size_t size_bytes, physical_handle_
     const std::size_t grown = d.file_bytes + size_bytes;
     if (grown < d.file_bytes || grown > static_cast<std::size_t>(std::numeric_limits<off_t>::max()))
       throw backend_error(call + "): the device's memory file would pass the largest file size");
-    if (::ftruncate(d.memfd, static_cast<off_t>(grown)) != 0)
-      throw backend_error(call + "): " + errno_text("ftruncate of the device's memory file", errno));
+    if (::ftruncate(d.memfd, static_cast<off_t>(grown)) != 0) {
+      const int err = errno;
+      throw backend_error(call + "): " + errno_text("ftruncate of the device's memory file", err) +
+                          file_size_limit_text(err, grown, d.capacity_bytes));
+    }
     d.file_bytes = grown;
   }
   const physical_handle_t id = impl_->next_handle++;
@@ -207,8 +229,10 @@ void sim_backend::vm_map(int device, void* addr, std::size_t size_bytes, physica
     impl_->mappings.erase(noted);
     // A failed MAP_FIXED mmap may have removed the placeholder: put it back.
     const bool restored = map_placeholder(a, size_bytes);
-    throw backend_error(call + "): " + errno_text("mmap", err, /*maps=*/true, size_bytes) +
-                        (restored ? "" : "; the range could not be reserved again"));
+    const std::string what = call + "): " + errno_text("mmap", err, /*maps=*/true, size_bytes) +
+                             (restored ? "" : "; the range could not be reserved again");
+    if (err == ENOMEM) throw host_memory_error(what);
+    throw backend_error(what);
   }
   ++h->second.map_count;
   ++impl_->counters.vm_maps;

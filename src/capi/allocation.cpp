@@ -63,11 +63,11 @@ const std::vector<std::string>& stat_names() {
 
 /// The text appended to an out-of-memory message after a segment allocator failed.
 std::string segment_failure_note(const segment_failure& f) {
-  return "; the segment allocator of private pool " + ccalloc::to_string(f.pool) + " of device " +
+  return " The segment allocator of private pool " + ccalloc::to_string(f.pool) + " of device " +
          std::to_string(f.device) +
          (f.code != 0 ? " returned " + std::to_string(f.code)
                       : std::string(" returned 0 with a NULL pointer")) +
-         " (any failure of a segment allocator counts as out of memory)";
+         " (any failure of a segment allocator counts as out of memory).";
 }
 
 /// allocate_noting_segment_failures once a pool has a segment allocator.

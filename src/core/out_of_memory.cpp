@@ -67,7 +67,13 @@ std::string oom_situation(device_state& d, const alloc_params& p, const oom_fact
                     (f.too_large ? "requests of " + format_bytes(max_request_bytes) + " or more are refused at once"
                      : f.pages   ? "needed to map " + format_bytes(f.needed) + " of pages"
                                  : "needed a new segment of " + format_bytes(f.needed)) +
-                    "). Device " + std::to_string(d.device()) + " has a total capacity of " +
+                    ")." +
+                    // Said first: the device was not asked, its figures below are context only.
+                    (f.custom_segments && !f.too_large
+                         ? " The request's private pool gets its segments from its own segment allocator, and that "
+                           "allocator refused the segment (the device was not asked)."
+                         : "") +
+                    " Device " + std::to_string(d.device()) + " has a total capacity of " +
                     format_bytes(f.info.total_bytes) + " of which " + format_bytes(f.info.free_bytes) + " is free.";
   if (d.memory().capped())
     msg += " The per-process memory fraction " + format_double(d.memory().fraction()) + " allows " +
@@ -76,7 +82,7 @@ std::string oom_situation(device_state& d, const alloc_params& p, const oom_fact
   // meanwhile, its free memory is fragmented, an injected fault): say so
   // rather than leave "X is free" unexplained.
   const bool under_fraction = !d.memory().capped() || d.memory().reserved() + f.needed <= d.memory().allowed();
-  if (f.info.free_bytes >= f.needed && under_fraction)
+  if (f.info.free_bytes >= f.needed && under_fraction && !f.custom_segments)
     msg += std::string(" The device refused the ") + (f.pages ? "pages" : "segment") +
            " although it reports that much free (its free memory may be fragmented or taken meanwhile by "
            "another process).";
@@ -102,6 +108,8 @@ std::string oom_advice(device_state& d, const oom_facts& f) {
       settings.emplace_back("max_split_size_mb:<MiB> so that large cached blocks are not split for small requests");
   }
   const std::string or_fraction = d.memory().capped() ? ", or raise the memory fraction." : ".";
+  if (f.custom_segments && !f.too_large && !f.fragmented)
+    return " Give the pool's segment allocator more memory, or allocate this request outside the pool.";
   if (f.needed > f.limit)
     return " The request alone is larger than the " +
            std::string(d.memory().capped() ? "memory the fraction allows" : "device's memory") + ".";

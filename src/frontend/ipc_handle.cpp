@@ -18,6 +18,20 @@ constexpr std::size_t lease_entry_bytes = 8;  // version 2, expandable
 // A bound on the page count that keeps sizes far from overflow (2^32 pages
 // of 2 MiB are 8 PiB).
 constexpr std::uint64_t max_pages = std::uint64_t{1} << 32;
+// Where version 3 keeps the checksum of the handle (bytes 20..23, reserved
+// and 0 in versions 1 and 2).
+constexpr std::size_t checksum_at = 20;
+constexpr std::uint16_t first_checksummed_version = 3;
+// Blocks start at multiples of 512 bytes from their segment's base (sizes
+// round up to 512 bytes, SPEC B1).
+constexpr std::uint64_t block_alignment = 512;
+
+std::string hex32(std::uint32_t v) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string out = "0x";
+  for (int shift = 28; shift >= 0; shift -= 4) out.push_back(digits[(v >> shift) & 0xfU]);
+  return out;
+}
 
 [[noreturn]] void fail(const std::string& what) { throw invalid_argument_error("ipc handle: " + what); }
 
@@ -75,6 +89,9 @@ void validate(const ipc_handle& h) {
   if (h.offset_bytes > h.segment_bytes || h.size_bytes > h.segment_bytes - h.offset_bytes)
     fail("block [offset " + std::to_string(h.offset_bytes) + ", +" + std::to_string(h.size_bytes) +
          " bytes) passes the end of its segment (" + std::to_string(h.segment_bytes) + " bytes)");
+  if (h.offset_bytes % block_alignment != 0)
+    fail("block offset " + std::to_string(h.offset_bytes) +
+         " is not a multiple of 512 (blocks start 512-byte aligned in their segment)");
   if (h.kind == ipc_kind::plain) {
     if (!h.pages.empty() || h.page_bytes != 0 || h.first_page != 0 || h.lease_fd_index != 0)
       fail("a plain handle has pages");
@@ -112,6 +129,20 @@ void validate(const ipc_handle& h) {
 }
 
 }  // namespace
+
+// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320) of `bytes` with the
+// checksum field read as 0. It detects every error burst of up to 32 bits,
+// so every corrupted byte; handles are ~128 bytes, so the bitwise form costs
+// nothing next to the system calls of an open.
+std::uint32_t ipc_handle_checksum(std::string_view bytes) {
+  std::uint32_t crc = 0xffffffffU;
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    const bool in_field = i >= checksum_at && i < checksum_at + 4;
+    crc ^= in_field ? 0U : static_cast<unsigned char>(bytes[i]);
+    for (int bit = 0; bit < 8; ++bit) crc = (crc >> 1) ^ (0xedb88320U & (0U - (crc & 1U)));
+  }
+  return ~crc;
+}
 
 std::size_t ipc_handle::fd_count() const noexcept {
   std::size_t n = 0;
@@ -153,7 +184,12 @@ std::string encode_ipc_handle(const ipc_handle& h) {
       w.put<std::uint32_t>(0);
     }
   }
-  return w.take();
+  std::string out = w.take();
+  if (h.version >= first_checksummed_version) {
+    const std::uint32_t sum = ipc_handle_checksum(out);
+    for (std::size_t i = 0; i < 4; ++i) out[checksum_at + i] = static_cast<char>((sum >> (8 * i)) & 0xffU);
+  }
+  return out;
 }
 
 ipc_handle parse_ipc_handle(std::string_view bytes) {
@@ -179,7 +215,16 @@ ipc_handle parse_ipc_handle(std::string_view bytes) {
   if (r.get<std::uint8_t>() != 0) fail("reserved byte 11 is not 0");
   h.device = static_cast<std::int32_t>(r.get<std::uint32_t>());
   h.producer_pid = r.get<std::uint32_t>();
-  if (r.get<std::uint32_t>() != 0) fail("reserved bytes 20..23 are not 0");
+  const auto stored_sum = r.get<std::uint32_t>();
+  if (h.version < first_checksummed_version && stored_sum != 0) fail("reserved bytes 20..23 are not 0");
+  if (h.version >= first_checksummed_version) {
+    // Checked before any field is believed: a corrupted byte anywhere (the
+    // block's offset, the segment size, a reserved byte) is refused here.
+    const std::uint32_t sum = ipc_handle_checksum(bytes);
+    if (sum != stored_sum)
+      fail("checksum " + hex32(stored_sum) + " does not match the handle's bytes (" + hex32(sum) +
+           "): the handle was changed after export (send the bytes unchanged, NUL bytes included)");
+  }
   h.segment_id = r.get<std::uint64_t>();
   h.segment_bytes = r.get<std::uint64_t>();
   h.offset_bytes = r.get<std::uint64_t>();

@@ -1080,6 +1080,13 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
     return c;
   }();
   // Zeros would read as a measurement: say there was nothing to replay.
+  // The reader's notes say why when it had input (0-byte rows skipped, a
+  // snapshot device without entries).
+  if (t.events.empty() && !t.notes.empty()) {
+    std::string why;
+    for (const std::string& note : t.notes) why += (why.empty() ? "" : "; ") + note;
+    throw invalid_argument_error("ccalloc replay: " + t.source + " has no events: " + why + "; nothing to replay");
+  }
   if (t.events.empty())
     throw invalid_argument_error("ccalloc replay: " + t.source +
                                  " has no events (an empty file, only comments, or an RMM log with only its "

@@ -155,6 +155,12 @@ class converter {
       device_note_ = "the snapshot has entries on several devices; the trace holds one: " + device_text(device_) +
                      " converted, not " + others +
                      " (choose one with ccalloc's --snapshot-device N, or trace_read_options::snapshot_device)";
+    else if (devices == 0)
+      device_note_ = "the snapshot has no trace entries (device_traces is empty: was the memory history recorded "
+                     "before the snapshot was taken? torch.cuda.memory._record_memory_history)";
+    else if (counts[device_] == 0)
+      device_note_ = "device " + std::to_string(device_) + " of the snapshot has no trace entries" +
+                     (devices > 1 ? std::string(", nor has any other device") : std::string());
   }
 
   [[nodiscard]] std::string where(std::size_t i) const {

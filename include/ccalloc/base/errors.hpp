@@ -44,6 +44,17 @@ class backend_error : public error {
   using error::error;
 };
 
+/// The host, not the device, lacked memory a backend needed: the simulated
+/// device could not map the memory it has free (an mmap refused with ENOMEM,
+/// e.g. under an address-space limit, ulimit -v). Not an out-of-memory of
+/// the device: the device's free figures would say the memory is there.
+/// The ccalloc CLI reports it as "out of host memory while <step> (...)",
+/// as it reports std::bad_alloc.
+class host_memory_error : public backend_error {
+ public:
+  using backend_error::backend_error;
+};
+
 /// The device could not provide memory even after the allocator freed its
 /// cache (SPEC B6). Carries the figures the message states.
 class out_of_memory_error : public error {

@@ -16,20 +16,21 @@
 //    the caller sends them beside the handle (a Unix socket with SCM_RIGHTS,
 //    or pidfd_getfd).
 //
-// Encoding, versions 1 and 2 (all integers little-endian, no padding; 64 + 64
+// Encoding, versions 1 to 3 (all integers little-endian, no padding; 64 + 64
 // bytes for plain, 64 + 24 + 12 per page (+ 8 in version 2) for expandable):
 //
 //   offset size  field
 //   0      8     magic "ccIPChdl"
-//   8      2     format version (1)
+//   8      2     format version (1, 2 or 3; this ccalloc writes 3)
 //   10     1     kind: 1 plain, 2 expandable
 //   11     1     reserved, 0
 //   12     4     device (int32, >= 0)
 //   16     4     producer process id (uint32, 1..2^22; the cache key, pidfd_getfd)
-//   20     4     reserved, 0
+//   20     4     version 3: CRC-32 (IEEE, as zlib's crc32) of the whole handle with
+//                these 4 bytes read as 0; versions 1 and 2: reserved, 0
 //   24     8     segment id: the producer's segment base address
 //   32     8     segment size in bytes (plain: the allocation; expandable: the reservation)
-//   40     8     offset of the block's pointer from the segment base, bytes
+//   40     8     offset of the block's pointer from the segment base, bytes (a multiple of 512)
 //   48     8     size of the block in bytes (> 0; offset + size <= segment size)
 //   56     8     payload size in bytes (what follows)
 //   64     ...   payload
@@ -47,11 +48,14 @@
 //                 memory"); a version 1 expandable handle has none.
 //
 // What the parser checks, field by field (a handle that breaks a rule is
-// refused with a message naming the field): magic, version (1..2), kind
-// (1, 2), every reserved byte 0, device >= 0, producer pid in [1, 2^22]
+// refused with a message naming the field): magic, version (1..3), kind
+// (1, 2), every reserved byte 0, (version 3) the checksum, checked before the
+// fields are believed, so that a handle changed anywhere after export (one
+// corrupted byte, a truncated copy) is refused rather than opened at a wrong
+// offset; then device >= 0, producer pid in [1, 2^22]
 // (Linux's PID_MAX_LIMIT), segment id != 0 and segment id + segment size
-// inside a 57-bit address space, block size > 0 and offset + size <= segment
-// size, the payload size matching the kind and the bytes present; for
+// inside a 57-bit address space, block size > 0, offset a multiple of 512
+// and offset + size <= segment size, the payload size matching the kind and the bytes present; for
 // expandable handles also: page size a power of two, segment id and segment
 // size multiples of it, the first page and the page count exactly those
 // covering [offset, offset + size), page i's fd index = i, file offsets
@@ -59,7 +63,8 @@
 // count. open_ipc_handle checks the number of descriptors received against
 // fd_count() and the backend checks each descriptor (the simulated device:
 // a memory file the page's range lies inside).
-// Not checkable without the producer, so taken as given: which process the
+// Not checkable without the producer, so taken as given in a handle whose
+// checksum matches (one built by hand, or a version 1 or 2 handle): which process the
 // pid names (pidfd_open fails for one that does not exist), the segment id's
 // and the segment size's other bits (the segment id is the producer's
 // address, used here only as part of the cache key; the segment size is
@@ -91,7 +96,7 @@ enum class ipc_kind : std::uint8_t {
 };
 
 /// The format version this ccalloc writes and the newest it reads.
-inline constexpr std::uint16_t ipc_handle_version = 2;
+inline constexpr std::uint16_t ipc_handle_version = 3;
 /// Size in bytes of a cudaIpcMemHandle_t (CUDA_IPC_HANDLE_SIZE).
 inline constexpr std::size_t ipc_mem_handle_bytes = 64;
 
@@ -130,7 +135,14 @@ struct ipc_handle {
   friend bool operator==(const ipc_handle&, const ipc_handle&) = default;
 };
 
-/// Encodes `handle` in the layout of handle.version (1 or 2). Throws
+/// The version 3 checksum of the handle bytes `bytes`: CRC-32 (IEEE
+/// polynomial, as zlib's crc32) of all of them with bytes 20..23 (where the
+/// checksum is stored, little-endian) read as 0. encode_ipc_handle stores it;
+/// parse_ipc_handle recomputes and compares it. Pure; any thread.
+[[nodiscard]] std::uint32_t ipc_handle_checksum(std::string_view bytes);
+
+/// Encodes `handle` in the layout of handle.version (1, 2 or 3; 3 stores the
+/// checksum). Throws
 /// invalid_argument_error when the handle breaks a rule of the format (the
 /// same rules parse_ipc_handle checks), so that every encoded handle parses.
 [[nodiscard]] std::string encode_ipc_handle(const ipc_handle& handle);
@@ -139,7 +151,9 @@ struct ipc_handle {
 /// message starts with "ipc handle: " and names what is wrong: too short
 /// ("truncated: 12 bytes, the header needs 64"), bad magic, a version newer
 /// than this reader ("ipc handle version 9 is newer than this ccalloc (1);
-/// upgrade the reader"), version 0, unknown kind, nonzero reserved fields, a
+/// upgrade the reader"), version 0, a version 3 checksum that does not match
+/// ("checksum 0x... does not match the handle's bytes (0x...): the handle was
+/// changed after export ..."), a block offset not a multiple of 512, unknown kind, nonzero reserved fields, a
 /// negative device, a block outside its segment, a payload size that does
 /// not match the kind or the bytes present, a page size that is not a power
 /// of two, pages that do not cover the block, an fd index that is not the
