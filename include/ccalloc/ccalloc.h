@@ -487,7 +487,9 @@ CCALLOC_API ccalloc_status_t ccalloc_set_config(ccalloc_allocator_t* alloc, cons
 /** The configuration in force as a canonical string that ccalloc_set_config
  * accepts, snprintf-style: writes at most capacity - 1 characters and a NUL
  * to `buffer` (which may be NULL when capacity is 0) and sets *length to the
- * full length without the NUL; a call with capacity <= *length truncated. */
+ * full length without the NUL; a call with capacity <= *length truncated.
+ * expandable_segments is always named, with the value in force (when not
+ * set: True where the backend has virtual memory, else False). */
 CCALLOC_API ccalloc_status_t ccalloc_get_config(ccalloc_allocator_t* alloc, char* buffer, size_t capacity,
                                                 size_t* length);
 
