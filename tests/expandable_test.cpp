@@ -963,7 +963,7 @@ TEST_F(ExpandableTest, AddressSpaceExhaustionFallsBackToPlainSegments) {
   // a larger address space (57 bits) makes no plain segment here.
   const std::string warning =
       "ccalloc: warning: device 0: no address space left for another reservation of 52776558133248 bytes "
-      "(expandable segment); requests that need one get plain segments (cudaMalloc) from now on, whose pages "
+      "(expandable segment); requests that need one get plain segments (cudaMalloc) while none is left, whose pages "
       "are not recycled and which a tag's pause cannot release\n";
   EXPECT_EQ(err, plain > 0 ? warning : "");
   for (auto& [p, s] : live) alloc->free(p);

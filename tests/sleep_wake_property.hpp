@@ -3,8 +3,10 @@
 // from several threads at once on one simulated device. Each worker thread
 // owns a stream and a tag ("default" for one of them) and mallocs, frees,
 // declares device work on its blocks (sim_backend::use_memory), pauses its
-// tag (keeping contents or not) and resumes it, while the others do the
-// same on theirs (a third of the frees follow a record_stream on a second
+// tag (keeping contents or not) and resumes it, and, holding nothing,
+// moves on to another of three names of its own (a job per tag: a tag that
+// holds nothing is forgotten, and its name comes back as a fresh tag that
+// holds nothing), while the others do the same on theirs (a third of the frees follow a record_stream on a second
 // stream); one more thread calls empty_cache and the structural
 // check. Invariants, checked as it runs and at the end:
 //   - no page holds blocks of two tags (segments(): every page an allocated
@@ -72,7 +74,7 @@ inline bool holds_pattern(const live_block& b) {
 
 struct totals {
   std::atomic<std::size_t> mallocs{0}, frees{0}, pauses{0}, kept_pauses{0}, resumes{0}, refused{0}, ooms{0},
-      checked_blocks{0}, failed_resumes{0};
+      checked_blocks{0}, failed_resumes{0}, jobs{0};
 };
 
 class worker {
@@ -93,6 +95,7 @@ class worker {
     if (op < 45) return malloc_one();
     if (op < 80) return blocks_.empty() ? "" : free_one();
     if (op < 90) return use_one();
+    if (op < 93 && blocks_.empty() && tag_ != "default") return next_job();
     if (tag_ != "default") return pause(op < 95);
     return "";
   }
@@ -129,6 +132,19 @@ class worker {
     write_pattern(b);
     blocks_.push_back(b);
     ++t_.mallocs;
+    return "";
+  }
+  // A job done: the thread's next blocks carry another name (one of three,
+  // so that a name comes back after its tag, holding nothing, may have been
+  // forgotten), which holds nothing of an earlier job.
+  std::string next_job() {
+    ++job_;
+    tag_ = base_tag_ + "_j" + std::to_string(job_ % 3);
+    ++t_.jobs;
+    for (const tag_usage& u : a_.tag_stats(0))
+      if (u.tag == tag_ && (u.allocated_bytes != 0 || u.paused))
+        return tag_ + ": a name used again holds " + std::to_string(u.allocated_bytes) +
+               " allocated bytes, paused=" + std::to_string(u.paused);
     return "";
   }
   std::string malloc_refused() {
@@ -200,6 +216,8 @@ class worker {
   caching_allocator& a_;
   sim_backend& sim_;
   std::string tag_;
+  std::string base_tag_ = tag_;
+  unsigned job_ = 0;
   std::mt19937 rng_;
   totals& t_;
   stream_t stream_;
@@ -271,13 +289,14 @@ inline void check_tagged_pauses_and_resumes_from_several_threads() {
   EXPECT_EQ(sim->counters().unsafe_unmaps, 0u) << "a page was unmapped under queued work";
   EXPECT_EQ(sim->counters().host_bytes, 0u) << "kept contents were not given back";
   std::printf("[ property ] sleep_wake: %zu mallocs, %zu frees, %zu pauses (%zu kept), %zu resumes (%zu failed "
-              "for room), %zu refused mallocs, %zu OOMs, %zu blocks checked after resume\n",
+              "for room), %zu refused mallocs, %zu OOMs, %zu blocks checked after resume, %zu jobs done\n",
               t.mallocs.load(), t.frees.load(), t.pauses.load(), t.kept_pauses.load(), t.resumes.load(),
-              t.failed_resumes.load(), t.refused.load(), t.ooms.load(), t.checked_blocks.load());
+              t.failed_resumes.load(), t.refused.load(), t.ooms.load(), t.checked_blocks.load(), t.jobs.load());
   EXPECT_GT(t.kept_pauses.load(), 0u);
   EXPECT_GT(t.pauses.load(), t.kept_pauses.load());
   EXPECT_GT(t.refused.load(), 0u);
   EXPECT_GT(t.checked_blocks.load(), 0u);
+  EXPECT_GT(t.jobs.load(), 0u);
 }
 
 }  // namespace ccalloc_test::sleep_wake_property

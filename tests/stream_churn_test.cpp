@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "cpu_time.hpp"
+#include "heap_in_use.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -24,35 +25,13 @@
 
 #include <unistd.h>
 
-#if defined(__SANITIZE_ADDRESS__)
-#define CCALLOC_TEST_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define CCALLOC_TEST_ASAN 1
-#endif
-#endif
-
-#ifdef CCALLOC_TEST_ASAN
-// The sanitizer runtime's count of live heap bytes (declared here: GCC does
-// not ship <sanitizer/allocator_interface.h>; its libasan has the function).
-extern "C" std::size_t __sanitizer_get_current_allocated_bytes();
-#else
-#include <malloc.h>
-#endif
-
 namespace {
 
+using ccalloc::testing::heap_bytes_in_use;
 #ifdef CCALLOC_TEST_ASAN
 constexpr int churn_cycles = 20'000;
-std::size_t heap_bytes_in_use() { return __sanitizer_get_current_allocated_bytes(); }
 #else
 constexpr int churn_cycles = 100'000;
-// The heap's bytes in use (the main arena's, and blocks mmapped on their
-// own): a single-threaded loop allocates only there.
-std::size_t heap_bytes_in_use() {
-  const struct mallinfo2 m = mallinfo2();
-  return m.uordblks + m.hblkhd;
-}
 #endif
 
 constexpr int batch = 1'000;

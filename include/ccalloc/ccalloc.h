@@ -757,7 +757,12 @@ CCALLOC_API ccalloc_status_t ccalloc_pause(ccalloc_allocator_t* alloc, int devic
 CCALLOC_API ccalloc_status_t ccalloc_resume(ccalloc_allocator_t* alloc, int device, const char* const* tags,
                                             size_t tag_count, ccalloc_sleep_result_t* out);
 /** *out = what `tag` holds on `device` now (all zero for a tag that never
- * allocated there). Errors: INVALID_ARGUMENT for a bad device or name. */
+ * allocated there or holds nothing). A tag that holds nothing costs the
+ * device nothing: its pool and address-space reservation are given back
+ * once its last cached page goes (page recycling, ccalloc_empty_cache), so a
+ * tag per request or job keeps the process flat; the name stays usable
+ * (about 100 bytes each for the life of the process) and makes a fresh tag.
+ * Errors: INVALID_ARGUMENT for a bad device or name. */
 CCALLOC_API ccalloc_status_t ccalloc_tag_usage(ccalloc_allocator_t* alloc, int device, const char* tag,
                                                ccalloc_tag_usage_t* out);
 

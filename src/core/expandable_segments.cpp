@@ -304,7 +304,7 @@ void expandable_segments::discard_reservation(segment& seg) noexcept {
   } catch (...) {  // noexcept cleanup: the reservation leaves the books whatever the device says
   }
   count_down(d_.stats().values().segment, g, 1);
-  if (pool->priv != nullptr) pool->priv->detach(seg);
+  d_.tags().detach_segment(pool->priv, seg);
   --pool->owner->segments;
   for (block* b = seg.head; b != nullptr;) {
     block* next = b->next;
@@ -417,22 +417,16 @@ void expandable_segments::place_expandable(alloc_params& p, expandable_request& 
 }
 
 // The chosen reservation made the request's own: an idle one adopted, or a
-// new one reserved (false: no address space left). Sets where the request
-// ends and which stream's unfenced pages it may take.
+// new one reserved (false: no address space left; the ladder retries once
+// every cached segment went back, with the reservations of tags that hold
+// nothing, and warns when it falls back to a plain segment). Sets where the
+// request ends and which stream's unfenced pages it may take.
 bool expandable_segments::reserve_placement(const alloc_params& p, expandable_request& r) {
   if (r.foreign) adopt_reservation(*r.seg, p);
   if (r.seg == nullptr) {
     r.seg = new_expandable_segment(p);
     if (r.seg == nullptr) {
       no_address_space_ = true;
-      if (!warned_no_address_space_) {
-        warned_no_address_space_ = true;
-        std::fprintf(stderr,
-                     "ccalloc: warning: device %d: no address space left for another reservation of %zu bytes "
-                     "(expandable segment); requests that need one get plain segments (cudaMalloc) from now on, "
-                     "whose pages are not recycled and which a tag's pause cannot release\n",
-                     d_.device(), std::max(d_.memory().total(), p.size));
-      }
       return false;
     }
     r.first = r.seg->head;
@@ -713,7 +707,7 @@ void expandable_segments::adopt_reservation(segment& seg, const alloc_params& p)
 }
 
 // Releases the reservations of expandable segments that have no mapped page.
-void expandable_segments::release_empty_expandable_segments() {
+void expandable_segments::release_empty_expandable_segments(bool tags_only) {
   if (maybe_empty_.empty()) return;
   // In address order, as a walk of every reservation releases them.
   std::sort(maybe_empty_.begin(), maybe_empty_.end(),
@@ -736,7 +730,8 @@ void expandable_segments::release_empty_expandable_segments() {
       seg.maybe_empty = false;
       continue;
     }
-    if (seg.head->next != nullptr || !seg.pages.retired().empty()) {  // may be releasable later
+    const bool skipped = tags_only && (seg.head->pool->priv == nullptr || !seg.head->pool->priv->is_tag_pool());
+    if (skipped || seg.head->next != nullptr || !seg.pages.retired().empty()) {  // may be releasable later
       maybe_empty_[kept++] = s;
       continue;
     }
@@ -750,7 +745,7 @@ void expandable_segments::release_empty_expandable_segments() {
 void expandable_segments::release_reservation(segment& seg) {
   d_.backend().vm_release(d_.device(), reinterpret_cast<void*>(seg.base), seg.size);
   count_down(d_.stats().values().segment, group_of(seg.head->pool), 1);
-  if (seg.head->pool->priv != nullptr) seg.head->pool->priv->detach(seg);
+  d_.tags().detach_segment(seg.head->pool->priv, seg);
   --seg.head->pool->owner->segments;
   seg.head->pool->owner->delete_block(seg.head);
   const std::uintptr_t base = seg.base;
@@ -786,6 +781,16 @@ void expandable_segments::release_stream_reservations(const stream_state& ss) {
     }
     release_reservation(*seg);
   }
+}
+
+void expandable_segments::warn_plain_fallback(std::size_t size) noexcept {
+  if (warned_no_address_space_) return;
+  warned_no_address_space_ = true;
+  std::fprintf(stderr,
+               "ccalloc: warning: device %d: no address space left for another reservation of %zu bytes "
+               "(expandable segment); requests that need one get plain segments (cudaMalloc) while none is "
+               "left, whose pages are not recycled and which a tag's pause cannot release\n",
+               d_.device(), std::max(d_.memory().total(), size));
 }
 
 void expandable_segments::note_maybe_empty(segment& seg) noexcept {

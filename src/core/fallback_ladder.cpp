@@ -149,6 +149,9 @@ void rung_garbage_collection(climb& c) {
 block* rung_expandable(climb& c) {
   device_state& d = c.d;
   d.expandable().clear_no_address_space();
+  // Tags' reservations left without a page (their cached pages recycled)
+  // give their address space back before another is made.
+  if (c.p.pool->priv != nullptr && c.p.pool->priv->is_tag_pool()) d.expandable().release_empty_expandable_segments(true);
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt == 1 && d.get_free_block(c.p)) return d.take_from_rung(c.p);
     if (d.expandable().alloc_expandable(c.p, false, c.w) ||
@@ -232,6 +235,7 @@ block* device_state::climb_ladder(alloc_params& p, world_lock& w) {
       // Out of address space (a new reservation was refused, e.g. with very
       // many streams): this request gets a plain segment instead.
       if (!expandable_.no_address_space()) return rung_out_of_memory(c);
+      expandable_.warn_plain_fallback(p.size);
     }
     if (block* b = rung_trim_on_new_peak(c)) return b;
   }
@@ -368,7 +372,16 @@ block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requ
 
 block* allocate_tagged(device_state& d, std::size_t requested_bytes, stream_state& ss, tag_id tag) {
   world_lock w(d);
-  return d.allocate_in_private_pool(d.tags().tag_pool(tag), requested_bytes, ss, w);
+  private_pool& pp = d.tags().tag_pool(tag);
+  try {
+    return d.allocate_in_private_pool(pp, requested_bytes, ss, w);
+  } catch (...) {
+    // Refused (a paused tag, out of memory) before the tag held anything:
+    // its fresh pool is forgotten again. Without the world lock (the
+    // out-of-memory observers ran unlocked) the next empty_cache does it.
+    if (w.locked()) d.tags().note_if_empty(pp);
+    throw;
+  }
 }
 
 }  // namespace ccalloc::detail

@@ -388,6 +388,14 @@ std::size_t check_stream_books(detail::device_state& s, const world_lock& w) {
         return it == s.registry().all().end() || it->second.get() != ss;
       }))
     fail("the registry's streams by handle differ from its map of streams");
+  std::size_t tag_pools = 0;
+  for (const auto& [id, pp] : s.pools().all()) {
+    if (!pp->is_tag_pool()) continue;
+    ++tag_pools;
+    const auto it = s.tags().tag_pools().find(pp->tag);
+    if (it == s.tags().tag_pools().end() || it->second != pp.get()) fail("a tag's pool is missing from its tags' map");
+  }
+  if (tag_pools != s.tags().tag_pools().size()) fail("the tags' map holds a pool that was deleted");
   std::size_t reservations = 0;
   for (auto& [base, seg] : s.segments()) {
     if (!seg->expandable) continue;

@@ -36,6 +36,7 @@ world_lock::world_lock(device_state& d) : d_(d) {
 }
 world_lock::~world_lock() {
   if (!locked_) return;
+  d_.tags().forget_empty_tags(*this);
   d_.registry().forget_gone_streams(*this);
   unlock();
 }

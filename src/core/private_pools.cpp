@@ -88,6 +88,11 @@ void private_pool_registry::release_dead_pools(const world_lock& w, bool keep_go
 void private_pool_registry::delete_empty_dead_pools(const world_lock& w) {
   for (auto it = pools_.begin(); it != pools_.end();) {
     private_pool* pp = it->second.get();
+    if (pp->is_tag_pool()) {  // forgotten when this world lock is released
+      d_.tags().note_if_empty(*pp);
+      ++it;
+      continue;
+    }
     const bool active = scopes_.routes_to(pp);
     if (pp->use_count != 0 || pp->segment_count != 0 || active || pp->pinned.load(std::memory_order_acquire) != 0) {
       ++it;

@@ -181,7 +181,7 @@ void segment_table::release_block(block* b, device_stats& st) {
 void segment_table::forget_segment(block* b, device_stats& st) noexcept {
   CCALLOC_ASSERT(b->prev == nullptr && b->next == nullptr && b->size == b->seg->size &&
                  b->size <= d_.memory().reserved());
-  if (b->pool->priv != nullptr) b->pool->priv->detach(*b->seg);
+  d_.tags().detach_segment(b->pool->priv, *b->seg);
   --b->pool->plain_segments;
   --b->pool->owner->segments;
   const stat_group g = group_of(b->pool);

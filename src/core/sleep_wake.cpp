@@ -68,6 +68,35 @@ private_pool& tag_sleep::tag_pool(tag_id tag) {
   return *raw;
 }
 
+void tag_sleep::note_if_empty(private_pool& pp) noexcept {
+  if (!pp.is_tag_pool() || pp.segment_count != 0 || pp.forget_listed) return;
+  pp.forget_listed = true;
+  pp.next_to_forget = to_forget_;
+  to_forget_ = &pp;
+}
+
+// A tag's pool is referred to by its segments' blocks (none here), by the
+// streams' pools in it (erased first), by tag_pools_, and by allocations in
+// flight to it (pinned: kept, listed again for the next world lock).
+void tag_sleep::forget_empty_tags(const world_lock& w) noexcept {
+  private_pool* list = to_forget_;
+  to_forget_ = nullptr;
+  while (list != nullptr) {
+    private_pool* pp = list;
+    list = pp->next_to_forget;
+    pp->next_to_forget = nullptr;
+    pp->forget_listed = false;
+    if (pp->segment_count != 0) continue;  // used again since it was listed
+    if (pp->pinned.load(std::memory_order_acquire) != 0) {
+      note_if_empty(*pp);
+      continue;
+    }
+    for (stream_state* ss : w.streams()) ss->private_pools.erase(pp);
+    tag_pools_.erase(pp->tag);
+    d_.pools().erase(pp->id);  // pp with it
+  }
+}
+
 // A named tag's segments are those of the private pools carrying it: its
 // own pool (id {tag_pool_id_first, tag}) and pools made in its scope (CUDA
 // graphs' pools, ids below every tag pool's): read from their lists, so a
@@ -703,6 +732,7 @@ std::vector<tag_usage> device_caching_allocator::tag_stats() const {
   std::set<tag_id> tags{default_tag_id};
   for (const auto& [base, seg] : s.segments()) tags.insert(detail::tag_of(*seg));
   for (const auto& [tag, pp] : s.tags().tag_pools()) tags.insert(tag);
+  tags.insert(s.tags().paused_tags().begin(), s.tags().paused_tags().end());  // also one that holds nothing
   std::vector<tag_usage> out;
   for (tag_id t : tags) out.push_back(s.tags().usage_of(t));
   return out;

@@ -355,7 +355,10 @@ class device_caching_allocator {
   /// as they are (not in the result's tags). Blocks of a paused tag: see
   /// Note [Paused blocks] in src/core/sleep_wake.cpp (malloc refused, free
   /// done at resume, record_stream refused). Throws invalid_argument_error,
-  /// changing nothing, for "default", an unknown tag, a tag holding a plain
+  /// changing nothing, for "default", an unknown tag (a name never interned
+  /// in this process; a tag forgotten on this device, or that never
+  /// allocated here, pauses holding nothing and stays paused until resumed),
+  /// a tag holding a plain
   /// segment (a backend without virtual memory), or a graph capture
   /// underway; out_of_memory_error, changing nothing but returning the
   /// tags' cached memory, when the host lacks memory for the contents.
@@ -377,8 +380,10 @@ class device_caching_allocator {
   [[nodiscard]] std::string block_tag(const detail::block* block) const;
   /// The paused tags, in the order of their ids.
   [[nodiscard]] std::vector<std::string> paused_tags() const;
-  /// Per tag ("default" first, then every tag that holds or held memory
-  /// here): allocated, reserved, paused and kept bytes (tag_usage).
+  /// Per tag ("default" first, then every paused tag and every tag that
+  /// holds memory here or has not been forgotten yet: a tag that holds
+  /// nothing is forgotten once its last segment goes, tags.hpp):
+  /// allocated, reserved, paused and kept bytes (tag_usage).
   /// Locks the whole device: O(blocks).
   [[nodiscard]] std::vector<tag_usage> tag_stats() const;
 

@@ -15,9 +15,19 @@
 // it is created (create_or_incref_pool): its memory pauses and resumes with
 // that tag, whatever tag is in scope when a routed allocation is made.
 //
+// A tag that holds nothing on a device (no block, cached page or segment
+// there; a paused one stays paused) costs that device nothing: its pool and
+// its reservation are given back when its last segment goes (page
+// recycling moves a freed tag's cached page to the next request, the
+// ladder's retries and empty_cache give cached memory back), so a tag per
+// request or per job does not make the process grow. Using the name again
+// makes a fresh tag there, with the same name and id.
+//
 // Names: 1 to max_tag_name_bytes bytes of ASCII letters, digits and "_-.:/";
-// interned once per process (ids are never reused). Thread safety: every
-// function here may be called from any thread.
+// interned once per process (ids are never reused; each distinct name keeps
+// about 100 bytes of host memory for the life of the process: history
+// entries and snapshots name tags by id). Thread safety: every function here
+// may be called from any thread.
 #pragma once
 
 #include <cstddef>

@@ -44,6 +44,9 @@ class expandable_segments {
   // address space (the ladder's rung then stops retrying).
   [[nodiscard]] bool no_address_space() const noexcept { return no_address_space_; }
   void clear_no_address_space() noexcept { no_address_space_ = false; }
+  // The ladder gives a plain segment for want of address space: says so on
+  // stderr, once per device.
+  void warn_plain_fallback(std::size_t size) noexcept;
   // The reservations (expandable segments) by base address, a subset of the
   // device's segments: the walks that concern only reservations read this,
   // so that plain segments (after the address space ran out, thousands of
@@ -68,8 +71,10 @@ class expandable_segments {
   // paused and no retired page, in address order. Reads only the
   // reservations noted by note_maybe_empty (each one whose last page went,
   // and each one made or resumed), so its cost does not grow with the
-  // reservations that hold pages.
-  void release_empty_expandable_segments();
+  // reservations that hold pages. tags_only: only those of tags' own pools
+  // (a tagged request's slow path: a tag per request leaves one empty
+  // reservation each, once page recycling moved its cached page on).
+  void release_empty_expandable_segments(bool tags_only = false);
   // seg (a reservation) has no page mapped now, or was made or resumed.
   // Never allocates: room is made when the reservation is made.
   void note_maybe_empty(segment& seg) noexcept;

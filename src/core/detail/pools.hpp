@@ -58,7 +58,8 @@ inline constexpr std::uint64_t tag_pool_id_first = ~std::uint64_t{0};
 // A private pool (F20-F24): its id, users and options. Each stream that
 // allocates to it gets its own stream_pools in stream_state::private_pools
 // (blocks stay bound to their stream). Deleted (with those stream_pools) when
-// its use count is 0 and it holds no segment. [world]
+// its use count is 0 and it holds no segment; a tag's own pool when it holds
+// no segment (tag_sleep::forget_empty_tags). [world]
 struct private_pool {
   mempool_id_t id;
   // The tag its memory carries (tags.hpp): the tag in scope at its creation;
@@ -90,6 +91,10 @@ struct private_pool {
   // Allocations in flight to it (they may drop the world lock): not deleted
   // meanwhile. Incremented under the world lock, decremented without it.
   std::atomic<int> pinned{0};
+  // A tag's own pool that held no segment when last looked at, listed for
+  // tag_sleep::forget_empty_tags (each once: forget_listed). [world]
+  bool forget_listed = false;
+  private_pool* next_to_forget = nullptr;
   [[nodiscard]] bool is_tag_pool() const noexcept { return id.first == tag_pool_id_first && tag != default_tag_id; }
 };
 

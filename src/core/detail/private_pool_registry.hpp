@@ -45,6 +45,9 @@ class private_pool_registry {
   private_pool& checked_pool(mempool_id_t id, const char* what) const;        // [device] or [world]
   // Adds a pool (create_or_incref_pool, a tag's pool). [world]
   private_pool& add(std::unique_ptr<private_pool> pp);
+  // Deletes the pool `id` (a tag's pool forgotten: tag_sleep::forget_empty_tags);
+  // the streams' pools in it are gone already. [world]
+  void erase(mempool_id_t id) noexcept { pools_.erase(id); }
   // pp's pool on stream ss (made on first use), small or large. [world]
   static block_pool& pool_in(private_pool& pp, stream_state& ss, bool small);
   // The scopes of begin_allocate_to_pool and the streams seen capturing.

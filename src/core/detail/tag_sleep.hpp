@@ -43,9 +43,27 @@ class tag_sleep {
   tag_sleep(const tag_sleep&) = delete;
   tag_sleep& operator=(const tag_sleep&) = delete;
 
-  // A named tag's own private pool, made on first use (never deleted); the
-  // device's private pools own it.
+  // A named tag's own private pool, made on first use; the device's private
+  // pools own it. A tag that holds nothing is forgotten: note_if_empty lists
+  // its pool when its last segment goes (or a malloc under it made none),
+  // and forget_empty_tags, when the world lock that listed it is released,
+  // deletes the pool and its streams' pools if it still holds no segment
+  // and no allocation is in flight to it. The tag's next use makes a fresh
+  // pool; a paused tag stays paused (paused_tags keeps it, not its pool).
   private_pool& tag_pool(tag_id tag);
+  // Lists pp for forget_empty_tags when it is a tag's own pool with no
+  // segment. Allocates nothing. [world]
+  void note_if_empty(private_pool& pp) noexcept;
+  // seg leaves its private pool pp (nullptr: it is in a default pool, nothing
+  // to do), which is listed when it is a tag's pool left empty. [world]
+  void detach_segment(private_pool* pp, segment& seg) noexcept {
+    if (pp == nullptr) return;
+    pp->detach(seg);
+    note_if_empty(*pp);
+  }
+  // Deletes the listed pools that still hold nothing (their stream_pools in
+  // every stream of w first). [world]
+  void forget_empty_tags(const world_lock& w) noexcept;
   [[nodiscard]] const std::map<tag_id, private_pool*>& tag_pools() const noexcept { return tag_pools_; }
   [[nodiscard]] bool tag_paused(tag_id tag) const noexcept { return paused_tags_.count(tag) != 0; }
   [[nodiscard]] const std::set<tag_id>& paused_tags() const noexcept { return paused_tags_; }
@@ -98,6 +116,7 @@ class tag_sleep {
 
   device_state& d_;
   std::map<tag_id, private_pool*> tag_pools_;
+  private_pool* to_forget_ = nullptr;  // note_if_empty's list (private_pool::next_to_forget)
   std::set<tag_id> paused_tags_;
   std::atomic<bool> any_paused_{false};
   host_copy_cache host_copies_;  // kept contents' host buffers
