@@ -368,7 +368,8 @@ block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requ
 
 block* allocate_tagged(device_state& d, std::size_t requested_bytes, stream_state& ss, tag_id tag) {
   world_lock w(d);
-  return d.allocate_in_private_pool(d.tags().tag_pool(tag), requested_bytes, ss, w);
+  stream_state& live = d.registry().live(w, ss);  // destroyed since looked up: refused
+  return d.allocate_in_private_pool(d.tags().tag_pool(tag), requested_bytes, live, w);
 }
 
 }  // namespace ccalloc::detail
