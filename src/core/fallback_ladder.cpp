@@ -276,6 +276,12 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
       if (ptr != nullptr) device_free();
       throw;
     }
+    // The stream destroyed meanwhile (its state may be forgotten, no longer
+    // among w's): the segment goes back, the malloc is refused.
+    if (p.owner->gone) [[unlikely]] {
+      if (ptr != nullptr) device_free();
+      registry_.refuse_malloc(p.stream);
+    }
     stats_.publish_all_pending(w);
     // The cap may have been reached meanwhile by another thread.
     if (ptr != nullptr && memory_.over_cap(size)) {

@@ -264,16 +264,34 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
       }
     }
   }
-  // The entry names the state before the caller gets it: the state is not
-  // deleted while the entry names it (forget_gone_streams). Release: a
-  // world lock holder that reads the new entry sees every use of the state
-  // it named before as done.
+  name_in_thread_cache(*it->second);
+  return *it->second;
+}
+
+// The entry names the state before the caller gets it: the state is not
+// deleted while the entry names it (forget_gone_streams). Release: a world
+// lock holder that reads the new entry sees every use of the state it named
+// before as done. [registry]
+void stream_registry::name_in_thread_cache(stream_state& ss) const noexcept {
   stream_cache_entry& e = tls_stream_cache;
   const stream_state* const before = e.state.load(std::memory_order_relaxed);
   e.owner_id.store(cache_key_.load(std::memory_order_relaxed), std::memory_order_relaxed);
-  e.stream.store(stream, std::memory_order_relaxed);
-  e.state.store(it->second.get(), std::memory_order_release);
-  if (before != nullptr && before != it->second.get()) note_entry_change();
+  e.stream.store(ss.stream, std::memory_order_relaxed);
+  e.state.store(&ss, std::memory_order_release);
+  if (before != nullptr && before != &ss) note_entry_change();
+}
+
+// A malloc whose thread looked its stream up before it was destroyed finds
+// it gone under the world lock: refused as a malloc on a destroyed stream,
+// unless the handle was made again meanwhile (its state now: the same one
+// made live again, or a new one, registered, so locked by w, and named by
+// the thread's entry from now on, as the caller may let w go for a while).
+stream_state& stream_registry::live(const world_lock&, stream_state& ss) const {
+  if (!ss.gone) [[likely]]
+    return ss;
+  const auto it = streams_.find(ss.stream);
+  if (it == streams_.end() || it->second->gone) refuse_malloc(ss.stream);
+  name_in_thread_cache(*it->second);
   return *it->second;
 }
 

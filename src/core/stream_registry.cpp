@@ -198,18 +198,6 @@ void stream_registry::refuse_malloc(stream_t stream) const {
                                ", which is not a live stream of that device (never created, or destroyed)");
 }
 
-// A malloc whose thread looked its stream up before it was destroyed finds
-// it gone under the world lock: refused as a malloc on a destroyed stream,
-// unless the handle was made again meanwhile (its state now: the same one
-// made live again, or a new one, registered, so locked by w).
-stream_state& stream_registry::live(const world_lock&, stream_state& ss) const {
-  if (!ss.gone) [[likely]]
-    return ss;
-  const auto it = streams_.find(ss.stream);
-  if (it != streams_.end() && !it->second->gone) return *it->second;
-  refuse_malloc(ss.stream);
-}
-
 namespace {
 
 // Every thread's cached stream entry (stream_cache_entry), for the world

@@ -83,6 +83,10 @@ class stream_registry {
   // invalid_argument_error: the stream was destroyed since the thread
   // looked it up (a malloc on a destroyed stream). [world]
   stream_state& live(const world_lock& w, stream_state& ss) const;
+  // Throws the invalid_argument_error of a malloc on `stream`, not a live
+  // stream of this device, after clearing the calling thread's cached entry
+  // (the state it names may be forgotten). [any]
+  [[noreturn]] void refuse_malloc(stream_t stream) const;
   // Throws invalid_argument_error naming `stream` unless it is a live stream
   // of this device (registry, then the backend), for record_stream. [registry]
   void check_recorded_stream(stream_t stream) const;
@@ -153,13 +157,11 @@ class stream_registry {
   // more; `fresh`: some were just added (else only when an entry changed
   // since the last look). [world]
   void reclaim_limbo(bool fresh) noexcept;
-  // Throws the invalid_argument_error of a malloc on `stream`, not a live
-  // stream of this device, after clearing the calling thread's cached entry
-  // (the state it names may be forgotten). [any]
-  [[noreturn]] void refuse_malloc(stream_t stream) const;
   // Enlists the calling thread's cached entry, once, for reclaim_limbo
   // (throws std::bad_alloc). [none]
   static void enlist_thread(const stream_cache_entry& entry);
+  // Makes the calling thread's cached entry name `ss` (of this device). [registry]
+  void name_in_thread_cache(stream_state& ss) const noexcept;
   // Notes that a thread's entry stopped naming a state (reclaim_limbo looks
   // again). [none]
   static void note_entry_change() noexcept;
