@@ -461,8 +461,8 @@ TEST(ConfigTest, BadRoundupValuesExplainTheEntry) {
   EXPECT_EQ(parse_error("roundup_power2_divisions:[256:1,512:2"),
             key + "[256:1,512:2 is not a valid value: missing the closing ']'" + accepted);
   EXPECT_EQ(parse_error("roundup_power2_divisions:[512:1,256:2]"),
-            key + "[512:1,256:2] is out of range: interval 256 does not follow the previous one "
-                  "(keys must increase; 32768 and above share the last interval)" + accepted);
+            key + "[512:1,256:2] is out of range: interval 256 does not follow the previous one, 512 "
+                  "(keys must increase)" + accepted);
   EXPECT_EQ(parse_error("roundup_power2_divisions:[>:4,256:2]"),
             key + "[>:4,256:2] is not a valid value: '>' must be the last entry" + accepted);
   EXPECT_EQ(parse_error("roundup_power2_divisions:[256:1,,>:2]"),
@@ -478,10 +478,19 @@ TEST(ConfigTest, BadRoundupValuesExplainTheEntry) {
                 accepted);
   EXPECT_EQ(parse_error("roundup_power2_divisions:[[256:1]]"),
             key + "[[256:1]] is not a valid value: nested or stray brackets" + accepted);
+  // Increasing keys, but both in the last interval: the message names the
+  // bound and both keys, not the order.
   EXPECT_EQ(parse_error("roundup_power2_divisions:[32768:1,65536:2]"),
-            key + "[32768:1,65536:2] is out of range: interval 65536 does not follow the "
-                  "previous one (keys must increase; 32768 and above share the last interval)" +
-                accepted);
+            key + "[32768:1,65536:2] is out of range: interval 65536 is past 32768, the start of the last "
+                  "interval, which the key 32768 before it already set (sizes of 32768 MiB and above share "
+                  "one interval: give one key of 32768 or more)" + accepted);
+  EXPECT_EQ(parse_error("roundup_power2_divisions:[1024:1,65536:2,131072:4]"),
+            key + "[1024:1,65536:2,131072:4] is out of range: interval 131072 is past 32768, the start of the "
+                  "last interval, which the key 65536 before it already set (sizes of 32768 MiB and above "
+                  "share one interval: give one key of 32768 or more)" + accepted);
+  EXPECT_EQ(parse_error("roundup_power2_divisions:[256:1,256:2]"),
+            key + "[256:1,256:2] is out of range: interval 256 does not follow the previous one, 256 "
+                  "(keys must increase)" + accepted);
 }
 
 // ---- roundup_power2_divisions semantics ---------------------------------------

@@ -3,6 +3,7 @@
 // unmap before it unmaps, and a table built from the announcements equals
 // what the allocator has mapped.
 #include <ccalloc/backend/sim_backend.hpp>
+#include <ccalloc/base/detail/spin_mutex.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/config.hpp>
 #include <ccalloc/core/mapping_events.hpp>
@@ -311,6 +312,41 @@ TEST_F(MappingEventsDeathTest, AListenerThatAllocatesStopsTheProcessWithTheRule)
       },
       "a mapping listener called into the allocator.*must not call into any ccalloc allocator");
   alloc.reset();
+}
+
+// A history callback of the C API (release, frames) runs counted as a
+// mapping listener, under its own name (tls_locked_callback): a lock it
+// finds held by its own thread stops the process naming that callback.
+TEST(LockedCallbackDeathTest, AHeldLockReenteredFromAHistoryCallbackNamesTheCallback) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        detail::nap_lock held;
+        held.lock();
+        ++detail::tls_mapping_listener_depth;
+        detail::tls_locked_callback = "the history's release function (ccalloc_history_options_t.release)";
+        held.lock();
+      },
+      "ccalloc: the history's release function \\(ccalloc_history_options_t.release\\) called into the "
+      "allocator, whose locks the calling thread may hold \\(ccalloc/ccalloc.h: ccalloc_history_options_t: it "
+      "must not call into any ccalloc allocator\\); aborting instead of deadlocking");
+  EXPECT_DEATH(
+      {
+        detail::spin_mutex held;
+        held.lock();
+        ++detail::tls_mapping_listener_depth;
+        detail::tls_locked_callback = "the history's frames function (ccalloc_history_options_t.frames)";
+        held.lock();
+      },
+      "ccalloc: the history's frames function \\(ccalloc_history_options_t.frames\\) called into the allocator");
+  EXPECT_DEATH(
+      {
+        detail::nap_lock held;
+        held.lock();
+        ++detail::tls_mapping_listener_depth;
+        held.lock();
+      },
+      "ccalloc: a mapping listener called into the allocator");
 }
 
 }  // namespace

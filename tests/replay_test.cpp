@@ -642,6 +642,31 @@ TEST(ReplayTest, MinDeviceMemoryAppliesTheMemoryFractionToTheDevice) {
   }
 }
 
+// A block whose free was requested while a side stream still uses it
+// counts as requested until free_completed (30 MiB at the peak here), but
+// an allocator short of memory synchronizes and reuses it: one 16 MiB
+// segment holds both blocks in turn. The search's lower bound is the bytes
+// held between alloc and free_requested (15 MiB), not the requested peak.
+TEST(ReplayTest, MinDeviceMemoryGoesBelowThePeakRequestedWhenFreesAreStillInUse) {
+  const auto t = ccalloc::parse_trace_text(
+      "1 alloc 4096 15728640 0\n"
+      "2 free_requested 4096 15728640 0\n"
+      "3 alloc 2147483648 15728640 0\n"
+      "4 free_completed 4096 15728640 0\n"
+      "5 free_requested 2147483648 15728640 0\n"
+      "6 free_completed 2147483648 15728640 0\n",
+      "gap");
+  ccalloc::replay_options o;
+  o.config = "expandable_segments:False";
+  EXPECT_EQ(ccalloc::replay_trace(t, o).peak_requested_bytes, std::uint64_t{30} << 20);
+  const std::size_t found = ccalloc::find_min_device_memory(t, o);
+  EXPECT_EQ(found, std::size_t{16} << 20);
+  o.device_memory_bytes = found;
+  EXPECT_EQ(ccalloc::replay_trace(t, o).ooms, 0u);
+  o.device_memory_bytes = found - (std::size_t{2} << 20);
+  EXPECT_GT(ccalloc::replay_trace(t, o).ooms, 0u);
+}
+
 TEST(ReplayTest, MinDeviceMemoryRejectsATraceThatNeverFits) {
   ccalloc::replay_options small;
   small.device_memory_bytes = std::size_t{8} << 20;

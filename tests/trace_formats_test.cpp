@@ -705,6 +705,80 @@ TEST(LiveRanges, ARangePastTheAddressSpaceIsAnError) {
       << "a range that ends at 2^64 fits";
 }
 
+// The recording allocator's segment events must describe segments and pages
+// a program could have had: each refused at its line before the replay
+// (the recorded reserved figures would count bytes twice or go negative).
+TEST(RecordedSegments, ImpossibleSegmentEventsAreErrors) {
+  const auto replay_error = [](const std::string& text) {
+    return error_of([&] { (void)ccalloc::replay_trace(ccalloc::parse_trace_text(text, "rs"), {}); });
+  };
+  const std::string alloc = "1 alloc 6000000000 4096 0\n";
+  const auto overlaps = [](const std::string& addr) {  // line 3's segment_alloc meets line 2's
+    return "rs:3: segment_alloc of 2097152 bytes at address " + addr +
+           " overlaps the live segment of 2097152 bytes at address 8000000000 (segment_alloc at line 2, no "
+           "segment_free since): its bytes would be reserved twice";
+  };
+  const auto not_mapped = [](int line, const std::string& size, const std::string& addr, const std::string& from) {
+    return "rs:" + std::to_string(line) + ": segment_unmap of " + size + " bytes at address " + addr +
+           " unmaps bytes that are not mapped, from address " + from +
+           " (no segment_map covers them, or they were unmapped since): an unmap covers mapped pages only";
+  };
+  EXPECT_EQ(replay_error(alloc + "2 segment_alloc 8000000000 2097152 0\n3 segment_alloc 8000000000 2097152 0\n"),
+            overlaps("8000000000"));
+  EXPECT_EQ(replay_error(alloc + "2 segment_alloc 8000000000 2097152 0\n3 segment_alloc 8001048576 2097152 0\n"),
+            overlaps("8001048576"));
+  EXPECT_EQ(replay_error(alloc + "2 segment_free 8000000000 2097152 0\n"),
+            "rs:2: segment_free of 2097152 bytes at address 8000000000: no segment was allocated at this address "
+            "(no segment_alloc of it before; a trace that starts after the segment was allocated begins with its "
+            "segment_alloc, as the snapshot converters write it)");
+  EXPECT_EQ(replay_error(alloc + "2 segment_alloc 8000000000 2097152 0\n3 segment_free 8000000000 2097152 0\n"
+                                 "4 segment_free 8000000000 2097152 0\n"),
+            "rs:4: segment_free of 2097152 bytes at address 8000000000: the segment at this address was already "
+            "freed at line 3 (no segment_alloc since)");
+  EXPECT_EQ(replay_error(alloc + "2 segment_alloc 8000000000 2097152 0\n3 segment_free 8000000000 4194304 0\n"),
+            "rs:3: segment_free of 4194304 bytes at address 8000000000, but its segment_alloc (line 2) has 2097152 "
+            "bytes (a segment is freed whole)");
+  EXPECT_EQ(replay_error(alloc + "2 segment_map 8000000000 2097152 0\n3 segment_unmap 8000000000 4194304 0\n"),
+            not_mapped(3, "4194304", "8000000000", "8002097152"));
+  EXPECT_EQ(replay_error(alloc + "2 segment_map 8000000000 2097152 0\n3 segment_unmap 9000000000 2097152 0\n"),
+            not_mapped(3, "2097152", "9000000000", "9000000000"));
+  EXPECT_EQ(replay_error(alloc + "2 segment_map 8000000000 4194304 0\n3 segment_unmap 8000000000 2097152 0\n"
+                                 "4 segment_unmap 8000000000 2097152 0\n"),
+            not_mapped(4, "2097152", "8000000000", "8000000000"));
+  EXPECT_EQ(replay_error(alloc + "2 segment_map 8000000000 4194304 0\n3 segment_map 8002097152 4194304 0\n"),
+            "rs:3: segment_map of 4194304 bytes at address 8002097152 maps bytes already mapped: those of the "
+            "segment_map at line 2 from address 8002097152 (no segment_unmap of them between)");
+
+  // What PyTorch and ccalloc record: an unmap across pages of several maps,
+  // part of a map unmapped and mapped again, a segment freed and allocated
+  // again at its address, segments that touch.
+  EXPECT_EQ(replay_error(alloc + "2 segment_map 8000000000 2097152 0\n3 segment_map 8002097152 2097152 0\n"
+                                 "4 segment_unmap 8001048576 2097152 0\n5 segment_map 8001048576 1048576 0\n"
+                                 "6 segment_unmap 8000000000 4194304 0\n"
+                                 "7 segment_alloc 9000000000 2097152 0\n8 segment_alloc 9002097152 2097152 0\n"
+                                 "9 segment_free 9000000000 2097152 0\n10 segment_alloc 9000000000 2097152 0\n"),
+            not_mapped(6, "4194304", "8000000000", "8002097152"));
+  EXPECT_EQ(replay_error(alloc + "2 segment_map 8000000000 2097152 0\n3 segment_map 8002097152 2097152 0\n"
+                                 "4 segment_unmap 8001048576 2097152 0\n5 segment_map 8001048576 2097152 0\n"
+                                 "6 segment_unmap 8000000000 4194304 0\n"
+                                 "7 segment_alloc 9000000000 2097152 0\n8 segment_alloc 9002097152 2097152 0\n"
+                                 "9 segment_free 9000000000 2097152 0\n10 segment_alloc 9000000000 2097152 0\n"),
+            "");
+
+  // A trace that opens with segment_map lines (converted from a snapshot
+  // taken mid-run): pages the trace has not touched since may be mapped;
+  // those it unmapped may not be unmapped again.
+  const std::string opening = "1 segment_map 8000000000 2097152 0\n2 alloc 6000000000 4096 0\n";
+  EXPECT_EQ(replay_error(opening + "3 segment_map 8000000000 2097152 0\n4 segment_unmap 8004194304 2097152 0\n"),
+            "");
+  EXPECT_EQ(replay_error(opening + "3 segment_unmap 8004194304 2097152 0\n4 segment_unmap 8004194304 2097152 0\n"),
+            "rs:4: segment_unmap of 2097152 bytes at address 8004194304 unmaps bytes the segment_unmap at line 3 "
+            "unmapped, from address 8004194304 (no segment_map of them between)");
+  EXPECT_EQ(replay_error(opening + "3 segment_map 8004194304 2097152 0\n4 segment_map 8004194304 2097152 0\n"),
+            "rs:4: segment_map of 2097152 bytes at address 8004194304 maps bytes already mapped: those of the "
+            "segment_map at line 3 from address 8004194304 (no segment_unmap of them between)");
+}
+
 TEST(FreeSize, AnRmmFreeOfAnotherSizeIsAnError) {
   const std::string log =
       "Thread,Time,Action,Pointer,Size,Stream\n"

@@ -19,6 +19,10 @@ replays as the program ran, the converter adds, at the trace's first time:
   end, without one (for an expandable segment: a ``segment_map`` of what was
   mapped before the trace), so the recording allocator's reserved bytes start
   right.
+Snapshots ccalloc wrote have ``pause`` and ``resume`` entries and a ``tag`` on
+every entry and block: they become ``pause``, ``resume`` and ``tag`` lines, as
+``ccalloc replay`` reads them (a resume of a tag paused before the trace began
+is dropped, with a note).
 A ``free_completed`` whose ``free_requested`` is missing gets one just before
 it, and an ``alloc`` at an address freed without its ``free_completed`` gets
 that one just before it. The header comment says how many of each were added.
@@ -43,7 +47,10 @@ import tempfile
 
 # PyTorch's trace-entry actions that ccalloc's trace format has.
 KNOWN_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
-                 "segment_map", "segment_unmap", "snapshot", "oom"}
+                 "segment_map", "segment_unmap", "snapshot", "oom", "pause", "resume"}
+# A tag name (docs/sleep-wake.md): 1 to 64 of these characters; "default" is the default tag.
+TAG_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.:/")
+DEFAULT_TAG = "default"
 # The most an entry's time_us may be before the entry's ahead of it (1 s).
 MAX_TIME_STEP_BACK_US = 1_000_000
 
@@ -101,6 +108,17 @@ def _field(entry, key, where, kind=int):
     return value
 
 
+def _tag(entry, where):
+    """The tag of a ccalloc snapshot's entry or block ("default" when none)."""
+    tag = entry.get("tag", DEFAULT_TAG)
+    if not isinstance(tag, str):
+        raise ConvertError(f"{where}.tag: expected a string, got {type(tag).__name__}")
+    if not 1 <= len(tag) <= 64 or not set(tag) <= TAG_CHARACTERS:
+        raise ConvertError(f"{where}.tag: bad tag {tag[:64]!r}: a tag name is 1 to 64 ASCII letters, digits and "
+                           "the characters _-.:/")
+    return tag
+
+
 def convert(snapshot, device=None):
     """Returns (lines, notes): the trace lines and what was added or dropped."""
     traces = snapshot["device_traces"]
@@ -131,8 +149,8 @@ def convert(snapshot, device=None):
         if s.get("device", 0) == device:
             segments.append((i, s))
 
-    events = []            # (time_us, action, addr, size, stream)
-    start_allocs = {}      # addr -> (size, stream): blocks alive before the trace
+    events = []            # (time_us, action, addr, size, stream, tag, keep): tag of an alloc, pause, resume
+    start_allocs = {}      # addr -> (size, stream, tag): blocks alive before the trace
     start_segments = {}    # addr -> (action, size, stream)
     live = {}              # addr -> (stream, size, entry index) of its alloc, until its free_requested
     pending = {}           # addr -> (stream, size, entry index) of its free_requested, until free_completed
@@ -148,6 +166,8 @@ def convert(snapshot, device=None):
     steps_back = 0         # entries whose time_us is before the entry's ahead of them
     first_step_back = ""
     largest_step_back = 0
+    paused = set()         # tags paused by the trace, not resumed yet
+    resumes_dropped = 0    # resumes of tags paused before the trace began
 
     def owner(addr):  # the expandable segment holding addr, by base address
         best = None
@@ -184,6 +204,18 @@ def convert(snapshot, device=None):
         addr = _field(e, "device_free" if action == "oom" else "addr", where)
         size = _field(e, "size", where)
         stream = _field(e, "stream", where)
+        tag = _tag(e, where)
+        if action == "pause":  # ccalloc's: addr holds the bytes kept in host memory
+            paused.add(tag)
+            events.append((t, action, 0, size, 0, tag, "keep" if addr else "drop"))
+            continue
+        if action == "resume":
+            if tag not in paused:  # paused before the trace began: nothing in it to wake
+                resumes_dropped += 1
+                continue
+            paused.discard(tag)
+            events.append((t, action, 0, size, 0, tag, None))
+            continue
         if action == "alloc":
             if addr in live:
                 _, live_size, live_entry = live[addr]
@@ -192,7 +224,7 @@ def convert(snapshot, device=None):
                                    "free_requested between)")
             if addr in pending:  # its free_completed was not recorded
                 freed_stream, freed_size, _ = pending.pop(addr)
-                events.append((t, "free_completed", addr, freed_size, freed_stream))
+                events.append((t, "free_completed", addr, freed_size, freed_stream, None, None))
                 if not completions_added:
                     first_completion_added = f"{where} at address {addr}"
                 completions_added += 1
@@ -201,15 +233,15 @@ def convert(snapshot, device=None):
             if addr in live:
                 del live[addr]
             elif addr not in pending:
-                start_allocs.setdefault(addr, (size, stream))
+                start_allocs.setdefault(addr, (size, stream, tag))
             pending[addr] = (stream, size, i)
         elif action == "free_completed":
             if addr not in pending:
                 if addr in live:
                     del live[addr]
                 else:
-                    start_allocs.setdefault(addr, (size, stream))
-                events.append((t, "free_requested", addr, size, stream))
+                    start_allocs.setdefault(addr, (size, stream, tag))
+                events.append((t, "free_requested", addr, size, stream, None, None))
                 repaired += 1
             pending.pop(addr, None)
         elif action == "segment_alloc":
@@ -222,7 +254,7 @@ def convert(snapshot, device=None):
             base = owner(addr)
             if base is not None:
                 mapped_net[base] = mapped_net.get(base, 0) + (size if action == "segment_map" else -size)
-        events.append((t, action, addr, size, stream))
+        events.append((t, action, addr, size, stream, tag if action == "alloc" else None, None))
 
     # Blocks and segments alive at the end that the trace never allocated.
     for i, s in segments:
@@ -239,14 +271,16 @@ def convert(snapshot, device=None):
             raise ConvertError(f"segments[{i}].blocks: expected a list, got {type(blocks).__name__}")
         for j, b in enumerate(blocks):
             _field(b, "size", f"segments[{i}].blocks[{j}]")
+            block_tag = _tag(b, f"segments[{i}].blocks[{j}]")
             if b.get("state") in ("active_allocated", "active_pending_free") and addr not in live \
                     and addr not in pending:
-                start_allocs.setdefault(addr, (b.get("requested_size", b["size"]), stream))
+                start_allocs.setdefault(addr, (b.get("requested_size", b["size"]), stream, block_tag))
             addr += b["size"]
 
     t0 = first_time if first_time is not None else 0
-    head = [(t0, action, addr, size, stream) for addr, (action, size, stream) in sorted(start_segments.items())]
-    head += [(t0, "alloc", addr, size, stream) for addr, (size, stream) in sorted(start_allocs.items())]
+    head = [(t0, action, addr, size, stream, None, None)
+            for addr, (action, size, stream) in sorted(start_segments.items())]
+    head += [(t0, "alloc", addr, size, stream, tag, None) for addr, (size, stream, tag) in sorted(start_allocs.items())]
     notes = [f"{len(entries)} trace entries of device {device}"]
     others = [f"device {d} ({len(t)} {'entry' if len(t) == 1 else 'entries'})"
               for d, t in enumerate(traces) if d != device and t]
@@ -260,6 +294,9 @@ def convert(snapshot, device=None):
     if completions_added:
         notes.append(f"{completions_added} free_completed added before an alloc at an address freed without one "
                      f"(the first: {first_completion_added})")
+    if resumes_dropped:
+        notes.append(f"{resumes_dropped} resume {'entry' if resumes_dropped == 1 else 'entries'} of tags paused "
+                     "before the trace began dropped")
     if steps_back:
         entries = "entry (" if steps_back == 1 else "entries (the first "
         notes.append(f"time_us steps back at {steps_back} {entries}{first_step_back}; at most "
@@ -267,7 +304,21 @@ def convert(snapshot, device=None):
     if dropped:
         notes.append("dropped actions ccalloc's trace format has not: " +
                      ", ".join(f"{k} x{v}" for k, v in sorted(dropped.items())))
-    lines = [f"{t} {a} {addr} {size} {stream}" for t, a, addr, size, stream in head + events]
+    # ccalloc's snapshots: tag, pause and resume lines, as trace_writer writes
+    # them (a tag line before each alloc whose tag differs from the previous
+    # alloc's; the trace starts under the default tag).
+    lines = []
+    alloc_tag = DEFAULT_TAG
+    for t, a, addr, size, stream, tag, keep in head + events:
+        if a == "alloc" and tag != alloc_tag:
+            lines.append(f"{t} tag 0 0 0 {tag}")
+            alloc_tag = tag
+        if a == "pause":
+            lines.append(f"{t} pause 0 {size} 0 {tag} {keep}")
+        elif a == "resume":
+            lines.append(f"{t} resume 0 {size} 0 {tag}")
+        else:
+            lines.append(f"{t} {a} {addr} {size} {stream}")
     return lines, notes
 
 
@@ -290,7 +341,8 @@ def main(argv=None):
         print(f"snapshot_to_trace: {args.snapshot}: {e}", file=sys.stderr)
         return 1
     text = "".join(f"# {n}\n" for n in [f"converted from {args.snapshot} by tools/snapshot_to_trace.py"] + notes)
-    text += "# time_us action addr size stream\n" + "\n".join(lines) + ("\n" if lines else "")
+    tagged = any(line.split(" ", 2)[1] in ("tag", "pause", "resume") for line in lines)
+    text += f"# time_us action addr size stream{' [tag [keep|drop]]' if tagged else ''}\n" + "\n".join(lines) + ("\n" if lines else "")
     if not args.output:
         sys.stdout.write(text)
         return 0

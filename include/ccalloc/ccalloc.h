@@ -488,7 +488,9 @@ CCALLOC_API ccalloc_status_t ccalloc_set_config(ccalloc_allocator_t* alloc, cons
 /** The configuration in force as a canonical string that ccalloc_set_config
  * accepts, snprintf-style: writes at most capacity - 1 characters and a NUL
  * to `buffer` (which may be NULL when capacity is 0) and sets *length to the
- * full length without the NUL; a call with capacity <= *length truncated. */
+ * full length without the NUL; a call with capacity <= *length truncated.
+ * expandable_segments is always named, with the value in force (when not
+ * set: True where the backend has virtual memory, else False). */
 CCALLOC_API ccalloc_status_t ccalloc_get_config(ccalloc_allocator_t* alloc, char* buffer, size_t capacity,
                                                 size_t* length);
 
@@ -863,10 +865,12 @@ CCALLOC_API ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, i
  * stay cached (another stream's allocation may take them over;
  * ccalloc_empty_cache returns them); once none is left, the allocator keeps
  * nothing of the stream (no host memory, no time in later calls). With
- * reuse_across_streams:False no other stream takes them over: they stay
- * until ccalloc_empty_cache, and the C library's heap may keep the host
- * memory of their page tables resident after that (docs/limitations.md,
- * with figures). A ccalloc_malloc on the
+ * reuse_across_streams:False (for expandable segments also with
+ * trim_on_new_peak:False) no other stream may take them over: they go
+ * back to the device in this call, as ccalloc_empty_cache returns them, and
+ * a segment holding live blocks of the stream when the last of them is
+ * freed (a block recorded on other streams once their work has run).
+ * A ccalloc_malloc on the
  * destroyed stream fails with INVALID_ARGUMENT in every thread, once this
  * call has returned; one racing with it is served or refused, and its
  * block frees as any other (blocks outlive their streams). Destroying

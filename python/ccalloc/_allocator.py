@@ -864,7 +864,9 @@ class Allocator:
         _check(_lib.lib().ccalloc_set_config(self._h, _text(text, "config")))
 
     def get_config(self) -> str:
-        """The configuration in force, as a string set_config accepts."""
+        """The configuration in force, as a string set_config accepts;
+        expandable_segments is named also at its default, with the value in
+        force (True where the device has virtual memory)."""
         length = ctypes.c_size_t()
         lib = _lib.lib()
         _check(lib.ccalloc_get_config(self._h, None, 0, ctypes.byref(length)))

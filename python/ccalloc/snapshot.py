@@ -246,9 +246,17 @@ def main(argv=None):
               f"which it would overwrite; write the pickle to another file", file=sys.stderr)
         return 2
     try:
-        s = convert(args.json, args.output)
-    except (OSError, SnapshotError) as e:
+        s = load_json(args.json)
+    except SnapshotError as e:
         print(f"snapshot.py: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"snapshot.py: cannot read {args.json}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    try:
+        write_pickle(s, args.output)
+    except OSError as e:  # the path, not a temporary file's name (e.filename)
+        print(f"snapshot.py: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
         return 1
     n_entries = sum(len(t) for t in s["device_traces"])
     print(f"wrote {args.output}: {len(s['segments'])} segments, {n_entries} trace entries")

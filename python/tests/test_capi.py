@@ -192,6 +192,15 @@ def test_config_set_and_get(sim):
     assert sim.get_config() == text
 
 
+def test_get_config_names_expandable_segments_at_its_default(sim):
+    # The simulated device has virtual memory: the default is in force.
+    assert "expandable_segments:True" in sim.get_config().split(",")
+    sim.set_config("expandable_segments:False")
+    assert "expandable_segments:False" in sim.get_config().split(",")
+    sim.set_config("expandable_segments:True")
+    assert "expandable_segments:True" in sim.get_config().split(",")
+
+
 def test_no_caching_mode(sim):
     sim.enable(False)
     assert not sim.is_enabled

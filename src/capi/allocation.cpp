@@ -409,7 +409,15 @@ ccalloc_status_t ccalloc_get_config(ccalloc_allocator_t* alloc, char* buffer, si
   return guarded([&] {
     require(length, "ccalloc_get_config", "length");
     if (capacity > 0) require(buffer, "ccalloc_get_config", "buffer (with capacity > 0)");
-    const std::string text = resolve(alloc).config().to_string();
+    const caching_allocator& a = resolve(alloc);
+    ccalloc::allocator_config config = a.config();
+    // expandable_segments unset means "where the device has virtual
+    // memory": the string names the value in force, as every key's.
+    if (!config.expandable_segments_set) {
+      config.expandable_segments = config.expandable_segments && a.backend().capabilities().virtual_memory;
+      config.expandable_segments_set = true;
+    }
+    const std::string text = config.to_string();
     if (capacity > 0) {
       const std::size_t n = std::min(text.size(), capacity - 1);
       std::memcpy(buffer, text.data(), n);

@@ -174,6 +174,7 @@ std::array<std::size_t, roundup_intervals> parse_roundup(std::string_view text) 
   bool have_key = false;
   bool have_rest = false;
   std::size_t last_index = 0;
+  std::uint64_t last_key = 0;  // MiB
   std::size_t start = 0;
   while (start <= inner.size()) {
     auto comma = inner.find(',', start);
@@ -204,16 +205,24 @@ std::array<std::size_t, roundup_intervals> parse_roundup(std::string_view text) 
                                  " is not a power of two (MiB)"}));
     }
     const auto index = interval_index(size_mib);
-    if (have_key && index <= last_index) {
-      throw_out_of_range(concat({"interval ", format_unsigned(size_mib),
-                                 " does not follow the previous one (keys must increase; "
-                                 "32768 and above share the last interval)"}));
+    if (have_key && size_mib <= last_key) {
+      throw_out_of_range(concat({"interval ", format_unsigned(size_mib), " does not follow the previous one, ",
+                                 format_unsigned(last_key), " (keys must increase)"}));
+    }
+    if (have_key && index <= last_index) {  // both keys at or past the last interval's start
+      const auto bound = std::uint64_t{1} << (roundup_intervals - 1);
+      throw_out_of_range(concat({"interval ", format_unsigned(size_mib), " is past ", format_unsigned(bound),
+                                 ", the start of the last interval, which the key ", format_unsigned(last_key),
+                                 " before it already set (sizes of ", format_unsigned(bound),
+                                 " MiB and above share one interval: give one key of ", format_unsigned(bound),
+                                 " or more)"}));
     }
     if (!have_key) {
       std::fill(result.begin(), result.begin() + static_cast<std::ptrdiff_t>(index), value);
     }
     result[index] = value;
     last_index = index;
+    last_key = size_mib;
     have_key = true;
   }
   return result;

@@ -783,8 +783,8 @@ void expandable_segments::release_reservation(segment& seg) {
   d_.segments().erase(base);  // seg with it
 }
 
-// The reservations of gone stream `ss` (reuse_across_streams:False: no
-// other stream takes them over), as emptyCache returns them: the whole
+// The reservations of gone stream `ss` (no other stream may take them
+// over: stream_registry::gone_caches_unshared), as emptyCache returns them: the whole
 // pages of their free blocks are unmapped (the stream's work has completed,
 // so their fences have), their deferred unmaps settled where their fences
 // have completed, and each one left with no page and no other block is

@@ -665,7 +665,7 @@ void device_state::free(block* b) {
   // A block of a destroyed stream whose memory no other stream may take
   // over: the world lock's release returns what its free left cached
   // (stream_registry::release_gone_caches). ss may be deleted once unlocked.
-  if (ss.gone && !policy_.config().reuse_across_streams) [[unlikely]] {
+  if (ss.gone && registry_.gone_caches_unshared()) [[unlikely]] {
     lock.unlock();
     try {
       const world_lock w(*this);

@@ -87,24 +87,35 @@ void stream_registry::mark_gone(world_lock&, stream_t stream) {
   d_.expandable().note_gone_empty();  // its empty reservations go (release_gone_empty_reservations)
 }
 
-// With reuse_across_streams:False no other stream takes a gone stream's
-// cached memory over: what its pools hold free goes back to the device as
-// emptyCache returns it (whole plain segments; the whole pages of free
-// blocks in its reservations, then each reservation left empty), with the
-// same statistics, history and mapping announcements, so that the stream's
+// Whether no other stream may take a gone stream's cached memory over:
+// plain segments without reuse_across_streams (adopt_idle_segment),
+// reservations without it or without trim_on_new_peak (idle_reservation).
+bool stream_registry::gone_caches_unshared() const noexcept {
+  const allocator_config& c = d_.policy().config();
+  return !c.reuse_across_streams || !c.trim_on_new_peak;
+}
+
+// What no other stream may take over of a gone stream's cached memory
+// (gone_caches_unshared) goes back to the device as emptyCache returns it
+// (whole plain segments; the whole pages of free blocks in its
+// reservations, then each reservation left empty), with the same
+// statistics, history and mapping announcements, so that the stream's
 // state is forgotten once its last block is freed. Its work has completed
 // (mark_gone), so nothing waits; a block used on other streams
 // (record_stream) reaches the pools only once their events complete. A
 // device error leaves the rest for the next world lock; nothing while a
 // capture is underway (no device frees then).
 void stream_registry::release_gone_caches(world_lock& w) noexcept {
-  if (d_.policy().config().reuse_across_streams || d_.pools().capture_underway()) return;
+  if (!gone_caches_unshared() || d_.pools().capture_underway()) return;
+  const bool plain = !d_.policy().config().reuse_across_streams;
   for (stream_state* ss : w.streams()) {
     if (!ss->gone || !ss->release_cached) continue;
     ss->release_cached = false;
     try {
-      d_.segments().release_blocks(ss->pools.large);
-      d_.segments().release_blocks(ss->pools.small);
+      if (plain) {
+        d_.segments().release_blocks(ss->pools.large);
+        d_.segments().release_blocks(ss->pools.small);
+      }
       if (ss->segments != 0) d_.expandable().release_stream_reservations(*ss);
     } catch (...) {
       ss->release_cached = true;  // tried again at the next world lock

@@ -155,20 +155,191 @@ class live_ranges {
   std::map<std::uint64_t, std::size_t> by_addr_;  // addr -> alloc index
 };
 
+// The recording allocator's segments and mapped pages, checked as the trace
+// goes: each is refused at its line, before the replay, when no recorded
+// program makes it (its bytes would count twice, or go negative, in the
+// recording allocator's reserved figures).
+//   segment_alloc  cudaMalloc: its bytes meet no live segment's;
+//   segment_free   cudaFree: of a live segment, at its base, with its size
+//                  (PyTorch and ccalloc record the segment's size);
+//   segment_map    pages of an expandable segment mapped: none of them mapped
+//                  already (PyTorch and ccalloc map unmapped pages only);
+//   segment_unmap  pages unmapped: every byte of them mapped (by one or more
+//                  segment_map lines: a free run may span pages mapped at
+//                  different times).
+// A trace that starts after the program did begins with the segments and
+// pages live then, as the snapshot converters write them: a segment_alloc
+// for each segment (exact), and a segment_map of the bytes each expandable
+// segment had mapped, placed at its base (the snapshot does not say which
+// pages they were). So when the trace opens with segment_map lines (before
+// its first event of another kind than segment_alloc or segment_map), the
+// pages are checked against what the trace did after its opening only:
+// bytes it has neither mapped nor unmapped since may be mapped or not.
+class recorded_segments {
+ public:
+  explicit recorded_segments(const trace& t) : t_(t) {}
+
+  void event(const trace_event& e) {
+    const bool opening_line = e.action == trace_action::segment_alloc || e.action == trace_action::segment_map;
+    opening_ = opening_ && opening_line;
+    switch (e.action) {
+      case trace_action::segment_alloc: alloc(e); break;
+      case trace_action::segment_free: free(e); break;
+      case trace_action::segment_map:
+        if (opening_) open_map(e);
+        else map(e);
+        break;
+      case trace_action::segment_unmap: unmap(e); break;
+      default: break;
+    }
+  }
+
+ private:
+  struct range {
+    std::uint64_t end;  // one past the last byte, 0 for 2^64 (the event is in the address space)
+    std::size_t line;
+  };
+  using ranges = std::map<std::uint64_t, range>;  // first byte -> range, disjoint
+
+  static std::uint64_t end_of(const trace_event& e) { return e.addr + e.size; }
+  static bool below(std::uint64_t a, std::uint64_t end) { return end == 0 || a < end; }  // a < end
+  // The first range of `r` that meets [a, end) (a < end, or end 0), or r.end().
+  static ranges::iterator meets(ranges& r, std::uint64_t a, std::uint64_t end) {
+    auto it = r.upper_bound(a);
+    if (it != r.begin() && below(a, std::prev(it)->second.end)) return std::prev(it);
+    if (it != r.end() && below(it->first, end)) return it;
+    return r.end();
+  }
+  // Removes [a, end) from `r`.
+  static void cut(ranges& r, std::uint64_t a, std::uint64_t end) {
+    auto it = meets(r, a, end);
+    while (it != r.end() && below(it->first, end)) {
+      const range was = it->second;
+      const std::uint64_t first = it->first;
+      it = r.erase(it);
+      if (first < a) r.emplace(first, range{a, was.line});
+      if (end != 0 && (was.end == 0 || was.end > end)) {
+        r.emplace(end, range{was.end, was.line});
+        break;
+      }
+    }
+  }
+  std::string head(const trace_event& e) const {
+    return std::string(to_string(e.action)) + " of " + std::to_string(e.size) + " bytes at address " +
+           std::to_string(e.addr);
+  }
+
+  void alloc(const trace_event& e) {
+    if (e.size == 0) return;
+    if (const auto it = meets(segments_, e.addr, end_of(e)); it != segments_.end())
+      throw trace_error(t_.source, e.line,
+                        head(e) + " overlaps the live segment of " + std::to_string(it->second.end - it->first) +
+                            " bytes at address " + std::to_string(it->first) + " (segment_alloc at line " +
+                            std::to_string(it->second.line) +
+                            ", no segment_free since): its bytes would be reserved twice");
+    segments_.emplace(e.addr, range{end_of(e), e.line});
+    freed_.erase(e.addr);
+  }
+
+  void free(const trace_event& e) {
+    const auto it = segments_.find(e.addr);
+    if (it == segments_.end()) {
+      if (const auto f = freed_.find(e.addr); f != freed_.end())
+        throw trace_error(t_.source, e.line,
+                          head(e) + ": the segment at this address was already freed at line " +
+                              std::to_string(f->second) + " (no segment_alloc since)");
+      throw trace_error(t_.source, e.line,
+                        head(e) +
+                            ": no segment was allocated at this address (no segment_alloc of it before; a trace "
+                            "that starts after the segment was allocated begins with its segment_alloc, as the "
+                            "snapshot converters write it)");
+    }
+    const std::uint64_t size = it->second.end - it->first;
+    if (size != e.size)
+      throw trace_error(t_.source, e.line,
+                        head(e) + ", but its segment_alloc (line " + std::to_string(it->second.line) + ") has " +
+                            std::to_string(size) + " bytes (a segment is freed whole)");
+    segments_.erase(it);
+    freed_[e.addr] = e.line;
+  }
+
+  // A segment_map of the trace's opening: pages mapped before the trace,
+  // placed where the converter could (see above).
+  void open_map(const trace_event&) { opening_maps_ = true; }
+
+  void map(const trace_event& e) {
+    if (e.size == 0) return;
+    const std::uint64_t end = end_of(e);
+    if (const auto it = meets(mapped_, e.addr, end); it != mapped_.end())
+      throw trace_error(t_.source, e.line,
+                        head(e) + " maps bytes already mapped: those of the segment_map at line " +
+                            std::to_string(it->second.line) + " from address " +
+                            std::to_string(std::max(it->first, e.addr)) + " (no segment_unmap of them between)");
+    cut(unmapped_, e.addr, end);
+    mapped_.emplace(e.addr, range{end, e.line});
+  }
+
+  void unmap(const trace_event& e) {
+    if (e.size == 0) return;
+    const std::uint64_t end = end_of(e);
+    // The bytes of [addr, end) that no mapped range covers: each must be of
+    // unknown state (opening_maps_, and neither mapped nor unmapped since).
+    std::uint64_t at = e.addr;  // [addr, at) checked
+    for (auto it = meets(mapped_, e.addr, end);; ++it) {
+      const bool in = it != mapped_.end() && below(it->first, end);
+      if (in ? it->first > at : at != end) refuse_gap(e, at, in ? it->first : end);
+      if (!in) break;
+      at = it->second.end;
+      if (at == 0 || (end != 0 && at >= end)) break;  // covered to the end
+    }
+    cut(mapped_, e.addr, end);
+    cut(unmapped_, e.addr, end);
+    unmapped_.emplace(e.addr, range{end, e.line});
+  }
+
+  // [from, to) of segment_unmap `e` is not mapped: an error, but for bytes
+  // of unknown state after an opening with segment_map lines.
+  void refuse_gap(const trace_event& e, std::uint64_t from, std::uint64_t to) {
+    if (opening_maps_) {
+      const auto it = meets(unmapped_, from, to);
+      if (it == unmapped_.end()) return;  // neither mapped nor unmapped since the opening
+      throw trace_error(t_.source, e.line,
+                        head(e) + " unmaps bytes the segment_unmap at line " + std::to_string(it->second.line) +
+                            " unmapped, from address " + std::to_string(std::max(it->first, from)) +
+                            " (no segment_map of them between)");
+    }
+    throw trace_error(t_.source, e.line,
+                      head(e) + " unmaps bytes that are not mapped, from address " + std::to_string(from) +
+                          " (no segment_map covers them, or they were unmapped since): an unmap covers mapped "
+                          "pages only");
+  }
+
+  const trace& t_;
+  bool opening_ = true;        // no event yet but segment_alloc and segment_map
+  bool opening_maps_ = false;  // the opening had segment_map lines
+  ranges segments_;            // live segments (segment_alloc .. segment_free)
+  ranges mapped_;              // bytes mapped after the opening, by the segment_map that mapped them
+  ranges unmapped_;            // bytes unmapped and not mapped again, by the segment_unmap that unmapped them
+  std::unordered_map<std::uint64_t, std::size_t> freed_;  // segment base -> line of its segment_free
+};
+
 // For each free_requested event, the index of its free_completed event
 // (`never` if the trace ends first). Also validates the pairing, that a
-// free has the size and stream of its alloc, and that live allocations do
-// not overlap (live_ranges).
+// free has the size and stream of its alloc, that live allocations do
+// not overlap (live_ranges), and the recording allocator's segments and
+// pages (recorded_segments).
 std::vector<std::uint64_t> completion_indices(const trace& t) {
   std::vector<std::uint64_t> completion(t.events.size(), never);
   std::unordered_map<std::uint64_t, std::uint64_t> allocated_at;  // addr -> alloc index
   std::unordered_map<std::uint64_t, std::uint64_t> requested_at;  // addr -> free_requested index
   live_ranges ranges(t);
+  recorded_segments segments(t);
   allocated_at.reserve(1024);
   requested_at.reserve(1024);
   for (std::size_t i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
     check_in_address_space(t, e);
+    segments.event(e);
     if (e.action == trace_action::alloc) {
       ranges.alloc(i);
       allocated_at[e.addr] = i;  // an alloc at a live address is the event loop's error, naming both lines
@@ -445,6 +616,15 @@ class sleep_replay {
 // last event (index, stream): a program that makes a stream per request
 // destroys it after its last use. Empty when `gaps` keeps the trace's
 // streams (they are its own).
+// Destroying a trace stream at its end changes no figure only while other
+// streams may adopt its cached memory: without reuse_across_streams (for
+// reservations, without trim_on_new_peak) the allocator gives it back to the
+// device at the destroy, which the recorded program, whose stream lived on,
+// did not do. Those configurations keep every trace stream to the end.
+bool destroying_streams_changes_no_figure(const allocator_config& c) {
+  return c.reuse_across_streams && c.trim_on_new_peak;
+}
+
 std::vector<std::pair<std::uint64_t, stream_t>> stream_ends_of(const trace& t, const gap_model& gaps,
                                                                const stream_map& streams) {
   std::vector<std::pair<std::uint64_t, stream_t>> stream_ends;  // (last event index, stream), by index
@@ -596,7 +776,9 @@ class event_loop {
       : t_(t), completion_(completion), gaps_(gaps), streams_(streams), lag_(lag), r_(r),
         c_{gaps, std::make_unique<caching_allocator>(std::move(backend), config)}, allocator_(*c_.allocator),
         side_streams_(gaps, trace_streams(t)), never_freed_(never_freed_allocs(t)),
-        stream_ends_(stream_ends_of(t, gaps, streams)), clock_(t), sleep_(t, allocator_, r),
+        stream_ends_(destroying_streams_changes_no_figure(config) ? stream_ends_of(t, gaps, streams)
+                                                                  : std::vector<std::pair<std::uint64_t, stream_t>>{}),
+        clock_(t), sleep_(t, allocator_, r),
         has_pauses_(std::any_of(t.events.begin(), t.events.end(),
                                 [](const trace_event& e) { return e.action == trace_action::pause; })) {
     allocator_.init(1);
@@ -957,6 +1139,28 @@ replay_result replay_trace(const trace& t, const replay_options& options) {
 #endif
 }
 
+// The most bytes the program holds at once: an allocation counts from its
+// alloc to its free_requested. Its uses may go on until free_completed, but an
+// allocator short of memory synchronizes the device and takes such blocks
+// back earlier, so only this is a lower bound of the memory a replay needs.
+namespace {
+
+std::uint64_t peak_live_bytes(const trace& t) {
+  std::uint64_t now = 0;
+  std::uint64_t peak = 0;
+  for (const trace_event& e : t.events) {
+    if (e.action == trace_action::alloc) {
+      now += e.size;
+      peak = std::max(peak, now);
+    } else if (e.action == trace_action::free_requested) {
+      now -= std::min(now, e.size);
+    }
+  }
+  return peak;
+}
+
+}  // namespace
+
 std::size_t find_min_device_memory(const trace& t, const replay_options& options, std::size_t precision_bytes) {
   if (options.device != replay_device::sim)
     throw error("find_min_device_memory: only the simulated device can change its memory size");
@@ -1008,15 +1212,17 @@ std::size_t find_min_device_memory(const trace& t, const replay_options& options
     while (m >= precision_bytes && cap(m - precision_bytes) >= bytes) m -= precision_bytes;
     return m;
   };
-  // Bounds: `fails` is too small for the peak requested bytes (0: none
-  // tried), `fits` holds the first replay's peak reserved; checked, since a
-  // smaller cap changes what garbage_collection_threshold does. Blocks of a
-  // paused tag count as requested but hold no device pages, so with pauses
-  // the requested peak is no lower bound (it may exceed the reserved peak):
-  // the search then starts from nothing. `fails` always stays below `fits`.
+  // Bounds: `fails` is too small for the bytes the program holds at its
+  // peak (peak_live_bytes; 0: none tried), `fits` holds the first replay's
+  // peak reserved; checked, since a smaller cap changes what
+  // garbage_collection_threshold does. The figures' peak requested bytes
+  // (allocations counted until free_completed) are no lower bound: a replay
+  // that runs short synchronizes and reuses blocks whose frees were
+  // requested. Blocks of a paused tag hold no device pages, so with pauses
+  // the search starts from nothing. `fails` always stays below `fits`.
   std::size_t fits = device_for(full.peak_reserved_bytes);
   if (fits == 0) return 0;  // nothing was ever reserved
-  const std::size_t lower = full.sleep_events.empty() ? device_for(full.peak_requested_bytes) : 0;
+  const std::size_t lower = full.sleep_events.empty() ? device_for(peak_live_bytes(t)) : 0;
   std::size_t fails = lower >= precision_bytes ? lower - precision_bytes : 0;
   if (fails >= fits) fails = 0;
   if (fits < start) {

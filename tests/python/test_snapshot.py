@@ -190,6 +190,25 @@ class SnapshotJsonErrors(unittest.TestCase):
             self.assertIn(f"snapshot.py: {bad}: snapshot: missing key 'device_traces'", out.stderr)
 
 
+    def test_cli_names_the_output_it_cannot_write(self):
+        import resource
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "s.json")
+            with open(src, "w") as f:
+                f.write(json.dumps(self.minimal()))
+            cli = [sys.executable, os.path.join(ROOT, "python", "ccalloc", "snapshot.py"), src, "-o"]
+            missing = os.path.join(tmp, "no_such_folder", "out.pickle")
+            out = subprocess.run(cli + [missing], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 1)
+            self.assertEqual(out.stderr, f"snapshot.py: cannot write {missing}: No such file or directory\n")
+            # A file size limit (ulimit -f): the write fails part way; no file is left.
+            small = os.path.join(tmp, "out.pickle")
+            out = subprocess.run(cli + [small], capture_output=True, text=True,
+                                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1, 1)))
+            self.assertEqual(out.returncode, 1)
+            self.assertEqual(out.stderr, f"snapshot.py: cannot write {small}: File too large\n")
+            self.assertEqual(os.listdir(tmp), ["s.json"])
+
     def test_cli_refuses_to_write_over_its_input(self):
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "s.json")
@@ -290,6 +309,57 @@ class SnapshotToTrace(unittest.TestCase):
                 live.discard(addr)
         self.assertRegex(notes[1], r"^\d+ alloc and \d+ segment events added at the start")
         self.assertLess(len(lines), len(full) + 400)
+
+    # A snapshot ccalloc wrote: a tag on each entry, pause and resume entries
+    # (a pause's addr: the bytes kept in host memory).
+    MiB = 1 << 20
+    TAGGED = {"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 1 << 30, "size": 8 * MiB, "stream": 0, "time_us": 1, "tag": "weights"},
+        {"action": "alloc", "addr": 2 << 30, "size": 4 * MiB, "stream": 0, "time_us": 2, "tag": "kv_cache"},
+        {"action": "alloc", "addr": 3 << 30, "size": 1 * MiB, "stream": 0, "time_us": 3, "tag": "default"},
+        {"action": "pause", "addr": 8 * MiB, "size": 8 * MiB, "stream": 0, "time_us": 4, "tag": "weights"},
+        {"action": "pause", "addr": 0, "size": 4 * MiB, "stream": 0, "time_us": 5, "tag": "kv_cache"},
+        {"action": "resume", "addr": 0, "size": 8 * MiB, "stream": 0, "time_us": 6, "tag": "weights"},
+        {"action": "resume", "addr": 0, "size": 0, "stream": 0, "time_us": 7, "tag": "earlier"},
+        {"action": "free_requested", "addr": 3 << 30, "size": 1 * MiB, "stream": 0, "time_us": 8},
+        {"action": "free_completed", "addr": 3 << 30, "size": 1 * MiB, "stream": 0, "time_us": 8}]]}
+
+    def test_tags_pauses_and_resumes_become_trace_lines(self):
+        lines, notes = snapshot_to_trace.convert(self.TAGGED)
+        MiB = self.MiB
+        self.assertEqual(lines, [
+            "1 tag 0 0 0 weights", f"1 alloc {1 << 30} {8 * MiB} 0",
+            "2 tag 0 0 0 kv_cache", f"2 alloc {2 << 30} {4 * MiB} 0",
+            "3 tag 0 0 0 default", f"3 alloc {3 << 30} {MiB} 0",
+            f"4 pause 0 {8 * MiB} 0 weights keep", f"5 pause 0 {4 * MiB} 0 kv_cache drop",
+            f"6 resume 0 {8 * MiB} 0 weights",
+            f"8 free_requested {3 << 30} {MiB} 0", f"8 free_completed {3 << 30} {MiB} 0"])
+        self.assertIn("1 resume entry of tags paused before the trace began dropped", notes)
+        self.assertFalse(any("dropped actions" in n for n in notes), notes)
+        bad = {"segments": [], "device_traces": [[dict(self.TAGGED["device_traces"][0][0], tag="no spaces")]]}
+        with self.assertRaisesRegex(snapshot_to_trace.ConvertError,
+                                    r"^device_traces\[0\]\[0\]\.tag: bad tag 'no spaces': a tag name is 1 to 64"):
+            snapshot_to_trace.convert(bad)
+
+    @unittest.skipUnless(os.path.exists(BIN), "ccalloc not built (set CCALLOC_BIN)")
+    def test_the_text_trace_sleeps_and_wakes_as_the_pickle_does(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            snap, text = os.path.join(tmp, "s.pickle"), os.path.join(tmp, "s.trace")
+            with open(snap, "wb") as f:
+                pickle.dump(self.TAGGED, f)
+            subprocess.run([sys.executable, os.path.join(ROOT, "tools", "snapshot_to_trace.py"), snap, "-o", text],
+                           check=True)
+            sleep = []
+            for path in (snap, text):
+                out = subprocess.run([BIN, "replay", path, "--json"], capture_output=True, text=True)
+                self.assertEqual(out.returncode, 0, out.stderr)
+                sleep.append(json.loads(out.stdout)["sleep"])
+        self.assertEqual(sleep[0]["pauses"], 2)
+        self.assertEqual(sleep[0]["resumes"], 1)
+        for s in sleep:  # lines differ: the text has header comments and tag lines
+            for e in s["events"]:
+                del e["line"]
+        self.assertEqual(sleep[1], sleep[0])
 
     def test_missing_free_requested_is_added(self):
         s = {"segments": [], "device_traces": [[

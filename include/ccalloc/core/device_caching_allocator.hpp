@@ -113,16 +113,21 @@ class device_caching_allocator {
   /// in every thread once this call has returned (a thread that had met the
   /// stream finds it gone under its lock). Its
   /// cached blocks stay cached for its handle (other streams may adopt its
-  /// idle segments); once it holds no segment, its state is deleted
-  /// (nothing of it stays: SPEC P10), as soon as no thread can still reach
-  /// it. `destroy` (the backend's destroy_stream; may be empty) runs under
-  /// the same lock, after the stream is marked gone: a malloc racing with
-  /// this call either comes before (it may be served) or after (refused,
-  /// invalid_argument_error), never sees the stream half destroyed (gone
-  /// here, still live for the backend), and a free never records on the
-  /// destroyed stream. If `destroy` throws, the stream stays live and the
-  /// exception propagates. Throws backend_error from the synchronize (then
-  /// nothing changed). Locks the whole device.
+  /// idle segments); with reuse_across_streams:False (no other stream may;
+  /// for expandable segments also with trim_on_new_peak:False)
+  /// they go back to the device now, as empty_cache returns them, and a
+  /// segment holding its live blocks when the last of them is freed (one
+  /// used on other streams once their work has run). Once it holds no
+  /// segment, its state is deleted (nothing of it stays: SPEC P10), as soon
+  /// as no thread can still reach it. `destroy` (the backend's
+  /// destroy_stream; may be empty) runs under the same lock, after the
+  /// stream is marked gone: a malloc racing with this call either comes
+  /// before (it may be served) or after (refused, invalid_argument_error),
+  /// never sees the stream half destroyed (gone here, still live for the
+  /// backend), and a free never records on the destroyed stream. If
+  /// `destroy` throws, the stream stays live and the exception propagates.
+  /// Throws backend_error from the synchronize (then nothing changed).
+  /// Locks the whole device.
   void stream_destroyed(stream_t stream, const std::function<void()>& destroy = {});
   /// The backend made a stream `stream` (a handle a destroyed stream may have
   /// had): it is no longer gone (stream_destroyed). Locks the whole device.

@@ -231,7 +231,9 @@ class caching_allocator {
   /// valid and are freed as usual later, recording nothing on it. A malloc
   /// on it then throws invalid_argument_error. Once its memory has moved on
   /// (its blocks freed, its cached segments adopted by another stream or
-  /// returned to the device), the allocator keeps nothing of it: no host
+  /// returned to the device: with reuse_across_streams:False, at once, and
+  /// a segment of its live blocks at the last one's free), the allocator
+  /// keeps nothing of it: no host
   /// memory and no slow-path time per destroyed stream (SPEC P10). Destroying a stream through
   /// the backend directly, under the allocator, is not supported: a later
   /// free of its blocks may fail (backend_error or invalid_argument_error,

@@ -310,9 +310,12 @@ struct replay_result {
 
 /// SPEC P7: the smallest simulated device memory (bytes, a multiple of
 /// `precision_bytes`) on which `t` replays with options.config without an
-/// out-of-memory error, found by bisection between the trace's peak
-/// requested bytes (nothing smaller can work; 0 when the trace pauses tags,
-/// whose paused blocks count as requested but hold no memory) and the peak
+/// out-of-memory error, found by bisection between the most bytes the trace
+/// holds at once, each allocation counted from its alloc to its
+/// free_requested (nothing smaller can work; not the figures' peak requested
+/// bytes, which count until free_completed: short of memory, the allocator
+/// synchronizes and reuses such blocks earlier; 0 when the trace pauses
+/// tags, whose paused blocks hold no memory) and the peak
 /// reserved of a replay on options.device_memory_bytes (checked); no size
 /// above that upper bound is tried. A per_process_memory_fraction
 /// in options.config applies to every size tried: the result is the device's

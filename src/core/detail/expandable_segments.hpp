@@ -86,8 +86,8 @@ class expandable_segments {
   // note_maybe_empty. A device error leaves the rest for a later call. [world]
   void release_gone_empty_reservations() noexcept;
   // The cached memory of gone stream `ss`'s reservations back to the
-  // device, and each reservation left empty (reuse_across_streams:False;
-  // stream_registry::release_gone_caches). Throws the device's error.
+  // device, and each reservation left empty (no other stream may adopt
+  // them: stream_registry::release_gone_caches). Throws the device's error.
   void release_stream_reservations(const stream_state& ss);
 
   segment* new_expandable_segment(const alloc_params& p);

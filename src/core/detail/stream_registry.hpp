@@ -97,8 +97,8 @@ class stream_registry {
   // Deletes the state of every gone stream that holds no segment (its
   // pending statistics published first), so that a destroyed stream costs
   // no host memory and no slow-path time once its memory has moved on.
-  // With reuse_across_streams:False it first returns the gone streams'
-  // cached memory (release_gone_caches). world_lock's destructor calls it.
+  // It first returns the gone streams' cached memory that no other stream
+  // may take over (release_gone_caches). world_lock's destructor calls it.
   // [world]
   void forget_gone_streams(world_lock& w) noexcept;
   // Marks gone the per-thread default streams of the threads that have
@@ -106,6 +106,12 @@ class stream_registry {
   // wait fails stays for the next world lock. world_lock's constructor calls
   // it. [world]
   void end_thread_streams(world_lock& w) noexcept;
+  // Whether no other stream may adopt a gone stream's cached segments
+  // (reuse_across_streams:False; for reservations also
+  // trim_on_new_peak:False): they then go back to the device with it
+  // (forget_gone_streams), and a free of its block takes the world lock
+  // for that. [stream] or [world]: reads the configuration
+  [[nodiscard]] bool gone_caches_unshared() const noexcept;
   // Exited threads' streams not yet marked gone (tests). [none]
   [[nodiscard]] std::size_t ended_pending() const;
   // Forgotten states not yet deleted: a thread's cached entry still names
@@ -150,8 +156,8 @@ class stream_registry {
   // Clears the gone mark of `stream` (stream_created, a destroy that failed). [world]
   void revive(stream_t stream) noexcept;
   // The cached memory of gone streams that no other stream may take over
-  // (reuse_across_streams:False) back to the device, as emptyCache returns
-  // it; device errors leave it for the next world lock. [world]
+  // (gone_caches_unshared) back to the device, as emptyCache returns it;
+  // device errors leave it for the next world lock. [world]
   void release_gone_caches(world_lock& w) noexcept;
   // Deletes the forgotten states that no thread's cached entry names any
   // more; `fresh`: some were just added (else only when an entry changed

@@ -18,9 +18,8 @@
 
 namespace ccalloc::detail {
 
-/// While a callback counted in tls_mapping_listener_depth other than a
-/// mapping listener runs on this thread: its name; null otherwise.
-inline thread_local const char* tls_locked_callback = nullptr;
+// tls_locked_callback (spin_mutex.hpp, whose lock abort names it) holds
+// the running callback's name.
 
 /// The message of a call into the allocator (`what`) refused because the
 /// callback tls_locked_callback names runs on this thread.

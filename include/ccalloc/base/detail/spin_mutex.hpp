@@ -36,7 +36,26 @@ namespace ccalloc::detail {
 // process with a message instead of waiting forever.
 inline thread_local int tls_mapping_listener_depth = 0;
 
+/// While a callback counted in tls_mapping_listener_depth other than a
+/// mapping listener runs on this thread (the C API's history `release` and
+/// `frames` functions): its name, set on entering it (base/detail/
+/// locked_callback.hpp); null otherwise. Read only where a call is refused.
+inline thread_local const char* tls_locked_callback = nullptr;
+
+// Stops the process: the thread, in a callback that runs holding the
+// allocator's locks, asked for one of them. The message names the callback
+// (tls_locked_callback) or, when none is named, a mapping listener.
 [[noreturn, gnu::cold]] inline void mapping_listener_reentered() noexcept {
+  if (tls_locked_callback != nullptr) {
+    std::fputs("ccalloc: ", stderr);
+    std::fputs(tls_locked_callback, stderr);
+    std::fputs(
+        " called into the allocator, whose locks the calling thread may hold (ccalloc/ccalloc.h: "
+        "ccalloc_history_options_t: it must not call into any ccalloc allocator); aborting instead of "
+        "deadlocking\n",
+        stderr);
+    std::abort();
+  }
   std::fputs(
       "ccalloc: a mapping listener called into the allocator, whose locks the announcing thread holds "
       "(ccalloc/core/mapping_events.hpp: a listener must not call into any ccalloc allocator); "
