@@ -1,5 +1,5 @@
 #!/bin/sh
-# cli_output_files.sh CCALLOC DIR CASE: the CLI's output files (report -o,
+# cli_output_files.sh CCALLOC DIR CASE [PRELOAD]: the CLI's output files (report -o,
 # replay --snapshot, --config oom_snapshot:) are written whole or not at
 # all, through symbolic links without replacing them, and to FIFOs without
 # handing the reader an end-of-file first. Prints what it finds; the test's
@@ -101,6 +101,70 @@ json_bytes)
   cp good.trace "$name"
   "$ccalloc" replay "$name" --json > out.json 2> err.txt
   echo "json rc=$? trace lines=$(grep -c '"trace": "t' out.json) errors=$(wc -c < err.txt)"
+  ;;
+report_bytes)
+  # A trace name and a --title that are not UTF-8: the page (declared
+  # UTF-8) shows U+FFFD in their place, still HTML-escaped.
+  name="t$(printf '\377').trace"
+  cp good.trace "$name"
+  fffd=$(printf '\357\277\275')
+  "$ccalloc" report "$name" -o a.html > /dev/null 2>&1
+  echo "report rc=$? valid=$(iconv -f UTF-8 -t UTF-8 a.html > /dev/null 2>&1 && echo yes || echo no) title=$(grep -c "<title>ccalloc report: t$fffd\.trace</title>" a.html)"
+  "$ccalloc" report "$name" --title "<b$(printf '\376')>" -o b.html > /dev/null 2>&1
+  echo "titled rc=$? valid=$(iconv -f UTF-8 -t UTF-8 b.html > /dev/null 2>&1 && echo yes || echo no) title=$(grep -c "<title>ccalloc report: &lt;b$fffd&gt;</title>" b.html)"
+  ;;
+signal)
+  # SIGTERM (SIGHUP for the oom_snapshot the library writes during the
+  # replay) while an output file is being written (tests/pause_before_rename.c,
+  # preloaded, holds the write just before its rename): the temporary file
+  # is removed, the old file stays, and the process ends by the signal.
+  printf 'old report\n' > keep.html
+  printf 'old snapshot\n' > keep.json
+  printf 'old pickle\n' > keep.pickle
+  for out in "TERM report good.trace -o keep.html" "TERM replay good.trace --snapshot keep.json" \
+             "HUP replay oom.trace --allow-oom --config oom_snapshot:keep.pickle"; do
+    sig=${out%% *}
+    out=${out#* }
+    rm -f paused
+    # shellcheck disable=SC2086
+    CCALLOC_TEST_PAUSED=paused LD_PRELOAD=$4 "$ccalloc" $out > /dev/null 2>&1 &
+    pid=$!
+    n=0
+    while [ ! -e paused ] && [ $n -lt 500 ]; do sleep 0.02; n=$((n + 1)); done
+    held=$(ls | grep -c '\.tmp\.')
+    kill -$sig $pid
+    wait $pid 2> /dev/null
+    echo "${out%% *} rc=$? paused=$(exists paused) held=$held left=$(ls | grep -c '\.tmp\.')"
+  done
+  echo "[$(cat keep.html)] [$(cat keep.json)] [$(cat keep.pickle)]"
+  ;;
+min_memory)
+  # --min-memory with an oom_snapshot: the snapshot is of a replay on the
+  # device 2 MiB below the smallest that fits, and a line says so; with no
+  # such device nothing is written, and a line says why. 12 blocks of
+  # 600,000 bytes, 2 of each 3 freed, then five of 2 MiB: fits in 16 MiB;
+  # on 14 MiB the fifth 2 MiB block fails (4 fit: the snapshot, replayed,
+  # peaks at 4 x 600,000 + 4 x 2 MiB = 10,788,608 bytes), on 12 MiB the
+  # fourth (8,691,456).
+  awk 'BEGIN { t = 1; for (i = 0; i < 12; i++) print t++ " alloc " (i * 1048576 + 4096) " 600000 0";
+    for (i = 0; i < 12; i++) if (i % 3) { print t++ " free_requested " (i * 1048576 + 4096) " 600000 0";
+      print t++ " free_completed " (i * 1048576 + 4096) " 600000 0" }
+    for (i = 0; i < 5; i++) print t++ " alloc " (1000000000 + i * 4194304) " 2097152 0" }' > frag.trace
+  "$ccalloc" replay frag.trace --min-memory --config oom_snapshot:o.pickle > out.txt 2> err.txt
+  echo "search rc=$? $(grep -c '(16777216 B)' out.txt) $(cat err.txt)"
+  "$ccalloc" replay o.pickle --json 2> /dev/null | grep -m1 '"peak_requested_bytes"'
+  "$ccalloc" replay good.trace --min-memory --config oom_snapshot:g.pickle > /dev/null 2> err.txt
+  echo "small rc=$? $(cat err.txt) file=$(exists g.pickle)"
+  ;;
+report_oom_snapshot)
+  # report replays twice (the curves, then up to the peak for the segment
+  # map): an out-of-memory before the peak writes the oom_snapshot once,
+  # in the first replay (tests/pause_before_rename.c lists each output
+  # renamed into place).
+  printf '1 alloc 8192 200000000000 0\n2 alloc 4096 512 0\n' > early_oom.trace
+  CCALLOC_TEST_RENAMES=renames.txt LD_PRELOAD=$4 "$ccalloc" report early_oom.trace --allow-oom \
+    --config oom_snapshot:o.pickle -o r.html > /dev/null 2>&1
+  echo "report rc=$? writes: $(tr '\n' ' ' < renames.txt)end"
   ;;
 two_outputs)
   # Two outputs of one command naming one file are refused before the run

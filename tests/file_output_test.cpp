@@ -7,13 +7,17 @@
 #include <algorithm>
 #include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -41,6 +45,26 @@ std::vector<std::string> names_in(const fs::path& dir) {
   return names;
 }
 
+// write_file_whole of 100,000 bytes to `path` under a file size limit of
+// 4 KiB, with `handler` (SIG_IGN, or a function) for the SIGXFSZ the write
+// raises part way; its result, or nothing where the limit cannot be set.
+std::optional<int> write_past_a_size_limit(const fs::path& path, void (*handler)(int), std::string& step) {
+  struct ::rlimit saved {};
+  if (::getrlimit(RLIMIT_FSIZE, &saved) != 0) return std::nullopt;
+  if (saved.rlim_max != RLIM_INFINITY && saved.rlim_max < 4096) return std::nullopt;
+  const auto old_handler = std::signal(SIGXFSZ, handler);
+  struct ::rlimit limit = saved;
+  limit.rlim_cur = 4096;
+  if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) {
+    std::signal(SIGXFSZ, old_handler);
+    return std::nullopt;
+  }
+  const int error = ccalloc::write_file_whole(path.string(), std::string(100000, 'x'), step);
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, old_handler);
+  return error;
+}
+
 // A file size limit stops the write part way (EFBIG, SIGXFSZ ignored): the
 // old file stays whole with its mode, and no temporary file is left.
 TEST(FileOutput, AWriteCutOffPartWayLeavesTheOldFileWhole) {
@@ -48,22 +72,74 @@ TEST(FileOutput, AWriteCutOffPartWayLeavesTheOldFileWhole) {
   const fs::path path = dir / "keep.html";
   std::ofstream(path) << "old";
   fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
-  struct ::rlimit saved {};
-  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
-  if (saved.rlim_max != RLIM_INFINITY && saved.rlim_max < 4096) GTEST_SKIP() << "file size limit below 4 KiB";
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
-  struct ::rlimit limit = saved;
-  limit.rlim_cur = 4096;
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
   std::string step;
-  const int error = ccalloc::write_file_whole(path.string(), std::string(100000, 'x'), step);
-  ::setrlimit(RLIMIT_FSIZE, &saved);
-  std::signal(SIGXFSZ, old_handler);
-  EXPECT_EQ(error, EFBIG);
+  const std::optional<int> error = write_past_a_size_limit(path, SIG_IGN, step);
+  if (!error) GTEST_SKIP() << "file size limit below 4 KiB";
+  EXPECT_EQ(*error, EFBIG);
   EXPECT_EQ(step, ": cannot write a temporary file in " + dir.string());
   EXPECT_EQ(read_file(path), "old");
   EXPECT_EQ(fs::status(path).permissions(), fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
   EXPECT_EQ(names_in(dir), std::vector<std::string>{"keep.html"});
+}
+
+// The folder remove_temporary_files_in_handler looks in (an open
+// descriptor), and the temporary files (names holding ".tmp.") it found
+// there before and after its call; -1: not called.
+int signal_dir_fd = -1;
+int temporaries_before_removal = -1, temporaries_after_removal = -1;
+
+// Temporary files in signal_dir_fd, with system calls only (no allocation:
+// it runs in a signal handler); -1 when the folder cannot be read.
+int count_temporaries() {
+  if (::lseek(signal_dir_fd, 0, SEEK_SET) != 0) return -1;
+  alignas(8) static char buffer[8192];
+  int count = 0;
+  for (;;) {
+    const long n = ::syscall(SYS_getdents64, signal_dir_fd, buffer, sizeof buffer);
+    if (n < 0) return -1;
+    if (n == 0) return count;
+    for (long at = 0; at < n;) {
+      unsigned short length = 0;
+      std::memcpy(&length, buffer + at + 16, sizeof length);  // struct linux_dirent64: d_reclen at 16, d_name at 19
+      if (std::strstr(buffer + at + 19, ".tmp.") != nullptr) ++count;
+      at += length;
+    }
+  }
+}
+
+// A handler of the signal a write raises part way (SIGXFSZ, at a file size
+// limit) standing for a program's SIGTERM handler: it removes the
+// temporary files of the writes in progress, counting them before and
+// after.
+extern "C" void remove_temporary_files_in_handler(int) {
+  temporaries_before_removal = count_temporaries();
+  ccalloc::remove_temporary_files();
+  temporaries_after_removal = count_temporaries();
+}
+
+// remove_temporary_files, called from a signal handler while a write is in
+// progress (after 40 earlier writes: more than its table's 16 slots, so
+// each write's slot was given back), removes that write's temporary file;
+// the write then fails and the old file stays.
+TEST(FileOutput, RemoveTemporaryFilesFromASignalHandlerRemovesTheWriteInProgress) {
+  const fs::path dir = fresh_dir("signal");
+  const fs::path path = dir / "keep.html";
+  signal_dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(signal_dir_fd, 0);
+  std::string step;
+  for (int i = 0; i < 40; ++i) ASSERT_EQ(ccalloc::write_file_whole(path.string(), "old", step), 0);
+  const std::optional<int> error = write_past_a_size_limit(path, remove_temporary_files_in_handler, step);
+  ::close(signal_dir_fd);
+  if (!error) GTEST_SKIP() << "file size limit below 4 KiB";
+  EXPECT_EQ(*error, EFBIG);
+  EXPECT_EQ(temporaries_before_removal, 1);
+  EXPECT_EQ(temporaries_after_removal, 0);
+  EXPECT_EQ(read_file(path), "old");
+  // With no write in progress, nothing is removed (not even a file of a
+  // temporary file's name that no write of this process made).
+  std::ofstream(dir / "keep.html.tmp.1.1") << "stale";
+  ccalloc::remove_temporary_files();
+  EXPECT_EQ(names_in(dir), (std::vector<std::string>{"keep.html", "keep.html.tmp.1.1"}));
 }
 
 // A dangling symbolic link: the check creates nothing; the write creates

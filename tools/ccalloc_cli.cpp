@@ -66,6 +66,7 @@
 #include <ccalloc/replay/trace.hpp>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -1128,6 +1129,51 @@ void print_min_memory(const min_memory_result& m, const std::string& config) {
                 double(m.ccalloc_bytes) / double(m.native_expandable_bytes));
 }
 
+/// --min-memory with an oom_snapshot: the search's trial replays write no
+/// snapshot (each that runs out would replace the last, unsaid); the
+/// snapshot is written by one more replay, on the largest device below the
+/// smallest that fits (min_bytes less the search's 2 MiB step), and a line
+/// on stderr says which device and file, or why nothing was written.
+/// Returns that replay's result (for a failed write's message), if it ran.
+std::optional<ccalloc::replay_result> min_memory_oom_snapshot(const loaded_trace& input,
+                                                              const ccalloc::replay_options& options,
+                                                              std::uint64_t min_bytes, const std::string& path) {
+  constexpr std::uint64_t step = 2 * ccalloc::mib;  // find_min_device_memory's default precision
+  const char* const head = "ccalloc: --min-memory: no out-of-memory snapshot (oom_snapshot) was written to";
+  if (min_bytes == 0) {
+    std::fprintf(stderr, "%s %s: the replay reserves no device memory on any device\n", head, path.c_str());
+    return std::nullopt;
+  }
+  if (min_bytes <= step) {
+    std::fprintf(stderr, "%s %s: the smallest device that fits (%llu B) is the search's step; no smaller one "
+                 "is replayed\n", head, path.c_str(), static_cast<unsigned long long>(min_bytes));
+    return std::nullopt;
+  }
+  ccalloc::replay_options trial = options;
+  trial.after_event = nullptr;
+  trial.history.reset();
+  trial.device_memory_bytes = static_cast<std::size_t>(min_bytes - step);
+  set_step("replaying on the largest device that runs out, for the oom_snapshot (--min-memory)");
+  ccalloc::replay_result result = ccalloc::replay_trace(input.trace, trial);
+  if (result.ooms == 0) {
+    std::fprintf(stderr, "%s %s: the replay on %llu B, 2 MiB below the smallest device that fits, did not run "
+                 "out of memory\n", head, path.c_str(), static_cast<unsigned long long>(trial.device_memory_bytes));
+  } else if (result.oom_snapshot_failure.empty()) {
+    std::fprintf(stderr, "ccalloc: --min-memory: the out-of-memory snapshot (oom_snapshot) in %s is of a replay "
+                 "on %llu B (%s), 2 MiB below the smallest device that fits, where %llu allocation(s) failed\n",
+                 path.c_str(), static_cast<unsigned long long>(trial.device_memory_bytes),
+                 gib(trial.device_memory_bytes).c_str(), static_cast<unsigned long long>(result.ooms));
+  }
+  return result;
+}
+
+/// `config` without its oom_snapshot key (the canonical string of the rest).
+std::string without_oom_snapshot(const std::string& config) {
+  ccalloc::allocator_config parsed = ccalloc::allocator_config::parse(config);
+  parsed.oom_snapshot_path.clear();
+  return parsed.to_string();
+}
+
 int run_replay(const common_options& common, const std::string& config, bool min_memory,
                const std::string& snapshot_path) {
   ccalloc::replay_options options = common.replay_options_for(config);
@@ -1158,9 +1204,13 @@ int run_replay(const common_options& common, const std::string& config, bool min
                  snapshot_path.c_str(), with_commas(snapshot_json.size()).c_str(), snapshot_path.c_str());
   }
   std::optional<min_memory_result> min;
+  std::optional<ccalloc::replay_result> snapshot_trial;
   if (min_memory) {
     set_step("finding the smallest device memory (--min-memory)");
-    min = find_min_memory(input, options);
+    ccalloc::replay_options search = options;
+    if (!oom_snapshot.empty()) search.config = without_oom_snapshot(options.config);
+    min = find_min_memory(input, search);
+    if (!oom_snapshot.empty()) snapshot_trial = min_memory_oom_snapshot(input, options, min->ccalloc_bytes, oom_snapshot);
   }
   set_step("printing the results");
   if (common.json_output) {
@@ -1169,6 +1219,8 @@ int run_replay(const common_options& common, const std::string& config, bool min
       out["min_device_memory_bytes"] = min->ccalloc_bytes;
       if (min->native_bytes) out["native_min_capacity_bytes"] = min->native_bytes;
       if (min->native_expandable_bytes) out["native_expandable_min_capacity_bytes"] = min->native_expandable_bytes;
+      if (snapshot_trial && snapshot_trial->ooms != 0 && snapshot_trial->oom_snapshot_failure.empty())
+        out["oom_snapshot_device_memory_bytes"] = min->ccalloc_bytes - 2 * ccalloc::mib;
     }
     std::printf("%s\n", json_text(out).c_str());
   } else {
@@ -1176,6 +1228,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
     if (min) print_min_memory(*min, options.config);
   }
   print_oom_snapshot_failure({&result});
+  if (snapshot_trial) print_oom_snapshot_failure({&*snapshot_trial});
   return oom_exit_status({&result}, common.allow_oom);
 }
 
@@ -1472,6 +1525,33 @@ int checked_output(int rc) {
                flush_failed && err != 0 ? std::strerror(err) : "a write failed (a full disk or a closed pipe)");
   return rc != 0 ? rc : 1;
 }
+
+/// A signal that ends the command (SIGTERM, SIGINT, SIGHUP) during the write
+/// of an output file: the file's temporary file is removed
+/// (ccalloc::remove_temporary_files, async-signal-safe), then the signal's
+/// default action ends the process, so that its exit status still says
+/// which signal killed it. At any other time there is nothing to remove.
+extern "C" void end_on_signal(int signal_number) {
+  const int saved = errno;
+  ccalloc::remove_temporary_files();
+  // SA_RESETHAND restored the default action; SA_NODEFER lets it act now.
+  (void)::raise(signal_number);
+  errno = saved;
+}
+
+/// Installs end_on_signal for the signals that end a command, except one
+/// the command was started with ignored (nohup's SIGHUP stays ignored).
+void remove_temporary_files_on_signals() {
+  for (const int signal_number : {SIGTERM, SIGINT, SIGHUP}) {
+    struct sigaction old {};
+    if (::sigaction(signal_number, nullptr, &old) != 0 || old.sa_handler == SIG_IGN) continue;
+    struct sigaction action {};
+    action.sa_handler = end_on_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESETHAND | SA_NODEFER;
+    (void)::sigaction(signal_number, &action, nullptr);
+  }
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1480,6 +1560,7 @@ int main(int argc, char** argv) {
   // output file whose temporary file is then removed), instead of the
   // signal that would stop the process with no message.
   std::signal(SIGXFSZ, SIG_IGN);
+  remove_temporary_files_on_signals();
   try {
     return checked_output(detail::run(argc, argv));
   } catch (const std::bad_alloc&) {

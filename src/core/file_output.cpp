@@ -108,7 +108,55 @@ int write_in_place(const std::string& path, std::string_view bytes, std::string&
   return write_and_close(fd, bytes);
 }
 
+// The temporary files being written now (remove_temporary_files): a slot
+// is free, being filled by its writer, published (its path may be removed),
+// or taken by remove_temporary_files (its path is being removed; the slot
+// is never reused). Lock-free atomics only, so that a signal handler may
+// read them.
+constexpr std::size_t temporary_slots = 16;
+constexpr std::size_t temporary_path_bytes = 4096;
+enum slot_state : int { slot_free, slot_filling, slot_published, slot_taken };
+static_assert(std::atomic<int>::is_always_lock_free);
+struct temporary_slot {
+  std::atomic<int> state{slot_free};
+  char path[temporary_path_bytes] = {};
+};
+temporary_slot temporary_table[temporary_slots];
+
+// Publishes `path`; the slot's index, or temporary_slots when none is free
+// or the path does not fit (the file is then not removed on a signal).
+std::size_t publish_temporary(const std::string& path) noexcept {
+  if (path.size() >= temporary_path_bytes) return temporary_slots;
+  for (std::size_t i = 0; i < temporary_slots; ++i) {
+    int expected = slot_free;
+    if (!temporary_table[i].state.compare_exchange_strong(expected, slot_filling, std::memory_order_acquire))
+      continue;
+    path.copy(temporary_table[i].path, path.size());
+    temporary_table[i].path[path.size()] = '\0';
+    temporary_table[i].state.store(slot_published, std::memory_order_release);
+    return i;
+  }
+  return temporary_slots;
+}
+
+// Withdraws a published path once its file is renamed or removed. A slot
+// that remove_temporary_files took stays taken: it may still be reading
+// the path.
+void withdraw_temporary(std::size_t slot) noexcept {
+  if (slot == temporary_slots) return;
+  int expected = slot_published;
+  (void)temporary_table[slot].state.compare_exchange_strong(expected, slot_free, std::memory_order_release);
+}
+
 }  // namespace
+
+void remove_temporary_files() noexcept {
+  for (temporary_slot& slot : temporary_table) {
+    int expected = slot_published;
+    if (slot.state.compare_exchange_strong(expected, slot_taken, std::memory_order_acquire))
+      (void)::unlink(slot.path);
+  }
+}
 
 int write_file_whole(const std::string& path, std::string_view bytes, std::string& step) {
   output_target target;
@@ -125,29 +173,35 @@ int write_file_whole(const std::string& path, std::string_view bytes, std::strin
   static std::atomic<unsigned long> next_temporary{0};
   std::string temporary;
   int fd = -1;
+  // The path is published before the file is created (a signal in between
+  // removes nothing, or a file of this process's own name) and withdrawn
+  // after it is renamed or removed.
+  std::size_t slot = temporary_slots;
   for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
     temporary = target.path + ".tmp." + std::to_string(::getpid()) + "." +
                 std::to_string(next_temporary.fetch_add(1, std::memory_order_relaxed));
+    withdraw_temporary(slot);
+    slot = publish_temporary(temporary);
     fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) {
     const int error = errno;
+    withdraw_temporary(slot);
     step = ": cannot create a temporary file in " + folder;
     return error;
   }
   if (target.exists) (void)::fchmod(fd, target.st.st_mode & 07777);
   if (const int error = write_and_close(fd, bytes); error != 0) {
     ::unlink(temporary.c_str());
+    withdraw_temporary(slot);
     step = ": cannot write a temporary file in " + folder;
     return error;
   }
-  if (std::rename(temporary.c_str(), target.path.c_str()) != 0) {
-    const int error = errno;
-    ::unlink(temporary.c_str());
-    return error;
-  }
-  return 0;
+  const int renamed = std::rename(temporary.c_str(), target.path.c_str()) == 0 ? 0 : errno;
+  if (renamed != 0) ::unlink(temporary.c_str());
+  withdraw_temporary(slot);
+  return renamed;
 }
 
 int check_file_writable(const std::string& path, std::string& step) {

@@ -10,6 +10,7 @@
 #include <ccalloc/base/detail/bytes_text.hpp>
 #include <ccalloc/base/errors.hpp>
 #include <ccalloc/core/device_caching_allocator.hpp>
+#include <ccalloc/core/snapshot.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
 #include <algorithm>
@@ -58,9 +59,12 @@ std::string with_commas(std::uint64_t value) {
   return out;
 }
 
+// Text for the UTF-8 page, escaped: bytes that are not UTF-8 (a file name
+// or --title of other bytes, legal on Linux) become U+FFFD (valid_utf8, as
+// the snapshot's JSON and the CLI's --json write them).
 std::string html(std::string_view s) {
   std::string out;
-  for (const char c : s) {
+  for (const char c : valid_utf8(s)) {
     switch (c) {
       case '&': out += "&amp;"; break;
       case '<': out += "&lt;"; break;

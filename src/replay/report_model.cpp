@@ -8,6 +8,7 @@
 #include "report_model.hpp"
 
 #include <ccalloc/base/errors.hpp>
+#include <ccalloc/core/config.hpp>
 #include <ccalloc/frontend/caching_allocator.hpp>
 
 #include <algorithm>
@@ -219,7 +220,14 @@ report_model build_report_model(const trace& t, const report_options& options) {
   sum.recorded_reserved_peak = recorded.reserved_peak;
   sum.recorded_requested_peak = recorded.requested_peak;
 
-  // Pass 2: up to the peak, for its segments.
+  // Pass 2: up to the peak, for its segments. It replays pass 1's events:
+  // an out-of-memory in it is one of pass 1's, whose oom_snapshot is
+  // written already (a second write would replace it for nothing, or find
+  // a FIFO's reader gone).
+  if (allocator_config c = allocator_config::parse(ro.config); !c.oom_snapshot_path.empty()) {
+    c.oom_snapshot_path.clear();
+    ro.config = c.to_string();
+  }
   std::vector<segment_info> at_peak;
   ro.after_event = [&](std::size_t i, caching_allocator& a) {
     if (options.progress && (i + 1) % progress_every == 0) options.progress(2, i + 1, peak_index + 1);

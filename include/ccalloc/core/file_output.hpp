@@ -20,9 +20,17 @@
 //   without waiting: with no reader the write fails at once (ENXIO, "a
 //   FIFO with no reader") rather than blocking the caller.
 //
-// Thread safety: both functions may run at once on any threads, the same
-// path included (each writer has its own temporary file; the last rename
-// wins). Cost: one write of the bytes; a few stat calls.
+// A signal that kills the program during a write (SIGTERM, SIGINT) would
+// leave the temporary file: a program removes it in its own handler with
+// remove_temporary_files, which may be called from a signal handler. The
+// library installs no signal handler (it does not change a program's
+// signal handling).
+//
+// Thread safety: write_file_whole and check_file_writable may run at once
+// on any threads, the same path included (each writer has its own
+// temporary file; the last rename wins); remove_temporary_files at any
+// time, on any thread or in a signal handler. Cost: one write of the
+// bytes; a few stat calls.
 #pragma once
 
 #include <string>
@@ -48,5 +56,19 @@ int write_file_whole(const std::string& path, std::string_view bytes, std::strin
 /// <folder>" when the folder is not writable). A FIFO's reader is not
 /// checked: it must be there when the file is written.
 int check_file_writable(const std::string& path, std::string& step);
+
+/// Removes (unlinks) the temporary file of every write_file_whole running
+/// now in this process, for a program's handler of a signal that ends it
+/// (SIGTERM, SIGINT, SIGHUP: the handler calls this, then lets the signal's
+/// default action end the program). The writes in progress then fail
+/// (ENOENT at the rename) and leave the old files as they were. Each
+/// writer publishes its temporary file's path in a fixed table of 16 slots
+/// of lock-free atomics, before the file is created and until it is
+/// renamed or removed; a writer beyond 16 at once, or with a temporary path
+/// of 4096 bytes or more, is not published and its file is not removed.
+/// Async-signal-safe (atomics and unlink(2) only), noexcept, callable from
+/// any thread at any time; a path taken by a call stays taken (its slot is
+/// not reused), since the program is expected to end.
+void remove_temporary_files() noexcept;
 
 }  // namespace ccalloc
