@@ -12,6 +12,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -201,6 +205,158 @@ TEST(ConcurrencyTest, ThreadsExitWhileOthersAllocateOnTheirOwnStreams) {
   EXPECT_EQ(st.reserved_bytes[0].current, 0);
   EXPECT_EQ(sim->counters().used_bytes, 0u);
   dev.check_invariants();
+}
+
+// Aborts the process (a failure ctest reports at once) unless disarmed
+// within `limit`: a test that hangs fails instead of waiting for ctest's
+// timeout.
+class watchdog {
+ public:
+  explicit watchdog(std::chrono::seconds limit, const char* what)
+      : thread_([this, limit, what] {
+          std::unique_lock lock(mutex_);
+          if (!done_cv_.wait_for(lock, limit, [this] { return done_; })) {
+            std::fprintf(stderr, "watchdog: %s did not finish within %lld s (a hang)\n", what,
+                         static_cast<long long>(limit.count()));
+            std::abort();
+          }
+        }) {}
+  ~watchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    done_cv_.notify_one();
+    thread_.join();
+  }
+  watchdog(const watchdog&) = delete;
+  watchdog& operator=(const watchdog&) = delete;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+// Threads malloc and free on a shared stream handle (and record uses on it)
+// while another thread makes a new stream, swaps it in and destroys the old
+// one, over and over: a thread may find its stream destroyed at any step
+// (between looking it up and locking it, between its lock and the world
+// lock), malloc on a handle just destroyed (refused), and free blocks of
+// destroyed streams (always). Nothing may crash, hang or miscount: every
+// block freed and the cache emptied, nothing is allocated or reserved.
+// About 2 s (fewer cycles under the sanitizers, the same time).
+TEST(ConcurrencyTest, StreamsDestroyedWhileOtherThreadsAllocateAndFreeOnThem) {
+  const watchdog dog(std::chrono::seconds(120), "the stream destroy race");
+  for (const char* conf : {"", "expandable_segments:False,reuse_across_streams:False"}) {
+    auto sim = std::make_shared<ccalloc::sim_backend>(ccalloc::sim_options{1, std::size_t{1} << 30, 2 * mib});
+    ccalloc::caching_allocator alloc(sim, ccalloc::allocator_config::parse(conf));
+    alloc.init(1);
+    std::atomic<ccalloc::stream_t> shared{alloc.create_stream(0)};
+    std::atomic<bool> stop{false};
+    std::atomic<long> refused{0}, served{0};
+    auto worker = [&](int t) {
+      std::mt19937_64 rng(4242 + t);
+      std::vector<void*> mine(16, nullptr);
+      while (!stop.load(std::memory_order_relaxed)) {
+        void*& slot = mine[rng() % mine.size()];
+        if (slot != nullptr) {
+          alloc.free(slot);  // a block of a destroyed stream too
+          slot = nullptr;
+          continue;
+        }
+        const std::size_t size = rng() % 4 == 0 ? rng() % (8 * mib) + 1 : rng() % 4096 + 1;
+        try {
+          slot = alloc.malloc(0, size, shared.load());
+          served.fetch_add(1, std::memory_order_relaxed);
+        } catch (const ccalloc::invalid_argument_error&) {  // the stream was destroyed meanwhile
+          refused.fetch_add(1, std::memory_order_relaxed);
+          continue;
+        }
+        if (rng() % 3 == 0) {
+          try {
+            alloc.record_stream(slot, shared.load());
+          } catch (const ccalloc::invalid_argument_error&) {  // destroyed meanwhile
+          }
+        }
+      }
+      for (void* p : mine)
+        if (p != nullptr) alloc.free(p);
+    };
+    std::vector<std::thread> pool;
+    for (int t = 0; t < 3; ++t) pool.emplace_back(worker, t);
+    long cycles = 0;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (std::chrono::steady_clock::now() < end) {
+      const ccalloc::stream_t fresh = alloc.create_stream(0);
+      alloc.destroy_stream(0, shared.exchange(fresh));
+      ++cycles;
+    }
+    stop.store(true);
+    for (auto& th : pool) th.join();
+    alloc.destroy_stream(0, shared.load());
+    auto& dev = alloc.device_allocator(0);
+    dev.check_invariants();
+    alloc.empty_cache();
+    const auto st = alloc.get_device_stats(0);
+    EXPECT_EQ(st.allocation[0].current, 0) << "config '" << conf << "'";
+    EXPECT_EQ(st.allocated_bytes[0].current, 0) << "config '" << conf << "'";
+    EXPECT_EQ(st.active_bytes[0].current, 0) << "config '" << conf << "'";
+    EXPECT_EQ(st.reserved_bytes[0].current, 0) << "config '" << conf << "'";
+    EXPECT_EQ(sim->counters().used_bytes, 0u) << "config '" << conf << "'";
+    EXPECT_GT(cycles, 100) << "config '" << conf << "'";
+    EXPECT_GT(served.load(), 100) << "config '" << conf << "'";
+    dev.check_invariants();
+  }
+}
+
+// Once destroy_stream has returned, a malloc on the stream is refused in
+// every thread, also in one that had looked the stream up before (its
+// thread-local entry) and whose cached block of the stream would fit.
+TEST(ConcurrencyTest, AMallocOnADestroyedStreamIsRefusedInEveryThread) {
+  for (const char* conf : {"", "expandable_segments:False", "thread_cache:off"}) {
+    auto sim = std::make_shared<ccalloc::sim_backend>(ccalloc::sim_options{1, std::size_t{1} << 30, 2 * mib});
+    ccalloc::caching_allocator alloc(sim, ccalloc::allocator_config::parse(conf));
+    alloc.init(1);
+    const ccalloc::stream_t s = alloc.create_stream(0);
+    std::mutex m;
+    std::condition_variable cv;
+    int step = 0;  // 1: the worker allocated and freed; 2: the stream is destroyed
+    bool refused = false;
+    void* kept = nullptr;
+    std::thread worker([&] {
+      alloc.free(alloc.malloc(0, 4096, s));
+      kept = alloc.malloc(0, 8192, s);  // the stream keeps a segment: not forgotten
+      {
+        std::lock_guard lock(m);
+        step = 1;
+      }
+      cv.notify_all();
+      std::unique_lock lock(m);
+      cv.wait(lock, [&] { return step == 2; });
+      try {
+        alloc.free(alloc.malloc(0, 4096, s));
+      } catch (const ccalloc::invalid_argument_error&) {
+        refused = true;
+      }
+    });
+    {
+      std::unique_lock lock(m);
+      cv.wait(lock, [&] { return step == 1; });
+    }
+    alloc.destroy_stream(0, s);
+    {
+      std::lock_guard lock(m);
+      step = 2;
+    }
+    cv.notify_all();
+    worker.join();
+    EXPECT_TRUE(refused) << "a malloc on a destroyed stream succeeded (config '" << conf << "')";
+    alloc.free(kept);
+    alloc.empty_cache();
+    EXPECT_EQ(alloc.get_device_stats(0).reserved_bytes[0].current, 0) << "config '" << conf << "'";
+  }
 }
 
 // With one thread, statistics are exact even when it switches streams: the

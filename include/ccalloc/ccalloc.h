@@ -44,7 +44,8 @@
  * its own cached blocks, as they are different streams). A thread's
  * per-thread stream ends with the thread: the allocator forgets it as
  * ccalloc_stream_destroy does (its live blocks stay valid, its cached blocks
- * pass to other streams, no host memory is kept), at its next call that
+ * pass to other streams, no host memory is kept, also when another thread
+ * frees its blocks after it exited), at its next call that
  * takes every lock of the device (a slow-path malloc, statistics,
  * ccalloc_empty_cache), which first waits for that stream's work (CUDA:
  * cudaDeviceSynchronize, as another thread cannot name the stream). On the simulated device a stream is
@@ -875,8 +876,9 @@ CCALLOC_API ccalloc_status_t ccalloc_stream_create(ccalloc_allocator_t* alloc, i
  * a segment holding live blocks of the stream when the last of them is
  * freed (a block recorded on other streams once their work has run).
  * A ccalloc_malloc on the
- * destroyed stream fails with INVALID_ARGUMENT (a thread that allocated on
- * it just before may still be served from its own cache once). Destroying
+ * destroyed stream fails with INVALID_ARGUMENT in every thread, once this
+ * call has returned; one racing with it is served or refused, and its
+ * block frees as any other (blocks outlive their streams). Destroying
  * a stream behind the allocator's back (cudaStreamDestroy directly) while
  * blocks of it are live is not supported: their ccalloc_delete may fail and
  * keep the block. Errors: INVALID_ARGUMENT for the default stream or a

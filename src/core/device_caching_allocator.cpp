@@ -37,7 +37,9 @@ device_caching_allocator::~device_caching_allocator() = default;
 
 void device_caching_allocator::record_stream(block* b, stream_t stream) { detail::record_stream(*state_, b, stream); }
 
-void device_caching_allocator::stream_destroyed(stream_t stream) { state_->registry().set_stream_gone(stream, true); }
+void device_caching_allocator::stream_destroyed(stream_t stream, const std::function<void()>& destroy) {
+  state_->registry().set_stream_gone(stream, true, destroy);
+}
 
 void device_caching_allocator::stream_created(stream_t stream) { state_->registry().set_stream_gone(stream, false); }
 

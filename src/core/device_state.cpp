@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -50,8 +51,14 @@ device_state::~device_state() {
 }
 
 void record_stream(device_state& d, block* b, stream_t stream) {
+  // The registry's lock is held until the use is noted: a destroy of
+  // `stream` (its world lock takes the registry's lock first) then comes
+  // before the check, or after the use is noted and drops it. Let go in
+  // between, a use of a stream destroyed meanwhile stayed noted, and the
+  // block's free failed recording an event on it (the block kept).
+  std::unique_lock registry(d.registry().mutex(), std::defer_lock);
   if (stream != b->stream) {  // the block's stream is fixed while it is allocated
-    std::lock_guard registry(d.registry().mutex());
+    registry.lock();
     d.registry().check_recorded_stream(stream);
   }
   std::lock_guard lock(b->pool->owner->mutex);

@@ -739,6 +739,31 @@ void expandable_segments::release_empty_expandable_segments(bool tags_only) {
   }
 }
 
+void expandable_segments::release_gone_empty_reservations() noexcept {
+  if (!gone_empty_.exchange(false, std::memory_order_relaxed)) [[likely]]
+    return;
+  if (d_.pools().capture_underway()) {  // no device frees while capturing: later
+    note_gone_empty();
+    return;
+  }
+  for (std::size_t i = 0; i < maybe_empty_.size();) {
+    segment& seg = *maybe_empty_[i];
+    if (!seg.head->pool->owner->gone || seg.paused || seg.mapped_bytes != 0 || seg.head->next != nullptr ||
+        !seg.pages.retired().empty()) {
+      ++i;
+      continue;
+    }
+    maybe_empty_.erase(maybe_empty_.begin() + static_cast<std::ptrdiff_t>(i));  // i is the next one now
+    seg.maybe_empty = false;
+    try {
+      release_reservation(seg);
+    } catch (...) {  // the device refused: kept (listed again, within capacity), tried at a later note
+      note_maybe_empty(seg);
+      return;
+    }
+  }
+}
+
 // An empty reservation (no page mapped or retired, one block) back to the
 // device and off the books; seg is deleted. Throws the device's error,
 // nothing changed then.
@@ -794,6 +819,7 @@ void expandable_segments::warn_plain_fallback(std::size_t size) noexcept {
 }
 
 void expandable_segments::note_maybe_empty(segment& seg) noexcept {
+  if (seg.head->pool->owner->gone) note_gone_empty();
   if (seg.maybe_empty) return;
   seg.maybe_empty = true;
   maybe_empty_.push_back(&seg);  // within capacity

@@ -280,6 +280,12 @@ bool device_state::alloc_segment(alloc_params& p, bool is_retry, world_lock& w) 
       if (ptr != nullptr) device_free();
       throw;
     }
+    // The stream destroyed meanwhile (its state may be forgotten, no longer
+    // among w's): the segment goes back, the malloc is refused.
+    if (p.owner->gone) [[unlikely]] {
+      if (ptr != nullptr) device_free();
+      registry_.refuse_malloc(p.stream);
+    }
     stats_.publish_all_pending(w);
     // The cap may have been reached meanwhile by another thread.
     if (ptr != nullptr && memory_.over_cap(size)) {
@@ -372,9 +378,10 @@ block* device_state::allocate_in_private_pool(private_pool& pp, std::size_t requ
 
 block* allocate_tagged(device_state& d, std::size_t requested_bytes, stream_state& ss, tag_id tag) {
   world_lock w(d);
+  stream_state& live = d.registry().live(w, ss);  // destroyed since looked up: refused
   private_pool& pp = d.tags().tag_pool(tag);
   try {
-    return d.allocate_in_private_pool(pp, requested_bytes, ss, w);
+    return d.allocate_in_private_pool(pp, requested_bytes, live, w);
   } catch (...) {
     // Refused (a paused tag, out of memory) before the tag held anything:
     // its fresh pool is forgotten again. Without the world lock (the

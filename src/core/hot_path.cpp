@@ -158,20 +158,16 @@ namespace detail {
 namespace {
 
 // One cached (device state, stream) -> stream_state per thread: the fast path
-// finds its stream without the registry lock.
-struct stream_cache_entry {
-  std::uint64_t owner_id = 0;
-  stream_t stream = 0;
-  stream_state* state = nullptr;
-};
+// finds its stream without the registry lock (stream_registry.hpp).
 CCALLOC_HOT_TLS thread_local stream_cache_entry tls_stream_cache;
 
-// No cached block of the stream fits: the fallback ladder, under the world
-// lock (the configuration may have changed since the stream lock was let go).
+// No cached block of the stream fits (or its stream was destroyed since the
+// thread looked it up): the fallback ladder, under the world lock (the
+// configuration may have changed since the stream lock was let go).
 [[gnu::noinline]] block* allocate_locked(device_state& d, std::size_t requested_bytes, stream_state& ss) {
   world_lock w(d);
   alloc_params p;
-  d.policy().prepare(p, requested_bytes, ss);
+  d.policy().prepare(p, requested_bytes, d.registry().live(w, ss));
   return d.allocate_slow(p, w);
 }
 }  // namespace
@@ -185,8 +181,9 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   {
     std::lock_guard lock(ss.mutex);
     policy_.prepare_search(p, requested_bytes, ss);
-    // Rung 1: a cached block of this stream and pool.
-    if (policy_.caching()) [[likely]] {
+    // Rung 1: a cached block of this stream and pool (not once the stream
+    // is destroyed: allocate_locked refuses it, or finds it made again).
+    if (policy_.caching() && !ss.gone) [[likely]] {
       if (const block_index::position at = find_free_block(p); !at.is_end()) [[likely]] {
         stats_sink sink(*this, ss);
         return note_reusable(take_found_block(p, sink.get(), at), ss);
@@ -211,13 +208,14 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
     }
     if (routed) {
       world_lock w(*this);
+      stream_state& live = registry_.live(w, ss);
       if (private_pool* pp = pools_.scopes().routed(stream)) {  // again: it may have ended meanwhile
         if (pp->use_count == 0)
           throw invalid_argument_error("ccalloc: allocation on stream " + std::to_string(stream) +
                                        " is routed by begin_allocate_to_pool to private pool " + to_string(pp->id) +
                                        " of device " + std::to_string(device_) +
                                        ", which was released (use count 0); end_allocate_to_pool it first");
-        return allocate_in_private_pool(*pp, requested_bytes, ss, w);
+        return allocate_in_private_pool(*pp, requested_bytes, live, w);
       }
     }
   }
@@ -227,7 +225,7 @@ block* device_state::allocate(std::size_t requested_bytes, stream_t stream) {
   {
     std::lock_guard lock(ss.mutex);
     policy_.prepare_search(p, requested_bytes, ss);
-    if (policy_.caching()) {
+    if (policy_.caching() && !ss.gone) {
       if (const block_index::position at = find_free_block(p); !at.is_end()) {
         stats_sink sink(*this, ss);
         return note_reusable(take_found_block(p, sink.get(), at), ss);
@@ -266,7 +264,34 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
       }
     }
   }
-  tls_stream_cache = {cache_key_.load(std::memory_order_relaxed), stream, it->second.get()};
+  name_in_thread_cache(*it->second);
+  return *it->second;
+}
+
+// The entry names the state before the caller gets it: the state is not
+// deleted while the entry names it (forget_gone_streams). Release: a world
+// lock holder that reads the new entry sees every use of the state it named
+// before as done. [registry]
+void stream_registry::name_in_thread_cache(stream_state& ss) const noexcept {
+  stream_cache_entry& e = tls_stream_cache;
+  const stream_state* const before = e.state.load(std::memory_order_relaxed);
+  e.owner_id.store(cache_key_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  e.stream.store(ss.stream, std::memory_order_relaxed);
+  e.state.store(&ss, std::memory_order_release);
+  if (before != nullptr && before != &ss) note_entry_change();
+}
+
+// A malloc whose thread looked its stream up before it was destroyed finds
+// it gone under the world lock: refused as a malloc on a destroyed stream,
+// unless the handle was made again meanwhile (its state now: the same one
+// made live again, or a new one, registered, so locked by w, and named by
+// the thread's entry from now on, as the caller may let w go for a while).
+stream_state& stream_registry::live(const world_lock&, stream_state& ss) const {
+  if (!ss.gone) [[likely]]
+    return ss;
+  const auto it = streams_.find(ss.stream);
+  if (it == streams_.end() || it->second->gone) refuse_malloc(ss.stream);
+  name_in_thread_cache(*it->second);
   return *it->second;
 }
 
@@ -277,15 +302,14 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
 // a new stream (CUDA reuses handles). A stream met and live is not asked
 // about again: no backend call per malloc (docs/limitations.md).
 [[gnu::noinline]] stream_state& stream_registry::registered_stream(stream_t stream) {
+  enlist_thread(tls_stream_cache);  // once per thread: reclaim_limbo reads the entry
   {
     std::lock_guard lock(registry_mutex_);
     const auto known = streams_.find(stream);
     const bool met = known != streams_.end();
     if (met && !known->second->gone) return registered_slot(stream);
     if (!d_.backend().is_stream(d_.device(), stream))  // one message, remembered or forgotten (forget_gone_streams)
-      throw invalid_argument_error("ccalloc: malloc on stream " + std::to_string(stream) + " of device " +
-                                   std::to_string(d_.device()) +
-                                   ", which is not a live stream of that device (never created, or destroyed)");
+      refuse_malloc(stream);
     if (!met) {
       note_thread_stream(stream);
       return registered_slot(stream);
@@ -297,12 +321,21 @@ stream_state& stream_registry::registered_slot(stream_t stream) {
   return registered_slot(stream);
 }
 
-void stream_registry::forget_thread_stream() noexcept { tls_stream_cache = {}; }
+void stream_registry::forget_thread_stream() noexcept {
+  stream_cache_entry& e = tls_stream_cache;
+  e.owner_id.store(0, std::memory_order_relaxed);
+  e.stream.store(0, std::memory_order_relaxed);
+  if (e.state.exchange(nullptr, std::memory_order_release) != nullptr) note_entry_change();
+}
 
+// The cached entry, if it is this device's (its key unchanged) and stream's.
+// A state forgotten after the key was read is not deleted while the entry
+// names it; the caller sees it gone under its lock (allocate).
 stream_state& stream_registry::stream_for(stream_t stream) {
   const stream_cache_entry& c = tls_stream_cache;
-  if (c.owner_id == cache_key_.load(std::memory_order_relaxed) && c.stream == stream) [[likely]]
-    return *c.state;
+  if (c.owner_id.load(std::memory_order_relaxed) == cache_key_.load(std::memory_order_relaxed) &&
+      c.stream.load(std::memory_order_relaxed) == stream) [[likely]]
+    return *c.state.load(std::memory_order_relaxed);
   return registered_stream(stream);
 }
 

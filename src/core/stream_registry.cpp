@@ -2,13 +2,17 @@
 // stream met, the thread-local cache of the last one, destroyed streams.
 #include <ccalloc/core/device_caching_allocator.hpp>
 
+#include <ccalloc/base/detail/fork_handlers.hpp>
 #include <ccalloc/base/detail/thread_object.hpp>
 
 #include "detail/device_state.hpp"
 #include "detail/stats_sink.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,7 +40,7 @@ void stream_registry::check_recorded_stream(stream_t stream) const {
 // changes), so its fences, every free on it so far and every use of a live
 // block on it (record_stream) are complete: the uses are dropped (their
 // frees record nothing on it), and frees of its own blocks fence nothing.
-void stream_registry::set_stream_gone(stream_t stream, bool gone) {
+void stream_registry::set_stream_gone(stream_t stream, bool gone, const std::function<void()>& destroy) {
   if (!gone) {  // nothing to do (the usual case: a new handle) without the world lock
     std::lock_guard lock(registry_mutex_);
     const auto it = streams_.find(stream);
@@ -45,9 +49,21 @@ void stream_registry::set_stream_gone(stream_t stream, bool gone) {
   world_lock w(d_);
   if (gone) {
     mark_gone(w, stream);
+    if (destroy) {
+      try {
+        destroy();
+      } catch (...) {  // the stream lives on
+        revive(stream);
+        throw;
+      }
+    }
     forget_thread_stream();  // this thread's next malloc on it finds it gone
     return;
   }
+  revive(stream);
+}
+
+void stream_registry::revive(stream_t stream) noexcept {
   const auto it = streams_.find(stream);
   if (it == streams_.end() || !it->second->gone) return;
   it->second->gone = false;
@@ -68,6 +84,7 @@ void stream_registry::mark_gone(world_lock&, stream_t stream) {
   ss.fences.drop_outstanding([&](event_t e) { d_.events().give_event(e); });
   ss.fences.all_completed(ss.free_seq);
   ss.release_cached = true;  // release_gone_caches
+  d_.expandable().note_gone_empty();  // its empty reservations go (release_gone_empty_reservations)
 }
 
 // Whether no other stream may take a gone stream's cached memory over:
@@ -185,15 +202,118 @@ std::size_t stream_registry::ended_pending() const {
   return ended_->ended.size();
 }
 
+void stream_registry::refuse_malloc(stream_t stream) const {
+  forget_thread_stream();
+  throw invalid_argument_error("ccalloc: malloc on stream " + std::to_string(stream) + " of device " +
+                               std::to_string(d_.device()) +
+                               ", which is not a live stream of that device (never created, or destroyed)");
+}
+
+namespace {
+
+// Every thread's cached stream entry (stream_cache_entry), for the world
+// lock holders that decide whether a forgotten state may be deleted. The
+// mutex is a leaf: nothing is locked under it (rank leaf around a fork).
+struct cache_entries {
+  std::mutex mutex;
+  std::vector<const stream_cache_entry*> entries;  // [mutex]
+  // Bumped whenever an entry stops naming a state or goes: a forgotten
+  // state kept for an entry may be deleted now.
+  std::atomic<std::uint64_t> changes{1};
+  fork_registration fork{fork_rank::leaf,
+                         fork_hooks{this, [](void* self) noexcept { static_cast<cache_entries*>(self)->mutex.lock(); },
+                                    [](void* self, bool) noexcept {
+                                      static_cast<cache_entries*>(self)->mutex.unlock();
+                                    }}};
+};
+
+// Never destroyed: threads may exit after the static destructors have run.
+cache_entries& all_cache_entries() {
+  static cache_entries* const e = new cache_entries;
+  return *e;
+}
+
+// A thread's enlistment of its entry: listed from its first registry lookup
+// to its exit.
+struct cache_enlistment {
+  const stream_cache_entry* entry = nullptr;
+  cache_enlistment() = default;
+  cache_enlistment(const cache_enlistment&) = delete;
+  cache_enlistment& operator=(const cache_enlistment&) = delete;
+  ~cache_enlistment() {
+    if (entry == nullptr) return;
+    cache_entries& all = all_cache_entries();
+    std::lock_guard lock(all.mutex);
+    std::erase(all.entries, entry);
+    all.changes.fetch_add(1, std::memory_order_release);
+  }
+};
+
+}  // namespace
+
+void stream_registry::enlist_thread(const stream_cache_entry& entry) {
+  cache_enlistment& me = thread_object<cache_enlistment>::get();
+  if (me.entry != nullptr) [[likely]]
+    return;
+  cache_entries& all = all_cache_entries();
+  std::lock_guard lock(all.mutex);
+  all.entries.push_back(&entry);
+  me.entry = &entry;
+}
+
+void stream_registry::note_entry_change() noexcept {
+  all_cache_entries().changes.fetch_add(1, std::memory_order_release);
+}
+
+// An entry names a state only while its thread may use it: the thread
+// replaces it (registered_slot, release) only once done with the state, so
+// a state no entry names (read with acquire, under this device's registry
+// lock, under which alone an entry comes to name one of its states) is
+// reached by no thread and may be deleted.
+void stream_registry::reclaim_limbo(bool fresh) noexcept {
+  cache_entries& all = all_cache_entries();
+  const std::uint64_t changes = all.changes.load(std::memory_order_acquire);
+  if (!fresh && changes == limbo_checked_) return;
+  limbo_checked_ = changes;
+  std::vector<std::unique_ptr<stream_state>> unreached;
+  {
+    std::lock_guard lock(all.mutex);
+    const auto named = [&](const stream_state* ss) {
+      return std::any_of(all.entries.begin(), all.entries.end(), [&](const stream_cache_entry* e) {
+        return e->state.load(std::memory_order_acquire) == ss;
+      });
+    };
+    for (std::size_t i = 0; i < limbo_.size();) {
+      if (named(limbo_[i].get())) {
+        ++i;
+        continue;
+      }
+      try {
+        unreached.push_back(std::move(limbo_[i]));
+      } catch (...) {  // no host memory for the list: deleted at a later look
+        ++i;
+        continue;
+      }
+      limbo_[i] = std::move(limbo_.back());
+      limbo_.pop_back();
+    }
+  }
+  // unreached's states are deleted here, the entries' lock let go.
+}
+
 // A gone stream's state goes once it holds no segment: nothing refers to it
 // then (blocks belong to segments; parked blocks count as allocated; its
 // fences went when it was destroyed; a retired page names the stream that
 // freed it, and such a page keeps its segment, so none names it unless the
-// segment moved: checked).
+// segment moved: checked). It leaves the registry at once, and is deleted
+// once no thread's cached entry names it (reclaim_limbo).
 void stream_registry::forget_gone_streams(world_lock& w) noexcept {
+  if (!limbo_.empty()) [[unlikely]]
+    reclaim_limbo(false);
   if (gone_streams_ == 0) [[likely]]
     return;
   release_gone_caches(w);
+  d_.expandable().release_gone_empty_reservations();
   const auto names_retired = [&](const stream_state* ss) {
     if (d_.expandable().retired_pages() == 0) return false;
     for (const auto& [base, seg] : d_.segments())
@@ -208,16 +328,24 @@ void stream_registry::forget_gone_streams(world_lock& w) noexcept {
       ++i;
       continue;
     }
+    try {
+      limbo_.reserve(limbo_.size() + 1);  // the push_back below then cannot throw
+    } catch (...) {  // no host memory: forgotten at a later world lock
+      ++i;
+      continue;
+    }
     publish_pending_stats(d_.stats().values(), *ss);
     w.drop(ss);  // streams()[i] is the next one now
     --gone_streams_;
     by_handle_.erase(std::lower_bound(by_handle_.begin(), by_handle_.end(), ss->stream,
                                       [](const stream_state* a, stream_t h) { return a->stream < h; }));
-    streams_.erase(ss->stream);  // deletes the state
+    auto node = streams_.extract(ss->stream);
+    limbo_.push_back(std::move(node.mapped()));
     forgot = true;
   }
   if (!forgot) return;
   cache_key_.store(fresh_state_key(), std::memory_order_relaxed);
+  reclaim_limbo(true);
 }
 
 }  // namespace ccalloc::detail

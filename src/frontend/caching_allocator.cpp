@@ -420,13 +420,9 @@ void caching_allocator::destroy_stream(int device, stream_t stream) {
                                  std::to_string(device) +
                                  " is not a stream that create_stream made (never created, already destroyed, "
                                  "or a default stream)");
-  dev->stream_destroyed(stream);
-  try {
-    backend_->destroy_stream(device, stream);
-  } catch (...) {
-    dev->stream_created(stream);  // still alive
-    throw;
-  }
+  // Destroyed under the device's lock: no malloc finds the stream gone for
+  // the allocator and live for the backend (it would make it live again).
+  dev->stream_destroyed(stream, [&] { backend_->destroy_stream(device, stream); });
 }
 
 void caching_allocator::record_stream(void* ptr, stream_t stream) {

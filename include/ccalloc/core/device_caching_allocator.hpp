@@ -105,23 +105,30 @@ class device_caching_allocator {
   /// destroyed (stream_destroyed) or denied by device_backend::is_stream
   /// (never created, another device's).
   /// The backend is about to destroy `stream` (caching_allocator::destroy_stream
-  /// calls this, then the backend's destroy_stream). Waits for the work queued
+  /// calls this, with the backend's destroy_stream as `destroy`). Waits for the work queued
   /// on it (synchronize_stream: as CUDA lets a destroyed stream's work
   /// complete), then marks it gone: blocks allocated on it, or recorded on it
   /// (record_stream), stay valid and are freed later as usual, without
   /// recording anything on it; a malloc on it throws invalid_argument_error
-  /// (checked when a thread first meets the stream: a thread that allocated
-  /// on it just before may still be served from its per-thread caches). Its
+  /// in every thread once this call has returned (a thread that had met the
+  /// stream finds it gone under its lock). Its
   /// cached blocks stay cached for its handle (other streams may adopt its
   /// idle segments); with reuse_across_streams:False (no other stream may;
   /// for expandable segments also with trim_on_new_peak:False)
   /// they go back to the device now, as empty_cache returns them, and a
   /// segment holding its live blocks when the last of them is freed (one
   /// used on other streams once their work has run). Once it holds no
-  /// segment, its state is deleted (nothing of it stays: SPEC P10). A malloc or record_stream on it racing
-  /// with this call is the caller's error, as on CUDA. Throws backend_error from the
-  /// synchronize (then nothing changed). Locks the whole device.
-  void stream_destroyed(stream_t stream);
+  /// segment, its state is deleted (nothing of it stays: SPEC P10), as soon
+  /// as no thread can still reach it. `destroy` (the backend's
+  /// destroy_stream; may be empty) runs under the same lock, after the
+  /// stream is marked gone: a malloc racing with this call either comes
+  /// before (it may be served) or after (refused, invalid_argument_error),
+  /// never sees the stream half destroyed (gone here, still live for the
+  /// backend), and a free never records on the destroyed stream. If
+  /// `destroy` throws, the stream stays live and the exception propagates.
+  /// Throws backend_error from the synchronize (then nothing changed).
+  /// Locks the whole device.
+  void stream_destroyed(stream_t stream, const std::function<void()>& destroy = {});
   /// The backend made a stream `stream` (a handle a destroyed stream may have
   /// had): it is no longer gone (stream_destroyed). Locks the whole device.
   void stream_created(stream_t stream);

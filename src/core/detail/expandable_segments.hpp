@@ -17,6 +17,7 @@
 #include "pools.hpp"
 #include "recycle_budget.hpp"
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -78,6 +79,17 @@ class expandable_segments {
   // seg (a reservation) has no page mapped now, or was made or resumed.
   // Never allocates: room is made when the reservation is made.
   void note_maybe_empty(segment& seg) noexcept;
+  // A gone stream may hold a reservation with no page mapped (the stream
+  // was just marked gone, or such a reservation lost its last page). [any]
+  void note_gone_empty() noexcept { gone_empty_.store(true, std::memory_order_relaxed); }
+  // Releases, once note_gone_empty was called, the reservations of gone
+  // streams with no page mapped, no block but one, not paused and no retired
+  // page: another stream that adopts one gains no mapped page, and kept it
+  // would keep its stream's state for ever (a thread's per-thread stream
+  // whose blocks another thread frees after it exited, each reservation's
+  // pages recycled by newer streams). Reads only the reservations noted by
+  // note_maybe_empty. A device error leaves the rest for a later call. [world]
+  void release_gone_empty_reservations() noexcept;
   // The cached memory of gone stream `ss`'s reservations back to the
   // device, and each reservation left empty (no other stream may adopt
   // them: stream_registry::release_gone_caches). Throws the device's error.
@@ -161,6 +173,7 @@ class expandable_segments {
   // Reservations noted by note_maybe_empty since the last release (each
   // once: segment::maybe_empty); capacity >= reservations_.size().
   std::vector<segment*> maybe_empty_;
+  std::atomic<bool> gone_empty_{false};  // note_gone_empty was called since the last release
   recycle_budget recycle_budget_;  // the recycling time budget (recycle_time_percent)
 };
 

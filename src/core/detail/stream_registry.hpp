@@ -2,9 +2,17 @@
 // lock, pending statistics and page fences), the thread-local cache of the
 // last one a thread used, and the streams destroyed whose state has not
 // gone yet. Owns the registry's lock and map; registry_mutex_ comes first
-// in the lock order (device_state.hpp). A stream's state is deleted only
-// under the world lock (forget_gone_streams), which also changes the
-// cache key, so no thread's cached entry names a deleted state.
+// in the lock order (device_state.hpp).
+//
+// A stream's state is forgotten only under the world lock
+// (forget_gone_streams), which also changes the cache key. A thread reads
+// its cached entry and locks the state it names without any lock of the
+// registry, so a thread may be between the two (or between letting go of
+// the stream's lock and taking the world lock: the slow path) when the
+// state is forgotten: the state is deleted only once no thread's entry
+// names it (stream_cache_entry), kept until then (the limbo, no longer in
+// the registry). A thread that finds its state gone under the state's lock
+// or the world lock looks its stream up again (live).
 //
 // A thread's per-thread default stream (per_thread_stream_handle, resolved
 // to a handle of that thread alone, never reused) ends with the thread: the
@@ -23,6 +31,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -32,6 +41,18 @@ namespace ccalloc::detail {
 
 class device_state;
 class world_lock;
+
+// One thread's cached (device, stream) -> state (stream_for). Written by its
+// thread only: set under the registry lock of the state's device
+// (registered_slot), cleared without one. Read by its thread on every
+// malloc, and by a world lock holder deciding whether a forgotten state may
+// be deleted: never while an entry names it. Atomic for those readers; the
+// thread's own reads are relaxed loads (plain moves).
+struct stream_cache_entry {
+  std::atomic<std::uint64_t> owner_id{0};
+  std::atomic<stream_t> stream{0};
+  std::atomic<stream_state*> state{nullptr};
+};
 
 // What a device shares with the threads whose per-thread default stream it
 // has met: the handles of those that have exited, for its next world lock.
@@ -57,11 +78,22 @@ class stream_registry {
   stream_state& stream_for(stream_t stream);
   // Forgets the calling thread's cached entry (hot_path.cpp).
   static void forget_thread_stream() noexcept;
+  // `ss` (met by this thread, now locked by w) if its stream is live; else
+  // the live state its handle names now (made again meanwhile), or throws
+  // invalid_argument_error: the stream was destroyed since the thread
+  // looked it up (a malloc on a destroyed stream). [world]
+  stream_state& live(const world_lock& w, stream_state& ss) const;
+  // Throws the invalid_argument_error of a malloc on `stream`, not a live
+  // stream of this device, after clearing the calling thread's cached entry
+  // (the state it names may be forgotten). [any]
+  [[noreturn]] void refuse_malloc(stream_t stream) const;
   // Throws invalid_argument_error naming `stream` unless it is a live stream
   // of this device (registry, then the backend), for record_stream. [registry]
   void check_recorded_stream(stream_t stream) const;
-  // stream_destroyed (gone) and stream_created (not gone). [none] takes the world lock
-  void set_stream_gone(stream_t stream, bool gone);
+  // stream_destroyed (gone; then `destroy`, if any, under the same lock:
+  // if it throws, the stream is live again) and stream_created (not gone).
+  // [none] takes the world lock
+  void set_stream_gone(stream_t stream, bool gone, const std::function<void()>& destroy = {});
   // Deletes the state of every gone stream that holds no segment (its
   // pending statistics published first), so that a destroyed stream costs
   // no host memory and no slow-path time once its memory has moved on.
@@ -82,6 +114,9 @@ class stream_registry {
   [[nodiscard]] bool gone_caches_unshared() const noexcept;
   // Exited threads' streams not yet marked gone (tests). [none]
   [[nodiscard]] std::size_t ended_pending() const;
+  // Forgotten states not yet deleted: a thread's cached entry still names
+  // them (tests). [registry] or [world]
+  [[nodiscard]] std::size_t limbo_count() const noexcept { return limbo_.size(); }
   // The lock of the exited threads' list (a leaf), for the fork handlers.
   [[nodiscard]] std::mutex& ended_mutex() noexcept { return ended_->mutex; }
 
@@ -118,10 +153,24 @@ class stream_registry {
   // stream_destroyed's work under the world lock: waits for the stream's
   // work (may throw: nothing changed), then drops its fences and uses.
   void mark_gone(world_lock& w, stream_t stream);
+  // Clears the gone mark of `stream` (stream_created, a destroy that failed). [world]
+  void revive(stream_t stream) noexcept;
   // The cached memory of gone streams that no other stream may take over
   // (gone_caches_unshared) back to the device, as emptyCache returns it;
   // device errors leave it for the next world lock. [world]
   void release_gone_caches(world_lock& w) noexcept;
+  // Deletes the forgotten states that no thread's cached entry names any
+  // more; `fresh`: some were just added (else only when an entry changed
+  // since the last look). [world]
+  void reclaim_limbo(bool fresh) noexcept;
+  // Enlists the calling thread's cached entry, once, for reclaim_limbo
+  // (throws std::bad_alloc). [none]
+  static void enlist_thread(const stream_cache_entry& entry);
+  // Makes the calling thread's cached entry name `ss` (of this device). [registry]
+  void name_in_thread_cache(stream_state& ss) const noexcept;
+  // Notes that a thread's entry stopped naming a state (reclaim_limbo looks
+  // again). [none]
+  static void note_entry_change() noexcept;
 
   device_state& d_;
   spin_mutex registry_mutex_;
@@ -135,6 +184,10 @@ class stream_registry {
   std::atomic<bool> single_stream_{true};
   std::atomic<bool> stream_uses_noted_{false};  // note_stream_use was called (never cleared)
   std::shared_ptr<ended_thread_streams> ended_;  // shared with the threads that met it
+  // Forgotten states that a thread's cached entry still named when they were
+  // forgotten: deleted once none does (reclaim_limbo). [world]
+  std::vector<std::unique_ptr<stream_state>> limbo_;
+  std::uint64_t limbo_checked_ = 0;  // the entries' change count at the last look [world]
 };
 
 }  // namespace ccalloc::detail
