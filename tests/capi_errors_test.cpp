@@ -48,6 +48,10 @@ TEST(CApiErrors, EveryMisuseMessageHasThePrefixAndNamesTheFunction) {
        [&] { return ccalloc_attach_mapping_listener(a, nullptr, nullptr); }},
       {"init of 2^20 devices", "ccalloc: ccalloc_init(1048576): at most 1024 devices (ccalloc::max_device_count)",
        [&] { return ccalloc_init(a, 1 << 20); }},
+      {"init of no device", "ccalloc: ccalloc_init(0): device_count must be at least 1 (the devices to drive, from 0)",
+       [&] { return ccalloc_init(a, 0); }},
+      {"init of a negative count", "ccalloc: ccalloc_init(-1): device_count must be at least 1",
+       [&] { return ccalloc_init(a, -1); }},
       {"init of more devices than the backend", "ccalloc: ccalloc_init(2): the 'sim' backend has 1 device(s)",
        [&] { return ccalloc_init(a, 2); }},
       // The front end's messages keep their words; a backend's get the prefix.

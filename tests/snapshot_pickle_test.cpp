@@ -135,8 +135,10 @@ TEST(SnapshotPickle, MemoReferencesAreConvertedOnce) {
     ASSERT_EQ(t.events[i].size, 500u);
     ASSERT_EQ(t.events[i].line, i + 1);
   }
-  ASSERT_EQ(t.notes.size(), 1u);
-  EXPECT_EQ(t.notes[0], "20000 alloc and 1 segment events added at the start (allocated before the trace)");
+  // The history is empty: the trace is the snapshot's live state only, and a note says so.
+  ASSERT_EQ(t.notes.size(), 2u);
+  EXPECT_EQ(t.notes[0], "device 0 of the snapshot has no trace entries");
+  EXPECT_EQ(t.notes[1], "20000 alloc and 1 segment events added at the start (allocated before the trace)");
 }
 
 TEST(SnapshotPickle, DistinctSegmentsSharingOneBlocksListAreRefused) {

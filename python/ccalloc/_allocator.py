@@ -523,7 +523,8 @@ class Allocator:
     ``Allocator(backend="sim", devices=1, capacity_bytes=None, config=None)``
     creates and initializes an allocator on a simulated device (``"sim"``),
     CUDA (``"cuda"``) or whichever is there (``"default"``); ``devices`` is 1
-    to MAX_DEVICE_COUNT (1024) simulated devices. ``config`` is a
+    to MAX_DEVICE_COUNT (1024) simulated devices of ``capacity_bytes`` each
+    (1 to 2**64 - 1 bytes; None: 141 GB, an H200's). ``config`` is a
     configuration string in PyTorch's syntax; None reads ``CCALLOC_CONF`` and
     ``CCALLOC_NO_CACHING`` as the process-wide allocator does. Close it with
     ``close()`` (or use it as a context manager): its memory goes back to the
@@ -563,7 +564,9 @@ class Allocator:
         lib.ccalloc_options_init(ctypes.byref(options))
         options.backend = self._KINDS[backend]
         options.sim_device_count = _device_count(devices, "devices")
-        options.sim_capacity_bytes = 0 if capacity_bytes is None else _size(capacity_bytes, "capacity_bytes")
+        # 0 means the default size to the C API: a size computed as 0 must not
+        # become a 141 GB device. None asks for the default.
+        options.sim_capacity_bytes = 0 if capacity_bytes is None else _integer(capacity_bytes, "capacity_bytes", 1)
         options.config = None if config is None else _text(config, "config")
         handle = ctypes.c_void_p()
         _check(lib.ccalloc_create(ctypes.byref(options), ctypes.byref(handle)))

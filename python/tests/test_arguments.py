@@ -218,6 +218,9 @@ def test_the_reproducers_raise_naming_the_argument():
             (lambda: a.stream_synchronize(-1), ccalloc.InvalidArgumentError, "stream .* got -1"),
             (lambda: ccalloc.Allocator("sim", capacity_bytes=-1), ccalloc.InvalidArgumentError,
              "capacity_bytes .* got -1"),
+            # 0 is the C API's "default size": a size computed as 0 made a 141 GB device.
+            (lambda: ccalloc.Allocator("sim", capacity_bytes=0), ccalloc.InvalidArgumentError,
+             "capacity_bytes must be an integer from 1 to .* got 0"),
             (lambda: ccalloc.Allocator("sim", devices=1 << 32), ccalloc.InvalidArgumentError, "devices .* got"),
             (lambda: ccalloc.Allocator("sim", config="a\0b"), ccalloc.InvalidArgumentError, "config contains a NUL"),
         ]

@@ -139,7 +139,10 @@ void caching_allocator::init(int device_count) {
   if (device_count > max_device_count)
     throw invalid_argument_error("ccalloc: init(" + std::to_string(device_count) + "): at most " +
                                  std::to_string(max_device_count) + " devices (ccalloc::max_device_count)");
-  if (device_count < 1 || device_count > backend_->device_count())
+  if (device_count < 1)
+    throw invalid_argument_error("ccalloc: init(" + std::to_string(device_count) +
+                                 "): device_count must be at least 1 (the devices to drive, from 0)");
+  if (device_count > backend_->device_count())
     throw invalid_argument_error("ccalloc: init(" + std::to_string(device_count) + "): the '" +
                                  backend_->name() + "' backend has " +
                                  std::to_string(backend_->device_count()) + " device(s)");
