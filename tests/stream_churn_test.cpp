@@ -220,9 +220,12 @@ TEST(StreamChurn, ExitedThreadsPerThreadStreamsCostNoHostMemoryNorTime) {
 // block is freed, whenever that is (its reservation's pages recycled by
 // newer streams, the reservation left empty goes with it). It was kept for
 // ever: every world lock walked every exited thread's stream (quadratic
-// time: 1,000 rounds of 4 threads took 11 s and 52 MB). Rounds of 4 threads
-// at 1x and 4x: CPU time (the fastest of three runs each) at most 8x, the
-// segments and the heap in use flat.
+// time: 1,000 rounds of 4 threads took 11 s and 52 MB; 250 -> 500 rounds
+// took 5x the time, so 4x the rounds about 25x). Rounds of 4 threads at 1x
+// and 4x: CPU time (the fastest of three runs each) at most 12x, the
+// segments and the heap in use flat. Linear is 4x; on a loaded 2-core
+// machine the short runs measured 2.8x to 10.2x (the threads' spinning
+// counts as CPU time when they wait for a core).
 namespace handoff {
 
 struct result {
@@ -290,7 +293,7 @@ TEST(StreamChurn, ExitedThreadsStreamsWhoseBlocksAnotherThreadFreesAreForgotten)
   // Kept, the exited threads' streams held about 2 reservations each.
   EXPECT_LE(last.segments, 64) << "exited threads' streams kept their reservations";
   EXPECT_LE(last.heap_growth, MiB) << "the heap grew over " << 3 * rounds << " rounds";
-  EXPECT_LE(large, 8 * small) << rounds << " rounds took " << small << " s of CPU, " << 4 * rounds << " took "
+  EXPECT_LE(large, 12 * small) << rounds << " rounds took " << small << " s of CPU, " << 4 * rounds << " took "
                               << large << " s";
 }
 
