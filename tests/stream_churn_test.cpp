@@ -221,7 +221,7 @@ TEST(StreamChurn, ExitedThreadsPerThreadStreamsCostNoHostMemoryNorTime) {
 // newer streams, the reservation left empty goes with it). It was kept for
 // ever: every world lock walked every exited thread's stream (quadratic
 // time: 1,000 rounds of 4 threads took 11 s and 52 MB; 250 -> 500 rounds
-// took 5x the time, so 4x the rounds about 25x). Rounds of 4 threads at 1x
+// took 4-5x the time, so 4x the rounds 15x to 30x). Rounds of 4 threads at 1x
 // and 4x: CPU time (the fastest of three runs each) at most 12x, the
 // segments and the heap in use flat. Linear is 4x; on a loaded 2-core
 // machine the short runs measured 2.8x to 10.2x (the threads' spinning
