@@ -1227,7 +1227,7 @@ int run_replay(const common_options& common, const std::string& config, bool min
       if (min->native_bytes) out["native_min_capacity_bytes"] = min->native_bytes;
       if (min->native_expandable_bytes) out["native_expandable_min_capacity_bytes"] = min->native_expandable_bytes;
       if (snapshot_trial && snapshot_trial->ooms != 0 && snapshot_trial->oom_snapshot_failure.empty())
-        out["oom_snapshot_device_memory_bytes"] = min->ccalloc_bytes - 2 * ccalloc::mib;
+        out["oom_snapshot_device_memory_bytes"] = snapshot_trial->device_memory_bytes;
     }
     std::printf("%s\n", json_text(out).c_str());
   } else {
