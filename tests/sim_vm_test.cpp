@@ -554,6 +554,33 @@ TEST(SimVm, InjectedFaults) {
   sim.vm_release(0, base, 2 * granule);
 }
 
+// fail_vm_unmap_after(n, count): the n-th vm_unmap and the count - 1 after
+// it are refused (a refusal and its retries), then the device unmaps again.
+TEST(SimVm, InjectedUnmapRefusalsInARow) {
+  sim_backend sim(vm_device());
+  void* base = sim.vm_reserve(0, 3 * granule);
+  ASSERT_NE(base, nullptr);
+  std::vector<physical_handle_t> hs;
+  for (std::size_t i = 0; i < 3; ++i) {
+    hs.push_back(create(sim, 0, granule));
+    sim.vm_map(0, at(base, i * granule), granule, hs.back());
+  }
+  sim.fail_vm_unmap_after(2, 2);
+  sim.vm_unmap(0, base, granule);  // the 1st
+  expect_error([&] { sim.vm_unmap(0, base, granule); }, "nothing is mapped at");  // bad arguments do not count
+  for (int refused = 0; refused < 2; ++refused)  // the 2nd and the one after it
+    expect_error([&] { sim.vm_unmap(0, at(base, granule), granule); }, "injected failure");
+  EXPECT_EQ(sim.counters().vm_unmaps, 1u);
+  EXPECT_EQ(sim.counters().mapped_bytes, 2 * granule);
+  sim.vm_unmap(0, at(base, granule), granule);  // the 4th: disarmed
+  sim.fail_vm_unmap_after(1, 0);  // count 0 disarms
+  sim.vm_unmap(0, at(base, 2 * granule), granule);
+  EXPECT_EQ(sim.counters().vm_unmaps, 3u);
+  EXPECT_EQ(sim.counters().mapped_bytes, 0u);
+  for (physical_handle_t h : hs) sim.vm_release_handle(0, h);
+  sim.vm_release(0, base, 3 * granule);
+}
+
 // An address-space limit below what the process maps already (RLIMIT_AS
 // lowered at run time) refuses every mmap, even one that only replaces a
 // range: vm_unmap still unmaps (the range stays taken, inaccessible), so

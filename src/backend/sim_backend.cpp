@@ -506,9 +506,12 @@ void sim_backend::fail_vm_map_after(std::uint64_t n) {
   impl_->fail_vm_map_countdown = n;
 }
 
-void sim_backend::fail_vm_unmap_after(std::uint64_t n) {
+void sim_backend::fail_vm_unmap_after(std::uint64_t n) { fail_vm_unmap_after(n, 1); }
+
+void sim_backend::fail_vm_unmap_after(std::uint64_t n, std::uint64_t count) {
   std::lock_guard lock(impl_->mutex);
-  impl_->fail_vm_unmap_countdown = n;
+  impl_->fail_vm_unmap_countdown = count == 0 ? 0 : n;
+  impl_->fail_vm_unmap_repeats = n == 0 || count == 0 ? 0 : count - 1;
 }
 
 void sim_backend::fail_stream_wait_after(std::uint64_t n) {

@@ -497,6 +497,7 @@ struct sim_backend::impl {
   std::uint64_t fail_vm_create_countdown = 0;
   std::uint64_t fail_vm_map_countdown = 0;
   std::uint64_t fail_vm_unmap_countdown = 0;
+  std::uint64_t fail_vm_unmap_repeats = 0;  // refusals left after the countdown's, in a row
   std::uint64_t fail_stream_wait_countdown = 0;
   bool vm_supported = false;  // granularity is a multiple of the host page size
   std::map<std::uintptr_t, reservation> reservations;  // base -> reservation

@@ -247,8 +247,13 @@ void sim_backend::vm_unmap(int device, void* addr, std::size_t size_bytes) {
   const lazy_call call{"vm_unmap", device, addr, size_bytes};
   const auto a = reinterpret_cast<std::uintptr_t>(addr);
   impl_->check_whole_mappings(call, device, a, size_bytes);
-  if (impl_->fail_vm_unmap_countdown && --impl_->fail_vm_unmap_countdown == 0)
+  if (impl_->fail_vm_unmap_countdown && --impl_->fail_vm_unmap_countdown == 0) {
+    if (impl_->fail_vm_unmap_repeats != 0) {  // the next call is refused too
+      --impl_->fail_vm_unmap_repeats;
+      impl_->fail_vm_unmap_countdown = 1;
+    }
     throw backend_error(call + "): injected failure");
+  }
   // One MAP_FIXED mmap swaps the pages for the placeholder: the range is
   // never free for another mapping in between. Over an address-space limit
   // (RLIMIT_AS set below what the process maps already) every mmap fails,

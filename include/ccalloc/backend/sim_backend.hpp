@@ -155,7 +155,9 @@
 // fail_vm_create_after(n) makes the n-th vm_create return false as if out of
 // memory; fail_vm_map_after(n) makes the n-th vm_map throw backend_error
 // (nothing mapped); fail_vm_unmap_after(n) makes the n-th vm_unmap throw
-// backend_error (nothing unmapped); fail_stream_wait_after(n) makes the n-th
+// backend_error (nothing unmapped), and fail_vm_unmap_after(n, count) that
+// one and the count - 1 vm_unmap calls after it (a refusal and its retries);
+// fail_stream_wait_after(n) makes the n-th
 // stream_wait_event throw backend_error (the stream does not wait). Calls
 // rejected for bad arguments do not count.
 //
@@ -517,6 +519,11 @@ class sim_backend final : public device_backend {
   /// The n-th vm_unmap from now (n >= 1) throws backend_error and unmaps
   /// nothing; 0 disarms.
   void fail_vm_unmap_after(std::uint64_t n);
+  /// The n-th vm_unmap from now (n >= 1) and the count - 1 calls after it
+  /// (count calls in a row) throw backend_error and unmap nothing; n = 0 or
+  /// count = 0 disarms. Calls rejected for bad arguments do not count.
+  /// Thread safe.
+  void fail_vm_unmap_after(std::uint64_t n, std::uint64_t count);
   /// Whether `peer` may access the mapped address `addr` of `device`: true
   /// for `device` itself and for peers granted with vm_set_access on that
   /// mapping; false when `addr` is not inside a mapping of `device`. Throws
