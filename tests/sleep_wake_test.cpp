@@ -544,6 +544,124 @@ TEST_F(SleepWakeTest, AnUnmapRefusedWhileAFailedResumeGivesBackItsPagesKeepsTheB
   }
 }
 
+// A failed resume whose give-back of a page the device refuses `refusals`
+// times in a row (the unmap, its retry, and from the third on the next
+// tries after the resume), then what frees the device's room: the stuck
+// page stays mapped, given up inside the paused reservation and counted as
+// reserved, until something unmaps it.
+class SleepWakeStuckPageTest : public SleepWakeTest {
+ protected:
+  // How room is made before the next resume.
+  enum class then { resume_after_free, empty_cache_first, resume_with_room };
+  static constexpr then ways[] = {then::resume_after_free, then::empty_cache_first, then::resume_with_room};
+  static const char* text(then way) {
+    return way == then::resume_after_free   ? "resume after freeing the live block"
+           : way == then::empty_cache_first ? "empty_cache before the resume"
+                                            : "resume with room, the live block kept";
+  }
+  std::int64_t reserved() { return dev().stats().reserved_bytes[0].current; }
+  // On a 64 MiB device: `tag`'s 10 pages (contents from `seed`) paused
+  // with their contents, a live 50 MiB block (room for 7 of them), and a
+  // resume that maps 7 pages, runs out of memory, and gives them back with
+  // the 7th unmap refused `refusals` times.
+  void fail_a_resume(const char* tag, unsigned char seed, std::uint64_t refusals) {
+    make(64 * MiB);
+    w = m_tagged(tag, 20 * MiB);
+    fill(w, 20 * MiB, seed);
+    alloc->pause({tag}, true);
+    live = m(50 * MiB);
+    EXPECT_EQ(reserved(), static_cast<std::int64_t>(50 * MiB));
+    const std::uint64_t unmaps_before = sim->counters().vm_unmaps;
+    sim->fail_vm_unmap_after(7, refusals);
+    EXPECT_THROW(alloc->resume({tag}), out_of_memory_error);
+    EXPECT_EQ(sim->counters().vm_unmaps - unmaps_before, 6u);
+  }
+  // The books agree with the device: a tag paused, the live block's pages
+  // and the stuck page reserved and mapped, their handles live.
+  void expect_a_stuck_page(const char* tag) {
+    dev().check_invariants();
+    EXPECT_EQ(dev().paused_tags(), std::vector<std::string>{tag});
+    EXPECT_TRUE(usage(tag).paused);
+    EXPECT_EQ(usage(tag).paused_bytes, 20 * MiB);
+    EXPECT_EQ(reserved(), static_cast<std::int64_t>(50 * MiB + page));
+    EXPECT_EQ(sim->counters().mapped_bytes, static_cast<std::size_t>(reserved()));
+    EXPECT_EQ(sim->counters().live_handles, static_cast<std::uint64_t>(reserved()) / page);
+    EXPECT_EQ(free_bytes(), sim->mem_get_info(0).total_bytes - static_cast<std::size_t>(reserved()));
+  }
+  // Room for the next resume: the live block freed, or a larger device.
+  void make_room(then way) {
+    if (way == then::resume_with_room) {
+      sim->set_capacity(0, 128 * MiB);  // no cache to release: the resume meets the stuck page itself
+    } else {
+      alloc->free(live);
+      live = nullptr;
+    }
+  }
+  // After a resume that succeeded: the contents whole, then everything
+  // freed and given back.
+  void expect_resumed_then_nothing_left(unsigned char seed) {
+    dev().check_invariants();
+    EXPECT_TRUE(dev().paused_tags().empty());
+    const std::int64_t expected = static_cast<std::int64_t>(20 * MiB + (live != nullptr ? 50 * MiB : 0));
+    EXPECT_EQ(reserved(), expected);
+    EXPECT_EQ(sim->counters().mapped_bytes, static_cast<std::size_t>(expected));
+    EXPECT_EQ(sim->counters().live_handles, static_cast<std::uint64_t>(expected) / page);
+    EXPECT_TRUE(holds(w, 20 * MiB, seed));
+    alloc->free(w);
+    if (live != nullptr) alloc->free(live);
+    alloc->empty_cache();
+    EXPECT_EQ(reserved(), 0);
+    EXPECT_EQ(sim->counters().mapped_bytes, 0u);
+    EXPECT_EQ(sim->counters().live_handles, 0u);
+    EXPECT_EQ(dev().stats().segment[0].current, 0);
+  }
+  void* w = nullptr;     // the tag's block
+  void* live = nullptr;  // the untagged block that leaves no room
+};
+
+// Refused twice: the tag stays paused and the books match the device; the
+// stuck page is unmapped by a later empty_cache, by the cache release of
+// the next resume that lacks room, or, when the device has room, by the
+// next resume itself before it maps that page again. The contents come
+// back whole; nothing leaks.
+TEST_F(SleepWakeStuckPageTest, AnUnmapRefusedTwiceWhileAFailedResumeGivesBackItsPagesIsUndoneLater) {
+  for (const then way : ways) {
+    SCOPED_TRACE(text(way));
+    fail_a_resume("sw_unmap2", 11, 2);
+    sim->fail_vm_unmap_after(0);
+    expect_a_stuck_page("sw_unmap2");
+    make_room(way);
+    if (way == then::empty_cache_first) {
+      alloc->empty_cache();  // the stuck page is unmapped; the paused tag's reservation stays
+      EXPECT_EQ(reserved(), 0);
+      EXPECT_EQ(sim->counters().mapped_bytes, 0u);
+      EXPECT_EQ(sim->counters().live_handles, 0u);
+      dev().check_invariants();
+      EXPECT_TRUE(usage("sw_unmap2").paused);
+    }
+    alloc->resume({"sw_unmap2"});
+    expect_resumed_then_nothing_left(11);
+  }
+}
+
+// Refused a third time: the first call that tries the stuck page's unmap
+// again (empty_cache, the cache release of a resume that lacks room, or a
+// resume with room before it maps that page) throws the device's error with
+// nothing changed: the tag stays paused and the books match the device. A
+// fourth try succeeds; nothing leaks.
+TEST_F(SleepWakeStuckPageTest, AThirdRefusedUnmapOfAPageAFailedResumeGaveBackSurfacesAsAnError) {
+  for (const then way : ways) {
+    SCOPED_TRACE(text(way));
+    fail_a_resume("sw_unmap3", 13, 3);
+    make_room(way);
+    if (way == then::empty_cache_first) EXPECT_THROW(alloc->empty_cache(), backend_error);
+    else EXPECT_THROW(alloc->resume({"sw_unmap3"}), backend_error);
+    expect_a_stuck_page("sw_unmap3");
+    alloc->resume({"sw_unmap3"});
+    expect_resumed_then_nothing_left(13);
+  }
+}
+
 TEST_F(SleepWakeTest, ResumeHonoursTheMemoryFraction) {
   void* w = m_tagged("sw_frac", 100 * MiB);
   alloc->pause({"sw_frac"}, false);
