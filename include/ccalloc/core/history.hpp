@@ -91,12 +91,14 @@ struct stack_frame {
 /// block or a segment holds it. It drops its references outside its locks:
 /// one dropped while it holds them (an entry the ring buffer overwrites, the
 /// block whose free completes, a segment given back, what record_history
-/// clears) is kept by the thread that dropped it and let go when the
-/// allocator releases its locks, before that thread's call into the
-/// allocator returns or throws (a call that records no history entry, such
-/// as release_pool, lets go at the thread's next call that does, or at the
-/// thread's exit). So a derived context's destructor, run where the last
-/// reference goes, may call into any ccalloc allocator, this one included.
+/// clears) is kept by the thread that dropped it and let go where that
+/// thread's trace-tracker entries are delivered (trace_tracker): after the
+/// allocator released its locks, before the call (malloc, free,
+/// empty_cache, record_history, ...) returns or throws; a few calls that
+/// change pools (release_pool) deliver nothing and leave it to the thread's
+/// next call that does, or to the thread's exit. So a derived context's
+/// destructor, run on that thread where the last reference goes, may call
+/// into any ccalloc allocator, this one included.
 /// Exceptions: the allocator's destructor destroys the contexts it holds
 /// (a call into that allocator from there is undefined); a context that
 /// caching_allocator::record_history drops goes while that call holds the
