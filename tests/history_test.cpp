@@ -16,6 +16,8 @@
 #include <iterator>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <ostream>
 #include <memory>
@@ -24,7 +26,10 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 namespace ccalloc {
 // Readable action names in failure messages.
@@ -777,6 +782,131 @@ TEST(Snapshot, ExpandableSegmentsShowTheirMappedRuns) {
   EXPECT_TRUE(j["segments"][0]["is_expandable"].get<bool>());
   f.alloc.free(a);
   f.alloc.free(c);
+}
+
+// ---- contexts whose destructors call into an allocator (history.hpp: trace_context) ----
+
+// Calls into `target` once, from its destructor, and notes what happened in
+// `outcome`: "ok", or the message of what the call threw.
+struct calling_context final : trace_context {
+  calling_context(caching_allocator* target, std::string* outcome) : target_(target), outcome_(outcome) {}
+  calling_context(const calling_context&) = delete;
+  calling_context& operator=(const calling_context&) = delete;
+  ~calling_context() override {
+    try {
+      void* p = target_->malloc(0, 512, 0);
+      target_->free(p);
+      target_->empty_cache();
+      *outcome_ = "ok";
+    } catch (const std::exception& e) {
+      *outcome_ = e.what();
+    }
+  }
+
+ private:
+  caching_allocator* target_;
+  std::string* outcome_;
+};
+
+// Records one calling_context (the first call only, so that the calls its
+// destructor makes record none) with the given `when` and capacity.
+void record_one_calling_context(caching_allocator& recording, caching_allocator* target, std::string* outcome,
+                                record_context when, std::size_t max_entries = 1000000) {
+  history_options o = on(max_entries);
+  o.when = when;
+  auto armed = std::make_shared<bool>(true);
+  o.recorder = [armed, target, outcome]() -> context_ptr {
+    if (!std::exchange(*armed, false)) return nullptr;
+    return std::make_shared<calling_context>(target, outcome);
+  };
+  recording.record_history(o);
+}
+
+// Runs `scenario` in a child process, which exits with 0 when it returns
+// "ok" and else prints what it returned and exits with 1; a child that
+// deadlocks is ended by its alarm (SIGALRM).
+template <class F>
+void expect_completes(F scenario) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // this process may have threads (sim_backend)
+  EXPECT_EXIT(
+      {
+        alarm(10);
+        const std::string outcome = scenario();
+        if (outcome == "ok") std::_Exit(0);
+        std::fprintf(stderr, "outcome: %s\n", outcome.c_str());
+        std::_Exit(1);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+// The ring buffer drops the oldest entry, the only holder of the context,
+// inside a malloc that records segment_alloc under the device's locks.
+TEST(HistoryContextDestructor, CallsIntoTheSameAllocatorWhenTheRingDropsIt) {
+  expect_completes([] {
+    fixture f;
+    std::string outcome = "never destroyed";
+    record_one_calling_context(f.alloc, &f.alloc, &outcome, record_context::alloc, /*max_entries=*/1);
+    void* p = f.alloc.malloc(0, 4096, 0);
+    f.alloc.free(p);   // ring: free_completed, with the block's context
+    f.alloc.empty_cache();  // ring: segment_free, with the segment's context (the same)
+    if (outcome != "never destroyed") return "destroyed too early: " + outcome;
+    void* q = f.alloc.malloc(0, 4096, 0);  // segment_alloc under the locks drops the last entry holding it
+    f.alloc.free(q);
+    return outcome;
+  });
+}
+
+// Records a calling_context with `f`'s next block only (record_context::
+// state) and frees that block while an event of another stream is pending:
+// the context is dropped when the free completes, inside the next malloc on
+// the same stream, under that stream's lock. Returns calling_context's outcome.
+std::string drop_with_a_completed_free(fixture& f, caching_allocator* target) {
+  std::string outcome = "never destroyed";
+  void* first = f.alloc.malloc(0, 4096, 0);  // the segment, made before recording: no context of its own
+  record_one_calling_context(f.alloc, target, &outcome, record_context::state);
+  const stream_t side = f.sim->create_stream(0);
+  void* p = f.alloc.malloc(0, 4096, 0);  // the context: kept with the block only
+  f.sim->enqueue_work(0, side, 10);
+  f.alloc.record_stream(p, side);
+  f.alloc.free(p);
+  if (outcome != "never destroyed") return "destroyed too early: " + outcome;
+  f.sim->advance_to(10);
+  void* q = f.alloc.malloc(0, 4096, 0);  // completes p's free
+  f.alloc.free(q);
+  f.alloc.free(first);
+  return outcome;
+}
+
+TEST(HistoryContextDestructor, CallsIntoTheSameAllocatorWhenItsBlockIsFreed) {
+  expect_completes([] {
+    fixture f;
+    return drop_with_a_completed_free(f, &f.alloc);
+  });
+}
+
+// Turning history off drops the contexts of live blocks.
+TEST(HistoryContextDestructor, CallsIntoTheSameAllocatorWhenHistoryIsTurnedOff) {
+  expect_completes([] {
+    fixture f;
+    std::string outcome = "never destroyed";
+    record_one_calling_context(f.alloc, &f.alloc, &outcome, record_context::state);
+    void* p = f.alloc.malloc(0, 4096, 0);
+    history_options off;
+    off.enabled = false;
+    f.alloc.record_history(off);
+    f.alloc.free(p);
+    return outcome;
+  });
+}
+
+// A context of one allocator whose destructor calls into another, dropped
+// under the first one's locks.
+TEST(HistoryContextDestructor, CallsIntoAnotherAllocator) {
+  expect_completes([] {
+    fixture f;
+    fixture other;
+    return drop_with_a_completed_free(f, &other.alloc);
+  });
 }
 
 }  // namespace

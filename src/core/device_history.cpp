@@ -114,6 +114,7 @@ std::string_view to_string(block_state state) noexcept {
 }
 
 void device_caching_allocator::record_history(const history_options& options) {
+  detail::tracker_delivery deliver;  // lets go of the contexts it drops
   state_->history().configure(options);
 }
 
@@ -148,9 +149,11 @@ void device_caching_allocator::attach_mapping_listener(
     mapping_listener listener, const std::function<void(const std::vector<segment_info>&)>& listed) {
   if (!listener) throw invalid_argument_error("ccalloc: attach_mapping_listener: the listener is empty");
   // Announcements are made with the device's locks held: none comes between
-  // the list and the attach.
+  // the list and the attach. The list goes after the locks: its contexts may
+  // be the last references (history.hpp: trace_context).
+  std::vector<segment_info> now;
   world_lock w(*state_);
-  std::vector<segment_info> now = segments_locked();
+  now = segments_locked();
   state_->mapping().attach(std::move(listener));
   if (listed) listed(now);
 }

@@ -51,9 +51,36 @@ struct pending_entry {
 // exhausted, base/detail/thread_object.hpp).
 struct history_thread_state {
   std::vector<pending_entry> pending;       // entries for the trackers, delivered on the way out
+  std::vector<context_ptr> released;        // references dropped under the locks, let go on the way out
   std::array<context_ptr, 2> context;       // [context_kind]
 };
 using thread_state_of = thread_object<history_thread_state>;
+
+namespace {
+
+// Lets go of `context` once the allocator's locks are released: the
+// reference may be the last, and a context's destructor runs the caller's
+// code (history.hpp: trace_context), which may call into the allocator. The
+// thread's list holds it until deliver_pending; only when no host memory is
+// left for that list is it dropped here.
+void release_outside_locks(context_ptr& context) noexcept {
+  if (context == nullptr) return;
+  try {
+    thread_state_of::get().released.push_back(std::move(context));
+  } catch (...) {  // std::bad_alloc
+    context.reset();
+  }
+}
+
+void release_outside_locks(std::vector<trace_entry>& entries) noexcept {
+  for (trace_entry& e : entries) release_outside_locks(e.context);
+}
+
+void release_outside_locks(std::unordered_map<std::uintptr_t, context_ptr>& contexts) noexcept {
+  for (auto& [addr, context] : contexts) release_outside_locks(context);
+}
+
+}  // namespace
 
 history_recorder::~history_recorder() = default;
 
@@ -69,6 +96,8 @@ void history_recorder::configure(const history_options& options) {
   for (trace_entry_action a : options.skip_actions) mask |= 1u << static_cast<unsigned>(a);
   // What is dropped is destroyed after the lock (declared before it): a
   // context may hold a caller's handle whose release runs the caller's code.
+  // Its contexts go later still (release_outside_locks): the caller of
+  // record_history may hold other locks (caching_allocator's configuration).
   context_recorder old_recorder;
   std::vector<trace_entry> dropped_entries, cleared_entries;
   std::unordered_map<std::uintptr_t, context_ptr> dropped_blocks, dropped_segments;
@@ -92,6 +121,10 @@ void history_recorder::configure(const history_options& options) {
   }
   enabled_.store(enabled, std::memory_order_relaxed);
   update_active();
+  release_outside_locks(dropped_entries);
+  release_outside_locks(cleared_entries);
+  release_outside_locks(dropped_blocks);
+  release_outside_locks(dropped_segments);
 }
 
 void history_recorder::attach_tracker(trace_tracker tracker) {
@@ -125,7 +158,7 @@ void history_recorder::record(trace_entry_action action, std::uintptr_t addr, st
   e.stream = stream;
   e.time_us = now_us();
   std::shared_ptr<const std::vector<trace_tracker>> trackers;
-  trace_entry dropped;  // the oldest entry, when the buffer is full: destroyed after the lock
+  trace_entry dropped;  // the oldest entry, when the buffer is full: destroyed after the lock, its context later
   {
     std::lock_guard lock(mutex_);
     if (when() >= record_context::alloc) e.context = context;
@@ -137,15 +170,17 @@ void history_recorder::record(trace_entry_action action, std::uintptr_t addr, st
       else entries_.push(std::move(e), dropped);
     }
   }
+  release_outside_locks(dropped.context);
   if (trackers && !trackers->empty()) thread_state_of::get().pending.push_back({std::move(trackers), std::move(e)});
 }
 
 void history_recorder::record_free_completed(std::uintptr_t addr, std::size_t requested_bytes, stream_t stream,
                                              tag_id tag) {
-  const context_ptr allocated_with = forget_block(addr);
+  context_ptr allocated_with = forget_block(addr);
   const context_ptr& freed_with = current_context(context_kind::free);
   record(trace_entry_action::free_completed, addr, requested_bytes, stream, freed_with ? freed_with : allocated_with,
          tag);
+  release_outside_locks(allocated_with);  // called under a stream's or the device's locks
 }
 
 void history_recorder::record_segment_alloc(std::uintptr_t addr, std::size_t size, stream_t stream) {
@@ -156,9 +191,10 @@ void history_recorder::record_segment_alloc(std::uintptr_t addr, std::size_t siz
 
 void history_recorder::record_segment_free(std::uintptr_t addr, std::size_t size, stream_t stream) {
   // As PyTorch: the context of the call that frees it, else the segment's own.
-  const context_ptr allocated_with = forget_segment(addr);
+  context_ptr allocated_with = forget_segment(addr);
   const context_ptr& freed_with = current_context(context_kind::free);
   record(trace_entry_action::segment_free, addr, size, stream, freed_with ? freed_with : allocated_with);
+  release_outside_locks(allocated_with);  // called under the device's locks
 }
 
 void history_recorder::record_segment_map(std::uintptr_t addr, std::size_t size, stream_t stream) {
@@ -179,8 +215,11 @@ void history_recorder::record_oom(std::size_t device_free_bytes, std::size_t req
 void history_recorder::remember(std::unordered_map<std::uintptr_t, context_ptr>& map, std::uintptr_t addr,
                                 context_ptr context) {
   if (!context) return;
-  std::lock_guard lock(mutex_);
-  std::swap(map[addr], context);  // a context there before goes with `context`, after the lock
+  {
+    std::lock_guard lock(mutex_);
+    std::swap(map[addr], context);  // a context there before goes with `context`
+  }
+  release_outside_locks(context);  // a segment's is remembered under the device's locks
 }
 
 context_ptr history_recorder::find(const std::unordered_map<std::uintptr_t, context_ptr>& map,
@@ -262,11 +301,16 @@ std::vector<annotation_entry> history_recorder::annotations() const {
 }
 
 void history_recorder::deliver_pending() noexcept {
-  // A tracker may call back into the allocator, which queues and delivers
-  // its own entries: take the queue first.
+  // A tracker, or the destructor of a context let go here, may call back
+  // into the allocator, which queues and delivers its own: take the queues
+  // first.
   history_thread_state* state = thread_state_of::find();
   if (state == nullptr) return;
-  while (!state->pending.empty()) {
+  while (!state->pending.empty() || !state->released.empty()) {
+    {
+      std::vector<context_ptr> released;
+      released.swap(state->released);
+    }
     std::vector<pending_entry> batch;
     batch.swap(state->pending);
     for (const pending_entry& p : batch)

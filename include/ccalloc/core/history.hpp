@@ -83,10 +83,30 @@ struct stack_frame {
 /// - eagerly: set `frames` (innermost first, as PyTorch writes them);
 /// - lazily: derive and override to_frames(), e.g. to keep raw instruction
 ///   pointers and symbolize them only for the snapshot (what PyTorch's
-///   CapturedTraceback does). A derived context is freed by its own
-///   destructor when the last entry or block holding it is dropped.
+///   CapturedTraceback does).
 /// The allocator never looks inside: code that gave the context may downcast
 /// it (the PyTorch integration hands its own contexts back to PyTorch).
+///
+/// Lifetime: the allocator holds a context while a trace entry, a live
+/// block or a segment holds it. It drops its references outside its locks:
+/// one dropped while it holds them (an entry the ring buffer overwrites, the
+/// block whose free completes, a segment given back, what record_history
+/// clears) is kept by the thread that dropped it and let go where that
+/// thread's trace-tracker entries are delivered (trace_tracker): after the
+/// allocator released its locks, before the call (malloc, free,
+/// empty_cache, record_history, ...) returns or throws; a few calls that
+/// change pools (release_pool) deliver nothing and leave it to the thread's
+/// next call that does, or to the thread's exit. So a derived context's
+/// destructor, run on that thread where the last reference goes, may call
+/// into any ccalloc allocator, this one included.
+/// Exceptions: the allocator's destructor destroys the contexts it holds
+/// (a call into that allocator from there is undefined); a context that
+/// caching_allocator::record_history drops goes while that call holds the
+/// caching_allocator's configuration lock, so from there a call of that
+/// caching_allocator that takes it (record_history, set_config, config,
+/// is_history_enabled, the attach_ functions) waits forever; and when no host
+/// memory is left to keep a dropped reference, it is dropped in place, where
+/// a call into the same allocator may wait forever on a lock its thread holds.
 struct trace_context {
   std::vector<stack_frame> frames;
 

@@ -18,7 +18,11 @@
 // Contexts: the wrapper calls the caller's recorder (outside the locks) and
 // makes the result the thread's current context for the duration of the
 // call (context_scope); entries recorded inside the core (segment_alloc,
-// free_completed) take it from there.
+// free_completed) take it from there. A context reference the recorder
+// drops (an entry the ring buffer overwrites, a freed block's or segment's,
+// those record_history clears) goes to the thread's list and is let go by
+// deliver_pending, after the locks: a context's destructor may call into
+// the allocator (history.hpp: trace_context).
 #pragma once
 
 #include "current_tag.hpp"
@@ -168,7 +172,8 @@ class history_recorder {
   [[nodiscard]] std::vector<annotation_entry> annotations() const;
 
   /// Delivers the entries the calling thread queued for trackers (of every
-  /// device). Never throws; call with no allocator lock held.
+  /// device) and lets go of the context references it dropped under the
+  /// allocator's locks. Never throws; call with no allocator lock held.
   static void deliver_pending() noexcept;
   /// The calling thread's current context of `kind` (see context_scope), or null.
   [[nodiscard]] static const context_ptr& current_context(context_kind kind) noexcept;
@@ -216,7 +221,8 @@ class context_scope {
 };
 
 /// On scope exit (normal or by exception), delivers the calling thread's
-/// queued tracker entries. Construct it before taking any allocator lock.
+/// queued tracker entries and lets go of the context references it dropped
+/// (deliver_pending). Construct it before taking any allocator lock.
 class tracker_delivery {
  public:
   tracker_delivery() = default;
