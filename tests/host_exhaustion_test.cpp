@@ -56,6 +56,10 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
       (void)ccalloc_tag_end();
     });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Room for every pointer the filling below keeps, made before the limit:
+  // growing the vector then would throw std::bad_alloc past the threads.
+  std::vector<void*> eaten;
+  eaten.reserve(std::size_t{1} << 16);
   unsigned long pages = 0;
   if (FILE* f = std::fopen("/proc/self/statm", "r")) {
     if (std::fscanf(f, "%lu", &pages) != 1) pages = 0;
@@ -65,8 +69,7 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
   getrlimit(RLIMIT_AS, &r);
   r.rlim_cur = pages * static_cast<unsigned long>(sysconf(_SC_PAGESIZE)) + 64 * MiB;
   if (pages == 0 || setrlimit(RLIMIT_AS, &r) != 0) std::_Exit(4);
-  std::vector<void*> eaten;
-  for (std::size_t size = MiB; size >= 64;) {
+  for (std::size_t size = MiB; size >= 64 && eaten.size() < eaten.capacity();) {
     if (void* p = std::malloc(size)) eaten.push_back(p);
     else size /= 2;
   }
