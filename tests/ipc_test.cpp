@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -264,6 +265,45 @@ TEST(IpcHandle, SeedCorpusParsesAsExpected) {
 }
 
 // --- the simulated device's export and import -------------------------------------------
+
+// A handle of the simulated device names its segment's memory file by the
+// producer's process and descriptor number. Once the segment is freed,
+// another memory file of the same size may take that number: the handle
+// must not open it.
+TEST(SimIpc, AFreedSegmentsHandleDoesNotOpenTheFileThatTookItsDescriptor) {
+  sim_backend sim;
+  void* base = sim.segment_malloc(0, 2 * MiB);
+  const ipc_mem_handle handle = sim.ipc_export_segment(0, base);
+  int fd = -1;  // the descriptor number the handle names (bytes 12..15: after the magic and the pid)
+  std::memcpy(&fd, handle.bytes.data() + 12, sizeof fd);
+  ASSERT_GE(fd, 0);
+  sim.segment_free(0, base);  // the segment's memory file closes
+  const int other = ::memfd_create("another-file", MFD_CLOEXEC);
+  ASSERT_GE(other, 0);
+  ASSERT_EQ(::ftruncate(other, static_cast<off_t>(2 * MiB)), 0);
+  ASSERT_EQ(::dup2(other, fd), fd) << "another file of the same size at the freed segment's descriptor";
+  if (other != fd) ::close(other);  // the lowest free number is often the freed one
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    sim_backend importer;
+    try {
+      (void)importer.ipc_open_segment(0, handle);
+    } catch (const backend_error& e) {
+      if (std::string(e.what()).find("another file than the exported segment's") != std::string::npos) ::_exit(0);
+      std::fprintf(stderr, "%s\n", e.what());
+      ::_exit(2);
+    } catch (...) {
+      ::_exit(3);
+    }
+    ::_exit(1);  // opened
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ::close(fd);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: opened another file, 2: another message, 3: another exception";
+}
 
 TEST(SimIpc, ExportImportSharesBytesAndChecksTheDescriptor) {
   sim_backend sim;

@@ -353,12 +353,17 @@ physical_handle_t sim_backend::vm_import_handle(int device, const shareable_hand
 
 namespace {
 // The simulated cudaIpcMemHandle_t: which process's which descriptor holds
-// the segment, and its size. Read back with /proc/<pid>/fd/<fd>.
+// the segment, its size, and the memory file's identity (device and inode
+// numbers). Read back with /proc/<pid>/fd/<fd>; the identity tells the
+// segment's file from another that took its descriptor number after the
+// segment was freed.
 struct sim_ipc_payload {
   char magic[8];
   std::uint32_t pid;
   std::int32_t fd;
   std::uint64_t size_bytes;
+  std::uint64_t file_dev;
+  std::uint64_t file_ino;
 };
 constexpr char sim_ipc_magic[8] = {'s', 'i', 'm', 'i', 'p', 'c', '0', '1'};
 static_assert(sizeof(sim_ipc_payload) <= sizeof(ipc_mem_handle::bytes));
@@ -395,11 +400,15 @@ ipc_mem_handle sim_backend::ipc_export_segment(int device, void* base) {
     }
     d.shared_segments.emplace(base, fd);
   }
+  struct stat file {};
+  if (::fstat(fd, &file) != 0) throw backend_error(call + "): " + errno_text("fstat of the segment's memory file", errno));
   sim_ipc_payload payload{};
   std::memcpy(payload.magic, sim_ipc_magic, sizeof payload.magic);
   payload.pid = static_cast<std::uint32_t>(::getpid());
   payload.fd = fd;
   payload.size_bytes = seg->second;
+  payload.file_dev = static_cast<std::uint64_t>(file.st_dev);
+  payload.file_ino = static_cast<std::uint64_t>(file.st_ino);
   ipc_mem_handle out;
   std::memcpy(out.bytes.data(), &payload, sizeof payload);
   return out;
@@ -422,7 +431,14 @@ void* sim_backend::ipc_open_segment(int device, const ipc_mem_handle& handle) {
                         " (has the producer exited or freed the segment?)");
   struct stat st {};
   void* p = MAP_FAILED;
-  if (::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_size) == payload.size_bytes)
+  const bool same_file = ::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_dev) == payload.file_dev &&
+                         static_cast<std::uint64_t>(st.st_ino) == payload.file_ino;
+  if (!same_file) {
+    ::close(fd);
+    throw backend_error(call + ": " + path +
+                        " is another file than the exported segment's (has the producer freed the segment?)");
+  }
+  if (static_cast<std::uint64_t>(st.st_size) == payload.size_bytes)
     p = ::mmap(nullptr, payload.size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   ::close(fd);
