@@ -707,7 +707,7 @@ void expandable_segments::adopt_reservation(segment& seg, const alloc_params& p)
 }
 
 // Releases the reservations of expandable segments that have no mapped page.
-void expandable_segments::release_empty_expandable_segments(bool tags_only) {
+void expandable_segments::release_empty_expandable_segments(empty_of which) {
   if (maybe_empty_.empty()) return;
   // In address order, as a walk of every reservation releases them.
   std::sort(maybe_empty_.begin(), maybe_empty_.end(),
@@ -730,7 +730,9 @@ void expandable_segments::release_empty_expandable_segments(bool tags_only) {
       seg.maybe_empty = false;
       continue;
     }
-    const bool skipped = tags_only && (seg.head->pool->priv == nullptr || !seg.head->pool->priv->is_tag_pool());
+    const bool skipped =
+        (which == empty_of::tags && (seg.head->pool->priv == nullptr || !seg.head->pool->priv->is_tag_pool())) ||
+        (which == empty_of::gone_streams && !seg.head->pool->owner->gone);
     if (skipped || seg.head->next != nullptr || !seg.pages.retired().empty()) {  // may be releasable later
       maybe_empty_[kept++] = s;
       continue;
@@ -746,21 +748,10 @@ void expandable_segments::release_gone_empty_reservations() noexcept {
     note_gone_empty();
     return;
   }
-  for (std::size_t i = 0; i < maybe_empty_.size();) {
-    segment& seg = *maybe_empty_[i];
-    if (!seg.head->pool->owner->gone || seg.paused || seg.mapped_bytes != 0 || seg.head->next != nullptr ||
-        !seg.pages.retired().empty()) {
-      ++i;
-      continue;
-    }
-    maybe_empty_.erase(maybe_empty_.begin() + static_cast<std::ptrdiff_t>(i));  // i is the next one now
-    seg.maybe_empty = false;
-    try {
-      release_reservation(seg);
-    } catch (...) {  // the device refused: kept (listed again, within capacity), tried at a later note
-      note_maybe_empty(seg);
-      return;
-    }
+  try {
+    release_empty_expandable_segments(empty_of::gone_streams);
+  } catch (...) {  // the device refused: the rest stays noted, tried at a later world lock
+    note_gone_empty();
   }
 }
 

@@ -151,7 +151,8 @@ block* rung_expandable(climb& c) {
   d.expandable().clear_no_address_space();
   // Tags' reservations left without a page (their cached pages recycled)
   // give their address space back before another is made.
-  if (c.p.pool->priv != nullptr && c.p.pool->priv->is_tag_pool()) d.expandable().release_empty_expandable_segments(true);
+  if (c.p.pool->priv != nullptr && c.p.pool->priv->is_tag_pool())
+    d.expandable().release_empty_expandable_segments(expandable_segments::empty_of::tags);
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (attempt == 1 && d.get_free_block(c.p)) return d.take_from_rung(c.p);
     if (d.expandable().alloc_expandable(c.p, false, c.w) ||

@@ -68,14 +68,21 @@ class expandable_segments {
   // Cross-stream reuse of whole reservations.
   bool idle_reservation(segment& seg, const alloc_params& p);
   void adopt_reservation(segment& seg, const alloc_params& p);
-  // Releases the reservations with no page mapped, no block but one, not
-  // paused and no retired page, in address order. Reads only the
+  // Which reservations release_empty_expandable_segments releases.
+  enum class empty_of : std::uint8_t {
+    any,           // every one
+    tags,          // those of tags' own pools (a tagged request's slow path: a tag per
+                   // request leaves one empty reservation each, once page recycling
+                   // moved its cached page on)
+    gone_streams,  // those of gone streams (release_gone_empty_reservations)
+  };
+  // Releases the reservations (of `which`) with no page mapped, no block but
+  // one, not paused and no retired page, in address order. Reads only the
   // reservations noted by note_maybe_empty (each one whose last page went,
   // and each one made or resumed), so its cost does not grow with the
-  // reservations that hold pages. tags_only: only those of tags' own pools
-  // (a tagged request's slow path: a tag per request leaves one empty
-  // reservation each, once page recycling moved its cached page on).
-  void release_empty_expandable_segments(bool tags_only = false);
+  // reservations that hold pages. Throws the device's error: the
+  // reservations not released yet stay noted.
+  void release_empty_expandable_segments(empty_of which = empty_of::any);
   // seg (a reservation) has no page mapped now, or was made or resumed.
   // Never allocates: room is made when the reservation is made.
   void note_maybe_empty(segment& seg) noexcept;
